@@ -1,0 +1,75 @@
+"""Workloads: a model whose ``forward(*inputs)`` returns the training loss, plus example inputs.
+
+``load_workload(spec, batch, seed)`` accepts
+
+* a zoo name with optional overrides, ``name[:key=value,...]`` (see :func:`list_zoo`), e.g.
+  ``gpt2:n_layer=12,n_embd=768`` or ``resnet:depth=50,width=64,image=64``;
+* a user factory ``package.module:function`` or ``path/to/file.py:function`` returning
+  ``(model, inputs)`` (see :mod:`tag.workloads.factory`).
+
+Every bad spec raises :class:`tag.errors.WorkloadError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tag.errors import WorkloadError
+from tag.workloads.factory import LossWrapper, extract_loss, load_factory, resample
+from tag.workloads.zoo import list_zoo, load_zoo, suggest, zoo_entries
+
+__all__ = ["LossWrapper", "Workload", "extract_loss", "list_zoo", "load_workload", "resample"]
+
+
+@dataclass
+class Workload:
+    """A model plus example inputs; ``model(*inputs)`` returns a 0-dim float loss tensor.
+
+    Attributes:
+        name: canonical spec, e.g. ``"gpt2:n_layer=2,n_embd=64"`` (zoo: only non-default overrides)
+            or the factory spec as given.
+        model: loss-returning module (a :class:`LossWrapper`; parameters are ``model.<...>``).
+        inputs: tuple of inputs; dim 0 of every tensor is the batch dimension.
+        batch_size: global batch size of ``inputs`` (samples).
+        make_inputs: ``make_inputs(b)`` builds inputs for global batch ``b`` with the same sequence
+            length / image size; deterministic for a given load seed.
+    """
+
+    name: str
+    model: torch.nn.Module
+    inputs: tuple
+    batch_size: int
+    make_inputs: Callable[[int], tuple]
+
+
+def _checked(spec: str, fn: Callable[[int], tuple]) -> Callable[[int], tuple]:
+    """Wrap an input builder so a non-positive batch raises WorkloadError."""
+    def make_inputs(b: int) -> tuple:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise WorkloadError(f"workload {spec!r}: batch size must be a positive integer, got {b!r}")
+        return fn(b)
+    return make_inputs
+
+
+def load_workload(spec: str, batch: int | None = None, seed: int = 0) -> Workload:
+    """Load a zoo model or a user factory (see the module docstring).
+
+    Args:
+        spec: ``name[:key=value,...]``, ``package.module:function`` or ``path/to/file.py:function``.
+        batch: global batch size of ``inputs``; None uses the zoo default / the factory's own.
+        seed: seeds parameter init (zoo, and factories via ``torch.manual_seed``) and inputs.
+    """
+    spec = spec.strip()
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise WorkloadError(f"workload {spec!r}: batch size must be a positive integer, got {batch!r}")
+    head, colon, tail = spec.partition(":")
+    if head in zoo_entries():  # zoo names shadow same-named modules; use file.py:function for those
+        z = load_zoo(spec, head, tail, batch, seed)
+        return Workload(z.name, z.model, z.inputs, z.batch_size, _checked(spec, z.make_inputs))
+    if not colon or not all(part.isidentifier() for part in tail.split(".")):
+        raise WorkloadError(suggest(spec, head))  # e.g. "gtp2" or "resnett:depth=50"
+    f = load_factory(spec, batch, seed)
+    return Workload(spec, f.model, f.inputs, f.batch_size, _checked(spec, f.make_inputs))
