@@ -1,0 +1,386 @@
+"""Capture one training iteration of a PyTorch model as an :class:`~tag.graph.ir.OpGraph`.
+
+Route: ``torch.export.export(strict=False)`` gives the forward in ATen IR; the (private)
+``torch.export.experimental._export_forward_backward`` turns it into one joint graph whose
+outputs are the loss and one gradient per parameter. ``torch.fx.symbolic_trace`` cannot trace
+transformers models, and ``aot_export_module`` refuses non-tuple outputs, so this route is the
+one that works on arbitrary models (see shared/README.md).
+
+Batch dimensions are found by capturing at two batch sizes ``B`` and ``B + 1`` and comparing
+every node's FakeTensor shape: the dimension that changed carries the batch. The same pair
+gives every FLOP and byte count as an affine function of the per-replica batch.
+
+The optimizer update is not part of the joint graph; one update op per parameter is added
+with the FLOP/byte counts of PyTorch's single-tensor Adam / SGD kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind
+from torch.utils.flop_counter import flop_registry
+
+from ..errors import WorkloadError
+from .ir import Affine, Op, OpGraph, Param, Tensor
+
+log = logging.getLogger(__name__)
+
+# Per-element cost of one optimizer update: (FLOPs, tensors read, tensors written), counted
+# from torch.optim's single-tensor kernels (Adam: lerp_, mul_/addcmul_, sqrt/div/add_, addcdiv_;
+# SGD+momentum: mul_/add_, add_; SGD: add_).
+OPTIMIZER_COSTS: dict[str, tuple[int, int, int, int]] = {
+    # name: (flops/elem, tensors read, tensors written, state tensors)
+    "adam": (13, 5, 4, 2),
+    "sgd": (4, 3, 2, 1),  # SGD with momentum
+    "sgd-plain": (2, 2, 1, 0),
+}
+
+
+@dataclass
+class Captured:
+    """An op graph plus the runnable joint graph it came from (in memory only)."""
+
+    graph: OpGraph
+    joint: torch.fx.GraphModule
+    """Joint forward+backward graph at ``graph.batch_size``; returns (loss, *grads, ...)."""
+    placeholders: list[tuple[str, str, str | None]]
+    """(node name, kind, state-dict target) for each placeholder of ``joint``, in call order."""
+    state: dict[str, torch.Tensor]
+    """Parameters, buffers and constants by target name."""
+    grad_outputs: dict[str, str]
+    """Parameter target -> name of the joint-graph node holding its gradient."""
+    loss_node: str
+    export_seconds: float
+
+
+# --------------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------------
+def _ancestors(graph: torch.fx.Graph, roots: list[torch.fx.Node]) -> set[str]:
+    seen: set[str] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _output_node(graph: torch.fx.Graph) -> torch.fx.Node:
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
+def _prune_params(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Drop parameter placeholders the loss does not reach (tied aliases, unused weights).
+
+    ``_export_forward_backward`` raises "Found a parameter that did not receive a gradient"
+    for them. Unused placeholders are removed; used-but-not-differentiated ones (e.g.
+    ``requires_grad=False``) become buffers.
+    """
+    sig = ep.graph_signature
+    graph = ep.graph_module.graph
+    out = _output_node(graph)
+    loss_idx = next((i for i, s in enumerate(sig.output_specs) if s.kind == OutputKind.LOSS_OUTPUT), 0)
+    loss_arg = out.args[0][loss_idx]
+    reach = _ancestors(graph, [loss_arg])
+    nodes = {n.name: n for n in graph.nodes}
+    state = dict(ep.state_dict)
+    specs, removed = [], False
+    for s in sig.input_specs:
+        if s.kind == InputKind.PARAMETER and s.arg.name not in reach:
+            node = nodes[s.arg.name]
+            removed = True
+            if not node.users:
+                graph.erase_node(node)
+                state.pop(s.target, None)
+                continue
+            s = InputSpec(kind=InputKind.BUFFER, arg=s.arg, target=s.target, persistent=True)
+        elif s.kind == InputKind.PARAMETER and not ep.state_dict[s.target].requires_grad:
+            s = InputSpec(kind=InputKind.BUFFER, arg=s.arg, target=s.target, persistent=True)
+            removed = True
+        specs.append(s)
+    if not removed:
+        return ep
+    graph.lint()
+    ep.graph_module.recompile()
+    new_sig = ExportGraphSignature(input_specs=specs, output_specs=sig.output_specs)
+    return ep._update(ep.graph_module, new_sig, state_dict=state)
+
+
+def _views_to_reshapes(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Replace ``aten.view`` by ``aten.reshape`` (a view whenever a view is possible).
+
+    The joint-graph decompositions can give a tensor other strides than eager did (seen with
+    GPT-2's SDPA attention without dropout), and a ``view`` that was legal in eager then fails.
+    """
+    for n in ep.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.view.default:
+            n.target = torch.ops.aten.reshape.default
+    ep.graph_module.recompile()
+    return ep
+
+
+def export_joint(model: torch.nn.Module, inputs: tuple) -> torch.export.ExportedProgram:
+    """Export ``model(*inputs) -> scalar loss`` as a joint forward+backward ExportedProgram."""
+    from torch.export.experimental import _export_forward_backward  # private API: one place only
+
+    try:
+        with _quiet():
+            ep = torch.export.export(model, tuple(inputs), strict=False)
+    except Exception as e:  # noqa: BLE001 - any export failure is a model the user must fix
+        raise WorkloadError(f"torch.export could not capture the model: {type(e).__name__}: {_first_line(e)}") from e
+    out_specs = ep.graph_signature.output_specs
+    if len(out_specs) < 1:
+        raise WorkloadError("model returned no output; expected a scalar loss")
+    loss_val = _output_node(ep.graph).args[0][0].meta.get("val")
+    if not isinstance(loss_val, torch.Tensor) or loss_val.numel() != 1:
+        raise WorkloadError(f"model output must be a scalar loss, got {_describe(loss_val)}")
+    # Mark output 0 as the loss (export has no notion of it).
+    specs = list(out_specs)
+    specs[0] = type(specs[0])(kind=OutputKind.LOSS_OUTPUT, arg=specs[0].arg, target=None)
+    ep = ep._update(ep.graph_module, ExportGraphSignature(ep.graph_signature.input_specs, specs))
+    ep = _prune_params(_views_to_reshapes(ep))
+    try:
+        with _quiet():
+            return _export_forward_backward(ep)
+    except Exception as e:  # noqa: BLE001
+        raise WorkloadError(f"could not build the backward graph: {type(e).__name__}: {_first_line(e)}") from e
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence torch.export's chatty loggers and warnings for the duration."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prev = logging.getLogger("torch").level
+        logging.getLogger("torch").setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logging.getLogger("torch").setLevel(prev)
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0][:300] if s else ""
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a tensor of shape {tuple(v.shape)}"
+    return type(v).__name__
+
+
+# --------------------------------------------------------------------------------------------
+# per-node analysis
+# --------------------------------------------------------------------------------------------
+def _tensors_of(val: Any) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors_of(v)]
+    return []
+
+
+def _nbytes(val: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors_of(val))
+
+
+def _is_alias(node: torch.fx.Node) -> bool:
+    """Views and tuple projections move no data."""
+    if node.target is operator.getitem:
+        return True
+    return bool(getattr(node.target, "is_view", False))
+
+
+def _node_flops(node: torch.fx.Node) -> float:
+    packet = getattr(node.target, "overloadpacket", None)
+    fn = flop_registry.get(packet) if packet is not None else None
+    if fn is None:
+        return 0.0
+
+    def meta(a):
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+    args = torch.fx.node.map_aggregate(node.args, meta)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, meta)
+    try:
+        return float(fn(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # noqa: BLE001 - a formula that cannot read these args counts 0, logged
+        log.debug("no FLOP formula applied to %s", node.name)
+        return 0.0
+
+
+@dataclass
+class _NodeInfo:
+    flops: float
+    read: int
+    written: int
+    out_bytes: int
+    shape: tuple | None
+
+
+def _analyse(gm: torch.fx.GraphModule) -> dict[str, _NodeInfo]:
+    info: dict[str, _NodeInfo] = {}
+    for n in gm.graph.nodes:
+        if n.op not in ("placeholder", "call_function"):
+            continue
+        val = n.meta.get("val")
+        out_b = _nbytes(val)
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        if n.op == "placeholder" or _is_alias(n):
+            info[n.name] = _NodeInfo(0.0, 0, 0, out_b, shape)
+            continue
+        read = sum(_nbytes(a.meta.get("val")) for a in n.all_input_nodes)
+        info[n.name] = _NodeInfo(_node_flops(n), read, out_b, out_b, shape)
+    return info
+
+
+def _batch_dim(s1: tuple | None, s2: tuple | None) -> int | None:
+    if s1 is None or s2 is None or len(s1) != len(s2):
+        return None
+    for d, (a, b) in enumerate(zip(s1, s2)):
+        if a != b:
+            return d
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# capture
+# --------------------------------------------------------------------------------------------
+def _workload_parts(workload: Any) -> tuple[str, torch.nn.Module, tuple, int, Callable[[int], tuple]]:
+    name = getattr(workload, "name", type(workload).__name__)
+    model, inputs = workload.model, tuple(workload.inputs)
+    batch = int(workload.batch_size)
+    return name, model, inputs, batch, workload.make_inputs
+
+
+def capture(workload: Any, *, optimizer: str = "adam", num_groups: int = 48) -> Captured:
+    """Capture ``workload`` (anything with ``name, model, inputs, batch_size, make_inputs``).
+
+    Args:
+        workload: a :class:`tag.workloads.Workload` or compatible object.
+        optimizer: ``adam`` (default), ``sgd`` (momentum) or ``sgd-plain``.
+        num_groups: op-groups to form (fewer if the model has fewer costly ops).
+    """
+    from .grouping import group_ops  # grouping depends on ir only; imported here to keep order
+
+    if optimizer not in OPTIMIZER_COSTS:
+        raise WorkloadError(f"optimizer {optimizer!r}: expected one of {sorted(OPTIMIZER_COSTS)}")
+    name, model, inputs, b1, make_inputs = _workload_parts(workload)
+    b2 = b1 + 1
+    t0 = time.perf_counter()
+    ep1 = export_joint(model, inputs)
+    ep2 = export_joint(model, make_inputs(b2))
+    seconds = time.perf_counter() - t0
+    graph, grad_outputs, loss_node = _build_graph(name, ep1, ep2, b1, b2, optimizer)
+    group_ops(graph, num_groups)
+    sig = ep1.graph_signature
+    kinds = {
+        InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
+        InputKind.CONSTANT_TENSOR: "const", InputKind.USER_INPUT: "input",
+    }
+    placeholders = [(s.arg.name, kinds.get(s.kind, "other"), s.target) for s in sig.input_specs]
+    state = {**ep1.state_dict, **ep1.constants}
+    return Captured(graph, ep1.graph_module, placeholders, state, grad_outputs, loss_node, seconds)
+
+
+def _build_graph(name, ep1, ep2, b1, b2, optimizer) -> tuple[OpGraph, dict[str, str], str]:
+    gm1, gm2 = ep1.graph_module, ep2.graph_module
+    sig = ep1.graph_signature
+    info1, info2 = _analyse(gm1), _analyse(gm2)
+    if set(info1) != set(info2):
+        missing = sorted(set(info1) ^ set(info2))[:3]
+        log.warning("graphs at batch %d and %d differ (%s...); batch dims there assumed absent", b1, b2, missing)
+
+    out = _output_node(gm1.graph)
+    outs = list(out.args[0])
+    loss_node = outs[0]
+    grad_outputs: dict[str, str] = {}
+    fwd_roots = [loss_node]
+    for spec, arg in zip(sig.output_specs, outs):
+        if spec.kind == OutputKind.GRADIENT_TO_PARAMETER and isinstance(arg, torch.fx.Node):
+            grad_outputs[spec.target] = arg.name
+        elif spec.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_OUTPUT) and isinstance(arg, torch.fx.Node):
+            fwd_roots.append(arg)
+    forward = _ancestors(gm1.graph, fwd_roots)
+    live = _ancestors(gm1.graph, [a for a in outs if isinstance(a, torch.fx.Node)])
+
+    kind_of = {}
+    for s in sig.input_specs:
+        kind_of[s.arg.name] = {
+            InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer",
+            InputKind.CONSTANT_TENSOR: "const",
+        }.get(s.kind, "input")
+
+    def aff(attr: str, n: str) -> Affine:
+        v1 = getattr(info1[n], attr)
+        v2 = getattr(info2[n], attr) if n in info2 else v1
+        return Affine.fit(float(v1), b1, float(v2), b2)
+
+    tensors: list[Tensor] = []
+    tensor_of: dict[str, int] = {}
+    ops: list[Op] = []
+    for n in gm1.graph.nodes:
+        if n.name not in live or n.op not in ("placeholder", "call_function"):
+            continue
+        s2 = info2[n.name].shape if n.name in info2 else None
+        bdim = _batch_dim(info1[n.name].shape, s2)
+        if n.op == "placeholder":
+            kind = kind_of.get(n.name, "input")
+            tensor_of[n.name] = len(tensors)
+            tensors.append(Tensor(n.name, kind, aff("out_bytes", n.name), bdim, -1))
+            continue
+        phase = "fwd" if n.name in forward else "bwd"
+        ins = [tensor_of[a.name] for a in n.all_input_nodes if a.name in tensor_of]
+        idx = len(ops)
+        t_idx = len(tensors)
+        tensors.append(Tensor(n.name, "activation" if phase == "fwd" else "grad", aff("out_bytes", n.name), bdim, idx))
+        tensor_of[n.name] = t_idx
+        for i in ins:
+            tensors[i].consumers.append(idx)
+        # a multi-output op carries the batch if any of its outputs does
+        batch = bdim is not None or _any_batch(info1[n.name], info2.get(n.name))
+        ops.append(Op(n.name, str(n.target) if n.target is not operator.getitem else "getitem", phase,
+                      aff("flops", n.name), aff("read", n.name), aff("written", n.name), ins, [t_idx], batch))
+
+    # optimizer updates, one per parameter
+    flops_el, n_read, n_written, n_state = OPTIMIZER_COSTS[optimizer]
+    params: list[Param] = []
+    p_node = {s.target: s.arg.name for s in sig.input_specs if s.kind == InputKind.PARAMETER}
+    for target, node_name in p_node.items():
+        if target not in grad_outputs:
+            continue
+        t = tensors[tensor_of[node_name]]
+        nbytes = int(t.nbytes.fixed)
+        val = gm1.graph.find_nodes(op="placeholder", target=node_name)
+        numel = val[0].meta["val"].numel() if val else nbytes // 4
+        es = nbytes // max(numel, 1)
+        g_idx = tensor_of[grad_outputs[target]]
+        idx = len(ops)
+        upd_out = len(tensors)
+        tensors.append(Tensor(f"{optimizer}::{target}", "opt", Affine(nbytes, 0), None, idx))
+        ops.append(Op(f"{optimizer}::{target}", f"optim.{optimizer}", "opt", Affine(flops_el * numel, 0),
+                      Affine(n_read * numel * es, 0), Affine(n_written * numel * es, 0),
+                      [tensor_of[node_name], g_idx], [upd_out], False))
+        tensors[tensor_of[node_name]].consumers.append(idx)
+        tensors[g_idx].consumers.append(idx)
+        params.append(Param(target, tensor_of[node_name], g_idx, idx, numel, nbytes, n_state * nbytes))
+    graph = OpGraph(name, b1, optimizer, ops, tensors, params, loss=tensor_of[loss_node.name])
+    return graph, grad_outputs, loss_node.name
+
+
+def _any_batch(i1: _NodeInfo, i2: _NodeInfo | None) -> bool:
+    return i2 is not None and i1.out_bytes != i2.out_bytes

@@ -1,0 +1,92 @@
+"""Cut the joint graph into runnable pieces ("stages"): one fx ``GraphModule`` per set of ops.
+
+The profiler times each (group, phase) stage; the executor runs each rank's stages and moves
+the tensors between them. A stage takes the joint-graph values it reads from outside (by node
+name) and returns the values other stages, the loss or the gradients need (by node name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .capture import Captured
+
+
+@dataclass
+class Stage:
+    """A runnable piece of the joint graph."""
+
+    key: Hashable
+    """Caller's identity for the stage, e.g. ``(group, "fwd")``."""
+    module: fx.GraphModule
+    inputs: list[str]
+    """Joint-graph node names fed as positional arguments, in order."""
+    outputs: list[str]
+    """Joint-graph node names returned (a tuple), in order."""
+    nodes: list[str]
+    """Joint-graph node names computed inside."""
+
+    def __call__(self, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run on values looked up in ``env`` by name; returns the outputs by name."""
+        outs = self.module(*[env[n] for n in self.inputs])
+        return dict(zip(self.outputs, outs))
+
+
+def build_stages(captured: Captured, assign: dict[str, Hashable]) -> dict[Hashable, Stage]:
+    """Split ``captured.joint`` by ``assign`` (call_function node name -> stage key).
+
+    Nodes not named in ``assign`` (placeholders, dead code) are not computed by any stage.
+    Stages are returned in the order their first node appears in the joint graph.
+    """
+    graph = captured.joint.graph
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    graph_outputs = {a.name for a in out_node.all_input_nodes}
+    members: dict[Hashable, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.name in assign:
+            members.setdefault(assign[n.name], []).append(n)
+    return {k: _extract(k, nodes, assign, graph_outputs, captured.joint) for k, nodes in members.items()}
+
+
+def _extract(key: Hashable, nodes: list[fx.Node], assign: dict[str, Hashable], graph_outputs: set[str],
+             root: fx.GraphModule) -> Stage:
+    inside = {n.name for n in nodes}
+    g = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    inputs: list[str] = []
+
+    def lookup(a: fx.Node) -> fx.Node:
+        if a.name not in env:
+            if a.name in inside:
+                raise RuntimeError(f"stage {key}: node {a.name} used before it is computed")
+            ph = g.placeholder(a.name)
+            ph.meta = dict(a.meta)
+            env[a.name] = ph
+            inputs.append(a.name)
+        return env[a.name]
+
+    for n in nodes:
+        for a in n.all_input_nodes:
+            lookup(a)
+        new = g.node_copy(n, lambda a: env[a.name])
+        env[n.name] = new
+    outputs = [n.name for n in nodes
+               if n.name in graph_outputs or any(u.name not in inside for u in n.users)]
+    g.output(tuple(env[o] for o in outputs))
+    gm = fx.GraphModule(root, g, class_name=f"Stage_{_ident(key)}")
+    return Stage(key, gm, inputs, outputs, [n.name for n in nodes])
+
+
+def _ident(key: Hashable) -> str:
+    return "".join(c if c.isalnum() else "_" for c in str(key))[:40]
+
+
+def group_phase_assignment(captured: Captured, groups: Iterable[int] | None = None) -> dict[str, tuple[int, str]]:
+    """``node name -> (group, phase)`` for the fwd/bwd ops of ``groups`` (default all)."""
+    wanted = None if groups is None else set(groups)
+    return {op.name: (op.group, op.phase) for op in captured.graph.ops
+            if op.phase in ("fwd", "bwd") and (wanted is None or op.group in wanted)}

@@ -1,0 +1,33 @@
+"""Small file helpers shared by every subpackage."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same folder and ``os.replace``.
+
+    A crash or kill mid-write leaves either the old file or the new one, never a torn file.
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1) -> None:
+    """Atomically write ``obj`` as JSON."""
+    write_atomic(path, json.dumps(obj, indent=indent) + "\n")

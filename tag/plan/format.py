@@ -1,0 +1,230 @@
+"""The plan: how every op-group of a graph is deployed on a topology. Versioned JSON.
+
+Per op-group (see :class:`GroupPlan`):
+
+* ``allreduce`` / ``ps``: data parallel. Every device in ``devices`` holds a replica and runs
+  the group on its ``shares`` of the global batch (uneven shares allowed); gradients of the
+  group's parameters are summed by ring / hierarchical all-reduce, or by a parameter server
+  (``server``: reduce to it, broadcast back).
+* ``mp``: model parallel. The group's forward program positions are split into contiguous
+  chunks, chunk ``j`` (positions ``mp_splits[j] .. mp_splits[j+1]-1``) running on
+  ``devices[j]`` on the full batch. Its backward ops follow their forward anchor; its
+  parameters live on one device each; no gradient synchronisation.
+* ``sfb``: names of weight-gradient ops whose gradient is obtained by Sufficient Factor
+  Broadcasting instead of all-reduce (see :mod:`tag.compress`).
+
+Semantics shared by the simulator and the executor: the global batch is split into integer
+sample counts with :func:`local_batches`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ..errors import PlanError
+from ..io import write_atomic
+
+PLAN_VERSION = 1
+Sync = Literal["allreduce", "ps", "mp"]
+SYNCS: tuple[str, ...] = ("allreduce", "ps", "mp")
+
+
+@dataclass
+class GroupPlan:
+    """Deployment of one op-group."""
+
+    devices: list[int]
+    """Global device indices (topology order) holding a replica / a model-parallel chunk."""
+    shares: list[float]
+    """Fraction of the global batch per device (sum 1). ``mp``: the full batch, ``[1.0, ...]``."""
+    sync: Sync = "allreduce"
+    """Gradient synchronisation: ``allreduce``, ``ps`` or ``mp`` (model-parallel split)."""
+    server: int | None = None
+    """Parameter-server device (``ps`` only); any device of the topology."""
+    mp_splits: list[int] | None = None
+    """``mp`` only: first forward position of each device's chunk (absolute, increasing)."""
+    sfb: list[str] = field(default_factory=list)
+    """Weight-gradient op names synchronised by Sufficient Factor Broadcasting."""
+
+    def key(self) -> tuple:
+        """Hashable identity (used by caches)."""
+        return (tuple(self.devices), tuple(round(s, 9) for s in self.shares), self.sync, self.server,
+                tuple(self.mp_splits or ()), tuple(self.sfb))
+
+
+@dataclass
+class Plan:
+    """A deployment of every op-group, plus what it was made for."""
+
+    model: str
+    """Workload spec of the graph."""
+    graph_signature: str
+    """:meth:`OpGraph.signature` of the graph the plan was made for."""
+    topology: str
+    """Topology name."""
+    topology_signature: str
+    """:meth:`Topology.signature` of the topology the plan was made for."""
+    batch_size: int
+    """Global batch size (samples)."""
+    groups: list[GroupPlan]
+    predicted_iteration_time_s: float | None = None
+    """Simulated iteration time in seconds, if known."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Free-form provenance (searcher, playouts, seed, ...)."""
+    version: int = PLAN_VERSION
+
+    # ---- validation ------------------------------------------------------------------
+    def validate(self, graph, topology, *, source: str = "plan") -> None:
+        """Raise :class:`PlanError` (one line) unless the plan fits ``graph`` and ``topology``."""
+        if self.version != PLAN_VERSION:
+            raise PlanError(f"{source}: version: expected {PLAN_VERSION}, got {self.version}")
+        if self.graph_signature != graph.signature():
+            raise PlanError(f"{source}: graph_signature: plan was made for {self.model!r} "
+                            f"({self.graph_signature}), not for {graph.model!r} ({graph.signature()}) "
+                            "with this grouping; re-plan for this model")
+        if self.topology_signature != topology.signature():
+            raise PlanError(f"{source}: topology_signature: plan was made for topology {self.topology!r}, "
+                            f"not {topology.name!r} ({topology.signature()})")
+        if self.batch_size != graph.batch_size:
+            raise PlanError(f"{source}: batch_size: plan is for batch {self.batch_size}, graph has {graph.batch_size}")
+        if len(self.groups) != graph.num_groups:
+            raise PlanError(f"{source}: groups: expected {graph.num_groups} entries (one per op-group), "
+                            f"got {len(self.groups)}")
+        n = topology.num_devices
+        for g, gp in enumerate(self.groups):
+            validate_group(gp, graph, g, n, f"{source}: groups[{g}]")
+
+    # ---- I/O -------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "plan") -> Plan:
+        if not isinstance(d, dict):
+            raise PlanError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        required = ("model", "graph_signature", "topology", "topology_signature", "batch_size", "groups")
+        for k in required:
+            if k not in d:
+                raise PlanError(f"{source}: {k}: missing field")
+        known = {f for f in cls.__dataclass_fields__}
+        extra = sorted(set(d) - known)
+        if extra:
+            raise PlanError(f"{source}: {extra[0]}: unknown field; expected one of {sorted(known)}")
+        if not isinstance(d["groups"], list):
+            raise PlanError(f"{source}: groups: expected a list")
+        groups = []
+        gknown = set(GroupPlan.__dataclass_fields__)
+        for i, g in enumerate(d["groups"]):
+            if not isinstance(g, dict):
+                raise PlanError(f"{source}: groups[{i}]: expected an object")
+            bad = sorted(set(g) - gknown)
+            if bad:
+                raise PlanError(f"{source}: groups[{i}].{bad[0]}: unknown field; expected one of {sorted(gknown)}")
+            for k in ("devices", "shares"):
+                if k not in g:
+                    raise PlanError(f"{source}: groups[{i}].{k}: missing field")
+            groups.append(GroupPlan(**g))
+        return cls(**{**d, "groups": groups})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically (temp file + rename): a crash never leaves a half-written plan."""
+        write_atomic(path, self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise PlanError(f"{p}: cannot read plan: {e.strerror}") from e
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{p}: line {e.lineno}: not valid JSON: {e.msg}") from e
+        try:
+            return cls.from_dict(d, source=str(p))
+        except TypeError as e:
+            raise PlanError(f"{p}: malformed plan: {e}") from e
+
+
+def validate_group(gp: GroupPlan, graph, g: int, num_devices: int, where: str) -> None:
+    """Check one group's deployment; raises :class:`PlanError` naming ``where``."""
+    if gp.sync not in SYNCS:
+        raise PlanError(f"{where}.sync: expected one of {list(SYNCS)}, got {gp.sync!r}")
+    if not gp.devices:
+        raise PlanError(f"{where}.devices: expected at least one device")
+    for d in gp.devices:
+        if not isinstance(d, int) or not 0 <= d < num_devices:
+            raise PlanError(f"{where}.devices: device {d!r} out of range; topology has {num_devices} devices")
+    if len(set(gp.devices)) != len(gp.devices):
+        raise PlanError(f"{where}.devices: duplicate device in {gp.devices}")
+    if len(gp.shares) != len(gp.devices):
+        raise PlanError(f"{where}.shares: expected {len(gp.devices)} shares (one per device), got {len(gp.shares)}")
+    if gp.sync == "mp":
+        _validate_mp(gp, graph, g, where)
+    else:
+        if any((not isinstance(s, (int, float))) or not s > 0 or math.isnan(s) for s in gp.shares):
+            raise PlanError(f"{where}.shares: expected positive fractions, got {gp.shares}")
+        if abs(sum(gp.shares) - 1.0) > 1e-6:
+            raise PlanError(f"{where}.shares: must sum to 1, got {sum(gp.shares):.6g}")
+        if gp.mp_splits is not None:
+            raise PlanError(f"{where}.mp_splits: only allowed with sync 'mp'")
+    if gp.sync == "ps":
+        if gp.server is None or not isinstance(gp.server, int) or not 0 <= gp.server < num_devices:
+            raise PlanError(f"{where}.server: expected a device index in 0..{num_devices - 1} for sync 'ps', "
+                            f"got {gp.server!r}")
+    elif gp.server is not None:
+        raise PlanError(f"{where}.server: only allowed with sync 'ps'")
+    if gp.sfb:
+        names = {graph.ops[i].name for i in graph.groups[g].ops}
+        for op in gp.sfb:
+            if op not in names:
+                raise PlanError(f"{where}.sfb: op {op!r} is not in this group")
+
+
+def group_positions(graph, g: int) -> tuple[int, int]:
+    """First and one-past-last forward position of group ``g``."""
+    anchors = [graph.ops[i].anchor for i in graph.groups[g].ops if graph.ops[i].phase == "fwd"]
+    if not anchors:
+        a = [graph.ops[i].anchor for i in graph.groups[g].ops]
+        return min(a), min(a) + 1
+    return min(anchors), max(anchors) + 1
+
+
+def _validate_mp(gp: GroupPlan, graph, g: int, where: str) -> None:
+    if any(s != 1.0 for s in gp.shares):
+        raise PlanError(f"{where}.shares: sync 'mp' runs every chunk on the full batch; expected all 1.0")
+    lo, hi = group_positions(graph, g)
+    sp = gp.mp_splits
+    if sp is None or len(sp) != len(gp.devices):
+        raise PlanError(f"{where}.mp_splits: expected {len(gp.devices)} split positions for sync 'mp', got {sp}")
+    if sp[0] != lo or any(b <= a for a, b in zip(sp, sp[1:])) or sp[-1] >= hi:
+        raise PlanError(f"{where}.mp_splits: expected increasing positions starting at {lo} and below {hi}, got {sp}")
+
+
+def local_batches(batch_size: int, shares: list[float]) -> list[int]:
+    """Integer samples per replica: largest-remainder rounding of ``shares * batch_size``.
+
+    Every replica gets at least one sample when ``batch_size >= len(shares)``.
+    """
+    raw = [s * batch_size for s in shares]
+    base = [int(math.floor(r)) for r in raw]
+    rest = batch_size - sum(base)
+    order = sorted(range(len(raw)), key=lambda i: (base[i] == 0, raw[i] - base[i]), reverse=True)
+    for i in order[:rest]:
+        base[i] += 1
+    if batch_size >= len(shares):
+        for i in range(len(base)):
+            while base[i] == 0:
+                j = max(range(len(base)), key=lambda k: base[k])
+                base[j] -= 1
+                base[i] += 1
+    return base
