@@ -146,7 +146,7 @@ def group_ops(graph: OpGraph, num_groups: int, *, balance_weight: float = 2.0) -
         if op.phase != "opt":
             op.anchor = int(anchor[i])
             op.group = int(group_of_pos[anchor[i]])
-    for pi, p in enumerate(graph.params):
+    for p in graph.params:
         producer = graph.tensors[p.grad].producer
         p.group = graph.ops[producer].group if producer >= 0 else 0
         upd = graph.ops[p.update]
