@@ -1,0 +1,60 @@
+"""``tag`` command line: thin entry points that parse, build, run.
+
+Each command lives in its own module of this package exposing ``register(subparsers)``, which
+adds its parser and sets ``func`` to a ``run(args) -> int`` function. Errors caused by input
+(:class:`tag.errors.TagError`) print ONE line and exit 2; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from ..errors import TagError
+
+# Command modules, in --help order. Each defines register(subparsers).
+COMMANDS = ["inspect", "topology", "profile", "simulate", "plan", "execute", "validate", "train", "tune", "bench"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tag", description="TAG: topology-aware deployment of PyTorch training on heterogeneous GPUs.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name == f"{__name__}.{name}":
+                continue  # command not built yet
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except TagError as e:
+        if args.debug:
+            raise
+        print(f"tag {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tag {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
