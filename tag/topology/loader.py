@@ -1,0 +1,377 @@
+"""Load / validate / dump topology files (YAML or JSON).
+
+Schema (quantities are strings with units or plain numbers in base units)::
+
+    name: lab-mixed
+    machines:
+      - name: a
+        gpu: V100-SXM2-16GB          # catalog name, "cpu", or inline mapping (see _INLINE_GPU_KEYS)
+        count: 4
+        intra_bandwidth: "150 GB/s"  # may be omitted only when count == 1
+        intra_latency: "5 us"        # optional
+    network:                         # may be omitted only for a single machine
+      bandwidth: "25 Gbit/s"
+      latency: "20 us"               # optional
+      links:                         # optional per-pair overrides
+        - {between: [a, b], bandwidth: "10 Gbit/s", latency: "50 us"}
+
+Every problem raises :class:`TopologyError` with a one-line message
+``<file>: <field path>: <what is wrong>, got <value>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tag.errors import TopologyError
+from tag.topology.catalog import GPU_CATALOG, GPUSpec, get_gpu
+from tag.topology.model import Machine, Topology
+from tag.topology.units import (
+    format_bandwidth,
+    format_bytes,
+    format_flops,
+    format_time,
+    parse_bandwidth,
+    parse_bytes,
+    parse_flops,
+    parse_time,
+)
+
+__all__ = [
+    "load_topology",
+    "dump_topology",
+    "topology_to_yaml",
+    "shipped_topologies",
+    "SHIPPED_DIR",
+    "DEFAULT_INTRA_LATENCY",
+    "DEFAULT_NETWORK_LATENCY",
+]
+
+# "5 us": a typical small-message NCCL point-to-point latency between two GPUs of one node
+# (NVLink or PCIe, kernel launch + proxy handshake); used when a machine gives no intra_latency.
+DEFAULT_INTRA_LATENCY = 5e-6  # seconds
+# "20 us": order of a small-message NCCL latency across a datacenter Ethernet/RoCE hop;
+# used when the network section gives no latency.
+DEFAULT_NETWORK_LATENCY = 20e-6  # seconds
+
+# The repository's shipped example topologies (``topologies/*.yaml``).
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "topologies"
+
+_TOP_KEYS = ("name", "description", "machines", "network")
+_MACHINE_KEYS = ("name", "gpu", "count", "intra_bandwidth", "intra_latency")
+_INLINE_GPU_KEYS = ("name", "tflops", "fp32_flops", "fp16_tflops", "fp16_flops", "memory", "memory_bandwidth")
+_NETWORK_KEYS = ("bandwidth", "latency", "links")
+_LINK_KEYS = ("between", "bandwidth", "latency")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Context:
+    """Builds one-line errors ``<source>: <path>: <message>``."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def error(self, path: str, message: str) -> TopologyError:
+        line = f"{self.source}: {path}: {message}" if path else f"{self.source}: {message}"
+        return TopologyError(" ".join(line.split()))  # guarantee a single line
+
+    def mapping(self, value: Any, path: str, allowed: tuple[str, ...], what: str) -> Mapping:
+        if not isinstance(value, Mapping):
+            raise self.error(path, f"expected a mapping ({what}), got {_show(value)}")
+        for key in value:
+            if key not in allowed:
+                close = difflib.get_close_matches(str(key), allowed, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                sub = f"{path}.{key}" if path else str(key)
+                raise self.error(sub, f"unknown field{hint}; expected one of {', '.join(allowed)}")
+        return value
+
+    def require(self, mapping: Mapping, key: str, path: str, expected: str) -> Any:
+        if key not in mapping or mapping[key] is None:
+            sub = f"{path}.{key}" if path else key
+            raise self.error(sub, f"missing field; expected {expected}")
+        return mapping[key]
+
+    def name(self, value: Any, path: str) -> str:
+        if not isinstance(value, str) or not value.strip() or ":" in value or value != value.strip():
+            raise self.error(path, f"expected a non-empty name without ':' or surrounding spaces, got {_show(value)}")
+        return value
+
+    def quantity(self, parser, value: Any, path: str, *, positive: bool = True):
+        try:
+            return parser(value, positive=positive)
+        except ValueError as exc:
+            raise self.error(path, str(exc)) from None
+
+
+def _parse_gpu(ctx: _Context, value: Any, path: str) -> GPUSpec:
+    if isinstance(value, str):
+        try:
+            return get_gpu(value)
+        except KeyError as exc:
+            raise ctx.error(path, f"{exc.args[0]}; expected a catalog name, 'cpu' or an inline mapping") from None
+    spec = ctx.mapping(value, path, _INLINE_GPU_KEYS, "a GPU catalog name or an inline spec")
+    name = ctx.require(spec, "name", path, "a display name for the inline GPU")
+    if not isinstance(name, str) or not name:
+        raise ctx.error(f"{path}.name", f"expected a non-empty string, got {_show(name)}")
+
+    def flops(tflops_key: str, flops_key: str) -> float | None:
+        if tflops_key in spec and flops_key in spec:
+            raise ctx.error(f"{path}.{flops_key}", f"give either {tflops_key} or {flops_key}, not both")
+        if spec.get(tflops_key) is not None:
+            raw = spec[tflops_key]
+            if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < float("inf"):
+                raise ctx.error(f"{path}.{tflops_key}", f"expected a positive number of TFLOP/s, got {_show(raw)}")
+            return float(raw) * 1e12
+        if spec.get(flops_key) is not None:
+            return ctx.quantity(parse_flops, spec[flops_key], f"{path}.{flops_key}")
+        return None
+
+    fp32 = flops("tflops", "fp32_flops")
+    if fp32 is None:
+        raise ctx.error(f"{path}.tflops", "missing field; expected FP32 TFLOP/s (a number) or fp32_flops with units")
+    fp16 = flops("fp16_tflops", "fp16_flops")
+    memory = ctx.quantity(parse_bytes, ctx.require(spec, "memory", path, "a size like '16 GB'"), f"{path}.memory")
+    mem_bw = ctx.quantity(
+        parse_bandwidth,
+        ctx.require(spec, "memory_bandwidth", path, "a bandwidth like '900 GB/s'"),
+        f"{path}.memory_bandwidth",
+    )
+    return GPUSpec(name, fp32, fp16 if fp16 is not None else fp32, memory, mem_bw)
+
+
+def _parse_machine(ctx: _Context, value: Any, path: str) -> Machine:
+    raw = ctx.mapping(value, path, _MACHINE_KEYS, "a machine")
+    name = ctx.name(ctx.require(raw, "name", path, "a machine name"), f"{path}.name")
+    gpu = _parse_gpu(ctx, ctx.require(raw, "gpu", path, "a GPU catalog name or inline spec"), f"{path}.gpu")
+    count = ctx.require(raw, "count", path, "a positive integer")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ctx.error(f"{path}.count", f"expected a positive integer, got {_show(count)}")
+    intra_bw = raw.get("intra_bandwidth")
+    if intra_bw is None:
+        if count > 1:
+            raise ctx.error(
+                f"{path}.intra_bandwidth", f"missing field; expected a bandwidth like '150 GB/s' (count is {count})"
+            )
+    else:
+        intra_bw = ctx.quantity(parse_bandwidth, intra_bw, f"{path}.intra_bandwidth")
+    intra_lat = DEFAULT_INTRA_LATENCY
+    if raw.get("intra_latency") is not None:
+        intra_lat = ctx.quantity(parse_time, raw["intra_latency"], f"{path}.intra_latency", positive=False)
+    return Machine(name, gpu, count, intra_bw, intra_lat)
+
+
+def _parse_network(ctx: _Context, raw: Mapping, machines: list[Machine]) -> tuple[float, float, dict]:
+    if raw.get("network") is None:
+        if len(machines) > 1:
+            raise ctx.error("network", "missing field; expected a mapping with bandwidth (required for >1 machine)")
+        # A single machine never uses the network: any valid value will do; use its own link.
+        only = machines[0]
+        bw = only.intra_bandwidth if only.intra_bandwidth is not None else only.gpu.memory_bandwidth
+        return bw, DEFAULT_NETWORK_LATENCY, {}
+    net = ctx.mapping(raw["network"], "network", _NETWORK_KEYS, "the network between machines")
+    bandwidth = ctx.quantity(
+        parse_bandwidth, ctx.require(net, "bandwidth", "network", "a bandwidth like '25 Gbit/s'"), "network.bandwidth"
+    )
+    latency = DEFAULT_NETWORK_LATENCY
+    if net.get("latency") is not None:
+        latency = ctx.quantity(parse_time, net["latency"], "network.latency", positive=False)
+    links: dict[frozenset, tuple[float, float]] = {}
+    raw_links = net.get("links") or []
+    if not isinstance(raw_links, list):
+        raise ctx.error("network.links", f"expected a list of links, got {_show(raw_links)}")
+    known = {m.name for m in machines}
+    for k, entry in enumerate(raw_links):
+        path = f"network.links[{k}]"
+        link = ctx.mapping(entry, path, _LINK_KEYS, "a link override")
+        between = ctx.require(link, "between", path, "a list of two machine names")
+        if not isinstance(between, list) or len(between) != 2:
+            raise ctx.error(f"{path}.between", f"expected a list of two machine names, got {_show(between)}")
+        for name in between:
+            if not isinstance(name, str) or name not in known:
+                close = difflib.get_close_matches(str(name), sorted(known), n=3)
+                hint = f" (close: {', '.join(close)})" if close else ""
+                raise ctx.error(
+                    f"{path}.between", f"unknown machine {_show(name)}{hint}; expected one of {', '.join(sorted(known))}"
+                )
+        if between[0] == between[1]:
+            raise ctx.error(
+                f"{path}.between", f"a link joins two different machines, got {_show(between)} (use intra_bandwidth)"
+            )
+        if link.get("bandwidth") is None and link.get("latency") is None:
+            raise ctx.error(path, "missing field; expected bandwidth and/or latency")
+        pair = frozenset(between)
+        if pair in links:
+            raise ctx.error(f"{path}.between", f"duplicate link between {between[0]} and {between[1]}")
+        bw = bandwidth
+        if link.get("bandwidth") is not None:
+            bw = ctx.quantity(parse_bandwidth, link["bandwidth"], f"{path}.bandwidth")
+        lat = latency
+        if link.get("latency") is not None:
+            lat = ctx.quantity(parse_time, link["latency"], f"{path}.latency", positive=False)
+        links[pair] = (bw, lat)
+    return bandwidth, latency, links
+
+
+def _from_dict(ctx: _Context, raw: Any) -> Topology:
+    raw = ctx.mapping(raw, "", _TOP_KEYS, "a topology with name, machines, network")
+    name = ctx.require(raw, "name", "", "a topology name")
+    if not isinstance(name, str) or not name.strip():
+        raise ctx.error("name", f"expected a non-empty string, got {_show(name)}")
+    if raw.get("description") is not None and not isinstance(raw["description"], str):
+        raise ctx.error("description", f"expected a string, got {_show(raw['description'])}")
+    machine_list = ctx.require(raw, "machines", "", "a non-empty list of machines")
+    if not isinstance(machine_list, list) or not machine_list:
+        raise ctx.error("machines", f"expected a non-empty list of machines, got {_show(machine_list)}")
+    machines: list[Machine] = []
+    seen: dict[str, int] = {}
+    for k, entry in enumerate(machine_list):
+        machine = _parse_machine(ctx, entry, f"machines[{k}]")
+        if machine.name in seen:
+            raise ctx.error(
+                f"machines[{k}].name", f"duplicate machine name {machine.name!r} (also machines[{seen[machine.name]}])"
+            )
+        seen[machine.name] = k
+        machines.append(machine)
+    bandwidth, latency, links = _parse_network(ctx, raw, machines)
+    try:
+        return Topology(name, tuple(machines), bandwidth, latency, links)
+    except TopologyError as exc:  # defensive: the checks above should already have caught it
+        raise ctx.error("", str(exc)) from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate mapping keys (a silent override would hide typos)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            with contextlib.suppress(TypeError):
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}", key_node.start_mark
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_file(ctx: _Context, path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ctx.error("", "file not found; expected a YAML or JSON topology file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ctx.error("", f"cannot read file: {exc}") from None
+    if path.suffix.lower() == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ctx.error(f"line {exc.lineno}", f"invalid JSON: {exc.msg}") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ctx.error(where, f"invalid YAML: {problem}") from None
+
+
+def shipped_topologies() -> dict[str, Path]:
+    """Name (file stem) -> path of the topologies shipped in ``topologies/``."""
+    if not SHIPPED_DIR.is_dir():
+        return {}
+    return {p.stem: p for p in sorted(SHIPPED_DIR.glob("*.yaml"))}
+
+
+def load_topology(path_or_dict: str | os.PathLike | Mapping | Topology, *, source: str | None = None) -> Topology:
+    """Load a topology from a YAML/JSON file, a shipped topology name (e.g. ``"tag-testbed"``) or a
+    dict; ``source`` names the origin in error messages (default: the path, or ``<dict>``)."""
+    if isinstance(path_or_dict, Topology):
+        return path_or_dict
+    if isinstance(path_or_dict, Mapping):
+        return _from_dict(_Context(source or "<dict>"), path_or_dict)
+    if not isinstance(path_or_dict, (str, os.PathLike)):
+        raise TopologyError(
+            f"{source or '<topology>'}: expected a file path or a mapping, got {_show(path_or_dict)}"
+        )
+    path = Path(path_or_dict)
+    if not path.exists() and isinstance(path_or_dict, str) and os.sep not in path_or_dict:
+        path = shipped_topologies().get(path_or_dict, path)
+    ctx = _Context(source or str(path_or_dict))
+    data = _read_file(ctx, path)
+    if not isinstance(data, Mapping):
+        raise ctx.error("", f"expected a mapping at the top level (name, machines, network), got {_show(data)}")
+    return _from_dict(ctx, data)
+
+
+# ------------------------------------------------------------------------------------------ dumping
+
+
+def _gpu_entry(gpu: GPUSpec) -> str | dict[str, Any]:
+    if GPU_CATALOG.get(gpu.name) == gpu:
+        return gpu.name
+    return {
+        "name": gpu.name,
+        "fp32_flops": format_flops(gpu.fp32_flops),
+        "fp16_flops": format_flops(gpu.fp16_flops),
+        "memory": format_bytes(gpu.memory_bytes),
+        "memory_bandwidth": format_bandwidth(gpu.memory_bandwidth),
+    }
+
+
+def topology_to_yaml(topo: Topology) -> str:
+    """Human-readable YAML (units as strings) that loads back to an equal topology."""
+    machines = []
+    for m in topo.machines:
+        entry: dict[str, Any] = {"name": m.name, "gpu": _gpu_entry(m.gpu), "count": m.count}
+        if m.intra_bandwidth is not None:
+            entry["intra_bandwidth"] = format_bandwidth(m.intra_bandwidth)
+        entry["intra_latency"] = format_time(m.intra_latency)
+        machines.append(entry)
+    network: dict[str, Any] = {
+        "bandwidth": format_bandwidth(topo.network_bandwidth, bits=True),
+        "latency": format_time(topo.network_latency),
+    }
+    links = topo.to_dict()["network"].get("links", [])
+    if links:
+        network["links"] = [
+            {
+                "between": link["between"],
+                "bandwidth": format_bandwidth(link["bandwidth"], bits=True),
+                "latency": format_time(link["latency"]),
+            }
+            for link in links
+        ]
+    doc = {"name": topo.name, "machines": machines, "network": network}
+    header = f"# TAG topology {topo.name!r} ({topo.num_devices} devices), signature {topo.signature()}\n"
+    return header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, allow_unicode=True, width=100)
+
+
+def dump_topology(topo: Topology, path: str | os.PathLike) -> Path:
+    """Write ``topo`` as human-readable YAML to ``path`` atomically (temp file + os.replace)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(topology_to_yaml(topo))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
