@@ -282,10 +282,11 @@ def capture(workload: Any, *, optimizer: str = "adam", num_groups: int = 48) -> 
     name, model, inputs, b1, make_inputs = _workload_parts(workload)
     b2 = b1 + 1
     t0 = time.perf_counter()
-    ep1 = export_joint(model, inputs)
-    ep2 = export_joint(model, make_inputs(b2))
-    seconds = time.perf_counter() - t0
-    graph, grad_outputs, loss_node = _build_graph(name, ep1, ep2, b1, b2, optimizer)
+    with _quiet():
+        ep1 = export_joint(model, inputs)
+        ep2 = export_joint(model, make_inputs(b2))
+        seconds = time.perf_counter() - t0
+        graph, grad_outputs, loss_node = _build_graph(name, ep1, ep2, b1, b2, optimizer)
     group_ops(graph, num_groups)
     sig = ep1.graph_signature
     kinds = {

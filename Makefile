@@ -1,0 +1,40 @@
+# TAG — set-up, demo and tests. Two commands do everything on a fresh machine:
+#   make demo    create .venv if missing, install TAG, plan a real model on a shipped topology
+#   make test    create/update .venv, lint, run the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# torch==2.13.0 (CPU build) is installed from the local wheel directory when present.
+WHEELS ?= /opt/wheels
+PIP_FLAGS := -q $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
+STAMP  := $(VENV)/.installed
+DEMO_MODEL ?= gpt2:n_layer=4,n_embd=256,n_head=4,seq=128
+DEMO_TOPOLOGY ?= topologies/tag-testbed.yaml
+export HF_HUB_OFFLINE := 1
+export WANDB_MODE ?= disabled
+
+.PHONY: demo test lint install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install $(PIP_FLAGS) --upgrade pip
+	$(PIP) install $(PIP_FLAGS) -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tag inspect --model $(DEMO_MODEL) --batch 32
+	$(VENV)/bin/tag plan --model $(DEMO_MODEL) --batch 32 --topology $(DEMO_TOPOLOGY) --out $(VENV)/demo-plan.json
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tag data training evaluation tests
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,47 @@
+"""``tag inspect``: capture a model and summarise its op graph and op-groups."""
+
+from __future__ import annotations
+
+from .common import add_model_args, load_captured, print_json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("inspect", help="capture a model's training iteration and summarise its op graph",
+                       description="Capture forward, backward and optimizer of a model as an op graph, group it, "
+                                   "and print ops, groups, FLOPs, parameters, activation bytes and the heaviest groups.")
+    add_model_args(p)
+    p.add_argument("--top", type=int, default=5, help="how many of the heaviest groups to list")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.add_argument("--save", metavar="PATH", help="also write the op graph as JSON to PATH")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..graph.summary import graph_summary
+    from ..io import write_atomic
+    from ..topology.units import format_bytes
+
+    wl, cap = load_captured(args)
+    s = graph_summary(cap.graph, top=args.top)
+    s["capture_s"] = round(cap.export_seconds, 3)
+    if args.save:
+        write_atomic(args.save, cap.graph.to_json())
+    if args.json:
+        print_json(s)
+        return 0
+    ph = s["num_ops_by_phase"]
+    print(f"model        {s['model']}  (batch {s['batch_size']}, optimizer {s['optimizer']})")
+    print(f"ops          {s['num_ops']}  (fwd {ph.get('fwd', 0)}, bwd {ph.get('bwd', 0)}, opt {ph.get('opt', 0)})")
+    print(f"op-groups    {s['num_groups']}")
+    print(f"parameters   {s['num_params']:,}  ({format_bytes(s['param_bytes'], digits=3)}; "
+          f"optimizer state {format_bytes(s['opt_state_bytes'], digits=3)})")
+    print(f"FLOPs        fwd {s['flops_fwd'] / 1e9:.3f} G, fwd+bwd {s['flops_fwd_bwd'] / 1e9:.3f} G, "
+          f"optimizer {s['flops_opt'] / 1e9:.4f} G")
+    print(f"activations  {format_bytes(s['activation_bytes'], digits=3)} saved for backward")
+    print(f"capture      {s['capture_s']:.1f} s, signature {s['signature']}")
+    print("\nheaviest groups (reference roofline time, V100):")
+    print(f"  {'group':>5} {'ops':>5} {'params':>10} {'GFLOPs':>9} {'time':>10}  first op")
+    for g in s["heaviest_groups"]:
+        print(f"  {g['group']:>5} {g['ops']:>5} {format_bytes(g['param_bytes'], digits=3):>10} {g['flops'] / 1e9:>9.3f} "
+              f"{g['weight_s'] * 1e6:>8.1f}us  {g['first_op']}")
+    return 0

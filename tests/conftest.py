@@ -1,0 +1,33 @@
+"""Shared fixtures: captured zoo graphs are expensive (1-6 s each), so capture once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def captured():
+    """``captured(spec, batch=None, groups=16, optimizer="adam")`` -> cached :class:`Captured`."""
+    from tag.graph import capture
+    from tag.workloads import load_workload
+
+    cache = {}
+
+    def get(spec: str, batch: int | None = None, groups: int = 16, optimizer: str = "adam"):
+        key = (spec, batch, groups, optimizer)
+        if key not in cache:
+            cache[key] = capture(load_workload(spec, batch=batch), optimizer=optimizer, num_groups=groups)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _tag_cache(tmp_path_factory, monkeypatch):
+    """Keep TAG's user cache (measured CPU spec, ...) inside the test session."""
+    monkeypatch.setenv("TAG_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "tag-cache"))

@@ -1,0 +1,77 @@
+"""The ``tag`` command line: help, JSON output, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tag.cli import COMMANDS, build_parser
+
+
+def tag(*args: str, check: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tag", *args], capture_output=True, text=True, check=check,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_every_command_has_help():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert set(sub.choices) <= set(COMMANDS)
+    assert {"inspect", "topology"} <= set(sub.choices)
+    for name, p in sub.choices.items():
+        assert p.format_help().strip(), name
+    r = tag("--help")
+    assert r.returncode == 0 and "inspect" in r.stdout
+
+
+def test_inspect_json():
+    r = tag("inspect", "--model", "mlp", "--batch", "16", "--groups", "3", "--json", check=True)
+    s = json.loads(r.stdout)
+    for key in ("num_ops", "num_groups", "flops_fwd_bwd", "param_bytes"):
+        assert key in s
+    assert s["num_groups"] == 3 and s["batch_size"] == 16 and s["flops_fwd_bwd"] > 0
+
+
+def test_topology_show():
+    r = tag("topology", "show", "topologies/tag-testbed.yaml", check=True)
+    assert "V100" in r.stdout and "22.4 Gbit/s" in r.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["inspect", "--model", "gtp2"], "did you mean gpt2"),
+    (["inspect", "--model", "no_such_pkg.mod:make"], "no_such_pkg"),
+    (["inspect", "--model", "mlp:layers=-1"], "layers"),
+    (["inspect", "--model", "mlp", "--batch", "0"], "--batch"),
+    (["topology", "show", "no/such/file.yaml"], "no/such/file.yaml"),
+])
+def test_bad_input_is_one_line(args, needle):
+    r = tag(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("text, field", [
+    ("name: x\nmachines: []\nnetwork: {bandwidth: 1 GB/s}\n", "machines"),
+    ("name: x\nmachines: [{name: a, gpu: V100-SXM2-16GB, count: 0}]\n", "count"),
+    ("name: x\nmachines: [{name: a, gpu: V100-SXM2-16GB, count: 2, intra_bandwidth: 10 GB/z}]\n", "intra_bandwidth"),
+    ("name: x\nmachines: [{name: a, gpu: V100-SXM2-16GB, count: 1}, {name: a, gpu: T4, count: 1}]\n"
+     "network: {bandwidth: 1 GB/s}\n", "name"),
+])
+def test_bad_topology_file(tmp_path, text, field):
+    path = tmp_path / "topo.yaml"
+    path.write_text(text)
+    r = tag("topology", "show", str(path))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "topo.yaml" in lines[0] and field in lines[0], r.stderr
+
+
+def test_debug_shows_traceback():
+    r = tag("--debug", "inspect", "--model", "gtp2")
+    assert r.returncode != 0 and "Traceback" in r.stderr

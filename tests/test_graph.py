@@ -1,0 +1,180 @@
+"""Capture, FLOP cross-check, batch-dimension probing, grouping invariants and stages."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from tag.errors import WorkloadError
+from tag.graph import OpGraph, capture
+from tag.graph.stages import build_stages, group_phase_assignment
+from tag.workloads import list_zoo, load_workload
+
+ZOO = sorted(list_zoo())
+
+
+def reference_flops(wl) -> float:
+    """FLOPs of one forward+backward measured by PyTorch's own counter in eager mode."""
+    model = wl.model
+    with FlopCounterMode(display=False) as fc:
+        model(*wl.inputs).backward()
+    model.zero_grad(set_to_none=True)
+    return float(fc.get_total_flops())
+
+
+@pytest.mark.parametrize("spec", ZOO)
+def test_zoo_flops_match_flop_counter(spec, captured):
+    cap = captured(spec)
+    ref = reference_flops(load_workload(spec))
+    assert ref > 0
+    assert cap.graph.flops(("fwd", "bwd")) == pytest.approx(ref, rel=0.05)
+
+
+FACTORY = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    class Odd(nn.Module):
+        """A model TAG has never seen: embedding, GRU, conv1d, a tied projection."""
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 24)
+            self.rnn = nn.GRU(24, 32, batch_first=True)
+            self.conv = nn.Conv1d(32, 24, 3, padding=1)
+            self.unused = nn.Linear(3, 3)  # never reaches the loss
+
+        def forward(self, ids, target):
+            h, _ = self.rnn(self.emb(ids))
+            h = self.conv(h.transpose(1, 2)).transpose(1, 2)
+            logits = h @ self.emb.weight.t()  # tied with the embedding
+            return nn.functional.cross_entropy(logits.reshape(-1, 50), target.reshape(-1))
+
+    def make(batch_size=4):
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 50, (batch_size, 10), generator=g)
+        return Odd(), (ids, torch.randint(0, 50, (batch_size, 10), generator=g))
+''')
+
+
+def test_unseen_factory_model(tmp_path):
+    path = tmp_path / "odd_model.py"
+    path.write_text(FACTORY)
+    wl = load_workload(f"{path}:make", batch=6)
+    cap = capture(wl, num_groups=6)
+    g = cap.graph
+    assert g.flops(("fwd", "bwd")) == pytest.approx(reference_flops(load_workload(f"{path}:make", batch=6)), rel=0.05)
+    names = {p.name for p in g.params}
+    assert not any("unused" in n for n in names)  # pruned: it gets no gradient
+    assert any("emb.weight" in n for n in names)
+    inputs = [t for t in g.tensors if t.kind == "input"]
+    assert [t.batch_dim for t in inputs] == [0, 0]
+
+
+def test_batch_probe_and_affine_costs(captured):
+    cap = captured("gpt2:n_layer=1,n_embd=64,n_head=2,seq=16", batch=4)
+    g = cap.graph
+    loss = g.tensors[g.loss]
+    assert loss.batch_dim is None
+    assert all(g.tensors[p.tensor].batch_dim is None for p in g.params)
+    assert any(t.batch_dim == 0 for t in g.tensors if t.kind == "activation")
+    # the affine fit from batches 4 and 5 predicts a capture at batch 9
+    big = capture(load_workload("gpt2:n_layer=1,n_embd=64,n_head=2,seq=16", batch=9), num_groups=16).graph
+    assert g.flops(("fwd", "bwd"), batch=9) == pytest.approx(big.flops(("fwd", "bwd")), rel=1e-6)
+    assert g.activation_bytes(9) == pytest.approx(big.activation_bytes(), rel=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["gpt2", "resnet", "mlp"])
+def test_grouping_invariants(spec, captured):
+    g = captured(spec).graph
+    seen = [0] * len(g.ops)
+    for grp in g.groups:
+        assert grp.ops, "no empty groups"
+        for i in grp.ops:
+            seen[i] += 1
+            assert g.ops[i].group == grp.index
+    assert seen == [1] * len(g.ops)
+    assert 1 <= g.num_groups <= 16
+    for p in g.params:
+        upd = g.ops[p.update]
+        grad_op = g.ops[g.tensors[p.grad].producer]
+        assert upd.group == p.group == grad_op.group
+    # acyclic group graph: forward data flows to the same or later groups, backward data to
+    # the same or earlier groups
+    for t in g.tensors:
+        if t.producer < 0:
+            continue
+        src = g.ops[t.producer]
+        for c in t.consumers:
+            dst = g.ops[c]
+            if src.phase == "fwd" and dst.phase == "fwd":
+                assert dst.group >= src.group
+            if src.phase == "bwd" and dst.phase == "bwd":
+                assert dst.group <= src.group
+
+
+def test_groups_balance_compute(captured):
+    from tag.graph.grouping import op_weight
+
+    g = captured("gpt2:n_layer=4", groups=8).graph
+    w = [sum(op_weight(g, i) for i in grp.ops) for grp in g.groups]
+    assert g.num_groups == 8
+    assert max(w) < 4 * (sum(w) / len(w))
+
+
+def test_graph_json_round_trip(captured):
+    g = captured("mlp").graph
+    g2 = OpGraph.from_json(g.to_json())
+    assert g2.signature() == g.signature()
+    assert g2.flops() == g.flops()
+    assert g2.to_dict() == g.to_dict()
+
+
+def test_stages_reproduce_joint_graph(captured):
+    cap = captured("gpt2:n_layer=1,n_embd=64,n_head=2,seq=16", batch=4)
+    wl = load_workload("gpt2:n_layer=1,n_embd=64,n_head=2,seq=16", batch=4)
+    stages = build_stages(cap, group_phase_assignment(cap))
+    env = {n: cap.state[t] for n, kind, t in cap.placeholders if kind != "input"}
+    user = [n for n, kind, _ in cap.placeholders if kind == "input"]
+    env.update(dict(zip(user, wl.inputs)))
+    g = cap.graph
+    order = [(i, "fwd") for i in range(g.num_groups)] + [(i, "bwd") for i in reversed(range(g.num_groups))]
+    for key in order:
+        if key in stages:
+            env.update(stages[key](env))
+    full = cap.joint(*[env[n] for n, _, _ in cap.placeholders])
+    outs = [a.name for a in next(n for n in cap.joint.graph.nodes if n.op == "output").all_input_nodes]
+    for name, ref in zip(outs, full):
+        assert torch.equal(env[name], ref), name
+
+
+def test_untraceable_model_is_one_line_error(tmp_path):
+    (tmp_path / "branchy.py").write_text(textwrap.dedent('''
+        import torch
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__(); self.l = torch.nn.Linear(4, 4)
+            def forward(self, x):
+                y = self.l(x)
+                if y.sum() > 0:          # data-dependent Python control flow
+                    return y.mean()
+                return (y * 2).mean()
+        def make(batch_size=4):
+            return M(), (torch.randn(batch_size, 4),)
+    '''))
+    with pytest.raises(WorkloadError) as e:
+        capture(load_workload(f"{tmp_path / 'branchy.py'}:make"))
+    assert "\n" not in str(e.value)
+    assert "capture" in str(e.value)
+
+
+def test_optimizer_choice_changes_state_bytes(captured):
+    adam = captured("mlp").graph
+    sgd = captured("mlp", optimizer="sgd-plain").graph
+    assert sum(p.opt_state_bytes for p in adam.params) == 2 * adam.param_bytes
+    assert sum(p.opt_state_bytes for p in sgd.params) == 0
+    assert {op.target for op in sgd.ops if op.phase == "opt"} == {"optim.sgd-plain"}
+    with pytest.raises(WorkloadError):
+        capture(load_workload("mlp"), optimizer="lamb")
