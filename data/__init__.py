@@ -1,0 +1,1 @@
+"""TAG data package."""

@@ -1,0 +1,1 @@
+"""TAG evaluation package."""

@@ -1,0 +1,1 @@
+"""TAG training package."""
