@@ -1,0 +1,314 @@
+"""Joint encoding of (op graph, topology, partial plan, simulator feedback) as a ``HeteroData``.
+
+Node types:
+
+* ``group``  - op-groups (``K``);
+* ``device`` - devices (``D``);
+* ``action`` - the candidate actions of the op-group decided next (``A``); they take no part in
+  message passing, the policy head scores them from the device and group embeddings.
+
+Edge types (``edge_attr`` columns listed in :data:`SCHEMA`):
+
+* ``(group, feeds, group)`` / ``(group, fed_by, group)`` - data flow, bytes crossing per iteration;
+* ``(device, link, device)`` - every ordered pair: bandwidth, latency, same machine;
+* ``(group, on, device)`` / ``(device, hosts, group)`` - complete bipartite cross edges: the
+  group's estimated time on the device and the current decision (placement bit, batch share,
+  parameter server);
+* ``(action, uses, device)`` - the devices of each candidate action with their batch share.
+
+Features are **raw physical quantities** (seconds, bytes, bytes/s, FLOP/s) tagged with a *kind*
+in :data:`SCHEMA`; :class:`tag.gnn.transforms.JointNormalize` maps them to scale-free values
+(times relative to the better data-parallel iteration time, bytes as time on a typical link, ...)
+so that one network serves models and clusters of very different scale. Static columns come from
+the graph, the cost tables and the GPU catalog; dynamic ones from the partial plan and from the
+simulator's feedback on it (per-device utilisation and peak-memory ratio, per-group finish time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch_geometric.data import HeteroData
+
+from ..search.space import SYNC_NAMES, ActionSpace
+
+# (column name, kind). Kinds: time [s], bytes [B], bw [B/s], lat [s], mem [B], flops [FLOP/s],
+# membw [B/s], ratio [1], flag [0/1].
+SCHEMA: dict[str, list[tuple[str, str]]] = {
+    "group": [
+        ("t_fast_b1", "time"), ("t_fast_b2", "time"), ("t_fast_b4", "time"), ("t_fast_b8", "time"),
+        ("t_slow_b1", "time"), ("param_bytes", "bytes"), ("opt_bytes", "bytes"), ("act_bytes", "bytes"),
+        ("param_frac", "ratio"), ("position", "ratio"), ("rank", "ratio"),
+        ("decided", "flag"), ("current", "flag"), ("sync_allreduce", "flag"), ("sync_ps", "flag"),
+        ("sync_mp", "flag"), ("ndev_frac", "ratio"), ("finish", "ratio"), ("is_default", "flag"),
+    ],
+    "device": [
+        ("flops_rel", "ratio"), ("flops", "flops"), ("memory", "mem"), ("mem_bw", "membw"),
+        ("intra_bw", "bw"), ("machine_frac", "ratio"), ("speed_rel", "ratio"),
+        ("util", "ratio"), ("mem_ratio", "ratio"), ("comm_ratio", "ratio"), ("load_frac", "ratio"),
+        ("in_current", "flag"), ("current_share", "ratio"),
+    ],
+    "action": [
+        ("ndev_frac", "ratio"), ("sync_allreduce", "flag"), ("sync_ps", "flag"), ("sync_mp", "flag"),
+        ("compute", "time"), ("sync_time", "time"), ("mem_need", "ratio"), ("is_resolved", "flag"),
+        ("is_prev", "flag"), ("machines_frac", "ratio"),
+    ],
+    "feeds": [("bytes", "bytes"), ("same_devices", "flag")],
+    "link": [("bandwidth", "bw"), ("latency", "lat"), ("same_machine", "flag")],
+    "on": [("t_full", "time"), ("t_share", "time"), ("placed", "flag"), ("share", "ratio"), ("server", "flag")],
+    "uses": [("share", "ratio")],
+}
+NODE_TYPES = ("group", "device", "action")
+REL = {
+    "feeds": ("group", "feeds", "group"),
+    "fed_by": ("group", "fed_by", "group"),
+    "link": ("device", "link", "device"),
+    "on": ("group", "on", "device"),
+    "hosts": ("device", "hosts", "group"),
+    "uses": ("action", "uses", "device"),
+}
+EDGE_SCHEMA = {"feeds": "feeds", "fed_by": "feeds", "link": "link", "on": "on", "hosts": "on", "uses": "uses"}
+MESSAGE_RELATIONS = ("feeds", "fed_by", "link", "on", "hosts")
+
+
+def dims() -> dict[str, int]:
+    """Feature widths per node type and per relation."""
+    out = {nt: len(SCHEMA[nt]) for nt in NODE_TYPES}
+    out.update({r: len(SCHEMA[EDGE_SCHEMA[r]]) for r in REL})
+    return out
+
+
+class JointContext:
+    """Static part of the encoding of one (graph, topology); builds states' ``HeteroData`` fast.
+
+    Args:
+        space: the action space (it holds the graph, the topology and the cost tables).
+        t_ref: reference iteration time (s), the better data-parallel baseline's.
+    """
+
+    def __init__(self, space: ActionSpace, t_ref: float):
+        self.space = space
+        self.t_ref = float(t_ref)
+        g, topo, c = space.graph, space.topology, space.costs
+        k, d, a = space.num_groups, space.num_devices, space.num_actions
+        self.k, self.d, self.a = k, d, a
+        gt = c.group_time  # [K, D, 4]
+        fast = int(np.argmax(c.device_speed))
+        slow = int(np.argmin(c.device_speed))
+        total_p = float(c.param_bytes.sum()) or 1.0
+        self.total_param_bytes = total_p
+        bw = topo.bandwidth_matrix
+        off = bw[~np.eye(d, dtype=bool)] if d > 1 else np.array([])
+        finite = off[np.isfinite(off)]
+        self.bw_ref = float(np.median(finite)) if finite.size else 100e9
+        # ---- group static
+        gs = np.zeros((k, 11))
+        gs[:, 0:4] = gt[:, fast, :]
+        gs[:, 4] = gt[:, slow, 0]
+        gs[:, 5] = c.param_bytes
+        gs[:, 6] = c.opt_bytes
+        gs[:, 7] = c.act_bytes
+        gs[:, 8] = c.param_bytes / total_p
+        gs[:, 9] = np.arange(k) / max(k - 1, 1)
+        gs[:, 10] = space.rank / max(k - 1, 1)
+        self.group_static = gs
+        # ---- device static
+        flops = np.array([dv.gpu.fp32_flops for dv in topo.devices])
+        ds = np.zeros((d, 7))
+        ds[:, 0] = flops / flops.max()
+        ds[:, 1] = flops
+        ds[:, 2] = [dv.gpu.memory_bytes for dv in topo.devices]
+        ds[:, 3] = [dv.gpu.memory_bandwidth for dv in topo.devices]
+        intra = []
+        for dv in topo.devices:
+            m = topo.machines[topo.machine_of(dv.index)]
+            intra.append(m.intra_bandwidth if m.intra_bandwidth is not None else 1e12)
+        ds[:, 4] = intra
+        ds[:, 5] = [topo.machines[topo.machine_of(i)].count / d for i in range(d)]
+        ds[:, 6] = c.device_speed / c.device_speed.max()
+        self.device_static = ds
+        self.mem_cap = ds[:, 2]
+        # ---- edges
+        flow = sorted(c.flow.items())
+        self.flow_src = np.array([f[0][0] for f in flow], dtype=np.int64)
+        self.flow_dst = np.array([f[0][1] for f in flow], dtype=np.int64)
+        self.flow_bytes = np.array([f[1] for f in flow], dtype=np.float64)
+        src, dst = np.nonzero(~np.eye(d, dtype=bool))
+        self.link_src, self.link_dst = src.astype(np.int64), dst.astype(np.int64)
+        mo = np.array([topo.machine_of(i) for i in range(d)])
+        lat = topo.latency_matrix
+        self.link_attr = np.stack([bw[src, dst], lat[src, dst], (mo[src] == mo[dst]).astype(float)], 1) \
+            if len(src) else np.zeros((0, 3))
+        gg, dd = np.meshgrid(np.arange(k), np.arange(d), indexing="ij")
+        self.on_src, self.on_dst = gg.reshape(-1), dd.reshape(-1)
+        self.on_tfull = gt[:, :, 0].reshape(-1)
+        # ---- per (group, action) materialisation tables
+        self.plans = [[space.group_plan(gi, ai) for ai in range(a)] for gi in range(k)]
+        self.place = np.zeros((k, a, d))  # batch share per device (mp: 1/n)
+        self.server = np.full((k, a), -1, np.int64)
+        for gi in range(k):
+            for ai, gp in enumerate(self.plans[gi]):
+                if gp.sync == "mp":
+                    self.place[gi, ai, gp.devices] = 1.0 / len(gp.devices)
+                else:
+                    self.place[gi, ai, gp.devices] = gp.shares
+                if gp.server is not None:
+                    self.server[gi, ai] = gp.server
+        self.sync_idx = space.sync_index
+        self.ndev = space.membership.sum(axis=1)
+        self.machines_frac = np.array([len({topo.machine_of(x) for x in act.devices}) / topo.num_machines
+                                       for act in space.actions])
+        self.action_feats = self._action_static()
+        mem = space.membership
+        self.uses_src, self.uses_dst = np.nonzero(mem)
+
+    def _action_static(self) -> np.ndarray:
+        """[K, A, 7]: compute, sync time and memory need of every action for every group."""
+        sp, c, topo = self.space, self.space.costs, self.space.topology
+        k, a = self.k, self.a
+        bw = topo.bandwidth_matrix
+        lat = topo.latency_matrix
+        out = np.zeros((k, a, 3))
+        for ai, act in enumerate(sp.actions):
+            devs = list(act.devices)
+            n = len(devs)
+            if n > 1:
+                sub = bw[np.ix_(devs, devs)][~np.eye(n, dtype=bool)]
+                bmin = float(sub.min())
+                lmax = float(lat[np.ix_(devs, devs)].max())
+            else:
+                bmin, lmax = math.inf, 0.0
+            for gi in range(k):
+                tg = c.group_time[gi, devs, 0]
+                p = c.param_bytes[gi]
+                if act.sync == "mp":
+                    n_mp = len(self.plans[gi][ai].devices)
+                    comp = float(tg.min())
+                    sync = 0.0 if n_mp == 1 else 2 * c.act_bytes[gi] / n_mp / bmin
+                    need = (2 * p + c.opt_bytes[gi] + c.act_bytes[gi]) / n_mp
+                else:
+                    comp = 1.0 / float(np.sum(1.0 / np.maximum(tg, 1e-15)))
+                    if n == 1:
+                        sync = 0.0
+                    elif act.sync == "allreduce":
+                        sync = 2 * (n - 1) / n * p / bmin + 2 * (n - 1) * lmax
+                    else:
+                        sync = 2 * n * p / bmin + 2 * lmax
+                    need = 2 * p + c.opt_bytes[gi] + c.act_bytes[gi] / n
+                cap = float(self.mem_cap[devs].min())
+                out[gi, ai] = (comp, sync, need / cap)
+        return out
+
+    # ------------------------------------------------------------------ states
+    def encode(self, states: Sequence, targets: Sequence | None = None) -> HeteroData:
+        """Disjoint union of the encodings of ``states`` (``SearchState``-like: ``assign``,
+        ``group``, ``feedback``) as one ``HeteroData`` with ``batch`` vectors per node type.
+
+        ``targets``: optional per-state ``(visits [A], value)`` stored as ``action.pi`` and
+        ``value`` (training data)."""
+        sp = self.space
+        k, d, a = self.k, self.d, self.a
+        n = len(states)
+        gx, dx, ax, on_attr, feeds_attr, uses_attr = [], [], [], [], [], []
+        for st in states:
+            assign = np.asarray(st.assign)
+            res = np.asarray(st.resolved if getattr(st, "resolved", None) is not None else sp.resolve(assign))
+            cur = int(st.group)
+            fb = st.feedback
+            decided = (assign >= 0).astype(float)
+            sync = self.sync_idx[res]
+            gdyn = np.zeros((k, 8))
+            gdyn[:, 0] = decided
+            if cur >= 0:
+                gdyn[cur, 1] = 1.0
+            gdyn[np.arange(k), 2 + sync] = 1.0
+            gdyn[:, 5] = self.ndev[res] / d
+            gdyn[:, 6] = np.clip(fb.group_finish, 0, 10)
+            gdyn[:, 7] = (res == sp.default_action).astype(float)
+            gx.append(np.concatenate([self.group_static, gdyn], 1))
+            place = self.place[np.arange(k), res]  # [K, D]
+            ddyn = np.zeros((d, 6))
+            ddyn[:, 0] = np.clip(fb.device_util, 0, 10)
+            ddyn[:, 1] = np.clip(fb.device_mem, 0, 10)
+            ddyn[:, 2] = np.clip(fb.device_comm, 0, 10)
+            ddyn[:, 3] = (place > 0).sum(0) / k
+            if cur >= 0:
+                ddyn[:, 4] = place[cur] > 0
+                ddyn[:, 5] = place[cur]
+            dx.append(np.concatenate([self.device_static, ddyn], 1))
+            srv = np.zeros((k, d))
+            sv = self.server[np.arange(k), res]
+            has = sv >= 0
+            srv[np.arange(k)[has], sv[has]] = 1.0
+            share = place.reshape(-1)
+            t_share = self.on_tfull * np.where(share > 0, 0.1 + 0.9 * share, 0.0)
+            on_attr.append(np.stack([self.on_tfull, t_share, (share > 0).astype(float), share,
+                                     srv.reshape(-1)], 1))
+            feeds_attr.append(np.stack([self.flow_bytes, np.array(
+                [float(res[s] == res[t]) for s, t in zip(self.flow_src, self.flow_dst)])], 1)
+                if len(self.flow_src) else np.zeros((0, 2)))
+            # actions of the current group
+            afe = np.zeros((a, 10))
+            afe[:, 0] = self.ndev / d
+            afe[np.arange(a), 1 + self.sync_idx] = 1.0
+            gi = cur if cur >= 0 else 0
+            afe[:, 4:7] = self.action_feats[gi]
+            if cur >= 0:
+                afe[res[cur], 7] = 1.0
+                prev = _previous_decided(assign, sp.order)
+                if prev is not None:
+                    afe[prev, 8] = 1.0
+            afe[:, 9] = self.machines_frac
+            ax.append(afe)
+            uses_attr.append(self.place[gi, self.uses_src, self.uses_dst][:, None])
+        data = HeteroData()
+        data.num_states = n
+        data["group"].x = _t(np.concatenate(gx))
+        data["device"].x = _t(np.concatenate(dx))
+        data["action"].x = _t(np.concatenate(ax))
+        for nt, cnt in (("group", k), ("device", d), ("action", a)):
+            data[nt].batch = torch.arange(n).repeat_interleave(cnt)
+            data[nt].num_nodes = n * cnt
+        data["group"].current = _t(np.concatenate([x[:, 12] for x in gx]))
+
+        def rep(src, dst, ns, nd):
+            off_s = (np.arange(n) * ns)[:, None]
+            off_d = (np.arange(n) * nd)[:, None]
+            return torch.from_numpy(np.stack([(src[None] + off_s).reshape(-1), (dst[None] + off_d).reshape(-1)]))
+
+        data[REL["feeds"]].edge_index = rep(self.flow_src, self.flow_dst, k, k)
+        data[REL["feeds"]].edge_attr = _t(np.concatenate(feeds_attr))
+        data[REL["fed_by"]].edge_index = rep(self.flow_dst, self.flow_src, k, k)
+        data[REL["fed_by"]].edge_attr = data[REL["feeds"]].edge_attr
+        data[REL["link"]].edge_index = rep(self.link_src, self.link_dst, d, d)
+        data[REL["link"]].edge_attr = _t(np.tile(self.link_attr, (n, 1)))
+        data[REL["on"]].edge_index = rep(self.on_src, self.on_dst, k, d)
+        data[REL["on"]].edge_attr = _t(np.concatenate(on_attr))
+        data[REL["hosts"]].edge_index = rep(self.on_dst, self.on_src, d, k)
+        data[REL["hosts"]].edge_attr = data[REL["on"]].edge_attr
+        data[REL["uses"]].edge_index = rep(self.uses_src, self.uses_dst, a, d)
+        data[REL["uses"]].edge_attr = _t(np.concatenate(uses_attr))
+        # per-state scale for the normalising transform
+        data.t_ref = torch.full((n,), self.t_ref, dtype=torch.float32)
+        data.bw_ref = torch.full((n,), self.bw_ref, dtype=torch.float32)
+        data.param_ref = torch.full((n,), self.total_param_bytes, dtype=torch.float32)
+        if targets is not None:
+            data["action"].pi = _t(np.concatenate([np.asarray(t[0], dtype=np.float64) for t in targets]))
+            data.value = torch.tensor([float(t[1]) for t in targets], dtype=torch.float32)
+        return data
+
+
+def _previous_decided(assign: np.ndarray, order: list[int]) -> int | None:
+    prev = None
+    for g in order:
+        if assign[g] < 0:
+            break
+        prev = int(assign[g])
+    return prev
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(a, dtype=np.float32))

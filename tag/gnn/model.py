@@ -1,0 +1,139 @@
+"""The joint GNN: encoder over op-groups and devices, a policy head and a value head."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+from torch_geometric.data import HeteroData
+from torch_geometric.utils import scatter, softmax
+
+from .features import MESSAGE_RELATIONS, NODE_TYPES, REL, dims
+from .layers import JointConv
+
+VALUE_CLIP = 3.0
+"""Value targets are ``log(t / t_ref)`` clipped to ``[-VALUE_CLIP, VALUE_CLIP]`` (OOM: the top)."""
+
+
+@dataclass
+class NetConfig:
+    """Shape of :class:`TagNet`."""
+
+    hidden: int = 64
+    """Width of node embeddings."""
+    layers: int = 3
+    """Message-passing rounds."""
+    heads: int = 4
+    """Attention heads per relation (must divide ``hidden``)."""
+    dropout: float = 0.0
+    """Attention dropout."""
+
+    def __post_init__(self):
+        if self.hidden < 4:
+            raise ValueError(f"hidden: expected >= 4, got {self.hidden}")
+        if self.layers < 1:
+            raise ValueError(f"layers: expected >= 1, got {self.layers}")
+        if self.heads < 1 or self.hidden % self.heads:
+            raise ValueError(f"heads: expected a divisor of hidden ({self.hidden}), got {self.heads}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout: expected in [0, 1), got {self.dropout}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _mlp(i: int, h: int, o: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(i, h), nn.ELU(), nn.Linear(h, o))
+
+
+class TagNet(nn.Module):
+    r"""Policy / value network over the joint encoding (:mod:`tag.gnn.features`).
+
+    Node and edge features are embedded by per-type linear maps, refined by ``layers``
+    :class:`JointConv` rounds, then
+
+    * **policy**: for each candidate action :math:`a` of the group :math:`g` being decided,
+      :math:`\ell_a = \mathrm{MLP}([\mathbf{h}_g \,\|\, \mathrm{mean}_{d \in a} \mathbf{h}_d \,\|\,
+      \max_{d \in a} \mathbf{h}_d \,\|\, \sum_{d \in a} s_{ad} \mathbf{h}_d \,\|\, \mathbf{x}_a \,\|\, \mathbf{z}])`,
+      softmax over each state's actions (:math:`s_{ad}` the batch share, :math:`\mathbf{z}` the
+      pooled graph embedding);
+    * **value**: :math:`\mathrm{MLP}(\mathbf{z})`, the predicted ``log(t / t_ref)`` of the final plan.
+
+    Args:
+        cfg: :class:`NetConfig`.
+
+    Shapes:
+        - **input:** a (batched) normalised ``HeteroData`` from :meth:`JointContext.encode`.
+        - **output:** ``(logits (|V_action|,), value (num_states,))``; logits are normalised
+          with :func:`action_log_probs`.
+    """
+
+    def __init__(self, cfg: NetConfig | None = None):
+        super().__init__()
+        self.cfg = cfg = cfg or NetConfig()
+        dm = dims()
+        h = cfg.hidden
+        self.node_in = nn.ModuleDict({t: nn.Linear(dm[t], h) for t in NODE_TYPES})
+        self.rels = [REL[r] for r in MESSAGE_RELATIONS]
+        self.edge_in = nn.ModuleDict({r: nn.Linear(dm[r], h // 2) for r in MESSAGE_RELATIONS})
+        edge_dim = {REL[r]: h // 2 for r in MESSAGE_RELATIONS}
+        self.convs = nn.ModuleList([
+            JointConv(self.rels, ["group", "device"], h, edge_dim, cfg.heads, cfg.dropout)
+            for _ in range(cfg.layers)
+        ])
+        self.uses_in = nn.Linear(dm["uses"], 1)
+        self.policy = _mlp(6 * h, h, 1)
+        self.value = _mlp(2 * h, h, 1)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+        for c in self.convs:
+            c.reset_parameters()
+
+    def forward(self, data: HeteroData) -> tuple[Tensor, Tensor]:
+        x = {t: torch.relu(self.node_in[t](data[t].x)) for t in NODE_TYPES}
+        ei = {REL[r]: data[REL[r]].edge_index for r in MESSAGE_RELATIONS}
+        ea = {REL[r]: self.edge_in[r](data[REL[r]].edge_attr) for r in MESSAGE_RELATIONS}
+        hx = {"group": x["group"], "device": x["device"]}
+        for conv in self.convs:
+            hx = conv(hx, ei, ea)
+        hg, hd, ha = hx["group"], hx["device"], x["action"]
+        gb, db, ab = data["group"].batch, data["device"].batch, data["action"].batch
+        n = int(data.t_ref.numel())
+        z = torch.cat([scatter(hg, gb, 0, dim_size=n, reduce="mean"),
+                       scatter(hd, db, 0, dim_size=n, reduce="mean")], 1)
+        cur_mask = data["group"].current > 0.5
+        h_cur = torch.zeros(n, hg.size(1), dtype=hg.dtype)
+        h_cur = h_cur.index_add(0, gb[cur_mask], hg[cur_mask])
+        src, dst = data[REL["uses"]].edge_index
+        share = data[REL["uses"]].edge_attr[:, :1]
+        na = ha.size(0)
+        mean_d = scatter(hd[dst], src, 0, dim_size=na, reduce="mean")
+        max_d = scatter(hd[dst], src, 0, dim_size=na, reduce="max")
+        wsum = scatter(hd[dst] * share, src, 0, dim_size=na, reduce="sum")
+        feats = torch.cat([h_cur[ab], mean_d, max_d, wsum, ha, z[ab][:, : hg.size(1)]], 1)
+        logits = self.policy(feats).squeeze(-1)
+        value = self.value(z).squeeze(-1)
+        return logits, value
+
+
+def action_log_probs(logits: Tensor, batch: Tensor) -> Tensor:
+    """Log-softmax of ``logits`` within each state (``batch``: state of each action)."""
+    return torch.log(softmax(logits, batch).clamp_min(1e-12))
+
+
+def value_to_reward(v: Tensor) -> Tensor:
+    """Predicted ``log(t / t_ref)`` -> reward ``t_ref / t - 1``."""
+    return torch.exp(-v.clamp(-VALUE_CLIP, VALUE_CLIP)) - 1.0
+
+
+def reward_to_value(r: float) -> float:
+    """Reward (``-1`` = OOM) -> value target ``log(t / t_ref)`` clipped."""
+    import math
+    if r <= -1.0 + 1e-9:
+        return VALUE_CLIP
+    return max(-VALUE_CLIP, min(VALUE_CLIP, -math.log(1.0 + r)))

@@ -1,0 +1,95 @@
+"""Load a trained :class:`TagNet` and use it as the search's prior / value model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import TagError
+from .features import JointContext
+from .model import NetConfig, TagNet, value_to_reward
+from .transforms import JointNormalize
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "predictor.pt"
+"""The shipped predictor (``tag train`` reproduces it)."""
+
+
+class CheckpointError(TagError):
+    """A predictor checkpoint is missing or malformed."""
+
+
+def save_checkpoint(path: str | os.PathLike, net: TagNet, meta: dict | None = None) -> None:
+    """Write a predictor checkpoint (weights and config only, loadable with ``weights_only``)."""
+    import io
+
+    from ..io import write_atomic
+    buf = io.BytesIO()
+    torch.save({"format": "tag-predictor", "version": 1, "config": net.cfg.to_dict(),
+                "state_dict": {k: v.detach().clone() for k, v in net.state_dict().items()},
+                "meta": dict(meta or {})}, buf)
+    write_atomic(path, buf.getvalue())
+
+
+def load_net(path: str | os.PathLike | None = None) -> tuple[TagNet, dict]:
+    """Load a predictor checkpoint (default: the shipped one)."""
+    p = Path(path) if path is not None else DEFAULT_CHECKPOINT
+    try:
+        ck = torch.load(p, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{p}: predictor checkpoint not found (train one with `tag train`)") from None
+    except Exception as e:  # noqa: BLE001 - torch raises many types for corrupt files
+        raise CheckpointError(f"{p}: not a predictor checkpoint: {str(e).splitlines()[0]}") from None
+    if not isinstance(ck, dict) or ck.get("format") != "tag-predictor":
+        raise CheckpointError(f"{p}: format: expected 'tag-predictor' checkpoint")
+    try:
+        net = TagNet(NetConfig(**ck["config"]))
+        net.load_state_dict(ck["state_dict"])
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"{p}: config/state_dict: {str(e).splitlines()[0]}") from None
+    net.eval()
+    return net, ck.get("meta", {})
+
+
+class Predictor:
+    """Batched prior / value calls of a :class:`TagNet` for the searchers.
+
+    ``predictor.bind(space, t_ref)`` gives a ``prior_fn(space, states)`` for
+    :func:`tag.search.mcts.run_playouts`.
+    """
+
+    def __init__(self, net: TagNet):
+        self.net = net.eval()
+        self.norm = JointNormalize()
+        self._ctx: dict[int, JointContext] = {}
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None) -> Predictor:
+        return cls(load_net(path)[0])
+
+    def context(self, space, t_ref: float) -> JointContext:
+        key = id(space)
+        ctx = self._ctx.get(key)
+        if ctx is None or ctx.space is not space or ctx.t_ref != t_ref:
+            ctx = JointContext(space, t_ref)
+            self._ctx = {key: ctx}
+        return ctx
+
+    @torch.no_grad()
+    def predict(self, ctx: JointContext, states: Sequence) -> tuple[np.ndarray, np.ndarray]:
+        """``(priors [n, A], predicted rewards [n])``."""
+        data = self.norm(ctx.encode(states))
+        logits, value = self.net(data)
+        logits = logits.view(len(states), ctx.a)
+        pri = torch.softmax(logits.double(), dim=1).numpy()
+        return pri, value_to_reward(value).double().numpy()
+
+    def bind(self, space, t_ref: float):
+        ctx = self.context(space, t_ref)
+
+        def prior_fn(sp, states):
+            return self.predict(ctx, states)
+        return prior_fn

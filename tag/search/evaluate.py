@@ -1,0 +1,164 @@
+"""Score plans with the simulator: cached, counted, relative to the data-parallel baselines.
+
+Reward (as TAG): ``r = t_ref / t - 1`` where ``t_ref`` is the better of the two data-parallel
+baselines (even and speed-proportional shares), so ``r > 0`` means beating both; a plan that does
+not fit in memory gets ``r = -1``, the worst possible reward.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..plan.baselines import data_parallel
+from .space import ActionSpace
+
+OOM_REWARD = -1.0
+
+
+@dataclass
+class Feedback:
+    """What the simulator said about one plan, normalised by its iteration time."""
+
+    iteration_time_s: float
+    oom: bool
+    device_util: np.ndarray
+    """[D] compute time / iteration time."""
+    device_mem: np.ndarray
+    """[D] peak memory / capacity."""
+    device_comm: np.ndarray
+    """[D] communication time / iteration time."""
+    group_finish: np.ndarray
+    """[K] finish time of each op-group / iteration time."""
+
+    @classmethod
+    def neutral(cls, num_devices: int, num_groups: int) -> Feedback:
+        z = np.zeros(num_devices)
+        return cls(math.nan, False, z, z, z, np.zeros(num_groups))
+
+    @classmethod
+    def from_result(cls, res, num_devices: int, num_groups: int) -> Feedback:
+        t = float(res.iteration_time_s)
+        scale = 1.0 / t if t > 0 and math.isfinite(t) else 0.0
+
+        def vec(name, n, div=None):
+            v = getattr(res, name, None)
+            if v is None:
+                return np.zeros(n)
+            a = np.asarray(v, dtype=np.float64).reshape(-1)
+            if a.size != n:
+                return np.zeros(n)
+            return a * scale if div is None else a / div
+
+        cap = getattr(res, "memory_capacity_bytes", None)
+        if cap is None:
+            capv = np.ones(num_devices) * np.inf
+        else:
+            capv = np.broadcast_to(np.asarray(cap, dtype=np.float64), (num_devices,))
+        mem = vec("peak_memory_bytes", num_devices, np.maximum(capv, 1.0))
+        return cls(t, bool(getattr(res, "oom", False)), np.nan_to_num(vec("compute_time_s", num_devices)),
+                   np.nan_to_num(mem), np.nan_to_num(vec("comm_time_s", num_devices)),
+                   np.nan_to_num(vec("group_finish_s", num_groups)))
+
+
+@dataclass
+class Outcome:
+    time_s: float
+    oom: bool
+    reward: float
+    feedback: Feedback
+
+
+@dataclass
+class Evaluator:
+    """Simulates resolved action tuples, caches them and keeps the best plan seen.
+
+    Args:
+        space: the action space.
+        simulator: anything with ``run(list[GroupPlan]) -> SimResult`` (default: a
+            :class:`tag.sim.Simulator` on the space's graph and topology).
+        costs: cost model passed to the default simulator.
+    """
+
+    space: ActionSpace
+    simulator: object = None
+    costs: object = None
+    cache: dict = field(default_factory=dict)
+    sim_calls: int = 0
+    sim_seconds: float = 0.0
+    history: list = field(default_factory=list)
+    """(sim call number, best time so far) after every simulator call."""
+
+    def __post_init__(self):
+        if self.simulator is None:
+            from ..sim import Simulator
+            self.simulator = Simulator(self.space.graph, self.space.topology, self.costs)
+        sp = self.space
+        self.dp_even = data_parallel(sp.graph, sp.topology, proportional=False)
+        self.dp_prop = data_parallel(sp.graph, sp.topology, proportional=True)
+        self.dp_even_out = self._run_groups(self.dp_even.groups)
+        self.dp_prop_out = self._run_groups(self.dp_prop.groups)
+        cands = [o.time_s for o in (self.dp_even_out, self.dp_prop_out) if not o.oom and math.isfinite(o.time_s)]
+        if cands:
+            self.t_ref = min(cands)
+        else:  # both baselines OOM: any sensible scale will do
+            self.t_ref = float(np.sum(sp.costs.group_time_full.min(axis=1))) or 1.0
+        for o in (self.dp_even_out, self.dp_prop_out):
+            o.reward = self.reward(o.time_s, o.oom)
+        # Best so far: the better baseline (never return anything worse).
+        if (self.dp_prop_out.oom, self.dp_prop_out.time_s) <= (self.dp_even_out.oom, self.dp_even_out.time_s):
+            self.best_groups, self.best = self.dp_prop.groups, self.dp_prop_out
+            self.best_source = "dp-prop"
+        else:
+            self.best_groups, self.best = self.dp_even.groups, self.dp_even_out
+            self.best_source = "dp-even"
+        self.best_actions: tuple | None = None
+        self.history = [(self.sim_calls, self.best_time)]
+
+    @property
+    def best_time(self) -> float:
+        return math.inf if self.best.oom else self.best.time_s
+
+    @property
+    def best_reward(self) -> float:
+        return self.best.reward
+
+    def reward(self, t: float, oom: bool) -> float:
+        if oom or not math.isfinite(t) or t <= 0:
+            return OOM_REWARD
+        return self.t_ref / t - 1.0
+
+    def _run_groups(self, groups) -> Outcome:
+        t0 = time.perf_counter()
+        res = self.simulator.run(groups)
+        self.sim_seconds += time.perf_counter() - t0
+        self.sim_calls += 1
+        fb = Feedback.from_result(res, self.space.num_devices, self.space.num_groups)
+        return Outcome(fb.iteration_time_s, fb.oom, 0.0, fb)
+
+    def evaluate(self, actions: tuple) -> Outcome:
+        """Simulate a full action tuple (cached)."""
+        out = self.cache.get(actions)
+        if out is not None:
+            return out
+        out = self._run_groups(self.space.group_plans(actions))
+        out.reward = self.reward(out.time_s, out.oom)
+        self.cache[actions] = out
+        if out.reward > self.best.reward or (self.best.oom and not out.oom):
+            self.best, self.best_actions = out, actions
+            self.best_groups = None
+            self.best_source = "search"
+        self.history.append((self.sim_calls, self.best_time))
+        return out
+
+    def evaluate_partial(self, assign) -> tuple[tuple, Outcome]:
+        acts = self.space.resolve(assign)
+        return acts, self.evaluate(acts)
+
+    def best_plan_groups(self):
+        if self.best_actions is not None and self.best_groups is None:
+            return self.space.group_plans(self.best_actions)
+        return [g for g in self.best_groups]

@@ -1,0 +1,389 @@
+"""Monte-Carlo tree search with PUCT over per-group decisions (mctx style).
+
+The tree is an explicit set of arrays (:class:`Tree`); search is a handful of small functions
+over it (:func:`select`, :func:`expand`, :func:`backup`, :func:`visit_distribution`); the prior /
+value model, the plan evaluator and the random generator are passed in.
+
+One *playout*: descend from the root by PUCT
+
+    a* = argmax_a  Q̂(s, a) + c_puct · P(s, a) · sqrt(N(s)) / (1 + N(s, a))
+
+(``Q̂`` min-max normalised over the tree, unvisited children valued at their parent's mean),
+add one node, evaluate it, and back its value up the path. A node's state is a partial plan:
+the actions on its path, one per op-group in the space's decision order. The leaf's value is
+the simulator's reward of the partial plan completed with the defaults (TAG; the completion is a
+plan reachable from the node, so it is an achievable reward), or - with a value head and
+``value_cut`` - the network's prediction when it says the leaf cannot beat the best plan so far
+by a margin, which saves the simulator call. Playouts are collected in waves of ``batch``
+leaves (virtual loss keeps them apart), and each wave is one batched network call.
+
+Every simulated plan is a complete plan; the search returns the best one seen, which is never
+worse than the better data-parallel baseline (the evaluator scores both first).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .evaluate import Evaluator, Feedback
+from .space import ActionSpace
+
+
+@dataclass
+class SearchState:
+    """What the prior / value model sees: a partial plan and the simulator's latest word on it."""
+
+    assign: np.ndarray
+    """[K] action index per op-group, -1 where undecided."""
+    group: int
+    """The op-group decided next (-1 when every group is decided)."""
+    feedback: Feedback
+    """Simulator feedback of the nearest simulated ancestor (or the state itself)."""
+    resolved: tuple | None = None
+    """Full action tuple after defaults (filled on demand)."""
+
+
+PriorFn = Callable[[ActionSpace, Sequence[SearchState]], tuple[np.ndarray, np.ndarray]]
+"""``prior_fn(space, states) -> (priors [n, A], values [n])``; values are predicted rewards."""
+
+
+def uniform_prior(space: ActionSpace, states: Sequence[SearchState]) -> tuple[np.ndarray, np.ndarray]:
+    """Uniform prior over every action, no value (MCTS without a network)."""
+    n = len(states)
+    return np.full((n, space.num_actions), 1.0 / space.num_actions), np.full(n, np.nan)
+
+
+@dataclass
+class Tree:
+    """Explicit search tree; node 0 is the root of the whole episode."""
+
+    num_actions: int
+    capacity: int = 256
+    parent: np.ndarray = field(init=False)
+    action: np.ndarray = field(init=False)
+    depth: np.ndarray = field(init=False)
+    visits: np.ndarray = field(init=False)
+    value_sum: np.ndarray = field(init=False)
+    best: np.ndarray = field(init=False)
+    """Best simulated reward in the node's subtree (-inf if none)."""
+    prior: np.ndarray = field(init=False)
+    children: np.ndarray = field(init=False)
+    expanded: np.ndarray = field(init=False)
+    """Whether the node's prior is set (False while its evaluation is pending)."""
+    feedback: list = field(init=False)
+    size: int = 0
+
+    def __post_init__(self):
+        c, a = self.capacity, self.num_actions
+        self.parent = np.full(c, -1, np.int64)
+        self.action = np.full(c, -1, np.int64)
+        self.depth = np.zeros(c, np.int64)
+        self.visits = np.zeros(c)
+        self.value_sum = np.zeros(c)
+        self.best = np.full(c, -np.inf)
+        self.prior = np.zeros((c, a), np.float32)
+        self.children = np.full((c, a), -1, np.int64)
+        self.expanded = np.zeros(c, bool)
+        self.feedback = [None] * c
+
+    def _grow(self):
+        c = self.capacity
+        for name in ("parent", "action", "depth", "visits", "value_sum", "best", "prior", "children", "expanded"):
+            arr = getattr(self, name)
+            fill = {"parent": -1, "action": -1, "best": -np.inf, "children": -1}.get(name, 0)
+            new = np.full((2 * c,) + arr.shape[1:], fill, arr.dtype)
+            new[:c] = arr
+            setattr(self, name, new)
+        self.feedback.extend([None] * c)
+        self.capacity = 2 * c
+
+    def add(self, parent: int, action: int) -> int:
+        if self.size >= self.capacity:
+            self._grow()
+        n = self.size
+        self.size += 1
+        self.parent[n] = parent
+        self.action[n] = action
+        self.depth[n] = 0 if parent < 0 else self.depth[parent] + 1
+        if parent >= 0:
+            self.children[parent, action] = n
+        return n
+
+    def assign(self, node: int, space: ActionSpace) -> np.ndarray:
+        """The partial plan of ``node``."""
+        a = np.full(space.num_groups, -1, np.int64)
+        n = node
+        while self.parent[n] >= 0:
+            a[space.order[self.depth[n] - 1]] = self.action[n]
+            n = self.parent[n]
+        return a
+
+    def nearest_feedback(self, node: int) -> Feedback | None:
+        n = node
+        while n >= 0:
+            if self.feedback[n] is not None:
+                return self.feedback[n]
+            n = self.parent[n]
+        return None
+
+
+def new_tree(space: ActionSpace) -> Tree:
+    t = Tree(space.num_actions)
+    t.add(-1, -1)
+    return t
+
+
+def puct_scores(tree: Tree, node: int, c_puct: float, qmin: float, qmax: float) -> np.ndarray:
+    """PUCT score of every action at ``node``."""
+    kids = tree.children[node]
+    has = kids >= 0
+    n_parent = tree.visits[node]
+    parent_q = tree.value_sum[node] / n_parent if n_parent > 0 else 0.0
+    q = np.full(tree.num_actions, parent_q)
+    nk = np.zeros(tree.num_actions)
+    idx = kids[has]
+    nk[has] = tree.visits[idx]
+    vis = has & (nk > 0)
+    q[vis] = tree.value_sum[kids[vis]] / nk[vis]
+    span = qmax - qmin
+    qn = (q - qmin) / span if span > 1e-12 else np.zeros_like(q)
+    u = c_puct * tree.prior[node] * math.sqrt(max(n_parent, 1.0)) / (1.0 + nk)
+    return qn + u
+
+
+def select(tree: Tree, root: int, num_groups: int, c_puct: float, qrange: tuple[float, float],
+           noise: np.ndarray) -> tuple[int, int]:
+    """Descend from ``root``; returns ``(node, action)`` to expand, or ``(node, -1)`` when the
+    walk ends at a terminal or pending node. ``noise`` [A] breaks ties deterministically."""
+    n = root
+    while True:
+        if tree.depth[n] >= num_groups or not tree.expanded[n]:
+            return n, -1
+        s = puct_scores(tree, n, c_puct, *qrange) + noise
+        a = int(np.argmax(s))
+        child = tree.children[n, a]
+        if child < 0:
+            return n, a
+        n = int(child)
+
+
+def expand(tree: Tree, node: int, action: int) -> int:
+    return tree.add(node, action)
+
+
+def backup(tree: Tree, node: int, value: float, root: int, sim_reward: float | None = None,
+           virtual: float = 0.0) -> None:
+    """Add ``value`` (and undo ``virtual`` losses) along the path from ``node`` up to ``root``."""
+    n = node
+    while n >= 0:
+        tree.visits[n] += 1 - virtual
+        tree.value_sum[n] += value + virtual * 1.0
+        if sim_reward is not None and sim_reward > tree.best[n]:
+            tree.best[n] = sim_reward
+        if n == root:
+            break
+        n = int(tree.parent[n])
+
+
+def add_virtual_loss(tree: Tree, node: int, root: int, loss: float = 1.0) -> None:
+    n = node
+    while n >= 0:
+        tree.visits[n] += 1
+        tree.value_sum[n] -= loss
+        if n == root:
+            break
+        n = int(tree.parent[n])
+
+
+def visit_distribution(tree: Tree, node: int) -> np.ndarray:
+    """[A] visit counts of ``node``'s children, normalised (uniform if none)."""
+    kids = tree.children[node]
+    v = np.zeros(tree.num_actions)
+    has = kids >= 0
+    v[has] = tree.visits[kids[has]]
+    s = v.sum()
+    return v / s if s > 0 else np.full(tree.num_actions, 1.0 / tree.num_actions)
+
+
+@dataclass
+class MCTSConfig:
+    """Knobs of one search."""
+
+    c_puct: float = 1.25
+    """Exploration constant of PUCT."""
+    batch: int = 8
+    """Leaves per wave (one batched prior/value call per wave)."""
+    value_cut: bool = True
+    """With a value model: skip the simulator at leaves the value head rates below the best
+    reward so far by more than ``value_margin``."""
+    value_margin: float = 0.15
+    """Margin (reward units) for ``value_cut``."""
+    min_sims: int = 8
+    """Always simulate the first ``min_sims`` leaves (the value head needs context)."""
+    dirichlet: float = 0.0
+    """Dirichlet noise weight at the root (data generation only; 0 = none)."""
+    dirichlet_alpha: float = 0.3
+
+    def __post_init__(self):
+        if self.c_puct <= 0:
+            raise ValueError(f"c_puct: expected > 0, got {self.c_puct}")
+        if self.batch < 1:
+            raise ValueError(f"batch: expected >= 1, got {self.batch}")
+        if not 0 <= self.dirichlet < 1:
+            raise ValueError(f"dirichlet: expected in [0, 1), got {self.dirichlet}")
+
+
+@dataclass
+class SearchStats:
+    playouts: int = 0
+    prior_calls: int = 0
+    value_cuts: int = 0
+    first_beat_dp: int | None = None
+    """Playout at which a plan first beat the better data-parallel baseline (None: never)."""
+
+
+def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator: Evaluator,
+                    prior_fn: PriorFn, cfg: MCTSConfig, stats: SearchStats, root: int,
+                    rng: np.random.Generator) -> list[tuple[float, float | None]]:
+    """Set priors of ``nodes`` and return (backup value, simulated reward or None) per node."""
+    k = space.num_groups
+    states, pending = [], []
+    for n in nodes:
+        fb = tree.nearest_feedback(n) or Feedback.neutral(space.num_devices, k)
+        d = tree.depth[n]
+        grp = space.order[d] if d < k else -1
+        states.append(SearchState(tree.assign(n, space), grp, fb))
+        pending.append(d < k and not tree.expanded[n])
+    priors, values = prior_fn(space, states) if any(pending) or cfg.value_cut else (None, None)
+    if priors is not None:
+        stats.prior_calls += 1
+    out = []
+    for i, n in enumerate(nodes):
+        v = float(values[i]) if values is not None and np.isfinite(values[i]) else None
+        simulate = (v is None or not cfg.value_cut or tree.depth[n] >= k
+                    or evaluator.sim_calls < cfg.min_sims + 2
+                    or v >= evaluator.best_reward - cfg.value_margin)
+        if simulate:
+            _, outc = evaluator.evaluate_partial(states[i].assign)
+            tree.feedback[n] = outc.feedback
+            val, sim = outc.reward, outc.reward
+            if stats.first_beat_dp is None and outc.reward > 1e-9:
+                stats.first_beat_dp = stats.playouts + i + 1
+        else:
+            stats.value_cuts += 1
+            val, sim = v, None
+        if pending[i]:
+            p = np.asarray(priors[i], dtype=np.float64)
+            p = np.where(np.isfinite(p) & (p > 0), p, 0.0)
+            p = p / p.sum() if p.sum() > 0 else np.full(space.num_actions, 1.0 / space.num_actions)
+            if n == root and cfg.dirichlet > 0:
+                p = (1 - cfg.dirichlet) * p + cfg.dirichlet * rng.dirichlet(
+                    np.full(space.num_actions, cfg.dirichlet_alpha))
+            tree.prior[n] = p
+            tree.expanded[n] = True
+        out.append((val, sim))
+    return out
+
+
+def run_playouts(tree: Tree, root: int, space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn,
+                 rng: np.random.Generator, *, playouts: int, deadline: float = math.inf,
+                 cfg: MCTSConfig | None = None, stats: SearchStats | None = None) -> SearchStats:
+    """Run ``playouts`` more playouts from ``root`` (stopping early at ``deadline``)."""
+    cfg = cfg or MCTSConfig()
+    stats = stats or SearchStats()
+    k = space.num_groups
+    if not tree.expanded[root]:
+        res = _evaluate_nodes(tree, [root], space, evaluator, prior_fn, cfg, stats, root, rng)
+        backup(tree, root, res[0][0], root, res[0][1])
+    done = 0
+    while done < playouts and time.perf_counter() < deadline:
+        wave = min(cfg.batch, playouts - done)
+        leaves: list[int] = []
+        fresh: set[int] = set()
+        seen = tree.value_sum[: tree.size][tree.visits[: tree.size] > 0] / np.maximum(
+            tree.visits[: tree.size][tree.visits[: tree.size] > 0], 1)
+        qrange = (float(seen.min()), float(seen.max())) if seen.size else (0.0, 0.0)
+        for _ in range(wave):
+            noise = rng.random(space.num_actions) * 1e-6
+            node, a = select(tree, root, k, cfg.c_puct, qrange, noise)
+            if a >= 0:
+                node = expand(tree, node, a)
+                fresh.add(node)
+            add_virtual_loss(tree, node, root)
+            leaves.append(node)
+        uniq = list(dict.fromkeys(leaves))
+        results = dict(zip(uniq, _evaluate_nodes(tree, uniq, space, evaluator, prior_fn, cfg, stats, root, rng)))
+        for node in leaves:
+            val, sim = results[node]
+            backup(tree, node, val, root, sim, virtual=1.0)
+        done += wave
+        stats.playouts += wave
+    return stats
+
+
+@dataclass
+class SearchResult:
+    actions: tuple | None
+    """Best action tuple found by search (None when a data-parallel baseline stayed best)."""
+    groups: list
+    """Group plans of the best plan (a baseline's when search found nothing better)."""
+    time_s: float
+    oom: bool
+    source: str
+    stats: SearchStats
+    tree: Tree | None = None
+
+
+def mcts_search(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng: np.random.Generator, *,
+                playouts: int = 200, time_limit: float | None = None, cfg: MCTSConfig | None = None
+                ) -> SearchResult:
+    """One search from the empty plan; returns the best plan the evaluator has seen."""
+    deadline = time.perf_counter() + time_limit if time_limit is not None else math.inf
+    tree = new_tree(space)
+    stats = run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=playouts, deadline=deadline, cfg=cfg)
+    return SearchResult(evaluator.best_actions, evaluator.best_plan_groups(), evaluator.best.time_s,
+                        evaluator.best.oom, evaluator.best_source, stats, tree)
+
+
+@dataclass
+class Decision:
+    """One labelled decision of an episode (training data)."""
+
+    assign: np.ndarray
+    group: int
+    feedback: Feedback
+    visits: np.ndarray
+    """[A] normalised visit distribution over the actions of ``group``."""
+    node: int
+
+
+def run_episode(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng: np.random.Generator, *,
+                playouts_per_step: int = 16, cfg: MCTSConfig | None = None, temperature_steps: int = 2,
+                max_steps: int | None = None) -> tuple[list[Decision], Tree, SearchStats]:
+    """AlphaZero self-play: at each decision run playouts from the current root (reusing the
+    tree), record the root's visit distribution, commit to an action (sampled by visits for the
+    first ``temperature_steps`` decisions, then the most visited) and move the root down."""
+    tree = new_tree(space)
+    stats = SearchStats()
+    root = 0
+    decisions = []
+    steps = space.num_groups if max_steps is None else min(max_steps, space.num_groups)
+    for step in range(steps):
+        run_playouts(tree, root, space, evaluator, prior_fn, rng, playouts=playouts_per_step, cfg=cfg, stats=stats)
+        pi = visit_distribution(tree, root)
+        fb = tree.nearest_feedback(root) or Feedback.neutral(space.num_devices, space.num_groups)
+        decisions.append(Decision(tree.assign(root, space), space.order[step], fb, pi, root))
+        if step < temperature_steps:
+            a = int(rng.choice(space.num_actions, p=pi))
+        else:
+            a = int(np.argmax(pi))
+        child = tree.children[root, a]
+        if child < 0:
+            child = expand(tree, root, a)
+        root = int(child)
+    return decisions, tree, stats

@@ -1,0 +1,237 @@
+"""The planner's action space: per op-group, which devices replicate it and how it synchronises.
+
+**Decision order.** Op-groups are decided one at a time, largest estimated compute time first
+(fwd + bwd + opt at the full batch on the fastest device; ties by group index), as in TAG: the
+first decisions are the ones that matter most, and a search with a small budget spends it there.
+
+**Actions.** An action is a pair (device subset, synchronisation) shared by every group of a
+(graph, topology); what it means for one group is :meth:`ActionSpace.group_plan`:
+
+* ``allreduce`` / ``ps``: every device of the subset holds a replica. Batch shares are
+  proportional to the *group's* speed on each device (``1 / t_group(device)``), not even as in
+  TAG; ``ps`` reduces to the subset device with the most bandwidth to the other members.
+* ``mp``: the group's forward positions are cut into up to ``MP_MAX_DEVICES`` contiguous chunks
+  balanced by compute, one per device, taking the subset's fastest devices first.
+
+TAG enumerates every subset of machines (``3 * (2^T - 1)`` actions). That explodes beyond a few
+machines, so subsets are drawn from structured families whose size grows linearly with the
+number of machines ``M`` (see :func:`device_subsets`): all devices; each machine; the fastest
+``k`` machines for every ``k``; all but one machine; all machines of one GPU type; one device
+of each machine. With ``M <= ENUMERATE_MACHINES`` every machine subset is enumerated as in TAG.
+For 32 GPUs over 8 machines this is ~35 subsets and ~90 actions instead of 765.
+
+**Defaults.** A partial plan is simulated by giving every undecided group the action of the
+nearest decided group in program order (ties: the earlier group); before any decision every
+group takes :attr:`ActionSpace.default_action` (all devices, all-reduce, proportional shares).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from ..plan.format import GroupPlan, group_positions
+from .costs import GroupCosts
+
+SYNC_NAMES = ("allreduce", "ps", "mp")
+ENUMERATE_MACHINES = 4
+"""Up to this many machines, every non-empty machine subset is a candidate (as in TAG)."""
+MP_MAX_DEVICES = 4
+"""Most devices a model-parallel group is split over."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """A candidate decision for one op-group."""
+
+    devices: tuple[int, ...]
+    """Device subset (global indices, ascending)."""
+    sync: str
+    """``allreduce``, ``ps`` or ``mp``."""
+    family: str
+    """Which subset family produced it (``all``, ``machine``, ``prefix``, ...); for display."""
+
+    def describe(self, topology) -> str:
+        machines: dict[int, int] = {}
+        for d in self.devices:
+            m = topology.machine_of(d)
+            machines[m] = machines.get(m, 0) + 1
+        parts = []
+        for m, c in machines.items():
+            mach = topology.machines[m]
+            parts.append(mach.name if c == mach.count else f"{mach.name}[{c}]")
+        return f"{self.sync}({'+'.join(parts)})"
+
+
+def device_subsets(topology, speeds: np.ndarray) -> list[tuple[tuple[int, ...], str]]:
+    """Candidate device subsets (see the module docstring), deduplicated, in a fixed order."""
+    m_count = topology.num_machines
+    per_machine = [tuple(topology.devices_of_machine(m)) for m in range(m_count)]
+    m_speed = np.array([sum(speeds[d] for d in per_machine[m]) for m in range(m_count)])
+    order = sorted(range(m_count), key=lambda m: (-m_speed[m], m))
+    out: list[tuple[tuple[int, ...], str]] = []
+    seen: set[tuple[int, ...]] = set()
+
+    def add(ms, family, devs=None):
+        d = tuple(sorted(devs if devs is not None else [x for m in ms for x in per_machine[m]]))
+        if d and d not in seen:
+            seen.add(d)
+            out.append((d, family))
+
+    add(range(m_count), "all")
+    if m_count <= ENUMERATE_MACHINES:
+        for mask in range(1, 2 ** m_count):
+            add([m for m in range(m_count) if mask >> m & 1], "machines")
+    for m in order:
+        add([m], "machine")
+    for k in range(2, m_count):
+        add(order[:k], "fastest")
+    if m_count >= 3:
+        for m in order:
+            add([x for x in range(m_count) if x != m], "all-but-one")
+    types: dict[str, list[int]] = {}
+    for m in range(m_count):
+        types.setdefault(topology.machines[m].gpu.name, []).append(m)
+    if len(types) > 1:
+        for ms in types.values():
+            add(ms, "gpu-type")
+    for m in order[:8]:
+        if len(per_machine[m]) > 1:
+            add([], "single", devs=[per_machine[m][0]])
+    return out
+
+
+class ActionSpace:
+    """Actions, decision order and partial-plan completion for one (graph, topology).
+
+    Args:
+        graph: the :class:`tag.graph.OpGraph` (grouped).
+        topology: the :class:`tag.topology.Topology`.
+        costs: a :class:`GroupCosts` (computed from the simulator's cost model when omitted).
+    """
+
+    def __init__(self, graph, topology, costs: GroupCosts | None = None):
+        self.graph = graph
+        self.topology = topology
+        self.costs = costs if costs is not None else GroupCosts.compute(graph, topology)
+        self.num_groups = graph.num_groups
+        self.num_devices = topology.num_devices
+        speeds = self.costs.device_speed
+        actions: list[Action] = []
+        for devs, fam in device_subsets(topology, speeds):
+            syncs = ("allreduce",) if len(devs) == 1 else SYNC_NAMES
+            for s in syncs:
+                actions.append(Action(devs, s, fam))
+        self.actions = actions
+        self.num_actions = len(actions)
+        t = self.costs.group_time_full.max(axis=1) if self.num_devices else np.zeros(self.num_groups)
+        fastest = int(np.argmax(speeds))
+        t = self.costs.group_time_full[:, fastest]
+        self.order: list[int] = sorted(range(self.num_groups), key=lambda g: (-t[g], g))
+        """Groups in decision order."""
+        self.rank = np.empty(self.num_groups, dtype=np.int64)
+        self.rank[self.order] = np.arange(self.num_groups)
+        self.default_action = 0  # "all" subset, allreduce
+        self._cache: dict[tuple[int, int], GroupPlan] = {}
+
+    # ------------------------------------------------------------------ masks
+    @cached_property
+    def membership(self) -> np.ndarray:
+        """[A, D] 1.0 where the action's subset contains the device."""
+        m = np.zeros((self.num_actions, self.num_devices), dtype=np.float32)
+        for a, act in enumerate(self.actions):
+            m[a, list(act.devices)] = 1.0
+        return m
+
+    @cached_property
+    def sync_index(self) -> np.ndarray:
+        """[A] index of the action's sync in :data:`SYNC_NAMES`."""
+        return np.array([SYNC_NAMES.index(a.sync) for a in self.actions], dtype=np.int64)
+
+    def action_index(self, devices, sync: str) -> int | None:
+        key = (tuple(sorted(devices)), sync)
+        for a, act in enumerate(self.actions):
+            if (act.devices, act.sync) == key:
+                return a
+        return None
+
+    # ------------------------------------------------------------------ completion
+    def resolve(self, assign) -> tuple[int, ...]:
+        """Full action tuple for a partial assignment (``-1`` = undecided; see module docs)."""
+        k = self.num_groups
+        decided = [g for g in range(k) if assign[g] >= 0]
+        if not decided:
+            return (self.default_action,) * k
+        if len(decided) == k:
+            return tuple(int(a) for a in assign)
+        out = [0] * k
+        dec = np.array(decided)
+        for g in range(k):
+            if assign[g] >= 0:
+                out[g] = int(assign[g])
+            else:
+                j = int(np.searchsorted(dec, g))
+                left = dec[j - 1] if j > 0 else None
+                right = dec[j] if j < len(dec) else None
+                if right is None or (left is not None and g - left <= right - g):
+                    out[g] = int(assign[left])
+                else:
+                    out[g] = int(assign[right])
+        return tuple(out)
+
+    def group_plan(self, g: int, a: int) -> GroupPlan:
+        """The :class:`GroupPlan` of action ``a`` for group ``g`` (cached)."""
+        key = (g, a)
+        gp = self._cache.get(key)
+        if gp is None:
+            gp = self._materialise(g, self.actions[a])
+            self._cache[key] = gp
+        return GroupPlan(list(gp.devices), list(gp.shares), gp.sync, gp.server,
+                         None if gp.mp_splits is None else list(gp.mp_splits))
+
+    def group_plans(self, actions) -> list[GroupPlan]:
+        """Group plans of a full action tuple."""
+        return [self.group_plan(g, int(a)) for g, a in enumerate(actions)]
+
+    def _materialise(self, g: int, act: Action) -> GroupPlan:
+        devs = list(act.devices)
+        tg = self.costs.group_time_full[g]
+        if act.sync == "mp":
+            lo, hi = group_positions(self.graph, g)
+            w = self.costs.position_weights(g)
+            by_speed = sorted(devs, key=lambda d: (tg[d], d))
+            n = max(1, min(len(devs), hi - lo, MP_MAX_DEVICES))
+            chosen = by_speed[:n]
+            splits = _balanced_splits(w, n, lo)
+            n = len(splits)
+            return GroupPlan(chosen[:n], [1.0] * n, "mp", None, splits)
+        rate = np.array([1.0 / max(tg[d], 1e-15) for d in devs])
+        shares = (rate / rate.sum()).tolist()
+        shares[-1] = 1.0 - sum(shares[:-1])
+        if len(devs) == 1:
+            return GroupPlan(devs, [1.0], "allreduce")
+        if act.sync == "ps":
+            bw = self.topology.bandwidth_matrix
+            sub = np.array([[0.0 if i == j else bw[i, j] for j in devs] for i in devs])
+            score = sub.sum(axis=1)
+            server = devs[int(np.argmax(score - 1e-12 * np.arange(len(devs))))]
+            return GroupPlan(devs, shares, "ps", server)
+        return GroupPlan(devs, shares, "allreduce")
+
+
+def _balanced_splits(weights: np.ndarray, n: int, lo: int) -> list[int]:
+    """First absolute position of each of ``<= n`` contiguous chunks with balanced weight."""
+    p = len(weights)
+    n = max(1, min(n, p))
+    if n == 1:
+        return [lo]
+    cum = np.concatenate([[0.0], np.cumsum(np.maximum(weights, 0) + 1e-12)])
+    total = cum[-1]
+    splits = [0]
+    for j in range(1, n):
+        c = int(np.searchsorted(cum, total * j / n))
+        c = min(max(c, splits[-1] + 1), p - (n - j))
+        splits.append(c)
+    return [lo + s for s in splits]
