@@ -1,0 +1,199 @@
+"""``tag bench``: every method on the same simulator, models, topologies, seeds and budgets.
+
+Each (model, topology, method) cell records the predicted iteration time, the speedup over data
+parallel with even shares, the ratio to the ideal lower bound, out-of-memory, search wall time and
+playouts. On the suite's local CPU topologies the plans are also executed for real.
+
+Cells are appended to ``cells.jsonl`` as they finish; a rerun with the same ``--out`` skips the
+cells already there, so a killed benchmark resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tag.io import write_atomic, write_json
+
+from .suites import SuiteConfig
+
+
+@dataclass
+class Cell:
+    """One benchmark result."""
+
+    model: str
+    topology: str
+    method: str
+    predicted_time_s: float
+    """Simulated iteration time (seconds); inf when no plan."""
+    oom: bool
+    speedup_vs_dp: float
+    """dp's predicted time / this method's (higher is better)."""
+    ratio_to_lower_bound: float
+    """This method's predicted time / the ideal lower bound (>= 1, lower is better)."""
+    search_time_s: float
+    """Wall time spent producing the plan (seconds)."""
+    playouts: int
+    """Simulator calls spent by the search (0 for fixed baselines)."""
+    executed_time_s: float | None = None
+    """Measured median iteration time when executed for real (seconds), else None."""
+    note: str = ""
+
+    def key(self) -> tuple[str, str, str]:
+        return (self.model, self.topology, self.method)
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class _Case:
+    """One (model, topology): captured graph, simulator and the two reference times."""
+
+    def __init__(self, model, topology_name: str, cfg: SuiteConfig, graph_cache: dict):
+        from tag.cost import CostModel
+        from tag.graph import capture
+        from tag.plan import data_parallel
+        from tag.sim import Simulator, lower_bound
+        from tag.topology import load_topology
+        from tag.workloads import load_workload
+
+        key = (model.spec, model.batch)
+        if key not in graph_cache:
+            graph_cache[key] = capture(load_workload(model.spec, batch=model.batch, seed=cfg.seed),
+                                       num_groups=cfg.groups).graph
+        self.graph = graph_cache[key]
+        self.topology = load_topology(topology_name)
+        self.costs = CostModel.for_topology(self.graph, self.topology)
+        self.sim = Simulator(self.graph, self.topology, self.costs)
+        self.lower_bound = lower_bound(self.graph, self.topology, self.costs)
+        self.dp_time = self.sim.run(data_parallel(self.graph, self.topology).groups).iteration_time_s
+
+    def make_plan(self, method: str, cfg: SuiteConfig):
+        """(plan or None, playouts) for ``method``."""
+        from tag.plan import baselines, data_parallel
+
+        g, topo = self.graph, self.topology
+        if method == "dp":
+            return data_parallel(g, topo), 0
+        if method == "dp-prop":
+            return data_parallel(g, topo, proportional=True, speeds=self.costs.device_speeds()), 0
+        if method == "single":
+            return baselines.best_single_device(g, topo, self.sim), len(topo.devices)
+        if method == "mp":
+            return baselines.greedy_model_parallel(g, topo), 0
+        from tag.search import plan as search_plan
+
+        if method in ("random", "sa", "tpe", "mcts-uniform"):
+            searcher = "mcts" if method == "mcts-uniform" else method
+            p = search_plan(g, topo, searcher=searcher, prior="uniform", budget=cfg.search_budget,
+                            seed=cfg.seed, compression="off", costs=self.costs)
+        else:  # tag-50, tag-200(+sfb)
+            budget = int(method.split("-")[1].split("+")[0])
+            p = search_plan(g, topo, searcher="mcts", prior="gnn", budget=budget, seed=cfg.seed,
+                            compression="auto" if method.endswith("+sfb") else "off", costs=self.costs)
+        return p, int(p.meta.get("playouts", 0))
+
+
+def run_suite(cfg: SuiteConfig, out: Path) -> list[Cell]:
+    """Run (or resume) every cell of ``cfg``; results go under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "cells.jsonl"
+    done: dict[tuple, Cell] = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            if line.strip():
+                c = Cell(**json.loads(line))
+                done[c.key()] = c
+    write_json(out / "config.json", {"suite": asdict(cfg), "environment": environment()})
+    graphs: dict = {}
+    cells: list[Cell] = []
+    cases = [(m, t) for m in cfg.models for t in cfg.topologies + cfg.execute_topologies]
+    total = len(cases) * len(cfg.methods)
+    n = 0
+    t_start = time.perf_counter()
+    for model, topo_name in cases:
+        case = None
+        for method in cfg.methods:
+            n += 1
+            key = (model.spec, topo_name, method)
+            if key in done:
+                cells.append(done[key])
+                continue
+            if case is None:
+                case = _Case(model, topo_name, cfg, graphs)
+            cell = _run_cell(case, model, topo_name, method, cfg)
+            cells.append(cell)
+            with log.open("a") as f:  # one line per finished cell: resumable
+                f.write(json.dumps(asdict(cell)) + "\n")
+            _progress(f"[{n}/{total} {time.perf_counter() - t_start:6.0f}s] {model.spec} on {topo_name}: "
+                      f"{method:12s} {cell.predicted_time_s * 1e3:9.2f} ms  x{cell.speedup_vs_dp:.2f} vs dp"
+                      f"{'  OOM' if cell.oom else ''}")
+    return cells
+
+
+def _run_cell(case: _Case, model, topo_name: str, method: str, cfg: SuiteConfig) -> Cell:
+    if method == "lower-bound":
+        lb = case.lower_bound
+        return Cell(model.spec, topo_name, method, lb, False, case.dp_time / lb, 1.0, 0.0, 0)
+    t0 = time.perf_counter()
+    plan, playouts = case.make_plan(method, cfg)
+    search_s = time.perf_counter() - t0
+    res = case.sim.run(plan.groups)
+    t = res.iteration_time_s
+    cell = Cell(model.spec, topo_name, method, t, bool(res.oom), case.dp_time / t if t > 0 else 0.0,
+                t / case.lower_bound if case.lower_bound > 0 else math.inf, search_s, playouts)
+    if topo_name in cfg.execute_topologies and not res.oom:
+        cell.executed_time_s, cell.note = _execute(model, topo_name, plan, cfg)
+    return cell
+
+
+def _execute(model, topo_name: str, plan, cfg: SuiteConfig) -> tuple[float | None, str]:
+    """Run ``plan`` for real on the local CPU topology; (median seconds, note)."""
+    import tempfile
+
+    from tag.executor import execute
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "plan.json"
+        plan.save(path)
+        try:
+            m = execute(model.spec, topo_name, str(path), batch=model.batch, steps=cfg.execute_steps, warmup=1,
+                        seed=cfg.seed, groups=cfg.groups)
+        except Exception as e:  # noqa: BLE001 - a failed run is a result to report, not a crash
+            return None, f"execution failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return float(m["iteration_time_s"]), ""
+
+
+def environment() -> dict:
+    """Library versions and machine facts for the report."""
+    import numpy
+    import scipy
+    import torch
+    import torch_geometric
+
+    import tag
+
+    return {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
+            "torch_geometric": torch_geometric.__version__, "numpy": numpy.__version__, "scipy": scipy.__version__,
+            "tag": tag.__version__, "cpus": __import__("os").cpu_count(), "date": time.strftime("%Y-%m-%d")}
+
+
+def save_results(cells: list[Cell], out: Path) -> None:
+    """``results.json`` and ``results.csv`` (atomic)."""
+    import csv
+    import io
+
+    rows = [asdict(c) for c in cells]
+    write_json(out / "results.json", rows)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["model"])
+    w.writeheader()
+    w.writerows(rows)
+    write_atomic(out / "results.csv", buf.getvalue())

@@ -1,0 +1,102 @@
+"""Benchmark suites: which models, topologies and methods ``tag bench`` puts side by side.
+
+Models here are held out of the planner's training data (``data/pairs.py`` samples other
+depths/widths), so the GNN is judged on graphs it has never seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Method names and what they are (see evaluation/bench.py for how each runs).
+METHODS: dict[str, str] = {
+    "dp": "data parallel, even shares (Horovod-like)",
+    "dp-prop": "data parallel, shares proportional to device speed",
+    "single": "best single device",
+    "mp": "greedy model parallel (fill devices in topological order by memory)",
+    "random": "random search",
+    "sa": "simulated annealing",
+    "tpe": "optuna TPE, one categorical per op-group",
+    "mcts-uniform": "MCTS with a uniform prior",
+    "tag-50": "TAG: GNN-guided MCTS, 50 playouts, no compression",
+    "tag-200": "TAG: GNN-guided MCTS, 200 playouts, no compression",
+    "tag-50+sfb": "TAG: GNN-guided MCTS, 50 playouts, SFB compression",
+    "tag-200+sfb": "TAG: GNN-guided MCTS, 200 playouts, SFB compression",
+    "lower-bound": "ideal: total compute / summed device throughput, no communication",
+}
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """One workload of a suite."""
+
+    spec: str
+    """Workload spec (zoo name with overrides or factory)."""
+    batch: int
+    """Global batch size (samples)."""
+
+
+@dataclass
+class SuiteConfig:
+    """A benchmark suite."""
+
+    name: str
+    models: list[ModelCase]
+    topologies: list[str]
+    """Topology names (``topologies/<name>.yaml``) or paths."""
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    search_budget: int = 2000
+    """Simulator calls (playouts) for random / sa / tpe / mcts-uniform; TAG's are in its name."""
+    groups: int = 32
+    """Op-groups per model."""
+    seed: int = 0
+    execute_topologies: list[str] = field(default_factory=list)
+    """Topologies of local CPU devices on which every method's plan is also executed for real."""
+    execute_steps: int = 3
+    """Measured iterations per executed plan (after one warm-up)."""
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"suite {self.name}: unknown method {unknown[0]!r}; expected one of {list(METHODS)}")
+        if self.search_budget < 1 or self.groups < 1 or self.execute_steps < 1:
+            raise ValueError(f"suite {self.name}: search_budget, groups and execute_steps must be positive")
+
+
+TAG_TESTBED = "tag-testbed"
+HETERO = ["tag-testbed", "mixed-a100-v100", "cloud-t4"]
+CONTROLS = ["homogeneous-8xa100", "homogeneous-2x4-v100"]
+
+
+def quick_suite() -> SuiteConfig:
+    """Under 10 minutes on a 2-core machine."""
+    return SuiteConfig(
+        name="quick",
+        models=[ModelCase("gpt2:n_layer=3,n_embd=192,n_head=4,seq=64", 32),
+                ModelCase("resnet:depth=34,width=24,norm=gn", 32)],
+        topologies=["tag-testbed", "cloud-t4", "homogeneous-8xa100"],
+        search_budget=500,
+        groups=24,
+        execute_topologies=["local-cpu2"],
+        execute_steps=2,
+    )
+
+
+def full_suite() -> SuiteConfig:
+    return SuiteConfig(
+        name="full",
+        models=[ModelCase("gpt2:n_layer=6,n_embd=384,n_head=6,seq=128", 32),
+                ModelCase("bert:n_layer=6,n_embd=384,n_head=6,seq=128", 32),
+                ModelCase("vit:n_layer=6,n_embd=384,n_head=6,image=64", 64),
+                ModelCase("resnet:depth=50,width=32,image=64,norm=gn", 64),
+                ModelCase("vgg:depth=19,width=32,image=64", 64),
+                ModelCase("mlp:layers=6,hidden=2048,in_dim=1024", 256)],
+        topologies=HETERO + CONTROLS,
+        search_budget=2000,
+        groups=32,
+        execute_topologies=["local-cpu2"],
+        execute_steps=3,
+    )
+
+
+SUITES = {"quick": quick_suite, "full": full_suite}

@@ -1,0 +1,40 @@
+"""``tag bench``: TAG against every baseline on the same simulator, models and clusters."""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark TAG against the baselines and write a report",
+                       description="Run a benchmark suite (models x topologies x methods) and write raw results "
+                                   "(CSV, JSON), the config and library versions, a Markdown report and plots. "
+                                   "Rerunning with the same --out resumes a killed run.")
+    p.add_argument("--suite", choices=["quick", "full"], default="quick")
+    p.add_argument("--out", default=None, help="output folder (default evaluation/results/<suite>-<date>)")
+    p.add_argument("--methods", default=None, help="comma-separated subset of methods")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import time
+    from pathlib import Path
+
+    from evaluation.bench import environment, run_suite, save_results
+    from evaluation.report import write_report
+    from evaluation.suites import METHODS, SUITES
+
+    from ..errors import TagError
+
+    cfg = SUITES[args.suite]()
+    if args.methods:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        bad = [m for m in methods if m not in METHODS]
+        if bad:
+            raise TagError(f"--methods: unknown method {bad[0]!r}; expected some of {','.join(METHODS)}")
+        cfg.methods = methods
+    out = Path(args.out or f"evaluation/results/{cfg.name}-{time.strftime('%Y-%m-%d')}")
+    t0 = time.perf_counter()
+    cells = run_suite(cfg, out)
+    save_results(cells, out)
+    report = write_report(cells, out, cfg.name, environment(), time.perf_counter() - t0)
+    print(f"wrote {report}")
+    return 0
