@@ -42,3 +42,55 @@ def graph_time(graph, roof: Roofline, batch: float | None = None, phases=("fwd",
     b = graph.batch_size if batch is None else batch
     return sum(roof.time(op.flops.at(b), op.bytes_read.at(b) + op.bytes_written.at(b))
                for op in graph.ops if op.phase in phases)
+
+
+# ---------------------------------------------------------------------------------------------
+# Vectorised per-op / per-group roofline tables (used by the cost model and the simulator).
+# ---------------------------------------------------------------------------------------------
+# Fixed cost of launching one (non-view) op: a CUDA kernel launch plus the PyTorch dispatcher is
+# ~5 us; on a CPU the dispatcher + fx interpreter overhead of one ATen call is of the same order.
+GPU_OP_OVERHEAD_S = 5e-6
+CPU_OP_OVERHEAD_S = 5e-6
+# Per-device efficiency factors (fraction of the datasheet roofs reached): name -> (flop, mem).
+# The ``cpu`` spec is *measured* (best large matmul / large copy), so its peaks are achieved ones.
+DEVICE_EFFICIENCY: dict[str, tuple[float, float]] = {"cpu": (1.0, 1.0)}
+
+
+def roofline_for(gpu, threads_scale: float = 1.0) -> Roofline:
+    """Effective roofs of a :class:`GPUSpec` with its per-device efficiency factors.
+
+    ``threads_scale`` multiplies the FLOP rate (a CPU device using a fraction of the cores the
+    spec was measured with).
+    """
+    fe, me = DEVICE_EFFICIENCY.get(gpu.name, (DEFAULT_FLOP_EFFICIENCY, DEFAULT_MEM_EFFICIENCY))
+    r = Roofline.of(gpu, fe, me)
+    return Roofline(r.flop_rate * threads_scale, r.mem_bandwidth)
+
+
+def op_overhead(gpu) -> float:
+    """Seconds of fixed launch/dispatch cost per non-view op on this device."""
+    return CPU_OP_OVERHEAD_S if gpu.name == "cpu" else GPU_OP_OVERHEAD_S
+
+
+def group_phase_table(graph, roof: Roofline, batches, overhead: float = 0.0):
+    """Roofline seconds per (group, phase, batch): ``ndarray [K, 3, len(batches)]``.
+
+    Per op: ``max(flops(b) / flop_rate, bytes(b) / mem_bandwidth) + overhead`` (the overhead only
+    for ops that move or compute anything; views are free); phases in ``PHASES`` order.
+    """
+    import numpy as np
+
+    from ..graph.ir import PHASES
+
+    b = np.asarray(batches, dtype=float)[None, :]
+    ops = graph.ops
+    ff = np.array([o.flops.fixed for o in ops])[:, None]
+    fs = np.array([o.flops.per_sample for o in ops])[:, None]
+    bf = np.array([o.bytes_read.fixed + o.bytes_written.fixed for o in ops])[:, None]
+    bs = np.array([o.bytes_read.per_sample + o.bytes_written.per_sample for o in ops])[:, None]
+    t = np.maximum((ff + fs * b) / roof.flop_rate, (bf + bs * b) / roof.mem_bandwidth)
+    t = t + overhead * ((ff + fs + bf + bs) > 0)
+    row = np.array([o.group * 3 + PHASES.index(o.phase) for o in ops], dtype=np.int64)
+    out = np.zeros((graph.num_groups * 3, b.shape[1]))
+    np.add.at(out, row, t)
+    return out.reshape(graph.num_groups, 3, b.shape[1])
