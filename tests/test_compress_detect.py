@@ -6,7 +6,6 @@ from tag.compress import find_candidates
 from tag.graph import capture
 from tag.workloads import load_workload
 
-
 GPT2 = "gpt2:n_layer=1,n_embd=64,n_head=2,seq=16"  # the spec test_graph captures too (session cache)
 CONVNET = """
 import torch
