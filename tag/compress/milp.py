@@ -88,8 +88,11 @@ def solve_milp(problem: SfbProblem) -> SfbSolution:
     for k in range(m):
         leq(n + k, z)  # b_k <= z
     a = coo_matrix((vals, (rows, cols)), shape=(len(rows) // 2, n + m + 2)).tocsr()
-    res = milp(c, constraints=[LinearConstraint(a, -np.inf, 0.0)], integrality=np.ones(n + m + 2),
-               bounds=Bounds(0, 1))
+    scale = float(np.max(np.abs(c)))  # costs are seconds (often microseconds): solve in units of the largest
+    if scale == 0.0:
+        return SfbSolution((), (), 0.0)
+    res = milp(c / scale, constraints=[LinearConstraint(a, -np.inf, 0.0)], integrality=np.ones(n + m + 2),
+               bounds=Bounds(0, 1), options={"mip_rel_gap": 1e-9})
     if res.x is None:  # cannot happen for this always-feasible bounded problem
         raise RuntimeError(f"HiGHS failed on the SFB selection problem: {res.message}")
     x = np.round(res.x).astype(int)
