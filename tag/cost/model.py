@@ -1,0 +1,312 @@
+"""The cost model: seconds of every (op-group, phase) on every device, and link costs.
+
+Where a device's time comes from (``CostModel.source(d)``), best first:
+
+1. ``profile``: a real profile of this graph on this device type (:mod:`tag.cost.profile`);
+2. ``scaled``: a profile of this graph on another device type of the same class (CPU->CPU,
+   GPU->GPU), scaled group by group by the roofline rule:
+   ``t_dev(g, ph, b) = t_prof(g, ph, b) * R_dev(g, ph, b) / R_prof(g, ph, b)``, where
+   ``R_x = sum over the group's ops of max(flops / (F_x e_f), bytes / (M_x e_m)) + overhead_x``
+   (:func:`tag.cost.roofline.group_phase_table`). The op's arithmetic intensity picks the roof
+   (FLOP rate or memory bandwidth) on each device; ``e_f, e_m`` are the per-device efficiency
+   factors (:data:`tag.cost.roofline.DEVICE_EFFICIENCY`, default 0.7 / 0.8 of the datasheet);
+3. ``roofline``: ``R_dev`` itself (no profile of this graph on a device of that class).
+
+A CPU device is typed ``cpu-<threads>t``: a topology with ``n`` CPU devices on a machine runs one
+rank per device with ``cores // n`` threads each (what the executor does).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..graph.ir import PHASES
+from .comm import (
+    CommProfile,
+    LinkFit,
+    find_comm_profile,
+    fitted_allreduce_time,
+    hierarchical_allreduce_time,
+    ring_allreduce_time,
+)
+from .profile import cpu_device_type, default_profile_dir, find_profile, profiled_device_types
+from .roofline import Roofline, group_phase_table, op_overhead, roofline_for
+
+PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
+
+
+def device_type(topology, d: int) -> str:
+    """Profile device type of topology device ``d`` (``cpu-<threads>t`` or the GPU's name)."""
+    dev = topology.devices[d]
+    if dev.gpu.name == "cpu":
+        n = len(topology.devices_of_machine(topology.machine_of(d)))
+        return cpu_device_type(max(1, (os.cpu_count() or 1) // n))
+    return dev.gpu.name
+
+
+def _is_cpu(dtype: str) -> bool:
+    return dtype.startswith("cpu")
+
+
+def _threads(dtype: str) -> int:
+    return int(dtype[4:-1]) if _is_cpu(dtype) and dtype.endswith("t") and dtype[4:-1].isdigit() else 1
+
+
+@dataclass
+class DeviceCost:
+    """Seconds ``table[g, phase, b]`` for per-replica batches ``b = 0..B`` on one device type."""
+
+    device_type: str
+    source: str
+    """``profile:<type>``, ``scaled:<type>`` or ``roofline``."""
+    table: np.ndarray
+    """[K, 3, B+1] seconds; phases in ``tag.graph.ir.PHASES`` order (fwd, bwd, opt)."""
+    step_overhead_s: float
+    """Fixed seconds of one optimizer step per device per iteration."""
+    at: object
+    """``at(batches) -> [K, 3, len(batches)]`` for batches off the integer grid."""
+
+
+class CostModel:
+    """Per-device group costs plus the communication model of one (graph, topology)."""
+
+    def __init__(self, graph, topology, devices: list[DeviceCost], comm: CommModel):
+        self.graph = graph
+        self.topology = topology
+        self.comm = comm
+        self._dev = devices  # per topology device (shared objects per device type)
+        self._weights: dict[tuple[int, int], np.ndarray] = {}
+
+    # ---- construction ------------------------------------------------------------------
+    @classmethod
+    def for_topology(cls, graph, topology, profile_dir=None) -> CostModel:
+        """Profile where one exists for a device type, else scaled profile, else roofline."""
+        root = default_profile_dir() if profile_dir is None else profile_dir
+        sig = graph.signature()
+        available = profiled_device_types(root, sig)
+        grid = np.arange(graph.batch_size + 1, dtype=float)
+        by_type: dict[str, DeviceCost] = {}
+        devices = []
+        comm_profiles: dict[str, CommProfile | None] = {}
+        for d in range(topology.num_devices):
+            dt = device_type(topology, d)
+            if dt not in by_type:
+                by_type[dt] = _device_cost(graph, topology, d, dt, root, sig, available, grid)
+                comm_profiles[dt] = find_comm_profile(root, dt) if _is_cpu(dt) else None
+            devices.append(by_type[dt])
+        return cls(graph, topology, devices, CommModel.build(topology, comm_profiles))
+
+    @classmethod
+    def roofline_only(cls, graph, topology) -> CostModel:
+        """Datasheet roofline for every device, nominal links (no profiles)."""
+        return cls.for_topology(graph, topology, profile_dir=os.devnull)
+
+    # ---- queries ------------------------------------------------------------------------
+    def group_time(self, group: int, phase: str, device: int, batch: float) -> float:
+        """Seconds of ``phase`` of op-group ``group`` on ``device`` at per-replica ``batch``."""
+        dc = self._dev[device]
+        ph = PHASE_INDEX[phase]
+        b = float(batch)
+        if b == int(b) and 0 <= b < dc.table.shape[2]:
+            return float(dc.table[group, ph, int(b)])
+        return float(dc.at([b])[group, ph, 0])
+
+    def table(self, device: int) -> np.ndarray:
+        """``[K, 3, B+1]`` seconds of every group and phase at per-replica batch 0..B (read-only)."""
+        return self._dev[device].table
+
+    def step_overhead(self, device: int) -> float:
+        """Fixed seconds of the optimizer step on ``device`` (once per iteration)."""
+        return self._dev[device].step_overhead_s
+
+    def source(self, device: int) -> str:
+        return self._dev[device].source
+
+    def device_type(self, device: int) -> str:
+        return self._dev[device].device_type
+
+    def device_speeds(self) -> list[float]:
+        """Samples/s of each device running the whole iteration alone on the full batch."""
+        b = self.graph.batch_size
+        out = []
+        for d, dc in enumerate(self._dev):
+            t = float(dc.table[:, :, b].sum()) + dc.step_overhead_s
+            out.append(b / max(t, 1e-15))
+            del d
+        return out
+
+    def iteration_time_alone(self, device: int) -> float:
+        """Seconds of one iteration on ``device`` alone (full batch, no communication)."""
+        dc = self._dev[device]
+        return float(dc.table[:, :, self.graph.batch_size].sum()) + dc.step_overhead_s
+
+    def position_weights(self, group: int, phase: int) -> np.ndarray:
+        """Fraction of group ``group``'s ``phase`` (index) time at each of its forward positions.
+
+        Roofline weights of its ops (:func:`tag.graph.grouping.op_weight`) at the full batch,
+        summed per forward anchor; used to apportion a group's time to model-parallel chunks.
+        """
+        key = (group, phase)
+        w = self._weights.get(key)
+        if w is None:
+            w = _position_weights(self.graph, group, PHASES[phase])
+            self._weights[key] = w
+        return w
+
+
+def _position_weights(graph, g: int, phase: str) -> np.ndarray:
+    from ..graph.grouping import op_weight
+    from ..plan.format import group_positions
+
+    lo, hi = group_positions(graph, g)
+    w = np.zeros(hi - lo)
+    for i in graph.groups[g].ops:
+        op = graph.ops[i]
+        if op.phase == phase and lo <= op.anchor < hi:
+            w[op.anchor - lo] += op_weight(graph, i)
+    total = w.sum()
+    if total > 0:
+        return w / total
+    w[:] = 1.0 / len(w)  # nothing costly: spread evenly
+    return w
+
+
+def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: list[str],
+                 grid: np.ndarray) -> DeviceCost:
+    spec = topology.devices[d].gpu
+    roof = _roof_of(dt, spec)
+    overhead = op_overhead(spec)
+
+    def rtab(batches, roof=roof, overhead=overhead):
+        return group_phase_table(graph, roof, batches, overhead)
+
+    prof = find_profile(root, dt, sig) if dt in available else None
+    if prof is not None and prof.num_groups == graph.num_groups:
+        return DeviceCost(dt, f"profile:{dt}", prof.table(grid), prof.opt_step_overhead_s, prof.table)
+    ref = _reference_type(dt, spec, available)
+    prof = find_profile(root, ref, sig) if ref is not None else None
+    if prof is not None and prof.num_groups == graph.num_groups:
+        ref_spec = spec if _is_cpu(ref) else _catalog(ref)
+        ref_roof = _roof_of(ref, ref_spec)
+        ref_over = op_overhead(ref_spec)
+
+        def scaled(batches, prof=prof, ref_roof=ref_roof, ref_over=ref_over):
+            r_dev = rtab(batches)
+            r_ref = group_phase_table(graph, ref_roof, batches, ref_over)
+            ratio = np.where(r_ref > 0, r_dev / np.where(r_ref > 0, r_ref, 1.0), 1.0)
+            return prof.table(batches) * ratio
+
+        over = prof.opt_step_overhead_s * (_threads(ref) / _threads(dt) if _is_cpu(dt) else 1.0)
+        return DeviceCost(dt, f"scaled:{ref}", scaled(grid), over, scaled)
+    return DeviceCost(dt, "roofline", rtab(grid), 0.0, rtab)
+
+
+def _catalog(name: str):
+    from ..topology.catalog import match_gpu_name
+
+    return match_gpu_name(name)
+
+
+def _roof_of(dt: str, spec) -> Roofline:
+    if _is_cpu(dt):
+        import torch
+
+        return roofline_for(spec, _threads(dt) / max(1, torch.get_num_threads()))
+    return roofline_for(spec)
+
+
+def _reference_type(dt: str, spec, available: list[str]) -> str | None:
+    """A profiled device type of the same class to scale from (closest in FLOP rate / threads)."""
+    if _is_cpu(dt):
+        cpus = [a for a in available if _is_cpu(a)]
+        return min(cpus, key=lambda a: abs(_threads(a) - _threads(dt)), default=None)
+    gpus = [(a, _catalog(a)) for a in available if not _is_cpu(a)]
+    gpus = [(a, s) for a, s in gpus if s is not None]
+    return min(gpus, key=lambda a: abs(np.log(a[1].fp32_flops / spec.fp32_flops)), default=(None,))[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# communication
+# ---------------------------------------------------------------------------------------------
+class CommModel:
+    """Link latency/bandwidth between devices and collective costs (see :mod:`tag.cost.comm`)."""
+
+    def __init__(self, topology, bandwidth: np.ndarray, latency: np.ndarray,
+                 allreduce_fit: LinkFit | None = None, fitted_devices: frozenset = frozenset()):
+        self.topology = topology
+        self.bandwidth = bandwidth
+        """[D, D] bytes/s (diagonal inf)."""
+        self.latency = latency
+        """[D, D] seconds (diagonal 0)."""
+        self._bw = bandwidth.tolist()
+        self._lat = latency.tolist()
+        self.allreduce_fit = allreduce_fit
+        self._fitted = fitted_devices
+        self.machine_of = [topology.machine_of(d) for d in range(topology.num_devices)]
+
+    @classmethod
+    def build(cls, topology, profiles: dict[str, CommProfile | None]) -> CommModel:
+        """Topology links, with the measured gloo fit replacing the links between CPU devices of one
+        machine whose device type has a communication profile."""
+        bw = np.array(topology.bandwidth_matrix, dtype=float)
+        lat = np.array(topology.latency_matrix, dtype=float)
+        fitted: set[int] = set()
+        ar_fit = None
+        for m in range(topology.num_machines):
+            devs = topology.devices_of_machine(m)
+            dt = device_type(topology, devs[0])
+            prof = profiles.get(dt)
+            if prof is None or "p2p" not in prof.fits:
+                continue
+            f = prof.fits["p2p"]
+            for a in devs:
+                for b in devs:
+                    if a != b:
+                        bw[a, b], lat[a, b] = f.beta, f.alpha
+            fitted.update(devs)
+            ar_fit = prof.fits.get("all_reduce", ar_fit)
+        return cls(topology, bw, lat, ar_fit, frozenset(fitted))
+
+    def p2p_time(self, a: int, b: int, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` from device ``a`` to ``b`` (0 when ``a == b``)."""
+        if a == b:
+            return 0.0
+        return self._lat[a][b] + nbytes / self._bw[a][b]
+
+    def allreduce_time(self, devices, nbytes: float) -> float:
+        """Ring all-reduce on one machine, hierarchical across machines (see tag.cost.comm)."""
+        devs = sorted(devices)
+        n = len(devs)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        mo = self.machine_of
+        machines = sorted({mo[d] for d in devs})
+        if len(machines) == 1:
+            if self.allreduce_fit is not None and all(d in self._fitted for d in devs):
+                return fitted_allreduce_time(n, nbytes, self.allreduce_fit)
+            ring = list(zip(devs, devs[1:] + devs[:1]))
+            return ring_allreduce_time(n, nbytes, min(self._bw[a][b] for a, b in ring),
+                                       max(self._lat[a][b] for a, b in ring))
+        per_machine = []
+        for m in machines:
+            ds = [d for d in devs if mo[d] == m]
+            ring = list(zip(ds, ds[1:] + ds[:1]))
+            bw = min((self._bw[a][b] for a, b in ring if a != b), default=float("inf"))
+            lat = max((self._lat[a][b] for a, b in ring if a != b), default=0.0)
+            per_machine.append((len(ds), bw, lat))
+        leaders = [next(d for d in devs if mo[d] == m) for m in machines]
+        ring = list(zip(leaders, leaders[1:] + leaders[:1]))
+        return hierarchical_allreduce_time(per_machine, nbytes, min(self._bw[a][b] for a, b in ring),
+                                           max(self._lat[a][b] for a, b in ring))
+
+    def ps_time(self, devices, server: int, nbytes: float) -> float:
+        """Push to ``server`` then pull back, the server's link shared by all flows."""
+        workers = [w for w in devices if w != server]
+        if not workers or nbytes <= 0:
+            return 0.0
+        push = max(self._lat[w][server] for w in workers) + sum(nbytes / self._bw[w][server] for w in workers)
+        pull = max(self._lat[server][w] for w in workers) + sum(nbytes / self._bw[server][w] for w in workers)
+        return push + pull

@@ -1,0 +1,201 @@
+"""The profile database: measured op-group times, one JSON file per (device type, graph).
+
+Layout: ``<root>/<device-type>/<model>-<graph signature>.json`` where ``device-type`` is
+``cpu-<threads>t`` for a CPU running ``threads`` intra-op threads, or the catalog name of a GPU
+(e.g. ``A100-40GB``); ``root`` defaults to the repository's ``data/profiles``
+(``$TAG_PROFILE_DIR`` overrides). The communication fit of that device type lives next to it in
+``comm.json`` (:mod:`tag.cost.comm`).
+
+A profile holds, per op-group and phase, the median seconds measured at a few per-replica batch
+sizes (``fwd``/``bwd``) and the batch-independent optimizer time (``opt``; the optimizer's fixed
+per-step cost is stored once as ``opt_step_overhead_s``). Between profiled batch sizes times are
+interpolated linearly; above the largest they are extrapolated with the last segment's slope;
+below the smallest they are clamped to it (a replica with a batch of 0 costs nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import TagError
+from ..io import write_json
+
+PROFILE_VERSION = 1
+
+
+class ProfileError(TagError):
+    """A profile file is unreadable or malformed."""
+
+
+def default_profile_dir() -> Path:
+    """``$TAG_PROFILE_DIR``, else ``<repository>/data/profiles``."""
+    env = os.environ.get("TAG_PROFILE_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "data" / "profiles"
+
+
+def cpu_device_type(threads: int) -> str:
+    """Device-type name of a CPU running ``threads`` intra-op threads."""
+    return f"cpu-{int(threads)}t"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=,-]+", "_", text)[:60]
+
+
+@dataclass
+class Profile:
+    """Measured times of one graph on one device type. Seconds; batches are per-replica samples."""
+
+    device_type: str
+    model: str
+    graph_signature: str
+    batch_size: int
+    """Global batch the graph was captured at."""
+    optimizer: str
+    batches: list[int]
+    """Profiled per-replica batch sizes, increasing."""
+    fwd: list[list[float]]
+    """[group][batch index] median seconds of the group's forward stage."""
+    bwd: list[list[float]]
+    """[group][batch index] median seconds of the group's backward stage."""
+    opt: list[float]
+    """[group] seconds of the optimizer update of the group's parameters (marginal)."""
+    opt_step_overhead_s: float = 0.0
+    """Fixed seconds of one ``optimizer.step()`` call, paid once per device per iteration."""
+    meta: dict = field(default_factory=dict)
+    """Provenance: repeats, warm-up, threads, torch version, host, date."""
+    version: int = PROFILE_VERSION
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.opt)
+
+    def table(self, batches) -> np.ndarray:
+        """Seconds ``[K, 3, len(batches)]`` (phases fwd, bwd, opt) at the given per-replica batches."""
+        q = np.asarray(batches, dtype=float)
+        xs = np.asarray(self.batches, dtype=float)
+        out = np.zeros((self.num_groups, 3, len(q)))
+        for ph, rows in ((0, self.fwd), (1, self.bwd)):
+            y = np.asarray(rows, dtype=float)  # [K, nb]
+            out[:, ph, :] = _interp_rows(q, xs, y)
+        out[:, 2, :] = np.asarray(self.opt, dtype=float)[:, None]
+        out[:, :, q <= 0] = 0.0
+        return out
+
+    # ---- I/O ---------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, *, source: str = "profile") -> Profile:
+        try:
+            p = cls(**d)
+        except TypeError as e:
+            raise ProfileError(f"{source}: malformed profile: {e}") from e
+        if p.version != PROFILE_VERSION:
+            raise ProfileError(f"{source}: version: expected {PROFILE_VERSION}, got {p.version}")
+        k = len(p.opt)
+        if not p.batches or sorted(set(p.batches)) != list(p.batches):
+            raise ProfileError(f"{source}: batches: expected increasing distinct sizes, got {p.batches}")
+        for name in ("fwd", "bwd"):
+            rows = getattr(p, name)
+            if len(rows) != k or any(len(r) != len(p.batches) for r in rows):
+                raise ProfileError(f"{source}: {name}: expected {k} rows of {len(p.batches)} times")
+        return p
+
+    def path(self, root: str | os.PathLike) -> Path:
+        return profile_path(root, self.device_type, self.model, self.graph_signature)
+
+    def save(self, root: str | os.PathLike) -> Path:
+        """Write under ``root`` (atomically), merging batch sizes with an existing profile."""
+        path = self.path(root)
+        merged = self
+        if path.exists():
+            try:
+                old = load_profile(path)
+            except ProfileError:
+                old = None
+            if old is not None and old.num_groups == self.num_groups and old.optimizer == self.optimizer:
+                merged = _merge(old, self)
+        write_json(path, _rounded(merged.to_dict()), indent=None)
+        return path
+
+
+def _interp_rows(q: np.ndarray, xs: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Piecewise-linear interpolation of every row of ``y`` (at ``xs``) at ``q``; linear
+    extrapolation above ``xs[-1]`` (slope clamped >= 0), clamped below ``xs[0]``."""
+    out = np.empty((y.shape[0], len(q)))
+    for i in range(y.shape[0]):
+        out[i] = np.interp(q, xs, y[i])
+    if len(xs) >= 2:
+        hi = q > xs[-1]
+        if hi.any():
+            slope = np.maximum((y[:, -1] - y[:, -2]) / (xs[-1] - xs[-2]), 0.0)
+            out[:, hi] = y[:, -1:] + slope[:, None] * (q[hi] - xs[-1])[None, :]
+    return out
+
+
+def _merge(old: Profile, new: Profile) -> Profile:
+    """Union of batch sizes; ``new`` wins where both measured."""
+    cols: dict[int, tuple[list[float], list[float]]] = {}
+    for p in (old, new):
+        for j, b in enumerate(p.batches):
+            cols[b] = ([r[j] for r in p.fwd], [r[j] for r in p.bwd])
+    bs = sorted(cols)
+    fwd = [[cols[b][0][g] for b in bs] for g in range(new.num_groups)]
+    bwd = [[cols[b][1][g] for b in bs] for g in range(new.num_groups)]
+    return Profile(new.device_type, new.model, new.graph_signature, new.batch_size, new.optimizer, bs, fwd, bwd,
+                   new.opt, new.opt_step_overhead_s, new.meta)
+
+
+def _rounded(d: dict) -> dict:
+    """Times to 4 significant digits (measurement noise is far larger): small files."""
+    def r(x):
+        return float(f"{x:.4g}")
+    d = dict(d)
+    d["fwd"] = [[r(x) for x in row] for row in d["fwd"]]
+    d["bwd"] = [[r(x) for x in row] for row in d["bwd"]]
+    d["opt"] = [r(x) for x in d["opt"]]
+    d["opt_step_overhead_s"] = r(d["opt_step_overhead_s"])
+    return d
+
+
+def profile_path(root: str | os.PathLike, device_type: str, model: str, signature: str) -> Path:
+    return Path(root) / _slug(device_type) / f"{_slug(model)}-{signature}.json"
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except OSError as e:
+        raise ProfileError(f"{p}: cannot read profile: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{p}: line {e.lineno}: not valid JSON: {e.msg}") from e
+    if not isinstance(d, dict):
+        raise ProfileError(f"{p}: expected a JSON object")
+    return Profile.from_dict(d, source=str(p))
+
+
+def find_profile(root: str | os.PathLike, device_type: str, signature: str) -> Profile | None:
+    """The profile of graph ``signature`` on ``device_type`` under ``root``, or None."""
+    folder = Path(root) / _slug(device_type)
+    if not folder.is_dir():
+        return None
+    for path in sorted(folder.glob(f"*-{signature}.json")):
+        return load_profile(path)
+    return None
+
+
+def profiled_device_types(root: str | os.PathLike, signature: str) -> list[str]:
+    """Device types under ``root`` holding a profile of graph ``signature`` (sorted)."""
+    r = Path(root)
+    if not r.is_dir():
+        return []
+    return sorted(d.name for d in r.iterdir() if d.is_dir() and any(d.glob(f"*-{signature}.json")))

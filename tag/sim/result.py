@@ -1,0 +1,84 @@
+"""The outcome of simulating one training iteration, and its Chrome/Perfetto trace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SimEvent:
+    """One interval of the timeline (seconds)."""
+
+    name: str
+    device: int
+    stream: str
+    """``compute`` or ``comm``."""
+    start: float
+    end: float
+    cat: str
+    """``fwd``, ``bwd``, ``opt``, ``transfer``, ``allreduce`` or ``ps``."""
+
+
+@dataclass
+class SimResult:
+    """Simulated iteration. Times in seconds, memory in bytes; lists are indexed by device
+    (topology order) or by op-group."""
+
+    iteration_time_s: float
+    oom: bool
+    peak_memory_bytes: list[float]
+    """Per device: params + grads + optimizer state + buffers + saved activations of the units
+    it holds, plus the largest single-op working set and the largest communication buffer."""
+    memory_capacity_bytes: list[float]
+    oom_devices: list[tuple[int, float]]
+    """(device, bytes over capacity) for every device whose peak exceeds its memory."""
+    compute_time_s: list[float]
+    """Per device: busy time of its compute stream."""
+    comm_time_s: list[float]
+    """Per device: busy time of its communication stream (overlaps compute)."""
+    idle_time_s: list[float]
+    """Per device: iteration time minus compute time (the compute stream waiting)."""
+    group_finish_s: list[float]
+    """Per op-group: when its backward finished on its last replica/chunk."""
+    group_compute_s: list[float]
+    """Per op-group: compute seconds (fwd + bwd + opt) summed over its replicas/chunks."""
+    critical_path: list[str]
+    """Task names along the critical path, first to last."""
+    events: list[SimEvent] | None = None
+    """The whole timeline when simulated with ``trace=True``."""
+    device_names: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """JSON-able summary (no events; see :meth:`chrome_trace`)."""
+        n = len(self.peak_memory_bytes)
+        names = self.device_names or [str(d) for d in range(n)]
+        return {
+            "iteration_time_s": self.iteration_time_s,
+            "oom": self.oom,
+            "oom_devices": [{"device": d, "name": names[d], "over_bytes": over} for d, over in self.oom_devices],
+            "devices": [
+                {"device": d, "name": names[d], "compute_s": self.compute_time_s[d], "comm_s": self.comm_time_s[d],
+                 "idle_s": self.idle_time_s[d], "peak_memory_bytes": self.peak_memory_bytes[d],
+                 "memory_capacity_bytes": self.memory_capacity_bytes[d]}
+                for d in range(n)
+            ],
+            "peak_memory_bytes": list(self.peak_memory_bytes),
+            "group_finish_s": list(self.group_finish_s),
+            "group_compute_s": list(self.group_compute_s),
+            "critical_path": list(self.critical_path),
+        }
+
+    def chrome_trace(self) -> dict:
+        """``{"traceEvents": [...]}``: one process per device, threads ``compute`` (0) / ``comm`` (1);
+        timestamps in microseconds. Empty timeline unless simulated with ``trace=True``."""
+        n = len(self.peak_memory_bytes)
+        names = self.device_names or [f"device {d}" for d in range(n)]
+        ev: list[dict] = []
+        for d in range(n):
+            ev.append({"name": "process_name", "ph": "M", "pid": d, "args": {"name": f"{d}: {names[d]}"}})
+            ev.append({"name": "thread_name", "ph": "M", "pid": d, "tid": 0, "args": {"name": "compute"}})
+            ev.append({"name": "thread_name", "ph": "M", "pid": d, "tid": 1, "args": {"name": "comm"}})
+        for e in self.events or ():
+            ev.append({"name": e.name, "cat": e.cat, "ph": "X", "pid": e.device, "tid": 0 if e.stream == "compute" else 1,
+                       "ts": e.start * 1e6, "dur": max(0.0, e.end - e.start) * 1e6})
+        return {"traceEvents": ev, "displayTimeUnit": "ms"}

@@ -1,0 +1,149 @@
+"""Plan-independent facts about a graph that the simulator needs, computed once per graph.
+
+Placement rules follow the executor (:mod:`tag.executor.schedule`): a ``getitem`` runs where the
+op producing its tuple runs; a parameter is owned by the unit computing its gradient; tensors
+cross units only from an op (or an owned parameter) to an op of another unit; user inputs,
+buffers and constants are present everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..plan.format import group_positions
+
+FWD, BWD, OPT = 0, 1, 2
+PARAM = -1
+"""Source "phase" of a parameter tensor: available from the start of the iteration."""
+
+
+@dataclass
+class TensorEdge:
+    """A tensor read by ops of group ``dst_group`` (other unit than its producer, possibly)."""
+
+    tensor: int
+    src_group: int
+    src_pos: int
+    """Forward position of the producer (its anchor; the owner's position for a parameter)."""
+    src_phase: int
+    """FWD, BWD or PARAM."""
+    dst_group: int
+    consumers: list[tuple[int, int]]
+    """(forward position, phase) of every consuming op in ``dst_group``."""
+    batch: bool
+    """Re-partitioned by sample ranges (the tensor has a batch dimension)."""
+    grad: bool
+    """A non-batch gradient (summed over producer replicas, delivered to the first consumer)."""
+    fixed: float
+    """Bytes: ``fixed + per_sample * b``."""
+    per_sample: float
+
+
+@dataclass
+class GraphStatic:
+    """Per-graph tables; positions are forward positions (``Op.anchor``)."""
+
+    num_groups: int
+    batch_size: int
+    lo: list[int]
+    hi: list[int]
+    """Forward position range ``[lo, hi)`` of every group."""
+    edges: dict[tuple[int, int], list[TensorEdge]]
+    """(src group, dst group) -> tensors crossing (src == dst: only between mp chunks)."""
+    pairs: list[tuple[int, int]]
+    """Keys of ``edges``, sorted."""
+    grad_bytes: np.ndarray
+    """[K] bytes of the parameters (= gradients) each group owns."""
+    static_pos: list[np.ndarray]
+    """Per group, per position: param + grad + optimizer-state bytes owned there."""
+    buffer_pos: list[np.ndarray]
+    """Per group, per position: bytes of buffers/constants read there."""
+    saved: list[list[tuple[float, float, list[int]]]]
+    """Per group: (fixed, per-sample bytes, backward consumer positions) of every tensor its
+    backward reads that was produced in a forward pass or is a user input (kept from forward)."""
+    work_pos: list[np.ndarray]
+    """Per group: [positions, 2] max (fixed, per-sample) bytes read+written by one op there."""
+
+
+def gradient_tensors(graph) -> set[int]:
+    """Tensors linear in the loss-gradient seed (the executor's definition of a gradient)."""
+    grads: set[int] = set()
+    for op in graph.ops:
+        if op.phase == "bwd" and any(t == graph.loss or t in grads for t in op.inputs):
+            grads.update(op.outputs)
+    return grads
+
+
+def build_static(graph) -> GraphStatic:
+    ops, tensors = graph.ops, graph.tensors
+    k = graph.num_groups
+    phase_of = {"fwd": FWD, "bwd": BWD, "opt": OPT}
+    eff: dict[int, tuple[int, int, int]] = {}  # op -> (group, pos, phase) where it runs
+    for i, op in enumerate(ops):
+        if op.phase == "opt":
+            continue
+        loc = (op.group, op.anchor, phase_of[op.phase])
+        if op.target == "getitem" and op.inputs:
+            p = tensors[op.inputs[0]].producer
+            if p in eff:
+                loc = eff[p]
+        eff[i] = loc
+    pos = [group_positions(graph, g) for g in range(k)]
+    lo, hi = [a for a, _ in pos], [b for _, b in pos]
+
+    def slot(g: int, p: int) -> int:
+        return min(max(p - lo[g], 0), hi[g] - lo[g] - 1)
+
+    owner: dict[int, tuple[int, int]] = {}  # param tensor -> (group, pos)
+    grad_bytes = np.zeros(k)
+    static_pos = [np.zeros(h - lo_) for lo_, h in pos]
+    for p in graph.params:
+        prod = tensors[p.grad].producer
+        g, ps, _ = eff.get(prod, (p.group, lo[p.group], BWD))
+        owner[p.tensor] = (g, ps)
+        grad_bytes[g] += p.nbytes
+        static_pos[g][slot(g, ps)] += 2 * p.nbytes + p.opt_state_bytes
+    grads = gradient_tensors(graph)
+
+    cons: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (tensor, dst group) -> consumers
+    buffer_pos = [np.zeros(h - lo_) for lo_, h in pos]
+    work_pos = [np.zeros((h - lo_, 2)) for lo_, h in pos]
+    saved_map: dict[tuple[int, int], list[int]] = {}  # (tensor, group) -> bwd consumer positions
+    seen_buf: set[tuple[int, int, int]] = set()
+    for i, op in enumerate(ops):
+        if op.phase == "opt":
+            continue
+        g, ps, ph = eff[i]
+        w = work_pos[g][slot(g, ps)]
+        w[0] = max(w[0], op.bytes_read.fixed + op.bytes_written.fixed)
+        w[1] = max(w[1], op.bytes_read.per_sample + op.bytes_written.per_sample)
+        for t in op.inputs:
+            tt = tensors[t]
+            if tt.producer < 0 and tt.kind in ("buffer", "const") and (t, g, slot(g, ps)) not in seen_buf:
+                seen_buf.add((t, g, slot(g, ps)))
+                buffer_pos[g][slot(g, ps)] += tt.nbytes.fixed
+            if ph == BWD and (tt.kind == "input" or (tt.producer >= 0 and eff[tt.producer][2] == FWD)):
+                saved_map.setdefault((t, g), []).append(ps)
+            if tt.producer >= 0 or t in owner:
+                cons.setdefault((t, g), []).append((ps, ph))
+
+    edges: dict[tuple[int, int], list[TensorEdge]] = {}
+    for (t, g_dst), cs in cons.items():
+        tt = tensors[t]
+        if tt.producer >= 0:
+            g_src, p_src, ph_src = eff[tt.producer]
+        else:
+            (g_src, p_src), ph_src = owner[t], PARAM
+        if g_src == g_dst and len({slot(g_dst, p) for p, _ in cs} | {slot(g_src, p_src)}) == 1:
+            continue  # never crosses a unit, whatever the plan
+        e = TensorEdge(t, g_src, p_src, ph_src, g_dst, cs, tt.batch_dim is not None,
+                       tt.batch_dim is None and t in grads, tt.nbytes.fixed, tt.nbytes.per_sample)
+        edges.setdefault((g_src, g_dst), []).append(e)
+    saved: list[list[tuple[float, float, list[int]]]] = [[] for _ in range(k)]
+    for (t, g), ps in saved_map.items():
+        nb = tensors[t].nbytes
+        saved[g].append((nb.fixed, nb.per_sample, sorted(set(ps))))
+    return GraphStatic(k, graph.batch_size, lo, hi, edges, sorted(edges), grad_bytes, static_pos, buffer_pos,
+                       saved, work_pos)

@@ -1,0 +1,198 @@
+"""Plan-derived data the simulator caches: layouts, per-group units and cross-unit flows.
+
+* A **layout** is a data-parallel replica set: devices and their integer local batches. Its
+  cost arrays cover *every* group (``[K, R]``), so consecutive groups with the same layout run as
+  one vectorised segment (cumulative sums give each stage's finish time).
+* A **group's units**: one data-parallel unit (a layout), or one single-device unit per ``mp``
+  chunk, plus the group's gradient synchronisation.
+* **Flows** between two groups' units: the tensors crossing, re-partitioned per the executor's
+  rules (``rows`` by sample-range overlap, ``copy`` from the nearest producer replica, ``sum``
+  from every producer replica to the first consumer replica), aggregated per (source stage,
+  source replica, destination stage, destination replica); moves within one device are free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..plan.format import local_batches
+from .static import BWD, FWD, PARAM, GraphStatic
+
+
+@dataclass
+class Layout:
+    """Data-parallel replicas ``devices`` with ``batches`` samples each; arrays over all groups."""
+
+    devices: tuple[int, ...]
+    batches: tuple[int, ...]
+    dev_arr: np.ndarray
+    """[R] int device indices."""
+    dur: np.ndarray
+    """[3, K, R] seconds per phase (fwd, bwd, opt), group and replica."""
+    cum_fwd: np.ndarray
+    """[K+1, R]: forward seconds of groups < g."""
+    cum_bwd: np.ndarray
+    """[K+1, R]: backward seconds of the first i groups in backward order (K-1, K-2, ...)."""
+    mem: np.ndarray
+    """[K, R] bytes held for the whole iteration: params, grads, optimizer state, buffers, saved
+    activations at the replica's batch."""
+    work: np.ndarray
+    """[K, R] bytes of the largest single op's working set."""
+    starts: tuple[int, ...]
+    """First global sample of each replica."""
+    gsum: np.ndarray
+    """[K] compute seconds (fwd + bwd + opt) summed over the replicas."""
+
+
+@dataclass
+class Unit:
+    """A group (``chunk`` -1) or one mp chunk; ``layout`` for data-parallel units."""
+
+    group: int
+    chunk: int
+    devices: tuple[int, ...]
+    batches: tuple[int, ...]
+    starts: tuple[int, ...]
+    layout: Layout | None = None
+    dur: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """mp chunk: seconds of fwd, bwd, opt (its single device)."""
+    mem: float = 0.0
+    work: float = 0.0
+    lo: int = 0
+    hi: int = 0
+    """mp chunk: forward positions [lo, hi)."""
+
+
+@dataclass
+class GroupData:
+    """Everything the event loop needs about one group's deployment."""
+
+    units: list[Unit]
+    sync: str
+    """``allreduce``, ``ps`` or ``none``."""
+    sync_time: float
+    sync_devices: tuple[int, ...]
+    sync_machines: tuple[int, ...]
+    """Machines whose network link the synchronisation uses (empty within one machine)."""
+    sync_bytes: float
+    mp: bool = False
+    chunk_of: dict[int, int] = field(default_factory=dict)
+    """mp: forward position -> chunk index."""
+
+
+@dataclass
+class Flow:
+    """One point-to-point transfer of the iteration."""
+
+    src: tuple[int, int, int]
+    """Source stage (phase or PARAM, group, chunk index)."""
+    src_rep: int
+    dst: tuple[int, int, int]
+    dst_rep: int
+    a: int
+    b: int
+    nbytes: float
+    time: float
+    ma: int
+    """Source machine when the flow crosses machines, else -1."""
+    mb: int
+
+
+def make_layout(static: GraphStatic, tables: np.ndarray, dev_class: list[int], devices: tuple[int, ...],
+                batches: tuple[int, ...]) -> Layout:
+    """``tables``: [C, K, 3, B+1] seconds per device class."""
+    dev = np.array(devices, dtype=np.int64)
+    cls = np.array([dev_class[d] for d in devices], dtype=np.int64)
+    b = np.array(batches, dtype=np.int64)
+    dur = np.ascontiguousarray(tables[cls, :, :, b].transpose(2, 1, 0))  # [R, K, 3] -> [3, K, R]
+    k, r = dur.shape[1], dur.shape[2]
+    cum_f = np.zeros((k + 1, r))
+    np.cumsum(dur[FWD], axis=0, out=cum_f[1:])
+    cum_b = np.zeros((k + 1, r))
+    np.cumsum(dur[BWD][::-1], axis=0, out=cum_b[1:])
+    mem = np.zeros((k, r))
+    work = np.zeros((k, r))
+    bf = b.astype(float)
+    for g in range(k):
+        sf = sum(f for f, _, _ in static.saved[g])
+        sp = sum(p for _, p, _ in static.saved[g])
+        mem[g] = static.static_pos[g].sum() + static.buffer_pos[g].sum() + sf + sp * bf
+        w = static.work_pos[g]
+        work[g] = (w[:, 0].max() + w[:, 1].max() * bf) if len(w) else 0.0
+    starts = tuple(int(s) for s in np.concatenate([[0], np.cumsum(b)[:-1]]))
+    return Layout(tuple(devices), tuple(batches), dev, dur, cum_f, cum_b, mem, work, starts, dur.sum(axis=(0, 2)))
+
+
+def split_batch(batch_size: int, shares: list[float]) -> tuple[int, ...]:
+    return tuple(local_batches(batch_size, list(shares)))
+
+
+def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi: int) -> Unit:
+    """Chunk ``j`` (positions [lo, hi)) of mp group ``g`` on ``device``, full batch."""
+    bsz = static.batch_size
+    table = costs.table(device)
+    a, z = lo - static.lo[g], hi - static.lo[g]
+    dur = tuple(float(table[g, ph, bsz] * costs.position_weights(g, ph)[a:z].sum()) for ph in range(3))
+    saved = sum(f + p * bsz for f, p, ps in static.saved[g] if any(lo <= x < hi for x in ps))
+    mem = float(static.static_pos[g][a:z].sum() + static.buffer_pos[g][a:z].sum() + saved)
+    w = static.work_pos[g][a:z]
+    work = float(w[:, 0].max() + w[:, 1].max() * bsz) if len(w) else 0.0
+    return Unit(g, j, (device,), (bsz,), (0,), None, dur, mem, work, lo, hi)
+
+
+def pair_flows(static: GraphStatic, comm, g1: int, gd1: GroupData, g2: int, gd2: GroupData) -> list[Flow]:
+    """Flows from group ``g1``'s units to group ``g2``'s units (``g1 == g2``: between mp chunks)."""
+    moves: dict[tuple, float] = {}
+    mo = comm.machine_of
+    for e in static.edges.get((g1, g2), ()):
+        su = gd1.chunk_of.get(e.src_pos, 0) if gd1.mp else 0
+        need: dict[int, int] = {}  # dst unit -> first phase needing it
+        for p, ph in e.consumers:
+            du = gd2.chunk_of.get(p, 0) if gd2.mp else 0
+            need[du] = min(need.get(du, ph), ph)
+        src = gd1.units[su]
+        sphase = e.src_phase
+        for du, ph in need.items():
+            if g1 == g2 and du == su:
+                continue
+            dst = gd2.units[du]
+            for (ri, rj, nbytes) in _moves(e, src, dst, mo):
+                a, b = src.devices[ri], dst.devices[rj]
+                if a == b or nbytes <= 0:
+                    continue
+                key = ((sphase, g1, su), ri, (ph, g2, du), rj)
+                moves[key] = moves.get(key, 0.0) + nbytes
+    flows = []
+    for (s, ri, d, rj), nbytes in moves.items():
+        a = gd1.units[s[2]].devices[ri]
+        b = gd2.units[d[2]].devices[rj]
+        cross = mo[a] != mo[b]
+        flows.append(Flow(s, ri, d, rj, a, b, nbytes, comm.p2p_time(a, b, nbytes),
+                          mo[a] if cross else -1, mo[b] if cross else -1))
+    return flows
+
+
+def _moves(e, src: Unit, dst: Unit, mo) -> list[tuple[int, int, float]]:
+    """(producer replica, consumer replica, bytes) per the executor's move rules."""
+    out = []
+    if e.batch:
+        for j, (cs, cb) in enumerate(zip(dst.starts, dst.batches)):
+            for i, (ps, pb) in enumerate(zip(src.starts, src.batches)):
+                overlap = min(cs + cb, ps + pb) - max(cs, ps)
+                if overlap > 0:
+                    out.append((i, j, e.per_sample * overlap))
+        return out
+    if e.grad:
+        return [(i, 0, e.fixed + e.per_sample * pb) for i, pb in enumerate(src.batches)]
+    for j, d in enumerate(dst.devices):
+        same = [i for i, s in enumerate(src.devices) if s == d]
+        near = [i for i, s in enumerate(src.devices) if mo[s] == mo[d]]
+        i = (same or near or [0])[0]
+        out.append((i, j, e.fixed + e.per_sample * src.batches[i]))
+    return out
+
+
+__all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "Unit", "make_layout", "mp_unit", "pair_flows",
+           "split_batch"]
