@@ -72,7 +72,7 @@ def test_sfb_time_counts_gathers_and_extra_compute():
     t = topo(1, 2)  # 100 GB/s
     fx = Factor(0, "x", 0, 1000.0, "fwd")
     fdy = Factor(1, "dy", 0, 500.0, "bwd")
-    c = Candidate(2, "mm", "mm", "w", 0, (fx, fdy), 4_000_000, Affine(0, 1e9), Affine(0, 0), 8e9)
+    c = Candidate(2, "mm", "mm", "w", "mm", 0, (fx, fdy), 4_000_000, Affine(0, 1e9), Affine(0, 0), 8e9)
     cost = sfb_cost(c, [0, 1], [2, 6], t, compute_rate=[1e12, 4e12])
     # replica 0 receives 6 rows of each factor, replica 1 receives 2: the slower direction counts
     assert cost.gather_s == pytest.approx(6 * 1000 / (100 * GB) + 6 * 500 / (100 * GB))

@@ -70,6 +70,8 @@ class Candidate:
     """``mm`` (product of two factors) or ``sum`` (batch reduction of one factor)."""
     param: str
     """Parameter name whose gradient this op produces."""
+    grad_node: str
+    """Joint-graph node name of the parameter's gradient (the gradient op, or a view of it)."""
     group: int
     """Op-group of the gradient op (the replicas of that group exchange the factors)."""
     factors: tuple[Factor, ...]
@@ -149,5 +151,5 @@ def _candidate(graph: OpGraph, grad: int, param: str, grad_bytes: int) -> Candid
         factors, kind = (f,), "sum"
     else:
         return None
-    return Candidate(i, op.name, kind, param, op.group, factors, int(grad_bytes), op.flops,
-                     op.bytes_read + op.bytes_written, op.flops.at(graph.batch_size))
+    return Candidate(i, op.name, kind, param, graph.tensors[grad].name, op.group, factors, int(grad_bytes),
+                     op.flops, op.bytes_read + op.bytes_written, op.flops.at(graph.batch_size))

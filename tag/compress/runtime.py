@@ -10,10 +10,11 @@ Per SFB op of a group, every replica
    exactly the gathered batch, so its fixed view shapes fit;
 3. uses the result as the parameter's full gradient and leaves it out of the all-reduce.
 
-Units: gradients must be summable across replicas ("full-batch units", see docs/DESIGN.md
-"Loss scaling"). A replica whose local gradients are scaled by ``s_r`` (``b_r / B`` inside the
-loss unit) must scale the *backward* factor rows it contributes by ``s_r`` before gathering;
-``dW`` is linear in ``dY``, so the result equals the scaled all-reduce exactly.
+Units: the gathered rows must be in "full-batch units" (summing the replicas' local products
+gives the full-batch gradient). The executor scales the loss-gradient seed by ``b_r / B`` inside
+the loss unit's backward (docs/DESIGN.md "Loss scaling"), so every backward factor row already
+is; an implementation that scaled gradients only after the backward would have to scale the
+backward factor rows it contributes by ``b_r / B`` before gathering (dW is linear in dY).
 """
 
 from __future__ import annotations
@@ -29,14 +30,20 @@ from .cost import SfbError
 from .detect import Candidate
 
 
-def gather_rows(local: torch.Tensor, batch_dim: int, counts: Sequence[int], group=None) -> torch.Tensor:
+def gather_rows(local: torch.Tensor, batch_dim: int, counts: Sequence[int], group=None,
+                sample_order: Sequence[int] | None = None) -> torch.Tensor:
     """All-gather ``local`` (``counts[rank]`` rows along ``batch_dim``) into the full tensor.
 
     Uneven counts are handled by padding every contribution to ``max(counts)`` rows, gathering,
     and slicing the padding off (gloo and NCCL ``all_gather`` need equal sizes). ``counts`` is
     known to every rank from the plan (``local_batches``), so no size exchange is needed.
-    ``group`` is a ``torch.distributed`` process group of exactly the group's replicas, in
-    ``GroupPlan.devices`` order (rank ``r`` of the group holds ``counts[r]`` rows).
+
+    Args:
+        counts: rows held by each rank of ``group``, indexed by *group rank*.
+        group: ``torch.distributed`` process group of exactly the op-group's replicas.
+        sample_order: group ranks in the order their samples come in the global batch (the
+            order of ``GroupPlan.devices``); default ``0..n-1``. ``dist.new_group`` numbers
+            group ranks by ascending global rank, which differs when ``devices`` is unsorted.
     """
     import torch.distributed as dist
 
@@ -50,7 +57,15 @@ def gather_rows(local: torch.Tensor, batch_dim: int, counts: Sequence[int], grou
     padded = torch.cat([local, local.new_zeros(pad)], dim=batch_dim).contiguous()
     parts = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(parts, padded, group=group)
-    return torch.cat([p.narrow(batch_dim, 0, n) for p, n in zip(parts, counts)], dim=batch_dim)
+    order = range(len(counts)) if sample_order is None else sample_order
+    return torch.cat([parts[r].narrow(batch_dim, 0, counts[r]) for r in order], dim=batch_dim)
+
+
+@dataclass
+class _JointOnly:
+    """The one attribute of :class:`Captured` that ``build_stages`` reads."""
+
+    joint: torch.fx.GraphModule
 
 
 @dataclass
@@ -68,10 +83,15 @@ class SfbKernel:
         return self.stage(factors)[self.grad_node]
 
 
-def sfb_kernel(captured: Captured, cand: Candidate) -> SfbKernel:
-    """Build (once per op; cache it) the kernel recomputing ``cand.param``'s gradient."""
-    nodes = {n.name: n for n in captured.joint.graph.nodes}
-    grad_node = captured.grad_outputs[cand.param]
+def sfb_kernel(joint: Captured | torch.fx.GraphModule, cand: Candidate) -> SfbKernel:
+    """Build (once per op; cache it) the kernel recomputing ``cand.param``'s gradient.
+
+    ``joint``: a :class:`Captured` or any joint-graph ``GraphModule`` exported at the *global*
+    batch with the capture's node names (e.g. the executor's ``export_at(model, make_inputs, B)``).
+    """
+    gm = joint.joint if isinstance(joint, Captured) else joint
+    nodes = {n.name: n for n in gm.graph.nodes}
+    grad_node = cand.grad_node
     factor_names = {f.name for f in cand.factors}
     inside: set[str] = set()
     stack = [nodes[grad_node]]
@@ -84,5 +104,6 @@ def sfb_kernel(captured: Captured, cand: Candidate) -> SfbKernel:
                            f"{n.name!r} that is not one of its factors {sorted(factor_names)}")
         inside.add(n.name)
         stack.extend(n.all_input_nodes)
-    stage = build_stages(captured, {name: ("sfb", cand.op_name) for name in inside})[("sfb", cand.op_name)]
+    key = ("sfb", cand.op_name)
+    stage = build_stages(_JointOnly(gm), {name: key for name in inside})[key]
     return SfbKernel(cand, stage, grad_node)
