@@ -34,6 +34,13 @@ CACHE_LIMIT = 100_000
 """Entries per cache before it is cleared (bounds memory over very long searches)."""
 
 
+def plan_key(gp) -> tuple:
+    """Cache key of a GroupPlan: :meth:`GroupPlan.key` without rounding the shares (20x cheaper;
+    shares that differ by float noise merely miss the cache, the derived data is the same)."""
+    sp = gp.mp_splits
+    return (tuple(gp.devices), tuple(gp.shares), gp.sync, gp.server, tuple(sp) if sp else (), tuple(gp.sfb))
+
+
 class Simulator:
     """Simulate plans of one graph on one topology; build once, call :meth:`run` many times."""
 
@@ -63,6 +70,9 @@ class Simulator:
         self._layouts: dict[tuple, Layout] = {}
         self._groups: dict[tuple, GroupData] = {}
         self._pairs: dict[tuple, list] = {}
+        # Pairs without non-batch gradients: no flow when both groups share one layout.
+        self._local_pairs = {pr for pr, es in self.static.edges.items() if not any(e.grad for e in es)}
+        self._names: dict[tuple, str] = {}
 
     # ---- cached plan-derived data -------------------------------------------------------
     def layout(self, devices: tuple[int, ...], batches: tuple[int, ...]) -> Layout:
@@ -76,8 +86,8 @@ class Simulator:
         return lay
 
     def group_data(self, g: int, gp, key=None) -> GroupData:
-        """Units and synchronisation of group ``g`` deployed as ``gp`` (cached by ``gp.key()``)."""
-        key = (g, gp.key() if key is None else key)
+        """Units and synchronisation of group ``g`` deployed as ``gp`` (cached by its key)."""
+        key = (g, plan_key(gp) if key is None else key)
         gd = self._groups.get(key)
         if gd is None:
             if len(self._groups) > CACHE_LIMIT:
@@ -128,12 +138,18 @@ class Simulator:
         k = st.num_groups
         if len(groups) != k:
             raise PlanError(f"plan: groups: expected {k} entries (one per op-group), got {len(groups)}")
-        keys = [gp.key() for gp in groups]
+        keys = [plan_key(gp) for gp in groups]
         gds = [self.group_data(g, gp, keys[g]) for g, gp in enumerate(groups)]
         incoming: dict[tuple, list] = {}
+        local = self._local_pairs
         for g1, g2 in st.pairs:
-            if g1 == g2 and not gds[g1].mp:
-                continue
+            gd1, gd2 = gds[g1], gds[g2]
+            if g1 == g2:
+                if not gd1.mp:
+                    continue
+            elif (g1, g2) in local and gd1.units[0].layout is not None and \
+                    gd1.units[0].layout is gd2.units[0].layout:
+                continue  # same replicas, same sample ranges: every move stays on its device
             for f in self.flows(g1, keys[g1], g2, keys[g2] if g1 != g2 else None, gds):
                 lst = incoming.get(f.dst)
                 if lst is None:
@@ -266,37 +282,59 @@ class _Run:
 
     # ---- synchronisation and update ----------------------------------------------------------
     def _syncs(self) -> list[float]:
+        """Gradient synchronisations in reverse group order; returns per-device last sync end.
+
+        Only syncs use the comm streams and network sides from here on, so a sync over the same
+        members as the previous one finds all of them free at that sync's end: consecutive syncs
+        over one member set are chained without per-device work, which is settled once per run.
+        """
         n = self.sim.num_devices
         sync_end = [0.0] * n
         self.sync_last: list = [None] * n
         cf, last = self.comm_free, self.last_comm
+        cur = None  # member tuple of the current run of syncs
+        run_end, run_ref, run_busy, run_bytes = 0.0, None, 0.0, 0.0
+
+        def settle():
+            for d in cur.sync_devices:
+                cf[d] = run_end
+                last[d] = run_ref
+                self.comm_busy[d] += run_busy
+                if run_bytes > self.buf[d]:
+                    self.buf[d] = run_bytes
+                sync_end[d], self.sync_last[d] = run_end, run_ref
+            for m in cur.sync_machines:
+                self.nic_out[m] = self.nic_in[m] = run_end
+                self.last_nout[m] = self.last_nin[m] = run_ref
+
         for g in reversed(range(len(self.gds))):
             gd = self.gds[g]
             if gd.sync == "none":
                 continue
             s, p = self.group_finish[g], ("b", g)
-            for d in gd.sync_devices:
-                if cf[d] > s:
-                    s, p = cf[d], last[d]
-            for m in gd.sync_machines:
-                if self.nic_out[m] > s:
-                    s, p = self.nic_out[m], self.last_nout[m]
-                if self.nic_in[m] > s:
-                    s, p = self.nic_in[m], self.last_nin[m]
+            if cur is not None and gd.sync_devices == cur.sync_devices:
+                if run_end > s:
+                    s, p = run_end, run_ref
+            else:
+                if cur is not None:
+                    settle()
+                cur, run_busy, run_bytes = gd, 0.0, 0.0
+                for d in gd.sync_devices:
+                    if cf[d] > s:
+                        s, p = cf[d], last[d]
+                for m in gd.sync_machines:
+                    if self.nic_out[m] > s:
+                        s, p = self.nic_out[m], self.last_nout[m]
+                    if self.nic_in[m] > s:
+                        s, p = self.nic_in[m], self.last_nin[m]
             e = s + gd.sync_time
-            ref = ("s", len(self.syncs))
+            run_ref = ("s", len(self.syncs))
             self.syncs.append((g, s, e, p))
-            for d in gd.sync_devices:
-                cf[d] = e
-                last[d] = ref
-                self.comm_busy[d] += gd.sync_time
-                if gd.sync_bytes > self.buf[d]:
-                    self.buf[d] = gd.sync_bytes
-                if e > sync_end[d]:
-                    sync_end[d], self.sync_last[d] = e, ref
-            for m in gd.sync_machines:
-                self.nic_out[m] = self.nic_in[m] = e
-                self.last_nout[m] = self.last_nin[m] = ref
+            run_end = e
+            run_busy += gd.sync_time
+            run_bytes = max(run_bytes, gd.sync_bytes)
+        if cur is not None:
+            settle()
         return sync_end
 
     def _holdings(self):
@@ -377,8 +415,7 @@ class _Run:
         else:
             pred = prev[r] if cf[r] > 0 else None
         g, j = stages[row]
-        chunk = f".{j}" if self.gds[g].units[j].layout is None else ""
-        name = f"{PHASE_NAME[ph]} g{g}{chunk} @d{unit.devices[r]}"
+        name = f"{self._stage_name(ph, g, j)} @d{unit.devices[r]}"
         return name, s, float(fin[row, r]), pred
 
     def _resolve(self, ref):
@@ -414,11 +451,23 @@ class _Run:
             ref = self.last_task[d]
         guard = 0
         while ref is not None and guard < 1_000_000:
+            guard += 1
+            if ref[0] == "c" and ref[2] > 0:
+                # Inside a segment the path runs back through the same replica's earlier stages.
+                _, sid, row, r = ref
+                ph, stages, unit = self.segs[sid][:3]
+                suffix = f" @d{unit.devices[r]}"
+                names.extend(self._stage_name(ph, g, j) + suffix for g, j in stages[row:0:-1])
+                ref = ("c", sid, 0, r)
+                continue
             name, _, _, ref = self._resolve(ref)
             names.append(name)
-            guard += 1
         names.reverse()
         return names
+
+    def _stage_name(self, ph: int, g: int, j: int) -> str:
+        chunk = f".{j}" if self.gds[g].units[j].layout is None else ""
+        return f"{PHASE_NAME[ph]} g{g}{chunk}"
 
     def _events(self, upd_start, final, holds) -> list[SimEvent]:
         ev: list[SimEvent] = []

@@ -1,0 +1,162 @@
+"""Simulator: exact hand-computed expectations on tiny hand-built graphs and topologies.
+
+Graph (``chain_graph(2)``, batch 8): group 0 = f0(x, w0) -> a0 (400 B/sample); group 1 =
+f1(a0, w1) -> loss; backward: group 1 reads a0 and makes ga0 (400 B/sample), group 0 reads ga0.
+Costs: fwd 1 / 2 ms per sample, bwd 2 / 4 ms per sample, opt 1 ms per group; params 1000 B.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_sim_tools import chain_graph, hand_costs, topology
+
+from tag.errors import PlanError
+from tag.plan import GroupPlan, new_plan
+from tag.sim import Simulator, lower_bound, simulate
+
+F, BW, OPT = [1e-3, 2e-3], [2e-3, 4e-3], [1e-3, 1e-3]
+NET = 1e6  # bytes/s
+LAT = 1e-3  # s
+
+
+def _sim(topo, graph=None, **kw):
+    graph = graph or chain_graph(2)
+    return Simulator(graph, topo, hand_costs(graph, topo, F, BW, OPT, **kw)), graph
+
+
+def _two_machines(memory="16 GB"):
+    return topology([("a", 1, None, 0.0), ("b", 1, None, 0.0)], net_bw=NET, net_lat=LAT, memory=memory)
+
+
+def dp(devices, shares=None, sync="allreduce", server=None):
+    return GroupPlan(list(devices), shares or [1 / len(devices)] * len(devices), sync, server)
+
+
+def test_compute_only_single_device():
+    sim, _ = _sim(_two_machines())
+    r = sim.run([dp([0]), dp([0])])
+    assert r.iteration_time_s == pytest.approx(8 * (1e-3 + 2e-3 + 2e-3 + 4e-3) + 2e-3)
+    assert r.compute_time_s[0] == pytest.approx(r.iteration_time_s)
+    assert r.comm_time_s == [0.0, 0.0] and r.compute_time_s[1] == 0.0
+    assert r.idle_time_s[1] == pytest.approx(r.iteration_time_s)
+    assert r.group_compute_s == pytest.approx([8 * 3e-3 + 1e-3, 8 * 6e-3 + 1e-3])
+    assert not r.oom
+    assert r.critical_path == ["fwd g0 @d0", "fwd g1 @d0", "bwd g1 @d0", "bwd g0 @d0", "opt @d0"]
+
+
+def test_transfer_between_devices():
+    sim, _ = _sim(_two_machines())
+    r = sim.run([dp([0]), dp([1])])
+    x = LAT + 400 * 8 / NET  # a0 forward, ga0 backward: 3200 B each over the network
+    t = 8 * (1e-3 + 2e-3 + 4e-3 + 2e-3) + 2 * x + 1e-3
+    assert r.iteration_time_s == pytest.approx(t)
+    assert r.comm_time_s == pytest.approx([2 * x, 2 * x])
+    assert r.group_finish_s == pytest.approx([t - 1e-3, 8 * 7e-3 + x])
+    assert [n.split(" ")[0] for n in r.critical_path] == ["fwd", "send", "fwd", "bwd", "send", "bwd", "opt"]
+
+
+def test_ring_allreduce_two_machines():
+    sim, _ = _sim(_two_machines())
+    r = sim.run([dp([0, 1]), dp([0, 1])])
+    ar = 2 * (2 - 1) / 2 * 1000 / NET + 2 * (2 - 1) * LAT  # 2(n-1)/n S/bw + 2(n-1) lat
+    g1_ready = 4 * (1e-3 + 2e-3 + 4e-3)
+    g0_ready = g1_ready + 4 * 2e-3
+    assert g0_ready > g1_ready + ar  # g0's sync does not wait for g1's
+    assert r.iteration_time_s == pytest.approx(g0_ready + ar + 2e-3)
+    assert r.comm_time_s == pytest.approx([2 * ar, 2 * ar])
+    assert r.critical_path[-2:] == ["allreduce g0", "opt @d0"]
+
+
+def test_parameter_server_contended_link():
+    topo = topology([("a", 2, 1e7, 1e-4), ("s", 1, None, 0.0)], net_bw=NET, net_lat=LAT)
+    sim, _ = _sim(topo)
+    r = sim.run([dp([0, 1], sync="ps", server=2), dp([0, 1], sync="ps", server=2)])
+    push = LAT + 2 * 1000 / NET  # both workers' gradients through the server's link
+    ps = 2 * push
+    g1_ready = 4 * 7e-3
+    g0_ready = g1_ready + 4 * 2e-3
+    assert r.iteration_time_s == pytest.approx(max(g0_ready, g1_ready + ps) + ps + 2e-3)
+    assert r.comm_time_s == pytest.approx([2 * ps] * 3)
+    assert r.compute_time_s[2] == 0.0  # a pure server holds no replica
+
+
+def test_parameter_server_on_a_replica():
+    topo = _two_machines()
+    sim, _ = _sim(topo)
+    r = sim.run([dp([0, 1], sync="ps", server=1), dp([0, 1], sync="ps", server=1)])
+    ps = 2 * (LAT + 1000 / NET)  # only d0 pushes and pulls
+    assert r.iteration_time_s == pytest.approx(4 * 9e-3 + ps + 2e-3)
+
+
+def test_repartition_uneven_shares():
+    topo = topology([("m", 2, NET, LAT)])
+    sim, _ = _sim(topo)
+    r = sim.run([dp([0, 1], [0.5, 0.5]), dp([0, 1], [0.25, 0.75])])  # batches [4, 4] then [2, 6]
+    x = LAT + 2 * 400 / NET  # samples 2..3 move d0 -> d1 (forward) and d1 -> d0 (backward)
+    f1_d1 = 4e-3 + x  # d1's fwd of group 1 waits for the rows
+    b1_d1 = f1_d1 + 6 * 2e-3 + 6 * 4e-3
+    b0_d0 = b1_d1 + x + 4 * 2e-3  # d0's bwd of group 0 waits for d1's gradient rows
+    ar = 1000 / NET + 2 * LAT
+    sync_g1 = max(b1_d1, b1_d1 + x) + ar  # after the backward transfer on the comm stream
+    assert sync_g1 <= b0_d0
+    t = b0_d0 + ar + 2e-3
+    assert r.iteration_time_s == pytest.approx(t)
+    assert r.comm_time_s == pytest.approx([2 * x + 2 * ar] * 2)
+
+
+def test_memory_and_oom():
+    graph = chain_graph(2)
+    topo = topology([("a", 1, None, 0.0)], memory=10_000)
+    sim = Simulator(graph, topo, hand_costs(graph, topo, F, BW, OPT))
+    r = sim.run([dp([0]), dp([0])])
+    # params+grads+Adam state 2 x (2*1000 + 2000); saved a0 (400*8) + loss (4) + input x (16*8);
+    # largest op working set: 8+8 bytes/sample read+written at batch 8.
+    peak = 2 * 4000 + 3200 + 4 + 128 + 16 * 8
+    assert r.peak_memory_bytes == [pytest.approx(peak)]
+    assert r.oom and r.oom_devices == [(0, pytest.approx(peak - 10_000))]
+    assert r.memory_capacity_bytes == [10_000]
+
+
+def test_model_parallel_chunks():
+    graph = chain_graph(1, positions=2)  # one group, forward positions 0 and 1
+    topo = _two_machines()
+    sim = Simulator(graph, topo, hand_costs(graph, topo, [1e-3], [2e-3], [1e-3]))
+    whole = sim.run([dp([0])])
+    split = sim.run([GroupPlan([0, 1], [1.0, 1.0], "mp", None, [0, 1])])
+    assert split.iteration_time_s > whole.iteration_time_s  # same compute plus two transfers
+    assert sum(split.compute_time_s) == pytest.approx(whole.compute_time_s[0])
+    assert split.comm_time_s[0] == pytest.approx(2 * (LAT + 400 * 8 / NET))
+
+
+def test_trace_and_json(tmp_path):
+    graph = chain_graph(2)
+    topo = _two_machines()
+    plan = new_plan(graph, topo, [dp([0, 1]), dp([1])])
+    r = simulate(graph, topo, plan, costs=hand_costs(graph, topo, F, BW, OPT), trace=True)
+    tr = r.chrome_trace()
+    xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in xs} == {0, 1} and {e["tid"] for e in xs} == {0, 1}
+    assert max(e["ts"] + e["dur"] for e in xs) == pytest.approx(r.iteration_time_s * 1e6)
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["iteration_time_s"] == r.iteration_time_s and d["oom"] is False
+    assert len(d["peak_memory_bytes"]) == 2
+
+
+def test_simulate_validates_plan():
+    graph = chain_graph(2)
+    topo = _two_machines()
+    plan = new_plan(graph, topo, [dp([0]), dp([5])])
+    with pytest.raises(PlanError, match=r"groups\[1\]\.devices"):
+        simulate(graph, topo, plan, costs=hand_costs(graph, topo, F, BW, OPT))
+
+
+def test_lower_bound():
+    graph = chain_graph(2)
+    topo = _two_machines()
+    costs = hand_costs(graph, topo, F, BW, OPT, speed=[1.0, 3.0])
+    alone = 8 * 9e-3 + 2e-3
+    assert lower_bound(graph, topo, costs) == pytest.approx(1 / (1 / alone + 3 / alone))
+    best = Simulator(graph, topo, costs).run([dp([1]), dp([1])]).iteration_time_s
+    assert lower_bound(graph, topo, costs) < best
