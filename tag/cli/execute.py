@@ -1,0 +1,72 @@
+"""``tag execute``: run a plan for real, one process per topology device, and time it.
+
+On one machine without GPUs: one gloo process per device; with a GPU per device: NCCL.
+Across machines: run ``python -m tag.executor.worker ARGS.json`` under torchrun on each
+machine (docs/EXECUTOR.md). Prints the measured median iteration time next to the
+simulator's prediction (``--json``: the whole result; ``--out``: also written to a file).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import print_json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("execute", help="run a plan on torch.distributed and measure it",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_execute_args(p)
+    p.add_argument("--plan", required=True, help="plan JSON (from `tag plan`)")
+    p.add_argument("--json", action="store_true", help="print the full result as JSON")
+    p.add_argument("--out", default=None, help="also write the result JSON here")
+    p.add_argument("--save-params", action="store_true", help="each rank saves its final parameters in the run dir")
+    p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # testing: RANK:ITER:raise|exit|hang
+    p.set_defaults(func=run)
+
+
+def add_execute_args(p: argparse.ArgumentParser) -> None:
+    """Options shared with ``tag validate``."""
+    p.add_argument("--model", required=True, help="workload spec the plan was made for (e.g. gpt2:n_layer=2)")
+    p.add_argument("--topology", required=True, help="topology file (one rank per device)")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: the plan's)")
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--groups", type=int, default=None, help="op-groups (default: the plan's)")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="auto: NCCL when every rank has a GPU on this machine, else gloo")
+    p.add_argument("--steps", type=int, default=10, help="timed iterations (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up iterations (default 3)")
+    p.add_argument("--emulate-speed", action="store_true",
+                   help="slow each rank down by (fastest device FP32 FLOP/s / its own) to emulate the "
+                        "topology's heterogeneous devices on identical CPUs (off by default)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds any rank may wait on a peer before the run fails (default 120)")
+    p.add_argument("--run-dir", default=None, help="folder for worker results and logs (default: a temp folder)")
+
+
+def run(args) -> int:
+    from ..executor import ExecuteConfig, execute
+    from ..io import write_json
+
+    cfg = ExecuteConfig(model=args.model, topology=args.topology, plan=args.plan, batch=args.batch,
+                        optimizer=args.optimizer, seed=args.seed, groups=args.groups, steps=args.steps,
+                        warmup=args.warmup, backend=args.backend, emulate_speed=args.emulate_speed,
+                        timeout_s=args.timeout, run_dir=args.run_dir, save_params=args.save_params,
+                        fault=args.inject_fault)
+    res = execute(cfg)
+    d = res.to_dict()
+    if args.out:
+        write_json(args.out, d)
+    if args.json:
+        print_json(d)
+        return 0
+    pred = res.predicted_iteration_time_s
+    print(f"{res.model} on {res.topology} ({res.world_size} ranks, {res.backend}): "
+          f"measured {res.measured_iteration_time_s * 1e3:.2f} ms/iteration (median of {res.steps})"
+          + (f", predicted {pred * 1e3:.2f} ms ({(pred / res.measured_iteration_time_s - 1) * 100:+.1f}%)"
+             if pred else ""))
+    for r in res.ranks:
+        print(f"  rank {r['rank']} ({r['device']}): {r['median_time_s'] * 1e3:.2f} ms")
+    print(f"  losses: {', '.join(f'{x:.4f}' for x in res.losses)}")
+    return 0

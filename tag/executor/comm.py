@@ -1,0 +1,81 @@
+"""torch.distributed transport for one rank: process groups, p2p batches, gradient syncs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .runtime import RankRuntime
+from .schedule import Schedule, Step
+
+
+@dataclass
+class DistComm:
+    """The rank's process groups; created once, in the same order on every rank."""
+
+    rank: int
+    world: int
+    backend: str
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+
+    @classmethod
+    def init(cls, rank: int, world: int, backend: str, timeout_s: float, schedule: Schedule,
+             device: torch.device) -> DistComm:
+        """``init_process_group`` (env:// from the launcher) plus one subgroup per synced device set.
+
+        ``timeout_s`` bounds every blocked collective / receive (gloo), so a stuck peer turns
+        into an error instead of a hang.
+        """
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+                                **kwargs)
+        comm = cls(rank, world, backend)
+        for members in schedule.comm_groups:  # every rank calls new_group for every set, same order
+            comm.groups[members] = dist.new_group(list(members), timeout=timedelta(seconds=timeout_s))
+        # One collective over everybody first: NCCL wants every rank in the first p2p batch's group.
+        comm.barrier(device)
+        return comm
+
+    def barrier(self, device: torch.device) -> None:
+        t = torch.zeros(1, device=device)
+        dist.all_reduce(t)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- steps -----------------------------------------------------------------------------
+    def transfer(self, rt: RankRuntime, step: Step) -> None:
+        """Post every send/receive of this rank in ``step`` at once, wait, then assemble."""
+        t0 = time.perf_counter()
+        ops, received = [], {}
+        for tag, dst, piece in rt.outgoing(step):
+            ops.append(dist.P2POp(dist.isend, piece, dst, tag=tag))
+        for tag, src, buf in rt.incoming(step):
+            ops.append(dist.P2POp(dist.irecv, buf, src, tag=tag))
+            received[tag] = buf
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        rt.assemble(step, received)
+        rt.timer.comm += time.perf_counter() - t0
+
+    def sync(self, rt: RankRuntime, step: Step, sync: str, devices: list[int], server: int | None) -> None:
+        """Sum the group's gradients over its replicas (all-reduce, or reduce to PS + broadcast)."""
+        members = tuple(sorted(set(devices) | ({server} if sync == "ps" else set())))
+        if self.rank not in members:
+            return
+        t0 = time.perf_counter()
+        flat = rt.grad_flat(step.group)
+        pg = self.groups[members]
+        if sync == "ps":
+            dist.reduce(flat, dst=server, group=pg)
+            dist.broadcast(flat, src=server, group=pg)
+        else:
+            dist.all_reduce(flat, group=pg)
+        rt.set_grad_flat(step.group, flat)
+        rt.timer.sync += time.perf_counter() - t0

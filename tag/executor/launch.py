@@ -1,0 +1,227 @@
+"""Launch a plan on one machine: one process per topology device, via torchrun's machinery.
+
+``execute(cfg)`` captures the graph once, checks the plan (model, topology, memory), writes the
+workers' arguments as JSON into a run folder, and starts one rank per device with
+``elastic_launch`` (the library behind ``torchrun``): gloo on CPUs, NCCL with one GPU per rank.
+When a rank raises or dies, the elastic agent stops the others and raises ``ChildFailedError``;
+it becomes ONE line naming the rank and the cause (:class:`ExecutionError`).
+
+Across machines, run the same worker under ``torchrun`` on every machine (docs/EXECUTOR.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import OutOfMemoryError, PlanError, TagError
+from ..io import write_json
+from .runtime import ExecutionError
+from .worker import WorkerArgs, worker_entry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExecuteConfig:
+    """What to run and how (CLI ``tag execute``)."""
+
+    model: str
+    topology: str
+    plan: str
+    batch: int | None = None
+    """Global batch; default: the plan's."""
+    optimizer: str = "adam"
+    seed: int = 0
+    groups: int | None = None
+    """Op-groups; default: the plan's number of groups."""
+    steps: int = 10
+    warmup: int = 3
+    backend: str = "auto"
+    """``gloo``, ``nccl`` or ``auto`` (NCCL when there are GPUs for every rank, else gloo)."""
+    emulate_speed: bool = False
+    timeout_s: float = 120.0
+    """Bound on any blocked communication and on rendezvous."""
+    run_dir: str | None = None
+    """Where workers write results and logs (default: a fresh temporary folder)."""
+    save_params: bool = False
+    check_memory: bool = True
+    fault: str | None = None
+    """Testing only (see :class:`WorkerArgs`)."""
+
+
+@dataclass
+class ExecuteResult:
+    """Measured (and predicted) iteration times of one plan."""
+
+    model: str
+    topology: str
+    plan: str
+    backend: str
+    world_size: int
+    steps: int
+    warmup: int
+    measured_iteration_time_s: float
+    """Median over post-warm-up iterations of the slowest rank's time (barrier to barrier)."""
+    predicted_iteration_time_s: float | None
+    """The simulator's prediction for the same plan (None if unavailable)."""
+    per_rank_median_s: list[float]
+    losses: list[float]
+    """Full-batch loss per iteration (sum over loss-unit replicas of b_i/B x their mean)."""
+    ranks: list[dict] = field(repr=False, default_factory=list)
+    run_dir: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
+    """Run ``cfg.plan`` for real; raises a one-line :class:`TagError` on bad input or failure.
+
+    ``graph``: the captured :class:`OpGraph` of ``cfg.model`` if the caller has it (saves a capture).
+    """
+    from ..graph import capture
+    from ..plan.format import Plan
+    from ..topology import load_topology
+    from ..workloads import load_workload
+
+    topology = load_topology(cfg.topology)
+    plan = Plan.load(cfg.plan)
+    if plan.model != cfg.model.strip() and load_workload(cfg.model, batch=1).name != plan.model:
+        raise PlanError(f"{cfg.plan}: model: plan is for {plan.model!r}, not --model {cfg.model!r}")
+    if plan.topology_signature != topology.signature():
+        raise PlanError(f"{cfg.plan}: topology: plan is for topology {plan.topology!r} "
+                        f"({plan.topology_signature}), not {cfg.topology} ({topology.name!r}, "
+                        f"{topology.num_devices} devices)")
+    batch = cfg.batch or plan.batch_size
+    groups = cfg.groups or len(plan.groups)
+    if cfg.steps < 1 or cfg.warmup < 0:
+        raise TagError(f"--steps/--warmup: expected steps >= 1 and warmup >= 0, got {cfg.steps}/{cfg.warmup}")
+    if graph is None:
+        wl = load_workload(cfg.model, batch=batch, seed=cfg.seed)
+        graph = capture(wl, optimizer=cfg.optimizer, num_groups=groups).graph
+    plan.validate(graph, topology, source=cfg.plan)
+    world = topology.num_devices
+    backend = _backend(cfg.backend, topology)
+    predicted = _predict(graph, topology, plan, cfg.check_memory)
+
+    run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="tag-execute-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "ranks.json").unlink(missing_ok=True)
+    graph_path, args_path = run_dir / "graph.json", run_dir / "args.json"
+    graph_path.write_text(graph.to_json())
+    wargs = WorkerArgs(model=cfg.model, batch=batch, optimizer=cfg.optimizer, seed=cfg.seed, groups=groups,
+                       topology=str(Path(cfg.topology).resolve()), plan=str(Path(cfg.plan).resolve()),
+                       out_dir=str(run_dir), steps=cfg.steps, warmup=cfg.warmup, backend=backend,
+                       emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
+                       save_params=cfg.save_params, fault=cfg.fault)
+    write_json(args_path, asdict(wargs))
+    _launch(world, args_path, run_dir, cfg.timeout_s)
+    ranks = _read_ranks(run_dir)
+    return summarize(cfg, backend, ranks, predicted, run_dir)
+
+
+def summarize(cfg: ExecuteConfig, backend: str, ranks: list[dict], predicted: float | None,
+              run_dir: Path) -> ExecuteResult:
+    """Overall time per iteration = the slowest rank's; median over post-warm-up iterations."""
+    n = len(ranks[0]["iterations"])
+    overall = [max(r["iterations"][i]["time_s"] for r in ranks) for i in range(n)]
+    losses = [sum(r["iterations"][i]["loss"] for r in ranks) for i in range(n)]
+    return ExecuteResult(model=cfg.model, topology=cfg.topology, plan=cfg.plan, backend=backend,
+                         world_size=len(ranks), steps=cfg.steps, warmup=cfg.warmup,
+                         measured_iteration_time_s=statistics.median(overall[cfg.warmup:]),
+                         predicted_iteration_time_s=predicted,
+                         per_rank_median_s=[r["median_time_s"] for r in ranks], losses=losses,
+                         ranks=ranks, run_dir=str(run_dir))
+
+
+def _backend(choice: str, topology) -> str:
+    import torch
+
+    if topology.num_machines > 1:
+        raise ExecutionError(f"topology {topology.name!r} spans {topology.num_machines} machines; "
+                             "`tag execute` launches one machine -- run tag.executor.worker under torchrun "
+                             "on each machine (see docs/EXECUTOR.md)")
+    gpus = torch.cuda.device_count()
+    if choice == "auto":
+        choice = "nccl" if gpus >= topology.num_devices else "gloo"
+    if choice not in ("gloo", "nccl"):
+        raise TagError(f"--backend: expected gloo, nccl or auto, got {choice!r}")
+    if choice == "nccl" and gpus < topology.num_devices:
+        raise ExecutionError(f"--backend nccl: topology {topology.name!r} has {topology.num_devices} devices "
+                             f"but this machine has {gpus} GPUs; one GPU per rank is needed")
+    return choice
+
+
+def _predict(graph, topology, plan, check_memory: bool) -> float | None:
+    """The simulator's iteration time; refuses (OutOfMemoryError) a plan it says will not fit."""
+    try:
+        from ..sim import simulate
+    except ImportError:  # simulator not installed in this tree yet
+        log.warning("tag.sim not available: no prediction, no memory check")
+        return None
+    res = simulate(graph, topology, plan)
+    if check_memory and getattr(res, "oom", False):
+        raise OutOfMemoryError(f"plan would run out of memory: {_memory_line(res, topology)}")
+    return float(res.iteration_time_s)
+
+
+def _memory_line(res, topology) -> str:
+    """``device 1 (local:1) needs 3.20 GiB of 2.00 GiB; ...`` from a :class:`tag.sim.SimResult`."""
+    parts = []
+    for d, _over in res.oom_devices:
+        parts.append(f"device {d} ({topology.devices[d].name}) needs {res.peak_memory_bytes[d] / 2**30:.2f} GiB "
+                     f"of {res.memory_capacity_bytes[d] / 2**30:.2f} GiB")
+    return "; ".join(parts) or "the simulator reports OOM"
+
+
+def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float) -> None:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"tag-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": int(timeout_s)},
+        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL), shutdown_timeout=5,
+    )
+    try:
+        elastic_launch(config, worker_entry)(str(args_path))
+    except ChildFailedError as e:
+        raise ExecutionError(failure_line(e, run_dir)) from None
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
+              "Timeout", "Socket Timeout", "SignalException", "got signal")
+
+
+def failure_line(e, run_dir: Path) -> str:
+    """ONE line for the first failing rank: ``rank R failed: <cause> (logs: DIR)``."""
+    def cause_of(f) -> str:
+        msg = f.message.get("message", "") if isinstance(f.message, dict) else f.message
+        return str(msg).strip().splitlines()[-1] if str(msg).strip() else ""
+
+    def secondary(c: str) -> bool:  # a rank that only saw a peer disappear is not the cause
+        return any(s in c for s in _PEER_GONE)
+
+    rank, f = min(e.failures.items(), key=lambda rf: (secondary(cause_of(rf[1])), rf[1].timestamp))
+    cause = cause_of(f)
+    if not cause or cause.startswith("To enable traceback"):
+        cause = f"exit code {f.exitcode}" + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
+    return f"rank {rank} failed: {cause[:300]} (logs: {run_dir / 'logs'})"
+
+
+def _read_ranks(run_dir: Path) -> list[dict]:
+    import json
+
+    path = run_dir / "ranks.json"
+    if not path.exists():
+        raise ExecutionError(f"{path}: the workers finished without writing their results")
+    return json.loads(path.read_text())

@@ -1,0 +1,317 @@
+"""The global execution schedule of one training iteration under a plan (pure, no torch).
+
+Every rank computes the same :class:`Schedule` from the op graph and the plan, then walks its
+steps in order, doing only the parts it takes part in. Because every rank follows the *one*
+global order, the earliest unfinished communication always has all of its participants
+waiting on it, so the schedule cannot deadlock (p2p batches and collectives alike).
+
+Order of one iteration (see docs/DESIGN.md, "How a plan runs"):
+
+1. for each unit in forward order (group 0..K-1, chunk 0..): the transfers into its forward
+   stage, then its forward stage on every replica;
+2. for each unit in reverse order: the transfers into its backward stage, then the stage;
+3. gradient sync of every data-parallel group, in reverse group order (all-reduce over the
+   replica set, or reduce to the server + broadcast back);
+4. the optimizer update of every parameter on its owner unit's replicas (local, no comm).
+
+Tensors crossing units follow DESIGN.md: batch tensors are re-partitioned by sample ranges
+(``rows``); non-batch forward tensors are copied from one producer replica (``copy``);
+non-batch backward *gradients* are summed over the producer replicas and delivered to the
+consumer's first replica (``sum``), the other replicas get zeros (``zeros``). A non-batch
+backward tensor that is not such a partial sum is copied like a forward tensor -- summing it
+would count it once per replica: a transposed weight computed in the backward phase, or the
+loss-gradient seed and ``seed / count`` of a mean loss (the same on every replica in
+full-batch units). See :func:`partial_sum_tensors`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..errors import PlanError
+from ..graph.ir import OpGraph
+from ..plan.format import Plan, local_batches
+
+UnitKey = tuple[int, int]
+"""(group, chunk); chunk is 0 for a data-parallel group."""
+MoveMode = Literal["rows", "copy", "sum", "zeros"]
+StepKind = Literal["transfer", "compute", "sync"]
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One device running a unit on the samples ``[start, stop)`` of the global batch."""
+
+    device: int
+    start: int
+    stop: int
+
+    @property
+    def batch(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class Unit:
+    """A data-parallel group, or one chunk of a model-parallel group."""
+
+    key: UnitKey
+    sync: str
+    """The group's ``allreduce`` / ``ps`` / ``mp``."""
+    replicas: list[Replica]
+    server: int | None = None
+
+    @property
+    def devices(self) -> list[int]:
+        return [r.device for r in self.replicas]
+
+    def replica_on(self, device: int) -> Replica | None:
+        return next((r for r in self.replicas if r.device == device), None)
+
+
+@dataclass(frozen=True)
+class Move:
+    """One piece of tensor ``name`` going from a producer replica to a consumer replica.
+
+    ``rows``: samples ``[start, stop)`` (global sample indices) along the tensor's batch dim;
+    ``copy``: the whole tensor; ``sum``: the producer's partial sum, added up at ``dst``;
+    ``zeros``: ``dst`` gets zeros (no data moves; ``src == dst``).
+    A move with ``src == dst`` is a local hand-over, no communication.
+    """
+
+    name: str
+    src_unit: UnitKey
+    dst_unit: UnitKey
+    src: int
+    dst: int
+    mode: MoveMode
+    start: int = 0
+    stop: int = 0
+    batch_dim: int | None = None
+
+
+@dataclass
+class Step:
+    """One entry of the global order."""
+
+    kind: StepKind
+    unit: UnitKey | None = None
+    phase: str = ""
+    moves: list[Move] = field(default_factory=list)
+    group: int = -1
+    """``sync``: the op-group whose parameter gradients are synchronised."""
+
+
+@dataclass
+class Schedule:
+    """Everything every rank needs to know about the plan, identical on all ranks."""
+
+    batch_size: int
+    units: dict[UnitKey, Unit]
+    """In forward order."""
+    assign: dict[str, tuple[UnitKey, str]]
+    """Joint-graph node name -> (unit, phase) computing it (``fwd`` / ``bwd``)."""
+    param_owner: dict[str, UnitKey]
+    """Param placeholder node name -> unit holding and updating it."""
+    param_target: dict[str, str]
+    """Param placeholder node name -> state-dict name (``model.<...>``)."""
+    param_grad: dict[str, str]
+    """Param placeholder node name -> node holding its (per-replica) gradient."""
+    group_params: dict[int, list[str]]
+    """Op-group -> param placeholder names it owns, in graph order."""
+    param_numel: dict[str, int]
+    """Param placeholder node name -> number of elements."""
+    loss: str
+    loss_unit: UnitKey
+    steps: list[Step]
+    comm_groups: list[tuple[int, ...]]
+    """Device sets that need a process subgroup (created once, in this order, on every rank)."""
+
+    def units_of(self, device: int) -> list[Unit]:
+        return [u for u in self.units.values() if u.replica_on(device) is not None]
+
+    def needs(self, unit: UnitKey, phase: str) -> list[Move]:
+        """Moves into (unit, phase) (transfer step right before its compute step)."""
+        return [m for s in self.steps if s.kind == "transfer" and s.unit == unit and s.phase == phase
+                for m in s.moves]
+
+
+def gradient_tensors(graph: OpGraph) -> set[int]:
+    """Indices of tensors that depend on the loss-gradient seed (linear in it).
+
+    The seed is the backward op reading the loss (``full_like(loss, 1)``); gradients are its
+    backward descendants. Backward tensors outside this set (weight transposes, masks of the
+    labels) are identical on every replica of a unit.
+    """
+    grads: set[int] = set()
+    for op in graph.ops:  # ops are in topological (graph) order
+        if op.phase == "bwd" and any(t == graph.loss or t in grads for t in op.inputs):
+            grads.update(op.outputs)
+    return grads
+
+
+def partial_sum_tensors(graph: OpGraph) -> set[int]:
+    """Non-batch gradients that are sums over the replica's samples (e.g. a weight gradient).
+
+    They descend from a batch-carrying gradient. The other non-batch gradients (the seed and
+    what is computed from it before it meets the batch: ``1 / count`` of a mean loss) are,
+    in full-batch units, the same on every replica, so they are copied, not summed.
+    """
+    grads = gradient_tensors(graph)
+    tensors = graph.tensors
+    below_batch: set[int] = set()  # gradients with a batch-carrying gradient among their ancestors
+    for op in graph.ops:
+        if op.phase != "bwd" or not any(t in grads for t in op.outputs):
+            continue
+        if any(t in grads and (tensors[t].batch_dim is not None or t in below_batch) for t in op.inputs):
+            below_batch.update(op.outputs)
+    return {t for t in below_batch if tensors[t].batch_dim is None}
+
+
+def _unit_of_anchor(gp, anchor: int) -> int:
+    """Chunk of an mp group containing forward position ``anchor``."""
+    splits = gp.mp_splits or [anchor]
+    c = 0
+    for j, s in enumerate(splits):
+        if anchor >= s:
+            c = j
+    return c
+
+
+def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
+    """The global schedule of ``plan`` on ``graph``.
+
+    Args:
+        machine_of: ``device -> machine index`` (prefer same-machine sources for copies);
+            default: all devices on one machine.
+    """
+    machine_of = machine_of or (lambda d: 0)
+    B = plan.batch_size
+    units: dict[UnitKey, Unit] = {}
+    for g, gp in enumerate(plan.groups):
+        if gp.sync == "mp":
+            for c, d in enumerate(gp.devices):
+                units[(g, c)] = Unit((g, c), "mp", [Replica(d, 0, B)])
+            continue
+        if B < len(gp.devices):
+            raise PlanError(f"plan: groups[{g}].devices: {len(gp.devices)} replicas but batch {B}; "
+                            "every replica needs at least one sample")
+        sizes = local_batches(B, gp.shares)
+        reps, start = [], 0
+        for d, b in zip(gp.devices, sizes):
+            reps.append(Replica(d, start, start + b))
+            start += b
+        units[(g, 0)] = Unit((g, 0), gp.sync, reps, gp.server)
+
+    # ---- which unit computes each node ------------------------------------------------
+    assign: dict[str, tuple[UnitKey, str]] = {}
+    unit_of_op: dict[int, UnitKey] = {}
+    phase_of_op: dict[int, str] = {}
+    for i, op in enumerate(graph.ops):
+        if op.phase == "opt":
+            continue
+        gp = plan.groups[op.group]
+        key = (op.group, _unit_of_anchor(gp, op.anchor) if gp.sync == "mp" else 0)
+        phase = op.phase
+        if op.target == "getitem" and op.inputs:
+            # A tuple projection stays with its tuple (so tuples never cross units).
+            p = graph.tensors[op.inputs[0]].producer
+            if p >= 0 and p in unit_of_op:
+                key, phase = unit_of_op[p], phase_of_op[p]
+        unit_of_op[i], phase_of_op[i] = key, phase
+        assign[op.name] = (key, phase)
+
+    param_owner: dict[str, UnitKey] = {}
+    param_target: dict[str, str] = {}
+    param_grad: dict[str, str] = {}
+    param_numel: dict[str, int] = {}
+    group_params: dict[int, list[str]] = {g: [] for g in range(len(plan.groups))}
+    owner_of_tensor: dict[int, UnitKey] = {}
+    for p in graph.params:
+        ph = graph.tensors[p.tensor].name
+        gnode = graph.tensors[p.grad]
+        owner = unit_of_op[gnode.producer] if gnode.producer >= 0 else (p.group, 0)
+        param_owner[ph], param_target[ph], param_grad[ph] = owner, p.name, gnode.name
+        param_numel[ph] = p.numel
+        group_params[owner[0]].append(ph)
+        owner_of_tensor[p.tensor] = owner
+
+    loss_t = graph.tensors[graph.loss]
+    loss_unit = unit_of_op[loss_t.producer]
+    partial_sums = partial_sum_tensors(graph)
+
+    # ---- order of steps and which tensors cross into each (unit, phase) -------------------
+    order = list(units)
+    phase_steps = [(u, "fwd") for u in order] + [(u, "bwd") for u in reversed(order)]
+    position = {s: k for k, s in enumerate(phase_steps)}
+    first_need: dict[tuple[int, UnitKey], int] = {}  # (tensor, consumer unit) -> earliest step
+    for i, op in enumerate(graph.ops):
+        if op.phase == "opt":
+            continue
+        dst = (unit_of_op[i], phase_of_op[i])
+        for t in op.inputs:
+            tensor = graph.tensors[t]
+            if tensor.producer >= 0:
+                src_unit, src_phase = unit_of_op[tensor.producer], phase_of_op[tensor.producer]
+            elif t in owner_of_tensor:
+                src_unit, src_phase = owner_of_tensor[t], "fwd"
+            else:
+                continue  # user inputs, buffers, constants: every rank has them
+            if src_unit == dst[0]:
+                continue
+            if tensor.producer >= 0 and position[(src_unit, src_phase)] >= position[dst]:
+                raise PlanError(f"plan: tensor {tensor.name} flows from unit {src_unit} {src_phase} to "
+                                f"{dst[0]} {dst[1]}, which runs earlier; the grouping is not acyclic")
+            k = (t, dst[0])
+            first_need[k] = min(first_need.get(k, position[dst]), position[dst])
+    # A tensor a unit needs in both phases moves once, before the first (stored for both).
+    needed: dict[tuple[UnitKey, str], list[int]] = {s: [] for s in phase_steps}
+    for (t, _u), pos in sorted(first_need.items(), key=lambda kv: (kv[1], kv[0][0])):
+        needed[phase_steps[pos]].append(t)
+
+    steps: list[Step] = []
+    for u, ph in phase_steps:
+        moves: list[Move] = []
+        for t in needed[(u, ph)]:
+            tensor = graph.tensors[t]
+            src_unit = owner_of_tensor[t] if tensor.producer < 0 else unit_of_op[tensor.producer]
+            moves += _moves(tensor.name, units[src_unit], units[u], tensor.batch_dim, t in partial_sums,
+                            machine_of)
+        if moves:
+            steps.append(Step("transfer", u, ph, moves))
+        steps.append(Step("compute", u, ph))
+    comm: list[tuple[int, ...]] = []
+    for g in reversed(range(len(plan.groups))):
+        gp = plan.groups[g]
+        if gp.sync == "mp" or not group_params[g]:
+            continue
+        members = tuple(sorted(set(gp.devices) | ({gp.server} if gp.sync == "ps" else set())))
+        if len(members) > 1:
+            steps.append(Step("sync", (g, 0), group=g))
+            if members not in comm:
+                comm.append(members)
+    return Schedule(B, units, assign, param_owner, param_target, param_grad, group_params, param_numel,
+                    loss_t.name, loss_unit, steps, sorted(comm))
+
+
+def _moves(name: str, src: Unit, dst: Unit, batch_dim: int | None, partial_sum: bool, machine_of) -> list[Move]:
+    out: list[Move] = []
+    if batch_dim is not None:
+        for c in dst.replicas:
+            for p in src.replicas:
+                lo, hi = max(c.start, p.start), min(c.stop, p.stop)
+                if lo < hi:
+                    out.append(Move(name, src.key, dst.key, p.device, c.device, "rows", lo, hi, batch_dim))
+        return out
+    if partial_sum:
+        first = dst.replicas[0].device
+        out += [Move(name, src.key, dst.key, p.device, first, "sum") for p in src.replicas]
+        out += [Move(name, src.key, dst.key, c.device, c.device, "zeros") for c in dst.replicas[1:]]
+        return out
+    for c in dst.replicas:
+        same = [p for p in src.replicas if p.device == c.device]
+        near = [p for p in src.replicas if machine_of(p.device) == machine_of(c.device)]
+        p = (same or near or src.replicas)[0]
+        out.append(Move(name, src.key, dst.key, p.device, c.device, "copy"))
+    return out

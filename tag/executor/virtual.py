@@ -1,0 +1,73 @@
+"""Run a plan's schedule for every rank inside ONE process (no torch.distributed).
+
+Same runtimes, same schedule as the distributed worker; transfers and gradient syncs are
+done by handing tensors between the in-process runtimes. Used to test the semantics of any
+plan quickly, and as the single-process reference of training (:func:`reference_training`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..graph.ir import OpGraph
+from ..plan.format import Plan
+from .optim import make_optimizer
+from .runtime import Joint, RankRuntime, export_at
+from .schedule import Schedule, build_schedule
+
+
+def local_batch_sizes(schedule: Schedule, rank: int) -> set[int]:
+    """Local batch sizes at which ``rank`` runs some unit (one joint export each)."""
+    return {u.replica_on(rank).batch for u in schedule.units_of(rank)}
+
+
+def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int,
+                machine_of=None) -> dict[int, RankRuntime]:
+    """Train ``steps`` iterations of ``plan`` with all ranks in this process; returns the runtimes."""
+    sched = build_schedule(graph, plan, machine_of)
+    ranks = sorted({r.device for u in sched.units.values() for r in u.replicas}
+                   | {gp.server for gp in plan.groups if gp.server is not None})
+    joints: dict[int, Joint] = {}
+    runtimes: dict[int, RankRuntime] = {}
+    for r in ranks:
+        for b in local_batch_sizes(sched, r):
+            if b not in joints:
+                joints[b] = export_at(workload.model, workload.make_inputs, b)
+        mine = {b: joints[b] for b in local_batch_sizes(sched, r)}
+        runtimes[r] = RankRuntime(r, sched, tuple(workload.inputs), mine, optimizer)
+    for _ in range(steps):
+        for rt in runtimes.values():
+            rt.begin_iteration()
+        for st in sched.steps:
+            if st.kind == "compute":
+                for rt in runtimes.values():
+                    rt.compute(st.unit, st.phase)
+            elif st.kind == "transfer":
+                sent = {k: t for rt in runtimes.values() for k, _dst, t in rt.outgoing(st)}
+                for rt in runtimes.values():
+                    rt.assemble(st, {k: sent[k].clone() for k, _src, _buf in rt.incoming(st)})
+            else:
+                gp = plan.groups[st.group]
+                members = sorted(set(gp.devices) | ({gp.server} if gp.sync == "ps" else set()))
+                total = sum(runtimes[m].grad_flat(st.group) for m in members)
+                for m in members:
+                    runtimes[m].set_grad_flat(st.group, total.clone())
+        for rt in runtimes.values():
+            rt.update()
+    return runtimes
+
+
+def reference_training(workload, optimizer: str, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain single-process eager training on the full batch: (final params, losses)."""
+    model = workload.model
+    named = dict(model.named_parameters())
+    opt = make_optimizer(optimizer, named.values())
+    losses = []
+    for _ in range(steps):
+        loss = model(*workload.inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    # state_dict also names tied aliases (e.g. GPT-2's lm_head.weight = wte.weight).
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses

@@ -1,0 +1,198 @@
+"""One rank of an execution: ``python -m tag.executor.worker ARGS.json`` under torchrun, or
+:func:`worker_entry` under :func:`torch.distributed.launcher.api.elastic_launch`.
+
+Rank ``i`` is device ``i`` of the topology (machine-major). Every rank rebuilds the workload
+from its spec and seed (identical weights and full-batch inputs everywhere), exports the joint
+graph at each local batch size it runs, cuts its stages, and walks the global schedule.
+Arguments are plain JSON (paths and specs), never pickled models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..io import write_json
+from .runtime import ExecutionError, RankRuntime, export_at
+from .schedule import build_schedule
+from .virtual import local_batch_sizes
+
+
+@dataclass
+class WorkerArgs:
+    """Everything a rank needs; JSON-serialisable."""
+
+    model: str
+    batch: int
+    optimizer: str
+    seed: int
+    groups: int
+    topology: str
+    """Topology file path."""
+    plan: str
+    """Plan file path."""
+    out_dir: str
+    """Rank 0 writes ``result.json`` here (and each rank ``params-rank{r}.pt`` if asked)."""
+    steps: int = 10
+    warmup: int = 3
+    backend: str = "gloo"
+    emulate_speed: bool = False
+    timeout_s: float = 120.0
+    graph: str | None = None
+    """Optional pre-captured graph JSON (saves two exports per rank on one machine)."""
+    save_params: bool = False
+    fault: str | None = None
+    """Testing only: ``"RANK:ITER:raise|exit|hang"`` makes that rank fail at that iteration."""
+
+    @classmethod
+    def load(cls, path: str) -> WorkerArgs:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def slowdown_factors(topology) -> list[float]:
+    """Per-device emulated slowdown: fastest device's FP32 FLOP/s over this device's (>= 1)."""
+    flops = [d.gpu.fp32_flops for d in topology.devices]
+    return [max(flops) / f for f in flops]
+
+
+def _load_graph(a: WorkerArgs):
+    from ..graph.ir import OpGraph
+
+    if a.graph:
+        return OpGraph.from_json(Path(a.graph).read_text())
+    from ..graph import capture
+    from ..workloads import load_workload
+
+    return capture(load_workload(a.model, batch=a.batch, seed=a.seed), optimizer=a.optimizer,
+                   num_groups=a.groups).graph
+
+
+def run_rank(a: WorkerArgs) -> dict:
+    """Execute the plan on this rank; returns this rank's measurements."""
+    import torch.distributed as dist
+
+    from ..plan.format import Plan
+    from ..topology import load_topology
+    from ..workloads import load_workload
+    from .comm import DistComm
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    # Load the topology before changing the thread count: a "cpu" device spec is measured
+    # (and cached) per thread count, and the plan's topology signature was made with the default.
+    topology = load_topology(a.topology)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if world != topology.num_devices:
+        raise ExecutionError(f"world size {world} != {topology.num_devices} devices of topology {topology.name!r}; "
+                             "run one rank per device")
+    if topology.devices[rank].local_index != local_rank:
+        raise ExecutionError(f"rank {rank} has local rank {local_rank} but is device "
+                             f"{topology.devices[rank].name}; start machines in topology order with "
+                             "--nproc-per-node = their device count")
+    graph = _load_graph(a)
+    plan = Plan.load(a.plan)
+    plan.validate(graph, topology, source=a.plan)
+    sched = build_schedule(graph, plan, topology.machine_of)
+    if a.backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    wl = load_workload(a.model, batch=a.batch, seed=a.seed)
+    t0 = time.perf_counter()
+    joints = {b: export_at(wl.model, wl.make_inputs, b) for b in sorted(local_batch_sizes(sched, rank))}
+    export_s = time.perf_counter() - t0
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in wl.inputs)
+    slow = slowdown_factors(topology)[rank] if a.emulate_speed else 1.0
+    rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow)
+    comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device)
+    fault = _parse_fault(a.fault)
+    iters = []
+    try:  # noqa: SIM105 - see the except clause
+        for it in range(a.warmup + a.steps):
+            comm.barrier(device)  # every rank starts the iteration together
+            t_start = time.perf_counter()
+            if fault and fault[0] == rank and fault[1] == it:
+                _inject(fault[2])
+            rt.begin_iteration()
+            for st in sched.steps:
+                if st.kind == "compute":
+                    rt.compute(st.unit, st.phase)
+                elif st.kind == "transfer":
+                    comm.transfer(rt, st)
+                else:
+                    gp = plan.groups[st.group]
+                    comm.sync(rt, st, gp.sync, gp.devices, gp.server)
+            rt.update()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            iters.append({"time_s": time.perf_counter() - t_start, **asdict(rt.timer), "loss": rt.loss})
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        mine = {"rank": rank, "device": topology.devices[rank].name, "slowdown": slow, "export_s": export_s,
+                "peak_memory_bytes": peak, "iterations": iters,
+                "median_time_s": statistics.median(x["time_s"] for x in iters[a.warmup:])}
+        if a.save_params:
+            torch.save(rt.named_params(), Path(a.out_dir) / f"params-rank{rank}.pt")
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            write_json(Path(a.out_dir) / "ranks.json", everyone)
+    except BaseException:
+        # No orderly teardown: the error must be recorded (worker_entry) before peers notice
+        # a closed connection, or theirs would look like the root cause. The process exits.
+        raise
+    comm.close()
+    return mine
+
+
+def _parse_fault(spec: str | None) -> tuple[int, int, str] | None:
+    if not spec:
+        return None
+    r, it, kind = spec.split(":")
+    return int(r), int(it), kind
+
+
+def _inject(kind: str) -> None:
+    if kind == "raise":
+        raise RuntimeError("injected fault")
+    if kind == "exit":
+        os._exit(3)  # dies without a Python traceback, like a crash
+    if kind == "hang":
+        time.sleep(3600)
+
+
+def worker_entry(args_path: str) -> dict:
+    """Entry point of every rank: run, and on failure leave ONE line for the launcher.
+
+    The message goes to the torchelastic error file (the launcher reports it with the rank)
+    and to stderr; the full traceback only to stderr (the rank's log file).
+    """
+    try:
+        return run_rank(WorkerArgs.load(args_path))
+    except BaseException as e:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tag.executor.worker ARGS.json`` (one rank; started by torchrun)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m tag.executor.worker ARGS.json", file=sys.stderr)
+        return 2
+    worker_entry(argv[0])
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
