@@ -9,8 +9,9 @@ Layout: ``<root>/<device-type>/<model>-<graph signature>.json`` where ``device-t
 A profile holds, per op-group and phase, the median seconds measured at a few per-replica batch
 sizes (``fwd``/``bwd``) and the batch-independent optimizer time (``opt``; the optimizer's fixed
 per-step cost is stored once as ``opt_step_overhead_s``). Between profiled batch sizes times are
-interpolated linearly; above the largest they are extrapolated with the last segment's slope;
-below the smallest they are clamped to it (a replica with a batch of 0 costs nothing).
+interpolated linearly; outside the profiled range they are extrapolated with the end segment's
+slope (below the smallest never faster than proportional; a replica with a batch of 0 costs
+nothing).
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ class Profile:
 
 
 def _interp_rows(q: np.ndarray, xs: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Piecewise-linear interpolation of every row of ``y`` (at ``xs``) at ``q``; linear
-    extrapolation above ``xs[-1]`` (slope clamped >= 0), clamped below ``xs[0]``."""
+    """Piecewise-linear interpolation of every row of ``y`` (at ``xs``) at ``q``; outside
+    ``[xs[0], xs[-1]]`` linear extrapolation with the end segment's slope (clamped >= 0), and
+    below ``xs[0]`` never under ``y[0] * q / xs[0]`` (no faster than perfectly proportional)."""
     out = np.empty((y.shape[0], len(q)))
     for i in range(y.shape[0]):
         out[i] = np.interp(q, xs, y[i])
@@ -138,6 +140,11 @@ def _interp_rows(q: np.ndarray, xs: np.ndarray, y: np.ndarray) -> np.ndarray:
         if hi.any():
             slope = np.maximum((y[:, -1] - y[:, -2]) / (xs[-1] - xs[-2]), 0.0)
             out[:, hi] = y[:, -1:] + slope[:, None] * (q[hi] - xs[-1])[None, :]
+        lo = q < xs[0]
+        if lo.any():
+            slope = np.maximum((y[:, 1] - y[:, 0]) / (xs[1] - xs[0]), 0.0)
+            lin = y[:, :1] - slope[:, None] * (xs[0] - q[lo])[None, :]
+            out[:, lo] = np.maximum(lin, y[:, :1] * (q[lo] / xs[0])[None, :])
     return out
 
 

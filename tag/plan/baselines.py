@@ -45,3 +45,94 @@ def data_parallel(graph, topology, *, proportional: bool = False, speeds: Sequen
         name = "dp"
     groups = [GroupPlan(devices=list(devs), shares=list(shares), sync="allreduce") for _ in graph.groups]
     return new_plan(graph, topology, groups, baseline=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines built on the cost model (tag.cost is imported lazily: plan does not depend on it).
+# ---------------------------------------------------------------------------------------------
+BASELINES = ("dp", "dp-prop", "single", "mp")
+
+
+def _costs(graph, topology, costs):
+    if costs is not None:
+        return costs
+    from ..cost.model import CostModel
+
+    return CostModel.for_topology(graph, topology)
+
+
+def cost_model_speeds(graph, topology, costs=None) -> list[float]:
+    """Samples/s of each device alone, from the cost model (profiles where present, else roofline)."""
+    return _costs(graph, topology, costs).device_speeds()
+
+
+def group_footprints(graph) -> list[float]:
+    """Bytes a device holding group ``g`` on the full batch needs: parameters, gradients, optimizer
+    state and the forward activations the backward reads."""
+    b = graph.batch_size
+    out = [0.0] * graph.num_groups
+    for p in graph.params:
+        out[p.group] += 2 * p.nbytes + p.opt_state_bytes
+    for t in graph.tensors:
+        if t.producer >= 0 and graph.ops[t.producer].phase == "fwd" and \
+                any(graph.ops[c].phase == "bwd" for c in t.consumers):
+            out[graph.ops[t.producer].group] += t.nbytes.at(b)
+    return out
+
+
+def data_parallel_proportional(graph, topology, costs=None) -> Plan:
+    """Data parallel over every device, shares proportional to the cost model's device speeds."""
+    plan = data_parallel(graph, topology, proportional=True, speeds=cost_model_speeds(graph, topology, costs))
+    plan.meta["speeds"] = "cost-model"
+    return plan
+
+
+def best_single_device(graph, topology, costs=None) -> Plan:
+    """Everything on the fastest device (by the cost model) whose memory holds the whole model;
+    the device with the most memory when none does."""
+    c = _costs(graph, topology, costs)
+    need = sum(group_footprints(graph))
+    n = topology.num_devices
+    fits = [d for d in range(n) if topology.devices[d].gpu.memory_bytes >= need]
+    pool = fits or [max(range(n), key=lambda d: topology.devices[d].gpu.memory_bytes)]
+    best = min(pool, key=lambda d: (c.iteration_time_alone(d), d))
+    groups = [GroupPlan([best], [1.0], "allreduce") for _ in graph.groups]
+    return new_plan(graph, topology, groups, baseline="single", device=best)
+
+
+def greedy_model_parallel(graph, topology, costs=None) -> Plan:
+    """Groups in topological order fill the devices in index order, each device taking a share of
+    the model's memory footprint proportional to its capacity (never more than its capacity when
+    avoidable), so every device holds a contiguous slice of the model (no replication)."""
+    from .format import group_positions
+
+    del costs  # placement by memory only
+    foot = group_footprints(graph)
+    caps = [float(d.gpu.memory_bytes) for d in topology.devices]
+    total, cap_total = sum(foot), sum(caps)
+    k, n = graph.num_groups, topology.num_devices
+    groups: list[GroupPlan] = []
+    d, used = 0, 0.0
+    for g in range(k):
+        target = min(caps[d], total * caps[d] / cap_total)
+        left_groups, left_devs = k - g, n - d
+        if d < n - 1 and used > 0 and (used + foot[g] > target or left_groups <= left_devs - 1):
+            d, used = d + 1, 0.0
+        used += foot[g]
+        groups.append(GroupPlan([d], [1.0], "mp", None, [group_positions(graph, g)[0]]))
+    return new_plan(graph, topology, groups, baseline="mp")
+
+
+def baseline_plan(name: str, graph, topology, costs=None) -> Plan:
+    """``dp`` (even shares), ``dp-prop`` (cost-model speeds), ``single`` or ``mp``."""
+    if name == "dp":
+        return data_parallel(graph, topology)
+    if name == "dp-prop":
+        return data_parallel_proportional(graph, topology, costs)
+    if name == "single":
+        return best_single_device(graph, topology, costs)
+    if name == "mp":
+        return greedy_model_parallel(graph, topology, costs)
+    from ..errors import PlanError
+
+    raise PlanError(f"--baseline: expected one of {', '.join(BASELINES)}, got {name!r}")

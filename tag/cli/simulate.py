@@ -1,0 +1,93 @@
+"""``tag simulate``: predict one training iteration of a plan (or a baseline) on a topology."""
+
+from __future__ import annotations
+
+from .common import add_model_args, print_json
+
+
+def register(sub) -> None:
+    from ..plan.baselines import BASELINES
+
+    p = sub.add_parser(
+        "simulate", help="simulate one training iteration of a plan on a topology",
+        description="Capture the model, build the cost model (profiles from data/profiles where they exist, else the "
+                    "roofline rule) and simulate one iteration of a plan file or a baseline plan: iteration time, "
+                    "per-device compute / communication / idle time, peak memory against capacity, critical path.")
+    add_model_args(p)
+    p.set_defaults(groups=None)
+    p.add_argument("--topology", required=True, help="topology YAML/JSON file or shipped topology name")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--plan", metavar="FILE", help="plan JSON file")
+    src.add_argument("--baseline", choices=list(BASELINES),
+                     help="dp: even data parallel; dp-prop: shares proportional to device speed; single: best "
+                          "single device; mp: greedy model parallel by memory")
+    p.add_argument("--trace", metavar="OUT.json", help="write the timeline in Chrome/Perfetto trace format")
+    p.add_argument("--profiles", metavar="DIR", default=None, help="profile database root (default data/profiles)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..cost.model import CostModel
+    from ..io import write_json
+    from ..plan import Plan
+    from ..plan.baselines import baseline_plan
+    from ..sim import Simulator, lower_bound
+    from ..topology import load_topology
+
+    topo = load_topology(args.topology)
+    plan = Plan.load(args.plan) if args.plan else None
+    if plan is not None:
+        if args.batch is None:
+            args.batch = plan.batch_size
+        if args.groups is None:
+            args.groups = len(plan.groups)
+    if args.groups is None:
+        args.groups = 48
+    from .common import load_captured
+
+    _, cap = load_captured(args)
+    graph = cap.graph
+    costs = CostModel.for_topology(graph, topo, args.profiles)
+    if plan is None:
+        plan = baseline_plan(args.baseline, graph, topo, costs)
+    plan.validate(graph, topo, source=args.plan or f"baseline {args.baseline}")
+    res = Simulator(graph, topo, costs).run(plan.groups, trace=bool(args.trace))
+    lb = lower_bound(graph, topo, costs)
+    if args.trace:
+        write_json(args.trace, res.chrome_trace(), indent=None)
+    sources = sorted({costs.source(d) for d in range(topo.num_devices)})
+    if args.json:
+        out = {"model": graph.model, "batch_size": graph.batch_size, "topology": topo.name,
+               "plan": args.plan or f"baseline:{args.baseline}", "lower_bound_s": lb, "cost_sources": sources,
+               **res.to_dict()}
+        print_json(out)
+        return 0
+    _print_summary(graph, topo, args, res, lb, sources)
+    return 0
+
+
+def _print_summary(graph, topo, args, res, lb, sources) -> None:
+    from ..topology.units import format_bytes
+
+    def ms(x: float) -> str:
+        return f"{x * 1e3:10.3f}"
+
+    what = args.plan or f"baseline {args.baseline}"
+    print(f"model {graph.model} (batch {graph.batch_size}, {graph.num_groups} groups) on {topo.name}: {what}")
+    print(f"costs from {', '.join(sources)}")
+    print(f"iteration time {res.iteration_time_s * 1e3:.3f} ms  (ideal lower bound {lb * 1e3:.3f} ms)  "
+          f"OOM: {'yes' if res.oom else 'no'}")
+    print(f"{'device':<28} {'compute ms':>10} {'comm ms':>10} {'idle ms':>10}  {'peak memory / capacity':>26}")
+    for d, dev in enumerate(topo.devices):
+        mem = f"{format_bytes(res.peak_memory_bytes[d], digits=3)} / {format_bytes(res.memory_capacity_bytes[d], digits=3)}"
+        flag = "  OOM" if res.peak_memory_bytes[d] > res.memory_capacity_bytes[d] else ""
+        print(f"{d:>3} {dev.name + ' (' + dev.gpu.name + ')':<24} {ms(res.compute_time_s[d])} {ms(res.comm_time_s[d])} "
+              f"{ms(res.idle_time_s[d])}  {mem:>26}{flag}")
+    for d, over in res.oom_devices:
+        print(f"out of memory on device {d} ({topo.devices[d].name}) by {format_bytes(over, digits=3)}")
+    path = res.critical_path
+    shown = path if len(path) <= 8 else path[:4] + [f"... ({len(path) - 8} more)"] + path[-4:]
+    print("critical path: " + " -> ".join(shown))
+    if args.trace:
+        print(f"trace written to {args.trace}")
