@@ -12,7 +12,7 @@ from torch_geometric.utils import scatter, softmax
 from .features import MESSAGE_RELATIONS, NODE_TYPES, REL, dims
 from .layers import JointConv
 
-VALUE_CLIP = 3.0
+VALUE_CLIP = 5.0
 """Value targets are ``log(t / t_ref)`` clipped to ``[-VALUE_CLIP, VALUE_CLIP]`` (OOM: the top)."""
 
 

@@ -39,12 +39,20 @@ def _roofline_table(graph, topology, batches) -> dict[str, np.ndarray]:
     return out
 
 
+def default_cost_model(graph, topology):
+    """The simulator's cost model for ``topology`` (None if :mod:`tag.cost` has none)."""
+    try:
+        from ..cost import CostModel  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return CostModel.for_topology(graph, topology)
+
+
 def _costmodel_table(graph, topology, batches, costs) -> dict[str, np.ndarray] | None:
     """Same table from the simulator's cost model, or None when it is unavailable."""
     try:
         if costs is None:
-            from ..cost import CostModel  # type: ignore[attr-defined]
-            costs = CostModel.for_topology(graph, topology)
+            return None
         out = {}
         for d in topology.devices:
             if d.gpu.name in out:

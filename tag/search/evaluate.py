@@ -19,6 +19,18 @@ from .space import ActionSpace
 OOM_REWARD = -1.0
 
 
+def _dp_prop(space):
+    """Data parallel with shares proportional to device speed (the cost model's when known)."""
+    if space.cost_model is not None:
+        try:
+            from ..plan.baselines import data_parallel_proportional
+            return data_parallel_proportional(space.graph, space.topology, space.cost_model)
+        except ImportError:
+            pass
+    return data_parallel(space.graph, space.topology, proportional=True,
+                         speeds=list(space.costs.device_speed))
+
+
 @dataclass
 class Feedback:
     """What the simulator said about one plan, normalised by its iteration time."""
@@ -95,10 +107,11 @@ class Evaluator:
     def __post_init__(self):
         if self.simulator is None:
             from ..sim import Simulator
-            self.simulator = Simulator(self.space.graph, self.space.topology, self.costs)
+            self.simulator = Simulator(self.space.graph, self.space.topology,
+                                       self.costs if self.costs is not None else self.space.cost_model)
         sp = self.space
         self.dp_even = data_parallel(sp.graph, sp.topology, proportional=False)
-        self.dp_prop = data_parallel(sp.graph, sp.topology, proportional=True)
+        self.dp_prop = _dp_prop(sp)
         self.dp_even_out = self._run_groups(self.dp_even.groups)
         self.dp_prop_out = self._run_groups(self.dp_prop.groups)
         cands = [o.time_s for o in (self.dp_even_out, self.dp_prop_out) if not o.oom and math.isfinite(o.time_s)]

@@ -33,7 +33,7 @@ from functools import cached_property
 import numpy as np
 
 from ..plan.format import GroupPlan, group_positions
-from .costs import GroupCosts
+from .costs import GroupCosts, default_cost_model
 
 SYNC_NAMES = ("allreduce", "ps", "mp")
 ENUMERATE_MACHINES = 4
@@ -109,13 +109,18 @@ class ActionSpace:
     Args:
         graph: the :class:`tag.graph.OpGraph` (grouped).
         topology: the :class:`tag.topology.Topology`.
-        costs: a :class:`GroupCosts` (computed from the simulator's cost model when omitted).
+        costs: a :class:`GroupCosts` (computed from ``cost_model`` when omitted).
+        cost_model: the simulator's :class:`tag.cost.CostModel` (built for the topology when
+            omitted and available); shared with the evaluator's simulator.
     """
 
-    def __init__(self, graph, topology, costs: GroupCosts | None = None):
+    def __init__(self, graph, topology, costs: GroupCosts | None = None, cost_model=None):
         self.graph = graph
         self.topology = topology
-        self.costs = costs if costs is not None else GroupCosts.compute(graph, topology)
+        if cost_model is None and costs is None:
+            cost_model = default_cost_model(graph, topology)
+        self.cost_model = cost_model
+        self.costs = costs if costs is not None else GroupCosts.compute(graph, topology, cost_model)
         self.num_groups = graph.num_groups
         self.num_devices = topology.num_devices
         speeds = self.costs.device_speed

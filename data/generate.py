@@ -1,0 +1,224 @@
+"""Label (model, topology) pairs with MCTS, in parallel processes, resumably.
+
+Layout of a dataset folder::
+
+    graphs/<key>.json     captured OpGraphs (OpGraph.to_json), shared by every sample of a model
+    raw/<index>.json      one labelled episode: the pair, and per decision the partial plan, the
+                          simulator feedback, the MCTS visit distribution and the value target
+    processed/...         the PyG dataset built from raw/ (see data.dataset.PlanDataset)
+
+A sample is written atomically when its episode ends, so a killed generation resumes by skipping
+the samples whose file exists: nothing finished is redone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tag.io import write_json
+
+from .pairs import PairSpec, sample_pair
+
+
+@dataclass
+class GenConfig:
+    """How to label pairs."""
+
+    samples: int = 64
+    """Number of (model, topology) pairs (episodes)."""
+    seed: int = 0
+    """Seed of the pair stream and of the searches."""
+    playouts_per_step: int = 32
+    """MCTS playouts per decision of an episode."""
+    max_steps: int = 8
+    """Decisions labelled per episode (the first, most important, groups in decision order)."""
+    max_groups: int = 32
+    """Largest op-group count drawn."""
+    temperature_steps: int = 2
+    """Early decisions sampled from the visit distribution (exploration) instead of argmax."""
+    dirichlet: float = 0.25
+    """Dirichlet noise weight on the root prior."""
+    workers: int = 2
+    """Parallel processes."""
+    optimizer: str = "adam"
+    """Optimizer captured into the graphs."""
+    simulator: str = "sim"
+    """``sim`` (:class:`tag.sim.Simulator`) or ``toy`` (:class:`tag.search.toy.ToySimulator`, tests only)."""
+
+    def __post_init__(self):
+        if self.samples < 0:
+            raise ValueError(f"samples: expected >= 0, got {self.samples}")
+        if self.playouts_per_step < 1:
+            raise ValueError(f"playouts_per_step: expected >= 1, got {self.playouts_per_step}")
+        if self.max_steps < 1:
+            raise ValueError(f"max_steps: expected >= 1, got {self.max_steps}")
+        if self.workers < 1:
+            raise ValueError(f"workers: expected >= 1, got {self.workers}")
+        if not 0 <= self.dirichlet < 1:
+            raise ValueError(f"dirichlet: expected in [0, 1), got {self.dirichlet}")
+        if self.simulator not in ("sim", "toy"):
+            raise ValueError(f"simulator: expected 'sim' or 'toy', got {self.simulator!r}")
+
+
+def graph_key(model: str, batch: int, optimizer: str) -> str:
+    return hashlib.sha256(f"{model}|{batch}|{optimizer}".encode()).hexdigest()[:16]
+
+
+def graphs_dir(root: str | os.PathLike) -> Path:
+    """Folder of cached graphs of a dataset (``gen_config.json``'s ``graphs_dir``, else ``root/graphs``)."""
+    root = Path(root)
+    cfg = root / "gen_config.json"
+    if cfg.exists():
+        g = json.loads(cfg.read_text()).get("graphs_dir")
+        if g:
+            return Path(g) if Path(g).is_absolute() else root / g
+    return root / "graphs"
+
+
+def load_graph(gdir: str | os.PathLike, model: str, batch: int, groups: int, optimizer: str = "adam"):
+    """The captured graph of ``model`` at ``batch``, regrouped into ``groups`` (cached as JSON in
+    ``gdir``)."""
+    from tag.graph import OpGraph, group_ops
+    path = Path(gdir) / f"{graph_key(model, batch, optimizer)}.json"
+    if path.exists():
+        g = OpGraph.from_json(path.read_text())
+    else:
+        from tag.graph import capture
+        from tag.workloads import load_workload
+        g = capture(load_workload(model, batch=batch, seed=0), optimizer=optimizer, num_groups=groups).graph
+        from tag.io import write_atomic
+        write_atomic(path, g.to_json())
+    group_ops(g, groups)
+    return g
+
+
+def label_pair(gdir: Path, spec: PairSpec, cfg: GenConfig, prior=None, simulator_factory=None) -> dict:
+    """Run one labelling episode; returns the JSON-able record."""
+    from tag.gnn.model import reward_to_value
+    from tag.search.evaluate import Evaluator
+    from tag.search.mcts import MCTSConfig, run_episode, uniform_prior
+    from tag.search.space import ActionSpace
+    from tag.topology import load_topology
+
+    t0 = time.perf_counter()
+    graph = load_graph(gdir, spec.model, spec.batch, spec.groups, cfg.optimizer)
+    topo = load_topology(spec.topology)
+    space = ActionSpace(graph, topo)
+    if simulator_factory is not None:
+        sim = simulator_factory(graph, topo)
+    elif cfg.simulator == "toy":
+        from tag.search.toy import ToySimulator
+        sim = ToySimulator(graph, topo, space.costs)
+    else:
+        sim = None
+    ev = Evaluator(space, sim)
+    prior_fn = uniform_prior if prior is None else prior.bind(space, ev.t_ref)
+    rng = np.random.default_rng([cfg.seed, spec.index, 7])
+    mcfg = MCTSConfig(value_cut=False, dirichlet=cfg.dirichlet if prior is not None else 0.0)
+    decisions, tree, stats = run_episode(space, ev, prior_fn, rng, playouts_per_step=cfg.playouts_per_step,
+                                         cfg=mcfg, temperature_steps=cfg.temperature_steps,
+                                         max_steps=cfg.max_steps)
+    recs = []
+    for d in decisions:
+        best = float(tree.best[d.node])
+        recs.append({
+            "assign": d.assign.tolist(), "group": int(d.group), "visits": np.round(d.visits, 6).tolist(),
+            "value": reward_to_value(best if np.isfinite(best) else -1.0),
+            "best_reward": best if np.isfinite(best) else -1.0,
+            "feedback": {"util": d.feedback.device_util.tolist(), "mem": d.feedback.device_mem.tolist(),
+                         "comm": d.feedback.device_comm.tolist(), "finish": d.feedback.group_finish.tolist()},
+        })
+    return {"pair": spec.to_dict(), "graph_signature": graph.signature(), "num_actions": space.num_actions,
+            "t_ref": ev.t_ref, "dp_even_s": ev.dp_even_out.time_s, "dp_prop_s": ev.dp_prop_out.time_s,
+            "best_time_s": ev.best.time_s, "best_oom": ev.best.oom, "best_reward": ev.best_reward,
+            "sim_calls": ev.sim_calls, "playouts": stats.playouts, "seconds": time.perf_counter() - t0,
+            "decisions": recs}
+
+
+# ---------------------------------------------------------------------------------- workers
+_W: dict = {}
+
+
+def _init_worker(root: str, cfg: dict, net_path: str | None) -> None:
+    import torch
+    torch.set_num_threads(1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _W["root"] = Path(root)
+    _W["cfg"] = GenConfig(**cfg)
+    _W["prior"] = None
+    if net_path:
+        from tag.gnn.predictor import Predictor
+        _W["prior"] = Predictor.load(net_path)
+
+
+def _work(index: int) -> tuple[int, float, str | None]:
+    root, cfg = _W["root"], _W["cfg"]
+    out = root / "raw" / f"{index:05d}.json"
+    if out.exists():
+        return index, 0.0, None
+    spec = sample_pair(cfg.seed, index, max_groups=cfg.max_groups)
+    try:
+        rec = label_pair(graphs_dir(root), spec, cfg, _W["prior"])
+    except Exception as e:  # noqa: BLE001 - a bad pair must not stop the whole run
+        write_json(root / "failed" / f"{index:05d}.json", {"pair": spec.to_dict(), "error": repr(e)[:500]})
+        return index, 0.0, repr(e)[:200]
+    write_json(out, rec, indent=None)
+    return index, rec["seconds"], None
+
+
+def pending(root: Path, cfg: GenConfig) -> list[int]:
+    raw = Path(root) / "raw"
+    failed = Path(root) / "failed"
+    return [i for i in range(cfg.samples)
+            if not (raw / f"{i:05d}.json").exists() and not (failed / f"{i:05d}.json").exists()]
+
+
+def generate(root: str | os.PathLike, cfg: GenConfig, net_path: str | None = None, *,
+             progress: bool = True, graphs: str | os.PathLike | None = None) -> dict:
+    """Label ``cfg.samples`` pairs into ``root`` (resuming), in ``cfg.workers`` processes.
+
+    ``graphs``: folder of cached captured graphs (default ``root/graphs``), shareable by datasets."""
+    root = Path(root)
+    (root / "raw").mkdir(parents=True, exist_ok=True)
+    gdir = os.path.relpath(Path(graphs).resolve(), root.resolve()) if graphs is not None else "graphs"
+    write_json(root / "gen_config.json", {**asdict(cfg), "net": net_path, "graphs_dir": gdir})
+    todo = pending(root, cfg)
+    t0 = time.perf_counter()
+    errors = 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.samples, initial=cfg.samples - len(todo), desc=f"label {root.name}",
+                   unit="pair", dynamic_ncols=True)
+    if not todo:
+        pass
+    elif cfg.workers == 1:
+        _init_worker(str(root), asdict(cfg), net_path)
+        for i in todo:
+            _, _, err = _work(i)
+            errors += err is not None
+            if bar:
+                bar.update(1)
+    else:
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(cfg.workers, initializer=_init_worker, initargs=(str(root), asdict(cfg), net_path)) as pool:
+            for _, _, err in pool.imap_unordered(_work, todo):
+                errors += err is not None
+                if bar:
+                    bar.update(1)
+    if bar:
+        bar.close()
+    done = len(list((root / "raw").glob("*.json")))
+    return {"samples": done, "errors": errors, "seconds": time.perf_counter() - t0}
+
+
+def read_records(root: str | os.PathLike) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((Path(root) / "raw").glob("*.json"))]

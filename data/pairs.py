@@ -1,0 +1,101 @@
+"""Random (model, topology) pairs for training the predictor.
+
+Everything is a pure function of ``(seed, index)``, so an interrupted generation resumes with
+exactly the same pairs. Models are zoo entries at varied depths, widths and batch sizes (kept
+small: each distinct model is captured once, 1-10 s); topologies are random heterogeneous
+clusters: 2-32 GPUs over 1-8 machines of catalog GPU types, PCIe or NVLink inside a machine,
+1-100 Gbit/s between machines, occasionally a slow link between a pair of machines or uneven
+machine sizes.
+
+Held out for the benchmark (never generated here): the shipped topologies and the benchmark
+models listed in :data:`HELD_OUT_MODELS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+# Training models: (zoo spec, batch choices). Small enough to capture in a few seconds.
+TRAIN_MODELS: tuple[tuple[str, tuple[int, ...]], ...] = (
+    ("mlp:layers=6,hidden=512", (32, 128)),
+    ("mlp:layers=12,hidden=1024", (64, 256)),
+    ("gpt2:n_layer=2,n_embd=128", (8, 32)),
+    ("gpt2:n_layer=3,n_embd=256", (16, 64)),
+    ("gpt2:n_layer=2,n_embd=512,n_head=8", (8, 32)),
+    ("bert:n_layer=3,n_embd=192,n_head=4", (8, 32)),
+    ("vit:n_layer=3,n_embd=192,n_head=4", (16, 64)),
+    ("resnet:depth=18,width=16,norm=gn", (16, 64)),
+    ("resnet:depth=18,width=32,norm=gn", (8, 32)),
+    ("vgg:depth=11,width=16", (16, 64)),
+    ("vgg:depth=13,width=32", (8, 32)),
+)
+HELD_OUT_MODELS: tuple[str, ...] = (
+    "gpt2:n_layer=4,n_embd=256", "bert:n_layer=4,n_embd=256", "vgg:depth=16,width=32",
+    "resnet:depth=34,width=16,norm=gn", "vit:n_layer=4,n_embd=256",
+)
+GROUP_CHOICES = (8, 16, 24, 32, 48)
+
+# GPU types drawn for random machines (catalog names).
+GPU_TYPES = ("P100-SXM2-16GB", "V100-SXM2-16GB", "V100-SXM2-32GB", "GTX-1080Ti", "RTX-2080Ti", "T4",
+             "RTX-3090", "A10", "A100-40GB", "A100-80GB", "L4", "H100-SXM")
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """One training pair."""
+
+    index: int
+    model: str
+    batch: int
+    groups: int
+    topology: dict
+    """``load_topology``-compatible dict."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def random_topology(rng: np.random.Generator, name: str) -> dict:
+    """A random heterogeneous cluster description (see the module docstring)."""
+    n_machines = int(rng.choice([1, 2, 2, 3, 4, 4, 5, 6, 8]))
+    total_cap = 32
+    machines = []
+    n_types = int(rng.integers(1, min(n_machines, 3) + 1))
+    types = list(rng.choice(GPU_TYPES, size=n_types, replace=False))
+    budget = total_cap
+    for m in range(n_machines):
+        left = n_machines - m - 1
+        max_count = max(1, min(8, budget - left))
+        count = int(rng.choice([c for c in (1, 2, 4, 8) if c <= max_count] or [1]))
+        if n_machines == 1 and count == 1:
+            count = 2
+        budget -= count
+        nvlink = rng.random() < 0.4
+        intra = float(rng.uniform(100, 600)) if nvlink else float(rng.uniform(8, 32))
+        entry = {"name": f"m{m}", "gpu": str(types[m % n_types] if rng.random() < 0.8 else rng.choice(types)),
+                 "count": count}
+        if count > 1:
+            entry["intra_bandwidth"] = f"{intra:.1f} GB/s"
+        machines.append(entry)
+    gbit = float(np.exp(rng.uniform(np.log(1.0), np.log(100.0))))
+    topo = {"name": name, "machines": machines,
+            "network": {"bandwidth": f"{gbit:.2f} Gbit/s", "latency": f"{rng.uniform(5, 50):.1f} us"}}
+    if n_machines >= 2 and rng.random() < 0.3:
+        a, b = rng.choice(n_machines, size=2, replace=False)
+        slow = gbit * float(rng.uniform(0.05, 0.4))
+        topo["network"]["links"] = [{"between": [f"m{a}", f"m{b}"], "bandwidth": f"{slow:.3f} Gbit/s",
+                                     "latency": f"{rng.uniform(20, 200):.1f} us"}]
+    return topo
+
+
+def sample_pair(seed: int, index: int, *, max_groups: int | None = None,
+                models: tuple[tuple[str, tuple[int, ...]], ...] = TRAIN_MODELS) -> PairSpec:
+    """The ``index``-th pair of the stream for ``seed``."""
+    rng = np.random.default_rng([seed, index])
+    spec, batches = models[int(rng.integers(len(models)))]
+    batch = int(rng.choice(batches))
+    choices = [g for g in GROUP_CHOICES if max_groups is None or g <= max_groups] or [min(GROUP_CHOICES)]
+    groups = int(rng.choice(choices))
+    return PairSpec(index, spec, batch, groups, random_topology(rng, f"rand-{seed}-{index}"))

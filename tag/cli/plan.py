@@ -1,0 +1,171 @@
+"""``tag plan``: search a deployment of a model on a topology (GNN-guided MCTS by default)."""
+
+from __future__ import annotations
+
+from .common import add_model_args, print_json
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="search a deployment plan (GNN-guided MCTS) for a model on a topology",
+        description="Capture the model, simulate both data-parallel baselines, then search per-op-group "
+                    "deployments (devices, batch shares, gradient synchronisation) with MCTS guided by the "
+                    "shipped GNN predictor (or another searcher). Prints the plan, its predicted iteration "
+                    "time, the speedup over the baselines and the distance to the lower bound.")
+    add_model_args(p)
+    p.add_argument("--topology", required=True, help="topology YAML/JSON file or shipped topology name")
+    p.add_argument("--budget", type=int, default=None, metavar="N",
+                   help="search budget in playouts (default 200 unless --time is given)")
+    p.add_argument("--time", type=float, default=None, metavar="S", help="search time limit in seconds")
+    p.add_argument("--prior", choices=["gnn", "uniform"], default="gnn", help="MCTS prior (default gnn)")
+    p.add_argument("--searcher", choices=["mcts", "sa", "random", "tpe"], default="mcts",
+                   help="search algorithm (default mcts)")
+    p.add_argument("--checkpoint", default=None, metavar="FILE",
+                   help="predictor checkpoint (default: the shipped tag/gnn/predictor.pt)")
+    p.add_argument("--compression", choices=["auto", "off"], default="auto",
+                   help="auto: choose Sufficient Factor Broadcasting per group after search (default)")
+    p.add_argument("--profiles", metavar="DIR", default=None, help="profile database root (default data/profiles)")
+    p.add_argument("--out", metavar="PLAN.json", default=None, help="write the plan JSON here")
+    p.add_argument("--trace", metavar="OUT.json", default=None,
+                   help="write the simulated timeline of the plan (Chrome/Perfetto trace)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of the table")
+    p.set_defaults(func=run)
+
+
+def _compress(graph, topo, plan):
+    """Apply SFB when :mod:`tag.compress` is available; returns (plan, note)."""
+    try:
+        from ..compress import apply_sfb
+    except ImportError:
+        return plan, "compression skipped (tag.compress not available)"
+    new = apply_sfb(graph, topo, plan)
+    n = sum(len(g.sfb) for g in new.groups)
+    saving = new.meta.get("sfb_saving_s", 0.0) or 0.0
+    if n == 0:
+        return new, "compression: no op-group benefits from SFB"
+    return new, f"compression: SFB on {n} weight gradients (estimated saving {saving * 1e3:.3f} ms)"
+
+
+def summary(plan) -> dict:
+    m = plan.meta
+    return {
+        "model": plan.model, "topology": plan.topology, "batch_size": plan.batch_size,
+        "groups": len(plan.groups), "searcher": m.get("searcher"), "prior": m.get("prior"),
+        "seed": m.get("seed"), "predicted_iteration_time_s": plan.predicted_iteration_time_s,
+        "oom": m.get("oom"), "dp_even_time_s": m.get("dp_even_time_s"), "dp_prop_time_s": m.get("dp_prop_time_s"),
+        "lower_bound_s": m.get("lower_bound_s"), "playouts": m.get("playouts"), "sim_calls": m.get("sim_calls"),
+        "search_time_s": m.get("search_time_s"), "first_beat_dp_playout": m.get("first_beat_dp_playout"),
+        "source": m.get("source"), "compression": m.get("compression"),
+        "speedup_vs_dp_even": _ratio(m.get("dp_even_time_s"), plan.predicted_iteration_time_s),
+        "speedup_vs_dp_prop": _ratio(m.get("dp_prop_time_s"), plan.predicted_iteration_time_s),
+    }
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def run(args) -> int:
+    import time
+
+    from ..errors import TagError
+    from ..search import plan as search_plan
+    from ..topology import load_topology
+    from .common import load_captured
+
+    if args.budget is not None and args.budget < 1:
+        raise TagError(f"--budget: expected a positive number of playouts, got {args.budget}")
+    if args.time is not None and not args.time > 0:
+        raise TagError(f"--time: expected a positive number of seconds, got {args.time}")
+    topo = load_topology(args.topology)
+    t0 = time.perf_counter()
+    _, cap = load_captured(args)
+    graph = cap.graph
+    capture_s = time.perf_counter() - t0
+    costs = None
+    try:
+        from ..cost.model import CostModel
+        costs = CostModel.for_topology(graph, topo, args.profiles)
+    except ImportError:  # pragma: no cover
+        pass
+    p = search_plan(graph, topo, searcher=args.searcher, prior=args.prior, budget=args.budget,
+                    time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs)
+    p.meta["capture_s"] = capture_s
+    if args.compression == "auto":
+        p, note = _compress(graph, topo, p)
+    else:
+        note = "compression off"
+    p.meta["compression"] = note
+    if args.out:
+        p.save(args.out)
+    if args.trace:
+        from ..io import write_json
+        from ..sim import Simulator
+        res = Simulator(graph, topo, costs).run(p.groups, trace=True)
+        write_json(args.trace, res.chrome_trace(), indent=None)
+    if args.json:
+        print_json(summary(p))
+        return 0
+    _print(graph, topo, p, args)
+    return 0
+
+
+def _describe(topo, gp) -> str:
+    per: dict[int, list[int]] = {}
+    for d in gp.devices:
+        per.setdefault(topo.machine_of(d), []).append(d)
+    parts = []
+    for m, ds in per.items():
+        mach = topo.machines[m]
+        parts.append(mach.name if len(ds) == mach.count else f"{mach.name}{[topo.devices[d].local_index for d in ds]}")
+    where = "+".join(parts)
+    if gp.sync == "mp":
+        return f"mp      on {where} ({len(gp.devices)} chunks)"
+    shares = ", ".join(f"{s:.2f}" for s in gp.shares)
+    if len(set(round(s, 3) for s in gp.shares)) == 1 and len(gp.shares) > 3:
+        shares = f"{gp.shares[0]:.3f} x{len(gp.shares)}"
+    sync = gp.sync if len(gp.devices) > 1 else "single"
+    extra = f", server {topo.devices[gp.server].name}" if gp.sync == "ps" else ""
+    sfb = f", sfb {len(gp.sfb)}" if gp.sfb else ""
+    return f"{sync:9s} on {where} (shares {shares}{extra}{sfb})"
+
+
+def _print(graph, topo, p, args) -> None:
+    s = summary(p)
+
+    def ms(x):
+        return "n/a" if x is None else f"{x * 1e3:.3f} ms"
+
+    print(f"plan for {graph.model} (batch {graph.batch_size}, {graph.num_groups} op-groups) on {topo.name} "
+          f"({topo.num_devices} devices, {topo.num_machines} machines)")
+    prior = f", prior {s['prior']}" if s["prior"] else ""
+    print(f"searcher {s['searcher']}{prior}: {s['playouts']} playouts, {s['sim_calls']} simulator calls, "
+          f"{s['search_time_s']:.2f} s (seed {s['seed']})")
+    rows = []
+    start = 0
+    descs = [_describe(topo, gp) for gp in p.groups]
+    for g in range(1, len(descs) + 1):
+        if g == len(descs) or descs[g] != descs[start]:
+            rows.append((start, g - 1, descs[start]))
+            start = g
+    print("op-groups:")
+    for a, b, d in rows:
+        rng = f"{a}" if a == b else f"{a}-{b}"
+        print(f"  {rng:>7}  {d}")
+    t = p.predicted_iteration_time_s
+    print(f"predicted iteration time: {ms(t)}" + ("  (OUT OF MEMORY)" if s["oom"] else ""))
+    for name, key, sk in (("data parallel, even shares", "dp_even_time_s", "speedup_vs_dp_even"),
+                          ("data parallel, proportional", "dp_prop_time_s", "speedup_vs_dp_prop")):
+        base = s[key]
+        sp = f"speedup {s[sk]:.2f}x" if s[sk] else "baseline out of memory" if base is None else ""
+        print(f"  vs {name}: {ms(base)}  {sp}")
+    lb = s["lower_bound_s"]
+    if lb and t:
+        print(f"  lower bound: {ms(lb)}  (plan is {t / lb:.2f}x the bound)")
+    if s["source"] != "search":
+        print(f"  search found nothing better than the baselines; returning {s['source']}")
+    print(f"  {s['compression']}")
+    if args.out:
+        print(f"plan written to {args.out}")
+    if args.trace:
+        print(f"trace written to {args.trace}")

@@ -1,0 +1,114 @@
+"""``plan(graph, topology, ...)``: the planner's Python entry point."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+
+from ..errors import TagError
+from ..plan.baselines import new_plan
+from ..plan.format import Plan
+from .evaluate import Evaluator
+from .mcts import MCTSConfig, SearchStats, mcts_search, uniform_prior
+from .searchers import SEARCHERS, random_search, simulated_annealing, tpe_search
+from .space import ActionSpace
+
+DEFAULT_PLAYOUTS = 200
+"""Playouts when neither a playout budget nor a time limit is given."""
+
+_PREDICTORS: dict = {}
+
+
+def _predictor(checkpoint):
+    from ..gnn.predictor import DEFAULT_CHECKPOINT, Predictor
+    key = str(checkpoint or DEFAULT_CHECKPOINT)
+    if key not in _PREDICTORS:
+        _PREDICTORS[key] = Predictor.load(checkpoint)
+    return _PREDICTORS[key]
+
+
+def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget: int | None = None,
+         time_limit: float | None = None, seed: int = 0, checkpoint: str | os.PathLike | None = None,
+         predictor=None, costs=None, simulator=None, mcts: MCTSConfig | None = None) -> Plan:
+    """Search a deployment of ``graph`` on ``topology``.
+
+    Both data-parallel baselines (even and speed-proportional shares) are simulated first and
+    the result is never worse than the better of them.
+
+    Args:
+        graph: a grouped :class:`tag.graph.OpGraph`.
+        topology: a :class:`tag.topology.Topology`.
+        searcher: ``mcts`` (default), ``sa`` (simulated annealing), ``random`` or ``tpe`` (optuna).
+        prior: MCTS prior: ``gnn`` (the trained predictor; also its value head at leaves) or
+            ``uniform``.
+        budget: playouts (proposed plans). Default :data:`DEFAULT_PLAYOUTS` unless ``time_limit``.
+        time_limit: wall-clock seconds for the search (with ``budget``: whichever ends first).
+        seed: seeds the searcher's ``numpy.random.Generator``; same seed -> same plan.
+        checkpoint: predictor checkpoint (default: the shipped ``tag/gnn/predictor.pt``).
+        predictor: an already loaded :class:`tag.gnn.Predictor` (overrides ``checkpoint``).
+        costs: the simulator's cost model (built for the topology when omitted).
+        simulator: anything with ``run(groups) -> SimResult`` (default :class:`tag.sim.Simulator`).
+        mcts: MCTS knobs.
+
+    Returns:
+        A :class:`Plan` with ``predicted_iteration_time_s`` and ``meta`` holding the searcher,
+        playouts, simulator calls, search time, both baselines' times and the lower bound.
+    """
+    if searcher not in SEARCHERS:
+        raise TagError(f"searcher: expected one of {', '.join(SEARCHERS)}, got {searcher!r}")
+    if prior not in ("gnn", "uniform"):
+        raise TagError(f"prior: expected 'gnn' or 'uniform', got {prior!r}")
+    if budget is not None and budget < 1:
+        raise TagError(f"budget: expected a positive number of playouts, got {budget}")
+    if time_limit is not None and not time_limit > 0:
+        raise TagError(f"time: expected a positive number of seconds, got {time_limit}")
+    if graph.num_groups < 1:
+        raise TagError(f"graph {graph.model!r}: has no op-groups")
+    t0 = time.perf_counter()
+    playouts = budget if budget is not None else (10**9 if time_limit is not None else DEFAULT_PLAYOUTS)
+    deadline = t0 + time_limit if time_limit is not None else math.inf
+    space = ActionSpace(graph, topology, cost_model=costs) if costs is not None else ActionSpace(graph, topology)
+    ev = Evaluator(space, simulator)
+    rng = np.random.default_rng(seed)
+    stats = SearchStats()
+    if searcher == "mcts":
+        if prior == "gnn":
+            pred = predictor if predictor is not None else _predictor(checkpoint)
+            prior_fn = pred.bind(space, ev.t_ref)
+        else:
+            prior_fn = uniform_prior
+        res = mcts_search(space, ev, prior_fn, rng, playouts=playouts,
+                          time_limit=None if time_limit is None else max(0.0, deadline - time.perf_counter()),
+                          cfg=mcts)
+        stats = res.stats
+    elif searcher == "sa":
+        stats = simulated_annealing(space, ev, rng, playouts=playouts, deadline=deadline)
+    elif searcher == "random":
+        stats = random_search(space, ev, rng, playouts=playouts, deadline=deadline)
+    else:
+        stats = tpe_search(space, ev, rng, playouts=playouts, deadline=deadline)
+    search_s = time.perf_counter() - t0
+    try:
+        from ..sim import lower_bound
+        lb = float(lower_bound(graph, topology, space.cost_model))
+    except ImportError:  # pragma: no cover - simulator absent
+        lb = math.nan
+    groups = ev.best_plan_groups()
+    best = ev.best
+    p = new_plan(graph, topology, groups)
+    p.predicted_iteration_time_s = None if best.oom else best.time_s
+    p.meta = {
+        "searcher": searcher, "prior": prior if searcher == "mcts" else None, "seed": seed,
+        "playouts": stats.playouts, "sim_calls": ev.sim_calls, "value_cuts": stats.value_cuts,
+        "search_time_s": search_s, "first_beat_dp_playout": stats.first_beat_dp,
+        "source": ev.best_source, "oom": best.oom,
+        "dp_even_time_s": None if ev.dp_even_out.oom else ev.dp_even_out.time_s,
+        "dp_prop_time_s": None if ev.dp_prop_out.oom else ev.dp_prop_out.time_s,
+        "dp_even_oom": ev.dp_even_out.oom, "dp_prop_oom": ev.dp_prop_out.oom,
+        "lower_bound_s": lb,
+        "actions": [space.actions[a].describe(topology) for a in ev.best_actions] if ev.best_actions else None,
+    }
+    return p

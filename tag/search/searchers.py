@@ -1,0 +1,100 @@
+"""The searchers MCTS is compared with, on the same action space, evaluator and budget.
+
+Each is ``searcher(space, evaluator, rng, *, playouts, deadline) -> SearchStats`` and leaves the
+best plan in the evaluator (every one starts from the two data-parallel baselines). A *playout*
+is one proposed plan (one simulator call unless the plan was seen before).
+
+* :func:`random_search` - a uniformly random depth ``d`` and random actions for the first ``d``
+  groups in decision order, the rest completed by the defaults (the distribution of MCTS leaves
+  under a uniform prior, without the tree).
+* :func:`simulated_annealing` - Metropolis on ``log(time)`` from the proportional
+  data-parallel plan; a move re-decides one group or, with probability 0.3, a contiguous block
+  of groups; geometric cooling.
+* :func:`tpe_search` - optuna's TPE sampler, one categorical over the actions per op-group.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from .evaluate import Evaluator
+from .mcts import SearchStats
+from .space import ActionSpace
+
+
+def _note(stats: SearchStats, evaluator: Evaluator, reward: float) -> None:
+    stats.playouts += 1
+    if stats.first_beat_dp is None and reward > 1e-9:
+        stats.first_beat_dp = stats.playouts
+
+
+def random_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generator, *, playouts: int,
+                  deadline: float = math.inf) -> SearchStats:
+    stats = SearchStats()
+    k = space.num_groups
+    while stats.playouts < playouts and time.perf_counter() < deadline:
+        d = int(rng.integers(1, k + 1))
+        assign = np.full(k, -1, np.int64)
+        acts = rng.integers(0, space.num_actions, size=d)
+        assign[np.asarray(space.order[:d])] = acts
+        _, out = evaluator.evaluate_partial(assign)
+        _note(stats, evaluator, out.reward)
+    return stats
+
+
+def simulated_annealing(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generator, *, playouts: int,
+                        deadline: float = math.inf, t_start: float = 0.3, t_end: float = 0.003,
+                        block_prob: float = 0.3) -> SearchStats:
+    stats = SearchStats()
+    k, a = space.num_groups, space.num_actions
+
+    def cost(out):
+        return math.log(evaluator.t_ref) + 5.0 if out.reward <= -1 else math.log(out.time_s)
+
+    cur = tuple([space.default_action] * k)
+    c_cur = cost(evaluator.evaluate(cur))
+    _note(stats, evaluator, evaluator.evaluate(cur).reward)
+    n = max(playouts, 2)
+    while stats.playouts < playouts and time.perf_counter() < deadline:
+        frac = stats.playouts / (n - 1)
+        temp = t_start * (t_end / t_start) ** frac
+        new = list(cur)
+        act = int(rng.integers(a))
+        if rng.random() < block_prob and k > 1:
+            i, j = sorted(rng.integers(0, k, size=2))
+            for g in range(i, j + 1):
+                new[g] = act
+        else:
+            new[int(rng.integers(k))] = act
+        new_t = tuple(new)
+        out = evaluator.evaluate(new_t)
+        _note(stats, evaluator, out.reward)
+        c_new = cost(out)
+        if c_new <= c_cur or rng.random() < math.exp(-(c_new - c_cur) / temp):
+            cur, c_cur = new_t, c_new
+    return stats
+
+
+def tpe_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generator, *, playouts: int,
+               deadline: float = math.inf) -> SearchStats:
+    import optuna
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    stats = SearchStats()
+    seed = int(rng.integers(2**31 - 1))
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+    choices = list(range(space.num_actions))
+    # Seed the study with the proportional data-parallel plan (what the others start from).
+    study.enqueue_trial({f"g{g}": space.default_action for g in range(space.num_groups)})
+    while stats.playouts < playouts and time.perf_counter() < deadline:
+        trial = study.ask()
+        acts = tuple(trial.suggest_categorical(f"g{g}", choices) for g in range(space.num_groups))
+        out = evaluator.evaluate(acts)
+        _note(stats, evaluator, out.reward)
+        study.tell(trial, out.reward)
+    return stats
+
+
+SEARCHERS = ("mcts", "sa", "random", "tpe")

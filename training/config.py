@@ -1,0 +1,126 @@
+"""Typed, validated configuration of predictor training (saved resolved in every run folder)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from data.generate import GenConfig
+from tag.errors import TagError
+from tag.gnn.model import NetConfig
+
+
+class ConfigError(TagError):
+    """A training configuration value is invalid."""
+
+
+@dataclass
+class TrainConfig:
+    """Supervised fitting of the network to MCTS labels."""
+
+    epochs: int = 12
+    """Epochs per round."""
+    lr: float = 2e-3
+    """AdamW learning rate."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    batch_size: int = 32
+    """Decisions per minibatch."""
+    value_weight: float = 0.5
+    """Weight of the value regression loss relative to the policy cross-entropy."""
+    val_fraction: float = 0.1
+    """Fraction of decisions held out for validation."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip."""
+    seed: int = 0
+    """Seed of initialisation, shuffling and the split."""
+    max_steps: int | None = None
+    """Stop after this many optimiser steps in total (tests); None = all epochs."""
+
+    def __post_init__(self):
+        _check(self.epochs >= 1, "train.epochs", self.epochs, ">= 1")
+        _check(self.lr > 0, "train.lr", self.lr, "> 0")
+        _check(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, ">= 0")
+        _check(self.batch_size >= 1, "train.batch_size", self.batch_size, ">= 1")
+        _check(self.value_weight >= 0, "train.value_weight", self.value_weight, ">= 0")
+        _check(0 <= self.val_fraction < 1, "train.val_fraction", self.val_fraction, "in [0, 1)")
+        _check(self.grad_clip > 0, "train.grad_clip", self.grad_clip, "> 0")
+        _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", self.max_steps, ">= 1 or null")
+
+
+@dataclass
+class LoopConfig:
+    """The AlphaZero-style loop: generate -> train -> regenerate with the new network."""
+
+    run_dir: str = "runs/predictor"
+    """Run folder: data, checkpoints, config, logs."""
+    rounds: int = 2
+    """Generate/train rounds; round 0 is labelled by uniform-prior MCTS (bootstrap)."""
+    samples_per_round: list[int] = field(default_factory=lambda: [300, 150])
+    """Pairs labelled in each round (the last value repeats for later rounds)."""
+    net: NetConfig = field(default_factory=NetConfig)
+    """Network shape."""
+    gen: GenConfig = field(default_factory=GenConfig)
+    """Labelling (``gen.samples`` is overridden per round)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Fitting."""
+    wandb: str = "offline"
+    """``offline`` (default; logs under ``run_dir/wandb``), ``online`` or ``disabled``."""
+    project: str = "tag-predictor"
+    """wandb project."""
+    export: str | None = None
+    """Copy the final checkpoint here (e.g. ``tag/gnn/predictor.pt``)."""
+
+    def __post_init__(self):
+        _check(self.rounds >= 1, "rounds", self.rounds, ">= 1")
+        _check(bool(self.samples_per_round) and all(s >= 1 for s in self.samples_per_round),
+               "samples_per_round", self.samples_per_round, "a non-empty list of positive integers")
+        _check(self.wandb in ("offline", "online", "disabled"), "wandb", self.wandb,
+               "one of offline, online, disabled")
+
+    def samples(self, r: int) -> int:
+        s = self.samples_per_round
+        return s[min(r, len(s) - 1)]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, *, source: str = "config") -> LoopConfig:
+        known = {f.name for f in fields(cls)}
+        for k in d:
+            if k not in known:
+                raise ConfigError(f"{source}: {k}: unknown field; expected one of {sorted(known)}")
+        kw = dict(d)
+        try:
+            for key, typ in (("net", NetConfig), ("gen", GenConfig), ("train", TrainConfig)):
+                if key in kw and isinstance(kw[key], dict):
+                    sub = {f.name for f in fields(typ)}
+                    bad = sorted(set(kw[key]) - sub)
+                    if bad:
+                        raise ConfigError(f"{source}: {key}.{bad[0]}: unknown field; expected one of {sorted(sub)}")
+                    kw[key] = typ(**kw[key])
+            return cls(**kw)
+        except ValueError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def save(self, path) -> None:
+        from tag.io import write_json
+        write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path) -> LoopConfig:
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read config: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: line {e.lineno}: not valid JSON: {e.msg}") from None
+        return cls.from_dict(d, source=str(p))
+
+
+def _check(ok: bool, name: str, value, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: expected {expected}, got {value!r}")

@@ -1,0 +1,128 @@
+"""AlphaZero-style training of the predictor: generate -> train -> regenerate, ``rounds`` times.
+
+Run folder layout::
+
+    config.json            the resolved LoopConfig
+    graphs/                captured graphs shared by every round
+    round<r>/raw/          labelled episodes of round r (MCTS with round r-1's network;
+                           round 0: uniform prior)
+    round<r>/ckpt/         per-epoch checkpoints of round r (last.pt, best.pt)
+    round<r>/predictor.pt  the network after round r
+    predictor.pt           the latest network
+    wandb/                 wandb run files (offline unless asked otherwise)
+    log.jsonl              every logged record
+
+Everything resumes: generation skips finished samples, training restarts after the last
+finished epoch, finished rounds are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from data.generate import GenConfig, generate
+from tag.gnn.model import TagNet
+from tag.gnn.predictor import load_net, save_checkpoint
+
+from .config import LoopConfig
+from .train import fit
+
+
+class Logger:
+    """wandb (offline by default, files inside the run folder) plus a local JSONL log."""
+
+    def __init__(self, run_dir: Path, cfg: LoopConfig, name: str | None = None):
+        self.path = run_dir / "log.jsonl"
+        self.run = None
+        if cfg.wandb != "disabled" and os.environ.get("WANDB_MODE") != "disabled":
+            wdir = run_dir / "wandb"
+            wdir.mkdir(parents=True, exist_ok=True)
+            os.environ["WANDB_DIR"] = str(wdir)
+            os.environ["WANDB_CACHE_DIR"] = str(wdir / "cache")
+            os.environ["WANDB_CONFIG_DIR"] = str(wdir / "config")
+            os.environ.setdefault("WANDB_SILENT", "true")
+            if cfg.wandb == "offline":
+                os.environ["WANDB_MODE"] = "offline"
+            try:
+                import wandb
+                rid_file = run_dir / "wandb_id.txt"
+                rid = rid_file.read_text().strip() if rid_file.exists() else wandb.util.generate_id()
+                rid_file.write_text(rid)
+                self.run = wandb.init(project=cfg.project, dir=str(wdir), config=cfg.to_dict(), id=rid,
+                                      resume="allow", name=name or run_dir.name, mode=cfg.wandb)
+            except Exception as e:  # noqa: BLE001 - logging must never stop training
+                print(f"wandb disabled: {e}")
+                self.run = None
+
+    def __call__(self, rec: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.run is not None:
+            self.run.log({k: v for k, v in rec.items() if isinstance(v, (int, float))})
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+def _datasets(run_dir: Path, rounds: int):
+    from torch.utils.data import ConcatDataset
+
+    from data.dataset import PlanDataset, split
+    trains, vals = [], []
+    for r in range(rounds):
+        ds = PlanDataset(run_dir / f"round{r}")
+        tr, va = split(ds, 0.1, seed=r)
+        trains.append(tr)
+        vals.append(va)
+    return ConcatDataset(trains), ConcatDataset(vals)
+
+
+def run_loop(cfg: LoopConfig, *, progress: bool = True) -> Path:
+    """Run (or resume) the whole loop; returns the path of the final checkpoint."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save(run_dir / "config.json")
+    log = Logger(run_dir, cfg)
+    t_start = time.perf_counter()
+    torch.set_num_threads(max(1, min(cfg.gen.workers, os.cpu_count() or 1)))
+    final = run_dir / "predictor.pt"
+    try:
+        for r in range(cfg.rounds):
+            rdir = run_dir / f"round{r}"
+            done_flag = rdir / "predictor.pt"
+            if done_flag.exists():
+                continue
+            gen = GenConfig(**{**cfg.gen.__dict__, "samples": cfg.samples(r), "seed": cfg.gen.seed + 1000 * r})
+            prev = run_dir / f"round{r - 1}" / "predictor.pt" if r > 0 else None
+            t0 = time.perf_counter()
+            stats = generate(rdir, gen, str(prev) if prev is not None else None, progress=progress,
+                             graphs=run_dir / "graphs")
+            log({"round": r, "stage": "generate", **stats, "gen_seconds": time.perf_counter() - t0})
+            train_set, val_set = _datasets(run_dir, r + 1)
+            net = load_net(prev)[0] if prev is not None else TagNet(cfg.net)
+            if prev is None:
+                torch.manual_seed(cfg.train.seed)
+                net = TagNet(cfg.net)
+            t0 = time.perf_counter()
+            res = fit(net, train_set, val_set, cfg.train, rdir / "ckpt", log=log, tag=f"round{r}")
+            best = rdir / "ckpt" / "best.pt"
+            if best.exists():
+                net.load_state_dict(torch.load(best, map_location="cpu", weights_only=True)["net"])
+            meta = {"round": r, "train_decisions": len(train_set), "val": res["best"],
+                    "wall_seconds": time.perf_counter() - t_start}
+            save_checkpoint(done_flag, net, meta)
+            save_checkpoint(final, net, meta)
+            log({"round": r, "stage": "train", "train_seconds": time.perf_counter() - t0, **res["best"]})
+        if cfg.export:
+            Path(cfg.export).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(final, cfg.export)
+    finally:
+        log.close()
+    return final
