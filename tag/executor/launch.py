@@ -120,7 +120,7 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
                        emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
                        save_params=cfg.save_params, fault=cfg.fault)
     write_json(args_path, asdict(wargs))
-    _launch(world, args_path, run_dir, cfg.timeout_s)
+    _launch(world, args_path, run_dir, cfg.timeout_s, "spawn" if backend == "nccl" else "fork")
     ranks = _read_ranks(run_dir)
     return summarize(cfg, backend, ranks, predicted, run_dir)
 
@@ -179,7 +179,13 @@ def _memory_line(res, topology) -> str:
     return "; ".join(parts) or "the simulator reports OOM"
 
 
-def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float) -> None:
+def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_method: str) -> None:
+    """Start ``world`` ranks with torchrun's agent; a failed rank becomes one ExecutionError line.
+
+    ``fork`` on CPU: the ranks inherit the imported torch and the warm export machinery
+    (spawn costs every rank ~3 s of imports on a small machine); ``spawn`` for NCCL (CUDA
+    must not be initialised before a fork).
+    """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -189,7 +195,7 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float) -> Non
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"tag-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": int(timeout_s)},
-        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        max_restarts=0, monitor_interval=0.1, start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL), shutdown_timeout=5,
     )
     try:
@@ -202,19 +208,44 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
               "Timeout", "Socket Timeout", "SignalException", "got signal")
 
 
+def is_secondary(cause: str) -> bool:
+    """A rank that only saw a peer disappear (or was stopped by the agent) is not the cause."""
+    return any(s in cause for s in _PEER_GONE)
+
+
+def _error_files(run_dir: Path) -> dict[int, tuple[str, float]]:
+    """rank -> (last line of its recorded exception, timestamp) from the agent's error files."""
+    import json
+
+    out = {}
+    for f in (run_dir / "logs").glob("*/attempt_*/*/error.json"):
+        try:
+            rec = json.loads(f.read_text())["message"]
+            msg = rec["message"] if isinstance(rec, dict) else str(rec)
+            ts = float(rec.get("extraInfo", {}).get("timestamp", 0)) if isinstance(rec, dict) else 0.0
+            out[int(f.parent.name)] = (msg.strip().splitlines()[-1] if msg.strip() else "", ts)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
 def failure_line(e, run_dir: Path) -> str:
-    """ONE line for the first failing rank: ``rank R failed: <cause> (logs: DIR)``."""
-    def cause_of(f) -> str:
+    """ONE line for the rank that caused the failure: ``rank R failed: <cause> (logs: DIR)``.
+
+    The agent reports the first failed process it finds, which may be a peer that merely saw
+    the connection drop; every rank's recorded exception is read to find the real cause.
+    """
+    causes: dict[int, tuple[str, float]] = {}
+    for rank, f in e.failures.items():
         msg = f.message.get("message", "") if isinstance(f.message, dict) else f.message
-        return str(msg).strip().splitlines()[-1] if str(msg).strip() else ""
-
-    def secondary(c: str) -> bool:  # a rank that only saw a peer disappear is not the cause
-        return any(s in c for s in _PEER_GONE)
-
-    rank, f = min(e.failures.items(), key=lambda rf: (secondary(cause_of(rf[1])), rf[1].timestamp))
-    cause = cause_of(f)
-    if not cause or cause.startswith("To enable traceback"):
-        cause = f"exit code {f.exitcode}" + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
+        cause = str(msg).strip().splitlines()[-1] if str(msg).strip() else ""
+        if not cause or cause.startswith("To enable traceback") or "Signal" in cause:
+            cause = f"exit code {f.exitcode}" + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
+        causes[rank] = (cause, f.timestamp)
+    for rank, (cause, ts) in _error_files(run_dir).items():
+        if cause:
+            causes[rank] = (cause, ts)
+    rank, (cause, _) = min(causes.items(), key=lambda rc: (is_secondary(rc[1][0]), rc[1][1], rc[0]))
     return f"rank {rank} failed: {cause[:300]} (logs: {run_dir / 'logs'})"
 
 

@@ -22,12 +22,16 @@ def local_batch_sizes(schedule: Schedule, rank: int) -> set[int]:
 
 
 def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int,
-                machine_of=None) -> dict[int, RankRuntime]:
-    """Train ``steps`` iterations of ``plan`` with all ranks in this process; returns the runtimes."""
+                machine_of=None, joints: dict[int, Joint] | None = None) -> dict[int, RankRuntime]:
+    """Train ``steps`` iterations of ``plan`` with all ranks in this process; returns the runtimes.
+
+    ``joints``: cache of joint graphs by local batch (filled as needed; reuse it across calls
+    for the same workload to save exports).
+    """
     sched = build_schedule(graph, plan, machine_of)
     ranks = sorted({r.device for u in sched.units.values() for r in u.replicas}
                    | {gp.server for gp in plan.groups if gp.server is not None})
-    joints: dict[int, Joint] = {}
+    joints = {} if joints is None else joints
     runtimes: dict[int, RankRuntime] = {}
     for r in ranks:
         for b in local_batch_sizes(sched, r):

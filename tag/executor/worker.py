@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -23,6 +24,8 @@ from ..io import write_json
 from .runtime import ExecutionError, RankRuntime, export_at
 from .schedule import build_schedule
 from .virtual import local_batch_sizes
+
+SECONDARY_EXIT_DELAY_S = 2.0  # seconds a rank that saw a peer vanish waits before exiting
 
 
 @dataclass
@@ -164,7 +167,7 @@ def _inject(kind: str) -> None:
     if kind == "raise":
         raise RuntimeError("injected fault")
     if kind == "exit":
-        os._exit(3)  # dies without a Python traceback, like a crash
+        os.kill(os.getpid(), signal.SIGKILL)  # dies without a word, like a crash or the OOM killer
     if kind == "hang":
         time.sleep(3600)
 
@@ -180,7 +183,13 @@ def worker_entry(args_path: str) -> dict:
     except BaseException as e:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+        from .launch import is_secondary
+
         ErrorHandler().record_exception(e)
+        if is_secondary(str(e)):
+            # Only a consequence of a peer's failure: let the peer's exit reach the agent first
+            # (it reports the first failed process it polls). The agent stops us meanwhile.
+            time.sleep(SECONDARY_EXIT_DELAY_S)
         raise
 
 

@@ -1,0 +1,158 @@
+"""Executor semantics in one process: every plan kind reproduces single-process training.
+
+The same schedule and rank runtimes as the distributed executor, with transfers and syncs done
+in-process (:func:`tag.executor.run_virtual`), so many plans are cheap to check.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tag.errors import PlanError
+from tag.executor import build_schedule, partial_sum_tensors, reference_training, run_virtual
+from tag.plan import GroupPlan, group_positions, new_plan
+from tag.topology import load_topology
+from tag.workloads import load_workload
+
+MLP = "mlp"
+GPT2 = "gpt2:n_layer=1,n_embd=32,n_head=2,seq=16"
+B = 8
+
+
+@pytest.fixture(scope="module")
+def topo4():
+    return load_topology("topologies/local-cpu4.yaml")
+
+
+@pytest.fixture(scope="module")
+def mlp(captured):
+    return captured(MLP, batch=B, groups=4).graph
+
+
+@pytest.fixture(scope="module")
+def joints():
+    return {}  # shared export cache per spec: {spec: {batch: Joint}}
+
+
+def assert_matches_reference(graph, plan, spec, optimizer, joints, steps=2, atol=1e-6):
+    rts = run_virtual(graph, plan, load_workload(spec, batch=B), optimizer, steps,
+                      joints=joints.setdefault(spec, {}))
+    ref, _ = reference_training(load_workload(spec, batch=B), optimizer, steps)
+    held = set()
+    for rank, rt in rts.items():
+        for name, value in rt.named_params().items():
+            held.add(name)
+            torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=atol,
+                                       msg=lambda m, r=rank, n=name: f"rank {r} {n}: {m}")
+    owned = {p.name for p in graph.params}
+    assert held == owned, f"parameters nobody holds: {sorted(owned - held)}"
+
+
+def mp_groups(graph, devices_of):
+    out = []
+    for g in range(graph.num_groups):
+        lo, hi = group_positions(graph, g)
+        devs = devices_of(g)
+        if hi - lo >= len(devs):
+            step = (hi - lo) // len(devs)
+            out.append(GroupPlan(devs, [1.0] * len(devs), "mp", mp_splits=[lo + i * step for i in range(len(devs))]))
+        else:
+            out.append(GroupPlan([devs[0]], [1.0]))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["single", "dp-even", "dp-uneven", "ps-inside", "ps-outside", "mp", "mixed"])
+def test_mlp_plans_match_single_process_training(mlp, topo4, joints, kind):
+    K = mlp.num_groups
+    groups = {
+        "single": lambda: [GroupPlan([2], [1.0]) for _ in range(K)],
+        "dp-even": lambda: [GroupPlan([0, 1, 2, 3], [0.25] * 4) for _ in range(K)],
+        "dp-uneven": lambda: [GroupPlan([0, 1, 2], [0.5, 0.3, 0.2]) for _ in range(K)],
+        "ps-inside": lambda: [GroupPlan([0, 1], [0.5, 0.5], "ps", server=1) for _ in range(K)],
+        "ps-outside": lambda: [GroupPlan([0, 1], [0.625, 0.375], "ps", server=3) for _ in range(K)],
+        "mp": lambda: mp_groups(mlp, lambda g: [g % 4, (g + 1) % 4]),
+        "mixed": lambda: [GroupPlan([0, 1], [0.5, 0.5]) if g % 2 == 0 else GroupPlan([1, 2, 3], [0.25, 0.25, 0.5])
+                          for g in range(K)],
+    }[kind]()
+    plan = new_plan(mlp, topo4, groups)
+    plan.validate(mlp, topo4)
+    assert_matches_reference(mlp, plan, MLP, "adam", joints)
+
+
+def test_random_plans_match_single_process_training(mlp, topo4, joints):
+    """Random mixes of replica sets, shares, PS servers and mp splits, group by group."""
+    rng = random.Random(7)
+    for _ in range(6):
+        groups = []
+        for g in range(mlp.num_groups):
+            kind = rng.choice(["allreduce", "ps", "mp"])
+            lo, hi = group_positions(mlp, g)
+            if kind == "mp" and hi - lo >= 2:
+                devs = rng.sample(range(4), 2)
+                cut = rng.randrange(lo + 1, hi)
+                groups.append(GroupPlan(devs, [1.0, 1.0], "mp", mp_splits=[lo, cut]))
+                continue
+            devs = rng.sample(range(4), rng.randint(1, 4))
+            w = [rng.uniform(0.2, 1.0) for _ in devs]
+            shares = [x / sum(w) for x in w]
+            shares[-1] = 1.0 - sum(shares[:-1])
+            server = rng.randrange(4) if kind == "ps" else None
+            groups.append(GroupPlan(devs, shares, "ps" if kind == "ps" else "allreduce", server=server))
+        plan = new_plan(mlp, topo4, groups)
+        plan.validate(mlp, topo4)
+        assert_matches_reference(mlp, plan, MLP, "sgd", joints)
+
+
+@pytest.mark.parametrize("kind", ["dp-uneven", "ps", "mp"])
+def test_gpt2_plans_match_single_process_training(captured, topo4, joints, kind):
+    """Tied embeddings (a non-batch gradient crossing groups) and the mean loss's 1/count."""
+    graph = captured(GPT2, batch=B, groups=4).graph
+    K = graph.num_groups
+    groups = {
+        "dp-uneven": lambda: [GroupPlan([0, 1], [0.75, 0.25]) for _ in range(K)],
+        "ps": lambda: [GroupPlan([1, 2], [0.5, 0.5], "ps", server=0) for _ in range(K)],
+        "mp": lambda: mp_groups(graph, lambda g: [g % 2, 2 + g % 2]),
+    }[kind]()
+    plan = new_plan(graph, topo4, groups)
+    assert_matches_reference(graph, plan, GPT2, "sgd", joints)
+
+
+def test_schedule_moves_cover_every_sample_once(mlp, topo4):
+    groups = [GroupPlan([0, 1], [0.5, 0.5]) if g % 2 == 0 else GroupPlan([1, 2, 3], [0.25, 0.25, 0.5])
+              for g in range(mlp.num_groups)]
+    sched = build_schedule(mlp, new_plan(mlp, topo4, groups))
+    transfers = [s for s in sched.steps if s.kind == "transfer"]
+    assert transfers, "neighbouring groups on different device sets must exchange tensors"
+    for st in transfers:
+        by_dst: dict = {}
+        for m in st.moves:
+            if m.mode == "rows":
+                by_dst.setdefault((m.name, m.dst), []).append((m.start, m.stop))
+        for (_name, dst), ranges in by_dst.items():
+            rep = sched.units[st.unit].replica_on(dst)
+            ranges.sort()
+            assert ranges[0][0] == rep.start and ranges[-1][1] == rep.stop
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    # Backward compute runs in reverse unit order after every forward.
+    computes = [(s.unit, s.phase) for s in sched.steps if s.kind == "compute"]
+    fwd = [u for u, p in computes if p == "fwd"]
+    assert [u for u, p in computes if p == "bwd"] == fwd[::-1]
+
+
+def test_partial_sums_are_weight_gradients_not_the_seed(captured):
+    graph = captured(GPT2, batch=B, groups=4).graph
+    sums = {graph.tensors[t].name for t in partial_sum_tensors(graph)}
+    grads = {graph.tensors[p.grad].name for p in graph.params}
+    assert grads & sums, "parameter gradients are sums over samples"
+    seed = next(op for op in graph.ops if op.phase == "bwd" and graph.loss in op.inputs)
+    assert graph.tensors[seed.outputs[0]].name not in sums
+
+
+def test_too_few_samples_for_replicas_is_a_one_line_plan_error(mlp, topo4):
+    plan = new_plan(mlp, topo4, [GroupPlan([0, 1, 2, 3], [0.25] * 4) for _ in range(mlp.num_groups)])
+    plan.batch_size = 3
+    with pytest.raises(PlanError, match=r"groups\[0\].devices: 4 replicas but batch 3"):
+        build_schedule(mlp, plan)

@@ -1,0 +1,152 @@
+"""The executor for real: gloo processes launched by elastic_launch (2-3 ranks on CPU).
+
+After K=2 steps every rank's parameters equal single-process full-batch training (rtol 1e-4);
+a failing rank ends the run quickly with one line naming it; bad input is refused before launch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tag.errors import OutOfMemoryError, PlanError
+from tag.executor import ExecuteConfig, ExecutionError, execute, reference_training
+from tag.plan import GroupPlan, group_positions, new_plan
+from tag.topology import load_topology
+from tag.workloads import load_workload
+
+pytestmark = pytest.mark.slow
+MLP = "mlp"
+B = 8
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cpu_topology(tmp_path: Path, n: int, memory: str | None = None) -> str:
+    gpu = "cpu" if memory is None else f'{{name: tiny, tflops: 1, memory: "{memory}", memory_bandwidth: "10 GB/s"}}'
+    path = tmp_path / f"cpu{n}.yaml"
+    path.write_text(f"name: test-cpu{n}\nmachines:\n  - name: local\n    gpu: {gpu}\n    count: {n}\n"
+                    '    intra_bandwidth: "5 GB/s"\n')
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def mlp(captured):
+    return captured(MLP, batch=B, groups=4).graph
+
+
+def run_plan(tmp_path, graph, topo_path, groups, *, fault=None, timeout=60.0, steps=2):
+    topo = load_topology(topo_path)
+    plan = new_plan(graph, topo, groups)
+    plan_path = tmp_path / "plan.json"
+    plan.save(plan_path)
+    cfg = ExecuteConfig(MLP, topo_path, str(plan_path), steps=steps, warmup=0, save_params=True,
+                        run_dir=str(tmp_path / "run"), fault=fault, timeout_s=timeout, check_memory=True)
+    return execute(cfg, graph=graph)
+
+
+def assert_params_match(tmp_path, graph, world):
+    ref, ref_losses = reference_training(load_workload(MLP, batch=B), "adam", 2)
+    held = set()
+    for r in range(world):
+        f = tmp_path / "run" / f"params-rank{r}.pt"
+        for name, value in torch.load(f).items():
+            held.add(name)
+            torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6)
+    assert held == {p.name for p in graph.params}
+    return ref_losses
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            # multiprocessing's resource tracker is a per-parent helper, not a worker
+            if int(fields[1]) == pid and fields[0] != "Z" and "resource_tracker" not in cmd:
+                out.append(int(d.name))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dp-even", "dp-uneven", "mp"])
+def test_two_ranks_match_single_process_training(tmp_path, mlp, kind):
+    K = mlp.num_groups
+    if kind == "mp":
+        groups = []
+        for g in range(K):
+            lo, hi = group_positions(mlp, g)
+            groups.append(GroupPlan([g % 2, 1 - g % 2], [1.0, 1.0], "mp", mp_splits=[lo, (lo + hi) // 2])
+                          if hi - lo >= 2 else GroupPlan([g % 2], [1.0]))
+    else:
+        shares = [0.5, 0.5] if kind == "dp-even" else [0.625, 0.375]
+        groups = [GroupPlan([0, 1], shares) for _ in range(K)]
+    res = run_plan(tmp_path, mlp, cpu_topology(tmp_path, 2), groups)
+    ref_losses = assert_params_match(tmp_path, mlp, 2)
+    assert res.losses == pytest.approx(ref_losses, rel=1e-4)
+    assert res.measured_iteration_time_s > 0 and len(res.per_rank_median_s) == 2
+
+
+def test_parameter_server_outside_the_replicas(tmp_path, mlp):
+    groups = [GroupPlan([0, 1], [0.5, 0.5], "ps", server=2) for _ in range(mlp.num_groups)]
+    run_plan(tmp_path, mlp, cpu_topology(tmp_path, 3), groups)
+    assert_params_match(tmp_path, mlp, 3)
+
+
+def test_mixed_plan_neighbours_on_different_device_sets(tmp_path, mlp):
+    groups = [GroupPlan([0, 1], [0.5, 0.5]) if g % 2 == 0 else GroupPlan([1, 2], [0.75, 0.25], "ps", server=0)
+              for g in range(mlp.num_groups)]
+    run_plan(tmp_path, mlp, cpu_topology(tmp_path, 3), groups)
+    assert_params_match(tmp_path, mlp, 3)
+
+
+@pytest.mark.parametrize("fault, expect", [("1:1:raise", r"rank 1 failed: RuntimeError: injected fault"),
+                                           ("0:0:exit", r"rank 0 failed: exit code -9 \(SIGKILL\)")])
+def test_failing_rank_stops_everyone_with_one_line(tmp_path, mlp, fault, expect):
+    groups = [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(mlp.num_groups)]
+    t0 = time.monotonic()
+    with pytest.raises(ExecutionError, match=expect) as info:
+        run_plan(tmp_path, mlp, cpu_topology(tmp_path, 2), groups, fault=fault, timeout=30, steps=3)
+    assert "\n" not in str(info.value)
+    assert time.monotonic() - t0 < 40
+    assert children_of(os.getpid()) == [], "worker processes left behind"
+
+
+def test_plan_that_does_not_fit_is_refused_before_launch(tmp_path, mlp):
+    groups = [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(mlp.num_groups)]
+    with pytest.raises(OutOfMemoryError, match=r"device 0 \(local:0\) needs .* GiB of 0.00 GiB"):
+        run_plan(tmp_path, mlp, cpu_topology(tmp_path, 2, memory="100 KB"), groups)
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_for_another_topology_is_refused(tmp_path, mlp):
+    groups = [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(mlp.num_groups)]
+    plan = new_plan(mlp, load_topology(cpu_topology(tmp_path, 2)), groups)
+    plan.save(tmp_path / "plan.json")
+    cfg = ExecuteConfig(MLP, cpu_topology(tmp_path, 3), str(tmp_path / "plan.json"))
+    with pytest.raises(PlanError, match=r"plan.json: topology: plan is for topology 'test-cpu2'"):
+        execute(cfg, graph=mlp)
+
+
+def test_cli_errors_are_one_line(tmp_path, mlp):
+    groups = [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(mlp.num_groups)]
+    topo = cpu_topology(tmp_path, 2)
+    new_plan(mlp, load_topology(topo), groups).save(tmp_path / "plan.json")
+    cases = [
+        (["--model", "gpt2:n_layer=1", "--topology", topo], "model: plan is for 'mlp'"),
+        (["--model", MLP, "--topology", topo, "--backend", "nccl"], "one GPU per rank is needed"),
+    ]
+    for extra, expect in cases:
+        p = subprocess.run([sys.executable, "-m", "tag", "execute", "--plan", str(tmp_path / "plan.json"), *extra],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert p.returncode == 2, p.stderr
+        lines = [ln for ln in p.stderr.splitlines() if ln.startswith("tag execute: error:")]
+        assert len(lines) == 1 and expect in lines[0], p.stderr
