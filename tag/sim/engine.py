@@ -122,12 +122,16 @@ class Simulator:
         return GroupData([unit], gp.sync, t, members, machines if len(machines) > 1 else (), sbytes)
 
     def flows(self, g1: int, k1, g2: int, k2, gds: list[GroupData]) -> list:
+        """Flows from group ``g1`` to ``g2`` grouped by destination stage: [(stage, [Flow])]."""
         key = (g1, g2, k1, k2)
         fl = self._pairs.get(key)
         if fl is None:
             if len(self._pairs) > CACHE_LIMIT:
                 self._pairs.clear()
-            fl = pair_flows(self.static, self.comm, g1, gds[g1], g2, gds[g2])
+            by_dst: dict[tuple, list] = {}
+            for f in pair_flows(self.static, self.comm, g1, gds[g1], g2, gds[g2]):
+                by_dst.setdefault(f.dst, []).append(f)
+            fl = list(by_dst.items())
             self._pairs[key] = fl
         return fl
 
@@ -150,12 +154,12 @@ class Simulator:
             elif (g1, g2) in local and gd1.units[0].layout is not None and \
                     gd1.units[0].layout is gd2.units[0].layout:
                 continue  # same replicas, same sample ranges: every move stays on its device
-            for f in self.flows(g1, keys[g1], g2, keys[g2] if g1 != g2 else None, gds):
-                lst = incoming.get(f.dst)
+            for dst, fl in self.flows(g1, keys[g1], g2, keys[g2] if g1 != g2 else None, gds):
+                lst = incoming.get(dst)
                 if lst is None:
-                    incoming[f.dst] = [f]
+                    incoming[dst] = list(fl)
                 else:
-                    lst.append(f)
+                    lst.extend(fl)
         return _Run(self, gds, incoming).execute(trace)
 
 
@@ -165,8 +169,8 @@ class _Run:
     def __init__(self, sim: Simulator, gds: list[GroupData], incoming: dict):
         self.sim, self.gds, self.incoming = sim, gds, incoming
         n, m = sim.num_devices, sim.num_machines
-        self.cfree = np.zeros(n)
-        self.comp = np.zeros(n)
+        self.cfree = [0.0] * n
+        self.comp = [0.0] * n
         self.comm_free = [0.0] * n
         self.comm_busy = [0.0] * n
         self.buf = [0.0] * n
@@ -187,37 +191,43 @@ class _Run:
         ready = [0.0] * nrep
         rsrc: list = [None] * nrep
         cf, last, nout, nin = self.comm_free, self.last_comm, self.nic_out, self.nic_in
+        lout, lin, busy, buf = self.last_nout, self.last_nin, self.comm_busy, self.buf
+        segs, loc, flows = self.segs, self.stage_loc, self.flows
         for f in inc:
-            if f.src[0] == PARAM:
+            src = f.src
+            if src[0] == PARAM:
                 s, p = 0.0, None
             else:
-                sid, row = self.stage_loc[f.src]
-                s = float(self.segs[sid][8][row, f.src_rep])
+                sid, row = loc[src]
+                s = segs[sid][8][row][f.src_rep]
                 p = ("c", sid, row, f.src_rep)
-            a, b = f.a, f.b
+            a, b, ma = f.a, f.b, f.ma
             if cf[a] > s:
                 s, p = cf[a], last[a]
             if cf[b] > s:
                 s, p = cf[b], last[b]
-            if f.ma >= 0:
-                if nout[f.ma] > s:
-                    s, p = nout[f.ma], self.last_nout[f.ma]
-                if nin[f.mb] > s:
-                    s, p = nin[f.mb], self.last_nin[f.mb]
-            e = s + f.time
-            ref = ("f", len(self.flows))
-            self.flows.append((f, s, e, p))
+            if ma >= 0:
+                mb = f.mb
+                if nout[ma] > s:
+                    s, p = nout[ma], lout[ma]
+                if nin[mb] > s:
+                    s, p = nin[mb], lin[mb]
+            t = f.time
+            e = s + t
+            ref = ("f", len(flows))
+            flows.append((f, s, e, p))
             cf[a] = cf[b] = e
             last[a] = last[b] = ref
-            self.comm_busy[a] += f.time
-            self.comm_busy[b] += f.time
-            if f.nbytes > self.buf[a]:
-                self.buf[a] = f.nbytes
-            if f.nbytes > self.buf[b]:
-                self.buf[b] = f.nbytes
-            if f.ma >= 0:
-                nout[f.ma] = nin[f.mb] = e
-                self.last_nout[f.ma] = self.last_nin[f.mb] = ref
+            busy[a] += t
+            busy[b] += t
+            nb = f.nbytes
+            if nb > buf[a]:
+                buf[a] = nb
+            if nb > buf[b]:
+                buf[b] = nb
+            if ma >= 0:
+                nout[ma] = nin[mb] = e
+                lout[ma] = lin[mb] = ref
             r = f.dst_rep
             if e > ready[r]:
                 ready[r], rsrc[r] = e, ref
@@ -248,32 +258,38 @@ class _Run:
                         break
                     e += 1
             length = e - i
-            devs = lay.dev_arr if lay is not None else np.array(unit.devices)
-            cf = self.cfree[devs]
-            start = np.maximum(cf, ready) if ready is not None else cf
-            if lay is not None:
+            devs = unit.devices
+            cfree = self.cfree
+            cf = [cfree[d] for d in devs]
+            start = [max(x, y) for x, y in zip(cf, ready)] if ready is not None else cf
+            if length > 1:  # a run of stages on one layout: cumulative sums over the groups
                 if ph == FWD:
                     base, rows = lay.cum_fwd[g], lay.cum_fwd[g + 1:g + length + 1]
                 else:
                     i0 = k - 1 - g
                     base, rows = lay.cum_bwd[i0], lay.cum_bwd[i0 + 1:i0 + length + 1]
-                fin = start + (rows - base)
+                fin_a = np.asarray(start) + (rows - base)
+                fin = fin_a.tolist()
+                mx = fin_a.max(axis=1).tolist() if ph == BWD else None
             else:
-                fin = (start + unit.dur[ph])[None, :]
+                dur = lay.dur_l[ph][g] if lay is not None else (unit.dur[ph],)
+                fin = [[x + y for x, y in zip(start, dur)]]
+                mx = [max(fin[0])] if ph == BWD else None
             end = fin[-1]
-            self.cfree[devs] = end
-            self.comp[devs] += end - start
+            comp = self.comp
             sid = len(self.segs)
-            prev = [self.last_task[d] for d in unit.devices]
-            for r, d in enumerate(unit.devices):
-                self.last_task[d] = ("c", sid, length - 1, r)
+            last = self.last_task
+            prev = [last[d] for d in devs]
+            for r, d in enumerate(devs):
+                cfree[d] = end[r]
+                comp[d] += end[r] - start[r]
+                last[d] = ("c", sid, length - 1, r)
             seg_stages = stages[i:e]
             self.segs.append((ph, seg_stages, unit, start, cf, ready, rsrc, prev, fin))
             loc = self.stage_loc
             for row, (g2, j2) in enumerate(seg_stages):
                 loc[(ph, g2, j2)] = (sid, row)
-            if ph == BWD:
-                mx = fin.max(axis=1).tolist()
+            if mx is not None:
                 gf = self.group_finish
                 for row, (g2, _) in enumerate(seg_stages):
                     if mx[row] > gf[g2]:
@@ -363,12 +379,24 @@ class _Run:
                     gcomp[g] += sum(u.dur)
         gb = self.sim.static.grad_bytes
         for lay, gs in by_layout.values():
-            dv = lay.dev_arr
-            opt[dv] += lay.dur[OPT][gs].sum(axis=0)
-            mem[dv] += lay.mem[gs].sum(axis=0)
-            work[dv] = np.maximum(work[dv], lay.work[gs].max(axis=0))
-            if gb[gs].sum() > 0:
-                holds[dv] = True
+            if len(gs) >= 4:  # many groups on one layout: numpy over the [groups, replicas] block
+                dv = lay.dev_arr
+                opt[dv] += lay.dur[OPT][gs].sum(axis=0)
+                mem[dv] += lay.mem[gs].sum(axis=0)
+                work[dv] = np.maximum(work[dv], lay.work[gs].max(axis=0))
+                if gb[gs].sum() > 0:
+                    holds[dv] = True
+                continue
+            dur_o, mem_l, work_l = lay.dur_l[OPT], lay.mem_l, lay.work_l
+            for g in gs:
+                h = gb[g] > 0
+                for r, d in enumerate(lay.devices):
+                    opt[d] += dur_o[g][r]
+                    mem[d] += mem_l[g][r]
+                    if work_l[g][r] > work[d]:
+                        work[d] = work_l[g][r]
+                    if h:
+                        holds[d] = True
         return opt, mem, work, holds, gcomp
 
     def execute(self, trace: bool) -> SimResult:
@@ -379,7 +407,7 @@ class _Run:
         sync_end = self._syncs()
         opt, mem, work, holds, gcomp = self._holdings()
         n = sim.num_devices
-        before = self.cfree.tolist()
+        before = list(self.cfree)
         upd_start = [0.0] * n
         final = list(before)
         comp = self.comp
@@ -391,23 +419,25 @@ class _Run:
                 final[d] = s + dur
                 comp[d] += dur
         t_iter = max(max(final), max(self.comm_free))
-        compute = comp.tolist()
+        compute = comp
         peak = (mem + work + np.array(self.buf)).tolist()
         cap = sim.capacity
         oom_devices = [(d, peak[d] - cap[d]) for d in range(n) if peak[d] > cap[d]]
-        path = self._critical_path(final, before, upd_start, sync_end, holds)
+        def path(final=final, before=before, upd_start=upd_start, sync_end=sync_end, holds=holds):
+            return self._critical_path(final, before, upd_start, sync_end, holds)
+
         events = self._events(upd_start, final, holds) if trace else None
         return SimResult(
             iteration_time_s=t_iter, oom=bool(oom_devices), peak_memory_bytes=peak,
             memory_capacity_bytes=list(cap), oom_devices=oom_devices, compute_time_s=compute,
             comm_time_s=list(self.comm_busy), idle_time_s=[t_iter - c for c in compute],
-            group_finish_s=list(self.group_finish), group_compute_s=gcomp, critical_path=path,
+            group_finish_s=list(self.group_finish), group_compute_s=gcomp, path_fn=path,
             events=events, device_names=list(sim.device_names))
 
     # ---- critical path and timeline -------------------------------------------------------
     def _seg_task(self, sid: int, row: int, r: int) -> tuple[str, float, float, object]:
         ph, stages, unit, start, cf, ready, rsrc, prev, fin = self.segs[sid]
-        s = float(start[r]) if row == 0 else float(fin[row - 1, r])
+        s = start[r] if row == 0 else fin[row - 1][r]
         if row > 0:
             pred = ("c", sid, row - 1, r)
         elif ready is not None and ready[r] > cf[r]:
@@ -416,7 +446,7 @@ class _Run:
             pred = prev[r] if cf[r] > 0 else None
         g, j = stages[row]
         name = f"{self._stage_name(ph, g, j)} @d{unit.devices[r]}"
-        return name, s, float(fin[row, r]), pred
+        return name, s, fin[row][r], pred
 
     def _resolve(self, ref):
         """(name, start, end, predecessor ref) of a task reference."""

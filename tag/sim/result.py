@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -42,11 +43,20 @@ class SimResult:
     """Per op-group: when its backward finished on its last replica/chunk."""
     group_compute_s: list[float]
     """Per op-group: compute seconds (fwd + bwd + opt) summed over its replicas/chunks."""
-    critical_path: list[str]
-    """Task names along the critical path, first to last."""
+    path_fn: Callable[[], list[str]] | None = field(default=None, repr=False, compare=False)
+    """Computes :attr:`critical_path` on first access (the search loop rarely reads it)."""
     events: list[SimEvent] | None = None
     """The whole timeline when simulated with ``trace=True``."""
     device_names: list[str] = field(default_factory=list)
+    _path: list[str] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def critical_path(self) -> list[str]:
+        """Task names along the critical path, first to last (computed on first access)."""
+        if self._path is None:
+            self._path = self.path_fn() if self.path_fn is not None else []
+            self.path_fn = None  # releases the simulation state it holds
+        return self._path
 
     def to_dict(self) -> dict:
         """JSON-able summary (no events; see :meth:`chrome_trace`)."""

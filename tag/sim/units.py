@@ -44,6 +44,10 @@ class Layout:
     """First global sample of each replica."""
     gsum: np.ndarray
     """[K] compute seconds (fwd + bwd + opt) summed over the replicas."""
+    dur_l: list
+    """``dur`` as nested lists [3][K][R] (scalar access in the event loop)."""
+    mem_l: list
+    work_l: list
 
 
 @dataclass
@@ -82,7 +86,7 @@ class GroupData:
     """mp: forward position -> chunk index."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Flow:
     """One point-to-point transfer of the iteration."""
 
@@ -122,7 +126,8 @@ def make_layout(static: GraphStatic, tables: np.ndarray, dev_class: list[int], d
         w = static.work_pos[g]
         work[g] = (w[:, 0].max() + w[:, 1].max() * bf) if len(w) else 0.0
     starts = tuple(int(s) for s in np.concatenate([[0], np.cumsum(b)[:-1]]))
-    return Layout(tuple(devices), tuple(batches), dev, dur, cum_f, cum_b, mem, work, starts, dur.sum(axis=(0, 2)))
+    return Layout(tuple(devices), tuple(batches), dev, dur, cum_f, cum_b, mem, work, starts, dur.sum(axis=(0, 2)),
+                  dur.tolist(), mem.tolist(), work.tolist())
 
 
 def split_batch(batch_size: int, shares: list[float]) -> tuple[int, ...]:
@@ -144,26 +149,31 @@ def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi
 
 def pair_flows(static: GraphStatic, comm, g1: int, gd1: GroupData, g2: int, gd2: GroupData) -> list[Flow]:
     """Flows from group ``g1``'s units to group ``g2``'s units (``g1 == g2``: between mp chunks)."""
-    moves: dict[tuple, float] = {}
-    mo = comm.machine_of
+    # Sum the tensors crossing by (source unit and phase, destination unit and first-need phase,
+    # move kind): the replica-level moves are then computed once per kind, not per tensor.
+    kinds: dict[tuple, list[float]] = {}
     for e in static.edges.get((g1, g2), ()):
         su = gd1.chunk_of.get(e.src_pos, 0) if gd1.mp else 0
         need: dict[int, int] = {}  # dst unit -> first phase needing it
         for p, ph in e.consumers:
             du = gd2.chunk_of.get(p, 0) if gd2.mp else 0
             need[du] = min(need.get(du, ph), ph)
-        src = gd1.units[su]
-        sphase = e.src_phase
+        kind = "rows" if e.batch else ("sum" if e.grad else "copy")
         for du, ph in need.items():
             if g1 == g2 and du == su:
                 continue
-            dst = gd2.units[du]
-            for (ri, rj, nbytes) in _moves(e, src, dst, mo):
-                a, b = src.devices[ri], dst.devices[rj]
-                if a == b or nbytes <= 0:
-                    continue
-                key = ((sphase, g1, su), ri, (ph, g2, du), rj)
-                moves[key] = moves.get(key, 0.0) + nbytes
+            acc = kinds.setdefault((su, e.src_phase, du, ph, kind), [0.0, 0.0])
+            acc[0] += e.fixed
+            acc[1] += e.per_sample
+    moves: dict[tuple, float] = {}
+    mo = comm.machine_of
+    for (su, sphase, du, ph, kind), (fixed, per_sample) in kinds.items():
+        src, dst = gd1.units[su], gd2.units[du]
+        for ri, rj, nbytes in _moves(kind, fixed, per_sample, src, dst, mo):
+            if nbytes <= 0 or src.devices[ri] == dst.devices[rj]:
+                continue
+            key = ((sphase, g1, su), ri, (ph, g2, du), rj)
+            moves[key] = moves.get(key, 0.0) + nbytes
     flows = []
     for (s, ri, d, rj), nbytes in moves.items():
         a = gd1.units[s[2]].devices[ri]
@@ -174,23 +184,23 @@ def pair_flows(static: GraphStatic, comm, g1: int, gd1: GroupData, g2: int, gd2:
     return flows
 
 
-def _moves(e, src: Unit, dst: Unit, mo) -> list[tuple[int, int, float]]:
+def _moves(kind: str, fixed: float, per_sample: float, src: Unit, dst: Unit, mo) -> list[tuple[int, int, float]]:
     """(producer replica, consumer replica, bytes) per the executor's move rules."""
     out = []
-    if e.batch:
+    if kind == "rows":
         for j, (cs, cb) in enumerate(zip(dst.starts, dst.batches)):
             for i, (ps, pb) in enumerate(zip(src.starts, src.batches)):
                 overlap = min(cs + cb, ps + pb) - max(cs, ps)
                 if overlap > 0:
-                    out.append((i, j, e.per_sample * overlap))
+                    out.append((i, j, per_sample * overlap))
         return out
-    if e.grad:
-        return [(i, 0, e.fixed + e.per_sample * pb) for i, pb in enumerate(src.batches)]
+    if kind == "sum":
+        return [(i, 0, fixed + per_sample * pb) for i, pb in enumerate(src.batches)]
     for j, d in enumerate(dst.devices):
         same = [i for i, s in enumerate(src.devices) if s == d]
         near = [i for i, s in enumerate(src.devices) if mo[s] == mo[d]]
         i = (same or near or [0])[0]
-        out.append((i, j, e.fixed + e.per_sample * src.batches[i]))
+        out.append((i, j, fixed + per_sample * src.batches[i]))
     return out
 
 

@@ -1,0 +1,148 @@
+"""Simulator speed: simulated iterations per second for a 64-group graph on a 16-GPU, 4-machine
+topology (``topologies/cluster-16gpu-4m.yaml``), one core, plus a cProfile of where time goes.
+
+Workloads of :meth:`Simulator.run`:
+
+* ``dp`` / ``dp-prop`` / ``mp``: one baseline plan simulated over and over (warm caches);
+* ``mcts``: MCTS-like playouts: from the ``dp-prop`` plan, a random contiguous run of 1-16 groups
+  gets one action (all devices, one machine, two machines or one device; all-reduce or PS;
+  speed-proportional shares) -- TAG's actions place groups on device sets, so a plan has few
+  layout boundaries;
+* ``walk``: a random walk, each plan differing from the previous in one group that gets an
+  arbitrary random deployment (random subset, random shares, all-reduce / PS / mp): nearly every
+  group boundary re-partitions, ~1,300 point-to-point transfers per iteration (worst case);
+* ``random``: independent random plans for every group (cold caches).
+
+    .venv/bin/python evaluation/sim_speed.py [--model gpt2:n_layer=4] [--batch 32] [--seconds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import random
+import sys
+import time
+
+
+def random_group(rng: random.Random, graph, g: int, n: int):
+    from tag.plan import GroupPlan, group_positions
+
+    r = rng.random()
+    if r < 0.15:
+        lo, hi = group_positions(graph, g)
+        k = rng.randint(1, min(3, hi - lo))
+        devs = rng.sample(range(n), k)
+        return GroupPlan(devs, [1.0] * k, "mp", None, [lo] + sorted(rng.sample(range(lo + 1, hi), k - 1)))
+    k = rng.choice([1, 2, 4, 8, 16])
+    devs = sorted(rng.sample(range(n), k))
+    w = [rng.randint(1, 4) for _ in devs]
+    shares = [x / sum(w) for x in w]
+    shares[-1] = 1.0 - sum(shares[:-1])
+    if r < 0.3:
+        return GroupPlan(devs, shares, "ps", rng.randrange(n))
+    return GroupPlan(devs, shares, "allreduce")
+
+
+def mcts_actions(topo, speeds):
+    """Device sets (all, each machine, each pair of machines, each device) x (all-reduce, PS)."""
+    from itertools import combinations
+
+    from tag.plan import GroupPlan
+
+    machines = [topo.devices_of_machine(m) for m in range(topo.num_machines)]
+    sets = [list(range(topo.num_devices))] + machines + [a + b for a, b in combinations(machines, 2)]
+    sets += [[d] for d in range(topo.num_devices)]
+    out = []
+    for devs in sets:
+        tot = sum(speeds[d] for d in devs)
+        shares = [speeds[d] / tot for d in devs]
+        out.append(GroupPlan(devs, shares, "allreduce"))
+        if len(devs) > 1:
+            out.append(GroupPlan(devs, shares, "ps", devs[0]))
+    return out
+
+
+def rate(fn, seconds: float) -> tuple[float, int]:
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    return n / (time.perf_counter() - t0), n
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2:n_layer=4")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--groups", type=int, default=64)
+    ap.add_argument("--topology", default="cluster-16gpu-4m")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--profile", default="mcts", help="workload to cProfile (dp, dp-prop, mp, mcts, walk, random)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from tag.graph import capture
+    from tag.plan.baselines import baseline_plan
+    from tag.sim import Simulator
+    from tag.topology import load_topology
+    from tag.workloads import load_workload
+
+    graph = capture(load_workload(args.model, batch=args.batch), num_groups=args.groups).graph
+    topo = load_topology(args.topology)
+    t0 = time.perf_counter()
+    sim = Simulator(graph, topo)
+    build = time.perf_counter() - t0
+    n = topo.num_devices
+    print(f"{graph.model} batch {graph.batch_size}: {graph.num_groups} groups, {len(graph.ops)} ops, "
+          f"{len(sim.static.pairs)} group pairs with tensors; {topo.name}: {n} devices, {topo.num_machines} machines; "
+          f"Simulator built in {build * 1e3:.0f} ms")
+    rng = random.Random(0)
+    workloads = {}
+    for name in ("dp", "dp-prop", "mp"):
+        plan = baseline_plan(name, graph, topo, sim.costs)
+        workloads[name] = (lambda p=plan: sim.run(p.groups))
+    walk = [random_group(rng, graph, g, n) for g in range(graph.num_groups)]
+    base = baseline_plan("dp-prop", graph, topo, sim.costs).groups
+    actions = mcts_actions(topo, sim.costs.device_speeds())
+
+    def playout():
+        g0 = rng.randrange(graph.num_groups)
+        g1 = min(graph.num_groups, g0 + rng.randint(1, 16))
+        act = rng.choice(actions)
+        sim.run(base[:g0] + [act] * (g1 - g0) + base[g1:])
+
+    def walk_step():
+        g = rng.randrange(graph.num_groups)
+        walk[g] = random_group(rng, graph, g, n)
+        sim.run(walk)
+
+    def random_plan():
+        sim.run([random_group(rng, graph, g, n) for g in range(graph.num_groups)])
+
+    workloads["mcts"] = playout
+    workloads["walk"] = walk_step
+    workloads["random"] = random_plan
+    for name, fn in workloads.items():
+        r, count = rate(fn, args.seconds)
+        print(f"  {name:<8} {r:8.0f} sims/s  ({count} runs)")
+    prof = cProfile.Profile()
+    fn = workloads[args.profile]
+    prof.enable()
+    for _ in range(300):
+        fn()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    print(f"cProfile of 300 '{args.profile}' runs (by own time):")
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:4000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
