@@ -50,6 +50,8 @@ class GenConfig:
     """Parallel processes."""
     optimizer: str = "adam"
     """Optimizer captured into the graphs."""
+    models: list[str] | None = None
+    """Override the training models: ``["zoo-spec@batch", ...]`` (default: :data:`data.pairs.TRAIN_MODELS`)."""
     simulator: str = "sim"
     """``sim`` (:class:`tag.sim.Simulator`) or ``toy`` (:class:`tag.search.toy.ToySimulator`, tests only)."""
 
@@ -64,6 +66,10 @@ class GenConfig:
             raise ValueError(f"workers: expected >= 1, got {self.workers}")
         if not 0 <= self.dirichlet < 1:
             raise ValueError(f"dirichlet: expected in [0, 1), got {self.dirichlet}")
+        for m in self.models or []:
+            spec, _, b = m.rpartition("@")
+            if not spec or not b.isdigit() or int(b) < 1:
+                raise ValueError(f"models: expected 'zoo-spec@batch', got {m!r}")
         if self.simulator not in ("sim", "toy"):
             raise ValueError(f"simulator: expected 'sim' or 'toy', got {self.simulator!r}")
 
@@ -164,7 +170,7 @@ def _work(index: int) -> tuple[int, float, str | None]:
     out = root / "raw" / f"{index:05d}.json"
     if out.exists():
         return index, 0.0, None
-    spec = sample_pair(cfg.seed, index, max_groups=cfg.max_groups)
+    spec = sample_pair(cfg.seed, index, max_groups=cfg.max_groups, models=_models(cfg))
     try:
         rec = label_pair(graphs_dir(root), spec, cfg, _W["prior"])
     except Exception as e:  # noqa: BLE001 - a bad pair must not stop the whole run
@@ -172,6 +178,13 @@ def _work(index: int) -> tuple[int, float, str | None]:
         return index, 0.0, repr(e)[:200]
     write_json(out, rec, indent=None)
     return index, rec["seconds"], None
+
+
+def _models(cfg: GenConfig):
+    from .pairs import TRAIN_MODELS
+    if not cfg.models:
+        return TRAIN_MODELS
+    return tuple((m.rpartition("@")[0], (int(m.rpartition("@")[2]),)) for m in cfg.models)
 
 
 def pending(root: Path, cfg: GenConfig) -> list[int]:

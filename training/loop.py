@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -52,7 +53,7 @@ class Logger:
             try:
                 import wandb
                 rid_file = run_dir / "wandb_id.txt"
-                rid = rid_file.read_text().strip() if rid_file.exists() else wandb.util.generate_id()
+                rid = rid_file.read_text().strip() if rid_file.exists() else uuid.uuid4().hex[:8]
                 rid_file.write_text(rid)
                 self.run = wandb.init(project=cfg.project, dir=str(wdir), config=cfg.to_dict(), id=rid,
                                       resume="allow", name=name or run_dir.name, mode=cfg.wandb)

@@ -1,0 +1,65 @@
+"""``tag train``: train the planner's GNN predictor (AlphaZero-style generate -> train rounds)."""
+
+from __future__ import annotations
+
+from .common import print_json
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train the GNN predictor: MCTS-labelled data, then fit, for several rounds",
+        description="AlphaZero-style loop: label random (model, topology) pairs with MCTS (round 0: uniform "
+                    "prior; later rounds: the previous round's network), fit policy (cross-entropy against the "
+                    "visit distribution) and value (final plan's log time ratio), repeat. Everything resumes "
+                    "after an interruption. The defaults reproduce the shipped tag/gnn/predictor.pt.")
+    p.add_argument("--config", metavar="FILE.json", default=None,
+                   help="LoopConfig JSON (fields as in training/config.py); flags below override it")
+    p.add_argument("--run-dir", default=None, help="run folder (default runs/predictor)")
+    p.add_argument("--rounds", type=int, default=None, help="generate/train rounds (default 2)")
+    p.add_argument("--samples", type=int, nargs="+", default=None, metavar="N",
+                   help="pairs labelled per round (last value repeats; default 300 150)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs per round (default 12)")
+    p.add_argument("--workers", type=int, default=None, help="labelling processes (default 2)")
+    p.add_argument("--playouts", type=int, default=None, help="MCTS playouts per labelled decision (default 32)")
+    p.add_argument("--seed", type=int, default=None, help="seed of pairs, searches and training (default 0)")
+    p.add_argument("--wandb", choices=["offline", "online", "disabled"], default=None,
+                   help="wandb logging (default offline, files inside the run folder)")
+    p.add_argument("--export", default=None, metavar="FILE", help="copy the final checkpoint here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def build_config(args):
+    from training.config import LoopConfig
+    cfg = LoopConfig.load(args.config) if args.config else LoopConfig()
+    if args.run_dir is not None:
+        cfg.run_dir = args.run_dir
+    if args.rounds is not None:
+        cfg.rounds = args.rounds
+    if args.samples is not None:
+        cfg.samples_per_round = list(args.samples)
+    if args.epochs is not None:
+        cfg.train.epochs = args.epochs
+    if args.workers is not None:
+        cfg.gen.workers = args.workers
+    if args.playouts is not None:
+        cfg.gen.playouts_per_step = args.playouts
+    if args.seed is not None:
+        cfg.gen.seed = cfg.train.seed = args.seed
+    if args.wandb is not None:
+        cfg.wandb = args.wandb
+    if args.export is not None:
+        cfg.export = args.export
+    # re-validate after the overrides (one-line errors)
+    return LoopConfig.from_dict(cfg.to_dict(), source=args.config or "tag train")
+
+
+def run(args) -> int:
+    import time
+
+    from training.loop import run_loop
+    cfg = build_config(args)
+    t0 = time.perf_counter()
+    final = run_loop(cfg, progress=not args.no_progress)
+    print_json({"checkpoint": str(final), "run_dir": cfg.run_dir, "wall_seconds": time.perf_counter() - t0})
+    return 0

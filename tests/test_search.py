@@ -1,0 +1,245 @@
+"""Tests for tag.search: action space, evaluator, MCTS mechanics, searchers, plan() and `tag plan`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tag.errors import TagError
+from tag.plan.format import validate_group
+from tag.search import ActionSpace, Evaluator, MCTSConfig, mcts_search, plan, uniform_prior
+from tag.search.mcts import (
+    Tree,
+    add_virtual_loss,
+    backup,
+    new_tree,
+    puct_scores,
+    run_episode,
+    run_playouts,
+    visit_distribution,
+)
+from tag.search.searchers import random_search, simulated_annealing, tpe_search
+from tag.search.space import device_subsets
+from tag.search.toy import ToySimulator
+from tag.topology import load_topology
+
+
+def _topo(machines, bw="10 Gbit/s", name="t"):
+    return load_topology({
+        "name": name,
+        "machines": [{"name": f"m{i}", "gpu": gpu, "count": c, **({"intra_bandwidth": "100 GB/s"} if c > 1 else {})}
+                     for i, (gpu, c) in enumerate(machines)],
+        "network": {"bandwidth": bw},
+    })
+
+
+@pytest.fixture(scope="module")
+def graph(captured):
+    return captured("gpt2", batch=16, groups=8).graph
+
+
+@pytest.fixture(scope="module")
+def topo():
+    return _topo([("A100-40GB", 2), ("V100-SXM2-16GB", 2), ("T4", 4)])
+
+
+@pytest.fixture
+def space(graph, topo):
+    return ActionSpace(graph, topo)
+
+
+def test_action_space_is_tractable_on_large_clusters(graph):
+    big = _topo([("A100-40GB", 4), ("V100-SXM2-16GB", 4), ("T4", 4), ("RTX-3090", 4)] * 2)
+    assert big.num_devices == 32 and big.num_machines == 8
+    sp = ActionSpace(graph, big)
+    assert 8 < sp.num_actions <= 120  # TAG: 3 * (2^8 - 1) = 765
+    assert sp.actions[0].devices == tuple(range(32)) and sp.actions[0].sync == "allreduce"
+    subsets = [d for d, _ in device_subsets(big, sp.costs.device_speed)]
+    assert len(subsets) == len(set(subsets))
+
+
+def test_small_clusters_enumerate_every_machine_subset(space, topo):
+    machine_sets = {frozenset(topo.machine_of(d) for d in a.devices) for a in space.actions
+                    if len(a.devices) > 1 or topo.machines[topo.machine_of(a.devices[0])].count == 1}
+    assert len(machine_sets) == 2 ** topo.num_machines - 1
+
+
+def test_every_action_materialises_a_valid_group_plan(space, graph, topo):
+    for g in range(graph.num_groups):
+        for a in range(space.num_actions):
+            gp = space.group_plan(g, a)
+            validate_group(gp, graph, g, topo.num_devices, f"groups[{g}]")
+            if gp.sync != "mp" and len(gp.devices) > 1:
+                t = space.costs.group_time_full[g, gp.devices]
+                # shares proportional to the group's speed: share * time is constant
+                assert np.allclose(np.array(gp.shares) * t, gp.shares[0] * t[0], rtol=1e-6)
+
+
+def test_decision_order_and_defaults(space):
+    k = space.num_groups
+    t = space.costs.group_time_full[:, int(np.argmax(space.costs.device_speed))]
+    assert all(t[a] >= t[b] for a, b in zip(space.order, space.order[1:]))
+    assert space.resolve(np.full(k, -1)) == (space.default_action,) * k
+    assign = np.full(k, -1)
+    assign[1], assign[k - 1] = 3, 5
+    res = space.resolve(assign)
+    assert res[0] == 3 and res[1] == 3 and res[2] == 3 and res[k - 1] == 5 and res[k - 2] == 5
+
+
+def test_evaluator_scores_baselines_first_and_caches(space, graph, topo):
+    sim = ToySimulator(graph, topo, space.costs)
+    ev = Evaluator(space, sim)
+    assert sim.calls == 2 and ev.best_source in ("dp-even", "dp-prop")
+    assert ev.t_ref == min(ev.dp_even_out.time_s, ev.dp_prop_out.time_s)
+    acts = (1,) * space.num_groups
+    o1 = ev.evaluate(acts)
+    o2 = ev.evaluate(acts)
+    assert o1 is o2 and sim.calls == 3
+    assert o1.reward == pytest.approx(ev.t_ref / o1.time_s - 1)
+
+
+def test_tree_functions():
+    t = Tree(num_actions=3, capacity=2)
+    root = t.add(-1, -1)
+    t.prior[root] = [0.1, 0.8, 0.1]
+    t.expanded[root] = True
+    s = puct_scores(t, root, 1.0, 0.0, 1.0)
+    assert int(np.argmax(s)) == 1
+    c = t.add(root, 1)
+    c2 = t.add(c, 0)  # grows past capacity
+    assert t.capacity >= 3 and t.depth[c2] == 2
+    add_virtual_loss(t, c2, root)
+    assert t.visits[root] == 1 and t.value_sum[root] == -1
+    backup(t, c2, 0.5, root, sim_reward=0.5, virtual=1.0)
+    assert t.visits[root] == 1 and t.value_sum[root] == pytest.approx(0.5) and t.best[root] == 0.5
+    assert visit_distribution(t, root)[1] == 1.0
+
+
+def test_mcts_visits_and_determinism(space, graph, topo):
+    def run(seed):
+        ev = Evaluator(space, ToySimulator(graph, topo, space.costs))
+        r = mcts_search(space, ev, uniform_prior, np.random.default_rng(seed), playouts=40,
+                        cfg=MCTSConfig(batch=4))
+        return r, ev
+
+    r1, ev1 = run(0)
+    r2, _ = run(0)
+    assert r1.stats.playouts == 40
+    assert r1.tree.visits[0] == 41  # root evaluation + playouts
+    assert r1.actions == r2.actions and r1.time_s == r2.time_s
+    assert r1.time_s <= min(ev1.dp_even_out.time_s, ev1.dp_prop_out.time_s)
+
+
+def test_prior_steers_the_search(space, graph, topo):
+    target = space.num_actions - 1
+
+    def peaked(sp, states):
+        p = np.full((len(states), sp.num_actions), 1e-3)
+        p[:, target] = 1.0
+        return p / p.sum(1, keepdims=True), np.full(len(states), np.nan)
+
+    ev = Evaluator(space, ToySimulator(graph, topo, space.costs))
+    tree = new_tree(space)
+    run_playouts(tree, 0, space, ev, peaked, np.random.default_rng(0), playouts=8, cfg=MCTSConfig(batch=1))
+    assert tree.children[0, target] >= 0
+    assert visit_distribution(tree, 0)[target] >= 0.5
+
+
+def test_value_cut_saves_simulator_calls(space, graph, topo):
+    def pessimist(sp, states):
+        return np.full((len(states), sp.num_actions), 1.0 / sp.num_actions), np.full(len(states), -0.99)
+
+    ev = Evaluator(space, ToySimulator(graph, topo, space.costs))
+    r = mcts_search(space, ev, pessimist, np.random.default_rng(0), playouts=60, cfg=MCTSConfig(min_sims=4))
+    assert r.stats.value_cuts > 0 and ev.sim_calls < 60
+
+
+def test_episode_records_one_decision_per_group(space, graph, topo):
+    ev = Evaluator(space, ToySimulator(graph, topo, space.costs))
+    dec, tree, stats = run_episode(space, ev, uniform_prior, np.random.default_rng(1), playouts_per_step=6,
+                                   max_steps=4)
+    assert [d.group for d in dec] == space.order[:4]
+    for i, d in enumerate(dec):
+        assert (d.assign >= 0).sum() == i and d.visits.sum() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("fn", [random_search, simulated_annealing, tpe_search])
+def test_baseline_searchers(fn, space, graph, topo):
+    ev = Evaluator(space, ToySimulator(graph, topo, space.costs))
+    best0 = ev.best_time
+    st = fn(space, ev, np.random.default_rng(0), playouts=15)
+    assert st.playouts == 15 and ev.best_time <= best0
+
+
+class _DPWins:
+    """Every plan but all-device data parallel is ten times slower."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def run(self, groups):
+        from tag.search.toy import ToyResult
+        dp = all(len(g.devices) == self.n and g.sync == "allreduce" for g in groups)
+        z = [0.0] * self.n
+        return ToyResult(1.0 if dp else 10.0, False, z, [1e12] * self.n, z, z, [0.0] * len(groups))
+
+
+@pytest.mark.parametrize("searcher", ["mcts", "sa", "random"])
+def test_falls_back_to_the_best_baseline(graph, topo, searcher):
+    p = plan(graph, topo, searcher=searcher, prior="uniform", budget=20, simulator=_DPWins(topo.num_devices))
+    assert p.meta["source"] in ("dp-even", "dp-prop") and p.predicted_iteration_time_s == 1.0
+    p.validate(graph, topo)
+
+
+def test_plan_with_the_real_simulator(graph, topo):
+    p1 = plan(graph, topo, prior="uniform", budget=30, seed=3)
+    p2 = plan(graph, topo, prior="uniform", budget=30, seed=3)
+    p1.validate(graph, topo)
+    assert p1.to_dict()["groups"] == p2.to_dict()["groups"]
+    m = p1.meta
+    best_dp = min(m["dp_even_time_s"], m["dp_prop_time_s"])
+    assert p1.predicted_iteration_time_s <= best_dp
+    assert m["lower_bound_s"] <= p1.predicted_iteration_time_s
+    assert m["playouts"] == 30
+
+
+def test_plan_time_limit(graph, topo):
+    p = plan(graph, topo, prior="uniform", time_limit=0.5)
+    assert p.meta["search_time_s"] < 5 and p.meta["playouts"] >= 1
+
+
+def test_plan_rejects_bad_arguments(graph, topo):
+    with pytest.raises(TagError, match="searcher"):
+        plan(graph, topo, searcher="bogus")
+    with pytest.raises(TagError, match="budget"):
+        plan(graph, topo, budget=0)
+    with pytest.raises(TagError, match="prior"):
+        plan(graph, topo, prior="magic")
+
+
+def test_cli_plan_json(tmp_path, capsys):
+    from tag.cli import main
+    out = tmp_path / "plan.json"
+    trace = tmp_path / "trace.json"
+    rc = main(["plan", "--model", "mlp", "--topology", "topologies/tag-testbed.yaml", "--prior", "uniform",
+               "--budget", "12", "--groups", "4", "--out", str(out), "--trace", str(trace), "--json"])
+    assert rc == 0
+    s = json.loads(capsys.readouterr().out)
+    for k in ("predicted_iteration_time_s", "dp_even_time_s", "dp_prop_time_s", "lower_bound_s", "playouts",
+              "search_time_s"):
+        assert k in s
+    assert s["predicted_iteration_time_s"] <= min(s["dp_even_time_s"], s["dp_prop_time_s"])
+    assert json.loads(out.read_text())["groups"] and trace.exists()
+
+
+def test_cli_plan_table_and_errors(capsys):
+    from tag.cli import main
+    rc = main(["plan", "--model", "mlp", "--topology", "topologies/tag-testbed.yaml", "--searcher", "sa",
+               "--budget", "8", "--groups", "4", "--compression", "off"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "predicted iteration time" in out and "speedup" in out and "op-groups" in out
+    rc = main(["plan", "--model", "mlp", "--topology", "topologies/tag-testbed.yaml", "--budget", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--budget" in err and len(err.strip().splitlines()) == 1
