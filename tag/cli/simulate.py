@@ -32,7 +32,7 @@ def run(args) -> int:
     from ..io import write_json
     from ..plan import Plan
     from ..plan.baselines import baseline_plan
-    from ..sim import Simulator, lower_bound
+    from ..sim import Simulator, check_batches, lower_bound
     from ..topology import load_topology
 
     topo = load_topology(args.topology)
@@ -51,7 +51,9 @@ def run(args) -> int:
     costs = CostModel.for_topology(graph, topo, args.profiles)
     if plan is None:
         plan = baseline_plan(args.baseline, graph, topo, costs)
-    plan.validate(graph, topo, source=args.plan or f"baseline {args.baseline}")
+    where = args.plan or f"baseline {args.baseline}"
+    plan.validate(graph, topo, source=where)
+    check_batches(plan, source=where)
     res = Simulator(graph, topo, costs).run(plan.groups, trace=bool(args.trace))
     lb = lower_bound(graph, topo, costs)
     if args.trace:

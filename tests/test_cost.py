@@ -1,0 +1,141 @@
+"""Cost model: profile interpolation and storage, latency-bandwidth fits, source resolution
+(profile > scaled profile > roofline), communication model with measured gloo fits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_sim_tools import chain_graph, topology
+
+from tag.cost.comm import (
+    CommProfile,
+    LinkFit,
+    find_comm_profile,
+    fit_latency_bandwidth,
+    fitted_allreduce_time,
+)
+from tag.cost.model import CostModel, device_type
+from tag.cost.profile import Profile, ProfileError, find_profile, load_profile
+from tag.cost.roofline import Roofline, group_phase_table
+from tag.plan.baselines import baseline_plan, cost_model_speeds
+from tag.topology import load_topology
+
+
+def _profile(graph, dtype: str, scale: float = 1.0) -> Profile:
+    k = graph.num_groups
+    # fwd(b) = 1 ms + 0.5 ms * b, bwd = 2x fwd, opt 0.3 ms per group.
+    fwd = [[scale * (1e-3 + 5e-4 * b) for b in (1, 4, 8)] for _ in range(k)]
+    bwd = [[2 * x for x in row] for row in fwd]
+    return Profile(dtype, graph.model, graph.signature(), graph.batch_size, graph.optimizer, [1, 4, 8], fwd, bwd,
+                   [scale * 3e-4] * k, 1e-4)
+
+
+def test_interpolation_and_extrapolation():
+    p = _profile(chain_graph(2), "cpu-1t")
+    t = p.table([0, 1, 2, 4, 6, 8, 12])
+    expect = [0.0] + [1e-3 + 5e-4 * b for b in (1, 2, 4, 6, 8, 12)]
+    assert t[0, 0] == pytest.approx(expect)
+    assert t[1, 1] == pytest.approx([2 * x for x in expect])
+    assert t[0, 2, 1:] == pytest.approx([3e-4] * 6) and t[0, 2, 0] == 0.0
+    # below the smallest profiled batch: linear, never faster than proportional
+    q = Profile("c", "m", "s", 8, "adam", [2, 4], [[4e-3, 5e-3]], [[0, 0]], [0]).table([1])
+    assert q[0, 0, 0] == pytest.approx(3.5e-3)
+
+
+def test_profile_roundtrip_merge_and_errors(tmp_path):
+    g = chain_graph(2)
+    p = _profile(g, "cpu-1t")
+    path = p.save(tmp_path)
+    assert path.parent.name == "cpu-1t" and path.name.endswith(f"-{g.signature()}.json")
+    q = load_profile(path)
+    assert q.batches == [1, 4, 8] and q.fwd[0] == pytest.approx(p.fwd[0])
+    more = Profile("cpu-1t", g.model, g.signature(), 8, "adam", [2, 8], [[9.0, 9.0]] * 2, [[9.0, 9.0]] * 2,
+                   [1.0, 1.0], 0.0)
+    more.save(tmp_path)
+    merged = find_profile(tmp_path, "cpu-1t", g.signature())
+    assert merged.batches == [1, 2, 4, 8] and merged.fwd[0][1] == 9.0 and merged.fwd[0][0] == p.fwd[0][0]
+    path.write_text("{not json")
+    with pytest.raises(ProfileError, match=r"line 1: not valid JSON"):
+        load_profile(path)
+    path.write_text('{"version": 1}')
+    with pytest.raises(ProfileError, match="malformed profile"):
+        load_profile(path)
+
+
+def test_fit_latency_bandwidth_recovers_line():
+    sizes = [4096 * 4**k for k in range(7)]
+    fit = fit_latency_bandwidth(sizes, [50e-6 + s / 2e9 for s in sizes])
+    assert fit.alpha == pytest.approx(50e-6, rel=1e-6) and fit.beta == pytest.approx(2e9, rel=1e-6)
+    assert fit.time(1e6) == pytest.approx(50e-6 + 1e6 / 2e9)
+
+
+def test_roofline_table_picks_the_binding_roof():
+    g = chain_graph(1)  # every op: 1 FLOP/sample, 16 bytes/sample
+    t = group_phase_table(g, Roofline(flop_rate=1.0, mem_bandwidth=1e9), [0, 2], overhead=0.0)
+    fwd_ops = sum(1 for o in g.ops if o.phase == "fwd")
+    assert t[0, 0, 1] == pytest.approx(fwd_ops * 2.0)  # compute-bound at 1 FLOP/s
+    t = group_phase_table(g, Roofline(flop_rate=1e12, mem_bandwidth=16.0), [2], overhead=1.0)
+    assert t[0, 0, 0] == pytest.approx(fwd_ops * (2.0 + 1.0))  # memory-bound + per-op overhead
+
+
+def test_cost_model_sources(tmp_path):
+    g = chain_graph(2)
+    topo = load_topology({"name": "c", "machines": [{"name": "m", "gpu": "cpu", "count": 1}]})
+    dt = device_type(topo, 0)
+    assert dt.startswith("cpu-") and dt.endswith("t")
+    assert CostModel.for_topology(g, topo, tmp_path).source(0) == "roofline"
+    other = "cpu-1t" if dt != "cpu-1t" else "cpu-3t"
+    _profile(g, other).save(tmp_path)
+    scaled = CostModel.for_topology(g, topo, tmp_path)
+    assert scaled.source(0) == f"scaled:{other}"
+    _profile(g, dt).save(tmp_path)
+    cm = CostModel.for_topology(g, topo, tmp_path)  # a real profile of the type always wins
+    assert cm.source(0) == f"profile:{dt}"
+    assert cm.group_time(0, "fwd", 0, 4) == pytest.approx(3e-3)
+    assert cm.group_time(1, "bwd", 0, 6) == pytest.approx(2 * (1e-3 + 5e-4 * 6))
+    assert cm.group_time(0, "fwd", 0, 2.5) == pytest.approx(1e-3 + 5e-4 * 2.5)
+    assert cm.step_overhead(0) == pytest.approx(1e-4)
+    alone = 2 * (3 * (1e-3 + 5e-4 * 8) + 3e-4) + 1e-4
+    assert cm.iteration_time_alone(0) == pytest.approx(alone)
+    assert cm.device_speeds() == pytest.approx([8 / alone])
+    assert cost_model_speeds(g, topo, cm) == pytest.approx([8 / alone])
+
+
+def test_scaled_gpu_profile_by_roofline(tmp_path):
+    g = chain_graph(2)
+    topo = load_topology({"name": "g", "machines": [{"name": "a", "gpu": "A100-40GB", "count": 1},
+                                                    {"name": "v", "gpu": "V100-SXM2-16GB", "count": 1}],
+                          "network": {"bandwidth": "10 Gbit/s"}})
+    _profile(g, "V100-SXM2-16GB").save(tmp_path)
+    cm = CostModel.for_topology(g, topo, tmp_path)
+    assert cm.source(1) == "profile:V100-SXM2-16GB" and cm.source(0) == "scaled:V100-SXM2-16GB"
+    ratio = cm.table(0)[:, :2, 1:] / cm.table(1)[:, :2, 1:]
+    assert np.all(ratio < 1.0)  # the A100 is faster on every group
+
+
+def test_comm_model_uses_gloo_fit(tmp_path):
+    topo = load_topology({"name": "c", "machines": [{"name": "m", "gpu": "cpu", "count": 2,
+                                                      "intra_bandwidth": "5 GB/s"}]})
+    dt = device_type(topo, 0)
+    fits = {"p2p": LinkFit(1e-4, 1e9), "all_reduce": LinkFit(3e-4, 5e8)}
+    CommProfile(dt, "gloo", 2, fits).save(tmp_path)
+    assert find_comm_profile(tmp_path, dt).fits["p2p"] == fits["p2p"]
+    g = chain_graph(2)
+    cm = CostModel.for_topology(g, topo, tmp_path)
+    assert cm.comm.p2p_time(0, 1, 1e6) == pytest.approx(1e-4 + 1e6 / 1e9)
+    assert cm.comm.allreduce_time([0, 1], 1e6) == pytest.approx(3e-4 + 1e6 / 5e8)
+    assert fitted_allreduce_time(4, 1e6, fits["all_reduce"]) == pytest.approx(1.5e6 / 5e8 + 3 * 3e-4)
+    nominal = CostModel.for_topology(g, topo, tmp_path / "none").comm
+    assert nominal.p2p_time(0, 1, 1e6) == pytest.approx(topo.latency(0, 1) + 1e6 / 5e9)
+
+
+def test_baselines_are_valid_plans():
+    g = chain_graph(4, positions=2)
+    topo = topology([("a", 2, 1e9, 1e-5), ("b", 2, 1e9, 1e-5)], memory=10**9)
+    for name in ("dp", "dp-prop", "single", "mp"):
+        plan = baseline_plan(name, g, topo)
+        plan.validate(g, topo)
+    mp = baseline_plan("mp", g, topo)
+    assert [gp.devices for gp in mp.groups] == [[0], [1], [2], [3]]  # equal memory: one slice each
+    single = baseline_plan("single", g, topo)
+    assert {tuple(gp.devices) for gp in single.groups} == {(0,)}

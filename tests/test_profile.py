@@ -1,0 +1,101 @@
+"""Profiler (op-group stages, optimizer), gloo communication fits, and the profile / simulate CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tag.cli import main
+from tag.cost.model import CostModel, device_type
+from tag.cost.profiler import default_batches, profile_model, stage_assignment
+from tag.topology import load_topology
+
+
+def _cpu_topology(threads: int):
+    n = max(1, (os.cpu_count() or 1) // threads)
+    m = {"name": "local", "gpu": "cpu", "count": n}
+    if n > 1:
+        m["intra_bandwidth"] = "5 GB/s"
+    return load_topology({"name": "local", "machines": [m]})
+
+
+def test_default_batches():
+    assert default_batches(8) == [1, 2, 4, 8]
+    assert default_batches(1) == [1]
+    assert default_batches(32) == [1, 8, 16, 32]
+
+
+def test_profile_mlp_feeds_the_cost_model(captured, tmp_path):
+    cap = captured("mlp", groups=4)
+    logs: list[str] = []
+    prof = profile_model("mlp", batches=[1, 4], repeats=2, warmup=1, captured=cap, log=logs.append)
+    g = cap.graph
+    assert prof.graph_signature == g.signature() and prof.batches == [1, 4]
+    assert prof.device_type == f"cpu-{torch.get_num_threads()}t"
+    assert len(prof.fwd) == g.num_groups and all(len(r) == 2 for r in prof.fwd)
+    assert all(t > 0 for row in prof.fwd for t in row) and all(t >= 0 for row in prof.bwd for t in row)
+    assert sum(map(sum, prof.bwd)) > 0
+    assert sum(prof.opt) > 0 and prof.opt_step_overhead_s >= 0
+    assert any("batch 4" in m for m in logs)
+    prof.save(tmp_path)
+    topo = _cpu_topology(torch.get_num_threads())
+    assert device_type(topo, 0) == prof.device_type
+    cm = CostModel.for_topology(g, topo, tmp_path)
+    assert cm.source(0) == f"profile:{prof.device_type}"
+    assert cm.group_time(0, "fwd", 0, 4) == pytest.approx(prof.fwd[0][1], rel=1e-3)
+
+
+def test_stage_assignment_keeps_tuples_together(captured):
+    g = captured("resnet", groups=8).graph
+    assign = stage_assignment(g)
+    for op in g.ops:
+        if op.target == "getitem" and op.phase != "opt":
+            p = g.tensors[op.inputs[0]].producer
+            assert assign[op.name] == assign[g.ops[p].name]
+
+
+@pytest.mark.slow
+def test_comm_profile_gloo_two_processes(tmp_path):
+    from tag.cost.commprof import profile_comm
+
+    cp = profile_comm("cpu-test", sizes=[4096, 65536, 262144], repeats=2, warmup=1)
+    assert set(cp.fits) == {"p2p", "all_reduce", "broadcast", "reduce", "all_gather"}
+    for f in cp.fits.values():
+        assert f.alpha >= 0 and f.beta > 0
+    assert all(len(v) == 3 for v in cp.samples.values())
+    path = cp.save(tmp_path)
+    assert json.loads(path.read_text())["backend"] == "gloo"
+
+
+def test_cli_simulate_json_and_trace(tmp_path, capsys):
+    trace = tmp_path / "t.json"
+    rc = main(["simulate", "--model", "mlp", "--groups", "4", "--topology", "local-cpu2", "--baseline", "dp",
+               "--json", "--trace", str(trace)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["iteration_time_s"] > 0 and out["oom"] is False
+    assert len(out["peak_memory_bytes"]) == 2 and len(out["devices"]) == 2
+    assert out["lower_bound_s"] <= out["iteration_time_s"]
+    tr = json.loads(trace.read_text())
+    assert any(e.get("ph") == "X" for e in tr["traceEvents"])
+
+
+def test_cli_simulate_summary_and_plan_errors(tmp_path, capsys):
+    assert main(["simulate", "--model", "mlp", "--groups", "4", "--topology", "local-cpu2",
+                 "--baseline", "mp"]) == 0
+    out = capsys.readouterr().out
+    assert "iteration time" in out and "critical path" in out and "peak memory" in out
+    bad = tmp_path / "plan.json"
+    bad.write_text("[1, 2]")
+    assert main(["simulate", "--model", "mlp", "--topology", "local-cpu2", "--plan", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "plan.json" in err[0]
+
+
+def test_cli_profile_rejects_bad_batches(capsys):
+    assert main(["profile", "--model", "mlp", "--batches", "0,x", "--no-comm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--batches" in err[0]
