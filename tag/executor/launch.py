@@ -6,7 +6,7 @@ workers' arguments as JSON into a run folder, and starts one rank per device wit
 When a rank raises or dies, the elastic agent stops the others and raises ``ChildFailedError``;
 it becomes ONE line naming the rank and the cause (:class:`ExecutionError`).
 
-Across machines, run the same worker under ``torchrun`` on every machine (docs/EXECUTOR.md).
+Across machines, run the same worker under ``torchrun`` on every machine (tag/executor/README.md).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def _backend(choice: str, topology) -> str:
     if topology.num_machines > 1:
         raise ExecutionError(f"topology {topology.name!r} spans {topology.num_machines} machines; "
                              "`tag execute` launches one machine -- run tag.executor.worker under torchrun "
-                             "on each machine (see docs/EXECUTOR.md)")
+                             "on each machine (see tag/executor/README.md)")
     gpus = torch.cuda.device_count()
     if choice == "auto":
         choice = "nccl" if gpus >= topology.num_devices else "gloo"

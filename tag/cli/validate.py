@@ -1,0 +1,44 @@
+"""``tag validate``: execute a set of plans and compare the simulator's predictions with reality.
+
+Reports per plan the predicted and measured (median) iteration time, the median absolute
+percentage error, the Spearman rank correlation, and a scatter plot (PNG) in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("validate", help="execute plans and compare predicted vs measured iteration times",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="workload spec (e.g. gpt2 or mlp:hidden=512)")
+    p.add_argument("--topology", required=True, help="topology of this machine (e.g. topologies/local-cpu2.yaml)")
+    p.add_argument("--plans", type=int, default=12, help="number of plans: baselines first, then varied (default 12)")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
+    p.add_argument("--groups", type=int, default=8, help="op-groups (default 8)")
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"])
+    p.add_argument("--steps", type=int, default=10, help="timed iterations per plan (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up iterations per plan (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the varied plans")
+    p.add_argument("--no-profile", action="store_true",
+                   help="do not profile missing op-group/communication costs first")
+    p.add_argument("--out", default=None, help="output folder (default evaluation/results/validate-<topology>)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from ..errors import TagError
+    from ..executor.validate import validate
+
+    if args.plans < 1:
+        raise TagError(f"--plans: expected a positive integer, got {args.plans}")
+    out = args.out or str(Path("evaluation/results") / f"validate-{Path(args.topology).stem}")
+    report = validate(args.model, args.topology, out, n_plans=args.plans, batch=args.batch, groups=args.groups,
+                      optimizer=args.optimizer, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                      profile=not args.no_profile)
+    print(report.table())
+    print(f"results: {out}/validation.json, plot: {out}/scatter.png")
+    return 0

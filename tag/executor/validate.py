@@ -1,0 +1,215 @@
+"""Hold the simulator to account: execute a set of plans, compare measured and predicted times.
+
+``validate(...)`` builds baselines and varied plans (:func:`validation_plans`), executes each
+(:func:`tag.executor.execute`), and reports the median absolute percentage error and the
+Spearman rank correlation of prediction vs measurement, with a scatter plot.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..io import write_json
+from ..plan import GroupPlan, Plan, data_parallel, group_positions, new_plan
+from .launch import ExecuteConfig, execute
+
+log = logging.getLogger(__name__)
+
+
+def validation_plans(graph, topology, n: int, seed: int = 0) -> list[tuple[str, Plan]]:
+    """Up to ``n`` named plans: data-parallel baselines first, then varied placements."""
+    D, K = topology.num_devices, graph.num_groups
+    all_devs = list(range(D))
+    plans: list[tuple[str, Plan]] = [("dp-even", data_parallel(graph, topology))]
+    plans.append(("dp-prop", data_parallel(graph, topology, proportional=True)))
+    for d in all_devs:
+        plans.append((f"single-{d}", new_plan(graph, topology, [GroupPlan([d], [1.0]) for _ in range(K)])))
+    if D >= 2:
+        uneven = [0.7] + [0.3 / (D - 1)] * (D - 1)
+        plans.append(("dp-uneven", new_plan(graph, topology, [GroupPlan(all_devs, uneven) for _ in range(K)])))
+        plans.append(("ps-0", new_plan(graph, topology,
+                                       [GroupPlan(all_devs, [1 / D] * D, "ps", server=0) for _ in range(K)])))
+        plans.append(("pipeline", new_plan(graph, topology, [GroupPlan([g * D // K], [1.0]) for g in range(K)])))
+        plans.append(("mixed", new_plan(graph, topology, [GroupPlan(all_devs, [1 / D] * D) if g % 2 == 0
+                                                          else GroupPlan([g % D], [1.0]) for g in range(K)])))
+        mp = []
+        for g in range(K):
+            lo, hi = group_positions(graph, g)
+            mp.append(GroupPlan([0, 1], [1.0, 1.0], "mp", mp_splits=[lo, (lo + hi) // 2]) if hi - lo >= 2
+                      else GroupPlan([0], [1.0]))
+        plans.append(("mp-halves", new_plan(graph, topology, mp)))
+    rng = random.Random(seed)
+    k = 0
+    while len(plans) < n:
+        groups = []
+        for _g in range(K):
+            devs = sorted(rng.sample(all_devs, rng.randint(1, D)))
+            w = [rng.uniform(0.3, 1.0) for _ in devs]
+            shares = [x / sum(w) for x in w]
+            shares[-1] = 1.0 - sum(shares[:-1])
+            sync = rng.choice(["allreduce", "ps"]) if len(devs) > 1 else "allreduce"
+            groups.append(GroupPlan(devs, shares, sync, server=rng.choice(all_devs) if sync == "ps" else None))
+        plans.append((f"random-{k}", new_plan(graph, topology, groups)))
+        k += 1
+    for name, p in plans:
+        p.meta["validation_name"] = name
+    return plans[:n]
+
+
+@dataclass
+class ValidationRow:
+    name: str
+    predicted_s: float
+    measured_s: float
+    per_rank_s: list[float]
+
+    @property
+    def error(self) -> float:
+        """Absolute percentage error of the prediction, in percent."""
+        return abs(self.predicted_s - self.measured_s) / self.measured_s * 100
+
+
+@dataclass
+class ValidationReport:
+    model: str
+    topology: str
+    rows: list[ValidationRow]
+    mape_median_pct: float
+    spearman: float
+    meta: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for r, row in zip(d["rows"], self.rows):
+            r["error_pct"] = row.error
+        return d
+
+    def table(self) -> str:
+        lines = [f"{'plan':<12} {'predicted ms':>13} {'measured ms':>12} {'error %':>8}"]
+        for r in self.rows:
+            lines.append(f"{r.name:<12} {r.predicted_s * 1e3:>13.2f} {r.measured_s * 1e3:>12.2f} {r.error:>8.1f}")
+        lines.append(f"median |error| {self.mape_median_pct:.1f}%   Spearman {self.spearman:.3f}   "
+                     f"({len(self.rows)} plans)")
+        return "\n".join(lines)
+
+
+def summarize_rows(model: str, topology: str, rows: list[ValidationRow], meta: dict) -> ValidationReport:
+    from scipy.stats import spearmanr
+
+    mape = statistics.median(r.error for r in rows) if rows else math.nan
+    rho = float(spearmanr([r.predicted_s for r in rows], [r.measured_s for r in rows]).statistic) \
+        if len(rows) >= 3 else math.nan
+    return ValidationReport(model, topology, rows, mape, rho, meta)
+
+
+def scatter_plot(report: ValidationReport, path: str | Path) -> None:
+    """Predicted vs measured (ms), log-log, with the y = x line and the +-15% band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r.measured_s * 1e3 for r in report.rows]
+    ys = [r.predicted_s * 1e3 for r in report.rows]
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.25
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="predicted = measured")
+    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="0.9", label="±15%")
+    ax.scatter(xs, ys, zorder=3)
+    for r, x, y in zip(report.rows, xs, ys):
+        ax.annotate(r.name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured iteration time (ms, median)")
+    ax.set_ylabel("simulated iteration time (ms)")
+    ax.set_title(f"{report.model} on {report.topology}\nmedian |err| {report.mape_median_pct:.1f}%, "
+                 f"Spearman {report.spearman:.2f}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: int = 12, batch: int | None = None,
+             groups: int = 8, optimizer: str = "adam", steps: int = 10, warmup: int = 3, seed: int = 0,
+             profile: bool = True, log_fn=print) -> ValidationReport:
+    """Execute ``n_plans`` plans of ``model`` on ``topology_path``; write JSON + PNG into ``out_dir``.
+
+    ``profile``: measure op-group and communication costs first when this machine's profile
+    database has none for this graph and device type (the simulator otherwise falls back to
+    the datasheet roofline).
+    """
+    from ..graph import capture
+    from ..topology import load_topology
+    from ..workloads import load_workload
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    topology = load_topology(topology_path)
+    cap = capture(load_workload(model, batch=batch), optimizer=optimizer, num_groups=groups)
+    graph = cap.graph
+    if profile:
+        ensure_profiles(model, cap, topology, log_fn)
+    rows = []
+    for name, plan in validation_plans(graph, topology, n_plans, seed):
+        plan_path = out / "plans" / f"{name}.json"
+        plan_path.parent.mkdir(parents=True, exist_ok=True)
+        plan.save(plan_path)
+        cfg = ExecuteConfig(model=model, topology=topology_path, plan=str(plan_path), batch=graph.batch_size,
+                            optimizer=optimizer, groups=groups, steps=steps, warmup=warmup,
+                            run_dir=str(out / "runs" / name))
+        res = execute(cfg, graph=graph)
+        row = ValidationRow(name, float(res.predicted_iteration_time_s or math.nan), res.measured_iteration_time_s,
+                            res.per_rank_median_s)
+        write_json(out / "runs" / name / "result.json", res.to_dict())
+        rows.append(row)
+        log_fn(f"  {name:<12} predicted {row.predicted_s * 1e3:8.2f} ms  measured {row.measured_s * 1e3:8.2f} ms  "
+               f"error {row.error:5.1f}%")
+    meta = {"batch": graph.batch_size, "groups": graph.num_groups, "optimizer": optimizer, "steps": steps,
+            "warmup": warmup, "graph_signature": graph.signature()}
+    report = summarize_rows(model, topology.name, rows, meta)
+    write_json(out / "validation.json", report.to_dict())
+    scatter_plot(report, out / "scatter.png")
+    return report
+
+
+def ensure_profiles(model: str, cap, topology, log_fn) -> None:
+    """Profile this graph (and gloo communication) for the topology's CPU device types if missing."""
+    import os
+
+    from ..cost.comm import find_comm_profile
+    from ..cost.model import device_type
+    from ..cost.profile import default_profile_dir, find_profile
+
+    root = default_profile_dir()
+    for dt in sorted({device_type(topology, d) for d in range(topology.num_devices)}):
+        if not dt.startswith("cpu-"):
+            continue
+        threads = int(dt[4:-1])
+        if find_profile(root, dt, cap.graph.signature()) is None:
+            import torch
+
+            from ..cost.profiler import profile_model
+
+            before = torch.get_num_threads()
+            log_fn(f"profiling {cap.graph.model} on {dt} (no profile yet) ...")
+            try:
+                profile_model(model, batch=cap.graph.batch_size, optimizer=cap.graph.optimizer,
+                              num_groups=cap.graph.num_groups, threads=threads, captured=cap,
+                              log=lambda m: None).save(root)
+            finally:
+                torch.set_num_threads(before)
+        if find_comm_profile(root, dt) is None:
+            from ..cost.commprof import profile_comm
+
+            log_fn(f"profiling gloo communication for {dt} ...")
+            profile_comm(dt, backend="gloo", threads=threads).save(root)
+    del os
