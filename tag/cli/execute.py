@@ -2,7 +2,7 @@
 
 On one machine without GPUs: one gloo process per device; with a GPU per device: NCCL.
 Across machines: run ``python -m tag.executor.worker ARGS.json`` under torchrun on each
-machine (docs/EXECUTOR.md). Prints the measured median iteration time next to the
+machine (tag/executor/README.md). Prints the measured median iteration time next to the
 simulator's prediction (``--json``: the whole result; ``--out``: also written to a file).
 """
 
