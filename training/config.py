@@ -19,7 +19,7 @@ class ConfigError(TagError):
 class TrainConfig:
     """Supervised fitting of the network to MCTS labels."""
 
-    epochs: int = 12
+    epochs: int = 6
     """Epochs per round."""
     lr: float = 2e-3
     """AdamW learning rate."""

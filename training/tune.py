@@ -3,7 +3,8 @@
 Trials live in an SQLite study (``<study_dir>/optuna.db``) so an interrupted ``tag tune`` resumes:
 finished trials are kept and the study continues up to the requested total. Each trial has a run
 folder (``<study_dir>/trial_<n>``) with its resolved config and checkpoints; a trial interrupted
-mid-training resumes from its last epoch when optuna re-runs it (``RetryFailedTrialCallback``).
+mid-training (killed: its heartbeat goes stale) is re-run by optuna and resumes from its last
+epoch (``RetryHeartbeatStaleTrialCallback``).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def tune(cfg: TuneConfig) -> dict:
     write_json(root / "tune_config.json", asdict(cfg))
     storage = optuna.storages.RDBStorage(
         f"sqlite:///{(root / 'optuna.db').resolve()}", heartbeat_interval=30, grace_period=120,
-        failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=2))
+        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=2))
     study = optuna.create_study(study_name=cfg.study_name, storage=storage, direction="minimize",
                                 load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=cfg.seed))
     trs, vas = [], []
@@ -92,7 +93,9 @@ def tune(cfg: TuneConfig) -> dict:
 
     def objective(trial) -> float:
         net_cfg, tr = suggest(trial)
-        number = trial.system_attrs.get("failed_trial", trial.number)  # resume a retried trial's folder
+        frozen = study.get_trials(deepcopy=False)[trial.number]
+        retried = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
+        number = trial.number if retried is None else retried  # a retried trial resumes its folder
         tdir = root / f"trial_{number}"
         tcfg = TrainConfig(epochs=cfg.epochs, seed=cfg.seed, **tr)
         write_json(tdir / "config.json", {"net": net_cfg.to_dict(), "train": asdict(tcfg), "data": cfg.data})

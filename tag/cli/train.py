@@ -18,7 +18,7 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=int, default=None, help="generate/train rounds (default 2)")
     p.add_argument("--samples", type=int, nargs="+", default=None, metavar="N",
                    help="pairs labelled per round (last value repeats; default 300 150)")
-    p.add_argument("--epochs", type=int, default=None, help="epochs per round (default 12)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs per round (default 6)")
     p.add_argument("--workers", type=int, default=None, help="labelling processes (default 2)")
     p.add_argument("--playouts", type=int, default=None, help="MCTS playouts per labelled decision (default 32)")
     p.add_argument("--seed", type=int, default=None, help="seed of pairs, searches and training (default 0)")

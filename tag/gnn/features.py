@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch_geometric.data import HeteroData
 
-from ..search.space import SYNC_NAMES, ActionSpace
+from ..search.space import ActionSpace
 
 # (column name, kind). Kinds: time [s], bytes [B], bw [B/s], lat [s], mem [B], flops [FLOP/s],
 # membw [B/s], ratio [1], flag [0/1].
@@ -92,7 +92,7 @@ class JointContext:
     def __init__(self, space: ActionSpace, t_ref: float):
         self.space = space
         self.t_ref = float(t_ref)
-        g, topo, c = space.graph, space.topology, space.costs
+        topo, c = space.topology, space.costs
         k, d, a = space.num_groups, space.num_devices, space.num_actions
         self.k, self.d, self.a = k, d, a
         gt = c.group_time  # [K, D, 4]

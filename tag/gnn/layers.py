@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 from torch_geometric.nn import GATv2Conv, HeteroConv
 

@@ -131,7 +131,6 @@ class ActionSpace:
                 actions.append(Action(devs, s, fam))
         self.actions = actions
         self.num_actions = len(actions)
-        t = self.costs.group_time_full.max(axis=1) if self.num_devices else np.zeros(self.num_groups)
         fastest = int(np.argmax(speeds))
         t = self.costs.group_time_full[:, fastest]
         self.order: list[int] = sorted(range(self.num_groups), key=lambda g: (-t[g], g))

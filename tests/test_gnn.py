@@ -1,0 +1,157 @@
+"""Tests for tag.gnn: joint encoding, normalisation, layers, network heads, checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tag.gnn import (
+    JointContext,
+    JointConv,
+    JointNormalize,
+    NetConfig,
+    Predictor,
+    TagNet,
+    load_net,
+    save_checkpoint,
+)
+from tag.gnn.features import REL, SCHEMA, dims
+from tag.gnn.model import action_log_probs, reward_to_value, value_to_reward
+from tag.gnn.predictor import CheckpointError
+from tag.search import ActionSpace, Evaluator, SearchState
+from tag.search.evaluate import Feedback
+from tag.search.toy import ToySimulator
+from tag.topology import load_topology
+
+
+def _topo(bw="10 Gbit/s", scale=1.0):
+    return load_topology({
+        "name": "g",
+        "machines": [{"name": "a", "gpu": "A100-40GB", "count": 2, "intra_bandwidth": f"{300 * scale} GB/s"},
+                     {"name": "b", "gpu": "T4", "count": 2, "intra_bandwidth": f"{16 * scale} GB/s"}],
+        "network": {"bandwidth": bw},
+    })
+
+
+@pytest.fixture(scope="module")
+def setup(captured):
+    graph = captured("gpt2", batch=16, groups=6).graph
+    topo = _topo()
+    space = ActionSpace(graph, topo)
+    ev = Evaluator(space, ToySimulator(graph, topo, space.costs))
+    return graph, topo, space, ev, JointContext(space, ev.t_ref)
+
+
+def _states(space, ev, n=3):
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        assign = np.full(space.num_groups, -1)
+        for g in space.order[:i]:
+            assign[g] = int(rng.integers(space.num_actions))
+        _, o = ev.evaluate_partial(assign)
+        out.append(SearchState(assign, space.order[i], o.feedback))
+    return out
+
+
+def test_encoding_shapes_follow_the_schema(setup):
+    graph, topo, space, ev, ctx = setup
+    d = ctx.encode(_states(space, ev, 1))
+    k, n, a = graph.num_groups, topo.num_devices, space.num_actions
+    assert d["group"].x.shape == (k, len(SCHEMA["group"]))
+    assert d["device"].x.shape == (n, len(SCHEMA["device"]))
+    assert d["action"].x.shape == (a, len(SCHEMA["action"]))
+    assert d[REL["on"]].edge_index.shape == (2, k * n)
+    assert d[REL["link"]].edge_index.shape == (2, n * (n - 1))
+    assert d[REL["uses"]].edge_attr.shape[1] == dims()["uses"]
+    assert int(d["group"].current.sum()) == 1
+
+
+def test_batched_encoding_equals_single_encodings(setup):
+    _, _, space, ev, ctx = setup
+    sts = _states(space, ev, 3)
+    both = JointNormalize()(ctx.encode(sts))
+    for i, st in enumerate(sts):
+        one = JointNormalize()(ctx.encode([st]))
+        for nt in ("group", "device", "action"):
+            sel = both[nt].batch == i
+            assert torch.allclose(both[nt].x[sel], one[nt].x, atol=1e-6)
+
+
+def test_normalisation_is_finite_and_scale_free(setup, captured):
+    graph, _, _, _, _ = setup
+    feats = []
+    for scale in (1.0, 10.0):
+        topo = _topo(bw=f"{10 * scale} Gbit/s", scale=scale)
+        sp = ActionSpace(graph, topo)
+        ev = Evaluator(sp, ToySimulator(graph, topo, sp.costs))
+        ctx = JointContext(sp, ev.t_ref)
+        d = JointNormalize()(ctx.encode([SearchState(np.full(sp.num_groups, -1), sp.order[0],
+                                                      Feedback.neutral(sp.num_devices, sp.num_groups))]))
+        for store in d.node_stores + d.edge_stores:
+            for key in ("x", "edge_attr"):
+                if key in store:
+                    assert torch.isfinite(store[key]).all()
+        feats.append(d)
+    # link features: bandwidth enters relative to the model's size and the reference time
+    assert not torch.allclose(feats[0][REL["link"]].edge_attr, feats[1][REL["link"]].edge_attr)
+    again = JointNormalize()(feats[0])  # idempotent
+    assert torch.equal(again["group"].x, feats[0]["group"].x)
+
+
+def test_layer_and_network_shapes(setup):
+    _, _, space, ev, ctx = setup
+    torch.manual_seed(0)
+    net = TagNet(NetConfig(hidden=16, layers=2, heads=2)).eval()
+    data = JointNormalize()(ctx.encode(_states(space, ev, 3)))
+    logits, value = net(data)
+    assert logits.shape == (3 * space.num_actions,) and value.shape == (3,)
+    p = action_log_probs(logits, data["action"].batch).exp().view(3, -1)
+    assert torch.allclose(p.sum(1), torch.ones(3), atol=1e-5)
+    conv = net.convs[0]
+    assert isinstance(conv, JointConv) and "JointConv" in repr(conv)
+    conv.reset_parameters()
+
+
+def test_value_transform_roundtrip():
+    assert reward_to_value(-1.0) == pytest.approx(5.0)
+    for r in (-0.5, 0.0, 1.0, 9.0):
+        assert float(value_to_reward(torch.tensor(reward_to_value(r)))) == pytest.approx(r, rel=1e-5)
+
+
+def test_net_config_validation():
+    with pytest.raises(ValueError, match="heads"):
+        NetConfig(hidden=30, heads=4)
+    with pytest.raises(ValueError, match="layers"):
+        NetConfig(layers=0)
+
+
+def test_checkpoint_roundtrip_and_errors(setup, tmp_path):
+    _, _, space, ev, _ = setup
+    torch.manual_seed(1)
+    net = TagNet(NetConfig(hidden=16, layers=1, heads=2))
+    path = tmp_path / "p.pt"
+    save_checkpoint(path, net, {"note": "test"})
+    net2, meta = load_net(path)
+    assert meta == {"note": "test"}
+    pred = Predictor(net2)
+    prior_fn = pred.bind(space, ev.t_ref)
+    pri, val = prior_fn(space, _states(space, ev, 2))
+    assert pri.shape == (2, space.num_actions) and np.allclose(pri.sum(1), 1) and np.isfinite(val).all()
+    with pytest.raises(CheckpointError, match="not found"):
+        load_net(tmp_path / "missing.pt")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError) as e:
+        load_net(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_shipped_checkpoint_loads():
+    from tag.gnn import DEFAULT_CHECKPOINT
+    if not DEFAULT_CHECKPOINT.exists():
+        pytest.skip("no shipped predictor in this checkout")
+    assert DEFAULT_CHECKPOINT.stat().st_size < 5 * 2**20
+    net, meta = load_net()
+    assert isinstance(net, TagNet)

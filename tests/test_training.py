@@ -1,0 +1,143 @@
+"""Tests for data generation, the PyG dataset, fitting, the AlphaZero loop, tuning and `tag train`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from data.dataset import PlanDataset, split
+from data.generate import GenConfig, generate, pending
+from data.pairs import HELD_OUT_MODELS, TRAIN_MODELS, random_topology, sample_pair
+from tag.gnn import NetConfig, TagNet, load_net
+from tag.topology import load_topology
+from training.config import ConfigError, LoopConfig, TrainConfig
+from training.train import fit
+
+TINY = ["mlp:layers=2,hidden=64@16"]
+
+
+def _gen_cfg(**kw):
+    base = {"samples": 3, "workers": 1, "simulator": "toy", "playouts_per_step": 4, "max_steps": 3,
+            "max_groups": 8, "models": TINY}
+    return GenConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def dataset_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds")
+    generate(root, _gen_cfg(), progress=False)
+    return root
+
+
+def test_pairs_are_deterministic_and_in_range():
+    import numpy as np
+    a, b = sample_pair(5, 17), sample_pair(5, 17)
+    assert a == b and a != sample_pair(5, 18)
+    train_specs = {m for m, _ in TRAIN_MODELS}
+    assert not train_specs & set(HELD_OUT_MODELS)
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        topo = load_topology(random_topology(rng, f"r{i}"))
+        assert 2 <= topo.num_devices <= 32 and 1 <= topo.num_machines <= 8
+        bw = topo.network_bandwidth * 8 / 1e9
+        assert 1.0 - 1e-6 <= bw <= 100.0 + 1e-6
+
+
+def test_generation_writes_records_and_resumes(dataset_dir):
+    raw = sorted((dataset_dir / "raw").glob("*.json"))
+    assert len(raw) == 3
+    rec = json.loads(raw[0].read_text())
+    assert rec["decisions"] and {"assign", "group", "visits", "value", "feedback"} <= set(rec["decisions"][0])
+    assert abs(sum(rec["decisions"][0]["visits"]) - 1) < 1e-4
+    assert rec["best_time_s"] <= min(rec["dp_even_s"], rec["dp_prop_s"])
+    # resume: a finished sample is never redone
+    stamp = {p.name: p.stat().st_mtime_ns for p in raw}
+    os.remove(raw[1])
+    assert pending(dataset_dir, _gen_cfg()) == [int(raw[1].stem)]
+    generate(dataset_dir, _gen_cfg(), progress=False)
+    after = {p.name: p.stat().st_mtime_ns for p in (dataset_dir / "raw").glob("*.json")}
+    assert after[raw[0].name] == stamp[raw[0].name] and after[raw[2].name] == stamp[raw[2].name]
+    assert json.loads(raw[1].read_text())["pair"] == rec["pair"] or raw[1].exists()
+
+
+def test_dataset_and_fit_resume(dataset_dir, tmp_path):
+    ds = PlanDataset(dataset_dir)
+    assert len(ds) >= 3 and ds[0].normalised
+    tr, va = split(ds, 0.3, seed=0)
+    assert len(tr) + len(va) == len(ds)
+    cfg = TrainConfig(epochs=1, batch_size=4, seed=0)
+    torch.manual_seed(0)
+    net = TagNet(NetConfig(hidden=16, layers=1, heads=2))
+    r1 = fit(net, tr, va, cfg, tmp_path / "ck", tag="t")
+    assert len(r1["history"]) == 1 and (tmp_path / "ck" / "last.pt").exists()
+    # a longer run in the same folder continues after the finished epoch
+    cfg2 = TrainConfig(epochs=2, batch_size=4, seed=0)
+    r2 = fit(net, tr, va, cfg2, tmp_path / "ck", tag="t")
+    assert [h["epoch"] for h in r2["history"]] == [0, 1]
+    assert r2["history"][0] == r1["history"][0]
+    for k in ("train/policy", "val/policy", "val/value", "val/top1"):
+        assert k in r2["history"][-1]
+
+
+def test_config_validation_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="train.lr"):
+        TrainConfig(lr=0)
+    with pytest.raises(ConfigError, match="wandb"):
+        LoopConfig(wandb="sometimes")
+    with pytest.raises(ConfigError, match="bogus"):
+        LoopConfig.from_dict({"bogus": 1})
+    with pytest.raises(ConfigError, match=r"gen\.nope"):
+        LoopConfig.from_dict({"gen": {"nope": 1}})
+    with pytest.raises(ConfigError, match="playouts_per_step"):
+        LoopConfig.from_dict({"gen": {"playouts_per_step": 0}})
+    bad = tmp_path / "c.json"
+    bad.write_text("{ nope")
+    with pytest.raises(ConfigError) as e:
+        LoopConfig.load(bad)
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
+    cfg = LoopConfig()
+    assert LoopConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_tag_train_tiny_end_to_end(tmp_path, capsys):
+    """`tag train` with a tiny config: two rounds (uniform bootstrap, then the network's prior)."""
+    from tag.cli import main
+    run = tmp_path / "run"
+    cfg = {"run_dir": str(run), "rounds": 2, "samples_per_round": [2, 1], "wandb": "disabled",
+           "net": {"hidden": 16, "layers": 1, "heads": 2},
+           "gen": _gen_cfg(samples=1).__dict__, "train": {"epochs": 1, "batch_size": 4, "max_steps": 3}}
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    export = tmp_path / "exported.pt"
+    rc = main(["train", "--config", str(path), "--no-progress", "--export", str(export)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["checkpoint"].endswith("predictor.pt") and export.exists()
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["net"]["hidden"] == 16 and saved["export"] == str(export)
+    assert (run / "round1" / "gen_config.json").exists()
+    assert json.loads((run / "round1" / "gen_config.json").read_text())["net"].endswith("round0/predictor.pt")
+    net, meta = load_net(export)
+    assert meta["round"] == 1
+    # rerun: everything is finished, nothing is redone
+    mtime = export.stat().st_mtime_ns
+    assert main(["train", "--config", str(path), "--no-progress"]) == 0
+    assert (run / "round1" / "predictor.pt").exists() and export.stat().st_mtime_ns == mtime
+
+
+def test_tune_resumes_its_study(dataset_dir, tmp_path, monkeypatch):
+    from training import tune as tune_mod
+    monkeypatch.setattr(tune_mod, "suggest", lambda trial: (
+        NetConfig(hidden=8, layers=1, heads=2), {"lr": trial.suggest_float("lr", 1e-3, 1e-2, log=True)}))
+    cfg = tune_mod.TuneConfig(data=[str(dataset_dir)], study_dir=str(tmp_path / "study"), trials=1, epochs=1,
+                              wandb="disabled")
+    r1 = tune_mod.tune(cfg)
+    assert r1["trials"] == 1 and (tmp_path / "study" / "optuna.db").exists()
+    cfg.trials = 2
+    r2 = tune_mod.tune(cfg)
+    assert r2["trials"] == 2
+    with pytest.raises(ConfigError, match="raw"):
+        tune_mod.TuneConfig(data=[str(tmp_path)])
