@@ -11,6 +11,10 @@ temporary folder, right before measuring it, which is more robust on a shared ma
 A second column checks interpolation: the measured iteration at an unprofiled per-replica batch
 (``3B/4`` rounded, when it is not a profiled size) against the cost model's interpolated times.
 
+Times are taken with the profiler's clock (:func:`tag.cost.profiler.timing_clock`): with one
+thread (the default here) the thread's CPU time, so other jobs on a shared machine do not
+inflate either side.
+
     .venv/bin/python evaluation/fidelity.py [--models mlp,gpt2] [--fresh] [--iters 10] [--json out.json]
 """
 
@@ -20,7 +24,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 
 ZOO = ["mlp", "gpt2", "bert", "vit", "resnet", "vgg"]
 
@@ -29,15 +32,16 @@ def measure(graph, wl, batch: int, iters: int, warmup: int, reference=None) -> f
     """Median seconds of one real iteration (stages + optimizer step) at ``batch`` samples."""
     import torch
 
-    from tag.cost.profiler import build_iteration, make_optimizer
+    from tag.cost.profiler import build_iteration, make_optimizer, timing_clock
 
     it = build_iteration(graph, wl.model, wl.make_inputs, batch, torch.device("cpu"), reference)
     grad_node = {p.name: graph.tensors[p.grad].name for p in graph.params}
     params = {n: torch.nn.Parameter(v.clone()) for n, v in it.params.items() if n in grad_node}
     opt = make_optimizer(graph.optimizer, list(params.values()))
+    clock = timing_clock(torch.device("cpu"))
     times = []
     for i in range(warmup + iters):
-        t0 = time.perf_counter()
+        t0 = clock()
         env = it.run(lambda: None)
         for n, p in params.items():
             p.grad = env[grad_node[n]].reshape(p.shape)
@@ -45,7 +49,7 @@ def measure(graph, wl, batch: int, iters: int, warmup: int, reference=None) -> f
         for p in params.values():
             p.grad = None
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return statistics.median(times)
 
 

@@ -49,7 +49,7 @@ def test_profile_mlp_feeds_the_cost_model(captured, tmp_path):
 
 
 def test_stage_assignment_keeps_tuples_together(captured):
-    g = captured("resnet", groups=8).graph
+    g = captured("resnet").graph
     assign = stage_assignment(g)
     for op in g.ops:
         if op.target == "getitem" and op.phase != "opt":

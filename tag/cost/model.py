@@ -79,6 +79,7 @@ class CostModel:
         self.comm = comm
         self._dev = devices  # per topology device (shared objects per device type)
         self._weights: dict[tuple[int, int], np.ndarray] = {}
+        self._off_grid: dict[tuple[int, float], np.ndarray] = {}  # (id of DeviceCost, batch) -> [K, 3]
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
@@ -112,7 +113,11 @@ class CostModel:
         b = float(batch)
         if b == int(b) and 0 <= b < dc.table.shape[2]:
             return float(dc.table[group, ph, int(b)])
-        return float(dc.at([b])[group, ph, 0])
+        key = (id(dc), b)
+        tab = self._off_grid.get(key)
+        if tab is None:
+            tab = self._off_grid[key] = dc.at([b])[:, :, 0]
+        return float(tab[group, ph])
 
     def table(self, device: int) -> np.ndarray:
         """``[K, 3, B+1]`` seconds of every group and phase at per-replica batch 0..B (read-only)."""

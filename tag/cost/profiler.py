@@ -4,12 +4,13 @@ For each profiled per-replica batch ``b`` the model is exported at ``b`` (one jo
 into one stage per (op-group, phase) with the reference graph's grouping
 (:func:`stage_assignment`), and the whole iteration is run stage by stage ``warmup + repeats``
 times: forward stages in group order, backward stages in reverse order, each stage timed on its
-own (``perf_counter``; CUDA synchronised). Per-stage medians over the repeats are stored, rescaled
+own (:func:`timing_clock`: thread CPU time for a single-threaded CPU, else wall clock; CUDA
+synchronised). Per-stage medians over the repeats are stored, rescaled
 so that they sum to the median time of the whole iteration (stalls land in random stages, so the
 per-stage medians alone under-count a real iteration). The optimizer is
-timed as a real ``torch.optim`` step (``foreach=False``) on tensors of every parameter's shape, one
-optimizer per group plus one over all parameters, which separates the fixed per-step cost from the
-per-group marginal cost (:class:`tag.cost.profile.Profile`).
+timed as a real ``torch.optim`` step (``foreach=False``) on every parameter, fed the gradients a
+real backward just produced, one optimizer per group plus one over all parameters, which separates
+the fixed per-step cost from the per-group marginal cost (:class:`tag.cost.profile.Profile`).
 """
 
 from __future__ import annotations
@@ -84,16 +85,17 @@ class RunnableIteration:
     params: dict[str, torch.Tensor]
     """State-dict name -> parameter value."""
 
-    def run(self, sync: Callable[[], None], times: dict | None = None) -> dict[str, torch.Tensor]:
+    def run(self, sync: Callable[[], None], times: dict | None = None,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, torch.Tensor]:
         """One forward+backward; if ``times`` is given, appends each stage's seconds to it."""
         env = dict(self.env0)
         with torch.no_grad():
             for key, st in self.stages:
-                t0 = time.perf_counter()
+                t0 = clock()
                 outs = st.module(*[env[n] for n in st.inputs])
                 sync()
                 if times is not None:
-                    times.setdefault(key, []).append(time.perf_counter() - t0)
+                    times.setdefault(key, []).append(clock() - t0)
                 env.update(zip(st.outputs, outs))
         return env
 
@@ -159,32 +161,56 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimiz
     return torch.optim.SGD(params, lr=1e-2, foreach=False)
 
 
-def time_optimizer(graph, shapes: dict[str, torch.Size], device: torch.device, sync, repeats: int,
+def timing_clock(device: torch.device) -> Callable[[], float]:
+    """The clock stage times are taken with: the thread's CPU time for a single-threaded CPU (what
+    a dedicated core would take, immune to other jobs preempting this one on a shared machine),
+    else the wall clock (``perf_counter``)."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def time_optimizer(graph, it: RunnableIteration, sync, clock, repeats: int,
                    warmup: int) -> tuple[list[float], float]:
-    """(per-group marginal seconds, fixed per-step seconds) of ``graph.optimizer``'s step."""
-    def leaf(shape):
-        p = torch.randn(shape, device=device, requires_grad=True)
-        p.grad = torch.randn(shape, device=device)
-        return p
+    """(per-group marginal seconds, fixed per-step seconds) of ``graph.optimizer``'s step.
 
-    def step_time(params: list[torch.Tensor]) -> float:
-        if not params:
-            return 0.0
-        opt = make_optimizer(graph.optimizer, params)
-        ts = []
-        for i in range(warmup + repeats):
-            sync()
-            t0 = time.perf_counter()
-            opt.step()
-            sync()
-            if i >= warmup:
-                ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+    Timed in context: right after a real forward+backward of ``it`` and on the gradients it
+    produced (their strides, caches as cold as in a real iteration), one optimizer per group, and
+    separately one optimizer over all parameters; the difference gives the fixed per-step cost.
+    """
+    grad_node = {p.name: graph.tensors[p.grad].name for p in graph.params}
+    params = {n: torch.nn.Parameter(v.detach().clone()) for n, v in it.params.items() if n in grad_node}
+    groups = [[params[graph.params[p].name] for p in grp.params if graph.params[p].name in params]
+              for grp in graph.groups]
+    opts = [make_optimizer(graph.optimizer, ps) if ps else None for ps in groups]
+    whole = make_optimizer(graph.optimizer, list(params.values())) if params else None
+    per: list[list[float]] = [[] for _ in groups]
+    tot: list[float] = []
 
-    groups = [[leaf(shapes[graph.params[p].name]) for p in grp.params] for grp in graph.groups]
-    per_group = [step_time(ps) for ps in groups]
-    total = step_time([p for ps in groups for p in ps])
-    nonempty = sum(1 for ps in groups if ps)
+    def with_grads():
+        env = it.run(sync)
+        for n, p in params.items():
+            p.grad = env[grad_node[n]].reshape(p.shape)
+
+    for r in range(warmup + repeats):
+        with_grads()
+        for g in reversed(range(len(opts))):
+            if opts[g] is not None:
+                t0 = clock()
+                opts[g].step()
+                sync()
+                if r >= warmup:
+                    per[g].append(clock() - t0)
+        if whole is not None:
+            with_grads()
+            t0 = clock()
+            whole.step()
+            sync()
+            if r >= warmup:
+                tot.append(clock() - t0)
+    per_group = [statistics.median(ts) if ts else 0.0 for ts in per]
+    total = statistics.median(tot) if tot else 0.0
+    nonempty = sum(1 for o in opts if o is not None)
     overhead = max(0.0, (sum(per_group) - total) / (nonempty - 1)) if nonempty > 1 else 0.0
     overhead = min(overhead, min((t for t in per_group if t > 0), default=0.0))
     return [max(0.0, t - overhead) if t > 0 else 0.0 for t in per_group], overhead
@@ -215,8 +241,8 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
     log(f"profile {graph.model}: captured {len(graph.ops)} ops in {graph.num_groups} groups "
         f"({time.perf_counter() - t0:.1f} s)")
     bs = sorted(set(batches or default_batches(graph.batch_size)))
-    shapes: dict[str, torch.Size] = {}
     scales: list[float] = []
+    clock = timing_clock(dev)
     ref = structure(cap.joint)
     its: list[RunnableIteration] = []
     todo = list(bs)
@@ -237,15 +263,14 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
     fwd = [[0.0] * len(bs) for _ in range(k)]
     bwd = [[0.0] * len(bs) for _ in range(k)]
     for j, (b, it) in enumerate(zip(bs, its)):
-        shapes.update({n: p.shape for n, p in it.params.items()})
         times: dict = {}
         totals = []
         t0 = time.perf_counter()
         for r in range(warmup + repeats):
-            t1 = time.perf_counter()
-            it.run(sync, times if r >= warmup else None)
+            t1 = clock()
+            it.run(sync, times if r >= warmup else None, clock)
             if r >= warmup:
-                totals.append(time.perf_counter() - t1)
+                totals.append(clock() - t1)
         for (g, ph), ts in times.items():
             (fwd if ph == "fwd" else bwd)[g][j] = statistics.median(ts)
         # Per-stage medians miss the stalls (preemption, page faults) every real iteration suffers
@@ -258,7 +283,7 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
             bwd[g][j] *= scale
         log(f"  batch {b}: {warmup}+{repeats} iterations "
             f"{time.perf_counter() - t0:.1f} s, fwd+bwd {total * scale * 1e3:.2f} ms (stage sum x {scale:.3f})")
-    opt, overhead = time_optimizer(graph, shapes, dev, sync, repeats=max(repeats, 5), warmup=warmup)
+    opt, overhead = time_optimizer(graph, its[-1], sync, clock, repeats=max(repeats, 5), warmup=max(warmup, 1))
     log(f"  optimizer {graph.optimizer}: {sum(opt) * 1e3:.2f} ms + {overhead * 1e3:.3f} ms per step")
     if dev.type == "cuda":
         dtype = cuda_device_type(dev)
@@ -266,7 +291,8 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
         dtype = cpu_device_type(torch.get_num_threads())
     meta = {"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "host": platform.node(), "date": time.strftime("%Y-%m-%d"), "num_groups_requested": num_groups,
-            "stage_scale": scales}
+            "stage_scale": scales,
+            "clock": "thread_time" if clock is time.thread_time else "perf_counter"}
     return Profile(dtype, graph.model, graph.signature(), graph.batch_size, graph.optimizer, bs, fwd, bwd, opt,
                    overhead, meta)
 
