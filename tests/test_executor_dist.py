@@ -71,8 +71,9 @@ def children_of(pid: int) -> list[int]:
                 cmd = (d / "cmdline").read_bytes().decode(errors="replace")
             except OSError:
                 continue
-            # multiprocessing's resource tracker is a per-parent helper, not a worker
-            if int(fields[1]) == pid and fields[0] != "Z" and "resource_tracker" not in cmd:
+            # multiprocessing's resource tracker and fork server are per-parent helpers, not workers
+            helper = "resource_tracker" in cmd or "forkserver" in cmd
+            if int(fields[1]) == pid and fields[0] != "Z" and not helper:
                 out.append(int(d.name))
     return out
 

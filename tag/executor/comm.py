@@ -21,6 +21,7 @@ class DistComm:
     world: int
     backend: str
     groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    pending: list[_Pending] = field(default_factory=list)
 
     @classmethod
     def init(cls, rank: int, world: int, backend: str, timeout_s: float, schedule: Schedule,
@@ -65,17 +66,52 @@ class DistComm:
         rt.timer.comm += time.perf_counter() - t0
 
     def sync(self, rt: RankRuntime, step: Step, sync: str, devices: list[int], server: int | None) -> None:
-        """Sum the group's gradients over its replicas (all-reduce, or reduce to PS + broadcast)."""
+        """Start summing the group's gradients over its members (async; see :meth:`finish_syncs`).
+
+        All-reduce, or PS: reduce to the server now, broadcast back once the reduce is waited
+        for -- at the next sync or at the update, a point fixed by the schedule, so every member
+        issues the collectives of one process group in the same order.
+        """
         members = tuple(sorted(set(devices) | ({server} if sync == "ps" else set())))
         if self.rank not in members:
             return
         t0 = time.perf_counter()
+        self._broadcast_reduced()
         flat = rt.grad_flat(step.group)
         pg = self.groups[members]
         if sync == "ps":
-            dist.reduce(flat, dst=server, group=pg)
-            dist.broadcast(flat, src=server, group=pg)
+            work = dist.reduce(flat, dst=server, group=pg, async_op=True)
         else:
-            dist.all_reduce(flat, group=pg)
-        rt.set_grad_flat(step.group, flat)
+            work = dist.all_reduce(flat, group=pg, async_op=True)
+        self.pending.append(_Pending(step.group, flat, work, pg, server if sync == "ps" else None))
         rt.timer.sync += time.perf_counter() - t0
+
+    def _broadcast_reduced(self) -> None:
+        """For every PS reduce started so far: wait for it and start its broadcast back."""
+        for p in self.pending:
+            if p.server is not None and not p.broadcast:
+                p.work.wait()
+                p.work = dist.broadcast(p.flat, src=p.server, group=p.pg, async_op=True)
+                p.broadcast = True
+
+    def finish_syncs(self, rt: RankRuntime) -> None:
+        """Wait for every gradient sync of the iteration and hand the sums to the runtime."""
+        t0 = time.perf_counter()
+        self._broadcast_reduced()
+        for p in self.pending:
+            p.work.wait()
+            rt.set_grad_flat(p.group, p.flat)
+        self.pending.clear()
+        rt.timer.sync += time.perf_counter() - t0
+
+
+@dataclass
+class _Pending:
+    """A gradient sync in flight."""
+
+    group: int
+    flat: torch.Tensor
+    work: object
+    pg: object
+    server: int | None
+    broadcast: bool = False

@@ -120,7 +120,7 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
                        emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
                        save_params=cfg.save_params, fault=cfg.fault)
     write_json(args_path, asdict(wargs))
-    _launch(world, args_path, run_dir, cfg.timeout_s, "spawn" if backend == "nccl" else "fork")
+    _launch(world, args_path, run_dir, cfg.timeout_s, "spawn" if backend == "nccl" else "forkserver")
     ranks = _read_ranks(run_dir)
     return summarize(cfg, backend, ranks, predicted, run_dir)
 
@@ -182,18 +182,24 @@ def _memory_line(res, topology) -> str:
 def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_method: str) -> None:
     """Start ``world`` ranks with torchrun's agent; a failed rank becomes one ExecutionError line.
 
-    ``fork`` on CPU: the ranks inherit the imported torch and the warm export machinery
-    (spawn costs every rank ~3 s of imports on a small machine); ``spawn`` for NCCL (CUDA
-    must not be initialised before a fork).
+    ``forkserver`` on CPU: a clean single-threaded server process imports torch and the export
+    machinery once (:data:`FORKSERVER_PRELOAD`) and forks the ranks (spawn costs every rank
+    ~3 s of imports on a small machine; forking this possibly multi-threaded process is not
+    safe). ``spawn`` for NCCL.
     """
+    import multiprocessing
+
+    if start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    run_id = f"tag-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"tag-{uuid.uuid4().hex[:8]}",
+        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": int(timeout_s)},
         max_restarts=0, monitor_interval=0.1, start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL), shutdown_timeout=5,
@@ -201,8 +207,13 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
     try:
         elastic_launch(config, worker_entry)(str(args_path))
     except ChildFailedError as e:
-        raise ExecutionError(failure_line(e, run_dir)) from None
+        raise ExecutionError(failure_line(e, run_dir, run_id)) from None
 
+
+# Imported once by the fork server, inherited by every CPU rank.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.export", "torch.export.experimental", "torch.fx",
+                      "tag.executor.worker", "tag.executor.comm", "tag.workloads", "tag.graph", "tag.topology",
+                      "tag.plan"]
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
               "Timeout", "Socket Timeout", "SignalException", "got signal")
@@ -213,12 +224,12 @@ def is_secondary(cause: str) -> bool:
     return any(s in cause for s in _PEER_GONE)
 
 
-def _error_files(run_dir: Path) -> dict[int, tuple[str, float]]:
+def _error_files(run_dir: Path, run_id: str) -> dict[int, tuple[str, float]]:
     """rank -> (last line of its recorded exception, timestamp) from the agent's error files."""
     import json
 
     out = {}
-    for f in (run_dir / "logs").glob("*/attempt_*/*/error.json"):
+    for f in (run_dir / "logs").glob(f"{run_id}*/attempt_*/*/error.json"):
         try:
             rec = json.loads(f.read_text())["message"]
             msg = rec["message"] if isinstance(rec, dict) else str(rec)
@@ -229,7 +240,7 @@ def _error_files(run_dir: Path) -> dict[int, tuple[str, float]]:
     return out
 
 
-def failure_line(e, run_dir: Path) -> str:
+def failure_line(e, run_dir: Path, run_id: str) -> str:
     """ONE line for the rank that caused the failure: ``rank R failed: <cause> (logs: DIR)``.
 
     The agent reports the first failed process it finds, which may be a peer that merely saw
@@ -242,11 +253,12 @@ def failure_line(e, run_dir: Path) -> str:
         if not cause or cause.startswith("To enable traceback") or "Signal" in cause:
             cause = f"exit code {f.exitcode}" + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
         causes[rank] = (cause, f.timestamp)
-    for rank, (cause, ts) in _error_files(run_dir).items():
+    for rank, (cause, ts) in _error_files(run_dir, run_id).items():
         if cause:
             causes[rank] = (cause, ts)
     rank, (cause, _) = min(causes.items(), key=lambda rc: (is_secondary(rc[1][0]), rc[1][1], rc[0]))
-    return f"rank {rank} failed: {cause[:300]} (logs: {run_dir / 'logs'})"
+    logs = next((run_dir / "logs").glob(f"{run_id}*"), run_dir / "logs")
+    return f"rank {rank} failed: {cause[:300]} (logs: {logs})"
 
 
 def _read_ranks(run_dir: Path) -> list[dict]:

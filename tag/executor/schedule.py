@@ -10,9 +10,10 @@ Order of one iteration (see docs/DESIGN.md, "How a plan runs"):
 1. for each unit in forward order (group 0..K-1, chunk 0..): the transfers into its forward
    stage, then its forward stage on every replica;
 2. for each unit in reverse order: the transfers into its backward stage, then the stage;
-3. gradient sync of every data-parallel group, in reverse group order (all-reduce over the
-   replica set, or reduce to the server + broadcast back);
-4. the optimizer update of every parameter on its owner unit's replicas (local, no comm).
+   right after a data-parallel group's backward, its gradient sync starts (all-reduce over the
+   replica set, or reduce to the server + broadcast back), asynchronously: it overlaps the
+   backward of the earlier groups, so syncs run in reverse group order;
+3. the optimizer update of every parameter on its owner unit's replicas (local, no comm).
 
 Tensors crossing units follow DESIGN.md: batch tensors are re-partitioned by sample ranges
 (``rows``); non-batch forward tensors are copied from one producer replica (``copy``);
@@ -270,6 +271,15 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
     for (t, _u), pos in sorted(first_need.items(), key=lambda kv: (kv[1], kv[0][0])):
         needed[phase_steps[pos]].append(t)
 
+    # Which groups synchronise gradients, over which members (replicas, plus an outside server).
+    members_of: dict[int, tuple[int, ...]] = {}
+    for g, gp in enumerate(plan.groups):
+        if gp.sync == "mp" or not group_params[g]:
+            continue
+        members = tuple(sorted(set(gp.devices) | ({gp.server} if gp.sync == "ps" else set())))
+        if len(members) > 1:
+            members_of[g] = members
+
     steps: list[Step] = []
     for u, ph in phase_steps:
         moves: list[Move] = []
@@ -281,16 +291,12 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
         if moves:
             steps.append(Step("transfer", u, ph, moves))
         steps.append(Step("compute", u, ph))
-    comm: list[tuple[int, ...]] = []
-    for g in reversed(range(len(plan.groups))):
-        gp = plan.groups[g]
-        if gp.sync == "mp" or not group_params[g]:
-            continue
-        members = tuple(sorted(set(gp.devices) | ({gp.server} if gp.sync == "ps" else set())))
-        if len(members) > 1:
-            steps.append(Step("sync", (g, 0), group=g))
-            if members not in comm:
-                comm.append(members)
+        if ph == "bwd" and u[0] in members_of:
+            # The group's gradients are final once its backward ran (contributions from later
+            # groups arrived before it): start its sync now, overlapping the earlier groups'
+            # backward (as the simulator does); the update waits for it.
+            steps.append(Step("sync", u, group=u[0]))
+    comm = sorted(set(members_of.values()))
     return Schedule(B, units, assign, param_owner, param_target, param_grad, group_params, param_numel,
                     loss_t.name, loss_unit, steps, sorted(comm))
 

@@ -134,6 +134,7 @@ def run_rank(a: WorkerArgs) -> dict:
                 else:
                     gp = plan.groups[st.group]
                     comm.sync(rt, st, gp.sync, gp.devices, gp.server)
+            comm.finish_syncs(rt)
             rt.update()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
