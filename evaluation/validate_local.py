@@ -1,0 +1,41 @@
+"""Validate the simulator against real gloo executions on this machine.
+
+    .venv/bin/python evaluation/validate_local.py [--model gpt2] [--batch 16] [--plans 12]
+
+Writes evaluation/results/validate-<topology>/{validation.json, scatter.png, plans/, runs/}.
+Measurements are wall-clock times of real processes: run on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tag.executor.validate import validate
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt2")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--topology", default=str(ROOT / "topologies" / "local-cpu2.yaml"))
+    p.add_argument("--plans", type=int, default=12)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    a = p.parse_args(argv)
+    out = ROOT / "evaluation" / "results" / f"validate-{Path(a.topology).stem}"
+    report = validate(a.model, a.topology, out, n_plans=a.plans, batch=a.batch, groups=a.groups,
+                      steps=a.steps, warmup=a.warmup)
+    print(report.table())
+    print(f"load average during the run: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
