@@ -158,6 +158,7 @@ def _init_worker(root: str, cfg: dict, net_path: str | None) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _W["root"] = Path(root)
+    _W["ppid"] = os.getppid()
     _W["cfg"] = GenConfig(**cfg)
     _W["prior"] = None
     if net_path:
@@ -167,6 +168,8 @@ def _init_worker(root: str, cfg: dict, net_path: str | None) -> None:
 
 def _work(index: int) -> tuple[int, float, str | None]:
     root, cfg = _W["root"], _W["cfg"]
+    if _W.get("ppid") not in (None, os.getppid()):  # the parent was killed: do not linger
+        os._exit(0)
     out = root / "raw" / f"{index:05d}.json"
     if out.exists():
         return index, 0.0, None

@@ -40,7 +40,7 @@ def load_net(path: str | os.PathLike | None = None) -> tuple[TagNet, dict]:
     try:
         ck = torch.load(p, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"{p}: predictor checkpoint not found (train one with `tag train`)") from None
+        raise CheckpointError(f"{p}: predictor checkpoint not found (train one with `tag train`, or plan with --prior uniform)") from None
     except Exception as e:  # noqa: BLE001 - torch raises many types for corrupt files
         raise CheckpointError(f"{p}: not a predictor checkpoint: {str(e).splitlines()[0]}") from None
     if not isinstance(ck, dict) or ck.get("format") != "tag-predictor":

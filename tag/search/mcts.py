@@ -221,8 +221,9 @@ class MCTSConfig:
     value_cut: bool = True
     """With a value model: skip the simulator at leaves the value head rates below the best
     reward so far by more than ``value_margin``."""
-    value_margin: float = 0.15
-    """Margin (reward units) for ``value_cut``."""
+    value_margin: float = 0.25
+    """Margin for ``value_cut``, in log iteration time: a leaf is simulated when its predicted
+    time is within a factor ``exp(value_margin)`` of the best plan's."""
     min_sims: int = 8
     """Always simulate the first ``min_sims`` leaves (the value head needs context)."""
     dirichlet: float = 0.0
@@ -247,6 +248,16 @@ class SearchStats:
     """Playout at which a plan first beat the better data-parallel baseline (None: never)."""
 
 
+def _promising(v: float, best: float, margin: float) -> bool:
+    """Whether a predicted reward ``v`` is within ``margin`` of the best in log-time:
+    ``log(t_pred) <= log(t_best) + margin`` (rewards are ``t_ref / t - 1``)."""
+    if best <= -1.0:
+        return True
+    if v <= -1.0:
+        return False
+    return math.log1p(v) >= math.log1p(best) - margin
+
+
 def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator: Evaluator,
                     prior_fn: PriorFn, cfg: MCTSConfig, stats: SearchStats, root: int,
                     rng: np.random.Generator) -> list[tuple[float, float | None]]:
@@ -267,7 +278,7 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
         v = float(values[i]) if values is not None and np.isfinite(values[i]) else None
         simulate = (v is None or not cfg.value_cut or tree.depth[n] >= k
                     or evaluator.sim_calls < cfg.min_sims + 2
-                    or v >= evaluator.best_reward - cfg.value_margin)
+                    or _promising(v, evaluator.best_reward, cfg.value_margin))
         if simulate:
             _, outc = evaluator.evaluate_partial(states[i].assign)
             tree.feedback[n] = outc.feedback
