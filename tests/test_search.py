@@ -243,3 +243,14 @@ def test_cli_plan_table_and_errors(capsys):
     rc = main(["plan", "--model", "mlp", "--topology", "topologies/tag-testbed.yaml", "--budget", "0"])
     err = capsys.readouterr().err
     assert rc == 2 and "--budget" in err and len(err.strip().splitlines()) == 1
+
+
+def test_gnn_prior_with_the_shipped_predictor_is_deterministic(graph, topo):
+    from tag.gnn import DEFAULT_CHECKPOINT
+    if not DEFAULT_CHECKPOINT.exists():
+        pytest.skip("no shipped predictor in this checkout")
+    p1 = plan(graph, topo, prior="gnn", budget=16, seed=1)
+    p2 = plan(graph, topo, prior="gnn", budget=16, seed=1)
+    assert p1.to_dict()["groups"] == p2.to_dict()["groups"]
+    assert p1.meta["prior"] == "gnn" and p1.meta["playouts"] == 16
+    assert p1.predicted_iteration_time_s <= min(p1.meta["dp_even_time_s"], p1.meta["dp_prop_time_s"])
