@@ -254,3 +254,20 @@ def test_gnn_prior_with_the_shipped_predictor_is_deterministic(graph, topo):
     assert p1.to_dict()["groups"] == p2.to_dict()["groups"]
     assert p1.meta["prior"] == "gnn" and p1.meta["playouts"] == 16
     assert p1.predicted_iteration_time_s <= min(p1.meta["dp_even_time_s"], p1.meta["dp_prop_time_s"])
+
+
+def test_symmetric_first_decisions_are_merged(graph):
+    sym = _topo([("T4", 2)] * 4)
+    sp = ActionSpace(graph, sym)
+    assert sp.machine_classes == [0, 0, 0, 0]
+    canon = set(sp.root_canonical.tolist())
+    assert len(canon) < sp.num_actions
+    p = sp.canonical_root_prior(np.full(sp.num_actions, 1.0 / sp.num_actions))
+    assert p.sum() == pytest.approx(1.0) and set(np.nonzero(p)[0].tolist()) == canon
+    ev = Evaluator(sp, ToySimulator(graph, sym, sp.costs))
+    r = mcts_search(sp, ev, uniform_prior, np.random.default_rng(0), playouts=30)
+    kids = set(np.nonzero(r.tree.children[0] >= 0)[0].tolist())
+    assert kids <= canon
+    # asymmetric clusters keep every action
+    asym = ActionSpace(graph, _topo([("T4", 2), ("A100-40GB", 2)]))
+    assert len(set(asym.root_canonical.tolist())) == asym.num_actions

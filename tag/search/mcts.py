@@ -292,9 +292,13 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
             p = np.asarray(priors[i], dtype=np.float64)
             p = np.where(np.isfinite(p) & (p > 0), p, 0.0)
             p = p / p.sum() if p.sum() > 0 else np.full(space.num_actions, 1.0 / space.num_actions)
+            if tree.depth[n] == 0:  # symmetric first decisions are one decision
+                p = space.canonical_root_prior(p)
             if n == root and cfg.dirichlet > 0:
                 p = (1 - cfg.dirichlet) * p + cfg.dirichlet * rng.dirichlet(
                     np.full(space.num_actions, cfg.dirichlet_alpha))
+                if tree.depth[n] == 0:
+                    p = space.canonical_root_prior(p)
             tree.prior[n] = p
             tree.expanded[n] = True
         out.append((val, sim))

@@ -140,6 +140,57 @@ class ActionSpace:
         self.default_action = 0  # "all" subset, allreduce
         self._cache: dict[tuple[int, int], GroupPlan] = {}
 
+    # ------------------------------------------------------------------ symmetry
+    @cached_property
+    def machine_classes(self) -> list[int]:
+        """Class of each machine: machines ``i`` and ``j`` share a class when they have the same
+        GPU, count and intra-machine link and swapping them leaves every machine-to-machine
+        bandwidth and latency unchanged (an automorphism of the cluster)."""
+        topo = self.topology
+        m = topo.num_machines
+        bw, lat = topo.machine_bandwidth_matrix, topo.machine_latency_matrix
+
+        def swappable(i, j):
+            a, b = topo.machines[i], topo.machines[j]
+            if (a.gpu, a.count, a.intra_bandwidth, a.intra_latency) != (b.gpu, b.count, b.intra_bandwidth,
+                                                                       b.intra_latency):
+                return False
+            perm = list(range(m))
+            perm[i], perm[j] = j, i
+            return bool(np.array_equal(bw[np.ix_(perm, perm)], bw) and np.array_equal(lat[np.ix_(perm, perm)], lat))
+
+        cls = list(range(m))
+        for j in range(m):
+            for i in range(j):
+                if cls[i] == i and swappable(i, j):
+                    cls[j] = i
+                    break
+        return cls
+
+    @cached_property
+    def root_canonical(self) -> np.ndarray:
+        """[A] index of the canonical representative of each action *before any decision*.
+
+        With nothing decided every undecided group runs on all devices, so two actions that a
+        machine automorphism maps onto each other give plans of identical cost; the search keeps
+        one of them at the root (their prior mass is summed onto it)."""
+        cls = self.machine_classes
+        topo = self.topology
+        first: dict = {}
+        out = np.arange(self.num_actions)
+        for a, act in enumerate(self.actions):
+            per: dict[int, int] = {}
+            for d in act.devices:
+                m = topo.machine_of(d)
+                per[m] = per.get(m, 0) + 1
+            key = (act.sync, tuple(sorted((cls[m], c) for m, c in per.items())))
+            out[a] = first.setdefault(key, a)
+        return out
+
+    def canonical_root_prior(self, prior: np.ndarray) -> np.ndarray:
+        """``prior`` with the mass of root-equivalent actions moved onto their representative."""
+        return np.bincount(self.root_canonical, weights=prior, minlength=self.num_actions)
+
     # ------------------------------------------------------------------ masks
     @cached_property
     def membership(self) -> np.ndarray:
