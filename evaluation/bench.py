@@ -76,28 +76,26 @@ class _Case:
         self.dp_time = self.sim.run(data_parallel(self.graph, self.topology).groups).iteration_time_s
 
     def make_plan(self, method: str, cfg: SuiteConfig):
-        """(plan or None, playouts) for ``method``."""
-        from tag.plan import baselines, data_parallel
+        """(plan, playouts) for ``method``."""
+        from tag.plan import baselines
 
         g, topo = self.graph, self.topology
-        if method == "dp":
-            return data_parallel(g, topo), 0
-        if method == "dp-prop":
-            return data_parallel(g, topo, proportional=True, speeds=self.costs.device_speeds()), 0
-        if method == "single":
-            return baselines.best_single_device(g, topo, self.sim), len(topo.devices)
-        if method == "mp":
-            return baselines.greedy_model_parallel(g, topo), 0
+        if method in ("dp", "dp-prop", "single", "mp"):
+            return baselines.baseline_plan(method, g, topo, self.costs), 0
         from tag.search import plan as search_plan
 
         if method in ("random", "sa", "tpe", "mcts-uniform"):
             searcher = "mcts" if method == "mcts-uniform" else method
             p = search_plan(g, topo, searcher=searcher, prior="uniform", budget=cfg.search_budget,
-                            seed=cfg.seed, compression="off", costs=self.costs)
-        else:  # tag-50, tag-200(+sfb)
+                            seed=cfg.seed, costs=self.costs, simulator=self.sim)
+        else:  # tag-50, tag-200, with or without +sfb
             budget = int(method.split("-")[1].split("+")[0])
             p = search_plan(g, topo, searcher="mcts", prior="gnn", budget=budget, seed=cfg.seed,
-                            compression="auto" if method.endswith("+sfb") else "off", costs=self.costs)
+                            costs=self.costs, simulator=self.sim)
+        if method.endswith("+sfb"):
+            from tag.compress import apply_sfb
+
+            p = apply_sfb(g, topo, p)
         return p, int(p.meta.get("playouts", 0))
 
 
@@ -158,17 +156,18 @@ def _execute(model, topo_name: str, plan, cfg: SuiteConfig) -> tuple[float | Non
     """Run ``plan`` for real on the local CPU topology; (median seconds, note)."""
     import tempfile
 
-    from tag.executor import execute
+    from tag.executor import ExecuteConfig, execute
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "plan.json"
         plan.save(path)
         try:
-            m = execute(model.spec, topo_name, str(path), batch=model.batch, steps=cfg.execute_steps, warmup=1,
-                        seed=cfg.seed, groups=cfg.groups)
+            r = execute(ExecuteConfig(model=model.spec, topology=topo_name, plan=str(path), batch=model.batch,
+                                      seed=cfg.seed, groups=cfg.groups, steps=cfg.execute_steps, warmup=1,
+                                      run_dir=str(Path(d) / "run")))
         except Exception as e:  # noqa: BLE001 - a failed run is a result to report, not a crash
             return None, f"execution failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    return float(m["iteration_time_s"]), ""
+    return float(r.measured_iteration_time_s), ""
 
 
 def environment() -> dict:
