@@ -6,9 +6,9 @@ plan, lets :func:`tag.compress.plan_sfb` choose SFB ops per op-group (MILP), and
 gradient-sync time of the candidate gradients with plain all-reduce against the time with the
 chosen SFB ops (factor all-gathers + recompute), from the SFB cost model
 (:mod:`tag.compress.cost`; one bucketed sync and one bucketed gather per group, no overlap with
-compute). When ``tag.sim`` exists, whole-iteration times of both plans are added; while the
-simulator ignores ``GroupPlan.sfb`` (same time for both plans) the SFB column is estimated as
-the data-parallel time minus the cost model's saving (no overlap of sync with compute).
+compute). The last two columns are whole-iteration times of both plans from ``tag.sim``,
+which runs SFB as the executor does: after each group's backward, the factor all-gathers, then
+every replica's recompute, then the remaining gradients' sync (docs/DESIGN.md).
 
     python -m evaluation.sfb_sweep [--out runs/sfb_sweep] [--quick]
 """
@@ -16,7 +16,6 @@ the data-parallel time minus the cost model's saving (no overlap of sync with co
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from tag.compress import allreduce_time, apply_sfb, find_candidates, plan_sfb, s
 from tag.graph import capture
 from tag.io import write_atomic
 from tag.plan.baselines import data_parallel
+from tag.sim import Simulator
 from tag.topology import load_topology
 from tag.workloads import load_workload
 
@@ -78,30 +78,20 @@ class Row:
     top_sfb_ms: float
     """Its standalone SFB time (its factors' gathers + recompute)."""
     top_chosen: bool
-    iter_dp_ms: float | None = None
+    iter_dp_ms: float
     """Whole iteration of the data-parallel plan, ``tag.sim``."""
-    iter_sfb_ms: float | None = None
-    """Whole iteration with the chosen SFB ops: ``tag.sim``, or estimated (``iter_sfb_estimated``)."""
-    iter_sfb_estimated: bool = False
-
-
-def _simulate():
-    """``tag.sim.simulate`` if the simulator exists yet, else None."""
-    if importlib.util.find_spec("tag.sim") is None:
-        return None
-    from tag import sim
-
-    return getattr(sim, "simulate", None)
+    iter_sfb_ms: float
+    """Whole iteration with the chosen SFB ops, ``tag.sim``."""
 
 
 def sweep(models: dict, topos: dict, devices: int = 8) -> list[Row]:
-    simulate = _simulate()
     rows = []
     for label, (spec, batches) in models.items():
         for per_dev in batches:
             graph = capture(load_workload(spec, batch=per_dev * devices), num_groups=8).graph
             cands = find_candidates(graph)
             for tname, topo in topos.items():
+                sim = Simulator(graph, topo)
                 plan = data_parallel(graph, topo)
                 sels = plan_sfb(graph, topo, plan, candidates=cands)
                 base = 0.0
@@ -118,15 +108,17 @@ def sweep(models: dict, topos: dict, devices: int = 8) -> list[Row]:
                           sum(d.chosen and d.candidate.kind == "sum" for d in decisions),
                           base * 1e3, (base - saving) * 1e3, top.candidate.param,
                           allreduce_time(top.candidate.grad_bytes, plan.groups[0].devices, topo) * 1e3,
-                          top.sfb_s * 1e3, top.chosen)
-                if simulate is not None:
-                    row.iter_dp_ms = simulate(graph, topo, plan).iteration_time_s * 1e3
-                    row.iter_sfb_ms = simulate(graph, topo, apply_sfb(graph, topo, plan)).iteration_time_s * 1e3
-                    if saving > 0 and abs(row.iter_sfb_ms - row.iter_dp_ms) < 1e-9:  # sim ignores sfb
-                        row.iter_sfb_ms, row.iter_sfb_estimated = row.iter_dp_ms - saving * 1e3, True
+                          top.sfb_s * 1e3, top.chosen,
+                          _simulate(sim, graph, topo, plan), _simulate(sim, graph, topo, apply_sfb(graph, topo, plan)))
                 rows.append(row)
                 print(_line(row), flush=True)
     return rows
+
+
+def _simulate(sim: Simulator, graph, topo, plan) -> float:
+    """Simulated iteration time (ms) of a validated plan."""
+    plan.validate(graph, topo)
+    return sim.run(plan.groups).iteration_time_s * 1e3
 
 
 HEADER = ("| model | topology | b/dev | mm / sum cand. | SFB mm / sum | sync AR ms | sync SFB ms | "
@@ -134,12 +126,10 @@ HEADER = ("| model | topology | b/dev | mm / sum cand. | SFB mm / sum | sync AR 
 
 
 def _line(r: Row) -> str:
-    it = "n/a" if r.iter_dp_ms is None else f"{r.iter_dp_ms:.2f}"
-    its = "n/a" if r.iter_sfb_ms is None else f"{r.iter_sfb_ms:.2f}" + ("*" if r.iter_sfb_estimated else "")
     return (f"| {r.model} | {r.topology} | {r.batch_per_device} | {r.candidates_mm} / {r.candidates_sum} | "
             f"{r.chosen_mm} / {r.chosen_sum} | {r.sync_allreduce_ms:.3f} | {r.sync_with_sfb_ms:.3f} | "
             f"{r.top_op.removeprefix('model.')} | {r.top_allreduce_ms:.3f} | {r.top_sfb_ms:.3f} | "
-            f"{'yes' if r.top_chosen else 'no'} | {it} | {its} |")
+            f"{'yes' if r.top_chosen else 'no'} | {r.iter_dp_ms:.3f} | {r.iter_sfb_ms:.3f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,12 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     note = ("Sync times from the SFB cost model (tag.compress.cost): ring/hierarchical all-reduce vs ring/"
-            "hierarchical factor all-gather + recompute at datasheet fp32 x 0.7.")
-    if rows and rows[0].iter_dp_ms is None:
-        note += " Whole-iteration columns need tag.sim."
-    elif any(r.iter_sfb_estimated for r in rows):
-        note += (" Iteration times from tag.sim; * = tag.sim does not model GroupPlan.sfb yet, so the SFB"
-                 " iteration is estimated as the dp iteration minus the cost-model saving.")
+            "hierarchical factor all-gather + recompute at datasheet fp32 x 0.7. Iteration times: tag.sim "
+            "(syncs overlap the earlier groups' backward; SFB all-gathers and recompute run after each "
+            "group's backward, before its remaining sync).")
     table = "\n".join([HEADER, "|" + "---|" * (HEADER.count(" | ") + 1)] + [_line(r) for r in rows])
     write_atomic(out / "sfb_sweep.md", f"# SFB sweep\n\n{note}\n\n{table}\n")
     write_atomic(out / "sfb_sweep.json", json.dumps([asdict(r) for r in rows], indent=1) + "\n")

@@ -24,6 +24,7 @@ from .select import (
     apply_sfb,
     default_compute_rate,
     eligible,
+    group_sfb_work,
     plan_sfb,
     select_sfb,
     sfb_work,
@@ -34,6 +35,6 @@ __all__ = [
     "SfbCost", "SfbError", "allgather_time", "allreduce_time", "ps_time", "sfb_cost", "sfb_time", "sync_time",
     "SfbProblem", "SfbSolution", "solve_exhaustive", "solve_milp",
     "FactorGather", "GroupSelection", "GroupSfbWork", "OpDecision", "apply_sfb", "default_compute_rate",
-    "eligible", "plan_sfb", "select_sfb", "sfb_work",
+    "eligible", "group_sfb_work", "plan_sfb", "select_sfb", "sfb_work",
     "SfbKernel", "gather_rows", "sfb_kernel",
 ]

@@ -192,7 +192,12 @@ def sfb_work(graph, plan: Plan, group: int, candidates: Sequence[Candidate] | No
     Raises :class:`SfbError` when a listed op is not an SFB candidate of that group or the
     group is not eligible (``mp`` or one replica).
     """
-    gp = plan.groups[group]
+    return group_sfb_work(graph, plan.groups[group], group, plan.batch_size, candidates)
+
+
+def group_sfb_work(graph, gp: GroupPlan, group: int, batch_size: int,
+                   candidates: Sequence[Candidate] | None = None) -> GroupSfbWork:
+    """:func:`sfb_work` of one :class:`GroupPlan` ``gp`` deployed as op-group ``group``."""
     if not gp.sfb:
         return GroupSfbWork(group, (), (), 0, (), tuple(0.0 for _ in gp.devices), tuple(0.0 for _ in gp.devices))
     where = f"plan: groups[{group}].sfb"
@@ -205,8 +210,10 @@ def sfb_work(graph, plan: Plan, group: int, candidates: Sequence[Candidate] | No
     for name in gp.sfb:
         if name not in by_name:
             raise SfbError(f"{where}: op {name!r} is not an SFB candidate of this group")
+        if by_name[name] in chosen:
+            raise SfbError(f"{where}: op {name!r} is listed twice")
         chosen.append(by_name[name])
-    lb = local_batches(plan.batch_size, gp.shares)
+    lb = local_batches(batch_size, gp.shares)
     facs: dict[int, Factor] = {}
     for c in chosen:
         for f in c.factors:

@@ -16,6 +16,14 @@ synchronisations (one collective over the replica set, or PS push+pull, see
 :mod:`tag.cost.comm`; occupy every participant's comm stream and the network sides of the
 machines it spans), optimizer steps (after the device's last compute and its last sync).
 
+Sufficient Factor Broadcasting (``GroupPlan.sfb``, :mod:`tag.sim.sfb`): right after an SFB
+group's backward stage (once every replica finished it), the all-gathers of its factors, one
+after the other over the replicas (comm streams and network sides, served like point-to-point
+transfers: before the gradient syncs); then every replica recomputes the SFB gradients on the
+global batch on its compute stream (before its next stage); then the group's remaining
+gradients are synchronised (the sync waits for the last replica's recompute). The executor's
+order, docs/DESIGN.md "Sufficient Factor Broadcasting".
+
 Speed: runs of consecutive stages on one data-parallel layout with no incoming transfer form a
 *segment* computed with one numpy expression (cumulative sums over groups).
 """
@@ -73,6 +81,7 @@ class Simulator:
         # Pairs without non-batch gradients: no flow when both groups share one layout.
         self._local_pairs = {pr for pr, es in self.static.edges.items() if not any(e.grad for e in es)}
         self._names: dict[tuple, str] = {}
+        self._sfb = None  # tag.sim.sfb.SfbCosts, built on the first plan using SFB
 
     # ---- cached plan-derived data -------------------------------------------------------
     def layout(self, devices: tuple[int, ...], batches: tuple[int, ...]) -> Layout:
@@ -100,6 +109,14 @@ class Simulator:
         st, comm = self.static, self.comm
         devs = tuple(gp.devices)
         sbytes = float(st.grad_bytes[g])
+        sfb = None
+        if gp.sfb:  # validated here (PlanError naming the op); its gradients leave the sync
+            if self._sfb is None:
+                from .sfb import SfbCosts
+
+                self._sfb = SfbCosts(self)
+            sfb = self._sfb.group(g, gp)
+            sbytes = max(0.0, sbytes - sfb.saved_bytes)
         if gp.sync == "mp":
             splits = list(gp.mp_splits)
             bounds = splits + [st.hi[g]]
@@ -117,9 +134,9 @@ class Simulator:
             members = tuple(sorted(devs))
             t = comm.allreduce_time(devs, sbytes) if len(members) > 1 and sbytes > 0 else 0.0
         if len(members) <= 1 or sbytes <= 0:
-            return GroupData([unit], "none", 0.0, (), (), 0.0)
+            return GroupData([unit], "none", 0.0, (), (), 0.0, sfb=sfb)
         machines = tuple(sorted({mo[d] for d in members}))
-        return GroupData([unit], gp.sync, t, members, machines if len(machines) > 1 else (), sbytes)
+        return GroupData([unit], gp.sync, t, members, machines if len(machines) > 1 else (), sbytes, sfb=sfb)
 
     def flows(self, g1: int, k1, g2: int, k2, gds: list[GroupData]) -> list:
         """Flows from group ``g1`` to ``g2`` grouped by destination stage: [(stage, [Flow])]."""
@@ -185,6 +202,10 @@ class _Run:
         self.flows: list[tuple] = []  # (flow, start, end, pred)
         self.syncs: list[tuple] = []  # (group, start, end, pred)
         self.group_finish = [0.0] * len(gds)
+        self.any_sfb = any(gd.sfb is not None for gd in gds)
+        self.gathers: list[tuple] = []  # SFB all-gathers: (group, factor index, start, end, pred)
+        self.recomputes: list[tuple] = []  # SFB recomputes: (group, device, start, end, pred)
+        self.sfb_ready: dict[int, tuple] = {}  # group -> (last replica's recompute end, its ref)
 
     # ---- transfers ----------------------------------------------------------------------
     def _transfer(self, inc: list, nrep: int) -> tuple[list[float], list]:
@@ -239,6 +260,7 @@ class _Run:
         stages = [(g, j) for g in order for j in (range(len(gds[g].units)) if ph == FWD
                                                    else reversed(range(len(gds[g].units))))]
         k = len(gds)
+        sfb = ph == BWD and self.any_sfb  # an SFB group ends a backward segment
         i, n = 0, len(stages)
         while i < n:
             g, j = stages[i]
@@ -250,13 +272,15 @@ class _Run:
                 ready, rsrc = self._transfer(inc, len(unit.devices))
             lay = unit.layout
             e = i + 1
-            if lay is not None:
+            if lay is not None and not (sfb and gds[g].sfb is not None):
                 while e < n:
                     g2, j2 = stages[e]
                     u2 = gds[g2].units[j2]
                     if u2.layout is not lay or (ph, g2, j2) in incoming:
                         break
                     e += 1
+                    if sfb and gds[g2].sfb is not None:
+                        break
             length = e - i
             devs = unit.devices
             cfree = self.cfree
@@ -294,7 +318,52 @@ class _Run:
                 for row, (g2, _) in enumerate(seg_stages):
                     if mx[row] > gf[g2]:
                         gf[g2] = mx[row]
+            if sfb:
+                g2 = seg_stages[-1][0]
+                if gds[g2].sfb is not None:
+                    self._sfb(g2, sid, length - 1)
             i = e
+
+    def _sfb(self, g: int, sid: int, row: int) -> None:
+        """SFB of group ``g`` after its backward (segment ``sid``, ``row``): the factor
+        all-gathers once every replica finished, then each replica's recompute."""
+        sd = self.gds[g].sfb
+        fin = self.segs[sid][8][row]
+        r0 = max(range(len(fin)), key=fin.__getitem__)
+        s, p = fin[r0], ("c", sid, row, r0)
+        cf, last, busy, buf = self.comm_free, self.last_comm, self.comm_busy, self.buf
+        nout, nin, lout, lin = self.nic_out, self.nic_in, self.last_nout, self.last_nin
+        for d in sd.members:
+            if cf[d] > s:
+                s, p = cf[d], last[d]
+        for m in sd.machines:
+            if nout[m] > s:
+                s, p = nout[m], lout[m]
+            if nin[m] > s:
+                s, p = nin[m], lin[m]
+        for x, t in enumerate(sd.gather_times):  # one collective per factor, back to back
+            self.gathers.append((g, x, s, s + t, p))
+            s, p = s + t, ("a", len(self.gathers) - 1)
+        for d in sd.members:
+            cf[d], last[d] = s, p
+            busy[d] += sd.gather_total
+            if sd.buffer_bytes > buf[d]:
+                buf[d] = sd.buffer_bytes
+        for m in sd.machines:
+            nout[m] = nin[m] = s
+            lout[m] = lin[m] = p
+        cfree, comp, lt = self.cfree, self.comp, self.last_task
+        ready, ready_ref = 0.0, None
+        for d, t in zip(sd.devices, sd.recompute):
+            st, pr = (s, p) if s >= cfree[d] else (cfree[d], lt[d])
+            ref = ("r", len(self.recomputes))
+            self.recomputes.append((g, d, st, st + t, pr))
+            cfree[d] = st + t
+            comp[d] += t
+            lt[d] = ref
+            if st + t >= ready:
+                ready, ready_ref = st + t, ref
+        self.sfb_ready[g] = (ready, ready_ref)
 
     # ---- synchronisation and update ----------------------------------------------------------
     def _syncs(self) -> list[float]:
@@ -327,7 +396,7 @@ class _Run:
             gd = self.gds[g]
             if gd.sync == "none":
                 continue
-            s, p = self.group_finish[g], ("b", g)
+            s, p = self.sfb_ready[g] if gd.sfb is not None else (self.group_finish[g], ("b", g))
             if cur is not None and gd.sync_devices == cur.sync_devices:
                 if run_end > s:
                     s, p = run_end, run_ref
@@ -377,6 +446,8 @@ class _Run:
                     work[d] = max(work[d], u.work)
                     holds[d] |= u.mem > 0
                     gcomp[g] += sum(u.dur)
+            if gd.sfb is not None:
+                gcomp[g] += sum(gd.sfb.recompute)
         gb = self.sim.static.grad_bytes
         for lay, gs in by_layout.values():
             if len(gs) >= 4:  # many groups on one layout: numpy over the [groups, replicas] block
@@ -463,6 +534,13 @@ class _Run:
             if p is not None and p[0] == "b":
                 p = self._bwd_last(p[1])
             return f"{self.gds[g].sync} g{g}", s, e, p
+        if kind == "a":
+            g, x, s, e, p = self.gathers[ref[1]]
+            sd = self.gds[g].sfb
+            return f"allgather g{g} {sd.gather_names[x]} ({sd.gather_bytes[x]:.0f} B)", s, e, p
+        if kind == "r":
+            g, d, s, e, p = self.recomputes[ref[1]]
+            return f"sfb g{g} @d{d}", s, e, p
         raise AssertionError(ref)
 
     def _bwd_last(self, g: int):
@@ -517,6 +595,13 @@ class _Run:
             gd = self.gds[g]
             for d in gd.sync_devices:
                 ev.append(SimEvent(f"{gd.sync} g{g}", d, "comm", s, e, gd.sync))
+        for gid in range(len(self.gathers)):
+            name, s, e, _ = self._resolve(("a", gid))
+            for d in self.gds[self.gathers[gid][0]].sfb.members:
+                ev.append(SimEvent(name, d, "comm", s, e, "allgather"))
+        for g, d, s, e, _ in self.recomputes:
+            if e > s:
+                ev.append(SimEvent(f"sfb g{g} @d{d}", d, "compute", s, e, "sfb"))
         for d in range(self.sim.num_devices):
             if holds[d]:
                 ev.append(SimEvent(f"opt @d{d}", d, "compute", upd_start[d], final[d], "opt"))

@@ -17,7 +17,8 @@ class SimEvent:
     start: float
     end: float
     cat: str
-    """``fwd``, ``bwd``, ``opt``, ``transfer``, ``allreduce`` or ``ps``."""
+    """``fwd``, ``bwd``, ``opt``, ``transfer``, ``allreduce``, ``ps``, ``allgather`` (SFB factor
+    all-gather) or ``sfb`` (SFB recompute)."""
 
 
 @dataclass
@@ -29,7 +30,8 @@ class SimResult:
     oom: bool
     peak_memory_bytes: list[float]
     """Per device: params + grads + optimizer state + buffers + saved activations of the units
-    it holds, plus the largest single-op working set and the largest communication buffer."""
+    it holds, plus the largest single-op working set and the largest communication buffer (a
+    transfer, a gradient sync, or an SFB group's gathered factors at the global batch)."""
     memory_capacity_bytes: list[float]
     oom_devices: list[tuple[int, float]]
     """(device, bytes over capacity) for every device whose peak exceeds its memory."""
@@ -42,7 +44,7 @@ class SimResult:
     group_finish_s: list[float]
     """Per op-group: when its backward finished on its last replica/chunk."""
     group_compute_s: list[float]
-    """Per op-group: compute seconds (fwd + bwd + opt) summed over its replicas/chunks."""
+    """Per op-group: compute seconds (fwd + bwd + opt + SFB recompute) summed over its replicas/chunks."""
     path_fn: Callable[[], list[str]] | None = field(default=None, repr=False, compare=False)
     """Computes :attr:`critical_path` on first access (the search loop rarely reads it)."""
     events: list[SimEvent] | None = None

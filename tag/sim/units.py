@@ -5,6 +5,8 @@
   one vectorised segment (cumulative sums give each stage's finish time).
 * A **group's units**: one data-parallel unit (a layout), or one single-device unit per ``mp``
   chunk, plus the group's gradient synchronisation.
+* A group's **SFB** data (``GroupPlan.sfb``): its factor all-gathers and the per-replica
+  recompute seconds (see :class:`SfbData`).
 * **Flows** between two groups' units: the tensors crossing, re-partitioned per the executor's
   rules (``rows`` by sample-range overlap, ``copy`` from the nearest producer replica, ``sum``
   from every producer replica to the first consumer replica), aggregated per (source stage,
@@ -70,6 +72,39 @@ class Unit:
 
 
 @dataclass
+class SfbData:
+    """Sufficient Factor Broadcasting of one data-parallel group (``GroupPlan.sfb``).
+
+    Right after the group's backward stage: one ring all-gather per distinct factor over the
+    replicas (in order, on their comm streams and the network sides of the machines spanned),
+    then every replica recomputes the SFB ops' gradients on the gathered global batch (compute
+    stream); the group's remaining gradients are synchronised after that.
+    """
+
+    ops: tuple[int, ...]
+    """Op indices of the SFB gradient ops."""
+    gather_names: tuple[str, ...]
+    """Per factor: its joint-graph node name."""
+    gather_times: tuple[float, ...]
+    """Per factor: seconds of its all-gather."""
+    gather_bytes: tuple[float, ...]
+    """Per factor: bytes of the gathered tensor (global batch) every replica receives."""
+    gather_total: float
+    buffer_bytes: float
+    """Communication buffer on every replica: all gathered factors (live together until the recompute)."""
+    devices: tuple[int, ...]
+    """The replicas (plan order; ``recompute`` is aligned with it)."""
+    members: tuple[int, ...]
+    """Sorted replicas."""
+    machines: tuple[int, ...]
+    """Machines whose network link the all-gathers use (empty within one machine)."""
+    recompute: tuple[float, ...]
+    """Per replica: extra compute seconds (the SFB ops at the global batch minus at its local batch)."""
+    saved_bytes: float
+    """Gradient bytes left out of the group's all-reduce / PS sync."""
+
+
+@dataclass
 class GroupData:
     """Everything the event loop needs about one group's deployment."""
 
@@ -84,6 +119,8 @@ class GroupData:
     mp: bool = False
     chunk_of: dict[int, int] = field(default_factory=dict)
     """mp: forward position -> chunk index."""
+    sfb: SfbData | None = None
+    """Set when ``GroupPlan.sfb`` is non-empty."""
 
 
 @dataclass(slots=True)
@@ -204,5 +241,5 @@ def _moves(kind: str, fixed: float, per_sample: float, src: Unit, dst: Unit, mo)
     return out
 
 
-__all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "Unit", "make_layout", "mp_unit", "pair_flows",
-           "split_batch"]
+__all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "SfbData", "Unit", "make_layout", "mp_unit",
+           "pair_flows", "split_batch"]

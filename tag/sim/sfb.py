@@ -1,0 +1,108 @@
+"""What a group's ``GroupPlan.sfb`` costs in the simulator (see :class:`tag.sim.units.SfbData`).
+
+* **All-gathers**: one per distinct factor of the group's SFB ops (:func:`tag.compress.sfb_work`),
+  replica ``r`` contributing ``b_r * bytes_per_sample`` bytes; the ring / hierarchical all-gather
+  formula of :func:`tag.compress.allgather_time`, on the cost model's links
+  (:class:`tag.cost.model.CommModel`: the topology's, with the measured gloo point-to-point fit
+  between CPU devices of one machine), so the simulator and the SFB selection agree on GPUs.
+* **Recompute**: replica ``r`` runs every SFB op on the global batch ``B`` instead of its ``b_r``
+  samples: ``sum_op t(op, B) - t(op, b_r)`` seconds on its device, where ``t(op, b)`` is the op's
+  roofline share of its group's backward in the cost model, ``table[g, bwd, b] * roof(op, b) /
+  roof(group g's backward, b)`` -- the cost model's (profiled, scaled or roofline) time of the
+  group, apportioned to its ops the way ``mp`` chunks are. On a roofline device this is exactly
+  ``max(flops(b) / flop_rate, bytes(b) / mem_bandwidth)`` of the op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import PlanError
+from ..plan.format import local_batches
+from .units import SfbData
+
+
+class _Links:
+    """The topology interface :func:`tag.compress.cost.allgather_time` reads, on the cost model's
+    (possibly measured) device links; machine-to-machine links are the topology's."""
+
+    def __init__(self, comm, topology):
+        self._bw, self._lat = comm.bandwidth.tolist(), comm.latency.tolist()
+        self._mo = list(comm.machine_of)
+        self._topo = topology
+
+    def bandwidth(self, a: int, b: int) -> float:
+        return self._bw[a][b]
+
+    def latency(self, a: int, b: int) -> float:
+        return self._lat[a][b]
+
+    def machine_of(self, d: int) -> int:
+        return self._mo[d]
+
+    def machine_bandwidth(self, m1: int, m2: int) -> float:
+        return self._topo.machine_bandwidth(m1, m2)
+
+    def machine_latency(self, m1: int, m2: int) -> float:
+        return self._topo.machine_latency(m1, m2)
+
+
+class SfbCosts:
+    """Per-simulator SFB helper: candidates (found once), links, per-device op timing."""
+
+    def __init__(self, sim):
+        from ..compress import find_candidates
+
+        self.sim = sim
+        self.graph = sim.graph
+        self.candidates = find_candidates(sim.graph)
+        self.links = _Links(sim.comm, sim.topology)
+        self._roof: dict[int, tuple] = {}  # device class -> (Roofline, overhead, [K, 3, B+1] roofline table)
+
+    def _device_roof(self, d: int):
+        cls = self.sim.dev_class[d]
+        r = self._roof.get(cls)
+        if r is None:
+            from ..cost.model import _roof_of
+            from ..cost.roofline import group_phase_table, op_overhead
+
+            spec = self.sim.topology.devices[d].gpu
+            roof = _roof_of(self.sim.costs.device_type(d), spec)
+            over = op_overhead(spec)
+            grid = np.arange(self.graph.batch_size + 1, dtype=float)
+            r = self._roof[cls] = (roof, over, group_phase_table(self.graph, roof, grid, over))
+        return r
+
+    def op_seconds(self, d: int, g: int, op_idx: int, batch: int) -> float:
+        """Cost-model seconds of backward op ``op_idx`` of group ``g`` at ``batch`` samples on ``d``."""
+        roof, over, rtab = self._device_roof(d)
+        op = self.graph.ops[op_idx]
+        mine = roof.time(op.flops.at(batch), op.bytes_read.at(batch) + op.bytes_written.at(batch)) + over
+        total = rtab[g, 1, batch]
+        if total <= 0:
+            return mine
+        return float(self.sim.tables[self.sim.dev_class[d], g, 1, batch]) * mine / float(total)
+
+    def group(self, g: int, gp) -> SfbData:
+        """The SFB data of group ``g`` deployed as ``gp`` (``gp.sfb`` non-empty)."""
+        from ..compress import SfbError, allgather_time, group_sfb_work
+
+        bsz = self.graph.batch_size
+        try:
+            w = group_sfb_work(self.graph, gp, g, bsz, self.candidates)
+        except SfbError as e:
+            raise PlanError(str(e)) from None
+        devs = tuple(gp.devices)
+        lb = local_batches(bsz, list(gp.shares))
+        times, sizes = [], []
+        for x in w.gathers:
+            times.append(allgather_time(list(x.chunks), list(devs), self.links))
+            sizes.append(float(sum(x.chunks)))
+        rec = []
+        for d, b in zip(devs, lb):
+            rec.append(sum(max(0.0, self.op_seconds(d, g, i, bsz) - self.op_seconds(d, g, i, b)) for i in w.ops))
+        mo = self.sim.comm.machine_of
+        machines = tuple(sorted({mo[d] for d in devs}))
+        return SfbData(tuple(w.ops), tuple(x.factor.name for x in w.gathers), tuple(times), tuple(sizes),
+                       float(sum(times)), float(sum(sizes)), devs, tuple(sorted(devs)),
+                       machines if len(machines) > 1 else (), tuple(rec), float(w.saved_grad_bytes))
