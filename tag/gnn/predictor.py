@@ -80,9 +80,17 @@ class Predictor:
 
     @torch.no_grad()
     def predict(self, ctx: JointContext, states: Sequence) -> tuple[np.ndarray, np.ndarray]:
-        """``(priors [n, A], predicted rewards [n])``."""
-        data = self.norm(ctx.encode(states))
-        logits, value = self.net(data)
+        """``(priors [n, A], predicted rewards [n])``.
+
+        Runs single-threaded: these graphs are small, and intra-op threads cost more in
+        synchronisation (and in contention with the simulator) than they save."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            data = self.norm(ctx.encode(states))
+            logits, value = self.net(data)
+        finally:
+            torch.set_num_threads(threads)
         logits = logits.view(len(states), ctx.a)
         pri = torch.softmax(logits.double(), dim=1).numpy()
         return pri, value_to_reward(value).double().numpy()
