@@ -156,3 +156,85 @@ def test_too_few_samples_for_replicas_is_a_one_line_plan_error(mlp, topo4):
     plan.batch_size = 3
     with pytest.raises(PlanError, match=r"groups\[0\].devices: 4 replicas but batch 3"):
         build_schedule(mlp, plan)
+
+
+# ------------------------------------------------------------------------------ SFB
+WIDE = "mlp:hidden=512"  # 512x512 weights, 8 samples: the regime SFB is for
+
+
+@pytest.fixture(scope="module")
+def wide(captured):
+    return captured(WIDE, batch=B, groups=4).graph
+
+
+def sfb_plan(graph, topo, sfb: bool):
+    """Uneven shares everywhere; group 1 all-SFB on 3 replicas (no sync left), group 2 on [2, 0]
+    (sample order != group rank order) with one SFB op, group 3 PS with all but one SFB op."""
+    from tag.compress import find_candidates
+
+    ops: dict[int, list[str]] = {}
+    for c in find_candidates(graph):
+        ops.setdefault(c.group, []).append(c.op_name)
+    assert len(ops.get(1, [])) >= 2 and len(ops.get(2, [])) >= 2 and len(ops.get(3, [])) >= 2, ops
+    groups = [GroupPlan([0, 1, 2], [0.5, 0.3, 0.2]),
+              GroupPlan([0, 1, 2], [0.5, 0.3, 0.2], sfb=ops[1] if sfb else []),
+              GroupPlan([2, 0], [0.625, 0.375], sfb=ops[2][-1:] if sfb else []),
+              GroupPlan([3, 1], [0.75, 0.25], "ps", server=1, sfb=ops[3][:-1] if sfb else [])]
+    plan = new_plan(graph, topo, groups)
+    plan.validate(graph, topo)
+    return plan
+
+
+def test_sfb_plan_matches_single_process_training_and_the_plan_without_sfb(wide, topo4, joints):
+    cache = joints.setdefault(WIDE, {})
+    with_sfb = run_virtual(wide, sfb_plan(wide, topo4, True), load_workload(WIDE, batch=B), "sgd", 2, joints=cache)
+    without = run_virtual(wide, sfb_plan(wide, topo4, False), load_workload(WIDE, batch=B), "sgd", 2, joints=cache)
+    ref, _ = reference_training(load_workload(WIDE, batch=B), "sgd", 2)
+    held = set()
+    for rank, rt in with_sfb.items():
+        plain = without[rank].named_params()
+        for name, value in rt.named_params().items():
+            held.add(name)
+            torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(value, plain[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        assert rt.timer.sfb_recompute > 0 and rt.timer.compute >= rt.timer.sfb_recompute
+    assert held == {p.name for p in wide.params}
+
+
+def test_sfb_schedule_gathers_after_the_backward_and_syncs_only_the_rest(wide, topo4):
+    sched = build_schedule(wide, sfb_plan(wide, topo4, True))
+    order = [(s.kind, s.unit[0]) for s in sched.steps if s.kind != "transfer"]
+    for g in (1, 2, 3):
+        i = order.index(("sfb", g))
+        assert order[i - 1] == ("compute", g)  # right after the group's backward
+        assert ("sync", g) not in order[:i]
+    assert ("sync", 1) not in order, "every gradient of group 1 is SFB: nothing left to sync"
+    assert order.index(("sync", 2)) == order.index(("sfb", 2)) + 1
+    for g, sg in sched.sfb.items():
+        assert set(sched.sync_params[g]) == set(sched.group_params[g]) - sg.params
+        assert len({f.name for f in sg.factors}) == len(sg.factors)
+    assert sched.gather_groups == [(0, 1, 2), (0, 2), (1, 3)]
+
+
+def test_sfb_op_of_another_group_is_a_plan_error(wide, topo4):
+    from tag.compress import find_candidates
+
+    plan = sfb_plan(wide, topo4, False)
+    plan.groups[2].sfb = [next(c.op_name for c in find_candidates(wide) if c.group == 3)]
+    with pytest.raises(PlanError, match=r"groups\[2\].sfb: op .* is not an SFB candidate of this group"):
+        build_schedule(wide, plan)
+
+
+def test_local_batch_changing_the_graph_structure_is_refused(captured, topo4):
+    """GPT-2 exported at batch 1 drops a few ops and renumbers the rest."""
+    from tag.executor import ExecutionError, RankRuntime
+    from tag.executor.runtime import export_at
+
+    graph = captured(GPT2, batch=B, groups=4).graph
+    groups = [GroupPlan([0], [1.0]) for _ in range(graph.num_groups - 1)] + [GroupPlan([0, 1], [0.875, 0.125])]
+    sched = build_schedule(graph, new_plan(graph, topo4, groups))
+    wl = load_workload(GPT2, batch=B)
+    with pytest.raises(ExecutionError, match=r"^local batch 1 of group 3 changes the graph structure of gpt2.*; "
+                                             r"give each replica at least 2 samples$") as info:
+        RankRuntime(1, sched, tuple(wl.inputs), {1: export_at(wl.model, wl.make_inputs, 1)}, "sgd")
+    assert "\n" not in str(info.value)

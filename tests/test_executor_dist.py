@@ -40,18 +40,18 @@ def mlp(captured):
     return captured(MLP, batch=B, groups=4).graph
 
 
-def run_plan(tmp_path, graph, topo_path, groups, *, fault=None, timeout=60.0, steps=2):
+def run_plan(tmp_path, graph, topo_path, groups, *, fault=None, timeout=60.0, steps=2, spec=MLP, optimizer="adam"):
     topo = load_topology(topo_path)
     plan = new_plan(graph, topo, groups)
     plan_path = tmp_path / "plan.json"
     plan.save(plan_path)
-    cfg = ExecuteConfig(MLP, topo_path, str(plan_path), steps=steps, warmup=0, save_params=True,
+    cfg = ExecuteConfig(spec, topo_path, str(plan_path), steps=steps, warmup=0, save_params=True, optimizer=optimizer,
                         run_dir=str(tmp_path / "run"), fault=fault, timeout_s=timeout, check_memory=True)
     return execute(cfg, graph=graph)
 
 
-def assert_params_match(tmp_path, graph, world):
-    ref, ref_losses = reference_training(load_workload(MLP, batch=B), "adam", 2)
+def assert_params_match(tmp_path, graph, world, spec=MLP, optimizer="adam"):
+    ref, ref_losses = reference_training(load_workload(spec, batch=B), optimizer, 2)
     held = set()
     for r in range(world):
         f = tmp_path / "run" / f"params-rank{r}.pt"
@@ -94,6 +94,28 @@ def test_two_ranks_match_single_process_training(tmp_path, mlp, kind):
     ref_losses = assert_params_match(tmp_path, mlp, 2)
     assert res.losses == pytest.approx(ref_losses, rel=1e-4)
     assert res.measured_iteration_time_s > 0 and len(res.per_rank_median_s) == 2
+
+
+def test_two_ranks_with_sfb_match_single_process_training(tmp_path, captured):
+    """SFB on wide layers: all-gathers over uneven replicas listed [1, 0] (sample order differs
+    from group rank order), one group all-SFB (no sync left), one partly; another without."""
+    from tag.compress import find_candidates
+
+    spec = "mlp:hidden=512"
+    graph = captured(spec, batch=B, groups=4).graph
+    ops: dict[int, list[str]] = {}
+    for c in find_candidates(graph):
+        ops.setdefault(c.group, []).append(c.op_name)
+    groups = [GroupPlan([0, 1], [0.625, 0.375]),
+              GroupPlan([1, 0], [0.625, 0.375], sfb=ops[1]),
+              GroupPlan([0, 1], [0.75, 0.25], sfb=ops[2][-1:]),
+              GroupPlan([0, 1], [0.625, 0.375])]
+    res = run_plan(tmp_path, graph, cpu_topology(tmp_path, 2), groups, spec=spec, optimizer="sgd")
+    ref_losses = assert_params_match(tmp_path, graph, 2, spec=spec, optimizer="sgd")
+    assert res.losses == pytest.approx(ref_losses, rel=1e-4)
+    for r in res.ranks:  # the breakdown reports the all-gathers under sync, the recompute under compute
+        it = r["iterations"][-1]
+        assert 0 < it["sfb_gather"] <= it["sync"] and 0 < it["sfb_recompute"] <= it["compute"]
 
 
 def test_parameter_server_outside_the_replicas(tmp_path, mlp):

@@ -10,10 +10,21 @@
 
 from .launch import ExecuteConfig, ExecuteResult, execute
 from .runtime import ExecutionError, RankRuntime
-from .schedule import Move, Schedule, Step, Unit, build_schedule, gradient_tensors, partial_sum_tensors
+from .schedule import (
+    Move,
+    Schedule,
+    SfbGroup,
+    Step,
+    Unit,
+    build_schedule,
+    gradient_tensors,
+    graph_structure,
+    partial_sum_tensors,
+)
 from .virtual import reference_training, run_virtual
 
 __all__ = [
-    "ExecuteConfig", "ExecuteResult", "ExecutionError", "Move", "RankRuntime", "Schedule", "Step", "Unit",
-    "build_schedule", "execute", "gradient_tensors", "partial_sum_tensors", "reference_training", "run_virtual",
+    "ExecuteConfig", "ExecuteResult", "ExecutionError", "Move", "RankRuntime", "Schedule", "SfbGroup", "Step", "Unit",
+    "build_schedule", "execute", "gradient_tensors", "graph_structure", "partial_sum_tensors", "reference_training",
+    "run_virtual",
 ]

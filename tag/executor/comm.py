@@ -21,6 +21,8 @@ class DistComm:
     world: int
     backend: str
     groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    gather_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    """SFB all-gathers: process groups of their own (not queued behind the gradient syncs)."""
     pending: list[_Pending] = field(default_factory=list)
 
     @classmethod
@@ -37,6 +39,8 @@ class DistComm:
         comm = cls(rank, world, backend)
         for members in schedule.comm_groups:  # every rank calls new_group for every set, same order
             comm.groups[members] = dist.new_group(list(members), timeout=timedelta(seconds=timeout_s))
+        for members in schedule.gather_groups:
+            comm.gather_groups[members] = dist.new_group(list(members), timeout=timedelta(seconds=timeout_s))
         # One collective over everybody first: NCCL wants every rank in the first p2p batch's group.
         comm.barrier(device)
         return comm
@@ -64,6 +68,28 @@ class DistComm:
                 req.wait()
         rt.assemble(step, received)
         rt.timer.comm += time.perf_counter() - t0
+
+    def sfb(self, rt: RankRuntime, step: Step) -> None:
+        """SFB of ``step.group``: all-gather each factor over the replicas (blocking, one after the
+        other), then recompute the SFB gradients (:meth:`RankRuntime.sfb_recompute`)."""
+        from ..compress.runtime import gather_rows
+
+        sg = rt.schedule.sfb[step.group]
+        if self.rank not in sg.devices:
+            return
+        t0 = time.perf_counter()
+        members = sg.members
+        order = [members.index(d) for d in sg.devices]  # group ranks in sample order
+        pg = self.gather_groups[members]
+        full = {}
+        for name, local in rt.sfb_local(step.group).items():
+            f = next(f for f in sg.factors if f.name == name)
+            counts = rt.sfb_counts(step.group, name, local)
+            full[name] = gather_rows(local, f.batch_dim, counts, group=pg, sample_order=order)
+        dt = time.perf_counter() - t0
+        rt.timer.sync += dt
+        rt.timer.sfb_gather += dt
+        rt.sfb_recompute(step.group, full)
 
     def sync(self, rt: RankRuntime, step: Step, sync: str, devices: list[int], server: int | None) -> None:
         """Start summing the group's gradients over its members (async; see :meth:`finish_syncs`).

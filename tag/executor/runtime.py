@@ -8,10 +8,20 @@ one process (fast semantic tests).
 
 Values live in ``env[(unit, node name)]``: a rank may serve several units with different
 sample ranges, so the same node name can hold different rows for different units.
+
+Every joint graph a rank runs (one per local batch, plus the global batch for SFB) must have the
+captured graph's structure (:func:`joint_structure`), or its node names would designate other
+ops: otherwise the rank refuses with one line naming the group and the batch.
+
+SFB (``GroupPlan.sfb``): :meth:`RankRuntime.sfb_local` gives this replica's rows of the group's
+factors (its stages are edited to output them, and to no longer compute the local gradients
+SFB replaces); :meth:`RankRuntime.sfb_recompute` evaluates ``tag.compress.sfb_kernel`` on the
+gathered factors (the joint graph at the global batch) to get the full gradients.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 import types
 from dataclasses import dataclass, field
@@ -23,7 +33,7 @@ from ..errors import TagError
 from ..graph.capture import export_joint
 from ..graph.stages import Stage, build_stages
 from .optim import make_optimizer
-from .schedule import Move, Schedule, Step, UnitKey
+from .schedule import Move, Schedule, SfbGroup, Step, UnitKey
 
 
 class ExecutionError(TagError):
@@ -62,6 +72,10 @@ class Timer:
     comm: float = 0.0
     sync: float = 0.0
     update: float = 0.0
+    sfb_gather: float = 0.0
+    """SFB factor all-gathers (included in ``sync``)."""
+    sfb_recompute: float = 0.0
+    """SFB gradient recompute on the gathered factors (included in ``compute``)."""
 
 
 @dataclass
@@ -78,6 +92,8 @@ class RankRuntime:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     slowdown: float = 1.0
     """Emulated speed: each stage takes ``slowdown`` x its real time (sleeps the rest)."""
+    global_joint: Joint | None = None
+    """The joint graph at the global batch: needed when a unit of this rank uses SFB."""
 
     def __post_init__(self) -> None:
         s = self.schedule
@@ -85,13 +101,10 @@ class RankRuntime:
         self.stages: dict[tuple[UnitKey, str], Stage] = {}
         for b, joint in self.joints.items():
             keys = {k for k, u in self.my_units.items() if u.replica_on(self.rank).batch == b}
+            if not keys:
+                continue
+            check_structure(s, joint, b, min(k[0] for k in keys))
             assign = {n: up for n, up in s.assign.items() if up[0] in keys}
-            names = {n.name for n in joint.module.graph.nodes}
-            missing = sorted(set(assign) - names)
-            if missing:
-                raise ExecutionError(f"the joint graph exported at local batch {b} lacks node {missing[0]!r} "
-                                     f"of the graph captured at batch {s.batch_size}; choose shares giving "
-                                     "other local batch sizes")
             self.stages.update(build_stages(types.SimpleNamespace(joint=joint.module), assign))
         for key, stage in self.stages.items():
             if self.device.type != "cpu":
@@ -114,6 +127,11 @@ class RankRuntime:
                 value = any_joint.state_values[s.param_target[ph]]
                 self.params[ph] = torch.nn.Parameter(value.detach().clone().to(self.device))
         self.optimizer = make_optimizer(self.optimizer_name, self.params.values())
+        self.kernels: dict[int, list] = {}
+        """Op-group -> its SFB kernels (:class:`tag.compress.SfbKernel`), for my SFB units."""
+        for sg in s.sfb.values():
+            if sg.unit in self.my_units:
+                self._prepare_sfb(sg)
         self.env: dict[tuple[UnitKey, str], torch.Tensor] = {}
         self.timer = Timer()
         self.loss = 0.0
@@ -229,12 +247,82 @@ class RankRuntime:
             else:
                 self.env[key] = ps[0][1]
 
+    # ---- SFB -------------------------------------------------------------------------------
+    def _prepare_sfb(self, sg: SfbGroup) -> None:
+        """Stages output the factors; the local gradients SFB replaces are no longer computed;
+        one kernel per SFB op on the joint graph at the global batch."""
+        from ..compress import SfbError, sfb_kernel
+
+        s = self.schedule
+        if self.global_joint is None:
+            raise ExecutionError(f"rank {self.rank}: group {sg.group} uses SFB but no joint graph at the global "
+                                 f"batch {s.batch_size} was given")
+        check_structure(s, self.global_joint, s.batch_size, sg.group, local=False)
+        joint = self.joints[self.my_units[sg.unit].replica_on(self.rank).batch]
+        nodes = {n.name: n for n in joint.module.graph.nodes}
+        for phase in ("fwd", "bwd"):
+            stage = self.stages.get((sg.unit, phase))
+            if stage is None:
+                continue
+            computed = {n.name for n in stage.module.graph.nodes if n.op == "call_function"}
+            add = [f.name for f in sg.factors if f.name in computed and f.name not in stage.outputs]
+            drop = set()
+            if phase == "bwd":  # gradients only returned (not used by other ops): SFB replaces them
+                drop = {c.grad_node for c in sg.candidates
+                        if c.grad_node in computed and all(u.op == "output" for u in nodes[c.grad_node].users)}
+            if add or drop:
+                _edit_outputs(stage, add, drop)
+        kernels = []
+        for c in sg.candidates:
+            try:
+                k = sfb_kernel(self.global_joint.module, c)
+            except SfbError as e:
+                raise ExecutionError(str(e)) from None
+            if self.device.type != "cpu":
+                _retarget_devices(k.stage.module, self.device)
+            kernels.append(k)
+        self.kernels[sg.group] = kernels
+
+    def sfb_local(self, group: int) -> dict[str, torch.Tensor]:
+        """Factor node name -> this replica's rows of it (in full-batch units), for ``group``'s SFB."""
+        sg = self.schedule.sfb[group]
+        return {f.name: self.value(sg.unit, f.name).detach().contiguous() for f in sg.factors}
+
+    def sfb_recompute(self, group: int, full: dict[str, torch.Tensor]) -> None:
+        """Set the SFB ops' gradients from the gathered (global-batch) factors ``full``."""
+        sg = self.schedule.sfb[group]
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for k in self.kernels[group]:
+                self.env[(sg.unit, k.grad_node)] = k({f.name: full[f.name] for f in k.candidate.factors})
+        self._synchronize()
+        dt = time.perf_counter() - t0
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * dt)
+        dt = time.perf_counter() - t0
+        self.timer.compute += dt
+        self.timer.sfb_recompute += dt
+
+    def sfb_counts(self, group: int, name: str, local: torch.Tensor) -> list[int]:
+        """Rows of factor ``name`` each replica holds, in :attr:`SfbGroup.members` order."""
+        sg = self.schedule.sfb[group]
+        f = next(f for f in sg.factors if f.name == name)
+        unit = self.schedule.units[sg.unit]
+        rows = local.shape[f.batch_dim] // unit.replica_on(self.rank).batch  # rows per sample
+        return [unit.replica_on(d).batch * rows for d in sg.members]
+
     # ---- gradients and update --------------------------------------------------------------
+    def _synced(self, group: int) -> list[str]:
+        s = self.schedule
+        return s.sync_params.get(group, s.group_params[group])
+
     def grad_flat(self, group: int) -> torch.Tensor:
-        """This rank's gradients of ``group``'s params, flattened (zeros on a mere PS server)."""
+        """This rank's gradients of ``group``'s params, flattened (zeros on a mere PS server).
+
+        SFB params (their gradients are recomputed in full) are left out."""
         s = self.schedule
         parts = []
-        for ph in s.group_params[group]:
+        for ph in self._synced(group):
             owner = s.param_owner[ph]
             if owner in self.my_units:
                 parts.append(self.env[(owner, s.param_grad[ph])].reshape(-1))
@@ -246,7 +334,7 @@ class RankRuntime:
         """Replace this rank's gradients of ``group`` by the synchronised ``flat``."""
         s = self.schedule
         off = 0
-        for ph in s.group_params[group]:
+        for ph in self._synced(group):
             owner = s.param_owner[ph]
             if owner not in self.my_units:
                 return  # a PS server outside the replica set keeps nothing
@@ -271,6 +359,67 @@ class RankRuntime:
     def named_params(self) -> dict[str, torch.Tensor]:
         """State-dict name -> current value of the parameters this rank holds."""
         return {self.schedule.param_target[ph]: p.detach().cpu() for ph, p in self.params.items()}
+
+
+def joint_structure(gm: torch.fx.GraphModule) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(name, target, input names) of every live op of a joint graph, in graph order: the list
+    :func:`tag.executor.schedule.graph_structure` gives for the captured graph."""
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    live: set[str] = set()
+    stack = [out_node]
+    while stack:
+        n = stack.pop()
+        if n.name not in live:
+            live.add(n.name)
+            stack.extend(n.all_input_nodes)
+    return [(n.name, "getitem" if n.target is operator.getitem else str(n.target),
+             tuple(a.name for a in n.all_input_nodes if a.op in ("placeholder", "call_function")))
+            for n in gm.graph.nodes if n.op == "call_function" and n.name in live]
+
+
+def check_structure(schedule: Schedule, joint: Joint, batch: int, group: int, local: bool = True) -> None:
+    """Refuse (one line) a joint graph whose ops differ from the captured graph's.
+
+    Transformers (GPT-2, BERT, ViT) exported at batch 1 lose a few ``expand`` / copy ops, which
+    renumbers the later nodes: a node name would then designate another op. Mapping the names
+    between the two graphs is not done (ops vanish, so the stage cuts would differ too); a local
+    batch whose export differs is refused instead.
+    """
+    ref = schedule.structure
+    if not ref:
+        return
+    got = joint_structure(joint.module)
+    if got == ref:
+        return
+    i = next((k for k, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    was = ref[i][0] if i < len(ref) else "<end>"
+    now = got[i][0] if i < len(got) else "<end>"
+    where = f"{len(got)} ops instead of {len(ref)}, node {was!r} is {now!r}"
+    if not local:
+        raise ExecutionError(f"the joint graph of {schedule.model} at the global batch {batch} differs from the "
+                             f"captured graph ({where}); capture with the plan's batch size")
+    fix = ("give each replica at least 2 samples" if batch == 1
+           else f"choose shares that give no replica {batch} samples")
+    raise ExecutionError(f"local batch {batch} of group {group} changes the graph structure of {schedule.model} "
+                         f"({where}); {fix}")
+
+
+def _edit_outputs(stage: Stage, add: list[str], drop: set[str]) -> None:
+    """Make ``stage`` also return the nodes ``add`` and no longer return ``drop``; the nodes that
+    only fed ``drop`` are removed (not computed any more)."""
+    g = stage.module.graph
+    out = next(n for n in g.nodes if n.op == "output")
+    by_name = dict(zip(stage.outputs, out.args[0]))
+    inside = {n.name: n for n in g.nodes if n.op == "call_function"}
+    names = [o for o in stage.outputs if o not in drop] + add
+    out.args = (tuple(by_name[o] if o in by_name else inside[o] for o in names),)
+    for n in reversed(list(g.nodes)):
+        if n.op == "call_function" and not n.users:
+            g.erase_node(n)
+    stage.outputs = names
+    alive = {n.name for n in g.nodes}
+    stage.nodes = [n for n in stage.nodes if n in alive]
+    stage.module.recompile()
 
 
 def _scale_seed(stage: Stage, loss: str, scale: float) -> None:

@@ -15,6 +15,13 @@ Order of one iteration (see docs/DESIGN.md, "How a plan runs"):
    backward of the earlier groups, so syncs run in reverse group order;
 3. the optimizer update of every parameter on its owner unit's replicas (local, no comm).
 
+Sufficient Factor Broadcasting (``GroupPlan.sfb``, docs/DESIGN.md): right after an SFB group's
+backward stage comes its ``sfb`` step -- one all-gather per distinct factor of its SFB ops over
+the replicas (on a process group of their own, so it does not queue behind earlier groups'
+asynchronous syncs), then every replica recomputes the full gradient of each SFB op from the
+gathered factors -- and only then the ``sync`` step of the group's remaining gradients (none
+when every gradient of the group is SFB).
+
 Tensors crossing units follow DESIGN.md: batch tensors are re-partitioned by sample ranges
 (``rows``); non-batch forward tensors are copied from one producer replica (``copy``);
 non-batch backward *gradients* are summed over the producer replicas and delivered to the
@@ -28,16 +35,19 @@ full-batch units). See :func:`partial_sum_tensors`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..errors import PlanError
 from ..graph.ir import OpGraph
 from ..plan.format import Plan, local_batches
 
+if TYPE_CHECKING:  # tag.compress (scipy) is imported only for plans using SFB
+    from ..compress.detect import Candidate, Factor
+
 UnitKey = tuple[int, int]
 """(group, chunk); chunk is 0 for a data-parallel group."""
 MoveMode = Literal["rows", "copy", "sum", "zeros"]
-StepKind = Literal["transfer", "compute", "sync"]
+StepKind = Literal["transfer", "compute", "sfb", "sync"]
 
 
 @dataclass(frozen=True)
@@ -101,7 +111,28 @@ class Step:
     phase: str = ""
     moves: list[Move] = field(default_factory=list)
     group: int = -1
-    """``sync``: the op-group whose parameter gradients are synchronised."""
+    """``sync`` / ``sfb``: the op-group whose parameter gradients are synchronised."""
+
+
+@dataclass(frozen=True)
+class SfbGroup:
+    """What ``GroupPlan.sfb`` makes one data-parallel group do after its backward stage."""
+
+    group: int
+    unit: UnitKey
+    candidates: tuple[Candidate, ...]
+    """The SFB ops, in ``GroupPlan.sfb`` order."""
+    factors: tuple[Factor, ...]
+    """Distinct factors, in all-gather order (that of :func:`tag.compress.group_sfb_work`)."""
+    params: frozenset[str]
+    """Param placeholder names whose gradient is recomputed (left out of the gradient sync)."""
+    devices: tuple[int, ...]
+    """The replicas, in plan order (= sample order)."""
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The replicas sorted: the process group's ranks (``new_group`` numbers them so)."""
+        return tuple(sorted(self.devices))
 
 
 @dataclass
@@ -128,6 +159,17 @@ class Schedule:
     steps: list[Step]
     comm_groups: list[tuple[int, ...]]
     """Device sets that need a process subgroup (created once, in this order, on every rank)."""
+    sync_params: dict[int, list[str]] = field(default_factory=dict)
+    """Op-group -> param placeholder names whose gradients its ``sync`` step sums (the group's
+    params minus its SFB params)."""
+    sfb: dict[int, SfbGroup] = field(default_factory=dict)
+    """Op-group -> its SFB work (groups with a non-empty ``GroupPlan.sfb`` only)."""
+    gather_groups: list[tuple[int, ...]] = field(default_factory=list)
+    """Device sets of the SFB all-gathers: process subgroups of their own, created after
+    :attr:`comm_groups`."""
+    model: str = ""
+    structure: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list, repr=False)
+    """:func:`graph_structure` of the captured graph: every joint graph a rank runs must match it."""
 
     def units_of(self, device: int) -> list[Unit]:
         return [u for u in self.units.values() if u.replica_on(device) is not None]
@@ -168,6 +210,18 @@ def partial_sum_tensors(graph: OpGraph) -> set[int]:
         if any(t in grads and (tensors[t].batch_dim is not None or t in below_batch) for t in op.inputs):
             below_batch.update(op.outputs)
     return {t for t in below_batch if tensors[t].batch_dim is None}
+
+
+def graph_structure(graph: OpGraph) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(name, target, input names) of every forward/backward op, in graph order.
+
+    The same list as :func:`tag.executor.runtime.joint_structure` of the joint graph exported
+    at the capture's batch. An export at another batch must give the same list, or node names
+    would designate other ops (transformers exported at batch 1 drop a few ``expand`` / copies
+    and renumber the rest; cf. :func:`tag.cost.profiler.structure`).
+    """
+    names = [t.name for t in graph.tensors]
+    return [(op.name, op.target, tuple(names[t] for t in op.inputs)) for op in graph.ops if op.phase != "opt"]
 
 
 def _unit_of_anchor(gp, anchor: int) -> int:
@@ -241,6 +295,9 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
     loss_t = graph.tensors[graph.loss]
     loss_unit = unit_of_op[loss_t.producer]
     partial_sums = partial_sum_tensors(graph)
+    sfb = _sfb_groups(graph, plan, param_owner, param_target)
+    sync_params = {g: [ph for ph in phs if g not in sfb or ph not in sfb[g].params]
+                   for g, phs in group_params.items()}
 
     # ---- order of steps and which tensors cross into each (unit, phase) -------------------
     order = list(units)
@@ -266,6 +323,15 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
                                 f"{dst[0]} {dst[1]}, which runs earlier; the grouping is not acyclic")
             k = (t, dst[0])
             first_need[k] = min(first_need.get(k, position[dst]), position[dst])
+    # SFB factors (materialised tensors behind the gradient op's operands) may come from another
+    # unit even when the operand itself (a view of it) was computed there: bring them along.
+    for sg in sfb.values():
+        for f in sg.factors:
+            tensor = graph.tensors[f.tensor]
+            if tensor.producer < 0 or unit_of_op[tensor.producer] == sg.unit:
+                continue  # user inputs: every rank has them
+            k = (f.tensor, sg.unit)
+            first_need[k] = min(first_need.get(k, position[(sg.unit, "bwd")]), position[(sg.unit, "bwd")])
     # A tensor a unit needs in both phases moves once, before the first (stored for both).
     needed: dict[tuple[UnitKey, str], list[int]] = {s: [] for s in phase_steps}
     for (t, _u), pos in sorted(first_need.items(), key=lambda kv: (kv[1], kv[0][0])):
@@ -274,7 +340,7 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
     # Which groups synchronise gradients, over which members (replicas, plus an outside server).
     members_of: dict[int, tuple[int, ...]] = {}
     for g, gp in enumerate(plan.groups):
-        if gp.sync == "mp" or not group_params[g]:
+        if gp.sync == "mp" or not sync_params[g]:
             continue
         members = tuple(sorted(set(gp.devices) | ({gp.server} if gp.sync == "ps" else set())))
         if len(members) > 1:
@@ -291,14 +357,49 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
         if moves:
             steps.append(Step("transfer", u, ph, moves))
         steps.append(Step("compute", u, ph))
+        if ph == "bwd" and u[0] in sfb:
+            steps.append(Step("sfb", u, group=u[0]))
         if ph == "bwd" and u[0] in members_of:
             # The group's gradients are final once its backward ran (contributions from later
             # groups arrived before it): start its sync now, overlapping the earlier groups'
             # backward (as the simulator does); the update waits for it.
             steps.append(Step("sync", u, group=u[0]))
     comm = sorted(set(members_of.values()))
+    gathers = sorted({sg.members for sg in sfb.values()})
     return Schedule(B, units, assign, param_owner, param_target, param_grad, group_params, param_numel,
-                    loss_t.name, loss_unit, steps, sorted(comm))
+                    loss_t.name, loss_unit, steps, comm, sync_params, sfb, gathers, graph.model,
+                    graph_structure(graph))
+
+
+def _sfb_groups(graph: OpGraph, plan: Plan, param_owner: dict[str, UnitKey],
+                param_target: dict[str, str]) -> dict[int, SfbGroup]:
+    """Validated :class:`SfbGroup` of every group with a non-empty ``GroupPlan.sfb``."""
+    if not any(gp.sfb for gp in plan.groups):
+        return {}
+    from ..compress import SfbError, find_candidates, group_sfb_work
+
+    cands = find_candidates(graph)
+    by_op = {c.op: c for c in cands}
+    placeholder_of = {target: ph for ph, target in param_target.items()}
+    out: dict[int, SfbGroup] = {}
+    for g, gp in enumerate(plan.groups):
+        if not gp.sfb:
+            continue
+        try:
+            work = group_sfb_work(graph, gp, g, plan.batch_size, cands)
+        except SfbError as e:
+            raise PlanError(str(e)) from None
+        chosen = tuple(by_op[i] for i in work.ops)
+        params = set()
+        for c in chosen:
+            ph = placeholder_of[c.param]
+            if param_owner[ph] != (g, 0):
+                raise PlanError(f"plan: groups[{g}].sfb: op {c.op_name!r}: the gradient of {c.param} is "
+                                f"finished by unit {param_owner[ph]}, not by group {g}; drop the op from the list")
+            params.add(ph)
+        out[g] = SfbGroup(g, (g, 0), chosen, tuple(x.factor for x in work.gathers), frozenset(params),
+                          tuple(gp.devices))
+    return out
 
 
 def _moves(name: str, src: Unit, dst: Unit, batch_dim: int | None, partial_sum: bool, machine_of) -> list[Move]:

@@ -21,6 +21,11 @@ def local_batch_sizes(schedule: Schedule, rank: int) -> set[int]:
     return {u.replica_on(rank).batch for u in schedule.units_of(rank)}
 
 
+def needs_global_joint(schedule: Schedule, rank: int) -> bool:
+    """Whether ``rank`` replicates an SFB group (its kernels need the joint graph at the global batch)."""
+    return any(schedule.units[sg.unit].replica_on(rank) is not None for sg in schedule.sfb.values())
+
+
 def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int,
                 machine_of=None, joints: dict[int, Joint] | None = None) -> dict[int, RankRuntime]:
     """Train ``steps`` iterations of ``plan`` with all ranks in this process; returns the runtimes.
@@ -38,7 +43,12 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
             if b not in joints:
                 joints[b] = export_at(workload.model, workload.make_inputs, b)
         mine = {b: joints[b] for b in local_batch_sizes(sched, r)}
-        runtimes[r] = RankRuntime(r, sched, tuple(workload.inputs), mine, optimizer)
+        full = None
+        if needs_global_joint(sched, r):
+            if sched.batch_size not in joints:
+                joints[sched.batch_size] = export_at(workload.model, workload.make_inputs, sched.batch_size)
+            full = joints[sched.batch_size]
+        runtimes[r] = RankRuntime(r, sched, tuple(workload.inputs), mine, optimizer, global_joint=full)
     for _ in range(steps):
         for rt in runtimes.values():
             rt.begin_iteration()
@@ -50,6 +60,13 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
                 sent = {k: t for rt in runtimes.values() for k, _dst, t in rt.outgoing(st)}
                 for rt in runtimes.values():
                     rt.assemble(st, {k: sent[k].clone() for k, _src, _buf in rt.incoming(st)})
+            elif st.kind == "sfb":  # all-gather = concatenation in sample (plan device) order
+                sg = sched.sfb[st.group]
+                local = {d: runtimes[d].sfb_local(st.group) for d in sg.devices}
+                full = {f.name: torch.cat([local[d][f.name] for d in sg.devices], dim=f.batch_dim)
+                        for f in sg.factors}
+                for d in sg.devices:
+                    runtimes[d].sfb_recompute(st.group, {k: v.clone() for k, v in full.items()})
             else:
                 gp = plan.groups[st.group]
                 members = sorted(set(gp.devices) | ({gp.server} if gp.sync == "ps" else set()))

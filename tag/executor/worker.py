@@ -23,7 +23,7 @@ import torch
 from ..io import write_json
 from .runtime import ExecutionError, RankRuntime, export_at
 from .schedule import build_schedule
-from .virtual import local_batch_sizes
+from .virtual import local_batch_sizes, needs_global_joint
 
 SECONDARY_EXIT_DELAY_S = 2.0  # seconds a rank that saw a peer vanish waits before exiting
 
@@ -112,10 +112,13 @@ def run_rank(a: WorkerArgs) -> dict:
     wl = load_workload(a.model, batch=a.batch, seed=a.seed)
     t0 = time.perf_counter()
     joints = {b: export_at(wl.model, wl.make_inputs, b) for b in sorted(local_batch_sizes(sched, rank))}
+    full = None
+    if needs_global_joint(sched, rank):  # SFB kernels run on the joint graph at the global batch
+        full = joints.get(sched.batch_size) or export_at(wl.model, wl.make_inputs, sched.batch_size)
     export_s = time.perf_counter() - t0
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in wl.inputs)
     slow = slowdown_factors(topology)[rank] if a.emulate_speed else 1.0
-    rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow)
+    rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow, global_joint=full)
     comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device)
     fault = _parse_fault(a.fault)
     iters = []
@@ -131,6 +134,8 @@ def run_rank(a: WorkerArgs) -> dict:
                     rt.compute(st.unit, st.phase)
                 elif st.kind == "transfer":
                     comm.transfer(rt, st)
+                elif st.kind == "sfb":
+                    comm.sfb(rt, st)
                 else:
                     gp = plan.groups[st.group]
                     comm.sync(rt, st, gp.sync, gp.devices, gp.server)
