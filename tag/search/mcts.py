@@ -308,7 +308,8 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
 def run_playouts(tree: Tree, root: int, space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn,
                  rng: np.random.Generator, *, playouts: int, deadline: float = math.inf,
                  cfg: MCTSConfig | None = None, stats: SearchStats | None = None) -> SearchStats:
-    """Run ``playouts`` more playouts from ``root`` (stopping early at ``deadline``)."""
+    """Run ``playouts`` more playouts from ``root`` (stopping early at ``deadline``, but never
+    before the first wave)."""
     cfg = cfg or MCTSConfig()
     stats = stats or SearchStats()
     k = space.num_groups
@@ -316,7 +317,7 @@ def run_playouts(tree: Tree, root: int, space: ActionSpace, evaluator: Evaluator
         res = _evaluate_nodes(tree, [root], space, evaluator, prior_fn, cfg, stats, root, rng)
         backup(tree, root, res[0][0], root, res[0][1])
     done = 0
-    while done < playouts and time.perf_counter() < deadline:
+    while done < playouts and (done == 0 or time.perf_counter() < deadline):  # >= 1 wave
         wave = min(cfg.batch, playouts - done)
         leaves: list[int] = []
         fresh: set[int] = set()

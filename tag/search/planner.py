@@ -45,7 +45,8 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
         prior: MCTS prior: ``gnn`` (the trained predictor; also its value head at leaves) or
             ``uniform``.
         budget: playouts (proposed plans). Default :data:`DEFAULT_PLAYOUTS` unless ``time_limit``.
-        time_limit: wall-clock seconds for the search (with ``budget``: whichever ends first).
+        time_limit: wall-clock seconds for the search after set-up (with ``budget``: whichever
+            ends first); at least one wave of playouts runs.
         seed: seeds the searcher's ``numpy.random.Generator``; same seed -> same plan.
         checkpoint: predictor checkpoint (default: the shipped ``tag/gnn/predictor.pt``).
         predictor: an already loaded :class:`tag.gnn.Predictor` (overrides ``checkpoint``).
@@ -69,17 +70,18 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
         raise TagError(f"graph {graph.model!r}: has no op-groups")
     t0 = time.perf_counter()
     playouts = budget if budget is not None else (10**9 if time_limit is not None else DEFAULT_PLAYOUTS)
-    deadline = t0 + time_limit if time_limit is not None else math.inf
     space = ActionSpace(graph, topology, cost_model=costs) if costs is not None else ActionSpace(graph, topology)
     ev = Evaluator(space, simulator)
     rng = np.random.default_rng(seed)
     stats = SearchStats()
+    prior_fn = uniform_prior
+    if searcher == "mcts" and prior == "gnn":
+        pred = predictor if predictor is not None else _predictor(checkpoint)
+        prior_fn = pred.bind(space, ev.t_ref)
+    # The time limit covers the search itself (set-up above: cost tables, both baselines, loading
+    # the predictor); at least one wave of playouts always runs.
+    deadline = time.perf_counter() + time_limit if time_limit is not None else math.inf
     if searcher == "mcts":
-        if prior == "gnn":
-            pred = predictor if predictor is not None else _predictor(checkpoint)
-            prior_fn = pred.bind(space, ev.t_ref)
-        else:
-            prior_fn = uniform_prior
         res = mcts_search(space, ev, prior_fn, rng, playouts=playouts,
                           time_limit=None if time_limit is None else max(0.0, deadline - time.perf_counter()),
                           cfg=mcts)

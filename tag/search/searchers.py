@@ -35,7 +35,7 @@ def random_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Gener
                   deadline: float = math.inf) -> SearchStats:
     stats = SearchStats()
     k = space.num_groups
-    while stats.playouts < playouts and time.perf_counter() < deadline:
+    while stats.playouts < playouts and (stats.playouts == 0 or time.perf_counter() < deadline):
         d = int(rng.integers(1, k + 1))
         assign = np.full(k, -1, np.int64)
         acts = rng.integers(0, space.num_actions, size=d)
@@ -58,7 +58,7 @@ def simulated_annealing(space: ActionSpace, evaluator: Evaluator, rng: np.random
     c_cur = cost(evaluator.evaluate(cur))
     _note(stats, evaluator, evaluator.evaluate(cur).reward)
     n = max(playouts, 2)
-    while stats.playouts < playouts and time.perf_counter() < deadline:
+    while stats.playouts < playouts and (stats.playouts == 0 or time.perf_counter() < deadline):
         frac = stats.playouts / (n - 1)
         temp = t_start * (t_end / t_start) ** frac
         new = list(cur)
@@ -88,7 +88,7 @@ def tpe_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generato
     choices = list(range(space.num_actions))
     # Seed the study with the proportional data-parallel plan (what the others start from).
     study.enqueue_trial({f"g{g}": space.default_action for g in range(space.num_groups)})
-    while stats.playouts < playouts and time.perf_counter() < deadline:
+    while stats.playouts < playouts and (stats.playouts == 0 or time.perf_counter() < deadline):
         trial = study.ask()
         acts = tuple(trial.suggest_categorical(f"g{g}", choices) for g in range(space.num_groups))
         out = evaluator.evaluate(acts)
