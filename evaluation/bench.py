@@ -87,15 +87,12 @@ class _Case:
         if method in ("random", "sa", "tpe", "mcts-uniform"):
             searcher = "mcts" if method == "mcts-uniform" else method
             p = search_plan(g, topo, searcher=searcher, prior="uniform", budget=cfg.search_budget,
-                            seed=cfg.seed, costs=self.costs, simulator=self.sim)
+                            seed=cfg.seed, costs=self.costs, simulator=self.sim, compression="off")
         else:  # tag-50, tag-200, with or without +sfb
             budget = int(method.split("-")[1].split("+")[0])
             p = search_plan(g, topo, searcher="mcts", prior="gnn", budget=budget, seed=cfg.seed,
-                            costs=self.costs, simulator=self.sim)
-        if method.endswith("+sfb"):
-            from tag.compress import apply_sfb
-
-            p = apply_sfb(g, topo, p)
+                            costs=self.costs, simulator=self.sim,
+                            compression="auto" if method.endswith("+sfb") else "off")
         return p, int(p.meta.get("playouts", 0))
 
 

@@ -32,20 +32,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _compress(graph, topo, plan):
-    """Apply SFB when :mod:`tag.compress` is available; returns (plan, note)."""
-    try:
-        from ..compress import apply_sfb
-    except ImportError:
-        return plan, "compression skipped (tag.compress not available)"
-    new = apply_sfb(graph, topo, plan)
-    n = sum(len(g.sfb) for g in new.groups)
-    saving = new.meta.get("sfb_saving_s", 0.0) or 0.0
-    if n == 0:
-        return new, "compression: no op-group benefits from SFB"
-    return new, f"compression: SFB on {n} weight gradients (estimated saving {saving * 1e3:.3f} ms)"
-
-
 def summary(plan) -> dict:
     m = plan.meta
     return {
@@ -89,13 +75,9 @@ def run(args) -> int:
     except ImportError:  # pragma: no cover
         pass
     p = search_plan(graph, topo, searcher=args.searcher, prior=args.prior, budget=args.budget,
-                    time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs)
+                    time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs,
+                    compression=args.compression)
     p.meta["capture_s"] = capture_s
-    if args.compression == "auto":
-        p, note = _compress(graph, topo, p)
-    else:
-        note = "compression off"
-    p.meta["compression"] = note
     if args.out:
         p.save(args.out)
     if args.trace:

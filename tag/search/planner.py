@@ -32,7 +32,8 @@ def _predictor(checkpoint):
 
 def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget: int | None = None,
          time_limit: float | None = None, seed: int = 0, checkpoint: str | os.PathLike | None = None,
-         predictor=None, costs=None, simulator=None, mcts: MCTSConfig | None = None) -> Plan:
+         predictor=None, costs=None, simulator=None, mcts: MCTSConfig | None = None,
+         compression: str = "auto") -> Plan:
     """Search a deployment of ``graph`` on ``topology``.
 
     Both data-parallel baselines (even and speed-proportional shares) are simulated first and
@@ -53,6 +54,9 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
         costs: the simulator's cost model (built for the topology when omitted).
         simulator: anything with ``run(groups) -> SimResult`` (default :class:`tag.sim.Simulator`).
         mcts: MCTS knobs.
+        compression: ``auto`` runs the Sufficient Factor Broadcasting selection (MILP) on the
+            searched plan and keeps it only if the simulator says the iteration gets faster;
+            ``off`` skips it.
 
     Returns:
         A :class:`Plan` with ``predicted_iteration_time_s`` and ``meta`` holding the searcher,
@@ -68,6 +72,8 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
         raise TagError(f"time: expected a positive number of seconds, got {time_limit}")
     if graph.num_groups < 1:
         raise TagError(f"graph {graph.model!r}: has no op-groups")
+    if compression not in ("auto", "off"):
+        raise TagError(f"compression: expected 'auto' or 'off', got {compression!r}")
     t0 = time.perf_counter()
     playouts = budget if budget is not None else (10**9 if time_limit is not None else DEFAULT_PLAYOUTS)
     space = ActionSpace(graph, topology, cost_model=costs) if costs is not None else ActionSpace(graph, topology)
@@ -113,4 +119,30 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
         "lower_bound_s": lb,
         "actions": [space.actions[a].describe(topology) for a in ev.best_actions] if ev.best_actions else None,
     }
+    p.meta["compression"] = "off" if compression == "off" else _compress(graph, topology, p, ev.simulator)
     return p
+
+
+def _compress(graph, topology, p: Plan, simulator) -> str:
+    """Add SFB to ``p`` in place where the MILP says it pays AND the simulator confirms it.
+
+    The MILP assumes no overlap; the simulator knows that the all-reduce SFB removes may have been
+    hidden behind earlier groups' backward, so its verdict decides. Returns a one-line note.
+    """
+    from ..compress import apply_sfb
+
+    if p.predicted_iteration_time_s is None:
+        return "compression: skipped (plan does not fit in memory)"
+    cand = apply_sfb(graph, topology, p)
+    n = sum(len(g.sfb) for g in cand.groups)
+    if n == 0:
+        return "compression: no op-group benefits from SFB"
+    res = simulator.run(cand.groups)
+    before = p.predicted_iteration_time_s
+    if res.oom or res.iteration_time_s >= before:
+        return (f"compression: SFB on {n} weight gradients rejected by the simulator "
+                f"({res.iteration_time_s * 1e3:.3f} ms vs {before * 1e3:.3f} ms without)")
+    p.groups = cand.groups
+    p.predicted_iteration_time_s = float(res.iteration_time_s)
+    p.meta["sfb_saving_s"] = before - res.iteration_time_s
+    return f"compression: SFB on {n} weight gradients saves {(before - res.iteration_time_s) * 1e3:.3f} ms"
