@@ -114,8 +114,11 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     (run_dir / "ranks.json").unlink(missing_ok=True)
     graph_path, args_path = run_dir / "graph.json", run_dir / "args.json"
     graph_path.write_text(graph.to_json())
+    # Ranks read the resolved topology (shipped names work; a measured CPU spec stays identical).
+    topo_path = run_dir / "topology.json"
+    write_json(topo_path, topology.to_dict())
     wargs = WorkerArgs(model=cfg.model, batch=batch, optimizer=cfg.optimizer, seed=cfg.seed, groups=groups,
-                       topology=str(Path(cfg.topology).resolve()), plan=str(Path(cfg.plan).resolve()),
+                       topology=str(topo_path), plan=str(Path(cfg.plan).resolve()),
                        out_dir=str(run_dir), steps=cfg.steps, warmup=cfg.warmup, backend=backend,
                        emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
                        save_params=cfg.save_params, fault=cfg.fault)
@@ -195,8 +198,11 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # A failed rank becomes one ExecutionError line naming the rank, the cause and the log folder;
+    # torchelastic's own multi-line error dump is only shown with --debug.
+    quiet = logging.CRITICAL if logging.getLogger().getEffectiveLevel() > logging.DEBUG else logging.ERROR
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).setLevel(quiet)
     run_id = f"tag-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id,
