@@ -14,6 +14,17 @@ Workloads of :meth:`Simulator.run`:
 * ``random``: independent random plans for every group (cold caches).
 
     .venv/bin/python evaluation/sim_speed.py [--model gpt2:n_layer=4] [--batch 32] [--seconds 3]
+
+Simulated iterations/s, best of 3 alternating rounds on a shared 2-core machine (details and where
+the time goes: ``evaluation/results/sim-speed/sim_speed.md``); results bit-identical:
+
+    workload   before (84a59ac)   after (fast loop, pair templates)
+    dp                    2,084   3,063
+    dp-prop               2,054   3,157
+    mp                      872   3,112
+    mcts                    780   1,722
+    walk                    181     533
+    random                   13      56
 """
 
 from __future__ import annotations

@@ -25,7 +25,11 @@ gradients are synchronised (the sync waits for the last replica's recompute). Th
 order, docs/DESIGN.md "Sufficient Factor Broadcasting".
 
 Speed: runs of consecutive stages on one data-parallel layout with no incoming transfer form a
-*segment* computed with one numpy expression (cumulative sums over groups).
+*segment* computed with one numpy expression (cumulative sums over groups). :meth:`Simulator.run`
+uses the fast loop (:class:`_FastRun`: no task records); the reference loop (:class:`_Run`)
+records every task and its predecessor, for the critical path (replayed on first access) and the
+timeline (``trace=True``); both give the same floats (``tests/test_sim_reference.py``). The flows
+between two groups' deployments are cached by what they depend on (:class:`PairTemplate`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import numpy as np
 from ..errors import PlanError
 from .result import SimEvent, SimResult
 from .static import BWD, FWD, OPT, PARAM, build_static
-from .units import GroupData, Layout, Unit, make_layout, mp_unit, pair_flows, split_batch
+from .units import Flow, GroupData, Layout, PairTemplate, Unit, make_layout, mp_unit, pair_kinds, split_batch
 
 PHASE_NAME = {FWD: "fwd", BWD: "bwd", OPT: "opt", PARAM: "param"}
 CACHE_LIMIT = 100_000
@@ -77,9 +81,20 @@ class Simulator:
         self.device_names = [f"{d.name} ({d.gpu.name})" for d in topology.devices]
         self._layouts: dict[tuple, Layout] = {}
         self._groups: dict[tuple, GroupData] = {}
-        self._pairs: dict[tuple, list] = {}
+        self._pairs: dict[tuple, _Pair] = {}
+        self._kinds: dict[tuple[int, int], tuple] = {}  # dp -> dp group pair -> (kinds id, kinds)
+        self._kind_ids: dict[tuple, tuple] = {}  # pair_kinds -> (id, kinds)
+        self._templates: dict[tuple, PairTemplate] = {}
+        self._serial = 0
         # Pairs without non-batch gradients: no flow when both groups share one layout.
-        self._local_pairs = {pr for pr, es in self.static.edges.items() if not any(e.grad for e in es)}
+        local = {pr for pr, es in self.static.edges.items() if not any(e.grad for e in es)}
+        self._pair_list = [(g1, g2, (g1, g2) in local) for g1, g2 in self.static.pairs]
+        self._pair_src = np.array([g1 for g1, _ in self.static.pairs], dtype=np.int64)
+        self._pair_dst = np.array([g2 for _, g2 in self.static.pairs], dtype=np.int64)
+        self._pair_self = self._pair_src == self._pair_dst
+        self._pair_nonlocal = np.array([not loc for _, _, loc in self._pair_list], dtype=bool)
+        self.max_chunks = max([h - lo for lo, h in zip(self.static.lo, self.static.hi)] + [1])
+        """Upper bound on the chunks of an mp group (its forward positions)."""
         self._names: dict[tuple, str] = {}
         self._sfb = None  # tag.sim.sfb.SfbCosts, built on the first plan using SFB
 
@@ -91,6 +106,8 @@ class Simulator:
             if len(self._layouts) > CACHE_LIMIT:
                 self._layouts.clear()
             lay = make_layout(self.static, self.tables, self.dev_class, devices, batches)
+            self._serial += 1
+            lay.uid = self._serial
             self._layouts[key] = lay
         return lay
 
@@ -101,7 +118,11 @@ class Simulator:
         if gd is None:
             if len(self._groups) > CACHE_LIMIT:
                 self._groups.clear()
+                self._pairs.clear()  # keyed by the serials of the cleared entries
             gd = self._make_group(g, gp)
+            self._serial += 1
+            gd.serial = self._serial
+            gd.lid = gd.layout.uid if gd.layout is not None else -gd.serial
             self._groups[key] = gd
         return gd
 
@@ -122,7 +143,7 @@ class Simulator:
             bounds = splits + [st.hi[g]]
             units = [mp_unit(st, self.costs, g, j, d, bounds[j], bounds[j + 1]) for j, d in enumerate(devs)]
             chunk_of = {p: j for j in range(len(devs)) for p in range(bounds[j], bounds[j + 1])}
-            return GroupData(units, "none", 0.0, (), (), 0.0, True, chunk_of)
+            return GroupData(units, "none", 0.0, (), (), 0.0, True, chunk_of, ukey=("mp", devs))
         batches = split_batch(st.batch_size, gp.shares)
         lay = self.layout(devs, batches)
         unit = Unit(g, -1, devs, batches, lay.starts, lay)
@@ -134,50 +155,128 @@ class Simulator:
             members = tuple(sorted(devs))
             t = comm.allreduce_time(devs, sbytes) if len(members) > 1 and sbytes > 0 else 0.0
         if len(members) <= 1 or sbytes <= 0:
-            return GroupData([unit], "none", 0.0, (), (), 0.0, sfb=sfb)
+            return GroupData([unit], "none", 0.0, (), (), 0.0, sfb=sfb, layout=lay,
+                             ukey=("dp", devs, batches))
         machines = tuple(sorted({mo[d] for d in members}))
-        return GroupData([unit], gp.sync, t, members, machines if len(machines) > 1 else (), sbytes, sfb=sfb)
+        return GroupData([unit], gp.sync, t, members, machines if len(machines) > 1 else (), sbytes, sfb=sfb,
+                         layout=lay, ukey=("dp", devs, batches))
 
-    def flows(self, g1: int, k1, g2: int, k2, gds: list[GroupData]) -> list:
-        """Flows from group ``g1`` to ``g2`` grouped by destination stage: [(stage, [Flow])]."""
-        key = (g1, g2, k1, k2)
-        fl = self._pairs.get(key)
-        if fl is None:
+    def pair(self, g1: int, gd1: GroupData, g2: int, gd2: GroupData) -> _Pair:
+        """Flows from group ``g1`` deployed as ``gd1`` to ``g2`` deployed as ``gd2`` (cached, and
+        their :class:`PairTemplate` cached by what it depends on: the tensors crossing and the
+        two replica sets)."""
+        key = (gd1.serial, gd2.serial)
+        pr = self._pairs.get(key)
+        if pr is None:
             if len(self._pairs) > CACHE_LIMIT:
                 self._pairs.clear()
-            by_dst: dict[tuple, list] = {}
-            for f in pair_flows(self.static, self.comm, g1, gds[g1], g2, gds[g2]):
-                by_dst.setdefault(f.dst, []).append(f)
-            fl = list(by_dst.items())
-            self._pairs[key] = fl
-        return fl
+            kid = self._kinds.get((g1, g2)) if not (gd1.mp or gd2.mp) else None
+            if kid is None:
+                kinds = pair_kinds(self.static, g1, gd1, g2, gd2)
+                kid = self._kind_ids.setdefault(kinds, (len(self._kind_ids), kinds))
+                if not (gd1.mp or gd2.mp):
+                    self._kinds[(g1, g2)] = kid
+            tkey = (kid[0], gd1.ukey, gd2.ukey)
+            tpl = self._templates.get(tkey)
+            if tpl is None:
+                if len(self._templates) > CACHE_LIMIT:
+                    self._templates.clear()
+                tpl = self._templates[tkey] = PairTemplate(kid[1], gd1.units, gd2.units, self.comm)
+            pr = self._pairs[key] = _Pair(tpl, g1, g2, self.static.num_groups)
+        return pr
 
-    # ---- the event loop -------------------------------------------------------------------
-    def run(self, groups, *, trace: bool = False) -> SimResult:
-        """Simulate one iteration of the deployment ``groups`` (one GroupPlan per op-group)."""
-        st = self.static
-        k = st.num_groups
-        if len(groups) != k:
-            raise PlanError(f"plan: groups: expected {k} entries (one per op-group), got {len(groups)}")
-        keys = [plan_key(gp) for gp in groups]
-        gds = [self.group_data(g, gp, keys[g]) for g, gp in enumerate(groups)]
-        incoming: dict[tuple, list] = {}
-        local = self._local_pairs
-        for g1, g2 in st.pairs:
+    def _stage_index(self, stage: tuple[int, int, int]) -> int:
+        """Flat index of stage (phase, group, chunk) in a run's stage tables: ``ph * K + g + 2K * j``
+        (data-parallel stages first, in group order); -1 for PARAM."""
+        ph, g, j = stage
+        k = self.static.num_groups
+        return -1 if ph == PARAM else ph * k + g + 2 * k * j
+
+    def _pairs_used(self, gds: list[GroupData]):
+        """The pairs of groups whose deployments move tensors between them, in pair order."""
+        for g1, g2, local in self._pair_list:
             gd1, gd2 = gds[g1], gds[g2]
             if g1 == g2:
                 if not gd1.mp:
                     continue
-            elif (g1, g2) in local and gd1.units[0].layout is not None and \
-                    gd1.units[0].layout is gd2.units[0].layout:
+            elif local and gd1.layout is not None and gd1.layout is gd2.layout:
                 continue  # same replicas, same sample ranges: every move stays on its device
-            for dst, fl in self.flows(g1, keys[g1], g2, keys[g2] if g1 != g2 else None, gds):
+            pr = self._pairs.get((gd1.serial, gd2.serial))
+            if pr is None:
+                pr = self.pair(g1, gd1, g2, gd2)
+            if pr.fast:
+                yield pr
+
+    def deploy(self, groups) -> list[GroupData]:
+        """The cached :class:`GroupData` of every group of the deployment ``groups``."""
+        k = self.static.num_groups
+        if len(groups) != k:
+            raise PlanError(f"plan: groups: expected {k} entries (one per op-group), got {len(groups)}")
+        get, out = self._groups.get, []
+        for g, gp in enumerate(groups):
+            gd = get((g, plan_key(gp)))
+            out.append(gd if gd is not None else self.group_data(g, gp))
+        return out
+
+    # ---- the event loop -------------------------------------------------------------------
+    def run(self, groups, *, trace: bool = False) -> SimResult:
+        """Simulate one iteration of the deployment ``groups`` (one GroupPlan per op-group).
+
+        Without ``trace`` the fast event loop (:class:`_FastRun`) computes the result and the
+        critical path is computed on first access by replaying the iteration with the reference
+        event loop (:class:`_Run`, which records every task's predecessor); with ``trace`` the
+        reference loop runs directly and records the timeline."""
+        gds = self.deploy(groups)
+        if trace:
+            return self.run_reference(gds, trace=True)
+        return _FastRun(self, gds).execute()
+
+    def run_reference(self, gds: list[GroupData], *, trace: bool = False) -> SimResult:
+        """Simulate with the reference event loop (every task recorded; slow)."""
+        incoming: dict[tuple, list] = {}
+        for pr in self._pairs_used(gds):
+            for dst, fl in pr.by_dst:
                 lst = incoming.get(dst)
                 if lst is None:
                     incoming[dst] = list(fl)
                 else:
                     lst.extend(fl)
         return _Run(self, gds, incoming).execute(trace)
+
+
+class _Pair:
+    """The flows between two groups' deployments (a :class:`PairTemplate` placed at groups ``g1``,
+    ``g2``): per destination stage as plain tuples ``(source stage index, source replica, a, b,
+    source machine, destination machine, seconds, destination replica)`` for the fast loop
+    (``fast``), as :class:`Flow` objects for the reference loop (``by_dst``, built on demand), and
+    the largest transfer each device takes part in (``bufmax``: its communication buffer)."""
+
+    __slots__ = ("tpl", "g1", "g2", "fast", "bufmax", "_by_dst")
+
+    def __init__(self, tpl: PairTemplate, g1: int, g2: int, k: int):
+        self.tpl, self.g1, self.g2 = tpl, g1, g2
+        src_base = [ph * k + g1 for ph in (FWD, BWD)]
+        k2 = 2 * k
+        # Tuples of numbers only: the garbage collector stops tracking them (big caches stay cheap).
+        self.fast = tuple([(ph * k + g2 + k2 * du,
+                            tuple([(src_base[sp] + k2 * su if sp != PARAM else -1, ri, a, b, ma, mb, t, rj)
+                                   for sp, su, ri, rj, a, b, ma, mb, t, _ in fl]))
+                           for (ph, du), fl in tpl.by_dst])
+        self.bufmax = tpl.bufmax
+        self._by_dst = None
+
+    @property
+    def by_dst(self) -> list[tuple[tuple, list[Flow]]]:
+        if self._by_dst is None:
+            g1, g2 = self.g1, self.g2
+            self._by_dst = [((ph, g2, du), [Flow((sp, g1, su), ri, (ph, g2, du), rj, a, b, nb, t, ma, mb)
+                                            for sp, su, ri, rj, a, b, ma, mb, t, nb in fl])
+                            for (ph, du), fl in self.tpl.by_dst]
+        return self._by_dst
+
+    @property
+    def flows(self) -> list[Flow]:
+        return [f for _, fl in self.by_dst for f in fl]
 
 
 class _Run:
@@ -296,7 +395,7 @@ class _Run:
                 fin = fin_a.tolist()
                 mx = fin_a.max(axis=1).tolist() if ph == BWD else None
             else:
-                dur = lay.dur_l[ph][g] if lay is not None else (unit.dur[ph],)
+                dur = lay.row(g)[ph] if lay is not None else (unit.dur[ph],)
                 fin = [[x + y for x, y in zip(start, dur)]]
                 mx = [max(fin[0])] if ph == BWD else None
             end = fin[-1]
@@ -422,88 +521,21 @@ class _Run:
             settle()
         return sync_end
 
-    def _holdings(self):
-        """Per device: optimizer seconds, held bytes, max working set, holds-params flag."""
-        sim, gds = self.sim, self.gds
-        n = sim.num_devices
-        opt, mem, work = np.zeros(n), np.zeros(n), np.zeros(n)
-        holds = np.zeros(n, dtype=bool)
-        gcomp = [0.0] * len(gds)
-        by_layout: dict[int, tuple[Layout, list[int]]] = {}
-        for g, gd in enumerate(gds):
-            for u in gd.units:
-                if u.layout is not None:
-                    entry = by_layout.get(id(u.layout))
-                    if entry is None:
-                        by_layout[id(u.layout)] = (u.layout, [g])
-                    else:
-                        entry[1].append(g)
-                    gcomp[g] += u.layout.gsum[g]
-                else:
-                    d = u.devices[0]
-                    opt[d] += u.dur[OPT]
-                    mem[d] += u.mem
-                    work[d] = max(work[d], u.work)
-                    holds[d] |= u.mem > 0
-                    gcomp[g] += sum(u.dur)
-            if gd.sfb is not None:
-                gcomp[g] += sum(gd.sfb.recompute)
-        gb = self.sim.static.grad_bytes
-        for lay, gs in by_layout.values():
-            if len(gs) >= 4:  # many groups on one layout: numpy over the [groups, replicas] block
-                dv = lay.dev_arr
-                opt[dv] += lay.dur[OPT][gs].sum(axis=0)
-                mem[dv] += lay.mem[gs].sum(axis=0)
-                work[dv] = np.maximum(work[dv], lay.work[gs].max(axis=0))
-                if gb[gs].sum() > 0:
-                    holds[dv] = True
-                continue
-            dur_o, mem_l, work_l = lay.dur_l[OPT], lay.mem_l, lay.work_l
-            for g in gs:
-                h = gb[g] > 0
-                for r, d in enumerate(lay.devices):
-                    opt[d] += dur_o[g][r]
-                    mem[d] += mem_l[g][r]
-                    if work_l[g][r] > work[d]:
-                        work[d] = work_l[g][r]
-                    if h:
-                        holds[d] = True
-        return opt, mem, work, holds, gcomp
-
     def execute(self, trace: bool) -> SimResult:
-        sim = self.sim
         k = len(self.gds)
         self._phase(FWD, list(range(k)))
         self._phase(BWD, list(reversed(range(k))))
         sync_end = self._syncs()
-        opt, mem, work, holds, gcomp = self._holdings()
-        n = sim.num_devices
-        before = list(self.cfree)
-        upd_start = [0.0] * n
-        final = list(before)
-        comp = self.comp
-        for d in range(n):
-            if holds[d]:
-                s = max(before[d], sync_end[d])
-                dur = float(opt[d]) + sim.step_overhead[d]
-                upd_start[d] = s
-                final[d] = s + dur
-                comp[d] += dur
-        t_iter = max(max(final), max(self.comm_free))
-        compute = comp
-        peak = (mem + work + np.array(self.buf)).tolist()
-        cap = sim.capacity
-        oom_devices = [(d, peak[d] - cap[d]) for d in range(n) if peak[d] > cap[d]]
+        holds_etc = _holdings(self.sim, self.gds)
+        final, before, upd_start, holds, res = _result(self.sim, self, sync_end, holds_etc)
+
         def path(final=final, before=before, upd_start=upd_start, sync_end=sync_end, holds=holds):
             return self._critical_path(final, before, upd_start, sync_end, holds)
 
-        events = self._events(upd_start, final, holds) if trace else None
-        return SimResult(
-            iteration_time_s=t_iter, oom=bool(oom_devices), peak_memory_bytes=peak,
-            memory_capacity_bytes=list(cap), oom_devices=oom_devices, compute_time_s=compute,
-            comm_time_s=list(self.comm_busy), idle_time_s=[t_iter - c for c in compute],
-            group_finish_s=list(self.group_finish), group_compute_s=gcomp, path_fn=path,
-            events=events, device_names=list(sim.device_names))
+        res.path_fn = path
+        if trace:
+            res.events = self._events(upd_start, final, holds)
+        return res
 
     # ---- critical path and timeline -------------------------------------------------------
     def _seg_task(self, sid: int, row: int, r: int) -> tuple[str, float, float, object]:
@@ -607,3 +639,346 @@ class _Run:
                 ev.append(SimEvent(f"opt @d{d}", d, "compute", upd_start[d], final[d], "opt"))
         ev.sort(key=lambda x: (x.start, x.device))
         return ev
+
+
+class _FastRun:
+    """The event loop of :class:`_Run` without its bookkeeping (task records, predecessors): the
+    same tasks in the same order with the same floating-point operations, so the same times to
+    the bit (``tests/test_sim_reference.py``). Stages are flat indices (``Simulator._stage_index``),
+    transfers plain tuples (:class:`_Pair`)."""
+
+    def __init__(self, sim: Simulator, gds: list[GroupData]):
+        self.sim, self.gds = sim, gds
+        n, m = sim.num_devices, sim.num_machines
+        incoming: dict[int, tuple] = {}
+        buf = [0.0] * n
+        pairs = sim._pairs
+        # Simulator._pairs_used with numpy: a pair moves tensors unless it is within one group
+        # (only mp chunks exchange) or between two groups on one layout (only non-batch gradients).
+        lid = np.array([gd.lid for gd in gds])
+        l1, l2 = lid[sim._pair_src], lid[sim._pair_dst]
+        used = np.where(sim._pair_self, l1 < 0, sim._pair_nonlocal | (l1 != l2))
+        plist = sim._pair_list
+        for p in np.flatnonzero(used).tolist():
+            g1, g2, _ = plist[p]
+            gd1, gd2 = gds[g1], gds[g2]
+            pr = pairs.get((gd1.serial, gd2.serial))
+            if pr is None:
+                pr = sim.pair(g1, gd1, g2, gd2)
+            if not pr.fast:
+                continue
+            for dst, fl in pr.fast:
+                lst = incoming.get(dst)
+                incoming[dst] = fl if lst is None else lst + fl
+            for d, x in pr.bufmax:
+                if x > buf[d]:
+                    buf[d] = x
+        self.incoming = incoming
+        self.buf = buf
+        self.cfree = [0.0] * n
+        self.comp = [0.0] * n
+        self.comm_free = [0.0] * n
+        self.comm_busy = [0.0] * n
+        self.nic_out = [0.0] * m
+        self.nic_in = [0.0] * m
+        chunks = max([len(gd.units) for gd in gds])
+        self.sfin: list = [None] * (2 * len(gds) * chunks)  # stage index -> finish per replica
+        self.group_finish = [0.0] * len(gds)
+        self.any_sfb = any(gd.sfb is not None for gd in gds)
+        self.sfb_ready: dict[int, float] = {}
+
+    def _transfer(self, inc: list, nrep: int) -> list[float]:
+        ready = [0.0] * nrep
+        cf, nout, nin, busy, sfin = self.comm_free, self.nic_out, self.nic_in, self.comm_busy, self.sfin
+        for si, sr, a, b, ma, mb, t, r in inc:
+            s = sfin[si][sr] if si >= 0 else 0.0
+            x = cf[a]
+            if x > s:
+                s = x
+            x = cf[b]
+            if x > s:
+                s = x
+            if ma >= 0:
+                x = nout[ma]
+                if x > s:
+                    s = x
+                x = nin[mb]
+                if x > s:
+                    s = x
+                e = s + t
+                nout[ma] = nin[mb] = e
+            else:
+                e = s + t
+            cf[a] = cf[b] = e
+            busy[a] += t
+            busy[b] += t
+            if e > ready[r]:
+                ready[r] = e
+        return ready
+
+    def _phase(self, ph: int, order: list[int]) -> None:
+        """:meth:`_Run._phase`: segments of consecutive stages on one layout with no transfer in."""
+        gds, incoming = self.gds, self.incoming
+        k = len(gds)
+        k2 = 2 * k
+        base = ph * k
+        sfb = ph == BWD and self.any_sfb
+        fwd = ph == FWD
+        cfree, comp, sfin, gf = self.cfree, self.comp, self.sfin, self.group_finish
+        i, n = 0, len(order)
+        while i < n:
+            g = order[i]
+            gd = gds[g]
+            lay = gd.layout
+            if lay is None:  # mp: one single-device stage per chunk
+                units = gd.units
+                nu = len(units)
+                for j in (range(nu) if fwd else range(nu - 1, -1, -1)):
+                    unit = units[j]
+                    idx = base + g + k2 * j
+                    d = unit.devices[0]
+                    c = cfree[d]
+                    inc = incoming.get(idx)
+                    if inc:
+                        y = self._transfer(inc, 1)[0]
+                        st = y if y > c else c
+                    else:
+                        st = c
+                    x = st + unit.dur[ph]
+                    sfin[idx] = [x]
+                    if not fwd and x > gf[g]:
+                        gf[g] = x
+                    cfree[d] = x
+                    comp[d] += x - st
+                i += 1
+                continue
+            idx = base + g
+            devs = lay.devices
+            cf = [cfree[d] for d in devs]
+            inc = incoming.get(idx)
+            if inc:
+                ready = self._transfer(inc, len(devs))
+                start = [y if y > x else x for x, y in zip(cf, ready)]
+            else:
+                start = cf
+            e = i + 1
+            if not (sfb and gd.sfb is not None):
+                while e < n:
+                    g2 = order[e]
+                    gd2 = gds[g2]
+                    if gd2.layout is not lay or base + g2 in incoming:
+                        break
+                    e += 1
+                    if sfb and gd2.sfb is not None:
+                        break
+            length = e - i
+            if length > 1:  # a run of stages on one layout: cumulative sums over the groups
+                if fwd:
+                    b0, rows = lay.cum_fwd[g], lay.cum_fwd[g + 1:g + length + 1]
+                else:
+                    i0 = k - 1 - g
+                    b0, rows = lay.cum_bwd[i0], lay.cum_bwd[i0 + 1:i0 + length + 1]
+                fin_a = np.asarray(start) + (rows - b0)
+                fin = fin_a.tolist()
+                end = fin[-1]
+                if fwd:  # groups g .. g + length - 1
+                    sfin[idx:idx + length] = fin
+                else:  # groups g, g - 1, ..., g - length + 1; each its first and only stage
+                    fin.reverse()
+                    sfin[idx - length + 1:idx + 1] = fin
+                    mx = fin_a.max(axis=1).tolist()
+                    mx.reverse()
+                    gf[g - length + 1:g + 1] = mx
+            else:
+                r = lay.rows[g]
+                end = [x + y for x, y in zip(start, r[ph] if r is not None else lay.row(g)[ph])]
+                sfin[idx] = end
+                if not fwd:
+                    x = max(end)
+                    if x > gf[g]:
+                        gf[g] = x
+            for r, d in enumerate(devs):
+                x = end[r]
+                cfree[d] = x
+                comp[d] += x - start[r]
+            if sfb:
+                g2 = order[e - 1]
+                if gds[g2].sfb is not None:
+                    self._sfb(g2, end)
+            i = e
+
+    def _sfb(self, g: int, fin: list[float]) -> None:
+        """:meth:`_Run._sfb` without the task records."""
+        sd = self.gds[g].sfb
+        s = max(fin)
+        cf, busy, buf, nout, nin = self.comm_free, self.comm_busy, self.buf, self.nic_out, self.nic_in
+        for d in sd.members:
+            if cf[d] > s:
+                s = cf[d]
+        for m in sd.machines:
+            if nout[m] > s:
+                s = nout[m]
+            if nin[m] > s:
+                s = nin[m]
+        for t in sd.gather_times:
+            s = s + t
+        for d in sd.members:
+            cf[d] = s
+            busy[d] += sd.gather_total
+            if sd.buffer_bytes > buf[d]:
+                buf[d] = sd.buffer_bytes
+        for m in sd.machines:
+            nout[m] = nin[m] = s
+        cfree, comp = self.cfree, self.comp
+        ready = 0.0
+        for d, t in zip(sd.devices, sd.recompute):
+            st = s if s >= cfree[d] else cfree[d]
+            cfree[d] = st + t
+            comp[d] += t
+            if st + t >= ready:
+                ready = st + t
+        self.sfb_ready[g] = ready
+
+    def _syncs(self) -> list[float]:
+        """:meth:`_Run._syncs` without the task records."""
+        n = self.sim.num_devices
+        sync_end = [0.0] * n
+        cf, busy, buf, nout, nin = self.comm_free, self.comm_busy, self.buf, self.nic_out, self.nic_in
+        gds, gf, sfb_ready = self.gds, self.group_finish, self.sfb_ready
+        cur = None  # GroupData starting the current run of syncs over one member set
+        run_end, run_busy, run_bytes = 0.0, 0.0, 0.0
+        for g in range(len(gds) - 1, -1, -1):
+            gd = gds[g]
+            if gd.sync == "none":
+                continue
+            s = sfb_ready[g] if gd.sfb is not None else gf[g]
+            if cur is not None and gd.sync_devices == cur.sync_devices:
+                if run_end > s:
+                    s = run_end
+            else:
+                if cur is not None:
+                    for d in cur.sync_devices:
+                        cf[d] = run_end
+                        busy[d] += run_busy
+                        if run_bytes > buf[d]:
+                            buf[d] = run_bytes
+                        sync_end[d] = run_end
+                    for m in cur.sync_machines:
+                        nout[m] = nin[m] = run_end
+                cur, run_busy, run_bytes = gd, 0.0, 0.0
+                for d in gd.sync_devices:
+                    if cf[d] > s:
+                        s = cf[d]
+                for m in gd.sync_machines:
+                    if nout[m] > s:
+                        s = nout[m]
+                    if nin[m] > s:
+                        s = nin[m]
+            run_end = s + gd.sync_time
+            run_busy += gd.sync_time
+            run_bytes = max(run_bytes, gd.sync_bytes)
+        if cur is not None:
+            for d in cur.sync_devices:
+                cf[d] = run_end
+                busy[d] += run_busy
+                if run_bytes > buf[d]:
+                    buf[d] = run_bytes
+                sync_end[d] = run_end
+            for m in cur.sync_machines:
+                nout[m] = nin[m] = run_end
+        return sync_end
+
+    def execute(self) -> SimResult:
+        sim, gds = self.sim, self.gds
+        k = len(gds)
+        self._phase(FWD, list(range(k)))
+        self._phase(BWD, list(range(k - 1, -1, -1)))
+        sync_end = self._syncs()
+        res = _result(sim, self, sync_end, _holdings(sim, gds))[-1]
+        res.path_fn = lambda: sim.run_reference(gds).critical_path
+        return res
+
+
+def _holdings(sim, gds):
+    """Per device: optimizer seconds, held bytes, max working set, holds-params flag (lists);
+    per group: compute seconds."""
+    n = sim.num_devices
+    opt, mem, work = [0.0] * n, [0.0] * n, [0.0] * n
+    holds = [False] * n
+    gcomp = [0.0] * len(gds)
+    by_layout: dict[int, tuple[Layout, list[int]]] = {}
+    for g, gd in enumerate(gds):
+        lay = gd.layout
+        if lay is not None:
+            entry = by_layout.get(id(lay))
+            if entry is None:
+                by_layout[id(lay)] = (lay, [g])
+            else:
+                entry[1].append(g)
+            gcomp[g] += lay.gsum_l[g]
+        else:
+            for u in gd.units:
+                d = u.devices[0]
+                opt[d] += u.dur[OPT]
+                mem[d] += u.mem
+                work[d] = max(work[d], u.work)
+                holds[d] |= u.mem > 0
+                gcomp[g] += sum(u.dur)
+        if gd.sfb is not None:
+            gcomp[g] += sum(gd.sfb.recompute)
+    gb = sim.static.grad_bytes
+    gbl = sim.static.grad_bytes_l
+    for lay, gs in by_layout.values():
+        devs = lay.devices
+        if len(gs) >= 4:  # many groups on one layout: numpy over the [groups, replicas] block
+            o = lay.dur[OPT][gs].sum(axis=0).tolist()
+            m = lay.mem[gs].sum(axis=0).tolist()
+            w = lay.work[gs].max(axis=0).tolist()
+            h = gb[gs].sum() > 0
+            for r, d in enumerate(devs):
+                opt[d] += o[r]
+                mem[d] += m[r]
+                if w[r] > work[d]:
+                    work[d] = w[r]
+                if h:
+                    holds[d] = True
+            continue
+        for g in gs:
+            h = gbl[g] > 0
+            _, _, o, m, w = lay.row(g)
+            for r, d in enumerate(devs):
+                opt[d] += o[r]
+                mem[d] += m[r]
+                if w[r] > work[d]:
+                    work[d] = w[r]
+                if h:
+                    holds[d] = True
+    return opt, mem, work, holds, gcomp
+
+
+def _result(sim, run, sync_end: list[float], holdings):
+    """The optimizer step of every device holding parameters, then the :class:`SimResult` of the
+    run's state (``cfree``, ``comp``, ``comm_free``, ``comm_busy``, ``buf``, ``group_finish``)."""
+    opt, mem, work, holds, gcomp = holdings
+    n = sim.num_devices
+    before = list(run.cfree)
+    upd_start = [0.0] * n
+    final = list(before)
+    comp = run.comp
+    for d in range(n):
+        if holds[d]:
+            s = max(before[d], sync_end[d])
+            dur = opt[d] + sim.step_overhead[d]
+            upd_start[d] = s
+            final[d] = s + dur
+            comp[d] += dur
+    t_iter = max(max(final), max(run.comm_free))
+    peak = [x + y + z for x, y, z in zip(mem, work, run.buf)]
+    cap = sim.capacity
+    oom_devices = [(d, peak[d] - cap[d]) for d in range(n) if peak[d] > cap[d]]
+    res = SimResult(
+        iteration_time_s=t_iter, oom=bool(oom_devices), peak_memory_bytes=peak,
+        memory_capacity_bytes=list(cap), oom_devices=oom_devices, compute_time_s=comp,
+        comm_time_s=list(run.comm_busy), idle_time_s=[t_iter - c for c in comp],
+        group_finish_s=list(run.group_finish), group_compute_s=gcomp, device_names=list(sim.device_names))
+    return final, before, upd_start, holds, res

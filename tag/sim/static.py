@@ -56,6 +56,8 @@ class GraphStatic:
     """Keys of ``edges``, sorted."""
     grad_bytes: np.ndarray
     """[K] bytes of the parameters (= gradients) each group owns."""
+    grad_bytes_l: list
+    """``grad_bytes`` as a list."""
     static_pos: list[np.ndarray]
     """Per group, per position: param + grad + optimizer-state bytes owned there."""
     buffer_pos: list[np.ndarray]
@@ -65,6 +67,25 @@ class GraphStatic:
     backward reads that was produced in a forward pass or is a user input (kept from forward)."""
     work_pos: list[np.ndarray]
     """Per group: [positions, 2] max (fixed, per-sample) bytes read+written by one op there."""
+    mem_fixed: np.ndarray = None
+    """[K] bytes a data-parallel replica of the group holds: ``mem_fixed + mem_per_sample * b``."""
+    mem_per_sample: np.ndarray = None
+    work_fixed: np.ndarray = None
+    """[K] largest single-op working set of the group: ``work_fixed + work_per_sample * b`` (0 when
+    the group has no op)."""
+    work_per_sample: np.ndarray = None
+
+    def __post_init__(self):
+        k = self.num_groups
+        self.mem_fixed, self.mem_per_sample = np.zeros(k), np.zeros(k)
+        self.work_fixed, self.work_per_sample = np.zeros(k), np.zeros(k)
+        for g in range(k):
+            sf = sum(f for f, _, _ in self.saved[g])
+            self.mem_fixed[g] = self.static_pos[g].sum() + self.buffer_pos[g].sum() + sf
+            self.mem_per_sample[g] = sum(p for _, p, _ in self.saved[g])
+            w = self.work_pos[g]
+            if len(w):
+                self.work_fixed[g], self.work_per_sample[g] = w[:, 0].max(), w[:, 1].max()
 
 
 def gradient_tensors(graph) -> set[int]:
@@ -145,5 +166,5 @@ def build_static(graph) -> GraphStatic:
     for (t, g), ps in saved_map.items():
         nb = tensors[t].nbytes
         saved[g].append((nb.fixed, nb.per_sample, sorted(set(ps))))
-    return GraphStatic(k, graph.batch_size, lo, hi, edges, sorted(edges), grad_bytes, static_pos, buffer_pos,
-                       saved, work_pos)
+    return GraphStatic(k, graph.batch_size, lo, hi, edges, sorted(edges), grad_bytes, grad_bytes.tolist(), static_pos,
+                       buffer_pos, saved, work_pos)

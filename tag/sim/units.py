@@ -46,10 +46,19 @@ class Layout:
     """First global sample of each replica."""
     gsum: np.ndarray
     """[K] compute seconds (fwd + bwd + opt) summed over the replicas."""
-    dur_l: list
-    """``dur`` as nested lists [3][K][R] (scalar access in the event loop)."""
-    mem_l: list
-    work_l: list
+    gsum_l: list
+    """``gsum`` as a list."""
+    uid: int = 0
+    """Unique per simulator."""
+    rows: list = field(default_factory=list)
+    """Per group, made on first use by :meth:`row` (scalar access in the event loop):
+    ``[fwd, bwd, opt, mem, work]`` lists over the replicas."""
+
+    def row(self, g: int) -> list:
+        r = self.rows[g]
+        if r is None:
+            r = self.rows[g] = self.dur[:, g].tolist() + [self.mem[g].tolist(), self.work[g].tolist()]
+        return r
 
 
 @dataclass
@@ -121,6 +130,15 @@ class GroupData:
     """mp: forward position -> chunk index."""
     sfb: SfbData | None = None
     """Set when ``GroupPlan.sfb`` is non-empty."""
+    serial: int = 0
+    """Unique per simulator (cache key of the flows between two groups' deployments)."""
+    layout: Layout | None = None
+    """The data-parallel layout (``None`` for ``mp``)."""
+    lid: int = 0
+    """``layout.uid``, or ``-serial`` for ``mp`` (no two groups share it)."""
+    ukey: tuple = ()
+    """What the replica-level moves into and out of the group depend on: ``("dp", devices,
+    batches)`` or ``("mp", devices)`` (every chunk holds the full batch)."""
 
 
 @dataclass(slots=True)
@@ -153,18 +171,13 @@ def make_layout(static: GraphStatic, tables: np.ndarray, dev_class: list[int], d
     np.cumsum(dur[FWD], axis=0, out=cum_f[1:])
     cum_b = np.zeros((k + 1, r))
     np.cumsum(dur[BWD][::-1], axis=0, out=cum_b[1:])
-    mem = np.zeros((k, r))
-    work = np.zeros((k, r))
-    bf = b.astype(float)
-    for g in range(k):
-        sf = sum(f for f, _, _ in static.saved[g])
-        sp = sum(p for _, p, _ in static.saved[g])
-        mem[g] = static.static_pos[g].sum() + static.buffer_pos[g].sum() + sf + sp * bf
-        w = static.work_pos[g]
-        work[g] = (w[:, 0].max() + w[:, 1].max() * bf) if len(w) else 0.0
+    bf = b.astype(float)[None, :]
+    mem = static.mem_fixed[:, None] + static.mem_per_sample[:, None] * bf
+    work = static.work_fixed[:, None] + static.work_per_sample[:, None] * bf
     starts = tuple(int(s) for s in np.concatenate([[0], np.cumsum(b)[:-1]]))
-    return Layout(tuple(devices), tuple(batches), dev, dur, cum_f, cum_b, mem, work, starts, dur.sum(axis=(0, 2)),
-                  dur.tolist(), mem.tolist(), work.tolist())
+    gsum = dur.sum(axis=(0, 2))
+    return Layout(tuple(devices), tuple(batches), dev, dur, cum_f, cum_b, mem, work, starts, gsum, gsum.tolist(),
+                  rows=[None] * k)
 
 
 def split_batch(batch_size: int, shares: list[float]) -> tuple[int, ...]:
@@ -221,15 +234,78 @@ def pair_flows(static: GraphStatic, comm, g1: int, gd1: GroupData, g2: int, gd2:
     return flows
 
 
+def pair_kinds(static: GraphStatic, g1: int, gd1: GroupData, g2: int, gd2: GroupData) -> tuple:
+    """The tensors crossing from group ``g1``'s units to ``g2``'s, summed per (source unit and
+    phase, destination unit and first-need phase, move kind): ``((su, sphase, du, ph, kind),
+    fixed, per_sample)`` in :func:`pair_flows` order. Depends on the deployments only through
+    the mp chunks of the two groups."""
+    kinds: dict[tuple, list[float]] = {}
+    for e in static.edges.get((g1, g2), ()):
+        su = gd1.chunk_of.get(e.src_pos, 0) if gd1.mp else 0
+        need: dict[int, int] = {}  # dst unit -> first phase needing it
+        for p, ph in e.consumers:
+            du = gd2.chunk_of.get(p, 0) if gd2.mp else 0
+            need[du] = min(need.get(du, ph), ph)
+        kind = "rows" if e.batch else ("sum" if e.grad else "copy")
+        for du, ph in need.items():
+            if g1 == g2 and du == su:
+                continue
+            acc = kinds.setdefault((su, e.src_phase, du, ph, kind), [0.0, 0.0])
+            acc[0] += e.fixed
+            acc[1] += e.per_sample
+    return tuple((k, f, p) for k, (f, p) in kinds.items())
+
+
+class PairTemplate:
+    """The flows of one :func:`pair_kinds` bundle between two deployments (``GroupData.ukey``),
+    independent of the two groups' indices: :func:`pair_flows` with stages written ``(phase,
+    unit)``. ``by_dst``: ``[((ph, du), [(sphase, su, ri, rj, a, b, ma, mb, seconds, bytes)])]``
+    in flow order; ``bufmax``: ``[(device, largest transfer bytes)]``."""
+
+    __slots__ = ("by_dst", "bufmax")
+
+    def __init__(self, kinds: tuple, units1: list[Unit], units2: list[Unit], comm):
+        moves: dict[tuple, float] = {}
+        mo = comm.machine_of
+        for (su, sphase, du, ph, kind), fixed, per_sample in kinds:
+            src, dst = units1[su], units2[du]
+            sd, dd = src.devices, dst.devices
+            for ri, rj, nbytes in _moves(kind, fixed, per_sample, src, dst, mo):
+                if nbytes <= 0 or sd[ri] == dd[rj]:
+                    continue
+                key = (ph, du, sphase, su, ri, rj)
+                moves[key] = moves.get(key, 0.0) + nbytes
+        by_dst: dict[tuple, list] = {}
+        buf: dict[int, float] = {}
+        p2p = comm.p2p_time
+        for (ph, du, sphase, su, ri, rj), nbytes in moves.items():
+            a = units1[su].devices[ri]
+            b = units2[du].devices[rj]
+            cross = mo[a] != mo[b]
+            by_dst.setdefault((ph, du), []).append(
+                (sphase, su, ri, rj, a, b, mo[a] if cross else -1, mo[b] if cross else -1, p2p(a, b, nbytes), nbytes))
+            for d in (a, b):
+                if nbytes > buf.get(d, 0.0):
+                    buf[d] = nbytes
+        self.by_dst = list(by_dst.items())
+        self.bufmax = list(buf.items())
+
+
 def _moves(kind: str, fixed: float, per_sample: float, src: Unit, dst: Unit, mo) -> list[tuple[int, int, float]]:
     """(producer replica, consumer replica, bytes) per the executor's move rules."""
     out = []
-    if kind == "rows":
-        for j, (cs, cb) in enumerate(zip(dst.starts, dst.batches)):
-            for i, (ps, pb) in enumerate(zip(src.starts, src.batches)):
-                overlap = min(cs + cb, ps + pb) - max(cs, ps)
-                if overlap > 0:
-                    out.append((i, j, per_sample * overlap))
+    if kind == "rows":  # both sample partitions in order: merge them
+        i, j, ni, nj = 0, 0, len(src.batches), len(dst.batches)
+        ps, pb, cs, cb = src.starts, src.batches, dst.starts, dst.batches
+        while i < ni and j < nj:
+            pe, ce = ps[i] + pb[i], cs[j] + cb[j]
+            overlap = min(ce, pe) - max(cs[j], ps[i])
+            if overlap > 0:
+                out.append((i, j, per_sample * overlap))
+            if pe <= ce:
+                i += 1
+            if ce <= pe:
+                j += 1
         return out
     if kind == "sum":
         return [(i, 0, fixed + per_sample * pb) for i, pb in enumerate(src.batches)]
@@ -242,4 +318,4 @@ def _moves(kind: str, fixed: float, per_sample: float, src: Unit, dst: Unit, mo)
 
 
 __all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "SfbData", "Unit", "make_layout", "mp_unit",
-           "pair_flows", "split_batch"]
+           "pair_flows", "pair_kinds", "split_batch", "PairTemplate"]
