@@ -29,7 +29,8 @@ consumer's first replica (``sum``), the other replicas get zeros (``zeros``). A 
 backward tensor that is not such a partial sum is copied like a forward tensor -- summing it
 would count it once per replica: a transposed weight computed in the backward phase, or the
 loss-gradient seed and ``seed / count`` of a mean loss (the same on every replica in
-full-batch units). See :func:`partial_sum_tensors`.
+full-batch units). See :func:`partial_sum_tensors` (:mod:`tag.graph.gradients`, shared with the
+simulator).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import PlanError
+from ..graph.gradients import gradient_tensors, partial_sum_tensors  # noqa: F401 (re-exported by tag.executor)
 from ..graph.ir import OpGraph
 from ..plan.format import Plan, local_batches
 
@@ -178,38 +180,6 @@ class Schedule:
         """Moves into (unit, phase) (transfer step right before its compute step)."""
         return [m for s in self.steps if s.kind == "transfer" and s.unit == unit and s.phase == phase
                 for m in s.moves]
-
-
-def gradient_tensors(graph: OpGraph) -> set[int]:
-    """Indices of tensors that depend on the loss-gradient seed (linear in it).
-
-    The seed is the backward op reading the loss (``full_like(loss, 1)``); gradients are its
-    backward descendants. Backward tensors outside this set (weight transposes, masks of the
-    labels) are identical on every replica of a unit.
-    """
-    grads: set[int] = set()
-    for op in graph.ops:  # ops are in topological (graph) order
-        if op.phase == "bwd" and any(t == graph.loss or t in grads for t in op.inputs):
-            grads.update(op.outputs)
-    return grads
-
-
-def partial_sum_tensors(graph: OpGraph) -> set[int]:
-    """Non-batch gradients that are sums over the replica's samples (e.g. a weight gradient).
-
-    They descend from a batch-carrying gradient. The other non-batch gradients (the seed and
-    what is computed from it before it meets the batch: ``1 / count`` of a mean loss) are,
-    in full-batch units, the same on every replica, so they are copied, not summed.
-    """
-    grads = gradient_tensors(graph)
-    tensors = graph.tensors
-    below_batch: set[int] = set()  # gradients with a batch-carrying gradient among their ancestors
-    for op in graph.ops:
-        if op.phase != "bwd" or not any(t in grads for t in op.outputs):
-            continue
-        if any(t in grads and (tensors[t].batch_dim is not None or t in below_batch) for t in op.inputs):
-            below_batch.update(op.outputs)
-    return {t for t in below_batch if tensors[t].batch_dim is None}
 
 
 def graph_structure(graph: OpGraph) -> list[tuple[str, str, tuple[str, ...]]]:

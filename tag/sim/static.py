@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..graph.gradients import partial_sum_tensors
 from ..plan.format import group_positions
 
 FWD, BWD, OPT = 0, 1, 2
@@ -35,7 +36,11 @@ class TensorEdge:
     batch: bool
     """Re-partitioned by sample ranges (the tensor has a batch dimension)."""
     grad: bool
-    """A non-batch gradient (summed over producer replicas, delivered to the first consumer)."""
+    """A non-batch gradient that is a partial sum over the replica's samples (e.g. a tied weight's
+    gradient): summed over the producer replicas, delivered to the first consumer replica. Other
+    non-batch backward tensors (the loss-gradient seed, ``1 / count`` of a mean loss, weight
+    transposes) are copied like forward ones (:func:`tag.graph.gradients.partial_sum_tensors`,
+    the executor's rule)."""
     fixed: float
     """Bytes: ``fixed + per_sample * b``."""
     per_sample: float
@@ -88,15 +93,6 @@ class GraphStatic:
                 self.work_fixed[g], self.work_per_sample[g] = w[:, 0].max(), w[:, 1].max()
 
 
-def gradient_tensors(graph) -> set[int]:
-    """Tensors linear in the loss-gradient seed (the executor's definition of a gradient)."""
-    grads: set[int] = set()
-    for op in graph.ops:
-        if op.phase == "bwd" and any(t == graph.loss or t in grads for t in op.inputs):
-            grads.update(op.outputs)
-    return grads
-
-
 def build_static(graph) -> GraphStatic:
     ops, tensors = graph.ops, graph.tensors
     k = graph.num_groups
@@ -126,7 +122,7 @@ def build_static(graph) -> GraphStatic:
         owner[p.tensor] = (g, ps)
         grad_bytes[g] += p.nbytes
         static_pos[g][slot(g, ps)] += 2 * p.nbytes + p.opt_state_bytes
-    grads = gradient_tensors(graph)
+    partial_sums = partial_sum_tensors(graph)
 
     cons: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (tensor, dst group) -> consumers
     buffer_pos = [np.zeros(h - lo_) for lo_, h in pos]
@@ -160,7 +156,7 @@ def build_static(graph) -> GraphStatic:
         if g_src == g_dst and len({slot(g_dst, p) for p, _ in cs} | {slot(g_src, p_src)}) == 1:
             continue  # never crosses a unit, whatever the plan
         e = TensorEdge(t, g_src, p_src, ph_src, g_dst, cs, tt.batch_dim is not None,
-                       tt.batch_dim is None and t in grads, tt.nbytes.fixed, tt.nbytes.per_sample)
+                       tt.batch_dim is None and t in partial_sums, tt.nbytes.fixed, tt.nbytes.per_sample)
         edges.setdefault((g_src, g_dst), []).append(e)
     saved: list[list[tuple[float, float, list[int]]]] = [[] for _ in range(k)]
     for (t, g), ps in saved_map.items():

@@ -1,0 +1,69 @@
+"""The simulator moves what the executor moves: for many plans, the bytes every (source device,
+destination device) pair transfers in one iteration equal those of the executor's schedule
+(:func:`tag.executor.schedule.build_schedule`), including which non-batch backward tensors are
+summed over the producer replicas (partial sums, e.g. a tied weight's gradient) and which are
+copied (the loss-gradient seed, ``1 / count`` of a mean loss, weight transposes)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from test_sim_reference import BATCH, GROUPS, SPEC, _random_group, make_plans, setup
+
+from tag.executor.schedule import build_schedule
+from tag.graph.gradients import gradient_tensors, partial_sum_tensors
+from tag.plan import new_plan
+from tag.sim import Simulator
+
+
+@pytest.fixture(scope="module")
+def graph(captured):
+    return captured(SPEC, batch=BATCH, groups=GROUPS).graph
+
+
+def _sim_bytes(sim, groups) -> Counter:
+    out: Counter = Counter()
+    for pr in sim._pairs_used(sim.deploy(groups)):
+        for f in pr.flows:
+            out[(f.a, f.b)] += f.nbytes
+    return out
+
+
+def _executor_bytes(graph, topo, groups) -> Counter:
+    sched = build_schedule(graph, new_plan(graph, topo, groups), topo.machine_of)
+    by_name = {t.name: t for t in graph.tensors}
+    out: Counter = Counter()
+    for step in sched.steps:
+        for m in step.moves:
+            if m.src == m.dst or m.mode == "zeros":
+                continue
+            nb = by_name[m.name].nbytes
+            if m.mode == "rows":
+                out[(m.src, m.dst)] += nb.per_sample * (m.stop - m.start)
+            else:
+                out[(m.src, m.dst)] += nb.fixed + nb.per_sample * sched.units[m.src_unit].replica_on(m.src).batch
+    return out
+
+
+def test_seed_is_copied_tied_weight_gradient_summed(graph):
+    sim = Simulator(graph, *setup(graph))
+    names = {graph.tensors[e.tensor].name: e.grad for es in sim.static.edges.values() for e in es
+             if e.tensor in gradient_tensors(graph) and not e.batch}
+    assert names.get("full_like") is False  # the seed crosses from the loss group: copied
+    sums = partial_sum_tensors(graph)
+    assert {n for n, grad in names.items() if grad} == {graph.tensors[t].name for t in sums} & set(names)
+
+
+def test_transfers_match_the_executor(graph):
+    topo, costs = setup(graph)
+    sim = Simulator(graph, topo, costs)
+    rng = random.Random(5)
+    plans = [groups for _, groups in make_plans(graph, topo, costs)]
+    plans += [[_random_group(rng, graph, g, topo.num_devices) for g in range(GROUPS)] for _ in range(10)]
+    for groups in plans:
+        got, want = _sim_bytes(sim, groups), _executor_bytes(graph, topo, groups)
+        assert set(got) == set(want)
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v, rel=1e-12), k
