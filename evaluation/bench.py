@@ -74,6 +74,8 @@ class _Case:
         self.sim = Simulator(self.graph, self.topology, self.costs)
         self.lower_bound = lower_bound(self.graph, self.topology, self.costs)
         self.dp_time = self.sim.run(data_parallel(self.graph, self.topology).groups).iteration_time_s
+        self.executed: dict[tuple, tuple[float | None, str]] = {}
+        """Measured time per distinct plan (many methods find the same plan: run it once)."""
 
     def make_plan(self, method: str, cfg: SuiteConfig):
         """(plan, playouts) for ``method``."""
@@ -145,7 +147,10 @@ def _run_cell(case: _Case, model, topo_name: str, method: str, cfg: SuiteConfig)
     cell = Cell(model.spec, topo_name, method, t, bool(res.oom), case.dp_time / t if t > 0 else 0.0,
                 t / case.lower_bound if case.lower_bound > 0 else math.inf, search_s, playouts)
     if topo_name in cfg.execute_topologies and not res.oom:
-        cell.executed_time_s, cell.note = _execute(model, topo_name, plan, cfg)
+        key = tuple(g.key() for g in plan.groups)
+        if key not in case.executed:
+            case.executed[key] = _execute(model, topo_name, plan, cfg)
+        cell.executed_time_s, cell.note = case.executed[key]
     return cell
 
 

@@ -73,7 +73,7 @@ def quick_suite() -> SuiteConfig:
     return SuiteConfig(
         name="quick",
         models=[ModelCase("gpt2:n_layer=3,n_embd=192,n_head=4,seq=64", 32),
-                ModelCase("resnet:depth=34,width=24,norm=gn", 32)],
+                ModelCase("resnet:depth=18,width=24,norm=gn", 32)],
         topologies=["tag-testbed", "cloud-t4", "homogeneous-8xa100"],
         search_budget=500,
         groups=24,
