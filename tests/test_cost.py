@@ -12,6 +12,7 @@ from tag.cost.comm import (
     LinkFit,
     find_comm_profile,
     fit_latency_bandwidth,
+    fitted_allgather_time,
     fitted_allreduce_time,
 )
 from tag.cost.model import CostModel, device_type
@@ -127,6 +128,35 @@ def test_comm_model_uses_gloo_fit(tmp_path):
     assert fitted_allreduce_time(4, 1e6, fits["all_reduce"]) == pytest.approx(1.5e6 / 5e8 + 3 * 3e-4)
     nominal = CostModel.for_topology(g, topo, tmp_path / "none").comm
     assert nominal.p2p_time(0, 1, 1e6) == pytest.approx(topo.latency(0, 1) + 1e6 / 5e9)
+
+
+def test_comm_model_keeps_gloo_allgather_fit(tmp_path):
+    topo = load_topology({"name": "c2", "machines": [{"name": n, "gpu": "cpu", "count": 2, "intra_bandwidth": "5 GB/s"}
+                                                     for n in ("m0", "m1")],
+                           "network": {"bandwidth": "1 GB/s", "latency": "50 us"}})
+    dt = device_type(topo, 0)
+    fits = {"p2p": LinkFit(1e-4, 1e9), "all_reduce": LinkFit(3e-4, 5e8), "all_gather": LinkFit(2e-4, 4e8)}
+    CommProfile(dt, "gloo", 2, fits).save(tmp_path)
+    comm = CostModel.for_topology(chain_graph(2), topo, tmp_path).comm
+    assert comm.allgather_fit == fits["all_gather"]
+    # 2 processes, equal chunks: the measured fit itself; n processes: every one receives all
+    # chunks but its own over the ring, n-1 latencies
+    assert comm.fitted_allgather_time([1e6, 1e6], [0, 1]) == pytest.approx(2e-4 + 1e6 / 4e8)
+    assert fitted_allgather_time([1e6, 2e6, 3e6], fits["all_gather"]) == pytest.approx(5e6 / 4e8 + 2 * 2e-4)
+    assert fitted_allgather_time([5.0], fits["all_gather"]) == 0.0
+    assert comm.fitted_allgather_time([1e6, 1e6], [0, 2]) is None  # across machines: on the links
+    nominal = CostModel.for_topology(chain_graph(2), topo, tmp_path / "none").comm
+    assert nominal.allgather_fit is None and nominal.fitted_allgather_time([1e6, 1e6], [0, 1]) is None
+
+
+def test_device_roofline_is_public():
+    from tag.cost import device_roofline
+
+    topo = load_topology("topologies/cluster-16gpu-4m.yaml")
+    cm = CostModel.roofline_only(chain_graph(2), topo)
+    spec = topo.devices[0].gpu
+    assert cm.roofline(0) == device_roofline(cm.device_type(0), spec)
+    assert cm.roofline(0).flop_rate == pytest.approx(spec.fp32_flops * 0.7)
 
 
 def test_baselines_are_valid_plans():

@@ -97,6 +97,24 @@ def test_one_linear_layer_by_hand(one_linear):
         pytest.approx([524288 - B * (512 + 256) * 4] * 2)
 
 
+def test_cpu_allgathers_use_the_measured_gloo_fit(one_linear, tmp_path):
+    """SFB all-gathers between CPU devices of one machine: the measured gloo all-gather fit
+    (ring generalisation), not the point-to-point links."""
+    from tag.cost.comm import CommProfile, LinkFit
+    from tag.cost.model import device_type
+
+    topo = load_topology({"name": "cpu2", "machines": [{"name": "m", "gpu": "cpu", "count": 2,
+                                                         "intra_bandwidth": "5 GB/s"}]})
+    fit = LinkFit(3e-4, 7.5e8)
+    CommProfile(device_type(topo, 0), "gloo", 2, {"p2p": LinkFit(1e-4, 4e9), "all_gather": fit}).save(tmp_path)
+    sim = Simulator(one_linear, topo, CostModel.for_topology(one_linear, topo, tmp_path))
+    (cand,) = find_candidates(one_linear)
+    gd = sim.group_data(0, GroupPlan([0, 1], [0.5, 0.5], "allreduce", sfb=[cand.op_name]))
+    b = 4  # rows per replica; every replica receives the other's rows
+    want = sorted([fit.alpha + b * 512 * 4 / fit.beta, fit.alpha + b * 256 * 4 / fit.beta])
+    assert sorted(gd.sfb.gather_times) == pytest.approx(want, rel=1e-12)
+
+
 @pytest.fixture(scope="module")
 def mlp(captured):
     def get(batch):

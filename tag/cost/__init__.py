@@ -4,12 +4,12 @@ Heavy measuring code (:mod:`tag.cost.profiler`, :mod:`tag.cost.commprof`) is imp
 """
 
 from .comm import CommProfile, LinkFit, fit_latency_bandwidth, ring_allreduce_time
-from .model import CommModel, CostModel, DeviceCost, device_type
+from .model import CommModel, CostModel, DeviceCost, device_roofline, device_type
 from .profile import Profile, ProfileError, default_profile_dir, find_profile, load_profile
 from .roofline import Roofline, graph_time, group_phase_table, roofline_for
 
 __all__ = [
     "CommModel", "CommProfile", "CostModel", "DeviceCost", "LinkFit", "Profile", "ProfileError", "Roofline",
-    "default_profile_dir", "device_type", "find_profile", "fit_latency_bandwidth", "graph_time",
+    "default_profile_dir", "device_roofline", "device_type", "find_profile", "fit_latency_bandwidth", "graph_time",
     "group_phase_table", "load_profile", "ring_allreduce_time", "roofline_for",
 ]

@@ -19,7 +19,11 @@ Collectives over ``n`` devices synchronising ``S`` bytes (``bw``: bytes/s, ``lat
 For CPU devices talking through gloo, a measured fit (``comm.json``, :func:`profile_comm`)
 replaces the topology's nominal figures: point-to-point ``alpha + bytes / beta``; all-reduce
 from the 2-process all-reduce fit ``t2 = alpha + S / beta`` generalised to ``n`` processes as
-``2 (n-1)/n * S / beta + (n-1) * alpha`` (equal to ``t2`` at ``n = 2``).
+``2 (n-1)/n * S / beta + (n-1) * alpha`` (equal to ``t2`` at ``n = 2``); all-gather (SFB
+factors) from the 2-process all-gather fit ``t2 = alpha + S / beta`` (``S``: bytes each process
+contributes) generalised to a ring over ``n`` processes contributing ``c_r`` bytes each as
+``max_r (sum(c) - c_r) / beta + (n-1) * alpha`` (every process receives all chunks but its own;
+equal to ``t2`` at ``n = 2`` with equal chunks).
 """
 
 from __future__ import annotations
@@ -143,3 +147,12 @@ def fitted_allreduce_time(n: int, nbytes: float, fit: LinkFit) -> float:
     if n <= 1:
         return 0.0
     return 2.0 * (n - 1) / n * nbytes / fit.beta + (n - 1) * fit.alpha
+
+
+def fitted_allgather_time(chunks, fit: LinkFit) -> float:
+    """Ring all-gather of ``chunks[r]`` bytes from each of ``n`` processes from a 2-process fit
+    (see the module docstring); 0 for ``n <= 1``."""
+    n = len(chunks)
+    if n <= 1:
+        return 0.0
+    return (float(sum(chunks)) - min(chunks)) / fit.beta + (n - 1) * fit.alpha

@@ -28,6 +28,7 @@ from .comm import (
     CommProfile,
     LinkFit,
     find_comm_profile,
+    fitted_allgather_time,
     fitted_allreduce_time,
     hierarchical_allreduce_time,
     ring_allreduce_time,
@@ -133,6 +134,10 @@ class CostModel:
     def device_type(self, device: int) -> str:
         return self._dev[device].device_type
 
+    def roofline(self, device: int) -> Roofline:
+        """Effective roofs of topology device ``device`` (:func:`device_roofline`)."""
+        return device_roofline(self.device_type(device), self.topology.devices[device].gpu)
+
     def device_speeds(self) -> list[float]:
         """Samples/s of each device running the whole iteration alone on the full batch."""
         b = self.graph.batch_size
@@ -182,7 +187,7 @@ def _position_weights(graph, g: int, phase: str) -> np.ndarray:
 def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: list[str],
                  grid: np.ndarray) -> DeviceCost:
     spec = topology.devices[d].gpu
-    roof = _roof_of(dt, spec)
+    roof = device_roofline(dt, spec)
     overhead = op_overhead(spec)
 
     def rtab(batches, roof=roof, overhead=overhead):
@@ -195,7 +200,7 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
     prof = find_profile(root, ref, sig) if ref is not None else None
     if prof is not None and prof.num_groups == graph.num_groups:
         ref_spec = spec if _is_cpu(ref) else _catalog(ref)
-        ref_roof = _roof_of(ref, ref_spec)
+        ref_roof = device_roofline(ref, ref_spec)
         ref_over = op_overhead(ref_spec)
 
         def scaled(batches, prof=prof, ref_roof=ref_roof, ref_over=ref_over):
@@ -215,7 +220,9 @@ def _catalog(name: str):
     return match_gpu_name(name)
 
 
-def _roof_of(dt: str, spec) -> Roofline:
+def device_roofline(dt: str, spec) -> Roofline:
+    """Effective roofs of a device of profile type ``dt`` (:func:`device_type`) with datasheet
+    ``spec``: a ``cpu-<threads>t`` device gets its share of the measured CPU's FLOP rate."""
     if _is_cpu(dt):
         import torch
 
@@ -240,7 +247,8 @@ class CommModel:
     """Link latency/bandwidth between devices and collective costs (see :mod:`tag.cost.comm`)."""
 
     def __init__(self, topology, bandwidth: np.ndarray, latency: np.ndarray,
-                 allreduce_fit: LinkFit | None = None, fitted_devices: frozenset = frozenset()):
+                 allreduce_fit: LinkFit | None = None, fitted_devices: frozenset = frozenset(),
+                 allgather_fit: LinkFit | None = None):
         self.topology = topology
         self.bandwidth = bandwidth
         """[D, D] bytes/s (diagonal inf)."""
@@ -249,6 +257,8 @@ class CommModel:
         self._bw = bandwidth.tolist()
         self._lat = latency.tolist()
         self.allreduce_fit = allreduce_fit
+        self.allgather_fit = allgather_fit
+        """Measured gloo all-gather (2 processes) of the fitted CPU devices, if profiled."""
         self._fitted = fitted_devices
         self.machine_of = [topology.machine_of(d) for d in range(topology.num_devices)]
 
@@ -259,7 +269,7 @@ class CommModel:
         bw = np.array(topology.bandwidth_matrix, dtype=float)
         lat = np.array(topology.latency_matrix, dtype=float)
         fitted: set[int] = set()
-        ar_fit = None
+        ar_fit = ag_fit = None
         for m in range(topology.num_machines):
             devs = topology.devices_of_machine(m)
             dt = device_type(topology, devs[0])
@@ -273,7 +283,8 @@ class CommModel:
                         bw[a, b], lat[a, b] = f.beta, f.alpha
             fitted.update(devs)
             ar_fit = prof.fits.get("all_reduce", ar_fit)
-        return cls(topology, bw, lat, ar_fit, frozenset(fitted))
+            ag_fit = prof.fits.get("all_gather", ag_fit)
+        return cls(topology, bw, lat, ar_fit, frozenset(fitted), ag_fit)
 
     def p2p_time(self, a: int, b: int, nbytes: float) -> float:
         """Seconds to move ``nbytes`` from device ``a`` to ``b`` (0 when ``a == b``)."""
@@ -306,6 +317,19 @@ class CommModel:
         ring = list(zip(leaders, leaders[1:] + leaders[:1]))
         return hierarchical_allreduce_time(per_machine, nbytes, min(self._bw[a][b] for a, b in ring),
                                            max(self._lat[a][b] for a, b in ring))
+
+    def fitted_allgather_time(self, chunks, devices) -> float | None:
+        """Seconds of an all-gather of ``chunks[r]`` bytes from each ``devices[r]`` by the measured
+        gloo all-gather fit (:func:`tag.cost.comm.fitted_allgather_time`) when every device is a
+        fitted CPU device and all are on one machine; ``None`` otherwise (the caller costs it on
+        the links, :func:`tag.compress.allgather_time`)."""
+        fit = self.allgather_fit
+        if fit is None or not all(d in self._fitted for d in devices):
+            return None
+        mo = self.machine_of
+        if len({mo[d] for d in devices}) > 1:
+            return None
+        return fitted_allgather_time(list(chunks), fit)
 
     def ps_time(self, devices, server: int, nbytes: float) -> float:
         """Push to ``server`` then pull back, the server's link shared by all flows."""

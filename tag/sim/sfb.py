@@ -1,10 +1,13 @@
 """What a group's ``GroupPlan.sfb`` costs in the simulator (see :class:`tag.sim.units.SfbData`).
 
 * **All-gathers**: one per distinct factor of the group's SFB ops (:func:`tag.compress.sfb_work`),
-  replica ``r`` contributing ``b_r * bytes_per_sample`` bytes; the ring / hierarchical all-gather
-  formula of :func:`tag.compress.allgather_time`, on the cost model's links
-  (:class:`tag.cost.model.CommModel`: the topology's, with the measured gloo point-to-point fit
-  between CPU devices of one machine), so the simulator and the SFB selection agree on GPUs.
+  replica ``r`` contributing ``b_r * bytes_per_sample`` bytes. Between CPU devices of one machine
+  with a communication profile: the measured gloo all-gather fit
+  (:meth:`tag.cost.model.CommModel.fitted_allgather_time`, ring generalisation of the 2-process
+  fit). Otherwise the ring / hierarchical all-gather formula of
+  :func:`tag.compress.allgather_time` on the cost model's links (the topology's, with the
+  measured gloo point-to-point fit between CPU devices of one machine), so the simulator and the
+  SFB selection agree on GPUs.
 * **Recompute**: replica ``r`` runs every SFB op on the global batch ``B`` instead of its ``b_r``
   samples: ``sum_op t(op, B) - t(op, b_r)`` seconds on its device, where ``t(op, b)`` is the op's
   roofline share of its group's backward in the cost model, ``table[g, bwd, b] * roof(op, b) /
@@ -63,11 +66,10 @@ class SfbCosts:
         cls = self.sim.dev_class[d]
         r = self._roof.get(cls)
         if r is None:
-            from ..cost.model import _roof_of
             from ..cost.roofline import group_phase_table, op_overhead
 
             spec = self.sim.topology.devices[d].gpu
-            roof = _roof_of(self.sim.costs.device_type(d), spec)
+            roof = self.sim.costs.roofline(d)
             over = op_overhead(spec)
             grid = np.arange(self.graph.batch_size + 1, dtype=float)
             r = self._roof[cls] = (roof, over, group_phase_table(self.graph, roof, grid, over))
@@ -95,8 +97,10 @@ class SfbCosts:
         devs = tuple(gp.devices)
         lb = local_batches(bsz, list(gp.shares))
         times, sizes = [], []
+        comm = self.sim.comm
         for x in w.gathers:
-            times.append(allgather_time(list(x.chunks), list(devs), self.links))
+            t = comm.fitted_allgather_time(x.chunks, devs)  # measured gloo fit (CPU devices, one machine)
+            times.append(t if t is not None else allgather_time(list(x.chunks), list(devs), self.links))
             sizes.append(float(sum(x.chunks)))
         rec = []
         for d, b in zip(devs, lb):
