@@ -93,8 +93,6 @@ class Simulator:
         self._pair_dst = np.array([g2 for _, g2 in self.static.pairs], dtype=np.int64)
         self._pair_self = self._pair_src == self._pair_dst
         self._pair_nonlocal = np.array([not loc for _, _, loc in self._pair_list], dtype=bool)
-        self.max_chunks = max([h - lo for lo, h in zip(self.static.lo, self.static.hi)] + [1])
-        """Upper bound on the chunks of an mp group (its forward positions)."""
         self._names: dict[tuple, str] = {}
         self._sfb = None  # tag.sim.sfb.SfbCosts, built on the first plan using SFB
 
