@@ -102,10 +102,10 @@ def plots(cells: list[Cell], out: Path) -> None:
     for j, m in enumerate(methods):
         ys = [_geomean([c.speedup_vs_dp for c in cells if c.method == m and c.topology == t and not c.oom])
               for t in topos]
-        ax.bar([i + j * width for i in range(len(topos))], ys, width, label=m)
+        ax.bar([i + j * width for i in range(len(topos))], ys, width, label=m, color=plt.cm.tab20(j % 20))
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(topos))], topos, rotation=15)
-    ax.set_ylabel("speedup over data parallel (geo-mean over models)")
+    ax.set_ylabel("speedup over DP\n(geo-mean over models)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=120)
@@ -114,7 +114,8 @@ def plots(cells: list[Cell], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for m in methods:
         cs = [c for c in cells if c.method == m and not c.oom]
-        ax.scatter([max(c.search_time_s, 1e-4) for c in cs], [c.speedup_vs_dp for c in cs], label=m, s=14)
+        ax.scatter([max(c.search_time_s, 1e-4) for c in cs], [c.speedup_vs_dp for c in cs], label=m, s=14,
+                   color=plt.cm.tab20(methods.index(m) % 20))
     ax.set_xscale("log")
     ax.set_xlabel("search wall time (s)")
     ax.set_ylabel("speedup over data parallel")
