@@ -12,6 +12,7 @@ Public API (imported lazily so ``import tag`` stays cheap)::
 from __future__ import annotations
 
 import importlib
+import types
 
 __version__ = "0.1.0"
 
@@ -28,13 +29,27 @@ _EXPORTS = {
     "data_parallel": ("tag.plan", "data_parallel"),
     "simulate": ("tag.sim", "simulate"),
     "Simulator": ("tag.sim", "Simulator"),
-    "plan": ("tag.search", "plan"),
     "execute": ("tag.executor", "execute"),
     "apply_sfb": ("tag.compress", "apply_sfb"),
     "TagError": ("tag.errors", "TagError"),
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "plan"])
+
+
+class _PlanPackage(types.ModuleType):
+    """``tag.plan`` is both the plan-format subpackage (``tag.plan.Plan``) and the planner entry
+    point (``tag.plan(graph, topology, ...)``, i.e. :func:`tag.search.plan`)."""
+
+    def __call__(self, graph, topology, **kwargs):
+        from .search import plan as search_plan
+
+        return search_plan(graph, topology, **kwargs)
+
+
+from . import plan as _plan_package  # noqa: E402 - after the class it becomes
+
+_plan_package.__class__ = _PlanPackage
 
 
 def __getattr__(name: str):
