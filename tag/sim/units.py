@@ -199,25 +199,11 @@ def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi
 
 def pair_flows(static: GraphStatic, comm, g1: int, gd1: GroupData, g2: int, gd2: GroupData) -> list[Flow]:
     """Flows from group ``g1``'s units to group ``g2``'s units (``g1 == g2``: between mp chunks)."""
-    # Sum the tensors crossing by (source unit and phase, destination unit and first-need phase,
-    # move kind): the replica-level moves are then computed once per kind, not per tensor.
-    kinds: dict[tuple, list[float]] = {}
-    for e in static.edges.get((g1, g2), ()):
-        su = gd1.chunk_of.get(e.src_pos, 0) if gd1.mp else 0
-        need: dict[int, int] = {}  # dst unit -> first phase needing it
-        for p, ph in e.consumers:
-            du = gd2.chunk_of.get(p, 0) if gd2.mp else 0
-            need[du] = min(need.get(du, ph), ph)
-        kind = "rows" if e.batch else ("sum" if e.grad else "copy")
-        for du, ph in need.items():
-            if g1 == g2 and du == su:
-                continue
-            acc = kinds.setdefault((su, e.src_phase, du, ph, kind), [0.0, 0.0])
-            acc[0] += e.fixed
-            acc[1] += e.per_sample
+    # The tensors crossing, summed per move kind: replica-level moves are computed once per kind.
+    kinds = pair_kinds(static, g1, gd1, g2, gd2)
     moves: dict[tuple, float] = {}
     mo = comm.machine_of
-    for (su, sphase, du, ph, kind), (fixed, per_sample) in kinds.items():
+    for (su, sphase, du, ph, kind), fixed, per_sample in kinds:
         src, dst = gd1.units[su], gd2.units[du]
         for ri, rj, nbytes in _moves(kind, fixed, per_sample, src, dst, mo):
             if nbytes <= 0 or src.devices[ri] == dst.devices[rj]:
