@@ -11,6 +11,9 @@ def register(sub) -> None:
     p.add_argument("--suite", choices=["quick", "full"], default="quick")
     p.add_argument("--out", default=None, help="output folder (default evaluation/results/<suite>-<date>)")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")
+    p.add_argument("--topologies", default=None,
+                   help="comma-separated subset of the suite's topologies (runs sharing --out fill one "
+                        "cells.jsonl; a final run without filters writes the whole report)")
     p.set_defaults(func=run)
 
 
@@ -31,6 +34,14 @@ def run(args) -> int:
         if bad:
             raise TagError(f"--methods: unknown method {bad[0]!r}; expected some of {','.join(METHODS)}")
         cfg.methods = methods
+    if args.topologies:
+        want = [t.strip() for t in args.topologies.split(",") if t.strip()]
+        known = cfg.topologies + cfg.execute_topologies
+        bad = [t for t in want if t not in known]
+        if bad:
+            raise TagError(f"--topologies: {bad[0]!r} is not in suite {cfg.name!r}; expected some of {','.join(known)}")
+        cfg.topologies = [t for t in cfg.topologies if t in want]
+        cfg.execute_topologies = [t for t in cfg.execute_topologies if t in want]
     out = Path(args.out or f"evaluation/results/{cfg.name}-{time.strftime('%Y-%m-%d')}")
     t0 = time.perf_counter()
     cells = run_suite(cfg, out)

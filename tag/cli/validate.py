@@ -23,6 +23,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the varied plans")
     p.add_argument("--no-profile", action="store_true",
                    help="do not profile missing op-group/communication costs first")
+    p.add_argument("--profile-dir", default=None,
+                   help="profile database to predict with (default: OUT/profiles, measured afresh "
+                        "first: CPU costs are only valid on the machine, and in the state, that measured them)")
     p.add_argument("--out", default=None, help="output folder (default evaluation/results/validate-<topology>)")
     p.set_defaults(func=run)
 
@@ -38,7 +41,7 @@ def run(args) -> int:
     out = args.out or str(Path("evaluation/results") / f"validate-{Path(args.topology).stem}")
     report = validate(args.model, args.topology, out, n_plans=args.plans, batch=args.batch, groups=args.groups,
                       optimizer=args.optimizer, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                      profile=not args.no_profile)
+                      profile=not args.no_profile, profile_dir=args.profile_dir)
     print(report.table())
     print(f"results: {out}/validation.json, plot: {out}/scatter.png")
     return 0

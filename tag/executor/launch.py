@@ -50,6 +50,9 @@ class ExecuteConfig:
     """Where workers write results and logs (default: a fresh temporary folder)."""
     save_params: bool = False
     check_memory: bool = True
+    profile_dir: str | None = None
+    """Profile database the prediction is costed with (default: ``$TAG_PROFILE_DIR`` or
+    ``data/profiles``). CPU profiles are only valid on the machine that measured them."""
     fault: str | None = None
     """Testing only (see :class:`WorkerArgs`)."""
 
@@ -107,7 +110,7 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     plan.validate(graph, topology, source=cfg.plan)
     world = topology.num_devices
     backend = _backend(cfg.backend, topology)
-    predicted = _predict(graph, topology, plan, cfg.check_memory)
+    sim_res = _predict(graph, topology, plan, cfg.check_memory, cfg.profile_dir)
 
     run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="tag-execute-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -125,7 +128,8 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     write_json(args_path, asdict(wargs))
     _launch(world, args_path, run_dir, cfg.timeout_s, "spawn" if backend == "nccl" else "forkserver")
     ranks = _read_ranks(run_dir)
-    return summarize(cfg, backend, ranks, predicted, run_dir)
+    write_json(run_dir / "trace.json", chrome_trace(sim_res, ranks), indent=None)
+    return summarize(cfg, backend, ranks, float(sim_res.iteration_time_s), run_dir)
 
 
 def summarize(cfg: ExecuteConfig, backend: str, ranks: list[dict], predicted: float | None,
@@ -160,17 +164,33 @@ def _backend(choice: str, topology) -> str:
     return choice
 
 
-def _predict(graph, topology, plan, check_memory: bool) -> float | None:
-    """The simulator's iteration time; refuses (OutOfMemoryError) a plan it says will not fit."""
-    try:
-        from ..sim import simulate
-    except ImportError:  # simulator not installed in this tree yet
-        log.warning("tag.sim not available: no prediction, no memory check")
-        return None
-    res = simulate(graph, topology, plan)
-    if check_memory and getattr(res, "oom", False):
+def _predict(graph, topology, plan, check_memory: bool, profile_dir: str | None = None):
+    """The simulated iteration (with its timeline); refuses (OutOfMemoryError) a plan it says
+    will not fit."""
+    from ..cost.model import CostModel
+    from ..sim import simulate
+
+    costs = CostModel.for_topology(graph, topology, profile_dir=profile_dir)
+    res = simulate(graph, topology, plan, costs=costs, trace=True)
+    if check_memory and res.oom:
         raise OutOfMemoryError(f"plan would run out of memory: {_memory_line(res, topology)}")
-    return float(res.iteration_time_s)
+    return res
+
+
+def chrome_trace(sim_res, ranks: list[dict]) -> dict:
+    """Simulated and measured timelines side by side (Chrome/Perfetto trace, microseconds):
+    processes ``0..n-1`` are the simulated devices, ``1000 + r`` rank ``r``'s last measured
+    iteration (one thread: the rank's Python thread, which waits in transfers and syncs)."""
+    tr = sim_res.chrome_trace()
+    ev = tr["traceEvents"]
+    for rk in ranks:
+        pid = 1000 + rk["rank"]
+        ev.append({"name": "process_name", "ph": "M", "pid": pid,
+                   "args": {"name": f"measured rank {rk['rank']}: {rk['device']}"}})
+        for name, cat, s, e in rk.get("timeline", ()):
+            ev.append({"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": 0, "ts": s * 1e6,
+                       "dur": max(0.0, e - s) * 1e6})
+    return tr
 
 
 def _memory_line(res, topology) -> str:

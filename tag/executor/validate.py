@@ -140,12 +140,15 @@ def scatter_plot(report: ValidationReport, path: str | Path) -> None:
 
 def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: int = 12, batch: int | None = None,
              groups: int = 8, optimizer: str = "adam", steps: int = 10, warmup: int = 3, seed: int = 0,
-             profile: bool = True, log_fn=print) -> ValidationReport:
+             profile: bool = True, profile_dir: str | Path | None = None, log_fn=print) -> ValidationReport:
     """Execute ``n_plans`` plans of ``model`` on ``topology_path``; write JSON + PNG into ``out_dir``.
 
-    ``profile``: measure op-group and communication costs first when this machine's profile
-    database has none for this graph and device type (the simulator otherwise falls back to
-    the datasheet roofline).
+    ``profile_dir``: the profile database predictions are costed with; default
+    ``<out_dir>/profiles``, measured afresh by this call, so prediction and measurement come
+    from the same machine in the same state (a CPU profile from another machine, or from this
+    one under another load, says nothing about this run). ``profile``: measure op-group and
+    communication costs first where ``profile_dir`` has none for this graph and device type (the
+    simulator otherwise falls back to the datasheet roofline).
     """
     from ..graph import capture
     from ..topology import load_topology
@@ -156,8 +159,9 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     topology = load_topology(topology_path)
     cap = capture(load_workload(model, batch=batch), optimizer=optimizer, num_groups=groups)
     graph = cap.graph
+    root = Path(profile_dir) if profile_dir is not None else out / "profiles"
     if profile:
-        ensure_profiles(model, cap, topology, log_fn)
+        ensure_profiles(model, cap, topology, log_fn, root)
     rows = []
     for name, plan in validation_plans(graph, topology, n_plans, seed):
         plan_path = out / "plans" / f"{name}.json"
@@ -165,7 +169,7 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
         plan.save(plan_path)
         cfg = ExecuteConfig(model=model, topology=topology_path, plan=str(plan_path), batch=graph.batch_size,
                             optimizer=optimizer, groups=groups, steps=steps, warmup=warmup,
-                            run_dir=str(out / "runs" / name))
+                            run_dir=str(out / "runs" / name), profile_dir=str(root))
         res = execute(cfg, graph=graph)
         row = ValidationRow(name, float(res.predicted_iteration_time_s or math.nan), res.measured_iteration_time_s,
                             res.per_rank_median_s)
@@ -174,22 +178,20 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
         log_fn(f"  {name:<12} predicted {row.predicted_s * 1e3:8.2f} ms  measured {row.measured_s * 1e3:8.2f} ms  "
                f"error {row.error:5.1f}%")
     meta = {"batch": graph.batch_size, "groups": graph.num_groups, "optimizer": optimizer, "steps": steps,
-            "warmup": warmup, "graph_signature": graph.signature()}
+            "warmup": warmup, "graph_signature": graph.signature(), "profile_dir": str(root)}
     report = summarize_rows(model, topology.name, rows, meta)
     write_json(out / "validation.json", report.to_dict())
     scatter_plot(report, out / "scatter.png")
     return report
 
 
-def ensure_profiles(model: str, cap, topology, log_fn) -> None:
-    """Profile this graph (and gloo communication) for the topology's CPU device types if missing."""
-    import os
-
+def ensure_profiles(model: str, cap, topology, log_fn, root: Path) -> None:
+    """Profile this graph (and gloo communication) into ``root`` for the topology's CPU device
+    types where missing."""
     from ..cost.comm import find_comm_profile
     from ..cost.model import device_type
-    from ..cost.profile import default_profile_dir, find_profile
+    from ..cost.profile import find_profile
 
-    root = default_profile_dir()
     for dt in sorted({device_type(topology, d) for d in range(topology.num_devices)}):
         if not dt.startswith("cpu-"):
             continue
@@ -212,4 +214,3 @@ def ensure_profiles(model: str, cap, topology, log_fn) -> None:
 
             log_fn(f"profiling gloo communication for {dt} ...")
             profile_comm(dt, backend="gloo", threads=threads).save(root)
-    del os

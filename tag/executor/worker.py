@@ -121,7 +121,8 @@ def run_rank(a: WorkerArgs) -> dict:
     rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow, global_joint=full)
     comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device)
     fault = _parse_fault(a.fault)
-    iters = []
+    iters: list[dict] = []
+    timeline: list[list] = []  # [name, category, start s, end s] of the last iteration's steps
     try:  # noqa: SIM105 - see the except clause
         for it in range(a.warmup + a.steps):
             comm.barrier(device)  # every rank starts the iteration together
@@ -129,7 +130,9 @@ def run_rank(a: WorkerArgs) -> dict:
             if fault and fault[0] == rank and fault[1] == it:
                 _inject(fault[2])
             rt.begin_iteration()
+            last = it == a.warmup + a.steps - 1
             for st in sched.steps:
+                t0 = time.perf_counter()
                 if st.kind == "compute":
                     rt.compute(st.unit, st.phase)
                 elif st.kind == "transfer":
@@ -139,14 +142,22 @@ def run_rank(a: WorkerArgs) -> dict:
                 else:
                     gp = plan.groups[st.group]
                     comm.sync(rt, st, gp.sync, gp.devices, gp.server)
+                if last:
+                    _record(timeline, rt, plan, st, t0 - t_start, time.perf_counter() - t_start)
+            t0 = time.perf_counter()
             comm.finish_syncs(rt)
+            t1 = time.perf_counter()
             rt.update()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            iters.append({"time_s": time.perf_counter() - t_start, **asdict(rt.timer), "loss": rt.loss})
+            t2 = time.perf_counter()
+            if last:
+                timeline.append(["wait syncs", "sync", t0 - t_start, t1 - t_start])
+                timeline.append(["opt", "opt", t1 - t_start, t2 - t_start])
+            iters.append({"time_s": t2 - t_start, **asdict(rt.timer), "loss": rt.loss})
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         mine = {"rank": rank, "device": topology.devices[rank].name, "slowdown": slow, "export_s": export_s,
-                "peak_memory_bytes": peak, "iterations": iters,
+                "peak_memory_bytes": peak, "iterations": iters, "timeline": timeline,
                 "median_time_s": statistics.median(x["time_s"] for x in iters[a.warmup:])}
         if a.save_params:
             torch.save(rt.named_params(), Path(a.out_dir) / f"params-rank{rank}.pt")
@@ -160,6 +171,23 @@ def run_rank(a: WorkerArgs) -> dict:
         raise
     comm.close()
     return mine
+
+
+def _record(timeline: list, rt, plan, st, start: float, end: float) -> None:
+    """Append step ``st`` to ``timeline`` if this rank took part (CPU wall-clock seconds since
+    the iteration began; with CUDA, kernel launch times unless the step waited)."""
+    r = rt.rank
+    if st.kind in ("compute", "transfer"):
+        g, j = st.unit
+        name = f"{st.phase} g{g}" + (f".{j}" if plan.groups[g].sync == "mp" else "")
+        if st.kind == "compute" and st.unit in rt.my_units and (st.unit, st.phase) in rt.stages:
+            timeline.append([name, st.phase, start, end])
+        elif st.kind == "transfer" and any(r in (m.src, m.dst) for m in st.moves):
+            timeline.append([f"transfer -> {name}", "transfer", start, end])
+    else:
+        gp = plan.groups[st.group]
+        if r in gp.devices or r == gp.server:
+            timeline.append([f"{st.kind} g{st.group}", st.kind, start, end])
 
 
 def _parse_fault(spec: str | None) -> tuple[int, int, str] | None:

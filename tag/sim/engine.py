@@ -11,7 +11,10 @@ is free, so the iteration is a max-plus system: shorter tasks (faster devices, m
 never make any task finish later.
 
 Tasks: compute stages (per replica), point-to-point flows (``latency + bytes / bandwidth``;
-occupy both endpoints' comm streams, and both machines' network sides when crossing machines),
+occupy both endpoints' comm streams, and both machines' network sides when crossing machines;
+a flow is a rendezvous, as in the executor, where sender and receiver post their halves at the
+step of the schedule and wait for them: it starts once both endpoints' compute streams reached
+that step, and both compute streams wait for it to finish),
 synchronisations (one collective over the replica set, or PS push+pull, see
 :mod:`tag.cost.comm`; occupy every participant's comm stream and the network sides of the
 machines it spans), optimizer steps (after the device's last compute and its last sync).
@@ -311,6 +314,7 @@ class _Run:
         cf, last, nout, nin = self.comm_free, self.last_comm, self.nic_out, self.nic_in
         lout, lin, busy, buf = self.last_nout, self.last_nin, self.comm_busy, self.buf
         segs, loc, flows = self.segs, self.stage_loc, self.flows
+        cfree, ltask = self.cfree, self.last_task
         for f in inc:
             src = f.src
             if src[0] == PARAM:
@@ -324,6 +328,10 @@ class _Run:
                 s, p = cf[a], last[a]
             if cf[b] > s:
                 s, p = cf[b], last[b]
+            if cfree[a] > s:  # rendezvous: both ends reached this step of the schedule
+                s, p = cfree[a], ltask[a]
+            if cfree[b] > s:
+                s, p = cfree[b], ltask[b]
             if ma >= 0:
                 mb = f.mb
                 if nout[ma] > s:
@@ -334,8 +342,8 @@ class _Run:
             e = s + t
             ref = ("f", len(flows))
             flows.append((f, s, e, p))
-            cf[a] = cf[b] = e
-            last[a] = last[b] = ref
+            cf[a] = cf[b] = cfree[a] = cfree[b] = e  # both ends wait for the transfer
+            last[a] = last[b] = ltask[a] = ltask[b] = ref
             busy[a] += t
             busy[b] += t
             nb = f.nbytes
@@ -688,12 +696,19 @@ class _FastRun:
     def _transfer(self, inc: list, nrep: int) -> list[float]:
         ready = [0.0] * nrep
         cf, nout, nin, busy, sfin = self.comm_free, self.nic_out, self.nic_in, self.comm_busy, self.sfin
+        cfree = self.cfree
         for si, sr, a, b, ma, mb, t, r in inc:
             s = sfin[si][sr] if si >= 0 else 0.0
             x = cf[a]
             if x > s:
                 s = x
             x = cf[b]
+            if x > s:
+                s = x
+            x = cfree[a]
+            if x > s:
+                s = x
+            x = cfree[b]
             if x > s:
                 s = x
             if ma >= 0:
@@ -707,7 +722,7 @@ class _FastRun:
                 nout[ma] = nin[mb] = e
             else:
                 e = s + t
-            cf[a] = cf[b] = e
+            cf[a] = cf[b] = cfree[a] = cfree[b] = e
             busy[a] += t
             busy[b] += t
             if e > ready[r]:
@@ -735,13 +750,13 @@ class _FastRun:
                     unit = units[j]
                     idx = base + g + k2 * j
                     d = unit.devices[0]
-                    c = cfree[d]
                     inc = incoming.get(idx)
                     if inc:
                         y = self._transfer(inc, 1)[0]
+                        c = cfree[d]
                         st = y if y > c else c
                     else:
-                        st = c
+                        st = cfree[d]
                     x = st + unit.dur[ph]
                     sfin[idx] = [x]
                     if not fwd and x > gf[g]:
@@ -752,13 +767,12 @@ class _FastRun:
                 continue
             idx = base + g
             devs = lay.devices
-            cf = [cfree[d] for d in devs]
             inc = incoming.get(idx)
             if inc:
                 ready = self._transfer(inc, len(devs))
-                start = [y if y > x else x for x, y in zip(cf, ready)]
+                start = [y if y > cfree[d] else cfree[d] for d, y in zip(devs, ready)]
             else:
-                start = cf
+                start = [cfree[d] for d in devs]
             e = i + 1
             if not (sfb and gd.sfb is not None):
                 while e < n:
