@@ -1,6 +1,6 @@
 """Validate the simulator against real gloo executions on this machine.
 
-    .venv/bin/python evaluation/validate_local.py [--model gpt2] [--batch 16] [--plans 12]
+    .venv/bin/python evaluation/validate_local.py [--model gpt2] [--batch 16] [--plans 12] [--rounds 3]
 
 Writes evaluation/results/validate-<topology>/{validation.json, scatter.png, plans/, runs/}.
 Measurements are wall-clock times of real processes: run on an otherwise idle machine.
@@ -28,10 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plans", type=int, default=12)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved executions per plan (median)")
     a = p.parse_args(argv)
     out = ROOT / "evaluation" / "results" / f"validate-{Path(a.topology).stem}"
     report = validate(a.model, a.topology, out, n_plans=a.plans, batch=a.batch, groups=a.groups,
-                      steps=a.steps, warmup=a.warmup)
+                      steps=a.steps, warmup=a.warmup, rounds=a.rounds)
     print(report.table())
     print(f"load average during the run: {os.getloadavg()}")
     return 0

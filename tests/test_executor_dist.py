@@ -173,3 +173,21 @@ def test_cli_errors_are_one_line(tmp_path, mlp):
         assert p.returncode == 2, p.stderr
         lines = [ln for ln in p.stderr.splitlines() if ln.startswith("tag execute: error:")]
         assert len(lines) == 1 and expect in lines[0], p.stderr
+
+
+def test_validate_interleaves_rounds_and_reports(tmp_path):
+    """``tag validate`` end to end: profiles into its own folder (under load: the other rank's
+    share), executes every plan ``rounds`` times and reports the median of the rounds."""
+    from tag.executor.validate import validate
+
+    topo = cpu_topology(tmp_path, 2)
+    report = validate(MLP, topo, tmp_path / "v", n_plans=3, batch=B, groups=4, steps=2, warmup=1, rounds=2,
+                      log_fn=lambda m: None)
+    assert [r.name for r in report.rows] == ["dp-even", "dp-prop", "single-0"]
+    for r in report.rows:
+        assert len(r.rounds_s) == 2 and r.measured_s == pytest.approx(sum(r.rounds_s) / 2)
+        assert r.predicted_s > 0 and r.error >= 0
+    profiles = list((tmp_path / "v" / "profiles").glob("cpu-*/*.json"))
+    assert any(p.name == "comm.json" for p in profiles) and len(profiles) == 2
+    assert (tmp_path / "v" / "runs" / "single-0" / "round-1" / "result.json").is_file()
+    assert (tmp_path / "v" / "validation.json").is_file() and (tmp_path / "v" / "scatter.png").is_file()

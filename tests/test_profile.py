@@ -48,6 +48,24 @@ def test_profile_mlp_feeds_the_cost_model(captured, tmp_path):
     assert cm.group_time(0, "fwd", 0, 4) == pytest.approx(prof.fwd[0][1], rel=1e-3)
 
 
+def test_profile_under_background_load(captured):
+    """A CPU type is timed while the executor's other ranks would be computing: the background
+    process runs the profiled batch before timing starts and is gone afterwards."""
+    import multiprocessing as mp
+
+    from tag.cost.profiler import CoRunners
+
+    with CoRunners(1, "mlp", 0, 1) as load:
+        load.set_batch(3)  # returns once the background finished an iteration at batch 3
+        assert list(load._done) == [3]
+        procs = list(load._procs)
+        assert all(p.is_alive() for p in procs)
+    assert not any(p.is_alive() for p in procs) and not mp.active_children()
+    cap = captured("mlp", groups=4)
+    prof = profile_model("mlp", batches=[2], repeats=1, warmup=0, captured=cap, log=lambda m: None, corun=1)
+    assert prof.meta["corun"] == 1 and all(t > 0 for row in prof.fwd for t in row)
+
+
 def test_stage_assignment_keeps_tuples_together(captured):
     g = captured("resnet").graph
     assign = stage_assignment(g)

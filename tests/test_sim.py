@@ -69,6 +69,21 @@ def test_ring_allreduce_two_machines():
     assert r.critical_path[-2:] == ["allreduce g0", "opt @d0"]
 
 
+def test_cpu_syncs_wait_for_compute():
+    """A CPU rank computes on every core it has: its syncs cannot overlap its compute (the GPU
+    case above overlaps g1's sync with g0's backward)."""
+    topo = topology([("a", 1, None, 0.0), ("b", 1, None, 0.0)], net_bw=NET, net_lat=LAT, gpu="cpu")
+    sim, _ = _sim(topo)
+    assert sim.shared_stream == [True, True]
+    r = sim.run([dp([0, 1]), dp([0, 1])])
+    ar = 2 * (2 - 1) / 2 * 1000 / NET + 2 * (2 - 1) * LAT
+    g0_ready = 4 * (1e-3 + 2e-3 + 4e-3) + 4 * 2e-3
+    assert r.iteration_time_s == pytest.approx(g0_ready + 2 * ar + 2e-3)
+    ref = sim.run_reference(sim.deploy([dp([0, 1]), dp([0, 1])]))
+    assert ref.iteration_time_s == r.iteration_time_s
+    assert ref.critical_path[-3:] == ["allreduce g1", "allreduce g0", "opt @d0"]
+
+
 def test_parameter_server_contended_link():
     topo = topology([("a", 2, 1e7, 1e-4), ("s", 1, None, 0.0)], net_bw=NET, net_lat=LAT)
     sim, _ = _sim(topo)

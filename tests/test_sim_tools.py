@@ -66,11 +66,12 @@ def chain_graph(num_groups: int = 2, *, act_bytes: float = 400.0, param_bytes: i
 
 
 def topology(machines: list[tuple[str, int, float, float]], net_bw: float = 1e6, net_lat: float = 1e-3,
-             memory: str = "16 GB"):
-    """``machines``: (name, devices, intra bandwidth B/s, intra latency s). Inline 1 TFLOP/s GPUs."""
+             memory: str = "16 GB", gpu: str = "G"):
+    """``machines``: (name, devices, intra bandwidth B/s, intra latency s). Inline 1 TFLOP/s GPUs
+    named ``gpu`` (``cpu``: CPU devices, whose communication shares the compute cores)."""
     return load_topology({
         "name": "test",
-        "machines": [{"name": n, "gpu": {"name": "G", "tflops": 1.0, "memory": memory,
+        "machines": [{"name": n, "gpu": {"name": gpu, "tflops": 1.0, "memory": memory,
                                          "memory_bandwidth": "100 GB/s"},
                       "count": c, "intra_bandwidth": bw, "intra_latency": lat} for n, c, bw, lat in machines],
         "network": {"bandwidth": net_bw, "latency": net_lat},

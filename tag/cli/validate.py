@@ -21,6 +21,9 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed iterations per plan (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up iterations per plan (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the varied plans")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="execute every plan this many times, interleaved, and report the median (default 1; "
+                        "use 3+ on a shared machine whose speed drifts)")
     p.add_argument("--no-profile", action="store_true",
                    help="do not profile missing op-group/communication costs first")
     p.add_argument("--profile-dir", default=None,
@@ -38,10 +41,12 @@ def run(args) -> int:
 
     if args.plans < 1:
         raise TagError(f"--plans: expected a positive integer, got {args.plans}")
+    if args.rounds < 1:
+        raise TagError(f"--rounds: expected a positive integer, got {args.rounds}")
     out = args.out or str(Path("evaluation/results") / f"validate-{Path(args.topology).stem}")
     report = validate(args.model, args.topology, out, n_plans=args.plans, batch=args.batch, groups=args.groups,
                       optimizer=args.optimizer, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                      profile=not args.no_profile, profile_dir=args.profile_dir)
+                      profile=not args.no_profile, profile_dir=args.profile_dir, rounds=args.rounds)
     print(report.table())
     print(f"results: {out}/validation.json, plot: {out}/scatter.png")
     return 0

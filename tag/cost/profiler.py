@@ -5,7 +5,12 @@ into one stage per (op-group, phase) with the reference graph's grouping
 (:func:`stage_assignment`), and the whole iteration is run stage by stage ``warmup + repeats``
 times: forward stages in group order, backward stages in reverse order, each stage timed on its
 own (:func:`timing_clock`: thread CPU time for a single-threaded CPU, else wall clock; CUDA
-synchronised). Per-stage medians over the repeats are stored, rescaled
+synchronised). A CPU device type ``cpu-<t>t`` means the executor runs ``n = cores // t`` ranks on
+the host at once, all computing: their cores share caches and memory bandwidth, so each stage
+takes longer than on an idle host (measured +10-20% for 2 ranks on this project's 2-core machine).
+The profiler therefore times a CPU type under that load: ``n - 1`` background processes run the
+same model's forward + backward at the same per-replica batch while the stages are timed
+(:class:`CoRunners`; ``corun=0`` measures an idle host instead). Per-stage medians over the repeats are stored, rescaled
 so that they sum to the median time of the whole iteration (stalls land in random stages, so the
 per-stage medians alone under-count a real iteration). The optimizer is
 timed as a real ``torch.optim`` step (``foreach=False``) on every parameter, fed the gradients a
@@ -15,6 +20,7 @@ the fixed per-step cost from the per-group marginal cost (:class:`tag.cost.profi
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import statistics
 import sys
@@ -216,9 +222,85 @@ def time_optimizer(graph, it: RunnableIteration, sync, clock, repeats: int,
     return [max(0.0, t - overhead) if t > 0 else 0.0 for t in per_group], overhead
 
 
+def _corun_worker(spec: str, seed: int, threads: int, batch, stop, done, slot: int) -> None:
+    """Background load of :class:`CoRunners`: eager forward + backward of ``spec`` at the batch in
+    the shared value ``batch`` (0: idle) until ``stop`` is set; ``done[slot]`` is the batch of
+    the last finished iteration."""
+    torch.set_num_threads(threads)
+    from ..workloads import load_workload
+
+    wl = load_workload(spec, seed=seed)
+    inputs: dict[int, tuple] = {}
+    while not stop.is_set():
+        b = batch.value
+        if b <= 0:
+            time.sleep(0.005)
+            continue
+        if b not in inputs:
+            inputs[b] = wl.make_inputs(b)
+        wl.model.zero_grad(set_to_none=True)
+        wl.model(*inputs[b]).backward()
+        done[slot] = b
+
+
+class CoRunners:
+    """``n`` background processes loading the host as the executor's other ranks would.
+
+    Use as a context manager; :meth:`set_batch` switches the per-replica batch they run (0 pauses
+    them). Each process runs ``threads`` intra-op threads.
+    """
+
+    def __init__(self, n: int, spec: str, seed: int, threads: int):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._batch = ctx.Value("i", 0)
+        self._done = ctx.Array("i", n)
+        self._stop = ctx.Event()
+        self._procs = [ctx.Process(target=_corun_worker, daemon=True,
+                                   args=(spec, seed, threads, self._batch, self._stop, self._done, i))
+                       for i in range(n)]
+
+    def set_batch(self, b: int, timeout_s: float = 300.0) -> None:
+        """Switch to batch ``b`` and wait until every process finished an iteration at it (so
+        timing starts under the load, not while the background is still starting)."""
+        self._batch.value = int(b)
+        end = time.monotonic() + timeout_s
+        while any(x != b for x in self._done[:]):
+            if not all(p.is_alive() for p in self._procs):
+                raise RuntimeError("a background load process of the profiler died")
+            if time.monotonic() > end:
+                raise RuntimeError(f"background load processes did not reach batch {b} in {timeout_s:.0f} s")
+            time.sleep(0.01)
+
+    def __enter__(self) -> CoRunners:
+        for p in self._procs:
+            p.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def default_corun(device: torch.device) -> int:
+    """Background processes for a CPU profile: the executor's other ranks on this host
+    (``cores // threads - 1``); none for a GPU."""
+    import os
+
+    if device.type != "cpu":
+        return 0
+    return max(0, (os.cpu_count() or 1) // torch.get_num_threads() - 1)
+
+
 def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", batches: list[int] | None = None,
                   repeats: int = 5, warmup: int = 2, optimizer: str = "adam", num_groups: int = 48,
-                  seed: int = 0, threads: int | None = None, log: Log = stderr_log, captured=None) -> Profile:
+                  seed: int = 0, threads: int | None = None, log: Log = stderr_log, captured=None,
+                  corun: int | None = None) -> Profile:
     """Profile zoo model / factory ``spec`` on the local ``device`` (``cpu`` or ``cuda``).
 
     Args:
@@ -226,6 +308,8 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
         batches: per-replica batch sizes to time (default :func:`default_batches`).
         threads: intra-op threads for a CPU (default: torch's current setting).
         captured: an existing capture of the workload (skips capturing again).
+        corun: background processes loading the host while timing (default
+            :func:`default_corun`: the executor's other ranks of this device type; 0: idle host).
     """
     from ..graph.capture import capture
     from ..workloads import load_workload
@@ -262,7 +346,32 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
     k = graph.num_groups
     fwd = [[0.0] * len(bs) for _ in range(k)]
     bwd = [[0.0] * len(bs) for _ in range(k)]
+    n_bg = default_corun(dev) if corun is None else corun
+    if n_bg:
+        log(f"  timing under load: {n_bg} background process(es) running the same model")
+    with contextlib.ExitStack() as stack:
+        load = stack.enter_context(CoRunners(n_bg, spec, seed, torch.get_num_threads())) if n_bg else None
+        opt, overhead = _time_all(graph, its, bs, fwd, bwd, scales, sync, clock, repeats, warmup, load, log)
+    log(f"  optimizer {graph.optimizer}: {sum(opt) * 1e3:.2f} ms + {overhead * 1e3:.3f} ms per step")
+    if dev.type == "cuda":
+        dtype = cuda_device_type(dev)
+    else:
+        dtype = cpu_device_type(torch.get_num_threads())
+    meta = {"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "host": platform.node(), "date": time.strftime("%Y-%m-%d"), "num_groups_requested": num_groups,
+            "stage_scale": scales, "corun": n_bg,
+            "clock": "thread_time" if clock is time.thread_time else "perf_counter"}
+    return Profile(dtype, graph.model, graph.signature(), graph.batch_size, graph.optimizer, bs, fwd, bwd, opt,
+                   overhead, meta)
+
+
+def _time_all(graph, its, bs, fwd, bwd, scales, sync, clock, repeats, warmup, load, log):
+    """Fill ``fwd``/``bwd`` [group][batch index] and ``scales``; return the optimizer timing.
+    ``load``: :class:`CoRunners` switched to each batch before it is timed (or None)."""
+    k = graph.num_groups
     for j, (b, it) in enumerate(zip(bs, its)):
+        if load is not None:
+            load.set_batch(b)
         times: dict = {}
         totals = []
         t0 = time.perf_counter()
@@ -283,18 +392,9 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
             bwd[g][j] *= scale
         log(f"  batch {b}: {warmup}+{repeats} iterations "
             f"{time.perf_counter() - t0:.1f} s, fwd+bwd {total * scale * 1e3:.2f} ms (stage sum x {scale:.3f})")
-    opt, overhead = time_optimizer(graph, its[-1], sync, clock, repeats=max(repeats, 5), warmup=max(warmup, 1))
-    log(f"  optimizer {graph.optimizer}: {sum(opt) * 1e3:.2f} ms + {overhead * 1e3:.3f} ms per step")
-    if dev.type == "cuda":
-        dtype = cuda_device_type(dev)
-    else:
-        dtype = cpu_device_type(torch.get_num_threads())
-    meta = {"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "host": platform.node(), "date": time.strftime("%Y-%m-%d"), "num_groups_requested": num_groups,
-            "stage_scale": scales,
-            "clock": "thread_time" if clock is time.thread_time else "perf_counter"}
-    return Profile(dtype, graph.model, graph.signature(), graph.batch_size, graph.optimizer, bs, fwd, bwd, opt,
-                   overhead, meta)
+    if load is not None:
+        load.set_batch(bs[-1])
+    return time_optimizer(graph, its[-1], sync, clock, repeats=max(repeats, 5), warmup=max(warmup, 1))
 
 
 def cuda_device_type(dev: torch.device) -> str:

@@ -66,7 +66,10 @@ class ValidationRow:
     name: str
     predicted_s: float
     measured_s: float
+    """Median over the rounds of the per-run median iteration time, seconds."""
     per_rank_s: list[float]
+    rounds_s: list[float] = field(default_factory=list)
+    """Each round's measured iteration time, seconds (spread = the machine's noise)."""
 
     @property
     def error(self) -> float:
@@ -140,7 +143,8 @@ def scatter_plot(report: ValidationReport, path: str | Path) -> None:
 
 def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: int = 12, batch: int | None = None,
              groups: int = 8, optimizer: str = "adam", steps: int = 10, warmup: int = 3, seed: int = 0,
-             profile: bool = True, profile_dir: str | Path | None = None, log_fn=print) -> ValidationReport:
+             profile: bool = True, profile_dir: str | Path | None = None, rounds: int = 1,
+             log_fn=print) -> ValidationReport:
     """Execute ``n_plans`` plans of ``model`` on ``topology_path``; write JSON + PNG into ``out_dir``.
 
     ``profile_dir``: the profile database predictions are costed with; default
@@ -148,8 +152,11 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     from the same machine in the same state (a CPU profile from another machine, or from this
     one under another load, says nothing about this run). ``profile``: measure op-group and
     communication costs first where ``profile_dir`` has none for this graph and device type (the
-    simulator otherwise falls back to the datasheet roofline).
+    simulator otherwise falls back to the datasheet roofline). ``rounds``: executions of every
+    plan, interleaved (the median is reported).
     """
+    if rounds < 1:
+        raise ValueError(f"rounds: expected a positive integer, got {rounds}")
     from ..graph import capture
     from ..topology import load_topology
     from ..workloads import load_workload
@@ -162,23 +169,36 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     root = Path(profile_dir) if profile_dir is not None else out / "profiles"
     if profile:
         ensure_profiles(model, cap, topology, log_fn, root)
-    rows = []
-    for name, plan in validation_plans(graph, topology, n_plans, seed):
+    plans = validation_plans(graph, topology, n_plans, seed)
+    for name, plan in plans:
         plan_path = out / "plans" / f"{name}.json"
         plan_path.parent.mkdir(parents=True, exist_ok=True)
         plan.save(plan_path)
-        cfg = ExecuteConfig(model=model, topology=topology_path, plan=str(plan_path), batch=graph.batch_size,
-                            optimizer=optimizer, groups=groups, steps=steps, warmup=warmup,
-                            run_dir=str(out / "runs" / name), profile_dir=str(root))
-        res = execute(cfg, graph=graph)
-        row = ValidationRow(name, float(res.predicted_iteration_time_s or math.nan), res.measured_iteration_time_s,
-                            res.per_rank_median_s)
-        write_json(out / "runs" / name / "result.json", res.to_dict())
-        rows.append(row)
-        log_fn(f"  {name:<12} predicted {row.predicted_s * 1e3:8.2f} ms  measured {row.measured_s * 1e3:8.2f} ms  "
-               f"error {row.error:5.1f}%")
+    # Round-robin over the plans, ``rounds`` times: a shared machine's speed drifts over minutes,
+    # and interleaving gives every plan the same share of fast and slow periods (the median of
+    # its rounds is reported; every round's figure is kept in the row).
+    measured: dict[str, list] = {name: [] for name, _ in plans}
+    predicted: dict[str, float] = {}
+    for r in range(rounds):
+        for name, _plan in plans:
+            run_dir = out / "runs" / name / (f"round-{r}" if rounds > 1 else "")
+            cfg = ExecuteConfig(model=model, topology=topology_path, plan=str(out / "plans" / f"{name}.json"),
+                                batch=graph.batch_size, optimizer=optimizer, groups=groups, steps=steps,
+                                warmup=warmup, run_dir=str(run_dir), profile_dir=str(root))
+            res = execute(cfg, graph=graph)
+            write_json(run_dir / "result.json", res.to_dict())
+            predicted[name] = float(res.predicted_iteration_time_s or math.nan)
+            measured[name].append((res.measured_iteration_time_s, res.per_rank_median_s))
+            log_fn(f"  {name:<12} predicted {predicted[name] * 1e3:8.2f} ms  measured "
+                   f"{res.measured_iteration_time_s * 1e3:8.2f} ms" + (f"  (round {r + 1}/{rounds})" if rounds > 1 else ""))
+    rows = []
+    for name, _plan in plans:
+        ms = measured[name]
+        med = statistics.median(m for m, _ in ms)
+        per_rank = [statistics.median(pr[i] for _, pr in ms) for i in range(len(ms[0][1]))]
+        rows.append(ValidationRow(name, predicted[name], med, per_rank, rounds_s=[m for m, _ in ms]))
     meta = {"batch": graph.batch_size, "groups": graph.num_groups, "optimizer": optimizer, "steps": steps,
-            "warmup": warmup, "graph_signature": graph.signature(), "profile_dir": str(root)}
+            "warmup": warmup, "rounds": rounds, "graph_signature": graph.signature(), "profile_dir": str(root)}
     report = summarize_rows(model, topology.name, rows, meta)
     write_json(out / "validation.json", report.to_dict())
     scatter_plot(report, out / "scatter.png")

@@ -17,7 +17,8 @@ step of the schedule and wait for them: it starts once both endpoints' compute s
 that step, and both compute streams wait for it to finish),
 synchronisations (one collective over the replica set, or PS push+pull, see
 :mod:`tag.cost.comm`; occupy every participant's comm stream and the network sides of the
-machines it spans), optimizer steps (after the device's last compute and its last sync).
+machines it spans; on a CPU device, whose rank computes on every core it has, a sync also waits
+for the device's compute: :attr:`Simulator.shared_stream`), optimizer steps (after the device's last compute and its last sync).
 
 Sufficient Factor Broadcasting (``GroupPlan.sfb``, :mod:`tag.sim.sfb`): right after an SFB
 group's backward stage (once every replica finished it), the all-gathers of its factors, one
@@ -82,6 +83,10 @@ class Simulator:
         self.capacity = [float(d.gpu.memory_bytes) for d in topology.devices]
         self.step_overhead = [self.costs.step_overhead(d) for d in range(self.num_devices)]
         self.device_names = [f"{d.name} ({d.gpu.name})" for d in topology.devices]
+        self.shared_stream = [d.gpu.name == "cpu" for d in topology.devices]
+        """Per device: communication shares the compute cores (a CPU rank uses every core it has
+        for compute, so gloo has no spare core to progress a collective: syncs start after the
+        device's compute). GPUs have copy engines: their syncs overlap compute."""
         self._layouts: dict[tuple, Layout] = {}
         self._groups: dict[tuple, GroupData] = {}
         self._pairs: dict[tuple, _Pair] = {}
@@ -481,7 +486,7 @@ class _Run:
         n = self.sim.num_devices
         sync_end = [0.0] * n
         self.sync_last: list = [None] * n
-        cf, last = self.comm_free, self.last_comm
+        cf, last, shared = self.comm_free, self.last_comm, self.sim.shared_stream
         cur = None  # member tuple of the current run of syncs
         run_end, run_ref, run_busy, run_bytes = 0.0, None, 0.0, 0.0
 
@@ -512,6 +517,8 @@ class _Run:
                 for d in gd.sync_devices:
                     if cf[d] > s:
                         s, p = cf[d], last[d]
+                    if shared[d] and self.cfree[d] > s:
+                        s, p = self.cfree[d], self.last_task[d]
                 for m in gd.sync_machines:
                     if self.nic_out[m] > s:
                         s, p = self.nic_out[m], self.last_nout[m]
@@ -857,6 +864,7 @@ class _FastRun:
         sync_end = [0.0] * n
         cf, busy, buf, nout, nin = self.comm_free, self.comm_busy, self.buf, self.nic_out, self.nic_in
         gds, gf, sfb_ready = self.gds, self.group_finish, self.sfb_ready
+        cfree, shared = self.cfree, self.sim.shared_stream
         cur = None  # GroupData starting the current run of syncs over one member set
         run_end, run_busy, run_bytes = 0.0, 0.0, 0.0
         for g in range(len(gds) - 1, -1, -1):
@@ -881,6 +889,8 @@ class _FastRun:
                 for d in gd.sync_devices:
                     if cf[d] > s:
                         s = cf[d]
+                    if shared[d] and cfree[d] > s:
+                        s = cfree[d]
                 for m in gd.sync_machines:
                     if nout[m] > s:
                         s = nout[m]
