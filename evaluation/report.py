@@ -45,6 +45,25 @@ def tag_losses(cells: list[Cell]) -> list[str]:
     return out
 
 
+def executed_losses(cells: list[Cell]) -> list[str]:
+    """Cases run for real where a TAG plan measured slower than data parallel (even) measured:
+    the simulator's ranking did not survive execution."""
+    by_case: dict[tuple, dict[str, Cell]] = defaultdict(dict)
+    for c in cells:
+        by_case[(c.model, c.topology)][c.method] = c
+    out = []
+    for (model, topo), ms in sorted(by_case.items()):
+        dp = ms.get("dp")
+        if dp is None or not dp.executed_time_s:
+            continue
+        for m, c in sorted(ms.items()):
+            if m.startswith("tag-") and c.executed_time_s and c.executed_time_s > dp.executed_time_s:
+                out.append(f"- {model} on {topo}: {m} measured {c.executed_time_s * 1e3:.1f} ms vs data parallel "
+                           f"{dp.executed_time_s * 1e3:.1f} ms (predicted {c.predicted_time_s * 1e3:.1f} vs "
+                           f"{dp.predicted_time_s * 1e3:.1f} ms)")
+    return out
+
+
 def markdown(cells: list[Cell], suite: str, env: dict, wall_s: float | None) -> str:
     methods = [m for m in METHODS if any(c.method == m for c in cells)]
     topos = list(dict.fromkeys(c.topology for c in cells))
@@ -83,6 +102,10 @@ def markdown(cells: list[Cell], suite: str, env: dict, wall_s: float | None) -> 
     lines += ["", "## Where TAG loses", ""]
     losses = tag_losses(cells)
     lines += losses if losses else ["TAG's best variant was at least as fast as every other method in every case."]
+    ex_losses = executed_losses(cells)
+    if any(c.executed_time_s for c in cells):
+        lines += ["", "Executed for real (same plans, this machine):", ""]
+        lines += ex_losses if ex_losses else ["Every executed TAG plan was at least as fast as data parallel."]
     lines += ["", "## Plots", "", "![speedup](speedup.png)", "", "![quality vs search time](quality_vs_time.png)", ""]
     if any(c.executed_time_s for c in cells):
         lines += ["![predicted vs measured](predicted_vs_measured.png)", ""]

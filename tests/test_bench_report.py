@@ -1,0 +1,21 @@
+"""Benchmark report: the honesty sections list exactly the cases where TAG loses."""
+
+from __future__ import annotations
+
+from evaluation.bench import Cell
+from evaluation.report import executed_losses, markdown, tag_losses
+
+
+def _cell(model, method, t, executed=None):
+    return Cell(model, "local-cpu2", method, t, False, 1.0, 1.0, 0.0, 0, executed)
+
+
+def test_losses_predicted_and_executed():
+    cells = [_cell("a", "dp", 2.0, 3.0), _cell("a", "tag-50", 1.9, 3.5), _cell("a", "sa", 1.8, 3.5),
+             _cell("b", "dp", 2.0, 3.0), _cell("b", "tag-50", 1.5, 2.5), _cell("b", "sa", 1.6, 2.9)]
+    pred = tag_losses(cells)
+    assert len(pred) == 1 and pred[0].startswith("- a on local-cpu2: best TAG (tag-50")
+    ex = executed_losses(cells)
+    assert len(ex) == 1 and "a on local-cpu2: tag-50 measured 3500.0 ms vs data parallel 3000.0 ms" in ex[0]
+    md = markdown(cells, "t", {"date": "d"}, None)
+    assert ex[0] in md and pred[0] in md
