@@ -25,13 +25,18 @@ def _fmt(c: Cell | None) -> str:
     return f"{c.speedup_vs_dp:.2f}x"
 
 
-def tag_losses(cells: list[Cell]) -> list[str]:
-    """Cells where the best TAG variant is slower than the best other method (honesty section)."""
+def _by_case(cells: list[Cell]) -> list[tuple[tuple[str, str], dict[str, Cell]]]:
+    """((model, topology), {method: cell}) per case, sorted by case."""
     by_case: dict[tuple, dict[str, Cell]] = defaultdict(dict)
     for c in cells:
         by_case[(c.model, c.topology)][c.method] = c
+    return sorted(by_case.items())
+
+
+def tag_losses(cells: list[Cell]) -> list[str]:
+    """Cells where the best TAG variant is slower than the best other method (honesty section)."""
     out = []
-    for (model, topo), ms in sorted(by_case.items()):
+    for (model, topo), ms in _by_case(cells):
         tags = [c for m, c in ms.items() if m.startswith("tag-") and not c.oom]
         others = [c for m, c in ms.items() if not m.startswith("tag-") and m != "lower-bound" and not c.oom]
         if not tags or not others:
@@ -48,11 +53,8 @@ def tag_losses(cells: list[Cell]) -> list[str]:
 def executed_losses(cells: list[Cell]) -> list[str]:
     """Cases run for real where a TAG plan measured slower than data parallel (even) measured:
     the simulator's ranking did not survive execution."""
-    by_case: dict[tuple, dict[str, Cell]] = defaultdict(dict)
-    for c in cells:
-        by_case[(c.model, c.topology)][c.method] = c
     out = []
-    for (model, topo), ms in sorted(by_case.items()):
+    for (model, topo), ms in _by_case(cells):
         dp = ms.get("dp")
         if dp is None or not dp.executed_time_s:
             continue
@@ -102,12 +104,13 @@ def markdown(cells: list[Cell], suite: str, env: dict, wall_s: float | None) -> 
     lines += ["", "## Where TAG loses", ""]
     losses = tag_losses(cells)
     lines += losses if losses else ["TAG's best variant was at least as fast as every other method in every case."]
-    ex_losses = executed_losses(cells)
-    if any(c.executed_time_s for c in cells):
+    executed = any(c.executed_time_s for c in cells)
+    if executed:
+        ex_losses = executed_losses(cells)
         lines += ["", "Executed for real (same plans, this machine):", ""]
         lines += ex_losses if ex_losses else ["Every executed TAG plan was at least as fast as data parallel."]
     lines += ["", "## Plots", "", "![speedup](speedup.png)", "", "![quality vs search time](quality_vs_time.png)", ""]
-    if any(c.executed_time_s for c in cells):
+    if executed:
         lines += ["![predicted vs measured](predicted_vs_measured.png)", ""]
     return "\n".join(lines) + "\n"
 

@@ -349,8 +349,7 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
     n_bg = default_corun(dev) if corun is None else corun
     if n_bg:
         log(f"  timing under load: {n_bg} background process(es) running the same model")
-    with contextlib.ExitStack() as stack:
-        load = stack.enter_context(CoRunners(n_bg, spec, seed, torch.get_num_threads())) if n_bg else None
+    with CoRunners(n_bg, spec, seed, torch.get_num_threads()) if n_bg else contextlib.nullcontext() as load:
         opt, overhead = _time_all(graph, its, bs, fwd, bwd, scales, sync, clock, repeats, warmup, load, log)
     log(f"  optimizer {graph.optimizer}: {sum(opt) * 1e3:.2f} ms + {overhead * 1e3:.3f} ms per step")
     if dev.type == "cuda":
