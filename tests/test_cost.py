@@ -169,3 +169,48 @@ def test_baselines_are_valid_plans():
     assert [gp.devices for gp in mp.groups] == [[0], [1], [2], [3]]  # equal memory: one slice each
     single = baseline_plan("single", g, topo)
     assert {tuple(gp.devices) for gp in single.groups} == {(0,)}
+
+
+def test_wake_tau_fit_recovers_the_time_constant():
+    import math
+
+    from tag.cost.profiler import DEFAULT_WAKE_TAU_S, fit_wake_tau
+
+    for tau in (0.003, 0.01, 0.04):
+        ratio = (1 - math.exp(-0.01 / tau)) / (1 - math.exp(-0.05 / tau))
+        assert fit_wake_tau(0.01, 0.05, ratio) == pytest.approx(tau, rel=1e-6)
+    assert fit_wake_tau(0.01, 0.05, 0.1) == DEFAULT_WAKE_TAU_S  # below short/long: noise
+    assert fit_wake_tau(0.01, 0.05, 1.5) == pytest.approx(0.001)  # saturated already at the short gap
+
+
+def test_profile_wake_roundtrip_merge_and_cost_model(tmp_path):
+    g = chain_graph(2)
+    topo = load_topology({"name": "c", "machines": [{"name": "m", "gpu": "cpu", "count": 1}]})
+    dt = device_type(topo, 0)
+    p = _profile(g, dt)
+    assert not p.has_wake and p.wake_table([1, 4]).sum() == 0.0
+    p.fwd_wake = [[1e-3, 2e-3, 2e-3]] * 2
+    p.bwd_wake = [[0.0, 1e-3, 3e-3]] * 2
+    p.wake_gap_s, p.wake_tau_s = 0.05, 0.01
+    w = p.wake_table([0, 1, 2, 4, 8])
+    assert w[0, 0] == pytest.approx([0.0, 1e-3, 1e-3 + 1e-3 / 3, 2e-3, 2e-3])
+    assert w[1, 1] == pytest.approx([0.0, 0.0, 1e-3 / 3, 1e-3, 3e-3])
+    p.save(tmp_path)
+    q = find_profile(tmp_path, dt, g.signature())
+    assert q.has_wake and q.fwd_wake == p.fwd_wake and (q.wake_gap_s, q.wake_tau_s) == (0.05, 0.01)
+    table, gap, tau = CostModel.for_topology(g, topo, tmp_path).wake_penalty(0)
+    assert (gap, tau) == (0.05, 0.01) and table[1, 1, 8] == pytest.approx(3e-3)
+    # a new measurement at other batches without wake data: the merged profile drops it (it would
+    # not cover every batch) rather than mix batches with and without
+    Profile(dt, g.model, g.signature(), 8, "adam", [2], [[9e-3]] * 2, [[9e-3]] * 2, [1e-4] * 2).save(tmp_path)
+    m = find_profile(tmp_path, dt, g.signature())
+    assert m.batches == [1, 2, 4, 8] and not m.has_wake
+    assert CostModel.for_topology(g, topo, tmp_path).wake_penalty(0) is None
+    bad = p.to_dict()
+    bad["bwd_wake"] = [[0.0]]
+    with pytest.raises(ProfileError, match="bwd_wake: expected 2 rows of 3 times"):
+        Profile.from_dict(bad)
+    bad = p.to_dict()
+    bad["wake_tau_s"] = 0.0
+    with pytest.raises(ProfileError, match="wake_gap_s, wake_tau_s"):
+        Profile.from_dict(bad)

@@ -177,7 +177,8 @@ def test_cli_errors_are_one_line(tmp_path, mlp):
 
 def test_validate_interleaves_rounds_and_reports(tmp_path):
     """``tag validate`` end to end: profiles into its own folder (under load: the other rank's
-    share), executes every plan ``rounds`` times and reports the median of the rounds."""
+    share) afresh every round, executes every plan ``rounds`` times (each round in its own
+    order) and reports the medians of the rounds."""
     from tag.executor.validate import validate
 
     topo = cpu_topology(tmp_path, 2)
@@ -186,8 +187,11 @@ def test_validate_interleaves_rounds_and_reports(tmp_path):
     assert [r.name for r in report.rows] == ["dp-even", "dp-prop", "single-0"]
     for r in report.rows:
         assert len(r.rounds_s) == 2 and r.measured_s == pytest.approx(sum(r.rounds_s) / 2)
+        assert len(r.predicted_rounds_s) == 2 and r.predicted_s == pytest.approx(sum(r.predicted_rounds_s) / 2)
         assert r.predicted_s > 0 and r.error >= 0
-    profiles = list((tmp_path / "v" / "profiles").glob("cpu-*/*.json"))
-    assert any(p.name == "comm.json" for p in profiles) and len(profiles) == 2
+    for k in range(2):  # one profile per round, the links measured once and shared
+        profiles = list((tmp_path / "v" / "profiles" / f"round-{k}").glob("cpu-*/*.json"))
+        assert any(p.name == "comm.json" for p in profiles) and len(profiles) == 2
+    assert report.meta["profile_per_round"] is True
     assert (tmp_path / "v" / "runs" / "single-0" / "round-1" / "result.json").is_file()
     assert (tmp_path / "v" / "validation.json").is_file() and (tmp_path / "v" / "scatter.png").is_file()

@@ -46,6 +46,14 @@ def test_profile_mlp_feeds_the_cost_model(captured, tmp_path):
     cm = CostModel.for_topology(g, topo, tmp_path)
     assert cm.source(0) == f"profile:{prof.device_type}"
     assert cm.group_time(0, "fwd", 0, 4) == pytest.approx(prof.fwd[0][1], rel=1e-3)
+    # the wake penalty: measured per stage on a CPU, carried into the cost model
+    assert prof.has_wake and prof.wake_gap_s == pytest.approx(0.05) and prof.wake_tau_s > 0
+    assert len(prof.fwd_wake) == g.num_groups and all(len(r) == 2 and min(r) >= 0 for r in prof.fwd_wake)
+    table, gap, tau = cm.wake_penalty(0)
+    assert table.shape == (g.num_groups, 2, g.batch_size + 1) and (gap, tau) == (prof.wake_gap_s, prof.wake_tau_s)
+    assert table[0, 1, 4] == pytest.approx(prof.bwd_wake[0][1], abs=1e-6)
+    assert profile_model("mlp", batches=[1], repeats=1, warmup=0, captured=cap, log=lambda m: None,
+                         wake_gap_s=0).has_wake is False
 
 
 def test_profile_under_background_load(captured):
@@ -62,7 +70,8 @@ def test_profile_under_background_load(captured):
         assert all(p.is_alive() for p in procs)
     assert not any(p.is_alive() for p in procs) and not mp.active_children()
     cap = captured("mlp", groups=4)
-    prof = profile_model("mlp", batches=[2], repeats=1, warmup=0, captured=cap, log=lambda m: None, corun=1)
+    prof = profile_model("mlp", batches=[2], repeats=1, warmup=0, captured=cap, log=lambda m: None, corun=1,
+                         wake_gap_s=0)
     assert prof.meta["corun"] == 1 and all(t > 0 for row in prof.fwd for t in row)
 
 
@@ -117,3 +126,15 @@ def test_cli_profile_rejects_bad_batches(capsys):
     assert main(["profile", "--model", "mlp", "--batches", "0,x", "--no-comm"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--batches" in err[0]
+
+
+def test_tune_malloc(monkeypatch):
+    """glibc's thresholds are pinned (so profiles and ranks reuse freed memory alike); the switch
+    turns it off."""
+    import platform
+
+    from tag.cost.host import tune_malloc
+
+    assert tune_malloc() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+    monkeypatch.setenv("TAG_MALLOC_TUNE", "0")
+    assert tune_malloc() is False

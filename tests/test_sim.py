@@ -84,6 +84,66 @@ def test_cpu_syncs_wait_for_compute():
     assert ref.critical_path[-3:] == ["allreduce g1", "allreduce g0", "opt @d0"]
 
 
+def test_wake_penalty_after_idle():
+    """A stage started after its device idled pays ``W (1 - exp(-gap/tau)) / (1 - exp(-G/tau))``;
+    back-to-back stages pay nothing, and the reference loop agrees to the bit."""
+    import math
+
+    W, G, TAU = 2e-3, 0.05, 0.01
+    topo = _two_machines()
+    graph = chain_graph(2)
+    sim = Simulator(graph, topo, hand_costs(graph, topo, F, BW, OPT, wake=(W, G, TAU)))
+
+    def pen(gap):
+        return W * (1 - math.exp(-gap / TAU)) / (1 - math.exp(-G / TAU))
+
+    x = LAT + 400 * 8 / NET
+    f0 = 8 * 1e-3  # d0 starts at 0: no idle gap, no penalty
+    s1 = f0 + x  # d1 idled since the iteration began
+    b1_end = s1 + pen(s1) + 8 * 2e-3 + 8 * 4e-3  # its backward follows at once: no penalty
+    s0 = b1_end + x  # d0 idled since its forward
+    t = s0 + pen(s0 - f0) + 8 * 2e-3 + 1e-3
+    r = sim.run([dp([0]), dp([1])])
+    assert r.iteration_time_s == pytest.approx(t)
+    assert r.compute_time_s[1] == pytest.approx(pen(s1) + 8 * 6e-3 + 1e-3)
+    ref = sim.run_reference(sim.deploy([dp([0]), dp([1])]))
+    assert ref.iteration_time_s == r.iteration_time_s
+    # one device throughout: never idle, so exactly the plain costs
+    assert sim.run([dp([0]), dp([0])]).iteration_time_s == pytest.approx(8 * (1e-3 + 2e-3 + 2e-3 + 4e-3) + 2e-3)
+
+
+def test_wake_penalty_fast_loop_matches_reference(captured):
+    """With a wake penalty on every device, the fast and the reference event loops still agree to
+    the bit on random plans (data parallel, PS, mp chunks), and the penalty changes some times."""
+    import random
+
+    from evaluation.sim_speed import random_group
+    from tag.cost.model import CostModel
+    from tag.topology import load_topology
+
+    graph = captured("gpt2:n_layer=1,n_embd=32,n_head=2,seq=16", batch=16, groups=16).graph
+    topo = load_topology("topologies/cluster-16gpu-4m.yaml")
+    plain = Simulator(graph, topo, CostModel.roofline_only(graph, topo))
+    costs = CostModel.roofline_only(graph, topo)
+    for dc in {id(dc): dc for dc in costs._dev}.values():
+        dc.wake = dc.table[:, :2] * 0.3
+        dc.wake_gap_s, dc.wake_tau_s = 0.05, 0.01
+    sim = Simulator(graph, topo, costs)
+    assert sim.any_wake and not plain.any_wake
+    rng = random.Random(7)
+    changed = 0
+    for _ in range(25):
+        groups = [random_group(rng, graph, g, topo.num_devices) for g in range(graph.num_groups)]
+        fast = sim.run(groups)
+        ref = sim.run_reference(sim.deploy(groups))
+        assert fast.iteration_time_s == ref.iteration_time_s
+        assert fast.compute_time_s == ref.compute_time_s and fast.group_finish_s == ref.group_finish_s
+        base = plain.run(groups).iteration_time_s
+        assert fast.iteration_time_s >= base
+        changed += fast.iteration_time_s > base
+    assert changed > 0
+
+
 def test_parameter_server_contended_link():
     topo = topology([("a", 2, 1e7, 1e-4), ("s", 1, None, 0.0)], net_bw=NET, net_lat=LAT)
     sim, _ = _sim(topo)

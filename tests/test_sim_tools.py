@@ -79,9 +79,11 @@ def topology(machines: list[tuple[str, int, float, float]], net_bw: float = 1e6,
 
 
 def hand_costs(graph: OpGraph, topo, fwd: list[float], bwd: list[float], opt: list[float],
-               speed: list[float] | None = None, step_overhead: float = 0.0) -> CostModel:
+               speed: list[float] | None = None, step_overhead: float = 0.0,
+               wake: tuple[float, float, float] | None = None) -> CostModel:
     """Group ``g`` takes ``fwd[g] * b`` / ``bwd[g] * b`` seconds at batch ``b`` and ``opt[g]`` seconds,
-    divided by ``speed[d]`` on device ``d`` (default 1)."""
+    divided by ``speed[d]`` on device ``d`` (default 1). ``wake = (seconds, gap_s, tau_s)``: every
+    fwd/bwd stage at a batch > 0 has that wake penalty after ``gap_s`` idle, on every device."""
     nb = graph.batch_size + 1
     b = np.arange(nb, dtype=float)
     base = np.zeros((graph.num_groups, 3, nb))
@@ -92,5 +94,10 @@ def hand_costs(graph: OpGraph, topo, fwd: list[float], bwd: list[float], opt: li
     devs = []
     for d in range(topo.num_devices):
         tab = base / speed[d]
-        devs.append(DeviceCost("G", "test", tab, step_overhead, lambda q, tab=tab: tab[:, :, [int(x) for x in q]]))
+        w = None
+        if wake is not None:
+            w = np.zeros((graph.num_groups, 2, nb))
+            w[:, :, 1:] = wake[0]
+        devs.append(DeviceCost("G", "test", tab, step_overhead, lambda q, tab=tab: tab[:, :, [int(x) for x in q]],
+                               w, *(wake[1:] if wake is not None else (0.0, 0.0))))
     return CostModel(graph, topo, devs, CommModel.build(topo, {}))

@@ -69,6 +69,11 @@ class DeviceCost:
     """Fixed seconds of one optimizer step per device per iteration."""
     at: object
     """``at(batches) -> [K, 3, len(batches)]`` for batches off the integer grid."""
+    wake: np.ndarray | None = None
+    """[K, 2, B+1] extra seconds of a fwd/bwd stage started after idling ``wake_gap_s`` (a CPU
+    profile's wake penalty, :mod:`tag.cost.profiler`); None: no penalty (GPUs, roofline)."""
+    wake_gap_s: float = 0.0
+    wake_tau_s: float = 0.0
 
 
 class CostModel:
@@ -123,6 +128,13 @@ class CostModel:
     def table(self, device: int) -> np.ndarray:
         """``[K, 3, B+1]`` seconds of every group and phase at per-replica batch 0..B (read-only)."""
         return self._dev[device].table
+
+    def wake_penalty(self, device: int) -> tuple[np.ndarray, float, float] | None:
+        """``(table [K, 2, B+1], gap_s, tau_s)`` of ``device``'s wake penalty, or None: a stage
+        started after ``gap`` idle seconds takes ``table * (1 - exp(-gap / tau)) /
+        (1 - exp(-gap_s / tau))`` more (:mod:`tag.cost.profiler`, "Wake penalty")."""
+        dc = self._dev[device]
+        return None if dc.wake is None else (dc.wake, dc.wake_gap_s, dc.wake_tau_s)
 
     def step_overhead(self, device: int) -> float:
         """Fixed seconds of the optimizer step on ``device`` (once per iteration)."""
@@ -195,7 +207,8 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
 
     prof = find_profile(root, dt, sig) if dt in available else None
     if prof is not None and prof.num_groups == graph.num_groups:
-        return DeviceCost(dt, f"profile:{dt}", prof.table(grid), prof.opt_step_overhead_s, prof.table)
+        return DeviceCost(dt, f"profile:{dt}", prof.table(grid), prof.opt_step_overhead_s, prof.table,
+                          *_wake_of(prof, grid))
     ref = _reference_type(dt, spec, available)
     prof = find_profile(root, ref, sig) if ref is not None else None
     if prof is not None and prof.num_groups == graph.num_groups:
@@ -210,8 +223,20 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
             return prof.table(batches) * ratio
 
         over = prof.opt_step_overhead_s * (_threads(ref) / _threads(dt) if _is_cpu(dt) else 1.0)
-        return DeviceCost(dt, f"scaled:{ref}", scaled(grid), over, scaled)
+        table = scaled(grid)
+        wake, gap, tau = _wake_of(prof, grid)
+        if wake is not None:  # scaled like the stages it delays
+            base = prof.table(grid)[:, :2]
+            wake = wake * np.where(base > 0, table[:, :2] / np.where(base > 0, base, 1.0), 1.0)
+        return DeviceCost(dt, f"scaled:{ref}", table, over, scaled, wake, gap, tau)
     return DeviceCost(dt, "roofline", rtab(grid), 0.0, rtab)
+
+
+def _wake_of(prof, grid: np.ndarray) -> tuple[np.ndarray | None, float, float]:
+    """(wake table on ``grid``, gap, tau) of a profile; (None, 0, 0) without wake data."""
+    if not prof.has_wake:
+        return None, 0.0, 0.0
+    return prof.wake_table(grid), prof.wake_gap_s, prof.wake_tau_s
 
 
 def _catalog(name: str):

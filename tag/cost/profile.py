@@ -72,6 +72,16 @@ class Profile:
     meta: dict = field(default_factory=dict)
     """Provenance: repeats, warm-up, threads, torch version, host, date."""
     version: int = PROFILE_VERSION
+    fwd_wake: list[list[float]] = field(default_factory=list)
+    """[group][batch index] extra seconds the forward stage takes when its device starts it after
+    idling ``wake_gap_s`` (cold caches, clocks down: measured on CPUs; empty = none)."""
+    bwd_wake: list[list[float]] = field(default_factory=list)
+    """[group][batch index] the same for the backward stage."""
+    wake_gap_s: float = 0.0
+    """Idle seconds before each stage when ``fwd_wake``/``bwd_wake`` were measured."""
+    wake_tau_s: float = 0.0
+    """Time constant (seconds) of the wake penalty's growth with the idle gap:
+    ``extra(gap) = wake * (1 - exp(-gap / tau)) / (1 - exp(-wake_gap_s / tau))``."""
 
     @property
     def num_groups(self) -> int:
@@ -89,6 +99,22 @@ class Profile:
         out[:, :, q <= 0] = 0.0
         return out
 
+    @property
+    def has_wake(self) -> bool:
+        return bool(self.fwd_wake) and self.wake_gap_s > 0 and self.wake_tau_s > 0
+
+    def wake_table(self, batches) -> np.ndarray:
+        """Extra seconds ``[K, 2, len(batches)]`` (fwd, bwd) of a stage started after an idle gap of
+        ``wake_gap_s``, interpolated like :meth:`table` (zeros without wake data)."""
+        q = np.asarray(batches, dtype=float)
+        out = np.zeros((self.num_groups, 2, len(q)))
+        if self.has_wake:
+            xs = np.asarray(self.batches, dtype=float)
+            for ph, rows in ((0, self.fwd_wake), (1, self.bwd_wake)):
+                out[:, ph, :] = np.maximum(_interp_rows(q, xs, np.asarray(rows, dtype=float)), 0.0)
+            out[:, :, q <= 0] = 0.0
+        return out
+
     # ---- I/O ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return asdict(self)
@@ -104,10 +130,13 @@ class Profile:
         k = len(p.opt)
         if not p.batches or sorted(set(p.batches)) != list(p.batches):
             raise ProfileError(f"{source}: batches: expected increasing distinct sizes, got {p.batches}")
-        for name in ("fwd", "bwd"):
+        for name in ("fwd", "bwd") + (("fwd_wake", "bwd_wake") if p.fwd_wake or p.bwd_wake else ()):
             rows = getattr(p, name)
             if len(rows) != k or any(len(r) != len(p.batches) for r in rows):
                 raise ProfileError(f"{source}: {name}: expected {k} rows of {len(p.batches)} times")
+        if p.fwd_wake and not (p.wake_gap_s > 0 and p.wake_tau_s > 0):
+            raise ProfileError(f"{source}: wake_gap_s, wake_tau_s: expected positive seconds with wake times, "
+                               f"got {p.wake_gap_s}, {p.wake_tau_s}")
         return p
 
     def path(self, root: str | os.PathLike) -> Path:
@@ -149,16 +178,21 @@ def _interp_rows(q: np.ndarray, xs: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _merge(old: Profile, new: Profile) -> Profile:
-    """Union of batch sizes; ``new`` wins where both measured."""
-    cols: dict[int, tuple[list[float], list[float]]] = {}
+    """Union of batch sizes; ``new`` wins where both measured. Wake data is kept when every merged
+    batch size has some, measured with the same gap and time constant."""
+    names = ("fwd", "bwd", "fwd_wake", "bwd_wake")
+    cols: dict[int, list[list[float]]] = {}
     for p in (old, new):
         for j, b in enumerate(p.batches):
-            cols[b] = ([r[j] for r in p.fwd], [r[j] for r in p.bwd])
+            cols[b] = [[r[j] for r in getattr(p, n)] if getattr(p, n) else [] for n in names]
     bs = sorted(cols)
-    fwd = [[cols[b][0][g] for b in bs] for g in range(new.num_groups)]
-    bwd = [[cols[b][1][g] for b in bs] for g in range(new.num_groups)]
-    return Profile(new.device_type, new.model, new.graph_signature, new.batch_size, new.optimizer, bs, fwd, bwd,
-                   new.opt, new.opt_step_overhead_s, new.meta)
+    same = not old.has_wake or (old.wake_gap_s, old.wake_tau_s) == (new.wake_gap_s, new.wake_tau_s)
+    wake = new.has_wake and same and all(cols[b][2] for b in bs)
+    rows = [[[cols[b][i][g] for b in bs] for g in range(new.num_groups)] if i < 2 or wake else []
+            for i in range(4)]
+    return Profile(new.device_type, new.model, new.graph_signature, new.batch_size, new.optimizer, bs, rows[0],
+                   rows[1], new.opt, new.opt_step_overhead_s, new.meta, fwd_wake=rows[2], bwd_wake=rows[3],
+                   wake_gap_s=new.wake_gap_s if wake else 0.0, wake_tau_s=new.wake_tau_s if wake else 0.0)
 
 
 def _rounded(d: dict) -> dict:
@@ -166,8 +200,8 @@ def _rounded(d: dict) -> dict:
     def r(x):
         return float(f"{x:.4g}")
     d = dict(d)
-    d["fwd"] = [[r(x) for x in row] for row in d["fwd"]]
-    d["bwd"] = [[r(x) for x in row] for row in d["bwd"]]
+    for name in ("fwd", "bwd", "fwd_wake", "bwd_wake"):
+        d[name] = [[r(x) for x in row] for row in d[name]]
     d["opt"] = [r(x) for x in d["opt"]]
     d["opt_step_overhead_s"] = r(d["opt_step_overhead_s"])
     return d

@@ -3,24 +3,37 @@
 For each profiled per-replica batch ``b`` the model is exported at ``b`` (one joint graph), cut
 into one stage per (op-group, phase) with the reference graph's grouping
 (:func:`stage_assignment`), and the whole iteration is run stage by stage ``warmup + repeats``
-times: forward stages in group order, backward stages in reverse order, each stage timed on its
-own (:func:`timing_clock`: thread CPU time for a single-threaded CPU, else wall clock; CUDA
+times (each followed by an untimed optimizer step, :class:`OptimizerStep`, so the first stages
+find the caches a real iteration leaves): forward stages in group order, backward stages in
+reverse order, each stage timed on its own (:func:`timing_clock`: thread CPU time for a single-threaded CPU, else wall clock; CUDA
 synchronised). A CPU device type ``cpu-<t>t`` means the executor runs ``n = cores // t`` ranks on
 the host at once, all computing: their cores share caches and memory bandwidth, so each stage
 takes longer than on an idle host (measured +10-20% for 2 ranks on this project's 2-core machine).
 The profiler therefore times a CPU type under that load: ``n - 1`` background processes run the
-same model's forward + backward at the same per-replica batch while the stages are timed
-(:class:`CoRunners`; ``corun=0`` measures an idle host instead). Per-stage medians over the repeats are stored, rescaled
-so that they sum to the median time of the whole iteration (stalls land in random stages, so the
-per-stage medians alone under-count a real iteration). The optimizer is
+same model's forward + backward (at the middle profiled batch) while the stages are timed
+(:class:`CoRunners`; ``corun=0`` measures an idle host instead). The repeats go round-robin over
+the profiled batch sizes: a virtual machine's speed swings by 20-30% within seconds, and timing
+the batches one after the other would bend the batch curve with it. Per-stage medians over the
+repeats are stored, rescaled so that they sum to the median time of the whole iteration (stalls
+land in random stages, so the per-stage medians alone under-count a real iteration). The optimizer is
 timed as a real ``torch.optim`` step (``foreach=False``) on every parameter, fed the gradients a
 real backward just produced, one optimizer per group plus one over all parameters, which separates
 the fixed per-step cost from the per-group marginal cost (:class:`tag.cost.profile.Profile`).
+
+**Wake penalty (CPU).** A stage that starts right after its rank idled (blocked on a peer's
+transfer) runs slower than back to back: measured on this project's 2-core VM, a 3-5 ms gpt2
+stage takes +20-50% after 10-20 ms idle, growing with the gap as ``1 - exp(-gap / ~10 ms)``
+(caches refilled, clocks back up). The profiler measures it per stage: every stage is also
+timed after sleeping ``wake_gap_s`` (default 50 ms, near saturation) and the extra seconds over
+back-to-back are stored (``fwd_wake``/``bwd_wake``); the time constant is fitted from a second
+pass at ``wake_gap_s / 5`` (:func:`fit_wake_tau`). The simulator charges a stage
+``wake * (1 - exp(-gap / tau)) / (1 - exp(-wake_gap_s / tau))`` for the idle ``gap`` before it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import platform
 import statistics
 import sys
@@ -34,6 +47,7 @@ from torch.export.graph_signature import InputKind
 
 from ..graph.capture import export_joint
 from ..graph.stages import Stage, build_stages
+from .host import tune_malloc
 from .profile import Profile, cpu_device_type
 
 Log = Callable[[str], None]
@@ -92,11 +106,14 @@ class RunnableIteration:
     """State-dict name -> parameter value."""
 
     def run(self, sync: Callable[[], None], times: dict | None = None,
-            clock: Callable[[], float] = time.perf_counter) -> dict[str, torch.Tensor]:
-        """One forward+backward; if ``times`` is given, appends each stage's seconds to it."""
+            clock: Callable[[], float] = time.perf_counter, idle_s: float = 0.0) -> dict[str, torch.Tensor]:
+        """One forward+backward; if ``times`` is given, appends each stage's seconds to it.
+        ``idle_s``: sleep that long before each stage (untimed), as a rank waiting on a peer."""
         env = dict(self.env0)
         with torch.no_grad():
             for key, st in self.stages:
+                if idle_s > 0:
+                    time.sleep(idle_s)
                 t0 = clock()
                 outs = st.module(*[env[n] for n in st.inputs])
                 sync()
@@ -176,6 +193,26 @@ def timing_clock(device: torch.device) -> Callable[[], float]:
     return time.perf_counter
 
 
+class OptimizerStep:
+    """An untimed optimizer step after each profiled iteration, on copies of its parameters fed
+    the gradients it produced: the next iteration's first stages then start with the caches an
+    optimizer step leaves behind, as every executor iteration does."""
+
+    def __init__(self, graph, it: RunnableIteration):
+        self._grad = {p.name: graph.tensors[p.grad].name for p in graph.params}
+        self._params = {n: torch.nn.Parameter(v.detach().clone()) for n, v in it.params.items() if n in self._grad}
+        self._opt = make_optimizer(graph.optimizer, list(self._params.values())) if self._params else None
+
+    def __call__(self, env: dict[str, torch.Tensor]) -> None:
+        if self._opt is None:
+            return
+        for n, p in self._params.items():
+            p.grad = env[self._grad[n]].reshape(p.shape)
+        self._opt.step()
+        for p in self._params.values():
+            p.grad = None
+
+
 def time_optimizer(graph, it: RunnableIteration, sync, clock, repeats: int,
                    warmup: int) -> tuple[list[float], float]:
     """(per-group marginal seconds, fixed per-step seconds) of ``graph.optimizer``'s step.
@@ -229,6 +266,7 @@ def _corun_worker(spec: str, seed: int, threads: int, batch, stop, done, slot: i
     torch.set_num_threads(threads)
     from ..workloads import load_workload
 
+    tune_malloc()
     wl = load_workload(spec, seed=seed)
     inputs: dict[int, tuple] = {}
     while not stop.is_set():
@@ -265,6 +303,8 @@ class CoRunners:
         """Switch to batch ``b`` and wait until every process finished an iteration at it (so
         timing starts under the load, not while the background is still starting)."""
         self._batch.value = int(b)
+        if b <= 0:  # paused: nothing to wait for
+            return
         end = time.monotonic() + timeout_s
         while any(x != b for x in self._done[:]):
             if not all(p.is_alive() for p in self._procs):
@@ -300,7 +340,7 @@ def default_corun(device: torch.device) -> int:
 def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", batches: list[int] | None = None,
                   repeats: int = 5, warmup: int = 2, optimizer: str = "adam", num_groups: int = 48,
                   seed: int = 0, threads: int | None = None, log: Log = stderr_log, captured=None,
-                  corun: int | None = None) -> Profile:
+                  corun: int | None = None, wake_gap_s: float | None = None) -> Profile:
     """Profile zoo model / factory ``spec`` on the local ``device`` (``cpu`` or ``cuda``).
 
     Args:
@@ -310,6 +350,8 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
         captured: an existing capture of the workload (skips capturing again).
         corun: background processes loading the host while timing (default
             :func:`default_corun`: the executor's other ranks of this device type; 0: idle host).
+        wake_gap_s: idle seconds before each stage for the wake penalty (default
+            :data:`WAKE_GAP_S` on a CPU, 0 = not measured; never on a GPU).
     """
     from ..graph.capture import capture
     from ..workloads import load_workload
@@ -317,6 +359,7 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
     if threads is not None:
         torch.set_num_threads(threads)
     dev = torch.device(device)
+    tune_malloc()  # as every executor rank does (tag.cost.host)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     wl = load_workload(spec, batch=batch, seed=seed)
     t0 = time.perf_counter()
@@ -349,8 +392,11 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
     n_bg = default_corun(dev) if corun is None else corun
     if n_bg:
         log(f"  timing under load: {n_bg} background process(es) running the same model")
+    gap = (WAKE_GAP_S if dev.type == "cpu" else 0.0) if wake_gap_s is None else float(wake_gap_s)
+    wake: dict = {}
     with CoRunners(n_bg, spec, seed, torch.get_num_threads()) if n_bg else contextlib.nullcontext() as load:
-        opt, overhead = _time_all(graph, its, bs, fwd, bwd, scales, sync, clock, repeats, warmup, load, log)
+        opt, overhead = _time_all(graph, its, bs, fwd, bwd, scales, sync, clock, repeats, warmup, load, log,
+                                  gap, wake)
     log(f"  optimizer {graph.optimizer}: {sum(opt) * 1e3:.2f} ms + {overhead * 1e3:.3f} ms per step")
     if dev.type == "cuda":
         dtype = cuda_device_type(dev)
@@ -360,39 +406,110 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
             "host": platform.node(), "date": time.strftime("%Y-%m-%d"), "num_groups_requested": num_groups,
             "stage_scale": scales, "corun": n_bg,
             "clock": "thread_time" if clock is time.thread_time else "perf_counter"}
+    if wake:
+        log(f"  wake penalty after {gap * 1e3:.0f} ms idle: +{wake['total'] * 1e3:.2f} ms per iteration at "
+            f"batch {bs[-1]} if every stage started cold; time constant {wake['tau'] * 1e3:.1f} ms")
     return Profile(dtype, graph.model, graph.signature(), graph.batch_size, graph.optimizer, bs, fwd, bwd, opt,
-                   overhead, meta)
+                   overhead, meta, fwd_wake=wake.get("fwd", []), bwd_wake=wake.get("bwd", []),
+                   wake_gap_s=gap if wake else 0.0, wake_tau_s=wake.get("tau", 0.0))
 
 
-def _time_all(graph, its, bs, fwd, bwd, scales, sync, clock, repeats, warmup, load, log):
+WAKE_GAP_S = 0.05
+"""Idle seconds before each stage when the CPU wake penalty is measured (near saturation)."""
+DEFAULT_WAKE_TAU_S = 0.01
+"""Time constant used when the two-gap fit is not identifiable (noise)."""
+
+
+def fit_wake_tau(short_s: float, long_s: float, ratio: float) -> float:
+    """Time constant ``tau`` with ``(1 - exp(-short/tau)) / (1 - exp(-long/tau)) = ratio``: the
+    measured penalty after ``short_s`` idle over the one after ``long_s``. The ratio falls from 1
+    (tau -> 0) to ``short/long`` (tau -> inf); outside that range (noise) the default is used."""
+    lo_r = short_s / long_s
+    if not (lo_r < ratio < 1.0):
+        return DEFAULT_WAKE_TAU_S if ratio <= lo_r else short_s / 10.0
+
+    def f(tau: float) -> float:
+        return (1.0 - math.exp(-short_s / tau)) / (1.0 - math.exp(-long_s / tau)) - ratio
+
+    a, b = short_s / 50.0, long_s * 50.0  # f(a) > 0 > f(b)
+    for _ in range(60):
+        m = math.sqrt(a * b)
+        a, b = (m, b) if f(m) > 0 else (a, m)
+    return math.sqrt(a * b)
+
+
+def _time_wake(its, bs, raw, sync, clock, repeats, gap, log) -> dict:
+    """Per-stage extra seconds after ``gap`` idle over back-to-back (``raw`` medians), and the
+    fitted time constant from a second pass at ``gap / 5`` on the largest batch. Repeats go
+    round-robin over the batches (and the two gaps), so slow phases of a noisy host hit all alike."""
+    k = len(raw[0]["fwd"]) if raw else 0
+    out = {"fwd": [[0.0] * len(bs) for _ in range(k)], "bwd": [[0.0] * len(bs) for _ in range(k)]}
+    times: list[dict] = [{} for _ in bs]
+    short: dict = {}
+    for _ in range(repeats):
+        for j, it in enumerate(its):
+            it.run(sync, times[j], clock, idle_s=gap)
+        its[-1].run(sync, short, clock, idle_s=gap / 5.0)
+
+    def extra(ts: dict, j: int, dest: dict | None) -> float:
+        total = 0.0
+        for (g, ph), xs in ts.items():
+            x = max(0.0, statistics.median(xs) - raw[j][ph][g])
+            total += x
+            if dest is not None:
+                dest[ph][g][j] = x
+        return total
+
+    for j, b in enumerate(bs):
+        log(f"  batch {b}: wake penalty after {gap * 1e3:.0f} ms idle +{extra(times[j], j, out) * 1e3:.2f} ms "
+            "over all stages")
+    long_total = extra(times[-1], len(bs) - 1, None)
+    short_total = extra(short, len(bs) - 1, None)
+    out["total"] = long_total
+    out["tau"] = fit_wake_tau(gap / 5.0, gap, short_total / long_total) if long_total > 0 else DEFAULT_WAKE_TAU_S
+    return out
+
+
+def _time_all(graph, its, bs, fwd, bwd, scales, sync, clock, repeats, warmup, load, log, wake_gap_s=0.0,
+              wake=None):
     """Fill ``fwd``/``bwd`` [group][batch index] and ``scales``; return the optimizer timing.
-    ``load``: :class:`CoRunners` switched to each batch before it is timed (or None)."""
+
+    Repeats go round-robin over the batch sizes (one iteration of each in turn), so a slow phase
+    of a noisy host hits every batch alike instead of bending the batch curve. ``load``:
+    :class:`CoRunners` running at the middle profiled batch meanwhile (or None).
+    ``wake_gap_s > 0``: also measure the wake penalty into ``wake`` (:func:`_time_wake`)."""
     k = graph.num_groups
-    for j, (b, it) in enumerate(zip(bs, its)):
-        if load is not None:
-            load.set_batch(b)
-        times: dict = {}
-        totals = []
-        t0 = time.perf_counter()
-        for r in range(warmup + repeats):
+    if load is not None:
+        load.set_batch(bs[len(bs) // 2])
+    times: list[dict] = [{} for _ in bs]
+    totals: list[list[float]] = [[] for _ in bs]
+    steps = [OptimizerStep(graph, it) for it in its]
+    t0 = time.perf_counter()
+    for r in range(warmup + repeats):
+        for j, it in enumerate(its):
             t1 = clock()
-            it.run(sync, times if r >= warmup else None, clock)
+            env = it.run(sync, times[j] if r >= warmup else None, clock)
             if r >= warmup:
-                totals.append(clock() - t1)
-        for (g, ph), ts in times.items():
-            (fwd if ph == "fwd" else bwd)[g][j] = statistics.median(ts)
+                totals[j].append(clock() - t1)
+            steps[j](env)
+            del env
+    raw: list[dict] = []  # per batch: unscaled per-stage medians {"fwd": [g], "bwd": [g]}
+    for j, b in enumerate(bs):
+        raw.append({"fwd": [0.0] * k, "bwd": [0.0] * k})
+        for (g, ph), ts in times[j].items():
+            (fwd if ph == "fwd" else bwd)[g][j] = raw[j][ph][g] = statistics.median(ts)
         # Per-stage medians miss the stalls (preemption, page faults) every real iteration suffers
         # in *some* stage: rescale them to sum to the median whole-iteration time.
         total = sum(fwd[g][j] + bwd[g][j] for g in range(k))
-        scale = statistics.median(totals) / total if total > 0 else 1.0
+        scale = statistics.median(totals[j]) / total if total > 0 else 1.0
         scales.append(round(scale, 4))
         for g in range(k):
             fwd[g][j] *= scale
             bwd[g][j] *= scale
-        log(f"  batch {b}: {warmup}+{repeats} iterations "
-            f"{time.perf_counter() - t0:.1f} s, fwd+bwd {total * scale * 1e3:.2f} ms (stage sum x {scale:.3f})")
-    if load is not None:
-        load.set_batch(bs[-1])
+        log(f"  batch {b}: fwd+bwd {total * scale * 1e3:.2f} ms (stage sum x {scale:.3f})")
+    log(f"  {warmup}+{repeats} iterations of each batch in {time.perf_counter() - t0:.1f} s")
+    if wake_gap_s > 0 and wake is not None:
+        wake.update(_time_wake(its, bs, raw, sync, clock, max(3, repeats // 2 + 1), wake_gap_s, log))
     return time_optimizer(graph, its[-1], sync, clock, repeats=max(repeats, 5), warmup=max(warmup, 1))
 
 

@@ -24,6 +24,8 @@ class DistComm:
     gather_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
     """SFB all-gathers: process groups of their own (not queued behind the gradient syncs)."""
     pending: list[_Pending] = field(default_factory=list)
+    defer_syncs: bool = False
+    """Queue gradient syncs until :meth:`finish_syncs` (CPU ranks, see :meth:`sync`)."""
 
     @classmethod
     def init(cls, rank: int, world: int, backend: str, timeout_s: float, schedule: Schedule,
@@ -36,7 +38,7 @@ class DistComm:
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                                 **kwargs)
-        comm = cls(rank, world, backend)
+        comm = cls(rank, world, backend, defer_syncs=device.type == "cpu")
         for members in schedule.comm_groups:  # every rank calls new_group for every set, same order
             comm.groups[members] = dist.new_group(list(members), timeout=timedelta(seconds=timeout_s))
         for members in schedule.gather_groups:
@@ -94,22 +96,24 @@ class DistComm:
     def sync(self, rt: RankRuntime, step: Step, sync: str, devices: list[int], server: int | None) -> None:
         """Start summing the group's gradients over its members (async; see :meth:`finish_syncs`).
 
-        All-reduce, or PS: reduce to the server now, broadcast back once the reduce is waited
-        for -- at the next sync or at the update, a point fixed by the schedule, so every member
-        issues the collectives of one process group in the same order.
+        All-reduce, or PS: reduce to the server now, broadcast back in :meth:`finish_syncs`
+        (after every reduce of the iteration was issued), so every member issues the collectives
+        of one process group in the same order and no rank blocks mid-backward on a peer's reduce.
+
+        On a CPU rank the collective is only queued here and issued by :meth:`finish_syncs`, after
+        the rank's last compute (docs/DESIGN.md: a CPU rank computes on every core it has; gloo's
+        threads would otherwise time-slice with the compute and stretch both). Every rank issues
+        its queued syncs in schedule order, so the order per process group is unchanged.
         """
         members = tuple(sorted(set(devices) | ({server} if sync == "ps" else set())))
         if self.rank not in members:
             return
         t0 = time.perf_counter()
-        self._broadcast_reduced()
         flat = rt.grad_flat(step.group)
-        pg = self.groups[members]
-        if sync == "ps":
-            work = dist.reduce(flat, dst=server, group=pg, async_op=True)
-        else:
-            work = dist.all_reduce(flat, group=pg, async_op=True)
-        self.pending.append(_Pending(step.group, flat, work, pg, server if sync == "ps" else None))
+        p = _Pending(step.group, flat, None, self.groups[members], server if sync == "ps" else None)
+        if not self.defer_syncs:
+            p.start()
+        self.pending.append(p)
         rt.timer.sync += time.perf_counter() - t0
 
     def _broadcast_reduced(self) -> None:
@@ -123,6 +127,9 @@ class DistComm:
     def finish_syncs(self, rt: RankRuntime) -> None:
         """Wait for every gradient sync of the iteration and hand the sums to the runtime."""
         t0 = time.perf_counter()
+        for p in self.pending:
+            if p.work is None:
+                p.start()
         self._broadcast_reduced()
         for p in self.pending:
             p.work.wait()
@@ -141,3 +148,10 @@ class _Pending:
     pg: object
     server: int | None
     broadcast: bool = False
+
+    def start(self) -> None:
+        """Issue the all-reduce, or the PS reduce to the server (async)."""
+        if self.server is not None:
+            self.work = dist.reduce(self.flat, dst=self.server, group=self.pg, async_op=True)
+        else:
+            self.work = dist.all_reduce(self.flat, group=self.pg, async_op=True)

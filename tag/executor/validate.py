@@ -70,6 +70,8 @@ class ValidationRow:
     per_rank_s: list[float]
     rounds_s: list[float] = field(default_factory=list)
     """Each round's measured iteration time, seconds (spread = the machine's noise)."""
+    predicted_rounds_s: list[float] = field(default_factory=list)
+    """Each round's prediction (from that round's own profile), seconds."""
 
     @property
     def error(self) -> float:
@@ -153,7 +155,11 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     one under another load, says nothing about this run). ``profile``: measure op-group and
     communication costs first where ``profile_dir`` has none for this graph and device type (the
     simulator otherwise falls back to the datasheet roofline). ``rounds``: executions of every
-    plan, interleaved (the median is reported).
+    plan, interleaved (the median is reported). With several rounds and no ``profile_dir``, every
+    round first profiles the graph afresh into ``<out_dir>/profiles/round-<r>`` and predicts its
+    executions from that: this VM's speed drifts by 20-30% over minutes, and a profile taken
+    once at the start says little about executions ten minutes later. Each round runs the plans
+    in its own shuffled order (seeded), so no plan always runs at the same point of a drift.
     """
     if rounds < 1:
         raise ValueError(f"rounds: expected a positive integer, got {rounds}")
@@ -167,7 +173,8 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     cap = capture(load_workload(model, batch=batch), optimizer=optimizer, num_groups=groups)
     graph = cap.graph
     root = Path(profile_dir) if profile_dir is not None else out / "profiles"
-    if profile:
+    per_round = profile and profile_dir is None and rounds > 1
+    if profile and not per_round:
         ensure_profiles(model, cap, topology, log_fn, root)
     plans = validation_plans(graph, topology, n_plans, seed)
     for name, plan in plans:
@@ -178,31 +185,50 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     # and interleaving gives every plan the same share of fast and slow periods (the median of
     # its rounds is reported; every round's figure is kept in the row).
     measured: dict[str, list] = {name: [] for name, _ in plans}
-    predicted: dict[str, float] = {}
+    predicted: dict[str, list[float]] = {name: [] for name, _ in plans}
     for r in range(rounds):
-        for name, _plan in plans:
+        proot = root
+        if per_round:
+            proot = root / f"round-{r}"
+            for comm in (root / "round-0").glob("*/comm.json") if r else ():  # links: measured once
+                dest = proot / comm.parent.name / "comm.json"
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(comm.read_bytes())
+            log_fn(f"round {r + 1}/{rounds}: profiling afresh")
+            ensure_profiles(model, cap, topology, log_fn, proot)
+        order = list(plans)
+        if rounds > 1:
+            random.Random(seed + r).shuffle(order)
+        for name, _plan in order:
             run_dir = out / "runs" / name / (f"round-{r}" if rounds > 1 else "")
             cfg = ExecuteConfig(model=model, topology=topology_path, plan=str(out / "plans" / f"{name}.json"),
                                 batch=graph.batch_size, optimizer=optimizer, groups=groups, steps=steps,
-                                warmup=warmup, run_dir=str(run_dir), profile_dir=str(root))
+                                warmup=warmup, run_dir=str(run_dir), profile_dir=str(proot))
             res = execute(cfg, graph=graph)
             write_json(run_dir / "result.json", res.to_dict())
-            predicted[name] = float(res.predicted_iteration_time_s or math.nan)
+            predicted[name].append(float(res.predicted_iteration_time_s or math.nan))
             measured[name].append((res.measured_iteration_time_s, res.per_rank_median_s))
-            log_fn(f"  {name:<12} predicted {predicted[name] * 1e3:8.2f} ms  measured "
+            log_fn(f"  {name:<12} predicted {predicted[name][-1] * 1e3:8.2f} ms  measured "
                    f"{res.measured_iteration_time_s * 1e3:8.2f} ms" + (f"  (round {r + 1}/{rounds})" if rounds > 1 else ""))
     rows = []
     for name, _plan in plans:
         ms = measured[name]
         med = statistics.median(m for m, _ in ms)
         per_rank = [statistics.median(pr[i] for _, pr in ms) for i in range(len(ms[0][1]))]
-        rows.append(ValidationRow(name, predicted[name], med, per_rank, rounds_s=[m for m, _ in ms]))
+        rows.append(ValidationRow(name, statistics.median(predicted[name]), med, per_rank,
+                                  rounds_s=[m for m, _ in ms], predicted_rounds_s=predicted[name]))
     meta = {"batch": graph.batch_size, "groups": graph.num_groups, "optimizer": optimizer, "steps": steps,
-            "warmup": warmup, "rounds": rounds, "graph_signature": graph.signature(), "profile_dir": str(root)}
+            "warmup": warmup, "rounds": rounds, "graph_signature": graph.signature(), "profile_dir": str(root),
+            "profile_per_round": per_round}
     report = summarize_rows(model, topology.name, rows, meta)
     write_json(out / "validation.json", report.to_dict())
     scatter_plot(report, out / "scatter.png")
     return report
+
+
+PROFILE_REPEATS = 9
+"""Timed repeats per batch size of a validation's own profile (round-robin over the batches: the
+medians must hold against the host's swings in speed, which the executions see too)."""
 
 
 def ensure_profiles(model: str, cap, topology, log_fn, root: Path) -> None:
@@ -226,7 +252,7 @@ def ensure_profiles(model: str, cap, topology, log_fn, root: Path) -> None:
             try:
                 profile_model(model, batch=cap.graph.batch_size, optimizer=cap.graph.optimizer,
                               num_groups=cap.graph.num_groups, threads=threads, captured=cap,
-                              log=lambda m: None).save(root)
+                              repeats=PROFILE_REPEATS, log=log_fn).save(root)
             finally:
                 torch.set_num_threads(before)
         if find_comm_profile(root, dt) is None:

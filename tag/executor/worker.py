@@ -81,11 +81,13 @@ def run_rank(a: WorkerArgs) -> dict:
     """Execute the plan on this rank; returns this rank's measurements."""
     import torch.distributed as dist
 
+    from ..cost.host import tune_malloc
     from ..plan.format import Plan
     from ..topology import load_topology
     from ..workloads import load_workload
     from .comm import DistComm
 
+    tune_malloc()  # the profiles were timed with the same allocator settings
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -28,6 +28,10 @@ global batch on its compute stream (before its next stage); then the group's rem
 gradients are synchronised (the sync waits for the last replica's recompute). The executor's
 order, docs/DESIGN.md "Sufficient Factor Broadcasting".
 
+Wake penalty (CPU devices with a profiled one, :mod:`tag.cost.profiler`): the first stage of a
+segment on a device that idled ``gap`` seconds since its last compute (blocked on transfers)
+takes ``wake * (1 - exp(-gap / tau)) / (1 - exp(-gap_s / tau))`` longer (:func:`wake_extra`).
+
 Speed: runs of consecutive stages on one data-parallel layout with no incoming transfer form a
 *segment* computed with one numpy expression (cumulative sums over groups). :meth:`Simulator.run`
 uses the fast loop (:class:`_FastRun`: no task records); the reference loop (:class:`_Run`)
@@ -37,6 +41,8 @@ between two groups' deployments are cached by what they depend on (:class:`PairT
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -103,6 +109,14 @@ class Simulator:
         self._pair_nonlocal = np.array([not loc for _, _, loc in self._pair_list], dtype=bool)
         self._names: dict[tuple, str] = {}
         self._sfb = None  # tag.sim.sfb.SfbCosts, built on the first plan using SFB
+        self.wake: list[tuple | None] = []
+        """Per device: ``(table [K, 2, B+1], tau_s, 1 / (1 - exp(-gap_s / tau_s)))`` of its wake
+        penalty (:meth:`tag.cost.CostModel.wake_penalty`), or None."""
+        pen = getattr(self.costs, "wake_penalty", None)
+        for d in range(topology.num_devices):
+            w = pen(d) if pen is not None else None
+            self.wake.append(None if w is None else (w[0], w[2], 1.0 / (1.0 - math.exp(-w[1] / w[2]))))
+        self.any_wake = any(w is not None for w in self.wake)
 
     # ---- cached plan-derived data -------------------------------------------------------
     def layout(self, devices: tuple[int, ...], batches: tuple[int, ...]) -> Layout:
@@ -250,6 +264,32 @@ class Simulator:
         return _Run(self, gds, incoming).execute(trace)
 
 
+def wake_extra(sim: Simulator, unit: Unit, g: int, ph: int, start: list[float], cend: list[float]) -> list[float] | None:
+    """Extra seconds per replica of ``unit``'s stage (group ``g``, phase ``ph``) starting at ``start``
+    on devices whose last compute ended at ``cend`` (None: no penalty anywhere). An mp chunk pays
+    its share (by time) of its group's penalty at the full batch."""
+    out = None
+    for r, d in enumerate(unit.devices):
+        w = sim.wake[d]
+        if w is None:
+            continue
+        gap = start[r] - cend[d]
+        if gap <= 0.0:
+            continue
+        if unit.layout is not None:
+            x = w[0][g, ph, unit.batches[r]]
+        else:
+            b = sim.graph.batch_size
+            full = sim.tables[sim.dev_class[d]][g, ph, b]
+            x = w[0][g, ph, b] * (unit.dur[ph] / full) if full > 0 else 0.0
+        if x <= 0.0:
+            continue
+        if out is None:
+            out = [0.0] * len(unit.devices)
+        out[r] = float(x) * (1.0 - math.exp(-gap / w[1])) * w[2]
+    return out
+
+
 class _Pair:
     """The flows between two groups' deployments (a :class:`PairTemplate` placed at groups ``g1``,
     ``g2``): per destination stage as plain tuples ``(source stage index, source replica, a, b,
@@ -292,6 +332,7 @@ class _Run:
         self.sim, self.gds, self.incoming = sim, gds, incoming
         n, m = sim.num_devices, sim.num_machines
         self.cfree = [0.0] * n
+        self.cend = [0.0] * n  # end of each device's last compute (wake penalty)
         self.comp = [0.0] * n
         self.comm_free = [0.0] * n
         self.comm_busy = [0.0] * n
@@ -396,26 +437,29 @@ class _Run:
             cfree = self.cfree
             cf = [cfree[d] for d in devs]
             start = [max(x, y) for x, y in zip(cf, ready)] if ready is not None else cf
+            pen = wake_extra(self.sim, unit, g, ph, start, self.cend) if self.sim.any_wake else None
+            go = start if pen is None else [x + y for x, y in zip(start, pen)]
             if length > 1:  # a run of stages on one layout: cumulative sums over the groups
                 if ph == FWD:
                     base, rows = lay.cum_fwd[g], lay.cum_fwd[g + 1:g + length + 1]
                 else:
                     i0 = k - 1 - g
                     base, rows = lay.cum_bwd[i0], lay.cum_bwd[i0 + 1:i0 + length + 1]
-                fin_a = np.asarray(start) + (rows - base)
+                fin_a = np.asarray(go) + (rows - base)
                 fin = fin_a.tolist()
                 mx = fin_a.max(axis=1).tolist() if ph == BWD else None
             else:
                 dur = lay.row(g)[ph] if lay is not None else (unit.dur[ph],)
-                fin = [[x + y for x, y in zip(start, dur)]]
+                fin = [[x + y for x, y in zip(go, dur)]]
                 mx = [max(fin[0])] if ph == BWD else None
             end = fin[-1]
             comp = self.comp
             sid = len(self.segs)
             last = self.last_task
             prev = [last[d] for d in devs]
+            cend = self.cend
             for r, d in enumerate(devs):
-                cfree[d] = end[r]
+                cfree[d] = cend[d] = end[r]
                 comp[d] += end[r] - start[r]
                 last[d] = ("c", sid, length - 1, r)
             seg_stages = stages[i:e]
@@ -468,7 +512,7 @@ class _Run:
             st, pr = (s, p) if s >= cfree[d] else (cfree[d], lt[d])
             ref = ("r", len(self.recomputes))
             self.recomputes.append((g, d, st, st + t, pr))
-            cfree[d] = st + t
+            cfree[d] = self.cend[d] = st + t
             comp[d] += t
             lt[d] = ref
             if st + t >= ready:
@@ -689,6 +733,7 @@ class _FastRun:
         self.incoming = incoming
         self.buf = buf
         self.cfree = [0.0] * n
+        self.cend = [0.0] * n  # end of each device's last compute (wake penalty)
         self.comp = [0.0] * n
         self.comm_free = [0.0] * n
         self.comm_busy = [0.0] * n
@@ -744,7 +789,8 @@ class _FastRun:
         base = ph * k
         sfb = ph == BWD and self.any_sfb
         fwd = ph == FWD
-        cfree, comp, sfin, gf = self.cfree, self.comp, self.sfin, self.group_finish
+        cfree, comp, sfin, gf, cend = self.cfree, self.comp, self.sfin, self.group_finish, self.cend
+        wake = self.sim.any_wake
         i, n = 0, len(order)
         while i < n:
             g = order[i]
@@ -764,11 +810,12 @@ class _FastRun:
                         st = y if y > c else c
                     else:
                         st = cfree[d]
-                    x = st + unit.dur[ph]
+                    pen = wake_extra(self.sim, unit, g, ph, [st], cend) if wake else None
+                    x = (st if pen is None else st + pen[0]) + unit.dur[ph]
                     sfin[idx] = [x]
                     if not fwd and x > gf[g]:
                         gf[g] = x
-                    cfree[d] = x
+                    cfree[d] = cend[d] = x
                     comp[d] += x - st
                 i += 1
                 continue
@@ -780,6 +827,8 @@ class _FastRun:
                 start = [y if y > cfree[d] else cfree[d] for d, y in zip(devs, ready)]
             else:
                 start = [cfree[d] for d in devs]
+            pen = wake_extra(self.sim, gd.units[0], g, ph, start, cend) if wake else None
+            go = start if pen is None else [x + y for x, y in zip(start, pen)]
             e = i + 1
             if not (sfb and gd.sfb is not None):
                 while e < n:
@@ -797,7 +846,7 @@ class _FastRun:
                 else:
                     i0 = k - 1 - g
                     b0, rows = lay.cum_bwd[i0], lay.cum_bwd[i0 + 1:i0 + length + 1]
-                fin_a = np.asarray(start) + (rows - b0)
+                fin_a = np.asarray(go) + (rows - b0)
                 fin = fin_a.tolist()
                 end = fin[-1]
                 if fwd:  # groups g .. g + length - 1
@@ -810,7 +859,7 @@ class _FastRun:
                     gf[g - length + 1:g + 1] = mx
             else:
                 r = lay.rows[g]
-                end = [x + y for x, y in zip(start, r[ph] if r is not None else lay.row(g)[ph])]
+                end = [x + y for x, y in zip(go, r[ph] if r is not None else lay.row(g)[ph])]
                 sfin[idx] = end
                 if not fwd:
                     x = max(end)
@@ -818,7 +867,7 @@ class _FastRun:
                         gf[g] = x
             for r, d in enumerate(devs):
                 x = end[r]
-                cfree[d] = x
+                cfree[d] = cend[d] = x
                 comp[d] += x - start[r]
             if sfb:
                 g2 = order[e - 1]
@@ -852,7 +901,7 @@ class _FastRun:
         ready = 0.0
         for d, t in zip(sd.devices, sd.recompute):
             st = s if s >= cfree[d] else cfree[d]
-            cfree[d] = st + t
+            cfree[d] = self.cend[d] = st + t
             comp[d] += t
             if st + t >= ready:
                 ready = st + t
