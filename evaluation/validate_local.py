@@ -1,6 +1,6 @@
 """Validate the simulator against real gloo executions on this machine.
 
-    .venv/bin/python evaluation/validate_local.py [--model gpt2] [--batch 16] [--plans 12] [--rounds 3]
+    .venv/bin/python evaluation/validate_local.py [--model gpt2] [--batch 16] [--plans 12] [--rounds 3] [--steps 30]
 
 Writes evaluation/results/validate-<topology>/{validation.json, scatter.png, plans/, runs/}.
 Measurements are wall-clock times of real processes: run on an otherwise idle machine.
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--topology", default=str(ROOT / "topologies" / "local-cpu2.yaml"))
     p.add_argument("--plans", type=int, default=12)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="interleaved executions per plan (median)")
     a = p.parse_args(argv)

@@ -226,7 +226,7 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     return report
 
 
-PROFILE_REPEATS = 9
+PROFILE_REPEATS = 25
 """Timed repeats per batch size of a validation's own profile (round-robin over the batches: the
 medians must hold against the host's swings in speed, which the executions see too)."""
 
