@@ -147,13 +147,44 @@ def test_prior_steers_the_search(space, graph, topo):
     assert visit_distribution(tree, 0)[target] >= 0.5
 
 
-def test_value_cut_saves_simulator_calls(space, graph, topo):
-    def pessimist(sp, states):
-        return np.full((len(states), sp.num_actions), 1.0 / sp.num_actions), np.full(len(states), -0.99)
+def _value_model(space, graph, topo, error):
+    """A uniform prior with a value head that predicts the true reward off by ``error(i)`` in
+    log-time (``i``: the prediction's number)."""
+    oracle = Evaluator(space, ToySimulator(graph, topo, space.costs))
+    count = [0]
 
+    def fn(sp, states):
+        vals = []
+        for s in states:
+            r = oracle.evaluate_partial(s.assign)[1].reward
+            vals.append(np.expm1(np.log1p(r) + error(count[0])) if r > -1 else -1.0)
+            count[0] += 1
+        return np.full((len(states), sp.num_actions), 1.0 / sp.num_actions), np.array(vals)
+    return fn
+
+
+def test_value_cut_saves_simulator_calls(space, graph, topo):
     ev = Evaluator(space, ToySimulator(graph, topo, space.costs))
-    r = mcts_search(space, ev, pessimist, np.random.default_rng(0), playouts=60, cfg=MCTSConfig(min_sims=4))
+    accurate = _value_model(space, graph, topo, lambda i: 0.0)
+    r = mcts_search(space, ev, accurate, np.random.default_rng(0), playouts=60, cfg=MCTSConfig(min_sims=4))
     assert r.stats.value_cuts > 0 and ev.sim_calls < 60
+    assert r.stats.value_error() == pytest.approx((0.0, 0.0), abs=1e-9)
+
+
+def test_value_cut_is_calibrated_on_the_search(space, graph, topo):
+    def run(error):
+        ev = Evaluator(space, ToySimulator(graph, topo, space.costs))
+        r = mcts_search(space, ev, _value_model(space, graph, topo, error), np.random.default_rng(0), playouts=60,
+                        cfg=MCTSConfig(min_sims=4))
+        return r.stats
+    exact = run(lambda i: 0.0)
+    # a constant bias is measured and corrected: the same leaves are cut
+    biased = run(lambda i: -2.0)
+    assert biased.value_cuts == exact.value_cuts and biased.value_error()[0] == pytest.approx(-2.0)
+    # a value head whose error is large on this pair cuts less
+    noise = np.random.default_rng(1).normal(0.0, 1.0, 10_000)
+    noisy = run(lambda i: noise[i])
+    assert noisy.value_error()[1] > 0.5 and noisy.value_cuts < exact.value_cuts
 
 
 def test_episode_records_one_decision_per_group(space, graph, topo):

@@ -14,7 +14,12 @@ the actions on its path, one per op-group in the space's decision order. The lea
 the simulator's reward of the partial plan completed with the defaults (TAG; the completion is a
 plan reachable from the node, so it is an achievable reward), or - with a value head and
 ``value_cut`` - the network's prediction when it says the leaf cannot beat the best plan so far
-by a margin, which saves the simulator call. Playouts are collected in waves of ``batch``
+by a margin, which saves the simulator call. The margin is calibrated on the search itself: every
+simulated leaf also measures the value head's error on the (model, topology) at hand, and a leaf
+is only cut when its bias-corrected prediction is worse than the best plan by ``value_margin``
+plus ``value_z`` standard deviations of that error (a value head that is unreliable here cuts
+next to nothing, since under a playout budget a cut playout is a playout spent without learning
+the leaf's true reward). Playouts are collected in waves of ``batch``
 leaves (virtual loss keeps them apart), and each wave is one batched network call.
 
 Every simulated plan is a complete plan; the search returns the best one seen, which is never
@@ -223,9 +228,17 @@ class MCTSConfig:
     reward so far by more than ``value_margin``."""
     value_margin: float = 0.25
     """Margin for ``value_cut``, in log iteration time: a leaf is simulated when its predicted
-    time is within a factor ``exp(value_margin)`` of the best plan's."""
+    time, corrected by the value head's measured bias, is within a factor
+    ``exp(value_margin + value_z * sd)`` of the best plan's (``sd``: the standard deviation of the
+    value head's error measured in this search, see :meth:`SearchStats.value_error`)."""
+    value_z: float = 2.0
+    """How many standard deviations of the value head's measured error widen ``value_margin``:
+    an accurate value head cuts at ``value_margin``, one that is off on the (model, topology) at
+    hand (RMS error ~0.4-1.0 in log time on the planner benchmark's held-out pairs) cuts (almost)
+    nothing."""
     min_sims: int = 8
-    """Always simulate the first ``min_sims`` leaves (the value head needs context)."""
+    """Always simulate the first ``min_sims`` leaves the value head predicts: its error is measured
+    on them before any leaf is cut."""
     dirichlet: float = 0.0
     """Dirichlet noise weight at the root (data generation only; 0 = none)."""
     dirichlet_alpha: float = 0.3
@@ -235,6 +248,8 @@ class MCTSConfig:
             raise ValueError(f"c_puct: expected > 0, got {self.c_puct}")
         if self.batch < 1:
             raise ValueError(f"batch: expected >= 1, got {self.batch}")
+        if self.value_z < 0:
+            raise ValueError(f"value_z: expected >= 0, got {self.value_z}")
         if not 0 <= self.dirichlet < 1:
             raise ValueError(f"dirichlet: expected in [0, 1), got {self.dirichlet}")
 
@@ -246,16 +261,28 @@ class SearchStats:
     value_cuts: int = 0
     first_beat_dp: int | None = None
     """Playout at which a plan first beat the better data-parallel baseline (None: never)."""
+    value_errors: list = field(default_factory=list)
+    """Error of the value head on every simulated leaf it predicted (and that fits in memory):
+    ``log(t_sim / t_pred)`` (positive: optimistic)."""
+
+    def value_error(self) -> tuple[float, float]:
+        """(bias, standard deviation) of :attr:`value_errors` (``(0, inf)`` with fewer than two)."""
+        e = self.value_errors
+        if len(e) < 2:
+            return 0.0, math.inf
+        return float(np.mean(e)), float(np.std(e, ddof=1))
 
 
-def _promising(v: float, best: float, margin: float) -> bool:
-    """Whether a predicted reward ``v`` is within ``margin`` of the best in log-time:
-    ``log(t_pred) <= log(t_best) + margin`` (rewards are ``t_ref / t - 1``)."""
-    if best <= -1.0:
+def _promising(v: float, best: float, margin: float, bias: float = 0.0) -> bool:
+    """Whether a predicted reward ``v``, corrected by the value head's ``bias`` (mean of
+    ``log(t_sim / t_pred)``), is within ``margin`` of the best in log-time:
+    ``log(t_pred) + bias <= log(t_best) + margin`` (rewards are ``t_ref / t - 1``, so
+    ``log1p(r) = log(t_ref / t)``)."""
+    if best <= -1.0 or not math.isfinite(margin):
         return True
     if v <= -1.0:
         return False
-    return math.log1p(v) >= math.log1p(best) - margin
+    return math.log1p(v) - bias >= math.log1p(best) - margin
 
 
 def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator: Evaluator,
@@ -277,17 +304,21 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
     for i, n in enumerate(nodes):
         v = float(values[i]) if values is not None and np.isfinite(values[i]) else None
         simulate = (v is None or not cfg.value_cut or tree.depth[n] >= k
-                    or evaluator.sim_calls < cfg.min_sims + 2
-                    or _promising(v, evaluator.best_reward, cfg.value_margin))
+                    or len(stats.value_errors) < max(cfg.min_sims, 2))
+        if not simulate:
+            bias, sd = stats.value_error()
+            simulate = _promising(v, evaluator.best_reward, cfg.value_margin + cfg.value_z * sd, bias)
         if simulate:
             _, outc = evaluator.evaluate_partial(states[i].assign)
             tree.feedback[n] = outc.feedback
             val, sim = outc.reward, outc.reward
+            if v is not None and v > -1.0 and outc.reward > -1.0:
+                stats.value_errors.append(math.log1p(v) - math.log1p(outc.reward))
             if stats.first_beat_dp is None and outc.reward > 1e-9:
                 stats.first_beat_dp = stats.playouts + i + 1
         else:
-            stats.value_cuts += 1
-            val, sim = v, None
+            stats.value_cuts += 1  # back up the bias-corrected prediction
+            val, sim = (math.expm1(math.log1p(v) - stats.value_error()[0]) if v > -1.0 else v), None
         if pending[i]:
             p = np.asarray(priors[i], dtype=np.float64)
             p = np.where(np.isfinite(p) & (p > 0), p, 0.0)
