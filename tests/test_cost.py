@@ -128,6 +128,12 @@ def test_comm_model_uses_gloo_fit(tmp_path):
     assert fitted_allreduce_time(4, 1e6, fits["all_reduce"]) == pytest.approx(1.5e6 / 5e8 + 3 * 3e-4)
     nominal = CostModel.for_topology(g, topo, tmp_path / "none").comm
     assert nominal.p2p_time(0, 1, 1e6) == pytest.approx(topo.latency(0, 1) + 1e6 / 5e9)
+    # a parameter server: the links without reduce/broadcast fits, the fits once measured
+    assert cm.comm.ps_time([0, 1], 0, 1e6) == pytest.approx(2 * (1e-4 + 1e6 / 1e9))
+    fits |= {"reduce": LinkFit(4e-4, 8e8), "broadcast": LinkFit(2e-4, 2e9)}
+    CommProfile(dt, "gloo", 2, fits).save(tmp_path)
+    ps = CostModel.for_topology(g, topo, tmp_path).comm.ps_time([0, 1], 0, 1e6)
+    assert ps == pytest.approx(4e-4 + 1e6 / 8e8 + 2e-4 + 1e6 / 2e9)
 
 
 def test_comm_model_keeps_gloo_allgather_fit(tmp_path):

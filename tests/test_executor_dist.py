@@ -193,5 +193,12 @@ def test_validate_interleaves_rounds_and_reports(tmp_path):
         profiles = list((tmp_path / "v" / "profiles" / f"round-{k}").glob("cpu-*/*.json"))
         assert any(p.name == "comm.json" for p in profiles) and len(profiles) == 2
     assert report.meta["profile_per_round"] is True
+    # re-costing the stored runs with the same simulator gives the same predictions, measurements kept
+    from tag.executor.validate import repredict
+
+    again = repredict(tmp_path / "v", log_fn=lambda m: None)
+    assert [r.predicted_rounds_s for r in again.rows] == [r.predicted_rounds_s for r in report.rows]
+    assert [r.rounds_s for r in again.rows] == [r.rounds_s for r in report.rows]
+    assert again.meta["repredicted"] is True
     assert (tmp_path / "v" / "runs" / "single-0" / "round-1" / "result.json").is_file()
     assert (tmp_path / "v" / "validation.json").is_file() and (tmp_path / "v" / "scatter.png").is_file()

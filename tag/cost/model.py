@@ -273,7 +273,8 @@ class CommModel:
 
     def __init__(self, topology, bandwidth: np.ndarray, latency: np.ndarray,
                  allreduce_fit: LinkFit | None = None, fitted_devices: frozenset = frozenset(),
-                 allgather_fit: LinkFit | None = None):
+                 allgather_fit: LinkFit | None = None, reduce_fit: LinkFit | None = None,
+                 broadcast_fit: LinkFit | None = None):
         self.topology = topology
         self.bandwidth = bandwidth
         """[D, D] bytes/s (diagonal inf)."""
@@ -284,6 +285,10 @@ class CommModel:
         self.allreduce_fit = allreduce_fit
         self.allgather_fit = allgather_fit
         """Measured gloo all-gather (2 processes) of the fitted CPU devices, if profiled."""
+        self.reduce_fit = reduce_fit
+        self.broadcast_fit = broadcast_fit
+        """Measured gloo reduce / broadcast (2 processes): a parameter server among fitted CPU
+        devices of one machine is costed by them (:meth:`ps_time`)."""
         self._fitted = fitted_devices
         self.machine_of = [topology.machine_of(d) for d in range(topology.num_devices)]
 
@@ -294,7 +299,7 @@ class CommModel:
         bw = np.array(topology.bandwidth_matrix, dtype=float)
         lat = np.array(topology.latency_matrix, dtype=float)
         fitted: set[int] = set()
-        ar_fit = ag_fit = None
+        ar_fit = ag_fit = rd_fit = bc_fit = None
         for m in range(topology.num_machines):
             devs = topology.devices_of_machine(m)
             dt = device_type(topology, devs[0])
@@ -309,7 +314,9 @@ class CommModel:
             fitted.update(devs)
             ar_fit = prof.fits.get("all_reduce", ar_fit)
             ag_fit = prof.fits.get("all_gather", ag_fit)
-        return cls(topology, bw, lat, ar_fit, frozenset(fitted), ag_fit)
+            rd_fit = prof.fits.get("reduce", rd_fit)
+            bc_fit = prof.fits.get("broadcast", bc_fit)
+        return cls(topology, bw, lat, ar_fit, frozenset(fitted), ag_fit, rd_fit, bc_fit)
 
     def p2p_time(self, a: int, b: int, nbytes: float) -> float:
         """Seconds to move ``nbytes`` from device ``a`` to ``b`` (0 when ``a == b``)."""
@@ -357,10 +364,18 @@ class CommModel:
         return fitted_allgather_time(list(chunks), fit)
 
     def ps_time(self, devices, server: int, nbytes: float) -> float:
-        """Push to ``server`` then pull back, the server's link shared by all flows."""
+        """Push to ``server`` then pull back, the server's link shared by all flows. Among fitted
+        CPU devices of one machine: the measured gloo reduce then broadcast (what the executor
+        runs), each worker's bytes through the server in turn."""
         workers = [w for w in devices if w != server]
         if not workers or nbytes <= 0:
             return 0.0
+        rf, bf = self.reduce_fit, self.broadcast_fit
+        members = workers + [server]
+        if (rf is not None and bf is not None and all(d in self._fitted for d in members)
+                and len({self.machine_of[d] for d in members}) == 1):
+            n = len(workers)
+            return rf.alpha + n * nbytes / rf.beta + bf.alpha + n * nbytes / bf.beta
         push = max(self._lat[w][server] for w in workers) + sum(nbytes / self._bw[w][server] for w in workers)
         pull = max(self._lat[server][w] for w in workers) + sum(nbytes / self._bw[server][w] for w in workers)
         return push + pull

@@ -226,6 +226,44 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     return report
 
 
+def repredict(out_dir: str | Path, log_fn=print) -> ValidationReport:
+    """Re-cost a finished validation with the current simulator: every execution's prediction is
+    recomputed from its stored plan, graph, topology and its round's profile database (the
+    measurements are kept as they are); ``validation.json`` and the plot are rewritten. For a
+    change of the cost model or simulator, without executing anything again."""
+    import json
+
+    from ..graph.ir import OpGraph
+    from ..plan import Plan
+    from ..topology import load_topology
+    from .launch import _predict
+
+    out = Path(out_dir)
+    old = json.loads((out / "validation.json").read_text())
+    meta = old["meta"]
+    rows = []
+    for row in old["rows"]:
+        name, rounds = row["name"], len(row["rounds_s"])
+        plan = Plan.load(out / "plans" / f"{name}.json")
+        preds = []
+        for r in range(rounds):
+            run_dir = out / "runs" / name / (f"round-{r}" if rounds > 1 else "")
+            graph = OpGraph.from_json((run_dir / "graph.json").read_text())
+            topology = load_topology(str(run_dir / "topology.json"))
+            root = Path(meta["profile_dir"]) / (f"round-{r}" if meta.get("profile_per_round") else "")
+            if not root.is_dir():  # the folder moved with the results: use the copy beside them
+                root = out / "profiles" / (f"round-{r}" if meta.get("profile_per_round") else "")
+            preds.append(float(_predict(graph, topology, plan, False, str(root)).iteration_time_s))
+        log_fn(f"  {name:<12} predicted {statistics.median(row['predicted_rounds_s'] or [row['predicted_s']]) * 1e3:8.2f}"
+               f" -> {statistics.median(preds) * 1e3:8.2f} ms  measured {row['measured_s'] * 1e3:8.2f} ms")
+        rows.append(ValidationRow(name, statistics.median(preds), row["measured_s"], row["per_rank_s"],
+                                  rounds_s=row["rounds_s"], predicted_rounds_s=preds))
+    report = summarize_rows(old["model"], old["topology"], rows, {**meta, "repredicted": True})
+    write_json(out / "validation.json", report.to_dict())
+    scatter_plot(report, out / "scatter.png")
+    return report
+
+
 PROFILE_REPEATS = 25
 """Timed repeats per batch size of a validation's own profile (round-robin over the batches: the
 medians must hold against the host's swings in speed, which the executions see too)."""
