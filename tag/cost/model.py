@@ -217,19 +217,20 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
         ref_over = op_overhead(ref_spec)
 
         def scaled(batches, prof=prof, ref_roof=ref_roof, ref_over=ref_over):
-            r_dev = rtab(batches)
-            r_ref = group_phase_table(graph, ref_roof, batches, ref_over)
-            ratio = np.where(r_ref > 0, r_dev / np.where(r_ref > 0, r_ref, 1.0), 1.0)
-            return prof.table(batches) * ratio
+            return prof.table(batches) * _ratio(rtab(batches), group_phase_table(graph, ref_roof, batches, ref_over))
 
         over = prof.opt_step_overhead_s * (_threads(ref) / _threads(dt) if _is_cpu(dt) else 1.0)
         table = scaled(grid)
         wake, gap, tau = _wake_of(prof, grid)
         if wake is not None:  # scaled like the stages it delays
-            base = prof.table(grid)[:, :2]
-            wake = wake * np.where(base > 0, table[:, :2] / np.where(base > 0, base, 1.0), 1.0)
+            wake = wake * _ratio(table[:, :2], prof.table(grid)[:, :2])
         return DeviceCost(dt, f"scaled:{ref}", table, over, scaled, wake, gap, tau)
     return DeviceCost(dt, "roofline", rtab(grid), 0.0, rtab)
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """``num / den`` elementwise, 1 where ``den`` is 0."""
+    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 1.0)
 
 
 def _wake_of(prof, grid: np.ndarray) -> tuple[np.ndarray | None, float, float]:

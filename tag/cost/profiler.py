@@ -200,16 +200,21 @@ class OptimizerStep:
 
     def __init__(self, graph, it: RunnableIteration):
         self._grad = {p.name: graph.tensors[p.grad].name for p in graph.params}
-        self._params = {n: torch.nn.Parameter(v.detach().clone()) for n, v in it.params.items() if n in self._grad}
-        self._opt = make_optimizer(graph.optimizer, list(self._params.values())) if self._params else None
+        self.params = {n: torch.nn.Parameter(v.detach().clone()) for n, v in it.params.items() if n in self._grad}
+        """State-dict name -> a copy of the parameter (the iteration's own values stay as they are)."""
+        self._opt = make_optimizer(graph.optimizer, list(self.params.values())) if self.params else None
+
+    def set_grads(self, env: dict[str, torch.Tensor]) -> None:
+        """Give every parameter copy the gradient the iteration ``env`` holds for it."""
+        for n, p in self.params.items():
+            p.grad = env[self._grad[n]].reshape(p.shape)
 
     def __call__(self, env: dict[str, torch.Tensor]) -> None:
         if self._opt is None:
             return
-        for n, p in self._params.items():
-            p.grad = env[self._grad[n]].reshape(p.shape)
+        self.set_grads(env)
         self._opt.step()
-        for p in self._params.values():
+        for p in self.params.values():
             p.grad = None
 
 
@@ -221,8 +226,8 @@ def time_optimizer(graph, it: RunnableIteration, sync, clock, repeats: int,
     produced (their strides, caches as cold as in a real iteration), one optimizer per group, and
     separately one optimizer over all parameters; the difference gives the fixed per-step cost.
     """
-    grad_node = {p.name: graph.tensors[p.grad].name for p in graph.params}
-    params = {n: torch.nn.Parameter(v.detach().clone()) for n, v in it.params.items() if n in grad_node}
+    copies = OptimizerStep(graph, it)
+    params = copies.params
     groups = [[params[graph.params[p].name] for p in grp.params if graph.params[p].name in params]
               for grp in graph.groups]
     opts = [make_optimizer(graph.optimizer, ps) if ps else None for ps in groups]
@@ -231,9 +236,7 @@ def time_optimizer(graph, it: RunnableIteration, sync, clock, repeats: int,
     tot: list[float] = []
 
     def with_grads():
-        env = it.run(sync)
-        for n, p in params.items():
-            p.grad = env[grad_node[n]].reshape(p.shape)
+        copies.set_grads(it.run(sync))
 
     for r in range(warmup + repeats):
         with_grads()
@@ -460,10 +463,10 @@ def _time_wake(its, bs, raw, sync, clock, repeats, gap, log) -> dict:
                 dest[ph][g][j] = x
         return total
 
-    for j, b in enumerate(bs):
-        log(f"  batch {b}: wake penalty after {gap * 1e3:.0f} ms idle +{extra(times[j], j, out) * 1e3:.2f} ms "
-            "over all stages")
-    long_total = extra(times[-1], len(bs) - 1, None)
+    totals = [extra(times[j], j, out) for j in range(len(bs))]
+    for b, t in zip(bs, totals):
+        log(f"  batch {b}: wake penalty after {gap * 1e3:.0f} ms idle +{t * 1e3:.2f} ms over all stages")
+    long_total = totals[-1]
     short_total = extra(short, len(bs) - 1, None)
     out["total"] = long_total
     out["tau"] = fit_wake_tau(gap / 5.0, gap, short_total / long_total) if long_total > 0 else DEFAULT_WAKE_TAU_S

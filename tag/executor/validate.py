@@ -187,9 +187,8 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     measured: dict[str, list] = {name: [] for name, _ in plans}
     predicted: dict[str, list[float]] = {name: [] for name, _ in plans}
     for r in range(rounds):
-        proot = root
+        proot = _profile_root(root, r, per_round)
         if per_round:
-            proot = root / f"round-{r}"
             for comm in (root / "round-0").glob("*/comm.json") if r else ():  # links: measured once
                 dest = proot / comm.parent.name / "comm.json"
                 dest.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +199,7 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
         if rounds > 1:
             random.Random(seed + r).shuffle(order)
         for name, _plan in order:
-            run_dir = out / "runs" / name / (f"round-{r}" if rounds > 1 else "")
+            run_dir = _run_dir(out, name, r, rounds)
             cfg = ExecuteConfig(model=model, topology=topology_path, plan=str(out / "plans" / f"{name}.json"),
                                 batch=graph.batch_size, optimizer=optimizer, groups=groups, steps=steps,
                                 warmup=warmup, run_dir=str(run_dir), profile_dir=str(proot))
@@ -226,6 +225,16 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     return report
 
 
+def _run_dir(out: Path, name: str, r: int, rounds: int) -> Path:
+    """Where execution round ``r`` of plan ``name`` keeps its files."""
+    return out / "runs" / name / (f"round-{r}" if rounds > 1 else "")
+
+
+def _profile_root(root: Path, r: int, per_round: bool) -> Path:
+    """The profile database round ``r`` is costed with."""
+    return root / f"round-{r}" if per_round else root
+
+
 def repredict(out_dir: str | Path, log_fn=print) -> ValidationReport:
     """Re-cost a finished validation with the current simulator: every execution's prediction is
     recomputed from its stored plan, graph, topology and its round's profile database (the
@@ -247,12 +256,13 @@ def repredict(out_dir: str | Path, log_fn=print) -> ValidationReport:
         plan = Plan.load(out / "plans" / f"{name}.json")
         preds = []
         for r in range(rounds):
-            run_dir = out / "runs" / name / (f"round-{r}" if rounds > 1 else "")
+            run_dir = _run_dir(out, name, r, rounds)
             graph = OpGraph.from_json((run_dir / "graph.json").read_text())
             topology = load_topology(str(run_dir / "topology.json"))
-            root = Path(meta["profile_dir"]) / (f"round-{r}" if meta.get("profile_per_round") else "")
+            per_round = bool(meta.get("profile_per_round"))
+            root = _profile_root(Path(meta["profile_dir"]), r, per_round)
             if not root.is_dir():  # the folder moved with the results: use the copy beside them
-                root = out / "profiles" / (f"round-{r}" if meta.get("profile_per_round") else "")
+                root = _profile_root(out / "profiles", r, per_round)
             preds.append(float(_predict(graph, topology, plan, False, str(root)).iteration_time_s))
         log_fn(f"  {name:<12} predicted {statistics.median(row['predicted_rounds_s'] or [row['predicted_s']]) * 1e3:8.2f}"
                f" -> {statistics.median(preds) * 1e3:8.2f} ms  measured {row['measured_s'] * 1e3:8.2f} ms")
