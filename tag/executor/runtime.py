@@ -348,8 +348,10 @@ class RankRuntime:
             return
         t0 = time.perf_counter()
         s = self.schedule
+        # The gradients are used in place, without a copy: with no weight decay neither
+        # single-tensor Adam nor SGD writes into ``grad``, and ``env`` is cleared next iteration.
         for ph, p in self.params.items():
-            p.grad = self.env[(s.param_owner[ph], s.param_grad[ph])].detach().reshape(p.shape).clone()
+            p.grad = self.env[(s.param_owner[ph], s.param_grad[ph])].detach().reshape(p.shape)
         self.optimizer.step()
         for p in self.params.values():
             p.grad = None
