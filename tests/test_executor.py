@@ -120,6 +120,22 @@ def test_gpt2_plans_match_single_process_training(captured, topo4, joints, kind)
     assert_matches_reference(graph, plan, GPT2, "sgd", joints)
 
 
+def test_data_parallel_keeps_tied_gradient_partials_in_place(captured, topo4):
+    """Tied embeddings: with every group on the same replicas, each replica keeps its partial of
+    the tied weight's gradient (the sync sums them), so nothing crosses devices; when the
+    consumer lives elsewhere, the partials are sent."""
+    graph = captured(GPT2, batch=B, groups=4).graph
+    K = graph.num_groups
+    sched = build_schedule(graph, new_plan(graph, topo4, [GroupPlan([0, 1], [0.75, 0.25]) for _ in range(K)]))
+    moves = [m for s in sched.steps for m in s.moves]
+    assert [m for m in moves if m.mode == "sum"], "gpt2's tied weight gradient is a partial sum"
+    assert all(m.src == m.dst for m in moves)
+    groups = [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(K)]
+    groups[0] = GroupPlan([2], [1.0])  # the embedding's group elsewhere: the partials must travel
+    sched = build_schedule(graph, new_plan(graph, topo4, groups))
+    assert {(m.src, m.dst) for s in sched.steps for m in s.moves if m.mode == "sum"} == {(0, 2), (1, 2)}
+
+
 def test_schedule_moves_cover_every_sample_once(mlp, topo4):
     groups = [GroupPlan([0, 1], [0.5, 0.5]) if g % 2 == 0 else GroupPlan([1, 2, 3], [0.25, 0.25, 0.5])
               for g in range(mlp.num_groups)]

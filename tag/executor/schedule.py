@@ -24,8 +24,10 @@ when every gradient of the group is SFB).
 
 Tensors crossing units follow DESIGN.md: batch tensors are re-partitioned by sample ranges
 (``rows``); non-batch forward tensors are copied from one producer replica (``copy``);
-non-batch backward *gradients* are summed over the producer replicas and delivered to the
-consumer's first replica (``sum``), the other replicas get zeros (``zeros``). A non-batch
+non-batch backward *gradients* are partial sums: each stays on its device when every producer
+replica's device also holds a consumer replica (``sum`` in place; consumer replicas without a
+partial get ``zeros``), else they are summed over the producer replicas at the consumer's first
+replica (``sum``) and the other replicas get zeros (``zeros``). A non-batch
 backward tensor that is not such a partial sum is copied like a forward tensor -- summing it
 would count it once per replica: a transposed weight computed in the backward phase, or the
 loss-gradient seed and ``seed / count`` of a mean loss (the same on every replica in
@@ -382,6 +384,17 @@ def _moves(name: str, src: Unit, dst: Unit, batch_dim: int | None, partial_sum: 
                     out.append(Move(name, src.key, dst.key, p.device, c.device, "rows", lo, hi, batch_dim))
         return out
     if partial_sum:
+        here = {c.device for c in dst.replicas}
+        if all(p.device in here for p in src.replicas):
+            # Every partial can stay on its device: the consumer's replicas then hold partials
+            # that sum to the whole, which every later step preserves (backward is linear in the
+            # gradients; later partial sums are summed over the replicas; the gradient sync sums
+            # over them), so nothing needs to cross devices (DESIGN.md).
+            have = {p.device for p in src.replicas}
+            out += [Move(name, src.key, dst.key, p.device, p.device, "sum") for p in src.replicas]
+            out += [Move(name, src.key, dst.key, c.device, c.device, "zeros") for c in dst.replicas
+                    if c.device not in have]
+            return out
         first = dst.replicas[0].device
         out += [Move(name, src.key, dst.key, p.device, first, "sum") for p in src.replicas]
         out += [Move(name, src.key, dst.key, c.device, c.device, "zeros") for c in dst.replicas[1:]]

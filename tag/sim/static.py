@@ -37,7 +37,8 @@ class TensorEdge:
     """Re-partitioned by sample ranges (the tensor has a batch dimension)."""
     grad: bool
     """A non-batch gradient that is a partial sum over the replica's samples (e.g. a tied weight's
-    gradient): summed over the producer replicas, delivered to the first consumer replica. Other
+    gradient): kept in place when every producer replica's device holds a consumer replica, else
+    summed over the producer replicas, delivered to the first consumer replica. Other
     non-batch backward tensors (the loss-gradient seed, ``1 / count`` of a mean loss, weight
     transposes) are copied like forward ones (:func:`tag.graph.gradients.partial_sum_tensors`,
     the executor's rule)."""

@@ -9,7 +9,8 @@
   recompute seconds (see :class:`SfbData`).
 * **Flows** between two groups' units: the tensors crossing, re-partitioned per the executor's
   rules (``rows`` by sample-range overlap, ``copy`` from the nearest producer replica, ``sum``
-  from every producer replica to the first consumer replica), aggregated per (source stage,
+  kept on each producer replica's device when a consumer replica is there, else from every
+  producer replica to the first consumer replica), aggregated per (source stage,
   source replica, destination stage, destination replica); moves within one device are free.
 """
 
@@ -293,8 +294,10 @@ def _moves(kind: str, fixed: float, per_sample: float, src: Unit, dst: Unit, mo)
             if ce <= pe:
                 j += 1
         return out
-    if kind == "sum":
-        return [(i, 0, fixed + per_sample * pb) for i, pb in enumerate(src.batches)]
+    if kind == "sum":  # partial sums stay on their devices when the consumer is there too
+        at = {d: j for j, d in enumerate(dst.devices)}
+        local = all(d in at for d in src.devices)
+        return [(i, at[src.devices[i]] if local else 0, fixed + per_sample * pb) for i, pb in enumerate(src.batches)]
     for j, d in enumerate(dst.devices):
         same = [i for i, s in enumerate(src.devices) if s == d]
         near = [i for i, s in enumerate(src.devices) if mo[s] == mo[d]]
