@@ -384,20 +384,16 @@ def _moves(name: str, src: Unit, dst: Unit, batch_dim: int | None, partial_sum: 
                     out.append(Move(name, src.key, dst.key, p.device, c.device, "rows", lo, hi, batch_dim))
         return out
     if partial_sum:
-        here = {c.device for c in dst.replicas}
-        if all(p.device in here for p in src.replicas):
-            # Every partial can stay on its device: the consumer's replicas then hold partials
-            # that sum to the whole, which every later step preserves (backward is linear in the
-            # gradients; later partial sums are summed over the replicas; the gradient sync sums
-            # over them), so nothing needs to cross devices (DESIGN.md).
-            have = {p.device for p in src.replicas}
-            out += [Move(name, src.key, dst.key, p.device, p.device, "sum") for p in src.replicas]
-            out += [Move(name, src.key, dst.key, c.device, c.device, "zeros") for c in dst.replicas
-                    if c.device not in have]
-            return out
+        # When every partial can stay on its device, it does: the consumer's replicas then hold
+        # partials that sum to the whole, which every later step preserves (backward is linear in
+        # the gradients; later partial sums are summed over the replicas; the gradient sync sums
+        # over them), so nothing crosses devices (DESIGN.md). Else all go to the first replica.
+        have = {p.device for p in src.replicas}
+        local = have <= {c.device for c in dst.replicas}
         first = dst.replicas[0].device
-        out += [Move(name, src.key, dst.key, p.device, first, "sum") for p in src.replicas]
-        out += [Move(name, src.key, dst.key, c.device, c.device, "zeros") for c in dst.replicas[1:]]
+        fed = have if local else {first}
+        out += [Move(name, src.key, dst.key, p.device, p.device if local else first, "sum") for p in src.replicas]
+        out += [Move(name, src.key, dst.key, c.device, c.device, "zeros") for c in dst.replicas if c.device not in fed]
         return out
     for c in dst.replicas:
         same = [p for p in src.replicas if p.device == c.device]

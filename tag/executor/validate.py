@@ -250,6 +250,7 @@ def repredict(out_dir: str | Path, log_fn=print) -> ValidationReport:
     out = Path(out_dir)
     old = json.loads((out / "validation.json").read_text())
     meta = old["meta"]
+    per_round = bool(meta.get("profile_per_round"))
     rows = []
     for row in old["rows"]:
         name, rounds = row["name"], len(row["rounds_s"])
@@ -259,7 +260,6 @@ def repredict(out_dir: str | Path, log_fn=print) -> ValidationReport:
             run_dir = _run_dir(out, name, r, rounds)
             graph = OpGraph.from_json((run_dir / "graph.json").read_text())
             topology = load_topology(str(run_dir / "topology.json"))
-            per_round = bool(meta.get("profile_per_round"))
             root = _profile_root(Path(meta["profile_dir"]), r, per_round)
             if not root.is_dir():  # the folder moved with the results: use the copy beside them
                 root = _profile_root(out / "profiles", r, per_round)
