@@ -22,6 +22,8 @@ def register(sub) -> None:
                    help="per-replica batch sizes to time (default 1, B/4, B/2, B)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per batch size (median; default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up iterations (default 2)")
+    p.add_argument("--comm-repeats", type=int, default=40,
+                   help="timed calls per communication operation and size (mean; default 40)")
     p.add_argument("--out", default=None, metavar="DIR", help="profile database root (default data/profiles)")
     comm = p.add_mutually_exclusive_group()
     comm.add_argument("--no-comm", action="store_true", help="skip the communication measurements")
@@ -51,8 +53,9 @@ def run(args) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise TagError(f"--threads: expected a positive integer, got {args.threads}")
-    if args.repeats < 1 or args.warmup < 0:
-        raise TagError(f"--repeats/--warmup: expected repeats >= 1 and warmup >= 0, got {args.repeats}/{args.warmup}")
+    if args.repeats < 1 or args.warmup < 0 or args.comm_repeats < 1:
+        raise TagError("--repeats/--comm-repeats/--warmup: expected repeats >= 1 and warmup >= 0, got "
+                       f"{args.repeats}/{args.comm_repeats}/{args.warmup}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise TagError("--device: cuda requested but no CUDA device is available")
     if args.batch is not None and args.batch < 1:
@@ -76,7 +79,7 @@ def run(args) -> int:
 
         backend = "nccl" if args.device == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
         print(f"profile comm: {backend}, 2 local processes, 4 KiB..16 MiB", file=sys.stderr, flush=True)
-        cp = profile_comm(dtype, backend=backend, repeats=args.repeats, warmup=args.warmup)
+        cp = profile_comm(dtype, backend=backend, repeats=args.comm_repeats, warmup=args.warmup)
         path = cp.save(root)
         fits = ", ".join(f"{op} {f.alpha * 1e6:.0f} us + {f.beta / 1e9:.2f} GB/s" for op, f in cp.fits.items())
         print(f"comm on {dtype} ({backend}): {fits} -> {path}")

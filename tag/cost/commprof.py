@@ -3,8 +3,13 @@
 Two local processes (``torch.multiprocessing.spawn``) join a ``torch.distributed`` group over TCP
 on 127.0.0.1 (gloo; NCCL when ``backend="nccl"`` and GPUs are present) and time, for every
 message size: a ping-pong (point-to-point time = round trip / 2), ``all_reduce``, ``broadcast``,
-``reduce`` and ``all_gather``. Each measurement is the median over ``repeats`` after ``warmup``
-calls, started after a barrier; rank 0 reports. A collective is timed as the executor issues
+``reduce`` and ``all_gather``. Each measurement is the *mean* over ``repeats`` after ``warmup``
+calls, each started after a barrier; rank 0 reports. The mean, not the median: gloo's latency on
+a small VM has a heavy tail (on the 2-core development VM a 8.5 KiB send took 0.12 ms at the
+median and 3-3.8 ms at the 90th percentile, in batches of 180), and an iteration pays the tail
+of each of its tens of transfers, so the expected time of a sum of transfers is the sum of the
+means (a simulated vit plan with 21 transfers per iteration priced them at 0.17-0.2 ms each
+while they took 0.15-5.6 ms in the executor). A collective is timed as the executor issues
 gradient syncs: a burst of :data:`BURST` calls on distinct buffers back to back, per call (on the
 2-core development VM seven back-to-back 512 KiB gloo all-reduces took 2.2-2.5 ms each, one
 after a barrier 0.9-1.3 ms). ``time = alpha + bytes / beta`` is then fitted per operation
@@ -25,6 +30,8 @@ from .comm import COMM_OPS, CommProfile, fit_latency_bandwidth
 
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
 BURST = 4
+DEFAULT_REPEATS = 40
+"""Timed calls per (operation, size): enough for the mean of a heavy-tailed latency to settle."""
 """Collectives per timed burst (distinct buffers, back to back, as the executor's syncs)."""
 
 
@@ -79,7 +86,7 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
                     sync()
                     if i >= warmup:
                         ts.append((time.perf_counter() - t0) / calls)
-                t = statistics.median(ts)
+                t = statistics.fmean(ts)
                 results[name].append((size, t / 2 if name == "p2p" else t))
         if rank == 0:
             Path(out).write_text(json.dumps(results))
@@ -87,7 +94,7 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
         dist.destroy_process_group()
 
 
-def profile_comm(device_type: str, *, backend: str = "gloo", sizes=DEFAULT_SIZES, repeats: int = 5,
+def profile_comm(device_type: str, *, backend: str = "gloo", sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
                  warmup: int = 2, world: int = 2, threads: int = 1) -> CommProfile:
     """Measure and fit the communication costs of ``world`` local processes."""
     import torch.multiprocessing as mp
@@ -99,6 +106,6 @@ def profile_comm(device_type: str, *, backend: str = "gloo", sizes=DEFAULT_SIZES
                  join=True)
         samples = {k: [tuple(s) for s in v] for k, v in json.loads(Path(out).read_text()).items()}
     fits = {op: fit_latency_bandwidth([s for s, _ in pts], [t for _, t in pts]) for op, pts in samples.items()}
-    meta = {"repeats": repeats, "warmup": warmup, "threads_per_process": threads,
+    meta = {"repeats": repeats, "warmup": warmup, "threads_per_process": threads, "statistic": "mean",
             "date": time.strftime("%Y-%m-%d")}
     return CommProfile(device_type, backend, world, fits, samples, meta)
