@@ -31,7 +31,16 @@ from .comm import COMM_OPS, CommProfile, fit_latency_bandwidth
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
 BURST = 4
 DEFAULT_REPEATS = 40
-"""Timed calls per (operation, size): enough for the mean of a heavy-tailed latency to settle."""
+"""Timed calls per (operation, size) up to :data:`FULL_REPEATS_BYTES`: enough for the mean of a
+heavy-tailed latency to settle."""
+FULL_REPEATS_BYTES = 1 << 20
+"""Above this size the repeats shrink in proportion (at least 5): the tail is a latency, small
+beside a large message's transfer time, and a 16 MiB all-gather takes ~50 ms on the dev VM."""
+
+
+def repeats_for(nbytes: int, repeats: int) -> int:
+    """Timed calls for messages of ``nbytes`` (the same on every rank: collectives must match)."""
+    return max(min(5, repeats), min(repeats, repeats * FULL_REPEATS_BYTES // max(1, nbytes)))
 """Collectives per timed burst (distinct buffers, back to back, as the executor's syncs)."""
 
 
@@ -78,7 +87,7 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
             }
             for name, (fn, calls) in ops.items():
                 ts = []
-                for i in range(warmup + repeats):
+                for i in range(warmup + repeats_for(size, repeats)):
                     dist.barrier()
                     sync()
                     t0 = time.perf_counter()
