@@ -24,8 +24,6 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="execute every plan this many times, interleaved, and report the median (default 1; "
                         "use 3+ on a shared machine whose speed drifts)")
-    p.add_argument("--no-probe", action="store_true",
-                   help="skip the host speed probe around every execution (no drift-corrected figures)")
     p.add_argument("--no-profile", action="store_true",
                    help="do not profile missing op-group/communication costs first")
     p.add_argument("--profile-dir", default=None,
@@ -48,8 +46,7 @@ def run(args) -> int:
     out = args.out or str(Path("evaluation/results") / f"validate-{Path(args.topology).stem}")
     report = validate(args.model, args.topology, out, n_plans=args.plans, batch=args.batch, groups=args.groups,
                       optimizer=args.optimizer, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                      profile=not args.no_profile, profile_dir=args.profile_dir, rounds=args.rounds,
-                      probe=not args.no_probe)
+                      profile=not args.no_profile, profile_dir=args.profile_dir, rounds=args.rounds)
     print(report.table())
     print(f"results: {out}/validation.json, plot: {out}/scatter.png")
     return 0

@@ -3,12 +3,6 @@
 ``validate(...)`` builds baselines and varied plans (:func:`validation_plans`), executes each
 (:func:`tag.executor.execute`), and reports the median absolute percentage error and the
 Spearman rank correlation of prediction vs measurement, with a scatter plot.
-
-On CPU devices it also runs a control measurement (:class:`SpeedProbe`) right after each round's
-profiling and around every execution, and reports the figures a second time with each
-prediction scaled by the host's speed at execution time relative to its speed when profiled
-("drift-corrected"). The raw figures stay the headline; the corrected ones separate the
-simulator's error from the shared host changing speed between profiling and execution.
 """
 
 from __future__ import annotations
@@ -78,26 +72,11 @@ class ValidationRow:
     """Each round's measured iteration time, seconds (spread = the machine's noise)."""
     predicted_rounds_s: list[float] = field(default_factory=list)
     """Each round's prediction (from that round's own profile), seconds."""
-    drift_rounds: list[float] = field(default_factory=list)
-    """Each round's host speed factor (:class:`SpeedProbe` around the execution / right after
-    the round's profiling; > 1: slower than when profiled). Empty without a probe."""
 
     @property
     def error(self) -> float:
         """Absolute percentage error of the prediction, in percent."""
         return abs(self.predicted_s - self.measured_s) / self.measured_s * 100
-
-    @property
-    def corrected_s(self) -> float | None:
-        """Median over the rounds of the prediction times the round's drift factor, seconds."""
-        if not self.drift_rounds or len(self.drift_rounds) != len(self.predicted_rounds_s):
-            return None
-        return statistics.median(p * d for p, d in zip(self.predicted_rounds_s, self.drift_rounds))
-
-    @property
-    def corrected_error(self) -> float | None:
-        c = self.corrected_s
-        return None if c is None else abs(c - self.measured_s) / self.measured_s * 100
 
 
 @dataclass
@@ -108,107 +87,29 @@ class ValidationReport:
     mape_median_pct: float
     spearman: float
     meta: dict = field(default_factory=dict)
-    mape_median_pct_corrected: float | None = None
-    """Median absolute percentage error of the drift-corrected predictions (None: no probe)."""
-    spearman_corrected: float | None = None
-    """Spearman rank correlation of the drift-corrected predictions (None: no probe)."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
         for r, row in zip(d["rows"], self.rows):
             r["error_pct"] = row.error
-            r["corrected_s"] = row.corrected_s
-            r["corrected_error_pct"] = row.corrected_error
         return d
 
     def table(self) -> str:
-        corr = self.mape_median_pct_corrected is not None
-        lines = [f"{'plan':<12} {'predicted ms':>13} {'measured ms':>12} {'error %':>8}"
-                 + (f" {'drift-corr. ms':>15} {'error %':>8}" if corr else "")]
+        lines = [f"{'plan':<12} {'predicted ms':>13} {'measured ms':>12} {'error %':>8}"]
         for r in self.rows:
-            line = f"{r.name:<12} {r.predicted_s * 1e3:>13.2f} {r.measured_s * 1e3:>12.2f} {r.error:>8.1f}"
-            if corr:
-                line += f" {r.corrected_s * 1e3:>15.2f} {r.corrected_error:>8.1f}"
-            lines.append(line)
+            lines.append(f"{r.name:<12} {r.predicted_s * 1e3:>13.2f} {r.measured_s * 1e3:>12.2f} {r.error:>8.1f}")
         lines.append(f"median |error| {self.mape_median_pct:.1f}%   Spearman {self.spearman:.3f}   "
                      f"({len(self.rows)} plans)")
-        if corr:
-            lines.append(f"drift-corrected: median |error| {self.mape_median_pct_corrected:.1f}%   "
-                         f"Spearman {self.spearman_corrected:.3f}")
         return "\n".join(lines)
 
 
-def _mape_spearman(predicted: list[float], measured: list[float]) -> tuple[float, float]:
+def summarize_rows(model: str, topology: str, rows: list[ValidationRow], meta: dict) -> ValidationReport:
     from scipy.stats import spearmanr
 
-    mape = statistics.median(abs(p - m) / m * 100 for p, m in zip(predicted, measured)) if measured else math.nan
-    rho = float(spearmanr(predicted, measured).statistic) if len(measured) >= 3 else math.nan
-    return mape, rho
-
-
-def summarize_rows(model: str, topology: str, rows: list[ValidationRow], meta: dict) -> ValidationReport:
-    measured = [r.measured_s for r in rows]
-    mape, rho = _mape_spearman([r.predicted_s for r in rows], measured)
-    corrected = [r.corrected_s for r in rows]
-    mc, rc = _mape_spearman(corrected, measured) if rows and None not in corrected else (None, None)
-    return ValidationReport(model, topology, rows, mape, rho, meta, mc, rc)
-
-
-PROBE_ITERS = 8
-"""Timed iterations of one :class:`SpeedProbe` measurement (median; after 2 untimed)."""
-
-
-class SpeedProbe:
-    """Control measurement of the host's speed: eager forward + backward of the workload at one
-    per-replica batch, wall clock, median of :data:`PROBE_ITERS`, with the ranks' thread count.
-
-    On a shared VM the speed of a core changes by tens of percent over minutes (the development
-    VM ran the same vit stage loop at 9-18 ms within minutes), so a profile taken at the start of
-    a round and an execution a few minutes later see different machines. The probe's time around
-    an execution divided by its time right after the round's profiling is that round's drift
-    factor (:attr:`ValidationRow.drift_rounds`). It measures the host, not the plan: the same
-    few hundred milliseconds of work whatever plan runs next.
-    """
-
-    def __init__(self, model: str, batch: int, threads: int, seed: int = 0):
-        from ..cost.host import tune_malloc
-        from ..workloads import load_workload
-
-        tune_malloc()  # as in the profiler and the ranks
-        self.threads = threads
-        self.workload = load_workload(model, seed=seed)
-        self.inputs = self.workload.make_inputs(batch)
-
-    def __call__(self) -> float:
-        """Seconds of one forward + backward (median)."""
-        import time
-
-        import torch
-
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
-            ts = []
-            for i in range(PROBE_ITERS + 2):
-                t0 = time.perf_counter()
-                self.workload.model.zero_grad(set_to_none=True)
-                self.workload.model(*self.inputs).backward()
-                if i >= 2:
-                    ts.append(time.perf_counter() - t0)
-            return statistics.median(ts)
-        finally:
-            torch.set_num_threads(before)
-
-
-def _cpu_threads(topology) -> int | None:
-    """Intra-op threads of the topology's CPU ranks (``cpu-<n>t``); None unless every device is a
-    CPU of one type."""
-    from ..cost.model import device_type
-
-    types = {device_type(topology, d) for d in range(topology.num_devices)}
-    if len(types) != 1 or not next(iter(types)).startswith("cpu-"):
-        return None
-    return int(next(iter(types))[4:-1])
+    mape = statistics.median(r.error for r in rows) if rows else math.nan
+    rho = float(spearmanr([r.predicted_s for r in rows], [r.measured_s for r in rows]).statistic) \
+        if len(rows) >= 3 else math.nan
+    return ValidationReport(model, topology, rows, mape, rho, meta)
 
 
 def scatter_plot(report: ValidationReport, path: str | Path) -> None:
@@ -220,15 +121,11 @@ def scatter_plot(report: ValidationReport, path: str | Path) -> None:
 
     xs = [r.measured_s * 1e3 for r in report.rows]
     ys = [r.predicted_s * 1e3 for r in report.rows]
-    cs = [r.corrected_s * 1e3 for r in report.rows if r.corrected_s is not None]
-    cs = cs if len(cs) == len(xs) else []
     fig, ax = plt.subplots(figsize=(5.5, 5))
-    lo, hi = min(xs + ys + cs) * 0.8, max(xs + ys + cs) * 1.25
+    lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.25
     ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="predicted = measured")
     ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="0.9", label="±15%")
-    ax.scatter(xs, ys, zorder=3, label="simulated")
-    if cs:
-        ax.scatter(xs, cs, zorder=3, facecolors="none", edgecolors="C1", label="simulated x host drift")
+    ax.scatter(xs, ys, zorder=3)
     for r, x, y in zip(report.rows, xs, ys):
         ax.annotate(r.name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
@@ -237,12 +134,8 @@ def scatter_plot(report: ValidationReport, path: str | Path) -> None:
     ax.set_ylim(lo, hi)
     ax.set_xlabel("measured iteration time (ms, median)")
     ax.set_ylabel("simulated iteration time (ms)")
-    title = (f"{report.model} on {report.topology}\nmedian |err| {report.mape_median_pct:.1f}%, "
-             f"Spearman {report.spearman:.2f}")
-    if report.mape_median_pct_corrected is not None:
-        title += (f"; drift-corrected {report.mape_median_pct_corrected:.1f}%, "
-                  f"{report.spearman_corrected:.2f}")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(f"{report.model} on {report.topology}\nmedian |err| {report.mape_median_pct:.1f}%, "
+                 f"Spearman {report.spearman:.2f}", fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -253,7 +146,7 @@ def scatter_plot(report: ValidationReport, path: str | Path) -> None:
 def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: int = 12, batch: int | None = None,
              groups: int = 8, optimizer: str = "adam", steps: int = 10, warmup: int = 3, seed: int = 0,
              profile: bool = True, profile_dir: str | Path | None = None, rounds: int = 1,
-             probe: bool = True, log_fn=print) -> ValidationReport:
+             log_fn=print) -> ValidationReport:
     """Execute ``n_plans`` plans of ``model`` on ``topology_path``; write JSON + PNG into ``out_dir``.
 
     ``profile_dir``: the profile database predictions are costed with; default
@@ -267,9 +160,6 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     executions from that: this VM's speed drifts by 20-30% over minutes, and a profile taken
     once at the start says little about executions ten minutes later. Each round runs the plans
     in its own shuffled order (seeded), so no plan always runs at the same point of a drift.
-    On a topology of CPU devices a :class:`SpeedProbe` runs after each round's profiling and
-    before and after every execution (``probe=False``: not at all); the report then also gives
-    the drift-corrected figures.
     """
     if rounds < 1:
         raise ValueError(f"rounds: expected a positive integer, got {rounds}")
@@ -296,11 +186,6 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     # its rounds is reported; every round's figure is kept in the row).
     measured: dict[str, list] = {name: [] for name, _ in plans}
     predicted: dict[str, list[float]] = {name: [] for name, _ in plans}
-    drift: dict[str, list[float]] = {name: [] for name, _ in plans}
-    threads = _cpu_threads(topology) if probe else None
-    speed = SpeedProbe(model, max(1, graph.batch_size // topology.num_devices), threads, seed) \
-        if threads is not None else None
-    probe_ref = speed() if speed is not None and not per_round else None
     for r in range(rounds):
         proot = _profile_root(root, r, per_round)
         if per_round:
@@ -310,9 +195,6 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
                 dest.write_bytes(comm.read_bytes())
             log_fn(f"round {r + 1}/{rounds}: profiling afresh")
             ensure_profiles(model, cap, topology, log_fn, proot)
-            probe_ref = speed() if speed is not None else None
-        if probe_ref is not None:
-            log_fn(f"  speed probe after profiling: {probe_ref * 1e3:.2f} ms")
         order = list(plans)
         if rounds > 1:
             random.Random(seed + r).shuffle(order)
@@ -321,28 +203,22 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
             cfg = ExecuteConfig(model=model, topology=topology_path, plan=str(out / "plans" / f"{name}.json"),
                                 batch=graph.batch_size, optimizer=optimizer, groups=groups, steps=steps,
                                 warmup=warmup, run_dir=str(run_dir), profile_dir=str(proot))
-            before = speed() if speed is not None else None
             res = execute(cfg, graph=graph)
-            if speed is not None:
-                drift[name].append((before + speed()) / 2 / probe_ref)
             write_json(run_dir / "result.json", res.to_dict())
             predicted[name].append(float(res.predicted_iteration_time_s or math.nan))
             measured[name].append((res.measured_iteration_time_s, res.per_rank_median_s))
             log_fn(f"  {name:<12} predicted {predicted[name][-1] * 1e3:8.2f} ms  measured "
-                   f"{res.measured_iteration_time_s * 1e3:8.2f} ms"
-                   + (f"  host x{drift[name][-1]:.2f}" if speed is not None else "")
-                   + (f"  (round {r + 1}/{rounds})" if rounds > 1 else ""))
+                   f"{res.measured_iteration_time_s * 1e3:8.2f} ms" + (f"  (round {r + 1}/{rounds})" if rounds > 1 else ""))
     rows = []
     for name, _plan in plans:
         ms = measured[name]
         med = statistics.median(m for m, _ in ms)
         per_rank = [statistics.median(pr[i] for _, pr in ms) for i in range(len(ms[0][1]))]
         rows.append(ValidationRow(name, statistics.median(predicted[name]), med, per_rank,
-                                  rounds_s=[m for m, _ in ms], predicted_rounds_s=predicted[name],
-                                  drift_rounds=drift[name]))
+                                  rounds_s=[m for m, _ in ms], predicted_rounds_s=predicted[name]))
     meta = {"batch": graph.batch_size, "groups": graph.num_groups, "optimizer": optimizer, "steps": steps,
             "warmup": warmup, "rounds": rounds, "graph_signature": graph.signature(), "profile_dir": str(root),
-            "profile_per_round": per_round, "speed_probe_iters": PROBE_ITERS if speed is not None else 0}
+            "profile_per_round": per_round}
     report = summarize_rows(model, topology.name, rows, meta)
     write_json(out / "validation.json", report.to_dict())
     scatter_plot(report, out / "scatter.png")
@@ -391,8 +267,7 @@ def repredict(out_dir: str | Path, log_fn=print) -> ValidationReport:
         log_fn(f"  {name:<12} predicted {statistics.median(row['predicted_rounds_s'] or [row['predicted_s']]) * 1e3:8.2f}"
                f" -> {statistics.median(preds) * 1e3:8.2f} ms  measured {row['measured_s'] * 1e3:8.2f} ms")
         rows.append(ValidationRow(name, statistics.median(preds), row["measured_s"], row["per_rank_s"],
-                                  rounds_s=row["rounds_s"], predicted_rounds_s=preds,
-                                  drift_rounds=row.get("drift_rounds", [])))
+                                  rounds_s=row["rounds_s"], predicted_rounds_s=preds))
     report = summarize_rows(old["model"], old["topology"], rows, {**meta, "repredicted": True})
     write_json(out / "validation.json", report.to_dict())
     scatter_plot(report, out / "scatter.png")
