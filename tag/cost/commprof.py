@@ -6,10 +6,10 @@ message size: a ping-pong (point-to-point time = round trip / 2), ``all_reduce``
 ``reduce`` and ``all_gather``. Each measurement is the *mean* over ``repeats`` after ``warmup``
 calls, each started after a barrier; rank 0 reports. The mean, not the median: gloo's latency on
 a small VM has a heavy tail (on the 2-core development VM a 8.5 KiB send took 0.12 ms at the
-median and 3-3.8 ms at the 90th percentile, in batches of 180), and an iteration pays the tail
+median and 3-3.8 ms at the 90th percentile, 50 timed calls each), and an iteration pays the tail
 of each of its tens of transfers, so the expected time of a sum of transfers is the sum of the
 means (a simulated vit plan with 21 transfers per iteration priced them at 0.17-0.2 ms each
-while they took 0.15-5.6 ms in the executor). A collective is timed as the executor issues
+while the executor's transfer steps took 0.15-5.6 ms, waits for the peer included). A collective is timed as the executor issues
 gradient syncs: a burst of :data:`BURST` calls on distinct buffers back to back, per call (on the
 2-core development VM seven back-to-back 512 KiB gloo all-reduces took 2.2-2.5 ms each, one
 after a barrier 0.9-1.3 ms). ``time = alpha + bytes / beta`` is then fitted per operation
