@@ -645,3 +645,19 @@ def test_dump_is_atomic_and_readable(tmp_path):
     assert text.startswith("# TAG topology") and "22.4 Gbit/s" in text and "GTX-1080Ti" in text
     assert load_topology(target) == topo
     assert Path(SHIPPED_DIR).is_dir()
+
+
+def test_local_cpu_signature_does_not_depend_on_the_measurement(tmp_path, monkeypatch):
+    """A plan made for local-cpu2 on one host must match the same file on another host."""
+    sigs = []
+    for flops in (1e9, 3e10):
+        monkeypatch.setenv("TAG_CACHE_DIR", str(tmp_path / str(flops)))
+        monkeypatch.setattr(catalog_module, "_measure_cpu", lambda f=flops: GPUSpec("cpu", f, f, 2**31, 1e10))
+        topo = load_topology(SHIPPED_DIR / "local-cpu2.yaml")
+        assert topo.machines[0].gpu.fp32_flops == flops
+        sigs.append(topo.signature())
+    assert sigs[0] == sigs[1]
+    three = {"name": "local-cpu2", "machines": [{"name": "local", "gpu": "cpu", "count": 3,
+                                                   "intra_bandwidth": "5 GB/s"}]}
+    changed = load_topology(three)
+    assert changed.signature() != sigs[0]  # the declared shape still counts

@@ -18,7 +18,7 @@ import networkx as nx
 import numpy as np
 
 from tag.errors import TopologyError
-from tag.topology.catalog import GPUSpec
+from tag.topology.catalog import CPU_NAME, GPUSpec
 
 __all__ = ["Device", "Machine", "Topology", "LinkKey"]
 
@@ -302,6 +302,15 @@ class Topology:
         return {"name": self.name, "machines": machines, "network": network}
 
     def signature(self) -> str:
-        """Stable 16-hex-digit hash of :meth:`to_dict` (same topology -> same signature)."""
-        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """Stable 16-hex-digit hash of :meth:`to_dict` (same topology -> same signature).
+
+        Devices named ``cpu`` (the local CPU, whose figures are measured on the host that loads
+        the file, :func:`tag.topology.catalog.local_cpu_spec`) are hashed by that name alone: a
+        plan made for ``topologies/local-cpu2.yaml`` on one host still matches the same file on
+        another host, or after the measurement cache was refreshed."""
+        d = self.to_dict()
+        for m in d["machines"]:
+            if m["gpu"]["name"] == CPU_NAME:
+                m["gpu"] = CPU_NAME
+        text = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
