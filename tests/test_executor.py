@@ -120,6 +120,18 @@ def test_gpt2_plans_match_single_process_training(captured, topo4, joints, kind)
     assert_matches_reference(graph, plan, GPT2, "sgd", joints)
 
 
+def test_batchnorm_model_finds_its_loss_and_trains_on_one_device(captured, topo4, joints):
+    """BatchNorm's running-statistics updates are exported as outputs ahead of the model's own:
+    the loss must still be the model's output (it was taken to be a running mean, and every plan
+    of a BatchNorm model failed with 'the loss unit's backward does not read the loss')."""
+    spec = "vgg:bn=true,width=8"
+    graph = captured(spec, batch=B, groups=4).graph
+    loss = graph.tensors[graph.loss]
+    assert loss.batch_dim is None and loss.nbytes.at(B) == 4  # one fp32 scalar
+    plan = new_plan(graph, topo4, [GroupPlan([1], [1.0]) for _ in range(graph.num_groups)])
+    assert_matches_reference(graph, plan, spec, "sgd", joints)
+
+
 def test_data_parallel_keeps_tied_gradient_partials_in_place(captured, topo4):
     """Tied embeddings: with every group on the same replicas, each replica keeps its partial of
     the tied weight's gradient (the sync sums them), so nothing crosses devices; when the

@@ -80,6 +80,11 @@ def _output_node(graph: torch.fx.Graph) -> torch.fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
 
 
+def _loss_index(sig) -> int:
+    """Position of the loss among the graph's outputs (marked by :func:`export_joint`)."""
+    return next(i for i, s in enumerate(sig.output_specs) if s.kind == OutputKind.LOSS_OUTPUT)
+
+
 def _prune_params(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Drop parameter placeholders the loss does not reach (tied aliases, unused weights).
 
@@ -90,8 +95,7 @@ def _prune_params(ep: torch.export.ExportedProgram) -> torch.export.ExportedProg
     sig = ep.graph_signature
     graph = ep.graph_module.graph
     out = _output_node(graph)
-    loss_idx = next((i for i, s in enumerate(sig.output_specs) if s.kind == OutputKind.LOSS_OUTPUT), 0)
-    loss_arg = out.args[0][loss_idx]
+    loss_arg = out.args[0][_loss_index(sig)]
     reach = _ancestors(graph, [loss_arg])
     nodes = {n.name: n for n in graph.nodes}
     state = dict(ep.state_dict)
@@ -140,14 +144,16 @@ def export_joint(model: torch.nn.Module, inputs: tuple) -> torch.export.Exported
     except Exception as e:  # noqa: BLE001 - any export failure is a model the user must fix
         raise WorkloadError(f"torch.export could not capture the model: {type(e).__name__}: {_first_line(e)}") from e
     out_specs = ep.graph_signature.output_specs
-    if len(out_specs) < 1:
+    # Buffer mutations (e.g. BatchNorm's running statistics) come before the model's own outputs.
+    li = next((i for i, s in enumerate(out_specs) if s.kind == OutputKind.USER_OUTPUT), None)
+    if li is None:
         raise WorkloadError("model returned no output; expected a scalar loss")
-    loss_val = _output_node(ep.graph).args[0][0].meta.get("val")
+    loss_val = _output_node(ep.graph).args[0][li].meta.get("val")
     if not isinstance(loss_val, torch.Tensor) or loss_val.numel() != 1:
         raise WorkloadError(f"model output must be a scalar loss, got {_describe(loss_val)}")
-    # Mark output 0 as the loss (export has no notion of it).
+    # Mark the model's first output as the loss (export has no notion of it).
     specs = list(out_specs)
-    specs[0] = type(specs[0])(kind=OutputKind.LOSS_OUTPUT, arg=specs[0].arg, target=None)
+    specs[li] = type(specs[li])(kind=OutputKind.LOSS_OUTPUT, arg=specs[li].arg, target=None)
     ep = ep._update(ep.graph_module, ExportGraphSignature(ep.graph_signature.input_specs, specs))
     ep = _prune_params(_views_to_reshapes(ep))
     try:
@@ -308,7 +314,7 @@ def _build_graph(name, ep1, ep2, b1, b2, optimizer) -> tuple[OpGraph, dict[str, 
 
     out = _output_node(gm1.graph)
     outs = list(out.args[0])
-    loss_node = outs[0]
+    loss_node = outs[_loss_index(sig)]
     grad_outputs: dict[str, str] = {}
     fwd_roots = [loss_node]
     for spec, arg in zip(sig.output_specs, outs):
