@@ -202,9 +202,10 @@ class RankRuntime:
         v = self.value(m.src_unit, m.name)
         if m.mode == "rows":
             rep = self.schedule.units[m.src_unit].replica_on(m.src)
-            rows = v.shape[m.batch_dim] // rep.batch  # rows per sample along the batch dim
-            v = v.narrow(m.batch_dim, (m.start - rep.start) * rows, (m.stop - m.start) * rows)
-        return v.detach().contiguous()
+            if (m.start, m.stop) != (rep.start, rep.stop):  # a view costs microseconds: only if needed
+                rows = v.shape[m.batch_dim] // rep.batch  # rows per sample along the batch dim
+                v = v.narrow(m.batch_dim, (m.start - rep.start) * rows, (m.stop - m.start) * rows)
+        return (v.detach() if v.requires_grad else v).contiguous()
 
     def piece_spec(self, step: Step, m: Move) -> tuple[list[int], torch.dtype]:
         """Shape and dtype of the piece ``m`` delivers to this rank (from the stage's metadata)."""
