@@ -45,10 +45,10 @@ def random_group(rng: random.Random, graph, g: int, n: int):
     r = rng.random()
     if r < 0.15:
         lo, hi = group_positions(graph, g)
-        k = rng.randint(1, min(3, hi - lo))
+        k = rng.randint(1, min(3, hi - lo, n))
         devs = rng.sample(range(n), k)
         return GroupPlan(devs, [1.0] * k, "mp", None, [lo] + sorted(rng.sample(range(lo + 1, hi), k - 1)))
-    k = rng.choice([1, 2, 4, 8, 16])
+    k = rng.choice([x for x in (1, 2, 4, 8, 16) if x <= n])
     devs = sorted(rng.sample(range(n), k))
     w = [rng.randint(1, 4) for _ in devs]
     shares = [x / sum(w) for x in w]

@@ -76,12 +76,30 @@ def test_cpu_syncs_wait_for_compute():
     sim, _ = _sim(topo)
     assert sim.shared_stream == [True, True]
     r = sim.run([dp([0, 1]), dp([0, 1])])
-    ar = 2 * (2 - 1) / 2 * 1000 / NET + 2 * (2 - 1) * LAT
+    # Both groups' syncs (1000 B each) are one bucketed all-reduce of 2000 B after the compute.
+    ar2 = 2 * (2 - 1) / 2 * 2000 / NET + 2 * (2 - 1) * LAT
     g0_ready = 4 * (1e-3 + 2e-3 + 4e-3) + 4 * 2e-3
-    assert r.iteration_time_s == pytest.approx(g0_ready + 2 * ar + 2e-3)
+    assert r.iteration_time_s == pytest.approx(g0_ready + ar2 + 2e-3)
+    assert r.comm_time_s == pytest.approx([ar2, ar2])
     ref = sim.run_reference(sim.deploy([dp([0, 1]), dp([0, 1])]))
     assert ref.iteration_time_s == r.iteration_time_s
-    assert ref.critical_path[-3:] == ["allreduce g1", "allreduce g0", "opt @d0"]
+    assert ref.critical_path[-2:] == ["allreduce g1+g0", "opt @d0"]
+
+
+def test_cpu_sync_buckets():
+    """Deferred (CPU) syncs of one kind, replica set and server share a bucket placed at its first
+    group in reverse group order; GPU syncs stay one per group."""
+    cpu = topology([("a", 1, None, 0.0), ("b", 1, None, 0.0)], net_bw=NET, net_lat=LAT, gpu="cpu")
+    graph = chain_graph(3)
+    plans = [dp([0, 1]), dp([0, 1], sync="ps", server=0), dp([0, 1])]
+    for topo, want in ((cpu, [((2, 0), "allreduce"), ((1,), "ps")]),
+                       (_two_machines(), [((2,), "allreduce"), ((1,), "ps"), ((0,), "allreduce")])):
+        sim = Simulator(graph, topo, hand_costs(graph, topo, [1e-3] * 3, [2e-3] * 3, [1e-3] * 3))
+        jobs = sim.sync_jobs(sim.deploy(plans))
+        assert [(gs, j.sync) for gs, j in jobs] == want
+    sim = Simulator(graph, cpu, hand_costs(graph, cpu, [1e-3] * 3, [2e-3] * 3, [1e-3] * 3))
+    jobs = sim.sync_jobs(sim.deploy(plans))
+    assert jobs[0][1].sync_bytes == 2000 and jobs[0][1].sync_time == pytest.approx(2000 / NET + 2 * LAT)
 
 
 def test_wake_penalty_after_idle():

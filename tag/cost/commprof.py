@@ -9,10 +9,12 @@ a small VM has a heavy tail (on the 2-core development VM a 8.5 KiB send took 0.
 median and 3-3.8 ms at the 90th percentile, 50 timed calls each), and an iteration pays the tail
 of each of its tens of transfers, so the expected time of a sum of transfers is the sum of the
 means (a simulated vit plan with 21 transfers per iteration priced them at 0.17-0.2 ms each
-while the executor's transfer steps took 0.15-5.6 ms, waits for the peer included). A collective is timed as the executor issues
-gradient syncs: a burst of :data:`BURST` calls on distinct buffers back to back, per call (on the
-2-core development VM seven back-to-back 512 KiB gloo all-reduces took 2.2-2.5 ms each, one
-after a barrier 0.9-1.3 ms). ``time = alpha + bytes / beta`` is then fitted per operation
+while the executor's transfer steps took 0.15-5.6 ms, waits for the peer included). A collective is timed as the executor issues it:
+``all_reduce``, ``reduce`` and ``broadcast`` one call after a barrier (a CPU rank's gradient syncs
+are coalesced into one bucket per replica set, docs/DESIGN.md), ``all_gather`` (SFB factors,
+gathered one after the other) as a burst of :data:`BURST` calls on distinct buffers back to back,
+per call (on the 2-core development VM seven back-to-back 512 KiB gloo all-reduces took 2.2-2.5
+ms each, one after a barrier 0.9-1.3 ms). ``time = alpha + bytes / beta`` is then fitted per operation
 (:func:`tag.cost.comm.fit_latency_bandwidth`).
 """
 
@@ -30,6 +32,7 @@ from .comm import COMM_OPS, CommProfile, fit_latency_bandwidth
 
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
 BURST = 4
+"""All-gathers per timed burst (distinct buffers, back to back, as the executor's SFB gathers)."""
 DEFAULT_REPEATS = 40
 """Timed calls per (operation, size) up to :data:`FULL_REPEATS_BYTES`: enough for the mean of a
 heavy-tailed latency to settle."""
@@ -41,7 +44,6 @@ beside a large message's transfer time, and a 16 MiB all-gather takes ~50 ms on 
 def repeats_for(nbytes: int, repeats: int) -> int:
     """Timed calls for messages of ``nbytes`` (the same on every rank: collectives must match)."""
     return max(min(5, repeats), min(repeats, repeats * FULL_REPEATS_BYTES // max(1, nbytes)))
-"""Collectives per timed burst (distinct buffers, back to back, as the executor's syncs)."""
 
 
 def _free_port() -> int:
@@ -80,9 +82,9 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
             gathered = [[torch.empty_like(x) for _ in range(world)] for x in xs]
             ops = {  # (call, calls per timing)
                 "p2p": (lambda xs=xs: ping(xs[0]), 1),
-                "all_reduce": (lambda xs=xs: [dist.all_reduce(x) for x in xs], BURST),
-                "broadcast": (lambda xs=xs: [dist.broadcast(x, 0) for x in xs], BURST),
-                "reduce": (lambda xs=xs: [dist.reduce(x, 0) for x in xs], BURST),
+                "all_reduce": (lambda xs=xs: dist.all_reduce(xs[0]), 1),
+                "broadcast": (lambda xs=xs: dist.broadcast(xs[0], 0), 1),
+                "reduce": (lambda xs=xs: dist.reduce(xs[0], 0), 1),
                 "all_gather": (lambda xs=xs, gs=gathered: [dist.all_gather(g, x) for g, x in zip(gs, xs)], BURST),
             }
             for name, (fn, calls) in ops.items():

@@ -102,19 +102,43 @@ class DistComm:
 
         On a CPU rank the collective is only queued here and issued by :meth:`finish_syncs`, after
         the rank's last compute (docs/DESIGN.md: a CPU rank computes on every core it has; gloo's
-        threads would otherwise time-slice with the compute and stretch both). Every rank issues
-        its queued syncs in schedule order, so the order per process group is unchanged.
+        threads would otherwise time-slice with the compute and stretch both), coalesced
+        into buckets (:meth:`_coalesce`; the simulator's :meth:`tag.sim.Simulator.sync_jobs`).
         """
         members = tuple(sorted(set(devices) | ({server} if sync == "ps" else set())))
         if self.rank not in members:
             return
         t0 = time.perf_counter()
         flat = rt.grad_flat(step.group)
-        p = _Pending(step.group, flat, None, self.groups[members], server if sync == "ps" else None)
+        p = _Pending([step.group], flat, None, self.groups[members], server if sync == "ps" else None,
+                     key=(sync, tuple(devices), server))
         if not self.defer_syncs:
             p.start()
         self.pending.append(p)
         rt.timer.sync += time.perf_counter() - t0
+
+    def _coalesce(self) -> None:
+        """Merge the queued (not yet issued) syncs of one kind over one replica set and server into
+        one flat bucket each, in order of first occurrence (the same order on every rank).
+
+        One gloo collective per bucket instead of one per group: on the 2-core development VM six
+        all-reduces of vgg's gradients (2.6 MiB in all) issued back to back took 8.7-11 ms at the
+        median, one all-reduce of the concatenation 2.9 ms (evaluation/results/sync-buckets)."""
+        buckets: dict[tuple, _Pending] = {}
+        out = []
+        for p in self.pending:
+            b = buckets.get(p.key) if p.work is None else None
+            if b is None:
+                if p.work is None:
+                    buckets[p.key] = p
+                out.append(p)
+            else:
+                b.parts.append(p.flat)
+                b.groups.extend(p.groups)
+        for b in buckets.values():
+            if len(b.parts) > 1:
+                b.flat = torch.cat(b.parts)
+        self.pending = out
 
     def _broadcast_reduced(self) -> None:
         """For every PS reduce started so far: wait for it and start its broadcast back."""
@@ -127,27 +151,37 @@ class DistComm:
     def finish_syncs(self, rt: RankRuntime) -> None:
         """Wait for every gradient sync of the iteration and hand the sums to the runtime."""
         t0 = time.perf_counter()
+        self._coalesce()
         for p in self.pending:
             if p.work is None:
                 p.start()
         self._broadcast_reduced()
         for p in self.pending:
             p.work.wait()
-            rt.set_grad_flat(p.group, p.flat)
+            for g, part in zip(p.groups, p.flat.split([x.numel() for x in p.parts])):
+                rt.set_grad_flat(g, part)
         self.pending.clear()
         rt.timer.sync += time.perf_counter() - t0
 
 
 @dataclass
 class _Pending:
-    """A gradient sync in flight."""
+    """A gradient sync (one group's, or a bucket of several groups') in flight."""
 
-    group: int
+    groups: list[int]
     flat: torch.Tensor
     work: object
     pg: object
     server: int | None
+    key: tuple = ()
+    """(sync, replica devices, server): syncs with equal keys may share a bucket."""
+    parts: list[torch.Tensor] = field(default_factory=list)
+    """Each group's flat gradients, in ``groups`` order (``flat`` is their concatenation)."""
     broadcast: bool = False
+
+    def __post_init__(self):
+        if not self.parts:
+            self.parts = [self.flat]
 
     def start(self) -> None:
         """Issue the all-reduce, or the PS reduce to the server (async)."""

@@ -18,7 +18,8 @@ that step, and both compute streams wait for it to finish),
 synchronisations (one collective over the replica set, or PS push+pull, see
 :mod:`tag.cost.comm`; occupy every participant's comm stream and the network sides of the
 machines it spans; on a CPU device, whose rank computes on every core it has, a sync also waits
-for the device's compute: :attr:`Simulator.shared_stream`), optimizer steps (after the device's last compute and its last sync).
+for the device's compute: :attr:`Simulator.shared_stream`, and syncs of one kind over one replica set
+are coalesced into one collective: :meth:`Simulator.sync_jobs`), optimizer steps (after the device's last compute and its last sync).
 
 Sufficient Factor Broadcasting (``GroupPlan.sfb``, :mod:`tag.sim.sfb`): right after an SFB
 group's backward stage (once every replica finished it), the all-gathers of its factors, one
@@ -49,7 +50,18 @@ import numpy as np
 from ..errors import PlanError
 from .result import SimEvent, SimResult
 from .static import BWD, FWD, OPT, PARAM, build_static
-from .units import Flow, GroupData, Layout, PairTemplate, Unit, make_layout, mp_unit, pair_kinds, split_batch
+from .units import (
+    Flow,
+    GroupData,
+    Layout,
+    PairTemplate,
+    SyncJob,
+    Unit,
+    make_layout,
+    mp_unit,
+    pair_kinds,
+    split_batch,
+)
 
 PHASE_NAME = {FWD: "fwd", BWD: "bwd", OPT: "opt", PARAM: "param"}
 CACHE_LIMIT = 100_000
@@ -93,6 +105,7 @@ class Simulator:
         """Per device: communication shares the compute cores (a CPU rank uses every core it has
         for compute, so gloo has no spare core to progress a collective: syncs start after the
         device's compute). GPUs have copy engines: their syncs overlap compute."""
+        self._buckets: dict[tuple, float] = {}  # (bucket key, bytes) -> seconds
         self._layouts: dict[tuple, Layout] = {}
         self._groups: dict[tuple, GroupData] = {}
         self._pairs: dict[tuple, _Pair] = {}
@@ -178,8 +191,45 @@ class Simulator:
             return GroupData([unit], "none", 0.0, (), (), 0.0, sfb=sfb, layout=lay,
                              ukey=("dp", devs, batches))
         machines = tuple(sorted({mo[d] for d in members}))
+        deferred = all(self.shared_stream[d] for d in members)
         return GroupData([unit], gp.sync, t, members, machines if len(machines) > 1 else (), sbytes, sfb=sfb,
-                         layout=lay, ukey=("dp", devs, batches))
+                         layout=lay, ukey=("dp", devs, batches),
+                         bucket=(gp.sync, devs, gp.server if gp.sync == "ps" else None) if deferred else None)
+
+    def sync_jobs(self, gds: list[GroupData]) -> list[tuple[tuple[int, ...], object]]:
+        """The iteration's gradient collectives in issue order: ``(groups, job)`` with ``job`` the
+        group's :class:`GroupData` or, for deferred syncs of equal :attr:`GroupData.bucket`, one
+        :class:`SyncJob` over the concatenated gradients (the executor's buckets,
+        ``tag/executor/comm.py``), placed at its first group in reverse group order."""
+        jobs: list = []
+        open_: dict[tuple, int] = {}
+        for g in range(len(gds) - 1, -1, -1):
+            gd = gds[g]
+            if gd.sync == "none":
+                continue
+            j = open_.get(gd.bucket) if gd.bucket is not None else None
+            if j is None:
+                if gd.bucket is not None:
+                    open_[gd.bucket] = len(jobs)
+                jobs.append(((g,), gd))
+            else:
+                jobs[j] = (jobs[j][0] + (g,), jobs[j][1])
+        for i, (gs, gd) in enumerate(jobs):
+            if len(gs) > 1:
+                nbytes = sum(gds[g].sync_bytes for g in gs)
+                jobs[i] = (gs, SyncJob(gs, gd.sync, self._bucket_time(gd.bucket, nbytes), gd.sync_devices,
+                                       gd.sync_machines, nbytes))
+        return jobs
+
+    def _bucket_time(self, key: tuple, nbytes: float) -> float:
+        t = self._buckets.get((key, nbytes))
+        if t is None:
+            sync, devs, server = key
+            t = self.comm.ps_time(devs, server, nbytes) if sync == "ps" else self.comm.allreduce_time(devs, nbytes)
+            if len(self._buckets) > CACHE_LIMIT:
+                self._buckets.clear()
+            self._buckets[(key, nbytes)] = t
+        return t
 
     def pair(self, g1: int, gd1: GroupData, g2: int, gd2: GroupData) -> _Pair:
         """Flows from group ``g1`` deployed as ``gd1`` to ``g2`` deployed as ``gd2`` (cached, and
@@ -346,7 +396,7 @@ class _Run:
         self.segs: list[tuple] = []
         self.stage_loc: dict[tuple, tuple[int, int]] = {}
         self.flows: list[tuple] = []  # (flow, start, end, pred)
-        self.syncs: list[tuple] = []  # (group, start, end, pred)
+        self.syncs: list[tuple] = []  # (groups, job, start, end, pred)
         self.group_finish = [0.0] * len(gds)
         self.any_sfb = any(gd.sfb is not None for gd in gds)
         self.gathers: list[tuple] = []  # SFB all-gathers: (group, factor index, start, end, pred)
@@ -546,11 +596,12 @@ class _Run:
                 self.nic_out[m] = self.nic_in[m] = run_end
                 self.last_nout[m] = self.last_nin[m] = run_ref
 
-        for g in reversed(range(len(self.gds))):
-            gd = self.gds[g]
-            if gd.sync == "none":
-                continue
-            s, p = self.sfb_ready[g] if gd.sfb is not None else (self.group_finish[g], ("b", g))
+        for gs, gd in self.sim.sync_jobs(self.gds):
+            s, p = -math.inf, None
+            for g in gs:
+                sg, pg = self.sfb_ready[g] if self.gds[g].sfb is not None else (self.group_finish[g], ("b", g))
+                if sg > s:
+                    s, p = sg, pg
             if cur is not None and gd.sync_devices == cur.sync_devices:
                 if run_end > s:
                     s, p = run_end, run_ref
@@ -570,7 +621,7 @@ class _Run:
                         s, p = self.nic_in[m], self.last_nin[m]
             e = s + gd.sync_time
             run_ref = ("s", len(self.syncs))
-            self.syncs.append((g, s, e, p))
+            self.syncs.append((gs, gd, s, e, p))
             run_end = e
             run_busy += gd.sync_time
             run_bytes = max(run_bytes, gd.sync_bytes)
@@ -619,10 +670,10 @@ class _Run:
                     f"d{f.a}->d{f.b} ({f.nbytes:.0f} B)")
             return name, s, e, p
         if kind == "s":
-            g, s, e, p = self.syncs[ref[1]]
+            gs, gd, s, e, p = self.syncs[ref[1]]
             if p is not None and p[0] == "b":
                 p = self._bwd_last(p[1])
-            return f"{self.gds[g].sync} g{g}", s, e, p
+            return _sync_name(gd, gs), s, e, p
         if kind == "a":
             g, x, s, e, p = self.gathers[ref[1]]
             sd = self.gds[g].sfb
@@ -680,10 +731,9 @@ class _Run:
             f = self.flows[fid][0]
             ev.append(SimEvent(name, f.a, "comm", s, e, "transfer"))
             ev.append(SimEvent(name, f.b, "comm", s, e, "transfer"))
-        for g, s, e, _ in self.syncs:
-            gd = self.gds[g]
+        for gs, gd, s, e, _ in self.syncs:
             for d in gd.sync_devices:
-                ev.append(SimEvent(f"{gd.sync} g{g}", d, "comm", s, e, gd.sync))
+                ev.append(SimEvent(_sync_name(gd, gs), d, "comm", s, e, gd.sync))
         for gid in range(len(self.gathers)):
             name, s, e, _ = self._resolve(("a", gid))
             for d in self.gds[self.gathers[gid][0]].sfb.members:
@@ -916,11 +966,12 @@ class _FastRun:
         cfree, shared = self.cfree, self.sim.shared_stream
         cur = None  # GroupData starting the current run of syncs over one member set
         run_end, run_busy, run_bytes = 0.0, 0.0, 0.0
-        for g in range(len(gds) - 1, -1, -1):
-            gd = gds[g]
-            if gd.sync == "none":
-                continue
-            s = sfb_ready[g] if gd.sfb is not None else gf[g]
+        for gs, gd in self.sim.sync_jobs(gds):
+            s = -math.inf
+            for g in gs:
+                sg = sfb_ready[g] if gds[g].sfb is not None else gf[g]
+                if sg > s:
+                    s = sg
             if cur is not None and gd.sync_devices == cur.sync_devices:
                 if run_end > s:
                     s = run_end
@@ -968,6 +1019,10 @@ class _FastRun:
         res = _result(sim, self, sync_end, _holdings(sim, gds))[-1]
         res.path_fn = lambda: sim.run_reference(gds).critical_path
         return res
+
+
+def _sync_name(gd, groups: tuple[int, ...]) -> str:
+    return f"{gd.sync} " + "+".join(f"g{g}" for g in groups)
 
 
 def _holdings(sim, gds):

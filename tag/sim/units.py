@@ -140,6 +140,21 @@ class GroupData:
     ukey: tuple = ()
     """What the replica-level moves into and out of the group depend on: ``("dp", devices,
     batches)`` or ``("mp", devices)`` (every chunk holds the full batch)."""
+    bucket: tuple | None = None
+    """``(sync, replica devices, server)`` when the sync is deferred to the end of the iteration
+    and coalesced with the others of equal key (every member a CPU device), else ``None``."""
+
+
+@dataclass(slots=True)
+class SyncJob:
+    """Several groups' deferred syncs coalesced into one collective (one flat bucket)."""
+
+    groups: tuple[int, ...]
+    sync: str
+    sync_time: float
+    sync_devices: tuple[int, ...]
+    sync_machines: tuple[int, ...]
+    sync_bytes: float
 
 
 @dataclass(slots=True)
