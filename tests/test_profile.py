@@ -86,7 +86,7 @@ def test_stage_assignment_keeps_tuples_together(captured):
 
 @pytest.mark.slow
 def test_comm_profile_gloo_two_processes(tmp_path):
-    from tag.cost.commprof import profile_comm
+    from tag.cost.commprof import CPU_BUSY_S, profile_comm
 
     cp = profile_comm("cpu-test", sizes=[4096, 65536, 262144], repeats=2, warmup=1)
     assert set(cp.fits) == {"p2p", "all_reduce", "broadcast", "reduce", "all_gather"}
@@ -94,7 +94,8 @@ def test_comm_profile_gloo_two_processes(tmp_path):
         assert f.alpha >= 0 and f.beta > 0
     assert all(len(v) == 3 for v in cp.samples.values())
     path = cp.save(tmp_path)
-    assert json.loads(path.read_text())["backend"] == "gloo"
+    saved = json.loads(path.read_text())
+    assert saved["backend"] == "gloo" and saved["meta"]["busy_s"] == CPU_BUSY_S > 0
 
 
 def test_cli_simulate_json_and_trace(tmp_path, capsys):

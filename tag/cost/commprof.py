@@ -4,7 +4,8 @@ Two local processes (``torch.multiprocessing.spawn``) join a ``torch.distributed
 on 127.0.0.1 (gloo; NCCL when ``backend="nccl"`` and GPUs are present) and time, for every
 message size: a ping-pong (point-to-point time = round trip / 2), ``all_reduce``, ``broadcast``,
 ``reduce`` and ``all_gather``. Each measurement is the *mean* over ``repeats`` after ``warmup``
-calls, each started after a barrier; rank 0 reports. The mean, not the median: gloo's latency on
+calls, each started after a barrier and, on CPU, :data:`CPU_BUSY_S` of compute on every rank (as
+an executor rank hands over from a stage to a transfer or its syncs); rank 0 reports. The mean, not the median: gloo's latency on
 a small VM has a heavy tail (on the 2-core development VM a 8.5 KiB send took 0.12 ms at the
 median and 3-3.8 ms at the 90th percentile, 50 timed calls each), and an iteration pays the tail
 of each of its tens of transfers, so the expected time of a sum of transfers is the sum of the
@@ -36,6 +37,11 @@ BURST = 4
 DEFAULT_REPEATS = 40
 """Timed calls per (operation, size) up to :data:`FULL_REPEATS_BYTES`: enough for the mean of a
 heavy-tailed latency to settle."""
+CPU_BUSY_S = 1e-3
+"""Seconds of compute before each timed gloo call (a typical CPU stage). On the 2-core
+development VM a 4 KiB one-way gloo transfer took 0.12 ms at the median and 0.31 ms on average
+right after a barrier, but 0.16 / 1.2 ms after both ranks computed for 0.5 ms: a rank that was
+computing pays more to hand over to the communication threads."""
 FULL_REPEATS_BYTES = 1 << 20
 """Above this size the repeats shrink in proportion (at least 5): the tail is a latency, small
 beside a large message's transfer time, and a 16 MiB all-gather takes ~50 ms on the dev VM."""
@@ -52,8 +58,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _busy(seconds: float, a, b) -> None:
+    """Compute (matmuls) for ``seconds``: the state a rank is in when a stage hands over to comm."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        a @ b
+
+
 def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], repeats: int, warmup: int,
-            out: str, threads: int) -> None:
+            out: str, threads: int, busy_s: float) -> None:
     import torch
     import torch.distributed as dist
 
@@ -75,6 +88,8 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
             dist.recv(x, 0)
             dist.send(x, 0)
 
+    a = torch.randn(128, 128, device=device)
+    b = torch.randn(128, 128, device=device)
     results: dict[str, list[tuple[int, float]]] = {op: [] for op in COMM_OPS}
     try:
         for size in sizes:
@@ -91,6 +106,8 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
                 ts = []
                 for i in range(warmup + repeats_for(size, repeats)):
                     dist.barrier()
+                    if busy_s > 0:
+                        _busy(busy_s, a, b)
                     sync()
                     t0 = time.perf_counter()
                     fn()
@@ -106,17 +123,23 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
 
 
 def profile_comm(device_type: str, *, backend: str = "gloo", sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
-                 warmup: int = 2, world: int = 2, threads: int = 1) -> CommProfile:
-    """Measure and fit the communication costs of ``world`` local processes."""
+                 warmup: int = 2, world: int = 2, threads: int = 1, busy_s: float | None = None) -> CommProfile:
+    """Measure and fit the communication costs of ``world`` local processes.
+
+    ``busy_s``: seconds every rank computes (matmuls) right before each timed call, as an executor
+    rank finishes a stage right before a transfer or its syncs (default :data:`CPU_BUSY_S` on
+    CPU, 0 with NCCL, whose copy engines do not share the compute)."""
+    if busy_s is None:
+        busy_s = 0.0 if backend == "nccl" else CPU_BUSY_S
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "comm.json")
         port = _free_port()
-        mp.spawn(_worker, args=(world, port, backend, list(sizes), repeats, warmup, out, threads), nprocs=world,
+        mp.spawn(_worker, args=(world, port, backend, list(sizes), repeats, warmup, out, threads, busy_s), nprocs=world,
                  join=True)
         samples = {k: [tuple(s) for s in v] for k, v in json.loads(Path(out).read_text()).items()}
     fits = {op: fit_latency_bandwidth([s for s, _ in pts], [t for _, t in pts]) for op, pts in samples.items()}
-    meta = {"repeats": repeats, "warmup": warmup, "threads_per_process": threads, "statistic": "mean",
+    meta = {"repeats": repeats, "warmup": warmup, "threads_per_process": threads, "statistic": "mean", "busy_s": busy_s,
             "date": time.strftime("%Y-%m-%d")}
     return CommProfile(device_type, backend, world, fits, samples, meta)
