@@ -12,7 +12,8 @@ of each of its tens of transfers, so the expected time of a sum of transfers is 
 means (a simulated vit plan with 21 transfers per iteration priced them at 0.17-0.2 ms each
 while the executor's transfer steps took 0.15-5.6 ms, waits for the peer included). A collective is timed as the executor issues it:
 ``all_reduce``, ``reduce`` and ``broadcast`` one call after a barrier (a CPU rank's gradient syncs
-are coalesced into one bucket per replica set, docs/DESIGN.md), ``all_gather`` (SFB factors,
+are coalesced into one bucket per replica set, docs/DESIGN.md), waited for by polling on CPU
+(:func:`tag.cost.host.poll_wait`, as the executor's CPU ranks wait), ``all_gather`` (SFB factors,
 gathered one after the other) as a burst of :data:`BURST` calls on distinct buffers back to back,
 per call (on the 2-core development VM seven back-to-back 512 KiB gloo all-reduces took 2.2-2.5
 ms each, one after a barrier 0.9-1.3 ms). ``time = alpha + bytes / beta`` is then fitted per operation
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 from .comm import COMM_OPS, CommProfile, fit_latency_bandwidth
+from .host import poll_wait
 
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
 BURST = 4
@@ -76,6 +78,8 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
+    wait = poll_wait if device.type == "cpu" else (lambda work: work.wait())  # as the executor waits
+
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -97,9 +101,9 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
             gathered = [[torch.empty_like(x) for _ in range(world)] for x in xs]
             ops = {  # (call, calls per timing)
                 "p2p": (lambda xs=xs: ping(xs[0]), 1),
-                "all_reduce": (lambda xs=xs: dist.all_reduce(xs[0]), 1),
-                "broadcast": (lambda xs=xs: dist.broadcast(xs[0], 0), 1),
-                "reduce": (lambda xs=xs: dist.reduce(xs[0], 0), 1),
+                "all_reduce": (lambda xs=xs: wait(dist.all_reduce(xs[0], async_op=True)), 1),
+                "broadcast": (lambda xs=xs: wait(dist.broadcast(xs[0], 0, async_op=True)), 1),
+                "reduce": (lambda xs=xs: wait(dist.reduce(xs[0], 0, async_op=True)), 1),
                 "all_gather": (lambda xs=xs, gs=gathered: [dist.all_gather(g, x) for g, x in zip(gs, xs)], BURST),
             }
             for name, (fn, calls) in ops.items():
