@@ -92,13 +92,13 @@ def test_cpu_sync_buckets():
     cpu = topology([("a", 1, None, 0.0), ("b", 1, None, 0.0)], net_bw=NET, net_lat=LAT, gpu="cpu")
     graph = chain_graph(3)
     plans = [dp([0, 1]), dp([0, 1], sync="ps", server=0), dp([0, 1])]
-    for topo, want in ((cpu, [((2, 0), "allreduce"), ((1,), "ps")]),
-                       (_two_machines(), [((2,), "allreduce"), ((1,), "ps"), ((0,), "allreduce")])):
+    jobs = {}
+    for name, topo in (("cpu", cpu), ("gpu", _two_machines())):
         sim = Simulator(graph, topo, hand_costs(graph, topo, [1e-3] * 3, [2e-3] * 3, [1e-3] * 3))
-        jobs = sim.sync_jobs(sim.deploy(plans))
-        assert [(gs, j.sync) for gs, j in jobs] == want
-    sim = Simulator(graph, cpu, hand_costs(graph, cpu, [1e-3] * 3, [2e-3] * 3, [1e-3] * 3))
-    jobs = sim.sync_jobs(sim.deploy(plans))
+        jobs[name] = sim.sync_jobs(sim.deploy(plans))
+    assert [(gs, j.sync) for gs, j in jobs["cpu"]] == [((2, 0), "allreduce"), ((1,), "ps")]
+    assert [(gs, j.sync) for gs, j in jobs["gpu"]] == [((2,), "allreduce"), ((1,), "ps"), ((0,), "allreduce")]
+    jobs = jobs["cpu"]
     assert jobs[0][1].sync_bytes == 2000 and jobs[0][1].sync_time == pytest.approx(2000 / NET + 2 * LAT)
 
 

@@ -106,13 +106,13 @@ class DistComm:
         threads would otherwise time-slice with the compute and stretch both), coalesced
         into buckets (:meth:`_coalesce`; the simulator's :meth:`tag.sim.Simulator.sync_jobs`).
         """
-        members = tuple(sorted(set(devices) | ({server} if sync == "ps" else set())))
+        server = server if sync == "ps" else None
+        members = tuple(sorted(set(devices) | ({server} if server is not None else set())))
         if self.rank not in members:
             return
         t0 = time.perf_counter()
         flat = rt.grad_flat(step.group)
-        p = _Pending([step.group], flat, None, self.groups[members], server if sync == "ps" else None,
-                     key=(sync, tuple(devices), server))
+        p = _Pending([step.group], flat, None, self.groups[members], server, key=(sync, tuple(devices), server))
         if not self.defer_syncs:
             p.start()
         self.pending.append(p)
@@ -124,18 +124,18 @@ class DistComm:
 
         One gloo collective per bucket instead of one per group: on the 2-core development VM six
         all-reduces of vgg's gradients (2.6 MiB in all) issued back to back took 8.7-11 ms at the
-        median, one all-reduce of the concatenation 2.9 ms (evaluation/results/sync-buckets)."""
+        median, one all-reduce of the concatenation 2.9 ms (tag/executor/README.md)."""
         buckets: dict[tuple, _Pending] = {}
         out = []
         for p in self.pending:
-            b = buckets.get(p.key) if p.work is None else None
-            if b is None:
-                if p.work is None:
-                    buckets[p.key] = p
+            if p.work is not None:  # already issued (not deferred)
                 out.append(p)
+            elif p.key in buckets:
+                buckets[p.key].parts.append(p.flat)
+                buckets[p.key].groups.extend(p.groups)
             else:
-                b.parts.append(p.flat)
-                b.groups.extend(p.groups)
+                buckets[p.key] = p
+                out.append(p)
         for b in buckets.values():
             if len(b.parts) > 1:
                 b.flat = torch.cat(b.parts)

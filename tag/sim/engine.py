@@ -180,21 +180,20 @@ class Simulator:
         batches = split_batch(st.batch_size, gp.shares)
         lay = self.layout(devs, batches)
         unit = Unit(g, -1, devs, batches, lay.starts, lay)
-        mo = comm.machine_of
-        if gp.sync == "ps":
-            members = tuple(sorted(set(devs) | {gp.server}))
-            t = comm.ps_time(devs, gp.server, sbytes) if len(members) > 1 and sbytes > 0 else 0.0
-        else:
-            members = tuple(sorted(devs))
-            t = comm.allreduce_time(devs, sbytes) if len(members) > 1 and sbytes > 0 else 0.0
+        server = gp.server if gp.sync == "ps" else None
+        members = tuple(sorted(set(devs) | ({server} if server is not None else set())))
         if len(members) <= 1 or sbytes <= 0:
             return GroupData([unit], "none", 0.0, (), (), 0.0, sfb=sfb, layout=lay,
                              ukey=("dp", devs, batches))
-        machines = tuple(sorted({mo[d] for d in members}))
+        t = self._sync_seconds(gp.sync, devs, server, sbytes)
+        machines = tuple(sorted({comm.machine_of[d] for d in members}))
         deferred = all(self.shared_stream[d] for d in members)
         return GroupData([unit], gp.sync, t, members, machines if len(machines) > 1 else (), sbytes, sfb=sfb,
-                         layout=lay, ukey=("dp", devs, batches),
-                         bucket=(gp.sync, devs, gp.server if gp.sync == "ps" else None) if deferred else None)
+                         layout=lay, ukey=("dp", devs, batches), bucket=(gp.sync, devs, server) if deferred else None)
+
+    def _sync_seconds(self, sync: str, devs: tuple[int, ...], server: int | None, nbytes: float) -> float:
+        """One gradient collective of ``nbytes`` over the replicas ``devs`` (PS: via ``server``)."""
+        return self.comm.ps_time(devs, server, nbytes) if sync == "ps" else self.comm.allreduce_time(devs, nbytes)
 
     def sync_jobs(self, gds: list[GroupData]) -> list[tuple[tuple[int, ...], object]]:
         """The iteration's gradient collectives in issue order: ``(groups, job)`` with ``job`` the
@@ -224,8 +223,7 @@ class Simulator:
     def _bucket_time(self, key: tuple, nbytes: float) -> float:
         t = self._buckets.get((key, nbytes))
         if t is None:
-            sync, devs, server = key
-            t = self.comm.ps_time(devs, server, nbytes) if sync == "ps" else self.comm.allreduce_time(devs, nbytes)
+            t = self._sync_seconds(*key, nbytes)
             if len(self._buckets) > CACHE_LIMIT:
                 self._buckets.clear()
             self._buckets[(key, nbytes)] = t
