@@ -266,3 +266,27 @@ def test_local_batch_changing_the_graph_structure_is_refused(captured, topo4):
                                              r"give each replica at least 2 samples$") as info:
         RankRuntime(1, sched, tuple(wl.inputs), {1: export_at(wl.model, wl.make_inputs, 1)}, "sgd")
     assert "\n" not in str(info.value)
+
+
+def test_packed_message_roundtrip():
+    """Pieces of several dtypes and shapes (an empty one and a scalar included) packed into one
+    message come back bit-identical as views of the receive buffer."""
+    from tag.executor.comm import PACK_ALIGN, pack, packed_buffer
+
+    g = torch.Generator().manual_seed(0)
+    pieces = [torch.randn(3, 5, generator=g), torch.randint(0, 9, (7,), generator=g),
+              torch.rand(2, 3, generator=g) > 0.5, torch.empty(0, 4), torch.tensor(2.5, dtype=torch.float64),
+              torch.randn(4, 1, 3, generator=g).half()]
+    flat = pack(pieces)
+    assert flat.dtype == torch.uint8 and flat.dim() == 1
+    buf, views = packed_buffer([(list(p.shape), p.dtype) for p in pieces], torch.device("cpu"))
+    assert buf.numel() == flat.numel()
+    buf.copy_(flat)  # what the transport does
+    for p, v in zip(pieces, views):
+        assert v.dtype == p.dtype and v.shape == p.shape
+        assert torch.equal(v, p)
+        assert (v.data_ptr() - buf.data_ptr()) % PACK_ALIGN == 0
+    one = torch.arange(6.0)
+    assert pack([one]) is one  # a single piece is sent as it is
+    b1, (v1,) = packed_buffer([([6], torch.float32)], torch.device("cpu"))
+    assert b1 is v1 and b1.shape == (6,)

@@ -188,14 +188,15 @@ class RankRuntime:
                 out.append((k, m.dst, self.piece(m)))
         return out
 
+    def incoming_specs(self, step: Step) -> list[tuple[int, int, list[int], torch.dtype]]:
+        """(tag, source rank, shape, dtype) of every piece this rank receives in ``step``."""
+        return [(k, m.src, *self.piece_spec(step, m)) for k, m in enumerate(step.moves)
+                if m.dst == self.rank and m.src != self.rank]
+
     def incoming(self, step: Step) -> list[tuple[int, int, torch.Tensor]]:
         """(tag, source rank, empty buffer) for every piece this rank receives in ``step``."""
-        out = []
-        for k, m in enumerate(step.moves):
-            if m.dst == self.rank and m.src != self.rank:
-                shape, dtype = self.piece_spec(step, m)
-                out.append((k, m.src, torch.empty(shape, dtype=dtype, device=self.device)))
-        return out
+        return [(k, src, torch.empty(shape, dtype=dtype, device=self.device))
+                for k, src, shape, dtype in self.incoming_specs(step)]
 
     def piece(self, m: Move) -> torch.Tensor:
         """The part of the producer's value that ``m`` moves (contiguous, ready to send)."""

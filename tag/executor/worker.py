@@ -132,13 +132,15 @@ def run_rank(a: WorkerArgs) -> dict:
             if fault and fault[0] == rank and fault[1] == it:
                 _inject(fault[2])
             rt.begin_iteration()
+            if comm.pack_p2p:
+                comm.prepost(rt)
             last = it == a.warmup + a.steps - 1
-            for st in sched.steps:
+            for i, st in enumerate(sched.steps):
                 t0 = time.perf_counter()
                 if st.kind == "compute":
                     rt.compute(st.unit, st.phase)
                 elif st.kind == "transfer":
-                    comm.transfer(rt, st)
+                    comm.transfer(rt, st, i)
                 elif st.kind == "sfb":
                     comm.sfb(rt, st)
                 else:

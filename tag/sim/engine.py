@@ -10,8 +10,9 @@ one optimizer step per device. A task starts when its inputs are ready and every
 is free, so the iteration is a max-plus system: shorter tasks (faster devices, more bandwidth)
 never make any task finish later.
 
-Tasks: compute stages (per replica), point-to-point flows (``latency + bytes / bandwidth``;
-occupy both endpoints' comm streams, and both machines' network sides when crossing machines;
+Tasks: compute stages (per replica), point-to-point messages (``latency + bytes / bandwidth``;
+the flows from one device to another that one stage needs are one message, as the executor's CPU
+ranks pack them; occupy both endpoints' comm streams, and both machines' network sides when crossing machines;
 a flow is a rendezvous, as in the executor, where sender and receiver post their halves at the
 step of the schedule and wait for them: it starts once both endpoints' compute streams reached
 that step, and both compute streams wait for it to finish),
@@ -338,14 +339,40 @@ def wake_extra(sim: Simulator, unit: Unit, g: int, ph: int, start: list[float], 
     return out
 
 
+def _message(parts: list[Flow], comm) -> Flow:
+    """The flows ``parts`` (one source and destination device, one destination stage) as one
+    message: their bytes in one transfer, named after the first flow."""
+    f = parts[0]
+    nbytes = sum(x.nbytes for x in parts)
+    return Flow(f.src, f.src_rep, f.dst, f.dst_rep, f.a, f.b, nbytes, comm.p2p_time(f.a, f.b, nbytes), f.ma, f.mb,
+                len(parts))
+
+
+def _merge_fast(inc, sfin, p2p) -> list[tuple]:
+    """The fast loop's flows into one stage as messages ``(source ready, a, b, ma, mb, seconds,
+    destination replica, bytes)``, one per (a, b) (:func:`_message`, the same floats)."""
+    acc: dict[tuple[int, int], tuple] = {}
+    merged = False
+    for si, sr, a, b, ma, mb, t, r, nb in inc:
+        s = sfin[si][sr] if si >= 0 else 0.0
+        x = acc.get((a, b))
+        if x is None:
+            acc[(a, b)] = (s, a, b, ma, mb, t, r, nb)
+        else:
+            acc[(a, b)] = (s if s > x[0] else x[0], a, b, ma, mb, -1.0, r, x[7] + nb)
+            merged = True
+    if not merged:
+        return list(acc.values())
+    return [m if m[5] >= 0.0 else (*m[:5], p2p(m[1], m[2], m[7]), *m[6:]) for m in acc.values()]
+
+
 class _Pair:
     """The flows between two groups' deployments (a :class:`PairTemplate` placed at groups ``g1``,
     ``g2``): per destination stage as plain tuples ``(source stage index, source replica, a, b,
-    source machine, destination machine, seconds, destination replica)`` for the fast loop
-    (``fast``), as :class:`Flow` objects for the reference loop (``by_dst``, built on demand), and
-    the largest transfer each device takes part in (``bufmax``: its communication buffer)."""
+    source machine, destination machine, seconds, destination replica, bytes)`` for the fast loop
+    (``fast``), and as :class:`Flow` objects for the reference loop (``by_dst``, built on demand)."""
 
-    __slots__ = ("tpl", "g1", "g2", "fast", "bufmax", "_by_dst")
+    __slots__ = ("tpl", "g1", "g2", "fast", "_by_dst")
 
     def __init__(self, tpl: PairTemplate, g1: int, g2: int, k: int):
         self.tpl, self.g1, self.g2 = tpl, g1, g2
@@ -353,10 +380,9 @@ class _Pair:
         k2 = 2 * k
         # Tuples of numbers only: the garbage collector stops tracking them (big caches stay cheap).
         self.fast = tuple([(ph * k + g2 + k2 * du,
-                            tuple([(src_base[sp] + k2 * su if sp != PARAM else -1, ri, a, b, ma, mb, t, rj)
-                                   for sp, su, ri, rj, a, b, ma, mb, t, _ in fl]))
+                            tuple([(src_base[sp] + k2 * su if sp != PARAM else -1, ri, a, b, ma, mb, t, rj, nb)
+                                   for sp, su, ri, rj, a, b, ma, mb, t, nb in fl]))
                            for (ph, du), fl in tpl.by_dst])
-        self.bufmax = tpl.bufmax
         self._by_dst = None
 
     @property
@@ -409,6 +435,9 @@ class _Run:
         lout, lin, busy, buf = self.last_nout, self.last_nin, self.comm_busy, self.buf
         segs, loc, flows = self.segs, self.stage_loc, self.flows
         cfree, ltask = self.cfree, self.last_task
+        # One message per (a, b): every flow from device a to device b this stage needs (the
+        # executor's CPU ranks send a step's pieces to one peer packed), once all are produced.
+        msgs: dict[tuple[int, int], list] = {}  # (a, b) -> [flows, source ready, its ref]
         for f in inc:
             src = f.src
             if src[0] == PARAM:
@@ -417,6 +446,15 @@ class _Run:
                 sid, row = loc[src]
                 s = segs[sid][8][row][f.src_rep]
                 p = ("c", sid, row, f.src_rep)
+            m = msgs.get((f.a, f.b))
+            if m is None:
+                msgs[(f.a, f.b)] = [[f], s, p]
+            else:
+                m[0].append(f)
+                if s > m[1]:
+                    m[1], m[2] = s, p
+        for parts, s, p in msgs.values():
+            f = parts[0] if len(parts) == 1 else _message(parts, self.sim.comm)
             a, b, ma = f.a, f.b, f.ma
             if cf[a] > s:
                 s, p = cf[a], last[a]
@@ -664,7 +702,8 @@ class _Run:
             return self._seg_task(*ref[1:])
         if kind == "f":
             f, s, e, p = self.flows[ref[1]]
-            name = (f"send {PHASE_NAME[f.src[0]]} g{f.src[1]} -> {PHASE_NAME[f.dst[0]]} g{f.dst[1]} "
+            more = f" +{f.parts - 1}" if f.parts > 1 else ""
+            name = (f"send {PHASE_NAME[f.src[0]]} g{f.src[1]}{more} -> {PHASE_NAME[f.dst[0]]} g{f.dst[1]} "
                     f"d{f.a}->d{f.b} ({f.nbytes:.0f} B)")
             return name, s, e, p
         if kind == "s":
@@ -775,9 +814,6 @@ class _FastRun:
             for dst, fl in pr.fast:
                 lst = incoming.get(dst)
                 incoming[dst] = fl if lst is None else lst + fl
-            for d, x in pr.bufmax:
-                if x > buf[d]:
-                    buf[d] = x
         self.incoming = incoming
         self.buf = buf
         self.cfree = [0.0] * n
@@ -796,9 +832,17 @@ class _FastRun:
     def _transfer(self, inc: list, nrep: int) -> list[float]:
         ready = [0.0] * nrep
         cf, nout, nin, busy, sfin = self.comm_free, self.nic_out, self.nic_in, self.comm_busy, self.sfin
-        cfree = self.cfree
-        for si, sr, a, b, ma, mb, t, r in inc:
-            s = sfin[si][sr] if si >= 0 else 0.0
+        cfree, buf = self.cfree, self.buf
+        if len(inc) == 1:
+            si, sr, a, b, ma, mb, t, r, nb = inc[0]
+            msgs = ((sfin[si][sr] if si >= 0 else 0.0, a, b, ma, mb, t, r, nb),)
+        else:  # one message per (a, b), as _Run._transfer
+            msgs = _merge_fast(inc, sfin, self.sim.comm.p2p_time)
+        for s, a, b, ma, mb, t, r, nb in msgs:
+            if nb > buf[a]:
+                buf[a] = nb
+            if nb > buf[b]:
+                buf[b] = nb
             x = cf[a]
             if x > s:
                 s = x

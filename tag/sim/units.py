@@ -173,6 +173,8 @@ class Flow:
     ma: int
     """Source machine when the flow crosses machines, else -1."""
     mb: int
+    parts: int = 1
+    """Flows this one stands for (a message of several flows between the same two devices)."""
 
 
 def make_layout(static: GraphStatic, tables: np.ndarray, dev_class: list[int], devices: tuple[int, ...],
@@ -262,9 +264,9 @@ class PairTemplate:
     """The flows of one :func:`pair_kinds` bundle between two deployments (``GroupData.ukey``),
     independent of the two groups' indices: :func:`pair_flows` with stages written ``(phase,
     unit)``. ``by_dst``: ``[((ph, du), [(sphase, su, ri, rj, a, b, ma, mb, seconds, bytes)])]``
-    in flow order; ``bufmax``: ``[(device, largest transfer bytes)]``."""
+    in flow order."""
 
-    __slots__ = ("by_dst", "bufmax")
+    __slots__ = ("by_dst",)
 
     def __init__(self, kinds: tuple, units1: list[Unit], units2: list[Unit], comm):
         moves: dict[tuple, float] = {}
@@ -278,7 +280,6 @@ class PairTemplate:
                 key = (ph, du, sphase, su, ri, rj)
                 moves[key] = moves.get(key, 0.0) + nbytes
         by_dst: dict[tuple, list] = {}
-        buf: dict[int, float] = {}
         p2p = comm.p2p_time
         for (ph, du, sphase, su, ri, rj), nbytes in moves.items():
             a = units1[su].devices[ri]
@@ -286,11 +287,7 @@ class PairTemplate:
             cross = mo[a] != mo[b]
             by_dst.setdefault((ph, du), []).append(
                 (sphase, su, ri, rj, a, b, mo[a] if cross else -1, mo[b] if cross else -1, p2p(a, b, nbytes), nbytes))
-            for d in (a, b):
-                if nbytes > buf.get(d, 0.0):
-                    buf[d] = nbytes
         self.by_dst = list(by_dst.items())
-        self.bufmax = list(buf.items())
 
 
 def _moves(kind: str, fixed: float, per_sample: float, src: Unit, dst: Unit, mo) -> list[tuple[int, int, float]]:
