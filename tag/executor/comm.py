@@ -97,7 +97,7 @@ class DistComm:
         else:
             recvs, received = self.posted.pop(index, None) or self._post_receives(rt, step, index)
             by_dst: dict[int, list] = {}
-            for tag, dst, piece in rt.outgoing(step):
+            for _tag, dst, piece in rt.outgoing(step):
                 by_dst.setdefault(dst, []).append(piece)
             sends = [dist.isend(pack(pieces), dst, tag=index) for dst, pieces in by_dst.items()]
             self.prepost(rt, index)
