@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from ..cost.commprof import DEFAULT_REPEATS
 from .common import add_model_args
 
 
@@ -22,8 +23,8 @@ def register(sub) -> None:
                    help="per-replica batch sizes to time (default 1, B/4, B/2, B)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per batch size (median; default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up iterations (default 2)")
-    p.add_argument("--comm-repeats", type=int, default=40,
-                   help="timed calls per communication operation and size (mean; default 40)")
+    p.add_argument("--comm-repeats", type=int, default=DEFAULT_REPEATS,
+                   help=f"timed calls per communication operation and size (mean; default {DEFAULT_REPEATS})")
     p.add_argument("--out", default=None, metavar="DIR", help="profile database root (default data/profiles)")
     comm = p.add_mutually_exclusive_group()
     comm.add_argument("--no-comm", action="store_true", help="skip the communication measurements")

@@ -36,9 +36,11 @@ from .host import poll_wait
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
 BURST = 4
 """All-gathers per timed burst (distinct buffers, back to back, as the executor's SFB gathers)."""
-DEFAULT_REPEATS = 40
+DEFAULT_REPEATS = 160
 """Timed calls per (operation, size) up to :data:`FULL_REPEATS_BYTES`: enough for the mean of a
-heavy-tailed latency to settle."""
+heavy-tailed latency to settle. With 40, the fitted point-to-point latency of three profiles made
+within an hour on the 2-core development VM was 0.09, 0.11 and 0.46 ms; with 160, two profiles
+gave 0.41 and 0.45 ms (the profile takes ~18 s instead of ~7 s)."""
 CPU_BUSY_S = 1e-3
 """Seconds of compute before each timed gloo call (a typical CPU stage). On the 2-core
 development VM a 4 KiB one-way gloo transfer took 0.12 ms at the median and 0.31 ms on average
