@@ -70,7 +70,7 @@ class DistComm:
             dist.destroy_process_group()
 
     # ---- steps -----------------------------------------------------------------------------
-    def transfer(self, rt: RankRuntime, step: Step, index: int = -1) -> None:
+    def transfer(self, rt: RankRuntime, step: Step, index: int) -> None:
         """Post every send/receive of this rank in ``step`` (``index`` in the schedule) at once, wait,
         then assemble.
 
@@ -79,7 +79,7 @@ class DistComm:
         next receiving step before it computes on (:meth:`prepost`). On the 2-core development VM,
         six gloo sends or receives posted at once took 1.2 ms on average (post + wait; the post
         alone 3.4 ms at the 90th percentile), one packed message 0.45 ms; a 100 KB message between
-        two ranks that both just computed 0.5 ms, with the receive posted only then, 0.52-0.61 ms
+        two ranks that both just computed 0.6 ms, with the receive posted only then, 0.52-0.61 ms
         on average (90th percentile 1.4-2.3 ms), with the receive posted before the compute
         0.10-0.13 ms (tag/executor/README.md). The simulator prices a step's pieces between two
         devices as one message too (:meth:`tag.sim.engine._Run._transfer`)."""
