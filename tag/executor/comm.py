@@ -260,7 +260,7 @@ def packed_buffer(specs: list[tuple[list[int], torch.dtype]], device) -> tuple[t
     if len(specs) == 1:
         buf = torch.empty(specs[0][0], dtype=specs[0][1], device=device)
         return buf, [buf]
-    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
     offs, total = _offsets(sizes)
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     views = [flat[o:o + n].view(dtype).view(shape) for (shape, dtype), o, n in zip(specs, offs, sizes)]
