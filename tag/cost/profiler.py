@@ -204,18 +204,20 @@ class OptimizerStep:
         """State-dict name -> a copy of the parameter (the iteration's own values stay as they are)."""
         self._opt = make_optimizer(graph.optimizer, list(self.params.values())) if self.params else None
 
-    def set_grads(self, env: dict[str, torch.Tensor]) -> None:
-        """Give every parameter copy the gradient the iteration ``env`` holds for it."""
-        for n, p in self.params.items():
-            p.grad = env[self._grad[n]].reshape(p.shape)
+    def step(self, opt: torch.optim.Optimizer, names: list[str], env: dict[str, torch.Tensor]) -> None:
+        """What an executor rank's update does (:meth:`tag.executor.runtime.RankRuntime.update`):
+        give the parameter copies ``names`` the gradients the iteration ``env`` holds for them,
+        ``opt.step()``, drop the gradients."""
+        params = [self.params[n] for n in names]
+        for n, p in zip(names, params):
+            p.grad = env[self._grad[n]].detach().reshape(p.shape)
+        opt.step()
+        for p in params:
+            p.grad = None
 
     def __call__(self, env: dict[str, torch.Tensor]) -> None:
-        if self._opt is None:
-            return
-        self.set_grads(env)
-        self._opt.step()
-        for p in self.params.values():
-            p.grad = None
+        if self._opt is not None:
+            self.step(self._opt, list(self.params), env)
 
 
 def time_optimizer(graph, it: RunnableIteration, sync, clock, repeats: int,
@@ -225,32 +227,31 @@ def time_optimizer(graph, it: RunnableIteration, sync, clock, repeats: int,
     Timed in context: right after a real forward+backward of ``it`` and on the gradients it
     produced (their strides, caches as cold as in a real iteration), one optimizer per group, and
     separately one optimizer over all parameters; the difference gives the fixed per-step cost.
+    Each timing covers what an executor rank's update does (:meth:`OptimizerStep.step`): hand
+    the gradients to the parameters, step, drop them (on the 2-core development VM mlp's update
+    took 0.36 ms in the executor while its bare ``step()`` calls were profiled at 0.30 ms).
     """
     copies = OptimizerStep(graph, it)
     params = copies.params
-    groups = [[params[graph.params[p].name] for p in grp.params if graph.params[p].name in params]
-              for grp in graph.groups]
-    opts = [make_optimizer(graph.optimizer, ps) if ps else None for ps in groups]
+    groups = [[graph.params[p].name for p in grp.params if graph.params[p].name in params] for grp in graph.groups]
+    opts = [make_optimizer(graph.optimizer, [params[n] for n in ns]) if ns else None for ns in groups]
     whole = make_optimizer(graph.optimizer, list(params.values())) if params else None
     per: list[list[float]] = [[] for _ in groups]
     tot: list[float] = []
 
-    def with_grads():
-        copies.set_grads(it.run(sync))
-
     for r in range(warmup + repeats):
-        with_grads()
+        env = it.run(sync)
         for g in reversed(range(len(opts))):
             if opts[g] is not None:
                 t0 = clock()
-                opts[g].step()
+                copies.step(opts[g], groups[g], env)
                 sync()
                 if r >= warmup:
                     per[g].append(clock() - t0)
         if whole is not None:
-            with_grads()
+            env = it.run(sync)
             t0 = clock()
-            whole.step()
+            copies.step(whole, list(params), env)
             sync()
             if r >= warmup:
                 tot.append(clock() - t0)

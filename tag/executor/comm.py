@@ -36,6 +36,9 @@ class DistComm:
     """Schedule indices of the transfer steps in which this rank receives."""
     posted: dict[int, tuple] = field(default_factory=dict)
     """Receives posted ahead: schedule index -> (works, pieces by move tag)."""
+    remote_steps: frozenset[int] = frozenset()
+    """Schedule indices of the transfer steps in which this rank sends or receives (the others
+    only assemble local pieces: no process-group call)."""
 
     @classmethod
     def init(cls, rank: int, world: int, backend: str, timeout_s: float, schedule: Schedule,
@@ -49,9 +52,11 @@ class DistComm:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                                 **kwargs)
         cpu = device.type == "cpu"
+        transfers = [(i, st) for i, st in enumerate(schedule.steps) if st.kind == "transfer"]
         comm = cls(rank, world, backend, defer_syncs=cpu, pack_p2p=cpu,
-                   recv_steps=[i for i, st in enumerate(schedule.steps) if st.kind == "transfer"
-                               and any(m.dst == rank and m.src != rank for m in st.moves)])
+                   recv_steps=[i for i, st in transfers if any(m.dst == rank and m.src != rank for m in st.moves)],
+                   remote_steps=frozenset(i for i, st in transfers
+                                          if any(m.src != m.dst and rank in (m.src, m.dst) for m in st.moves)))
         for members in schedule.comm_groups:  # every rank calls new_group for every set, same order
             comm.groups[members] = dist.new_group(list(members), timeout=timedelta(seconds=timeout_s))
         for members in schedule.gather_groups:
@@ -84,27 +89,38 @@ class DistComm:
         0.10-0.13 ms (tag/executor/README.md). The simulator prices a step's pieces between two
         devices as one message too (:meth:`tag.sim.engine._Run._transfer`)."""
         t0 = time.perf_counter()
-        if not self.pack_p2p:
-            ops, received = [], {}
-            for tag, dst, piece in rt.outgoing(step):
-                ops.append(dist.P2POp(dist.isend, piece, dst, tag=tag))
-            for tag, src, buf in rt.incoming(step):
-                ops.append(dist.P2POp(dist.irecv, buf, src, tag=tag))
-                received[tag] = buf
-            if ops:
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
-        else:
-            recvs, received = self.posted.pop(index, None) or self._post_receives(rt, step, index)
-            by_dst: dict[int, list] = {}
-            for _tag, dst, piece in rt.outgoing(step):
-                by_dst.setdefault(dst, []).append(piece)
-            sends = [dist.isend(pack(pieces), dst, tag=index) for dst, pieces in by_dst.items()]
-            self.prepost(rt, index)
-            for w in sends + recvs:
-                w.wait()
+        received: dict[int, torch.Tensor] = {}
+        if index in self.remote_steps:  # else only local pieces (or nothing): no process-group call
+            received = self._exchange_packed(rt, step, index) if self.pack_p2p else self._exchange(rt, step)
         rt.assemble(step, received)
         rt.timer.comm += time.perf_counter() - t0
+
+    def _exchange(self, rt: RankRuntime, step: Step) -> dict[int, torch.Tensor]:
+        """One message per piece, posted as one ``batch_isend_irecv`` (GPU ranks); the received
+        pieces by move tag."""
+        ops, received = [], {}
+        for tag, dst, piece in rt.outgoing(step):
+            ops.append(dist.P2POp(dist.isend, piece, dst, tag=tag))
+        for tag, src, buf in rt.incoming(step):
+            ops.append(dist.P2POp(dist.irecv, buf, src, tag=tag))
+            received[tag] = buf
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return received
+
+    def _exchange_packed(self, rt: RankRuntime, step: Step, index: int) -> dict[int, torch.Tensor]:
+        """One packed message per peer (CPU ranks), receives posted ahead (:meth:`prepost`); the
+        received pieces (views of the packed buffers) by move tag."""
+        recvs, received = self.posted.pop(index, None) or self._post_receives(rt, step, index)
+        by_dst: dict[int, list] = {}
+        for _tag, dst, piece in rt.outgoing(step):
+            by_dst.setdefault(dst, []).append(piece)
+        sends = [dist.isend(pack(pieces), dst, tag=index) for dst, pieces in by_dst.items()]
+        self.prepost(rt, index)
+        for w in sends + recvs:
+            w.wait()
+        return received
 
     def _post_receives(self, rt: RankRuntime, step: Step, index: int) -> tuple[list, dict]:
         """Post this rank's receives of ``step``: one packed message per source rank, tagged with
