@@ -228,8 +228,9 @@ def time_optimizer(graph, it: RunnableIteration, sync, clock, repeats: int,
     produced (their strides, caches as cold as in a real iteration), one optimizer per group, and
     separately one optimizer over all parameters; the difference gives the fixed per-step cost.
     Each timing covers what an executor rank's update does (:meth:`OptimizerStep.step`): hand
-    the gradients to the parameters, step, drop them (on the 2-core development VM mlp's update
-    took 0.36 ms in the executor while its bare ``step()`` calls were profiled at 0.30 ms).
+    the gradients to the parameters, step, drop them (on the 2-core development VM, one mlp
+    execution's update took 0.36 ms while a profile of bare ``step()`` calls gave 0.30 ms; two
+    profiles timing the whole hand-over gave 0.32 and 0.34 ms).
     """
     copies = OptimizerStep(graph, it)
     params = copies.params
