@@ -139,3 +139,44 @@ def test_tune_malloc(monkeypatch):
     assert tune_malloc() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
     monkeypatch.setenv("TAG_MALLOC_TUNE", "0")
     assert tune_malloc() is False
+
+
+def test_pin_cores_and_renice_threads():
+    """In a child process (affinity and priorities are process state): a slot gets its own cores,
+    slots that do not fit change nothing; only threads of the given name are reniced, never the
+    caller."""
+    import subprocess
+    import sys
+
+    code = r"""
+import os, threading, time
+from tag.cost.host import pin_cores, renice_threads
+cores = sorted(os.sched_getaffinity(0))
+assert pin_cores(0, len(cores) + 1, 1) is None and sorted(os.sched_getaffinity(0)) == cores
+mine = pin_cores(len(cores) - 1, len(cores), 1)
+assert mine == {cores[-1]} and os.sched_getaffinity(0) == mine
+main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+stop = threading.Event()
+t = threading.Thread(target=stop.wait)
+t.start()
+time.sleep(0.05)
+with open(f"/proc/self/task/{t.native_id}/comm") as f:
+    name = f.read().strip()
+assert renice_threads("no-such-thread") == 0
+assert renice_threads(name) >= 1
+assert os.getpriority(os.PRIO_PROCESS, t.native_id) == 19
+assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice
+stop.set()
+t.join()
+print("ok")
+"""
+    if sys.platform != "linux":
+        return
+    env = {k: v for k, v in os.environ.items() if k != "TAG_PIN_CORES"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    env["TAG_PIN_CORES"] = "0"
+    off = subprocess.run([sys.executable, "-c", "from tag.cost.host import pin_cores, renice_threads;"
+                          "print(pin_cores(0, 1, 1), renice_threads('python'))"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert off.stdout.split() == ["None", "0"], off.stderr

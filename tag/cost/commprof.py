@@ -2,7 +2,10 @@
 
 Two local processes (``torch.multiprocessing.spawn``) join a ``torch.distributed`` group over TCP
 on 127.0.0.1 (gloo; NCCL when ``backend="nccl"`` and GPUs are present) and time, for every
-message size: a ping-pong (point-to-point time = round trip / 2), ``all_reduce``, ``broadcast``,
+message size: a ping-pong (point-to-point time = round trip / 2; on CPU over one two-rank
+process group per direction with the receives posted before the timed call, ranks pinned and
+gloo's event threads reniced, as the executor's CPU ranks run: tag.executor.comm.DistComm,
+tag.cost.host.pin_cores / renice_threads), ``all_reduce``, ``broadcast``,
 ``reduce`` and ``all_gather``. Each measurement is the *mean* over ``repeats`` after ``warmup``
 calls, each started after a barrier and, on CPU, :data:`CPU_BUSY_S` of compute on every rank (as
 an executor rank hands over from a stage to a transfer or its syncs); rank 0 reports. The mean, not the median: gloo's latency on
@@ -31,7 +34,7 @@ import time
 from pathlib import Path
 
 from .comm import COMM_OPS, CommProfile, fit_latency_bandwidth
-from .host import poll_wait
+from .host import pin_cores, poll_wait, renice_threads
 
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
 BURST = 4
@@ -75,10 +78,18 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    cpu = backend != "nccl"
+    if cpu:  # as an executor's CPU ranks run (tag.executor.worker)
+        pin_cores(rank, world, threads)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # CPU: one two-rank group per direction, receives posted before the timed call (as the
+    # executor's CPU ranks send and post them, tag.executor.comm.DistComm)
+    links = {(a, b): dist.new_group([0, 1]) for a, b in ((0, 1), (1, 0))} if cpu else {}
+    if cpu:
+        renice_threads()
 
     wait = poll_wait if device.type == "cpu" else (lambda work: work.wait())  # as the executor waits
 
@@ -87,12 +98,25 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
             torch.cuda.synchronize(device)
 
     def ping(x):
-        if rank == 0:
+        if cpu:  # rank 1 waits for the ping, answers; rank 0 sends, waits for the answer
+            if rank == 1:
+                posted.pop().wait()
+            if rank <= 1:
+                dist.isend(x, 1 - rank, group=links[(rank, 1 - rank)]).wait()
+            if rank == 0:
+                posted.pop().wait()
+        elif rank == 0:
             dist.send(x, 1)
             dist.recv(x, 1)
         elif rank == 1:
             dist.recv(x, 0)
             dist.send(x, 0)
+
+    posted: list = []
+
+    def post_ping_receive(y):
+        if cpu and rank <= 1:
+            posted.append(dist.irecv(y, 1 - rank, group=links[(1 - rank, rank)]))
 
     a = torch.randn(128, 128, device=device)
     b = torch.randn(128, 128, device=device)
@@ -111,6 +135,8 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
             for name, (fn, calls) in ops.items():
                 ts = []
                 for i in range(warmup + repeats_for(size, repeats)):
+                    if name == "p2p":
+                        post_ping_receive(xs[1])
                     dist.barrier()
                     if busy_s > 0:
                         _busy(busy_s, a, b)

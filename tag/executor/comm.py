@@ -39,6 +39,9 @@ class DistComm:
     remote_steps: frozenset[int] = frozenset()
     """Schedule indices of the transfer steps in which this rank sends or receives (the others
     only assemble local pieces: no process-group call)."""
+    links: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
+    """CPU ranks: (source rank, destination rank) -> the two-rank process group that carries that
+    direction's transfers (see :meth:`init`)."""
 
     @classmethod
     def init(cls, rank: int, world: int, backend: str, timeout_s: float, schedule: Schedule,
@@ -47,6 +50,14 @@ class DistComm:
 
         ``timeout_s`` bounds every blocked collective / receive (gloo), so a stuck peer turns
         into an error instead of a hang.
+
+        CPU ranks also get a two-rank process group of its own per direction of every pair that
+        exchanges activations (:attr:`links`). gloo's event thread skips a connection whose lock
+        another thread holds and is handed the same event again at once, so a rank posting a
+        receive (or a send) on the connection its peer is writing to made that thread spin,
+        on the development microVM for milliseconds at a time; one connection per direction
+        keeps a rank's posts and its peer's data apart (tag/executor/README.md has the
+        measurements).
         """
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
@@ -61,6 +72,9 @@ class DistComm:
             comm.groups[members] = dist.new_group(list(members), timeout=timedelta(seconds=timeout_s))
         for members in schedule.gather_groups:
             comm.gather_groups[members] = dist.new_group(list(members), timeout=timedelta(seconds=timeout_s))
+        if cpu:
+            for a, b in sorted({(m.src, m.dst) for _, st in transfers for m in st.moves if m.src != m.dst}):
+                comm.links[(a, b)] = dist.new_group(sorted((a, b)), timeout=timedelta(seconds=timeout_s))
         # One collective over everybody first: NCCL wants every rank in the first p2p batch's group.
         comm.barrier(device)
         return comm
@@ -116,7 +130,8 @@ class DistComm:
         by_dst: dict[int, list] = {}
         for _tag, dst, piece in rt.outgoing(step):
             by_dst.setdefault(dst, []).append(piece)
-        sends = [dist.isend(pack(pieces), dst, tag=index) for dst, pieces in by_dst.items()]
+        sends = [dist.isend(pack(pieces), dst, tag=index, group=self.links[(self.rank, dst)])
+                 for dst, pieces in by_dst.items()]
         self.prepost(rt, index)
         for w in sends + recvs:
             w.wait()
@@ -131,7 +146,7 @@ class DistComm:
         works, received = [], {}
         for src, parts in by_src.items():
             flat, views = packed_buffer([(shape, dtype) for _, shape, dtype in parts], rt.device)
-            works.append(dist.irecv(flat, src, tag=index))
+            works.append(dist.irecv(flat, src, tag=index, group=self.links[(src, self.rank)]))
             received.update((tag, v) for (tag, _, _), v in zip(parts, views))
         return works, received
 

@@ -81,7 +81,7 @@ def run_rank(a: WorkerArgs) -> dict:
     """Execute the plan on this rank; returns this rank's measurements."""
     import torch.distributed as dist
 
-    from ..cost.host import tune_malloc
+    from ..cost.host import pin_cores, renice_threads, tune_malloc
     from ..plan.format import Plan
     from ..topology import load_topology
     from ..workloads import load_workload
@@ -91,6 +91,9 @@ def run_rank(a: WorkerArgs) -> dict:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cpu_rank = a.backend != "nccl"
+    if cpu_rank:  # its own cores, before any thread starts (gloo's threads inherit them)
+        pin_cores(local_rank, local_world, max(1, (os.cpu_count() or 1) // local_world))
     # Load the topology before changing the thread count: a "cpu" device spec is measured
     # (and cached) per thread count, and the plan's topology signature was made with the default.
     topology = load_topology(a.topology)
@@ -122,6 +125,8 @@ def run_rank(a: WorkerArgs) -> dict:
     slow = slowdown_factors(topology)[rank] if a.emulate_speed else 1.0
     rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow, global_joint=full)
     comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device)
+    if cpu_rank:
+        renice_threads()  # gloo's threads exist now
     fault = _parse_fault(a.fault)
     iters: list[dict] = []
     timeline: list[list] = []  # [name, category, start s, end s] of the last iteration's steps
