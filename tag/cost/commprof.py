@@ -2,10 +2,7 @@
 
 Two local processes (``torch.multiprocessing.spawn``) join a ``torch.distributed`` group over TCP
 on 127.0.0.1 (gloo; NCCL when ``backend="nccl"`` and GPUs are present) and time, for every
-message size: a ping-pong (point-to-point time = round trip / 2; on CPU over one two-rank
-process group per direction with the receives posted before the timed call, ranks pinned and
-gloo's event threads reniced, as the executor's CPU ranks run: tag.executor.comm.DistComm,
-tag.cost.host.pin_cores / renice_threads), ``all_reduce``, ``broadcast``,
+message size: a ping-pong (point-to-point time = round trip / 2), ``all_reduce``, ``broadcast``,
 ``reduce`` and ``all_gather``. Each measurement is the *mean* over ``repeats`` after ``warmup``
 calls, each started after a barrier and, on CPU, :data:`CPU_BUSY_S` of compute on every rank (as
 an executor rank hands over from a stage to a transfer or its syncs); rank 0 reports. The mean, not the median: gloo's latency on
@@ -20,7 +17,16 @@ are coalesced into one bucket per replica set, docs/DESIGN.md), waited for by po
 gathered one after the other) as a burst of :data:`BURST` calls on distinct buffers back to back,
 per call (on the 2-core development VM seven back-to-back 512 KiB gloo all-reduces took 2.2-2.5
 ms each, one after a barrier 0.9-1.3 ms). ``time = alpha + bytes / beta`` is then fitted per operation
-(:func:`tag.cost.comm.fit_latency_bandwidth`).
+(:func:`tag.cost.comm.fit_latency_bandwidth`). CPU ranks run as the executor's do: pinned to a
+core each, gloo's event threads reniced (:func:`tag.cost.host.pin_cores`, :func:`renice_threads`).
+
+The ping's receive is posted when the call starts, unlike the executor's, which are posted a step
+ahead on a process group per direction. A ping done that way (session 9) fitted 45 us +
+5.45 GB/s, and the six zoo models' executions costed with it were under-predicted on every
+transfer-heavy plan (median errors 8-28%, Spearman 0.60-0.93); costed with this ping (370 us +
+4.22 GB/s), 3-30% and 0.73-0.98 (evaluation/results/validate-zoo-local-cpu2/README.md): an
+executor transfer costs more than a clean message (packing, assembling, the event thread
+reading the data only once the rank waits), and this ping's latency stands in for that.
 """
 
 from __future__ import annotations
@@ -85,9 +91,6 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # CPU: one two-rank group per direction, receives posted before the timed call (as the
-    # executor's CPU ranks send and post them, tag.executor.comm.DistComm)
-    links = {(a, b): dist.new_group([0, 1]) for a, b in ((0, 1), (1, 0))} if cpu else {}
     if cpu:
         renice_threads()
 
@@ -98,25 +101,12 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
             torch.cuda.synchronize(device)
 
     def ping(x):
-        if cpu:  # rank 1 waits for the ping, answers; rank 0 sends, waits for the answer
-            if rank == 1:
-                posted.pop().wait()
-            if rank <= 1:
-                dist.isend(x, 1 - rank, group=links[(rank, 1 - rank)]).wait()
-            if rank == 0:
-                posted.pop().wait()
-        elif rank == 0:
+        if rank == 0:
             dist.send(x, 1)
             dist.recv(x, 1)
         elif rank == 1:
             dist.recv(x, 0)
             dist.send(x, 0)
-
-    posted: list = []
-
-    def post_ping_receive(y):
-        if cpu and rank <= 1:
-            posted.append(dist.irecv(y, 1 - rank, group=links[(1 - rank, rank)]))
 
     a = torch.randn(128, 128, device=device)
     b = torch.randn(128, 128, device=device)
@@ -135,8 +125,6 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
             for name, (fn, calls) in ops.items():
                 ts = []
                 for i in range(warmup + repeats_for(size, repeats)):
-                    if name == "p2p":
-                        post_ping_receive(xs[1])
                     dist.barrier()
                     if busy_s > 0:
                         _busy(busy_s, a, b)
