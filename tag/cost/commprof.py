@@ -84,14 +84,14 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    cpu = backend != "nccl"
-    if cpu:  # as an executor's CPU ranks run (tag.executor.worker)
-        pin_cores(rank, world, threads)
+    pinned = None
+    if backend != "nccl":  # as an executor's CPU ranks run (tag.executor.worker)
+        pinned = pin_cores(rank, world, threads)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if cpu:
+    if pinned:
         renice_threads()
 
     wait = poll_wait if device.type == "cpu" else (lambda work: work.wait())  # as the executor waits

@@ -43,6 +43,11 @@ def tune_malloc() -> bool:
         return False
 
 
+def _pinning_on() -> bool:
+    """False where ``TAG_PIN_CORES=0`` turns :func:`pin_cores` and :func:`renice_threads` off."""
+    return os.environ.get("TAG_PIN_CORES", "1") != "0"
+
+
 def pin_cores(slot: int, slots: int, threads: int) -> set[int] | None:
     """Bind this process (and the threads it starts later, gloo's included) to cores
     ``[slot * threads, (slot + 1) * threads)`` of the ones it may use; returns them, or None
@@ -56,7 +61,7 @@ def pin_cores(slot: int, slots: int, threads: int) -> set[int] | None:
     core. Pinning ranks to cores is the usual practice for CPU training (torchrun's
     ``--numa-binding``, Intel's launcher); with gloo it goes with :func:`renice_threads`.
     """
-    if os.environ.get("TAG_PIN_CORES", "1") == "0" or not hasattr(os, "sched_setaffinity"):
+    if not _pinning_on() or not hasattr(os, "sched_setaffinity"):
         return None
     cores = sorted(os.sched_getaffinity(0))
     if slots * threads > len(cores) or not 0 <= slot < slots:
@@ -77,7 +82,7 @@ def renice_threads(name: str = GLOO_EVENT_THREAD, nice: int = HELPER_NICE) -> in
     calling thread) the nice value ``nice``; returns how many were changed (0 where unsupported
     or ``TAG_PIN_CORES=0``).
 
-    For a CPU rank pinned to its own core (:func:`pin_cores`). gloo's event thread skips a
+    For a CPU rank pinned to its own core (call it only where :func:`pin_cores` pinned). gloo's event thread skips a
     connection whose lock another thread holds, and epoll hands it the same event again at once:
     woken by a peer's message while the rank's main thread is inside a gloo call on that
     connection, it took the core and spun until its time slice ended (strace on the development
@@ -88,7 +93,7 @@ def renice_threads(name: str = GLOO_EVENT_THREAD, nice: int = HELPER_NICE) -> in
     pinned ranks, reniced event threads and one process group per transfer direction
     (:class:`tag.executor.comm.DistComm`) ran 8-65% faster than before (tag/executor/README.md).
     """
-    if os.environ.get("TAG_PIN_CORES", "1") == "0" or not os.path.isdir("/proc/self/task"):
+    if not _pinning_on() or not os.path.isdir("/proc/self/task"):
         return 0
     me, n = threading.get_native_id(), 0
     for tid in os.listdir("/proc/self/task"):

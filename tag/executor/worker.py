@@ -91,9 +91,9 @@ def run_rank(a: WorkerArgs) -> dict:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    cpu_rank = a.backend != "nccl"
-    if cpu_rank:  # its own cores, before any thread starts (gloo's threads inherit them)
-        pin_cores(local_rank, local_world, max(1, (os.cpu_count() or 1) // local_world))
+    pinned = None
+    if a.backend != "nccl":  # a CPU rank: its own cores, before any thread starts (gloo's inherit them)
+        pinned = pin_cores(local_rank, local_world, max(1, (os.cpu_count() or 1) // local_world))
     # Load the topology before changing the thread count: a "cpu" device spec is measured
     # (and cached) per thread count, and the plan's topology signature was made with the default.
     topology = load_topology(a.topology)
@@ -125,8 +125,8 @@ def run_rank(a: WorkerArgs) -> dict:
     slow = slowdown_factors(topology)[rank] if a.emulate_speed else 1.0
     rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow, global_joint=full)
     comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device)
-    if cpu_rank:
-        renice_threads()  # gloo's threads exist now
+    if pinned:
+        renice_threads()  # gloo's threads exist now; only for a rank on cores of its own
     fault = _parse_fault(a.fault)
     iters: list[dict] = []
     timeline: list[list] = []  # [name, category, start s, end s] of the last iteration's steps
