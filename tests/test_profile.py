@@ -141,31 +141,33 @@ def test_tune_malloc(monkeypatch):
     assert tune_malloc() is False
 
 
-def test_pin_cores_and_renice_threads():
+def test_pin_cores_and_demote_threads():
     """In a child process (affinity and priorities are process state): a slot gets its own cores,
-    slots that do not fit change nothing; only threads of the given name are reniced, never the
-    caller."""
+    slots that do not fit change nothing; only threads of the given name are demoted (SCHED_IDLE,
+    or nice 19 where refused), never the caller."""
     import subprocess
     import sys
 
     code = r"""
 import os, threading, time
-from tag.cost.host import pin_cores, renice_threads
+from tag.cost.host import pin_cores, demote_threads
 cores = sorted(os.sched_getaffinity(0))
 assert pin_cores(0, len(cores) + 1, 1) is None and sorted(os.sched_getaffinity(0)) == cores
 mine = pin_cores(len(cores) - 1, len(cores), 1)
 assert mine == {cores[-1]} and os.sched_getaffinity(0) == mine
-main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+me = threading.get_native_id()
+main_policy, main_nice = os.sched_getscheduler(me), os.getpriority(os.PRIO_PROCESS, me)
 stop = threading.Event()
 t = threading.Thread(target=stop.wait)
 t.start()
 time.sleep(0.05)
 with open(f"/proc/self/task/{t.native_id}/comm") as f:
     name = f.read().strip()
-assert renice_threads("no-such-thread") == 0
-assert renice_threads(name) >= 1
-assert os.getpriority(os.PRIO_PROCESS, t.native_id) == 19
-assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice
+assert demote_threads("no-such-thread") == 0
+assert demote_threads(name) >= 1
+assert (os.sched_getscheduler(t.native_id) == os.SCHED_IDLE
+        or os.getpriority(os.PRIO_PROCESS, t.native_id) == 19)
+assert os.sched_getscheduler(me) == main_policy and os.getpriority(os.PRIO_PROCESS, me) == main_nice
 stop.set()
 t.join()
 print("ok")
@@ -176,7 +178,7 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     env["TAG_PIN_CORES"] = "0"
-    off = subprocess.run([sys.executable, "-c", "from tag.cost.host import pin_cores, renice_threads;"
-                          "print(pin_cores(0, 1, 1), renice_threads('python'))"],
+    off = subprocess.run([sys.executable, "-c", "from tag.cost.host import pin_cores, demote_threads;"
+                          "print(pin_cores(0, 1, 1), demote_threads('python'))"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert off.stdout.split() == ["None", "0"], off.stderr

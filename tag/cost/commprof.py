@@ -2,31 +2,39 @@
 
 Two local processes (``torch.multiprocessing.spawn``) join a ``torch.distributed`` group over TCP
 on 127.0.0.1 (gloo; NCCL when ``backend="nccl"`` and GPUs are present) and time, for every
-message size: a ping-pong (point-to-point time = round trip / 2), ``all_reduce``, ``broadcast``,
-``reduce`` and ``all_gather``. Each measurement is the *mean* over ``repeats`` after ``warmup``
-calls, each started after a barrier and, on CPU, :data:`CPU_BUSY_S` of compute on every rank (as
-an executor rank hands over from a stage to a transfer or its syncs); rank 0 reports. The mean, not the median: gloo's latency on
-a small VM has a heavy tail (on the 2-core development VM a 8.5 KiB send took 0.12 ms at the
-median and 3-3.8 ms at the 90th percentile, 50 timed calls each), and an iteration pays the tail
-of each of its tens of transfers, so the expected time of a sum of transfers is the sum of the
-means (a simulated vit plan with 21 transfers per iteration priced them at 0.17-0.2 ms each
-while the executor's transfer steps took 0.15-5.6 ms, waits for the peer included). A collective is timed as the executor issues it:
-``all_reduce``, ``reduce`` and ``broadcast`` one call after a barrier (a CPU rank's gradient syncs
-are coalesced into one bucket per replica set, docs/DESIGN.md), waited for by polling on CPU
-(:func:`tag.cost.host.poll_wait`, as the executor's CPU ranks wait), ``all_gather`` (SFB factors,
-gathered one after the other) as a burst of :data:`BURST` calls on distinct buffers back to back,
-per call (on the 2-core development VM seven back-to-back 512 KiB gloo all-reduces took 2.2-2.5
-ms each, one after a barrier 0.9-1.3 ms). ``time = alpha + bytes / beta`` is then fitted per operation
-(:func:`tag.cost.comm.fit_latency_bandwidth`). CPU ranks run as the executor's do: pinned to a
-core each, gloo's event threads reniced (:func:`tag.cost.host.pin_cores`, :func:`renice_threads`).
+message size, each operation the way the executor performs it (``tag.executor.comm``); rank 0
+reports the *mean* over ``repeats`` timed calls after ``warmup``. The mean, not the median: gloo's
+latency on a small VM has a heavy tail, and an iteration pays the tail of each of its tens of
+transfers, so the expected time of a sum of transfers is the sum of the means. Before every
+timed call each CPU rank computes :data:`CPU_BUSY_S` (an executor rank hands over from a stage).
 
-The ping's receive is posted when the call starts, unlike the executor's, which are posted a step
-ahead on a process group per direction. A ping done that way (session 9) fitted 45 us +
-5.45 GB/s, and the six zoo models' executions costed with it were under-predicted on every
-transfer-heavy plan (median errors 8-28%, Spearman 0.60-0.93); costed with this ping (370 us +
-4.22 GB/s), 3-30% and 0.73-0.98 (evaluation/results/validate-zoo-local-cpu2/README.md): an
-executor transfer costs more than a clean message (packing, assembling, the event thread
-reading the data only once the rank waits), and this ping's latency stands in for that.
+* ``p2p`` on CPU (:func:`_transfer_step`): a transfer step. The receiver posts its receive on a
+  two-rank process group of its own (the executor's ``DistComm.links``) a step ahead, in the
+  previous call, and both ranks compute; the sender packs two pieces into one message and sends
+  it, the receiver waits and assembles it. The time is from the later of the two ranks' arrival
+  to the later of their completions (one host clock), as the simulator's rendezvous prices a
+  transfer. There is no barrier between the calls, as there is none between an iteration's steps.
+  With NCCL: a ping-pong (round trip / 2).
+* ``all_reduce``, ``reduce``, ``broadcast``: one gradient sync as a CPU rank runs it
+  (:func:`_bucketed`): per-group flattening into one bucket, the collective, the sums copied back
+  (a parameter server's reduce carries the first copies, its broadcast back the last), one call
+  after a barrier (the executor coalesces a CPU rank's syncs into one bucket per replica set,
+  docs/DESIGN.md).
+* ``all_gather`` (SFB factors, gathered one after the other): a burst of :data:`BURST` calls on
+  distinct buffers back to back, per call.
+
+``time = alpha + bytes / beta`` is then fitted per operation
+(:func:`tag.cost.comm.fit_latency_bandwidth`). CPU ranks run as the executor's do: pinned to a
+core each, gloo's event threads under ``SCHED_IDLE`` (:func:`tag.cost.host.pin_cores`,
+:func:`tag.cost.host.demote_threads`).
+
+History (2-core development VM, evaluation/results/validate-zoo-local-cpu2/README.md): a clean
+ping (receive posted when the call starts) fitted 45-58 us + 5.5-5.9 GB/s, far less than an
+executor transfer step costs (~0.1 ms for a few KiB, ~0.2 ms for 130 KiB measured in the
+executor's timelines; packing, posting the next receive and assembling, and the receiver's
+event thread reading only once the rank waits); a gradient all-reduce timed without the
+executor's flattening and copying back, 0.9 ms for vgg's gradients where the executor's sync
+step took 1.6 ms.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import time
 from pathlib import Path
 
 from .comm import COMM_OPS, CommProfile, fit_latency_bandwidth
-from .host import pin_cores, poll_wait, renice_threads
+from .host import demote_threads, pin_cores
 
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
 BURST = 4
@@ -78,6 +86,72 @@ def _busy(seconds: float, a, b) -> None:
         a @ b
 
 
+def _transfer_step(rank: int, x, link, repeats: int, warmup: int, busy_s: float, a, b) -> float:
+    """Mean seconds of a CPU transfer step as the executor makes one (``tag.executor.comm``),
+    ``x``'s bytes from rank 0 to rank 1 on the two-rank ``link`` group: rank 1 posts the receive
+    of the next call right after it posted its wait for this one (``DistComm.prepost``), both
+    ranks compute ``busy_s``, rank 0 packs ``x`` (two pieces copied into one message) and sends
+    it, rank 1 waits and assembles it. A call lasts from the later of the two ranks' arrivals to
+    the later of their completions (both ranks read one host clock). Rank 0 returns the mean,
+    the other ranks 0."""
+    import torch
+    import torch.distributed as dist
+
+    from ..executor.comm import pack
+
+    if rank > 1:
+        dist.barrier()
+        return 0.0
+    half = x.numel() // 2
+    pieces = [x[:half], x[half:]]
+
+    def post(i):  # the receive of call i, into a fresh packed buffer (as DistComm.prepost)
+        buf = torch.empty(x.numel() * x.element_size(), dtype=torch.uint8)
+        return buf, dist.irecv(buf, 0, group=link, tag=i)
+
+    marks = torch.zeros(warmup + repeats, 2, dtype=torch.float64)  # [call, (arrival, completion)] s
+    nxt = post(0) if rank == 1 else None
+    dist.barrier()
+    for i in range(warmup + repeats):
+        _busy(busy_s, a, b)
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.isend(pack(pieces), 1, group=link, tag=i).wait()
+        else:
+            (buf, work), nxt = nxt, (post(i + 1) if i + 1 < warmup + repeats else None)
+            work.wait()
+            torch.cat([buf[: half * x.element_size()], buf[half * x.element_size():]])  # assembled
+        marks[i] = torch.tensor([t0, time.perf_counter()], dtype=torch.float64)
+    other = torch.empty_like(marks)
+    if rank == 0:
+        dist.recv(other, 1)
+    else:
+        dist.send(marks, 0)
+        return 0.0
+    both = torch.stack([marks, other])[:, warmup:]  # [rank, call, 2]
+    return float((both[..., 1].amax(0) - both[..., 0].amax(0)).mean())
+
+
+BUCKET_GROUPS = 4
+"""Op-groups whose gradients a timed gradient collective carries (:func:`_bucketed`)."""
+
+
+def _bucketed(x, collective, flatten: bool, scatter: bool) -> None:
+    """One gradient sync of ``x``'s bytes as a CPU executor rank runs it (``DistComm.sync`` /
+    ``finish_syncs``): with ``flatten``, the gradients of :data:`BUCKET_GROUPS` groups (two tensors
+    each, views of ``x``) are flattened per group and concatenated into one bucket; ``collective``
+    runs on it; with ``scatter``, the sums are copied back into the gradients. An all-reduce does
+    both, a parameter server's reduce the first half and its broadcast back the second."""
+    import torch
+
+    parts = x.chunk(2 * BUCKET_GROUPS)
+    flat = torch.cat([torch.cat(parts[i:i + 2]) for i in range(0, len(parts), 2)]) if flatten else x
+    collective(flat)
+    if scatter:
+        for dst, src in zip(parts, flat.split([p.numel() for p in parts])):
+            dst.copy_(src)
+
+
 def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], repeats: int, warmup: int,
             out: str, threads: int, busy_s: float) -> None:
     import torch
@@ -92,9 +166,7 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if pinned:
-        renice_threads()
-
-    wait = poll_wait if device.type == "cpu" else (lambda work: work.wait())  # as the executor waits
+        demote_threads()
 
     def sync():
         if device.type == "cuda":
@@ -111,18 +183,24 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
     a = torch.randn(128, 128, device=device)
     b = torch.randn(128, 128, device=device)
     results: dict[str, list[tuple[int, float]]] = {op: [] for op in COMM_OPS}
+    link = dist.new_group([0, 1]) if device.type == "cpu" else None  # as the executor's DistComm.links
     try:
         for size in sizes:
             xs = [torch.ones(size // 4, device=device) for _ in range(BURST)]
             gathered = [[torch.empty_like(x) for _ in range(world)] for x in xs]
+            if link is not None:
+                n = repeats_for(size, repeats)
+                results["p2p"].append((size, _transfer_step(rank, xs[0], link, n, warmup, busy_s, a, b)))
             ops = {  # (call, calls per timing)
                 "p2p": (lambda xs=xs: ping(xs[0]), 1),
-                "all_reduce": (lambda xs=xs: wait(dist.all_reduce(xs[0], async_op=True)), 1),
-                "broadcast": (lambda xs=xs: wait(dist.broadcast(xs[0], 0, async_op=True)), 1),
-                "reduce": (lambda xs=xs: wait(dist.reduce(xs[0], 0, async_op=True)), 1),
+                "all_reduce": (lambda xs=xs: _bucketed(xs[0], dist.all_reduce, True, True), 1),
+                "broadcast": (lambda xs=xs: _bucketed(xs[0], lambda f: dist.broadcast(f, 0), False, True), 1),
+                "reduce": (lambda xs=xs: _bucketed(xs[0], lambda f: dist.reduce(f, 0), True, False), 1),
                 "all_gather": (lambda xs=xs, gs=gathered: [dist.all_gather(g, x) for g, x in zip(gs, xs)], BURST),
             }
             for name, (fn, calls) in ops.items():
+                if name == "p2p" and link is not None:
+                    continue
                 ts = []
                 for i in range(warmup + repeats_for(size, repeats)):
                     dist.barrier()

@@ -1,6 +1,6 @@
 """Host settings shared by every process that times or runs CPU work: the memory allocator, the
-cores a rank runs on and the priority of gloo's event threads (:func:`pin_cores`,
-:func:`renice_threads`), and how a CPU rank waits for a collective (:func:`poll_wait`).
+cores a rank runs on and the scheduling of gloo's event threads (:func:`pin_cores`,
+:func:`demote_threads`).
 
 glibc's malloc serves large blocks with ``mmap`` and gives freed heap tops back to the kernel
 (``trim``), with a threshold it moves as blocks come and go. A training iteration allocates and
@@ -44,7 +44,7 @@ def tune_malloc() -> bool:
 
 
 def _pinning_on() -> bool:
-    """False where ``TAG_PIN_CORES=0`` turns :func:`pin_cores` and :func:`renice_threads` off."""
+    """False where ``TAG_PIN_CORES=0`` turns :func:`pin_cores` and :func:`demote_threads` off."""
     return os.environ.get("TAG_PIN_CORES", "1") != "0"
 
 
@@ -59,7 +59,7 @@ def pin_cores(slot: int, slots: int, threads: int) -> set[int] | None:
     message to a rank that had posted its receive, from a rank that went on computing, took
     0.21-0.44 ms on average (90th percentile 2.1 ms), 0.005-0.05 ms with each rank on its own
     core. Pinning ranks to cores is the usual practice for CPU training (torchrun's
-    ``--numa-binding``, Intel's launcher); with gloo it goes with :func:`renice_threads`.
+    ``--numa-binding``, Intel's launcher); with gloo it goes with :func:`demote_threads`.
     """
     if not _pinning_on() or not hasattr(os, "sched_setaffinity"):
         return None
@@ -73,51 +73,47 @@ def pin_cores(slot: int, slots: int, threads: int) -> set[int] | None:
 
 GLOO_EVENT_THREAD = "gloo_tcp_loop"
 """Name of gloo's TCP event thread (one per process group)."""
-HELPER_NICE = 19
-"""Nice value :func:`renice_threads` gives a pinned CPU rank's gloo event threads."""
+FALLBACK_NICE = 19
+"""Nice value :func:`demote_threads` gives where the ``SCHED_IDLE`` policy is refused."""
 
 
-def renice_threads(name: str = GLOO_EVENT_THREAD, nice: int = HELPER_NICE) -> int:
-    """Give this process's threads called ``name`` (Linux, ``/proc/self/task/*/comm``; never the
-    calling thread) the nice value ``nice``; returns how many were changed (0 where unsupported
-    or ``TAG_PIN_CORES=0``).
+def demote_threads(name: str = GLOO_EVENT_THREAD) -> int:
+    """Run this process's threads called ``name`` (Linux, ``/proc/self/task/*/comm``; never the
+    calling thread) under the ``SCHED_IDLE`` policy (nice :data:`FALLBACK_NICE` where that is
+    refused); returns how many were changed (0 where unsupported or ``TAG_PIN_CORES=0``).
 
-    For a CPU rank pinned to its own core (call it only where :func:`pin_cores` pinned). gloo's event thread skips a
-    connection whose lock another thread holds, and epoll hands it the same event again at once:
-    woken by a peer's message while the rank's main thread is inside a gloo call on that
-    connection, it took the core and spun until its time slice ended (strace on the development
-    VM: 2-4 ms for the main thread's write of a 48-byte notification). At nice 19 it runs when the
-    main thread waits. gloo's collective worker threads keep their priority: niced too, they
-    starved behind a rank polling for its all-reduce (:func:`poll_wait`; a 4 KiB all-reduce
-    profiled at 1.1 ms instead of 0.15). ``tag execute`` of mlp, vit, vgg and resnet plans with
-    pinned ranks, reniced event threads and one process group per transfer direction
-    (:class:`tag.executor.comm.DistComm`) ran 8-65% faster than before (tag/executor/README.md).
+    For a CPU rank pinned to its own core (call it only where :func:`pin_cores` pinned). gloo's
+    event thread skips a connection whose lock another thread holds, and level-triggered epoll
+    hands it the same event again at once: given the core while the rank's main thread is
+    inside a gloo call on that connection, it spins on the lock. At the main thread's priority it
+    took the core at once (strace on the development VM: 2-4 ms for the main thread's write of a
+    48-byte notification). At nice 19 (session 9) the scheduler still handed it the core at a tick
+    once the main thread had used its slice, and it then spun until its own slice ended: two
+    ranks exchanging activations right after both computed stalled together for 2-5 ms (``perf
+    sched``: both ranks' event threads of one transfer group running 5 ms straight while both main
+    threads slept), in a third to half of vit's and vgg's ``mixed`` iterations. Under
+    ``SCHED_IDLE`` it runs only when the main thread waits: ``tag execute`` of vit ``mixed`` took
+    8.4 ms at the median instead of 11.6-13.4, vgg ``mixed`` 7.8-8.0 instead of 10.2-11.5, the
+    plans without those stalls the same (tag/executor/README.md). gloo's collective worker threads
+    keep their priority (demoted too, at nice 19 in session 9, they starved behind a rank polling
+    for its all-reduce: a 4 KiB all-reduce profiled at 1.1 ms instead of 0.15).
     """
     if not _pinning_on() or not os.path.isdir("/proc/self/task"):
         return 0
+    idle = getattr(os, "SCHED_IDLE", None)
     me, n = threading.get_native_id(), 0
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 if int(tid) == me or f.read().strip() != name:
                     continue
-            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            try:
+                if idle is None:
+                    raise PermissionError("no SCHED_IDLE")
+                os.sched_setscheduler(int(tid), idle, os.sched_param(0))
+            except PermissionError:
+                os.setpriority(os.PRIO_PROCESS, int(tid), FALLBACK_NICE)
             n += 1
         except OSError:  # the thread ended meanwhile
             pass
     return n
-
-
-def poll_wait(work) -> None:
-    """Wait for a ``torch.distributed`` collective by polling it, yielding the core between polls,
-    instead of sleeping in ``wait()``: a sleeping CPU rank's idle vCPU can take milliseconds to be
-    woken when the data arrives. On this project's 2-core VM (a microVM whose idle vCPUs halt at
-    once) a gloo all-reduce of 200 KB after 3 ms of compute on the peer took 1.77 ms on average
-    blocking, 0.89 ms polling; executions of vit and gpt2 plans ran 7-13% faster (data-parallel,
-    PS, mixed; two A/B pairs each). The executor's CPU ranks and the communication profiler both
-    wait this way. gloo's point-to-point works never report completion before ``wait()``, so
-    transfers still block. ``wait()`` then raises what the collective raised (a peer's failure or
-    the timeout)."""
-    while not work.is_completed():
-        os.sched_yield()
-    work.wait()

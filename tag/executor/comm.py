@@ -11,7 +11,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..cost.host import poll_wait
 from .runtime import RankRuntime
 from .schedule import Schedule, Step
 
@@ -80,9 +79,9 @@ class DistComm:
         return comm
 
     def barrier(self, device: torch.device) -> None:
-        """Every rank of the world reaches this point (a CPU rank polls, :meth:`_wait`)."""
+        """Every rank of the world reaches this point."""
         t = torch.zeros(1, device=device)
-        self._wait(dist.all_reduce(t, async_op=True))
+        dist.all_reduce(t)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -232,16 +231,9 @@ class DistComm:
         """For every PS reduce started so far: wait for it and start its broadcast back."""
         for p in self.pending:
             if p.server is not None and not p.broadcast:
-                self._wait(p.work)
+                p.work.wait()
                 p.work = dist.broadcast(p.flat, src=p.server, group=p.pg, async_op=True)
                 p.broadcast = True
-
-    def _wait(self, work) -> None:
-        """Wait for a gradient collective: a CPU rank polls (:func:`tag.cost.host.poll_wait`)."""
-        if self.defer_syncs:
-            poll_wait(work)
-        else:
-            work.wait()
 
     def finish_syncs(self, rt: RankRuntime) -> None:
         """Wait for every gradient sync of the iteration and hand the sums to the runtime."""
@@ -252,7 +244,7 @@ class DistComm:
                 p.start()
         self._broadcast_reduced()
         for p in self.pending:
-            self._wait(p.work)
+            p.work.wait()
             for g, part in zip(p.groups, p.flat.split([x.numel() for x in p.parts])):
                 rt.set_grad_flat(g, part)
         self.pending.clear()

@@ -81,7 +81,7 @@ def run_rank(a: WorkerArgs) -> dict:
     """Execute the plan on this rank; returns this rank's measurements."""
     import torch.distributed as dist
 
-    from ..cost.host import pin_cores, renice_threads, tune_malloc
+    from ..cost.host import demote_threads, pin_cores, tune_malloc
     from ..plan.format import Plan
     from ..topology import load_topology
     from ..workloads import load_workload
@@ -126,7 +126,7 @@ def run_rank(a: WorkerArgs) -> dict:
     rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow, global_joint=full)
     comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device)
     if pinned:
-        renice_threads()  # gloo's threads exist now; only for a rank on cores of its own
+        demote_threads()  # gloo's threads exist now; only for a rank on cores of its own
     fault = _parse_fault(a.fault)
     iters: list[dict] = []
     timeline: list[list] = []  # [name, category, start s, end s] of the last iteration's steps
