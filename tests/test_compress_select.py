@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tag.compress import (
@@ -99,6 +99,7 @@ def problems(draw):
 
 @settings(max_examples=300, deadline=None)
 @given(problems())
+@example(SfbProblem(op_cost=(1.0, -5.96e-08, -5.96e-08), factor_cost=(0.0,), op_factors=((0,), (0,), (0,))))
 def test_milp_optimum_equals_exhaustive_optimum(p):
     got, ref = solve_milp(p), solve_exhaustive(p)
     scale = max(map(abs, (*p.op_cost, *p.factor_cost, p.gather_latency, p.sync_latency)))
