@@ -134,6 +134,9 @@ def test_comm_model_uses_gloo_fit(tmp_path):
     CommProfile(dt, "gloo", 2, fits).save(tmp_path)
     ps = CostModel.for_topology(g, topo, tmp_path).comm.ps_time([0, 1], 0, 1e6)
     assert ps == pytest.approx(4e-4 + 1e6 / 8e8 + 2e-4 + 1e6 / 2e9)
+    fits["ps"] = LinkFit(9e-4, 4e8)  # the PS sync measured as one call wins over the pair
+    CommProfile(dt, "gloo", 2, fits).save(tmp_path)
+    assert CostModel.for_topology(g, topo, tmp_path).comm.ps_time([0, 1], 0, 1e6) == pytest.approx(9e-4 + 1e6 / 4e8)
 
 
 def test_comm_model_keeps_gloo_allgather_fit(tmp_path):

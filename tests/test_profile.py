@@ -89,7 +89,7 @@ def test_comm_profile_gloo_two_processes(tmp_path):
     from tag.cost.commprof import CPU_BUSY_S, profile_comm
 
     cp = profile_comm("cpu-test", sizes=[4096, 65536, 262144], repeats=2, warmup=1)
-    assert set(cp.fits) == {"p2p", "all_reduce", "broadcast", "reduce", "all_gather"}
+    assert set(cp.fits) == {"p2p", "all_reduce", "broadcast", "reduce", "all_gather", "ps"}
     for f in cp.fits.values():
         assert f.alpha >= 0 and f.beta > 0
     assert all(len(v) == 3 for v in cp.samples.values())

@@ -38,7 +38,7 @@ import numpy as np
 from ..io import write_json
 from .profile import ProfileError
 
-COMM_OPS = ("p2p", "all_reduce", "broadcast", "reduce", "all_gather")
+COMM_OPS = ("p2p", "all_reduce", "broadcast", "reduce", "all_gather", "ps")
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,8 @@ class CommProfile:
     backend: str
     world_size: int
     fits: dict[str, LinkFit]
-    """op (``p2p``, ``all_reduce``, ``broadcast``, ``reduce``, ``all_gather``) -> fit."""
+    """op (``p2p``, ``all_reduce``, ``broadcast``, ``reduce``, ``all_gather``, ``ps``: a parameter
+    server's reduce then broadcast back, as one sync; older profiles lack it) -> fit."""
     samples: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     """op -> (bytes, median seconds) measurements the fits come from."""
     meta: dict = field(default_factory=dict)

@@ -17,8 +17,8 @@ timed call each CPU rank computes :data:`CPU_BUSY_S` (an executor rank hands ove
   With NCCL: a ping-pong (round trip / 2).
 * ``all_reduce``, ``reduce``, ``broadcast``: one gradient sync as a CPU rank runs it
   (:func:`_bucketed`): per-group flattening into one bucket, the collective, the sums copied back
-  (a parameter server's reduce carries the first copies, its broadcast back the last), one call
-  after a barrier (the executor coalesces a CPU rank's syncs into one bucket per replica set,
+  (a parameter server's reduce carries the first copies, its broadcast back the last; ``ps`` times
+  the two as one sync, the way the executor runs it), one call after a barrier (the executor coalesces a CPU rank's syncs into one bucket per replica set,
   docs/DESIGN.md).
 * ``all_gather`` (SFB factors, gathered one after the other): a burst of :data:`BURST` calls on
   distinct buffers back to back, per call.
@@ -196,6 +196,8 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
                 "all_reduce": (lambda xs=xs: _bucketed(xs[0], dist.all_reduce, True, True), 1),
                 "broadcast": (lambda xs=xs: _bucketed(xs[0], lambda f: dist.broadcast(f, 0), False, True), 1),
                 "reduce": (lambda xs=xs: _bucketed(xs[0], lambda f: dist.reduce(f, 0), True, False), 1),
+                "ps": (lambda xs=xs: _bucketed(xs[0], lambda f: (dist.reduce(f, 0), dist.broadcast(f, 0)), True, True),
+                       1),
                 "all_gather": (lambda xs=xs, gs=gathered: [dist.all_gather(g, x) for g, x in zip(gs, xs)], BURST),
             }
             for name, (fn, calls) in ops.items():

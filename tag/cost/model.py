@@ -275,7 +275,7 @@ class CommModel:
     def __init__(self, topology, bandwidth: np.ndarray, latency: np.ndarray,
                  allreduce_fit: LinkFit | None = None, fitted_devices: frozenset = frozenset(),
                  allgather_fit: LinkFit | None = None, reduce_fit: LinkFit | None = None,
-                 broadcast_fit: LinkFit | None = None):
+                 broadcast_fit: LinkFit | None = None, ps_fit: LinkFit | None = None):
         self.topology = topology
         self.bandwidth = bandwidth
         """[D, D] bytes/s (diagonal inf)."""
@@ -288,6 +288,9 @@ class CommModel:
         """Measured gloo all-gather (2 processes) of the fitted CPU devices, if profiled."""
         self.reduce_fit = reduce_fit
         self.broadcast_fit = broadcast_fit
+        self.ps_fit = ps_fit
+        """Measured parameter-server sync (reduce then broadcast back, one call; None in older
+        profiles: :meth:`ps_time` then adds the reduce and broadcast fits)."""
         """Measured gloo reduce / broadcast (2 processes): a parameter server among fitted CPU
         devices of one machine is costed by them (:meth:`ps_time`)."""
         self._fitted = fitted_devices
@@ -300,7 +303,7 @@ class CommModel:
         bw = np.array(topology.bandwidth_matrix, dtype=float)
         lat = np.array(topology.latency_matrix, dtype=float)
         fitted: set[int] = set()
-        ar_fit = ag_fit = rd_fit = bc_fit = None
+        ar_fit = ag_fit = rd_fit = bc_fit = ps_fit = None
         for m in range(topology.num_machines):
             devs = topology.devices_of_machine(m)
             dt = device_type(topology, devs[0])
@@ -317,7 +320,8 @@ class CommModel:
             ag_fit = prof.fits.get("all_gather", ag_fit)
             rd_fit = prof.fits.get("reduce", rd_fit)
             bc_fit = prof.fits.get("broadcast", bc_fit)
-        return cls(topology, bw, lat, ar_fit, frozenset(fitted), ag_fit, rd_fit, bc_fit)
+            ps_fit = prof.fits.get("ps", ps_fit)
+        return cls(topology, bw, lat, ar_fit, frozenset(fitted), ag_fit, rd_fit, bc_fit, ps_fit)
 
     def p2p_time(self, a: int, b: int, nbytes: float) -> float:
         """Seconds to move ``nbytes`` from device ``a`` to ``b`` (0 when ``a == b``)."""
@@ -366,8 +370,9 @@ class CommModel:
 
     def ps_time(self, devices, server: int, nbytes: float) -> float:
         """Push to ``server`` then pull back, the server's link shared by all flows. Among fitted
-        CPU devices of one machine: the measured gloo reduce then broadcast (what the executor
-        runs), each worker's bytes through the server in turn."""
+        CPU devices of one machine: the measured gloo PS sync (reduce then broadcast, what the
+        executor runs; older profiles: the reduce and broadcast fits added), each worker's bytes
+        through the server in turn."""
         workers = [w for w in devices if w != server]
         if not workers or nbytes <= 0:
             return 0.0
@@ -376,6 +381,8 @@ class CommModel:
         if (rf is not None and bf is not None and all(d in self._fitted for d in members)
                 and len({self.machine_of[d] for d in members}) == 1):
             n = len(workers)
+            if self.ps_fit is not None:
+                return self.ps_fit.alpha + n * nbytes / self.ps_fit.beta
             return rf.alpha + n * nbytes / rf.beta + bf.alpha + n * nbytes / bf.beta
         push = max(self._lat[w][server] for w in workers) + sum(nbytes / self._bw[w][server] for w in workers)
         pull = max(self._lat[server][w] for w in workers) + sum(nbytes / self._bw[server][w] for w in workers)
