@@ -89,7 +89,7 @@ def _busy(seconds: float, a, b) -> None:
 def _transfer_step(rank: int, x, link, repeats: int, warmup: int, busy_s: float, a, b) -> float:
     """Mean seconds of a CPU transfer step as the executor makes one (``tag.executor.comm``),
     ``x``'s bytes from rank 0 to rank 1 on the two-rank ``link`` group: rank 1 posts the receive
-    of the next call right after it posted its wait for this one (``DistComm.prepost``), both
+    of the next call just before it waits for this one (``DistComm.prepost``), both
     ranks compute ``busy_s``, rank 0 packs ``x`` (two pieces copied into one message) and sends
     it, rank 1 waits and assembles it. A call lasts from the later of the two ranks' arrivals to
     the later of their completions (both ranks read one host clock). Rank 0 returns the mean,
@@ -147,7 +147,7 @@ def _bucketed(x, collective, flatten: bool, scatter: bool) -> None:
     parts = x.chunk(2 * BUCKET_GROUPS)
     flat = torch.cat([torch.cat(parts[i:i + 2]) for i in range(0, len(parts), 2)]) if flatten else x
     collective(flat)
-    if scatter:
+    if scatter:  # (without flatten the bucket is x itself: its parts are copied onto themselves)
         for dst, src in zip(parts, flat.split([p.numel() for p in parts])):
             dst.copy_(src)
 
