@@ -191,8 +191,9 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
             if link is not None:
                 n = repeats_for(size, repeats)
                 results["p2p"].append((size, _transfer_step(rank, xs[0], link, n, warmup, busy_s, a, b)))
-            ops = {  # (call, calls per timing)
-                "p2p": (lambda xs=xs: ping(xs[0]), 1),
+            # (call, calls per timing); on CPU p2p is the transfer step timed above
+            ops = {} if link is not None else {"p2p": (lambda xs=xs: ping(xs[0]), 1)}
+            ops |= {
                 "all_reduce": (lambda xs=xs: _bucketed(xs[0], dist.all_reduce, True, True), 1),
                 "broadcast": (lambda xs=xs: _bucketed(xs[0], lambda f: dist.broadcast(f, 0), False, True), 1),
                 "reduce": (lambda xs=xs: _bucketed(xs[0], lambda f: dist.reduce(f, 0), True, False), 1),
@@ -201,8 +202,6 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
                 "all_gather": (lambda xs=xs, gs=gathered: [dist.all_gather(g, x) for g, x in zip(gs, xs)], BURST),
             }
             for name, (fn, calls) in ops.items():
-                if name == "p2p" and link is not None:
-                    continue
                 ts = []
                 for i in range(warmup + repeats_for(size, repeats)):
                     dist.barrier()

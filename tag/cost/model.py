@@ -376,13 +376,13 @@ class CommModel:
         workers = [w for w in devices if w != server]
         if not workers or nbytes <= 0:
             return 0.0
-        rf, bf = self.reduce_fit, self.broadcast_fit
+        rf, bf, pf = self.reduce_fit, self.broadcast_fit, self.ps_fit
         members = workers + [server]
-        if (rf is not None and bf is not None and all(d in self._fitted for d in members)
+        if ((pf is not None or (rf is not None and bf is not None)) and all(d in self._fitted for d in members)
                 and len({self.machine_of[d] for d in members}) == 1):
             n = len(workers)
-            if self.ps_fit is not None:
-                return self.ps_fit.alpha + n * nbytes / self.ps_fit.beta
+            if pf is not None:
+                return pf.alpha + n * nbytes / pf.beta
             return rf.alpha + n * nbytes / rf.beta + bf.alpha + n * nbytes / bf.beta
         push = max(self._lat[w][server] for w in workers) + sum(nbytes / self._bw[w][server] for w in workers)
         pull = max(self._lat[server][w] for w in workers) + sum(nbytes / self._bw[server][w] for w in workers)
