@@ -2,11 +2,15 @@
 
 Two local processes (``torch.multiprocessing.spawn``) join a ``torch.distributed`` group over TCP
 on 127.0.0.1 (gloo; NCCL when ``backend="nccl"`` and GPUs are present) and time, for every
-message size, each operation the way the executor performs it (``tag.executor.comm``); rank 0
-reports the *mean* over ``repeats`` timed calls after ``warmup``. The mean, not the median: gloo's
-latency on a small VM has a heavy tail, and an iteration pays the tail of each of its tens of
-transfers, so the expected time of a sum of transfers is the sum of the means. Before every
-timed call each CPU rank computes :data:`CPU_BUSY_S` (an executor rank hands over from a stage).
+message size, each operation the way the executor performs it (``tag.executor.comm``), every
+call from the later of the ranks' arrivals to the later of their completions on the host's one
+clock (:func:`_rendezvous_mean`, as the simulator prices a transfer or a collective: a parameter
+server's sync ends on the server when its broadcast back is queued, on a replica only when the
+sums have arrived), and reports the *mean* over ``repeats`` timed calls after ``warmup``. The
+mean, not the median: gloo's latency on a small VM has a heavy tail, and an iteration pays the
+tail of each of its tens of transfers, so the expected time of a sum of transfers is the sum of
+the means. Before every timed call each CPU rank computes :data:`CPU_BUSY_S` (an executor rank
+hands over from a stage).
 
 * ``p2p`` on CPU (:func:`_transfer_step`): a transfer step. The receiver posts its receive on a
   two-rank process group of its own (the executor's ``DistComm.links``) a step ahead, in the
@@ -42,7 +46,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -86,22 +89,24 @@ def _busy(seconds: float, a, b) -> None:
         a @ b
 
 
-def _transfer_step(rank: int, x, link, repeats: int, warmup: int, busy_s: float, a, b) -> float:
-    """Mean seconds of a CPU transfer step as the executor makes one (``tag.executor.comm``),
+def _transfer_step(rank: int, x, link, repeats: int, warmup: int, busy_s: float, a, b):
+    """A CPU transfer step as the executor makes one (``tag.executor.comm``),
     ``x``'s bytes from rank 0 to rank 1 on the two-rank ``link`` group: rank 1 posts the receive
     of the next call just before it waits for this one (``DistComm.prepost``), both
     ranks compute ``busy_s``, rank 0 packs ``x`` (two pieces copied into one message) and sends
     it, rank 1 waits and assembles it. A call lasts from the later of the two ranks' arrivals to
-    the later of their completions (both ranks read one host clock). Rank 0 returns the mean,
-    the other ranks 0."""
+    the later of their completions (both ranks read one host clock): every rank returns its
+    ``[call, (arrival, completion)]`` marks after the warm-up for :func:`_rendezvous_mean` (zeros
+    on ranks other than 0 and 1)."""
     import torch
     import torch.distributed as dist
 
     from ..executor.comm import pack
 
+    marks = torch.zeros(warmup + repeats, 2, dtype=torch.float64)  # [call, (arrival, completion)] s
     if rank > 1:
         dist.barrier()
-        return 0.0
+        return marks[warmup:]
     half = x.numel() // 2
     pieces = [x[:half], x[half:]]
 
@@ -109,7 +114,6 @@ def _transfer_step(rank: int, x, link, repeats: int, warmup: int, busy_s: float,
         buf = torch.empty(x.numel() * x.element_size(), dtype=torch.uint8)
         return buf, dist.irecv(buf, 0, group=link, tag=i)
 
-    marks = torch.zeros(warmup + repeats, 2, dtype=torch.float64)  # [call, (arrival, completion)] s
     nxt = post(0) if rank == 1 else None
     dist.barrier()
     for i in range(warmup + repeats):
@@ -122,13 +126,21 @@ def _transfer_step(rank: int, x, link, repeats: int, warmup: int, busy_s: float,
             work.wait()
             torch.cat([buf[: half * x.element_size()], buf[half * x.element_size():]])  # assembled
         marks[i] = torch.tensor([t0, time.perf_counter()], dtype=torch.float64)
-    other = torch.empty_like(marks)
-    if rank == 0:
-        dist.recv(other, 1)
-    else:
-        dist.send(marks, 0)
-        return 0.0
-    both = torch.stack([marks, other])[:, warmup:]  # [rank, call, 2]
+    return marks[warmup:]
+
+
+def _rendezvous_mean(marks, world: int) -> float:
+    """Mean seconds from the later arrival to the later completion over the ``world`` ranks
+    (``marks``: this rank's ``[call, (arrival, completion)]`` on the host clock), the way the
+    simulator prices a collective: a parameter server's broadcast back is done on the server when
+    its send is queued, but on a replica only once the sums have arrived. Every rank returns it."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else marks.device
+    every = [torch.empty_like(marks, device=device) for _ in range(world)]
+    dist.all_gather(every, marks.to(device))
+    both = torch.stack(every).cpu()  # [rank, call, 2]
     return float((both[..., 1].amax(0) - both[..., 0].amax(0)).mean())
 
 
@@ -190,7 +202,8 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
             gathered = [[torch.empty_like(x) for _ in range(world)] for x in xs]
             if link is not None:
                 n = repeats_for(size, repeats)
-                results["p2p"].append((size, _transfer_step(rank, xs[0], link, n, warmup, busy_s, a, b)))
+                marks = _transfer_step(rank, xs[0], link, n, warmup, busy_s, a, b)
+                results["p2p"].append((size, _rendezvous_mean(marks, world)))
             # (call, calls per timing); on CPU p2p is the transfer step timed above
             ops = {} if link is not None else {"p2p": (lambda xs=xs: ping(xs[0]), 1)}
             ops |= {
@@ -202,8 +215,9 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
                 "all_gather": (lambda xs=xs, gs=gathered: [dist.all_gather(g, x) for g, x in zip(gs, xs)], BURST),
             }
             for name, (fn, calls) in ops.items():
-                ts = []
-                for i in range(warmup + repeats_for(size, repeats)):
+                n = warmup + repeats_for(size, repeats)
+                marks = torch.zeros(n, 2, dtype=torch.float64)  # [call, (arrival, completion)] s
+                for i in range(n):
                     dist.barrier()
                     if busy_s > 0:
                         _busy(busy_s, a, b)
@@ -211,9 +225,8 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
                     t0 = time.perf_counter()
                     fn()
                     sync()
-                    if i >= warmup:
-                        ts.append((time.perf_counter() - t0) / calls)
-                t = statistics.fmean(ts)
+                    marks[i] = torch.tensor([t0, time.perf_counter()], dtype=torch.float64)
+                t = _rendezvous_mean(marks[warmup:], world) / calls
                 results[name].append((size, t / 2 if name == "p2p" else t))
         if rank == 0:
             Path(out).write_text(json.dumps(results))
