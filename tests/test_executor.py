@@ -6,7 +6,9 @@ in-process (:func:`tag.executor.run_virtual`), so many plans are cheap to check.
 
 from __future__ import annotations
 
+import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -290,3 +292,19 @@ def test_packed_message_roundtrip():
     assert pack([one]) is one  # a single piece is sent as it is
     b1, (v1,) = packed_buffer([([6], torch.float32)], torch.device("cpu"))
     assert b1 is v1 and b1.shape == (6,)
+
+
+def test_validation_report_measures_its_own_reproducibility():
+    """The round-to-round Spearman is the median over pairs of rounds of the rank correlation
+    between their measured times: rounds 0 and 1 agree (1), round 2 reverses both (-1, -1)."""
+    from tag.executor.validate import ValidationRow, summarize_rows
+
+    rounds = [[1.0, 1.1, 3.0], [2.0, 2.1, 2.0], [3.0, 3.2, 1.0], [4.0, 4.3, 0.5]]
+    rows = [ValidationRow(f"p{i}", 1.0 + i, statistics.median(r), [], rounds_s=r) for i, r in enumerate(rounds)]
+    report = summarize_rows("m", "t", rows, {})
+    assert report.spearman == pytest.approx(1.0)
+    assert report.round_spearman == pytest.approx(-1.0)
+    assert "round-to-round Spearman" in report.table()
+    single = summarize_rows("m", "t", [ValidationRow(r.name, r.predicted_s, r.measured_s, [], rounds_s=r.rounds_s[:1])
+                                       for r in rows], {})
+    assert math.isnan(single.round_spearman) and "round-to-round" not in single.table()

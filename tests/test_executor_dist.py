@@ -189,7 +189,7 @@ def test_validate_interleaves_rounds_and_reports(tmp_path):
         assert len(r.rounds_s) == 2 and r.measured_s == pytest.approx(sum(r.rounds_s) / 2)
         assert len(r.predicted_rounds_s) == 2 and r.predicted_s == pytest.approx(sum(r.predicted_rounds_s) / 2)
         assert r.predicted_s > 0 and r.error >= 0
-    for k in range(2):  # one profile per round, the links measured once and shared
+    for k in range(2):  # stages and links profiled afresh every round
         profiles = list((tmp_path / "v" / "profiles" / f"round-{k}").glob("cpu-*/*.json"))
         assert any(p.name == "comm.json" for p in profiles) and len(profiles) == 2
     assert report.meta["profile_per_round"] is True
@@ -200,5 +200,6 @@ def test_validate_interleaves_rounds_and_reports(tmp_path):
     assert [r.predicted_rounds_s for r in again.rows] == [r.predicted_rounds_s for r in report.rows]
     assert [r.rounds_s for r in again.rows] == [r.rounds_s for r in report.rows]
     assert again.meta["repredicted"] is True
+    assert -1.0 <= report.round_spearman <= 1.0 and again.round_spearman == report.round_spearman
     assert (tmp_path / "v" / "runs" / "single-0" / "round-1" / "result.json").is_file()
     assert (tmp_path / "v" / "validation.json").is_file() and (tmp_path / "v" / "scatter.png").is_file()

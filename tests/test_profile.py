@@ -75,6 +75,41 @@ def test_profile_under_background_load(captured):
     assert prof.meta["corun"] == 1 and all(t > 0 for row in prof.fwd for t in row)
 
 
+_KILLED_PROFILER = """
+import os
+from tag.cost.profiler import CoRunners
+if __name__ == "__main__":
+    load = CoRunners(1, "mlp", 0, 1).__enter__()
+    load.set_batch(2)
+    print(load._procs[0].pid, flush=True)
+    os._exit(0)  # killed mid-profile: no __exit__, the stop event is never set
+"""
+
+
+def test_background_load_ends_with_a_killed_profiler(tmp_path):
+    """A profiler killed while it times (Ctrl-C twice, an OOM kill, a cancelled job) leaves no
+    background process computing on: the load notices that its parent is gone."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_PROFILER)
+    with subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True) as proc:
+        pid = int(proc.stdout.readline())  # (the orphan would hold the pipe open: no read to EOF)
+        assert proc.wait(timeout=120) == 0
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        pytest.fail(f"background load {pid} outlived its profiler by 30 s")
+
+
 def test_stage_assignment_keeps_tuples_together(captured):
     g = captured("resnet").graph
     assign = stage_assignment(g)

@@ -264,17 +264,20 @@ def time_optimizer(graph, it: RunnableIteration, sync, clock, repeats: int,
     return [max(0.0, t - overhead) if t > 0 else 0.0 for t in per_group], overhead
 
 
-def _corun_worker(spec: str, seed: int, threads: int, batch, stop, done, slot: int) -> None:
+def _corun_worker(spec: str, seed: int, threads: int, batch, stop, done, slot: int, parent: int) -> None:
     """Background load of :class:`CoRunners`: eager forward + backward of ``spec`` at the batch in
-    the shared value ``batch`` (0: idle) until ``stop`` is set; ``done[slot]`` is the batch of
-    the last finished iteration."""
+    the shared value ``batch`` (0: idle) until ``stop`` is set or the profiling process
+    ``parent`` is gone (killed, it cannot set ``stop``: the load would spin on, an orphan);
+    ``done[slot]`` is the batch of the last finished iteration."""
+    import os
+
     torch.set_num_threads(threads)
     from ..workloads import load_workload
 
     tune_malloc()
     wl = load_workload(spec, seed=seed)
     inputs: dict[int, tuple] = {}
-    while not stop.is_set():
+    while not stop.is_set() and os.getppid() == parent:
         b = batch.value
         if b <= 0:
             time.sleep(0.005)
@@ -295,13 +298,14 @@ class CoRunners:
 
     def __init__(self, n: int, spec: str, seed: int, threads: int):
         import multiprocessing as mp
+        import os
 
         ctx = mp.get_context("spawn")
         self._batch = ctx.Value("i", 0)
         self._done = ctx.Array("i", n)
         self._stop = ctx.Event()
         self._procs = [ctx.Process(target=_corun_worker, daemon=True,
-                                   args=(spec, seed, threads, self._batch, self._stop, self._done, i))
+                                   args=(spec, seed, threads, self._batch, self._stop, self._done, i, os.getpid()))
                        for i in range(n)]
 
     def set_batch(self, b: int, timeout_s: float = 300.0) -> None:

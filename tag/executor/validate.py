@@ -87,6 +87,11 @@ class ValidationReport:
     mape_median_pct: float
     spearman: float
     meta: dict = field(default_factory=dict)
+    round_spearman: float = math.nan
+    """The measurement's own reproducibility: median over every pair of rounds of the Spearman
+    correlation between their measured times (NaN with one round). A simulator cannot rank the
+    plans against one round better than another round of the same executions does; on a noisy
+    host it says how many rounds a rank correlation needs."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -100,6 +105,9 @@ class ValidationReport:
             lines.append(f"{r.name:<12} {r.predicted_s * 1e3:>13.2f} {r.measured_s * 1e3:>12.2f} {r.error:>8.1f}")
         lines.append(f"median |error| {self.mape_median_pct:.1f}%   Spearman {self.spearman:.3f}   "
                      f"({len(self.rows)} plans)")
+        if math.isfinite(self.round_spearman):
+            lines.append(f"round-to-round Spearman of the measurements (median over pairs of rounds) "
+                         f"{self.round_spearman:.3f}")
         return "\n".join(lines)
 
 
@@ -109,7 +117,11 @@ def summarize_rows(model: str, topology: str, rows: list[ValidationRow], meta: d
     mape = statistics.median(r.error for r in rows) if rows else math.nan
     rho = float(spearmanr([r.predicted_s for r in rows], [r.measured_s for r in rows]).statistic) \
         if len(rows) >= 3 else math.nan
-    return ValidationReport(model, topology, rows, mape, rho, meta)
+    n = min((len(r.rounds_s) for r in rows), default=0)
+    pairs = [float(spearmanr([r.rounds_s[i] for r in rows], [r.rounds_s[j] for r in rows]).statistic)
+             for i in range(n) for j in range(i + 1, n)] if len(rows) >= 3 else []
+    return ValidationReport(model, topology, rows, mape, rho, meta,
+                            round_spearman=statistics.median(pairs) if pairs else math.nan)
 
 
 def scatter_plot(report: ValidationReport, path: str | Path) -> None:
@@ -156,9 +168,11 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     communication costs first where ``profile_dir`` has none for this graph and device type (the
     simulator otherwise falls back to the datasheet roofline). ``rounds``: executions of every
     plan, interleaved (the median is reported). With several rounds and no ``profile_dir``, every
-    round first profiles the graph afresh into ``<out_dir>/profiles/round-<r>`` and predicts its
-    executions from that: this VM's speed drifts by 20-30% over minutes, and a profile taken
-    once at the start says little about executions ten minutes later. Each round runs the plans
+    round first profiles the graph and gloo afresh into ``<out_dir>/profiles/round-<r>`` and
+    predicts its executions from that: this VM's speed drifts by 20-30% over minutes, and a
+    profile taken once at the start says little about executions ten minutes later. (Links too:
+    four gloo profiles taken within minutes priced vgg's 2.6 MiB all-reduce at 1.61 to 2.06 ms,
+    which moves every synchronising plan alike against the single-device ones.) Each round runs the plans
     in its own shuffled order (seeded), so no plan always runs at the same point of a drift.
     """
     if rounds < 1:
@@ -188,11 +202,7 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     predicted: dict[str, list[float]] = {name: [] for name, _ in plans}
     for r in range(rounds):
         proot = _profile_root(root, r, per_round)
-        if per_round:
-            for comm in (root / "round-0").glob("*/comm.json") if r else ():  # links: measured once
-                dest = proot / comm.parent.name / "comm.json"
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(comm.read_bytes())
+        if per_round:  # stages and links: one profile's noise would shift every plan of its kind alike
             log_fn(f"round {r + 1}/{rounds}: profiling afresh")
             ensure_profiles(model, cap, topology, log_fn, proot)
         order = list(plans)
