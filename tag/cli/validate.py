@@ -23,7 +23,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the varied plans")
     p.add_argument("--rounds", type=int, default=1,
                    help="execute every plan this many times, interleaved, and report the median (default 1; "
-                        "use 3+ on a shared machine whose speed drifts)")
+                        "use 5+ on a shared machine whose speed drifts: the report gives the rounds' own "
+                        "round-to-round Spearman)")
     p.add_argument("--no-profile", action="store_true",
                    help="do not profile missing op-group/communication costs first")
     p.add_argument("--profile-dir", default=None,
