@@ -22,8 +22,8 @@ hands over from a stage).
 * ``all_reduce``, ``reduce``, ``broadcast``: one gradient sync as a CPU rank runs it
   (:func:`_bucketed`): per-group flattening into one bucket, the collective, the sums copied back
   (a parameter server's reduce carries the first copies, its broadcast back the last; ``ps`` times
-  the two as one sync, the way the executor runs it), one call after a barrier (the executor coalesces a CPU rank's syncs into one bucket per replica set,
-  docs/DESIGN.md).
+  the two as one sync, the way the executor runs it), one call after a barrier (the executor
+  coalesces a CPU rank's syncs into one bucket per replica set, docs/DESIGN.md).
 * ``all_gather`` (SFB factors, gathered one after the other): a burst of :data:`BURST` calls on
   distinct buffers back to back, per call.
 
@@ -215,9 +215,9 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
                 "all_gather": (lambda xs=xs, gs=gathered: [dist.all_gather(g, x) for g, x in zip(gs, xs)], BURST),
             }
             for name, (fn, calls) in ops.items():
-                n = warmup + repeats_for(size, repeats)
-                marks = torch.zeros(n, 2, dtype=torch.float64)  # [call, (arrival, completion)] s
-                for i in range(n):
+                total = warmup + repeats_for(size, repeats)
+                marks = torch.zeros(total, 2, dtype=torch.float64)  # [call, (arrival, completion)] s
+                for i in range(total):
                     dist.barrier()
                     if busy_s > 0:
                         _busy(busy_s, a, b)

@@ -288,11 +288,11 @@ class CommModel:
         """Measured gloo all-gather (2 processes) of the fitted CPU devices, if profiled."""
         self.reduce_fit = reduce_fit
         self.broadcast_fit = broadcast_fit
+        """Measured gloo reduce / broadcast (2 processes): a parameter server among fitted CPU
+        devices of one machine is costed by them (:meth:`ps_time`) where :attr:`ps_fit` is missing."""
         self.ps_fit = ps_fit
         """Measured parameter-server sync (reduce then broadcast back, one call; None in older
         profiles: :meth:`ps_time` then adds the reduce and broadcast fits)."""
-        """Measured gloo reduce / broadcast (2 processes): a parameter server among fitted CPU
-        devices of one machine is costed by them (:meth:`ps_time`)."""
         self._fitted = fitted_devices
         self.machine_of = [topology.machine_of(d) for d in range(topology.num_devices)]
 
@@ -378,12 +378,12 @@ class CommModel:
             return 0.0
         rf, bf, pf = self.reduce_fit, self.broadcast_fit, self.ps_fit
         members = workers + [server]
-        if ((pf is not None or (rf is not None and bf is not None)) and all(d in self._fitted for d in members)
-                and len({self.machine_of[d] for d in members}) == 1):
+        if all(d in self._fitted for d in members) and len({self.machine_of[d] for d in members}) == 1:
             n = len(workers)
             if pf is not None:
                 return pf.alpha + n * nbytes / pf.beta
-            return rf.alpha + n * nbytes / rf.beta + bf.alpha + n * nbytes / bf.beta
+            if rf is not None and bf is not None:
+                return rf.alpha + n * nbytes / rf.beta + bf.alpha + n * nbytes / bf.beta
         push = max(self._lat[w][server] for w in workers) + sum(nbytes / self._bw[w][server] for w in workers)
         pull = max(self._lat[server][w] for w in workers) + sum(nbytes / self._bw[server][w] for w in workers)
         return push + pull

@@ -172,8 +172,9 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     predicts its executions from that: this VM's speed drifts by 20-30% over minutes, and a
     profile taken once at the start says little about executions ten minutes later. (Links too:
     four gloo profiles taken within minutes priced vgg's 2.6 MiB all-reduce at 1.61 to 2.06 ms,
-    which moves every synchronising plan alike against the single-device ones.) Each round runs the plans
-    in its own shuffled order (seeded), so no plan always runs at the same point of a drift.
+    which moves every synchronising plan alike against the single-device ones.) Each round runs
+    the plans in its own shuffled order (seeded), so no plan always runs at the same point of a
+    drift.
     """
     if rounds < 1:
         raise ValueError(f"rounds: expected a positive integer, got {rounds}")
