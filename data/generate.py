@@ -135,8 +135,12 @@ def label_pair(gdir: Path, spec: PairSpec, cfg: GenConfig, prior=None, simulator
     recs = []
     for d in decisions:
         best = float(tree.best[d.node])
+        # reward of each child's own completed plan (None: not evaluated, or cut by the value head)
+        child_reward = [ev.reward(tree.feedback[c].iteration_time_s, tree.feedback[c].oom)
+                        if c >= 0 and tree.feedback[c] is not None else None for c in tree.children[d.node]]
         recs.append({
             "assign": d.assign.tolist(), "group": int(d.group), "visits": np.round(d.visits, 6).tolist(),
+            "child_reward": child_reward,
             "value": reward_to_value(best if np.isfinite(best) else -1.0),
             "best_reward": best if np.isfinite(best) else -1.0,
             "feedback": {"util": d.feedback.device_util.tolist(), "mem": d.feedback.device_mem.tolist(),

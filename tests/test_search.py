@@ -80,7 +80,19 @@ def test_every_action_materialises_a_valid_group_plan(space, graph, topo):
 def test_decision_order_and_defaults(space):
     k = space.num_groups
     t = space.costs.group_time_full[:, int(np.argmax(space.costs.device_speed))]
-    assert all(t[a] >= t[b] for a, b in zip(space.order, space.order[1:]))
+    stake = space.stake_s
+    assert all(stake[a] >= stake[b] for a, b in zip(space.order, space.order[1:]))
+    # the stake is the compute plus the all-reduce of the group's gradients over every device
+    sync = stake - t
+    weights = space.costs.param_bytes > 0
+    assert np.all(sync[~weights] == 0) and np.all(sync[weights] > 0)
+    devices = list(range(space.num_devices))
+    g = int(np.argmax(space.costs.param_bytes))
+    assert sync[g] == pytest.approx(space.cost_model.comm.allreduce_time(devices, space.costs.param_bytes[g]))
+    # without a cost model the slowest link prices the same ring (same order of magnitude)
+    from tag.search.space import decision_stake
+    rough = decision_stake(space.costs, space.topology) - t
+    assert np.all(rough[~weights] == 0) and np.all(rough[weights] > 0)
     assert space.resolve(np.full(k, -1)) == (space.default_action,) * k
     assign = np.full(k, -1)
     assign[1], assign[k - 1] = 3, 5
@@ -127,7 +139,10 @@ def test_mcts_visits_and_determinism(space, graph, topo):
     r1, ev1 = run(0)
     r2, _ = run(0)
     assert r1.stats.playouts == 40
-    assert r1.tree.visits[0] == 41  # root evaluation + playouts
+    # every playout proposed a plan not simulated before (the root's own plan is the first);
+    # a playout that completed to an already simulated plan was walked but not counted
+    assert ev1.sim_calls - 2 == 40  # minus the two data-parallel baselines
+    assert r1.tree.visits[0] == 40 + r1.stats.repeats
     assert r1.actions == r2.actions and r1.time_s == r2.time_s
     assert r1.time_s <= min(ev1.dp_even_out.time_s, ev1.dp_prop_out.time_s)
 
@@ -202,6 +217,7 @@ def test_baseline_searchers(fn, space, graph, topo):
     best0 = ev.best_time
     st = fn(space, ev, np.random.default_rng(0), playouts=15)
     assert st.playouts == 15 and ev.best_time <= best0
+    assert ev.sim_calls - 2 == 15  # a playout is a plan not simulated before, as in MCTS
 
 
 class _DPWins:
@@ -302,3 +318,15 @@ def test_symmetric_first_decisions_are_merged(graph):
     # asymmetric clusters keep every action
     asym = ActionSpace(graph, _topo([("T4", 2), ("A100-40GB", 2)]))
     assert len(set(asym.root_canonical.tolist())) == asym.num_actions
+
+
+def test_repeated_plans_are_walked_but_an_exhausted_space_ends(graph):
+    one = _topo([("T4", 1)])  # a single device: every playout completes to the same plan
+    sp = ActionSpace(graph, one)
+    ev = Evaluator(sp, ToySimulator(graph, one, sp.costs))
+    cfg = MCTSConfig(batch=4, repeat_limit=2.0)
+    r = mcts_search(sp, ev, uniform_prior, np.random.default_rng(0), playouts=10, cfg=cfg)
+    assert r.stats.playouts == 1 and ev.sim_calls - 2 == 1
+    assert 2.0 * 10 < r.stats.repeats <= 2.0 * 10 + 10 + cfg.batch  # then repeats counted too
+    with pytest.raises(ValueError, match="repeat_limit"):
+        MCTSConfig(repeat_limit=-1)

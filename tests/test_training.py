@@ -63,6 +63,26 @@ def test_generation_writes_records_and_resumes(dataset_dir):
     assert json.loads(raw[1].read_text())["pair"] == rec["pair"] or raw[1].exists()
 
 
+def test_policy_target_sharpens_visits_towards_the_best_child(dataset_dir):
+    import numpy as np
+
+    from data.dataset import PolicyTarget
+    d = {"visits": [0.5, 0.25, 0.25, 0.0], "child_reward": [0.10, 0.20, 0.20 * 0.99 - 0.01, None]}
+    assert PolicyTarget(mix=0)(d) == d["visits"]
+    pi = np.array(PolicyTarget(mix=0.5, tau=0.01)(d))
+    assert pi.sum() == pytest.approx(1.0) and pi[3] == 0.0
+    # child 1's own plan is the fastest: it gains; child 2 is 1% slower (log1p: -0.01): 1/e of it
+    assert pi[1] > 0.25 and pi[0] < 0.5
+    w = np.exp((np.log1p([0.10, 0.20, 0.20 * 0.99 - 0.01]) - np.log1p(0.20)) / 0.01)
+    assert pi[:3] == pytest.approx(0.5 * np.array(d["visits"][:3]) + 0.5 * w / w.sum())
+    assert PolicyTarget()({"visits": [1.0, 0.0]}) == [1.0, 0.0]  # records from before child_reward
+    with pytest.raises(ValueError, match="target.tau"):
+        PolicyTarget(tau=0)
+    rec = json.loads(sorted((dataset_dir / "raw").glob("*.json"))[0].read_text())["decisions"][0]
+    assert len(rec["child_reward"]) == len(rec["visits"])
+    assert all(r is not None for r, v in zip(rec["child_reward"], rec["visits"]) if v > 0)
+
+
 def test_dataset_and_fit_resume(dataset_dir, tmp_path):
     ds = PlanDataset(dataset_dir)
     assert len(ds) >= 3 and ds[0].normalised

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from data.dataset import PolicyTarget
 from data.generate import GenConfig
 from tag.errors import TagError
 from tag.gnn.model import NetConfig
@@ -65,6 +66,8 @@ class LoopConfig:
     """Labelling (``gen.samples`` is overridden per round)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Fitting."""
+    target: PolicyTarget = field(default_factory=PolicyTarget)
+    """How the policy targets are made from the labelling searches."""
     wandb: str = "offline"
     """``offline`` (default; logs under ``run_dir/wandb``), ``online`` or ``disabled``."""
     project: str = "tag-predictor"
@@ -94,7 +97,8 @@ class LoopConfig:
                 raise ConfigError(f"{source}: {k}: unknown field; expected one of {sorted(known)}")
         kw = dict(d)
         try:
-            for key, typ in (("net", NetConfig), ("gen", GenConfig), ("train", TrainConfig)):
+            for key, typ in (("net", NetConfig), ("gen", GenConfig), ("train", TrainConfig),
+                             ("target", PolicyTarget)):
                 if key in kw and isinstance(kw[key], dict):
                     sub = {f.name for f in fields(typ)}
                     bad = sorted(set(kw[key]) - sub)

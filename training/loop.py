@@ -72,13 +72,13 @@ class Logger:
             self.run.finish()
 
 
-def _datasets(run_dir: Path, rounds: int):
+def _datasets(run_dir: Path, rounds: int, target):
     from torch.utils.data import ConcatDataset
 
     from data.dataset import PlanDataset, split
     trains, vals = [], []
     for r in range(rounds):
-        ds = PlanDataset(run_dir / f"round{r}")
+        ds = PlanDataset(run_dir / f"round{r}", target=target)
         tr, va = split(ds, 0.1, seed=r)
         trains.append(tr)
         vals.append(va)
@@ -106,7 +106,7 @@ def run_loop(cfg: LoopConfig, *, progress: bool = True) -> Path:
             stats = generate(rdir, gen, str(prev) if prev is not None else None, progress=progress,
                              graphs=run_dir / "graphs")
             log({"round": r, "stage": "generate", **stats, "gen_seconds": time.perf_counter() - t0})
-            train_set, val_set = _datasets(run_dir, r + 1)
+            train_set, val_set = _datasets(run_dir, r + 1, cfg.target)
             net = load_net(prev)[0] if prev is not None else TagNet(cfg.net)
             if prev is None:
                 torch.manual_seed(cfg.train.seed)

@@ -15,7 +15,7 @@ def register(sub) -> None:
     add_model_args(p)
     p.add_argument("--topology", required=True, help="topology YAML/JSON file or shipped topology name")
     p.add_argument("--budget", type=int, default=None, metavar="N",
-                   help="search budget in playouts (default 200 unless --time is given)")
+                   help="search budget in playouts: plans proposed and not simulated before (default 200 unless --time is given)")
     p.add_argument("--time", type=float, default=None, metavar="S", help="search time limit in seconds (after set-up; at least one wave of playouts runs)")
     p.add_argument("--prior", choices=["gnn", "uniform"], default="gnn", help="MCTS prior (default gnn)")
     p.add_argument("--searcher", choices=["mcts", "sa", "random", "tpe"], default="mcts",

@@ -45,7 +45,9 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
         searcher: ``mcts`` (default), ``sa`` (simulated annealing), ``random`` or ``tpe`` (optuna).
         prior: MCTS prior: ``gnn`` (the trained predictor; also its value head at leaves) or
             ``uniform``.
-        budget: playouts (proposed plans). Default :data:`DEFAULT_PLAYOUTS` unless ``time_limit``.
+        budget: playouts: proposed plans not simulated before (a plan proposed again is a free
+            repeat; see :mod:`tag.search.mcts`). Default :data:`DEFAULT_PLAYOUTS` unless
+            ``time_limit``.
         time_limit: wall-clock seconds for the search after set-up (with ``budget``: whichever
             ends first); at least one wave of playouts runs.
         seed: seeds the searcher's ``numpy.random.Generator``; same seed -> same plan.
@@ -110,7 +112,7 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
     p.predicted_iteration_time_s = None if best.oom else best.time_s
     p.meta = {
         "searcher": searcher, "prior": prior if searcher == "mcts" else None, "seed": seed,
-        "playouts": stats.playouts, "sim_calls": ev.sim_calls, "value_cuts": stats.value_cuts,
+        "playouts": stats.playouts, "sim_calls": ev.sim_calls, "value_cuts": stats.value_cuts, "repeats": stats.repeats,
         "search_time_s": search_s, "first_beat_dp_playout": stats.first_beat_dp,
         "source": ev.best_source, "oom": best.oom,
         "dp_even_time_s": None if ev.dp_even_out.oom else ev.dp_even_out.time_s,

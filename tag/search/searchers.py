@@ -2,7 +2,8 @@
 
 Each is ``searcher(space, evaluator, rng, *, playouts, deadline) -> SearchStats`` and leaves the
 best plan in the evaluator (every one starts from the two data-parallel baselines). A *playout*
-is one proposed plan (one simulator call unless the plan was seen before).
+is one proposed plan not simulated before (one simulator call); proposing a plan seen before is a
+repeat, free up to :data:`tag.search.mcts.REPEAT_LIMIT` x the budget of them, as in MCTS.
 
 * :func:`random_search` - a uniformly random depth ``d`` and random actions for the first ``d``
   groups in decision order, the rest completed by the defaults (the distribution of MCTS leaves
@@ -20,28 +21,40 @@ import time
 
 import numpy as np
 
-from .evaluate import Evaluator
+from .evaluate import Evaluator, Outcome
 from .mcts import SearchStats
 from .space import ActionSpace
 
 
-def _note(stats: SearchStats, evaluator: Evaluator, reward: float) -> None:
+def _propose(stats: SearchStats, evaluator: Evaluator, actions: tuple) -> Outcome:
+    """Score a full action tuple; a plan simulated before is counted as a repeat."""
+    if actions in evaluator.cache:
+        stats.repeats += 1
+        return evaluator.cache[actions]
+    out = evaluator.evaluate(actions)
     stats.playouts += 1
-    if stats.first_beat_dp is None and reward > 1e-9:
+    if stats.first_beat_dp is None and out.reward > 1e-9:
         stats.first_beat_dp = stats.playouts
+    return out
+
+
+def _more(stats: SearchStats, playouts: int, deadline: float) -> bool:
+    """Whether budget and time are left (the first proposal is always made)."""
+    if stats.playouts + stats.repeats == 0:
+        return True
+    return stats.spent(playouts) < playouts and time.perf_counter() < deadline
 
 
 def random_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generator, *, playouts: int,
                   deadline: float = math.inf) -> SearchStats:
     stats = SearchStats()
     k = space.num_groups
-    while stats.playouts < playouts and (stats.playouts == 0 or time.perf_counter() < deadline):
+    while _more(stats, playouts, deadline):
         d = int(rng.integers(1, k + 1))
         assign = np.full(k, -1, np.int64)
         acts = rng.integers(0, space.num_actions, size=d)
         assign[np.asarray(space.order[:d])] = acts
-        _, out = evaluator.evaluate_partial(assign)
-        _note(stats, evaluator, out.reward)
+        _propose(stats, evaluator, space.resolve(assign))
     return stats
 
 
@@ -55,11 +68,10 @@ def simulated_annealing(space: ActionSpace, evaluator: Evaluator, rng: np.random
         return math.log(evaluator.t_ref) + 5.0 if out.reward <= -1 else math.log(out.time_s)
 
     cur = tuple([space.default_action] * k)
-    c_cur = cost(evaluator.evaluate(cur))
-    _note(stats, evaluator, evaluator.evaluate(cur).reward)
+    c_cur = cost(_propose(stats, evaluator, cur))
     n = max(playouts, 2)
-    while stats.playouts < playouts and (stats.playouts == 0 or time.perf_counter() < deadline):
-        frac = stats.playouts / (n - 1)
+    while _more(stats, playouts, deadline):
+        frac = min(1.0, stats.spent(playouts) / (n - 1))
         temp = t_start * (t_end / t_start) ** frac
         new = list(cur)
         act = int(rng.integers(a))
@@ -70,8 +82,7 @@ def simulated_annealing(space: ActionSpace, evaluator: Evaluator, rng: np.random
         else:
             new[int(rng.integers(k))] = act
         new_t = tuple(new)
-        out = evaluator.evaluate(new_t)
-        _note(stats, evaluator, out.reward)
+        out = _propose(stats, evaluator, new_t)
         c_new = cost(out)
         if c_new <= c_cur or rng.random() < math.exp(-(c_new - c_cur) / temp):
             cur, c_cur = new_t, c_new
@@ -88,11 +99,10 @@ def tpe_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generato
     choices = list(range(space.num_actions))
     # Seed the study with the proportional data-parallel plan (what the others start from).
     study.enqueue_trial({f"g{g}": space.default_action for g in range(space.num_groups)})
-    while stats.playouts < playouts and (stats.playouts == 0 or time.perf_counter() < deadline):
+    while _more(stats, playouts, deadline):
         trial = study.ask()
         acts = tuple(trial.suggest_categorical(f"g{g}", choices) for g in range(space.num_groups))
-        out = evaluator.evaluate(acts)
-        _note(stats, evaluator, out.reward)
+        out = _propose(stats, evaluator, acts)
         study.tell(trial, out.reward)
     return stats
 
