@@ -39,7 +39,8 @@ def summary(plan) -> dict:
         "groups": len(plan.groups), "searcher": m.get("searcher"), "prior": m.get("prior"),
         "seed": m.get("seed"), "predicted_iteration_time_s": plan.predicted_iteration_time_s,
         "oom": m.get("oom"), "dp_even_time_s": m.get("dp_even_time_s"), "dp_prop_time_s": m.get("dp_prop_time_s"),
-        "lower_bound_s": m.get("lower_bound_s"), "playouts": m.get("playouts"), "sim_calls": m.get("sim_calls"),
+        "lower_bound_s": m.get("lower_bound_s"), "playouts": m.get("playouts"), "repeats": m.get("repeats"),
+        "value_cuts": m.get("value_cuts"), "sim_calls": m.get("sim_calls"),
         "search_time_s": m.get("search_time_s"), "first_beat_dp_playout": m.get("first_beat_dp_playout"),
         "source": m.get("source"), "compression": m.get("compression"),
         "speedup_vs_dp_even": _ratio(m.get("dp_even_time_s"), plan.predicted_iteration_time_s),
@@ -121,7 +122,9 @@ def _print(graph, topo, p, args) -> None:
     print(f"plan for {graph.model} (batch {graph.batch_size}, {graph.num_groups} op-groups) on {topo.name} "
           f"({topo.num_devices} devices, {topo.num_machines} machines)")
     prior = f", prior {s['prior']}" if s["prior"] else ""
-    print(f"searcher {s['searcher']}{prior}: {s['playouts']} playouts, {s['sim_calls']} simulator calls, "
+    extra = "".join(f", {s[k]} {name}" for k, name in (("repeats", "repeats"), ("value_cuts", "cut by the value head"))
+                    if s.get(k))
+    print(f"searcher {s['searcher']}{prior}: {s['playouts']} playouts{extra}, {s['sim_calls']} simulator calls, "
           f"{s['search_time_s']:.2f} s (seed {s['seed']})")
     rows = []
     start = 0
