@@ -113,6 +113,10 @@ def test_config_validation_is_one_line(tmp_path):
         LoopConfig.from_dict({"gen": {"nope": 1}})
     with pytest.raises(ConfigError, match="playouts_per_step"):
         LoopConfig.from_dict({"gen": {"playouts_per_step": 0}})
+    with pytest.raises(ConfigError, match=r"target\.mix: expected in \[0, 1\], got 2"):
+        LoopConfig.from_dict({"target": {"mix": 2}})
+    cfg = LoopConfig.from_dict({"target": {"mix": 0.0, "tau": 0.02}})
+    assert LoopConfig.from_dict(cfg.to_dict()).target == cfg.target  # round-trips via config.json
     bad = tmp_path / "c.json"
     bad.write_text("{ nope")
     with pytest.raises(ConfigError) as e:
