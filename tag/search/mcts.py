@@ -27,8 +27,8 @@ whose completed plan was simulated before (a *repeat*: e.g. a group decided as t
 default already gave it) takes that plan's reward from the evaluator's cache, costs no simulator
 call and is not counted (``SearchStats.repeats``; at most ``MCTSConfig.repeat_limit`` x the
 budget of them, so an exhausted space ends). Otherwise two search variants given "50 playouts"
-would be given different numbers of simulated plans: a quarter to a third of GNN-guided
-playouts on the planner benchmark were such repeats.
+would be given different numbers of simulated plans (15 of GNN-MCTS's first 50 playouts on one
+planner-benchmark pair were repeats; `make demo`'s 200-playout search walks 80 more).
 
 Every simulated plan is a complete plan; the search returns the best one seen, which is never
 worse than the better data-parallel baseline (the evaluator scores both first).
