@@ -50,7 +50,8 @@ class PolicyTarget:
     plan at once, in units of log iteration time. Measured on 30 held-out random pairs (seed
     7777, training models on unseen clusters), GNN-MCTS at 50 playouts matched uniform-prior
     MCTS at 2,000 on 30 (geomean 0.998) with ``mix = 0.5`` and on 28 (1.0006) with visits
-    alone (``mix = 0``), two networks trained alike otherwise.
+    alone (``mix = 0``): two networks trained alike otherwise (the ``mix = 0`` one before fitting
+    went to one thread, so its float noise differs too).
     """
 
     mix: float = 0.5
