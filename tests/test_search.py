@@ -89,7 +89,7 @@ def test_decision_order_and_defaults(space):
     devices = list(range(space.num_devices))
     g = int(np.argmax(space.costs.param_bytes))
     assert sync[g] == pytest.approx(space.cost_model.comm.allreduce_time(devices, space.costs.param_bytes[g]))
-    # without a cost model the slowest link prices the same ring (same order of magnitude)
+    # without a cost model the topology's datasheet links price the same all-reduce
     from tag.search.space import decision_stake
     rough = decision_stake(space.costs, space.topology) - t
     assert np.all(rough[~weights] == 0) and np.all(rough[weights] > 0)

@@ -286,6 +286,12 @@ class SearchStats:
     """Error of the value head on every simulated leaf it predicted (and that fits in memory):
     ``log(t_sim / t_pred)`` (positive: optimistic)."""
 
+    def count_plan(self, reward: float | None) -> None:
+        """Count a proposed plan not simulated before (``reward`` None: cut by the value head)."""
+        self.playouts += 1
+        if self.first_beat_dp is None and reward is not None and reward > 1e-9:
+            self.first_beat_dp = self.playouts
+
     def spent(self, budget: int, repeat_limit: float = REPEAT_LIMIT, start: tuple[int, int] = (0, 0)) -> int:
         """Playouts of a ``budget`` used since ``start`` (``(playouts, repeats)`` then): every
         proposed plan not simulated before, and repeats beyond ``repeat_limit`` x ``budget``."""
@@ -337,7 +343,6 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
             tree.feedback[n] = seen.feedback
             val, sim = seen.reward, seen.reward
         else:
-            stats.playouts += 1
             simulate = (v is None or not cfg.value_cut or tree.depth[n] >= k
                         or len(stats.value_errors) < max(cfg.min_sims, 2))
             if not simulate:
@@ -349,9 +354,9 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
                 val, sim = outc.reward, outc.reward
                 if v is not None and v > -1.0 and outc.reward > -1.0:
                     stats.value_errors.append(math.log1p(v) - math.log1p(outc.reward))
-                if stats.first_beat_dp is None and outc.reward > 1e-9:
-                    stats.first_beat_dp = stats.playouts
+                stats.count_plan(outc.reward)
             else:
+                stats.count_plan(None)
                 stats.value_cuts += 1  # back up the bias-corrected prediction
                 val, sim = (math.expm1(math.log1p(v) - stats.value_error()[0]) if v > -1.0 else v), None
         if pending[i]:

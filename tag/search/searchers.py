@@ -32,9 +32,7 @@ def _propose(stats: SearchStats, evaluator: Evaluator, actions: tuple) -> Outcom
         stats.repeats += 1
         return evaluator.cache[actions]
     out = evaluator.evaluate(actions)
-    stats.playouts += 1
-    if stats.first_beat_dp is None and out.reward > 1e-9:
-        stats.first_beat_dp = stats.playouts
+    stats.count_plan(out.reward)
     return out
 
 

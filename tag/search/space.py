@@ -125,14 +125,11 @@ def decision_stake(costs: GroupCosts, topology, cost_model=None) -> np.ndarray:
     devices = list(range(topology.num_devices))
     if len(devices) > 1:
         if cost_model is not None:
-            sync = [cost_model.comm.allreduce_time(devices, float(b)) for b in costs.param_bytes]
-        else:  # no cost model: a ring over the slowest link of the cluster
-            from ..cost.comm import ring_allreduce_time
-            bw, lat = topology.bandwidth_matrix, topology.latency_matrix
-            off = ~np.eye(len(devices), dtype=bool)
-            sync = [ring_allreduce_time(len(devices), float(b), float(bw[off].min()), float(lat[off].max()))
-                    if b > 0 else 0.0 for b in costs.param_bytes]
-        t += np.asarray(sync)
+            comm = cost_model.comm
+        else:  # no cost model: the same collectives on the topology's datasheet links
+            from ..cost.model import CommModel
+            comm = CommModel.build(topology, {})
+        t += np.array([comm.allreduce_time(devices, float(b)) for b in costs.param_bytes])
     return t
 
 
