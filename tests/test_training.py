@@ -150,6 +150,11 @@ def test_tag_train_tiny_end_to_end(tmp_path, capsys):
     mtime = export.stat().st_mtime_ns
     assert main(["train", "--config", str(path), "--no-progress"]) == 0
     assert (run / "round1" / "predictor.pt").exists() and export.stat().st_mtime_ns == mtime
+    # exporting onto the run's own final checkpoint leaves it as it is
+    final = run / "predictor.pt"
+    before = final.read_bytes()
+    assert main(["train", "--config", str(path), "--no-progress", "--export", str(final)]) == 0
+    assert final.read_bytes() == before
 
 
 def test_tune_resumes_its_study(dataset_dir, tmp_path, monkeypatch):

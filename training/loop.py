@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 from data.generate import GenConfig, generate
 from tag.gnn.model import TagNet
 from tag.gnn.predictor import load_net, save_checkpoint
+from tag.io import write_atomic
 
 from .config import LoopConfig
 from .train import fit
@@ -121,9 +121,9 @@ def run_loop(cfg: LoopConfig, *, progress: bool = True) -> Path:
             save_checkpoint(done_flag, net, meta)
             save_checkpoint(final, net, meta)
             log({"round": r, "stage": "train", "train_seconds": time.perf_counter() - t0, **res["best"]})
-        if cfg.export:
+        if cfg.export and Path(cfg.export).resolve() != final.resolve():
             Path(cfg.export).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(final, cfg.export)
+            write_atomic(cfg.export, final.read_bytes())  # a killed copy never leaves half a file
     finally:
         log.close()
     return final
