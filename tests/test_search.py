@@ -21,7 +21,7 @@ from tag.search.mcts import (
     visit_distribution,
 )
 from tag.search.searchers import random_search, simulated_annealing, tpe_search
-from tag.search.space import device_subsets
+from tag.search.space import CUT_TIE, device_subsets
 from tag.search.toy import ToySimulator
 from tag.topology import load_topology
 
@@ -97,7 +97,16 @@ def test_decision_order_and_defaults(space):
     assign = np.full(k, -1)
     assign[1], assign[k - 1] = 3, 5
     res = space.resolve(assign)
-    assert res[0] == 3 and res[1] == 3 and res[2] == 3 and res[k - 1] == 5 and res[k - 2] == 5
+    assert res[0] == 3 and res[1] == 3 and res[k - 1] == 5
+    # the undecided run 2..k-2 is cut once, where the fewest bytes cross
+    cut = [b for b in range(1, k - 1) if res[b] == 3 and res[b + 1] == 5]
+    assert len(cut) == 1 and sorted(set(res)) == [3, 5]
+    crossing = [sum(nb for (g1, g2), nb in space.costs.flow.items() if min(g1, g2) <= b < max(g1, g2))
+                for b in range(1, k - 1)]
+    assert crossing[cut[0] - 1] <= min(crossing) * (1 + CUT_TIE)
+    # equal neighbours fill the run between them
+    assign[k - 1] = 3
+    assert space.resolve(assign) == (3,) * k
 
 
 def test_evaluator_scores_baselines_first_and_caches(space, graph, topo):
