@@ -339,3 +339,40 @@ def test_repeated_plans_are_walked_but_an_exhausted_space_ends(graph):
     assert 2.0 * 10 < r.stats.repeats <= 2.0 * 10 + 10 + cfg.batch  # then repeats counted too
     with pytest.raises(ValueError, match="repeat_limit"):
         MCTSConfig(repeat_limit=-1)
+
+
+def test_equivalent_actions_are_one_action(graph, topo):
+    """Actions that deploy a group identically (ps vs all-reduce without parameters, one-chunk
+    model parallelism, ...) share a representative, simulate identically and are searched once."""
+    from tag.sim import Simulator
+    sp = ActionSpace(graph, topo)
+    canon = sp.group_canonical
+    free = np.flatnonzero(sp.costs.param_bytes == 0)
+    assert len(free) > 0 and np.all(canon[np.arange(sp.num_groups)[:, None], canon] == canon)  # idempotent
+    for g in free:  # no gradients: a parameter server is an all-reduce
+        for a, act in enumerate(sp.actions):
+            if act.sync == "ps":
+                assert sp.actions[canon[g, a]].devices == act.devices and sp.actions[canon[g, a]].sync == "allreduce"
+    weighted = int(np.argmax(sp.costs.param_bytes))
+    assert {sp.actions[a].sync for a in set(canon[weighted].tolist())} == {"allreduce", "ps", "mp"}
+    sim = Simulator(graph, topo, sp.cost_model)
+    base = [sp.default_action] * sp.num_groups
+    for g in range(sp.num_groups):
+        for a in np.flatnonzero(canon[g] != np.arange(sp.num_actions)):
+            x, y = list(base), list(base)
+            x[g], y[g] = int(a), int(canon[g, a])
+            rx, ry = sim.run(sp.group_plans(x)), sim.run(sp.group_plans(y))
+            assert rx.iteration_time_s == ry.iteration_time_s and rx.peak_memory_bytes == ry.peak_memory_bytes
+    # plans are keyed by representatives: searchers see an equivalent plan as a repeat
+    x = list(base)
+    g = int(free[0])
+    x[g] = next(a for a, act in enumerate(sp.actions) if act.sync == "ps")
+    assert sp.resolve(np.array(x)) == sp.canonical(x) != tuple(x)
+    # MCTS gives no prior to a non-representative action
+    ev = Evaluator(sp, ToySimulator(graph, topo, sp.costs))
+    r = mcts_search(sp, ev, uniform_prior, np.random.default_rng(0), playouts=30)
+    tree = r.tree
+    for n in range(1, tree.size):
+        if tree.expanded[n] and tree.depth[n] < sp.num_groups:
+            gd = sp.order[tree.depth[n]]
+            assert np.all(tree.prior[n][canon[gd] != np.arange(sp.num_actions)] == 0)

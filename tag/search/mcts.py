@@ -69,9 +69,12 @@ PriorFn = Callable[[ActionSpace, Sequence[SearchState]], tuple[np.ndarray, np.nd
 
 
 def uniform_prior(space: ActionSpace, states: Sequence[SearchState]) -> tuple[np.ndarray, np.ndarray]:
-    """Uniform prior over every action, no value (MCTS without a network)."""
-    n = len(states)
-    return np.full((n, space.num_actions), 1.0 / space.num_actions), np.full(n, np.nan)
+    """Uniform prior over the distinct deployments of each state's group (one action per class
+    of :attr:`ActionSpace.group_canonical`), no value (MCTS without a network)."""
+    a = np.arange(space.num_actions)
+    p = np.stack([(space.group_canonical[st.group] == a) if st.group >= 0 else np.ones(space.num_actions, bool)
+                  for st in states]).astype(np.float64)
+    return p / p.sum(axis=1, keepdims=True), np.full(len(states), np.nan)
 
 
 @dataclass
@@ -363,6 +366,7 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
             p = np.asarray(priors[i], dtype=np.float64)
             p = np.where(np.isfinite(p) & (p > 0), p, 0.0)
             p = p / p.sum() if p.sum() > 0 else np.full(space.num_actions, 1.0 / space.num_actions)
+            p = space.canonical_prior(states[i].group, p)  # equivalent actions are one action
             if tree.depth[n] == 0:  # symmetric first decisions are one decision
                 p = space.canonical_root_prior(p)
             if n == root and cfg.dirichlet > 0:

@@ -28,6 +28,7 @@ from .space import ActionSpace
 
 def _propose(stats: SearchStats, evaluator: Evaluator, actions: tuple) -> Outcome:
     """Score a full action tuple; a plan simulated before is counted as a repeat."""
+    actions = evaluator.space.canonical(actions)
     if actions in evaluator.cache:
         stats.repeats += 1
         return evaluator.cache[actions]

@@ -30,6 +30,16 @@ identical machines with identical links) maps onto each other give plans of iden
 keeps one representative per class at the root (:attr:`ActionSpace.root_canonical`), e.g. 13
 instead of 49 first decisions on four identical 2-GPU machines.
 
+**Equivalent actions.** Two actions can deploy one group identically: ``ps`` and
+``allreduce`` on a group without parameters (half of GPT-2's groups: nothing to synchronise) or
+on a single device, ``mp`` cut into one chunk and a single replica, ``mp`` over subsets whose
+fastest devices coincide. :attr:`ActionSpace.group_canonical` maps each to its lowest-index
+equivalent; completed plans are keyed by those representatives (:meth:`ActionSpace.canonical`),
+so no searcher simulates one deployment twice, and MCTS moves their prior mass onto the
+representative (:meth:`ActionSpace.canonical_prior`). On gpt2 (64 groups) over
+``cluster-16gpu-4m`` a group has 29 distinct actions of 49 on average, on VGG-16 over
+``mixed-a100-v100`` 7 of 11.
+
 **Defaults.** Before any decision every group takes :attr:`ActionSpace.default_action` (all
 devices, all-reduce, proportional shares). After, a partial plan is completed along program
 order: undecided groups before the first decided group follow it, those after the last follow
@@ -231,6 +241,37 @@ class ActionSpace:
         """``prior`` with the mass of root-equivalent actions moved onto their representative."""
         return np.bincount(self.root_canonical, weights=prior, minlength=self.num_actions)
 
+    @cached_property
+    def group_canonical(self) -> np.ndarray:
+        """[K, A] the lowest-index action that deploys group ``g`` exactly as action ``a`` does.
+
+        Different actions can mean the same deployment of one group: ``ps`` and ``allreduce`` on a
+        group without parameters (nothing to synchronise) or on one device, ``mp`` cut into one
+        chunk and a single replica on that device, and ``mp`` over two subsets whose fastest
+        devices are the same (VGG's convolutions, GPT-2's attention and activation groups: half of
+        GPT-2's 64 groups hold no parameters). Searching both would simulate one plan twice."""
+        k, a = self.num_groups, self.num_actions
+        out = np.empty((k, a), dtype=np.int64)
+        for g in range(k):
+            first: dict = {}
+            for x in range(a):
+                out[g, x] = first.setdefault(self._deployment_key(g, x), x)
+        return out
+
+    def _deployment_key(self, g: int, a: int) -> tuple:
+        gp = self.group_plan(g, a)
+        sync, server, splits = gp.sync, gp.server, tuple(gp.mp_splits or ())
+        if sync == "mp" and len(gp.devices) == 1:
+            sync, splits = "allreduce", ()  # one chunk on one device: a single replica
+        if sync != "mp" and (len(gp.devices) == 1 or self.costs.param_bytes[g] == 0):
+            sync, server = "allreduce", None  # no gradients to synchronise
+        return tuple(gp.devices), tuple(round(x, 12) for x in gp.shares), sync, server, splits
+
+    def canonical_prior(self, g: int, prior: np.ndarray) -> np.ndarray:
+        """``prior`` over group ``g``'s actions with the mass of equivalent actions moved onto
+        their representative (see :attr:`group_canonical`)."""
+        return np.bincount(self.group_canonical[g], weights=prior, minlength=self.num_actions)
+
     # ------------------------------------------------------------------ masks
     @cached_property
     def membership(self) -> np.ndarray:
@@ -269,6 +310,8 @@ class ActionSpace:
         decided = [g for g in range(k) if assign[g] >= 0]
         if not decided:
             return (self.default_action,) * k
+        if len(decided) == k:
+            return self.canonical(assign)
         out = [int(assign[decided[0]])] * k  # groups before the first decided one follow it
         for left, right in zip(decided, decided[1:] + [k]):
             a = int(assign[left])
@@ -278,7 +321,12 @@ class ActionSpace:
             out[left:right] = [a] * (right - left)
             b = self._gap_cut(left, right)
             out[b + 1:right] = [int(assign[right])] * (right - b - 1)
-        return tuple(out)
+        return self.canonical(out)
+
+    def canonical(self, actions) -> tuple[int, ...]:
+        """``actions`` with each group's action replaced by the representative of its
+        equivalents (:attr:`group_canonical`): the key under which a plan is simulated once."""
+        return tuple(int(a) for a in self.group_canonical[np.arange(self.num_groups), np.asarray(actions)])
 
     def _gap_cut(self, left: int, right: int) -> int:
         """Cut ``b`` (``left <= b < right``) between two decided groups with different actions:
