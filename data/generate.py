@@ -234,6 +234,8 @@ def generate(root: str | os.PathLike, cfg: GenConfig, net_path: str | None = Non
                 errors += err is not None
                 if bar:
                     bar.update(1)
+            pool.close()  # let the workers exit: the context manager alone terminates them, and a
+            pool.join()   # worker killed that way leaks a semaphore (a warning at shutdown)
     if bar:
         bar.close()
     done = len(list((root / "raw").glob("*.json")))
