@@ -246,10 +246,10 @@ class ActionSpace:
         """[K, A] the lowest-index action that deploys group ``g`` exactly as action ``a`` does.
 
         Different actions can mean the same deployment of one group: ``ps`` and ``allreduce`` on a
-        group without parameters (nothing to synchronise) or on one device, ``mp`` cut into one
-        chunk and a single replica on that device, and ``mp`` over two subsets whose fastest
-        devices are the same (VGG's convolutions, GPT-2's attention and activation groups: half of
-        GPT-2's 64 groups hold no parameters). Searching both would simulate one plan twice."""
+        group without parameters (nothing to synchronise; half of GPT-2's 64 groups) or on one
+        device, ``mp`` cut into one chunk and a single replica on that device, and ``mp`` over two
+        subsets whose fastest devices are the same. Searching both would simulate one deployment
+        twice; the simulator gives such pairs identical times and peak memory (tested)."""
         k, a = self.num_groups, self.num_actions
         out = np.empty((k, a), dtype=np.int64)
         for g in range(k):
@@ -314,13 +314,10 @@ class ActionSpace:
             return self.canonical(assign)
         out = [int(assign[decided[0]])] * k  # groups before the first decided one follow it
         for left, right in zip(decided, decided[1:] + [k]):
-            a = int(assign[left])
-            if right == k or int(assign[right]) == a or right - left == 1:
-                out[left:right] = [a] * (right - left)  # ... and after the last one likewise
-                continue
-            out[left:right] = [a] * (right - left)
-            b = self._gap_cut(left, right)
-            out[b + 1:right] = [int(assign[right])] * (right - b - 1)
+            out[left:right] = [int(assign[left])] * (right - left)  # after the last one too
+            if right < k and assign[right] != assign[left] and right - left > 1:
+                b = self._gap_cut(left, right)
+                out[b + 1:right] = [int(assign[right])] * (right - b - 1)
         return self.canonical(out)
 
     def canonical(self, actions) -> tuple[int, ...]:
