@@ -12,6 +12,11 @@ Also runs simulated annealing and random search (200 playouts) and optuna TPE (`
 100 trials: TPE's own cost per trial grows with the number of groups) as references, and with
 ``--random N`` claim 1 on N pairs drawn like the training pairs but never labelled.
 
+Every search records its improvements (``[playout, seconds]`` at each new best plan), so the
+summary also gives the median playout at which each searcher first came within 1% of uniform
+MCTS @2000's final plan, and ``quality_vs_playouts.png`` beside the results plots the best plan
+against playouts for every searcher.
+
     .venv/bin/python -m evaluation.planner_bench [--quick] [--out runs/planner_bench/results.json]
 """
 
@@ -57,27 +62,28 @@ def run(args) -> dict:
     models = MODELS[:2] if args.quick else MODELS
     topos = TOPOLOGIES[:2] if args.quick else TOPOLOGIES
     cache = Path(args.graphs)
+    runs = {
+        "gnn50": dict(searcher="mcts", prior="gnn", budget=50),
+        "uniform50": dict(searcher="mcts", prior="uniform", budget=50),
+        "uniform2000": dict(searcher="mcts", prior="uniform", budget=args.big),
+        "sa200": dict(searcher="sa", budget=200),
+        "random200": dict(searcher="random", budget=200),
+        "tpe": dict(searcher="tpe", budget=args.tpe),
+    }
+    budgets = {name: kw["budget"] for name, kw in runs.items()}
     rows = []
     for spec, batch, groups in models:
         graph = _load(spec, batch, groups, cache)
         for tpath in topos:
             topo = load_topology(tpath)
             row = {"model": spec, "batch": batch, "groups": graph.num_groups, "topology": topo.name}
-            runs = {
-                "gnn50": dict(searcher="mcts", prior="gnn", budget=50),
-                "uniform50": dict(searcher="mcts", prior="uniform", budget=50),
-                "uniform2000": dict(searcher="mcts", prior="uniform", budget=args.big),
-                "sa200": dict(searcher="sa", budget=200),
-                "random200": dict(searcher="random", budget=200),
-                "tpe": dict(searcher="tpe", budget=args.tpe),
-            }
             for name, kw in runs.items():
                 t0 = time.perf_counter()
                 p = plan(graph, topo, seed=args.seed, predictor=pred if kw.get("prior") == "gnn" else None, **kw)
                 m = p.meta
                 row[name] = {"time_s": p.predicted_iteration_time_s, "first_beat_dp": m["first_beat_dp_playout"],
                              "sim_calls": m["sim_calls"], "wall_s": time.perf_counter() - t0,
-                             "source": m["source"]}
+                             "source": m["source"], "improvements": m["improvements"]}
                 row["dp_even_s"], row["dp_prop_s"] = m["dp_even_time_s"], m["dp_prop_time_s"]
                 row["lower_bound_s"] = m["lower_bound_s"]
             best_dp = min(x for x in (row["dp_even_s"], row["dp_prop_s"]) if x is not None)
@@ -105,13 +111,15 @@ def run(args) -> dict:
     def firsts(name):
         return [r[name]["first_beat_dp"] for r in rows]
 
-    def med(xs):
-        xs = [x if x is not None else math.inf for x in xs]
-        return float(np.median(xs))
+    def med(xs):  # None: never (more than half the pairs never got there)
+        m = float(np.median([x if x is not None else math.inf for x in xs]))
+        return m if math.isfinite(m) else None
 
     summary = {
         **_claim1(ratios),
         "first_beat_dp_median": {n: med(firsts(n)) for n in ("gnn50", "uniform50", "uniform2000")},
+        "within_1pct_of_uniform2000_median": {
+            n: med([_reach(r, n, 1.01) for r in rows]) for n in ("gnn50", "uniform2000", "sa200", "random200", "tpe")},
         "never_worse_than_dp": all(r["never_worse_than_dp"] for r in rows),
         "plan_time_64groups_16gpu": timing,
     }
@@ -119,7 +127,63 @@ def run(args) -> dict:
         summary["random_pairs"] = {**_claim1([r["gnn50_over_uniform2000"] for r in random_rows]),
                                    "seed": RANDOM_SEED}
     print(json.dumps(summary, indent=1))
-    return {"rows": rows, "random_rows": random_rows, "summary": summary}
+    return {"rows": rows, "random_rows": random_rows, "summary": summary, "budgets": budgets}
+
+
+def best_so_far(row: dict, name: str, playouts: int) -> np.ndarray:
+    """[playouts] seconds of the best plan searcher ``name`` had after each playout of a benchmark
+    row (the better data-parallel baseline before its first improvement; flat after its budget)."""
+    best_dp = min(x for x in (row["dp_even_s"], row["dp_prop_s"]) if x is not None)
+    out = np.full(playouts, best_dp)
+    for n, t in row[name]["improvements"]:
+        if n <= playouts:
+            out[n - 1:] = np.minimum(out[n - 1:], t)
+    return out
+
+
+def _reach(row: dict, name: str, factor: float) -> float | None:
+    """First playout at which ``name`` had a plan within ``factor`` of uniform @2000's final plan
+    (0: data parallel already was; None: never)."""
+    target = row["uniform2000"]["time_s"] * factor
+    hits = [n for n, t in row[name]["improvements"] if t <= target * (1 + 1e-12)]
+    best_dp = min(x for x in (row["dp_even_s"], row["dp_prop_s"]) if x is not None)
+    return 0.0 if best_dp <= target else (float(hits[0]) if hits else None)
+
+
+def plot_progress(rows: list[dict], budgets: dict[str, int], path: Path) -> None:
+    """Plan quality against playouts, geometric mean over ``rows``, relative to the final plan of
+    uniform MCTS with the big budget (left), and the share of pairs whose best plan is at least as
+    good as that (right). ``budgets``: playouts of each searcher."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    big = budgets["uniform2000"]
+    curves = {"gnn50": "GNN-MCTS", "uniform2000": "uniform MCTS", "sa200": "simulated annealing",
+              "random200": "random search", "tpe": "optuna TPE"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ref = np.array([r["uniform2000"]["time_s"] for r in rows])
+    for name, label in curves.items():
+        budget = budgets[name]
+        x = np.arange(1, budget + 1)
+        ratio = np.stack([best_so_far(r, name, budget) for r in rows]) / ref[:, None]  # [pairs, playouts]
+        ax1.plot(x, np.exp(np.log(ratio).mean(0)), label=label)
+        ax2.plot(x, (ratio <= 1 + 1e-9).mean(0), label=label)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_xlabel("playouts (plans proposed)")
+        ax.grid(alpha=0.3)
+    ax1.set_yscale("log")
+    ax1.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax1.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+    ax1.set_ylabel(f"best iteration time / uniform MCTS @{big} (geomean)")
+    ax2.set_ylabel(f"share of pairs at least as good as uniform @{big}")
+    ax1.legend()
+    fig.suptitle(f"Planner search progress on {len(rows)} held-out (model, topology) pairs")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _claim1(ratios: list[float]) -> dict:
@@ -168,6 +232,9 @@ def main(argv=None) -> int:
     res = run(args)
     from tag.io import write_json
     write_json(args.out, res)
+    png = Path(args.out).with_name("quality_vs_playouts.png")
+    plot_progress(res["rows"], res["budgets"], png)
+    print(f"wrote {args.out} and {png}")
     return 0
 
 

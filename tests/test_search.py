@@ -288,6 +288,12 @@ def test_cli_plan_json(tmp_path, capsys):
         assert k in s
     assert s["predicted_iteration_time_s"] <= min(s["dp_even_time_s"], s["dp_prop_time_s"])
     assert json.loads(out.read_text())["groups"] and trace.exists()
+    # the search's progress: each improvement beats the one before
+    imp = s["improvements"]
+    assert all(a[0] < b[0] <= s["playouts"] and a[1] > b[1] for a, b in zip(imp, imp[1:]))
+    if imp:
+        assert imp[0][0] == s["first_beat_dp_playout"]
+        assert imp[-1][1] >= s["predicted_iteration_time_s"] * (1 - 1e-9)  # compression may lower it
 
 
 def test_cli_plan_table_and_errors(capsys):

@@ -283,8 +283,9 @@ class SearchStats:
     value_cuts: int = 0
     repeats: int = 0
     """Playouts whose completed plan had been simulated before (not counted in ``playouts``)."""
-    first_beat_dp: int | None = None
-    """Playout at which a plan first beat the better data-parallel baseline (None: never)."""
+    improvements: list = field(default_factory=list)
+    """``[playout, reward]`` each time a proposed plan beat every plan before it, the better
+    data-parallel baseline (reward 0) included: the search's progress."""
     value_errors: list = field(default_factory=list)
     """Error of the value head on every simulated leaf it predicted (and that fits in memory):
     ``log(t_sim / t_pred)`` (positive: optimistic)."""
@@ -292,8 +293,13 @@ class SearchStats:
     def count_plan(self, reward: float | None) -> None:
         """Count a proposed plan not simulated before (``reward`` None: cut by the value head)."""
         self.playouts += 1
-        if self.first_beat_dp is None and reward is not None and reward > 1e-9:
-            self.first_beat_dp = self.playouts
+        if reward is not None and reward > (self.improvements[-1][1] if self.improvements else 1e-9):
+            self.improvements.append([self.playouts, reward])
+
+    @property
+    def first_beat_dp(self) -> int | None:
+        """Playout at which a plan first beat the better data-parallel baseline (None: never)."""
+        return self.improvements[0][0] if self.improvements else None
 
     def spent(self, budget: int, repeat_limit: float = REPEAT_LIMIT, start: tuple[int, int] = (0, 0)) -> int:
         """Playouts of a ``budget`` used since ``start`` (``(playouts, repeats)`` then): every

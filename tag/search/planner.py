@@ -114,6 +114,8 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
         "searcher": searcher, "prior": prior if searcher == "mcts" else None, "seed": seed,
         "playouts": stats.playouts, "sim_calls": ev.sim_calls, "value_cuts": stats.value_cuts, "repeats": stats.repeats,
         "search_time_s": search_s, "first_beat_dp_playout": stats.first_beat_dp,
+        # [playout, seconds] at each new best plan: the search's progress (1e-9 keeps 6+ digits)
+        "improvements": [[n, round(ev.t_ref / (1.0 + r), 12)] for n, r in stats.improvements],
         "source": ev.best_source, "oom": best.oom,
         "dp_even_time_s": None if ev.dp_even_out.oom else ev.dp_even_out.time_s,
         "dp_prop_time_s": None if ev.dp_prop_out.oom else ev.dp_prop_out.time_s,
