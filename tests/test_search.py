@@ -302,6 +302,7 @@ def test_cli_plan_table_and_errors(capsys):
                "--budget", "8", "--groups", "4", "--compression", "off"])
     out = capsys.readouterr().out
     assert rc == 0 and "predicted iteration time" in out and "speedup" in out and "op-groups" in out
+    assert "progress: " in out
     rc = main(["plan", "--model", "mlp", "--topology", "topologies/tag-testbed.yaml", "--budget", "0"])
     err = capsys.readouterr().err
     assert rc == 2 and "--budget" in err and len(err.strip().splitlines()) == 1

@@ -127,6 +127,12 @@ def _print(graph, topo, p, args) -> None:
                     if s.get(k))
     print(f"searcher {s['searcher']}{prior}: {s['playouts']} playouts{extra}, {s['sim_calls']} simulator calls, "
           f"{s['search_time_s']:.2f} s (seed {s['seed']})")
+    imp = s.get("improvements") or []
+    if imp:
+        print(f"progress: first beat data parallel at playout {imp[0][0]}, best plan at playout {imp[-1][0]} "
+              f"({len(imp)} improvements)")
+    else:
+        print("progress: no plan beat data parallel")
     rows = []
     start = 0
     descs = [_describe(topo, gp) for gp in p.groups]
