@@ -76,17 +76,9 @@ def run(args) -> dict:
         graph = _load(spec, batch, groups, cache)
         for tpath in topos:
             topo = load_topology(tpath)
-            row = {"model": spec, "batch": batch, "groups": graph.num_groups, "topology": topo.name}
-            for name, kw in runs.items():
-                t0 = time.perf_counter()
-                p = plan(graph, topo, seed=args.seed, predictor=pred if kw.get("prior") == "gnn" else None, **kw)
-                m = p.meta
-                row[name] = {"time_s": p.predicted_iteration_time_s, "first_beat_dp": m["first_beat_dp_playout"],
-                             "sim_calls": m["sim_calls"], "wall_s": time.perf_counter() - t0,
-                             "source": m["source"], "improvements": m["improvements"]}
-                row["dp_even_s"], row["dp_prop_s"] = m["dp_even_time_s"], m["dp_prop_time_s"]
-                row["lower_bound_s"] = m["lower_bound_s"]
-            best_dp = min(x for x in (row["dp_even_s"], row["dp_prop_s"]) if x is not None)
+            row = {"model": spec, "batch": batch, "groups": graph.num_groups, "topology": topo.name,
+                   **search_row(graph, topo, runs, seed=args.seed, predictor=pred)}
+            best_dp = _best_dp(row)
             row["never_worse_than_dp"] = all(row[n]["time_s"] <= best_dp * (1 + 1e-9) for n in runs)
             row["gnn50_over_uniform2000"] = row["gnn50"]["time_s"] / row["uniform2000"]["time_s"]
             rows.append(row)
@@ -130,11 +122,32 @@ def run(args) -> dict:
     return {"rows": rows, "random_rows": random_rows, "summary": summary, "budgets": budgets}
 
 
+def search_row(graph, topo, runs: dict[str, dict], *, seed: int, predictor=None) -> dict:
+    """One benchmark row: every searcher of ``runs`` (name -> :func:`tag.search.plan` keywords) on
+    one (graph, topology), with the data-parallel baselines and the lower bound."""
+    from tag.search import plan
+    row: dict = {}
+    for name, kw in runs.items():
+        t0 = time.perf_counter()
+        p = plan(graph, topo, seed=seed, predictor=predictor if kw.get("prior") == "gnn" else None, **kw)
+        m = p.meta
+        row[name] = {"time_s": p.predicted_iteration_time_s, "first_beat_dp": m["first_beat_dp_playout"],
+                     "sim_calls": m["sim_calls"], "wall_s": time.perf_counter() - t0,
+                     "source": m["source"], "improvements": m["improvements"]}
+        row["dp_even_s"], row["dp_prop_s"] = m["dp_even_time_s"], m["dp_prop_time_s"]
+        row["lower_bound_s"] = m["lower_bound_s"]
+    return row
+
+
+def _best_dp(row: dict) -> float:
+    """Seconds of the better data-parallel baseline of a row (one that fits in memory)."""
+    return min(x for x in (row["dp_even_s"], row["dp_prop_s"]) if x is not None)
+
+
 def best_so_far(row: dict, name: str, playouts: int) -> np.ndarray:
     """[playouts] seconds of the best plan searcher ``name`` had after each playout of a benchmark
     row (the better data-parallel baseline before its first improvement; flat after its budget)."""
-    best_dp = min(x for x in (row["dp_even_s"], row["dp_prop_s"]) if x is not None)
-    out = np.full(playouts, best_dp)
+    out = np.full(playouts, _best_dp(row))
     for n, t in row[name]["improvements"]:
         if n <= playouts:
             out[n - 1:] = np.minimum(out[n - 1:], t)
@@ -146,8 +159,7 @@ def _reach(row: dict, name: str, factor: float) -> float | None:
     (0: data parallel already was; None: never)."""
     target = row["uniform2000"]["time_s"] * factor
     hits = [n for n, t in row[name]["improvements"] if t <= target * (1 + 1e-12)]
-    best_dp = min(x for x in (row["dp_even_s"], row["dp_prop_s"]) if x is not None)
-    return 0.0 if best_dp <= target else (float(hits[0]) if hits else None)
+    return 0.0 if _best_dp(row) <= target else (float(hits[0]) if hits else None)
 
 
 def plot_progress(rows: list[dict], budgets: dict[str, int], path: Path) -> None:

@@ -3,27 +3,19 @@
 import numpy as np
 import pytest
 
-from evaluation.planner_bench import _reach, best_so_far, plot_progress
-from tag.search import plan
-
-
-def _row(graph, topo, budgets):
-    row = {}
-    for name, (prior, budget) in budgets.items():
-        p = plan(graph, topo, seed=0, prior=prior, budget=budget, compression="off")
-        row[name] = {"time_s": p.predicted_iteration_time_s, "improvements": p.meta["improvements"],
-                     "first_beat_dp": p.meta["first_beat_dp_playout"]}
-        row["dp_even_s"], row["dp_prop_s"] = p.meta["dp_even_time_s"], p.meta["dp_prop_time_s"]
-    return row
+from evaluation.planner_bench import _reach, best_so_far, plot_progress, search_row
 
 
 def test_progress_curve_follows_the_search(captured, tmp_path):
     from tag.topology import load_topology
     graph = captured("gpt2", batch=16, groups=8).graph
     topo = load_topology("topologies/tag-testbed.yaml")
-    runs = {"gnn50": ("uniform", 10), "uniform2000": ("uniform", 40), "sa200": ("uniform", 5),
-            "random200": ("uniform", 5), "tpe": ("uniform", 5)}
-    row = _row(graph, topo, runs)
+    runs = {"gnn50": dict(prior="uniform", budget=10, compression="off"),
+            "uniform2000": dict(prior="uniform", budget=40, compression="off"),
+            "sa200": dict(searcher="sa", budget=5, compression="off"),
+            "random200": dict(searcher="random", budget=5, compression="off"),
+            "tpe": dict(searcher="tpe", budget=5, compression="off")}
+    row = search_row(graph, topo, runs, seed=0)
     imp = row["uniform2000"]["improvements"]
     assert imp and all(a[0] < b[0] and a[1] > b[1] for a, b in zip(imp, imp[1:]))  # strictly better
     assert imp[0][0] == row["uniform2000"]["first_beat_dp"]
@@ -37,5 +29,5 @@ def test_progress_curve_follows_the_search(captured, tmp_path):
     first = int(np.argmax(curve <= row["uniform2000"]["time_s"] * 1.01)) + 1
     assert hit == first
     out = tmp_path / "q.png"
-    plot_progress([row, row], {k: b for k, (_, b) in runs.items()}, out)
+    plot_progress([row, row], {k: kw["budget"] for k, kw in runs.items()}, out)
     assert out.stat().st_size > 10_000

@@ -259,13 +259,12 @@ class ActionSpace:
         return out
 
     def _deployment_key(self, g: int, a: int) -> tuple:
-        gp = self.group_plan(g, a)
-        sync, server, splits = gp.sync, gp.server, tuple(gp.mp_splits or ())
-        if sync == "mp" and len(gp.devices) == 1:
-            sync, splits = "allreduce", ()  # one chunk on one device: a single replica
-        if sync != "mp" and (len(gp.devices) == 1 or self.costs.param_bytes[g] == 0):
-            sync, server = "allreduce", None  # no gradients to synchronise
-        return tuple(gp.devices), tuple(round(x, 12) for x in gp.shares), sync, server, splits
+        gp = self.group_plan(g, a)  # a copy: normalised below, then keyed as the caches key it
+        if gp.sync == "mp" and len(gp.devices) == 1:
+            gp.sync, gp.mp_splits = "allreduce", None  # one chunk on one device: a single replica
+        if gp.sync != "mp" and (len(gp.devices) == 1 or self.costs.param_bytes[g] == 0):
+            gp.sync, gp.server = "allreduce", None  # no gradients to synchronise
+        return gp.key()
 
     def canonical_prior(self, g: int, prior: np.ndarray) -> np.ndarray:
         """``prior`` over group ``g``'s actions with the mass of equivalent actions moved onto
