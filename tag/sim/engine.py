@@ -1006,6 +1006,18 @@ class _FastRun:
         cf, busy, buf, nout, nin = self.comm_free, self.comm_busy, self.buf, self.nic_out, self.nic_in
         gds, gf, sfb_ready = self.gds, self.group_finish, self.sfb_ready
         cfree, shared = self.cfree, self.sim.shared_stream
+
+        def close_run(gd, end: float, run_busy: float, run_bytes: float) -> None:
+            """A run of syncs over ``gd``'s members ends at ``end`` (seconds): their links are
+            busy until then and hold the run's largest buffer (bytes)."""
+            for d in gd.sync_devices:
+                cf[d] = sync_end[d] = end
+                busy[d] += run_busy
+                if run_bytes > buf[d]:
+                    buf[d] = run_bytes
+            for m in gd.sync_machines:
+                nout[m] = nin[m] = end
+
         cur = None  # GroupData starting the current run of syncs over one member set
         run_end, run_busy, run_bytes = 0.0, 0.0, 0.0
         for gs, gd in self.sim.sync_jobs(gds):
@@ -1019,14 +1031,7 @@ class _FastRun:
                     s = run_end
             else:
                 if cur is not None:
-                    for d in cur.sync_devices:
-                        cf[d] = run_end
-                        busy[d] += run_busy
-                        if run_bytes > buf[d]:
-                            buf[d] = run_bytes
-                        sync_end[d] = run_end
-                    for m in cur.sync_machines:
-                        nout[m] = nin[m] = run_end
+                    close_run(cur, run_end, run_busy, run_bytes)
                 cur, run_busy, run_bytes = gd, 0.0, 0.0
                 for d in gd.sync_devices:
                     if cf[d] > s:
@@ -1042,14 +1047,7 @@ class _FastRun:
             run_busy += gd.sync_time
             run_bytes = max(run_bytes, gd.sync_bytes)
         if cur is not None:
-            for d in cur.sync_devices:
-                cf[d] = run_end
-                busy[d] += run_busy
-                if run_bytes > buf[d]:
-                    buf[d] = run_bytes
-                sync_end[d] = run_end
-            for m in cur.sync_machines:
-                nout[m] = nin[m] = run_end
+            close_run(cur, run_end, run_busy, run_bytes)
         return sync_end
 
     def execute(self) -> SimResult:
