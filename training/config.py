@@ -56,7 +56,7 @@ class LoopConfig:
 
     run_dir: str = "runs/predictor"
     """Run folder: data, checkpoints, config, logs."""
-    rounds: int = 2
+    rounds: int = 4
     """Generate/train rounds; round 0 is labelled by uniform-prior MCTS (bootstrap)."""
     samples_per_round: list[int] = field(default_factory=lambda: [300, 150])
     """Pairs labelled in each round (the last value repeats for later rounds)."""

@@ -15,7 +15,7 @@ def register(sub) -> None:
     p.add_argument("--config", metavar="FILE.json", default=None,
                    help="LoopConfig JSON (fields as in training/config.py); flags below override it")
     p.add_argument("--run-dir", default=None, help="run folder (default runs/predictor)")
-    p.add_argument("--rounds", type=int, default=None, help="generate/train rounds (default 2)")
+    p.add_argument("--rounds", type=int, default=None, help="generate/train rounds (default 4)")
     p.add_argument("--samples", type=int, nargs="+", default=None, metavar="N",
                    help="pairs labelled per round (last value repeats; default 300 150)")
     p.add_argument("--epochs", type=int, default=None, help="epochs per round (default 6)")
