@@ -27,6 +27,21 @@ def test_every_command_has_help():
     assert r.returncode == 0 and "inspect" in r.stdout
 
 
+def test_train_help_states_the_config_defaults():
+    """`tag train --help` repeats LoopConfig's defaults by hand (importing training.config would
+    load torch_geometric on every command's start-up); they must not drift apart."""
+    from training.config import LoopConfig
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    helps = {a.dest: a.help for a in sub.choices["train"]._actions}
+    cfg = LoopConfig()
+    stated = {"run_dir": cfg.run_dir, "rounds": cfg.rounds, "epochs": cfg.train.epochs,
+              "workers": cfg.gen.workers, "playouts": cfg.gen.playouts_per_step, "seed": cfg.gen.seed,
+              "samples": " ".join(map(str, cfg.samples_per_round)), "wandb": cfg.wandb}
+    for dest, value in stated.items():
+        assert f"default {value}" in helps[dest], (dest, helps[dest])
+
+
 def test_inspect_json():
     r = tag("inspect", "--model", "mlp", "--batch", "16", "--groups", "3", "--json", check=True)
     s = json.loads(r.stdout)
