@@ -156,6 +156,22 @@ def test_mcts_visits_and_determinism(space, graph, topo):
     assert r1.time_s <= min(ev1.dp_even_out.time_s, ev1.dp_prop_out.time_s)
 
 
+def test_proposed_plans_are_simulated_first_out_of_the_budget(space, graph, topo):
+    k = space.num_groups
+    mp_all = space.action_index(range(space.num_devices), "mp")  # a plan no default completes to
+    proposal = space.canonical([mp_all] * k)
+    root = space.resolve(np.full(k, -1))  # the root's own plan
+    ev = Evaluator(space, ToySimulator(graph, topo, space.costs))
+    r = mcts_search(space, ev, uniform_prior, np.random.default_rng(0), playouts=12,
+                    cfg=MCTSConfig(batch=4), proposals=[root, proposal])
+    assert proposal in ev.cache and r.stats.playouts == 12 and ev.sim_calls - 2 == 12
+    assert r.stats.repeats >= 1  # the root's plan, proposed again: its playout went back to the tree
+    assert r.time_s <= ev.cache[proposal].time_s
+    tree_only = mcts_search(space, Evaluator(space, ToySimulator(graph, topo, space.costs)), uniform_prior,
+                            np.random.default_rng(0), playouts=10, cfg=MCTSConfig(batch=4))
+    assert r.stats.improvements[:len(tree_only.stats.improvements)] == tree_only.stats.improvements
+
+
 def test_prior_steers_the_search(space, graph, topo):
     target = space.num_actions - 1
 
@@ -317,6 +333,31 @@ def test_gnn_prior_with_the_shipped_predictor_is_deterministic(graph, topo):
     assert p1.to_dict()["groups"] == p2.to_dict()["groups"]
     assert p1.meta["prior"] == "gnn" and p1.meta["playouts"] == 16
     assert p1.predicted_iteration_time_s <= min(p1.meta["dp_even_time_s"], p1.meta["dp_prop_time_s"])
+
+
+def test_the_networks_one_shot_plan(graph, topo):
+    from tag.gnn import DEFAULT_CHECKPOINT, Predictor
+    from tag.search.evaluate import Feedback
+    from tag.search.mcts import SearchState
+    if not DEFAULT_CHECKPOINT.exists():
+        pytest.skip("no shipped predictor in this checkout")
+    pred = Predictor.load()
+    sp = ActionSpace(graph, topo)
+    ev = Evaluator(sp, None)
+    acts = pred.one_shot(sp, ev.t_ref)
+    # each group alone, as the decision at the root: the same most likely deployment
+    ctx, none = pred.context(sp, ev.t_ref), np.full(sp.num_groups, -1)
+    for g in range(sp.num_groups):
+        pri, _ = pred.predict(ctx, [SearchState(none, g, Feedback.neutral(sp.num_devices, sp.num_groups))])
+        assert acts[g] == sp.group_canonical[g, int(np.argmax(sp.canonical_prior(g, pri[0])))]
+    with_, without = (plan(graph, topo, prior="gnn", budget=8, seed=0, compression="off", one_shot=o)
+                      for o in (True, False))
+    assert with_.meta["playouts"] == without.meta["playouts"] == 8
+    assert without.meta["one_shot_time_s"] is None
+    one = ev.evaluate(acts)
+    assert with_.meta["one_shot_time_s"] == (None if one.oom else pytest.approx(one.time_s))
+    if not one.oom:
+        assert with_.predicted_iteration_time_s <= one.time_s
 
 
 def test_symmetric_first_decisions_are_merged(graph):

@@ -438,13 +438,36 @@ class SearchResult:
     tree: Tree | None = None
 
 
+def propose(evaluator: Evaluator, plans: Sequence[tuple], stats: SearchStats) -> None:
+    """Simulate complete plans proposed outside the tree (e.g. the network's one-shot plan,
+    :meth:`tag.gnn.Predictor.one_shot`), each counted as a playout unless it is a repeat."""
+    for acts in plans:
+        if acts in evaluator.cache:
+            stats.repeats += 1
+            continue
+        stats.count_plan(evaluator.evaluate(acts).reward)
+
+
 def mcts_search(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng: np.random.Generator, *,
-                playouts: int = 200, time_limit: float | None = None, cfg: MCTSConfig | None = None
-                ) -> SearchResult:
-    """One search from the empty plan; returns the best plan the evaluator has seen."""
+                playouts: int = 200, time_limit: float | None = None, cfg: MCTSConfig | None = None,
+                proposals: Sequence[tuple] = ()) -> SearchResult:
+    """One search from the empty plan; returns the best plan the evaluator has seen.
+
+    ``proposals``: complete action tuples simulated after the tree search, out of the same
+    budget (:func:`propose`; a proposal the tree had already simulated gives its playout back to
+    the tree). The tree never sees them, so the playout at which the search first beats data
+    parallel is the tree's own."""
     deadline = time.perf_counter() + time_limit if time_limit is not None else math.inf
     tree = new_tree(space)
-    stats = run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=playouts, deadline=deadline, cfg=cfg)
+    proposals = list(proposals)[:max(playouts - 1, 0)]
+    stats = run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=playouts - len(proposals),
+                         deadline=deadline, cfg=cfg)
+    before = stats.playouts
+    propose(evaluator, proposals, stats)
+    short = len(proposals) - (stats.playouts - before)  # proposals the tree had simulated
+    if short > 0 and time.perf_counter() < deadline:
+        run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=short, deadline=deadline, cfg=cfg,
+                     stats=stats)
     return SearchResult(evaluator.best_actions, evaluator.best_plan_groups(), evaluator.best.time_s,
                         evaluator.best.oom, evaluator.best_source, stats, tree)
 

@@ -33,7 +33,7 @@ def _predictor(checkpoint):
 def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget: int | None = None,
          time_limit: float | None = None, seed: int = 0, checkpoint: str | os.PathLike | None = None,
          predictor=None, costs=None, simulator=None, mcts: MCTSConfig | None = None,
-         compression: str = "auto") -> Plan:
+         compression: str = "auto", one_shot: bool = True) -> Plan:
     """Search a deployment of ``graph`` on ``topology``.
 
     Both data-parallel baselines (even and speed-proportional shares) are simulated first and
@@ -59,6 +59,8 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
         compression: ``auto`` runs the Sufficient Factor Broadcasting selection (MILP) on the
             searched plan and keeps it only if the simulator says the iteration gets faster;
             ``off`` skips it.
+        one_shot: with ``prior="gnn"``, simulate the network's one-shot plan
+            (:meth:`tag.gnn.Predictor.one_shot`) as the first playout of the budget.
 
     Returns:
         A :class:`Plan` with ``predicted_iteration_time_s`` and ``meta`` holding the searcher,
@@ -83,16 +85,19 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
     rng = np.random.default_rng(seed)
     stats = SearchStats()
     prior_fn = uniform_prior
+    proposals: list[tuple] = []
     if searcher == "mcts" and prior == "gnn":
         pred = predictor if predictor is not None else _predictor(checkpoint)
         prior_fn = pred.bind(space, ev.t_ref)
+        if one_shot and searcher == "mcts":
+            proposals = [pred.one_shot(space, ev.t_ref)]
     # The time limit covers the search itself (set-up above: cost tables, both baselines, loading
     # the predictor); at least one wave of playouts always runs.
     deadline = time.perf_counter() + time_limit if time_limit is not None else math.inf
     if searcher == "mcts":
         res = mcts_search(space, ev, prior_fn, rng, playouts=playouts,
                           time_limit=None if time_limit is None else max(0.0, deadline - time.perf_counter()),
-                          cfg=mcts)
+                          cfg=mcts, proposals=proposals)
         stats = res.stats
     elif searcher == "sa":
         stats = simulated_annealing(space, ev, rng, playouts=playouts, deadline=deadline)
@@ -121,6 +126,8 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
         "dp_prop_time_s": None if ev.dp_prop_out.oom else ev.dp_prop_out.time_s,
         "dp_even_oom": ev.dp_even_out.oom, "dp_prop_oom": ev.dp_prop_out.oom,
         "lower_bound_s": lb,
+        # the network's one-shot plan (None: not simulated, e.g. prior uniform, or out of memory)
+        "one_shot_time_s": next((o.time_s for o in map(ev.cache.get, proposals[:1]) if o and not o.oom), None),
         "actions": [space.actions[a].describe(topology) for a in ev.best_actions] if ev.best_actions else None,
     }
     p.meta["compression"] = "off" if compression == "off" else _compress(graph, topology, p, ev.simulator)
