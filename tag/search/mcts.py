@@ -31,7 +31,9 @@ would be given different numbers of simulated plans (15 of GNN-MCTS's first 50 p
 planner-benchmark pair were repeats; `make demo`'s 200-playout search walks 80 more).
 
 Every simulated plan is a complete plan; the search returns the best one seen, which is never
-worse than the better data-parallel baseline (the evaluator scores both first).
+worse than the better data-parallel baseline (the evaluator scores both first). Plans proposed
+from outside the tree (the network's one-shot plan) are simulated after it, out of the same
+budget (:func:`propose`).
 """
 
 from __future__ import annotations
