@@ -156,14 +156,23 @@ def test_mcts_visits_and_determinism(space, graph, topo):
     assert r1.time_s <= min(ev1.dp_even_out.time_s, ev1.dp_prop_out.time_s)
 
 
-def test_proposed_plans_are_simulated_first_out_of_the_budget(space, graph, topo):
+def test_proposed_plans_are_simulated_after_the_tree_out_of_the_budget(space, graph, topo):
     k = space.num_groups
     mp_all = space.action_index(range(space.num_devices), "mp")  # a plan no default completes to
     proposal = space.canonical([mp_all] * k)
-    root = space.resolve(np.full(k, -1))  # the root's own plan
+    root_plan = space.resolve(np.full(k, -1))  # the root's own plan, simulated by the tree
+    seen = []
+
+    def propose_fn(sp, root):
+        seen.append(root)
+        return [root_plan, proposal, proposal]
+
     ev = Evaluator(space, ToySimulator(graph, topo, space.costs))
     r = mcts_search(space, ev, uniform_prior, np.random.default_rng(0), playouts=12,
-                    cfg=MCTSConfig(batch=4), proposals=[root, proposal])
+                    cfg=MCTSConfig(batch=4), propose_fn=propose_fn, reserve=2)
+    assert len(seen) == 1 and (seen[0].assign < 0).all()
+    assert seen[0].feedback is r.tree.feedback[0]  # the root plan's simulator feedback
+    assert r.proposals == [root_plan, proposal]  # at most `reserve` of them
     assert proposal in ev.cache and r.stats.playouts == 12 and ev.sim_calls - 2 == 12
     assert r.stats.repeats >= 1  # the root's plan, proposed again: its playout went back to the tree
     assert r.time_s <= ev.cache[proposal].time_s
@@ -344,17 +353,21 @@ def test_the_networks_one_shot_plan(graph, topo):
     pred = Predictor.load()
     sp = ActionSpace(graph, topo)
     ev = Evaluator(sp, None)
-    acts = pred.one_shot(sp, ev.t_ref)
+    none = np.full(sp.num_groups, -1)
+    fb = ev.evaluate(sp.resolve(none)).feedback  # the root's own plan
+    acts = pred.one_shot(sp, ev.t_ref, fb)
     # each group alone, as the decision at the root: the same most likely deployment
-    ctx, none = pred.context(sp, ev.t_ref), np.full(sp.num_groups, -1)
+    ctx = pred.context(sp, ev.t_ref)
     for g in range(sp.num_groups):
-        pri, _ = pred.predict(ctx, [SearchState(none, g, Feedback.neutral(sp.num_devices, sp.num_groups))])
+        pri, _ = pred.predict(ctx, [SearchState(none, g, fb)])
         assert acts[g] == sp.group_canonical[g, int(np.argmax(sp.canonical_prior(g, pri[0])))]
+    neutral = pred.one_shot(sp, ev.t_ref)
+    assert neutral == pred.one_shot(sp, ev.t_ref, Feedback.neutral(sp.num_devices, sp.num_groups))
     with_, without = (plan(graph, topo, prior="gnn", budget=8, seed=0, compression="off", one_shot=o)
                       for o in (True, False))
     assert with_.meta["playouts"] == without.meta["playouts"] == 8
     assert without.meta["one_shot_time_s"] is None
-    one = ev.evaluate(acts)
+    one = ev.evaluate(acts)  # what plan() proposed after its tree
     assert with_.meta["one_shot_time_s"] == (None if one.oom else pytest.approx(one.time_s))
     if not one.oom:
         assert with_.predicted_iteration_time_s <= one.time_s

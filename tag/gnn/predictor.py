@@ -95,20 +95,26 @@ class Predictor:
         pri = torch.softmax(logits.double(), dim=1).numpy()
         return pri, value_to_reward(value).double().numpy()
 
-    def one_shot(self, space, t_ref: float) -> tuple[int, ...]:
+    def one_shot(self, space, t_ref: float, feedback=None) -> tuple[int, ...]:
         """The network's own plan, in one batched call: every op-group takes its most likely
-        action (its equivalent actions' prior mass pooled) as if it were decided first, with
-        nothing decided and no simulator feedback yet, the state the search's root is in.
+        action (its equivalent actions' prior mass pooled) as if it were the group decided at
+        the search's root, where nothing is decided yet.
+
+        Args:
+            space: the :class:`tag.search.ActionSpace`.
+            t_ref: the better data-parallel iteration time (s).
+            feedback: the simulator's :class:`tag.search.evaluate.Feedback` on the root's own
+                plan (neutral when omitted).
 
         Not a plan the tree search reaches: MCTS completes undecided groups by a rule
         (:meth:`tag.search.space.ActionSpace.resolve`), and with 50 playouts it refines only its
-        first few decisions. :func:`tag.planner.plan` simulates this plan as one playout of the
-        budget (see ``training/README.md``, *Session 15*, for what it gains)."""
+        first few decisions. :func:`tag.search.plan` simulates this plan as one playout of the
+        budget (``training/README.md``, *Session 15*, has what it gains)."""
         from ..search.evaluate import Feedback
         from ..search.mcts import SearchState
         k = space.num_groups
         assign = np.full(k, -1, dtype=np.int64)
-        fb = Feedback.neutral(space.num_devices, k)
+        fb = feedback if feedback is not None else Feedback.neutral(space.num_devices, k)
         pri, _ = self.predict(self.context(space, t_ref), [SearchState(assign, g, fb) for g in range(k)])
         return space.canonical([int(np.argmax(space.canonical_prior(g, pri[g]))) for g in range(k)])
 

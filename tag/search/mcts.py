@@ -33,7 +33,7 @@ planner-benchmark pair were repeats; `make demo`'s 200-playout search walks 80 m
 Every simulated plan is a complete plan; the search returns the best one seen, which is never
 worse than the better data-parallel baseline (the evaluator scores both first). Plans proposed
 from outside the tree (the network's one-shot plan) are simulated after it, out of the same
-budget (:func:`propose`).
+budget (``propose_fn`` of :func:`mcts_search`).
 """
 
 from __future__ import annotations
@@ -438,11 +438,19 @@ class SearchResult:
     source: str
     stats: SearchStats
     tree: Tree | None = None
+    proposals: list = field(default_factory=list)
+    """Plans ``propose_fn`` proposed (simulated, or repeats)."""
+
+
+ProposeFn = Callable[[ActionSpace, SearchState], Sequence[tuple]]
+"""``propose_fn(space, root_state) -> complete action tuples`` to simulate after the tree, given
+the root's state with its own plan's simulator feedback (e.g. the network's one-shot plan,
+:meth:`tag.gnn.Predictor.one_shot`)."""
 
 
 def propose(evaluator: Evaluator, plans: Sequence[tuple], stats: SearchStats) -> None:
-    """Simulate complete plans proposed outside the tree (e.g. the network's one-shot plan,
-    :meth:`tag.gnn.Predictor.one_shot`), each counted as a playout unless it is a repeat."""
+    """Simulate complete plans proposed outside the tree, each counted as a playout unless it is
+    a repeat."""
     for acts in plans:
         if acts in evaluator.cache:
             stats.repeats += 1
@@ -452,26 +460,31 @@ def propose(evaluator: Evaluator, plans: Sequence[tuple], stats: SearchStats) ->
 
 def mcts_search(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng: np.random.Generator, *,
                 playouts: int = 200, time_limit: float | None = None, cfg: MCTSConfig | None = None,
-                proposals: Sequence[tuple] = ()) -> SearchResult:
+                propose_fn: ProposeFn | None = None, reserve: int = 1) -> SearchResult:
     """One search from the empty plan; returns the best plan the evaluator has seen.
 
-    ``proposals``: complete action tuples simulated after the tree search, out of the same
-    budget (:func:`propose`; a proposal the tree had already simulated gives its playout back to
-    the tree). The tree never sees them, so the playout at which the search first beats data
-    parallel is the tree's own."""
+    ``propose_fn``: called once the tree has used all but ``reserve`` playouts of the budget; at
+    most ``reserve`` of the plans it returns are simulated (:func:`propose`), and a plan the tree
+    had already simulated gives its playout back to the tree. The tree never sees them, so the
+    playout at which the search first beats data parallel is the tree's own."""
     deadline = time.perf_counter() + time_limit if time_limit is not None else math.inf
     tree = new_tree(space)
-    proposals = list(proposals)[:max(playouts - 1, 0)]
-    stats = run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=playouts - len(proposals),
+    reserve = min(reserve, playouts - 1) if propose_fn is not None else 0
+    stats = run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=playouts - reserve,
                          deadline=deadline, cfg=cfg)
-    before = stats.playouts
-    propose(evaluator, proposals, stats)
-    short = len(proposals) - (stats.playouts - before)  # proposals the tree had simulated
-    if short > 0 and time.perf_counter() < deadline:
-        run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=short, deadline=deadline, cfg=cfg,
-                     stats=stats)
+    proposals: list[tuple] = []
+    if reserve > 0:
+        root = SearchState(tree.assign(0, space), space.order[0],
+                           tree.feedback[0] or Feedback.neutral(space.num_devices, space.num_groups))
+        proposals = [tuple(int(a) for a in p) for p in propose_fn(space, root)][:reserve]
+        before = stats.playouts
+        propose(evaluator, proposals, stats)
+        short = reserve - (stats.playouts - before)  # proposals the tree had simulated, or none
+        if short > 0 and time.perf_counter() < deadline:
+            run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=short, deadline=deadline, cfg=cfg,
+                         stats=stats)
     return SearchResult(evaluator.best_actions, evaluator.best_plan_groups(), evaluator.best.time_s,
-                        evaluator.best.oom, evaluator.best_source, stats, tree)
+                        evaluator.best.oom, evaluator.best_source, stats, tree, proposals)
 
 
 @dataclass

@@ -60,7 +60,7 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
             searched plan and keeps it only if the simulator says the iteration gets faster;
             ``off`` skips it.
         one_shot: with ``prior="gnn"``, simulate the network's one-shot plan
-            (:meth:`tag.gnn.Predictor.one_shot`) as the first playout of the budget.
+            (:meth:`tag.gnn.Predictor.one_shot`) as the last playout of the budget.
 
     Returns:
         A :class:`Plan` with ``predicted_iteration_time_s`` and ``meta`` holding the searcher,
@@ -83,22 +83,23 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
     space = ActionSpace(graph, topology, cost_model=costs) if costs is not None else ActionSpace(graph, topology)
     ev = Evaluator(space, simulator)
     rng = np.random.default_rng(seed)
-    stats = SearchStats()
+    stats, proposals = SearchStats(), []
     prior_fn = uniform_prior
-    proposals: list[tuple] = []
+    propose_fn = None
     if searcher == "mcts" and prior == "gnn":
         pred = predictor if predictor is not None else _predictor(checkpoint)
         prior_fn = pred.bind(space, ev.t_ref)
-        if one_shot and searcher == "mcts":
-            proposals = [pred.one_shot(space, ev.t_ref)]
+        if one_shot:
+            def propose_fn(sp, root):  # after the tree: the root's feedback is the simulator's
+                return [pred.one_shot(sp, ev.t_ref, root.feedback)]
     # The time limit covers the search itself (set-up above: cost tables, both baselines, loading
     # the predictor); at least one wave of playouts always runs.
     deadline = time.perf_counter() + time_limit if time_limit is not None else math.inf
     if searcher == "mcts":
         res = mcts_search(space, ev, prior_fn, rng, playouts=playouts,
                           time_limit=None if time_limit is None else max(0.0, deadline - time.perf_counter()),
-                          cfg=mcts, proposals=proposals)
-        stats = res.stats
+                          cfg=mcts, propose_fn=propose_fn)
+        stats, proposals = res.stats, res.proposals
     elif searcher == "sa":
         stats = simulated_annealing(space, ev, rng, playouts=playouts, deadline=deadline)
     elif searcher == "random":
