@@ -312,6 +312,7 @@ def test_cli_plan_json(tmp_path, capsys):
               "search_time_s"):
         assert k in s
     assert s["predicted_iteration_time_s"] <= min(s["dp_even_time_s"], s["dp_prop_time_s"])
+    assert s["one_shot_time_s"] is None  # no network, no one-shot plan
     assert json.loads(out.read_text())["groups"] and trace.exists()
     # the search's progress: each improvement beats the one before
     imp = s["improvements"]

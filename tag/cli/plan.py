@@ -42,7 +42,7 @@ def summary(plan) -> dict:
         "lower_bound_s": m.get("lower_bound_s"), "playouts": m.get("playouts"), "repeats": m.get("repeats"),
         "value_cuts": m.get("value_cuts"), "sim_calls": m.get("sim_calls"),
         "search_time_s": m.get("search_time_s"), "first_beat_dp_playout": m.get("first_beat_dp_playout"),
-        "improvements": m.get("improvements"),
+        "improvements": m.get("improvements"), "one_shot_time_s": m.get("one_shot_time_s"),
         "source": m.get("source"), "compression": m.get("compression"),
         "speedup_vs_dp_even": _ratio(m.get("dp_even_time_s"), plan.predicted_iteration_time_s),
         "speedup_vs_dp_prop": _ratio(m.get("dp_prop_time_s"), plan.predicted_iteration_time_s),
@@ -133,6 +133,8 @@ def _print(graph, topo, p, args) -> None:
               f"({len(imp)} improvements)")
     else:
         print("progress: no plan beat data parallel")
+    if s.get("one_shot_time_s") is not None:
+        print(f"network's one-shot plan (simulated after the tree): {ms(s['one_shot_time_s'])}")
     rows = []
     start = 0
     descs = [_describe(topo, gp) for gp in p.groups]
