@@ -364,6 +364,10 @@ def test_the_networks_one_shot_plan(graph, topo):
         assert acts[g] == sp.group_canonical[g, int(np.argmax(sp.canonical_prior(g, pri[0])))]
     neutral = pred.one_shot(sp, ev.t_ref)
     assert neutral == pred.one_shot(sp, ev.t_ref, Feedback.neutral(sp.num_devices, sp.num_groups))
+    # asked for the two largest stakes only: the rest follows the search's completion rule
+    part = none.copy()
+    part[sp.order[:2]] = [acts[g] for g in sp.order[:2]]
+    assert pred.one_shot(sp, ev.t_ref, fb, max_groups=2) == sp.resolve(part)
     with_, without = (plan(graph, topo, prior="gnn", budget=8, seed=0, compression="off", one_shot=o)
                       for o in (True, False))
     assert with_.meta["playouts"] == without.meta["playouts"] == 8

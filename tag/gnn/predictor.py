@@ -95,7 +95,7 @@ class Predictor:
         pri = torch.softmax(logits.double(), dim=1).numpy()
         return pri, value_to_reward(value).double().numpy()
 
-    def one_shot(self, space, t_ref: float, feedback=None) -> tuple[int, ...]:
+    def one_shot(self, space, t_ref: float, feedback=None, max_groups: int | None = None) -> tuple[int, ...]:
         """The network's own plan, in one batched call: every op-group takes its most likely
         action (its equivalent actions' prior mass pooled) as if it were the group decided at
         the search's root, where nothing is decided yet.
@@ -105,6 +105,10 @@ class Predictor:
             t_ref: the better data-parallel iteration time (s).
             feedback: the simulator's :class:`tag.search.evaluate.Feedback` on the root's own
                 plan (neutral when omitted).
+            max_groups: ask only for the first ``max_groups`` groups in decision order (the
+                largest stakes) and complete the rest by the search's completion rule: the call
+                encodes one state per group asked, each with every group, so its cost grows with
+                the square of the group count.
 
         Not a plan the tree search reaches: MCTS completes undecided groups by a rule
         (:meth:`tag.search.space.ActionSpace.resolve`), and with 50 playouts it refines only its
@@ -113,10 +117,14 @@ class Predictor:
         from ..search.evaluate import Feedback
         from ..search.mcts import SearchState
         k = space.num_groups
-        assign = np.full(k, -1, dtype=np.int64)
+        none = np.full(k, -1, dtype=np.int64)
         fb = feedback if feedback is not None else Feedback.neutral(space.num_devices, k)
-        pri, _ = self.predict(self.context(space, t_ref), [SearchState(assign, g, fb) for g in range(k)])
-        return space.canonical([int(np.argmax(space.canonical_prior(g, pri[g]))) for g in range(k)])
+        chosen = space.order[:max_groups] if max_groups is not None else space.order
+        pri, _ = self.predict(self.context(space, t_ref), [SearchState(none, g, fb) for g in chosen])
+        assign = none.copy()
+        for g, p in zip(chosen, pri):
+            assign[g] = int(np.argmax(space.canonical_prior(g, p)))
+        return space.resolve(assign)  # groups beyond max_groups: the search's completion rule
 
     def bind(self, space, t_ref: float):
         ctx = self.context(space, t_ref)
