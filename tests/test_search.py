@@ -334,6 +334,21 @@ def test_cli_plan_table_and_errors(capsys):
     assert rc == 2 and "--budget" in err and len(err.strip().splitlines()) == 1
 
 
+def test_cli_plan_one_shot_flag(capsys):
+    from tag.cli import main
+    from tag.gnn import DEFAULT_CHECKPOINT
+    if not DEFAULT_CHECKPOINT.exists():
+        pytest.skip("no shipped predictor in this checkout")
+    args = ["plan", "--model", "mlp", "--topology", "topologies/tag-testbed.yaml", "--budget", "8", "--groups", "4",
+            "--compression", "off", "--json"]
+    runs = []
+    for extra in ([], ["--no-one-shot"]):
+        assert main(args + extra) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["one_shot_time_s"] is not None and runs[1]["one_shot_time_s"] is None
+    assert runs[0]["playouts"] == runs[1]["playouts"] == 8
+
+
 def test_gnn_prior_with_the_shipped_predictor_is_deterministic(graph, topo):
     from tag.gnn import DEFAULT_CHECKPOINT
     if not DEFAULT_CHECKPOINT.exists():

@@ -24,6 +24,8 @@ def register(sub) -> None:
                    help="predictor checkpoint (default: the shipped tag/gnn/predictor.pt)")
     p.add_argument("--compression", choices=["auto", "off"], default="auto",
                    help="auto: choose Sufficient Factor Broadcasting per group after search (default)")
+    p.add_argument("--no-one-shot", dest="one_shot", action="store_false",
+                   help="with --prior gnn: do not spend the last playout on the network's one-shot plan")
     p.add_argument("--profiles", metavar="DIR", default=None, help="profile database root (default data/profiles)")
     p.add_argument("--out", metavar="PLAN.json", default=None, help="write the plan JSON here")
     p.add_argument("--trace", metavar="OUT.json", default=None,
@@ -78,7 +80,7 @@ def run(args) -> int:
         pass
     p = search_plan(graph, topo, searcher=args.searcher, prior=args.prior, budget=args.budget,
                     time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs,
-                    compression=args.compression)
+                    compression=args.compression, one_shot=args.one_shot)
     p.meta["capture_s"] = capture_s
     if args.out:
         p.save(args.out)
