@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .evaluate import Evaluator, Feedback
+from .evaluate import Evaluator, Feedback, Outcome
 from .space import ActionSpace
 
 REPEAT_LIMIT = 4.0
@@ -448,14 +448,17 @@ the root's state with its own plan's simulator feedback (e.g. the network's one-
 :meth:`tag.gnn.Predictor.one_shot`)."""
 
 
-def propose(evaluator: Evaluator, plans: Sequence[tuple], stats: SearchStats) -> None:
-    """Simulate complete plans proposed outside the tree, each counted as a playout unless it is
-    a repeat."""
-    for acts in plans:
-        if acts in evaluator.cache:
-            stats.repeats += 1
-            continue
-        stats.count_plan(evaluator.evaluate(acts).reward)
+def propose(stats: SearchStats, evaluator: Evaluator, actions: tuple) -> Outcome:
+    """Score a full action tuple proposed outside a tree (its canonical form: see
+    :meth:`ActionSpace.canonical`); a plan simulated before is counted as a repeat, any other as a
+    playout."""
+    actions = evaluator.space.canonical(actions)
+    if actions in evaluator.cache:
+        stats.repeats += 1
+        return evaluator.cache[actions]
+    out = evaluator.evaluate(actions)
+    stats.count_plan(out.reward)
+    return out
 
 
 def mcts_search(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng: np.random.Generator, *,
@@ -476,9 +479,10 @@ def mcts_search(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng
     if reserve > 0:
         root = SearchState(tree.assign(0, space), space.order[0],
                            tree.feedback[0] or Feedback.neutral(space.num_devices, space.num_groups))
-        proposals = [tuple(int(a) for a in p) for p in propose_fn(space, root)][:reserve]
+        proposals = [space.canonical(p) for p in propose_fn(space, root)][:reserve]
         before = stats.playouts
-        propose(evaluator, proposals, stats)
+        for acts in proposals:
+            propose(stats, evaluator, acts)
         short = reserve - (stats.playouts - before)  # proposals the tree had simulated, or none
         if short > 0 and time.perf_counter() < deadline:
             run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=short, deadline=deadline, cfg=cfg,

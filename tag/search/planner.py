@@ -119,6 +119,7 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
         lb = float(lower_bound(graph, topology, space.cost_model))
     except ImportError:  # pragma: no cover - simulator absent
         lb = math.nan
+    one_shot_out = ev.cache.get(proposals[0]) if proposals else None
     groups = ev.best_plan_groups()
     best = ev.best
     p = new_plan(graph, topology, groups)
@@ -135,7 +136,7 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
         "dp_even_oom": ev.dp_even_out.oom, "dp_prop_oom": ev.dp_prop_out.oom,
         "lower_bound_s": lb,
         # the network's one-shot plan (None: not simulated, e.g. prior uniform, or out of memory)
-        "one_shot_time_s": next((o.time_s for o in map(ev.cache.get, proposals[:1]) if o and not o.oom), None),
+        "one_shot_time_s": one_shot_out.time_s if one_shot_out is not None and not one_shot_out.oom else None,
         "actions": [space.actions[a].describe(topology) for a in ev.best_actions] if ev.best_actions else None,
     }
     p.meta["compression"] = "off" if compression == "off" else _compress(graph, topology, p, ev.simulator)

@@ -21,20 +21,9 @@ import time
 
 import numpy as np
 
-from .evaluate import Evaluator, Outcome
-from .mcts import SearchStats
+from .evaluate import Evaluator
+from .mcts import SearchStats, propose
 from .space import ActionSpace
-
-
-def _propose(stats: SearchStats, evaluator: Evaluator, actions: tuple) -> Outcome:
-    """Score a full action tuple; a plan simulated before is counted as a repeat."""
-    actions = evaluator.space.canonical(actions)
-    if actions in evaluator.cache:
-        stats.repeats += 1
-        return evaluator.cache[actions]
-    out = evaluator.evaluate(actions)
-    stats.count_plan(out.reward)
-    return out
 
 
 def _more(stats: SearchStats, playouts: int, deadline: float) -> bool:
@@ -53,7 +42,7 @@ def random_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Gener
         assign = np.full(k, -1, np.int64)
         acts = rng.integers(0, space.num_actions, size=d)
         assign[np.asarray(space.order[:d])] = acts
-        _propose(stats, evaluator, space.resolve(assign))
+        propose(stats, evaluator, space.resolve(assign))
     return stats
 
 
@@ -67,7 +56,7 @@ def simulated_annealing(space: ActionSpace, evaluator: Evaluator, rng: np.random
         return math.log(evaluator.t_ref) + 5.0 if out.reward <= -1 else math.log(out.time_s)
 
     cur = tuple([space.default_action] * k)
-    c_cur = cost(_propose(stats, evaluator, cur))
+    c_cur = cost(propose(stats, evaluator, cur))
     n = max(playouts, 2)
     while _more(stats, playouts, deadline):
         frac = min(1.0, stats.spent(playouts) / (n - 1))
@@ -81,7 +70,7 @@ def simulated_annealing(space: ActionSpace, evaluator: Evaluator, rng: np.random
         else:
             new[int(rng.integers(k))] = act
         new_t = tuple(new)
-        out = _propose(stats, evaluator, new_t)
+        out = propose(stats, evaluator, new_t)
         c_new = cost(out)
         if c_new <= c_cur or rng.random() < math.exp(-(c_new - c_cur) / temp):
             cur, c_cur = new_t, c_new
@@ -101,7 +90,7 @@ def tpe_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generato
     while _more(stats, playouts, deadline):
         trial = study.ask()
         acts = tuple(trial.suggest_categorical(f"g{g}", choices) for g in range(space.num_groups))
-        out = _propose(stats, evaluator, acts)
+        out = propose(stats, evaluator, acts)
         study.tell(trial, out.reward)
     return stats
 
