@@ -1,9 +1,9 @@
 """Plan format (versioned JSON) and the data-parallel baseline builders."""
 
 from .baselines import data_parallel, new_plan, proportional_shares, roofline_speeds
-from .format import PLAN_VERSION, SYNCS, GroupPlan, Plan, group_positions, local_batches, validate_group
+from .format import PLAN_VERSION, GroupPlan, Plan, group_positions, local_batches
 
 __all__ = [
-    "PLAN_VERSION", "SYNCS", "GroupPlan", "Plan", "data_parallel", "group_positions", "local_batches",
-    "new_plan", "proportional_shares", "roofline_speeds", "validate_group",
+    "PLAN_VERSION", "GroupPlan", "Plan", "data_parallel", "group_positions", "local_batches",
+    "new_plan", "proportional_shares", "roofline_speeds",
 ]
