@@ -127,3 +127,33 @@ def test_steps_of_a_device_follow_the_global_order(mlp, topo4):
         assert idx == sorted(idx) and mine
         assert {s.stream for s in mine} <= {"compute", "p2p", "collective", "gather"}
     assert [s.group for s in sched.steps_of(0) if s.kind == "sync"] == [2, 1]  # server of group 2
+
+
+def test_the_simulator_runs_stages_in_the_schedules_order(captured):
+    """On every device, the simulated compute stages (trace) come in the order of the device's
+    compute steps in the executor's schedule."""
+    import random
+    import re
+
+    from test_sim_reference import BATCH, GROUPS, SPEC, _random_group, setup
+
+    graph = captured(SPEC, batch=BATCH, groups=GROUPS).graph
+    topo, costs = setup(graph)
+    sim = Simulator(graph, topo, costs)
+    rng = random.Random(11)
+    stage = re.compile(r"^(fwd|bwd) g(\d+)(?:\.(\d+))? @d(\d+)$")
+    checked = 0
+    for _ in range(6):
+        groups = [_random_group(rng, graph, g, topo.num_devices) for g in range(GROUPS)]
+        sched = build_schedule(graph, new_plan(graph, topo, groups), topo.machine_of)
+        events = sim.run(groups, trace=True).events
+        for d in range(topo.num_devices):
+            order = [(s.phase, s.unit) for s in sched.steps_of(d) if s.kind == "compute"]
+            seen = []
+            for e in sorted((e for e in events if e.device == d and e.cat in ("fwd", "bwd")), key=lambda e: e.start):
+                m = stage.match(e.name)
+                assert m, e.name
+                seen.append(order.index((m[1], (int(m[2]), int(m[3] or 0)))))
+            assert seen == sorted(seen) and len(set(seen)) == len(seen), (d, seen)
+            checked += len(seen)
+    assert checked > 50

@@ -27,6 +27,12 @@ class DataParallel(Strategy):
         """The device the gradients are reduced to (none for an all-reduce)."""
         return None
 
+    def normalise(self, gp: GroupPlan, has_params: bool) -> GroupPlan:
+        """No gradients to synchronise (one replica, or no parameters): a plain all-reduce plan."""
+        if len(gp.devices) == 1 or not has_params:
+            gp.sync, gp.server = DataParallel.name, None
+        return gp
+
     def collective(self, gp: GroupPlan) -> Collective | None:
         c = Collective(self.name, tuple(gp.devices), self.server(gp))
         return c if len(c.members) > 1 else None

@@ -34,6 +34,12 @@ class ModelParallel(Strategy):
         return [Unit((g, c), gp.sync, [Replica(d, 0, batch_size)], positions=(bounds[c], bounds[c + 1]))
                 for c, d in enumerate(gp.devices)]
 
+    def normalise(self, gp: GroupPlan, has_params: bool) -> GroupPlan:
+        """One chunk on one device is a single data-parallel replica."""
+        if len(gp.devices) == 1:
+            gp.sync, gp.mp_splits, gp.server = "allreduce", None, None
+        return gp
+
     def unit_of(self, gp: GroupPlan, anchor: int) -> int:
         """The last chunk starting at or before ``anchor``."""
         c = 0

@@ -119,7 +119,8 @@ class Strategy:
         return None
 
     def normalise(self, gp: GroupPlan, has_params: bool) -> GroupPlan:
-        """An equivalent plan in canonical form (searches dedupe on it); ``gp`` is a copy."""
+        """``gp`` (a copy, changed in place) in the canonical form of the deployments that run the
+        same (searches count such actions once); ``has_params``: the group owns parameters."""
         return gp
 
 
