@@ -27,6 +27,14 @@ def captured():
     return get
 
 
+@pytest.fixture(scope="session")
+def topo4():
+    """The shipped 4-rank local CPU topology."""
+    from tag.topology import load_topology
+
+    return load_topology("topologies/local-cpu4.yaml")
+
+
 @pytest.fixture(autouse=True)
 def _tag_cache(tmp_path_factory, monkeypatch):
     """Keep TAG's user cache (measured CPU spec, ...) inside the test session."""

@@ -17,17 +17,11 @@ from tag.errors import PlanError
 from tag.executor import build_schedule, partial_sum_tensors, reference_training, run_virtual
 from tag.parallel import validate_plan
 from tag.plan import GroupPlan, group_positions, new_plan
-from tag.topology import load_topology
 from tag.workloads import load_workload
 
 MLP = "mlp"
 GPT2 = "gpt2:n_layer=1,n_embd=32,n_head=2,seq=16"
 B = 8
-
-
-@pytest.fixture(scope="module")
-def topo4():
-    return load_topology("topologies/local-cpu4.yaml")
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ from tag.parallel.data_parallel import DataParallel
 from tag.parallel.strategy import check_shares, no_field
 from tag.plan import GroupPlan, data_parallel, new_plan
 from tag.sim import Simulator
-from tag.topology import load_topology
 
 
 class FirstReplicaServer(DataParallel):
@@ -47,21 +46,16 @@ class FirstReplicaServer(DataParallel):
         return c if len(c.members) > 1 else None
 
 
+@pytest.fixture(scope="module")
+def mlp(captured):
+    return captured(MLP, batch=B, groups=4).graph
+
+
 @pytest.fixture()
 def ps_first():
     s = register(FirstReplicaServer())
     yield s
     unregister(s.name)
-
-
-@pytest.fixture(scope="module")
-def topo4():
-    return load_topology("topologies/local-cpu4.yaml")
-
-
-@pytest.fixture(scope="module")
-def mlp(captured):
-    return captured(MLP, batch=B, groups=4).graph
 
 
 def test_registry():
