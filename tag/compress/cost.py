@@ -6,8 +6,8 @@ the functions below take ``links``, either a :class:`tag.cost.comm.CommModel` (m
 where profiled) or a :class:`tag.topology.Topology` (its nominal links,
 :meth:`CommModel.nominal`).
 
-* gradient sync (:func:`sync_time`): all-reduce (``algorithm``: ``best``, the faster of ring and
-  hierarchical, by default here; the simulator charges ``hierarchical``) or parameter server;
+* gradient sync (:func:`sync_time`): all-reduce (``algorithm``, by default
+  :data:`SYNC_ALGORITHM`, the simulator's) or parameter server;
 * SFB all-gather of a factor whose replica ``r`` holds ``c_r`` bytes (``b_r`` rows): the faster
   of the ring and the hierarchical all-gather (:meth:`CommModel.allgather_time`);
 * SFB extra compute: replica ``r`` recomputes ``dW`` on the whole global batch instead of its
@@ -33,12 +33,18 @@ class SfbError(TagError):
     """Bad arguments to the SFB cost model or selection (one line naming the value)."""
 
 
+SYNC_ALGORITHM = "hierarchical"
+"""All-reduce algorithm the selection prices gradient syncs with: the one the simulator charges
+(:meth:`tag.cost.comm.CommModel.allreduce_time`; ``"best"``, the faster of ring and
+hierarchical, priced them until 2026-11 and chose the same ops on every shipped topology)."""
+
+
 def comm_model(links) -> CommModel:
     """``links`` itself when it is a :class:`CommModel`, else the nominal model of the topology."""
     return links if isinstance(links, CommModel) else CommModel.nominal(links)
 
 
-def allreduce_time(nbytes: float, devices: Sequence[int], links, algorithm: str = "best") -> float:
+def allreduce_time(nbytes: float, devices: Sequence[int], links, algorithm: str = SYNC_ALGORITHM) -> float:
     """Seconds to all-reduce ``nbytes`` over ``devices`` (:meth:`CommModel.allreduce_time`)."""
     return comm_model(links).allreduce_time(devices, nbytes, algorithm)
 
@@ -49,7 +55,7 @@ def ps_time(nbytes: float, devices: Sequence[int], server: int, links) -> float:
 
 
 def sync_time(nbytes: float, devices: Sequence[int], links, sync: str = "allreduce",
-              server: int | None = None, algorithm: str = "best") -> float:
+              server: int | None = None, algorithm: str = SYNC_ALGORITHM) -> float:
     """Gradient sync of ``nbytes`` the way a group plan does it (``allreduce`` or ``ps``)."""
     if sync == "ps":
         if server is None:

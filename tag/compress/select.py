@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..cost.comm import CommModel
 from ..cost.roofline import Roofline
 from ..plan.format import GroupPlan, Plan, local_batches
-from .cost import SfbError, extra_compute_time, factor_gather_time, sfb_cost, sync_time
+from .cost import SYNC_ALGORITHM, SfbError, extra_compute_time, factor_gather_time, sfb_cost, sync_time
 from .detect import Candidate, Factor, find_candidates
 from .milp import SfbProblem, solve_milp
 
@@ -30,12 +30,6 @@ def default_memory_rate(topology) -> list[float]:
     """Achieved memory bytes/s per device: datasheet bandwidth x streaming efficiency (0.8,
     :meth:`tag.cost.roofline.Roofline.of`)."""
     return [Roofline.of(d.gpu).mem_bandwidth for d in topology.devices]
-
-
-SYNC_ALGORITHM = "hierarchical"
-"""All-reduce algorithm the selection prices gradient syncs with: the one the simulator charges
-(:meth:`tag.cost.comm.CommModel.allreduce_time`; ``"best"``, the faster of ring and
-hierarchical, priced them until 2026-11 and chose the same ops on every shipped topology)."""
 
 
 def default_comm(topology) -> CommModel:
