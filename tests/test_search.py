@@ -90,8 +90,9 @@ def test_decision_order_and_defaults(space):
     g = int(np.argmax(space.costs.param_bytes))
     assert sync[g] == pytest.approx(space.cost_model.comm.allreduce_time(devices, space.costs.param_bytes[g]))
     # without a cost model the topology's datasheet links price the same all-reduce
+    from tag.cost.comm import CommModel
     from tag.search.space import decision_stake
-    rough = decision_stake(space.costs, space.topology) - t
+    rough = decision_stake(space.costs, CommModel.nominal(space.topology)) - t
     assert np.all(rough[~weights] == 0) and np.all(rough[weights] > 0)
     assert space.resolve(np.full(k, -1)) == (space.default_action,) * k
     assign = np.full(k, -1)

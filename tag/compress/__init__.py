@@ -6,7 +6,8 @@ instead of all-reducing ``dW``: lossless up to float rounding, and cheaper when 
 are few compared with the weight and the links are slow.
 
 * :func:`find_candidates` -- structural detection in an :class:`~tag.graph.ir.OpGraph`.
-* :func:`allreduce_time`, :func:`sfb_time` -- the cost model (:mod:`tag.compress.cost`).
+* :func:`allreduce_time`, :func:`sfb_time` -- SFB costs (:mod:`tag.compress.cost`; every collective
+  priced by :class:`tag.cost.comm.CommModel`).
 * :func:`select_sfb`, :func:`apply_sfb`, :func:`plan_sfb` -- MILP selection per group.
 * :func:`sfb_work` -- what a plan's ``GroupPlan.sfb`` adds/removes (simulator hook).
 * :func:`gather_rows`, :func:`sfb_kernel` -- running it (executor hook, :mod:`tag.compress.runtime`).

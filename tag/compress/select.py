@@ -12,21 +12,31 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..cost.roofline import DEFAULT_FLOP_EFFICIENCY, DEFAULT_MEM_EFFICIENCY
+from ..cost.comm import CommModel
+from ..cost.roofline import Roofline
 from ..plan.format import GroupPlan, Plan, local_batches
-from .cost import SfbError, extra_compute_time, factor_gather_time, sfb_cost, sync_time
+from .cost import SYNC_ALGORITHM, SfbError, extra_compute_time, factor_gather_time, sfb_cost, sync_time
 from .detect import Candidate, Factor, find_candidates
 from .milp import SfbProblem, solve_milp
 
 
 def default_compute_rate(topology) -> list[float]:
-    """Achieved FLOP/s per device: datasheet fp32 peak x the roofline's GEMM efficiency (0.7)."""
-    return [d.gpu.fp32_flops * DEFAULT_FLOP_EFFICIENCY for d in topology.devices]
+    """Achieved FLOP/s per device: datasheet fp32 peak x the roofline's GEMM efficiency (0.7,
+    :meth:`tag.cost.roofline.Roofline.of`)."""
+    return [Roofline.of(d.gpu).flop_rate for d in topology.devices]
 
 
 def default_memory_rate(topology) -> list[float]:
-    """Achieved memory bytes/s per device: datasheet bandwidth x streaming efficiency (0.8)."""
-    return [d.gpu.memory_bandwidth * DEFAULT_MEM_EFFICIENCY for d in topology.devices]
+    """Achieved memory bytes/s per device: datasheet bandwidth x streaming efficiency (0.8,
+    :meth:`tag.cost.roofline.Roofline.of`)."""
+    return [Roofline.of(d.gpu).mem_bandwidth for d in topology.devices]
+
+
+def default_comm(topology) -> CommModel:
+    """The communication model the selection prices collectives with when none is given: the one
+    the simulator's cost model holds (:meth:`tag.cost.comm.CommModel.for_topology`, measured
+    fits where profiled)."""
+    return CommModel.for_topology(topology)
 
 
 def eligible(gp: GroupPlan) -> bool:
@@ -73,7 +83,8 @@ class GroupSelection:
 
 def plan_sfb(graph, topology, plan: Plan, compute_rate: Sequence[float] | None = None,
              memory_rate: Sequence[float] | None = None,
-             candidates: Sequence[Candidate] | None = None, bucketed: bool = True) -> list[GroupSelection]:
+             candidates: Sequence[Candidate] | None = None, bucketed: bool = True,
+             comm: CommModel | None = None, algorithm: str = SYNC_ALGORITHM) -> list[GroupSelection]:
     """Cost and select SFB ops for every eligible group of ``plan`` (see :func:`eligible`).
 
     With ``bucketed`` (default) a group syncs its gradients in one collective and gathers its
@@ -85,10 +96,14 @@ def plan_sfb(graph, topology, plan: Plan, compute_rate: Sequence[float] | None =
         compute_rate: achieved FLOP/s per topology device (default :func:`default_compute_rate`).
         memory_rate: achieved bytes/s per topology device (default :func:`default_memory_rate`).
         candidates: precomputed :func:`find_candidates` of ``graph`` (computed when None).
+        comm: the communication model pricing syncs and gathers (default
+            :func:`default_comm`).
+        algorithm: all-reduce algorithm of the gradient syncs (:data:`tag.cost.comm.ALGORITHMS`).
     """
     rate = default_compute_rate(topology) if compute_rate is None else list(compute_rate)
     mem = default_memory_rate(topology) if memory_rate is None else list(memory_rate)
     cands = find_candidates(graph) if candidates is None else list(candidates)
+    links = default_comm(topology) if comm is None else comm
     by_group: dict[int, list[Candidate]] = {}
     for c in cands:
         by_group.setdefault(c.group, []).append(c)
@@ -96,12 +111,12 @@ def plan_sfb(graph, topology, plan: Plan, compute_rate: Sequence[float] | None =
     for g, gp in enumerate(plan.groups):
         if eligible(gp) and by_group.get(g):
             keeps_sync = any(p.group == g for p in graph.params if p.name not in {c.param for c in by_group[g]})
-            out.append(_select_group(g, gp, by_group[g], plan.batch_size, topology, rate, mem,
+            out.append(_select_group(g, gp, by_group[g], plan.batch_size, links, algorithm, rate, mem,
                                      bucketed, keeps_sync))
     return out
 
 
-def _select_group(g: int, gp: GroupPlan, cands: list[Candidate], batch: int, topology,
+def _select_group(g: int, gp: GroupPlan, cands: list[Candidate], batch: int, comm: CommModel, algorithm: str,
                   rate: list[float], mem: list[float], bucketed: bool, keeps_sync: bool) -> GroupSelection:
     lb = local_batches(batch, gp.shares)
     facs: dict[int, Factor] = {}  # tensor index -> factor, in first-seen order
@@ -109,12 +124,12 @@ def _select_group(g: int, gp: GroupPlan, cands: list[Candidate], batch: int, top
         for f in c.factors:
             facs.setdefault(f.tensor, f)
     fidx = {t: k for k, t in enumerate(facs)}
-    sync = [sync_time(c.grad_bytes, gp.devices, topology, gp.sync, gp.server) for c in cands]
+    sync = [sync_time(c.grad_bytes, gp.devices, comm, gp.sync, gp.server, algorithm) for c in cands]
     compute = [extra_compute_time(c, gp.devices, lb, rate, mem) for c in cands]
-    gather = [factor_gather_time(f.bytes_per_sample, gp.devices, lb, topology) for f in facs.values()]
+    gather = [factor_gather_time(f.bytes_per_sample, gp.devices, lb, comm) for f in facs.values()]
     # fixed latencies of one collective (1-byte message), paid once per group when bucketed
-    l_sync = sync_time(1.0, gp.devices, topology, gp.sync, gp.server) if bucketed else 0.0
-    l_gather = factor_gather_time(1.0 / batch, gp.devices, lb, topology) if bucketed else 0.0
+    l_sync = sync_time(1.0, gp.devices, comm, gp.sync, gp.server, algorithm) if bucketed else 0.0
+    l_gather = factor_gather_time(1.0 / batch, gp.devices, lb, comm) if bucketed else 0.0
     problem = SfbProblem(
         op_cost=tuple(cm - (s - l_sync) for cm, s in zip(compute, sync)),
         factor_cost=tuple(t - l_gather for t in gather),
@@ -126,27 +141,28 @@ def _select_group(g: int, gp: GroupPlan, cands: list[Candidate], batch: int, top
     chosen = set(sol.ops)
     decisions = []
     for i, c in enumerate(cands):
-        cost = sfb_cost(c, gp.devices, lb, topology, rate, mem)
+        cost = sfb_cost(c, gp.devices, lb, comm, rate, mem)
         decisions.append(OpDecision(c, sync[i], cost.gather_s, cost.compute_s, i in chosen))
     all_f = list(facs.values())
     return GroupSelection(g, tuple(gp.devices), tuple(lb), tuple(decisions),
                          tuple(all_f[k] for k in sol.factors), -sol.objective)
 
 
-def select_sfb(graph, topology, plan: Plan, compute_rate: Sequence[float] | None = None
-               ) -> dict[int, list[str]]:
+def select_sfb(graph, topology, plan: Plan, compute_rate: Sequence[float] | None = None,
+               comm: CommModel | None = None) -> dict[int, list[str]]:
     """``group -> gradient op names`` the MILP converts to SFB (groups with a non-empty choice)."""
-    return {s.group: s.ops for s in plan_sfb(graph, topology, plan, compute_rate) if s.ops}
+    return {s.group: s.ops for s in plan_sfb(graph, topology, plan, compute_rate, comm=comm) if s.ops}
 
 
-def apply_sfb(graph, topology, plan: Plan, compute_rate: Sequence[float] | None = None) -> Plan:
+def apply_sfb(graph, topology, plan: Plan, compute_rate: Sequence[float] | None = None,
+              comm: CommModel | None = None) -> Plan:
     """A copy of ``plan`` with ``GroupPlan.sfb`` set for every eligible group (may be ``[]``).
 
     ``mp`` and single-replica groups keep their ``sfb`` untouched. ``meta["sfb_saving_s"]``
     records the predicted seconds saved (cost-model sum over groups, no overlap assumed).
     """
     new = copy.deepcopy(plan)
-    sels = plan_sfb(graph, topology, plan, compute_rate)
+    sels = plan_sfb(graph, topology, plan, compute_rate, comm=comm)
     chosen = {s.group: s.ops for s in sels}
     for g, gp in enumerate(new.groups):
         if eligible(gp):

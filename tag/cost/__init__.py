@@ -3,8 +3,8 @@
 Heavy measuring code (:mod:`tag.cost.profiler`, :mod:`tag.cost.commprof`) is imported on demand.
 """
 
-from .comm import CommProfile, LinkFit, fit_latency_bandwidth, ring_allreduce_time
-from .model import CommModel, CostModel, DeviceCost, device_roofline, device_type
+from .comm import CommModel, CommProfile, LinkFit, fit_latency_bandwidth, ring_allreduce_time
+from .model import CostModel, DeviceCost, device_roofline, device_type
 from .profile import Profile, ProfileError, default_profile_dir, find_profile, load_profile
 from .roofline import Roofline, graph_time, group_phase_table, roofline_for
 

@@ -1,29 +1,58 @@
-"""Communication costs: latency-bandwidth fits and collective formulas.
+"""The one place that prices communication: point to point and every collective.
 
-Point to point: ``latency + bytes / bandwidth`` on the link between the two devices.
+Every reader of communication cost goes through :class:`CommModel` (the simulator through its
+cost model, the SFB selection :mod:`tag.compress`, the GNN features :mod:`tag.gnn.features`, the
+search heuristics :mod:`tag.search.space`): built with the measured fits of a communication
+profile by :meth:`CommModel.for_topology` (what :class:`tag.cost.CostModel` holds), or on the
+topology's nominal links alone by :meth:`CommModel.nominal`. Units: bytes, seconds, bytes/s.
 
-Collectives over ``n`` devices synchronising ``S`` bytes (``bw``: bytes/s, ``lat``: s):
+**Links.** ``bandwidth[a, b]`` / ``latency[a, b]`` of every ordered device pair are the
+topology's, except between CPU devices of one machine whose device type has a communication
+profile (``comm.json``, :mod:`tag.cost.commprof`): there the measured gloo point-to-point fit
+``alpha + bytes / beta`` replaces them (those devices are *fitted*).
 
-* ring all-reduce (one machine, or one device per machine):
-  ``2 (n-1)/n * S / bw_min + 2 (n-1) * lat_max`` over the ring's slowest link;
-* hierarchical all-reduce (the group spans machines; ``k_m`` devices on machine ``m``, ``M``
-  machines): reduce-scatter inside every machine, ring all-reduce of the machines' shards
-  across the network, all-gather inside every machine:
-  ``2 * max_m[(k_m-1)/k_m * S / bw_m + (k_m-1) lat_m] + 2 (M-1)/M * S / bw_net_min
-  + 2 (M-1) * lat_net_max``. Every machine's network link carries ``S`` in total per
-  direction (its ``k_m`` shards), as with ``k_m = 1``;
-* parameter server on device ``s``: every replica ``w != s`` pushes ``S`` bytes to ``s``, then
-  ``s`` sends the sum back; the server's link is shared by all those flows, so
-  ``push = max_w lat(w, s) + sum_w S / bw(w, s)`` and the pull is the same.
+**Formulas** over ``n`` devices synchronising ``S`` bytes (``bw``: bytes/s, ``lat``: s):
 
-For CPU devices talking through gloo, a measured fit (``comm.json``, :func:`profile_comm`)
-replaces the topology's nominal figures: point-to-point ``alpha + bytes / beta``; all-reduce
-from the 2-process all-reduce fit ``t2 = alpha + S / beta`` generalised to ``n`` processes as
-``2 (n-1)/n * S / beta + (n-1) * alpha`` (equal to ``t2`` at ``n = 2``); all-gather (SFB
-factors) from the 2-process all-gather fit ``t2 = alpha + S / beta`` (``S``: bytes each process
-contributes) generalised to a ring over ``n`` processes contributing ``c_r`` bytes each as
-``max_r (sum(c) - c_r) / beta + (n-1) * alpha`` (every process receives all chunks but its own;
-equal to ``t2`` at ``n = 2`` with equal chunks).
+* point to point: ``lat(a, b) + S / bw(a, b)`` (:meth:`CommModel.p2p_time`);
+* ring all-reduce (``algorithm="flat"``): ``2 (n-1)/n * S / bw_min + 2 (n-1) * lat_max`` over the
+  ring's slowest link, the ring in device-index order (machine by machine)
+  (:func:`ring_allreduce_time`);
+* hierarchical all-reduce (``algorithm="hierarchical"``, the default; the group spans machines,
+  ``k_m`` devices on machine ``m``, ``M`` machines): reduce-scatter inside every machine, ring
+  all-reduce of the machines' shards across the network between the machines' first devices,
+  all-gather inside every machine: ``2 * max_m[(k_m-1)/k_m * S / bw_m + (k_m-1) lat_m] +
+  2 (M-1)/M * S / bw_net_min + 2 (M-1) * lat_net_max`` (:func:`hierarchical_allreduce_time`).
+  Every machine's network link carries ``S`` in total per direction (its ``k_m`` shards), as
+  with ``k_m = 1``. On one machine it is the ring;
+* ``algorithm="best"``: the faster of ring and hierarchical (what NCCL's algorithm choice does).
+  The simulator charges ``hierarchical`` for all-reduce and ``best`` for all-gather;
+* reduce to / broadcast from a root ``s``: every other device ``w`` sends ``S`` bytes to ``s``
+  (receives them from ``s``), the root's link shared by all those flows:
+  ``max_w lat(w, s) + sum_w S / bw(w, s)`` (:meth:`CommModel.reduce_time`,
+  :meth:`CommModel.broadcast_time`);
+* parameter server on device ``s``: reduce to ``s`` then broadcast the sum back
+  (:meth:`CommModel.ps_time`); on links all equal to ``(bw, lat)`` with ``w`` workers this is
+  ``2 (lat + w * S / bw)`` (:func:`uniform_ps_time`);
+* all-gather of ``c_r`` bytes from each device ``r`` (SFB factors, :meth:`CommModel.allgather_time`):
+  flat ring, the link into device ``s`` carrying every chunk but ``s``'s own
+  (``max_(a->s) (sum(c) - c_s) / bw(a, s) + (n-1) * lat_max``); hierarchical: the same ring over
+  the machines (machine chunk: its devices' rows) then inside every machine; ``best`` of the two.
+
+**Measured fits** (CPU devices talking through gloo, all of one machine and fitted):
+all-reduce from the 2-process fit ``t2 = alpha + S / beta`` generalised to ``n`` processes as
+``2 (n-1)/n * S / beta + (n-1) * alpha`` (equal to ``t2`` at ``n = 2``,
+:func:`fitted_allreduce_time`); all-gather from the 2-process all-gather fit (``S``: bytes each
+process contributes) generalised to a ring as ``max_r (sum(c) - c_r) / beta + (n-1) * alpha``
+(every process receives all chunks but its own; :func:`fitted_allgather_time`); reduce,
+broadcast and the parameter-server sync (reduce then broadcast back, one measured call) as
+``alpha + w * S / beta`` for ``w`` workers (each worker's bytes through the root in turn); a
+profile without the ``ps`` fit adds the reduce and broadcast fits.
+
+**Slowest-link bounds.** Where a caller wants one number per device *set* without its
+structure, it passes the set's slowest bandwidth and largest latency to the uniform forms
+(:func:`ring_allreduce_time`, :func:`uniform_ps_time`, :meth:`LinkFit.time`): the GNN's action
+features (:mod:`tag.gnn.features`) and the toy simulator's activation transfers
+(:mod:`tag.search.toy`) do.
 """
 
 from __future__ import annotations
@@ -125,8 +154,12 @@ def find_comm_profile(root: str | os.PathLike, device_type: str) -> CommProfile 
 
 
 # ---------------------------------------------------------------------------------------------
-# formulas (pure; the simulator calls them once per device set and caches the result)
+# formulas on uniform links (pure; CommModel applies them to a device set's links)
 # ---------------------------------------------------------------------------------------------
+ALGORITHMS = ("hierarchical", "flat", "best")
+"""All-reduce / all-gather algorithms (see the module docstring)."""
+
+
 def ring_allreduce_time(n: int, nbytes: float, bw_min: float, lat_max: float) -> float:
     """``2 (n-1)/n * S / bw_min + 2 (n-1) lat_max``; 0 for ``n <= 1``."""
     if n <= 1:
@@ -143,6 +176,15 @@ def hierarchical_allreduce_time(per_machine: list[tuple[int, float, float]], nby
     return 2.0 * intra + inter
 
 
+def uniform_ps_time(workers: float, nbytes: float, bw: float, lat: float) -> float:
+    """Parameter-server sync (push then pull) of ``workers`` replicas other than the server on
+    links all equal to ``(bw, lat)``: ``2 * (lat + workers * S / bw)``; 0 without workers (like
+    :func:`ring_allreduce_time`, latencies count even for 0 bytes)."""
+    if workers <= 0:
+        return 0.0
+    return 2 * (lat + workers * nbytes / bw)
+
+
 def fitted_allreduce_time(n: int, nbytes: float, fit: LinkFit) -> float:
     """All-reduce over ``n`` processes from a 2-process fit (see the module docstring)."""
     if n <= 1:
@@ -157,3 +199,266 @@ def fitted_allgather_time(chunks, fit: LinkFit) -> float:
     if n <= 1:
         return 0.0
     return (float(sum(chunks)) - min(chunks)) / fit.beta + (n - 1) * fit.alpha
+
+
+def _ring_links(ring: list[int]) -> list[tuple[int, int]]:
+    """``(ring[i], ring[i+1])`` around the ring (the last back to the first)."""
+    return list(zip(ring, ring[1:] + ring[:1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the communication model of one topology
+# ---------------------------------------------------------------------------------------------
+class CommModel:
+    """Links between the devices of one topology (measured where profiled) and the cost of every
+    communication on them (see the module docstring).
+
+    Args:
+        bandwidth: [D, D] bytes/s (diagonal inf); latency: [D, D] seconds (diagonal 0).
+        *_fit: measured gloo fits (2 processes) of the fitted devices, each ``None`` where the
+            profile lacks it; fitted_devices: devices whose links are measured.
+    """
+
+    def __init__(self, topology, bandwidth: np.ndarray, latency: np.ndarray,
+                 allreduce_fit: LinkFit | None = None, fitted_devices: frozenset = frozenset(),
+                 allgather_fit: LinkFit | None = None, reduce_fit: LinkFit | None = None,
+                 broadcast_fit: LinkFit | None = None, ps_fit: LinkFit | None = None):
+        self.topology = topology
+        self.bandwidth = bandwidth
+        """[D, D] bytes/s (diagonal inf)."""
+        self.latency = latency
+        """[D, D] seconds (diagonal 0)."""
+        self._bw = bandwidth.tolist()
+        self._lat = latency.tolist()
+        self.allreduce_fit = allreduce_fit
+        self.allgather_fit = allgather_fit
+        self.reduce_fit = reduce_fit
+        self.broadcast_fit = broadcast_fit
+        self.ps_fit = ps_fit
+        """Measured parameter-server sync (reduce then broadcast back, one call; None in older
+        profiles: :meth:`ps_time` then adds the reduce and broadcast fits)."""
+        self._fitted = fitted_devices
+        self.machine_of = [topology.machine_of(d) for d in range(topology.num_devices)]
+        """Machine index of every device (a list, indexed by device)."""
+
+    # ---- construction ------------------------------------------------------------------
+    @classmethod
+    def build(cls, topology, profiles: dict[str, CommProfile | None]) -> CommModel:
+        """Topology links, with the measured gloo fit replacing the links between CPU devices of one
+        machine whose device type (:func:`tag.cost.model.device_type`) has a profile in
+        ``profiles``."""
+        from .model import device_type
+
+        bw = np.array(topology.bandwidth_matrix, dtype=float)
+        lat = np.array(topology.latency_matrix, dtype=float)
+        fitted: set[int] = set()
+        ar_fit = ag_fit = rd_fit = bc_fit = ps_fit = None
+        for m in range(topology.num_machines):
+            devs = topology.devices_of_machine(m)
+            prof = profiles.get(device_type(topology, devs[0]))
+            if prof is None or "p2p" not in prof.fits:
+                continue
+            f = prof.fits["p2p"]
+            for a in devs:
+                for b in devs:
+                    if a != b:
+                        bw[a, b], lat[a, b] = f.beta, f.alpha
+            fitted.update(devs)
+            ar_fit = prof.fits.get("all_reduce", ar_fit)
+            ag_fit = prof.fits.get("all_gather", ag_fit)
+            rd_fit = prof.fits.get("reduce", rd_fit)
+            bc_fit = prof.fits.get("broadcast", bc_fit)
+            ps_fit = prof.fits.get("ps", ps_fit)
+        return cls(topology, bw, lat, ar_fit, frozenset(fitted), ag_fit, rd_fit, bc_fit, ps_fit)
+
+    @classmethod
+    def for_topology(cls, topology, profile_dir=None) -> CommModel:
+        """With the communication profiles found under ``profile_dir`` (default
+        :func:`tag.cost.profile.default_profile_dir`) for the topology's CPU device types: the
+        model :meth:`tag.cost.CostModel.for_topology` holds."""
+        from .model import device_type
+        from .profile import default_profile_dir
+
+        root = default_profile_dir() if profile_dir is None else profile_dir
+        profiles: dict[str, CommProfile | None] = {}
+        for d in range(topology.num_devices):
+            dt = device_type(topology, d)
+            if dt not in profiles:
+                profiles[dt] = find_comm_profile(root, dt) if dt.startswith("cpu") else None
+        return cls.build(topology, profiles)
+
+    @classmethod
+    def nominal(cls, topology) -> CommModel:
+        """The topology's datasheet links, no measured fit (one shared model per topology)."""
+        hit = _NOMINAL.get(id(topology))
+        if hit is not None and hit[0] is topology:
+            return hit[1]
+        if len(_NOMINAL) > 64:
+            _NOMINAL.clear()
+        model = cls.build(topology, {})
+        _NOMINAL[id(topology)] = (topology, model)
+        return model
+
+    # ---- links ---------------------------------------------------------------------------
+    def machine_bandwidth(self, m1: int, m2: int) -> float:
+        """Bytes/s between machines ``m1`` and ``m2``; ``m1 == m2``: between two devices of the
+        machine (the measured fit where fitted; a one-device machine: the topology's figure)."""
+        a, b = self.topology.devices_of_machine(m1), self.topology.devices_of_machine(m2)
+        if m1 != m2:
+            return self._bw[a[0]][b[0]]
+        return self._bw[a[0]][a[1]] if len(a) > 1 else self.topology.machine_bandwidth(m1, m1)
+
+    def machine_latency(self, m1: int, m2: int) -> float:
+        """Seconds between machines ``m1`` and ``m2`` (``m1 == m2``: inside the machine, as
+        :meth:`machine_bandwidth`)."""
+        a, b = self.topology.devices_of_machine(m1), self.topology.devices_of_machine(m2)
+        if m1 != m2:
+            return self._lat[a[0]][b[0]]
+        return self._lat[a[0]][a[1]] if len(a) > 1 else self.topology.machine_latency(m1, m1)
+
+    def _fit(self, fit: LinkFit | None, devices) -> LinkFit | None:
+        """``fit`` when it applies to ``devices``: all fitted and all on one machine."""
+        if fit is None or not all(d in self._fitted for d in devices):
+            return None
+        mo = self.machine_of
+        return fit if len({mo[d] for d in devices}) == 1 else None
+
+    # ---- point to point ------------------------------------------------------------------
+    def p2p_time(self, a: int, b: int, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` from device ``a`` to ``b`` (0 when ``a == b``)."""
+        if a == b:
+            return 0.0
+        return self._lat[a][b] + nbytes / self._bw[a][b]
+
+    # ---- all-reduce ----------------------------------------------------------------------
+    def allreduce_time(self, devices, nbytes: float, algorithm: str = "hierarchical") -> float:
+        """Seconds to all-reduce ``nbytes`` over ``devices`` by ``algorithm`` (:data:`ALGORITHMS`):
+        the measured fit among fitted devices of one machine, else the ring on one machine and
+        ``algorithm`` across machines."""
+        devs = sorted(devices)
+        n = len(devs)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        mo = self.machine_of
+        machines = sorted({mo[d] for d in devs})
+        if len(machines) == 1 or algorithm == "flat":
+            return self._ring_allreduce(devs, nbytes)
+        if algorithm == "hierarchical":
+            return self._hierarchical_allreduce(devs, machines, nbytes)
+        if algorithm == "best":
+            return min(self._ring_allreduce(devs, nbytes), self._hierarchical_allreduce(devs, machines, nbytes))
+        raise ValueError(f"allreduce_time: algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
+
+    def _ring_allreduce(self, devs: list[int], nbytes: float) -> float:
+        fit = self._fit(self.allreduce_fit, devs)
+        if fit is not None:
+            return fitted_allreduce_time(len(devs), nbytes, fit)
+        ring = _ring_links(devs)
+        return ring_allreduce_time(len(devs), nbytes, min(self._bw[a][b] for a, b in ring),
+                                   max(self._lat[a][b] for a, b in ring))
+
+    def _hierarchical_allreduce(self, devs: list[int], machines: list[int], nbytes: float) -> float:
+        mo = self.machine_of
+        per_machine = []
+        for m in machines:
+            ds = [d for d in devs if mo[d] == m]
+            ring = _ring_links(ds)
+            bw = min((self._bw[a][b] for a, b in ring if a != b), default=float("inf"))
+            lat = max((self._lat[a][b] for a, b in ring if a != b), default=0.0)
+            per_machine.append((len(ds), bw, lat))
+        ring = _ring_links([next(d for d in devs if mo[d] == m) for m in machines])  # first device each
+        return hierarchical_allreduce_time(per_machine, nbytes, min(self._bw[a][b] for a, b in ring),
+                                           max(self._lat[a][b] for a, b in ring))
+
+    # ---- reduce, broadcast, parameter server -----------------------------------------------
+    def reduce_time(self, devices, root: int, nbytes: float) -> float:
+        """Every device of ``devices`` but ``root`` sends ``nbytes`` to ``root`` (summed there), the
+        root's link shared by all flows; the measured reduce fit among fitted devices of one machine."""
+        return self._to_or_from_root(devices, root, nbytes, self.reduce_fit, to_root=True)
+
+    def broadcast_time(self, devices, root: int, nbytes: float) -> float:
+        """``root`` sends ``nbytes`` to every other device of ``devices``, its link shared by all
+        flows; the measured broadcast fit among fitted devices of one machine."""
+        return self._to_or_from_root(devices, root, nbytes, self.broadcast_fit, to_root=False)
+
+    def _to_or_from_root(self, devices, root: int, nbytes: float, fit: LinkFit | None, to_root: bool) -> float:
+        workers = [w for w in devices if w != root]
+        if not workers or nbytes <= 0:
+            return 0.0
+        f = self._fit(fit, workers + [root])
+        if f is not None:
+            return f.alpha + len(workers) * nbytes / f.beta
+        if to_root:
+            return max(self._lat[w][root] for w in workers) + sum(nbytes / self._bw[w][root] for w in workers)
+        return max(self._lat[root][w] for w in workers) + sum(nbytes / self._bw[root][w] for w in workers)
+
+    def ps_time(self, devices, server: int, nbytes: float) -> float:
+        """Parameter-server sync: reduce to ``server`` then broadcast the sum back (what the
+        executor runs); the measured PS sync fit among fitted devices of one machine where the
+        profile has one."""
+        workers = [w for w in devices if w != server]
+        if not workers or nbytes <= 0:
+            return 0.0
+        f = self._fit(self.ps_fit, workers + [server])
+        if f is not None:
+            return f.alpha + len(workers) * nbytes / f.beta
+        return self.reduce_time(devices, server, nbytes) + self.broadcast_time(devices, server, nbytes)
+
+    # ---- all-gather ----------------------------------------------------------------------
+    def allgather_time(self, chunks, devices, algorithm: str = "best") -> float:
+        """Seconds to all-gather ``chunks[r]`` bytes from each ``devices[r]`` (aligned): the
+        measured fit among fitted devices of one machine, else the ring or hierarchical form
+        (``algorithm``, :data:`ALGORITHMS`) on the links."""
+        t = self.fitted_allgather_time(chunks, devices)
+        if t is not None:
+            return t
+        if algorithm == "flat":
+            return self._ring_allgather(chunks, devices)
+        if algorithm == "hierarchical":
+            return self._hierarchical_allgather(chunks, devices)
+        if algorithm == "best":
+            return min(self._ring_allgather(chunks, devices), self._hierarchical_allgather(chunks, devices))
+        raise ValueError(f"allgather_time: algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
+
+    def fitted_allgather_time(self, chunks, devices) -> float | None:
+        """The measured gloo all-gather fit (:func:`fitted_allgather_time`) when every device is
+        fitted and all are on one machine; ``None`` otherwise."""
+        fit = self._fit(self.allgather_fit, devices)
+        return None if fit is None else fitted_allgather_time(list(chunks), fit)
+
+    def _ring_allgather(self, chunks, devices) -> float:
+        own = dict(zip(devices, chunks))
+        ring = sorted(devices)
+        if len(ring) < 2:
+            return 0.0
+        total = float(sum(chunks))
+        links = _ring_links(ring)
+        # the link a -> b carries every chunk except b's own
+        t = max((total - own[b]) / self._bw[a][b] for a, b in links)
+        return t + (len(ring) - 1) * max(self._lat[a][b] for a, b in links)
+
+    def _hierarchical_allgather(self, chunks, devices) -> float:
+        own = dict(zip(devices, chunks))
+        per: dict[int, list[int]] = {}
+        for d in sorted(devices):
+            per.setdefault(self.machine_of[d], []).append(d)
+        if len(per) < 2:
+            return self._ring_allgather(chunks, devices)
+        total = float(sum(chunks))
+        machines = sorted(per)
+        mchunk = {m: sum(own[d] for d in per[m]) for m in machines}
+        lead = {m: per[m][0] for m in machines}  # machine links: between the machines' devices
+        links = _ring_links(machines)
+        inter = max((total - mchunk[b]) / self._bw[lead[a]][lead[b]] for a, b in links)
+        inter += (len(machines) - 1) * max(self._lat[lead[a]][lead[b]] for a, b in links)
+        intra = 0.0
+        for ds in per.values():  # every local device receives everything but its own rows
+            if len(ds) > 1:
+                ring = _ring_links(ds)
+                t = max((total - own[b]) / self._bw[a][b] for a, b in ring)
+                intra = max(intra, t + (len(ds) - 1) * max(self._lat[a][b] for a, b in ring))
+        return inter + intra
+
+
+_NOMINAL: dict[int, tuple[object, CommModel]] = {}
+"""id(topology) -> (topology, its nominal CommModel) (:meth:`CommModel.nominal`)."""

@@ -1,4 +1,5 @@
-"""The cost model: seconds of every (op-group, phase) on every device, and link costs.
+"""The cost model: seconds of every (op-group, phase) on every device, and its communication model
+(:class:`tag.cost.comm.CommModel`, the one place communication is priced).
 
 Where a device's time comes from (``CostModel.source(d)``), best first:
 
@@ -24,15 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..graph.ir import PHASES
-from .comm import (
-    CommProfile,
-    LinkFit,
-    find_comm_profile,
-    fitted_allgather_time,
-    fitted_allreduce_time,
-    hierarchical_allreduce_time,
-    ring_allreduce_time,
-)
+from .comm import CommModel
 from .profile import cpu_device_type, default_profile_dir, find_profile, profiled_device_types
 from .roofline import Roofline, group_phase_table, op_overhead, roofline_for
 
@@ -97,14 +90,12 @@ class CostModel:
         grid = np.arange(graph.batch_size + 1, dtype=float)
         by_type: dict[str, DeviceCost] = {}
         devices = []
-        comm_profiles: dict[str, CommProfile | None] = {}
         for d in range(topology.num_devices):
             dt = device_type(topology, d)
             if dt not in by_type:
                 by_type[dt] = _device_cost(graph, topology, d, dt, root, sig, available, grid)
-                comm_profiles[dt] = find_comm_profile(root, dt) if _is_cpu(dt) else None
             devices.append(by_type[dt])
-        return cls(graph, topology, devices, CommModel.build(topology, comm_profiles))
+        return cls(graph, topology, devices, CommModel.for_topology(topology, root))
 
     @classmethod
     def roofline_only(cls, graph, topology) -> CostModel:
@@ -264,126 +255,3 @@ def _reference_type(dt: str, spec, available: list[str]) -> str | None:
     gpus = [(a, _catalog(a)) for a in available if not _is_cpu(a)]
     gpus = [(a, s) for a, s in gpus if s is not None]
     return min(gpus, key=lambda a: abs(np.log(a[1].fp32_flops / spec.fp32_flops)), default=(None,))[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# communication
-# ---------------------------------------------------------------------------------------------
-class CommModel:
-    """Link latency/bandwidth between devices and collective costs (see :mod:`tag.cost.comm`)."""
-
-    def __init__(self, topology, bandwidth: np.ndarray, latency: np.ndarray,
-                 allreduce_fit: LinkFit | None = None, fitted_devices: frozenset = frozenset(),
-                 allgather_fit: LinkFit | None = None, reduce_fit: LinkFit | None = None,
-                 broadcast_fit: LinkFit | None = None, ps_fit: LinkFit | None = None):
-        self.topology = topology
-        self.bandwidth = bandwidth
-        """[D, D] bytes/s (diagonal inf)."""
-        self.latency = latency
-        """[D, D] seconds (diagonal 0)."""
-        self._bw = bandwidth.tolist()
-        self._lat = latency.tolist()
-        self.allreduce_fit = allreduce_fit
-        self.allgather_fit = allgather_fit
-        """Measured gloo all-gather (2 processes) of the fitted CPU devices, if profiled."""
-        self.reduce_fit = reduce_fit
-        self.broadcast_fit = broadcast_fit
-        """Measured gloo reduce / broadcast (2 processes): a parameter server among fitted CPU
-        devices of one machine is costed by them (:meth:`ps_time`) where :attr:`ps_fit` is missing."""
-        self.ps_fit = ps_fit
-        """Measured parameter-server sync (reduce then broadcast back, one call; None in older
-        profiles: :meth:`ps_time` then adds the reduce and broadcast fits)."""
-        self._fitted = fitted_devices
-        self.machine_of = [topology.machine_of(d) for d in range(topology.num_devices)]
-
-    @classmethod
-    def build(cls, topology, profiles: dict[str, CommProfile | None]) -> CommModel:
-        """Topology links, with the measured gloo fit replacing the links between CPU devices of one
-        machine whose device type has a communication profile."""
-        bw = np.array(topology.bandwidth_matrix, dtype=float)
-        lat = np.array(topology.latency_matrix, dtype=float)
-        fitted: set[int] = set()
-        ar_fit = ag_fit = rd_fit = bc_fit = ps_fit = None
-        for m in range(topology.num_machines):
-            devs = topology.devices_of_machine(m)
-            dt = device_type(topology, devs[0])
-            prof = profiles.get(dt)
-            if prof is None or "p2p" not in prof.fits:
-                continue
-            f = prof.fits["p2p"]
-            for a in devs:
-                for b in devs:
-                    if a != b:
-                        bw[a, b], lat[a, b] = f.beta, f.alpha
-            fitted.update(devs)
-            ar_fit = prof.fits.get("all_reduce", ar_fit)
-            ag_fit = prof.fits.get("all_gather", ag_fit)
-            rd_fit = prof.fits.get("reduce", rd_fit)
-            bc_fit = prof.fits.get("broadcast", bc_fit)
-            ps_fit = prof.fits.get("ps", ps_fit)
-        return cls(topology, bw, lat, ar_fit, frozenset(fitted), ag_fit, rd_fit, bc_fit, ps_fit)
-
-    def p2p_time(self, a: int, b: int, nbytes: float) -> float:
-        """Seconds to move ``nbytes`` from device ``a`` to ``b`` (0 when ``a == b``)."""
-        if a == b:
-            return 0.0
-        return self._lat[a][b] + nbytes / self._bw[a][b]
-
-    def allreduce_time(self, devices, nbytes: float) -> float:
-        """Ring all-reduce on one machine, hierarchical across machines (see tag.cost.comm)."""
-        devs = sorted(devices)
-        n = len(devs)
-        if n <= 1 or nbytes <= 0:
-            return 0.0
-        mo = self.machine_of
-        machines = sorted({mo[d] for d in devs})
-        if len(machines) == 1:
-            if self.allreduce_fit is not None and all(d in self._fitted for d in devs):
-                return fitted_allreduce_time(n, nbytes, self.allreduce_fit)
-            ring = list(zip(devs, devs[1:] + devs[:1]))
-            return ring_allreduce_time(n, nbytes, min(self._bw[a][b] for a, b in ring),
-                                       max(self._lat[a][b] for a, b in ring))
-        per_machine = []
-        for m in machines:
-            ds = [d for d in devs if mo[d] == m]
-            ring = list(zip(ds, ds[1:] + ds[:1]))
-            bw = min((self._bw[a][b] for a, b in ring if a != b), default=float("inf"))
-            lat = max((self._lat[a][b] for a, b in ring if a != b), default=0.0)
-            per_machine.append((len(ds), bw, lat))
-        leaders = [next(d for d in devs if mo[d] == m) for m in machines]
-        ring = list(zip(leaders, leaders[1:] + leaders[:1]))
-        return hierarchical_allreduce_time(per_machine, nbytes, min(self._bw[a][b] for a, b in ring),
-                                           max(self._lat[a][b] for a, b in ring))
-
-    def fitted_allgather_time(self, chunks, devices) -> float | None:
-        """Seconds of an all-gather of ``chunks[r]`` bytes from each ``devices[r]`` by the measured
-        gloo all-gather fit (:func:`tag.cost.comm.fitted_allgather_time`) when every device is a
-        fitted CPU device and all are on one machine; ``None`` otherwise (the caller costs it on
-        the links, :func:`tag.compress.allgather_time`)."""
-        fit = self.allgather_fit
-        if fit is None or not all(d in self._fitted for d in devices):
-            return None
-        mo = self.machine_of
-        if len({mo[d] for d in devices}) > 1:
-            return None
-        return fitted_allgather_time(list(chunks), fit)
-
-    def ps_time(self, devices, server: int, nbytes: float) -> float:
-        """Push to ``server`` then pull back, the server's link shared by all flows. Among fitted
-        CPU devices of one machine: the measured gloo PS sync (reduce then broadcast, what the
-        executor runs; older profiles: the reduce and broadcast fits added), each worker's bytes
-        through the server in turn."""
-        workers = [w for w in devices if w != server]
-        if not workers or nbytes <= 0:
-            return 0.0
-        rf, bf, pf = self.reduce_fit, self.broadcast_fit, self.ps_fit
-        members = workers + [server]
-        if all(d in self._fitted for d in members) and len({self.machine_of[d] for d in members}) == 1:
-            n = len(workers)
-            if pf is not None:
-                return pf.alpha + n * nbytes / pf.beta
-            if rf is not None and bf is not None:
-                return rf.alpha + n * nbytes / rf.beta + bf.alpha + n * nbytes / bf.beta
-        push = max(self._lat[w][server] for w in workers) + sum(nbytes / self._bw[w][server] for w in workers)
-        pull = max(self._lat[server][w] for w in workers) + sum(nbytes / self._bw[server][w] for w in workers)
-        return push + pull

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch_geometric.data import HeteroData
 
+from ..cost.comm import LinkFit, ring_allreduce_time, uniform_ps_time
 from ..search.space import ActionSpace
 
 # (column name, kind). Kinds: time [s], bytes [B], bw [B/s], lat [s], mem [B], flops [FLOP/s],
@@ -100,7 +101,8 @@ class JointContext:
         slow = int(np.argmin(c.device_speed))
         total_p = float(c.param_bytes.sum()) or 1.0
         self.total_param_bytes = total_p
-        bw = topo.bandwidth_matrix
+        comm = space.comm  # links: measured fits where profiled (tag.cost.comm)
+        bw = comm.bandwidth
         off = bw[~np.eye(d, dtype=bool)] if d > 1 else np.array([])
         finite = off[np.isfinite(off)]
         self.bw_ref = float(np.median(finite)) if finite.size else 100e9
@@ -122,11 +124,8 @@ class JointContext:
         ds[:, 1] = flops
         ds[:, 2] = [dv.gpu.memory_bytes for dv in topo.devices]
         ds[:, 3] = [dv.gpu.memory_bandwidth for dv in topo.devices]
-        intra = []
-        for dv in topo.devices:
-            m = topo.machines[topo.machine_of(dv.index)]
-            intra.append(m.intra_bandwidth if m.intra_bandwidth is not None else 1e12)
-        ds[:, 4] = intra
+        intra = [comm.machine_bandwidth(m, m) for m in (topo.machine_of(dv.index) for dv in topo.devices)]
+        ds[:, 4] = [b if math.isfinite(b) else 1e12 for b in intra]  # no intra link given: 1 TB/s
         ds[:, 5] = [topo.machines[topo.machine_of(i)].count / d for i in range(d)]
         ds[:, 6] = c.device_speed / c.device_speed.max()
         self.device_static = ds
@@ -139,7 +138,7 @@ class JointContext:
         src, dst = np.nonzero(~np.eye(d, dtype=bool))
         self.link_src, self.link_dst = src.astype(np.int64), dst.astype(np.int64)
         mo = np.array([topo.machine_of(i) for i in range(d)])
-        lat = topo.latency_matrix
+        lat = comm.latency
         self.link_attr = np.stack([bw[src, dst], lat[src, dst], (mo[src] == mo[dst]).astype(float)], 1) \
             if len(src) else np.zeros((0, 3))
         gg, dd = np.meshgrid(np.arange(k), np.arange(d), indexing="ij")
@@ -166,11 +165,17 @@ class JointContext:
         self.uses_src, self.uses_dst = np.nonzero(mem)
 
     def _action_static(self) -> np.ndarray:
-        """[K, A, 7]: compute, sync time and memory need of every action for every group."""
-        sp, c, topo = self.space, self.space.costs, self.space.topology
+        """[K, A, 3]: compute, sync time and memory need of every action for every group.
+
+        Sync times are slowest-link bounds (:mod:`tag.cost.comm`): the subset's smallest
+        bandwidth and largest latency over all its pairs priced by the ring all-reduce, the
+        parameter server (counting all ``n`` replicas as workers) and two latency-free
+        transfers of the activations per model-parallel chunk, what the shipped predictor was
+        trained on."""
+        sp, c = self.space, self.space.costs
         k, a = self.k, self.a
-        bw = topo.bandwidth_matrix
-        lat = topo.latency_matrix
+        bw = sp.comm.bandwidth
+        lat = sp.comm.latency
         out = np.zeros((k, a, 3))
         for ai, act in enumerate(sp.actions):
             devs = list(act.devices)
@@ -187,16 +192,16 @@ class JointContext:
                 if act.sync == "mp":
                     n_mp = len(self.plans[gi][ai].devices)
                     comp = float(tg.min())
-                    sync = 0.0 if n_mp == 1 else 2 * c.act_bytes[gi] / n_mp / bmin
+                    sync = 0.0 if n_mp == 1 else 2 * LinkFit(0.0, bmin).time(c.act_bytes[gi] / n_mp)
                     need = (2 * p + c.opt_bytes[gi] + c.act_bytes[gi]) / n_mp
                 else:
                     comp = 1.0 / float(np.sum(1.0 / np.maximum(tg, 1e-15)))
                     if n == 1:
                         sync = 0.0
                     elif act.sync == "allreduce":
-                        sync = 2 * (n - 1) / n * p / bmin + 2 * (n - 1) * lmax
+                        sync = ring_allreduce_time(n, p, bmin, lmax)
                     else:
-                        sync = 2 * n * p / bmin + 2 * lmax
+                        sync = uniform_ps_time(n, p, bmin, lmax)
                     need = 2 * p + c.opt_bytes[gi] + c.act_bytes[gi] / n
                 cap = float(self.mem_cap[devs].min())
                 out[gi, ai] = (comp, sync, need / cap)

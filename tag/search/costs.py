@@ -1,8 +1,8 @@
 """Per-group cost tables the action space and the GNN encoder share.
 
 Group compute times come from the simulator's cost model (:class:`tag.cost.CostModel`, which
-uses profiles where it has them) when it is available, else from the datasheet roofline. Devices
-with the same GPU spec are costed once.
+uses profiles where it has them) when it is available, else from its datasheet roofline rule
+(:mod:`tag.cost.roofline`). Devices with the same GPU spec are costed once.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cost.roofline import Roofline
+from ..cost.roofline import group_phase_table, op_overhead
 from ..plan.format import group_positions
 
 BATCH_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
@@ -19,23 +19,16 @@ BATCH_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 
 
 def _roofline_table(graph, topology, batches) -> dict[str, np.ndarray]:
-    """gpu name -> [K, len(batches)] seconds (fwd+bwd+opt) by the roofline rule."""
-    ops = graph.ops
-    f0 = np.array([o.flops.fixed for o in ops])
-    f1 = np.array([o.flops.per_sample for o in ops])
-    b0 = np.array([o.bytes_read.fixed + o.bytes_written.fixed for o in ops])
-    b1 = np.array([o.bytes_read.per_sample + o.bytes_written.per_sample for o in ops])
-    grp = np.array([o.group for o in ops])
+    """gpu name -> [K, len(batches)] seconds (fwd+bwd+opt) by the cost model's roofline rule
+    (:func:`tag.cost.roofline.group_phase_table` on the device's effective roofs and op overhead:
+    what :meth:`tag.cost.CostModel.roofline_only` tabulates)."""
+    from ..cost.model import device_roofline, device_type
+
     out = {}
     for d in topology.devices:
-        if d.gpu.name in out:
-            continue
-        roof = Roofline.of(d.gpu)
-        cols = []
-        for b in batches:
-            t = np.maximum((f0 + f1 * b) / roof.flop_rate, (b0 + b1 * b) / roof.mem_bandwidth)
-            cols.append(np.bincount(grp, weights=t, minlength=graph.num_groups))
-        out[d.gpu.name] = np.stack(cols, axis=1)
+        if d.gpu.name not in out:
+            roof = device_roofline(device_type(topology, d.index), d.gpu)
+            out[d.gpu.name] = group_phase_table(graph, roof, batches, op_overhead(d.gpu)).sum(axis=1)
     return out
 
 

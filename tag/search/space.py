@@ -60,6 +60,7 @@ from functools import cached_property
 
 import numpy as np
 
+from ..cost.comm import CommModel
 from ..parallel import strategy_of
 from ..plan.format import GroupPlan, group_positions
 from .costs import GroupCosts, default_cost_model
@@ -134,22 +135,20 @@ def device_subsets(topology, speeds: np.ndarray) -> list[tuple[tuple[int, ...], 
     return out
 
 
-def decision_stake(costs: GroupCosts, topology, cost_model=None) -> np.ndarray:
+def decision_stake(costs: GroupCosts, comm) -> np.ndarray:
     """[K] seconds: a group's compute (fwd + bwd + opt, full batch, fastest device) plus the
     all-reduce of its gradients over every device (the default action's sync).
 
     What one decision can move: a group with little compute but large weights (VGG's
     classifier, GPT-2's embedding) decides where a large all-reduce goes, and that is as much a
-    first decision as a large convolution."""
+    first decision as a large convolution.
+
+    ``comm``: the :class:`tag.cost.comm.CommModel` pricing the all-reduce
+    (:attr:`ActionSpace.comm`)."""
     fastest = int(np.argmax(costs.device_speed))
     t = costs.group_time_full[:, fastest].astype(np.float64).copy()
-    devices = list(range(topology.num_devices))
+    devices = list(range(comm.topology.num_devices))
     if len(devices) > 1:
-        if cost_model is not None:
-            comm = cost_model.comm
-        else:  # no cost model: the same collectives on the topology's datasheet links
-            from ..cost.model import CommModel
-            comm = CommModel.build(topology, {})
         t += np.array([comm.allreduce_time(devices, float(b)) for b in costs.param_bytes])
     return t
 
@@ -172,6 +171,9 @@ class ActionSpace:
             cost_model = default_cost_model(graph, topology)
         self.cost_model = cost_model
         self.costs = costs if costs is not None else GroupCosts.compute(graph, topology, cost_model)
+        self.comm = cost_model.comm if cost_model is not None else CommModel.nominal(topology)
+        """The :class:`tag.cost.comm.CommModel` pricing communication: the cost model's (measured
+        fits where profiled), else the topology's nominal links."""
         self.num_groups = graph.num_groups
         self.num_devices = topology.num_devices
         speeds = self.costs.device_speed
@@ -182,7 +184,7 @@ class ActionSpace:
                 actions.append(Action(devs, s, fam))
         self.actions = actions
         self.num_actions = len(actions)
-        self.stake_s = decision_stake(self.costs, topology, self.cost_model)
+        self.stake_s = decision_stake(self.costs, self.comm)
         """[K] seconds a group's decision can move (see :func:`decision_stake`)."""
         self.order: list[int] = sorted(range(self.num_groups), key=lambda g: (-self.stake_s[g], g))
         """Groups in decision order: largest stake first."""
@@ -363,7 +365,7 @@ class ActionSpace:
         if len(devs) == 1:
             return GroupPlan(devs, [1.0], "allreduce")
         if act.sync == "ps":
-            bw = self.topology.bandwidth_matrix
+            bw = self.comm.bandwidth
             sub = np.array([[0.0 if i == j else bw[i, j] for j in devs] for i in devs])
             score = sub.sum(axis=1)
             server = devs[int(np.argmax(score - 1e-12 * np.arange(len(devs))))]

@@ -1,7 +1,9 @@
 """A deliberately crude stand-in simulator for unit tests of the search mechanics.
 
-It costs compute from :class:`GroupCosts`, gradient sync with ring / parameter-server bounds on
-the slowest member link, and activations crossing groups placed on different device sets. It is
+It costs compute from :class:`GroupCosts`, and communication with the topology's nominal
+:class:`tag.cost.comm.CommModel`: gradient sync by all-reduce or parameter server over the
+group's devices, activations crossing groups placed on different device sets (and between
+model-parallel chunks) as transfers on the slowest link involved, all added up serially. It is
 *not* the simulator (:mod:`tag.sim`); it exists so the searchers can be tested in isolation
 quickly and deterministically.
 """
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cost.comm import CommModel, LinkFit
 from .costs import GroupCosts
 
 
@@ -41,7 +44,13 @@ class ToySimulator:
         mem = np.zeros(n)
         comm = np.zeros(n)
         finish = []
-        bw = topo.bandwidth_matrix
+        cm = CommModel.nominal(topo)
+        bw = cm.bandwidth
+
+        def slowest(pairs) -> LinkFit:  # the slowest (bandwidth, latency) link of ``pairs``
+            a, b = min(pairs, key=lambda ab: bw[ab[0], ab[1]])
+            return LinkFit(float(cm.latency[a, b]), float(bw[a, b]))
+
         t_comm = 0.0
         for g, gp in enumerate(groups):
             devs = gp.devices
@@ -50,23 +59,21 @@ class ToySimulator:
                     load[d] += c.group_time_full[g, d] / len(devs)
                     mem[d] += (2 * c.param_bytes[g] + c.opt_bytes[g]) / len(devs) + c.act_bytes[g] / len(devs)
                 if len(devs) > 1:
-                    t_comm += c.act_bytes[g] / min(bw[a, b] for a in devs for b in devs if a != b)
+                    t_comm += slowest([(a, b) for a in devs for b in devs if a != b]).time(c.act_bytes[g])
             else:
                 for d, s in zip(devs, gp.shares):
                     load[d] += c.group_time_full[g, d] * (0.1 + 0.9 * s)
                     mem[d] += 2 * c.param_bytes[g] + c.opt_bytes[g] + c.act_bytes[g] * s
-                k = len(devs)
-                if k > 1:
-                    bmin = min(bw[a, b] for a in devs for b in devs if a != b)
-                    factor = 2 * (k - 1) / k if gp.sync == "allreduce" else float(k)
-                    t = factor * c.param_bytes[g] / bmin
+                if len(devs) > 1:
+                    p = float(c.param_bytes[g])
+                    t = cm.ps_time(devs, gp.server, p) if gp.sync == "ps" else cm.allreduce_time(devs, p)
                     t_comm += t
                     for d in devs:
                         comm[d] += t
             if g > 0 and set(groups[g - 1].devices) != set(devs):
-                pairs = [bw[a, b] for a in groups[g - 1].devices for b in devs if a != b]
+                pairs = [(a, b) for a in groups[g - 1].devices for b in devs if a != b]
                 if pairs:
-                    t_comm += 2 * c.act_bytes[g - 1] / min(pairs)
+                    t_comm += 2 * slowest(pairs).time(c.act_bytes[g - 1])
             finish.append(float(load.max() + t_comm))
         cap = np.array([d.gpu.memory_bytes for d in topo.devices], dtype=float)
         it = float(load.max() + t_comm)

@@ -1,13 +1,10 @@
 """What a group's ``GroupPlan.sfb`` costs in the simulator (see :class:`tag.sim.units.SfbData`).
 
 * **All-gathers**: one per distinct factor of the group's SFB ops (:func:`tag.compress.sfb_work`),
-  replica ``r`` contributing ``b_r * bytes_per_sample`` bytes. Between CPU devices of one machine
-  with a communication profile: the measured gloo all-gather fit
-  (:meth:`tag.cost.model.CommModel.fitted_allgather_time`, ring generalisation of the 2-process
-  fit). Otherwise the ring / hierarchical all-gather formula of
-  :func:`tag.compress.allgather_time` on the cost model's links (the topology's, with the
-  measured gloo point-to-point fit between CPU devices of one machine), so the simulator and the
-  SFB selection agree on GPUs.
+  replica ``r`` contributing ``b_r * bytes_per_sample`` bytes, priced by the cost model's
+  :meth:`tag.cost.comm.CommModel.allgather_time` (the measured gloo all-gather fit between CPU
+  devices of one machine with a communication profile, else the faster of the ring and the
+  hierarchical all-gather on the links), as the SFB selection prices them.
 * **Recompute**: replica ``r`` runs every SFB op on the global batch ``B`` instead of its ``b_r``
   samples: ``sum_op t(op, B) - t(op, b_r)`` seconds on its device, where ``t(op, b)`` is the op's
   roofline share of its group's backward in the cost model, ``table[g, bwd, b] * roof(op, b) /
@@ -25,33 +22,8 @@ from ..plan.format import local_batches
 from .units import SfbData
 
 
-class _Links:
-    """The topology interface :func:`tag.compress.cost.allgather_time` reads, on the cost model's
-    (possibly measured) device links; machine-to-machine links are the topology's."""
-
-    def __init__(self, comm, topology):
-        self._bw, self._lat = comm.bandwidth.tolist(), comm.latency.tolist()
-        self._mo = list(comm.machine_of)
-        self._topo = topology
-
-    def bandwidth(self, a: int, b: int) -> float:
-        return self._bw[a][b]
-
-    def latency(self, a: int, b: int) -> float:
-        return self._lat[a][b]
-
-    def machine_of(self, d: int) -> int:
-        return self._mo[d]
-
-    def machine_bandwidth(self, m1: int, m2: int) -> float:
-        return self._topo.machine_bandwidth(m1, m2)
-
-    def machine_latency(self, m1: int, m2: int) -> float:
-        return self._topo.machine_latency(m1, m2)
-
-
 class SfbCosts:
-    """Per-simulator SFB helper: candidates (found once), links, per-device op timing."""
+    """Per-simulator SFB helper: candidates (found once), per-device op timing."""
 
     def __init__(self, sim):
         from ..compress import find_candidates
@@ -59,7 +31,6 @@ class SfbCosts:
         self.sim = sim
         self.graph = sim.graph
         self.candidates = find_candidates(sim.graph)
-        self.links = _Links(sim.comm, sim.topology)
         self._roof: dict[int, tuple] = {}  # device class -> (Roofline, overhead, [K, 3, B+1] roofline table)
 
     def _device_roof(self, d: int):
@@ -87,7 +58,7 @@ class SfbCosts:
 
     def group(self, g: int, gp) -> SfbData:
         """The SFB data of group ``g`` deployed as ``gp`` (``gp.sfb`` non-empty)."""
-        from ..compress import SfbError, allgather_time, group_sfb_work
+        from ..compress import SfbError, group_sfb_work
 
         bsz = self.graph.batch_size
         try:
@@ -99,8 +70,7 @@ class SfbCosts:
         times, sizes = [], []
         comm = self.sim.comm
         for x in w.gathers:
-            t = comm.fitted_allgather_time(x.chunks, devs)  # measured gloo fit (CPU devices, one machine)
-            times.append(t if t is not None else allgather_time(list(x.chunks), list(devs), self.links))
+            times.append(comm.allgather_time(list(x.chunks), list(devs)))
             sizes.append(float(sum(x.chunks)))
         rec = []
         for d, b in zip(devs, lb):
