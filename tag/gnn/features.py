@@ -34,6 +34,7 @@ import torch
 from torch_geometric.data import HeteroData
 
 from ..cost.comm import LinkFit, ring_allreduce_time, uniform_ps_time
+from ..parallel import strategy_of
 from ..search.space import ActionSpace
 
 # (column name, kind). Kinds: time [s], bytes [B], bw [B/s], lat [s], mem [B], flops [FLOP/s],
@@ -150,7 +151,7 @@ class JointContext:
         self.server = np.full((k, a), -1, np.int64)
         for gi in range(k):
             for ai, gp in enumerate(self.plans[gi]):
-                if gp.sync == "mp":
+                if strategy_of(gp).chunked:
                     self.place[gi, ai, gp.devices] = 1.0 / len(gp.devices)
                 else:
                     self.place[gi, ai, gp.devices] = gp.shares

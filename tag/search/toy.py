@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cost.comm import CommModel, LinkFit
+from ..parallel import strategy_of
 from .costs import GroupCosts
 
 
@@ -54,7 +55,7 @@ class ToySimulator:
         t_comm = 0.0
         for g, gp in enumerate(groups):
             devs = gp.devices
-            if gp.sync == "mp":
+            if strategy_of(gp).chunked:
                 for d in devs:
                     load[d] += c.group_time_full[g, d] / len(devs)
                     mem[d] += (2 * c.param_bytes[g] + c.opt_bytes[g]) / len(devs) + c.act_bytes[g] / len(devs)
@@ -66,7 +67,8 @@ class ToySimulator:
                     mem[d] += 2 * c.param_bytes[g] + c.opt_bytes[g] + c.act_bytes[g] * s
                 if len(devs) > 1:
                     p = float(c.param_bytes[g])
-                    t = cm.ps_time(devs, gp.server, p) if gp.sync == "ps" else cm.allreduce_time(devs, p)
+                    op = strategy_of(gp).collective(gp).op
+                    t = cm.ps_time(devs, gp.server, p) if op == "ps" else cm.allreduce_time(devs, p)
                     t_comm += t
                     for d in devs:
                         comm[d] += t
