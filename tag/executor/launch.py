@@ -12,6 +12,8 @@ Across machines, run the same worker under ``torchrun`` on every machine (tag/ex
 from __future__ import annotations
 
 import logging
+import math
+import shutil
 import statistics
 import tempfile
 import uuid
@@ -47,7 +49,8 @@ class ExecuteConfig:
     timeout_s: float = 120.0
     """Bound on any blocked communication and on rendezvous."""
     run_dir: str | None = None
-    """Where workers write results and logs (default: a fresh temporary folder)."""
+    """Where workers write results, logs and trace.json (default: a fresh temporary folder, removed
+    after a successful run and kept after a failure, for its logs)."""
     save_params: bool = False
     check_memory: bool = True
     profile_dir: str | None = None
@@ -77,6 +80,7 @@ class ExecuteResult:
     """Full-batch loss per iteration (sum over loss-unit replicas of b_i/B x their mean)."""
     ranks: list[dict] = field(repr=False, default_factory=list)
     run_dir: str = ""
+    """The run folder; empty when it was a temporary one, removed after success."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,6 +96,10 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     from ..topology import load_topology
     from ..workloads import load_workload
 
+    if not (isinstance(cfg.timeout_s, (int, float)) and 0 < cfg.timeout_s < math.inf):
+        raise TagError(f"--timeout: expected a positive, finite number of seconds, got {cfg.timeout_s!r}")
+    if cfg.steps < 1 or cfg.warmup < 0:
+        raise TagError(f"--steps/--warmup: expected steps >= 1 and warmup >= 0, got {cfg.steps}/{cfg.warmup}")
     topology = load_topology(cfg.topology)
     plan = Plan.load(cfg.plan)
     if plan.model != cfg.model.strip() and load_workload(cfg.model, batch=1).name != plan.model:
@@ -102,8 +110,6 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
                         f"{topology.num_devices} devices)")
     batch = cfg.batch or plan.batch_size
     groups = cfg.groups or len(plan.groups)
-    if cfg.steps < 1 or cfg.warmup < 0:
-        raise TagError(f"--steps/--warmup: expected steps >= 1 and warmup >= 0, got {cfg.steps}/{cfg.warmup}")
     if graph is None:
         wl = load_workload(cfg.model, batch=batch, seed=cfg.seed)
         graph = capture(wl, optimizer=cfg.optimizer, num_groups=groups).graph
@@ -129,7 +135,11 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     _launch(world, args_path, run_dir, cfg.timeout_s, "spawn" if backend == "nccl" else "forkserver")
     ranks = _read_ranks(run_dir)
     write_json(run_dir / "trace.json", chrome_trace(sim_res, ranks), indent=None)
-    return summarize(cfg, backend, ranks, float(sim_res.iteration_time_s), run_dir)
+    res = summarize(cfg, backend, ranks, float(sim_res.iteration_time_s), run_dir)
+    if cfg.run_dir is None:  # our temporary folder: removed after success (kept on failure: its logs)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        res.run_dir = ""
+    return res
 
 
 def summarize(cfg: ExecuteConfig, backend: str, ranks: list[dict], predicted: float | None,
@@ -173,7 +183,7 @@ def _predict(graph, topology, plan, check_memory: bool, profile_dir: str | None 
     costs = CostModel.for_topology(graph, topology, profile_dir=profile_dir)
     res = simulate(graph, topology, plan, costs=costs, trace=True)
     if check_memory and res.oom:
-        raise OutOfMemoryError(f"plan would run out of memory: {_memory_line(res, topology)}")
+        raise OutOfMemoryError(f"plan would run out of memory: {memory_report(res, topology)}")
     return res
 
 
@@ -193,7 +203,7 @@ def chrome_trace(sim_res, ranks: list[dict]) -> dict:
     return tr
 
 
-def _memory_line(res, topology) -> str:
+def memory_report(res, topology) -> str:
     """``device 1 (local:1) needs 3.20 GiB of 2.00 GiB; ...`` from a :class:`tag.sim.SimResult`."""
     parts = []
     for d, _over in res.oom_devices:
