@@ -3,6 +3,7 @@ without allocating without bound; the commands run in-process (``tag.cli.main``)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -341,3 +342,51 @@ def test_gnn_leaves_no_template_files_in_the_temp_folder(tmp_path):
                        check=True)
     assert r.stdout.strip() == "def propagate("  # the source is still there for inspect / TorchScript
     assert [f for f in os.listdir(tmp_path) if f.startswith(("torch_geometric", "tag-"))] == []
+
+
+# ---------------------------------------------------------------------------------------- processes
+
+
+# A launcher (A) starts a child (B) that starts a grandchild (C); B and C call die_with(A). A is
+# then killed with SIGKILL: B goes by its parent-death signal, C (whose parent B is not A) by the
+# pidfd watchdog. `tag execute`'s ranks (forkserver children) and `tag profile`'s workers use it.
+_LEVEL = """
+import os, subprocess, sys, time
+from tag.lifetime import die_with
+die_with(int(sys.argv[1]))
+if sys.argv[2] == "spawn":
+    subprocess.Popen([sys.executable, "-c", sys.argv[3], sys.argv[1], "leaf", sys.argv[3]])
+open(os.path.join(os.environ["READY_DIR"], str(os.getpid())), "w").close()
+time.sleep(120)
+"""
+
+
+def test_helpers_die_with_the_launcher(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from test_executor_dist import _alive, _descendants
+
+    launcher_code = ("import subprocess, sys, os; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], "
+                     "str(os.getpid()), 'spawn', sys.argv[1]]); p.wait()")
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "READY_DIR": str(tmp_path)}
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code, _LEVEL], env=env, start_new_session=True)
+    helpers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(os.listdir(tmp_path)) < 2:
+            time.sleep(0.1)  # both armed: each writes its pid after die_with
+        helpers = {int(p) for p in os.listdir(tmp_path)}
+        assert len(helpers) == 2 and helpers == _descendants(launcher.pid), helpers
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(map(_alive, helpers)):
+            time.sleep(0.1)
+        assert not [p for p in helpers if _alive(p)]
+    finally:
+        for p in helpers:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)

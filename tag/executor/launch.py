@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
 import statistics
 import tempfile
@@ -130,7 +131,7 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
                        topology=str(topo_path), plan=str(Path(cfg.plan).resolve()),
                        out_dir=str(run_dir), steps=cfg.steps, warmup=cfg.warmup, backend=backend,
                        emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
-                       save_params=cfg.save_params, fault=cfg.fault)
+                       save_params=cfg.save_params, fault=cfg.fault, launcher_pid=os.getpid())
     write_json(args_path, asdict(wargs))
     _launch(world, args_path, run_dir, cfg.timeout_s, "spawn" if backend == "nccl" else "forkserver")
     ranks = _read_ranks(run_dir)
