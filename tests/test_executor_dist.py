@@ -264,3 +264,17 @@ def test_kill_9_of_the_launcher_leaves_no_rank(tmp_path, mlp):
         for p in helpers | _descendants(launcher.pid) | {launcher.pid}:
             with contextlib.suppress(OSError):
                 os.kill(p, 9)
+
+
+def test_killed_rank_is_one_line_without_torch_warnings(tmp_path, mlp):
+    """torch's "Terminating process N via signal SIGTERM" and the resource tracker's "leaked
+    semaphore objects" warning used to surround the error line (kept under --debug)."""
+    groups = [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(mlp.num_groups)]
+    topo = cpu_topology(tmp_path, 2)
+    new_plan(mlp, load_topology(topo), groups).save(tmp_path / "plan.json")
+    p = subprocess.run([sys.executable, "-m", "tag", "execute", "--model", MLP, "--topology", topo, "--plan",
+                        str(tmp_path / "plan.json"), "--steps", "3", "--warmup", "0", "--inject-fault", "0:1:exit",
+                        "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tag execute: error: rank 0 failed"), p.stderr

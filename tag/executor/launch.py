@@ -231,9 +231,17 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
 
     # A failed rank becomes one ExecutionError line naming the rank, the cause and the log folder;
     # torchelastic's own multi-line error dump is only shown with --debug.
-    quiet = logging.CRITICAL if logging.getLogger().getEffectiveLevel() > logging.DEBUG else logging.ERROR
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+    debug = logging.getLogger().getEffectiveLevel() <= logging.DEBUG
+    quiet = logging.ERROR if debug else logging.CRITICAL
+    # torch.multiprocessing: "Terminating process N via signal SIGTERM" when the agent stops the others.
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(quiet)
+    # multiprocessing's resource tracker (a process of its own, started during the launch with this
+    # environment) warns of the semaphores a killed rank could not release, then releases them.
+    warn_env = os.environ.get("PYTHONWARNINGS")
+    if not debug:
+        os.environ["PYTHONWARNINGS"] = ",".join(
+            filter(None, [warn_env, "ignore::UserWarning:multiprocessing.resource_tracker"]))
     run_id = f"tag-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id,
@@ -245,6 +253,11 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
         elastic_launch(config, worker_entry)(str(args_path))
     except ChildFailedError as e:
         raise ExecutionError(failure_line(e, run_dir, run_id)) from None
+    finally:
+        if warn_env is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = warn_env
 
 
 # Imported once by the fork server, inherited by every CPU rank.
