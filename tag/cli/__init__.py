@@ -46,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or an argument error already printed in one line
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     # Explicit on TAG's own logger too (basicConfig does nothing when logging is already set up):
