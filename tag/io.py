@@ -13,11 +13,18 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     """Write ``data`` to ``path`` via a temp file in the same folder and ``os.replace``.
 
     A crash or kill mid-write leaves either the old file or the new one, never a torn file.
+    The file keeps the mode of the file it replaces; a new file gets the mode ``open()`` would
+    give it (0o666 less the umask), not mkstemp's private 0o600.
     """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = p.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
@@ -26,6 +33,13 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process umask (read by setting it, then restoring it at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1) -> None:

@@ -6,6 +6,7 @@ a failing rank ends the run quickly with one line naming it; bad input is refuse
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -203,3 +204,77 @@ def test_validate_interleaves_rounds_and_reports(tmp_path):
     assert -1.0 <= report.round_spearman <= 1.0 and again.round_spearman == report.round_spearman
     assert (tmp_path / "v" / "runs" / "single-0" / "round-1" / "result.json").is_file()
     assert (tmp_path / "v" / "validation.json").is_file() and (tmp_path / "v" / "scatter.png").is_file()
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children, grandchildren: forkserver, ranks, helpers)."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parent[int(d.name)] = int(fields[1])
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out.update(kids)
+        todo.extend(kids)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_kill_9_of_the_launcher_leaves_no_rank(tmp_path, mlp):
+    """The forkserver and both ranks used to train on for minutes, reparented to pid 1."""
+    import signal
+
+    groups = [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(mlp.num_groups)]
+    topo = cpu_topology(tmp_path, 2)
+    new_plan(mlp, load_topology(topo), groups).save(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    helpers: set[int] = set()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tag", "execute", "--model", MLP, "--topology", topo, "--plan",
+         str(tmp_path / "plan.json"), "--steps", "100000", "--run-dir", str(run)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(list(run.glob("logs/**/*.log"))) < 2:
+            time.sleep(0.2)  # both ranks started (torchelastic opened their log files)
+        assert launcher.poll() is None, "the run ended before it could be killed"
+        time.sleep(1.0)  # ranks past rendezvous, training
+        helpers = _descendants(launcher.pid)
+        assert len(helpers) >= 2, helpers
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(map(_alive, helpers)):
+            time.sleep(0.1)
+        assert not [p for p in helpers if _alive(p)], "processes outlived the launcher"
+    finally:
+        for p in helpers | _descendants(launcher.pid) | {launcher.pid}:
+            with contextlib.suppress(OSError):
+                os.kill(p, 9)
+
+
+def test_killed_rank_is_one_line_without_torch_warnings(tmp_path, mlp):
+    """torch's "Terminating process N via signal SIGTERM" and the resource tracker's "leaked
+    semaphore objects" warning used to surround the error line (kept under --debug)."""
+    groups = [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(mlp.num_groups)]
+    topo = cpu_topology(tmp_path, 2)
+    new_plan(mlp, load_topology(topo), groups).save(tmp_path / "plan.json")
+    p = subprocess.run([sys.executable, "-m", "tag", "execute", "--model", MLP, "--topology", topo, "--plan",
+                        str(tmp_path / "plan.json"), "--steps", "3", "--warmup", "0", "--inject-fault", "0:1:exit",
+                        "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tag execute: error: rank 0 failed"), p.stderr

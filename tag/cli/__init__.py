@@ -19,8 +19,16 @@ from ..errors import TagError
 COMMANDS = ["inspect", "topology", "profile", "simulate", "plan", "execute", "validate", "train", "tune", "bench"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors are ONE line too (``tag plan: error: argument --batch: ...``), like every
+    other input error; subcommand parsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tag", description="TAG: topology-aware deployment of PyTorch training on heterogeneous GPUs.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -38,9 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or an argument error already printed in one line
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    # Explicit on TAG's own logger too (basicConfig does nothing when logging is already set up):
+    # what TAG hides unless --debug (torch's dumps, warnings) asks it.
+    logging.getLogger("tag").setLevel(logging.DEBUG if args.debug else logging.NOTSET)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -4,17 +4,96 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
+
+# Stated bounds of numeric arguments, checked by argparse before any work (capture, search).
+# MAX_BATCH: the global batch is materialised as real example inputs on capture (and by every
+# rank of `tag execute`); 2**16 samples of a GPT-2 sequence are already 512 MiB of token ids.
+# MAX_GROUPS: op-groups are at most the graph's costly ops; 4096 is beyond any zoo model's.
+MAX_BATCH = 2**16
+MAX_GROUPS = 4096
+
+
+def int_in(lo: int, hi: int | None = None):
+    """argparse ``type``: an integer in ``[lo, hi]`` (``hi`` None: no upper bound)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            bound = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {value}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def seconds(text: str) -> float:
+    """argparse ``type``: a positive, finite number of seconds (refuses 0, inf and nan)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text!r}")
+    return value
 
 
 def add_model_args(p: argparse.ArgumentParser, *, groups: bool = True) -> None:
     p.add_argument("--model", required=True,
                    help="zoo name with overrides (e.g. gpt2:n_layer=4) or package.module:function factory")
-    p.add_argument("--batch", type=int, default=None, help="global batch size (samples)")
+    p.add_argument("--batch", type=int_in(1, MAX_BATCH), default=None,
+                   help=f"global batch size (samples, 1..{MAX_BATCH})")
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"])
     p.add_argument("--seed", type=int, default=0, help="random seed for weights and inputs")
     if groups:
-        p.add_argument("--groups", type=int, default=48, help="number of op-groups (default 48)")
+        p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=48,
+                       help=f"number of op-groups (1..{MAX_GROUPS}, default 48)")
+
+
+def add_force_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force", action="store_true",
+                   help="replace output files that exist (never one of this command's own inputs)")
+
+
+def _input_files(args) -> list[str]:
+    """Files the command reads: --topology (a path or a shipped name), --plan, --checkpoint and a
+    ``path/to/file.py:function`` model factory."""
+    files = [getattr(args, k, None) for k in ("plan", "checkpoint", "file")]
+    topo = getattr(args, "topology", None)
+    if topo:
+        from ..topology.loader import shipped_topologies
+        files.append(topo if os.path.exists(topo) else str(shipped_topologies().get(topo, topo)))
+    model = getattr(args, "model", None)
+    if model and ".py:" in model:
+        files.append(model.rsplit(":", 1)[0])
+    return [f for f in files if f and os.path.isfile(f)]
+
+
+def check_outputs(args, **outputs: str | None) -> None:
+    """Refuse before any work (one-line TagError) an output file, e.g. ``out=args.out``, that
+    is one of the command's inputs (even with --force), that two outputs share, or that exists
+    without ``--force``. The one convention of every command that writes files (README)."""
+    from ..errors import TagError
+
+    given = {f"--{k.replace('_', '-')}": v for k, v in outputs.items() if v}
+    inputs = _input_files(args)
+    seen: dict[str, str] = {}
+    for flag, path in given.items():
+        real = os.path.realpath(path)
+        for src in inputs:
+            if real == os.path.realpath(src):
+                raise TagError(f"{flag}: {path} is an input of this command; refusing to overwrite it")
+        if real in seen:
+            raise TagError(f"{flag}: {path} is also the {seen[real]} file; give different files")
+        seen[real] = flag
+        if os.path.isdir(path):
+            raise TagError(f"{flag}: {path} is a folder; expected a file name")
+        if os.path.lexists(path) and not getattr(args, "force", False):
+            raise TagError(f"{flag}: {path} exists; pass --force to replace it")
 
 
 def load_captured(args):
@@ -22,9 +101,6 @@ def load_captured(args):
     from ..graph import capture
     from ..workloads import load_workload
 
-    if args.batch is not None and args.batch < 1:
-        from ..errors import WorkloadError
-        raise WorkloadError(f"--batch: expected a positive integer, got {args.batch}")
     wl = load_workload(args.model, batch=args.batch, seed=args.seed)
     return wl, capture(wl, optimizer=args.optimizer, num_groups=getattr(args, "groups", 48))
 

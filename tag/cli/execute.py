@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import print_json
+from .common import MAX_BATCH, MAX_GROUPS, add_force_arg, check_outputs, int_in, print_json, seconds
 
 
 def register(sub) -> None:
@@ -20,6 +20,7 @@ def register(sub) -> None:
     p.add_argument("--plan", required=True, help="plan JSON (from `tag plan`)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     p.add_argument("--out", default=None, help="also write the result JSON here")
+    add_force_arg(p)
     p.add_argument("--save-params", action="store_true", help="each rank saves its final parameters in the run dir")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # testing: RANK:ITER:raise|exit|hang
     p.set_defaults(func=run)
@@ -29,26 +30,29 @@ def add_execute_args(p: argparse.ArgumentParser) -> None:
     """Options shared with ``tag validate``."""
     p.add_argument("--model", required=True, help="workload spec the plan was made for (e.g. gpt2:n_layer=2)")
     p.add_argument("--topology", required=True, help="topology file (one rank per device)")
-    p.add_argument("--batch", type=int, default=None, help="global batch (default: the plan's)")
+    p.add_argument("--batch", type=int_in(1, MAX_BATCH), default=None,
+                   help=f"global batch (1..{MAX_BATCH}; default: the plan's)")
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--groups", type=int, default=None, help="op-groups (default: the plan's)")
+    p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=None, help="op-groups (default: the plan's)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
                    help="auto: NCCL when every rank has a GPU on this machine, else gloo")
-    p.add_argument("--steps", type=int, default=10, help="timed iterations (default 10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up iterations (default 3)")
+    p.add_argument("--steps", type=int_in(1), default=10, help="timed iterations (default 10)")
+    p.add_argument("--warmup", type=int_in(0), default=3, help="untimed warm-up iterations (default 3)")
     p.add_argument("--emulate-speed", action="store_true",
                    help="slow each rank down by (fastest device FP32 FLOP/s / its own) to emulate the "
                         "topology's heterogeneous devices on identical CPUs (off by default)")
-    p.add_argument("--timeout", type=float, default=120.0,
+    p.add_argument("--timeout", type=seconds, default=120.0,
                    help="seconds any rank may wait on a peer before the run fails (default 120)")
-    p.add_argument("--run-dir", default=None, help="folder for worker results and logs (default: a temp folder)")
+    p.add_argument("--run-dir", default=None, help="folder for worker results, logs and trace.json, kept (default: a temporary folder, "
+                        "removed after success)")
 
 
 def run(args) -> int:
     from ..executor import ExecuteConfig, execute
     from ..io import write_json
 
+    check_outputs(args, out=args.out)
     cfg = ExecuteConfig(model=args.model, topology=args.topology, plan=args.plan, batch=args.batch,
                         optimizer=args.optimizer, seed=args.seed, groups=args.groups, steps=args.steps,
                         warmup=args.warmup, backend=args.backend, emulate_speed=args.emulate_speed,

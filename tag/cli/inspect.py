@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_model_args, load_captured, print_json
+from .common import add_force_arg, add_model_args, check_outputs, int_in, load_captured, print_json
 
 
 def register(sub) -> None:
@@ -10,9 +10,10 @@ def register(sub) -> None:
                        description="Capture forward, backward and optimizer of a model as an op graph, group it, "
                                    "and print ops, groups, FLOPs, parameters, activation bytes and the heaviest groups.")
     add_model_args(p)
-    p.add_argument("--top", type=int, default=5, help="how many of the heaviest groups to list")
+    p.add_argument("--top", type=int_in(0), default=5, help="how many of the heaviest groups to list")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.add_argument("--save", metavar="PATH", help="also write the op graph as JSON to PATH")
+    add_force_arg(p)
     p.set_defaults(func=run)
 
 
@@ -21,6 +22,7 @@ def run(args) -> int:
     from ..io import write_atomic
     from ..topology.units import format_bytes
 
+    check_outputs(args, save=args.save)
     wl, cap = load_captured(args)
     s = graph_summary(cap.graph, top=args.top)
     s["capture_s"] = round(cap.export_seconds, 3)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_model_args, print_json
+from .common import add_force_arg, add_model_args, check_outputs, int_in, print_json, seconds
 
 
 def register(sub) -> None:
@@ -14,9 +14,9 @@ def register(sub) -> None:
                     "time, the speedup over the baselines and the distance to the lower bound.")
     add_model_args(p)
     p.add_argument("--topology", required=True, help="topology YAML/JSON file or shipped topology name")
-    p.add_argument("--budget", type=int, default=None, metavar="N",
+    p.add_argument("--budget", type=int_in(1), default=None, metavar="N",
                    help="search budget in playouts: plans proposed and not simulated before (default 200 unless --time is given)")
-    p.add_argument("--time", type=float, default=None, metavar="S", help="search time limit in seconds (after set-up; at least one wave of playouts runs)")
+    p.add_argument("--time", type=seconds, default=None, metavar="S", help="search time limit in seconds (after set-up; at least one wave of playouts runs)")
     p.add_argument("--prior", choices=["gnn", "uniform"], default="gnn", help="MCTS prior (default gnn)")
     p.add_argument("--searcher", choices=["mcts", "sa", "random", "tpe"], default="mcts",
                    help="search algorithm (default mcts)")
@@ -31,6 +31,10 @@ def register(sub) -> None:
     p.add_argument("--trace", metavar="OUT.json", default=None,
                    help="write the simulated timeline of the plan (Chrome/Perfetto trace)")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of the table")
+    add_force_arg(p)
+    p.add_argument("--allow-oom", action="store_true",
+                   help="when even the best plan runs out of memory, still write it and exit 0 (default: "
+                        "print the memory report, write nothing and exit 2)")
     p.set_defaults(func=run)
 
 
@@ -58,15 +62,11 @@ def _ratio(a, b):
 def run(args) -> int:
     import time
 
-    from ..errors import TagError
     from ..search import plan as search_plan
     from ..topology import load_topology
     from .common import load_captured
 
-    if args.budget is not None and args.budget < 1:
-        raise TagError(f"--budget: expected a positive number of playouts, got {args.budget}")
-    if args.time is not None and not args.time > 0:
-        raise TagError(f"--time: expected a positive number of seconds, got {args.time}")
+    check_outputs(args, out=args.out, trace=args.trace)
     topo = load_topology(args.topology)
     t0 = time.perf_counter()
     _, cap = load_captured(args)
@@ -82,6 +82,13 @@ def run(args) -> int:
                     time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs,
                     compression=args.compression, one_shot=args.one_shot)
     p.meta["capture_s"] = capture_s
+    if p.meta.get("oom") and not args.allow_oom:
+        from ..errors import OutOfMemoryError
+        from ..executor.launch import memory_report
+        from ..sim import Simulator
+        res = Simulator(graph, topo, costs).run(p.groups)
+        raise OutOfMemoryError(f"every plan searched runs out of memory, the best too: {memory_report(res, topo)}; "
+                               "no plan written (--allow-oom writes it anyway)")
     if args.out:
         p.save(args.out)
     if args.trace:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..cost.commprof import DEFAULT_REPEATS
-from .common import add_model_args
+from .common import add_model_args, int_in
 
 
 def register(sub) -> None:
@@ -17,13 +17,13 @@ def register(sub) -> None:
                     "two local processes (gloo; NCCL with --device cuda) and fit latency + bytes/bandwidth.")
     add_model_args(p)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="device to profile (default cpu)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int_in(1), default=None,
                    help="CPU intra-op threads (default: torch's; the device type is cpu-<threads>t)")
     p.add_argument("--batches", default=None, metavar="B1,B2,...",
                    help="per-replica batch sizes to time (default 1, B/4, B/2, B)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per batch size (median; default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up iterations (default 2)")
-    p.add_argument("--comm-repeats", type=int, default=DEFAULT_REPEATS,
+    p.add_argument("--repeats", type=int_in(1), default=5, help="timed repeats per batch size (median; default 5)")
+    p.add_argument("--warmup", type=int_in(0), default=2, help="untimed warm-up iterations (default 2)")
+    p.add_argument("--comm-repeats", type=int_in(1), default=DEFAULT_REPEATS,
                    help=f"timed calls per communication operation and size (mean; default {DEFAULT_REPEATS})")
     p.add_argument("--out", default=None, metavar="DIR", help="profile database root (default data/profiles)")
     comm = p.add_mutually_exclusive_group()

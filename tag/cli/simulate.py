@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_model_args, print_json
+from .common import add_force_arg, add_model_args, check_outputs, print_json
 
 
 def register(sub) -> None:
@@ -24,6 +24,7 @@ def register(sub) -> None:
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline in Chrome/Perfetto trace format")
     p.add_argument("--profiles", metavar="DIR", default=None, help="profile database root (default data/profiles)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_force_arg(p)
     p.set_defaults(func=run)
 
 
@@ -36,6 +37,7 @@ def run(args) -> int:
     from ..sim import Simulator, lower_bound
     from ..topology import load_topology
 
+    check_outputs(args, trace=args.trace)
     topo = load_topology(args.topology)
     plan = Plan.load(args.plan) if args.plan else None
     if plan is not None:

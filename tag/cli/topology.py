@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import print_json
+from .common import add_force_arg, check_outputs, print_json
 
 
 def register(sub) -> None:
@@ -16,6 +16,7 @@ def register(sub) -> None:
     det = tsub.add_parser("detect", help="describe this machine (CUDA GPUs, else the CPU) as a topology")
     det.add_argument("--out", metavar="FILE", help="write the topology YAML here (default: print it)")
     det.add_argument("--name", default=None, help="topology name (default: the host name)")
+    add_force_arg(det)
     det.set_defaults(func=run_detect)
 
 
@@ -36,6 +37,7 @@ def run_detect(args) -> int:
 
     from ..topology import detect_topology, dump_topology, format_topology
 
+    check_outputs(args, out=args.out)
     topo = detect_topology(args.name)
     if args.out:
         dump_topology(topo, args.out)

@@ -166,9 +166,14 @@ def _bucketed(x, collective, flatten: bool, scatter: bool) -> None:
 
 def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], repeats: int, warmup: int,
             out: str, threads: int, busy_s: float) -> None:
+    import multiprocessing
+
     import torch
     import torch.distributed as dist
 
+    from ..lifetime import die_with
+
+    die_with(multiprocessing.parent_process().pid)  # no orphan after a kill -9 of `tag profile`
     torch.set_num_threads(threads)
     pinned = None
     if backend != "nccl":  # as an executor's CPU ranks run (tag.executor.worker)

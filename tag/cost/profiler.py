@@ -271,6 +271,9 @@ def _corun_worker(spec: str, seed: int, threads: int, batch, stop, done, slot: i
     ``done[slot]`` is the batch of the last finished iteration."""
     import os
 
+    from ..lifetime import die_with
+
+    die_with(parent)  # at once on a kill -9 of the profiler (the loop below checks between iterations)
     torch.set_num_threads(threads)
     from ..workloads import load_workload
 

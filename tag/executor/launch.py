@@ -12,6 +12,9 @@ Across machines, run the same worker under ``torchrun`` on every machine (tag/ex
 from __future__ import annotations
 
 import logging
+import math
+import os
+import shutil
 import statistics
 import tempfile
 import uuid
@@ -48,7 +51,8 @@ class ExecuteConfig:
     timeout_s: float = 120.0
     """Bound on any blocked communication and on rendezvous."""
     run_dir: str | None = None
-    """Where workers write results and logs (default: a fresh temporary folder)."""
+    """Where workers write results, logs and trace.json (default: a fresh temporary folder, removed
+    after a successful run and kept after a failure, for its logs)."""
     save_params: bool = False
     check_memory: bool = True
     profile_dir: str | None = None
@@ -78,6 +82,7 @@ class ExecuteResult:
     """Full-batch loss per iteration (sum over loss-unit replicas of b_i/B x their mean)."""
     ranks: list[dict] = field(repr=False, default_factory=list)
     run_dir: str = ""
+    """The run folder; empty when it was a temporary one, removed after success."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,6 +98,10 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     from ..topology import load_topology
     from ..workloads import load_workload
 
+    if not (isinstance(cfg.timeout_s, (int, float)) and 0 < cfg.timeout_s < math.inf):
+        raise TagError(f"--timeout: expected a positive, finite number of seconds, got {cfg.timeout_s!r}")
+    if cfg.steps < 1 or cfg.warmup < 0:
+        raise TagError(f"--steps/--warmup: expected steps >= 1 and warmup >= 0, got {cfg.steps}/{cfg.warmup}")
     topology = load_topology(cfg.topology)
     plan = Plan.load(cfg.plan)
     if plan.model != cfg.model.strip() and load_workload(cfg.model, batch=1).name != plan.model:
@@ -103,8 +112,6 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
                         f"{topology.num_devices} devices)")
     batch = cfg.batch or plan.batch_size
     groups = cfg.groups or len(plan.groups)
-    if cfg.steps < 1 or cfg.warmup < 0:
-        raise TagError(f"--steps/--warmup: expected steps >= 1 and warmup >= 0, got {cfg.steps}/{cfg.warmup}")
     if graph is None:
         wl = load_workload(cfg.model, batch=batch, seed=cfg.seed)
         graph = capture(wl, optimizer=cfg.optimizer, num_groups=groups).graph
@@ -125,12 +132,16 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
                        topology=str(topo_path), plan=str(Path(cfg.plan).resolve()),
                        out_dir=str(run_dir), steps=cfg.steps, warmup=cfg.warmup, backend=backend,
                        emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
-                       save_params=cfg.save_params, fault=cfg.fault)
+                       save_params=cfg.save_params, fault=cfg.fault, launcher_pid=os.getpid())
     write_json(args_path, asdict(wargs))
     _launch(world, args_path, run_dir, cfg.timeout_s, "spawn" if backend == "nccl" else "forkserver")
     ranks = _read_ranks(run_dir)
     write_json(run_dir / "trace.json", chrome_trace(sim_res, ranks), indent=None)
-    return summarize(cfg, backend, ranks, float(sim_res.iteration_time_s), run_dir)
+    res = summarize(cfg, backend, ranks, float(sim_res.iteration_time_s), run_dir)
+    if cfg.run_dir is None:  # our temporary folder: removed after success (kept on failure: its logs)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        res.run_dir = ""
+    return res
 
 
 def summarize(cfg: ExecuteConfig, backend: str, ranks: list[dict], predicted: float | None,
@@ -174,7 +185,7 @@ def _predict(graph, topology, plan, check_memory: bool, profile_dir: str | None 
     costs = CostModel.for_topology(graph, topology, profile_dir=profile_dir)
     res = simulate(graph, topology, plan, costs=costs, trace=True)
     if check_memory and res.oom:
-        raise OutOfMemoryError(f"plan would run out of memory: {_memory_line(res, topology)}")
+        raise OutOfMemoryError(f"plan would run out of memory: {memory_report(res, topology)}")
     return res
 
 
@@ -194,7 +205,7 @@ def chrome_trace(sim_res, ranks: list[dict]) -> dict:
     return tr
 
 
-def _memory_line(res, topology) -> str:
+def memory_report(res, topology) -> str:
     """``device 1 (local:1) needs 3.20 GiB of 2.00 GiB; ...`` from a :class:`tag.sim.SimResult`."""
     parts = []
     for d, _over in res.oom_devices:
@@ -221,9 +232,17 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
 
     # A failed rank becomes one ExecutionError line naming the rank, the cause and the log folder;
     # torchelastic's own multi-line error dump is only shown with --debug.
-    quiet = logging.CRITICAL if logging.getLogger().getEffectiveLevel() > logging.DEBUG else logging.ERROR
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+    debug = logging.getLogger().getEffectiveLevel() <= logging.DEBUG
+    quiet = logging.ERROR if debug else logging.CRITICAL
+    # torch.multiprocessing: "Terminating process N via signal SIGTERM" when the agent stops the others.
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(quiet)
+    # multiprocessing's resource tracker (a process of its own, started during the launch with this
+    # environment) warns of the semaphores a killed rank could not release, then releases them.
+    warn_env = os.environ.get("PYTHONWARNINGS")
+    if not debug:
+        os.environ["PYTHONWARNINGS"] = ",".join(
+            filter(None, [warn_env, "ignore::UserWarning:multiprocessing.resource_tracker"]))
     run_id = f"tag-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id,
@@ -235,6 +254,11 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
         elastic_launch(config, worker_entry)(str(args_path))
     except ChildFailedError as e:
         raise ExecutionError(failure_line(e, run_dir, run_id)) from None
+    finally:
+        if warn_env is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = warn_env
 
 
 # Imported once by the fork server, inherited by every CPU rank.

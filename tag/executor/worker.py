@@ -53,6 +53,9 @@ class WorkerArgs:
     save_params: bool = False
     fault: str | None = None
     """Testing only: ``"RANK:ITER:raise|exit|hang"`` makes that rank fail at that iteration."""
+    launcher_pid: int | None = None
+    """``tag execute``'s process: the rank exits when it does (:func:`tag.lifetime.die_with`);
+    None under torchrun (the rank dies with its parent, the torchrun agent)."""
 
     @classmethod
     def load(cls, path: str) -> WorkerArgs:
@@ -221,7 +224,11 @@ def worker_entry(args_path: str) -> dict:
     and to stderr; the full traceback only to stderr (the rank's log file).
     """
     try:
-        return run_rank(WorkerArgs.load(args_path))
+        args = WorkerArgs.load(args_path)
+        from ..lifetime import die_with
+
+        die_with(args.launcher_pid)  # no rank outlives a kill -9 of its launcher
+        return run_rank(args)
     except BaseException as e:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import linecache
+import tempfile
+from pathlib import Path
+
 from torch import Tensor, nn
 from torch_geometric.nn import GATv2Conv, HeteroConv
 
@@ -49,11 +53,11 @@ class JointConv(nn.Module):
         if hidden % heads:
             raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
         self.relations = list(relations)
-        self.conv = HeteroConv({
-            r: GATv2Conv((hidden, hidden), hidden // heads, heads=heads, edge_dim=edge_dim[r],
-                         add_self_loops=False, dropout=dropout, share_weights=False)
-            for r in self.relations
-        }, aggr="sum")
+        with _template_files_removed():
+            convs = {r: GATv2Conv((hidden, hidden), hidden // heads, heads=heads, edge_dim=edge_dim[r],
+                                  add_self_loops=False, dropout=dropout, share_weights=False)
+                     for r in self.relations}
+        self.conv = HeteroConv(convs, aggr="sum")
         self.norm = nn.ModuleDict({t: nn.LayerNorm(hidden) for t in node_types})
         self.act = nn.ELU()
         self.reset_parameters()
@@ -78,3 +82,25 @@ class JointConv(nn.Module):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(relations={len(self.relations)}, norm={list(self.norm)})"
+
+
+class _template_files_removed:
+    """torch_geometric renders a message-passing class's ``propagate``/``edge_updater`` from jinja
+    templates into ``NamedTemporaryFile(delete=False)`` modules (``torch_geometric.*.py`` in the
+    system temp folder; once per class and process, no setting turns it off) and never removes
+    them. Within this block they go to a private folder removed on exit; their source stays in
+    :mod:`linecache` (entry with mtime None: never invalidated), so ``inspect.getsource`` and
+    TorchScript still find it. Not thread-safe (``tempfile.tempdir`` is global)."""
+
+    def __enter__(self):
+        self._dir = tempfile.TemporaryDirectory(prefix="tag-pyg-")
+        self._old, tempfile.tempdir = tempfile.tempdir, self._dir.name
+        return self
+
+    def __exit__(self, *exc):
+        tempfile.tempdir = self._old
+        for f in Path(self._dir.name).glob("*.py"):
+            lines = f.read_text().splitlines(keepends=True)
+            linecache.cache[str(f)] = (sum(map(len, lines)), None, lines, str(f))
+        self._dir.cleanup()
+        return False

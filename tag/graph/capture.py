@@ -19,6 +19,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import os
+import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,15 +137,16 @@ def _views_to_reshapes(ep: torch.export.ExportedProgram) -> torch.export.Exporte
     return ep
 
 
-def export_joint(model: torch.nn.Module, inputs: tuple) -> torch.export.ExportedProgram:
-    """Export ``model(*inputs) -> scalar loss`` as a joint forward+backward ExportedProgram."""
+def export_joint(model: torch.nn.Module, inputs: tuple, name: str = "the model") -> torch.export.ExportedProgram:
+    """Export ``model(*inputs) -> scalar loss`` as a joint forward+backward ExportedProgram
+    (``name``: how error messages call the model)."""
     from torch.export.experimental import _export_forward_backward  # private API: one place only
 
     try:
         with _quiet():
             ep = torch.export.export(model, tuple(inputs), strict=False)
     except Exception as e:  # noqa: BLE001 - any export failure is a model the user must fix
-        raise WorkloadError(f"torch.export could not capture the model: {type(e).__name__}: {_first_line(e)}") from e
+        raise WorkloadError(_export_failure(name, e)) from e
     out_specs = ep.graph_signature.output_specs
     # Buffer mutations (e.g. BatchNorm's running statistics) come before the model's own outputs.
     li = next((i for i, s in enumerate(out_specs) if s.kind == OutputKind.USER_OUTPUT), None)
@@ -163,19 +167,44 @@ def export_joint(model: torch.nn.Module, inputs: tuple) -> torch.export.Exported
         raise WorkloadError(f"could not build the backward graph: {type(e).__name__}: {_first_line(e)}") from e
 
 
+# torch.export names the user's line that raised in its message:
+#   The following call raised this error:\n  File "/x/model.py", line 10, in forward\n    if y.sum() > 0:
+_RAISED_AT = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s+(.+)')
+
+
+def _export_failure(name: str, e: BaseException) -> str:
+    """One line: the model, the user's operation that failed (file:line and source) and why."""
+    where = ""
+    match = _RAISED_AT.search(str(e))
+    if match is not None:
+        path, line, fn, code = match.groups()
+        where = f" at {os.path.basename(path)}:{line} in {fn} ({code.strip()[:120]})"
+    if "DataDependent" in type(e).__name__:
+        return (f"{name}: data-dependent control flow{where}: the capture needs operations that do not "
+                f"branch on tensor values ({type(e).__name__}; --debug shows the details)")
+    return f"{name}: torch.export could not capture the model{where}: {type(e).__name__}: {_first_line(e)}"
+
+
 @contextlib.contextmanager
 def _quiet():
-    """Silence torch.export's chatty loggers and warnings for the duration."""
+    """Silence torch.export's chatty loggers and warnings for the duration, and what it prints
+    to stderr itself (the partial graph dump of a failed export: shown under ``--debug`` only,
+    i.e. when the ``tag`` logger is at DEBUG)."""
+    import io
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prev = logging.getLogger("torch").level
         logging.getLogger("torch").setLevel(logging.ERROR)
+        printed = io.StringIO()
         try:
-            yield
+            with contextlib.redirect_stderr(printed):
+                yield
         finally:
             logging.getLogger("torch").setLevel(prev)
+            if printed.getvalue().strip() and logging.getLogger("tag").isEnabledFor(logging.DEBUG):
+                sys.stderr.write(printed.getvalue())
 
 
 def _first_line(e: BaseException) -> str:
@@ -289,8 +318,8 @@ def capture(workload: Any, *, optimizer: str = "adam", num_groups: int = 48) -> 
     b2 = b1 + 1
     t0 = time.perf_counter()
     with _quiet():
-        ep1 = export_joint(model, inputs)
-        ep2 = export_joint(model, make_inputs(b2))
+        ep1 = export_joint(model, inputs, name)
+        ep2 = export_joint(model, make_inputs(b2), name)
         seconds = time.perf_counter() - t0
         graph, grad_outputs, loss_node = _build_graph(name, ep1, ep2, b1, b2, optimizer)
     group_ops(graph, num_groups)

@@ -117,8 +117,11 @@ class Plan:
         extra = sorted(set(d) - known)
         if extra:
             raise PlanError(f"{source}: {extra[0]}: unknown field; expected one of {sorted(known)}")
-        if not isinstance(d["groups"], list):
-            raise PlanError(f"{source}: groups: expected a list")
+        for k, kind in _PLAN_TYPES.items():
+            if k in d:
+                _check_type(d[k], kind, f"{source}: {k}")
+        if d["batch_size"] < 1:
+            raise PlanError(f"{source}: batch_size: expected a positive integer, got {d['batch_size']}")
         groups = []
         gknown = set(GroupPlan.__dataclass_fields__)
         for i, g in enumerate(d["groups"]):
@@ -130,6 +133,9 @@ class Plan:
             for k in ("devices", "shares"):
                 if k not in g:
                     raise PlanError(f"{source}: groups[{i}].{k}: missing field")
+            for k, kind in _GROUP_TYPES.items():
+                if k in g:
+                    _check_type(g[k], kind, f"{source}: groups[{i}].{k}")
             groups.append(GroupPlan(**g))
         return cls(**{**d, "groups": groups})
 
@@ -155,6 +161,47 @@ class Plan:
             return cls.from_dict(d, source=str(p))
         except TypeError as e:
             raise PlanError(f"{p}: malformed plan: {e}") from e
+
+
+# JSON types of the plan's fields, checked on load so that every later message (ranges, sums)
+# can assume them: "int", "number", "str", "list[int]", ..., a trailing "?" allows null.
+_PLAN_TYPES = {"model": "str", "graph_signature": "str", "topology": "str", "topology_signature": "str",
+               "batch_size": "int", "groups": "list", "predicted_iteration_time_s": "number?", "meta": "dict",
+               "version": "int"}
+_GROUP_TYPES = {"devices": "list[int]", "shares": "list[number]", "sync": "str", "server": "int?",
+                "mp_splits": "list[int]?", "sfb": "list[str]"}
+_JSON_TYPES = {"int": "an integer", "number": "a number", "str": "a string", "list": "a list", "dict": "an object"}
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, {"str": str, "list": list, "dict": dict}[kind])
+
+
+def _check_type(value: Any, kind: str, where: str) -> None:
+    """Raise PlanError ``<where>: expected <kind>, got <value>`` unless ``value`` has JSON type ``kind``."""
+    if kind.endswith("?"):
+        if value is None:
+            return
+        kind = kind[:-1]
+    if kind.startswith("list["):
+        item = kind[5:-1]
+        if not isinstance(value, list):
+            raise PlanError(f"{where}: expected a list, got {_short(value)}")
+        for j, v in enumerate(value):
+            if not _is(v, item):
+                raise PlanError(f"{where}[{j}]: expected {_JSON_TYPES[item]}, got {_short(v)}")
+        return
+    if not _is(value, kind):
+        raise PlanError(f"{where}: expected {_JSON_TYPES[kind]}, got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def group_positions(graph, g: int) -> tuple[int, int]:

@@ -14,13 +14,13 @@ import json
 import os
 import platform
 import re
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
 
 from tag.errors import TopologyError
+from tag.io import write_atomic
 
 __all__ = ["GPUSpec", "GPU_CATALOG", "get_gpu", "match_gpu_name", "local_cpu_spec", "cache_dir"]
 
@@ -240,19 +240,7 @@ def local_cpu_spec(*, refresh: bool = False) -> GPUSpec:
     spec = _measure_cpu()
     entries[key] = asdict(spec)
     with contextlib.suppress(OSError):  # an unwritable cache only costs a re-measurement
-        _atomic_write(path, json.dumps(entries, indent=1, sort_keys=True))
+        write_atomic(path, json.dumps(entries, indent=1, sort_keys=True))
     return spec
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same directory and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

@@ -25,7 +25,7 @@ import contextlib
 import difflib
 import json
 import os
-import tempfile
+import reprlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,8 +33,9 @@ from typing import Any
 import yaml
 
 from tag.errors import TopologyError
+from tag.io import write_atomic
 from tag.topology.catalog import GPU_CATALOG, GPUSpec, get_gpu
-from tag.topology.model import Machine, Topology
+from tag.topology.model import MAX_DEVICES, MAX_DEVICES_PER_MACHINE, Machine, Topology
 from tag.topology.units import (
     format_bandwidth,
     format_bytes,
@@ -73,8 +74,22 @@ _NETWORK_KEYS = ("bandwidth", "latency", "links")
 _LINK_KEYS = ("between", "bandwidth", "latency")
 
 
+# What is read is bounded: a topology file of 1024 machines is ~100 KB, and a YAML alias names a
+# node already built (an inline GPU spec reused by several machines); a file past either limit
+# is refused before it is walked. The "billion laughs" bomb (aliases of lists of aliases) is
+# cheap to build but exponential to print or walk, hence also the bounded _show below.
+MAX_FILE_BYTES = 4 * 2**20
+MAX_YAML_ALIASES = 1000
+
+# repr() of a value in an error message, bounded in depth, items and characters whatever the
+# value's size (a nested alias bomb would take minutes and gigabytes to repr() in full).
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 60, 60, 40
+_REPR.maxtuple = _REPR.maxlist = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 4
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
+    text = _REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -133,8 +148,9 @@ def _parse_gpu(ctx: _Context, value: Any, path: str) -> GPUSpec:
             raise ctx.error(f"{path}.{flops_key}", f"give either {tflops_key} or {flops_key}, not both")
         if spec.get(tflops_key) is not None:
             raw = spec[tflops_key]
-            if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < float("inf"):
-                raise ctx.error(f"{path}.{tflops_key}", f"expected a positive number of TFLOP/s, got {_show(raw)}")
+            # 1e300 and 10**400 would overflow to inf (or OverflowError) once scaled to FLOP/s.
+            if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < 1e290:
+                raise ctx.error(f"{path}.{tflops_key}", f"expected a positive finite number of TFLOP/s, got {_show(raw)}")
             return float(raw) * 1e12
         if spec.get(flops_key) is not None:
             return ctx.quantity(parse_flops, spec[flops_key], f"{path}.{flops_key}")
@@ -160,6 +176,8 @@ def _parse_machine(ctx: _Context, value: Any, path: str) -> Machine:
     count = ctx.require(raw, "count", path, "a positive integer")
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ctx.error(f"{path}.count", f"expected a positive integer, got {_show(count)}")
+    if count > MAX_DEVICES_PER_MACHINE:
+        raise ctx.error(f"{path}.count", f"at most {MAX_DEVICES_PER_MACHINE} devices per machine, got {_show(count)}")
     intra_bw = raw.get("intra_bandwidth")
     if intra_bw is None:
         if count > 1:
@@ -236,10 +254,16 @@ def _from_dict(ctx: _Context, raw: Any) -> Topology:
     machine_list = ctx.require(raw, "machines", "", "a non-empty list of machines")
     if not isinstance(machine_list, list) or not machine_list:
         raise ctx.error("machines", f"expected a non-empty list of machines, got {_show(machine_list)}")
+    if len(machine_list) > MAX_DEVICES:
+        raise ctx.error("machines", f"at most {MAX_DEVICES} devices (so machines) in a topology, got {len(machine_list)} machines")
     machines: list[Machine] = []
     seen: dict[str, int] = {}
+    total = 0
     for k, entry in enumerate(machine_list):
         machine = _parse_machine(ctx, entry, f"machines[{k}]")
+        total += machine.count
+        if total > MAX_DEVICES:
+            raise ctx.error(f"machines[{k}].count", f"at most {MAX_DEVICES} devices in a topology, got {total} so far")
         if machine.name in seen:
             raise ctx.error(
                 f"machines[{k}].name", f"duplicate machine name {machine.name!r} (also machines[{seen[machine.name]}])"
@@ -254,7 +278,18 @@ def _from_dict(ctx: _Context, raw: Any) -> Topology:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate mapping keys (a silent override would hide typos)."""
+    """SafeLoader that rejects duplicate mapping keys (a silent override would hide typos) and
+    more than :data:`MAX_YAML_ALIASES` aliases (a nested alias bomb)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.events.AliasEvent):
+            self._aliases = getattr(self, "_aliases", 0) + 1
+            if self._aliases > MAX_YAML_ALIASES:
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(
+                    None, None, f"more than {MAX_YAML_ALIASES} aliases (*name); refusing a possible alias bomb",
+                    event.start_mark)
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -271,7 +306,11 @@ class _StrictLoader(yaml.SafeLoader):
 
 def _read_file(ctx: _Context, path: Path) -> Any:
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+        if len(raw) > MAX_FILE_BYTES:
+            raise ctx.error("", f"file larger than {MAX_FILE_BYTES // 2**20} MiB; expected a topology file")
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise ctx.error("", "file not found; expected a YAML or JSON topology file") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -362,16 +401,7 @@ def topology_to_yaml(topo: Topology) -> str:
 
 
 def dump_topology(topo: Topology, path: str | os.PathLike) -> Path:
-    """Write ``topo`` as human-readable YAML to ``path`` atomically (temp file + os.replace)."""
+    """Write ``topo`` as human-readable YAML to ``path`` atomically (:func:`tag.io.write_atomic`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(topology_to_yaml(topo))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, topology_to_yaml(topo))
     return path

@@ -1,8 +1,14 @@
 """Topology data model: machines of identical devices joined by a network.
 
-Device indices are global and follow machine order (machine 0's devices first). All per-pair
-queries are O(1) lookups into matrices precomputed in ``__post_init__`` (used in planners' hot
-loops). Units: bytes/s for bandwidths, seconds for latencies.
+Device indices are global and follow machine order (machine 0's devices first). Per-pair
+queries are O(1) lookups into the machine x machine matrices precomputed in ``__post_init__``
+(two devices' link is their machines' link): a topology holds O(machines^2 + devices) state.
+The device x device matrices (:attr:`Topology.bandwidth_matrix`, ``latency_matrix``) are built
+on first use only, for the cost model and the searches that index them by device.
+Units: bytes/s for bandwidths, seconds for latencies.
+
+Size limits (checked before anything is allocated): at most :data:`MAX_DEVICES_PER_MACHINE`
+devices on one machine and :data:`MAX_DEVICES` devices (hence machines) in a topology.
 """
 
 from __future__ import annotations
@@ -20,7 +26,13 @@ import numpy as np
 from tag.errors import TopologyError
 from tag.topology.catalog import CPU_NAME, GPUSpec
 
-__all__ = ["Device", "Machine", "Topology", "LinkKey"]
+__all__ = ["Device", "Machine", "Topology", "LinkKey", "MAX_DEVICES", "MAX_DEVICES_PER_MACHINE"]
+
+# Stated limits. A machine of 256 devices is beyond any NVLink/NVSwitch domain sold today (NVL72:
+# 72 GPUs); 1024 devices in all keeps the [D, D] matrices the cost model builds at 8 MB each.
+# Past them a topology is refused with a one-line error instead of allocating without bound.
+MAX_DEVICES_PER_MACHINE = 256
+MAX_DEVICES = 1024
 
 LinkKey = frozenset  # frozenset({machine_name_1, machine_name_2})
 
@@ -75,6 +87,10 @@ class Machine:
             raise TopologyError(f"{where}: gpu: expected a GPUSpec, got {self.gpu!r}")
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
             raise TopologyError(f"{where}: count: expected a positive integer, got {self.count!r}")
+        if self.count > MAX_DEVICES_PER_MACHINE:
+            raise TopologyError(
+                f"{where}: count: at most {MAX_DEVICES_PER_MACHINE} devices per machine, got {self.count}"
+            )
         if self.intra_bandwidth is None:
             if self.count > 1:
                 raise TopologyError(f"{where}: intra_bandwidth: required when count > 1, got None")
@@ -106,10 +122,6 @@ class Topology:
     # Derived, precomputed in __post_init__ (not compared, not part of the constructor).
     devices: list[Device] = field(init=False, repr=False, compare=False)
     """All devices, indexed by global index."""
-    bandwidth_matrix: np.ndarray = field(init=False, repr=False, compare=False)
-    """[D, D] bytes/s between devices (read-only; diagonal inf)."""
-    latency_matrix: np.ndarray = field(init=False, repr=False, compare=False)
-    """[D, D] seconds between devices (read-only; diagonal 0)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "machines", tuple(self.machines))
@@ -132,28 +144,19 @@ class Topology:
             for local in range(m.count):
                 devices.append(Device(len(devices), m.name, local, m.gpu))
                 machine_of.append(k)
-        mo = np.asarray(machine_of, dtype=np.int64)
-        bw = m_bw[np.ix_(mo, mo)]
-        lat = m_lat[np.ix_(mo, mo)]
-        np.fill_diagonal(bw, math.inf)
-        np.fill_diagonal(lat, 0.0)
-        for arr in (m_bw, m_lat, bw, lat):
+        for arr in (m_bw, m_lat):
             arr.setflags(write=False)
         per_machine: list[list[int]] = [[] for _ in self.machines]
         for d, k in enumerate(machine_of):
             per_machine[k].append(d)
         derived = {
             "devices": devices,
-            "bandwidth_matrix": bw,
-            "latency_matrix": lat,
             "_machine_of": tuple(machine_of),
             "_per_machine": tuple(tuple(ds) for ds in per_machine),
             "_machine_index": index_of,
             "_m_bw": m_bw,
             "_m_lat": m_lat,
             # Nested Python lists: scalar lookups are ~5x faster than numpy item access.
-            "_bw_rows": bw.tolist(),
-            "_lat_rows": lat.tolist(),
             "_m_bw_rows": m_bw.tolist(),
             "_m_lat_rows": m_lat.tolist(),
         }
@@ -173,6 +176,9 @@ class Topology:
             if m.name in seen:
                 raise TopologyError(f"{where}: machines[{k}].name: duplicate machine name {m.name!r}")
             seen.add(m.name)
+        total = sum(m.count for m in self.machines)
+        if total > MAX_DEVICES:
+            raise TopologyError(f"{where}: machines: at most {MAX_DEVICES} devices in a topology, got {total}")
         if not _positive(self.network_bandwidth):
             raise TopologyError(
                 f"{where}: network.bandwidth: expected a positive bandwidth in bytes/s, got {self.network_bandwidth!r}"
@@ -219,11 +225,35 @@ class Topology:
 
     def bandwidth(self, i: int, j: int) -> float:
         """Bandwidth between devices ``i`` and ``j``, bytes/s (inf when i == j)."""
-        return self._bw_rows[i][j]
+        if i == j:
+            return math.inf
+        mo = self._machine_of
+        return self._m_bw_rows[mo[i]][mo[j]]
 
     def latency(self, i: int, j: int) -> float:
         """Latency between devices ``i`` and ``j``, seconds (0 when i == j)."""
-        return self._lat_rows[i][j]
+        if i == j:
+            return 0.0
+        mo = self._machine_of
+        return self._m_lat_rows[mo[i]][mo[j]]
+
+    def _device_matrix(self, per_machine: np.ndarray, diagonal: float) -> np.ndarray:
+        """[D, D] read-only expansion of a [M, M] machine matrix, ``diagonal`` on the diagonal."""
+        mo = np.asarray(self._machine_of, dtype=np.int64)
+        out = per_machine[np.ix_(mo, mo)]
+        np.fill_diagonal(out, diagonal)
+        out.setflags(write=False)
+        return out
+
+    @cached_property
+    def bandwidth_matrix(self) -> np.ndarray:
+        """[D, D] bytes/s between devices (read-only; diagonal inf), built on first use."""
+        return self._device_matrix(self._m_bw, math.inf)
+
+    @cached_property
+    def latency_matrix(self) -> np.ndarray:
+        """[D, D] seconds between devices (read-only; diagonal 0), built on first use."""
+        return self._device_matrix(self._m_lat, 0.0)
 
     def machine_bandwidth(self, m1: int, m2: int) -> float:
         """Bandwidth between machine indices (``m1 == m2``: the intra-machine bandwidth), bytes/s."""
@@ -267,7 +297,7 @@ class Topology:
         n = self.num_devices
         for i in range(n):
             for j in range(i + 1, n):
-                g.add_edge(i, j, bandwidth=self._bw_rows[i][j], latency=self._lat_rows[i][j])
+                g.add_edge(i, j, bandwidth=self.bandwidth(i, j), latency=self.latency(i, j))
         return nx.freeze(g)
 
     # ------------------------------------------------------------------------------ serialization

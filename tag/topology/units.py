@@ -55,17 +55,36 @@ def _fmt_value(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# Longest quantity string and largest decimal exponent parsed: "1e999999999" would make
+# Fraction build a billion-digit integer; no physical quantity needs more than this.
+_MAX_TEXT = 100  # characters
+_MAX_EXPONENT = 400  # |e| in "1.5e<e>"; beyond ~308 the result overflows a double anyway
+
+
+def _to_float(number: Fraction | int | float, original: object, kind: str) -> float:
+    """``float(number)``, or a one-line ValueError when it does not fit a double (1e400 GB/s)."""
+    try:
+        return float(number)
+    except OverflowError:
+        raise ValueError(f"expected a finite {kind}, got {_fmt_value(original)} (too large)") from None
+
+
 def _split(value: object, kind: str) -> tuple[Fraction, str] | float:
     """Return (number, unit) for a string, or the float for a plain number (base units)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"expected a {kind} (number or string with unit), got {_fmt_value(value)}")
     if isinstance(value, (int, float)):
-        return float(value)
+        return _to_float(value, value, kind)
     if not value.strip():
         raise ValueError(f"expected a {kind}, got an empty string")
+    if len(value) > _MAX_TEXT:
+        raise ValueError(f"expected a {kind} like '10 GB/s' (at most {_MAX_TEXT} characters), got {_fmt_value(value)}")
     match = _NUMBER_RE.match(value)
     if match is None:
         raise ValueError(f"expected a {kind} like '10 GB/s', got {_fmt_value(value)}")
+    exponent = re.search(r"[eE]([+-]?\d+)$", match.group(1))
+    if exponent is not None and abs(int(exponent.group(1))) > _MAX_EXPONENT:
+        raise ValueError(f"expected a finite {kind}, got {_fmt_value(value)} (exponent out of range)")
     return Fraction(match.group(1)), re.sub(r"\s+", "", match.group(2))
 
 
@@ -108,7 +127,7 @@ def parse_bandwidth(value: object, *, positive: bool = True) -> float:
             f"unknown bandwidth unit {unit!r} in {_fmt_value(value)}; expected e.g. B/s, MB/s, GB/s, "
             "GiB/s, Mbit/s, Gbit/s, Gbps"
         )
-    return _check(float(number * mult), value, "bandwidth", positive)
+    return _check(_to_float(number * mult, value, "bandwidth"), value, "bandwidth", positive)
 
 
 def parse_bytes(value: object, *, positive: bool = True) -> int:
@@ -127,7 +146,7 @@ def parse_bytes(value: object, *, positive: bool = True) -> int:
                 "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
             )
         exact = number * mult
-        _check(float(exact), value, "size", positive)
+        _check(_to_float(exact, value, "size"), value, "size", positive)
     rounded = round(exact)
     if positive and rounded <= 0:
         raise ValueError(f"expected a positive size of at least 1 byte, got {_fmt_value(value)}")
@@ -143,7 +162,7 @@ def parse_time(value: object, *, positive: bool = True) -> float:
     mult = _TIME_UNITS.get(unit.lower())
     if mult is None:
         raise ValueError(f"unknown time unit {unit!r} in {_fmt_value(value)}; expected one of s, ms, us, µs, ns")
-    return _check(float(number * mult), value, "time", positive)
+    return _check(_to_float(number * mult, value, "time"), value, "time", positive)
 
 
 def parse_flops(value: object, *, positive: bool = True) -> float:
@@ -158,7 +177,8 @@ def parse_flops(value: object, *, positive: bool = True) -> float:
             f"unknown compute unit {unit!r} in {_fmt_value(value)}; expected e.g. FLOP/s, GFLOP/s, "
             "TFLOP/s, TFLOPS"
         )
-    return _check(float(number * _DECIMAL[match.group("prefix").lower()]), value, "compute rate", positive)
+    rate = _to_float(number * _DECIMAL[match.group("prefix").lower()], value, "compute rate")
+    return _check(rate, value, "compute rate", positive)
 
 
 # ----------------------------------------------------------------------------------------- formatting

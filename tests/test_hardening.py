@@ -1,0 +1,392 @@
+"""Hostile and careless input (issue "Hardening"): every case ends in ONE line and exit 2, quickly,
+without allocating without bound; the commands run in-process (``tag.cli.main``) to stay fast."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+
+import pytest
+
+from tag.cli import main
+from tag.errors import TopologyError, WorkloadError
+from tag.topology import load_topology
+from tag.topology.model import MAX_DEVICES, MAX_DEVICES_PER_MACHINE
+
+
+def run_tag(capsys, *argv: str) -> tuple[int, str, str]:
+    """``tag ARGV`` in this process: (exit code, stdout, stderr); argparse exits become codes."""
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(capsys, *argv: str) -> str:
+    rc, _, err = run_tag(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def machines_yaml(count: int, machines: int = 1) -> str:
+    rows = "".join(f"  - {{name: m{k}, gpu: V100-SXM2-16GB, count: {count}, intra_bandwidth: 150 GB/s}}\n"
+                   for k in range(machines))
+    return f"name: big\nmachines:\n{rows}network: {{bandwidth: 25 Gbit/s}}\n"
+
+
+# ----------------------------------------------------------------------------------- topology sizes
+
+
+@pytest.mark.parametrize("count, machines, field, limit", [
+    (1_000_000_000, 1, "machines[0].count", MAX_DEVICES_PER_MACHINE),  # used to grow ~50 MB/s forever
+    (100_000, 1, "machines[0].count", MAX_DEVICES_PER_MACHINE),  # used to die allocating 74.5 GiB
+    (256, 5, "machines[4].count", MAX_DEVICES),
+    (1, MAX_DEVICES + 1, "machines", MAX_DEVICES),
+])
+def test_topology_size_limits(tmp_path, capsys, count, machines, field, limit):
+    path = tmp_path / "big.yaml"
+    path.write_text(machines_yaml(count, machines))
+    t0 = time.perf_counter()
+    line = one_line_error(capsys, "topology", "show", str(path))
+    assert f"{field}: at most {limit} devices" in line
+    assert time.perf_counter() - t0 < 30  # not a timing test: "answers at all" (it used to hang)
+
+
+def test_topology_limits_hold_for_the_api_too():
+    from tag.topology import Machine, Topology, get_gpu
+    v100 = get_gpu("V100-SXM2-16GB")
+    with pytest.raises(TopologyError, match="at most 256 devices per machine"):
+        Machine("a", v100, MAX_DEVICES_PER_MACHINE + 1, 1e9, 0.0)
+    many = tuple(Machine(f"m{k}", v100, MAX_DEVICES_PER_MACHINE, 1e9, 0.0) for k in range(5))
+    with pytest.raises(TopologyError, match=f"at most {MAX_DEVICES} devices in a topology, got 1280"):
+        Topology("x", many, 1e9, 0.0)
+
+
+def test_512_devices_hold_no_device_by_device_state(tmp_path):
+    """64 machines x 8 GPUs: links are answered from the machine matrices; the [D, D] matrices
+    exist only once a consumer asks for them, with the values they always had."""
+    import math
+
+    import numpy as np
+
+    from tag.topology import format_topology
+
+    path = tmp_path / "t512.yaml"
+    path.write_text(machines_yaml(8, 64))
+    topo = load_topology(path)
+    format_topology(topo)
+    assert topo.num_devices == 512 and topo.bandwidth(0, 1) == 150e9 and topo.bandwidth(0, 8) == 25e9 / 8
+    assert topo.bandwidth(3, 3) == math.inf and topo.latency(3, 3) == 0.0
+    dense = [k for k, v in vars(topo).items() if isinstance(v, np.ndarray) and v.size >= 512 * 512]
+    dense += [k for k, v in vars(topo).items() if isinstance(v, list) and len(v) == 512 and isinstance(v[0], list)]
+    assert not dense, dense
+    bw, lat = topo.bandwidth_matrix, topo.latency_matrix  # built now, on first use
+    assert bw.shape == (512, 512) and not bw.flags.writeable
+    mo = np.repeat(np.arange(64), 8)
+    expect = topo.machine_bandwidth_matrix[np.ix_(mo, mo)]
+    np.fill_diagonal(expect, np.inf)
+    assert np.array_equal(bw, expect)
+    assert all(bw[i, j] == topo.bandwidth(i, j) and lat[i, j] == topo.latency(i, j)
+               for i in range(0, 512, 37) for j in range(0, 512, 29))
+
+
+def test_yaml_alias_bomb_under_a_known_key(tmp_path, capsys):
+    """9 levels of 9 aliases: 9**9 strings once expanded, under ``description:`` (an unknown key
+    was already refused at once). Refused in one short line: the error path no longer repr()s
+    the expanded value (that took 1.2 GB and never answered)."""
+    path = tmp_path / "bomb.yaml"
+    path.write_text("name: x\ndescription: " + _nest(9) + "\nmachines: [{name: a, gpu: T4, count: 1}]\n")
+    line = one_line_error(capsys, "topology", "show", str(path))
+    assert "description: expected a string" in line and len(line) < 300
+
+
+def _nest(depth: int) -> str:
+    """A YAML flow value whose expansion has 9**depth leaves, built from anchors and aliases."""
+    text = '&a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]'
+    for k in range(1, depth):
+        text = f"&a{k} [{text}, " + ", ".join([f"*a{k - 1}"] * 8) + "]"
+    return text
+
+
+def test_yaml_alias_count_is_bounded(tmp_path, capsys):
+    path = tmp_path / "aliases.yaml"
+    gpus = ", ".join(["*g"] * 1001)
+    path.write_text(f"name: x\ndescription: [&g T4, {gpus}]\nmachines: [{{name: a, gpu: T4, count: 1}}]\n")
+    assert "more than 1000 aliases" in one_line_error(capsys, "topology", "show", str(path))
+
+
+def test_topology_file_size_is_bounded(tmp_path, capsys):
+    path = tmp_path / "huge.yaml"
+    path.write_text("name: x\ndescription: '" + "x" * (5 * 2**20) + "'\n")
+    assert "file larger than 4 MiB" in one_line_error(capsys, "topology", "show", str(path))
+
+
+@pytest.mark.parametrize("value", ["1e400 GB/s", "1e999999999 GB/s", 10**400, "9" * 500 + " GB/s"])
+def test_huge_quantities_are_one_line(tmp_path, capsys, value):
+    path = tmp_path / "ovf.json"
+    path.write_text('{"name": "x", "machines": [{"name": "a", "gpu": "T4", "count": 2, "intra_bandwidth": '
+                    + (json.dumps(value) if isinstance(value, str) else str(value)) + "}]}")
+    t0 = time.perf_counter()
+    line = one_line_error(capsys, "topology", "show", str(path))
+    assert "machines[0].intra_bandwidth" in line and len(line) < 300
+    assert time.perf_counter() - t0 < 30
+
+
+def test_huge_inline_tflops(capsys):
+    gpu = {"name": "g", "tflops": 10**400, "memory": "1 GB", "memory_bandwidth": "1 GB/s"}
+    with pytest.raises(TopologyError, match="tflops: expected a positive finite number"):
+        load_topology({"name": "x", "machines": [{"name": "a", "gpu": gpu, "count": 1}]})
+
+
+# --------------------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["inspect", "--model", "mlp", "--batch", "1000000000"], "--batch: expected an integer between 1 and 65536"),
+    (["plan", "--model", "mlp", "--topology", "local-cpu2", "--batch", "1000000000"], "--batch"),
+    (["inspect", "--model", "mlp", "--groups", "0"], "--groups: expected an integer between 1 and 4096"),
+    (["plan", "--model", "mlp", "--topology", "local-cpu2", "--groups", "-1"], "--groups"),
+    (["plan", "--model", "mlp", "--topology", "local-cpu2", "--time", "inf"], "--time: expected a positive, finite"),
+    (["plan", "--model", "mlp", "--topology", "local-cpu2", "--time", "nan"], "--time"),
+    (["plan", "--model", "mlp", "--topology", "local-cpu2", "--budget", "0"], "--budget"),
+    (["execute", "--model", "mlp", "--topology", "local-cpu2", "--plan", "p.json", "--timeout", "0"],
+     "--timeout: expected a positive, finite"),
+    (["execute", "--model", "mlp", "--topology", "local-cpu2", "--plan", "p.json", "--steps", "0"], "--steps"),
+    (["profile", "--model", "mlp", "--repeats", "0"], "--repeats"),
+])
+def test_arguments_are_checked_before_any_work(capsys, argv, needle):
+    t0 = time.perf_counter()
+    assert needle in one_line_error(capsys, *argv)
+    assert time.perf_counter() - t0 < 5  # refused by argparse: no capture ran (it took 14 s)
+
+
+def test_execute_api_refuses_a_zero_timeout():
+    from tag.errors import TagError
+    from tag.executor import ExecuteConfig, execute
+    with pytest.raises(TagError, match="--timeout"):
+        execute(ExecuteConfig(model="mlp", topology="local-cpu2", plan="missing.json", timeout_s=0))
+
+
+# ------------------------------------------------------------------------------------------- models
+
+
+DATA_DEPENDENT = '''
+import torch
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:
+            y = y * 2
+        return y.sum()
+
+def make(batch=None):
+    return Branchy(), (torch.randn(batch or 4, 4),)
+'''
+
+
+def test_data_dependent_control_flow_is_one_line(tmp_path, capsys):
+    path = tmp_path / "branchy.py"
+    path.write_text(DATA_DEPENDENT)
+    line = one_line_error(capsys, "inspect", "--model", f"{path}:make")
+    assert f"{path}:make: data-dependent control flow at branchy.py:11 in forward (if y.sum() > 0:)" in line
+    assert "def forward" not in line
+    tag_log = logging.getLogger("tag")
+    try:
+        with pytest.raises(WorkloadError):  # --debug: the traceback, and torch's partial graph dump
+            main(["--debug", "inspect", "--model", f"{path}:make"])
+    finally:
+        tag_log.setLevel(logging.NOTSET)
+    assert "def forward" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------- plan files
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("batch_size", -3, "p.json: batch_size: expected a positive integer, got -3"),
+    ("batch_size", "8", 'p.json: batch_size: expected an integer, got "8"'),
+    ("devices", ["0"], 'p.json: groups[0].devices[0]: expected an integer, got "0"'),
+    ("shares", [True], "p.json: groups[0].shares[0]: expected a number, got true"),
+    ("server", "1", 'p.json: groups[0].server: expected an integer, got "1"'),
+    ("meta", [], "p.json: meta: expected an object, got []"),
+])
+def test_plan_file_errors_name_the_field(tmp_path, capsys, field, value, message):
+    plan = {"model": "mlp", "graph_signature": "x", "topology": "local-cpu2", "topology_signature": "y",
+            "batch_size": 8, "groups": [{"devices": [0, 1], "shares": [0.5, 0.5]}]}
+    if field in plan or field == "meta":
+        plan[field] = value
+    else:
+        plan["groups"][0][field] = value
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(plan))
+    line = one_line_error(capsys, "simulate", "--model", "mlp", "--topology", "local-cpu2", "--plan", str(path))
+    assert line.endswith(str(tmp_path / message)), line
+    assert "--batch" not in line
+
+
+TINY = """name: tiny
+machines:
+  - {name: a, gpu: {name: tiny, tflops: 1, memory: 1 KB, memory_bandwidth: 1 GB/s}, count: 2, intra_bandwidth: 1 GB/s}
+"""
+
+
+def test_plan_where_everything_runs_out_of_memory(tmp_path, capsys):
+    topo = tmp_path / "tiny.yaml"
+    topo.write_text(TINY)
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "mlp", "--batch", "8", "--groups", "2", "--topology", str(topo),
+            "--searcher", "random", "--budget", "2", "--compression", "off", "--out", str(out)]
+    line = one_line_error(capsys, *argv)
+    assert "every plan searched runs out of memory" in line and "device 0 (a:0) needs" in line
+    assert "no plan written" in line and not out.exists()
+    rc, stdout, _ = run_tag(capsys, *argv, "--allow-oom")
+    assert rc == 0 and "OUT OF MEMORY" in stdout and out.exists()
+
+
+# ------------------------------------------------------------------------------------- data safety
+
+
+@pytest.fixture
+def topo_copy(tmp_path):
+    from tag.topology.loader import shipped_topologies
+    path = tmp_path / "topo.yaml"
+    path.write_text(shipped_topologies()["local-cpu2"].read_text())
+    return path
+
+
+def test_outputs_never_overwrite_an_input(tmp_path, capsys, topo_copy):
+    before = topo_copy.read_text()
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    factory = tmp_path / "branchy.py"
+    factory.write_text(DATA_DEPENDENT)
+    cases = [
+        (["plan", "--model", "mlp", "--topology", str(topo_copy), "--out", str(topo_copy)], "--out"),
+        (["plan", "--model", "mlp", "--topology", str(topo_copy), "--trace", str(topo_copy), "--force"], "--trace"),
+        (["simulate", "--model", "mlp", "--topology", str(topo_copy), "--plan", str(plan), "--trace", str(plan),
+          "--force"], "--trace"),
+        (["execute", "--model", "mlp", "--topology", str(topo_copy), "--plan", str(plan), "--out", str(plan),
+          "--force"], "--out"),
+        (["inspect", "--model", f"{factory}:make", "--save", str(factory), "--force"], "--save"),
+    ]
+    for argv, flag in cases:
+        line = one_line_error(capsys, *argv)
+        assert f"{flag}: " in line and "is an input of this command" in line, line
+    assert topo_copy.read_text() == before and plan.read_text() == "{}"
+    assert factory.read_text() == DATA_DEPENDENT
+
+
+def test_existing_outputs_need_force(tmp_path, capsys, topo_copy):
+    out = tmp_path / "out.json"
+    out.write_text("keep")
+    for argv in (["plan", "--model", "mlp", "--topology", str(topo_copy), "--out", str(out)],
+                 ["inspect", "--model", "mlp", "--save", str(out)],
+                 ["topology", "detect", "--out", str(out)]):
+        assert f"{out} exists; pass --force" in one_line_error(capsys, *argv)
+    twice = ["plan", "--model", "mlp", "--topology", str(topo_copy), "--out", str(tmp_path / "a"),
+             "--trace", str(tmp_path / "a")]
+    assert "is also the --out file" in one_line_error(capsys, *twice)
+    assert out.read_text() == "keep"
+    detected = tmp_path / "here.yaml"
+    detected.write_text("keep")
+    assert "exists; pass --force" in one_line_error(capsys, "topology", "detect", "--out", str(detected))
+    rc, _, _ = run_tag(capsys, "topology", "detect", "--out", str(detected), "--force")
+    assert rc == 0 and load_topology(detected).num_devices >= 1
+
+
+def test_atomic_write_keeps_the_file_mode(tmp_path):
+    import os
+    import stat
+
+    from tag.io import write_atomic
+    from tag.topology import dump_topology
+
+    old = tmp_path / "old.json"
+    old.write_text("x")
+    old.chmod(0o644)
+    write_atomic(old, "y")
+    assert stat.S_IMODE(old.stat().st_mode) == 0o644 and old.read_text() == "y"  # it became 0o600
+    old.chmod(0o640)
+    dump_topology(load_topology("local-cpu2"), old)
+    assert stat.S_IMODE(old.stat().st_mode) == 0o640
+    mask = os.umask(0o027)
+    try:
+        write_atomic(tmp_path / "new.json", "z")
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o640
+
+
+def test_gnn_leaves_no_template_files_in_the_temp_folder(tmp_path):
+    """torch_geometric writes each message-passing class's rendered propagate() into the temp
+    folder, once per process: a fresh process shows it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import inspect, torch_geometric.nn as g; from tag.gnn.layers import JointConv; "
+            "JointConv([('a', 'to', 'b')], ['b'], 8, {('a', 'to', 'b'): 2}, heads=2); "
+            "print(inspect.getsource(g.GATv2Conv.propagate).splitlines()[0])")
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.getcwd()}
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True,
+                       check=True)
+    assert r.stdout.strip() == "def propagate("  # the source is still there for inspect / TorchScript
+    assert [f for f in os.listdir(tmp_path) if f.startswith(("torch_geometric", "tag-"))] == []
+
+
+# ---------------------------------------------------------------------------------------- processes
+
+
+# A launcher (A) starts a child (B) that starts a grandchild (C); B and C call die_with(A). A is
+# then killed with SIGKILL: B goes by its parent-death signal, C (whose parent B is not A) by the
+# pidfd watchdog. `tag execute`'s ranks (forkserver children) and `tag profile`'s workers use it.
+_LEVEL = """
+import os, subprocess, sys, time
+from tag.lifetime import die_with
+die_with(int(sys.argv[1]))
+if sys.argv[2] == "spawn":
+    subprocess.Popen([sys.executable, "-c", sys.argv[3], sys.argv[1], "leaf", sys.argv[3]])
+open(os.path.join(os.environ["READY_DIR"], str(os.getpid())), "w").close()
+time.sleep(120)
+"""
+
+
+def test_helpers_die_with_the_launcher(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from test_executor_dist import _alive, _descendants
+
+    launcher_code = ("import subprocess, sys, os; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], "
+                     "str(os.getpid()), 'spawn', sys.argv[1]]); p.wait()")
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "READY_DIR": str(tmp_path)}
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code, _LEVEL], env=env, start_new_session=True)
+    helpers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(os.listdir(tmp_path)) < 2:
+            time.sleep(0.1)  # both armed: each writes its pid after die_with
+        helpers = {int(p) for p in os.listdir(tmp_path)}
+        assert len(helpers) == 2 and helpers == _descendants(launcher.pid), helpers
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(map(_alive, helpers)):
+            time.sleep(0.1)
+        assert not [p for p in helpers if _alive(p)]
+    finally:
+        for p in helpers:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
