@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-# (model spec, batch, groups): none of these models is in data.pairs.TRAIN_MODELS.
+# (model spec, batch, groups): none of these models is in tag.data.pairs.TRAIN_MODELS.
 MODELS = [
     ("gpt2:n_layer=4,n_embd=256", 32, 64),
     ("bert:n_layer=4,n_embd=256", 32, 32),
@@ -47,7 +47,7 @@ RANDOM_SEED = 7777
 
 
 def _load(spec, batch, groups, cache_dir: Path):
-    from data.generate import load_graph
+    from tag.data.generate import load_graph
     return load_graph(cache_dir, spec, batch, groups)
 
 
@@ -207,7 +207,7 @@ def _claim1(ratios: list[float]) -> dict:
 def _random_pairs(args, pred, cache: Path) -> list[dict]:
     """GNN-MCTS @50 vs uniform-prior MCTS @``args.big`` on ``args.random`` pairs drawn like the
     training pairs (training models, random clusters) from a stream training never labels."""
-    from data.pairs import sample_pair
+    from tag.data.pairs import sample_pair
     from tag.search import plan
     from tag.topology import load_topology
     out = []
