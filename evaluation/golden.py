@@ -61,7 +61,7 @@ def _planner_cells(random_pairs: int, log) -> list[dict]:
 
     from evaluation.planner_bench import MODELS, RANDOM_SEED, TOPOLOGIES, _load
     from tag.gnn.predictor import Predictor
-    from tag.search import plan
+    from tag.planner import find_plan
     from tag.topology import load_topology
 
     torch.set_num_threads(1)
@@ -87,7 +87,7 @@ def _planner_cells(random_pairs: int, log) -> list[dict]:
         graph = _load(spec, batch, groups, cache)
         topo = load_topology(tpath)
         for name, kw in rs.items():
-            p = plan(graph, topo, seed=0, predictor=pred if kw.get("prior") == "gnn" else None, **kw)
+            p = find_plan(graph, topo, seed=0, predictor=pred if kw.get("prior") == "gnn" else None, **kw)
             from tag.sim import Simulator
             res = Simulator(graph, topo).run(p.groups)
             out.append({"suite": "planner", "model": spec, "batch": batch, "groups": groups,

@@ -57,8 +57,8 @@ class _Case:
 
     def __init__(self, model, topology_name: str, cfg: SuiteConfig, graph_cache: dict):
         from ..cost import CostModel
+        from ..cost.baselines import data_parallel
         from ..graph import capture
-        from ..plan import data_parallel
         from ..sim import Simulator, lower_bound
         from ..topology import load_topology
         from ..workloads import load_workload
@@ -78,20 +78,20 @@ class _Case:
 
     def make_plan(self, method: str, cfg: SuiteConfig):
         """(plan, playouts) for ``method``."""
-        from ..plan import baselines
+        from ..cost import baselines
 
         g, topo = self.graph, self.topology
         if method in ("dp", "dp-prop", "single", "mp"):
             return baselines.baseline_plan(method, g, topo, self.costs), 0
-        from ..search import plan as search_plan
+        from ..planner import find_plan
 
         if method in ("random", "sa", "tpe", "mcts-uniform"):
             searcher = "mcts" if method == "mcts-uniform" else method
-            p = search_plan(g, topo, searcher=searcher, prior="uniform", budget=cfg.search_budget,
+            p = find_plan(g, topo, searcher=searcher, prior="uniform", budget=cfg.search_budget,
                             seed=cfg.seed, costs=self.costs, simulator=self.sim, compression="off")
         else:  # tag-50, tag-200, with or without +sfb
             budget = int(method.split("-")[1].split("+")[0])
-            p = search_plan(g, topo, searcher="mcts", prior="gnn", budget=budget, seed=cfg.seed,
+            p = find_plan(g, topo, searcher="mcts", prior="gnn", budget=budget, seed=cfg.seed,
                             costs=self.costs, simulator=self.sim,
                             compression="auto" if method.endswith("+sfb") else "off")
         return p, int(p.meta.get("playouts", 0))

@@ -43,7 +43,7 @@ class SuiteConfig:
     name: str
     models: list[ModelCase]
     topologies: list[str]
-    """Topology names (``topologies/<name>.yaml``) or paths."""
+    """Shipped topology names (``tag/topology/shipped/<name>.yaml``) or paths."""
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     search_budget: int = 2000
     """Simulator calls (playouts) for random / sa / tpe / mcts-uniform; TAG's are in its name."""

@@ -6,7 +6,7 @@ from .common import add_model_args, print_json
 
 
 def register(sub) -> None:
-    from ..plan.baselines import BASELINES
+    from ..cost.baselines import BASELINES
 
     p = sub.add_parser(
         "simulate", help="simulate one training iteration of a plan on a topology",
@@ -28,10 +28,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from ..cost.baselines import baseline_plan
     from ..cost.model import CostModel
     from ..io import write_json
     from ..plan import Plan
-    from ..plan.baselines import baseline_plan
     from ..sim import Simulator, check_batches, lower_bound
     from ..topology import load_topology
 

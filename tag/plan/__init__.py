@@ -1,9 +1,16 @@
-"""Plan format (versioned JSON) and the data-parallel baseline builders."""
+"""Plan format (versioned JSON). The baseline plans built on the cost model are in
+:mod:`tag.cost.baselines`."""
 
-from .baselines import data_parallel, new_plan, proportional_shares, roofline_speeds
-from .format import PLAN_VERSION, SYNCS, GroupPlan, Plan, group_positions, local_batches, validate_group
+from .format import (
+    PLAN_VERSION,
+    SYNCS,
+    GroupPlan,
+    Plan,
+    group_positions,
+    local_batches,
+    new_plan,
+    validate_group,
+)
 
-__all__ = [
-    "PLAN_VERSION", "SYNCS", "GroupPlan", "Plan", "data_parallel", "group_positions", "local_batches",
-    "new_plan", "proportional_shares", "roofline_speeds", "validate_group",
-]
+__all__ = ["PLAN_VERSION", "SYNCS", "GroupPlan", "Plan", "group_positions", "local_batches", "new_plan",
+           "validate_group"]
