@@ -14,10 +14,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_wheel_holds_only_tag_and_its_data(tmp_path):
-    # Built from a copy, so the checkout gets no build/ or *.egg-info.
+    # Built from a copy, so the checkout gets no build/ or *.egg-info. Hidden folders (.git, .venv,
+    # caches and .hypothesis, which other tests write to meanwhile), runs/ and results stay out.
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "runs", "build", "*.egg-info", "__pycache__", ".*_cache", "results"))
+    src.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "results")
+    for entry in ROOT.iterdir():
+        if entry.name.startswith(".") or entry.name in ("runs", "build") or entry.name.endswith(".egg-info"):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, src / entry.name, ignore=ignore)
+        else:
+            shutil.copy(entry, src / entry.name, follow_symlinks=False)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                         "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
