@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import tag
+from tag.parallel import validate_plan
 
 
 def test_every_export_resolves():
@@ -31,7 +32,7 @@ def test_pipeline_end_to_end(tmp_path):
     graph = tag.capture(wl, num_groups=3).graph
     topo = tag.load_topology("cloud-t4")
     plan = tag.find_plan(graph, topo, searcher="mcts", prior="uniform", budget=20, seed=3)
-    plan.validate(graph, topo)
+    validate_plan(plan, graph, topo)
     res = tag.simulate(graph, topo, plan)
     assert res.iteration_time_s == pytest.approx(plan.predicted_iteration_time_s)
     dp = tag.simulate(graph, topo, tag.data_parallel(graph, topo)).iteration_time_s

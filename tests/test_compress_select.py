@@ -25,6 +25,7 @@ from tag.compress import (
 from tag.compress.milp import objective
 from tag.cost.baselines import data_parallel
 from tag.graph.ir import Affine
+from tag.parallel import validate_plan
 from tag.plan.format import GroupPlan
 from tag.topology import load_topology
 
@@ -141,7 +142,7 @@ def test_apply_sfb_fills_eligible_groups_only(captured):
     plan = data_parallel(g, t)
     plan.groups[0] = GroupPlan(devices=[3], shares=[1.0])  # single replica: left alone
     new = apply_sfb(g, t, plan, compute_rate=[1e13] * 4)
-    new.validate(g, t)
+    validate_plan(new, g, t)
     assert new is not plan and plan.groups[1].sfb == []
     assert new.groups[0].sfb == []
     chosen = {i: gp.sfb for i, gp in enumerate(new.groups) if gp.sfb}

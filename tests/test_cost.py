@@ -19,6 +19,7 @@ from tag.cost.comm import (
 from tag.cost.model import CostModel, device_type
 from tag.cost.profile import Profile, ProfileError, find_profile, load_profile
 from tag.cost.roofline import Roofline, group_phase_table
+from tag.parallel import validate_plan
 from tag.topology import load_topology
 
 
@@ -173,7 +174,7 @@ def test_baselines_are_valid_plans():
     topo = topology([("a", 2, 1e9, 1e-5), ("b", 2, 1e9, 1e-5)], memory=10**9)
     for name in ("dp", "dp-prop", "single", "mp"):
         plan = baseline_plan(name, g, topo)
-        plan.validate(g, topo)
+        validate_plan(plan, g, topo)
     mp = baseline_plan("mp", g, topo)
     assert [gp.devices for gp in mp.groups] == [[0], [1], [2], [3]]  # equal memory: one slice each
     single = baseline_plan("single", g, topo)

@@ -15,6 +15,7 @@ import torch
 
 from tag.errors import PlanError
 from tag.executor import build_schedule, partial_sum_tensors, reference_training, run_virtual
+from tag.parallel import validate_plan
 from tag.plan import GroupPlan, group_positions, new_plan
 from tag.topology import load_topology
 from tag.workloads import load_workload
@@ -80,7 +81,7 @@ def test_mlp_plans_match_single_process_training(mlp, topo4, joints, kind):
                           for g in range(K)],
     }[kind]()
     plan = new_plan(mlp, topo4, groups)
-    plan.validate(mlp, topo4)
+    validate_plan(plan, mlp, topo4)
     assert_matches_reference(mlp, plan, MLP, "adam", joints)
 
 
@@ -104,7 +105,7 @@ def test_random_plans_match_single_process_training(mlp, topo4, joints):
             server = rng.randrange(4) if kind == "ps" else None
             groups.append(GroupPlan(devs, shares, "ps" if kind == "ps" else "allreduce", server=server))
         plan = new_plan(mlp, topo4, groups)
-        plan.validate(mlp, topo4)
+        validate_plan(plan, mlp, topo4)
         assert_matches_reference(mlp, plan, MLP, "sgd", joints)
 
 
@@ -211,7 +212,7 @@ def sfb_plan(graph, topo, sfb: bool):
               GroupPlan([2, 0], [0.625, 0.375], sfb=ops[2][-1:] if sfb else []),
               GroupPlan([3, 1], [0.75, 0.25], "ps", server=1, sfb=ops[3][:-1] if sfb else [])]
     plan = new_plan(graph, topo, groups)
-    plan.validate(graph, topo)
+    validate_plan(plan, graph, topo)
     return plan
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tag.errors import TagError
-from tag.plan.format import validate_group
+from tag.parallel import validate_group, validate_plan
 from tag.planner import find_plan
 from tag.search import ActionSpace, Evaluator, MCTSConfig, mcts_search, uniform_prior
 from tag.search.mcts import (
@@ -272,13 +272,13 @@ class _DPWins:
 def test_falls_back_to_the_best_baseline(graph, topo, searcher):
     p = find_plan(graph, topo, searcher=searcher, prior="uniform", budget=20, simulator=_DPWins(topo.num_devices))
     assert p.meta["source"] in ("dp-even", "dp-prop") and p.predicted_iteration_time_s == 1.0
-    p.validate(graph, topo)
+    validate_plan(p, graph, topo)
 
 
 def test_plan_with_the_real_simulator(graph, topo):
     p1 = find_plan(graph, topo, prior="uniform", budget=30, seed=3)
     p2 = find_plan(graph, topo, prior="uniform", budget=30, seed=3)
-    p1.validate(graph, topo)
+    validate_plan(p1, graph, topo)
     assert p1.to_dict()["groups"] == p2.to_dict()["groups"]
     m = p1.meta
     best_dp = min(m["dp_even_time_s"], m["dp_prop_time_s"])

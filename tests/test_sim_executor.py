@@ -1,6 +1,6 @@
 """The simulator moves what the executor moves: for many plans, the bytes every (source device,
 destination device) pair transfers in one iteration equal those of the executor's schedule
-(:func:`tag.executor.schedule.build_schedule`), including which non-batch backward tensors are
+(:func:`tag.parallel.schedule.build_schedule`), including which non-batch backward tensors are
 summed over the producer replicas (partial sums, e.g. a tied weight's gradient) and which are
 copied (the loss-gradient seed, ``1 / count`` of a mean loss, weight transposes)."""
 
@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 from test_sim_reference import BATCH, GROUPS, SPEC, _random_group, make_plans, setup
 
-from tag.executor.schedule import build_schedule
 from tag.graph.gradients import gradient_tensors, partial_sum_tensors
+from tag.parallel.schedule import build_schedule
 from tag.plan import new_plan
 from tag.sim import Simulator
 

@@ -105,13 +105,15 @@ def _describe(topo, gp) -> str:
         mach = topo.machines[m]
         parts.append(mach.name if len(ds) == mach.count else f"{mach.name}{[topo.devices[d].local_index for d in ds]}")
     where = "+".join(parts)
-    if gp.sync == "mp":
-        return f"mp      on {where} ({len(gp.devices)} chunks)"
+    from ..parallel import strategy_of
+
+    if strategy_of(gp).chunked:
+        return f"{gp.sync:7s} on {where} ({len(gp.devices)} chunks)"
     shares = ", ".join(f"{s:.2f}" for s in gp.shares)
     if len(set(round(s, 3) for s in gp.shares)) == 1 and len(gp.shares) > 3:
         shares = f"{gp.shares[0]:.3f} x{len(gp.shares)}"
     sync = gp.sync if len(gp.devices) > 1 else "single"
-    extra = f", server {topo.devices[gp.server].name}" if gp.sync == "ps" else ""
+    extra = f", server {topo.devices[gp.server].name}" if gp.server is not None else ""
     sfb = f", sfb {len(gp.sfb)}" if gp.sfb else ""
     return f"{sync:9s} on {where} (shares {shares}{extra}{sfb})"
 

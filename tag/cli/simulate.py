@@ -31,8 +31,9 @@ def run(args) -> int:
     from ..cost.baselines import baseline_plan
     from ..cost.model import CostModel
     from ..io import write_json
+    from ..parallel import validate_plan
     from ..plan import Plan
-    from ..sim import Simulator, check_batches, lower_bound
+    from ..sim import Simulator, lower_bound
     from ..topology import load_topology
 
     topo = load_topology(args.topology)
@@ -52,8 +53,7 @@ def run(args) -> int:
     if plan is None:
         plan = baseline_plan(args.baseline, graph, topo, costs)
     where = args.plan or f"baseline {args.baseline}"
-    plan.validate(graph, topo, source=where)
-    check_batches(plan, source=where)
+    validate_plan(plan, graph, topo, source=where)
     res = Simulator(graph, topo, costs).run(plan.groups, trace=bool(args.trace))
     lb = lower_bound(graph, topo, costs)
     if args.trace:

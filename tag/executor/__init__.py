@@ -8,9 +8,7 @@
   single-process full-batch training the executor must reproduce.
 """
 
-from .launch import ExecuteConfig, ExecuteResult, execute
-from .runtime import ExecutionError, RankRuntime
-from .schedule import (
+from ..parallel.schedule import (
     Move,
     Schedule,
     SfbGroup,
@@ -21,6 +19,8 @@ from .schedule import (
     graph_structure,
     partial_sum_tensors,
 )
+from .launch import ExecuteConfig, ExecuteResult, execute
+from .runtime import ExecutionError, RankRuntime
 from .virtual import reference_training, run_virtual
 
 __all__ = [

@@ -11,8 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..parallel.schedule import Schedule, Step
 from .runtime import RankRuntime
-from .schedule import Schedule, Step
 
 
 @dataclass
@@ -180,7 +180,7 @@ class DistComm:
         rt.timer.sfb_gather += dt
         rt.sfb_recompute(step.group, full)
 
-    def sync(self, rt: RankRuntime, step: Step, sync: str, devices: list[int], server: int | None) -> None:
+    def sync(self, rt: RankRuntime, step: Step) -> None:
         """Start summing the group's gradients over its members (async; see :meth:`finish_syncs`).
 
         All-reduce, or PS: reduce to the server now, broadcast back in :meth:`finish_syncs`
@@ -192,13 +192,13 @@ class DistComm:
         threads would otherwise time-slice with the compute and stretch both), coalesced
         into buckets (:meth:`_coalesce`; the simulator's :meth:`tag.sim.Simulator.sync_jobs`).
         """
-        server = server if sync == "ps" else None
-        members = tuple(sorted(set(devices) | ({server} if server is not None else set())))
+        c = step.collective
+        members, server = c.members, c.server
         if self.rank not in members:
             return
         t0 = time.perf_counter()
         flat = rt.grad_flat(step.group)
-        p = _Pending([step.group], flat, None, self.groups[members], server, key=(sync, tuple(devices), server))
+        p = _Pending([step.group], flat, None, self.groups[members], server, key=(c.op, c.devices, server))
         if not self.defer_syncs:
             p.start()
         self.pending.append(p)

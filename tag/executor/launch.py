@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import OutOfMemoryError, PlanError, TagError
 from ..io import write_json
+from ..parallel import validate_plan
 from .runtime import ExecutionError
 from .worker import WorkerArgs, worker_entry
 
@@ -107,7 +108,7 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     if graph is None:
         wl = load_workload(cfg.model, batch=batch, seed=cfg.seed)
         graph = capture(wl, optimizer=cfg.optimizer, num_groups=groups).graph
-    plan.validate(graph, topology, source=cfg.plan)
+    validate_plan(plan, graph, topology, source=cfg.plan)
     world = topology.num_devices
     backend = _backend(cfg.backend, topology)
     sim_res = _predict(graph, topology, plan, cfg.check_memory, cfg.profile_dir)

@@ -32,8 +32,8 @@ from torch.export.graph_signature import InputKind
 from ..errors import TagError
 from ..graph.capture import export_joint
 from ..graph.stages import Stage, build_stages
+from ..parallel.schedule import Move, Schedule, SfbGroup, Step, UnitKey
 from .optim import make_optimizer
-from .schedule import Move, Schedule, SfbGroup, Step, UnitKey
 
 
 class ExecutionError(TagError):
@@ -367,7 +367,7 @@ class RankRuntime:
 
 def joint_structure(gm: torch.fx.GraphModule) -> list[tuple[str, str, tuple[str, ...]]]:
     """(name, target, input names) of every live op of a joint graph, in graph order: the list
-    :func:`tag.executor.schedule.graph_structure` gives for the captured graph."""
+    :func:`tag.parallel.schedule.graph_structure` gives for the captured graph."""
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     live: set[str] = set()
     stack = [out_node]

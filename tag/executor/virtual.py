@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from ..graph.ir import OpGraph
+from ..parallel.schedule import Schedule, build_schedule
 from ..plan.format import Plan
 from .optim import make_optimizer
 from .runtime import Joint, RankRuntime, export_at
-from .schedule import Schedule, build_schedule
 
 
 def local_batch_sizes(schedule: Schedule, rank: int) -> set[int]:
@@ -35,7 +35,7 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
     """
     sched = build_schedule(graph, plan, machine_of)
     ranks = sorted({r.device for u in sched.units.values() for r in u.replicas}
-                   | {gp.server for gp in plan.groups if gp.server is not None})
+                   | {m for st in sched.steps if st.collective is not None for m in st.collective.members})
     joints = {} if joints is None else joints
     runtimes: dict[int, RankRuntime] = {}
     for r in ranks:
@@ -68,8 +68,7 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
                 for d in sg.devices:
                     runtimes[d].sfb_recompute(st.group, {k: v.clone() for k, v in full.items()})
             else:
-                gp = plan.groups[st.group]
-                members = sorted(set(gp.devices) | ({gp.server} if gp.sync == "ps" else set()))
+                members = st.collective.members
                 total = sum(runtimes[m].grad_flat(st.group) for m in members)
                 for m in members:
                     runtimes[m].set_grad_flat(st.group, total.clone())

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from ..io import write_json
+from ..parallel import build_schedule, validate_plan
 from .runtime import ExecutionError, RankRuntime, export_at
-from .schedule import build_schedule
 from .virtual import local_batch_sizes, needs_global_joint
 
 SECONDARY_EXIT_DELAY_S = 2.0  # seconds a rank that saw a peer vanish waits before exiting
@@ -107,7 +107,7 @@ def run_rank(a: WorkerArgs) -> dict:
                              "--nproc-per-node = their device count")
     graph = _load_graph(a)
     plan = Plan.load(a.plan)
-    plan.validate(graph, topology, source=a.plan)
+    validate_plan(plan, graph, topology, source=a.plan)
     sched = build_schedule(graph, plan, topology.machine_of)
     if a.backend == "nccl":
         device = torch.device("cuda", local_rank)
@@ -149,8 +149,7 @@ def run_rank(a: WorkerArgs) -> dict:
                 elif st.kind == "sfb":
                     comm.sfb(rt, st)
                 else:
-                    gp = plan.groups[st.group]
-                    comm.sync(rt, st, gp.sync, gp.devices, gp.server)
+                    comm.sync(rt, st)
                 if last:
                     _record(timeline, rt, plan, st, t0 - t_start, time.perf_counter() - t_start)
             t0 = time.perf_counter()
@@ -188,14 +187,14 @@ def _record(timeline: list, rt, plan, st, start: float, end: float) -> None:
     r = rt.rank
     if st.kind in ("compute", "transfer"):
         g, j = st.unit
-        name = f"{st.phase} g{g}" + (f".{j}" if plan.groups[g].sync == "mp" else "")
+        name = f"{st.phase} g{g}" + (f".{j}" if rt.schedule.units[st.unit].positions is not None else "")
         if st.kind == "compute" and st.unit in rt.my_units and (st.unit, st.phase) in rt.stages:
             timeline.append([name, st.phase, start, end])
         elif st.kind == "transfer" and any(r in (m.src, m.dst) for m in st.moves):
             timeline.append([f"transfer -> {name}", "transfer", start, end])
     else:
-        gp = plan.groups[st.group]
-        if r in gp.devices or r == gp.server:
+        members = st.collective.members if st.collective is not None else rt.schedule.units[st.unit].devices
+        if r in members:
             timeline.append([f"{st.kind} g{st.group}", st.kind, start, end])
 
 

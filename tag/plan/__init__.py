@@ -1,16 +1,6 @@
 """Plan format (versioned JSON). The baseline plans built on the cost model are in
 :mod:`tag.cost.baselines`."""
 
-from .format import (
-    PLAN_VERSION,
-    SYNCS,
-    GroupPlan,
-    Plan,
-    group_positions,
-    local_batches,
-    new_plan,
-    validate_group,
-)
+from .format import PLAN_VERSION, GroupPlan, Plan, group_positions, local_batches, new_plan
 
-__all__ = ["PLAN_VERSION", "SYNCS", "GroupPlan", "Plan", "group_positions", "local_batches", "new_plan",
-           "validate_group"]
+__all__ = ["PLAN_VERSION", "GroupPlan", "Plan", "group_positions", "local_batches", "new_plan"]

@@ -2,6 +2,9 @@
 
 Per op-group (see :class:`GroupPlan`):
 
+What each ``sync`` value means is defined by the strategy registered under that name
+(:mod:`tag.parallel`); the built-in ones:
+
 * ``allreduce`` / ``ps``: data parallel. Every device in ``devices`` holds a replica and runs
   the group on its ``shares`` of the global batch (uneven shares allowed); gradients of the
   group's parameters are summed by ring / hierarchical all-reduce, or by a parameter server
@@ -24,14 +27,14 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from ..errors import PlanError
 from ..io import write_atomic
 
 PLAN_VERSION = 1
-Sync = Literal["allreduce", "ps", "mp"]
-SYNCS: tuple[str, ...] = ("allreduce", "ps", "mp")
+Sync = str
+"""Name of a deployment strategy registered in :mod:`tag.parallel` (``allreduce``, ``ps``, ``mp``)."""
 
 
 @dataclass
@@ -43,7 +46,7 @@ class GroupPlan:
     shares: list[float]
     """Fraction of the global batch per device (sum 1). ``mp``: the full batch, ``[1.0, ...]``."""
     sync: Sync = "allreduce"
-    """Gradient synchronisation: ``allreduce``, ``ps`` or ``mp`` (model-parallel split)."""
+    """Deployment strategy (:mod:`tag.parallel`): ``allreduce``, ``ps`` or ``mp`` (model-parallel split)."""
     server: int | None = None
     """Parameter-server device (``ps`` only); any device of the topology."""
     mp_splits: list[int] | None = None
@@ -80,7 +83,9 @@ class Plan:
 
     # ---- validation ------------------------------------------------------------------
     def validate(self, graph, topology, *, source: str = "plan") -> None:
-        """Raise :class:`PlanError` (one line) unless the plan fits ``graph`` and ``topology``."""
+        """Raise :class:`PlanError` (one line) unless the plan is made for ``graph`` and ``topology``
+        (version, signatures, batch, one entry per group). Each group's deployment is checked by
+        its strategy: :func:`tag.parallel.validate_plan` does both."""
         if self.version != PLAN_VERSION:
             raise PlanError(f"{source}: version: expected {PLAN_VERSION}, got {self.version}")
         if self.graph_signature != graph.signature():
@@ -95,9 +100,6 @@ class Plan:
         if len(self.groups) != graph.num_groups:
             raise PlanError(f"{source}: groups: expected {graph.num_groups} entries (one per op-group), "
                             f"got {len(self.groups)}")
-        n = topology.num_devices
-        for g, gp in enumerate(self.groups):
-            validate_group(gp, graph, g, n, f"{source}: groups[{g}]")
 
     # ---- I/O -------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -155,41 +157,6 @@ class Plan:
             raise PlanError(f"{p}: malformed plan: {e}") from e
 
 
-def validate_group(gp: GroupPlan, graph, g: int, num_devices: int, where: str) -> None:
-    """Check one group's deployment; raises :class:`PlanError` naming ``where``."""
-    if gp.sync not in SYNCS:
-        raise PlanError(f"{where}.sync: expected one of {list(SYNCS)}, got {gp.sync!r}")
-    if not gp.devices:
-        raise PlanError(f"{where}.devices: expected at least one device")
-    for d in gp.devices:
-        if not isinstance(d, int) or not 0 <= d < num_devices:
-            raise PlanError(f"{where}.devices: device {d!r} out of range; topology has {num_devices} devices")
-    if len(set(gp.devices)) != len(gp.devices):
-        raise PlanError(f"{where}.devices: duplicate device in {gp.devices}")
-    if len(gp.shares) != len(gp.devices):
-        raise PlanError(f"{where}.shares: expected {len(gp.devices)} shares (one per device), got {len(gp.shares)}")
-    if gp.sync == "mp":
-        _validate_mp(gp, graph, g, where)
-    else:
-        if any((not isinstance(s, (int, float))) or not s > 0 or math.isnan(s) for s in gp.shares):
-            raise PlanError(f"{where}.shares: expected positive fractions, got {gp.shares}")
-        if abs(sum(gp.shares) - 1.0) > 1e-6:
-            raise PlanError(f"{where}.shares: must sum to 1, got {sum(gp.shares):.6g}")
-        if gp.mp_splits is not None:
-            raise PlanError(f"{where}.mp_splits: only allowed with sync 'mp'")
-    if gp.sync == "ps":
-        if gp.server is None or not isinstance(gp.server, int) or not 0 <= gp.server < num_devices:
-            raise PlanError(f"{where}.server: expected a device index in 0..{num_devices - 1} for sync 'ps', "
-                            f"got {gp.server!r}")
-    elif gp.server is not None:
-        raise PlanError(f"{where}.server: only allowed with sync 'ps'")
-    if gp.sfb:
-        names = {graph.ops[i].name for i in graph.groups[g].ops}
-        for op in gp.sfb:
-            if op not in names:
-                raise PlanError(f"{where}.sfb: op {op!r} is not in this group")
-
-
 def group_positions(graph, g: int) -> tuple[int, int]:
     """First and one-past-last forward position of group ``g``."""
     anchors = [graph.ops[i].anchor for i in graph.groups[g].ops if graph.ops[i].phase == "fwd"]
@@ -197,17 +164,6 @@ def group_positions(graph, g: int) -> tuple[int, int]:
         a = [graph.ops[i].anchor for i in graph.groups[g].ops]
         return min(a), min(a) + 1
     return min(anchors), max(anchors) + 1
-
-
-def _validate_mp(gp: GroupPlan, graph, g: int, where: str) -> None:
-    if any(s != 1.0 for s in gp.shares):
-        raise PlanError(f"{where}.shares: sync 'mp' runs every chunk on the full batch; expected all 1.0")
-    lo, hi = group_positions(graph, g)
-    sp = gp.mp_splits
-    if sp is None or len(sp) != len(gp.devices):
-        raise PlanError(f"{where}.mp_splits: expected {len(gp.devices)} split positions for sync 'mp', got {sp}")
-    if sp[0] != lo or any(b <= a for a, b in zip(sp, sp[1:])) or sp[-1] >= hi:
-        raise PlanError(f"{where}.mp_splits: expected increasing positions starting at {lo} and below {hi}, got {sp}")
 
 
 def local_batches(batch_size: int, shares: list[float]) -> list[int]:

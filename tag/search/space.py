@@ -60,6 +60,7 @@ from functools import cached_property
 
 import numpy as np
 
+from ..parallel import strategy_of
 from ..plan.format import GroupPlan, group_positions
 from .costs import GroupCosts, default_cost_model
 
@@ -259,12 +260,8 @@ class ActionSpace:
         return out
 
     def _deployment_key(self, g: int, a: int) -> tuple:
-        gp = self.group_plan(g, a)  # a copy: normalised below, then keyed as the caches key it
-        if gp.sync == "mp" and len(gp.devices) == 1:
-            gp.sync, gp.mp_splits = "allreduce", None  # one chunk on one device: a single replica
-        if gp.sync != "mp" and (len(gp.devices) == 1 or self.costs.param_bytes[g] == 0):
-            gp.sync, gp.server = "allreduce", None  # no gradients to synchronise
-        return gp.key()
+        gp = self.group_plan(g, a)  # a copy: normalised by its strategy, then keyed as the caches key it
+        return strategy_of(gp).normalise(gp, self.costs.param_bytes[g] != 0).key()
 
     def canonical_prior(self, g: int, prior: np.ndarray) -> np.ndarray:
         """``prior`` over group ``g``'s actions with the mass of equivalent actions moved onto

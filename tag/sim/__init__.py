@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
+from ..parallel import validate_plan
 from .engine import Simulator
 from .result import SimEvent, SimResult
 
 
-def check_batches(plan, *, source: str = "plan") -> None:
-    """Raise :class:`PlanError` when a data-parallel group has more replicas than samples (the
-    executor refuses such plans; the simulator alone would give the extra replicas no work)."""
-    from ..errors import PlanError
-
-    for g, gp in enumerate(plan.groups):
-        if gp.sync != "mp" and len(gp.devices) > plan.batch_size:
-            raise PlanError(f"{source}: groups[{g}].devices: {len(gp.devices)} replicas but batch "
-                            f"{plan.batch_size}; every replica needs at least one sample")
-
-
 def simulate(graph, topology, plan, *, costs=None, trace: bool = False) -> SimResult:
-    """Validate ``plan`` against ``graph`` and ``topology``, then simulate one iteration."""
-    plan.validate(graph, topology)
-    check_batches(plan)
+    """Validate ``plan`` against ``graph`` and ``topology`` (:func:`tag.parallel.validate_plan`),
+    then simulate one iteration."""
+    validate_plan(plan, graph, topology)
     return Simulator(graph, topology, costs).run(plan.groups, trace=trace)
 
 
@@ -34,4 +24,4 @@ def lower_bound(graph, topology, costs=None) -> float:
     return 1.0 / sum(1.0 / max(costs.iteration_time_alone(d), 1e-30) for d in range(topology.num_devices))
 
 
-__all__ = ["SimEvent", "SimResult", "Simulator", "check_batches", "lower_bound", "simulate"]
+__all__ = ["SimEvent", "SimResult", "Simulator", "lower_bound", "simulate"]

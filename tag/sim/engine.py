@@ -3,7 +3,7 @@
 Resources: every device has a **compute stream** and a **communication stream** (so compute
 overlaps transfers); every machine has a network link with an outgoing and an incoming side,
 shared by all flows and collectives crossing machines (contended: they take turns). Each resource
-serves its tasks in the executor's global step order (:mod:`tag.executor.schedule`): for every
+serves its tasks in the executor's global step order (:mod:`tag.parallel.schedule`): for every
 unit in forward order the transfers into its forward stage, then the stage; the same for the
 backward stages in reverse order; then the gradient synchronisations in reverse group order; then
 one optimizer step per device. A task starts when its inputs are ready and every resource it uses
@@ -49,6 +49,7 @@ import math
 import numpy as np
 
 from ..errors import PlanError
+from ..parallel.strategy import strategy_of
 from .result import SimEvent, SimResult
 from .static import BWD, FWD, OPT, PARAM, build_static
 from .units import (
@@ -61,7 +62,6 @@ from .units import (
     make_layout,
     mp_unit,
     pair_kinds,
-    split_batch,
 )
 
 PHASE_NAME = {FWD: "fwd", BWD: "bwd", OPT: "opt", PARAM: "param"}
@@ -161,7 +161,12 @@ class Simulator:
         return gd
 
     def _make_group(self, g: int, gp) -> GroupData:
+        """Cost the lowering of ``gp`` by its strategy (:mod:`tag.parallel`): a unit running the
+        whole group on a batch split (a vectorised :class:`Layout`) or position chunks on one
+        device each (:func:`mp_unit`), and the gradient collective."""
         st, comm = self.static, self.comm
+        strategy = strategy_of(gp)
+        lowered = strategy.units(g, gp, self.graph, st.batch_size)
         devs = tuple(gp.devices)
         sbytes = float(st.grad_bytes[g])
         sfb = None
@@ -172,29 +177,38 @@ class Simulator:
                 self._sfb = SfbCosts(self)
             sfb = self._sfb.group(g, gp)
             sbytes = max(0.0, sbytes - sfb.saved_bytes)
-        if gp.sync == "mp":
-            splits = list(gp.mp_splits)
-            bounds = splits + [st.hi[g]]
-            units = [mp_unit(st, self.costs, g, j, d, bounds[j], bounds[j + 1]) for j, d in enumerate(devs)]
-            chunk_of = {p: j for j in range(len(devs)) for p in range(bounds[j], bounds[j + 1])}
+        if strategy.chunked:  # full-batch chunks of the group's positions, one device each
+            if any(len(u.replicas) != 1 or u.positions is None for u in lowered):
+                raise PlanError(f"plan: groups[{g}]: strategy {gp.sync!r}: the simulator costs position chunks "
+                                "on one device each")
+            units = [mp_unit(st, self.costs, g, j, u.replicas[0].device, *u.positions) for j, u in enumerate(lowered)]
+            chunk_of = {p: j for j, u in enumerate(lowered) for p in range(*u.positions)}
             return GroupData(units, "none", 0.0, (), (), 0.0, True, chunk_of, ukey=("mp", devs))
-        batches = split_batch(st.batch_size, gp.shares)
+        if len(lowered) != 1 or lowered[0].positions is not None:
+            raise PlanError(f"plan: groups[{g}]: strategy {gp.sync!r}: the simulator costs one unit over the "
+                            "whole group or position chunks")
+        batches = lowered[0].batches
         lay = self.layout(devs, batches)
         unit = Unit(g, -1, devs, batches, lay.starts, lay)
-        server = gp.server if gp.sync == "ps" else None
-        members = tuple(sorted(set(devs) | ({server} if server is not None else set())))
-        if len(members) <= 1 or sbytes <= 0:
+        coll = strategy.collective(gp)
+        if coll is None or sbytes <= 0:
             return GroupData([unit], "none", 0.0, (), (), 0.0, sfb=sfb, layout=lay,
                              ukey=("dp", devs, batches))
-        t = self._sync_seconds(gp.sync, devs, server, sbytes)
+        server, members = coll.server, coll.members
+        t = self._sync_seconds(coll.op, coll.devices, server, sbytes)
         machines = tuple(sorted({comm.machine_of[d] for d in members}))
         deferred = all(self.shared_stream[d] for d in members)
-        return GroupData([unit], gp.sync, t, members, machines if len(machines) > 1 else (), sbytes, sfb=sfb,
-                         layout=lay, ukey=("dp", devs, batches), bucket=(gp.sync, devs, server) if deferred else None)
+        return GroupData([unit], coll.op, t, members, machines if len(machines) > 1 else (), sbytes, sfb=sfb,
+                         layout=lay, ukey=("dp", devs, batches), bucket=(coll.op, devs, server) if deferred else None)
 
-    def _sync_seconds(self, sync: str, devs: tuple[int, ...], server: int | None, nbytes: float) -> float:
-        """One gradient collective of ``nbytes`` over the replicas ``devs`` (PS: via ``server``)."""
-        return self.comm.ps_time(devs, server, nbytes) if sync == "ps" else self.comm.allreduce_time(devs, nbytes)
+    def _sync_seconds(self, op: str, devs: tuple[int, ...], server: int | None, nbytes: float) -> float:
+        """One gradient collective ``op`` (:class:`tag.parallel.Collective`) of ``nbytes`` over the
+        replicas ``devs`` (``ps``: via ``server``)."""
+        if op == "ps":
+            return self.comm.ps_time(devs, server, nbytes)
+        if op == "allreduce":
+            return self.comm.allreduce_time(devs, nbytes)
+        raise PlanError(f"collective {op!r}: the simulator costs 'allreduce' and 'ps'")
 
     def sync_jobs(self, gds: list[GroupData]) -> list[tuple[tuple[int, ...], object]]:
         """The iteration's gradient collectives in issue order: ``(groups, job)`` with ``job`` the

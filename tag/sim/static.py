@@ -1,6 +1,6 @@
 """Plan-independent facts about a graph that the simulator needs, computed once per graph.
 
-Placement rules follow the executor (:mod:`tag.executor.schedule`): a ``getitem`` runs where the
+Placement rules follow the executor (:mod:`tag.parallel.schedule`): a ``getitem`` runs where the
 op producing its tuple runs; a parameter is owned by the unit computing its gradient; tensors
 cross units only from an op (or an owned parameter) to an op of another unit; user inputs,
 buffers and constants are present everywhere.

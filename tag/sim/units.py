@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..plan.format import local_batches
+from ..parallel.moves import move_pieces
 from .static import BWD, FWD, PARAM, GraphStatic
 
 
@@ -64,7 +64,8 @@ class Layout:
 
 @dataclass
 class Unit:
-    """A group (``chunk`` -1) or one mp chunk; ``layout`` for data-parallel units."""
+    """A unit of the group's lowering (:class:`tag.parallel.Unit`) with its costs: the whole
+    group (``chunk`` -1, costed by ``layout``) or one position chunk on one device."""
 
     group: int
     chunk: int
@@ -198,10 +199,6 @@ def make_layout(static: GraphStatic, tables: np.ndarray, dev_class: list[int], d
                   rows=[None] * k)
 
 
-def split_batch(batch_size: int, shares: list[float]) -> tuple[int, ...]:
-    return tuple(local_batches(batch_size, list(shares)))
-
-
 def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi: int) -> Unit:
     """Chunk ``j`` (positions [lo, hi)) of mp group ``g`` on ``device``, full batch."""
     bsz = static.batch_size
@@ -291,32 +288,12 @@ class PairTemplate:
 
 
 def _moves(kind: str, fixed: float, per_sample: float, src: Unit, dst: Unit, mo) -> list[tuple[int, int, float]]:
-    """(producer replica, consumer replica, bytes) per the executor's move rules."""
-    out = []
-    if kind == "rows":  # both sample partitions in order: merge them
-        i, j, ni, nj = 0, 0, len(src.batches), len(dst.batches)
-        ps, pb, cs, cb = src.starts, src.batches, dst.starts, dst.batches
-        while i < ni and j < nj:
-            pe, ce = ps[i] + pb[i], cs[j] + cb[j]
-            overlap = min(ce, pe) - max(cs[j], ps[i])
-            if overlap > 0:
-                out.append((i, j, per_sample * overlap))
-            if pe <= ce:
-                i += 1
-            if ce <= pe:
-                j += 1
-        return out
-    if kind == "sum":  # partial sums stay on their devices when the consumer is there too
-        at = {d: j for j, d in enumerate(dst.devices)}
-        local = all(d in at for d in src.devices)
-        return [(i, at[src.devices[i]] if local else 0, fixed + per_sample * pb) for i, pb in enumerate(src.batches)]
-    for j, d in enumerate(dst.devices):
-        same = [i for i, s in enumerate(src.devices) if s == d]
-        near = [i for i, s in enumerate(src.devices) if mo[s] == mo[d]]
-        i = (same or near or [0])[0]
-        out.append((i, j, fixed + per_sample * src.batches[i]))
-    return out
+    """(producer replica, consumer replica, bytes) per the move rules (:func:`tag.parallel.move_pieces`):
+    rows by overlap, a copy or a partial sum at the producer replica's batch."""
+    pb = src.batches
+    return [(i, j, per_sample * (hi - lo) if mode == "rows" else fixed + per_sample * pb[i])
+            for i, j, mode, lo, hi in move_pieces(kind, src, dst, mo.__getitem__) if mode != "zeros"]
 
 
 __all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "SfbData", "Unit", "make_layout", "mp_unit",
-           "pair_flows", "pair_kinds", "split_batch", "PairTemplate"]
+           "pair_flows", "pair_kinds", "PairTemplate"]

@@ -43,46 +43,18 @@ from typing import TYPE_CHECKING, Literal
 from ..errors import PlanError
 from ..graph.gradients import gradient_tensors, partial_sum_tensors  # noqa: F401 (re-exported by tag.executor)
 from ..graph.ir import OpGraph
-from ..plan.format import Plan, local_batches
+from ..plan.format import Plan
+from .moves import move_kind, move_pieces
+from .strategy import Collective, Replica, Unit, UnitKey, strategy_of  # noqa: F401 (Replica re-exported)
 
 if TYPE_CHECKING:  # tag.compress (scipy) is imported only for plans using SFB
     from ..compress.detect import Candidate, Factor
 
-UnitKey = tuple[int, int]
-"""(group, chunk); chunk is 0 for a data-parallel group."""
 MoveMode = Literal["rows", "copy", "sum", "zeros"]
 StepKind = Literal["transfer", "compute", "sfb", "sync"]
-
-
-@dataclass(frozen=True)
-class Replica:
-    """One device running a unit on the samples ``[start, stop)`` of the global batch."""
-
-    device: int
-    start: int
-    stop: int
-
-    @property
-    def batch(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass
-class Unit:
-    """A data-parallel group, or one chunk of a model-parallel group."""
-
-    key: UnitKey
-    sync: str
-    """The group's ``allreduce`` / ``ps`` / ``mp``."""
-    replicas: list[Replica]
-    server: int | None = None
-
-    @property
-    def devices(self) -> list[int]:
-        return [r.device for r in self.replicas]
-
-    def replica_on(self, device: int) -> Replica | None:
-        return next((r for r in self.replicas if r.device == device), None)
+STREAM: dict[str, str] = {"transfer": "p2p", "compute": "compute", "sfb": "gather", "sync": "collective"}
+"""The stream each kind of step runs on: compute; point-to-point (blocking, both endpoints);
+the SFB all-gathers (a process group of their own); gradient collectives (asynchronous)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +80,14 @@ class Move:
 
 @dataclass
 class Step:
-    """One entry of the global order."""
+    """One entry of the global order: a task on every device it involves.
+
+    ``compute``: the unit's ``phase`` stage on each of its replicas (its sample range);
+    ``transfer``: the point-to-point ``moves`` into that stage; ``sfb``: the group's factor
+    all-gathers and gradient recompute; ``sync``: the group's gradient ``collective``. Dependencies
+    follow the global order: a step runs once every earlier step it shares a device with
+    has been issued (transfers and compute block; syncs are asynchronous and waited for before
+    the optimizer update of their group, which ends every device's list)."""
 
     kind: StepKind
     unit: UnitKey | None = None
@@ -116,6 +95,13 @@ class Step:
     moves: list[Move] = field(default_factory=list)
     group: int = -1
     """``sync`` / ``sfb``: the op-group whose parameter gradients are synchronised."""
+    collective: Collective | None = None
+    """``sync``: the collective (op, replicas, server)."""
+
+    @property
+    def stream(self) -> str:
+        """The stream this step runs on (:data:`STREAM`)."""
+        return STREAM[self.kind]
 
 
 @dataclass(frozen=True)
@@ -175,6 +161,20 @@ class Schedule:
     structure: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list, repr=False)
     """:func:`graph_structure` of the captured graph: every joint graph a rank runs must match it."""
 
+    def steps_of(self, device: int) -> list[Step]:
+        """The ordered steps ``device`` takes part in (its task list)."""
+        out = []
+        for st in self.steps:
+            if st.kind == "transfer":
+                mine = any(device in (m.src, m.dst) for m in st.moves)
+            elif st.kind == "sync":
+                mine = device in st.collective.members
+            else:
+                mine = self.units[st.unit].replica_on(device) is not None
+            if mine:
+                out.append(st)
+        return out
+
     def units_of(self, device: int) -> list[Unit]:
         return [u for u in self.units.values() if u.replica_on(device) is not None]
 
@@ -196,16 +196,6 @@ def graph_structure(graph: OpGraph) -> list[tuple[str, str, tuple[str, ...]]]:
     return [(op.name, op.target, tuple(names[t] for t in op.inputs)) for op in graph.ops if op.phase != "opt"]
 
 
-def _unit_of_anchor(gp, anchor: int) -> int:
-    """Chunk of an mp group containing forward position ``anchor``."""
-    splits = gp.mp_splits or [anchor]
-    c = 0
-    for j, s in enumerate(splits):
-        if anchor >= s:
-            c = j
-    return c
-
-
 def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
     """The global schedule of ``plan`` on ``graph``.
 
@@ -215,21 +205,14 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
     """
     machine_of = machine_of or (lambda d: 0)
     B = plan.batch_size
+    strategies = [strategy_of(gp) for gp in plan.groups]
     units: dict[UnitKey, Unit] = {}
     for g, gp in enumerate(plan.groups):
-        if gp.sync == "mp":
-            for c, d in enumerate(gp.devices):
-                units[(g, c)] = Unit((g, c), "mp", [Replica(d, 0, B)])
-            continue
-        if B < len(gp.devices):
+        if not strategies[g].chunked and B < len(gp.devices):
             raise PlanError(f"plan: groups[{g}].devices: {len(gp.devices)} replicas but batch {B}; "
                             "every replica needs at least one sample")
-        sizes = local_batches(B, gp.shares)
-        reps, start = [], 0
-        for d, b in zip(gp.devices, sizes):
-            reps.append(Replica(d, start, start + b))
-            start += b
-        units[(g, 0)] = Unit((g, 0), gp.sync, reps, gp.server)
+        for u in strategies[g].units(g, gp, graph, B):
+            units[u.key] = u
 
     # ---- which unit computes each node ------------------------------------------------
     assign: dict[str, tuple[UnitKey, str]] = {}
@@ -238,8 +221,7 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
     for i, op in enumerate(graph.ops):
         if op.phase == "opt":
             continue
-        gp = plan.groups[op.group]
-        key = (op.group, _unit_of_anchor(gp, op.anchor) if gp.sync == "mp" else 0)
+        key = (op.group, strategies[op.group].unit_of(plan.groups[op.group], op.anchor))
         phase = op.phase
         if op.target == "getitem" and op.inputs:
             # A tuple projection stays with its tuple (so tuples never cross units).
@@ -309,14 +291,12 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
     for (t, _u), pos in sorted(first_need.items(), key=lambda kv: (kv[1], kv[0][0])):
         needed[phase_steps[pos]].append(t)
 
-    # Which groups synchronise gradients, over which members (replicas, plus an outside server).
-    members_of: dict[int, tuple[int, ...]] = {}
+    # Which groups synchronise gradients, with which collective (over the replicas, plus a server).
+    collective_of: dict[int, Collective] = {}
     for g, gp in enumerate(plan.groups):
-        if gp.sync == "mp" or not sync_params[g]:
-            continue
-        members = tuple(sorted(set(gp.devices) | ({gp.server} if gp.sync == "ps" else set())))
-        if len(members) > 1:
-            members_of[g] = members
+        c = strategies[g].collective(gp) if sync_params[g] else None
+        if c is not None:
+            collective_of[g] = c
 
     steps: list[Step] = []
     for u, ph in phase_steps:
@@ -331,12 +311,12 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
         steps.append(Step("compute", u, ph))
         if ph == "bwd" and u[0] in sfb:
             steps.append(Step("sfb", u, group=u[0]))
-        if ph == "bwd" and u[0] in members_of:
+        if ph == "bwd" and u[0] in collective_of:
             # The group's gradients are final once its backward ran (contributions from later
             # groups arrived before it): start its sync now, overlapping the earlier groups'
             # backward (as the simulator does); the update waits for it.
-            steps.append(Step("sync", u, group=u[0]))
-    comm = sorted(set(members_of.values()))
+            steps.append(Step("sync", u, group=u[0], collective=collective_of[u[0]]))
+    comm = sorted({c.members for c in collective_of.values()})
     gathers = sorted({sg.members for sg in sfb.values()})
     return Schedule(B, units, assign, param_owner, param_target, param_grad, group_params, param_numel,
                     loss_t.name, loss_unit, steps, comm, sync_params, sfb, gathers, graph.model,
@@ -375,29 +355,14 @@ def _sfb_groups(graph: OpGraph, plan: Plan, param_owner: dict[str, UnitKey],
 
 
 def _moves(name: str, src: Unit, dst: Unit, batch_dim: int | None, partial_sum: bool, machine_of) -> list[Move]:
-    out: list[Move] = []
-    if batch_dim is not None:
-        for c in dst.replicas:
-            for p in src.replicas:
-                lo, hi = max(c.start, p.start), min(c.stop, p.stop)
-                if lo < hi:
-                    out.append(Move(name, src.key, dst.key, p.device, c.device, "rows", lo, hi, batch_dim))
-        return out
-    if partial_sum:
-        # When every partial can stay on its device, it does: the consumer's replicas then hold
-        # partials that sum to the whole, which every later step preserves (backward is linear in
-        # the gradients; later partial sums are summed over the replicas; the gradient sync sums
-        # over them), so nothing crosses devices (DESIGN.md). Else all go to the first replica.
-        have = {p.device for p in src.replicas}
-        local = have <= {c.device for c in dst.replicas}
-        first = dst.replicas[0].device
-        fed = have if local else {first}
-        out += [Move(name, src.key, dst.key, p.device, p.device if local else first, "sum") for p in src.replicas]
-        out += [Move(name, src.key, dst.key, c.device, c.device, "zeros") for c in dst.replicas if c.device not in fed]
-        return out
-    for c in dst.replicas:
-        same = [p for p in src.replicas if p.device == c.device]
-        near = [p for p in src.replicas if machine_of(p.device) == machine_of(c.device)]
-        p = (same or near or src.replicas)[0]
-        out.append(Move(name, src.key, dst.key, p.device, c.device, "copy"))
+    """The moves of tensor ``name`` from ``src`` to ``dst`` (:func:`tag.parallel.moves.move_pieces`)."""
+    out = []
+    for i, j, mode, lo, hi in move_pieces(move_kind(batch_dim, partial_sum), src, dst, machine_of):
+        c = dst.replicas[j].device
+        if mode == "rows":
+            out.append(Move(name, src.key, dst.key, src.replicas[i].device, c, mode, lo, hi, batch_dim))
+        elif mode == "sum":  # each partial to the device of its consumer replica
+            out.append(Move(name, src.key, dst.key, src.replicas[i].device, c, mode))
+        else:
+            out.append(Move(name, src.key, dst.key, c if mode == "zeros" else src.replicas[i].device, c, mode))
     return out

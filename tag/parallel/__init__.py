@@ -1,0 +1,45 @@
+"""The parallelism layer: one module per deployment strategy, lowering plans into one schedule.
+
+* :mod:`~tag.parallel.strategy`: the :class:`Strategy` interface, the registry
+  (``GroupPlan.sync`` -> strategy), units, replicas, collectives, plan validation.
+* :mod:`~tag.parallel.data_parallel` (``allreduce``), :mod:`~tag.parallel.parameter_server`
+  (``ps``), :mod:`~tag.parallel.model_parallel` (``mp``): the built-in strategies.
+* :mod:`~tag.parallel.moves`: which replica sends what to which when a tensor crosses units.
+* :mod:`~tag.parallel.schedule`: the global schedule of one iteration that every executor rank
+  walks; the simulator costs the same lowering (:mod:`tag.sim`).
+
+docs/DESIGN.md "Adding a strategy" says what a new strategy touches.
+"""
+
+from __future__ import annotations
+
+from .data_parallel import DataParallel
+from .model_parallel import ModelParallel
+from .moves import move_kind, move_pieces
+from .parameter_server import ParameterServer
+from .schedule import Move, Schedule, SfbGroup, Step, build_schedule, graph_structure
+from .strategy import (
+    Collective,
+    Replica,
+    Strategy,
+    Unit,
+    UnitKey,
+    get_strategy,
+    register,
+    strategy_names,
+    strategy_of,
+    unregister,
+    validate_group,
+    validate_plan,
+)
+
+# The built-in strategies (a new one is a module plus a line here; error messages list them in
+# this order).
+for _s in (DataParallel(), ParameterServer(), ModelParallel()):
+    register(_s)
+
+__all__ = [
+    "Collective", "DataParallel", "ModelParallel", "Move", "ParameterServer", "Replica", "Schedule", "SfbGroup", "Step", "Strategy", "Unit", "UnitKey", "build_schedule",
+    "get_strategy", "graph_structure", "move_kind", "move_pieces", "register", "strategy_names", "strategy_of",
+    "unregister", "validate_group", "validate_plan",
+]

@@ -1,0 +1,31 @@
+"""Data parallel with a parameter server (``GroupPlan.sync == "ps"``).
+
+Replicas as :mod:`tag.parallel.data_parallel`; the gradients are reduced to ``GroupPlan.server``
+(any device of the topology, a replica or not) and the sum broadcast back to every replica. The
+executor issues the reduces as groups finish their backward and the broadcasts once every reduce
+of the iteration was issued (:class:`tag.executor.comm.DistComm`); the simulator costs the pair
+as one job (:meth:`tag.cost.comm.CommModel.ps_time`).
+"""
+
+from __future__ import annotations
+
+from ..errors import PlanError
+from ..plan.format import GroupPlan
+from .data_parallel import DataParallel
+from .strategy import check_shares, no_field
+
+
+class ParameterServer(DataParallel):
+    name = "ps"
+
+    def validate(self, gp: GroupPlan, graph, g: int, num_devices: int, batch_size: int, where: str) -> None:
+        check_shares(gp, batch_size, where)
+        no_field(gp, "mp_splits", where, "mp")
+        s = gp.server
+        if s is None or isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < num_devices:
+            raise PlanError(f"{where}.server: expected a device index in 0..{num_devices - 1} for sync 'ps', "
+                            f"got {s!r}")
+
+    def server(self, gp: GroupPlan) -> int | None:
+        return gp.server
+

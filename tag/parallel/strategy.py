@@ -1,0 +1,222 @@
+"""Deployment strategies: how one op-group's :class:`~tag.plan.GroupPlan` runs.
+
+A strategy *lowers* a group's plan into the pieces every consumer of a plan shares:
+
+* its **units** (:class:`Unit`): the devices computing the group, each replica with the sample
+  range ``[start, stop)`` of the global batch it runs; a unit covers the whole group (data
+  parallel: replicas of it) or the forward positions ``[lo, hi)`` of it (a model-parallel chunk);
+* the **collective** (:class:`Collective`) that synchronises the group's parameter gradients
+  after its backward, if any.
+
+The executor's global schedule (:func:`tag.parallel.schedule.build_schedule`) and the
+simulator's per-group deployment (:meth:`tag.sim.Simulator.group_data`) are both built from
+this lowering, so what runs and what is costed are one thing. A strategy is registered under the
+name a plan writes in ``GroupPlan.sync`` (:func:`register`); docs/DESIGN.md "Adding a strategy"
+lists the files a new one touches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..errors import PlanError
+from ..plan.format import GroupPlan, group_positions, local_batches
+
+UnitKey = tuple[int, int]
+"""(group, unit index); the index is 0 for a group run as one unit."""
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One device running a unit on the samples ``[start, stop)`` of the global batch."""
+
+    device: int
+    start: int
+    stop: int
+
+    @property
+    def batch(self) -> int:
+        """Samples this replica runs."""
+        return self.stop - self.start
+
+
+@dataclass
+class Unit:
+    """The devices computing one op-group, or one chunk of it (one stage of the schedule)."""
+
+    key: UnitKey
+    sync: str
+    """Name of the group's strategy (``GroupPlan.sync``)."""
+    replicas: list[Replica]
+    server: int | None = None
+    positions: tuple[int, int] | None = None
+    """Forward positions ``[lo, hi)`` this unit computes (with the backward ops anchored there
+    and the updates of the parameters owned there); ``None``: the whole group."""
+
+    @property
+    def devices(self) -> list[int]:
+        return [r.device for r in self.replicas]
+
+    @property
+    def batches(self) -> tuple[int, ...]:
+        """Samples per replica (plan order)."""
+        return tuple(r.batch for r in self.replicas)
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """First global sample per replica (plan order)."""
+        return tuple(r.start for r in self.replicas)
+
+    def replica_on(self, device: int) -> Replica | None:
+        return next((r for r in self.replicas if r.device == device), None)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A gradient collective over a device group, started after the group's backward.
+
+    ``op``: ``allreduce`` (sum over ``devices``, every member gets it) or ``ps`` (reduce to
+    ``server``, broadcast back). Costed by :mod:`tag.cost.comm` (``allreduce_time``,
+    ``ps_time``), run by :class:`tag.executor.comm.DistComm`."""
+
+    op: str
+    devices: tuple[int, ...]
+    """The replicas (plan order)."""
+    server: int | None = None
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Every rank taking part, sorted (the process group's ranks)."""
+        return tuple(sorted(set(self.devices) | ({self.server} if self.server is not None else set())))
+
+
+class Strategy:
+    """Base class of a deployment strategy; subclasses set :attr:`name` and lower a group."""
+
+    name: ClassVar[str] = ""
+    """The value of ``GroupPlan.sync`` selecting this strategy."""
+    chunked: ClassVar[bool] = False
+    """Units are chunks of the group's forward positions, each on the full batch (else every
+    unit runs the whole group on a share of the batch)."""
+
+    def validate(self, gp: GroupPlan, graph, g: int, num_devices: int, batch_size: int, where: str) -> None:
+        """Raise :class:`PlanError` naming ``where`` unless ``gp`` is a valid plan of this kind
+        (devices, shares and sfb are checked generically before)."""
+        raise NotImplementedError
+
+    def units(self, g: int, gp: GroupPlan, graph, batch_size: int) -> list[Unit]:
+        """The group's units, in execution order."""
+        raise NotImplementedError
+
+    def unit_of(self, gp: GroupPlan, anchor: int) -> int:
+        """Index (in :meth:`units`) of the unit computing forward position ``anchor``."""
+        return 0
+
+    def collective(self, gp: GroupPlan) -> Collective | None:
+        """The collective synchronising the group's gradients (``None``: none needed)."""
+        return None
+
+    def normalise(self, gp: GroupPlan, has_params: bool) -> GroupPlan:
+        """``gp`` (a copy, changed in place) in the canonical form of the deployments that run the
+        same (searches count such actions once); ``has_params``: the group owns parameters."""
+        return gp
+
+
+_REGISTRY: dict[str, Strategy] = {}
+
+
+def register(strategy: Strategy) -> Strategy:
+    """Make ``strategy`` available under ``strategy.name`` (plans select it by ``GroupPlan.sync``)."""
+    if not strategy.name:
+        raise ValueError("a strategy needs a name")
+    _REGISTRY[strategy.name] = strategy
+    return strategy
+
+
+def unregister(name: str) -> None:
+    """Remove the strategy registered under ``name`` (no error if there is none)."""
+    _REGISTRY.pop(name, None)
+
+
+def strategy_names() -> tuple[str, ...]:
+    """Registered strategy names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get_strategy(name: str, *, where: str = "sync") -> Strategy:
+    """The strategy registered under ``name``; :class:`PlanError` naming ``where`` otherwise."""
+    s = _REGISTRY.get(name)
+    if s is None:
+        raise PlanError(f"{where}: expected one of {list(_REGISTRY)}, got {name!r}")
+    return s
+
+
+def strategy_of(gp: GroupPlan) -> Strategy:
+    """The strategy of one group's plan (``gp.sync``)."""
+    s = _REGISTRY.get(gp.sync)
+    return s if s is not None else get_strategy(gp.sync)
+
+
+def validate_group(gp: GroupPlan, graph, g: int, num_devices: int, where: str, batch_size: int | None = None) -> None:
+    """Check one group's deployment (generic fields, then its strategy's); raises
+    :class:`PlanError` naming ``where``. ``batch_size`` (default: the graph's) bounds replicas."""
+    s = get_strategy(gp.sync, where=f"{where}.sync")
+    if not gp.devices:
+        raise PlanError(f"{where}.devices: expected at least one device")
+    for d in gp.devices:
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise PlanError(f"{where}.devices: expected integer device indices, got {d!r}")
+        if not 0 <= d < num_devices:
+            raise PlanError(f"{where}.devices: device {d!r} out of range; topology has {num_devices} devices")
+    if len(set(gp.devices)) != len(gp.devices):
+        raise PlanError(f"{where}.devices: duplicate device in {gp.devices}")
+    if len(gp.shares) != len(gp.devices):
+        raise PlanError(f"{where}.shares: expected {len(gp.devices)} shares (one per device), got {len(gp.shares)}")
+    if gp.sfb:
+        names = {graph.ops[i].name for i in graph.groups[g].ops}
+        for op in gp.sfb:
+            if op not in names:
+                raise PlanError(f"{where}.sfb: op {op!r} is not in this group")
+    s.validate(gp, graph, g, num_devices, graph.batch_size if batch_size is None else batch_size, where)
+
+
+def validate_plan(plan, graph, topology, *, source: str = "plan") -> None:
+    """Raise :class:`PlanError` (one line) unless ``plan`` fits ``graph`` and ``topology`` and
+    every group is a valid deployment of its strategy."""
+    plan.validate(graph, topology, source=source)
+    for g, gp in enumerate(plan.groups):
+        validate_group(gp, graph, g, topology.num_devices, f"{source}: groups[{g}]", plan.batch_size)
+
+
+# ---- helpers shared by the built-in strategies ---------------------------------------------------
+
+def check_shares(gp: GroupPlan, batch_size: int, where: str) -> None:
+    """Replicas of a batch split: positive shares summing to 1, at least one sample each."""
+    if any((not isinstance(s, (int, float))) or not s > 0 or math.isnan(s) for s in gp.shares):
+        raise PlanError(f"{where}.shares: expected positive fractions, got {gp.shares}")
+    if abs(sum(gp.shares) - 1.0) > 1e-6:
+        raise PlanError(f"{where}.shares: must sum to 1, got {sum(gp.shares):.6g}")
+    if len(gp.devices) > batch_size:
+        raise PlanError(f"{where}.devices: {len(gp.devices)} replicas but batch {batch_size}; "
+                        "every replica needs at least one sample")
+
+
+def no_field(gp: GroupPlan, field: str, where: str, owner: str) -> None:
+    """``gp.<field>`` must be unset (it belongs to strategy ``owner``)."""
+    if getattr(gp, field) is not None:
+        raise PlanError(f"{where}.{field}: only allowed with sync {owner!r}")
+
+
+def sample_replicas(devices, shares, batch_size: int) -> list[Replica]:
+    """Replicas on ``devices`` with contiguous sample ranges of ``local_batches`` sizes."""
+    reps, start = [], 0
+    for d, b in zip(devices, local_batches(batch_size, list(shares))):
+        reps.append(Replica(d, start, start + b))
+        start += b
+    return reps
+
+
+__all__ = ["Collective", "Replica", "Strategy", "Unit", "UnitKey", "get_strategy", "group_positions", "register",
+           "strategy_names", "strategy_of", "unregister", "validate_group", "validate_plan"]

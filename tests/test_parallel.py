@@ -1,0 +1,160 @@
+"""The parallelism layer: the strategy registry, plan validation by strategy, the shared move
+rules, and a new strategy dropping in (a module plus a registration) with the simulator and the
+executor untouched."""
+
+from __future__ import annotations
+
+import pytest
+from test_executor import MLP, B, assert_matches_reference
+
+from tag.cost.baselines import data_parallel
+from tag.errors import PlanError
+from tag.parallel import (
+    Collective,
+    Replica,
+    Unit,
+    build_schedule,
+    get_strategy,
+    move_pieces,
+    register,
+    strategy_names,
+    unregister,
+    validate_group,
+    validate_plan,
+)
+from tag.parallel.data_parallel import DataParallel
+from tag.parallel.strategy import check_shares, no_field
+from tag.plan import GroupPlan, new_plan
+from tag.sim import Simulator
+from tag.topology import load_topology
+
+
+class FirstReplicaServer(DataParallel):
+    """A strategy written as a user would: data parallel whose gradients are reduced to the
+    first replica and broadcast back (a parameter server chosen by rule, so no ``server``)."""
+
+    name = "ps-first"
+
+    def validate(self, gp, graph, g, num_devices, batch_size, where):
+        check_shares(gp, batch_size, where)
+        no_field(gp, "mp_splits", where, "mp")
+        no_field(gp, "server", where, "ps")
+
+    def server(self, gp):
+        return gp.devices[0]
+
+    def collective(self, gp):
+        c = Collective("ps", tuple(gp.devices), self.server(gp))
+        return c if len(c.members) > 1 else None
+
+
+@pytest.fixture()
+def ps_first():
+    s = register(FirstReplicaServer())
+    yield s
+    unregister(s.name)
+
+
+@pytest.fixture(scope="module")
+def topo4():
+    return load_topology("topologies/local-cpu4.yaml")
+
+
+@pytest.fixture(scope="module")
+def mlp(captured):
+    return captured(MLP, batch=B, groups=4).graph
+
+
+def test_registry():
+    assert strategy_names()[:3] == ("allreduce", "ps", "mp")
+    with pytest.raises(PlanError, match=r"^groups\[2\]\.sync: expected one of \['allreduce', 'ps', 'mp'"):
+        get_strategy("gossip", where="groups[2].sync")
+
+
+def test_validation_is_the_strategys(mlp, topo4):
+    plan = data_parallel(mlp, topo4)
+    plan.groups[1] = GroupPlan(["0"], [1.0])
+    with pytest.raises(PlanError, match=r"^p: groups\[1\]\.devices: expected integer device indices, got '0'$"):
+        validate_plan(plan, mlp, topo4, source="p")
+    plan.groups[1] = GroupPlan([0, 1], [0.5, 0.5], "ps")
+    with pytest.raises(PlanError, match=r"groups\[1\]\.server: expected a device index in 0\.\.3 for sync 'ps'"):
+        validate_plan(plan, mlp, topo4)
+    plan.groups[1] = GroupPlan([0, 1], [0.5, 0.5], "allreduce", server=1)
+    with pytest.raises(PlanError, match=r"groups\[1\]\.server: only allowed with sync 'ps'"):
+        validate_plan(plan, mlp, topo4)
+    with pytest.raises(PlanError, match=r"^g\.devices: 4 replicas but batch 3; every replica needs"):
+        validate_group(GroupPlan(list(range(4)), [0.25] * 4), mlp, 0, 4, "g", batch_size=3)
+
+
+def test_move_pieces():
+    src = Unit((0, 0), "allreduce", [Replica(0, 0, 3), Replica(1, 3, 8)])
+    dst = Unit((1, 0), "allreduce", [Replica(2, 0, 4), Replica(1, 4, 8)])
+    same = {0: 0, 1: 0, 2: 0}.__getitem__
+    assert move_pieces("rows", src, dst, same) == [(0, 0, "rows", 0, 3), (1, 0, "rows", 3, 4),
+                                                   (1, 1, "rows", 4, 8)]
+    assert move_pieces("copy", src, dst, same) == [(0, 0, "copy", 0, 0), (1, 1, "copy", 0, 0)]
+    # device 0 holds no consumer replica: both partials go to the consumer's first replica
+    assert move_pieces("sum", src, dst, same) == [(0, 0, "sum", 0, 0), (1, 0, "sum", 0, 0), (-1, 1, "zeros", 0, 0)]
+    both = Unit((1, 0), "allreduce", [Replica(1, 0, 4), Replica(0, 4, 8), Replica(3, 8, 8)])
+    assert move_pieces("sum", src, both, same) == [(0, 1, "sum", 0, 0), (1, 0, "sum", 0, 0), (-1, 2, "zeros", 0, 0)]
+
+
+def test_a_new_strategy_drops_in(ps_first, mlp, topo4):
+    """Registered in this test only: the simulator costs it and the executor runs it exactly like
+    the equivalent built-in plan (PS on the first replica), and training equals single-process."""
+    k = mlp.num_groups
+    mine = new_plan(mlp, topo4, [GroupPlan([1, 2, 3], [0.25, 0.25, 0.5], "ps-first") for _ in range(k)])
+    ref = new_plan(mlp, topo4, [GroupPlan([1, 2, 3], [0.25, 0.25, 0.5], "ps", server=1) for _ in range(k)])
+    validate_plan(mine, mlp, topo4)
+    sim = Simulator(mlp, topo4)
+    a, b = sim.run(mine.groups), sim.run(ref.groups)
+    assert a.iteration_time_s == b.iteration_time_s > 0 and a.peak_memory_bytes == b.peak_memory_bytes
+    s1, s2 = build_schedule(mlp, mine), build_schedule(mlp, ref)
+    assert [(s.kind, s.unit, s.phase, s.moves, s.collective) for s in s1.steps] == \
+           [(s.kind, s.unit, s.phase, s.moves, s.collective) for s in s2.steps]
+    assert any(s.collective == Collective("ps", (1, 2, 3), 1) for s in s1.steps)
+    assert [s.kind for s in s1.steps_of(0)] == []  # device 0 takes no part
+    assert_matches_reference(mlp, mine, MLP, "adam", {})
+
+
+def test_steps_of_a_device_follow_the_global_order(mlp, topo4):
+    # (group 0 of the mlp owns no parameter)
+    plan = new_plan(mlp, topo4, [GroupPlan([2], [1.0]), GroupPlan([0, 1], [0.5, 0.5], "allreduce"),
+                                 GroupPlan([2, 3], [0.5, 0.5], "ps", server=0), GroupPlan([1], [1.0])])
+    sched = build_schedule(mlp, plan)
+    for d in range(4):
+        mine = sched.steps_of(d)
+        idx = [sched.steps.index(s) for s in mine]
+        assert idx == sorted(idx) and mine
+        assert {s.stream for s in mine} <= {"compute", "p2p", "collective", "gather"}
+    assert [s.group for s in sched.steps_of(0) if s.kind == "sync"] == [2, 1]  # server of group 2
+
+
+def test_the_simulator_runs_stages_in_the_schedules_order(captured):
+    """On every device, the simulated compute stages (trace) come in the order of the device's
+    compute steps in the executor's schedule."""
+    import random
+    import re
+
+    from test_sim_reference import BATCH, GROUPS, SPEC, _random_group, setup
+
+    graph = captured(SPEC, batch=BATCH, groups=GROUPS).graph
+    topo, costs = setup(graph)
+    sim = Simulator(graph, topo, costs)
+    rng = random.Random(11)
+    stage = re.compile(r"^(fwd|bwd) g(\d+)(?:\.(\d+))? @d(\d+)$")
+    checked = 0
+    for _ in range(6):
+        groups = [_random_group(rng, graph, g, topo.num_devices) for g in range(GROUPS)]
+        sched = build_schedule(graph, new_plan(graph, topo, groups), topo.machine_of)
+        events = sim.run(groups, trace=True).events
+        for d in range(topo.num_devices):
+            order = [(s.phase, s.unit) for s in sched.steps_of(d) if s.kind == "compute"]
+            seen = []
+            for e in sorted((e for e in events if e.device == d and e.cat in ("fwd", "bwd")), key=lambda e: e.start):
+                m = stage.match(e.name)
+                assert m, e.name
+                seen.append(order.index((m[1], (int(m[2]), int(m[3] or 0)))))
+            assert seen == sorted(seen) and len(set(seen)) == len(seen), (d, seen)
+            checked += len(seen)
+    assert checked > 50
