@@ -80,10 +80,10 @@ def main(argv=None) -> int:
 
     import torch
 
+    from tag.cost.baselines import best_single_device
     from tag.cost.model import CostModel
     from tag.cost.profiler import StructureMismatch, profile_model, structure
     from tag.graph import capture
-    from tag.plan.baselines import best_single_device
     from tag.sim import Simulator
     from tag.workloads import load_workload
 

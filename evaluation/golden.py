@@ -34,8 +34,8 @@ def _plan_json(plan) -> list:
 
 
 def _quick_cells(log) -> list[dict]:
-    from evaluation.bench import _Case
-    from evaluation.suites import quick_suite
+    from tag.bench.runner import _Case
+    from tag.bench.suites import quick_suite
 
     cfg = quick_suite()
     graphs: dict = {}
@@ -61,7 +61,7 @@ def _planner_cells(random_pairs: int, log) -> list[dict]:
 
     from evaluation.planner_bench import MODELS, RANDOM_SEED, TOPOLOGIES, _load
     from tag.gnn.predictor import Predictor
-    from tag.search import plan
+    from tag.planner import find_plan
     from tag.topology import load_topology
 
     torch.set_num_threads(1)
@@ -77,7 +77,7 @@ def _planner_cells(random_pairs: int, log) -> list[dict]:
     }
     pairs = [(spec, batch, groups, t, runs) for spec, batch, groups in MODELS for t in TOPOLOGIES]
     if random_pairs:
-        from data.pairs import sample_pair
+        from tag.data.pairs import sample_pair
         few = {k: dict(v, compression="off") for k, v in runs.items() if k in ("gnn50", "uniform50")}
         for i in range(random_pairs):
             s = sample_pair(RANDOM_SEED, i, max_groups=32)
@@ -87,7 +87,7 @@ def _planner_cells(random_pairs: int, log) -> list[dict]:
         graph = _load(spec, batch, groups, cache)
         topo = load_topology(tpath)
         for name, kw in rs.items():
-            p = plan(graph, topo, seed=0, predictor=pred if kw.get("prior") == "gnn" else None, **kw)
+            p = find_plan(graph, topo, seed=0, predictor=pred if kw.get("prior") == "gnn" else None, **kw)
             from tag.sim import Simulator
             res = Simulator(graph, topo).run(p.groups)
             out.append({"suite": "planner", "model": spec, "batch": batch, "groups": groups,

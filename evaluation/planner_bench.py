@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-# (model spec, batch, groups): none of these models is in data.pairs.TRAIN_MODELS.
+# (model spec, batch, groups): none of these models is in tag.data.pairs.TRAIN_MODELS.
 MODELS = [
     ("gpt2:n_layer=4,n_embd=256", 32, 64),
     ("bert:n_layer=4,n_embd=256", 32, 32),
@@ -47,7 +47,7 @@ RANDOM_SEED = 7777
 
 
 def _load(spec, batch, groups, cache_dir: Path):
-    from data.generate import load_graph
+    from tag.data.generate import load_graph
     return load_graph(cache_dir, spec, batch, groups)
 
 
@@ -55,7 +55,7 @@ def run(args) -> dict:
     import torch
     torch.set_num_threads(1)
     from tag.gnn.predictor import Predictor
-    from tag.search import plan
+    from tag.planner import find_plan
     from tag.topology import load_topology
 
     pred = Predictor.load(args.checkpoint)
@@ -95,7 +95,7 @@ def run(args) -> dict:
     timing = {}
     for budget in (50, 200):
         t0 = time.perf_counter()
-        plan(graph, topo, seed=0, predictor=pred, budget=budget)
+        find_plan(graph, topo, seed=0, predictor=pred, budget=budget)
         timing[f"gnn{budget}_wall_s"] = time.perf_counter() - t0
     ratios = [r["gnn50_over_uniform2000"] for r in rows]
     random_rows = _random_pairs(args, pred, cache) if args.random else []
@@ -123,13 +123,13 @@ def run(args) -> dict:
 
 
 def search_row(graph, topo, runs: dict[str, dict], *, seed: int, predictor=None) -> dict:
-    """One benchmark row: every searcher of ``runs`` (name -> :func:`tag.search.plan` keywords) on
+    """One benchmark row: every searcher of ``runs`` (name -> :func:`tag.planner.find_plan` keywords) on
     one (graph, topology), with the data-parallel baselines and the lower bound."""
-    from tag.search import plan
+    from tag.planner import find_plan
     row: dict = {}
     for name, kw in runs.items():
         t0 = time.perf_counter()
-        p = plan(graph, topo, seed=seed, predictor=predictor if kw.get("prior") == "gnn" else None, **kw)
+        p = find_plan(graph, topo, seed=seed, predictor=predictor if kw.get("prior") == "gnn" else None, **kw)
         m = p.meta
         row[name] = {"time_s": p.predicted_iteration_time_s, "first_beat_dp": m["first_beat_dp_playout"],
                      "sim_calls": m["sim_calls"], "wall_s": time.perf_counter() - t0,
@@ -207,15 +207,15 @@ def _claim1(ratios: list[float]) -> dict:
 def _random_pairs(args, pred, cache: Path) -> list[dict]:
     """GNN-MCTS @50 vs uniform-prior MCTS @``args.big`` on ``args.random`` pairs drawn like the
     training pairs (training models, random clusters) from a stream training never labels."""
-    from data.pairs import sample_pair
-    from tag.search import plan
+    from tag.data.pairs import sample_pair
+    from tag.planner import find_plan
     from tag.topology import load_topology
     out = []
     for i in range(args.random):
         spec = sample_pair(RANDOM_SEED, i, max_groups=32)
         graph = _load(spec.model, spec.batch, spec.groups, cache)
         topo = load_topology(spec.topology)
-        t = {name: plan(graph, topo, seed=args.seed, prior=prior, predictor=pred, budget=budget,
+        t = {name: find_plan(graph, topo, seed=args.seed, prior=prior, predictor=pred, budget=budget,
                         compression="off").predicted_iteration_time_s
              for name, prior, budget in (("gnn50", "gnn", 50), ("uniform2000", "uniform", args.big))}
         row = {"index": i, "model": spec.model, "batch": spec.batch, "groups": graph.num_groups,

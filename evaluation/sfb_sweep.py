@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tag.compress import allreduce_time, apply_sfb, find_candidates, plan_sfb, sync_time
+from tag.cost.baselines import data_parallel
 from tag.graph import capture
 from tag.io import write_atomic
-from tag.plan.baselines import data_parallel
 from tag.sim import Simulator
 from tag.topology import load_topology
 from tag.workloads import load_workload

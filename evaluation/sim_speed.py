@@ -98,8 +98,8 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    from tag.cost.baselines import baseline_plan
     from tag.graph import capture
-    from tag.plan.baselines import baseline_plan
     from tag.sim import Simulator
     from tag.topology import load_topology
     from tag.workloads import load_workload

@@ -4,15 +4,14 @@ Public API (imported lazily so ``import tag`` stays cheap)::
 
     wl = tag.load_workload("gpt2:n_layer=4", batch=16)
     cap = tag.capture(wl)                       # cap.graph is the OpGraph
-    topo = tag.load_topology("topologies/tag-testbed.yaml")
-    plan = tag.plan(cap.graph, topo)            # GNN-guided MCTS
+    topo = tag.load_topology("tag-testbed")     # a shipped topology, or a YAML/JSON path
+    plan = tag.find_plan(cap.graph, topo)       # GNN-guided MCTS -> tag.Plan
     result = tag.simulate(cap.graph, topo, plan)
 """
 
 from __future__ import annotations
 
 import importlib
-import types
 
 __version__ = "0.1.0"
 
@@ -26,7 +25,8 @@ _EXPORTS = {
     "Topology": ("tag.topology", "Topology"),
     "Plan": ("tag.plan", "Plan"),
     "GroupPlan": ("tag.plan", "GroupPlan"),
-    "data_parallel": ("tag.plan", "data_parallel"),
+    "data_parallel": ("tag.cost.baselines", "data_parallel"),
+    "find_plan": ("tag.planner", "find_plan"),
     "simulate": ("tag.sim", "simulate"),
     "Simulator": ("tag.sim", "Simulator"),
     "execute": ("tag.executor", "execute"),
@@ -34,28 +34,18 @@ _EXPORTS = {
     "TagError": ("tag.errors", "TagError"),
 }
 
-__all__ = sorted([*_EXPORTS, "plan"])
-
-
-class _PlanPackage(types.ModuleType):
-    """``tag.plan`` is both the plan-format subpackage (``tag.plan.Plan``) and the planner entry
-    point (``tag.plan(graph, topology, ...)``, i.e. :func:`tag.search.plan`)."""
-
-    def __call__(self, graph, topology, **kwargs):
-        from .search import plan as search_plan
-
-        return search_plan(graph, topology, **kwargs)
-
-
-from . import plan as _plan_package  # noqa: E402 - after the class it becomes
-
-_plan_package.__class__ = _PlanPackage
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
     if name in _EXPORTS:
         mod, attr = _EXPORTS[name]
         return getattr(importlib.import_module(mod), attr)
+    try:  # a subpackage not imported yet, e.g. ``tag.plan.local_batches`` after ``import tag``
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
     raise AttributeError(f"module 'tag' has no attribute {name!r}")
 
 

@@ -15,11 +15,23 @@ def test_every_export_resolves():
         tag.no_such_name  # noqa: B018
 
 
+def test_plan_is_the_format_package_and_find_plan_the_planner():
+    """No module-class swapping: ``tag.plan`` is a plain subpackage (plan format), the planner is
+    ``tag.find_plan``."""
+    import types
+
+    assert type(tag.plan) is types.ModuleType and not callable(tag.plan)
+    assert tag.plan.Plan is tag.Plan
+    from tag.planner import find_plan
+
+    assert tag.find_plan is find_plan
+
+
 def test_pipeline_end_to_end(tmp_path):
     wl = tag.load_workload("mlp:layers=2,hidden=64", batch=16)
     graph = tag.capture(wl, num_groups=3).graph
     topo = tag.load_topology("cloud-t4")
-    plan = tag.plan(graph, topo, searcher="mcts", prior="uniform", budget=20, seed=3)
+    plan = tag.find_plan(graph, topo, searcher="mcts", prior="uniform", budget=20, seed=3)
     validate_plan(plan, graph, topo)
     res = tag.simulate(graph, topo, plan)
     assert res.iteration_time_s == pytest.approx(plan.predicted_iteration_time_s)
@@ -29,5 +41,5 @@ def test_pipeline_end_to_end(tmp_path):
     plan.save(path)
     assert tag.Plan.load(path) == plan
     # same seed, same plan
-    again = tag.plan(graph, topo, searcher="mcts", prior="uniform", budget=20, seed=3)
+    again = tag.find_plan(graph, topo, searcher="mcts", prior="uniform", budget=20, seed=3)
     assert [g.key() for g in again.groups] == [g.key() for g in plan.groups]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from evaluation.bench import Cell
-from evaluation.report import executed_losses, markdown, tag_losses
+from tag.bench.report import executed_losses, markdown, tag_losses
+from tag.bench.runner import Cell
 
 
 def _cell(model, method, t, executed=None):

@@ -28,9 +28,9 @@ def test_every_command_has_help():
 
 
 def test_train_help_states_the_config_defaults():
-    """`tag train --help` repeats LoopConfig's defaults by hand (importing training.config would
+    """`tag train --help` repeats LoopConfig's defaults by hand (importing tag.training.config would
     load torch_geometric on every command's start-up); they must not drift apart."""
-    from training.config import LoopConfig
+    from tag.training.config import LoopConfig
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     helps = {a.dest: a.help for a in sub.choices["train"]._actions}

@@ -23,9 +23,9 @@ from tag.compress import (
     solve_milp,
 )
 from tag.compress.milp import objective
+from tag.cost.baselines import data_parallel
 from tag.graph.ir import Affine
 from tag.parallel import validate_plan
-from tag.plan.baselines import data_parallel
 from tag.plan.format import GroupPlan
 from tag.topology import load_topology
 

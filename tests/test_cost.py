@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from test_sim_tools import chain_graph, topology
 
+from tag.cost.baselines import baseline_plan, cost_model_speeds
 from tag.cost.comm import (
     CommProfile,
     LinkFit,
@@ -19,7 +20,6 @@ from tag.cost.model import CostModel, device_type
 from tag.cost.profile import Profile, ProfileError, find_profile, load_profile
 from tag.cost.roofline import Roofline, group_phase_table
 from tag.parallel import validate_plan
-from tag.plan.baselines import baseline_plan, cost_model_speeds
 from tag.topology import load_topology
 
 

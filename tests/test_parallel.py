@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from test_executor import MLP, B, assert_matches_reference
 
+from tag.cost.baselines import data_parallel
 from tag.errors import PlanError
 from tag.parallel import (
     Collective,
@@ -23,7 +24,7 @@ from tag.parallel import (
 )
 from tag.parallel.data_parallel import DataParallel
 from tag.parallel.strategy import check_shares, no_field
-from tag.plan import GroupPlan, data_parallel, new_plan
+from tag.plan import GroupPlan, new_plan
 from tag.sim import Simulator
 
 

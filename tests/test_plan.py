@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tag.cost.baselines import data_parallel
 from tag.errors import PlanError
 from tag.parallel import validate_plan
-from tag.plan import GroupPlan, Plan, data_parallel, group_positions, local_batches
+from tag.plan import GroupPlan, Plan, group_positions, local_batches
 from tag.topology import load_topology
 
 SPEC = "gpt2:n_layer=1,n_embd=64,n_head=2,seq=16"

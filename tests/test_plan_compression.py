@@ -1,8 +1,8 @@
-"""``tag.search.plan(compression=...)``: SFB is kept only where the simulator confirms it pays."""
+"""``tag.find_plan(compression=...)``: SFB is kept only where the simulator confirms it pays."""
 
 from __future__ import annotations
 
-from tag.search import plan
+from tag.planner import find_plan
 from tag.sim import simulate
 from tag.topology import load_topology
 
@@ -17,8 +17,8 @@ def _two_boxes(inter: str):
 def test_compression_auto_never_slower_and_consistent(captured):
     graph = captured("mlp:hidden=1024,layers=2,in_dim=256,classes=100", batch=8, groups=4).graph
     topo = _two_boxes("1 Gbit/s")
-    off = plan(graph, topo, searcher="random", budget=20, seed=1, compression="off")
-    auto = plan(graph, topo, searcher="random", budget=20, seed=1, compression="auto")
+    off = find_plan(graph, topo, searcher="random", budget=20, seed=1, compression="off")
+    auto = find_plan(graph, topo, searcher="random", budget=20, seed=1, compression="auto")
     assert auto.predicted_iteration_time_s <= off.predicted_iteration_time_s
     assert auto.meta["compression"].startswith("compression:")
     # the predicted time is the simulator's verdict on the plan as written
@@ -31,8 +31,8 @@ def test_compression_auto_never_slower_and_consistent(captured):
 
 def test_compression_on_data_parallel_over_slow_links(captured):
     """Random search over this space keeps all groups on one machine; force the DP case too."""
-    from tag.plan import data_parallel
-    from tag.search.planner import _compress
+    from tag.cost.baselines import data_parallel
+    from tag.planner import _compress
     from tag.sim import Simulator
 
     graph = captured("mlp:hidden=1024,layers=2,in_dim=256,classes=100", batch=8, groups=4).graph

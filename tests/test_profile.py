@@ -121,7 +121,7 @@ def test_stage_assignment_keeps_tuples_together(captured):
 
 @pytest.mark.slow
 def test_comm_profile_gloo_two_processes(tmp_path):
-    from tag.cost.commprof import CPU_BUSY_S, profile_comm
+    from tag.executor.commprof import CPU_BUSY_S, profile_comm
 
     cp = profile_comm("cpu-test", sizes=[4096, 65536, 262144], repeats=2, warmup=1)
     assert set(cp.fits) == {"p2p", "all_reduce", "broadcast", "reduce", "all_gather", "ps"}

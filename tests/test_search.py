@@ -1,4 +1,4 @@
-"""Tests for tag.search: action space, evaluator, MCTS mechanics, searchers, plan() and `tag plan`."""
+"""Tests for tag.search: action space, evaluator, MCTS mechanics, searchers, find_plan() and `tag plan`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 
 from tag.errors import TagError
 from tag.parallel import validate_group, validate_plan
-from tag.search import ActionSpace, Evaluator, MCTSConfig, mcts_search, plan, uniform_prior
+from tag.planner import find_plan
+from tag.search import ActionSpace, Evaluator, MCTSConfig, mcts_search, uniform_prior
 from tag.search.mcts import (
     Tree,
     add_virtual_loss,
@@ -270,14 +271,14 @@ class _DPWins:
 
 @pytest.mark.parametrize("searcher", ["mcts", "sa", "random"])
 def test_falls_back_to_the_best_baseline(graph, topo, searcher):
-    p = plan(graph, topo, searcher=searcher, prior="uniform", budget=20, simulator=_DPWins(topo.num_devices))
+    p = find_plan(graph, topo, searcher=searcher, prior="uniform", budget=20, simulator=_DPWins(topo.num_devices))
     assert p.meta["source"] in ("dp-even", "dp-prop") and p.predicted_iteration_time_s == 1.0
     validate_plan(p, graph, topo)
 
 
 def test_plan_with_the_real_simulator(graph, topo):
-    p1 = plan(graph, topo, prior="uniform", budget=30, seed=3)
-    p2 = plan(graph, topo, prior="uniform", budget=30, seed=3)
+    p1 = find_plan(graph, topo, prior="uniform", budget=30, seed=3)
+    p2 = find_plan(graph, topo, prior="uniform", budget=30, seed=3)
     validate_plan(p1, graph, topo)
     assert p1.to_dict()["groups"] == p2.to_dict()["groups"]
     m = p1.meta
@@ -288,17 +289,17 @@ def test_plan_with_the_real_simulator(graph, topo):
 
 
 def test_plan_time_limit(graph, topo):
-    p = plan(graph, topo, prior="uniform", time_limit=0.5)
+    p = find_plan(graph, topo, prior="uniform", time_limit=0.5)
     assert p.meta["search_time_s"] < 5 and p.meta["playouts"] >= 1
 
 
 def test_plan_rejects_bad_arguments(graph, topo):
     with pytest.raises(TagError, match="searcher"):
-        plan(graph, topo, searcher="bogus")
+        find_plan(graph, topo, searcher="bogus")
     with pytest.raises(TagError, match="budget"):
-        plan(graph, topo, budget=0)
+        find_plan(graph, topo, budget=0)
     with pytest.raises(TagError, match="prior"):
-        plan(graph, topo, prior="magic")
+        find_plan(graph, topo, prior="magic")
 
 
 def test_cli_plan_json(tmp_path, capsys):
@@ -354,8 +355,8 @@ def test_gnn_prior_with_the_shipped_predictor_is_deterministic(graph, topo):
     from tag.gnn import DEFAULT_CHECKPOINT
     if not DEFAULT_CHECKPOINT.exists():
         pytest.skip("no shipped predictor in this checkout")
-    p1 = plan(graph, topo, prior="gnn", budget=16, seed=1)
-    p2 = plan(graph, topo, prior="gnn", budget=16, seed=1)
+    p1 = find_plan(graph, topo, prior="gnn", budget=16, seed=1)
+    p2 = find_plan(graph, topo, prior="gnn", budget=16, seed=1)
     assert p1.to_dict()["groups"] == p2.to_dict()["groups"]
     assert p1.meta["prior"] == "gnn" and p1.meta["playouts"] == 16
     assert p1.predicted_iteration_time_s <= min(p1.meta["dp_even_time_s"], p1.meta["dp_prop_time_s"])
@@ -384,11 +385,11 @@ def test_the_networks_one_shot_plan(graph, topo):
     part = none.copy()
     part[sp.order[:2]] = [acts[g] for g in sp.order[:2]]
     assert pred.one_shot(sp, ev.t_ref, fb, max_groups=2) == sp.resolve(part)
-    with_, without = (plan(graph, topo, prior="gnn", budget=8, seed=0, compression="off", one_shot=o)
+    with_, without = (find_plan(graph, topo, prior="gnn", budget=8, seed=0, compression="off", one_shot=o)
                       for o in (True, False))
     assert with_.meta["playouts"] == without.meta["playouts"] == 8
     assert without.meta["one_shot_time_s"] is None
-    one = ev.evaluate(acts)  # what plan() proposed after its tree
+    one = ev.evaluate(acts)  # what find_plan() proposed after its tree
     assert with_.meta["one_shot_time_s"] == (None if one.oom else pytest.approx(one.time_s))
     if not one.oom:
         assert with_.predicted_iteration_time_s <= one.time_s

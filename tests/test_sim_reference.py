@@ -32,8 +32,8 @@ _random_group, _actions = random_group, mcts_actions
 def make_plans(graph, topo, costs) -> list[tuple[str, list]]:
     """(label, groups) of every reference plan, deterministic."""
     from tag.compress import find_candidates
+    from tag.cost.baselines import baseline_plan
     from tag.plan import GroupPlan
-    from tag.plan.baselines import baseline_plan
 
     rng = random.Random(1234)
     k, n = graph.num_groups, topo.num_devices

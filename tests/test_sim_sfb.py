@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 
 from tag.compress import apply_sfb, find_candidates
+from tag.cost.baselines import data_parallel
 from tag.cost.model import CostModel
 from tag.cost.roofline import Roofline
 from tag.errors import PlanError
 from tag.graph import capture
 from tag.plan import GroupPlan, new_plan
-from tag.plan.baselines import data_parallel
 from tag.sim import Simulator, simulate
 from tag.topology import load_topology
 from tag.workloads import load_workload

@@ -8,13 +8,13 @@ import os
 import pytest
 import torch
 
-from data.dataset import PlanDataset, split
-from data.generate import GenConfig, generate, pending
-from data.pairs import HELD_OUT_MODELS, TRAIN_MODELS, random_topology, sample_pair
+from tag.data.dataset import PlanDataset, split
+from tag.data.generate import GenConfig, generate, pending
+from tag.data.pairs import HELD_OUT_MODELS, TRAIN_MODELS, random_topology, sample_pair
 from tag.gnn import NetConfig, TagNet, load_net
 from tag.topology import load_topology
-from training.config import ConfigError, LoopConfig, TrainConfig
-from training.train import fit
+from tag.training.config import ConfigError, LoopConfig, TrainConfig
+from tag.training.train import fit
 
 TINY = ["mlp:layers=2,hidden=64@16"]
 
@@ -66,7 +66,7 @@ def test_generation_writes_records_and_resumes(dataset_dir):
 def test_policy_target_sharpens_visits_towards_the_best_child(dataset_dir):
     import numpy as np
 
-    from data.dataset import PolicyTarget
+    from tag.data.dataset import PolicyTarget
     d = {"visits": [0.5, 0.25, 0.25, 0.0], "child_reward": [0.10, 0.20, 0.20 * 0.99 - 0.01, None]}
     assert PolicyTarget(mix=0)(d) == d["visits"]
     pi = np.array(PolicyTarget(mix=0.5, tau=0.01)(d))
@@ -158,7 +158,7 @@ def test_tag_train_tiny_end_to_end(tmp_path, capsys):
 
 
 def test_tune_resumes_its_study(dataset_dir, tmp_path, monkeypatch):
-    from training import tune as tune_mod
+    from tag.training import tune as tune_mod
     monkeypatch.setattr(tune_mod, "suggest", lambda trial: (
         NetConfig(hidden=8, layers=1, heads=2), {"lr": trial.suggest_float("lr", 1e-3, 1e-2, log=True)}))
     cfg = tune_mod.TuneConfig(data=[str(dataset_dir)], study_dir=str(tmp_path / "study"), trials=1, epochs=1,

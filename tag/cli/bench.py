@@ -21,10 +21,7 @@ def run(args) -> int:
     import time
     from pathlib import Path
 
-    from evaluation.bench import environment, run_suite, save_results
-    from evaluation.report import write_report
-    from evaluation.suites import METHODS, SUITES
-
+    from ..bench import METHODS, SUITES, environment, run_suite, save_results, write_report
     from ..errors import TagError
 
     cfg = SUITES[args.suite]()

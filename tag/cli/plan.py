@@ -62,7 +62,7 @@ def _ratio(a, b):
 def run(args) -> int:
     import time
 
-    from ..search import plan as search_plan
+    from ..planner import find_plan
     from ..topology import load_topology
     from .common import load_captured
 
@@ -78,9 +78,9 @@ def run(args) -> int:
         costs = CostModel.for_topology(graph, topo, args.profiles)
     except ImportError:  # pragma: no cover
         pass
-    p = search_plan(graph, topo, searcher=args.searcher, prior=args.prior, budget=args.budget,
-                    time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs,
-                    compression=args.compression, one_shot=args.one_shot)
+    p = find_plan(graph, topo, searcher=args.searcher, prior=args.prior, budget=args.budget,
+                  time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs,
+                  compression=args.compression, one_shot=args.one_shot)
     p.meta["capture_s"] = capture_s
     if p.meta.get("oom") and not args.allow_oom:
         from ..errors import OutOfMemoryError

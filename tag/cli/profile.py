@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ..cost.commprof import DEFAULT_REPEATS
+from ..executor.commprof import DEFAULT_REPEATS
 from .common import add_model_args, int_in
 
 
@@ -76,7 +76,7 @@ def run(args) -> int:
         dtype = prof.device_type
         print(f"profile {prof.model} ({prof.graph_signature}) on {dtype}: batches {prof.batches} -> {path}")
     if not args.no_comm:
-        from ..cost.commprof import profile_comm
+        from ..executor.commprof import profile_comm
 
         backend = "nccl" if args.device == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
         print(f"profile comm: {backend}, 2 local processes, 4 KiB..16 MiB", file=sys.stderr, flush=True)

@@ -6,7 +6,7 @@ from .common import add_force_arg, add_model_args, check_outputs, print_json
 
 
 def register(sub) -> None:
-    from ..plan.baselines import BASELINES
+    from ..cost.baselines import BASELINES
 
     p = sub.add_parser(
         "simulate", help="simulate one training iteration of a plan on a topology",
@@ -29,11 +29,11 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from ..cost.baselines import baseline_plan
     from ..cost.model import CostModel
     from ..io import write_json
     from ..parallel import validate_plan
     from ..plan import Plan
-    from ..plan.baselines import baseline_plan
     from ..sim import Simulator, lower_bound
     from ..topology import load_topology
 

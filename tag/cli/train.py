@@ -13,7 +13,7 @@ def register(sub) -> None:
                     "visit distribution) and value (final plan's log time ratio), repeat. Everything resumes "
                     "after an interruption. The defaults reproduce the shipped tag/gnn/predictor.pt.")
     p.add_argument("--config", metavar="FILE.json", default=None,
-                   help="LoopConfig JSON (fields as in training/config.py); flags below override it")
+                   help="LoopConfig JSON (fields as in tag/training/config.py); flags below override it")
     p.add_argument("--run-dir", default=None, help="run folder (default runs/predictor)")
     p.add_argument("--rounds", type=int, default=None, help="generate/train rounds (default 4)")
     p.add_argument("--samples", type=int, nargs="+", default=None, metavar="N",
@@ -30,7 +30,7 @@ def register(sub) -> None:
 
 
 def build_config(args):
-    from training.config import LoopConfig
+    from ..training.config import LoopConfig
     cfg = LoopConfig.load(args.config) if args.config else LoopConfig()
     if args.run_dir is not None:
         cfg.run_dir = args.run_dir
@@ -57,7 +57,7 @@ def build_config(args):
 def run(args) -> int:
     import time
 
-    from training.loop import run_loop
+    from ..training.loop import run_loop
     cfg = build_config(args)
     t0 = time.perf_counter()
     final = run_loop(cfg, progress=not args.no_progress)

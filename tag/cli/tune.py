@@ -22,7 +22,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from training.tune import TuneConfig, tune
+    from ..training.tune import TuneConfig, tune
     cfg = TuneConfig(data=list(args.data), study_dir=args.study_dir, trials=args.trials, epochs=args.epochs,
                      timeout=args.timeout, seed=args.seed, wandb=args.wandb)
     print_json(tune(cfg))

@@ -1,6 +1,8 @@
 """Cost model: roofline rule, profile database, communication costs.
 
-Heavy measuring code (:mod:`tag.cost.profiler`, :mod:`tag.cost.commprof`) is imported on demand.
+Heavy measuring code (:mod:`tag.cost.profiler`) is imported on demand. The communication profiler
+times the executor's own collectives, so it lives with them (:mod:`tag.executor.commprof`); its
+fits are read here (:mod:`tag.cost.comm`).
 """
 
 from .comm import CommModel, CommProfile, LinkFit, fit_latency_bandwidth, ring_allreduce_time

@@ -8,7 +8,7 @@ topology's nominal links alone by :meth:`CommModel.nominal`. Units: bytes, secon
 
 **Links.** ``bandwidth[a, b]`` / ``latency[a, b]`` of every ordered device pair are the
 topology's, except between CPU devices of one machine whose device type has a communication
-profile (``comm.json``, :mod:`tag.cost.commprof`): there the measured gloo point-to-point fit
+profile (``comm.json``, :mod:`tag.executor.commprof`): there the measured gloo point-to-point fit
 ``alpha + bytes / beta`` replaces them (those devices are *fitted*).
 
 **Formulas** over ``n`` devices synchronising ``S`` bytes (``bw``: bytes/s, ``lat``: s):

@@ -87,7 +87,7 @@ def demote_threads(name: str = GLOO_EVENT_THREAD) -> int:
     hands it the same event again at once: given the core while the rank's main thread is
     inside a gloo call on that connection, it spins on the lock. At the main thread's priority it
     took the core at once (strace on the development VM: 2-4 ms for the main thread's write of a
-    48-byte notification). At nice 19 (session 9) the scheduler still handed it the core at a tick
+    48-byte notification). At nice 19 (f2f4fbb) the scheduler still handed it the core at a tick
     once the main thread had used its slice, and it then spun until its own slice ended: two
     ranks exchanging activations right after both computed stalled together for 2-5 ms (``perf
     sched``: both ranks' event threads of one transfer group running 5 ms straight while both main
@@ -95,7 +95,7 @@ def demote_threads(name: str = GLOO_EVENT_THREAD) -> int:
     ``SCHED_IDLE`` it runs only when the main thread waits: ``tag execute`` of vit ``mixed`` took
     8.4 ms at the median instead of 11.6-13.4, vgg ``mixed`` 7.8-8.0 instead of 10.2-11.5, the
     plans without those stalls the same (tag/executor/README.md). gloo's collective worker threads
-    keep their priority (demoted too, at nice 19 in session 9, they starved behind a rank polling
+    keep their priority (demoted too, at nice 19 in f2f4fbb, they starved behind a rank polling
     for its all-reduce: a 4 KiB all-reduce profiled at 1.1 ms instead of 0.15).
     """
     if not _pinning_on() or not os.path.isdir("/proc/self/task"):

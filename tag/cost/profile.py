@@ -3,7 +3,7 @@
 Layout: ``<root>/<device-type>/<model>-<graph signature>.json`` where ``device-type`` is
 ``cpu-<threads>t`` for a CPU running ``threads`` intra-op threads, or the catalog name of a GPU
 (e.g. ``A100-40GB``); ``root`` defaults to the repository's ``data/profiles``
-(``$TAG_PROFILE_DIR`` overrides). The communication fit of that device type lives next to it in
+(:func:`default_profile_dir`; ``$TAG_PROFILE_DIR`` overrides). The communication fit of that device type lives next to it in
 ``comm.json`` (:mod:`tag.cost.comm`).
 
 A profile holds, per op-group and phase, the median seconds measured at a few per-replica batch
@@ -35,9 +35,15 @@ class ProfileError(TagError):
 
 
 def default_profile_dir() -> Path:
-    """``$TAG_PROFILE_DIR``, else ``<repository>/data/profiles``."""
+    """``$TAG_PROFILE_DIR``; else the repository's ``data/profiles`` when TAG runs from a checkout;
+    else ``data/profiles`` under the working directory. An installed wheel ships no profiles (they
+    are measurements of particular machines): devices without one are costed by the roofline rule,
+    and ``tag profile`` writes there, never into the installed package."""
     env = os.environ.get("TAG_PROFILE_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "data" / "profiles"
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2] / "data" / "profiles"
+    return repo if repo.is_dir() else Path("data") / "profiles"
 
 
 def cpu_device_type(threads: int) -> str:

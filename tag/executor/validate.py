@@ -14,8 +14,9 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..cost.baselines import data_parallel
 from ..io import write_json
-from ..plan import GroupPlan, Plan, data_parallel, group_positions, new_plan
+from ..plan import GroupPlan, Plan, group_positions, new_plan
 from .launch import ExecuteConfig, execute
 
 log = logging.getLogger(__name__)
@@ -315,7 +316,7 @@ def ensure_profiles(model: str, cap, topology, log_fn, root: Path) -> None:
             finally:
                 torch.set_num_threads(before)
         if find_comm_profile(root, dt) is None:
-            from ..cost.commprof import profile_comm
+            from .commprof import profile_comm
 
             log_fn(f"profiling gloo communication for {dt} ...")
             profile_comm(dt, backend="gloo", threads=threads).save(root)

@@ -112,8 +112,8 @@ class Predictor:
 
         Not a plan the tree search reaches: MCTS completes undecided groups by a rule
         (:meth:`tag.search.space.ActionSpace.resolve`), and with 50 playouts it refines only its
-        first few decisions. :func:`tag.search.plan` simulates this plan as one playout of the
-        budget (``training/README.md``, *Session 15*, has what it gains)."""
+        first few decisions. :func:`tag.planner.find_plan` simulates this plan as one playout of the
+        budget (``training/README.md``, *The network's one-shot plan*, has what it gains)."""
         from ..search.evaluate import Feedback
         from ..search.mcts import SearchState
         k = space.num_groups

@@ -1,9 +1,6 @@
-"""Plan format (versioned JSON) and the data-parallel baseline builders."""
+"""Plan format (versioned JSON). The baseline plans built on the cost model are in
+:mod:`tag.cost.baselines`."""
 
-from .baselines import data_parallel, new_plan, proportional_shares, roofline_speeds
-from .format import PLAN_VERSION, GroupPlan, Plan, group_positions, local_batches
+from .format import PLAN_VERSION, GroupPlan, Plan, group_positions, local_batches, new_plan
 
-__all__ = [
-    "PLAN_VERSION", "GroupPlan", "Plan", "data_parallel", "group_positions", "local_batches",
-    "new_plan", "proportional_shares", "roofline_speeds",
-]
+__all__ = ["PLAN_VERSION", "GroupPlan", "Plan", "group_positions", "local_batches", "new_plan"]

@@ -231,3 +231,10 @@ def local_batches(batch_size: int, shares: list[float]) -> list[int]:
                 base[j] -= 1
                 base[i] += 1
     return base
+
+
+def new_plan(graph, topology, groups: list[GroupPlan], **meta) -> Plan:
+    """A :class:`Plan` for ``graph`` on ``topology`` with the given group deployments."""
+    return Plan(model=graph.model, graph_signature=graph.signature(), topology=topology.name,
+                topology_signature=topology.signature(), batch_size=graph.batch_size,
+                groups=groups, meta=dict(meta))

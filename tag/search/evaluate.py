@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..plan.baselines import data_parallel
+from ..cost.baselines import data_parallel
 from .space import ActionSpace
 
 OOM_REWARD = -1.0
@@ -23,7 +23,7 @@ def _dp_prop(space):
     """Data parallel with shares proportional to device speed (the cost model's when known)."""
     if space.cost_model is not None:
         try:
-            from ..plan.baselines import data_parallel_proportional
+            from ..cost.baselines import data_parallel_proportional
             return data_parallel_proportional(space.graph, space.topology, space.cost_model)
         except ImportError:
             pass

@@ -64,8 +64,9 @@ DEFAULT_INTRA_LATENCY = 5e-6  # seconds
 # used when the network section gives no latency.
 DEFAULT_NETWORK_LATENCY = 20e-6  # seconds
 
-# The repository's shipped example topologies (``topologies/*.yaml``).
-SHIPPED_DIR = Path(__file__).resolve().parents[2] / "topologies"
+# The shipped example topologies: package data (installed with the wheel), also reachable as
+# ``topologies/`` (a link to this folder) in a checkout of the repository.
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 
 _TOP_KEYS = ("name", "description", "machines", "network")
 _MACHINE_KEYS = ("name", "gpu", "count", "intra_bandwidth", "intra_latency")
@@ -330,7 +331,7 @@ def _read_file(ctx: _Context, path: Path) -> Any:
 
 
 def shipped_topologies() -> dict[str, Path]:
-    """Name (file stem) -> path of the topologies shipped in ``topologies/``."""
+    """Name (file stem) -> path of the shipped topologies (:data:`SHIPPED_DIR`)."""
     if not SHIPPED_DIR.is_dir():
         return {}
     return {p.stem: p for p in sorted(SHIPPED_DIR.glob("*.yaml"))}

@@ -1,6 +1,6 @@
 """Benchmark suites: which models, topologies and methods ``tag bench`` puts side by side.
 
-Models here are held out of the planner's training data (``data/pairs.py`` samples other
+Models here are held out of the planner's training data (``tag/data/pairs.py`` samples other
 depths/widths), so the GNN is judged on graphs it has never seen.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Method names and what they are (see evaluation/bench.py for how each runs).
+# Method names and what they are (see tag/bench/runner.py for how each runs).
 METHODS: dict[str, str] = {
     "dp": "data parallel, even shares (Horovod-like)",
     "dp-prop": "data parallel, shares proportional to device speed",
@@ -43,7 +43,7 @@ class SuiteConfig:
     name: str
     models: list[ModelCase]
     topologies: list[str]
-    """Topology names (``topologies/<name>.yaml``) or paths."""
+    """Shipped topology names (``tag/topology/shipped/<name>.yaml``) or paths."""
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     search_budget: int = 2000
     """Simulator calls (playouts) for random / sa / tpe / mcts-uniform; TAG's are in its name."""

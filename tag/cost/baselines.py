@@ -1,18 +1,13 @@
-"""Baseline plans: data parallel over every device, with even or speed-proportional shares."""
+"""Baseline plans: data parallel over every device (even shares, or proportional to the datasheet
+roofline or to the cost model's device speeds), the best single device and greedy model parallel.
+They sit on the cost model (device speeds), so here in :mod:`tag.cost`, above the plan format."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..cost.roofline import Roofline, graph_time
-from .format import GroupPlan, Plan
-
-
-def new_plan(graph, topology, groups: list[GroupPlan], **meta) -> Plan:
-    """A :class:`Plan` for ``graph`` on ``topology`` with the given group deployments."""
-    return Plan(model=graph.model, graph_signature=graph.signature(), topology=topology.name,
-                topology_signature=topology.signature(), batch_size=graph.batch_size,
-                groups=groups, meta=dict(meta))
+from ..plan.format import GroupPlan, Plan, new_plan
+from .roofline import Roofline, graph_time
 
 
 def roofline_speeds(graph, topology) -> list[float]:
@@ -48,7 +43,7 @@ def data_parallel(graph, topology, *, proportional: bool = False, speeds: Sequen
 
 
 # ---------------------------------------------------------------------------------------------
-# Baselines built on the cost model (tag.cost is imported lazily: plan does not depend on it).
+# Baselines built on the cost model's device speeds.
 # ---------------------------------------------------------------------------------------------
 BASELINES = ("dp", "dp-prop", "single", "mp")
 
@@ -56,7 +51,7 @@ BASELINES = ("dp", "dp-prop", "single", "mp")
 def _costs(graph, topology, costs):
     if costs is not None:
         return costs
-    from ..cost.model import CostModel
+    from .model import CostModel
 
     return CostModel.for_topology(graph, topology)
 
@@ -104,7 +99,7 @@ def greedy_model_parallel(graph, topology, costs=None) -> Plan:
     """Groups in topological order fill the devices in index order, each device taking a share of
     the model's memory footprint proportional to its capacity (never more than its capacity when
     avoidable), so every device holds a contiguous slice of the model (no replication)."""
-    from .format import group_positions
+    from ..plan.format import group_positions
 
     del costs  # placement by memory only
     foot = group_footprints(graph)

@@ -26,11 +26,10 @@ from pathlib import Path
 
 import torch
 
-from data.generate import GenConfig, generate
-from tag.gnn.model import TagNet
-from tag.gnn.predictor import load_net, save_checkpoint
-from tag.io import write_atomic
-
+from ..data.generate import GenConfig, generate
+from ..gnn.model import TagNet
+from ..gnn.predictor import load_net, save_checkpoint
+from ..io import write_atomic
 from .config import LoopConfig
 from .train import fit
 
@@ -75,7 +74,7 @@ class Logger:
 def _datasets(run_dir: Path, rounds: int, target):
     from torch.utils.data import ConcatDataset
 
-    from data.dataset import PlanDataset, split
+    from ..data.dataset import PlanDataset, split
     trains, vals = [], []
     for r in range(rounds):
         ds = PlanDataset(run_dir / f"round{r}", target=target)

@@ -6,9 +6,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from tag.io import write_atomic
-
-from .bench import Cell
+from ..io import write_atomic
+from .runner import Cell
 from .suites import METHODS
 
 

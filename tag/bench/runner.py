@@ -18,8 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tag.io import write_atomic, write_json
-
+from ..io import write_atomic, write_json
 from .suites import SuiteConfig
 
 
@@ -57,12 +56,12 @@ class _Case:
     """One (model, topology): captured graph, simulator and the two reference times."""
 
     def __init__(self, model, topology_name: str, cfg: SuiteConfig, graph_cache: dict):
-        from tag.cost import CostModel
-        from tag.graph import capture
-        from tag.plan import data_parallel
-        from tag.sim import Simulator, lower_bound
-        from tag.topology import load_topology
-        from tag.workloads import load_workload
+        from ..cost import CostModel
+        from ..cost.baselines import data_parallel
+        from ..graph import capture
+        from ..sim import Simulator, lower_bound
+        from ..topology import load_topology
+        from ..workloads import load_workload
 
         key = (model.spec, model.batch)
         if key not in graph_cache:
@@ -79,20 +78,20 @@ class _Case:
 
     def make_plan(self, method: str, cfg: SuiteConfig):
         """(plan, playouts) for ``method``."""
-        from tag.plan import baselines
+        from ..cost import baselines
 
         g, topo = self.graph, self.topology
         if method in ("dp", "dp-prop", "single", "mp"):
             return baselines.baseline_plan(method, g, topo, self.costs), 0
-        from tag.search import plan as search_plan
+        from ..planner import find_plan
 
         if method in ("random", "sa", "tpe", "mcts-uniform"):
             searcher = "mcts" if method == "mcts-uniform" else method
-            p = search_plan(g, topo, searcher=searcher, prior="uniform", budget=cfg.search_budget,
+            p = find_plan(g, topo, searcher=searcher, prior="uniform", budget=cfg.search_budget,
                             seed=cfg.seed, costs=self.costs, simulator=self.sim, compression="off")
         else:  # tag-50, tag-200, with or without +sfb
             budget = int(method.split("-")[1].split("+")[0])
-            p = search_plan(g, topo, searcher="mcts", prior="gnn", budget=budget, seed=cfg.seed,
+            p = find_plan(g, topo, searcher="mcts", prior="gnn", budget=budget, seed=cfg.seed,
                             costs=self.costs, simulator=self.sim,
                             compression="auto" if method.endswith("+sfb") else "off")
         return p, int(p.meta.get("playouts", 0))
@@ -158,7 +157,7 @@ def _execute(model, topo_name: str, plan, cfg: SuiteConfig) -> tuple[float | Non
     """Run ``plan`` for real on the local CPU topology; (median seconds, note)."""
     import tempfile
 
-    from tag.executor import ExecuteConfig, execute
+    from ..executor import ExecuteConfig, execute
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "plan.json"
@@ -179,11 +178,11 @@ def environment() -> dict:
     import torch
     import torch_geometric
 
-    import tag
+    from .. import __version__
 
     return {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
             "torch_geometric": torch_geometric.__version__, "numpy": numpy.__version__, "scipy": scipy.__version__,
-            "tag": tag.__version__, "cpus": __import__("os").cpu_count(), "date": time.strftime("%Y-%m-%d")}
+            "tag": __version__, "cpus": __import__("os").cpu_count(), "date": time.strftime("%Y-%m-%d")}
 
 
 def save_results(cells: list[Cell], out: Path) -> None:

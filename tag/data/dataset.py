@@ -5,7 +5,7 @@ plan, simulator feedback) (:meth:`tag.gnn.JointContext.encode`) with targets ``a
 visit distribution over the candidate actions, sharpened towards the children whose own plan
 simulated best: :class:`PolicyTarget`) and ``value`` (``log(t / t_ref)`` of the best plan
 found below that decision). Raw episodes live in ``<root>/raw/*.json`` (see
-:mod:`data.generate`); ``process()`` rebuilds the encodings from them, so a feature change needs
+:mod:`tag.data.generate`); ``process()`` rebuilds the encodings from them, so a feature change needs
 no new searches. Normalisation is a transform (default :class:`tag.gnn.JointNormalize`, applied
 once as ``pre_transform``).
 """
@@ -21,10 +21,9 @@ import numpy as np
 import torch
 from torch_geometric.data import InMemoryDataset
 
-from tag.gnn.features import SCHEMA
-from tag.gnn.model import VALUE_CLIP, reward_to_value
-from tag.gnn.transforms import JointNormalize
-
+from ..gnn.features import SCHEMA
+from ..gnn.model import VALUE_CLIP, reward_to_value
+from ..gnn.transforms import JointNormalize
 from .generate import graphs_dir, load_graph
 
 _SCHEMA_TAG = hashlib.sha256(json.dumps([SCHEMA, VALUE_CLIP]).encode()).hexdigest()[:8]
@@ -85,16 +84,16 @@ class PolicyTarget:
 def records_to_data(root: Path, rec: dict, target: PolicyTarget | None = None) -> list:
     """Encodings of every decision of one raw episode record."""
     target = target or PolicyTarget()
-    from tag.search.evaluate import Feedback
-    from tag.search.space import ActionSpace
-    from tag.topology import load_topology
+    from ..search.evaluate import Feedback
+    from ..search.space import ActionSpace
+    from ..topology import load_topology
     pair = rec["pair"]
     graph = load_graph(graphs_dir(root), pair["model"], pair["batch"], pair["groups"])
     topo = load_topology(pair["topology"])
     space = ActionSpace(graph, topo)
     if space.num_actions != rec["num_actions"]:
         return []  # action space changed since labelling; skip the stale record
-    from tag.gnn.features import JointContext
+    from ..gnn.features import JointContext
     ctx = JointContext(space, rec["t_ref"])
     out = []
     for d in rec["decisions"]:
@@ -114,7 +113,7 @@ class PlanDataset(InMemoryDataset):
     """Decisions labelled by MCTS under ``root`` (``root/raw/*.json``).
 
     Args:
-        root: dataset folder written by :func:`data.generate.generate`.
+        root: dataset folder written by :func:`tag.data.generate.generate`.
         transform: applied on access.
         pre_transform: applied once when processing (default: :class:`JointNormalize`).
         target: how the policy targets are made (:class:`PolicyTarget`).
@@ -135,7 +134,7 @@ class PlanDataset(InMemoryDataset):
     def processed_file_names(self) -> list[str]:
         return [f"decisions_{len(self._raw)}_{_SCHEMA_TAG}_{self.target.tag}.pt"]
 
-    def download(self) -> None:  # raw files come from data.generate
+    def download(self) -> None:  # raw files come from tag.data.generate
         return
 
     def process(self) -> None:

@@ -1,4 +1,6 @@
-"""``plan(graph, topology, ...)``: the planner's Python entry point."""
+"""``find_plan(graph, topology, ...)``: the planner's Python entry point (``tag.find_plan``): the
+searches of :mod:`tag.search`, guided by the predictor of :mod:`tag.gnn`, then SFB compression
+where the simulator confirms it pays."""
 
 from __future__ import annotations
 
@@ -8,13 +10,12 @@ import time
 
 import numpy as np
 
-from ..errors import TagError
-from ..plan.baselines import new_plan
-from ..plan.format import Plan
-from .evaluate import Evaluator
-from .mcts import MCTSConfig, SearchStats, mcts_search, uniform_prior
-from .searchers import SEARCHERS, random_search, simulated_annealing, tpe_search
-from .space import ActionSpace
+from .errors import TagError
+from .plan.format import Plan, new_plan
+from .search.evaluate import Evaluator
+from .search.mcts import MCTSConfig, SearchStats, mcts_search, uniform_prior
+from .search.searchers import SEARCHERS, random_search, simulated_annealing, tpe_search
+from .search.space import ActionSpace
 
 DEFAULT_PLAYOUTS = 200
 """Playouts when neither a playout budget nor a time limit is given."""
@@ -29,17 +30,17 @@ _PREDICTORS: dict = {}
 
 
 def _predictor(checkpoint):
-    from ..gnn.predictor import DEFAULT_CHECKPOINT, Predictor
+    from .gnn.predictor import DEFAULT_CHECKPOINT, Predictor
     key = str(checkpoint or DEFAULT_CHECKPOINT)
     if key not in _PREDICTORS:
         _PREDICTORS[key] = Predictor.load(checkpoint)
     return _PREDICTORS[key]
 
 
-def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget: int | None = None,
-         time_limit: float | None = None, seed: int = 0, checkpoint: str | os.PathLike | None = None,
-         predictor=None, costs=None, simulator=None, mcts: MCTSConfig | None = None,
-         compression: str = "auto", one_shot: bool = True) -> Plan:
+def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget: int | None = None,
+              time_limit: float | None = None, seed: int = 0, checkpoint: str | os.PathLike | None = None,
+              predictor=None, costs=None, simulator=None, mcts: MCTSConfig | None = None,
+              compression: str = "auto", one_shot: bool = True) -> Plan:
     """Search a deployment of ``graph`` on ``topology``.
 
     Both data-parallel baselines (even and speed-proportional shares) are simulated first and
@@ -115,7 +116,7 @@ def plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget:
         stats = tpe_search(space, ev, rng, playouts=playouts, deadline=deadline)
     search_s = time.perf_counter() - t0
     try:
-        from ..sim import lower_bound
+        from .sim import lower_bound
         lb = float(lower_bound(graph, topology, space.cost_model))
     except ImportError:  # pragma: no cover - simulator absent
         lb = math.nan
@@ -149,7 +150,7 @@ def _compress(graph, topology, p: Plan, simulator) -> str:
     The MILP assumes no overlap; the simulator knows that the all-reduce SFB removes may have been
     hidden behind earlier groups' backward, so its verdict decides. Returns a one-line note.
     """
-    from ..compress import apply_sfb
+    from .compress import apply_sfb
 
     if p.predicted_iteration_time_s is None:
         return "compression: skipped (plan does not fit in memory)"

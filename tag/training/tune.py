@@ -14,9 +14,8 @@ from pathlib import Path
 
 import torch
 
-from tag.gnn.model import NetConfig, TagNet
-from tag.io import write_json
-
+from ..gnn.model import NetConfig, TagNet
+from ..io import write_json
 from .config import ConfigError, TrainConfig
 
 
@@ -71,8 +70,7 @@ def tune(cfg: TuneConfig) -> dict:
     import optuna
     from torch.utils.data import ConcatDataset
 
-    from data.dataset import PlanDataset, split
-
+    from ..data.dataset import PlanDataset, split
     from .loop import Logger
     from .train import fit
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -50,8 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .comm import COMM_OPS, CommProfile, fit_latency_bandwidth
-from .host import demote_threads, pin_cores
+from ..cost.comm import COMM_OPS, CommProfile, fit_latency_bandwidth
+from ..cost.host import demote_threads, pin_cores
 
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
 BURST = 4
@@ -101,7 +101,7 @@ def _transfer_step(rank: int, x, link, repeats: int, warmup: int, busy_s: float,
     import torch
     import torch.distributed as dist
 
-    from ..executor.comm import pack
+    from .comm import pack
 
     marks = torch.zeros(warmup + repeats, 2, dtype=torch.float64)  # [call, (arrival, completion)] s
     if rank > 1:

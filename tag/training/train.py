@@ -18,9 +18,8 @@ import torch
 from torch_geometric.loader import DataLoader
 from torch_geometric.utils import scatter
 
-from tag.gnn.model import TagNet, action_log_probs
-from tag.io import write_atomic
-
+from ..gnn.model import TagNet, action_log_probs
+from ..io import write_atomic
 from .config import TrainConfig
 
 

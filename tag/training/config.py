@@ -6,10 +6,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from data.dataset import PolicyTarget
-from data.generate import GenConfig
-from tag.errors import TagError
-from tag.gnn.model import NetConfig
+from ..data.dataset import PolicyTarget
+from ..data.generate import GenConfig
+from ..errors import TagError
+from ..gnn.model import NetConfig
 
 
 class ConfigError(TagError):
@@ -110,7 +110,7 @@ class LoopConfig:
             raise ConfigError(f"{source}: {e}") from None
 
     def save(self, path) -> None:
-        from tag.io import write_json
+        from ..io import write_json
         write_json(path, self.to_dict())
 
     @classmethod

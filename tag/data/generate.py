@@ -5,7 +5,7 @@ Layout of a dataset folder::
     graphs/<key>.json     captured OpGraphs (OpGraph.to_json), shared by every sample of a model
     raw/<index>.json      one labelled episode: the pair, and per decision the partial plan, the
                           simulator feedback, the MCTS visit distribution and the value target
-    processed/...         the PyG dataset built from raw/ (see data.dataset.PlanDataset)
+    processed/...         the PyG dataset built from raw/ (see tag.data.dataset.PlanDataset)
 
 A sample is written atomically when its episode ends, so a killed generation resumes by skipping
 the samples whose file exists: nothing finished is redone.
@@ -23,8 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tag.io import write_json
-
+from ..io import write_json
 from .pairs import PairSpec, sample_pair
 
 
@@ -51,7 +50,7 @@ class GenConfig:
     optimizer: str = "adam"
     """Optimizer captured into the graphs."""
     models: list[str] | None = None
-    """Override the training models: ``["zoo-spec@batch", ...]`` (default: :data:`data.pairs.TRAIN_MODELS`)."""
+    """Override the training models: ``["zoo-spec@batch", ...]`` (default: :data:`tag.data.pairs.TRAIN_MODELS`)."""
     simulator: str = "sim"
     """``sim`` (:class:`tag.sim.Simulator`) or ``toy`` (:class:`tag.search.toy.ToySimulator`, tests only)."""
 
@@ -92,15 +91,15 @@ def graphs_dir(root: str | os.PathLike) -> Path:
 def load_graph(gdir: str | os.PathLike, model: str, batch: int, groups: int, optimizer: str = "adam"):
     """The captured graph of ``model`` at ``batch``, regrouped into ``groups`` (cached as JSON in
     ``gdir``)."""
-    from tag.graph import OpGraph, group_ops
+    from ..graph import OpGraph, group_ops
     path = Path(gdir) / f"{graph_key(model, batch, optimizer)}.json"
     if path.exists():
         g = OpGraph.from_json(path.read_text())
     else:
-        from tag.graph import capture
-        from tag.workloads import load_workload
+        from ..graph import capture
+        from ..workloads import load_workload
         g = capture(load_workload(model, batch=batch, seed=0), optimizer=optimizer, num_groups=groups).graph
-        from tag.io import write_atomic
+        from ..io import write_atomic
         write_atomic(path, g.to_json())
     group_ops(g, groups)
     return g
@@ -108,11 +107,11 @@ def load_graph(gdir: str | os.PathLike, model: str, batch: int, groups: int, opt
 
 def label_pair(gdir: Path, spec: PairSpec, cfg: GenConfig, prior=None, simulator_factory=None) -> dict:
     """Run one labelling episode; returns the JSON-able record."""
-    from tag.gnn.model import reward_to_value
-    from tag.search.evaluate import Evaluator
-    from tag.search.mcts import MCTSConfig, run_episode, uniform_prior
-    from tag.search.space import ActionSpace
-    from tag.topology import load_topology
+    from ..gnn.model import reward_to_value
+    from ..search.evaluate import Evaluator
+    from ..search.mcts import MCTSConfig, run_episode, uniform_prior
+    from ..search.space import ActionSpace
+    from ..topology import load_topology
 
     t0 = time.perf_counter()
     graph = load_graph(gdir, spec.model, spec.batch, spec.groups, cfg.optimizer)
@@ -121,7 +120,7 @@ def label_pair(gdir: Path, spec: PairSpec, cfg: GenConfig, prior=None, simulator
     if simulator_factory is not None:
         sim = simulator_factory(graph, topo)
     elif cfg.simulator == "toy":
-        from tag.search.toy import ToySimulator
+        from ..search.toy import ToySimulator
         sim = ToySimulator(graph, topo, space.costs)
     else:
         sim = None
@@ -166,7 +165,7 @@ def _init_worker(root: str, cfg: dict, net_path: str | None) -> None:
     _W["cfg"] = GenConfig(**cfg)
     _W["prior"] = None
     if net_path:
-        from tag.gnn.predictor import Predictor
+        from ..gnn.predictor import Predictor
         _W["prior"] = Predictor.load(net_path)
 
 

@@ -1,1 +1,0 @@
-"""TAG data package."""

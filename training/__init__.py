@@ -1,1 +1,0 @@
-"""TAG training package."""
