@@ -14,6 +14,10 @@ Workloads of :meth:`Simulator.run`:
 * ``random``: independent random plans for every group (cold caches).
 
     .venv/bin/python evaluation/sim_speed.py [--model gpt2:n_layer=4] [--batch 32] [--seconds 3]
+    .venv/bin/python evaluation/sim_speed.py --vs ../other-worktree [--rounds 20] [--seconds 6]
+
+``--vs`` times this tree against another one (the previous commit, say) in two worker processes,
+alternating short rounds, so the load of a shared machine falls on both alike.
 
 Simulated iterations/s, best of 3 alternating rounds on a shared 2-core machine (details and where
 the time goes: ``evaluation/results/sim-speed/sim_speed.md``); results bit-identical:
@@ -37,6 +41,7 @@ import pstats
 import random
 import sys
 import time
+from pathlib import Path
 
 
 def random_group(rng: random.Random, graph, g: int, n: int):
@@ -85,15 +90,8 @@ def rate(fn, seconds: float) -> tuple[float, int]:
     return n / (time.perf_counter() - t0), n
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2:n_layer=4")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--groups", type=int, default=64)
-    ap.add_argument("--topology", default="cluster-16gpu-4m")
-    ap.add_argument("--seconds", type=float, default=3.0)
-    ap.add_argument("--profile", default="mcts", help="workload to cProfile (dp, dp-prop, mp, mcts, walk, random)")
-    args = ap.parse_args(argv)
+def build(args):
+    """(header line, Simulator, {name: one simulation of that workload}), deterministic."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -108,11 +106,11 @@ def main(argv=None) -> int:
     topo = load_topology(args.topology)
     t0 = time.perf_counter()
     sim = Simulator(graph, topo)
-    build = time.perf_counter() - t0
+    build_s = time.perf_counter() - t0
     n = topo.num_devices
-    print(f"{graph.model} batch {graph.batch_size}: {graph.num_groups} groups, {len(graph.ops)} ops, "
-          f"{len(sim.static.pairs)} group pairs with tensors; {topo.name}: {n} devices, {topo.num_machines} machines; "
-          f"Simulator built in {build * 1e3:.0f} ms")
+    head = (f"{graph.model} batch {graph.batch_size}: {graph.num_groups} groups, {len(graph.ops)} ops, "
+            f"{len(sim.static.pairs)} group pairs with tensors; {topo.name}: {n} devices, {topo.num_machines} "
+            f"machines; Simulator built in {build_s * 1e3:.0f} ms")
     rng = random.Random(0)
     workloads = {}
     for name in ("dp", "dp-prop", "mp"):
@@ -139,6 +137,89 @@ def main(argv=None) -> int:
     workloads["mcts"] = playout
     workloads["walk"] = walk_step
     workloads["random"] = random_plan
+    return head, sim, workloads
+
+
+def worker(args) -> int:
+    """Serve ``NAME COUNT`` lines on stdin: run workload NAME COUNT times, print the seconds."""
+    _, _, workloads = build(args)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        name, count = line.split()
+        fn = workloads[name]
+        t0 = time.perf_counter()
+        for _ in range(int(count)):
+            fn()
+        print(time.perf_counter() - t0, flush=True)
+    return 0
+
+
+def paired(args) -> int:
+    """This tree (A) against the tree ``args.vs`` (B): two worker processes with the same graph and
+    workloads, each running this script with its own tree's ``tag``; per workload, ``--rounds``
+    chunks of about ``--seconds / --rounds`` seconds each, A and B in turn (A B, B A, ...), so a
+    change of the machine's load hits both alike. Prints every round and the medians."""
+    import statistics
+    import subprocess
+
+    here = Path(__file__).resolve().parent.parent
+    trees = {"A": here, "B": Path(args.vs).resolve()}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", args.model, "--batch",
+           str(args.batch), "--groups", str(args.groups), "--topology", args.topology]
+    procs = {}
+    for key, tree in trees.items():
+        env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+        procs[key] = subprocess.Popen(cmd, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True)
+    for p in procs.values():
+        assert p.stdout.readline().strip() == "ready"
+
+    def ask(key: str, name: str, count: int) -> float:
+        p = procs[key]
+        p.stdin.write(f"{name} {count}\n")
+        p.stdin.flush()
+        return float(p.stdout.readline())
+
+    print(f"A: {trees['A']}  B: {trees['B']}  ({args.rounds} rounds of ~{args.seconds / args.rounds:.2f} s "
+          f"per workload and tree, alternating)")
+    for name in ("dp", "dp-prop", "mp", "mcts", "walk", "random"):
+        per = max(ask("A", name, 3), ask("B", name, 3)) / 3  # warm-up and calibration
+        count = max(1, round(args.seconds / args.rounds / per))
+        rates: dict[str, list[float]] = {"A": [], "B": []}
+        for r in range(args.rounds):
+            for key in ("AB" if r % 2 == 0 else "BA"):
+                rates[key].append(count / ask(key, name, count))
+        ratio = [a / b for a, b in zip(rates["A"], rates["B"])]
+        print(f"  {name:<8} A {statistics.median(rates['A']):8.0f}  B {statistics.median(rates['B']):8.0f} sims/s "
+              f"(medians, {count} runs a round)  A/B median {statistics.median(ratio):.3f} "
+              f"[{min(ratio):.3f} .. {max(ratio):.3f}]")
+        print("           A " + " ".join(f"{x:.0f}" for x in rates["A"]))
+        print("           B " + " ".join(f"{x:.0f}" for x in rates["B"]))
+    for p in procs.values():
+        p.stdin.close()
+        p.wait()
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2:n_layer=4")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--groups", type=int, default=64)
+    ap.add_argument("--topology", default="cluster-16gpu-4m")
+    ap.add_argument("--seconds", type=float, default=3.0, help="per workload (with --vs: per workload and tree)")
+    ap.add_argument("--profile", default="mcts", help="workload to cProfile (dp, dp-prop, mp, mcts, walk, random)")
+    ap.add_argument("--vs", metavar="TREE", help="compare with the source tree TREE (e.g. a git worktree of the "
+                    "previous commit), alternating: see paired()")
+    ap.add_argument("--rounds", type=int, default=20, help="with --vs: alternations per workload")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.vs:
+        return paired(args)
+    head, _, workloads = build(args)
+    print(head)
     for name, fn in workloads.items():
         r, count = rate(fn, args.seconds)
         print(f"  {name:<8} {r:8.0f} sims/s  ({count} runs)")

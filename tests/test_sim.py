@@ -81,7 +81,7 @@ def test_cpu_syncs_wait_for_compute():
     g0_ready = 4 * (1e-3 + 2e-3 + 4e-3) + 4 * 2e-3
     assert r.iteration_time_s == pytest.approx(g0_ready + ar2 + 2e-3)
     assert r.comm_time_s == pytest.approx([ar2, ar2])
-    ref = sim.run_reference(sim.deploy([dp([0, 1]), dp([0, 1])]))
+    ref = sim.run([dp([0, 1]), dp([0, 1])], trace=True)
     assert ref.iteration_time_s == r.iteration_time_s
     assert ref.critical_path[-2:] == ["allreduce g1+g0", "opt @d0"]
 
@@ -104,7 +104,7 @@ def test_cpu_sync_buckets():
 
 def test_wake_penalty_after_idle():
     """A stage started after its device idled pays ``W (1 - exp(-gap/tau)) / (1 - exp(-G/tau))``;
-    back-to-back stages pay nothing, and the reference loop agrees to the bit."""
+    back-to-back stages pay nothing, and the traced run (which records every task) agrees to the bit."""
     import math
 
     W, G, TAU = 2e-3, 0.05, 0.01
@@ -124,15 +124,16 @@ def test_wake_penalty_after_idle():
     r = sim.run([dp([0]), dp([1])])
     assert r.iteration_time_s == pytest.approx(t)
     assert r.compute_time_s[1] == pytest.approx(pen(s1) + 8 * 6e-3 + 1e-3)
-    ref = sim.run_reference(sim.deploy([dp([0]), dp([1])]))
+    ref = sim.run([dp([0]), dp([1])], trace=True)
     assert ref.iteration_time_s == r.iteration_time_s
     # one device throughout: never idle, so exactly the plain costs
     assert sim.run([dp([0]), dp([0])]).iteration_time_s == pytest.approx(8 * (1e-3 + 2e-3 + 2e-3 + 4e-3) + 2e-3)
 
 
-def test_wake_penalty_fast_loop_matches_reference(captured):
-    """With a wake penalty on every device, the fast and the reference event loops still agree to
-    the bit on random plans (data parallel, PS, mp chunks), and the penalty changes some times."""
+def test_wake_penalty_traced_run_matches(captured):
+    """With a wake penalty on every device, the untraced and the traced run (which records every
+    task) agree to the bit on random plans (data parallel, PS, mp chunks), each device's compute
+    events add up to its compute time, and the penalty changes some times."""
     import random
 
     from evaluation.sim_speed import random_group
@@ -153,9 +154,14 @@ def test_wake_penalty_fast_loop_matches_reference(captured):
     for _ in range(25):
         groups = [random_group(rng, graph, g, topo.num_devices) for g in range(graph.num_groups)]
         fast = sim.run(groups)
-        ref = sim.run_reference(sim.deploy(groups))
+        ref = sim.run(groups, trace=True)
         assert fast.iteration_time_s == ref.iteration_time_s
         assert fast.compute_time_s == ref.compute_time_s and fast.group_finish_s == ref.group_finish_s
+        busy = [0.0] * topo.num_devices
+        for e in ref.events:
+            if e.stream == "compute":
+                busy[e.device] += e.end - e.start
+        assert busy == pytest.approx(ref.compute_time_s, rel=1e-9)
         base = plain.run(groups).iteration_time_s
         assert fast.iteration_time_s >= base
         changed += fast.iteration_time_s > base

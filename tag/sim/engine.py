@@ -35,11 +35,11 @@ segment on a device that idled ``gap`` seconds since its last compute (blocked o
 takes ``wake * (1 - exp(-gap / tau)) / (1 - exp(-gap_s / tau))`` longer (:func:`wake_extra`).
 
 Speed: runs of consecutive stages on one data-parallel layout with no incoming transfer form a
-*segment* computed with one numpy expression (cumulative sums over groups). :meth:`Simulator.run`
-uses the fast loop (:class:`_FastRun`: no task records); the reference loop (:class:`_Run`)
-records every task and its predecessor, for the critical path (replayed on first access) and the
-timeline (``trace=True``); both give the same floats (``tests/test_sim_reference.py``). The flows
-between two groups' deployments are cached by what they depend on (:class:`PairTemplate`).
+*segment* computed with one numpy expression (cumulative sums over groups). One event loop
+(:class:`_Run`) computes every time; it records nothing unless given a :class:`_Recorder`, which
+it calls with each task's times (the critical path, replayed on first access, and the timeline of
+``trace=True``). The flows between two groups' deployments are cached by what they depend on
+(:class:`PairTemplate`).
 """
 
 from __future__ import annotations
@@ -305,26 +305,16 @@ class Simulator:
     def run(self, groups, *, trace: bool = False) -> SimResult:
         """Simulate one iteration of the deployment ``groups`` (one GroupPlan per op-group).
 
-        Without ``trace`` the fast event loop (:class:`_FastRun`) computes the result and the
-        critical path is computed on first access by replaying the iteration with the reference
-        event loop (:class:`_Run`, which records every task's predecessor); with ``trace`` the
-        reference loop runs directly and records the timeline."""
+        The event loop (:class:`_Run`) records no task; the critical path is computed on first
+        access by replaying the iteration with a :class:`_Recorder`. With ``trace`` the recorder
+        runs at once and :attr:`SimResult.events` holds the timeline."""
         gds = self.deploy(groups)
-        if trace:
-            return self.run_reference(gds, trace=True)
-        return _FastRun(self, gds).execute()
-
-    def run_reference(self, gds: list[GroupData], *, trace: bool = False) -> SimResult:
-        """Simulate with the reference event loop (every task recorded; slow)."""
-        incoming: dict[tuple, list] = {}
-        for pr in self._pairs_used(gds):
-            for dst, fl in pr.by_dst:
-                lst = incoming.get(dst)
-                if lst is None:
-                    incoming[dst] = list(fl)
-                else:
-                    lst.extend(fl)
-        return _Run(self, gds, incoming).execute(trace)
+        if not trace:
+            return _Run(self, gds).execute()
+        rec = _Recorder()
+        res = _Run(self, gds, rec).execute()
+        res.events = rec.events()
+        return res
 
 
 def wake_extra(sim: Simulator, unit: Unit, g: int, ph: int, start: list[float], cend: list[float]) -> list[float] | None:
@@ -353,18 +343,11 @@ def wake_extra(sim: Simulator, unit: Unit, g: int, ph: int, start: list[float], 
     return out
 
 
-def _message(parts: list[Flow], comm) -> Flow:
-    """The flows ``parts`` (one source and destination device, one destination stage) as one
-    message: their bytes in one transfer, named after the first flow."""
-    f = parts[0]
-    nbytes = sum(x.nbytes for x in parts)
-    return Flow(f.src, f.src_rep, f.dst, f.dst_rep, f.a, f.b, nbytes, comm.p2p_time(f.a, f.b, nbytes), f.ma, f.mb,
-                len(parts))
-
-
-def _merge_fast(inc, sfin, p2p) -> list[tuple]:
-    """The fast loop's flows into one stage as messages ``(source ready, a, b, ma, mb, seconds,
-    destination replica, bytes)``, one per (a, b) (:func:`_message`, the same floats)."""
+def _merge(inc, sfin, p2p) -> list[tuple]:
+    """The flows into one stage as messages ``(source ready, a, b, ma, mb, seconds, destination
+    replica, bytes)``, one per (a, b): every flow from device a to device b this stage needs (the
+    executor's CPU ranks send a step's pieces to one peer packed), once all are produced; its
+    time is that of the summed bytes."""
     acc: dict[tuple[int, int], tuple] = {}
     merged = False
     for si, sr, a, b, ma, mb, t, r, nb in inc:
@@ -382,9 +365,9 @@ def _merge_fast(inc, sfin, p2p) -> list[tuple]:
 
 class _Pair:
     """The flows between two groups' deployments (a :class:`PairTemplate` placed at groups ``g1``,
-    ``g2``): per destination stage as plain tuples ``(source stage index, source replica, a, b,
-    source machine, destination machine, seconds, destination replica, bytes)`` for the fast loop
-    (``fast``), and as :class:`Flow` objects for the reference loop (``by_dst``, built on demand)."""
+    ``g2``): per destination stage index as plain tuples ``(source stage index, source replica, a,
+    b, source machine, destination machine, seconds, destination replica, bytes)`` for the event
+    loop (``fast``), and as :class:`Flow` objects for the recorder (``by_dst``, built on demand)."""
 
     __slots__ = ("tpl", "g1", "g2", "fast", "_by_dst")
 
@@ -401,6 +384,7 @@ class _Pair:
 
     @property
     def by_dst(self) -> list[tuple[tuple, list[Flow]]]:
+        """``[((phase, g2, chunk), [Flow])]``: ``fast`` with the stages spelled out."""
         if self._by_dst is None:
             g1, g2 = self.g1, self.g2
             self._by_dst = [((ph, g2, du), [Flow((sp, g1, su), ri, (ph, g2, du), rj, a, b, nb, t, ma, mb)
@@ -414,410 +398,26 @@ class _Pair:
 
 
 class _Run:
-    """State of one simulated iteration (see the module docstring)."""
+    """The event loop: one simulated iteration (see the module docstring). Stages are flat indices
+    (:meth:`Simulator._stage_index`), transfers plain tuples (:class:`_Pair`).
 
-    def __init__(self, sim: Simulator, gds: list[GroupData], incoming: dict):
-        self.sim, self.gds, self.incoming = sim, gds, incoming
-        n, m = sim.num_devices, sim.num_machines
-        self.cfree = [0.0] * n
-        self.cend = [0.0] * n  # end of each device's last compute (wake penalty)
-        self.comp = [0.0] * n
-        self.comm_free = [0.0] * n
-        self.comm_busy = [0.0] * n
-        self.buf = [0.0] * n
-        self.nic_out = [0.0] * m
-        self.nic_in = [0.0] * m
-        self.last_task: list = [None] * n
-        self.last_comm: list = [None] * n
-        self.last_nout: list = [None] * m
-        self.last_nin: list = [None] * m
-        self.segs: list[tuple] = []
-        self.stage_loc: dict[tuple, tuple[int, int]] = {}
-        self.flows: list[tuple] = []  # (flow, start, end, pred)
-        self.syncs: list[tuple] = []  # (groups, job, start, end, pred)
-        self.group_finish = [0.0] * len(gds)
-        self.any_sfb = any(gd.sfb is not None for gd in gds)
-        self.gathers: list[tuple] = []  # SFB all-gathers: (group, factor index, start, end, pred)
-        self.recomputes: list[tuple] = []  # SFB recomputes: (group, device, start, end, pred)
-        self.sfb_ready: dict[int, tuple] = {}  # group -> (last replica's recompute end, its ref)
+    ``rec``: a :class:`_Recorder` that records every task with its predecessor (critical path,
+    timeline), or None (the search's hot path). The loop calls it, when present, after computing
+    a task's times and before updating the resources' state; it computes no time."""
 
-    # ---- transfers ----------------------------------------------------------------------
-    def _transfer(self, inc: list, nrep: int) -> tuple[list[float], list]:
-        ready = [0.0] * nrep
-        rsrc: list = [None] * nrep
-        cf, last, nout, nin = self.comm_free, self.last_comm, self.nic_out, self.nic_in
-        lout, lin, busy, buf = self.last_nout, self.last_nin, self.comm_busy, self.buf
-        segs, loc, flows = self.segs, self.stage_loc, self.flows
-        cfree, ltask = self.cfree, self.last_task
-        # One message per (a, b): every flow from device a to device b this stage needs (the
-        # executor's CPU ranks send a step's pieces to one peer packed), once all are produced.
-        msgs: dict[tuple[int, int], list] = {}  # (a, b) -> [flows, source ready, its ref]
-        for f in inc:
-            src = f.src
-            if src[0] == PARAM:
-                s, p = 0.0, None
-            else:
-                sid, row = loc[src]
-                s = segs[sid][8][row][f.src_rep]
-                p = ("c", sid, row, f.src_rep)
-            m = msgs.get((f.a, f.b))
-            if m is None:
-                msgs[(f.a, f.b)] = [[f], s, p]
-            else:
-                m[0].append(f)
-                if s > m[1]:
-                    m[1], m[2] = s, p
-        for parts, s, p in msgs.values():
-            f = parts[0] if len(parts) == 1 else _message(parts, self.sim.comm)
-            a, b, ma = f.a, f.b, f.ma
-            if cf[a] > s:
-                s, p = cf[a], last[a]
-            if cf[b] > s:
-                s, p = cf[b], last[b]
-            if cfree[a] > s:  # rendezvous: both ends reached this step of the schedule
-                s, p = cfree[a], ltask[a]
-            if cfree[b] > s:
-                s, p = cfree[b], ltask[b]
-            if ma >= 0:
-                mb = f.mb
-                if nout[ma] > s:
-                    s, p = nout[ma], lout[ma]
-                if nin[mb] > s:
-                    s, p = nin[mb], lin[mb]
-            t = f.time
-            e = s + t
-            ref = ("f", len(flows))
-            flows.append((f, s, e, p))
-            cf[a] = cf[b] = cfree[a] = cfree[b] = e  # both ends wait for the transfer
-            last[a] = last[b] = ltask[a] = ltask[b] = ref
-            busy[a] += t
-            busy[b] += t
-            nb = f.nbytes
-            if nb > buf[a]:
-                buf[a] = nb
-            if nb > buf[b]:
-                buf[b] = nb
-            if ma >= 0:
-                nout[ma] = nin[mb] = e
-                lout[ma] = lin[mb] = ref
-            r = f.dst_rep
-            if e > ready[r]:
-                ready[r], rsrc[r] = e, ref
-        return ready, rsrc
-
-    # ---- compute segments -------------------------------------------------------------------
-    def _phase(self, ph: int, order: list[int]) -> None:
-        gds, incoming = self.gds, self.incoming
-        stages = [(g, j) for g in order for j in (range(len(gds[g].units)) if ph == FWD
-                                                   else reversed(range(len(gds[g].units))))]
-        k = len(gds)
-        sfb = ph == BWD and self.any_sfb  # an SFB group ends a backward segment
-        i, n = 0, len(stages)
-        while i < n:
-            g, j = stages[i]
-            unit: Unit = gds[g].units[j]
-            key = (ph, g, j)
-            inc = incoming.get(key)
-            ready = rsrc = None
-            if inc:
-                ready, rsrc = self._transfer(inc, len(unit.devices))
-            lay = unit.layout
-            e = i + 1
-            if lay is not None and not (sfb and gds[g].sfb is not None):
-                while e < n:
-                    g2, j2 = stages[e]
-                    u2 = gds[g2].units[j2]
-                    if u2.layout is not lay or (ph, g2, j2) in incoming:
-                        break
-                    e += 1
-                    if sfb and gds[g2].sfb is not None:
-                        break
-            length = e - i
-            devs = unit.devices
-            cfree = self.cfree
-            cf = [cfree[d] for d in devs]
-            start = [max(x, y) for x, y in zip(cf, ready)] if ready is not None else cf
-            pen = wake_extra(self.sim, unit, g, ph, start, self.cend) if self.sim.any_wake else None
-            go = start if pen is None else [x + y for x, y in zip(start, pen)]
-            if length > 1:  # a run of stages on one layout: cumulative sums over the groups
-                if ph == FWD:
-                    base, rows = lay.cum_fwd[g], lay.cum_fwd[g + 1:g + length + 1]
-                else:
-                    i0 = k - 1 - g
-                    base, rows = lay.cum_bwd[i0], lay.cum_bwd[i0 + 1:i0 + length + 1]
-                fin_a = np.asarray(go) + (rows - base)
-                fin = fin_a.tolist()
-                mx = fin_a.max(axis=1).tolist() if ph == BWD else None
-            else:
-                dur = lay.row(g)[ph] if lay is not None else (unit.dur[ph],)
-                fin = [[x + y for x, y in zip(go, dur)]]
-                mx = [max(fin[0])] if ph == BWD else None
-            end = fin[-1]
-            comp = self.comp
-            sid = len(self.segs)
-            last = self.last_task
-            prev = [last[d] for d in devs]
-            cend = self.cend
-            for r, d in enumerate(devs):
-                cfree[d] = cend[d] = end[r]
-                comp[d] += end[r] - start[r]
-                last[d] = ("c", sid, length - 1, r)
-            seg_stages = stages[i:e]
-            self.segs.append((ph, seg_stages, unit, start, cf, ready, rsrc, prev, fin))
-            loc = self.stage_loc
-            for row, (g2, j2) in enumerate(seg_stages):
-                loc[(ph, g2, j2)] = (sid, row)
-            if mx is not None:
-                gf = self.group_finish
-                for row, (g2, _) in enumerate(seg_stages):
-                    if mx[row] > gf[g2]:
-                        gf[g2] = mx[row]
-            if sfb:
-                g2 = seg_stages[-1][0]
-                if gds[g2].sfb is not None:
-                    self._sfb(g2, sid, length - 1)
-            i = e
-
-    def _sfb(self, g: int, sid: int, row: int) -> None:
-        """SFB of group ``g`` after its backward (segment ``sid``, ``row``): the factor
-        all-gathers once every replica finished, then each replica's recompute."""
-        sd = self.gds[g].sfb
-        fin = self.segs[sid][8][row]
-        r0 = max(range(len(fin)), key=fin.__getitem__)
-        s, p = fin[r0], ("c", sid, row, r0)
-        cf, last, busy, buf = self.comm_free, self.last_comm, self.comm_busy, self.buf
-        nout, nin, lout, lin = self.nic_out, self.nic_in, self.last_nout, self.last_nin
-        for d in sd.members:
-            if cf[d] > s:
-                s, p = cf[d], last[d]
-        for m in sd.machines:
-            if nout[m] > s:
-                s, p = nout[m], lout[m]
-            if nin[m] > s:
-                s, p = nin[m], lin[m]
-        for x, t in enumerate(sd.gather_times):  # one collective per factor, back to back
-            self.gathers.append((g, x, s, s + t, p))
-            s, p = s + t, ("a", len(self.gathers) - 1)
-        for d in sd.members:
-            cf[d], last[d] = s, p
-            busy[d] += sd.gather_total
-            if sd.buffer_bytes > buf[d]:
-                buf[d] = sd.buffer_bytes
-        for m in sd.machines:
-            nout[m] = nin[m] = s
-            lout[m] = lin[m] = p
-        cfree, comp, lt = self.cfree, self.comp, self.last_task
-        ready, ready_ref = 0.0, None
-        for d, t in zip(sd.devices, sd.recompute):
-            st, pr = (s, p) if s >= cfree[d] else (cfree[d], lt[d])
-            ref = ("r", len(self.recomputes))
-            self.recomputes.append((g, d, st, st + t, pr))
-            cfree[d] = self.cend[d] = st + t
-            comp[d] += t
-            lt[d] = ref
-            if st + t >= ready:
-                ready, ready_ref = st + t, ref
-        self.sfb_ready[g] = (ready, ready_ref)
-
-    # ---- synchronisation and update ----------------------------------------------------------
-    def _syncs(self) -> list[float]:
-        """Gradient synchronisations in reverse group order; returns per-device last sync end.
-
-        Only syncs use the comm streams and network sides from here on, so a sync over the same
-        members as the previous one finds all of them free at that sync's end: consecutive syncs
-        over one member set are chained without per-device work, which is settled once per run.
-        """
-        n = self.sim.num_devices
-        sync_end = [0.0] * n
-        self.sync_last: list = [None] * n
-        cf, last, shared = self.comm_free, self.last_comm, self.sim.shared_stream
-        cur = None  # member tuple of the current run of syncs
-        run_end, run_ref, run_busy, run_bytes = 0.0, None, 0.0, 0.0
-
-        def settle():
-            for d in cur.sync_devices:
-                cf[d] = run_end
-                last[d] = run_ref
-                self.comm_busy[d] += run_busy
-                if run_bytes > self.buf[d]:
-                    self.buf[d] = run_bytes
-                sync_end[d], self.sync_last[d] = run_end, run_ref
-            for m in cur.sync_machines:
-                self.nic_out[m] = self.nic_in[m] = run_end
-                self.last_nout[m] = self.last_nin[m] = run_ref
-
-        for gs, gd in self.sim.sync_jobs(self.gds):
-            s, p = -math.inf, None
-            for g in gs:
-                sg, pg = self.sfb_ready[g] if self.gds[g].sfb is not None else (self.group_finish[g], ("b", g))
-                if sg > s:
-                    s, p = sg, pg
-            if cur is not None and gd.sync_devices == cur.sync_devices:
-                if run_end > s:
-                    s, p = run_end, run_ref
-            else:
-                if cur is not None:
-                    settle()
-                cur, run_busy, run_bytes = gd, 0.0, 0.0
-                for d in gd.sync_devices:
-                    if cf[d] > s:
-                        s, p = cf[d], last[d]
-                    if shared[d] and self.cfree[d] > s:
-                        s, p = self.cfree[d], self.last_task[d]
-                for m in gd.sync_machines:
-                    if self.nic_out[m] > s:
-                        s, p = self.nic_out[m], self.last_nout[m]
-                    if self.nic_in[m] > s:
-                        s, p = self.nic_in[m], self.last_nin[m]
-            e = s + gd.sync_time
-            run_ref = ("s", len(self.syncs))
-            self.syncs.append((gs, gd, s, e, p))
-            run_end = e
-            run_busy += gd.sync_time
-            run_bytes = max(run_bytes, gd.sync_bytes)
-        if cur is not None:
-            settle()
-        return sync_end
-
-    def execute(self, trace: bool) -> SimResult:
-        k = len(self.gds)
-        self._phase(FWD, list(range(k)))
-        self._phase(BWD, list(reversed(range(k))))
-        sync_end = self._syncs()
-        holds_etc = _holdings(self.sim, self.gds)
-        final, before, upd_start, holds, res = _result(self.sim, self, sync_end, holds_etc)
-
-        def path(final=final, before=before, upd_start=upd_start, sync_end=sync_end, holds=holds):
-            return self._critical_path(final, before, upd_start, sync_end, holds)
-
-        res.path_fn = path
-        if trace:
-            res.events = self._events(upd_start, final, holds)
-        return res
-
-    # ---- critical path and timeline -------------------------------------------------------
-    def _seg_task(self, sid: int, row: int, r: int) -> tuple[str, float, float, object]:
-        ph, stages, unit, start, cf, ready, rsrc, prev, fin = self.segs[sid]
-        s = start[r] if row == 0 else fin[row - 1][r]
-        if row > 0:
-            pred = ("c", sid, row - 1, r)
-        elif ready is not None and ready[r] > cf[r]:
-            pred = rsrc[r]
-        else:
-            pred = prev[r] if cf[r] > 0 else None
-        g, j = stages[row]
-        name = f"{self._stage_name(ph, g, j)} @d{unit.devices[r]}"
-        return name, s, fin[row][r], pred
-
-    def _resolve(self, ref):
-        """(name, start, end, predecessor ref) of a task reference."""
-        kind = ref[0]
-        if kind == "c":
-            return self._seg_task(*ref[1:])
-        if kind == "f":
-            f, s, e, p = self.flows[ref[1]]
-            more = f" +{f.parts - 1}" if f.parts > 1 else ""
-            name = (f"send {PHASE_NAME[f.src[0]]} g{f.src[1]}{more} -> {PHASE_NAME[f.dst[0]]} g{f.dst[1]} "
-                    f"d{f.a}->d{f.b} ({f.nbytes:.0f} B)")
-            return name, s, e, p
-        if kind == "s":
-            gs, gd, s, e, p = self.syncs[ref[1]]
-            if p is not None and p[0] == "b":
-                p = self._bwd_last(p[1])
-            return _sync_name(gd, gs), s, e, p
-        if kind == "a":
-            g, x, s, e, p = self.gathers[ref[1]]
-            sd = self.gds[g].sfb
-            return f"allgather g{g} {sd.gather_names[x]} ({sd.gather_bytes[x]:.0f} B)", s, e, p
-        if kind == "r":
-            g, d, s, e, p = self.recomputes[ref[1]]
-            return f"sfb g{g} @d{d}", s, e, p
-        raise AssertionError(ref)
-
-    def _bwd_last(self, g: int):
-        """Reference of the replica of group ``g``'s backward that finished last."""
-        sid, row = self.stage_loc[(BWD, g, 0)]
-        r = int(np.argmax(self.segs[sid][8][row]))
-        return ("c", sid, row, r)
-
-    def _critical_path(self, final, before, upd_start, sync_end, holds) -> list[str]:
-        d = int(np.argmax(final))
-        names: list[str] = []
-        if holds[d]:
-            names.append(f"opt @d{d}")
-            ref = self.sync_last[d] if sync_end[d] > before[d] else self.last_task[d]
-        else:
-            ref = self.last_task[d]
-        guard = 0
-        while ref is not None and guard < 1_000_000:
-            guard += 1
-            if ref[0] == "c" and ref[2] > 0:
-                # Inside a segment the path runs back through the same replica's earlier stages.
-                _, sid, row, r = ref
-                ph, stages, unit = self.segs[sid][:3]
-                suffix = f" @d{unit.devices[r]}"
-                names.extend(self._stage_name(ph, g, j) + suffix for g, j in stages[row:0:-1])
-                ref = ("c", sid, 0, r)
-                continue
-            name, _, _, ref = self._resolve(ref)
-            names.append(name)
-        names.reverse()
-        return names
-
-    def _stage_name(self, ph: int, g: int, j: int) -> str:
-        chunk = f".{j}" if self.gds[g].units[j].layout is None else ""
-        return f"{PHASE_NAME[ph]} g{g}{chunk}"
-
-    def _events(self, upd_start, final, holds) -> list[SimEvent]:
-        ev: list[SimEvent] = []
-        for sid, seg in enumerate(self.segs):
-            ph, stages, unit = seg[0], seg[1], seg[2]
-            for row in range(len(stages)):
-                for r, d in enumerate(unit.devices):
-                    name, s, e, _ = self._seg_task(sid, row, r)
-                    if e > s:
-                        ev.append(SimEvent(name, d, "compute", s, e, PHASE_NAME[ph]))
-        for fid in range(len(self.flows)):
-            name, s, e, _ = self._resolve(("f", fid))
-            f = self.flows[fid][0]
-            ev.append(SimEvent(name, f.a, "comm", s, e, "transfer"))
-            ev.append(SimEvent(name, f.b, "comm", s, e, "transfer"))
-        for gs, gd, s, e, _ in self.syncs:
-            for d in gd.sync_devices:
-                ev.append(SimEvent(_sync_name(gd, gs), d, "comm", s, e, gd.sync))
-        for gid in range(len(self.gathers)):
-            name, s, e, _ = self._resolve(("a", gid))
-            for d in self.gds[self.gathers[gid][0]].sfb.members:
-                ev.append(SimEvent(name, d, "comm", s, e, "allgather"))
-        for g, d, s, e, _ in self.recomputes:
-            if e > s:
-                ev.append(SimEvent(f"sfb g{g} @d{d}", d, "compute", s, e, "sfb"))
-        for d in range(self.sim.num_devices):
-            if holds[d]:
-                ev.append(SimEvent(f"opt @d{d}", d, "compute", upd_start[d], final[d], "opt"))
-        ev.sort(key=lambda x: (x.start, x.device))
-        return ev
-
-
-class _FastRun:
-    """The event loop of :class:`_Run` without its bookkeeping (task records, predecessors): the
-    same tasks in the same order with the same floating-point operations, so the same times to
-    the bit (``tests/test_sim_reference.py``). Stages are flat indices (``Simulator._stage_index``),
-    transfers plain tuples (:class:`_Pair`)."""
-
-    def __init__(self, sim: Simulator, gds: list[GroupData]):
-        self.sim, self.gds = sim, gds
+    def __init__(self, sim: Simulator, gds: list[GroupData], rec: _Recorder | None = None):
+        self.sim, self.gds, self.rec = sim, gds, rec
         n, m = sim.num_devices, sim.num_machines
         incoming: dict[int, tuple] = {}
-        buf = [0.0] * n
         pairs = sim._pairs
-        # Simulator._pairs_used with numpy: a pair moves tensors unless it is within one group
-        # (only mp chunks exchange) or between two groups on one layout (only non-batch gradients).
+        # The pairs moving tensors: all but those within one group (only mp chunks exchange) and
+        # those between two groups on one layout (only non-batch gradients move), in pair order.
         lid = np.array([gd.lid for gd in gds])
         l1, l2 = lid[sim._pair_src], lid[sim._pair_dst]
         used = np.where(sim._pair_self, l1 < 0, sim._pair_nonlocal | (l1 != l2))
         plist = sim._pair_list
-        for p in np.flatnonzero(used).tolist():
+        used = np.flatnonzero(used).tolist()
+        for p in used:
             g1, g2, _ = plist[p]
             gd1, gd2 = gds[g1], gds[g2]
             pr = pairs.get((gd1.serial, gd2.serial))
@@ -829,7 +429,7 @@ class _FastRun:
                 lst = incoming.get(dst)
                 incoming[dst] = fl if lst is None else lst + fl
         self.incoming = incoming
-        self.buf = buf
+        self.buf = [0.0] * n
         self.cfree = [0.0] * n
         self.cend = [0.0] * n  # end of each device's last compute (wake penalty)
         self.comp = [0.0] * n
@@ -840,23 +440,31 @@ class _FastRun:
         chunks = max([len(gd.units) for gd in gds])
         self.sfin: list = [None] * (2 * len(gds) * chunks)  # stage index -> finish per replica
         self.group_finish = [0.0] * len(gds)
-        self.any_sfb = any(gd.sfb is not None for gd in gds)
+        sfb = [gd.sfb for gd in gds]
+        self.any_sfb = sfb.count(None) < len(sfb)
         self.sfb_ready: dict[int, float] = {}
+        if rec is not None:
+            rec.bind(self, [plist[p] for p in used])
 
-    def _transfer(self, inc: list, nrep: int) -> list[float]:
+    # ---- transfers ----------------------------------------------------------------------
+    def _transfer(self, inc: list, nrep: int, idx: int) -> list[float]:
+        """The messages into stage ``idx`` (:func:`_merge`), in order; per replica of the stage,
+        when its last message arrives."""
         ready = [0.0] * nrep
         cf, nout, nin, busy, sfin = self.comm_free, self.nic_out, self.nic_in, self.comm_busy, self.sfin
-        cfree, buf = self.cfree, self.buf
+        cfree, buf, rec = self.cfree, self.buf, self.rec
         if len(inc) == 1:
             si, sr, a, b, ma, mb, t, r, nb = inc[0]
             msgs = ((sfin[si][sr] if si >= 0 else 0.0, a, b, ma, mb, t, r, nb),)
-        else:  # one message per (a, b), as _Run._transfer
-            msgs = _merge_fast(inc, sfin, self.sim.comm.p2p_time)
+        else:
+            msgs = _merge(inc, sfin, self.sim.comm.p2p_time)
         for s, a, b, ma, mb, t, r, nb in msgs:
             if nb > buf[a]:
                 buf[a] = nb
             if nb > buf[b]:
                 buf[b] = nb
+            # A rendezvous, as in the executor: it starts once the data is ready, both comm
+            # streams are free and both compute streams reached this step of the schedule.
             x = cf[a]
             if x > s:
                 s = x
@@ -869,7 +477,7 @@ class _FastRun:
             x = cfree[b]
             if x > s:
                 s = x
-            if ma >= 0:
+            if ma >= 0:  # crossing machines: the source's outgoing and destination's incoming side
                 x = nout[ma]
                 if x > s:
                     s = x
@@ -877,23 +485,29 @@ class _FastRun:
                 if x > s:
                     s = x
                 e = s + t
+                if rec is not None:
+                    rec.flow(idx, a, b, ma, mb, s, e, r, nb)
                 nout[ma] = nin[mb] = e
             else:
                 e = s + t
-            cf[a] = cf[b] = cfree[a] = cfree[b] = e
+                if rec is not None:
+                    rec.flow(idx, a, b, ma, mb, s, e, r, nb)
+            cf[a] = cf[b] = cfree[a] = cfree[b] = e  # both ends wait for the transfer
             busy[a] += t
             busy[b] += t
             if e > ready[r]:
                 ready[r] = e
         return ready
 
+    # ---- compute segments -------------------------------------------------------------------
     def _phase(self, ph: int, order: list[int]) -> None:
-        """:meth:`_Run._phase`: segments of consecutive stages on one layout with no transfer in."""
-        gds, incoming = self.gds, self.incoming
+        """The stages of phase ``ph`` of the groups in ``order``: segments of consecutive stages
+        on one layout with no transfer in (cumulative sums), an mp chunk alone."""
+        gds, incoming, rec = self.gds, self.incoming, self.rec
         k = len(gds)
         k2 = 2 * k
         base = ph * k
-        sfb = ph == BWD and self.any_sfb
+        sfb = ph == BWD and self.any_sfb  # an SFB group ends a backward segment
         fwd = ph == FWD
         cfree, comp, sfin, gf, cend = self.cfree, self.comp, self.sfin, self.group_finish, self.cend
         wake = self.sim.any_wake
@@ -911,7 +525,7 @@ class _FastRun:
                     d = unit.devices[0]
                     inc = incoming.get(idx)
                     if inc:
-                        y = self._transfer(inc, 1)[0]
+                        y = self._transfer(inc, 1, idx)[0]
                         c = cfree[d]
                         st = y if y > c else c
                     else:
@@ -921,6 +535,8 @@ class _FastRun:
                     sfin[idx] = [x]
                     if not fwd and x > gf[g]:
                         gf[g] = x
+                    if rec is not None:
+                        rec.segment(ph, [(g, j)], unit, [st], [y] if inc else None)
                     cfree[d] = cend[d] = x
                     comp[d] += x - st
                 i += 1
@@ -929,7 +545,7 @@ class _FastRun:
             devs = lay.devices
             inc = incoming.get(idx)
             if inc:
-                ready = self._transfer(inc, len(devs))
+                ready = self._transfer(inc, len(devs), idx)
                 start = [y if y > cfree[d] else cfree[d] for d, y in zip(devs, ready)]
             else:
                 start = [cfree[d] for d in devs]
@@ -971,6 +587,8 @@ class _FastRun:
                     x = max(end)
                     if x > gf[g]:
                         gf[g] = x
+            if rec is not None:
+                rec.segment(ph, [(g2, 0) for g2 in order[i:e]], gd.units[0], start, ready if inc else None)
             for r, d in enumerate(devs):
                 x = end[r]
                 cfree[d] = cend[d] = x
@@ -982,8 +600,10 @@ class _FastRun:
             i = e
 
     def _sfb(self, g: int, fin: list[float]) -> None:
-        """:meth:`_Run._sfb` without the task records."""
+        """SFB of group ``g`` after its backward, which ended at ``fin`` (per replica): the factor
+        all-gathers once every replica finished, then each replica's recompute."""
         sd = self.gds[g].sfb
+        rec = self.rec
         s = max(fin)
         cf, busy, buf, nout, nin = self.comm_free, self.comm_busy, self.buf, self.nic_out, self.nic_in
         for d in sd.members:
@@ -994,8 +614,11 @@ class _FastRun:
                 s = nout[m]
             if nin[m] > s:
                 s = nin[m]
-        for t in sd.gather_times:
-            s = s + t
+        for x, t in enumerate(sd.gather_times):  # one collective per factor, back to back
+            e = s + t
+            if rec is not None:
+                rec.gather(g, x, s, e)
+            s = e
         for d in sd.members:
             cf[d] = s
             busy[d] += sd.gather_total
@@ -1007,23 +630,33 @@ class _FastRun:
         ready = 0.0
         for d, t in zip(sd.devices, sd.recompute):
             st = s if s >= cfree[d] else cfree[d]
+            if rec is not None:
+                rec.recompute(g, d, s, st, st + t)
             cfree[d] = self.cend[d] = st + t
             comp[d] += t
             if st + t >= ready:
                 ready = st + t
         self.sfb_ready[g] = ready
 
+    # ---- synchronisation and update ----------------------------------------------------------
     def _syncs(self) -> list[float]:
-        """:meth:`_Run._syncs` without the task records."""
+        """Gradient synchronisations (:meth:`Simulator.sync_jobs`); returns per-device last sync end.
+
+        Only syncs use the comm streams and network sides from here on, so a sync over the same
+        members as the previous one finds all of them free at that sync's end: consecutive syncs
+        over one member set are chained without per-device work, which is settled once per run.
+        """
         n = self.sim.num_devices
         sync_end = [0.0] * n
         cf, busy, buf, nout, nin = self.comm_free, self.comm_busy, self.buf, self.nic_out, self.nic_in
-        gds, gf, sfb_ready = self.gds, self.group_finish, self.sfb_ready
+        gds, gf, sfb_ready, rec = self.gds, self.group_finish, self.sfb_ready, self.rec
         cfree, shared = self.cfree, self.sim.shared_stream
 
         def close_run(gd, end: float, run_busy: float, run_bytes: float) -> None:
             """A run of syncs over ``gd``'s members ends at ``end`` (seconds): their links are
             busy until then and hold the run's largest buffer (bytes)."""
+            if rec is not None:
+                rec.close_syncs(gd)
             for d in gd.sync_devices:
                 cf[d] = sync_end[d] = end
                 busy[d] += run_busy
@@ -1050,7 +683,7 @@ class _FastRun:
                 for d in gd.sync_devices:
                     if cf[d] > s:
                         s = cf[d]
-                    if shared[d] and cfree[d] > s:
+                    if shared[d] and cfree[d] > s:  # a CPU rank: after its compute
                         s = cfree[d]
                 for m in gd.sync_machines:
                     if nout[m] > s:
@@ -1058,6 +691,8 @@ class _FastRun:
                     if nin[m] > s:
                         s = nin[m]
             run_end = s + gd.sync_time
+            if rec is not None:
+                rec.sync(gs, gd, s, run_end)
             run_busy += gd.sync_time
             run_bytes = max(run_bytes, gd.sync_bytes)
         if cur is not None:
@@ -1065,14 +700,298 @@ class _FastRun:
         return sync_end
 
     def execute(self) -> SimResult:
-        sim, gds = self.sim, self.gds
+        """Run the iteration. Without a recorder the critical path is computed on first access by
+        replaying the iteration with one."""
+        sim, gds, rec = self.sim, self.gds, self.rec
         k = len(gds)
         self._phase(FWD, list(range(k)))
         self._phase(BWD, list(range(k - 1, -1, -1)))
         sync_end = self._syncs()
-        res = _result(sim, self, sync_end, _holdings(sim, gds))[-1]
-        res.path_fn = lambda: sim.run_reference(gds).critical_path
+        final, before, upd_start, holds, res = _result(sim, self, sync_end, _holdings(sim, gds))
+        if rec is None:
+            res.path_fn = lambda: _Run(sim, gds, _Recorder()).execute().critical_path
+        else:
+            rec.close(final, before, upd_start, sync_end, holds)
+            res.path_fn = rec.critical_path
         return res
+
+
+def _binding(s: float, waits) -> object:
+    """The predecessor of a task that started at ``s``: of its ``waits`` ``(time, task ref)``, in
+    the order the event loop takes their maximum (``if x > s: s = x``, which keeps the first
+    maximum), the first whose time is ``s``."""
+    for x, ref in waits:
+        if x == s:
+            return ref
+    raise AssertionError(f"the recorder's waits miss the task's start {s!r}")
+
+
+class _Recorder:
+    """Records one :class:`_Run`: every task with its start, end and predecessor (the task that
+    released what it waited for last), for :attr:`SimResult.critical_path` and the timeline.
+    Task references: ``("c", segment, row, replica)`` a compute stage, ``("f", i)`` a message,
+    ``("s", i)`` a sync, ``("a", i)`` an SFB all-gather, ``("r", i)`` an SFB recompute,
+    ``("b", g)`` the replica of group ``g``'s backward that finished last.
+
+    The hooks get the times the loop computed and read the loop's resource state before the loop
+    updates it; the recorder keeps, per resource, the task that last released it."""
+
+    def bind(self, run: _Run, pairs: list[tuple[int, int, bool]]) -> None:
+        """Record ``run``, whose transfers are those of the group ``pairs`` (``(g1, g2, local)``, in
+        order)."""
+        sim = run.sim
+        n, m = sim.num_devices, sim.num_machines
+        self.run, self.sim, self.gds = run, sim, run.gds
+        self.last_task: list = [None] * n  # per device: last task on its compute stream
+        self.last_comm: list = [None] * n  # per device: last task on its comm stream
+        self.last_nout: list = [None] * m
+        self.last_nin: list = [None] * m
+        self.sync_last: list = [None] * n  # per device: its last sync
+        self.incoming: dict[int, list[Flow]] = {}  # stage index -> flows, as the loop's incoming
+        self.segs: list[tuple] = []  # (ph, stages, unit, start, cf, ready, rsrc, prev, fin)
+        self.stage_loc: dict[tuple, tuple[int, int]] = {}  # (ph, g, j) -> (segment, row)
+        self.flows: list[tuple] = []  # messages: (first flow, flows, bytes, start, end, pred)
+        self.syncs: list[tuple] = []  # (groups, job, start, end, pred)
+        self.gathers: list[tuple] = []  # SFB all-gathers: (group, factor index, start, end, pred)
+        self.recomputes: list[tuple] = []  # SFB recomputes: (group, device, start, end, pred)
+        self.sfb_ref: dict[int, tuple] = {}  # group -> (last replica's recompute end, its ref)
+        self._msgs: dict = {}  # (a, b) -> [flows, source ready, its ref] of the stage self._idx
+        self._idx = -1
+        self._rsrc: dict[int, tuple] = {}  # destination replica -> (last arrival, its ref)
+        self._open = False  # a run of syncs over one member set is open (the next sync chains)
+        gds, inc = run.gds, self.incoming
+        for g1, g2, _ in pairs:
+            for dst, fl in sim.pair(g1, gds[g1], g2, gds[g2]).by_dst:
+                inc.setdefault(sim._stage_index(dst), []).extend(fl)
+
+    # ---- hooks ----------------------------------------------------------------------------
+    def flow(self, idx: int, a: int, b: int, ma: int, mb: int, s: float, e: float, r: int, nb: float) -> None:
+        if idx != self._idx:  # the first message into stage idx: its flows grouped as the loop's
+            self._idx, self._rsrc, msgs = idx, {}, {}
+            loc, segs = self.stage_loc, self.segs
+            for f in self.incoming[idx]:
+                if f.src[0] == PARAM:
+                    s0, p0 = 0.0, None
+                else:
+                    sid, row = loc[f.src]
+                    s0, p0 = segs[sid][8][row][f.src_rep], ("c", sid, row, f.src_rep)
+                m = msgs.get((f.a, f.b))
+                if m is None:
+                    msgs[(f.a, f.b)] = [[f], s0, p0]
+                else:
+                    m[0].append(f)
+                    if s0 > m[1]:
+                        m[1], m[2] = s0, p0
+            self._msgs = msgs
+        parts, s0, p0 = self._msgs[(a, b)]
+        run, lc, lt = self.run, self.last_comm, self.last_task
+        waits = [(s0, p0), (run.comm_free[a], lc[a]), (run.comm_free[b], lc[b]), (run.cfree[a], lt[a]),
+                 (run.cfree[b], lt[b])]
+        if ma >= 0:
+            waits += [(run.nic_out[ma], self.last_nout[ma]), (run.nic_in[mb], self.last_nin[mb])]
+        ref = ("f", len(self.flows))
+        self.flows.append((parts[0], len(parts), nb, s, e, _binding(s, waits)))
+        lc[a] = lc[b] = lt[a] = lt[b] = ref
+        if ma >= 0:
+            self.last_nout[ma] = self.last_nin[mb] = ref
+        x = self._rsrc.get(r)
+        if e > (x[0] if x is not None else 0.0):
+            self._rsrc[r] = (e, ref)
+
+    def segment(self, ph: int, stages: list[tuple[int, int]], unit: Unit, start: list[float],
+                ready: list[float] | None) -> None:
+        """Stages ``stages`` ((group, chunk), in order) of phase ``ph`` on ``unit``'s replicas,
+        the first starting at ``start``; ``ready``: when its last transfer in arrived (or None)."""
+        run, devs, lt = self.run, unit.devices, self.last_task
+        cf = [run.cfree[d] for d in devs]
+        rsrc = None
+        if ready is not None:
+            got = self._rsrc
+            rsrc = [got[r][1] if r in got else None for r in range(len(devs))]
+        index = self.sim._stage_index
+        fin = [run.sfin[index((ph, g, j))] for g, j in stages]
+        sid = len(self.segs)
+        self.segs.append((ph, stages, unit, start, cf, ready, rsrc, [lt[d] for d in devs], fin))
+        loc = self.stage_loc
+        for row, (g, j) in enumerate(stages):
+            loc[(ph, g, j)] = (sid, row)
+        last = len(stages) - 1
+        for r, d in enumerate(devs):
+            lt[d] = ("c", sid, last, r)
+
+    def gather(self, g: int, x: int, s: float, e: float) -> None:
+        """The all-gather of factor ``x`` of SFB group ``g``; the first waits for the group's
+        backward on every replica, the members' comm streams and the machines' network sides."""
+        sd = self.gds[g].sfb
+        run = self.run
+        if x == 0:
+            sid, row = self.stage_loc[(BWD, g, 0)]
+            fin = self.segs[sid][8][row]
+            r0 = max(range(len(fin)), key=fin.__getitem__)
+            waits = [(fin[r0], ("c", sid, row, r0))]
+            waits += [(run.comm_free[d], self.last_comm[d]) for d in sd.members]
+            for m in sd.machines:
+                waits += [(run.nic_out[m], self.last_nout[m]), (run.nic_in[m], self.last_nin[m])]
+            p = _binding(s, waits)
+        else:
+            p = ("a", len(self.gathers) - 1)
+        ref = ("a", len(self.gathers))
+        self.gathers.append((g, x, s, e, p))
+        if x == len(sd.gather_times) - 1:
+            for d in sd.members:
+                self.last_comm[d] = ref
+            for m in sd.machines:
+                self.last_nout[m] = self.last_nin[m] = ref
+
+    def recompute(self, g: int, d: int, s: float, st: float, e: float) -> None:
+        """SFB group ``g``'s recompute on device ``d`` from ``st`` to ``e``, its all-gathers having
+        ended at ``s``."""
+        p = _binding(st, [(s, ("a", len(self.gathers) - 1)), (self.run.cfree[d], self.last_task[d])])
+        ref = ("r", len(self.recomputes))
+        self.recomputes.append((g, d, st, e, p))
+        self.last_task[d] = ref
+        x = self.sfb_ref.get(g)
+        if x is None or e >= x[0]:
+            self.sfb_ref[g] = (e, ref)
+
+    def sync(self, gs: tuple[int, ...], gd, s: float, e: float) -> None:
+        """The sync ``gd`` of groups ``gs``: after the previous sync when it continues a run of syncs
+        over one member set, else after the members' streams and the machines' network sides."""
+        run = self.run
+        waits = [(run.sfb_ready[g], self.sfb_ref[g][1]) if self.gds[g].sfb is not None
+                 else (run.group_finish[g], ("b", g)) for g in gs]
+        if self._open:
+            waits.append((self.syncs[-1][3], ("s", len(self.syncs) - 1)))
+        else:
+            shared = self.sim.shared_stream
+            for d in gd.sync_devices:
+                waits.append((run.comm_free[d], self.last_comm[d]))
+                if shared[d]:
+                    waits.append((run.cfree[d], self.last_task[d]))
+            for m in gd.sync_machines:
+                waits += [(run.nic_out[m], self.last_nout[m]), (run.nic_in[m], self.last_nin[m])]
+        self.syncs.append((gs, gd, s, e, _binding(s, waits)))
+        self._open = True
+
+    def close_syncs(self, gd) -> None:
+        """A run of syncs over ``gd``'s members ended with the last recorded sync."""
+        self._open = False
+        ref = ("s", len(self.syncs) - 1)
+        for d in gd.sync_devices:
+            self.last_comm[d] = self.sync_last[d] = ref
+        for m in gd.sync_machines:
+            self.last_nout[m] = self.last_nin[m] = ref
+
+    def close(self, final, before, upd_start, sync_end, holds) -> None:
+        """The optimizer steps (per device: start, end; whether it holds parameters), the compute
+        streams' ends before them and the last syncs' ends."""
+        self._end = (final, before, upd_start, sync_end, holds)
+
+    # ---- critical path and timeline -------------------------------------------------------
+    def _seg_task(self, sid: int, row: int, r: int) -> tuple[str, float, float, object]:
+        ph, stages, unit, start, cf, ready, rsrc, prev, fin = self.segs[sid]
+        s = start[r] if row == 0 else fin[row - 1][r]
+        if row > 0:
+            pred = ("c", sid, row - 1, r)
+        elif ready is not None and ready[r] > cf[r]:
+            pred = rsrc[r]
+        else:
+            pred = prev[r] if cf[r] > 0 else None
+        g, j = stages[row]
+        name = f"{self._stage_name(ph, g, j)} @d{unit.devices[r]}"
+        return name, s, fin[row][r], pred
+
+    def _resolve(self, ref):
+        """(name, start, end, predecessor ref) of a task reference."""
+        kind = ref[0]
+        if kind == "c":
+            return self._seg_task(*ref[1:])
+        if kind == "f":
+            f, parts, nbytes, s, e, p = self.flows[ref[1]]
+            more = f" +{parts - 1}" if parts > 1 else ""
+            name = (f"send {PHASE_NAME[f.src[0]]} g{f.src[1]}{more} -> {PHASE_NAME[f.dst[0]]} g{f.dst[1]} "
+                    f"d{f.a}->d{f.b} ({nbytes:.0f} B)")
+            return name, s, e, p
+        if kind == "s":
+            gs, gd, s, e, p = self.syncs[ref[1]]
+            if p is not None and p[0] == "b":
+                p = self._bwd_last(p[1])
+            return _sync_name(gd, gs), s, e, p
+        if kind == "a":
+            g, x, s, e, p = self.gathers[ref[1]]
+            sd = self.gds[g].sfb
+            return f"allgather g{g} {sd.gather_names[x]} ({sd.gather_bytes[x]:.0f} B)", s, e, p
+        if kind == "r":
+            g, d, s, e, p = self.recomputes[ref[1]]
+            return f"sfb g{g} @d{d}", s, e, p
+        raise AssertionError(ref)
+
+    def _bwd_last(self, g: int):
+        """Reference of the replica of group ``g``'s backward that finished last."""
+        sid, row = self.stage_loc[(BWD, g, 0)]
+        r = int(np.argmax(self.segs[sid][8][row]))
+        return ("c", sid, row, r)
+
+    def critical_path(self) -> list[str]:
+        final, before, _, sync_end, holds = self._end
+        d = int(np.argmax(final))
+        names: list[str] = []
+        if holds[d]:
+            names.append(f"opt @d{d}")
+            ref = self.sync_last[d] if sync_end[d] > before[d] else self.last_task[d]
+        else:
+            ref = self.last_task[d]
+        guard = 0
+        while ref is not None and guard < 1_000_000:
+            guard += 1
+            if ref[0] == "c" and ref[2] > 0:
+                # Inside a segment the path runs back through the same replica's earlier stages.
+                _, sid, row, r = ref
+                ph, stages, unit = self.segs[sid][:3]
+                suffix = f" @d{unit.devices[r]}"
+                names.extend(self._stage_name(ph, g, j) + suffix for g, j in stages[row:0:-1])
+                ref = ("c", sid, 0, r)
+                continue
+            name, _, _, ref = self._resolve(ref)
+            names.append(name)
+        names.reverse()
+        return names
+
+    def _stage_name(self, ph: int, g: int, j: int) -> str:
+        chunk = f".{j}" if self.gds[g].units[j].layout is None else ""
+        return f"{PHASE_NAME[ph]} g{g}{chunk}"
+
+    def events(self) -> list[SimEvent]:
+        """The timeline: every task on every device it occupies, by start time."""
+        final, _, upd_start, _, holds = self._end
+        ev: list[SimEvent] = []
+        for sid, seg in enumerate(self.segs):
+            ph, stages, unit = seg[0], seg[1], seg[2]
+            for row in range(len(stages)):
+                for r, d in enumerate(unit.devices):
+                    name, s, e, _ = self._seg_task(sid, row, r)
+                    if e > s:
+                        ev.append(SimEvent(name, d, "compute", s, e, PHASE_NAME[ph]))
+        for fid in range(len(self.flows)):
+            name, s, e, _ = self._resolve(("f", fid))
+            f = self.flows[fid][0]
+            ev.append(SimEvent(name, f.a, "comm", s, e, "transfer"))
+            ev.append(SimEvent(name, f.b, "comm", s, e, "transfer"))
+        for gs, gd, s, e, _ in self.syncs:
+            for d in gd.sync_devices:
+                ev.append(SimEvent(_sync_name(gd, gs), d, "comm", s, e, gd.sync))
+        for gid in range(len(self.gathers)):
+            name, s, e, _ = self._resolve(("a", gid))
+            for d in self.gds[self.gathers[gid][0]].sfb.members:
+                ev.append(SimEvent(name, d, "comm", s, e, "allgather"))
+        for g, d, s, e, _ in self.recomputes:
+            if e > s:
+                ev.append(SimEvent(f"sfb g{g} @d{d}", d, "compute", s, e, "sfb"))
+        for d in range(self.sim.num_devices):
+            if holds[d]:
+                ev.append(SimEvent(f"opt @d{d}", d, "compute", upd_start[d], final[d], "opt"))
+        ev.sort(key=lambda x: (x.start, x.device))
+        return ev
 
 
 def _sync_name(gd, groups: tuple[int, ...]) -> str:
@@ -1108,13 +1027,15 @@ def _holdings(sim, gds):
             gcomp[g] += sum(gd.sfb.recompute)
     gb = sim.static.grad_bytes
     gbl = sim.static.grad_bytes_l
+    add, maximum = np.add.reduce, np.maximum.reduce
     for lay, gs in by_layout.values():
         devs = lay.devices
         if len(gs) >= 4:  # many groups on one layout: numpy over the [groups, replicas] block
-            o = lay.dur[OPT][gs].sum(axis=0).tolist()
-            m = lay.mem[gs].sum(axis=0).tolist()
-            w = lay.work[gs].max(axis=0).tolist()
-            h = gb[gs].sum() > 0
+            # (the ufuncs' reduce: what .sum() / .max() call, without their Python wrappers)
+            o = add(lay.dur[OPT][gs], axis=0).tolist()
+            m = add(lay.mem[gs], axis=0).tolist()
+            w = maximum(lay.work[gs], axis=0).tolist()
+            h = add(gb[gs]) > 0
             for r, d in enumerate(devs):
                 opt[d] += o[r]
                 mem[d] += m[r]
