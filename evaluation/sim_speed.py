@@ -96,7 +96,10 @@ def build(args):
     import torch
 
     torch.set_num_threads(1)
-    from tag.cost.baselines import baseline_plan
+    try:
+        from tag.cost.baselines import baseline_plan
+    except ImportError:  # a tree before 2026-11-26 (--vs 3b5f921): the baselines were in tag.plan
+        from tag.plan.baselines import baseline_plan
     from tag.graph import capture
     from tag.sim import Simulator
     from tag.topology import load_topology

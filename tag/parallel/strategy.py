@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from ..errors import PlanError
 from ..plan.format import GroupPlan, group_positions, local_batches
@@ -28,9 +28,9 @@ UnitKey = tuple[int, int]
 """(group, unit index); the index is 0 for a group run as one unit."""
 
 
-@dataclass(frozen=True)
-class Replica:
-    """One device running a unit on the samples ``[start, stop)`` of the global batch."""
+class Replica(NamedTuple):
+    """One device running a unit on the samples ``[start, stop)`` of the global batch (a named
+    tuple: the simulator lowers every new deployment it meets, so this is built often)."""
 
     device: int
     start: int
@@ -73,8 +73,7 @@ class Unit:
         return next((r for r in self.replicas if r.device == device), None)
 
 
-@dataclass(frozen=True)
-class Collective:
+class Collective(NamedTuple):
     """A gradient collective over a device group, started after the group's backward.
 
     ``op``: ``allreduce`` (sum over ``devices``, every member gets it) or ``ps`` (reduce to

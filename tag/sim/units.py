@@ -268,11 +268,20 @@ class PairTemplate:
     def __init__(self, kinds: tuple, units1: list[Unit], units2: list[Unit], comm):
         moves: dict[tuple, float] = {}
         mo = comm.machine_of
+        pieces: dict[tuple, list] = {}  # (su, du, kind) -> [(ri, rj, samples or -1)]: bundles share them
         for (su, sphase, du, ph, kind), fixed, per_sample in kinds:
-            src, dst = units1[su], units2[du]
-            sd, dd = src.devices, dst.devices
-            for ri, rj, nbytes in _moves(kind, fixed, per_sample, src, dst, mo):
-                if nbytes <= 0 or sd[ri] == dd[rj]:
+            src = units1[su]
+            pcs = pieces.get((su, du, kind))
+            if pcs is None:
+                sd, dd = src.devices, units2[du].devices
+                pcs = pieces[(su, du, kind)] = [
+                    (i, j, hi - lo if mode == "rows" else -1)
+                    for i, j, mode, lo, hi in move_pieces(kind, src, units2[du], mo.__getitem__)
+                    if mode != "zeros" and sd[i] != dd[j]]
+            pb = src.batches
+            for ri, rj, n in pcs:
+                nbytes = per_sample * n if n >= 0 else fixed + per_sample * pb[ri]
+                if nbytes <= 0:
                     continue
                 key = (ph, du, sphase, su, ri, rj)
                 moves[key] = moves.get(key, 0.0) + nbytes
