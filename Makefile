@@ -28,7 +28,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/tag inspect --model $(DEMO_MODEL) --batch 32
-	$(VENV)/bin/tag plan --model $(DEMO_MODEL) --batch 32 --topology $(DEMO_TOPOLOGY) --out $(VENV)/demo-plan.json
+	$(VENV)/bin/tag plan --model $(DEMO_MODEL) --batch 32 --topology $(DEMO_TOPOLOGY) --out $(VENV)/demo-plan.json --force
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tag data training evaluation tests
