@@ -390,3 +390,18 @@ def test_helpers_die_with_the_launcher(tmp_path):
         for p in helpers:
             with contextlib.suppress(OSError):
                 os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("where, field", [("machine", "machines[0].name"), ("gpu", "machines[0].gpu.name"),
+                                          ("topology", "name")])
+def test_names_with_control_characters_are_refused(where, field):
+    """Names reach the terminal (tables, plans, errors): an escape sequence in one is refused at load,
+    shown escaped in the one-line error."""
+    evil = "a\x1b[2J\x07b"
+    gpu = {"name": evil, "tflops": 10, "memory": "16 GB", "memory_bandwidth": "900 GB/s"} if where == "gpu" else "V100-SXM2-16GB"
+    topo = {"name": evil if where == "topology" else "t",
+            "machines": [{"name": evil if where == "machine" else "m", "gpu": gpu, "count": 1}]}
+    with pytest.raises(TopologyError) as e:
+        load_topology(topo)
+    msg = str(e.value)
+    assert field in msg and "control characters" in msg and "\x1b" not in msg and "\n" not in msg

@@ -122,8 +122,10 @@ class _Context:
         return mapping[key]
 
     def name(self, value: Any, path: str) -> str:
-        if not isinstance(value, str) or not value.strip() or ":" in value or value != value.strip():
-            raise self.error(path, f"expected a non-empty name without ':' or surrounding spaces, got {_show(value)}")
+        if (not isinstance(value, str) or not value.strip() or ":" in value or value != value.strip()
+                or not value.isprintable()):
+            raise self.error(path, "expected a non-empty name without ':', control characters or surrounding spaces, "
+                             f"got {_show(value)}")
         return value
 
     def quantity(self, parser, value: Any, path: str, *, positive: bool = True):
@@ -141,8 +143,8 @@ def _parse_gpu(ctx: _Context, value: Any, path: str) -> GPUSpec:
             raise ctx.error(path, f"{exc.args[0]}; expected a catalog name, 'cpu' or an inline mapping") from None
     spec = ctx.mapping(value, path, _INLINE_GPU_KEYS, "a GPU catalog name or an inline spec")
     name = ctx.require(spec, "name", path, "a display name for the inline GPU")
-    if not isinstance(name, str) or not name:
-        raise ctx.error(f"{path}.name", f"expected a non-empty string, got {_show(name)}")
+    if not isinstance(name, str) or not name or not name.isprintable():
+        raise ctx.error(f"{path}.name", f"expected a non-empty string without control characters, got {_show(name)}")
 
     def flops(tflops_key: str, flops_key: str) -> float | None:
         if tflops_key in spec and flops_key in spec:
@@ -248,8 +250,8 @@ def _parse_network(ctx: _Context, raw: Mapping, machines: list[Machine]) -> tupl
 def _from_dict(ctx: _Context, raw: Any) -> Topology:
     raw = ctx.mapping(raw, "", _TOP_KEYS, "a topology with name, machines, network")
     name = ctx.require(raw, "name", "", "a topology name")
-    if not isinstance(name, str) or not name.strip():
-        raise ctx.error("name", f"expected a non-empty string, got {_show(name)}")
+    if not isinstance(name, str) or not name.strip() or not name.isprintable():
+        raise ctx.error("name", f"expected a non-empty string without control characters, got {_show(name)}")
     if raw.get("description") is not None and not isinstance(raw["description"], str):
         raise ctx.error("description", f"expected a string, got {_show(raw['description'])}")
     machine_list = ctx.require(raw, "machines", "", "a non-empty list of machines")
