@@ -123,6 +123,18 @@ def compare(old: dict, new: dict, rtol: float) -> list[str]:
     return diffs
 
 
+def report(tag: str, what: str, old: list[dict], new: list[dict], rtol: float) -> int:
+    """Print every cell of ``new`` that differs from ``old`` and a summary line; the count."""
+    bad = 0
+    for o, n in zip(old, new):
+        d = compare(o, n, rtol)
+        if d:
+            bad += 1
+            print(f"{tag} {o['suite']} {o['model']} {o['topology'][:40]} {o['method']}: {'; '.join(d)}")
+    print(f"{what}: {len(old) - bad}/{len(old)} identical")
+    return bad
+
+
 def resimulate(cells: list[dict], log) -> list[dict]:
     """The stored plans of ``cells`` simulated with the current code."""
     from evaluation.planner_bench import _load
@@ -172,24 +184,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if args.check:
         old = json.loads(Path(args.check).read_text())["cells"]
-        bad = 0
-        re = resimulate(old, log)
-        for o, n in zip(old, re):
-            d = compare(o, n, args.rtol)
-            if d:
-                bad += 1
-                print(f"RESIM {o['suite']} {o['model']} {o['topology'][:40]} {o['method']}: {'; '.join(d)}")
-        print(f"re-simulated stored plans: {len(old) - bad}/{len(old)} identical")
+        bad = report("RESIM", "re-simulated stored plans", old, resimulate(old, log), args.rtol)
         if not args.resim_only:
-            new = compute(args.random, log)
-            bad2 = 0
-            for o, n in zip(old, new):
-                d = compare(o, n, args.rtol)
-                if d:
-                    bad2 += 1
-                    print(f"SEARCH {o['suite']} {o['model']} {o['topology'][:40]} {o['method']}: {'; '.join(d)}")
-            print(f"searched again: {len(old) - bad2}/{len(old)} identical")
-            bad += bad2
+            bad += report("SEARCH", "searched again", old, compute(args.random, log), args.rtol)
         print(f"{time.perf_counter() - t0:.0f} s")
         return 1 if bad else 0
     cells = compute(args.random, log)

@@ -4,8 +4,12 @@ executor untouched."""
 
 from __future__ import annotations
 
+import random
+import re
+
 import pytest
 from test_executor import MLP, B, assert_matches_reference
+from test_sim_reference import BATCH, GROUPS, SPEC, _random_group, setup
 
 from tag.cost.baselines import data_parallel
 from tag.errors import PlanError
@@ -23,7 +27,6 @@ from tag.parallel import (
     validate_plan,
 )
 from tag.parallel.data_parallel import DataParallel
-from tag.parallel.strategy import check_shares, no_field
 from tag.plan import GroupPlan, new_plan
 from tag.sim import Simulator
 
@@ -33,18 +36,10 @@ class FirstReplicaServer(DataParallel):
     first replica and broadcast back (a parameter server chosen by rule, so no ``server``)."""
 
     name = "ps-first"
-
-    def validate(self, gp, graph, g, num_devices, batch_size, where):
-        check_shares(gp, batch_size, where)
-        no_field(gp, "mp_splits", where, "mp")
-        no_field(gp, "server", where, "ps")
+    collective_op = "ps"
 
     def server(self, gp):
         return gp.devices[0]
-
-    def collective(self, gp):
-        c = Collective("ps", tuple(gp.devices), self.server(gp))
-        return c if len(c.members) > 1 else None
 
 
 @pytest.fixture(scope="module")
@@ -127,11 +122,6 @@ def test_steps_of_a_device_follow_the_global_order(mlp, topo4):
 def test_the_simulator_runs_stages_in_the_schedules_order(captured):
     """On every device, the simulated compute stages (trace) come in the order of the device's
     compute steps in the executor's schedule."""
-    import random
-    import re
-
-    from test_sim_reference import BATCH, GROUPS, SPEC, _random_group, setup
-
     graph = captured(SPEC, batch=BATCH, groups=GROUPS).graph
     topo, costs = setup(graph)
     sim = Simulator(graph, topo, costs)

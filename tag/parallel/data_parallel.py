@@ -14,10 +14,16 @@ from .strategy import Collective, Strategy, Unit, check_shares, no_field, sample
 
 class DataParallel(Strategy):
     name = "allreduce"
+    collective_op = "allreduce"
+    """The :class:`Collective` op summing the gradients (``allreduce`` or ``ps``)."""
 
     def validate(self, gp: GroupPlan, graph, g: int, num_devices: int, batch_size: int, where: str) -> None:
         check_shares(gp, batch_size, where)
         no_field(gp, "mp_splits", where, "mp")
+        self.check_server(gp, num_devices, where)
+
+    def check_server(self, gp: GroupPlan, num_devices: int, where: str) -> None:
+        """``GroupPlan.server`` as this strategy wants it: unset for an all-reduce."""
         no_field(gp, "server", where, "ps")
 
     def units(self, g: int, gp: GroupPlan, graph, batch_size: int) -> list[Unit]:
@@ -34,6 +40,6 @@ class DataParallel(Strategy):
         return gp
 
     def collective(self, gp: GroupPlan) -> Collective | None:
-        c = Collective(self.name, tuple(gp.devices), self.server(gp))
+        c = Collective(self.collective_op, tuple(gp.devices), self.server(gp))
         return c if len(c.members) > 1 else None
 

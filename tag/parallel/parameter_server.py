@@ -12,15 +12,13 @@ from __future__ import annotations
 from ..errors import PlanError
 from ..plan.format import GroupPlan
 from .data_parallel import DataParallel
-from .strategy import check_shares, no_field
 
 
 class ParameterServer(DataParallel):
     name = "ps"
+    collective_op = "ps"
 
-    def validate(self, gp: GroupPlan, graph, g: int, num_devices: int, batch_size: int, where: str) -> None:
-        check_shares(gp, batch_size, where)
-        no_field(gp, "mp_splits", where, "mp")
+    def check_server(self, gp: GroupPlan, num_devices: int, where: str) -> None:
         s = gp.server
         if s is None or isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < num_devices:
             raise PlanError(f"{where}.server: expected a device index in 0..{num_devices - 1} for sync 'ps', "

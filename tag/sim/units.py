@@ -220,8 +220,8 @@ def pair_flows(static: GraphStatic, comm, g1: int, gd1: GroupData, g2: int, gd2:
     mo = comm.machine_of
     for (su, sphase, du, ph, kind), fixed, per_sample in kinds:
         src, dst = gd1.units[su], gd2.units[du]
-        for ri, rj, nbytes in _moves(kind, fixed, per_sample, src, dst, mo):
-            if nbytes <= 0 or src.devices[ri] == dst.devices[rj]:
+        for ri, rj, nbytes in _piece_bytes(_pieces(kind, src, dst, mo), fixed, per_sample, src.batches):
+            if nbytes <= 0:
                 continue
             key = ((sphase, g1, su), ri, (ph, g2, du), rj)
             moves[key] = moves.get(key, 0.0) + nbytes
@@ -273,14 +273,8 @@ class PairTemplate:
             src = units1[su]
             pcs = pieces.get((su, du, kind))
             if pcs is None:
-                sd, dd = src.devices, units2[du].devices
-                pcs = pieces[(su, du, kind)] = [
-                    (i, j, hi - lo if mode == "rows" else -1)
-                    for i, j, mode, lo, hi in move_pieces(kind, src, units2[du], mo.__getitem__)
-                    if mode != "zeros" and sd[i] != dd[j]]
-            pb = src.batches
-            for ri, rj, n in pcs:
-                nbytes = per_sample * n if n >= 0 else fixed + per_sample * pb[ri]
+                pcs = pieces[(su, du, kind)] = _pieces(kind, src, units2[du], mo)
+            for ri, rj, nbytes in _piece_bytes(pcs, fixed, per_sample, src.batches):
                 if nbytes <= 0:
                     continue
                 key = (ph, du, sphase, su, ri, rj)
@@ -296,12 +290,18 @@ class PairTemplate:
         self.by_dst = list(by_dst.items())
 
 
-def _moves(kind: str, fixed: float, per_sample: float, src: Unit, dst: Unit, mo) -> list[tuple[int, int, float]]:
-    """(producer replica, consumer replica, bytes) per the move rules (:func:`tag.parallel.move_pieces`):
-    rows by overlap, a copy or a partial sum at the producer replica's batch."""
-    pb = src.batches
-    return [(i, j, per_sample * (hi - lo) if mode == "rows" else fixed + per_sample * pb[i])
-            for i, j, mode, lo, hi in move_pieces(kind, src, dst, mo.__getitem__) if mode != "zeros"]
+def _pieces(kind: str, src: Unit, dst: Unit, mo) -> list[tuple[int, int, int]]:
+    """(producer replica, consumer replica, samples of a ``rows`` piece or -1) of the pieces that
+    cross devices, per the move rules (:func:`tag.parallel.move_pieces`)."""
+    sd, dd = src.devices, dst.devices
+    return [(i, j, hi - lo if mode == "rows" else -1)
+            for i, j, mode, lo, hi in move_pieces(kind, src, dst, mo.__getitem__) if mode != "zeros" and sd[i] != dd[j]]
+
+
+def _piece_bytes(pieces: list, fixed: float, per_sample: float, batches) -> list[tuple[int, int, float]]:
+    """(producer replica, consumer replica, bytes) of ``pieces`` of a tensor bundle of ``fixed +
+    per_sample * b`` bytes: rows by overlap, a copy or a partial sum at the producer's batch."""
+    return [(i, j, per_sample * n if n >= 0 else fixed + per_sample * batches[i]) for i, j, n in pieces]
 
 
 __all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "SfbData", "Unit", "make_layout", "mp_unit",
