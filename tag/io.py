@@ -45,3 +45,17 @@ def _umask() -> int:
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1) -> None:
     """Atomically write ``obj`` as JSON."""
     write_atomic(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def read_json(path: str | os.PathLike, error: type[Exception], what: str) -> Any:
+    """The JSON in ``path``; ``error`` with one line naming the file otherwise (``<path>: cannot
+    read <what>: <reason>`` or ``<path>: line N: not valid JSON: <reason>``)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise error(f"{p}: cannot read {what}: {e.strerror}") from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{p}: line {e.lineno}: not valid JSON: {e.msg}") from e

@@ -57,14 +57,13 @@ features (:mod:`tag.gnn.features`) and the toy simulator's activation transfers
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..io import write_json
+from ..io import read_json, write_json
 from .profile import ProfileError
 
 COMM_OPS = ("p2p", "all_reduce", "broadcast", "reduce", "all_gather", "ps")
@@ -132,13 +131,7 @@ class CommProfile:
 
 
 def load_comm_profile(path: str | os.PathLike) -> CommProfile:
-    p = Path(path)
-    try:
-        return CommProfile.from_dict(json.loads(p.read_text()), source=str(p))
-    except OSError as e:
-        raise ProfileError(f"{p}: cannot read communication profile: {e.strerror}") from e
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"{p}: line {e.lineno}: not valid JSON: {e.msg}") from e
+    return CommProfile.from_dict(read_json(path, ProfileError, "communication profile"), source=str(Path(path)))
 
 
 def find_comm_profile(root: str | os.PathLike, device_type: str) -> CommProfile | None:

@@ -16,7 +16,6 @@ nothing).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import TagError
-from ..io import write_json
+from ..io import read_json, write_json
 
 PROFILE_VERSION = 1
 
@@ -219,12 +218,7 @@ def profile_path(root: str | os.PathLike, device_type: str, model: str, signatur
 
 def load_profile(path: str | os.PathLike) -> Profile:
     p = Path(path)
-    try:
-        d = json.loads(p.read_text())
-    except OSError as e:
-        raise ProfileError(f"{p}: cannot read profile: {e.strerror}") from e
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"{p}: line {e.lineno}: not valid JSON: {e.msg}") from e
+    d = read_json(p, ProfileError, "profile")
     if not isinstance(d, dict):
         raise ProfileError(f"{p}: expected a JSON object")
     return Profile.from_dict(d, source=str(p))

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
-from ..io import write_atomic
+from ..io import read_json, write_atomic
 
 PLAN_VERSION = 1
 Sync = str
@@ -149,14 +149,7 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
         p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise PlanError(f"{p}: cannot read plan: {e.strerror}") from e
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{p}: line {e.lineno}: not valid JSON: {e.msg}") from e
+        d = read_json(p, PlanError, "plan")
         try:
             return cls.from_dict(d, source=str(p))
         except TypeError as e:

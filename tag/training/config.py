@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -10,6 +9,7 @@ from ..data.dataset import PolicyTarget
 from ..data.generate import GenConfig
 from ..errors import TagError
 from ..gnn.model import NetConfig
+from ..io import read_json
 
 
 class ConfigError(TagError):
@@ -116,12 +116,7 @@ class LoopConfig:
     @classmethod
     def load(cls, path) -> LoopConfig:
         p = Path(path)
-        try:
-            d = json.loads(p.read_text())
-        except OSError as e:
-            raise ConfigError(f"{p}: cannot read config: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: line {e.lineno}: not valid JSON: {e.msg}") from None
+        d = read_json(p, ConfigError, "config")
         return cls.from_dict(d, source=str(p))
 
 
