@@ -275,20 +275,23 @@ class Simulator:
         k = self.static.num_groups
         return -1 if ph == PARAM else ph * k + g + 2 * k * j
 
-    def _pairs_used(self, gds: list[GroupData]):
-        """The pairs of groups whose deployments move tensors between them, in pair order."""
-        for g1, g2, local in self._pair_list:
+    def _pairs_used(self, gds: list[GroupData]) -> list[_Pair]:
+        """The pairs of groups whose deployments move tensors between them, in pair order: all but
+        those within one group (only mp chunks exchange) and those between two groups on one
+        layout (same replicas and sample ranges: only non-batch gradients move)."""
+        lid = np.array([gd.lid for gd in gds])
+        l1, l2 = lid[self._pair_src], lid[self._pair_dst]
+        used = np.where(self._pair_self, l1 < 0, self._pair_nonlocal | (l1 != l2))
+        plist, pairs, out = self._pair_list, self._pairs, []
+        for p in np.flatnonzero(used).tolist():
+            g1, g2, _ = plist[p]
             gd1, gd2 = gds[g1], gds[g2]
-            if g1 == g2:
-                if not gd1.mp:
-                    continue
-            elif local and gd1.layout is not None and gd1.layout is gd2.layout:
-                continue  # same replicas, same sample ranges: every move stays on its device
-            pr = self._pairs.get((gd1.serial, gd2.serial))
+            pr = pairs.get((gd1.serial, gd2.serial))
             if pr is None:
                 pr = self.pair(g1, gd1, g2, gd2)
             if pr.fast:
-                yield pr
+                out.append(pr)
+        return out
 
     def deploy(self, groups) -> list[GroupData]:
         """The cached :class:`GroupData` of every group of the deployment ``groups``."""
@@ -409,22 +412,8 @@ class _Run:
         self.sim, self.gds, self.rec = sim, gds, rec
         n, m = sim.num_devices, sim.num_machines
         incoming: dict[int, tuple] = {}
-        pairs = sim._pairs
-        # The pairs moving tensors: all but those within one group (only mp chunks exchange) and
-        # those between two groups on one layout (only non-batch gradients move), in pair order.
-        lid = np.array([gd.lid for gd in gds])
-        l1, l2 = lid[sim._pair_src], lid[sim._pair_dst]
-        used = np.where(sim._pair_self, l1 < 0, sim._pair_nonlocal | (l1 != l2))
-        plist = sim._pair_list
-        used = np.flatnonzero(used).tolist()
-        for p in used:
-            g1, g2, _ = plist[p]
-            gd1, gd2 = gds[g1], gds[g2]
-            pr = pairs.get((gd1.serial, gd2.serial))
-            if pr is None:
-                pr = sim.pair(g1, gd1, g2, gd2)
-            if not pr.fast:
-                continue
+        used = sim._pairs_used(gds)
+        for pr in used:
             for dst, fl in pr.fast:
                 lst = incoming.get(dst)
                 incoming[dst] = fl if lst is None else lst + fl
@@ -444,7 +433,7 @@ class _Run:
         self.any_sfb = sfb.count(None) < len(sfb)
         self.sfb_ready: dict[int, float] = {}
         if rec is not None:
-            rec.bind(self, [plist[p] for p in used])
+            rec.bind(self, used)
 
     # ---- transfers ----------------------------------------------------------------------
     def _transfer(self, inc: list, nrep: int, idx: int) -> list[float]:
@@ -736,9 +725,8 @@ class _Recorder:
     The hooks get the times the loop computed and read the loop's resource state before the loop
     updates it; the recorder keeps, per resource, the task that last released it."""
 
-    def bind(self, run: _Run, pairs: list[tuple[int, int, bool]]) -> None:
-        """Record ``run``, whose transfers are those of the group ``pairs`` (``(g1, g2, local)``, in
-        order)."""
+    def bind(self, run: _Run, pairs: list[_Pair]) -> None:
+        """Record ``run``, whose transfers are those of ``pairs`` (:meth:`Simulator._pairs_used`)."""
         sim = run.sim
         n, m = sim.num_devices, sim.num_machines
         self.run, self.sim, self.gds = run, sim, run.gds
@@ -759,9 +747,9 @@ class _Recorder:
         self._idx = -1
         self._rsrc: dict[int, tuple] = {}  # destination replica -> (last arrival, its ref)
         self._open = False  # a run of syncs over one member set is open (the next sync chains)
-        gds, inc = run.gds, self.incoming
-        for g1, g2, _ in pairs:
-            for dst, fl in sim.pair(g1, gds[g1], g2, gds[g2]).by_dst:
+        inc = self.incoming
+        for pr in pairs:
+            for dst, fl in pr.by_dst:
                 inc.setdefault(sim._stage_index(dst), []).extend(fl)
 
     # ---- hooks ----------------------------------------------------------------------------
