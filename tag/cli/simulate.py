@@ -55,8 +55,8 @@ def run(args) -> int:
     if plan is None:
         plan = baseline_plan(args.baseline, graph, topo, costs)
     where = args.plan or f"baseline {args.baseline}"
-    validate_plan(plan, graph, topo, source=where)
-    res = Simulator(graph, topo, costs).run(plan.groups, trace=bool(args.trace))
+    validate_plan(plan, graph, topo, source=where, pipelines=True)
+    res = Simulator(graph, topo, costs).run(plan.groups, trace=bool(args.trace), pipeline=plan.pipeline)
     lb = lower_bound(graph, topo, costs)
     if args.trace:
         write_json(args.trace, res.chrome_trace(), indent=None)

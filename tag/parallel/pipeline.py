@@ -115,7 +115,10 @@ def pipeline_order(num_stages: int, micro_batches: int, k: int,
         if not progressed:
             raise PlanError(f"pipeline: the stage sequences deadlock ({num_stages} stages, "
                             f"{micro_batches} micro-batches, k={k})")
-    return sorted(start, key=lambda t: (start[t], t.stage, t.phase == "bwd", t.micro))
+    # Ties go to the later stage first: a stage's input then moves as soon as it was computed,
+    # before its producer goes on with its next task (any tie order respects the dependencies:
+    # a task starts strictly after the tasks it needs).
+    return sorted(start, key=lambda t: (start[t], -t.stage, t.phase == "bwd", t.micro))
 
 
 def micro_ranges(batch_size: int, micro_batches: int) -> list[tuple[int, int]]:

@@ -186,17 +186,16 @@ def validate_plan(plan, graph, topology, *, source: str = "plan", pipelines: boo
     """Raise :class:`PlanError` (one line) unless ``plan`` fits ``graph`` and ``topology`` and
     every group is a valid deployment of its strategy.
 
-    ``pipelines``: accept a :attr:`Plan.pipeline <tag.plan.Plan.pipeline>`. Off by default: the
-    schedule lowers pipelines (:mod:`tag.parallel.pipeline`), but the simulator's event loop and
-    the executor's runtime, which call this, do not run micro-batches yet, and must not cost or
-    run such a plan as if it had none."""
+    ``pipelines``: accept a :attr:`Plan.pipeline <tag.plan.Plan.pipeline>` (the caller runs
+    micro-batches: the simulator does). Off by default: the executor's runtime does not run
+    micro-batches yet, and must not run such a plan as if it had none."""
     plan.validate(graph, topology, source=source)
     for g, gp in enumerate(plan.groups):
         validate_group(gp, graph, g, topology.num_devices, f"{source}: groups[{g}]", plan.batch_size)
     validate_pipeline(plan, graph, topology.num_devices, source=source)
     if plan.pipeline is not None and not pipelines:
-        raise PlanError(f"{source}: pipeline: pipeline plans are not simulated or executed by this version "
-                        "(only lowered to a schedule, tag.parallel.build_schedule); expected no pipeline field")
+        raise PlanError(f"{source}: pipeline: pipeline plans are simulated (tag simulate) but not executed by "
+                        "this version; expected no pipeline field")
 
 
 # ---- helpers shared by the built-in strategies ---------------------------------------------------
