@@ -209,3 +209,21 @@ def test_simulated_pipeline(captured, topo4):
     names = {e.name.split(" @")[0] for e in tr.events if e.cat in ("fwd", "bwd")}
     assert {f"fwd g0 mb{m}" for m in range(4)} <= names and {f"bwd g3 mb{m}" for m in range(4)} <= names
     assert tr.iteration_time_s == r4.iteration_time_s and tr.critical_path
+
+
+@pytest.mark.parametrize("schedule, k", [("1f1b", 1), ("kfkb", 2), ("gpipe", 1)])
+def test_simulator_runs_the_schedules_micro_batches_in_its_order(mlp, topo4, schedule, k):
+    """Per device, the simulated compute stages come in the order of the device's compute steps
+    in the executor's schedule, micro-batch by micro-batch."""
+    from tag.sim import simulate
+
+    plan = _pipelined(mlp, topo4)
+    plan.pipeline = PipelinePlan([0, 2], 4, schedule, k)
+    sched = build_schedule(mlp, plan)
+    events = simulate(mlp, topo4, plan, trace=True).events
+    for d in range(3):
+        want = [f"{s.phase} g{s.unit[0]} mb{s.micro}" for s in sched.steps_of(d) if s.kind == "compute"]
+        got = [e.name.split(" @")[0] for e in sorted((e for e in events if e.device == d and e.cat in ("fwd", "bwd")),
+                                                    key=lambda e: e.start)]
+        # (stages that take no time, e.g. the backward of a group without parameters, are not events)
+        assert got == [w for w in want if w in set(got)] and len(got) >= len(want) // 2
