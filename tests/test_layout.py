@@ -69,3 +69,24 @@ def test_simulate_a_layout(capsys):
     assert main(["simulate", "--model", MLP, "--topology", "local-cpu4", "--layout", "dp=3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "dp*tp*pp = 3*1*1 = 3 devices" in err[0]
+
+
+def test_layout_grid_and_its_best(mlp, topo4):
+    from tag.parallel.layout import best_layout, layout_grid
+    from tag.sim import Simulator
+
+    grid = layout_grid(mlp, topo4)
+    assert Layout(dp=4) in grid and Layout(dp=2, pp=2, micro=4) in grid and Layout(dp=1, pp=4, micro=8) in grid
+    assert all(g.devices == 4 and g.micro * g.dp <= B for g in grid)
+    assert not any(g.pp == 1 and g.micro > 1 for g in grid)
+    sim = Simulator(mlp, topo4)
+    runs = []
+
+    def simulate_(plan):
+        runs.append(sim.run(plan.groups, pipeline=plan.pipeline))
+        return runs[-1]
+
+    plan, tried = best_layout(mlp, topo4, CostModel.for_topology(mlp, topo4), simulate_)
+    assert tried == len(grid) == len(runs)
+    assert plan.predicted_iteration_time_s == min(r.iteration_time_s for r in runs if not r.oom)
+    assert plan.meta["searcher"] == "dp-tp-pp-grid"

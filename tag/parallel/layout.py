@@ -133,3 +133,42 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
 def _spell(layout: Layout) -> str:
     text = f"dp={layout.dp},tp={layout.tp},pp={layout.pp},micro={layout.micro},schedule={layout.schedule}"
     return text + (f",k={layout.k}" if layout.schedule == "kfkb" else "")
+
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+"""Micro-batch counts the layout grid tries (as Megatron users do: powers of two)."""
+
+
+def layout_grid(graph, topology) -> list[Layout]:
+    """Every layout a Megatron/AMP user would search by hand on ``topology``: ``dp * pp`` = the
+    device count (``tp`` 1 in this version), ``pp`` up to the op-group count, 1F1B with each
+    micro-batch count of :data:`MICRO_BATCHES` that gives every replica a sample (one micro-batch
+    without a pipeline)."""
+    n, out = topology.num_devices, []
+    for pp in range(1, min(n, graph.num_groups) + 1):
+        if n % pp:
+            continue
+        dp = n // pp
+        for micro in MICRO_BATCHES if pp > 1 else (1,):
+            if micro * dp <= graph.batch_size:
+                out.append(Layout(dp=dp, pp=pp, micro=micro))
+    return out
+
+
+def best_layout(graph, topology, costs, simulate) -> tuple[Plan, int]:
+    """The fastest plan of :func:`layout_grid` (one that fits in memory if any does) and the number
+    of layouts simulated. ``simulate(plan)`` returns its :class:`~tag.sim.SimResult` (passed in:
+    this layer does not import the simulator)."""
+    best, best_key, tried = None, None, 0
+    for lay in layout_grid(graph, topology):
+        plan = layout_plan(graph, topology, lay, costs)
+        res = simulate(plan)
+        tried += 1
+        key = (bool(res.oom), res.iteration_time_s)
+        if best_key is None or key < best_key:
+            best, best_key = plan, key
+    if best is None:
+        raise PlanError(f"layout: no layout of {topology.num_devices} devices fits batch {graph.batch_size}")
+    best.predicted_iteration_time_s = best_key[1]
+    best.meta["searcher"] = "dp-tp-pp-grid"
+    return best, tried
