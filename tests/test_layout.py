@@ -14,6 +14,7 @@ from tag.cost.model import CostModel
 from tag.errors import PlanError
 from tag.parallel import validate_plan
 from tag.parallel.layout import Layout, balanced_cuts, layout_plan, parse_layout
+from tag.plan import Plan
 from tag.sim import simulate
 
 
@@ -90,3 +91,31 @@ def test_layout_grid_and_its_best(mlp, topo4):
     assert tried == len(grid) == len(runs)
     assert plan.predicted_iteration_time_s == min(r.iteration_time_s for r in runs if not r.oom)
     assert plan.meta["searcher"] == "dp-tp-pp-grid"
+
+
+def test_the_planner_proposes_a_pipeline_where_it_pays(captured, tmp_path):
+    """Four single-GPU machines too small for the model (parameters, gradients and Adam state do
+    not fit on one): TAG's per-group actions can only run the groups one device after another
+    (model parallel on the full batch); a 4-stage 1F1B pipeline overlaps them. The planner returns
+    the pipeline, faster than its own searched plan, and the plan file carries it."""
+    import yaml
+
+    from tag.planner import find_plan
+    from tag.topology import load_topology
+
+    graph = captured("mlp:layers=8,hidden=512,in_dim=256", batch=128, groups=8).graph
+    state = sum(p.nbytes for p in graph.params) * 4  # weights, gradients, two Adam moments
+    gpu = {"name": "small", "tflops": 14, "memory": f"{int(state * 0.6)} B", "memory_bandwidth": "900 GB/s"}
+    path = tmp_path / "four-small.yaml"
+    path.write_text(yaml.safe_dump({"name": "four-small", "network": {"bandwidth": "10 Gbit/s"},
+                                    "machines": [{"name": f"m{i}", "gpu": gpu, "count": 1} for i in range(4)]}))
+    topo = load_topology(path)
+    searched = find_plan(graph, topo, prior="uniform", budget=100, pipelines="off", compression="off")
+    best = find_plan(graph, topo, prior="uniform", budget=100, compression="off")
+    assert best.pipeline is not None and best.meta["source"] == "layout-grid"
+    assert searched.predicted_iteration_time_s is None or \
+        best.predicted_iteration_time_s < searched.predicted_iteration_time_s
+    res = simulate(graph, topo, best)
+    assert not res.oom and res.iteration_time_s == pytest.approx(best.predicted_iteration_time_s)
+    best.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").pipeline == best.pipeline

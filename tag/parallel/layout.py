@@ -156,8 +156,8 @@ def layout_grid(graph, topology) -> list[Layout]:
 
 
 def best_layout(graph, topology, costs, simulate) -> tuple[Plan, int]:
-    """The fastest plan of :func:`layout_grid` (one that fits in memory if any does) and the number
-    of layouts simulated. ``simulate(plan)`` returns its :class:`~tag.sim.SimResult` (passed in:
+    """The fastest plan of :func:`layout_grid` (one that fits in memory if any does; its
+    ``predicted_iteration_time_s`` is None if none does) and the number of layouts simulated. ``simulate(plan)`` returns its :class:`~tag.sim.SimResult` (passed in:
     this layer does not import the simulator)."""
     best, best_key, tried = None, None, 0
     for lay in layout_grid(graph, topology):
@@ -169,6 +169,6 @@ def best_layout(graph, topology, costs, simulate) -> tuple[Plan, int]:
             best, best_key = plan, key
     if best is None:
         raise PlanError(f"layout: no layout of {topology.num_devices} devices fits batch {graph.batch_size}")
-    best.predicted_iteration_time_s = best_key[1]
+    best.predicted_iteration_time_s = None if best_key[0] else best_key[1]  # None: out of memory
     best.meta["searcher"] = "dp-tp-pp-grid"
     return best, tried
