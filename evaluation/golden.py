@@ -87,7 +87,8 @@ def _planner_cells(random_pairs: int, log) -> list[dict]:
         graph = _load(spec, batch, groups, cache)
         topo = load_topology(tpath)
         for name, kw in rs.items():
-            p = find_plan(graph, topo, seed=0, predictor=pred if kw.get("prior") == "gnn" else None, **kw)
+            p = find_plan(graph, topo, seed=0, predictor=pred if kw.get("prior") == "gnn" else None,
+                          pipelines="off", **kw)  # the searches as recorded (before pipelines existed)
             from tag.sim import Simulator
             res = Simulator(graph, topo).run(p.groups)
             out.append({"suite": "planner", "model": spec, "batch": batch, "groups": groups,

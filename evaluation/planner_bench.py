@@ -129,7 +129,9 @@ def search_row(graph, topo, runs: dict[str, dict], *, seed: int, predictor=None)
     row: dict = {}
     for name, kw in runs.items():
         t0 = time.perf_counter()
-        p = find_plan(graph, topo, seed=seed, predictor=predictor if kw.get("prior") == "gnn" else None, **kw)
+        # pipelines="off": the benchmark compares searchers over TAG's per-group actions
+        p = find_plan(graph, topo, seed=seed, predictor=predictor if kw.get("prior") == "gnn" else None,
+                      pipelines="off", **kw)
         m = p.meta
         row[name] = {"time_s": p.predicted_iteration_time_s, "first_beat_dp": m["first_beat_dp_playout"],
                      "sim_calls": m["sim_calls"], "wall_s": time.perf_counter() - t0,
@@ -216,7 +218,7 @@ def _random_pairs(args, pred, cache: Path) -> list[dict]:
         graph = _load(spec.model, spec.batch, spec.groups, cache)
         topo = load_topology(spec.topology)
         t = {name: find_plan(graph, topo, seed=args.seed, prior=prior, predictor=pred, budget=budget,
-                        compression="off").predicted_iteration_time_s
+                             compression="off", pipelines="off").predicted_iteration_time_s
              for name, prior, budget in (("gnn50", "gnn", 50), ("uniform2000", "uniform", args.big))}
         row = {"index": i, "model": spec.model, "batch": spec.batch, "groups": graph.num_groups,
                "devices": topo.num_devices, "machines": topo.num_machines, **{f"{k}_s": v for k, v in t.items()},

@@ -40,7 +40,7 @@ def _predictor(checkpoint):
 def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget: int | None = None,
               time_limit: float | None = None, seed: int = 0, checkpoint: str | os.PathLike | None = None,
               predictor=None, costs=None, simulator=None, mcts: MCTSConfig | None = None,
-              compression: str = "auto", one_shot: bool = True) -> Plan:
+              compression: str = "auto", one_shot: bool = True, pipelines: str = "auto") -> Plan:
     """Search a deployment of ``graph`` on ``topology``.
 
     Both data-parallel baselines (even and speed-proportional shares) are simulated first and
@@ -69,6 +69,11 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         one_shot: with ``prior="gnn"``, simulate the network's one-shot plan
             (:meth:`tag.gnn.Predictor.one_shot`, for the first :data:`ONE_SHOT_GROUPS` groups in
             decision order) as the last playout of the budget.
+        pipelines: ``auto`` also simulates the Megatron-style layouts a user would try by hand
+            (:func:`tag.parallel.layout.best_layout`: data x pipeline degrees, balanced stages,
+            1F1B micro-batches) and returns the best of them instead of the searched plan when it
+            is strictly faster (``meta["source"] == "layout-grid"``); ``off`` skips them (and a
+            ``simulator`` whose ``run`` takes no ``pipeline`` cannot run them).
 
     Returns:
         A :class:`Plan` with ``predicted_iteration_time_s`` and ``meta`` holding the searcher,
@@ -86,6 +91,8 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         raise TagError(f"graph {graph.model!r}: has no op-groups")
     if compression not in ("auto", "off"):
         raise TagError(f"compression: expected 'auto' or 'off', got {compression!r}")
+    if pipelines not in ("auto", "off"):
+        raise TagError(f"pipelines: expected 'auto' or 'off', got {pipelines!r}")
     t0 = time.perf_counter()
     playouts = budget if budget is not None else (10**9 if time_limit is not None else DEFAULT_PLAYOUTS)
     space = ActionSpace(graph, topology, cost_model=costs) if costs is not None else ActionSpace(graph, topology)
@@ -140,8 +147,31 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         "one_shot_time_s": one_shot_out.time_s if one_shot_out is not None and not one_shot_out.oom else None,
         "actions": [space.actions[a].describe(topology) for a in ev.best_actions] if ev.best_actions else None,
     }
+    if pipelines == "auto":
+        p = _pipelined(graph, topology, p, space.cost_model, ev.simulator)
     p.meta["compression"] = "off" if compression == "off" else _compress(graph, topology, p, ev.simulator)
     return p
+
+
+def _pipelined(graph, topology, p: Plan, costs, simulator) -> Plan:
+    """``p``, or the best hand-written layout (:func:`tag.parallel.layout.best_layout`) when the
+    simulator says it is strictly faster (and fits); the layouts' outcome goes into ``meta``."""
+    import inspect
+
+    from .parallel.layout import best_layout
+
+    if "pipeline" not in inspect.signature(simulator.run).parameters:
+        p.meta["pipelines"] = "skipped (the simulator runs no pipelines)"
+        return p
+    lay, tried = best_layout(graph, topology, costs, lambda q: simulator.run(q.groups, pipeline=q.pipeline))
+    t_lay, t_plan = lay.predicted_iteration_time_s, p.predicted_iteration_time_s
+    p.meta["layouts_tried"] = tried
+    p.meta["best_layout"] = lay.meta["layout"]
+    p.meta["best_layout_time_s"] = t_lay
+    if lay.pipeline is None or t_lay is None or (t_plan is not None and t_lay >= t_plan):
+        return p
+    lay.meta = {**p.meta, "source": "layout-grid", "layout": lay.meta["layout"], "oom": False}
+    return lay
 
 
 def _compress(graph, topology, p: Plan, simulator) -> str:
@@ -154,6 +184,8 @@ def _compress(graph, topology, p: Plan, simulator) -> str:
 
     if p.predicted_iteration_time_s is None:
         return "compression: skipped (plan does not fit in memory)"
+    if p.pipeline is not None:
+        return "compression: skipped (SFB is not available in a pipeline plan)"
     cand = apply_sfb(graph, topology, p)
     n = sum(len(g.sfb) for g in cand.groups)
     if n == 0:

@@ -76,6 +76,10 @@ class _Case:
         self.executed: dict[tuple, tuple[float | None, str]] = {}
         """Measured time per distinct plan (many methods find the same plan: run it once)."""
 
+    def simulate(self, plan):
+        """:class:`~tag.sim.SimResult` of ``plan`` (its pipeline, if any, included)."""
+        return self.sim.run(plan.groups, pipeline=plan.pipeline)
+
     def make_plan(self, method: str, cfg: SuiteConfig):
         """(plan, playouts) for ``method``."""
         from ..cost import baselines
@@ -83,12 +87,17 @@ class _Case:
         g, topo = self.graph, self.topology
         if method in ("dp", "dp-prop", "single", "mp"):
             return baselines.baseline_plan(method, g, topo, self.costs), 0
+        if method == "dp-tp-pp-grid":
+            from ..parallel.layout import best_layout
+
+            return best_layout(g, topo, self.costs, self.simulate)
         from ..planner import find_plan
 
         if method in ("random", "sa", "tpe", "mcts-uniform"):
             searcher = "mcts" if method == "mcts-uniform" else method
             p = find_plan(g, topo, searcher=searcher, prior="uniform", budget=cfg.search_budget,
-                            seed=cfg.seed, costs=self.costs, simulator=self.sim, compression="off")
+                            seed=cfg.seed, costs=self.costs, simulator=self.sim, compression="off",
+                            pipelines="off")  # the searchers alone; TAG's method adds the layouts
         else:  # tag-50, tag-200, with or without +sfb
             budget = int(method.split("-")[1].split("+")[0])
             p = find_plan(g, topo, searcher="mcts", prior="gnn", budget=budget, seed=cfg.seed,
@@ -141,11 +150,13 @@ def _run_cell(case: _Case, model, topo_name: str, method: str, cfg: SuiteConfig)
     t0 = time.perf_counter()
     plan, playouts = case.make_plan(method, cfg)
     search_s = time.perf_counter() - t0
-    res = case.sim.run(plan.groups)
+    res = case.simulate(plan)
     t = res.iteration_time_s
     cell = Cell(model.spec, topo_name, method, t, bool(res.oom), case.dp_time / t if t > 0 else 0.0,
                 t / case.lower_bound if case.lower_bound > 0 else math.inf, search_s, playouts)
-    if topo_name in cfg.execute_topologies and not res.oom:
+    if topo_name in cfg.execute_topologies and plan.pipeline is not None:
+        cell.note = "pipeline plans are not executed by this version"
+    elif topo_name in cfg.execute_topologies and not res.oom:
         key = tuple(g.key() for g in plan.groups)
         if key not in case.executed:
             case.executed[key] = _execute(model, topo_name, plan, cfg)

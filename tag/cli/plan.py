@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from .common import add_force_arg, add_model_args, check_outputs, int_in, print_json, seconds
 
 
@@ -24,6 +26,9 @@ def register(sub) -> None:
                    help="predictor checkpoint (default: the shipped tag/gnn/predictor.pt)")
     p.add_argument("--compression", choices=["auto", "off"], default="auto",
                    help="auto: choose Sufficient Factor Broadcasting per group after search (default)")
+    p.add_argument("--pipelines", choices=["auto", "off"], default="auto",
+                   help="auto: also simulate the Megatron-style data x pipeline layouts a user would try by hand "
+                        "and return the best if it beats the searched plan (default)")
     p.add_argument("--no-one-shot", dest="one_shot", action="store_false",
                    help="with --prior gnn: do not spend the last playout on the network's one-shot plan")
     p.add_argument("--profiles", metavar="DIR", default=None, help="profile database root (default data/profiles)")
@@ -50,6 +55,8 @@ def summary(plan) -> dict:
         "search_time_s": m.get("search_time_s"), "first_beat_dp_playout": m.get("first_beat_dp_playout"),
         "improvements": m.get("improvements"), "one_shot_time_s": m.get("one_shot_time_s"),
         "source": m.get("source"), "compression": m.get("compression"),
+        "pipeline": None if plan.pipeline is None else asdict(plan.pipeline), "layout": m.get("layout"),
+        "best_layout": m.get("best_layout"), "best_layout_time_s": m.get("best_layout_time_s"),
         "speedup_vs_dp_even": _ratio(m.get("dp_even_time_s"), plan.predicted_iteration_time_s),
         "speedup_vs_dp_prop": _ratio(m.get("dp_prop_time_s"), plan.predicted_iteration_time_s),
     }
@@ -80,13 +87,13 @@ def run(args) -> int:
         pass
     p = find_plan(graph, topo, searcher=args.searcher, prior=args.prior, budget=args.budget,
                   time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs,
-                  compression=args.compression, one_shot=args.one_shot)
+                  compression=args.compression, one_shot=args.one_shot, pipelines=args.pipelines)
     p.meta["capture_s"] = capture_s
     if p.meta.get("oom") and not args.allow_oom:
         from ..errors import OutOfMemoryError
         from ..executor.launch import memory_report
         from ..sim import Simulator
-        res = Simulator(graph, topo, costs).run(p.groups)
+        res = Simulator(graph, topo, costs).run(p.groups, pipeline=p.pipeline)
         raise OutOfMemoryError(f"every plan searched runs out of memory, the best too: {memory_report(res, topo)}; "
                                "no plan written (--allow-oom writes it anyway)")
     if args.out:
@@ -94,7 +101,7 @@ def run(args) -> int:
     if args.trace:
         from ..io import write_json
         from ..sim import Simulator
-        res = Simulator(graph, topo, costs).run(p.groups, trace=True)
+        res = Simulator(graph, topo, costs).run(p.groups, trace=True, pipeline=p.pipeline)
         write_json(args.trace, res.chrome_trace(), indent=None)
     if args.json:
         print_json(summary(p))
@@ -167,7 +174,13 @@ def _print(graph, topo, p, args) -> None:
     lb = s["lower_bound_s"]
     if lb and t:
         print(f"  lower bound: {ms(lb)}  (plan is {t / lb:.2f}x the bound)")
-    if s["source"] != "search":
+    if s["source"] == "layout-grid":
+        pp = p.pipeline
+        print(f"  a Megatron-style layout beats the searched plan: {s['layout']} ({len(pp.stages)} stages from "
+              f"groups {pp.stages}, {pp.micro_batches} micro-batch{'es' if pp.micro_batches > 1 else ''}, "
+              f"{pp.schedule}); simulated, not executed "
+              "by this version")
+    elif s["source"] != "search":
         print(f"  search found nothing better than the baselines; returning {s['source']}")
     print(f"  {s['compression']}")
     if args.out:

@@ -21,6 +21,10 @@ def register(sub) -> None:
     src.add_argument("--baseline", choices=list(BASELINES),
                      help="dp: even data parallel; dp-prop: shares proportional to device speed; single: best "
                           "single device; mp: greedy model parallel by memory")
+    src.add_argument("--layout", metavar="dp=D,pp=P,micro=M",
+                     help="a Megatron-style layout: D data-parallel replicas per stage, P pipeline stages of about "
+                          "equal compute placed machine-major, M micro-batches; optional schedule=1f1b|gpipe|kfkb, "
+                          "k=K (kfkb block), tp=1; D*P must equal the topology's device count")
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline in Chrome/Perfetto trace format")
     p.add_argument("--profiles", metavar="DIR", default=None, help="profile database root (default data/profiles)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -33,12 +37,16 @@ def run(args) -> int:
     from ..cost.model import CostModel
     from ..io import write_json
     from ..parallel import validate_plan
+    from ..parallel.layout import check_devices, layout_plan, parse_layout
     from ..plan import Plan
     from ..sim import Simulator, lower_bound
     from ..topology import load_topology
 
     check_outputs(args, trace=args.trace)
+    layout = parse_layout(args.layout) if args.layout else None  # a typo fails before any capture
     topo = load_topology(args.topology)
+    if layout is not None:
+        check_devices(layout, topo)
     plan = Plan.load(args.plan) if args.plan else None
     if plan is not None:
         if args.batch is None:
@@ -52,18 +60,20 @@ def run(args) -> int:
     _, cap = load_captured(args)
     graph = cap.graph
     costs = CostModel.for_topology(graph, topo, args.profiles)
-    if plan is None:
+    if layout is not None:
+        plan = layout_plan(graph, topo, layout, costs)
+    elif plan is None:
         plan = baseline_plan(args.baseline, graph, topo, costs)
-    where = args.plan or f"baseline {args.baseline}"
-    validate_plan(plan, graph, topo, source=where)
-    res = Simulator(graph, topo, costs).run(plan.groups, trace=bool(args.trace))
+    where = _what(args)
+    validate_plan(plan, graph, topo, source=where, pipelines=True)
+    res = Simulator(graph, topo, costs).run(plan.groups, trace=bool(args.trace), pipeline=plan.pipeline)
     lb = lower_bound(graph, topo, costs)
     if args.trace:
         write_json(args.trace, res.chrome_trace(), indent=None)
     sources = sorted({costs.source(d) for d in range(topo.num_devices)})
     if args.json:
         out = {"model": graph.model, "batch_size": graph.batch_size, "topology": topo.name,
-               "plan": args.plan or f"baseline:{args.baseline}", "lower_bound_s": lb, "cost_sources": sources,
+               "plan": args.plan or (f"layout:{args.layout}" if args.layout else f"baseline:{args.baseline}"), "lower_bound_s": lb, "cost_sources": sources,
                **res.to_dict()}
         print_json(out)
         return 0
@@ -77,7 +87,7 @@ def _print_summary(graph, topo, args, res, lb, sources) -> None:
     def ms(x: float) -> str:
         return f"{x * 1e3:10.3f}"
 
-    what = args.plan or f"baseline {args.baseline}"
+    what = _what(args)
     print(f"model {graph.model} (batch {graph.batch_size}, {graph.num_groups} groups) on {topo.name}: {what}")
     print(f"costs from {', '.join(sources)}")
     print(f"iteration time {res.iteration_time_s * 1e3:.3f} ms  (ideal lower bound {lb * 1e3:.3f} ms)  "
@@ -95,3 +105,8 @@ def _print_summary(graph, topo, args, res, lb, sources) -> None:
     print("critical path: " + " -> ".join(shown))
     if args.trace:
         print(f"trace written to {args.trace}")
+
+
+def _what(args) -> str:
+    """What is simulated: the plan file, the layout or the baseline."""
+    return args.plan or (f"layout {args.layout}" if args.layout else f"baseline {args.baseline}")

@@ -43,9 +43,10 @@ from typing import TYPE_CHECKING, Literal
 from ..errors import PlanError
 from ..graph.gradients import gradient_tensors, partial_sum_tensors  # noqa: F401 (re-exported by tag.executor)
 from ..graph.ir import OpGraph
-from ..plan.format import Plan
+from ..plan.format import PipelinePlan, Plan
 from .moves import move_kind, move_pieces
-from .strategy import Collective, Replica, Unit, UnitKey, strategy_of  # noqa: F401 (Replica re-exported)
+from .pipeline import block_size, micro_ranges, pipeline_order, stage_of_group
+from .strategy import Collective, Replica, Unit, UnitKey, sample_replicas, strategy_of  # noqa: F401 (Replica re-exported)
 
 if TYPE_CHECKING:  # tag.compress (scipy) is imported only for plans using SFB
     from ..compress.detect import Candidate, Factor
@@ -97,6 +98,8 @@ class Step:
     """``sync`` / ``sfb``: the op-group whose parameter gradients are synchronised."""
     collective: Collective | None = None
     """``sync``: the collective (op, replicas, server)."""
+    micro: int = 0
+    """``compute`` / ``transfer``: the micro-batch (always 0 without a pipeline)."""
 
     @property
     def stream(self) -> str:
@@ -160,6 +163,13 @@ class Schedule:
     model: str = ""
     structure: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list, repr=False)
     """:func:`graph_structure` of the captured graph: every joint graph a rank runs must match it."""
+    micro_ranges: list[tuple[int, int]] = field(default_factory=list)
+    """Sample ranges ``[lo, hi)`` of the micro-batches (one, the whole batch, without a pipeline)."""
+
+    def unit_at(self, key: UnitKey, micro: int) -> Unit:
+        """Unit ``key`` restricted to micro-batch ``micro``: its replicas' sample ranges cut the
+        micro-batch's samples in the unit's shares (the unit itself without a pipeline)."""
+        return _micro_unit(self.units[key], self.micro_ranges, micro)
 
     def steps_of(self, device: int) -> list[Step]:
         """The ordered steps ``device`` takes part in (its task list)."""
@@ -257,6 +267,11 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
     order = list(units)
     phase_steps = [(u, "fwd") for u in order] + [(u, "bwd") for u in reversed(order)]
     position = {s: k for k, s in enumerate(phase_steps)}
+    ranges = [(0, B)] if plan.pipeline is None else micro_ranges(B, plan.pipeline.micro_batches)
+    # (unit, phase, micro-batch) in the order they run: each stage's pipeline schedule merged
+    # (tag.parallel.pipeline), a unit's forward in group order and backward in reverse within it.
+    tasks = [(u, ph, 0) for u, ph in phase_steps] if plan.pipeline is None else \
+        _pipeline_tasks(plan.pipeline, order, len(plan.groups))
     first_need: dict[tuple[int, UnitKey], int] = {}  # (tensor, consumer unit) -> earliest step
     for i, op in enumerate(graph.ops):
         if op.phase == "opt":
@@ -298,29 +313,56 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
         if c is not None:
             collective_of[g] = c
 
+    last_micro = {u: m for u, ph, m in tasks if ph == "bwd"}  # a unit's last backward micro-batch
     steps: list[Step] = []
-    for u, ph in phase_steps:
+    for u, ph, m in tasks:
         moves: list[Move] = []
         for t in needed[(u, ph)]:
             tensor = graph.tensors[t]
             src_unit = owner_of_tensor[t] if tensor.producer < 0 else unit_of_op[tensor.producer]
-            moves += _moves(tensor.name, units[src_unit], units[u], tensor.batch_dim, t in partial_sums,
-                            machine_of)
+            moves += _moves(tensor.name, _micro_unit(units[src_unit], ranges, m), _micro_unit(units[u], ranges, m),
+                            tensor.batch_dim, t in partial_sums, machine_of)
         if moves:
-            steps.append(Step("transfer", u, ph, moves))
-        steps.append(Step("compute", u, ph))
+            steps.append(Step("transfer", u, ph, moves, micro=m))
+        steps.append(Step("compute", u, ph, micro=m))
         if ph == "bwd" and u[0] in sfb:
             steps.append(Step("sfb", u, group=u[0]))
-        if ph == "bwd" and u[0] in collective_of:
-            # The group's gradients are final once its backward ran (contributions from later
-            # groups arrived before it): start its sync now, overlapping the earlier groups'
-            # backward (as the simulator does); the update waits for it.
+        if ph == "bwd" and u[0] in collective_of and m == last_micro[u]:
+            # The group's gradients are final once its (last micro-batch's) backward ran
+            # (contributions from later groups arrived before it): start its sync now, overlapping
+            # the earlier groups' backward (as the simulator does); the update waits for it.
             steps.append(Step("sync", u, group=u[0], collective=collective_of[u[0]]))
     comm = sorted({c.members for c in collective_of.values()})
     gathers = sorted({sg.members for sg in sfb.values()})
     return Schedule(B, units, assign, param_owner, param_target, param_grad, group_params, param_numel,
                     loss_t.name, loss_unit, steps, comm, sync_params, sfb, gathers, graph.model,
-                    graph_structure(graph))
+                    graph_structure(graph), ranges)
+
+
+def _pipeline_tasks(pp: PipelinePlan, order: list[UnitKey], num_groups: int) -> list[tuple[UnitKey, str, int]]:
+    """(unit, phase, micro-batch) in pipeline order: every stage task of
+    :func:`~tag.parallel.pipeline.pipeline_order` runs its stage's units (forward: in order;
+    backward: reversed)."""
+    stage = stage_of_group(pp, num_groups)
+    members: list[list[UnitKey]] = [[] for _ in pp.stages]
+    for u in order:
+        members[stage[u[0]]].append(u)
+    out = []
+    for t in pipeline_order(len(pp.stages), pp.micro_batches, block_size(pp)):
+        us = members[t.stage] if t.phase == "fwd" else list(reversed(members[t.stage]))
+        out += [(u, t.phase, t.micro) for u in us]
+    return out
+
+
+def _micro_unit(unit: Unit, ranges: list[tuple[int, int]], micro: int) -> Unit:
+    """``unit`` on micro-batch ``micro`` only (``unit`` itself when there is one micro-batch)."""
+    if len(ranges) == 1:
+        return unit
+    lo, hi = ranges[micro]
+    total = sum(r.batch for r in unit.replicas)
+    reps = sample_replicas(unit.devices, [r.batch / total for r in unit.replicas], hi - lo)
+    return Unit(unit.key, unit.sync, [Replica(r.device, lo + r.start, lo + r.stop) for r in reps], unit.server,
+                unit.positions)
 
 
 def _sfb_groups(graph: OpGraph, plan: Plan, param_owner: dict[str, UnitKey],

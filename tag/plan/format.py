@@ -60,6 +60,25 @@ class GroupPlan:
                 tuple(self.mp_splits or ()), tuple(self.sfb))
 
 
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "kfkb")
+"""Pipeline schedules a plan may name (:mod:`tag.parallel.pipeline`)."""
+
+
+@dataclass
+class PipelinePlan:
+    """Op-groups cut into pipeline stages run on micro-batches (:mod:`tag.parallel.pipeline`)."""
+
+    stages: list[int]
+    """First op-group of each stage (increasing, starting at 0); every group of a stage has the
+    stage's devices and shares."""
+    micro_batches: int
+    """Micro-batches per iteration (contiguous sample ranges of the global batch)."""
+    schedule: str = "1f1b"
+    """``1f1b``, ``gpipe`` or ``kfkb`` (blocks of :attr:`k` forwards then ``k`` backwards)."""
+    k: int = 1
+    """Micro-batches per block, ``kfkb`` only."""
+
+
 @dataclass
 class Plan:
     """A deployment of every op-group, plus what it was made for."""
@@ -80,6 +99,8 @@ class Plan:
     meta: dict[str, Any] = field(default_factory=dict)
     """Free-form provenance (searcher, playouts, seed, ...)."""
     version: int = PLAN_VERSION
+    pipeline: PipelinePlan | None = None
+    """Pipeline stages and micro-batches; ``None``: every unit runs the whole batch at once."""
 
     # ---- validation ------------------------------------------------------------------
     def validate(self, graph, topology, *, source: str = "plan") -> None:
@@ -103,7 +124,10 @@ class Plan:
 
     # ---- I/O -------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.pipeline is None:  # plans without a pipeline keep the format they always had
+            del d["pipeline"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, *, source: str = "plan") -> Plan:
@@ -123,21 +147,15 @@ class Plan:
         if d["batch_size"] < 1:
             raise PlanError(f"{source}: batch_size: expected a positive integer, got {d['batch_size']}")
         groups = []
-        gknown = set(GroupPlan.__dataclass_fields__)
         for i, g in enumerate(d["groups"]):
             if not isinstance(g, dict):
                 raise PlanError(f"{source}: groups[{i}]: expected an object")
-            bad = sorted(set(g) - gknown)
-            if bad:
-                raise PlanError(f"{source}: groups[{i}].{bad[0]}: unknown field; expected one of {sorted(gknown)}")
-            for k in ("devices", "shares"):
-                if k not in g:
-                    raise PlanError(f"{source}: groups[{i}].{k}: missing field")
-            for k, kind in _GROUP_TYPES.items():
-                if k in g:
-                    _check_type(g[k], kind, f"{source}: groups[{i}].{k}")
-            groups.append(GroupPlan(**g))
-        return cls(**{**d, "groups": groups})
+            groups.append(_typed(GroupPlan, g, ("devices", "shares"), _GROUP_TYPES, f"{source}: groups[{i}]"))
+        pipeline = d.get("pipeline")
+        if pipeline is not None:
+            pipeline = _typed(PipelinePlan, pipeline, ("stages", "micro_batches"), _PIPELINE_TYPES,
+                              f"{source}: pipeline")
+        return cls(**{**d, "groups": groups, "pipeline": pipeline})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -160,10 +178,27 @@ class Plan:
 # can assume them: "int", "number", "str", "list[int]", ..., a trailing "?" allows null.
 _PLAN_TYPES = {"model": "str", "graph_signature": "str", "topology": "str", "topology_signature": "str",
                "batch_size": "int", "groups": "list", "predicted_iteration_time_s": "number?", "meta": "dict",
-               "version": "int"}
+               "version": "int", "pipeline": "dict?"}
 _GROUP_TYPES = {"devices": "list[int]", "shares": "list[number]", "sync": "str", "server": "int?",
                 "mp_splits": "list[int]?", "sfb": "list[str]"}
+_PIPELINE_TYPES = {"stages": "list[int]", "micro_batches": "int", "schedule": "str", "k": "int"}
 _JSON_TYPES = {"int": "an integer", "number": "a number", "str": "a string", "list": "a list", "dict": "an object"}
+
+
+def _typed(cls, d: dict, required: tuple[str, ...], types: dict[str, str], where: str):
+    """``cls(**d)`` once ``d`` has no unknown field, every ``required`` one, and the JSON types
+    ``types`` (errors name ``<where>.<field>``)."""
+    known = set(cls.__dataclass_fields__)
+    bad = sorted(set(d) - known)
+    if bad:
+        raise PlanError(f"{where}.{bad[0]}: unknown field; expected one of {sorted(known)}")
+    for k in required:
+        if k not in d:
+            raise PlanError(f"{where}.{k}: missing field")
+    for k, kind in types.items():
+        if k in d:
+            _check_type(d[k], kind, f"{where}.{k}")
+    return cls(**d)
 
 
 def _is(value: Any, kind: str) -> bool:

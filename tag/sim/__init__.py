@@ -10,8 +10,8 @@ from .result import SimEvent, SimResult
 def simulate(graph, topology, plan, *, costs=None, trace: bool = False) -> SimResult:
     """Validate ``plan`` against ``graph`` and ``topology`` (:func:`tag.parallel.validate_plan`),
     then simulate one iteration."""
-    validate_plan(plan, graph, topology)
-    return Simulator(graph, topology, costs).run(plan.groups, trace=trace)
+    validate_plan(plan, graph, topology, pipelines=True)
+    return Simulator(graph, topology, costs).run(plan.groups, trace=trace, pipeline=plan.pipeline)
 
 
 def lower_bound(graph, topology, costs=None) -> float:

@@ -45,6 +45,8 @@ it calls with each task's times (the critical path, replayed on first access, an
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -145,28 +147,30 @@ class Simulator:
             self._layouts[key] = lay
         return lay
 
-    def group_data(self, g: int, gp, key=None) -> GroupData:
-        """Units and synchronisation of group ``g`` deployed as ``gp`` (cached by its key)."""
-        key = (g, plan_key(gp) if key is None else key)
+    def group_data(self, g: int, gp, key=None, batch: int | None = None) -> GroupData:
+        """Units and synchronisation of group ``g`` deployed as ``gp`` (cached by its key);
+        ``batch``: the samples it runs at once (a micro-batch; default the graph's batch)."""
+        key = (g, plan_key(gp) if key is None else key) if batch is None else (g, plan_key(gp), batch)
         gd = self._groups.get(key)
         if gd is None:
             if len(self._groups) > CACHE_LIMIT:
                 self._groups.clear()
                 self._pairs.clear()  # keyed by the serials of the cleared entries
-            gd = self._make_group(g, gp)
+            gd = self._make_group(g, gp, batch)
             self._serial += 1
             gd.serial = self._serial
             gd.lid = gd.layout.uid if gd.layout is not None else -gd.serial
             self._groups[key] = gd
         return gd
 
-    def _make_group(self, g: int, gp) -> GroupData:
+    def _make_group(self, g: int, gp, batch: int | None = None) -> GroupData:
         """Cost the lowering of ``gp`` by its strategy (:mod:`tag.parallel`): a unit running the
         whole group on a batch split (a vectorised :class:`Layout`) or position chunks on one
-        device each (:func:`mp_unit`), and the gradient collective."""
+        device each (:func:`mp_unit`), and the gradient collective. ``batch``: samples per run
+        (a pipeline's micro-batch; default the graph's batch)."""
         st, comm = self.static, self.comm
         strategy = strategy_of(gp)
-        lowered = strategy.units(g, gp, self.graph, st.batch_size)
+        lowered = strategy.units(g, gp, self.graph, st.batch_size if batch is None else batch)
         devs = tuple(gp.devices)
         sbytes = float(st.grad_bytes[g])
         sfb = None
@@ -305,19 +309,42 @@ class Simulator:
         return out
 
     # ---- the event loop -------------------------------------------------------------------
-    def run(self, groups, *, trace: bool = False) -> SimResult:
-        """Simulate one iteration of the deployment ``groups`` (one GroupPlan per op-group).
+    def run(self, groups, *, trace: bool = False, pipeline=None) -> SimResult:
+        """Simulate one iteration of the deployment ``groups`` (one GroupPlan per op-group) and,
+        if given, its :class:`~tag.plan.PipelinePlan` (validated by the caller:
+        :func:`tag.parallel.validate_plan`).
 
         The event loop (:class:`_Run`) records no task; the critical path is computed on first
         access by replaying the iteration with a :class:`_Recorder`. With ``trace`` the recorder
         runs at once and :attr:`SimResult.events` holds the timeline."""
         gds = self.deploy(groups)
+        micro = None if pipeline is None else self._micro(groups, pipeline)
         if not trace:
-            return _Run(self, gds).execute()
+            return _Run(self, gds, None, micro).execute()
         rec = _Recorder()
-        res = _Run(self, gds, rec).execute()
+        res = _Run(self, gds, rec, micro).execute()
         res.events = rec.events()
         return res
+
+    def _micro(self, groups, pp) -> _Micro:
+        """What the event loop needs to run ``groups`` as the pipeline ``pp``
+        (:mod:`tag.parallel.pipeline`): every group deployed at each micro-batch size, the tasks
+        in the schedule's global order, each stage's groups and micro-batches in flight."""
+        from ..parallel.pipeline import block_size, in_flight, micro_ranges, pipeline_order, stage_sequence
+
+        ranges = micro_ranges(self.static.batch_size, pp.micro_batches)
+        by_size: dict[int, list[GroupData]] = {}
+        mgds = []
+        for lo, hi in ranges:
+            if hi - lo not in by_size:
+                by_size[hi - lo] = [self.group_data(g, gp, batch=hi - lo) for g, gp in enumerate(groups)]
+            mgds.append(by_size[hi - lo])
+        S, k = len(pp.stages), block_size(pp)
+        bounds = list(pp.stages) + [len(groups)]
+        members = [list(range(bounds[s], bounds[s + 1])) for s in range(S)]
+        tasks = [(t.stage, FWD if t.phase == "fwd" else BWD, t.micro) for t in pipeline_order(S, pp.micro_batches, k)]
+        flight = [in_flight(stage_sequence(s, S, pp.micro_batches, k)) for s in range(S)]
+        return _Micro(mgds, tasks, members, flight)
 
 
 def wake_extra(sim: Simulator, unit: Unit, g: int, ph: int, start: list[float], cend: list[float]) -> list[float] | None:
@@ -400,6 +427,42 @@ class _Pair:
         return [f for _, fl in self.by_dst for f in fl]
 
 
+class _Micro(NamedTuple):
+    """A pipeline run (:meth:`Simulator._micro`). Micro-batch ``m`` of a stage is addressed as
+    chunk ``m`` of its groups (pipeline groups are data parallel: they have no position chunks),
+    so stage indices, flows and the recorder's stage keys carry the micro-batch unchanged."""
+
+    gds: list[list[GroupData]]
+    """Per micro-batch: every group's deployment at that micro-batch's size."""
+    tasks: list[tuple[int, int, int]]
+    """(stage, phase, micro-batch) in the schedule's global order."""
+    members: list[list[int]]
+    """Per stage: its groups, in order."""
+    flight: list[int]
+    """Per stage: the most micro-batches whose activations are alive at once."""
+
+
+class _Shifted:
+    """The flows of a :class:`_Pair` moved to micro-batch ``m`` (chunk ``m`` of both groups)."""
+
+    __slots__ = ("fast", "pr", "m", "_by_dst")
+
+    def __init__(self, pr: _Pair, m: int, k: int):
+        off = 2 * k * m
+        self.pr, self.m, self._by_dst = pr, m, None
+        self.fast = tuple((dst + off, tuple((si + off if si >= 0 else si, *rest) for si, *rest in fl))
+                          for dst, fl in pr.fast)
+
+    @property
+    def by_dst(self) -> list[tuple[tuple, list[Flow]]]:
+        if self._by_dst is None:
+            m = self.m
+            self._by_dst = [((ph, g2, m), [replace(f, src=(f.src[0], f.src[1], m) if f.src[0] != PARAM else f.src,
+                                                   dst=(ph, g2, m)) for f in fl])
+                            for (ph, g2, _), fl in self.pr.by_dst]
+        return self._by_dst
+
+
 class _Run:
     """The event loop: one simulated iteration (see the module docstring). Stages are flat indices
     (:meth:`Simulator._stage_index`), transfers plain tuples (:class:`_Pair`).
@@ -408,11 +471,16 @@ class _Run:
     timeline), or None (the search's hot path). The loop calls it, when present, after computing
     a task's times and before updating the resources' state; it computes no time."""
 
-    def __init__(self, sim: Simulator, gds: list[GroupData], rec: _Recorder | None = None):
-        self.sim, self.gds, self.rec = sim, gds, rec
+    def __init__(self, sim: Simulator, gds: list[GroupData], rec: _Recorder | None = None,
+                 micro: _Micro | None = None):
+        self.sim, self.gds, self.rec, self.micro = sim, gds, rec, micro
         n, m = sim.num_devices, sim.num_machines
         incoming: dict[int, tuple] = {}
-        used = sim._pairs_used(gds)
+        if micro is None:
+            used = sim._pairs_used(gds)
+        else:  # every micro-batch's flows, at its chunk index
+            k = len(gds)
+            used = [_Shifted(pr, j, k) for j, mg in enumerate(micro.gds) for pr in sim._pairs_used(mg)]
         for pr in used:
             for dst, fl in pr.fast:
                 lst = incoming.get(dst)
@@ -426,7 +494,7 @@ class _Run:
         self.comm_busy = [0.0] * n
         self.nic_out = [0.0] * m
         self.nic_in = [0.0] * m
-        chunks = max([len(gd.units) for gd in gds])
+        chunks = max([len(gd.units) for gd in gds]) if micro is None else len(micro.gds)
         self.sfin: list = [None] * (2 * len(gds) * chunks)  # stage index -> finish per replica
         self.group_finish = [0.0] * len(gds)
         sfb = [gd.sfb for gd in gds]
@@ -489,13 +557,14 @@ class _Run:
         return ready
 
     # ---- compute segments -------------------------------------------------------------------
-    def _phase(self, ph: int, order: list[int]) -> None:
+    def _phase(self, ph: int, order: list[int], m: int = 0) -> None:
         """The stages of phase ``ph`` of the groups in ``order``: segments of consecutive stages
-        on one layout with no transfer in (cumulative sums), an mp chunk alone."""
-        gds, incoming, rec = self.gds, self.incoming, self.rec
+        on one layout with no transfer in (cumulative sums), an mp chunk alone. ``m``: the
+        micro-batch (a pipeline's; its stages are chunk ``m`` of their groups)."""
+        gds, incoming, rec = self.gds if self.micro is None else self.micro.gds[m], self.incoming, self.rec
         k = len(gds)
         k2 = 2 * k
-        base = ph * k
+        base = ph * k + k2 * m
         sfb = ph == BWD and self.any_sfb  # an SFB group ends a backward segment
         fwd = ph == FWD
         cfree, comp, sfin, gf, cend = self.cfree, self.comp, self.sfin, self.group_finish, self.cend
@@ -577,7 +646,7 @@ class _Run:
                     if x > gf[g]:
                         gf[g] = x
             if rec is not None:
-                rec.segment(ph, [(g2, 0) for g2 in order[i:e]], gd.units[0], start, ready if inc else None)
+                rec.segment(ph, [(g2, m) for g2 in order[i:e]], gd.units[0], start, ready if inc else None)
             for r, d in enumerate(devs):
                 x = end[r]
                 cfree[d] = cend[d] = x
@@ -691,14 +760,19 @@ class _Run:
     def execute(self) -> SimResult:
         """Run the iteration. Without a recorder the critical path is computed on first access by
         replaying the iteration with one."""
-        sim, gds, rec = self.sim, self.gds, self.rec
+        sim, gds, rec, micro = self.sim, self.gds, self.rec, self.micro
         k = len(gds)
-        self._phase(FWD, list(range(k)))
-        self._phase(BWD, list(range(k - 1, -1, -1)))
+        if micro is None:
+            self._phase(FWD, list(range(k)))
+            self._phase(BWD, list(range(k - 1, -1, -1)))
+        else:  # the pipeline's tasks in the schedule's order (tag.parallel.pipeline)
+            for stage, ph, m in micro.tasks:
+                gs = micro.members[stage]
+                self._phase(ph, gs if ph == FWD else gs[::-1], m)
         sync_end = self._syncs()
-        final, before, upd_start, holds, res = _result(sim, self, sync_end, _holdings(sim, gds))
+        final, before, upd_start, holds, res = _result(sim, self, sync_end, _holdings(sim, gds, micro))
         if rec is None:
-            res.path_fn = lambda: _Run(sim, gds, _Recorder()).execute().critical_path
+            res.path_fn = lambda: _Run(sim, gds, _Recorder(), micro).execute().critical_path
         else:
             rec.close(final, before, upd_start, sync_end, holds)
             res.path_fn = rec.critical_path
@@ -915,8 +989,11 @@ class _Recorder:
         raise AssertionError(ref)
 
     def _bwd_last(self, g: int):
-        """Reference of the replica of group ``g``'s backward that finished last."""
-        sid, row = self.stage_loc[(BWD, g, 0)]
+        """Reference of the replica of group ``g``'s (last micro-batch's) backward that finished
+        last."""
+        micro = self.run.micro
+        last = 0 if micro is None else next(m for _, ph, m in reversed(micro.tasks) if ph == BWD)
+        sid, row = self.stage_loc[(BWD, g, last)]
         r = int(np.argmax(self.segs[sid][8][row]))
         return ("c", sid, row, r)
 
@@ -946,6 +1023,8 @@ class _Recorder:
         return names
 
     def _stage_name(self, ph: int, g: int, j: int) -> str:
+        if self.run.micro is not None:
+            return f"{PHASE_NAME[ph]} g{g} mb{j}"
         chunk = f".{j}" if self.gds[g].units[j].layout is None else ""
         return f"{PHASE_NAME[ph]} g{g}{chunk}"
 
@@ -986,9 +1065,22 @@ def _sync_name(gd, groups: tuple[int, ...]) -> str:
     return f"{gd.sync} " + "+".join(f"g{g}" for g in groups)
 
 
-def _holdings(sim, gds):
+def _holdings(sim, gds, micro: _Micro | None = None):
     """Per device: optimizer seconds, held bytes, max working set, holds-params flag (lists);
-    per group: compute seconds."""
+    per group: compute seconds (summed over a pipeline's micro-batches). A pipeline replica holds
+    its stage's in-flight micro-batches' saved activations (the first, largest, micro-batch's
+    size each; ``mem_per_sample``) besides what one run of the group holds."""
+    if micro is not None:
+        opt, mem, work, holds, _ = _holdings(sim, micro.gds[0])
+        gcomp = [sum(x) for x in zip(*(_holdings(sim, mg)[4] for mg in micro.gds))]
+        per_sample = sim.static.mem_per_sample
+        for stage, gs in enumerate(micro.members):
+            extra = micro.flight[stage] - 1
+            for g in gs:
+                lay = micro.gds[0][g].layout
+                for d, b in zip(lay.devices, lay.batches):
+                    mem[d] += extra * float(per_sample[g]) * b
+        return opt, mem, work, holds, gcomp
     n = sim.num_devices
     opt, mem, work = [0.0] * n, [0.0] * n, [0.0] * n
     holds = [False] * n

@@ -1,0 +1,121 @@
+"""Megatron-style layouts (``dp=D,pp=P,micro=M``) as TAG plans: parsing, balanced stage cuts,
+placement, and ``tag simulate --layout``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_executor import MLP, B
+
+from tag.cli import main
+from tag.cost.baselines import data_parallel
+from tag.cost.model import CostModel
+from tag.errors import PlanError
+from tag.parallel import validate_plan
+from tag.parallel.layout import Layout, balanced_cuts, layout_plan, parse_layout
+from tag.plan import Plan
+from tag.sim import simulate
+
+
+def test_parse_layout():
+    assert parse_layout("dp=2,pp=2,micro=8") == Layout(dp=2, pp=2, micro=8)
+    assert parse_layout(" dp=1 , pp=4, micro=4, schedule=kfkb, k=2") == Layout(1, 1, 4, 4, "kfkb", 2)
+    for text, message in [("dp=2,pp", r"'pp': expected key=value"), ("dq=2", r"dq: unknown key; expected one of"),
+                          ("dp=two", r"dp: expected a positive integer, got 'two'"), ("dp=0", r"dp: expected a positive"),
+                          ("dp=1,dp=2", r"dp: given twice"), ("schedule=zb", r"schedule: expected one of"),
+                          ("tp=2", r"tp: tensor parallelism is not an action of this version")]:
+        with pytest.raises(PlanError, match="^layout: .*" + message):
+            parse_layout(text)
+
+
+def test_balanced_cuts():
+    assert balanced_cuts([1, 1, 1, 1], 2) == [0, 2]
+    assert balanced_cuts([3, 1, 1, 1], 2) == [0, 1]
+    assert balanced_cuts([1, 1, 1, 1, 4], 2) == [0, 4]
+    assert balanced_cuts([0, 0, 0, 9], 4) == [0, 1, 2, 3]  # every stage keeps a group
+    assert balanced_cuts([5.0], 1) == [0]
+    with pytest.raises(PlanError, match=r"pp: expected 1\.\.3 stages"):
+        balanced_cuts([1, 1, 1], 4)
+
+
+@pytest.fixture(scope="module")
+def mlp(captured):
+    return captured(MLP, batch=B, groups=4).graph
+
+
+def test_layout_plans(mlp, topo4):
+    costs = CostModel.for_topology(mlp, topo4)
+    dp = layout_plan(mlp, topo4, Layout(dp=4), costs)
+    assert dp.pipeline is None and [(g.devices, g.shares) for g in dp.groups] == \
+        [(g.devices, g.shares) for g in data_parallel(mlp, topo4).groups]
+    pp = layout_plan(mlp, topo4, Layout(dp=2, pp=2, micro=2), costs)
+    validate_plan(pp, mlp, topo4, pipelines=True)
+    cut = pp.pipeline.stages[1]
+    assert pp.pipeline.stages[0] == 0 and 0 < cut < mlp.num_groups
+    assert all(g.devices == [0, 1] for g in pp.groups[:cut]) and all(g.devices == [2, 3] for g in pp.groups[cut:])
+    assert simulate(mlp, topo4, pp).iteration_time_s > 0
+    with pytest.raises(PlanError, match=r"^layout: dp\*tp\*pp = 2\*1\*1 = 2 devices, but topology 'local-cpu4' has 4"):
+        layout_plan(mlp, topo4, Layout(dp=2), costs)
+    with pytest.raises(PlanError, match=r"^layout: micro: 8 micro-batches of 2 replicas need at least 16 samples"):
+        layout_plan(mlp, topo4, Layout(dp=2, pp=2, micro=8), costs)
+
+
+def test_simulate_a_layout(capsys):
+    assert main(["simulate", "--model", MLP, "--batch", str(B), "--groups", "4", "--topology", "local-cpu4",
+                 "--layout", "dp=2,pp=2,micro=2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"] == "layout:dp=2,pp=2,micro=2" and out["iteration_time_s"] > 0
+    # a layout that does not fit the topology fails before any capture, in one line
+    assert main(["simulate", "--model", MLP, "--topology", "local-cpu4", "--layout", "dp=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dp*tp*pp = 3*1*1 = 3 devices" in err[0]
+
+
+def test_layout_grid_and_its_best(mlp, topo4):
+    from tag.parallel.layout import best_layout, layout_grid
+    from tag.sim import Simulator
+
+    grid = layout_grid(mlp, topo4)
+    assert Layout(dp=4) in grid and Layout(dp=2, pp=2, micro=4) in grid and Layout(dp=1, pp=4, micro=8) in grid
+    assert all(g.devices == 4 and g.micro * g.dp <= B for g in grid)
+    assert not any(g.pp == 1 and g.micro > 1 for g in grid)
+    sim = Simulator(mlp, topo4)
+    runs = []
+
+    def simulate_(plan):
+        runs.append(sim.run(plan.groups, pipeline=plan.pipeline))
+        return runs[-1]
+
+    plan, tried = best_layout(mlp, topo4, CostModel.for_topology(mlp, topo4), simulate_)
+    assert tried == len(grid) == len(runs)
+    assert plan.predicted_iteration_time_s == min(r.iteration_time_s for r in runs if not r.oom)
+    assert plan.meta["searcher"] == "dp-tp-pp-grid"
+
+
+def test_the_planner_proposes_a_pipeline_where_it_pays(captured, tmp_path):
+    """Four single-GPU machines too small for the model (parameters, gradients and Adam state do
+    not fit on one): TAG's per-group actions can only run the groups one device after another
+    (model parallel on the full batch); a 4-stage 1F1B pipeline overlaps them. The planner returns
+    the pipeline, faster than its own searched plan, and the plan file carries it."""
+    import yaml
+
+    from tag.planner import find_plan
+    from tag.topology import load_topology
+
+    graph = captured("mlp:layers=8,hidden=512,in_dim=256", batch=128, groups=8).graph
+    state = sum(p.nbytes for p in graph.params) * 4  # weights, gradients, two Adam moments
+    gpu = {"name": "small", "tflops": 14, "memory": f"{int(state * 0.6)} B", "memory_bandwidth": "900 GB/s"}
+    path = tmp_path / "four-small.yaml"
+    path.write_text(yaml.safe_dump({"name": "four-small", "network": {"bandwidth": "10 Gbit/s"},
+                                    "machines": [{"name": f"m{i}", "gpu": gpu, "count": 1} for i in range(4)]}))
+    topo = load_topology(path)
+    searched = find_plan(graph, topo, prior="uniform", budget=100, pipelines="off", compression="off")
+    best = find_plan(graph, topo, prior="uniform", budget=100, compression="off")
+    assert best.pipeline is not None and best.meta["source"] == "layout-grid"
+    assert searched.predicted_iteration_time_s is None or \
+        best.predicted_iteration_time_s < searched.predicted_iteration_time_s
+    res = simulate(graph, topo, best)
+    assert not res.oom and res.iteration_time_s == pytest.approx(best.predicted_iteration_time_s)
+    best.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").pipeline == best.pipeline
