@@ -55,10 +55,11 @@ def add_model_args(p: argparse.ArgumentParser, *, groups: bool = True) -> None:
                        help=f"number of op-groups (1..{MAX_GROUPS}, default 48)")
 
 
-def add_precision_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+def add_precision_arg(p: argparse.ArgumentParser, default: str | None = "fp32") -> None:
+    p.add_argument("--precision", default=default, choices=["fp32", "bf16", "fp16"],
                    help="fp32, or torch.autocast mixed precision: fp32 master weights and optimizer state, "
-                        "bf16/fp16 activations (fp16 with loss scaling); default fp32")
+                        "bf16/fp16 activations (fp16 with loss scaling); default "
+                        + (default or "the plan's"))
 
 
 def add_numerics_args(p: argparse.ArgumentParser) -> None:

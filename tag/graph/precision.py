@@ -28,6 +28,16 @@ LOW_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """The autocast dtype of each mixed precision."""
 
 
+FP16_LOSS_SCALE = 2.0**16
+"""The executor's static fp16 loss scale: ``torch.amp.GradScaler``'s initial scale. It is not
+adjusted (no growth or back-off): a step with a non-finite gradient is skipped."""
+
+
+def loss_scale(precision: str) -> float:
+    """The static loss scale of a precision (1 for fp32 and bf16, which need none)."""
+    return FP16_LOSS_SCALE if precision == "fp16" else 1.0
+
+
 def check_precision(precision: str, where: str = "--precision") -> str:
     """``precision`` if it is one of :data:`PRECISIONS`, else a one-line :class:`TagError`."""
     if precision not in PRECISIONS:
