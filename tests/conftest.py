@@ -12,16 +12,17 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 @pytest.fixture(scope="session")
 def captured():
-    """``captured(spec, batch=None, groups=16, optimizer="adam")`` -> cached :class:`Captured`."""
+    """``captured(spec, batch=None, groups=16, optimizer="adam", precision="fp32")`` -> cached :class:`Captured`."""
     from tag.graph import capture
     from tag.workloads import load_workload
 
     cache = {}
 
-    def get(spec: str, batch: int | None = None, groups: int = 16, optimizer: str = "adam"):
-        key = (spec, batch, groups, optimizer)
+    def get(spec: str, batch: int | None = None, groups: int = 16, optimizer: str = "adam", precision: str = "fp32"):
+        key = (spec, batch, groups, optimizer, precision)
         if key not in cache:
-            cache[key] = capture(load_workload(spec, batch=batch), optimizer=optimizer, num_groups=groups)
+            cache[key] = capture(load_workload(spec, batch=batch), optimizer=optimizer, num_groups=groups,
+                                 precision=precision)
         return cache[key]
 
     return get

@@ -63,10 +63,10 @@ class _Case:
         from ..topology import load_topology
         from ..workloads import load_workload
 
-        key = (model.spec, model.batch)
+        key = (model.spec, model.batch, cfg.precision)
         if key not in graph_cache:
             graph_cache[key] = capture(load_workload(model.spec, batch=model.batch, seed=cfg.seed),
-                                       num_groups=cfg.groups).graph
+                                       num_groups=cfg.groups, precision=cfg.precision).graph
         self.graph = graph_cache[key]
         self.topology = load_topology(topology_name)
         self.costs = CostModel.for_topology(self.graph, self.topology)

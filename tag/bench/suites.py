@@ -56,6 +56,8 @@ class SuiteConfig:
     """Topologies of local CPU devices on which every method's plan is also executed for real."""
     execute_steps: int = 3
     """Measured iterations per executed plan (after one warm-up)."""
+    precision: str = "fp32"
+    """Training precision of every model (``fp32``, ``bf16``, ``fp16``; :mod:`tag.graph.precision`)."""
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]

@@ -14,6 +14,8 @@ def register(sub) -> None:
     p.add_argument("--topologies", default=None,
                    help="comma-separated subset of the suite's topologies (runs sharing --out fill one "
                         "cells.jsonl; a final run without filters writes the whole report)")
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="training precision of every model (default: the suite's)")
     p.set_defaults(func=run)
 
 
@@ -25,6 +27,8 @@ def run(args) -> int:
     from ..errors import TagError
 
     cfg = SUITES[args.suite]()
+    if args.precision:
+        cfg.precision = args.precision
     if args.methods:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         bad = [m for m in methods if m not in METHODS]

@@ -49,9 +49,34 @@ def add_model_args(p: argparse.ArgumentParser, *, groups: bool = True) -> None:
                    help=f"global batch size (samples, 1..{MAX_BATCH})")
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"])
     p.add_argument("--seed", type=int, default=0, help="random seed for weights and inputs")
+    add_precision_arg(p)
     if groups:
         p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=48,
                        help=f"number of op-groups (1..{MAX_GROUPS}, default 48)")
+
+
+def add_precision_arg(p: argparse.ArgumentParser, default: str | None = "fp32") -> None:
+    p.add_argument("--precision", default=default, choices=["fp32", "bf16", "fp16"],
+                   help="fp32, or torch.autocast mixed precision: fp32 master weights and optimizer state, "
+                        "bf16/fp16 activations (fp16 with loss scaling); default "
+                        + (default or "the plan's"))
+
+
+def add_numerics_args(p: argparse.ArgumentParser) -> None:
+    """PyTorch's TF32 switches for the GPU cost model (:class:`tag.cost.gpu.Numerics`)."""
+    p.add_argument("--matmul-tf32", action="store_true",
+                   help="fp32 matmuls run on TF32 (torch.backends.cuda.matmul.allow_tf32 = True; PyTorch's "
+                        "default is off)")
+    p.add_argument("--no-cudnn-tf32", action="store_true",
+                   help="fp32 convolutions run in full fp32 (torch.backends.cudnn.allow_tf32 = False; PyTorch's "
+                        "default is TF32)")
+
+
+def numerics_of(args):
+    from ..cost.gpu import Numerics
+
+    return Numerics(matmul_tf32=bool(getattr(args, "matmul_tf32", False)),
+                    conv_tf32=not getattr(args, "no_cudnn_tf32", False))
 
 
 def add_force_arg(p: argparse.ArgumentParser) -> None:
@@ -102,7 +127,8 @@ def load_captured(args):
     from ..workloads import load_workload
 
     wl = load_workload(args.model, batch=args.batch, seed=args.seed)
-    return wl, capture(wl, optimizer=args.optimizer, num_groups=getattr(args, "groups", 48))
+    return wl, capture(wl, optimizer=args.optimizer, num_groups=getattr(args, "groups", 48),
+                       precision=getattr(args, "precision", "fp32"))
 
 
 def print_json(obj) -> None:

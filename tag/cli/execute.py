@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import argparse
 
-from .common import MAX_BATCH, MAX_GROUPS, add_force_arg, check_outputs, int_in, print_json, seconds
+from .common import (
+    MAX_BATCH,
+    MAX_GROUPS,
+    add_force_arg,
+    add_precision_arg,
+    check_outputs,
+    int_in,
+    print_json,
+    seconds,
+)
 
 
 def register(sub) -> None:
@@ -33,6 +42,7 @@ def add_execute_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int_in(1, MAX_BATCH), default=None,
                    help=f"global batch (1..{MAX_BATCH}; default: the plan's)")
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"])
+    add_precision_arg(p, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=None, help="op-groups (default: the plan's)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
@@ -57,7 +67,7 @@ def run(args) -> int:
                         optimizer=args.optimizer, seed=args.seed, groups=args.groups, steps=args.steps,
                         warmup=args.warmup, backend=args.backend, emulate_speed=args.emulate_speed,
                         timeout_s=args.timeout, run_dir=args.run_dir, save_params=args.save_params,
-                        fault=args.inject_fault)
+                        fault=args.inject_fault, precision=args.precision)
     res = execute(cfg)
     d = res.to_dict()
     if args.out:

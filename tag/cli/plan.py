@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from .common import add_force_arg, add_model_args, check_outputs, int_in, print_json, seconds
+from .common import (
+    add_force_arg,
+    add_model_args,
+    add_numerics_args,
+    check_outputs,
+    int_in,
+    numerics_of,
+    print_json,
+    seconds,
+)
 
 
 def register(sub) -> None:
@@ -36,6 +45,7 @@ def register(sub) -> None:
     p.add_argument("--trace", metavar="OUT.json", default=None,
                    help="write the simulated timeline of the plan (Chrome/Perfetto trace)")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of the table")
+    add_numerics_args(p)
     add_force_arg(p)
     p.add_argument("--allow-oom", action="store_true",
                    help="when even the best plan runs out of memory, still write it and exit 0 (default: "
@@ -82,7 +92,7 @@ def run(args) -> int:
     costs = None
     try:
         from ..cost.model import CostModel
-        costs = CostModel.for_topology(graph, topo, args.profiles)
+        costs = CostModel.for_topology(graph, topo, args.profiles, numerics=numerics_of(args))
     except ImportError:  # pragma: no cover
         pass
     p = find_plan(graph, topo, searcher=args.searcher, prior=args.prior, budget=args.budget,

@@ -71,7 +71,7 @@ def run(args) -> int:
 
         prof = profile_model(args.model, batch=args.batch, device=args.device, batches=batches,
                              repeats=args.repeats, warmup=args.warmup, optimizer=args.optimizer,
-                             num_groups=args.groups, seed=args.seed)
+                             num_groups=args.groups, seed=args.seed, precision=args.precision)
         path = prof.save(root)
         dtype = prof.device_type
         print(f"profile {prof.model} ({prof.graph_signature}) on {dtype}: batches {prof.batches} -> {path}")

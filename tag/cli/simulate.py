@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_force_arg, add_model_args, check_outputs, print_json
+from .common import add_force_arg, add_model_args, add_numerics_args, check_outputs, numerics_of, print_json
 
 
 def register(sub) -> None:
@@ -28,6 +28,7 @@ def register(sub) -> None:
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline in Chrome/Perfetto trace format")
     p.add_argument("--profiles", metavar="DIR", default=None, help="profile database root (default data/profiles)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_numerics_args(p)
     add_force_arg(p)
     p.set_defaults(func=run)
 
@@ -53,13 +54,15 @@ def run(args) -> int:
             args.batch = plan.batch_size
         if args.groups is None:
             args.groups = len(plan.groups)
+        if args.precision == "fp32" and plan.precision != "fp32":  # the plan says what it was made for
+            args.precision = plan.precision
     if args.groups is None:
         args.groups = 48
     from .common import load_captured
 
     _, cap = load_captured(args)
     graph = cap.graph
-    costs = CostModel.for_topology(graph, topo, args.profiles)
+    costs = CostModel.for_topology(graph, topo, args.profiles, numerics=numerics_of(args))
     if layout is not None:
         plan = layout_plan(graph, topo, layout, costs)
     elif plan is None:
@@ -70,7 +73,7 @@ def run(args) -> int:
     lb = lower_bound(graph, topo, costs)
     if args.trace:
         write_json(args.trace, res.chrome_trace(), indent=None)
-    sources = sorted({costs.source(d) for d in range(topo.num_devices)})
+    sources = _sources(costs, topo)
     if args.json:
         out = {"model": graph.model, "batch_size": graph.batch_size, "topology": topo.name,
                "plan": args.plan or (f"layout:{args.layout}" if args.layout else f"baseline:{args.baseline}"), "lower_bound_s": lb, "cost_sources": sources,
@@ -81,6 +84,14 @@ def run(args) -> int:
     return 0
 
 
+def _sources(costs, topo) -> list[str]:
+    """``<source> (<device type>)`` of each device type: where its compute costs come from."""
+    out = {}
+    for d in range(topo.num_devices):
+        out.setdefault(costs.device_type(d), costs.source(d))
+    return [f"{src} ({dt})" if not src.endswith(dt) else src for dt, src in out.items()]
+
+
 def _print_summary(graph, topo, args, res, lb, sources) -> None:
     from ..topology.units import format_bytes
 
@@ -88,7 +99,8 @@ def _print_summary(graph, topo, args, res, lb, sources) -> None:
         return f"{x * 1e3:10.3f}"
 
     what = _what(args)
-    print(f"model {graph.model} (batch {graph.batch_size}, {graph.num_groups} groups) on {topo.name}: {what}")
+    print(f"model {graph.model} (batch {graph.batch_size}, {graph.num_groups} groups, {graph.precision}) on "
+          f"{topo.name}: {what}")
     print(f"costs from {', '.join(sources)}")
     print(f"iteration time {res.iteration_time_s * 1e3:.3f} ms  (ideal lower bound {lb * 1e3:.3f} ms)  "
           f"OOM: {'yes' if res.oom else 'no'}")

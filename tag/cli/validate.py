@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import MAX_BATCH, MAX_GROUPS, int_in
+from .common import MAX_BATCH, MAX_GROUPS, add_precision_arg, int_in
 
 
 def register(sub) -> None:
@@ -21,6 +21,7 @@ def register(sub) -> None:
                    help=f"global batch (1..{MAX_BATCH}; default: the model's)")
     p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=8, help="op-groups (default 8)")
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"])
+    add_precision_arg(p)
     p.add_argument("--steps", type=int_in(1), default=10, help="timed iterations per plan (default 10)")
     p.add_argument("--warmup", type=int_in(0), default=3, help="warm-up iterations per plan (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the varied plans")
@@ -50,7 +51,8 @@ def run(args) -> int:
     out = args.out or str(Path("evaluation/results") / f"validate-{Path(args.topology).stem}")
     report = validate(args.model, args.topology, out, n_plans=args.plans, batch=args.batch, groups=args.groups,
                       optimizer=args.optimizer, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                      profile=not args.no_profile, profile_dir=args.profile_dir, rounds=args.rounds)
+                      profile=not args.no_profile, profile_dir=args.profile_dir, rounds=args.rounds,
+                      precision=args.precision)
     print(report.table())
     print(f"results: {out}/validation.json, plot: {out}/scatter.png")
     return 0

@@ -13,6 +13,13 @@ Where a device's time comes from (``CostModel.source(d)``), best first:
    factors (:data:`tag.cost.roofline.DEVICE_EFFICIENCY`, default 0.7 / 0.8 of the datasheet);
 3. ``roofline``: ``R_dev`` itself (no profile of this graph on a device of that class).
 
+A GPU's ``R`` is not the datasheet roofline but the measured GPU rule of :mod:`tag.cost.gpu`
+(rates per op class and dtype, eager launch cost), and its source names where its rates come
+from: ``fitted:<type>`` (microbenchmarks and eager steps of that type) or ``datasheet:<type>``
+(the measured type's efficiencies on this type's datasheet); ``scaled:<type>`` scales a GPU
+profile with the same rule. ``numerics`` (:class:`tag.cost.gpu.Numerics`) says whether fp32
+matmuls / convolutions run on TF32 (PyTorch's defaults: matmuls no, cuDNN convolutions yes).
+
 A CPU device is typed ``cpu-<threads>t``: a topology with ``n`` CPU devices on a machine runs one
 rank per device with ``cores // n`` threads each (what the executor does).
 """
@@ -26,6 +33,7 @@ import numpy as np
 
 from ..graph.ir import PHASES
 from .comm import CommModel
+from .gpu import Numerics, OpFeatures, gpu_rates, stage_table
 from .profile import cpu_device_type, default_profile_dir, find_profile, profiled_device_types
 from .roofline import Roofline, group_phase_table, op_overhead, roofline_for
 
@@ -82,18 +90,26 @@ class CostModel:
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
-    def for_topology(cls, graph, topology, profile_dir=None) -> CostModel:
-        """Profile where one exists for a device type, else scaled profile, else roofline."""
+    def for_topology(cls, graph, topology, profile_dir=None, numerics: Numerics | None = None) -> CostModel:
+        """Profile where one exists for a device type, else scaled profile, else the roofline rule
+        (CPU) or the GPU rule (:mod:`tag.cost.gpu`)."""
         root = default_profile_dir() if profile_dir is None else profile_dir
         sig = graph.signature()
         available = profiled_device_types(root, sig)
         grid = np.arange(graph.batch_size + 1, dtype=float)
         by_type: dict[str, DeviceCost] = {}
         devices = []
+        feat: list = []  # the graph's GPU op features, built once when a GPU needs them
+
+        def features() -> OpFeatures:
+            if not feat:
+                feat.append(OpFeatures.of(graph, numerics or Numerics()))
+            return feat[0]
+
         for d in range(topology.num_devices):
             dt = device_type(topology, d)
             if dt not in by_type:
-                by_type[dt] = _device_cost(graph, topology, d, dt, root, sig, available, grid)
+                by_type[dt] = _device_cost(graph, topology, d, dt, root, sig, available, grid, features)
             devices.append(by_type[dt])
         return cls(graph, topology, devices, CommModel.for_topology(topology, root))
 
@@ -187,14 +203,21 @@ def _position_weights(graph, g: int, phase: str) -> np.ndarray:
     return w
 
 
-def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: list[str],
-                 grid: np.ndarray) -> DeviceCost:
-    spec = topology.devices[d].gpu
-    roof = device_roofline(dt, spec)
-    overhead = op_overhead(spec)
+def _rule(graph, dt: str, spec, features):
+    """(``R(batches) -> [K, 3, n]``, source name, step overhead s) of a device type's rule: the
+    roofline for a CPU, the GPU rule of :mod:`tag.cost.gpu` for a GPU."""
+    if _is_cpu(dt):
+        roof, overhead = device_roofline(dt, spec), op_overhead(spec)
+        return (lambda batches: group_phase_table(graph, roof, batches, overhead)), "roofline", 0.0
+    rates = gpu_rates(spec)
+    return ((lambda batches: stage_table(graph, features(), rates, batches)), rates.source,
+            rates.step_overhead(graph.optimizer))
 
-    def rtab(batches, roof=roof, overhead=overhead):
-        return group_phase_table(graph, roof, batches, overhead)
+
+def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: list[str],
+                 grid: np.ndarray, features) -> DeviceCost:
+    spec = topology.devices[d].gpu
+    rtab, rule_source, rule_overhead = _rule(graph, dt, spec, features)
 
     prof = find_profile(root, dt, sig) if dt in available else None
     if prof is not None and prof.num_groups == graph.num_groups:
@@ -204,11 +227,10 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
     prof = find_profile(root, ref, sig) if ref is not None else None
     if prof is not None and prof.num_groups == graph.num_groups:
         ref_spec = spec if _is_cpu(ref) else _catalog(ref)
-        ref_roof = device_roofline(ref, ref_spec)
-        ref_over = op_overhead(ref_spec)
+        ref_tab = _rule(graph, ref, ref_spec, features)[0]
 
-        def scaled(batches, prof=prof, ref_roof=ref_roof, ref_over=ref_over):
-            return prof.table(batches) * _ratio(rtab(batches), group_phase_table(graph, ref_roof, batches, ref_over))
+        def scaled(batches, prof=prof, ref_tab=ref_tab):
+            return prof.table(batches) * _ratio(rtab(batches), ref_tab(batches))
 
         over = prof.opt_step_overhead_s * (_threads(ref) / _threads(dt) if _is_cpu(dt) else 1.0)
         table = scaled(grid)
@@ -216,7 +238,7 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
         if wake is not None:  # scaled like the stages it delays
             wake = wake * _ratio(table[:, :2], prof.table(grid)[:, :2])
         return DeviceCost(dt, f"scaled:{ref}", table, over, scaled, wake, gap, tau)
-    return DeviceCost(dt, "roofline", rtab(grid), 0.0, rtab)
+    return DeviceCost(dt, rule_source, rtab(grid), rule_overhead, rtab)
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:

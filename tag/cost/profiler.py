@@ -132,7 +132,7 @@ def build_iteration(graph, model, make_inputs, batch: int, device: torch.device,
     nodes: names would then designate other ops).
     """
     with _quiet():
-        ep = export_joint(model, make_inputs(batch))
+        ep = export_joint(model, make_inputs(batch), precision=getattr(graph, "precision", "fp32"))
     gm = ep.graph_module
     if reference is not None and structure(gm) != reference:
         raise StructureMismatch(f"the joint graph at batch {batch} differs from the captured one")
@@ -352,7 +352,7 @@ def default_corun(device: torch.device) -> int:
 def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", batches: list[int] | None = None,
                   repeats: int = 5, warmup: int = 2, optimizer: str = "adam", num_groups: int = 48,
                   seed: int = 0, threads: int | None = None, log: Log = stderr_log, captured=None,
-                  corun: int | None = None, wake_gap_s: float | None = None) -> Profile:
+                  corun: int | None = None, wake_gap_s: float | None = None, precision: str = "fp32") -> Profile:
     """Profile zoo model / factory ``spec`` on the local ``device`` (``cpu`` or ``cuda``).
 
     Args:
@@ -364,6 +364,8 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
             :func:`default_corun`: the executor's other ranks of this device type; 0: idle host).
         wake_gap_s: idle seconds before each stage for the wake penalty (default
             :data:`WAKE_GAP_S` on a CPU, 0 = not measured; never on a GPU).
+        precision: fp32, or bf16 / fp16 autocast (:mod:`tag.graph.precision`): the graph and
+            every timed stage carry its casts; recorded in the graph signature and ``meta``.
     """
     from ..graph.capture import capture
     from ..workloads import load_workload
@@ -375,7 +377,8 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     wl = load_workload(spec, batch=batch, seed=seed)
     t0 = time.perf_counter()
-    cap = captured if captured is not None else capture(wl, optimizer=optimizer, num_groups=num_groups)
+    cap = captured if captured is not None else capture(wl, optimizer=optimizer, num_groups=num_groups,
+                                                        precision=precision)
     graph = cap.graph
     log(f"profile {graph.model}: captured {len(graph.ops)} ops in {graph.num_groups} groups "
         f"({time.perf_counter() - t0:.1f} s)")
@@ -389,7 +392,7 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
         b = todo.pop(0)
         t0 = time.perf_counter()
         try:
-            its.append(build_iteration(graph, wl.model, wl.make_inputs, b, dev, ref))
+            its.append(build_iteration(graph, wl.model, wl.make_inputs, b, dev, ref))  # graph.precision
             log(f"  batch {b}: exported in {time.perf_counter() - t0:.1f} s")
         except StructureMismatch:
             log(f"  batch {b}: the joint graph differs from the captured one (node renumbering); skipped")
@@ -416,7 +419,7 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
         dtype = cpu_device_type(torch.get_num_threads())
     meta = {"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "host": platform.node(), "date": time.strftime("%Y-%m-%d"), "num_groups_requested": num_groups,
-            "stage_scale": scales, "corun": n_bg,
+            "stage_scale": scales, "corun": n_bg, "precision": graph.precision,
             "clock": "thread_time" if clock is time.thread_time else "perf_counter"}
     if wake:
         log(f"  wake penalty after {gap * 1e3:.0f} ms idle: +{wake['total'] * 1e3:.2f} ms per iteration at "

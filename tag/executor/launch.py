@@ -60,6 +60,9 @@ class ExecuteConfig:
     ``data/profiles``). CPU profiles are only valid on the machine that measured them."""
     fault: str | None = None
     """Testing only (see :class:`WorkerArgs`)."""
+    precision: str | None = None
+    """fp32, or bf16 / fp16 autocast (:mod:`tag.graph.precision`; fp16 with loss scaling);
+    None: the plan's."""
 
 
 @dataclass
@@ -114,7 +117,7 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     groups = cfg.groups or len(plan.groups)
     if graph is None:
         wl = load_workload(cfg.model, batch=batch, seed=cfg.seed)
-        graph = capture(wl, optimizer=cfg.optimizer, num_groups=groups).graph
+        graph = capture(wl, optimizer=cfg.optimizer, num_groups=groups, precision=cfg.precision or plan.precision).graph
     validate_plan(plan, graph, topology, source=cfg.plan)
     world = topology.num_devices
     backend = _backend(cfg.backend, topology)
@@ -132,7 +135,8 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
                        topology=str(topo_path), plan=str(Path(cfg.plan).resolve()),
                        out_dir=str(run_dir), steps=cfg.steps, warmup=cfg.warmup, backend=backend,
                        emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
-                       save_params=cfg.save_params, fault=cfg.fault, launcher_pid=os.getpid())
+                       save_params=cfg.save_params, fault=cfg.fault, launcher_pid=os.getpid(),
+                       precision=graph.precision)
     write_json(args_path, asdict(wargs))
     _launch(world, args_path, run_dir, cfg.timeout_s, "spawn" if backend == "nccl" else "forkserver")
     ranks = _read_ranks(run_dir)

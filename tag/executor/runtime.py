@@ -52,9 +52,10 @@ class Joint:
     state_values: dict[str, torch.Tensor]
 
 
-def export_at(model: torch.nn.Module, make_inputs, batch: int) -> Joint:
-    """Export the joint graph of ``model`` at local batch ``batch`` (one torch.export)."""
-    ep = export_joint(model, make_inputs(batch))
+def export_at(model: torch.nn.Module, make_inputs, batch: int, precision: str = "fp32") -> Joint:
+    """Export the joint graph of ``model`` at local batch ``batch`` (one torch.export); bf16 / fp16:
+    exported under autocast, so the graph runs mixed precision as it is (:mod:`tag.graph.precision`)."""
+    ep = export_joint(model, make_inputs(batch), precision=precision)
     users, state = [], {}
     for s in ep.graph_signature.input_specs:
         if s.kind == InputKind.USER_INPUT:
@@ -94,6 +95,10 @@ class RankRuntime:
     """Emulated speed: each stage takes ``slowdown`` x its real time (sleeps the rest)."""
     global_joint: Joint | None = None
     """The joint graph at the global batch: needed when a unit of this rank uses SFB."""
+    loss_scale: float = 1.0
+    """Static fp16 loss scale (:data:`tag.graph.precision.FP16_LOSS_SCALE`; 1 otherwise): the
+    loss-gradient seed is multiplied by it and the gradients divided by it before the update,
+    which is skipped when one of them is not finite (``torch.amp.GradScaler``'s rule)."""
 
     def __post_init__(self) -> None:
         s = self.schedule
@@ -111,7 +116,7 @@ class RankRuntime:
                 _retarget_devices(stage.module, self.device)
             if key == (s.loss_unit, "bwd"):
                 rep = self.my_units[s.loss_unit].replica_on(self.rank)
-                _scale_seed(stage, s.loss, rep.batch / s.batch_size)
+                _scale_seed(stage, s.loss, rep.batch / s.batch_size * self.loss_scale)
         # Parameters of the units this rank replicates; buffers/constants for every placeholder.
         any_joint = next(iter(self.joints.values())) if self.joints else None
         self.state: dict[str, torch.Tensor] = {}
@@ -354,7 +359,8 @@ class RankRuntime:
         # single-tensor Adam nor SGD writes into ``grad``, and ``env`` is cleared next iteration.
         for ph, p in self.params.items():
             p.grad = self.env[(s.param_owner[ph], s.param_grad[ph])].detach().reshape(p.shape)
-        self.optimizer.step()
+        if self.loss_scale == 1.0 or _unscale(self.params.values(), self.loss_scale):
+            self.optimizer.step()
         for p in self.params.values():
             p.grad = None
         self._synchronize()
@@ -424,6 +430,15 @@ def _edit_outputs(stage: Stage, add: list[str], drop: set[str]) -> None:
     alive = {n.name for n in g.nodes}
     stage.nodes = [n for n in stage.nodes if n in alive]
     stage.module.recompile()
+
+
+def _unscale(params, scale: float) -> bool:
+    """Divide every gradient by ``scale`` in place; False if one is not finite (skip the step)."""
+    grads = [p.grad for p in params]
+    if not grads:
+        return True
+    torch._foreach_mul_(grads, 1.0 / scale)
+    return all(bool(torch.isfinite(g).all()) for g in grads)
 
 
 def _scale_seed(stage: Stage, loss: str, scale: float) -> None:

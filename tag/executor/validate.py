@@ -159,7 +159,7 @@ def scatter_plot(report: ValidationReport, path: str | Path) -> None:
 def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: int = 12, batch: int | None = None,
              groups: int = 8, optimizer: str = "adam", steps: int = 10, warmup: int = 3, seed: int = 0,
              profile: bool = True, profile_dir: str | Path | None = None, rounds: int = 1,
-             log_fn=print) -> ValidationReport:
+             log_fn=print, precision: str = "fp32") -> ValidationReport:
     """Execute ``n_plans`` plans of ``model`` on ``topology_path``; write JSON + PNG into ``out_dir``.
 
     ``profile_dir``: the profile database predictions are costed with; default
@@ -186,7 +186,7 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     topology = load_topology(topology_path)
-    cap = capture(load_workload(model, batch=batch), optimizer=optimizer, num_groups=groups)
+    cap = capture(load_workload(model, batch=batch), optimizer=optimizer, num_groups=groups, precision=precision)
     graph = cap.graph
     root = Path(profile_dir) if profile_dir is not None else out / "profiles"
     per_round = profile and profile_dir is None and rounds > 1
@@ -214,7 +214,7 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
             run_dir = _run_dir(out, name, r, rounds)
             cfg = ExecuteConfig(model=model, topology=topology_path, plan=str(out / "plans" / f"{name}.json"),
                                 batch=graph.batch_size, optimizer=optimizer, groups=groups, steps=steps,
-                                warmup=warmup, run_dir=str(run_dir), profile_dir=str(proot))
+                                warmup=warmup, run_dir=str(run_dir), profile_dir=str(proot), precision=precision)
             res = execute(cfg, graph=graph)
             write_json(run_dir / "result.json", res.to_dict())
             predicted[name].append(float(res.predicted_iteration_time_s or math.nan))

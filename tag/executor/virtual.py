@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..graph.ir import OpGraph
+from ..graph.precision import autocast, loss_scale
 from ..parallel.schedule import Schedule, build_schedule
 from ..plan.format import Plan
 from .optim import make_optimizer
@@ -28,6 +29,7 @@ def needs_global_joint(schedule: Schedule, rank: int) -> bool:
 
 def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int,
                 machine_of=None, joints: dict[int, Joint] | None = None) -> dict[int, RankRuntime]:
+    # the joints are exported in ``graph.precision`` (a ``joints`` cache must hold that precision's)
     """Train ``steps`` iterations of ``plan`` with all ranks in this process; returns the runtimes.
 
     ``joints``: cache of joint graphs by local batch (filled as needed; reuse it across calls
@@ -41,14 +43,16 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
     for r in ranks:
         for b in local_batch_sizes(sched, r):
             if b not in joints:
-                joints[b] = export_at(workload.model, workload.make_inputs, b)
+                joints[b] = export_at(workload.model, workload.make_inputs, b, graph.precision)
         mine = {b: joints[b] for b in local_batch_sizes(sched, r)}
         full = None
         if needs_global_joint(sched, r):
             if sched.batch_size not in joints:
-                joints[sched.batch_size] = export_at(workload.model, workload.make_inputs, sched.batch_size)
+                joints[sched.batch_size] = export_at(workload.model, workload.make_inputs, sched.batch_size,
+                                                     graph.precision)
             full = joints[sched.batch_size]
-        runtimes[r] = RankRuntime(r, sched, tuple(workload.inputs), mine, optimizer, global_joint=full)
+        runtimes[r] = RankRuntime(r, sched, tuple(workload.inputs), mine, optimizer, global_joint=full,
+                                  loss_scale=loss_scale(graph.precision))
     for _ in range(steps):
         for rt in runtimes.values():
             rt.begin_iteration()
@@ -77,16 +81,27 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
     return runtimes
 
 
-def reference_training(workload, optimizer: str, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Plain single-process eager training on the full batch: (final params, losses)."""
+def reference_training(workload, optimizer: str, steps: int,
+                       precision: str = "fp32") -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain single-process eager training on the full batch: (final params, losses).
+
+    ``precision`` bf16 / fp16: the forward runs under ``torch.autocast`` (FP32 parameters and
+    optimizer state); fp16 scales the loss by the executor's static scale and unscales the
+    gradients before the step, skipping it on a non-finite gradient (``GradScaler``'s rule)."""
     model = workload.model
     named = dict(model.named_parameters())
     opt = make_optimizer(optimizer, named.values())
+    scale = loss_scale(precision)
     losses = []
     for _ in range(steps):
-        loss = model(*workload.inputs)
-        loss.backward()
-        opt.step()
+        with autocast(precision):
+            loss = model(*workload.inputs)
+        (loss * scale if scale != 1.0 else loss).backward()
+        grads = [p.grad for p in named.values() if p.grad is not None]
+        if scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        if scale == 1.0 or all(bool(torch.isfinite(g).all()) for g in grads):
+            opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     # state_dict also names tied aliases (e.g. GPT-2's lm_head.weight = wte.weight).

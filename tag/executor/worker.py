@@ -53,6 +53,8 @@ class WorkerArgs:
     save_params: bool = False
     fault: str | None = None
     """Testing only: ``"RANK:ITER:raise|exit|hang"`` makes that rank fail at that iteration."""
+    precision: str = "fp32"
+    """fp32, or bf16 / fp16 autocast: every joint graph is exported with its casts."""
     launcher_pid: int | None = None
     """``tag execute``'s process: the rank exits when it does (:func:`tag.lifetime.die_with`);
     None under torchrun (the rank dies with its parent, the torchrun agent)."""
@@ -77,7 +79,7 @@ def _load_graph(a: WorkerArgs):
     from ..workloads import load_workload
 
     return capture(load_workload(a.model, batch=a.batch, seed=a.seed), optimizer=a.optimizer,
-                   num_groups=a.groups).graph
+                   num_groups=a.groups, precision=a.precision).graph
 
 
 def run_rank(a: WorkerArgs) -> dict:
@@ -119,14 +121,17 @@ def run_rank(a: WorkerArgs) -> dict:
         device = torch.device("cpu")
     wl = load_workload(a.model, batch=a.batch, seed=a.seed)
     t0 = time.perf_counter()
-    joints = {b: export_at(wl.model, wl.make_inputs, b) for b in sorted(local_batch_sizes(sched, rank))}
+    joints = {b: export_at(wl.model, wl.make_inputs, b, a.precision) for b in sorted(local_batch_sizes(sched, rank))}
     full = None
     if needs_global_joint(sched, rank):  # SFB kernels run on the joint graph at the global batch
-        full = joints.get(sched.batch_size) or export_at(wl.model, wl.make_inputs, sched.batch_size)
+        full = joints.get(sched.batch_size) or export_at(wl.model, wl.make_inputs, sched.batch_size, a.precision)
     export_s = time.perf_counter() - t0
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in wl.inputs)
     slow = slowdown_factors(topology)[rank] if a.emulate_speed else 1.0
-    rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow, global_joint=full)
+    from ..graph.precision import loss_scale
+
+    rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow, global_joint=full,
+                     loss_scale=loss_scale(a.precision))
     comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device)
     if pinned:
         demote_threads()  # gloo's threads exist now; only for a rank on cores of its own

@@ -33,6 +33,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..errors import WorkloadError
 from .ir import Affine, Op, OpGraph, Param, Tensor
+from .precision import autocast, check_precision, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +138,16 @@ def _views_to_reshapes(ep: torch.export.ExportedProgram) -> torch.export.Exporte
     return ep
 
 
-def export_joint(model: torch.nn.Module, inputs: tuple, name: str = "the model") -> torch.export.ExportedProgram:
+def export_joint(model: torch.nn.Module, inputs: tuple, name: str = "the model",
+                 precision: str = "fp32") -> torch.export.ExportedProgram:
     """Export ``model(*inputs) -> scalar loss`` as a joint forward+backward ExportedProgram
-    (``name``: how error messages call the model)."""
+    (``name``: how error messages call the model). ``precision`` bf16/fp16: the forward is
+    exported under ``torch.autocast`` (:mod:`tag.graph.precision`), so the graph holds its casts
+    and runs as mixed precision without an autocast context."""
     from torch.export.experimental import _export_forward_backward  # private API: one place only
 
     try:
-        with _quiet():
+        with _quiet(), autocast(precision):
             ep = torch.export.export(model, tuple(inputs), strict=False)
     except Exception as e:  # noqa: BLE001 - any export failure is a model the user must fix
         raise WorkloadError(_export_failure(name, e)) from e
@@ -161,7 +165,7 @@ def export_joint(model: torch.nn.Module, inputs: tuple, name: str = "the model")
     ep = ep._update(ep.graph_module, ExportGraphSignature(ep.graph_signature.input_specs, specs))
     ep = _prune_params(_views_to_reshapes(ep))
     try:
-        with _quiet():
+        with _quiet(), autocast(precision):  # its decomposition re-traces the autocast regions
             return _export_forward_backward(ep)
     except Exception as e:  # noqa: BLE001
         raise WorkloadError(f"could not build the backward graph: {type(e).__name__}: {_first_line(e)}") from e
@@ -265,6 +269,7 @@ class _NodeInfo:
     written: int
     out_bytes: int
     shape: tuple | None
+    dtype: str = ""
 
 
 def _analyse(gm: torch.fx.GraphModule) -> dict[str, _NodeInfo]:
@@ -275,11 +280,13 @@ def _analyse(gm: torch.fx.GraphModule) -> dict[str, _NodeInfo]:
         val = n.meta.get("val")
         out_b = _nbytes(val)
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        outs = _tensors_of(val)
+        dtype = dtype_name(outs[0].dtype) if outs else ""
         if n.op == "placeholder" or _is_alias(n):
-            info[n.name] = _NodeInfo(0.0, 0, 0, out_b, shape)
+            info[n.name] = _NodeInfo(0.0, 0, 0, out_b, shape, dtype)
             continue
         read = sum(_nbytes(a.meta.get("val")) for a in n.all_input_nodes)
-        info[n.name] = _NodeInfo(_node_flops(n), read, out_b, out_b, shape)
+        info[n.name] = _NodeInfo(_node_flops(n), read, out_b, out_b, shape, dtype)
     return info
 
 
@@ -302,26 +309,29 @@ def _workload_parts(workload: Any) -> tuple[str, torch.nn.Module, tuple, int, Ca
     return name, model, inputs, batch, workload.make_inputs
 
 
-def capture(workload: Any, *, optimizer: str = "adam", num_groups: int = 48) -> Captured:
+def capture(workload: Any, *, optimizer: str = "adam", num_groups: int = 48, precision: str = "fp32") -> Captured:
     """Capture ``workload`` (anything with ``name, model, inputs, batch_size, make_inputs``).
 
     Args:
         workload: a :class:`tag.workloads.Workload` or compatible object.
         optimizer: ``adam`` (default), ``sgd`` (momentum) or ``sgd-plain``.
         num_groups: op-groups to form (fewer if the model has fewer costly ops).
+        precision: ``fp32``, or ``bf16`` / ``fp16`` autocast (:mod:`tag.graph.precision`).
     """
     from .grouping import group_ops  # grouping depends on ir only; imported here to keep order
 
     if optimizer not in OPTIMIZER_COSTS:
         raise WorkloadError(f"optimizer {optimizer!r}: expected one of {sorted(OPTIMIZER_COSTS)}")
+    check_precision(precision)
     name, model, inputs, b1, make_inputs = _workload_parts(workload)
     b2 = b1 + 1
     t0 = time.perf_counter()
     with _quiet():
-        ep1 = export_joint(model, inputs, name)
-        ep2 = export_joint(model, make_inputs(b2), name)
+        ep1 = export_joint(model, inputs, name, precision)
+        ep2 = export_joint(model, make_inputs(b2), name, precision)
         seconds = time.perf_counter() - t0
         graph, grad_outputs, loss_node = _build_graph(name, ep1, ep2, b1, b2, optimizer)
+    graph.precision = precision
     group_ops(graph, num_groups)
     sig = ep1.graph_signature
     kinds = {
@@ -390,7 +400,8 @@ def _build_graph(name, ep1, ep2, b1, b2, optimizer) -> tuple[OpGraph, dict[str, 
         # a multi-output op carries the batch if any of its outputs does
         batch = bdim is not None or _any_batch(info1[n.name], info2.get(n.name))
         ops.append(Op(n.name, str(n.target) if n.target is not operator.getitem else "getitem", phase,
-                      aff("flops", n.name), aff("read", n.name), aff("written", n.name), ins, [t_idx], batch))
+                      aff("flops", n.name), aff("read", n.name), aff("written", n.name), ins, [t_idx], batch,
+                      dtype=info1[n.name].dtype))
 
     # optimizer updates, one per parameter
     flops_el, n_read, n_written, n_state = OPTIMIZER_COSTS[optimizer]
@@ -403,6 +414,7 @@ def _build_graph(name, ep1, ep2, b1, b2, optimizer) -> tuple[OpGraph, dict[str, 
         nbytes = int(t.nbytes.fixed)
         val = gm1.graph.find_nodes(op="placeholder", target=node_name)
         numel = val[0].meta["val"].numel() if val else nbytes // 4
+        t_dtype = val[0].meta["val"].dtype if val else torch.float32  # master weights: fp32 under autocast
         es = nbytes // max(numel, 1)
         g_idx = tensor_of[grad_outputs[target]]
         idx = len(ops)
@@ -410,7 +422,7 @@ def _build_graph(name, ep1, ep2, b1, b2, optimizer) -> tuple[OpGraph, dict[str, 
         tensors.append(Tensor(f"{optimizer}::{target}", "opt", Affine(nbytes, 0), None, idx))
         ops.append(Op(f"{optimizer}::{target}", f"optim.{optimizer}", "opt", Affine(flops_el * numel, 0),
                       Affine(n_read * numel * es, 0), Affine(n_written * numel * es, 0),
-                      [tensor_of[node_name], g_idx], [upd_out], False))
+                      [tensor_of[node_name], g_idx], [upd_out], False, dtype=dtype_name(t_dtype)))
         tensors[tensor_of[node_name]].consumers.append(idx)
         tensors[g_idx].consumers.append(idx)
         params.append(Param(target, tensor_of[node_name], g_idx, idx, numel, nbytes, n_state * nbytes))

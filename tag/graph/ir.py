@@ -66,6 +66,9 @@ class Op:
     """Op-group index (set by grouping)."""
     anchor: int = -1
     """Position in forward program order this op is costed/grouped with (fwd: its own)."""
+    dtype: str = ""
+    """dtype of its (first) output, e.g. ``float32`` / ``bfloat16`` / ``int64``; "" where unknown
+    (read as ``float32``: graphs captured in fp32 are stored without it, :meth:`OpGraph.to_dict`)."""
 
 
 @dataclass
@@ -131,6 +134,8 @@ class OpGraph:
     loss: int = -1
     """Index of the loss tensor."""
     version: int = 1
+    precision: str = "fp32"
+    """``fp32``, or ``bf16`` / ``fp16`` autocast mixed precision (:mod:`tag.graph.precision`)."""
 
     # ---- derived views -------------------------------------------------------------
     @property
@@ -163,13 +168,23 @@ class OpGraph:
         """Stable short hash of the graph structure and grouping (not the costs' float noise)."""
         h = hashlib.sha256()
         h.update(self.model.encode())
+        if self.precision != "fp32":  # fp32 signatures are those of graphs captured before precisions
+            h.update(f"|precision={self.precision}".encode())
         for op in self.ops:
             h.update(f"{op.name}|{op.target}|{op.phase}|{op.group};".encode())
         return h.hexdigest()[:16]
 
     # ---- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-able dict. An fp32 graph is written without ``precision`` and per-op ``dtype``
+        (as before precisions existed: a cached graph stays readable by older versions; a missing
+        dtype reads as "", i.e. float32)."""
+        d = asdict(self)
+        if self.precision == "fp32":
+            del d["precision"]
+            for o in d["ops"]:
+                del o["dtype"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> OpGraph:
@@ -186,6 +201,7 @@ class OpGraph:
             model=d["model"], batch_size=d["batch_size"], optimizer=d["optimizer"], ops=ops,
             tensors=tensors, params=[Param(**p) for p in d["params"]],
             groups=[Group(**g) for g in d["groups"]], loss=d["loss"], version=d.get("version", 1),
+            precision=d.get("precision", "fp32"),
         )
 
     def to_json(self) -> str:

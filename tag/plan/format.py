@@ -99,6 +99,8 @@ class Plan:
     meta: dict[str, Any] = field(default_factory=dict)
     """Free-form provenance (searcher, playouts, seed, ...)."""
     version: int = PLAN_VERSION
+    precision: str = "fp32"
+    """Training precision of the graph (``fp32``, ``bf16``, ``fp16``; files without it: fp32)."""
     pipeline: PipelinePlan | None = None
     """Pipeline stages and micro-batches; ``None``: every unit runs the whole batch at once."""
 
@@ -109,6 +111,9 @@ class Plan:
         its strategy: :func:`tag.parallel.validate_plan` does both."""
         if self.version != PLAN_VERSION:
             raise PlanError(f"{source}: version: expected {PLAN_VERSION}, got {self.version}")
+        if self.precision != getattr(graph, "precision", "fp32"):
+            raise PlanError(f"{source}: precision: plan is for {self.precision}, the graph was captured in "
+                            f"{graph.precision}; pass --precision {self.precision}")
         if self.graph_signature != graph.signature():
             raise PlanError(f"{source}: graph_signature: plan was made for {self.model!r} "
                             f"({self.graph_signature}), not for {graph.model!r} ({graph.signature()}) "
@@ -144,6 +149,8 @@ class Plan:
         for k, kind in _PLAN_TYPES.items():
             if k in d:
                 _check_type(d[k], kind, f"{source}: {k}")
+        if d.get("precision", "fp32") not in ("fp32", "bf16", "fp16"):
+            raise PlanError(f"{source}: precision: expected fp32, bf16 or fp16, got {d['precision']!r}")
         if d["batch_size"] < 1:
             raise PlanError(f"{source}: batch_size: expected a positive integer, got {d['batch_size']}")
         groups = []
@@ -178,7 +185,7 @@ class Plan:
 # can assume them: "int", "number", "str", "list[int]", ..., a trailing "?" allows null.
 _PLAN_TYPES = {"model": "str", "graph_signature": "str", "topology": "str", "topology_signature": "str",
                "batch_size": "int", "groups": "list", "predicted_iteration_time_s": "number?", "meta": "dict",
-               "version": "int", "pipeline": "dict?"}
+               "version": "int", "pipeline": "dict?", "precision": "str"}
 _GROUP_TYPES = {"devices": "list[int]", "shares": "list[number]", "sync": "str", "server": "int?",
                 "mp_splits": "list[int]?", "sfb": "list[str]"}
 _PIPELINE_TYPES = {"stages": "list[int]", "micro_batches": "int", "schedule": "str", "k": "int"}
@@ -265,4 +272,4 @@ def new_plan(graph, topology, groups: list[GroupPlan], **meta) -> Plan:
     """A :class:`Plan` for ``graph`` on ``topology`` with the given group deployments."""
     return Plan(model=graph.model, graph_signature=graph.signature(), topology=topology.name,
                 topology_signature=topology.signature(), batch_size=graph.batch_size,
-                groups=groups, meta=dict(meta))
+                groups=groups, meta=dict(meta), precision=getattr(graph, "precision", "fp32"))
