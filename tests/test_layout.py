@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_executor import MLP, B
 
 from tag.cli import main
@@ -37,6 +39,25 @@ def test_balanced_cuts():
     assert balanced_cuts([5.0], 1) == [0]
     with pytest.raises(PlanError, match=r"pp: expected 1\.\.3 stages"):
         balanced_cuts([1, 1, 1], 4)
+    # heterogeneous stages: the second runs every group 3x slower, so it gets fewer groups
+    assert balanced_cuts([[1] * 8, [3] * 8]) == [0, 6]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 9), min_size=6, max_size=6), min_size=1, max_size=4))
+def test_balanced_cuts_are_optimal(seconds):
+    """The cut minimises the slowest stage: no other cut (brute force) has a faster slowest stage."""
+    import itertools
+
+    P, n = len(seconds), 6
+
+    def slowest(cuts):
+        b = list(cuts) + [n]
+        return max(sum(seconds[s][b[s]:b[s + 1]]) for s in range(P))
+
+    got = balanced_cuts(seconds)
+    assert got[0] == 0 and all(b > a for a, b in zip(got, got[1:])) and got[-1] < n
+    assert slowest(got) == min(slowest((0, *c)) for c in itertools.combinations(range(1, n), P - 1))
 
 
 @pytest.fixture(scope="module")

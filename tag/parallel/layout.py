@@ -4,9 +4,10 @@ Users of Megatron-style trainers describe a run by its degrees: ``D`` data-paral
 ``T``-way tensor parallelism, ``P`` pipeline stages, ``M`` micro-batches. :func:`layout_plan`
 builds that plan so it can be simulated and compared with TAG's:
 
-* stages cut the op-groups into ``P`` contiguous runs of about equal compute (the groups' summed
-  forward + backward + update seconds on the first device at the full batch; the layer cuts a
-  Megatron user balances by hand);
+* stages cut the op-groups into ``P`` contiguous runs minimising the slowest stage's compute (a
+  group costed on the stage's own devices, its slowest replica, all micro-batches: AMP's
+  heterogeneity-aware cut; on one device kind, the balanced layer cuts a Megatron user makes by
+  hand), :func:`balanced_cuts`;
 * stage ``s`` runs on devices ``s * D * T .. (s + 1) * D * T - 1`` of the topology's order
   (machine-major: a stage fills machines before the next begins), ``D`` replicas with even
   shares, gradients all-reduced;
@@ -79,25 +80,48 @@ def parse_layout(text: str) -> Layout:
     return Layout(**fields)
 
 
-def balanced_cuts(seconds: list[float], parts: int) -> list[int]:
-    """First index of each of ``parts`` contiguous runs of ``seconds`` with about equal sums
-    (each cut where the running sum first reaches ``s / parts`` of the total; every run non-empty)."""
-    n = len(seconds)
-    if not 1 <= parts <= n:
-        raise PlanError(f"layout: pp: expected 1..{n} stages (one op-group at least each), got {parts}")
-    total = sum(seconds) or 1.0
-    cuts, acc, i = [0], 0.0, 0
-    for s in range(1, parts):
-        target = total * s / parts
-        while i < n and acc + seconds[i] / 2 < target:
-            acc += seconds[i]
-            i += 1
-        lo, hi = cuts[-1] + 1, n - (parts - s)  # leave a group for every later stage
-        cuts.append(min(max(i, lo), hi))
-        while i < cuts[-1]:
-            acc += seconds[i]
-            i += 1
-    return cuts
+def balanced_cuts(seconds, parts: int | None = None) -> list[int]:
+    """First group of each stage of the contiguous cut minimising the slowest stage (exact, by
+    dynamic programming over cut points, ``O(parts x K^2)``).
+
+    ``seconds``: one list of per-group seconds shared by every stage, with ``parts`` stages; or
+    one list per stage (``seconds[s][g]``: group ``g``'s seconds if stage ``s`` runs it; stages
+    on different devices cost a group differently: AMP's heterogeneity-aware cut). Every stage
+    gets at least one group; ties go to the earliest cut."""
+    per_stage = [list(x) for x in seconds] if parts is None else [list(seconds)] * parts
+    P = len(per_stage)
+    n = len(per_stage[0]) if P else 0
+    if not 1 <= P <= n:
+        raise PlanError(f"layout: pp: expected 1..{n} stages (one op-group at least each), got {P}")
+    prefix = []
+    for row in per_stage:
+        acc = [0.0]
+        for x in row:
+            acc.append(acc[-1] + x)
+        prefix.append(acc)
+    INF = float("inf")
+    # best[s][j]: the slowest of stages 0..s when they cover groups [0, j); cut[s][j]: stage s's start
+    best = [[INF] * (n + 1) for _ in range(P)]
+    cut = [[0] * (n + 1) for _ in range(P)]
+    for j in range(1, n - P + 2):
+        best[0][j] = prefix[0][j]
+    for s in range(1, P):
+        ps = prefix[s]
+        for j in range(s + 1, n - (P - 1 - s) + 1):
+            b, c = INF, s
+            for i in range(s, j):
+                v = best[s - 1][i]
+                w = ps[j] - ps[i]
+                if w > v:
+                    v = w
+                if v < b:
+                    b, c = v, i
+            best[s][j], cut[s][j] = b, c
+    cuts, j = [], n
+    for s in range(P - 1, 0, -1):
+        j = cut[s][j]
+        cuts.append(j)
+    return [0] + cuts[::-1]
 
 
 def check_devices(layout: Layout, topology) -> None:
@@ -116,13 +140,17 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
         raise PlanError(f"layout: micro: {layout.micro} micro-batches of {layout.dp} replicas need at least "
                         f"{layout.micro * layout.dp} samples, batch is {graph.batch_size}")
     k = graph.num_groups
-    seconds = [sum(costs.group_time(g, ph, 0, graph.batch_size) for ph in ("fwd", "bwd", "opt")) for g in range(k)]
-    stages = balanced_cuts(seconds, layout.pp)
+    width = layout.dp * layout.tp
+    stage_devices = [list(range(s * width, (s + 1) * width)) for s in range(layout.pp)]
+    # a replica's samples per micro-batch (the largest micro-batch, even shares)
+    per_replica = -(-graph.batch_size // (layout.micro * layout.dp))
+    seconds = [[layout.micro * max(sum(costs.group_time(g, ph, d, per_replica) for ph in ("fwd", "bwd"))
+                                   + costs.group_time(g, "opt", d, per_replica) / layout.micro for d in devs)
+                for g in range(k)] for devs in stage_devices]
+    stages = balanced_cuts(seconds)
     bounds = stages + [k]
     groups: list[GroupPlan] = []
-    width = layout.dp * layout.tp
-    for s in range(layout.pp):
-        devs = list(range(s * width, (s + 1) * width))
+    for s, devs in enumerate(stage_devices):
         groups += [GroupPlan(devs, [1.0 / len(devs)] * len(devs)) for _ in range(bounds[s], bounds[s + 1])]
     plan = new_plan(graph, topology, groups, searcher="layout", layout=_spell(layout))
     if layout.pp > 1 or layout.micro > 1:
