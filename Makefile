@@ -1,6 +1,8 @@
 # TAG — set-up, demo and tests. Two commands do everything on a fresh machine:
 #   make demo    create .venv if missing, install TAG, plan a real model on a shipped topology
 #   make test    create/update .venv, lint, run the whole test suite
+#   make gpu-check OUT=DIR   on a machine with one NVIDIA GPU and a CUDA torch (no venv needed):
+#                microbenchmarks, eager vs tag execute vs prediction per workload, < 8 minutes
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -14,7 +16,7 @@ DEMO_TOPOLOGY ?= topologies/tag-testbed.yaml
 export HF_HUB_OFFLINE := 1
 export WANDB_MODE ?= disabled
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +40,7 @@ test: $(STAMP) lint
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+OUT ?= gpu-check
+gpu-check:
+	PYTHONPATH=. $(PYTHON) -m evaluation.gpu_check --out $(OUT)

@@ -1,0 +1,285 @@
+"""The GPU check: what only a GPU can show, in one run of under 8 minutes on one GPU.
+
+For a maintainer (or a lent machine) with one NVIDIA GPU and a CUDA build of torch:
+
+    PYTHONPATH=. python -m evaluation.gpu_check --out DIR [--budget 420] [--workloads "spec@batch;spec@batch"]
+    make gpu-check OUT=DIR
+
+writes ``DIR/gpu-check.jsonl`` (one record per measurement, the format of
+``tag/cost/gpu_calib/<GPU>.jsonl``, so a new GPU type's records can be added there and fitted) and
+``DIR/README.md`` (the table). It measures, on ``cuda:0``:
+
+1. microbenchmarks: matmul in fp32, TF32 and bf16 at n = 256 / 1024 / 4096; a 3x3 convolution
+   (128 channels, 56x56, batch 32) in PyTorch's default numerics (cuDNN TF32) and bf16; elementwise
+   bandwidth; the time per tiny kernel launch;
+2. per workload and precision (fp32, bf16 autocast): the eager training step
+   (``model(*inputs)``, ``backward``, ``torch.optim.Adam`` with its default foreach update) and
+   its peak memory; ``tag execute`` of the single-device plan on a one-GPU topology (NCCL, world
+   size 1); the simulator's prediction for that plan (``tag.cost``: the fitted rates of this GPU
+   type, else datasheet-derived) -- so each row gives execute / eager and predicted / eager.
+
+Work past ``--budget`` seconds is skipped and says so; nothing here needs optuna or wandb. The
+workloads default to :data:`WORKLOADS` (the three of ``../shared/gpu-measurements/`` and GPT-2
+small at sequence 512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOADS = [
+    ("gpt2:n_layer=6,n_embd=512,n_head=8,vocab=8192,seq=256", 16),
+    ("resnet:depth=50,width=64,image=64", 64),
+    ("bert:n_layer=12,n_embd=768,n_head=12,vocab=30522,seq=512", 8),
+    ("gpt2:n_layer=12,n_embd=768,n_head=12,vocab=50257,seq=512", 8),
+]
+PRECISIONS = ("fp32", "bf16")
+
+
+def _timed(fn, reps: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` on the GPU (CUDA events around each call)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def microbenchmarks(common: dict) -> list[dict]:
+    """Matmul, convolution, bandwidth and launch records (units: seconds, TFLOP/s, GB/s)."""
+    import torch
+
+    out = []
+    dev = torch.device("cuda")
+    tf32_before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for dtype, tf32 in ((torch.float32, False), (torch.float32, True), (torch.bfloat16, False)):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            for n in (256, 1024, 4096):
+                a = torch.randn(n, n, device=dev, dtype=dtype)
+                b = torch.randn(n, n, device=dev, dtype=dtype)
+                s = _timed(lambda a=a, b=b: a @ b, reps=20)
+                out.append({"kind": "matmul", "dtype": str(dtype), "tf32": tf32, "n": n, "s": s,
+                            "tflops": 2 * n**3 / s / 1e12, **common})
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32_before
+    shape = [32, 128, 56, 56]
+    for dtype in (torch.float32, torch.bfloat16):  # fp32: cuDNN's default TF32 convolutions
+        x = torch.randn(*shape, device=dev, dtype=dtype)
+        conv = torch.nn.Conv2d(128, 128, 3, padding=1, bias=False).to(dev, dtype)
+        with torch.no_grad():
+            s = _timed(lambda conv=conv, x=x: conv(x), reps=20)
+        flops = 2 * shape[0] * shape[2] * shape[3] * 128 * 128 * 9
+        out.append({"kind": "conv3x3", "dtype": str(dtype), "shape": shape, "s": s, "tflops": flops / s / 1e12,
+                    **common})
+    n = 2**27  # 512 MiB of fp32
+    x = torch.empty(n, device=dev)
+    y = torch.empty(n, device=dev)
+    s = _timed(lambda: y.copy_(x), reps=20)
+    out.append({"kind": "elementwise", "bytes": 2 * 4 * n, "s": s, "gbps": 2 * 4 * n / s / 1e9, **common})
+    tiny = torch.zeros(1, device=dev)
+    k = 1000
+
+    def launches():
+        for _ in range(k):
+            tiny.add_(1.0)
+
+    out.append({"kind": "launch", "s_per_kernel": _timed(launches, reps=5) / k, **common})
+    return out
+
+
+def eager_step(spec: str, batch: int, precision: str, common: dict, steps: int = 20) -> dict:
+    """One eager training step: median seconds over ``steps`` (after 5 warm-up) and peak bytes."""
+    import torch
+
+    from tag.workloads import load_workload
+
+    wl = load_workload(spec, batch=batch)
+    dev = torch.device("cuda")
+    model = wl.model.to(dev)
+    inputs = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in wl.inputs)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if precision == "bf16" else None
+
+    def step():
+        if ctx is None:
+            loss = model(*inputs)
+        else:
+            with ctx():
+                loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    s = _timed(step, reps=steps, warmup=5)
+    rec = {"kind": "step", "spec": spec, "batch": batch, "precision": precision,
+           "params": sum(p.numel() for p in model.parameters()), "s": s,
+           "peak_bytes": torch.cuda.max_memory_allocated(), **common}
+    return rec
+
+
+def one_gpu_topology(folder: Path, gpu: str) -> Path:
+    """A topology file of one machine with this one GPU (catalog name ``gpu``)."""
+    path = folder / "one-gpu.yaml"
+    path.write_text(f"name: one-{gpu}\nmachines:\n  - name: local\n    gpu: {gpu}\n    count: 1\n")
+    return path
+
+
+def predicted_and_plan(spec: str, batch: int, precision: str, topo_path: Path, plan_path: Path) -> dict:
+    """Capture (CPU), the single-device plan written to ``plan_path``, and its simulated step."""
+    from tag.cost.baselines import data_parallel
+    from tag.cost.model import CostModel
+    from tag.graph import capture
+    from tag.sim import simulate
+    from tag.topology import load_topology
+    from tag.workloads import load_workload
+
+    t0 = time.perf_counter()
+    graph = capture(load_workload(spec, batch=batch), num_groups=16, precision=precision).graph
+    capture_s = time.perf_counter() - t0
+    topo = load_topology(topo_path)
+    costs = CostModel.for_topology(graph, topo)
+    plan = data_parallel(graph, topo)
+    plan.save(plan_path)
+    res = simulate(graph, topo, plan, costs=costs)
+    return {"predicted_s": res.iteration_time_s, "predicted_peak_bytes": res.peak_memory_bytes[0],
+            "cost_source": costs.source(0), "capture_s": capture_s}
+
+
+def tag_execute(spec: str, batch: int, precision: str, topo_path: Path, plan_path: Path, timeout: float) -> dict:
+    """``tag execute`` of the plan (NCCL, world size 1): measured seconds and peak bytes."""
+    cmd = [sys.executable, "-m", "tag", "execute", "--plan", str(plan_path), "--model", spec, "--batch", str(batch),
+           "--topology", str(topo_path), "--precision", precision, "--steps", "10", "--warmup", "3", "--json",
+           "--timeout", str(timeout)]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout + 60)
+    if p.returncode != 0:
+        return {"execute_error": (p.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    out = json.loads(p.stdout)
+    rec = {"execute_s": out.get("measured_iteration_time_s")}
+    for k in ("peak_memory_bytes", "measured_peak_memory_bytes"):
+        if k in out:
+            v = out[k]
+            rec["execute_peak_bytes"] = v[0] if isinstance(v, list) else v
+    return rec
+
+
+def write_report(records: list[dict], out: Path, command: str) -> None:
+    lines = ["# GPU check", "", f"Command: `{command}`", ""]
+    env = next((r for r in records if r["kind"] == "env"), {})
+    lines += [f"Device: {env.get('device')}, torch {env.get('torch')}, catalog type {env.get('gpu')}, "
+              f"{env.get('date')}.", ""]
+    micro = [r for r in records if r["kind"] in ("matmul", "conv3x3")]
+    if micro:
+        lines += ["| microbenchmark | TFLOP/s |", "|---|---|"]
+        for r in micro:
+            what = f"matmul n={r['n']} {r['dtype']}{' tf32' if r.get('tf32') else ''}" if r["kind"] == "matmul" \
+                else f"conv3x3 {r['dtype']}"
+            lines.append(f"| {what} | {r['tflops']:.1f} |")
+        lines.append("")
+    rows = [r for r in records if r["kind"] == "check"]
+    lines += ["| workload | batch | precision | eager ms | execute ms | execute / eager | predicted ms | "
+              "predicted / eager | eager peak GB | execute peak GB | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(x):
+        return f"{x * 1e3:.2f}" if isinstance(x, (int, float)) else "-"
+
+    def ratio(a, b):
+        return f"{a / b:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-"
+
+    def gb(x):
+        return f"{x / 1e9:.2f}" if isinstance(x, (int, float)) else "-"
+
+    for r in rows:
+        lines.append(f"| {r['spec']} | {r['batch']} | {r['precision']} | {ms(r.get('s'))} | {ms(r.get('execute_s'))} | "
+                     f"{ratio(r.get('execute_s'), r.get('s'))} | {ms(r.get('predicted_s'))} | "
+                     f"{ratio(r.get('predicted_s'), r.get('s'))} | {gb(r.get('peak_bytes'))} | "
+                     f"{gb(r.get('execute_peak_bytes'))} | {r.get('note', '')} |")
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for gpu-check.jsonl and README.md")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds after which remaining work is skipped")
+    ap.add_argument("--workloads", default=None, help="semicolon-separated spec@batch list (default: WORKLOADS)")
+    a = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (torch.cuda.is_available() is False); nothing to measure", file=sys.stderr)
+        return 2
+    from tag.topology.catalog import match_gpu_name
+
+    t_start = time.perf_counter()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(0)
+    spec = match_gpu_name(name)
+    gpu = spec.name if spec is not None else "H200"
+    common = {"device": name, "torch": torch.__version__}
+    records: list[dict] = [{"kind": "env", "gpu": gpu, "catalog_match": spec is not None,
+                            "date": time.strftime("%Y-%m-%d %H:%M:%S"), **common}]
+    log = out / "gpu-check.jsonl"
+
+    def emit(rec: dict) -> None:
+        records.append(rec)
+        with log.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(json.dumps(rec), flush=True)
+
+    log.write_text(json.dumps(records[0]) + "\n")
+    for rec in microbenchmarks(common):
+        emit(rec)
+    workloads = WORKLOADS if not a.workloads else [
+        (w.rsplit("@", 1)[0], int(w.rsplit("@", 1)[1])) for w in a.workloads.split(";")]
+    with tempfile.TemporaryDirectory() as tmp:
+        topo_path = one_gpu_topology(Path(tmp), gpu)
+        for spec_, batch in workloads:
+            for precision in PRECISIONS:
+                row = {"kind": "check", "spec": spec_, "batch": batch, "precision": precision, **common}
+                left = a.budget - (time.perf_counter() - t_start)
+                if left < 20:
+                    emit({**row, "note": "skipped: time budget"})
+                    continue
+                try:
+                    step = eager_step(spec_, batch, precision, common)
+                    torch.cuda.empty_cache()  # the step's model and optimizer are gone with its frame
+                    emit(step)
+                    row.update(s=step["s"], peak_bytes=step["peak_bytes"])
+                    plan_path = Path(tmp) / "plan.json"
+                    row.update(predicted_and_plan(spec_, batch, precision, topo_path, plan_path))
+                    left = a.budget - (time.perf_counter() - t_start)
+                    if left > 30:
+                        row.update(tag_execute(spec_, batch, precision, topo_path, plan_path, timeout=min(240, left)))
+                    else:
+                        row["note"] = "execute skipped: time budget"
+                except Exception as e:  # noqa: BLE001 - one failed row is a result, the others still run
+                    row["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                emit(row)
+    write_report(records, out, " ".join(["python -m evaluation.gpu_check", *(argv or sys.argv[1:])]))
+    print(f"gpu_check: {len(records)} records in {time.perf_counter() - t_start:.0f} s -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

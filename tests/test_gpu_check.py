@@ -1,0 +1,36 @@
+"""The GPU check script's CPU-side parts: the one-GPU topology, the plan and prediction it makes,
+the report, and a clear refusal without a GPU (the measurements themselves need CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evaluation import gpu_check
+
+
+def test_prediction_and_plan_for_one_gpu(tmp_path):
+    topo = gpu_check.one_gpu_topology(tmp_path, "H200")
+    rec = gpu_check.predicted_and_plan("mlp", 8, "fp32", topo, tmp_path / "plan.json")
+    assert rec["predicted_s"] > 0 and rec["cost_source"] == "fitted:H200"
+    assert (tmp_path / "plan.json").exists()
+    bf16 = gpu_check.predicted_and_plan("mlp", 8, "bf16", topo, tmp_path / "plan16.json")
+    assert bf16["predicted_peak_bytes"] < rec["predicted_peak_bytes"]
+
+
+def test_report(tmp_path):
+    records = [{"kind": "env", "device": "X", "torch": "t", "gpu": "H200", "date": "d"},
+               {"kind": "matmul", "dtype": "torch.float32", "tf32": True, "n": 4096, "tflops": 400.0},
+               {"kind": "check", "spec": "mlp", "batch": 8, "precision": "fp32", "s": 0.010, "execute_s": 0.011,
+                "predicted_s": 0.009, "peak_bytes": 2e9, "execute_peak_bytes": 2.2e9},
+               {"kind": "check", "spec": "gpt2", "batch": 8, "precision": "bf16", "note": "skipped: time budget"}]
+    gpu_check.write_report(records, tmp_path, "cmd")
+    text = (tmp_path / "README.md").read_text()
+    assert "| mlp | 8 | fp32 | 10.00 | 11.00 | 1.10 | 9.00 | 0.90 | 2.00 | 2.20 |  |" in text
+    assert "skipped: time budget" in text and "matmul n=4096 torch.float32 tf32 | 400.0" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_refuses_without_a_gpu(tmp_path, capsys):
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
