@@ -1,0 +1,138 @@
+"""What pipelines add to TAG's action space: speedup over even data parallel with and without them.
+
+Per (model, topology): even data parallel; TAG (GNN-guided MCTS, 50 playouts) over its per-group
+actions only (``pipelines="off"``); the by-hand layout grid alone (``dp-tp-pp-grid``: data x pipeline
+degrees, balanced stages, 1F1B); TAG with pipelines (``pipelines="auto"``: the searched plan or the
+best layout, whichever the simulator says is faster); and the compute lower bound.
+
+    PYTHONPATH=. python -m evaluation.pipeline_gain [--models ...] [--topologies ...] [--precision bf16]
+
+writes ``evaluation/results/pipeline-gain/{results.json,README.md,speedup.png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "evaluation" / "results" / "pipeline-gain"
+MODELS = [("gpt2:n_layer=24,n_embd=1024,n_head=16,seq=1024", 32),   # GPT-2 medium (355M)
+          ("gpt2:n_layer=36,n_embd=1280,n_head=20,seq=1024", 32),   # GPT-2 large (774M)
+          ("bert:n_layer=24,n_embd=1024,n_head=16,seq=512", 32)]    # BERT-large (335M)
+TOPOLOGIES = ["tag-testbed", "mixed-a100-v100", "cloud-t4"]
+METHODS = ["dp", "tag-50", "dp-tp-pp-grid", "tag-50+pipelines", "lower-bound"]
+
+
+def cell(graph, topo, costs, sim, predictor) -> dict:
+    """Every method's simulated iteration time (seconds; None: out of memory) on one pair."""
+    from tag.cost.baselines import data_parallel
+    from tag.parallel.layout import best_layout
+    from tag.planner import find_plan
+    from tag.sim import lower_bound
+
+    def t(plan):
+        r = sim.run(plan.groups, pipeline=plan.pipeline)
+        return None if r.oom else r.iteration_time_s
+
+    out: dict = {}
+    t0 = time.perf_counter()
+    out["dp"] = t(data_parallel(graph, topo))
+    kw = dict(prior="gnn", budget=50, seed=0, costs=costs, simulator=sim, predictor=predictor, compression="off")
+    p = find_plan(graph, topo, pipelines="off", **kw)
+    out["tag-50"] = p.predicted_iteration_time_s
+    lay, tried = best_layout(graph, topo, costs, lambda q: sim.run(q.groups, pipeline=q.pipeline))
+    out["dp-tp-pp-grid"] = lay.predicted_iteration_time_s
+    out["grid_layout"] = lay.meta["layout"]
+    q = find_plan(graph, topo, pipelines="auto", **kw)
+    out["tag-50+pipelines"] = q.predicted_iteration_time_s
+    out["tag_source"] = q.meta["source"]
+    out["lower-bound"] = lower_bound(graph, topo, costs)
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="*", default=None, help="spec@batch (default: MODELS)")
+    ap.add_argument("--topologies", nargs="*", default=TOPOLOGIES)
+    ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    ap.add_argument("--groups", type=int, default=32)
+    ap.add_argument("--out", default=str(OUT))
+    a = ap.parse_args(argv)
+    from tag.cost.model import CostModel
+    from tag.gnn.predictor import Predictor
+    from tag.graph import capture
+    from tag.sim import Simulator
+    from tag.topology import load_topology
+    from tag.workloads import load_workload
+
+    models = MODELS if a.models is None else [(m.rsplit("@", 1)[0], int(m.rsplit("@", 1)[1])) for m in a.models]
+    pred = Predictor.load()
+    rows = []
+    for spec, batch in models:
+        t0 = time.perf_counter()
+        graph = capture(load_workload(spec, batch=batch), num_groups=a.groups, precision=a.precision).graph
+        print(f"{spec} b{batch} {a.precision}: captured in {time.perf_counter() - t0:.0f} s", flush=True)
+        for name in a.topologies:
+            topo = load_topology(name)
+            costs = CostModel.for_topology(graph, topo)
+            r = cell(graph, topo, costs, Simulator(graph, topo, costs), pred)
+            rows.append({"model": spec, "batch": batch, "precision": a.precision, "topology": name, **r})
+            print(json.dumps(rows[-1]), flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from tag.io import write_json
+
+    command = "PYTHONPATH=. python -m evaluation.pipeline_gain " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_json(out / "results.json", {"command": command, "rows": rows})
+    write_report(rows, out, command)
+    return 0
+
+
+def _speedup(r: dict, m: str) -> float | None:
+    return r["dp"] / r[m] if r.get("dp") and r.get(m) else None
+
+
+def write_report(rows: list[dict], out: Path, command: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def x(v):
+        return f"{v:.2f}x" if v else "OOM"
+
+    lines = ["# Pipelines in TAG's action space", "", f"Command: `{command}`", "",
+             "Speedup over even data parallel (simulated; `tag-50`: GNN-guided MCTS over per-group actions; "
+             "`grid`: the best by-hand dp x pp layout; `tag-50+pipelines`: the planner with pipelines); last column: "
+             "TAG with pipelines over the compute lower bound.", "",
+             "| model | topology | dp ms | tag-50 | grid (layout) | tag-50+pipelines | x lower bound |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        dp = f"{r['dp'] * 1e3:.1f}" if r["dp"] else "OOM"
+        best = r["tag-50+pipelines"]
+        lb = f"{best / r['lower-bound']:.2f}" if best else "-"
+        lines.append(f"| {r['model']} | {r['topology']} | {dp} | {x(_speedup(r, 'tag-50'))} | "
+                     f"{x(_speedup(r, 'dp-tp-pp-grid'))} ({r['grid_layout']}) | {x(_speedup(r, 'tag-50+pipelines'))} | {lb} |")
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
+    width = 0.27
+    for k, m in enumerate(["tag-50", "dp-tp-pp-grid", "tag-50+pipelines"]):
+        ax.bar([i + (k - 1) * width for i in range(len(rows))], [_speedup(r, m) or 0 for r in rows], width, label=m)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{r['model'].split(':')[0]}-{r['model'].split('n_layer=')[1].split(',')[0]}L\n{r['topology']}"
+                        for r in rows], fontsize=7)
+    ax.set_ylabel("speedup over even data parallel")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
