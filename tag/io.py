@@ -9,6 +9,14 @@ from pathlib import Path
 from typing import Any
 
 
+def cache_dir() -> Path:
+    """TAG's user cache folder: ``$TAG_CACHE_DIR``, else ``$XDG_CACHE_HOME/tag``, else ``~/.cache/tag``."""
+    override = os.environ.get("TAG_CACHE_DIR")
+    if override:
+        return Path(override)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tag"
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     """Write ``data`` to ``path`` via a temp file in the same folder and ``os.replace``.
 

@@ -10,7 +10,7 @@ import torch
 from tag.errors import WorkloadError
 from tag.workloads import LossWrapper, Workload, list_zoo, load_workload, resample
 
-ZOO = ["mlp", "gpt2", "bert", "vit", "resnet", "vgg"]
+ZOO = ["mlp", "gpt2", "bert", "vit", "llama", "resnet", "vgg"]
 
 
 @pytest.fixture(scope="module")

@@ -42,8 +42,8 @@ def seconds(text: str) -> float:
     return value
 
 
-def add_model_args(p: argparse.ArgumentParser, *, groups: bool = True) -> None:
-    p.add_argument("--model", required=True,
+def add_model_args(p: argparse.ArgumentParser, *, groups: bool = True, required: bool = True) -> None:
+    p.add_argument("--model", required=required,
                    help="zoo name with overrides (e.g. gpt2:n_layer=4) or package.module:function factory")
     p.add_argument("--batch", type=int_in(1, MAX_BATCH), default=None,
                    help=f"global batch size (samples, 1..{MAX_BATCH})")
@@ -121,14 +121,31 @@ def check_outputs(args, **outputs: str | None) -> None:
             raise TagError(f"{flag}: {path} exists; pass --force to replace it")
 
 
-def load_captured(args):
-    """Workload + capture from ``--model/--batch/--optimizer/--groups/--seed``."""
-    from ..graph import capture
-    from ..workloads import load_workload
+def add_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-cache", action="store_true",
+                   help="capture again instead of reading the graph cache ($TAG_CACHE_DIR/graphs), and store nothing")
 
-    wl = load_workload(args.model, batch=args.batch, seed=args.seed)
-    return wl, capture(wl, optimizer=args.optimizer, num_groups=getattr(args, "groups", 48),
-                       precision=getattr(args, "precision", "fp32"))
+
+def load_graph(args):
+    """``(OpGraph, seconds, from_cache)`` of ``--model/--batch/--optimizer/--groups/--seed``.
+
+    The model is built without weights (meta device: a model larger than this machine's memory
+    is captured all the same) and the graph is read from / written to the graph cache
+    (:mod:`tag.graph.cache`) unless ``--no-cache``.
+    """
+    from ..graph import capture
+    from ..graph.cache import cached_graph, graph_key
+    from ..workloads import is_zoo, load_workload
+
+    precision = getattr(args, "precision", "fp32")
+    key = graph_key(args.model, args.batch, args.optimizer, precision=precision, seed=args.seed,
+                    zoo=is_zoo(args.model))
+
+    def fresh():
+        wl = load_workload(args.model, batch=args.batch, seed=args.seed, abstract=True)
+        return capture(wl, optimizer=args.optimizer, num_groups=1, precision=precision).graph
+
+    return cached_graph(key, fresh, getattr(args, "groups", 48), use_cache=not getattr(args, "no_cache", False))
 
 
 def print_json(obj) -> None:

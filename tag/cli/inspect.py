@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
-from .common import add_force_arg, add_model_args, check_outputs, int_in, load_captured, print_json
+from .common import (
+    add_cache_arg,
+    add_force_arg,
+    add_model_args,
+    check_outputs,
+    int_in,
+    load_graph,
+    print_json,
+)
 
 
 def register(sub) -> None:
     p = sub.add_parser("inspect", help="capture a model's training iteration and summarise its op graph",
                        description="Capture forward, backward and optimizer of a model as an op graph, group it, "
-                                   "and print ops, groups, FLOPs, parameters, activation bytes and the heaviest groups.")
-    add_model_args(p)
+                                   "and print ops, groups, FLOPs, parameters, activation bytes and the heaviest groups. "
+                                   "--list shows the zoo models and presets instead.")
+    add_model_args(p, required=False)
+    add_cache_arg(p)
+    p.add_argument("--list", action="store_true", help="list the zoo models and presets (parameters, default batch, "
+                                                       "sequence or image size) and exit")
     p.add_argument("--top", type=int_in(0), default=5, help="how many of the heaviest groups to list")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.add_argument("--save", metavar="PATH", help="also write the op graph as JSON to PATH")
@@ -17,17 +29,49 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def list_models(as_json: bool) -> int:
+    from ..workloads.zoo import zoo_entries, zoo_params
+
+    rows = []
+    for name, e in zoo_entries().items():
+        size = e.defaults.get("seq", e.defaults.get("image"))
+        rows.append({"name": name, "params": zoo_params(name), "batch": e.batch,
+                     "size": f"{'seq' if 'seq' in e.defaults else 'image'} {size}" if size else "-",
+                     "description": e.summary()})
+    if as_json:
+        print_json(rows)
+        return 0
+    print(f"{'model':<12} {'params':>8} {'batch':>5}  {'seq/image':<10} description")
+    for r in rows:
+        print(f"{r['name']:<12} {_count(r['params']):>8} {r['batch']:>5}  {r['size']:<10} "
+              f"{r['description'].split('; defaults')[0]}")
+    return 0
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
 def run(args) -> int:
+    from ..errors import TagError
     from ..graph.summary import graph_summary
     from ..io import write_atomic
     from ..topology.units import format_bytes
 
+    if args.list:
+        return list_models(args.json)
+    if not args.model:
+        raise TagError("--model is required (or --list to see the zoo)")
     check_outputs(args, save=args.save)
-    wl, cap = load_captured(args)
-    s = graph_summary(cap.graph, top=args.top)
-    s["capture_s"] = round(cap.export_seconds, 3)
+    graph, seconds, hit = load_graph(args)
+    s = graph_summary(graph, top=args.top)
+    s["capture_s"] = round(seconds, 3)
+    s["from_cache"] = hit
     if args.save:
-        write_atomic(args.save, cap.graph.to_json())
+        write_atomic(args.save, graph.to_json())
     if args.json:
         print_json(s)
         return 0
@@ -40,7 +84,7 @@ def run(args) -> int:
     print(f"FLOPs        fwd {s['flops_fwd'] / 1e9:.3f} G, fwd+bwd {s['flops_fwd_bwd'] / 1e9:.3f} G, "
           f"optimizer {s['flops_opt'] / 1e9:.4f} G")
     print(f"activations  {format_bytes(s['activation_bytes'], digits=3)} saved for backward")
-    print(f"capture      {s['capture_s']:.1f} s, signature {s['signature']}")
+    print(f"capture      {s['capture_s']:.1f} s{' (graph cache)' if hit else ''}, signature {s['signature']}")
     print("\nheaviest groups (reference roofline time, V100):")
     print(f"  {'group':>5} {'ops':>5} {'params':>10} {'GFLOPs':>9} {'time':>10}  first op")
     for g in s["heaviest_groups"]:

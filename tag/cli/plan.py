@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from .common import (
+    add_cache_arg,
     add_force_arg,
     add_model_args,
     add_numerics_args,
@@ -24,6 +25,7 @@ def register(sub) -> None:
                     "shipped GNN predictor (or another searcher). Prints the plan, its predicted iteration "
                     "time, the speedup over the baselines and the distance to the lower bound.")
     add_model_args(p)
+    add_cache_arg(p)
     p.add_argument("--topology", required=True, help="topology YAML/JSON file or shipped topology name")
     p.add_argument("--budget", type=int_in(1), default=None, metavar="N",
                    help="search budget in playouts: plans proposed and not simulated before (default 200 unless --time is given)")
@@ -81,13 +83,15 @@ def run(args) -> int:
 
     from ..planner import find_plan
     from ..topology import load_topology
-    from .common import load_captured
+    from .common import load_graph
 
     check_outputs(args, out=args.out, trace=args.trace)
     topo = load_topology(args.topology)
     t0 = time.perf_counter()
-    _, cap = load_captured(args)
-    graph = cap.graph
+    graph, _, _ = load_graph(args)
+    if not args.allow_oom:
+        from ..cost.baselines import check_fits
+        check_fits(graph, topo)
     capture_s = time.perf_counter() - t0
     costs = None
     try:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from .common import add_force_arg, add_model_args, add_numerics_args, check_outputs, numerics_of, print_json
+from .common import (
+    add_cache_arg,
+    add_force_arg,
+    add_model_args,
+    add_numerics_args,
+    check_outputs,
+    numerics_of,
+    print_json,
+)
 
 
 def register(sub) -> None:
@@ -14,6 +22,7 @@ def register(sub) -> None:
                     "roofline rule) and simulate one iteration of a plan file or a baseline plan: iteration time, "
                     "per-device compute / communication / idle time, peak memory against capacity, critical path.")
     add_model_args(p)
+    add_cache_arg(p)
     p.set_defaults(groups=None)
     p.add_argument("--topology", required=True, help="topology YAML/JSON file or shipped topology name")
     src = p.add_mutually_exclusive_group(required=True)
@@ -58,10 +67,11 @@ def run(args) -> int:
             args.precision = plan.precision
     if args.groups is None:
         args.groups = 48
-    from .common import load_captured
+    from .common import load_graph
 
-    _, cap = load_captured(args)
-    graph = cap.graph
+    graph, _, _ = load_graph(args)
+    from ..cost.baselines import check_fits
+    check_fits(graph, topo)
     costs = CostModel.for_topology(graph, topo, args.profiles, numerics=numerics_of(args))
     if layout is not None:
         plan = layout_plan(graph, topo, layout, costs)

@@ -75,6 +75,31 @@ def group_footprints(graph) -> list[float]:
     return out
 
 
+def check_fits(graph, topology) -> None:
+    """Refuse (one-line :class:`OutOfMemoryError`) a model no plan can fit on ``topology``.
+
+    The model needs its parameters, gradients, optimizer state and the forward activations the
+    backward reads at the graph's batch (``sum(group_footprints)``). A plan may split that over
+    devices (model parallel) but never below it in total, so a model needing more than all the
+    devices' memory together fits nowhere; the message names the model's memory and the largest
+    device's, the capacity a user most often compares it with.
+    """
+    from ..errors import OutOfMemoryError
+    from ..topology.units import format_bytes
+
+    need = sum(group_footprints(graph))
+    caps = [d.gpu.memory_bytes for d in topology.devices]
+    if need <= sum(caps):
+        return
+    state = sum(2 * p.nbytes + p.opt_state_bytes for p in graph.params)
+    raise OutOfMemoryError(
+        f"model {graph.model} (batch {graph.batch_size}) needs {format_bytes(need, digits=3)} "
+        f"({format_bytes(state, digits=3)} of parameters, gradients and {graph.optimizer} state, the rest saved "
+        f"activations), more than the {format_bytes(sum(caps), digits=3)} of all {len(caps)} devices of "
+        f"{topology.name} together (largest device {format_bytes(max(caps), digits=3)}); no plan fits: "
+        f"use more or larger devices or a smaller batch")
+
+
 def data_parallel_proportional(graph, topology, costs=None) -> Plan:
     """Data parallel over every device, shares proportional to the cost model's device speeds."""
     plan = data_parallel(graph, topology, proportional=True, speeds=cost_model_speeds(graph, topology, costs))

@@ -16,11 +16,10 @@ import platform
 import re
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from types import MappingProxyType
 
 from tag.errors import TopologyError
-from tag.io import write_atomic
+from tag.io import cache_dir, write_atomic
 
 __all__ = ["GPUSpec", "GPU_CATALOG", "get_gpu", "match_gpu_name", "local_cpu_spec", "cache_dir"]
 
@@ -165,14 +164,6 @@ def get_gpu(name: str) -> GPUSpec:
 
 
 # ------------------------------------------------------------------------------------- local CPU
-
-
-def cache_dir() -> Path:
-    """``$TAG_CACHE_DIR``, else ``$XDG_CACHE_HOME/tag``, else ``~/.cache/tag``."""
-    override = os.environ.get("TAG_CACHE_DIR")
-    if override:
-        return Path(override)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tag"
 
 
 def _total_ram_bytes() -> int:

@@ -21,7 +21,7 @@ from tag.errors import WorkloadError
 from tag.workloads.factory import LossWrapper, extract_loss, load_factory, resample
 from tag.workloads.zoo import list_zoo, load_zoo, suggest, zoo_entries
 
-__all__ = ["LossWrapper", "Workload", "extract_loss", "list_zoo", "load_workload", "resample"]
+__all__ = ["LossWrapper", "Workload", "extract_loss", "is_zoo", "list_zoo", "load_workload", "resample"]
 
 
 @dataclass
@@ -54,20 +54,28 @@ def _checked(spec: str, fn: Callable[[int], tuple]) -> Callable[[int], tuple]:
     return make_inputs
 
 
-def load_workload(spec: str, batch: int | None = None, seed: int = 0) -> Workload:
+def is_zoo(spec: str) -> bool:
+    """Whether ``spec`` names a zoo model (``name[:key=value,...]``) rather than a factory."""
+    return spec.strip().partition(":")[0] in zoo_entries()
+
+
+def load_workload(spec: str, batch: int | None = None, seed: int = 0, *, abstract: bool = False) -> Workload:
     """Load a zoo model or a user factory (see the module docstring).
 
     Args:
         spec: ``name[:key=value,...]``, ``package.module:function`` or ``path/to/file.py:function``.
         batch: global batch size of ``inputs``; None uses the zoo default / the factory's own.
         seed: seeds parameter init (zoo, and factories via ``torch.manual_seed``) and inputs.
+        abstract: build a zoo model and its inputs on the meta device (shapes and dtypes, no data:
+            enough to capture and plan, not to run). A factory decides its own device; one that
+            returns a meta-device model is never run eagerly either.
     """
     spec = spec.strip()
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise WorkloadError(f"workload {spec!r}: batch size must be a positive integer, got {batch!r}")
     head, colon, tail = spec.partition(":")
-    if head in zoo_entries():  # zoo names shadow same-named modules; use file.py:function for those
-        z = load_zoo(spec, head, tail, batch, seed)
+    if is_zoo(spec):  # zoo names shadow same-named modules; use file.py:function for those
+        z = load_zoo(spec, head, tail, batch, seed, abstract=abstract)
         return Workload(z.name, z.model, z.inputs, z.batch_size, _checked(spec, z.make_inputs))
     if not colon or not all(part.isidentifier() for part in tail.split(".")):
         raise WorkloadError(suggest(spec, head))  # e.g. "gtp2" or "resnett:depth=50"

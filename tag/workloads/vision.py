@@ -25,6 +25,7 @@ RESNET_LAYOUTS: Mapping[int, tuple[str, tuple[int, ...]]] = MappingProxyType({
     34: ("basic", (3, 4, 6, 3)),
     50: ("bottleneck", (3, 4, 6, 3)),
     101: ("bottleneck", (3, 4, 23, 3)),
+    152: ("bottleneck", (3, 8, 36, 3)),
 })
 VGG_LAYOUTS: Mapping[int, tuple[int | str, ...]] = MappingProxyType({
     11: (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"),
@@ -109,7 +110,7 @@ def _shortcut(cin: int, cout: int, stride: int, norm: str) -> nn.Module:
 
 
 class ResNet(nn.Module):
-    """ResNet of ``depth`` 18/34/50/101 with stage widths ``width * (1, 2, 4, 8)``.
+    """ResNet of ``depth`` 18/34/50/101/152 with stage widths ``width * (1, 2, 4, 8)``.
 
     Images smaller than 128 px use a CIFAR stem (3x3 conv, stride 1); larger ones the ImageNet stem
     (7x7 conv stride 2 + 3x3 max-pool). Stages 2-4 halve the resolution; then global average pool

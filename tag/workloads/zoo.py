@@ -8,6 +8,7 @@ at the default batch takes well under a second); scale them up with overrides.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 from collections.abc import Callable, Mapping
@@ -139,6 +140,23 @@ def _build_vit(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
     return model, _images(cfg["image"], cfg["classes"])
 
 
+def _build_llama(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
+    _transformer_checks(cfg)
+    _positive(cfg, "n_kv_head", "ffn")
+    _require(cfg["n_head"] % cfg["n_kv_head"] == 0,
+             f"n_head ({cfg['n_head']}) must be divisible by n_kv_head ({cfg['n_kv_head']})")
+    hf = _hf()
+    v = cfg["vocab"]
+    conf = hf.LlamaConfig(
+        vocab_size=v, hidden_size=cfg["n_embd"], intermediate_size=cfg["ffn"],
+        num_hidden_layers=cfg["n_layer"], num_attention_heads=cfg["n_head"],
+        num_key_value_heads=cfg["n_kv_head"], max_position_embeddings=cfg["seq"],
+        attention_dropout=0.0, tie_word_embeddings=False, use_cache=False, attn_implementation="eager",
+    )
+    model = LossWrapper(hf.LlamaForCausalLM(conf), ("input_ids", "labels"), {"use_cache": False})
+    return model, _tokens(v, cfg["seq"])
+
+
 def _build_mlp(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
     _positive(cfg, "hidden", "in_dim", "classes")
     _require(cfg["layers"] >= 0, f"layers must be >= 0, got {cfg['layers']}")
@@ -180,19 +198,68 @@ def zoo_entries() -> dict[str, ZooEntry]:
         ZooEntry("vit", "ViT image classifier (HF transformers, cross-entropy on random images)",
                  mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "image": 32, "patch": 8, "classes": 10}),
                  8, _build_vit),
-        ZooEntry("resnet", "ResNet-18/34/50/101 classifier (norm=bn|gn|none; split-batch equality needs "
+        ZooEntry("llama", "Llama causal LM (HF transformers LlamaConfig, random weights, next-token loss)",
+                 mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "n_kv_head": 4, "ffn": 344, "vocab": 1000,
+                     "seq": 64}), 8, _build_llama),
+        ZooEntry("resnet", "ResNet-18/34/50/101/152 classifier (norm=bn|gn|none; split-batch equality needs "
                  "gn or none)", mp({"depth": 18, "width": 16, "image": 32, "classes": 10, "norm": "bn"}),
                  8, _build_resnet, mp({"norm": NORMS})),
         ZooEntry("vgg", "VGG-11/13/16/19 classifier (bn=true adds BatchNorm, breaking split-batch equality)",
                  mp({"depth": 11, "width": 16, "image": 32, "classes": 10, "hidden": 256, "bn": False}),
                  8, _build_vgg),
     ]
-    return {e.name: e for e in entries}
+    table = {e.name: e for e in entries}
+    for name, base, what, overrides, batch in PRESETS:
+        b = table[base]
+        table[name] = ZooEntry(name, f"{what} ({b.name} preset)", mp({**b.defaults, **overrides}), batch,
+                               b.build, b.choices)
+    return table
 
 
-def list_zoo() -> dict[str, str]:
-    """``name -> one-line description`` (with default overrides and batch) of every zoo model."""
-    return {name: e.summary() for name, e in zoo_entries().items()}
+#: Models at the sizes people train: (name, zoo base, what, overrides of the base, default batch).
+#: Shapes follow the published configurations (GPT-2: Radford et al. 2019; BERT: Devlin et al. 2019;
+#: ViT: Dosovitskiy et al. 2021; ResNet: He et al. 2016; VGG: Simonyan & Zisserman 2015; Llama-2 7B
+#: and 13B: Touvron et al. 2023, and TinyLlama-1.1B for the 1B shape). Build them with
+#: ``load_workload(..., abstract=True)`` to capture without allocating their weights.
+PRESETS: tuple[tuple[str, str, str, dict[str, Value], int], ...] = (
+    ("gpt2-small", "gpt2", "GPT-2 small", {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 50257, "seq": 1024}, 8),
+    ("gpt2-medium", "gpt2", "GPT-2 medium",
+     {"n_layer": 24, "n_embd": 1024, "n_head": 16, "vocab": 50257, "seq": 1024}, 8),
+    ("gpt2-large", "gpt2", "GPT-2 large", {"n_layer": 36, "n_embd": 1280, "n_head": 20, "vocab": 50257, "seq": 1024}, 8),
+    ("gpt2-xl", "gpt2", "GPT-2 XL", {"n_layer": 48, "n_embd": 1600, "n_head": 25, "vocab": 50257, "seq": 1024}, 8),
+    ("bert-base", "bert", "BERT base", {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 30522, "seq": 512}, 8),
+    ("bert-large", "bert", "BERT large", {"n_layer": 24, "n_embd": 1024, "n_head": 16, "vocab": 30522, "seq": 512}, 8),
+    ("vit-b16", "vit", "ViT-B/16 at 224",
+     {"n_layer": 12, "n_embd": 768, "n_head": 12, "image": 224, "patch": 16, "classes": 1000}, 32),
+    ("vit-l16", "vit", "ViT-L/16 at 224",
+     {"n_layer": 24, "n_embd": 1024, "n_head": 16, "image": 224, "patch": 16, "classes": 1000}, 32),
+    ("resnet50", "resnet", "ResNet-50 at 224", {"depth": 50, "width": 64, "image": 224, "classes": 1000}, 32),
+    ("resnet101", "resnet", "ResNet-101 at 224", {"depth": 101, "width": 64, "image": 224, "classes": 1000}, 32),
+    ("resnet152", "resnet", "ResNet-152 at 224", {"depth": 152, "width": 64, "image": 224, "classes": 1000}, 32),
+    ("vgg16", "vgg", "VGG-16 at 224", {"depth": 16, "width": 64, "image": 224, "classes": 1000, "hidden": 4096}, 32),
+    ("vgg19", "vgg", "VGG-19 at 224", {"depth": 19, "width": 64, "image": 224, "classes": 1000, "hidden": 4096}, 32),
+    ("llama-1b", "llama", "Llama 1.1B (TinyLlama shape)",
+     {"n_layer": 22, "n_embd": 2048, "n_head": 32, "n_kv_head": 4, "ffn": 5632, "vocab": 32000, "seq": 2048}, 4),
+    ("llama-7b", "llama", "Llama-2 7B shape",
+     {"n_layer": 32, "n_embd": 4096, "n_head": 32, "n_kv_head": 32, "ffn": 11008, "vocab": 32000, "seq": 2048}, 4),
+    ("llama-13b", "llama", "Llama-2 13B shape",
+     {"n_layer": 40, "n_embd": 5120, "n_head": 40, "n_kv_head": 40, "ffn": 13824, "vocab": 32000, "seq": 2048}, 4),
+)
+
+
+def zoo_params(name: str) -> int:
+    """Trainable parameters of zoo model ``name`` at its defaults (built on the meta device)."""
+    entry = zoo_entries()[name]
+    with torch.device("meta"):
+        model, _ = entry.build(entry.defaults)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def list_zoo(*, presets: bool = False) -> dict[str, str]:
+    """``name -> one-line description`` (with default overrides and batch) of every zoo model;
+    the real-size :data:`PRESETS` too when ``presets``."""
+    skip = set() if presets else {p[0] for p in PRESETS}
+    return {name: e.summary() for name, e in zoo_entries().items() if name not in skip}
 
 
 def _parse_value(spec: str, key: str, text: str, default: Value, choices: tuple[Value, ...]) -> Value:
@@ -263,16 +330,18 @@ class ZooResult:
     make_inputs: Callable[[int], tuple]
 
 
-def load_zoo(spec: str, name: str, overrides: str, batch: int | None, seed: int) -> ZooResult:
+def load_zoo(spec: str, name: str, overrides: str, batch: int | None, seed: int, *,
+             abstract: bool = False) -> ZooResult:
     """Build zoo model ``name`` with ``overrides`` (``"k=v,..."``) under ``seed``.
 
     Parameters are initialised under ``torch.manual_seed(seed)`` inside a forked RNG (the global
     RNG is untouched); inputs come from a ``torch.Generator`` seeded with ``seed``, so
     ``make_inputs(b)`` is deterministic and ``make_inputs(batch_size)`` equals ``inputs``.
+    ``abstract``: the model and inputs are built on the meta device (no weights allocated).
     """
     entry = zoo_entries()[name]
     cfg = parse_overrides(spec, entry, overrides)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), (torch.device("meta") if abstract else contextlib.nullcontext()):
         torch.manual_seed(seed)
         try:
             model, sample = entry.build(cfg)
@@ -281,7 +350,9 @@ def load_zoo(spec: str, name: str, overrides: str, batch: int | None, seed: int)
     model.train()
 
     def make_inputs(b: int) -> tuple:
-        return sample(b, torch.Generator().manual_seed(seed))
+        # Abstract inputs keep the sampled shapes and dtypes only (token ids and labels are small).
+        inputs = sample(b, torch.Generator().manual_seed(seed))
+        return tuple(t.to("meta") for t in inputs) if abstract else inputs
 
     b = entry.batch if batch is None else batch
     return ZooResult(canonical_name(entry, cfg), model, make_inputs(b), b, make_inputs)
