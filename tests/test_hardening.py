@@ -405,3 +405,131 @@ def test_names_with_control_characters_are_refused(where, field):
         load_topology(topo)
     msg = str(e.value)
     assert field in msg and "control characters" in msg and "\x1b" not in msg and "\n" not in msg
+
+
+# ------------------------------------------------------------------------------ files that run code
+
+
+class _Payload:
+    """Unpickling this creates ``marker`` (``open(marker, "w")``): a stand-in for any code a crafted
+    ``.pt`` file runs, e.g. ``subprocess.call``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(path, marker, fmt: str) -> None:
+    """A malicious file at ``path``: a plain pickle or torch.save's zip format."""
+    import pickle
+
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "pickle":
+        path.write_bytes(pickle.dumps({"data": _Payload(marker)}))
+    else:
+        torch.save({"format": "tag-dataset", "data": _Payload(marker)}, path)
+
+
+@pytest.mark.parametrize("fmt", ["pickle", "torch"])
+def test_dataset_folders_never_run_code(tmp_path, capsys, fmt):
+    """`tag tune --data DIR` (and the datasets of `tag train`'s rounds): every .pt file PyG or TAG
+    ever read from processed/ (the data file under its old and new names, PyG's pre_transform.pt and
+    pre_filter.pt) holds a payload; none runs, and the refusal is one line."""
+    from types import SimpleNamespace
+
+    from tag.data.dataset import PlanDataset, PolicyTarget
+
+    data, marker = tmp_path / "data", tmp_path / "ran"
+    (data / "raw").mkdir(parents=True)
+    name = PlanDataset.processed_file_names.fget(SimpleNamespace(_raw=[], target=PolicyTarget()))[0]
+    for f in (name, name.replace("tensors_", "decisions_"), "pre_transform.pt", "pre_filter.pt"):
+        _plant(data / "processed" / f, marker, fmt)
+    rc, _, err = run_tag(capsys, "tune", "--data", str(data), "--study-dir", str(tmp_path / "study"))
+    assert not marker.exists()
+    line = err.strip()
+    assert rc == 2 and "\n" not in line and "Traceback" not in line, err
+    assert name in line and "refused to unpickle" in line, line
+
+
+@pytest.mark.parametrize("which", ["predictor", "training"])
+def test_checkpoints_never_run_code(tmp_path, which):
+    """The other .pt files TAG reads (--checkpoint, a resumed round's last.pt / best.pt) go through
+    the same weights_only loader, refused in one line."""
+    from tag.gnn import NetConfig, TagNet, load_net
+    from tag.gnn.predictor import CheckpointError
+    from tag.training.config import TrainConfig
+    from tag.training.train import fit
+
+    marker = tmp_path / "ran"
+    path = tmp_path / ("evil.pt" if which == "predictor" else "last.pt")
+    _plant(path, marker, "torch")
+    with pytest.raises(CheckpointError) as e:
+        if which == "predictor":
+            load_net(path)
+        else:
+            fit(TagNet(NetConfig(hidden=8, layers=1, heads=1)), [], None, TrainConfig(epochs=1), tmp_path, tag="t")
+    assert not marker.exists()
+    assert str(path) in str(e.value) and "refused to unpickle" in str(e.value) and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------- what listens where
+
+
+@contextlib.contextmanager
+def listening_sockets():
+    """Yields a set that fills, while the block runs, with ``(pid, ip, port)`` of every TCP socket
+    in LISTEN state owned by this process or any of its descendants (polled every 20 ms)."""
+    import threading
+
+    psutil = pytest.importorskip("psutil")
+    seen: set[tuple[int, str, int]] = set()
+    stop = threading.Event()
+
+    def poll():
+        me = psutil.Process()
+        while not stop.is_set():
+            with contextlib.suppress(psutil.Error):
+                for proc in [me, *me.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        seen.update((proc.pid, c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet")
+                                    if c.status == psutil.CONN_LISTEN)
+            stop.wait(0.02)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join()
+
+
+@pytest.mark.slow
+def test_execute_listens_on_loopback_only(tmp_path, captured):
+    """`tag execute` on one machine: the rendezvous store, the store the ranks share and gloo's
+    sockets listen on 127.0.0.1, never on every interface (``*`` / ``::``)."""
+    import os
+
+    from test_executor_dist import cpu_topology, run_plan
+
+    from tag.plan import GroupPlan
+
+    graph = captured("mlp", batch=8, groups=4).graph
+    with listening_sockets() as seen:
+        run_plan(tmp_path, graph, cpu_topology(tmp_path, 2), [GroupPlan((0, 1), (0.5, 0.5), "allreduce")] * 4)
+    launcher = {s for s in seen if s[0] == os.getpid()}
+    assert len(launcher) >= 2 and len(seen - launcher) >= 2, seen  # both stores; the ranks' gloo sockets
+    assert {ip for _, ip, _ in seen} == {"127.0.0.1"}, seen
+
+
+@pytest.mark.slow
+def test_profile_comm_listens_on_loopback_only():
+    from tag.executor.commprof import profile_comm
+
+    with listening_sockets() as seen:
+        profile_comm("cpu-test", sizes=[4096], repeats=1, warmup=0)
+    assert seen and {ip for _, ip, _ in seen} == {"127.0.0.1"}, seen
