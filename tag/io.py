@@ -100,3 +100,36 @@ def load_tensors(path: str | os.PathLike, error: type[Exception], what: str) -> 
     except Exception as e:  # noqa: BLE001 - torch raises many types for a torn or foreign file
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise error(f"{p}: not a {what}: {first}") from None
+
+
+# ------------------------------------------------------------------------ where commands write
+
+
+def checkout_root() -> Path | None:
+    """The repository TAG runs from (the folder holding TAG's ``pyproject.toml`` next to the ``tag``
+    package: a clone, or an editable install of one), or None for an installed package."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        ours = 'name = "tag-planner"' in (root / "pyproject.toml").read_text()
+    except OSError:
+        return None
+    return root if ours else None
+
+
+def user_dir(kind: str) -> Path:
+    """TAG's per-user folder (XDG base directories): ``kind`` ``"cache"`` is ``$TAG_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/tag``, else ``~/.cache/tag``; ``"data"`` is ``$TAG_DATA_DIR``, else
+    ``$XDG_DATA_HOME/tag``, else ``~/.local/share/tag``."""
+    home = {"cache": ".cache", "data": ".local/share"}[kind]
+    override = os.environ.get(f"TAG_{kind.upper()}_DIR")
+    if override:
+        return Path(override)
+    return Path(os.environ.get(f"XDG_{kind.upper()}_HOME") or Path.home() / home) / "tag"
+
+
+def output_dir(rel: str) -> Path:
+    """Default location of what a command writes unless told where (``rel``, e.g.
+    ``"runs/predictor"``): ``<checkout>/<rel>`` when TAG runs from a checkout, else
+    ``<user data folder>/<rel>`` (:func:`user_dir`), never inside an installed package nor the
+    current folder."""
+    return (checkout_root() or user_dir("data")) / rel

@@ -533,3 +533,63 @@ def test_profile_comm_listens_on_loopback_only():
     with listening_sockets() as seen:
         profile_comm("cpu-test", sizes=[4096], repeats=1, warmup=0)
     assert seen and {ip for _, ip, _ in seen} == {"127.0.0.1"}, seen
+
+
+# ------------------------------------------------------------------------------ default output folders
+
+
+def _defaults() -> dict[str, str]:
+    """Where each command writes when not told (profile, train, tune, validate, bench share one rule)."""
+    from dataclasses import fields
+
+    from tag.cost.profile import default_profile_dir
+    from tag.io import output_dir
+    from tag.training.config import LoopConfig
+    from tag.training.tune import TuneConfig
+
+    return {"profile": str(default_profile_dir()), "train": LoopConfig().run_dir,
+            "tune": next(f for f in fields(TuneConfig) if f.name == "study_dir").default_factory(), "validate/bench": str(output_dir("evaluation/results"))}
+
+
+def test_defaults_inside_a_checkout_are_the_repository_folders(monkeypatch):
+    from pathlib import Path
+
+    from tag.io import checkout_root
+
+    monkeypatch.delenv("TAG_PROFILE_DIR", raising=False)
+    root = Path(__file__).resolve().parents[1]
+    assert checkout_root() == root
+    assert _defaults() == {"profile": str(root / "data/profiles"), "train": str(root / "runs/predictor"),
+                           "tune": str(root / "runs/tune"), "validate/bench": str(root / "evaluation/results")}
+
+
+def test_an_installed_package_writes_into_the_user_data_folder(tmp_path):
+    """The tag package alone (as a wheel installs it: no pyproject.toml beside it), run from an
+    empty folder: every default lies under $XDG_DATA_HOME/tag, and `tag tune`, which writes its
+    study folder before reading the data, writes there and nothing into the current folder."""
+    import inspect
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "tag", tmp_path / "site" / "tag", ignore=shutil.ignore_patterns("__pycache__"))
+    work, xdg, data = tmp_path / "work", tmp_path / "xdg", tmp_path / "data"
+    for d in (work, data / "raw"):
+        d.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TAG_", "XDG_"))}
+    env.update(PYTHONPATH=str(tmp_path / "site"), XDG_DATA_HOME=str(xdg), HOME=str(tmp_path / "home"))
+    code = inspect.getsource(_defaults) + "import json, tag.io; print(json.dumps([str(tag.io.checkout_root()), _defaults()]))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    checkout, defaults = json.loads(r.stdout)
+    assert checkout == "None"
+    assert defaults == {"profile": str(xdg / "tag/data/profiles"), "train": str(xdg / "tag/runs/predictor"),
+                        "tune": str(xdg / "tag/runs/tune"), "validate/bench": str(xdg / "tag/evaluation/results")}
+    r = subprocess.run([sys.executable, "-m", "tag", "tune", "--data", str(data)], cwd=work, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "no labelled decisions" in r.stderr, r.stderr
+    assert (xdg / "tag/runs/tune/tune_config.json").is_file() and not list(work.iterdir())

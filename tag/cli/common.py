@@ -15,6 +15,9 @@ import sys
 MAX_BATCH = 2**16
 MAX_GROUPS = 4096
 
+# Where a command's default output folder lies (tag.io.output_dir), for --help.
+OUTSIDE = "in the checkout; for an installed package, under $XDG_DATA_HOME/tag (~/.local/share/tag)"
+
 
 def int_in(lo: int, hi: int | None = None):
     """argparse ``type``: an integer in ``[lo, hi]`` (``hi`` None: no upper bound)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..executor.commprof import DEFAULT_REPEATS
-from .common import add_model_args, int_in
+from .common import OUTSIDE, add_model_args, int_in
 
 
 def register(sub) -> None:
@@ -25,7 +25,7 @@ def register(sub) -> None:
     p.add_argument("--warmup", type=int_in(0), default=2, help="untimed warm-up iterations (default 2)")
     p.add_argument("--comm-repeats", type=int_in(1), default=DEFAULT_REPEATS,
                    help=f"timed calls per communication operation and size (mean; default {DEFAULT_REPEATS})")
-    p.add_argument("--out", default=None, metavar="DIR", help="profile database root (default data/profiles)")
+    p.add_argument("--out", default=None, metavar="DIR", help=f"profile database root (default: $TAG_PROFILE_DIR, else data/profiles {OUTSIDE})")
     comm = p.add_mutually_exclusive_group()
     comm.add_argument("--no-comm", action="store_true", help="skip the communication measurements")
     comm.add_argument("--comm-only", action="store_true", help="only measure communication")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import MAX_BATCH, MAX_GROUPS, int_in
+from .common import MAX_BATCH, MAX_GROUPS, OUTSIDE, int_in
 
 
 def register(sub) -> None:
@@ -33,7 +33,7 @@ def register(sub) -> None:
     p.add_argument("--profile-dir", default=None,
                    help="profile database to predict with (default: OUT/profiles, measured afresh "
                         "first: CPU costs are only valid on the machine, and in the state, that measured them)")
-    p.add_argument("--out", default=None, help="output folder (default evaluation/results/validate-<topology>)")
+    p.add_argument("--out", default=None, help=f"output folder (default: evaluation/results/validate-<topology> {OUTSIDE})")
     p.set_defaults(func=run)
 
 
@@ -42,12 +42,13 @@ def run(args) -> int:
 
     from ..errors import TagError
     from ..executor.validate import validate
+    from ..io import output_dir
 
     if args.plans < 1:
         raise TagError(f"--plans: expected a positive integer, got {args.plans}")
     if args.rounds < 1:
         raise TagError(f"--rounds: expected a positive integer, got {args.rounds}")
-    out = args.out or str(Path("evaluation/results") / f"validate-{Path(args.topology).stem}")
+    out = args.out or str(output_dir(f"evaluation/results/validate-{Path(args.topology).stem}"))
     report = validate(args.model, args.topology, out, n_plans=args.plans, batch=args.batch, groups=args.groups,
                       optimizer=args.optimizer, steps=args.steps, warmup=args.warmup, seed=args.seed,
                       profile=not args.no_profile, profile_dir=args.profile_dir, rounds=args.rounds)

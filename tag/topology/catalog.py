@@ -20,7 +20,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from tag.errors import TopologyError
-from tag.io import write_atomic
+from tag.io import user_dir, write_atomic
 
 __all__ = ["GPUSpec", "GPU_CATALOG", "get_gpu", "match_gpu_name", "local_cpu_spec", "cache_dir"]
 
@@ -169,10 +169,7 @@ def get_gpu(name: str) -> GPUSpec:
 
 def cache_dir() -> Path:
     """``$TAG_CACHE_DIR``, else ``$XDG_CACHE_HOME/tag``, else ``~/.cache/tag``."""
-    override = os.environ.get("TAG_CACHE_DIR")
-    if override:
-        return Path(override)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tag"
+    return user_dir("cache")
 
 
 def _total_ram_bytes() -> int:
