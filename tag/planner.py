@@ -40,7 +40,7 @@ def _predictor(checkpoint):
 def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget: int | None = None,
               time_limit: float | None = None, seed: int = 0, checkpoint: str | os.PathLike | None = None,
               predictor=None, costs=None, simulator=None, mcts: MCTSConfig | None = None,
-              compression: str = "auto", one_shot: bool = True) -> Plan:
+              compression: str = "auto", one_shot: bool = True, progress=None) -> Plan:
     """Search a deployment of ``graph`` on ``topology``.
 
     Both data-parallel baselines (even and speed-proportional shares) are simulated first and
@@ -69,6 +69,9 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         one_shot: with ``prior="gnn"``, simulate the network's one-shot plan
             (:meth:`tag.gnn.Predictor.one_shot`, for the first :data:`ONE_SHOT_GROUPS` groups in
             decision order) as the last playout of the budget.
+        progress: called as ``progress(stage)`` when a stage starts (``"baselines"``, ``"search"``,
+            ``"compression"``) and ``progress("search", done, total)`` after each plan the search
+            simulates (``total``: the playout budget, None under a time limit alone).
 
     Returns:
         A :class:`Plan` with ``predicted_iteration_time_s`` and ``meta`` holding the searcher,
@@ -86,10 +89,15 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         raise TagError(f"graph {graph.model!r}: has no op-groups")
     if compression not in ("auto", "off"):
         raise TagError(f"compression: expected 'auto' or 'off', got {compression!r}")
+    note = progress or (lambda stage, done=None, total=None: None)
     t0 = time.perf_counter()
     playouts = budget if budget is not None else (10**9 if time_limit is not None else DEFAULT_PLAYOUTS)
+    note("baselines")
     space = ActionSpace(graph, topology, cost_model=costs) if costs is not None else ActionSpace(graph, topology)
     ev = Evaluator(space, simulator)
+    total = None if playouts == 10**9 else playouts
+    note("search", 0, total)
+    ev.on_simulate = lambda e, base=ev.sim_calls: note("search", e.sim_calls - base, total)
     rng = np.random.default_rng(seed)
     stats, proposals = SearchStats(), []
     prior_fn = uniform_prior
@@ -140,6 +148,8 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         "one_shot_time_s": one_shot_out.time_s if one_shot_out is not None and not one_shot_out.oom else None,
         "actions": [space.actions[a].describe(topology) for a in ev.best_actions] if ev.best_actions else None,
     }
+    if compression != "off":
+        note("compression")
     p.meta["compression"] = "off" if compression == "off" else _compress(graph, topology, p, ev.simulator)
     return p
 

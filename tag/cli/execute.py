@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import argparse
 
-from .common import MAX_BATCH, MAX_GROUPS, add_force_arg, check_outputs, int_in, print_json, seconds
+from .common import (
+    MAX_BATCH,
+    MAX_GROUPS,
+    RawDescriptionHelpFormatter,
+    add_force_arg,
+    check_outputs,
+    int_in,
+    print_json,
+    seconds,
+)
 
 
 def register(sub) -> None:
     p = sub.add_parser("execute", help="run a plan on torch.distributed and measure it",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     add_execute_args(p)
     p.add_argument("--plan", required=True, help="plan JSON (from `tag plan`)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
@@ -32,8 +41,9 @@ def add_execute_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", required=True, help="topology file (one rank per device)")
     p.add_argument("--batch", type=int_in(1, MAX_BATCH), default=None,
                    help=f"global batch (1..{MAX_BATCH}; default: the plan's)")
-    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"],
+                   help="optimizer the plan was made for")
+    p.add_argument("--seed", type=int, default=0, help="random seed for weights and inputs")
     p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=None, help="op-groups (default: the plan's)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
                    help="auto: NCCL when every rank has a GPU on this machine, else gloo")

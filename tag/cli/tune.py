@@ -17,8 +17,9 @@ def register(sub) -> None:
     p.add_argument("--trials", type=int, default=20, help="total trials to reach (default 20)")
     p.add_argument("--epochs", type=int, default=6, help="epochs per trial (default 6)")
     p.add_argument("--timeout", type=float, default=None, help="stop starting trials after S seconds")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--wandb", choices=["offline", "online", "disabled"], default="offline")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler and of training")
+    p.add_argument("--wandb", choices=["offline", "online", "disabled"], default="offline",
+                   help="wandb logging of the trials")
     p.set_defaults(func=run)
 
 

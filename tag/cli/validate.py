@@ -6,21 +6,20 @@ percentage error, the Spearman rank correlation, and a scatter plot (PNG) in ``-
 
 from __future__ import annotations
 
-import argparse
-
-from .common import MAX_BATCH, MAX_GROUPS, OUTSIDE, int_in
+from .common import MAX_BATCH, MAX_GROUPS, OUTSIDE, RawDescriptionHelpFormatter, int_in
 
 
 def register(sub) -> None:
     p = sub.add_parser("validate", help="execute plans and compare predicted vs measured iteration times",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="workload spec (e.g. gpt2 or mlp:hidden=512)")
     p.add_argument("--topology", required=True, help="topology of this machine (e.g. topologies/local-cpu2.yaml)")
     p.add_argument("--plans", type=int_in(1), default=12, help="number of plans: baselines first, then varied (default 12)")
     p.add_argument("--batch", type=int_in(1, MAX_BATCH), default=None,
                    help=f"global batch (1..{MAX_BATCH}; default: the model's)")
     p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=8, help="op-groups (default 8)")
-    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"])
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"],
+                   help="optimizer of the training step")
     p.add_argument("--steps", type=int_in(1), default=10, help="timed iterations per plan (default 10)")
     p.add_argument("--warmup", type=int_in(0), default=3, help="warm-up iterations per plan (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the varied plans")
