@@ -76,7 +76,9 @@ def run(args) -> int:
         print_json(d)
         return 0
     pred = res.predicted_iteration_time_s
-    print(f"{res.model} on {res.topology} ({res.world_size} ranks, {res.backend}): "
+    from ..topology.units import format_count
+
+    print(f"{res.model} on {res.topology} ({format_count(res.world_size, 'rank')}, {res.backend}): "
           f"measured {res.measured_iteration_time_s * 1e3:.2f} ms/iteration (median of {res.steps})"
           + (f", predicted {pred * 1e3:.2f} ms ({(pred / res.measured_iteration_time_s - 1) * 100:+.1f}%)"
              if pred else ""))

@@ -207,10 +207,12 @@ def chrome_trace(sim_res, ranks: list[dict]) -> dict:
 
 def memory_report(res, topology) -> str:
     """``device 1 (local:1) needs 3.20 GiB of 2.00 GiB; ...`` from a :class:`tag.sim.SimResult`."""
+    from ..topology.units import format_bytes
+
     parts = []
     for d, _over in res.oom_devices:
-        parts.append(f"device {d} ({topology.devices[d].name}) needs {res.peak_memory_bytes[d] / 2**30:.2f} GiB "
-                     f"of {res.memory_capacity_bytes[d] / 2**30:.2f} GiB")
+        parts.append(f"device {d} ({topology.devices[d].name}) needs {format_bytes(res.peak_memory_bytes[d], digits=3)} "
+                     f"of {format_bytes(res.memory_capacity_bytes[d], digits=3)}")
     return "; ".join(parts) or "the simulator reports OOM"
 
 
