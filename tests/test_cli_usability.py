@@ -127,13 +127,9 @@ def test_inspect_table_is_aligned_in_one_unit_system(capsys):
 def _terminal_stderr():
     """sys.stderr on a pseudo-terminal (isatty() is true); yields a list that collects what was
     written to it, read by a thread so that the writer never blocks on a full pty buffer."""
-    import fcntl
     import pty
-    import struct
-    import termios
 
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100 x 24 terminal
+    master, slave = pty.openpty()  # reports a 0 x 0 window, as some terminals do: the bar still shows
     chunks: list[bytes] = []
 
     def read():

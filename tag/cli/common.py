@@ -157,8 +157,13 @@ class StageProgress:
             else:
                 from tqdm import tqdm
 
+                try:  # a terminal that reports no size (0 x 0) would get no bar at all from tqdm
+                    sized = min(os.get_terminal_size(self.stream.fileno())) > 0
+                except (OSError, ValueError, AttributeError):
+                    sized = False
+                fixed = {} if sized else {"ncols": 80, "nrows": 24}
                 self.bar = tqdm(total=total, desc=stage, unit="plan", file=self.stream, leave=False,
-                                dynamic_ncols=True)
+                                dynamic_ncols=sized, **fixed)
         if self.bar is not None and done is not None:
             self.bar.update(done - self.bar.n)
 

@@ -80,10 +80,12 @@ def run(args) -> int:
         costs = CostModel.for_topology(graph, topo, args.profiles)
     except ImportError:  # pragma: no cover
         pass
-    p = find_plan(graph, topo, searcher=args.searcher, prior=args.prior, budget=args.budget,
-                  time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs,
-                  compression=args.compression, one_shot=args.one_shot, progress=progress)
-    progress.close()
+    try:
+        p = find_plan(graph, topo, searcher=args.searcher, prior=args.prior, budget=args.budget,
+                      time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs,
+                      compression=args.compression, one_shot=args.one_shot, progress=progress)
+    finally:
+        progress.close()  # no bar left on the terminal, after an error either
     p.meta["capture_s"] = capture_s
     if p.meta.get("oom") and not args.allow_oom:
         from ..errors import OutOfMemoryError
