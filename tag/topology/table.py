@@ -25,7 +25,7 @@ def render_table(header: list[str], rows: list[list[str]], right: set[int] | Non
         parts = [str(v).rjust(w) if c in right else str(v).ljust(w) for c, (v, w) in enumerate(zip(cells, widths))]
         return "  ".join(parts).rstrip()
 
-    rule = "  ".join("-" * w for w in widths)
+    rule = "  ".join("-" * w for w in widths).rstrip()
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
 
 
