@@ -56,7 +56,7 @@ def run(args) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise TagError(f"--threads: expected a positive integer, got {args.threads}")
-    if args.repeats < 1 or args.warmup < 0 or args.comm_repeats < 1:
+    if args.repeats < 1 or args.warmup < 0 or (args.comm_repeats is not None and args.comm_repeats < 1):
         raise TagError("--repeats/--comm-repeats/--warmup: expected repeats >= 1 and warmup >= 0, got "
                        f"{args.repeats}/{args.comm_repeats}/{args.warmup}")
     if args.device == "cuda" and not torch.cuda.is_available():
