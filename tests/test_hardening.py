@@ -582,14 +582,14 @@ def test_an_installed_package_writes_into_the_user_data_folder(tmp_path):
         d.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TAG_", "XDG_"))}
     env.update(PYTHONPATH=str(tmp_path / "site"), XDG_DATA_HOME=str(xdg), HOME=str(tmp_path / "home"))
-    code = inspect.getsource(_defaults) + "import json, tag.io; print(json.dumps([str(tag.io.checkout_root()), _defaults()]))"
-    r = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    # One process (torch is imported once): the defaults, then `tag tune --data DATA`'s exit code.
+    code = (inspect.getsource(_defaults) + "import json, sys, tag.io, tag.cli\n"
+            "print(json.dumps([str(tag.io.checkout_root()), _defaults()]), flush=True)\n"
+            "sys.exit(tag.cli.main(['tune', '--data', sys.argv[1]]))")
+    r = subprocess.run([sys.executable, "-c", code, str(data)], cwd=work, env=env, capture_output=True, text=True)
     checkout, defaults = json.loads(r.stdout)
     assert checkout == "None"
     assert defaults == {"profile": str(xdg / "tag/data/profiles"), "train": str(xdg / "tag/runs/predictor"),
                         "tune": str(xdg / "tag/runs/tune"), "validate/bench": str(xdg / "tag/evaluation/results")}
-    r = subprocess.run([sys.executable, "-m", "tag", "tune", "--data", str(data)], cwd=work, env=env,
-                       capture_output=True, text=True)
     assert r.returncode == 2 and "no labelled decisions" in r.stderr, r.stderr
     assert (xdg / "tag/runs/tune/tune_config.json").is_file() and not list(work.iterdir())
