@@ -11,10 +11,7 @@ from typing import Any
 
 def cache_dir() -> Path:
     """TAG's user cache folder: ``$TAG_CACHE_DIR``, else ``$XDG_CACHE_HOME/tag``, else ``~/.cache/tag``."""
-    override = os.environ.get("TAG_CACHE_DIR")
-    if override:
-        return Path(override)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tag"
+    return user_dir("cache")
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
@@ -67,3 +64,77 @@ def read_json(path: str | os.PathLike, error: type[Exception], what: str) -> Any
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise error(f"{p}: line {e.lineno}: not valid JSON: {e.msg}") from e
+
+
+def save_tensors(path: str | os.PathLike, obj: Any) -> None:
+    """Atomically ``torch.save`` ``obj``: tensors and plain containers (dict, list, tuple, str,
+    numbers), so that :func:`load_tensors` can read it back without unpickling code."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    write_atomic(path, buf.getvalue())
+
+
+def load_tensors(path: str | os.PathLike, error: type[Exception], what: str) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU: tensors and plain containers only,
+    never any other Python object (a pickle naming a function or class is refused before anything
+    runs). ``error`` with one line naming the file otherwise. The one way TAG reads ``.pt`` files:
+    a file a user was handed must never run code."""
+    import pickle
+    import re
+    import warnings
+
+    import torch
+
+    p = Path(path)
+    try:
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the error says enough
+            warnings.simplefilter("ignore")
+            return torch.load(p, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise error(f"{p}: {what} not found") from None
+    except pickle.UnpicklingError as e:
+        # torch's message is many lines; one of them names the refused global (or pickle opcode).
+        m = re.search(r"Unsupported (?:global: GLOBAL ([\w.]+)|operand (\d+))", str(e))
+        which = f" (global {m.group(1)})" if m and m.group(1) else f" (pickle opcode {m.group(2)})" if m else ""
+        raise error(f"{p}: not a {what}: it holds Python objects{which} beyond tensors and plain "
+                    "containers; refused to unpickle it") from None
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a torn or foreign file
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise error(f"{p}: not a {what}: {first}") from None
+
+
+# ------------------------------------------------------------------------ where commands write
+
+
+def checkout_root() -> Path | None:
+    """The repository TAG runs from (the folder holding TAG's ``pyproject.toml`` next to the ``tag``
+    package: a clone, or an editable install of one), or None for an installed package."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        ours = 'name = "tag-planner"' in (root / "pyproject.toml").read_text()
+    except OSError:
+        return None
+    return root if ours else None
+
+
+def user_dir(kind: str) -> Path:
+    """TAG's per-user folder (XDG base directories): ``kind`` ``"cache"`` is ``$TAG_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/tag``, else ``~/.cache/tag``; ``"data"`` is ``$TAG_DATA_DIR``, else
+    ``$XDG_DATA_HOME/tag``, else ``~/.local/share/tag``."""
+    home = {"cache": ".cache", "data": ".local/share"}[kind]
+    override = os.environ.get(f"TAG_{kind.upper()}_DIR")
+    if override:
+        return Path(override)
+    return Path(os.environ.get(f"XDG_{kind.upper()}_HOME") or Path.home() / home) / "tag"
+
+
+def output_dir(rel: str) -> Path:
+    """Default location of what a command writes unless told where (``rel``, e.g.
+    ``"runs/predictor"``): ``<checkout>/<rel>`` when TAG runs from a checkout, else
+    ``<user data folder>/<rel>`` (:func:`user_dir`), never inside an installed package nor the
+    current folder."""
+    return (checkout_root() or user_dir("data")) / rel

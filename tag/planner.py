@@ -40,7 +40,8 @@ def _predictor(checkpoint):
 def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget: int | None = None,
               time_limit: float | None = None, seed: int = 0, checkpoint: str | os.PathLike | None = None,
               predictor=None, costs=None, simulator=None, mcts: MCTSConfig | None = None,
-              compression: str = "auto", one_shot: bool = True, pipelines: str = "auto") -> Plan:
+              compression: str = "auto", one_shot: bool = True, pipelines: str = "auto",
+              progress=None) -> Plan:
     """Search a deployment of ``graph`` on ``topology``.
 
     Both data-parallel baselines (even and speed-proportional shares) are simulated first and
@@ -74,6 +75,9 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
             1F1B micro-batches) and returns the best of them instead of the searched plan when it
             is strictly faster (``meta["source"] == "layout-grid"``); ``off`` skips them (and a
             ``simulator`` whose ``run`` takes no ``pipeline`` cannot run them).
+        progress: called as ``progress(stage)`` when a stage starts (``"baselines"``, ``"search"``,
+            ``"compression"``) and ``progress("search", done, total)`` after each plan the search
+            simulates (``total``: the playout budget, None under a time limit alone).
 
     Returns:
         A :class:`Plan` with ``predicted_iteration_time_s`` and ``meta`` holding the searcher,
@@ -93,10 +97,15 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         raise TagError(f"compression: expected 'auto' or 'off', got {compression!r}")
     if pipelines not in ("auto", "off"):
         raise TagError(f"pipelines: expected 'auto' or 'off', got {pipelines!r}")
+    note = progress or (lambda stage, done=None, total=None: None)
     t0 = time.perf_counter()
     playouts = budget if budget is not None else (10**9 if time_limit is not None else DEFAULT_PLAYOUTS)
+    note("baselines")
     space = ActionSpace(graph, topology, cost_model=costs) if costs is not None else ActionSpace(graph, topology)
     ev = Evaluator(space, simulator)
+    total = None if playouts == 10**9 else playouts
+    note("search", 0, total)
+    ev.on_simulate = lambda e, base=ev.sim_calls: note("search", e.sim_calls - base, total)
     rng = np.random.default_rng(seed)
     stats, proposals = SearchStats(), []
     prior_fn = uniform_prior
@@ -149,6 +158,8 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     }
     if pipelines == "auto":
         p = _pipelined(graph, topology, p, space.cost_model, ev.simulator)
+    if compression != "off":
+        note("compression")
     p.meta["compression"] = "off" if compression == "off" else _compress(graph, topology, p, ev.simulator)
     return p
 

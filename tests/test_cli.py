@@ -35,7 +35,9 @@ def test_train_help_states_the_config_defaults():
     sub = next(a for a in parser._actions if a.dest == "command")
     helps = {a.dest: a.help for a in sub.choices["train"]._actions}
     cfg = LoopConfig()
-    stated = {"run_dir": cfg.run_dir, "rounds": cfg.rounds, "epochs": cfg.train.epochs,
+    # run_dir: runs/predictor of the checkout (tests run from one), or of the user's data folder
+    assert cfg.run_dir.endswith("runs/predictor") and "runs/predictor" in helps["run_dir"]
+    stated = {"rounds": cfg.rounds, "epochs": cfg.train.epochs,
               "workers": cfg.gen.workers, "playouts": cfg.gen.playouts_per_step, "seed": cfg.gen.seed,
               "samples": " ".join(map(str, cfg.samples_per_round)), "wandb": cfg.wandb}
     for dest, value in stated.items():

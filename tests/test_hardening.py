@@ -405,3 +405,191 @@ def test_names_with_control_characters_are_refused(where, field):
         load_topology(topo)
     msg = str(e.value)
     assert field in msg and "control characters" in msg and "\x1b" not in msg and "\n" not in msg
+
+
+# ------------------------------------------------------------------------------ files that run code
+
+
+class _Payload:
+    """Unpickling this creates ``marker`` (``open(marker, "w")``): a stand-in for any code a crafted
+    ``.pt`` file runs, e.g. ``subprocess.call``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(path, marker, fmt: str) -> None:
+    """A malicious file at ``path``: a plain pickle or torch.save's zip format."""
+    import pickle
+
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "pickle":
+        path.write_bytes(pickle.dumps({"data": _Payload(marker)}))
+    else:
+        torch.save({"format": "tag-dataset", "data": _Payload(marker)}, path)
+
+
+@pytest.mark.parametrize("fmt", ["pickle", "torch"])
+def test_dataset_folders_never_run_code(tmp_path, capsys, fmt):
+    """`tag tune --data DIR` (and the datasets of `tag train`'s rounds): every .pt file PyG or TAG
+    ever read from processed/ (the data file under its old and new names, PyG's pre_transform.pt and
+    pre_filter.pt) holds a payload; none runs, and the refusal is one line."""
+    from types import SimpleNamespace
+
+    from tag.data.dataset import PlanDataset, PolicyTarget
+
+    data, marker = tmp_path / "data", tmp_path / "ran"
+    (data / "raw").mkdir(parents=True)
+    name = PlanDataset.processed_file_names.fget(SimpleNamespace(_raw=[], target=PolicyTarget()))[0]
+    for f in (name, name.replace("tensors_", "decisions_"), "pre_transform.pt", "pre_filter.pt"):
+        _plant(data / "processed" / f, marker, fmt)
+    rc, _, err = run_tag(capsys, "tune", "--data", str(data), "--study-dir", str(tmp_path / "study"))
+    assert not marker.exists()
+    line = err.strip()
+    assert rc == 2 and "\n" not in line and "Traceback" not in line, err
+    assert name in line and "refused to unpickle" in line, line
+
+
+@pytest.mark.parametrize("which", ["predictor", "training"])
+def test_checkpoints_never_run_code(tmp_path, which):
+    """The other .pt files TAG reads (--checkpoint, a resumed round's last.pt / best.pt) go through
+    the same weights_only loader, refused in one line."""
+    from tag.gnn import NetConfig, TagNet, load_net
+    from tag.gnn.predictor import CheckpointError
+    from tag.training.config import TrainConfig
+    from tag.training.train import fit
+
+    marker = tmp_path / "ran"
+    path = tmp_path / ("evil.pt" if which == "predictor" else "last.pt")
+    _plant(path, marker, "torch")
+    with pytest.raises(CheckpointError) as e:
+        if which == "predictor":
+            load_net(path)
+        else:
+            fit(TagNet(NetConfig(hidden=8, layers=1, heads=1)), [], None, TrainConfig(epochs=1), tmp_path, tag="t")
+    assert not marker.exists()
+    assert str(path) in str(e.value) and "refused to unpickle" in str(e.value) and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------- what listens where
+
+
+@contextlib.contextmanager
+def listening_sockets():
+    """Yields a set that fills, while the block runs, with ``(pid, ip, port)`` of every TCP socket
+    in LISTEN state owned by this process or any of its descendants (polled every 20 ms)."""
+    import threading
+
+    psutil = pytest.importorskip("psutil")
+    seen: set[tuple[int, str, int]] = set()
+    stop = threading.Event()
+
+    def poll():
+        me = psutil.Process()
+        while not stop.is_set():
+            with contextlib.suppress(psutil.Error):
+                for proc in [me, *me.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        seen.update((proc.pid, c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet")
+                                    if c.status == psutil.CONN_LISTEN)
+            stop.wait(0.02)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join()
+
+
+@pytest.mark.slow
+def test_execute_listens_on_loopback_only(tmp_path, captured):
+    """`tag execute` on one machine: the rendezvous store, the store the ranks share and gloo's
+    sockets listen on 127.0.0.1, never on every interface (``*`` / ``::``)."""
+    import os
+
+    from test_executor_dist import cpu_topology, run_plan
+
+    from tag.plan import GroupPlan
+
+    graph = captured("mlp", batch=8, groups=4).graph
+    with listening_sockets() as seen:
+        run_plan(tmp_path, graph, cpu_topology(tmp_path, 2), [GroupPlan((0, 1), (0.5, 0.5), "allreduce")] * 4)
+    launcher = {s for s in seen if s[0] == os.getpid()}
+    assert len(launcher) >= 2 and len(seen - launcher) >= 2, seen  # both stores; the ranks' gloo sockets
+    assert {ip for _, ip, _ in seen} == {"127.0.0.1"}, seen
+
+
+@pytest.mark.slow
+def test_profile_comm_listens_on_loopback_only():
+    from tag.executor.commprof import profile_comm
+
+    with listening_sockets() as seen:
+        profile_comm("cpu-test", sizes=[4096], repeats=1, warmup=0)
+    assert seen and {ip for _, ip, _ in seen} == {"127.0.0.1"}, seen
+
+
+# ------------------------------------------------------------------------------ default output folders
+
+
+def _defaults() -> dict[str, str]:
+    """Where each command writes when not told (profile, train, tune, validate, bench share one rule)."""
+    from dataclasses import fields
+
+    from tag.cost.profile import default_profile_dir
+    from tag.io import output_dir
+    from tag.training.config import LoopConfig
+    from tag.training.tune import TuneConfig
+
+    return {"profile": str(default_profile_dir()), "train": LoopConfig().run_dir,
+            "tune": next(f for f in fields(TuneConfig) if f.name == "study_dir").default_factory(), "validate/bench": str(output_dir("evaluation/results"))}
+
+
+def test_defaults_inside_a_checkout_are_the_repository_folders(monkeypatch):
+    from pathlib import Path
+
+    from tag.io import checkout_root
+
+    monkeypatch.delenv("TAG_PROFILE_DIR", raising=False)
+    root = Path(__file__).resolve().parents[1]
+    assert checkout_root() == root
+    assert _defaults() == {"profile": str(root / "data/profiles"), "train": str(root / "runs/predictor"),
+                           "tune": str(root / "runs/tune"), "validate/bench": str(root / "evaluation/results")}
+
+
+def test_an_installed_package_writes_into_the_user_data_folder(tmp_path):
+    """The tag package alone (as a wheel installs it: no pyproject.toml beside it), run from an
+    empty folder: every default lies under $XDG_DATA_HOME/tag, and `tag tune`, which writes its
+    study folder before reading the data, writes there and nothing into the current folder."""
+    import inspect
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "tag", tmp_path / "site" / "tag", ignore=shutil.ignore_patterns("__pycache__"))
+    work, xdg, data = tmp_path / "work", tmp_path / "xdg", tmp_path / "data"
+    for d in (work, data / "raw"):
+        d.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TAG_", "XDG_"))}
+    env.update(PYTHONPATH=str(tmp_path / "site"), XDG_DATA_HOME=str(xdg), HOME=str(tmp_path / "home"))
+    # One process (torch is imported once): the defaults, then `tag tune --data DATA`'s exit code.
+    code = (inspect.getsource(_defaults) + "import json, sys, tag.io, tag.cli\n"
+            "print(json.dumps([str(tag.io.checkout_root()), _defaults()]), flush=True)\n"
+            "sys.exit(tag.cli.main(['tune', '--data', sys.argv[1]]))")
+    r = subprocess.run([sys.executable, "-c", code, str(data)], cwd=work, env=env, capture_output=True, text=True)
+    checkout, defaults = json.loads(r.stdout)
+    assert checkout == "None"
+    assert defaults == {"profile": str(xdg / "tag/data/profiles"), "train": str(xdg / "tag/runs/predictor"),
+                        "tune": str(xdg / "tag/runs/tune"), "validate/bench": str(xdg / "tag/evaluation/results")}
+    assert r.returncode == 2 and "no labelled decisions" in r.stderr, r.stderr
+    assert (xdg / "tag/runs/tune/tune_config.json").is_file() and not list(work.iterdir())

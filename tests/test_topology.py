@@ -160,7 +160,7 @@ def test_format_units():
     assert format_time(2e-5) == "20 us"
     assert format_time(0) == "0 s"
     assert format_flops(15.7e12) == "15.7 TFLOP/s"
-    assert format_bytes(25276063744, digits=4) == "25.28 GB"
+    assert format_bytes(25276063744, digits=4) == "23.54 GiB"  # display: binary prefixes only
 
 
 _BW_UNITS = {

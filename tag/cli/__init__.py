@@ -13,7 +13,9 @@ import logging
 import os
 import sys
 
+from .. import __version__
 from ..errors import TagError
+from .common import HelpFormatter
 
 # Command modules, in --help order. Each defines register(subparsers).
 COMMANDS = ["inspect", "topology", "profile", "simulate", "plan", "execute", "validate", "train", "tune", "bench"]
@@ -21,7 +23,11 @@ COMMANDS = ["inspect", "topology", "profile", "simulate", "plan", "execute", "va
 
 class _Parser(argparse.ArgumentParser):
     """Argument errors are ONE line too (``tag plan: error: argument --batch: ...``), like every
-    other input error; subcommand parsers inherit the class."""
+    other input error; subcommand parsers inherit the class, and its help formatter, which shows
+    every option's default."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
@@ -31,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="tag", description="TAG: topology-aware deployment of PyTorch training on heterogeneous GPUs.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument("--version", action="version", version=f"tag {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from .common import OUTSIDE
+
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmark TAG against the baselines and write a report",
                        description="Run a benchmark suite (models x topologies x methods) and write raw results "
                                    "(CSV, JSON), the config and library versions, a Markdown report and plots. "
                                    "Rerunning with the same --out resumes a killed run.")
-    p.add_argument("--suite", choices=["quick", "full"], default="quick")
-    p.add_argument("--out", default=None, help="output folder (default evaluation/results/<suite>-<date>)")
+    p.add_argument("--suite", choices=["quick", "full"], default="quick", help="benchmark suite")
+    p.add_argument("--out", default=None, help=f"output folder (default: evaluation/results/<suite>-<date> {OUTSIDE})")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")
     p.add_argument("--topologies", default=None,
                    help="comma-separated subset of the suite's topologies (runs sharing --out fill one "
@@ -25,6 +27,7 @@ def run(args) -> int:
 
     from ..bench import METHODS, SUITES, environment, run_suite, save_results, write_report
     from ..errors import TagError
+    from ..io import output_dir
 
     cfg = SUITES[args.suite]()
     if args.precision:
@@ -43,7 +46,7 @@ def run(args) -> int:
             raise TagError(f"--topologies: {bad[0]!r} is not in suite {cfg.name!r}; expected some of {','.join(known)}")
         cfg.topologies = [t for t in cfg.topologies if t in want]
         cfg.execute_topologies = [t for t in cfg.execute_topologies if t in want]
-    out = Path(args.out or f"evaluation/results/{cfg.name}-{time.strftime('%Y-%m-%d')}")
+    out = Path(args.out or output_dir(f"evaluation/results/{cfg.name}-{time.strftime('%Y-%m-%d')}"))
     t0 = time.perf_counter()
     cells = run_suite(cfg, out)
     save_results(cells, out)

@@ -15,6 +15,29 @@ import sys
 MAX_BATCH = 2**16
 MAX_GROUPS = 4096
 
+# Where a command's default output folder lies (tag.io.output_dir), for --help.
+OUTSIDE = "in the checkout; for an installed package, under $XDG_DATA_HOME/tag (~/.local/share/tag)"
+PROFILES_HELP = f"profile database root (default: $TAG_PROFILE_DIR, else data/profiles {OUTSIDE})"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already states it or there is
+    none to state (``None``, a flag's ``False``)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        # (identity: a default of 0 is shown, though 0 == False; flags, nargs=0, have no value to show)
+        if ("default" in text or default is None or default is False or default == argparse.SUPPRESS
+                or not action.option_strings or action.nargs == 0 or text == argparse.SUPPRESS):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{text} (default: {str(shown).replace('%', '%%')})" if text else f"default: {shown}"
+
+
+class RawDescriptionHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """:class:`HelpFormatter` that keeps the description's line breaks (a module docstring)."""
+
 
 def int_in(lo: int, hi: int | None = None):
     """argparse ``type``: an integer in ``[lo, hi]`` (``hi`` None: no upper bound)."""
@@ -47,7 +70,8 @@ def add_model_args(p: argparse.ArgumentParser, *, groups: bool = True, required:
                    help="zoo name with overrides (e.g. gpt2:n_layer=4) or package.module:function factory")
     p.add_argument("--batch", type=int_in(1, MAX_BATCH), default=None,
                    help=f"global batch size (samples, 1..{MAX_BATCH})")
-    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"])
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"],
+                   help="optimizer of the captured training step")
     p.add_argument("--seed", type=int, default=0, help="random seed for weights and inputs")
     add_precision_arg(p)
     if groups:
@@ -151,3 +175,42 @@ def load_graph(args):
 def print_json(obj) -> None:
     json.dump(obj, sys.stdout, indent=1)
     sys.stdout.write("\n")
+
+
+class StageProgress:
+    """Stage lines and a search bar on stderr for a long command, only where a person watches:
+    stderr is a terminal and the command prints no JSON (``quiet``). Called as
+    ``progress(stage)`` when a stage starts and ``progress(stage, done, total)`` as it advances
+    (the protocol of :func:`tag.planner.find_plan`'s ``progress``)."""
+
+    def __init__(self, quiet: bool = False, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = not quiet and self.stream.isatty()
+        self.stage: str | None = None
+        self.bar = None
+
+    def __call__(self, stage: str, done: int | None = None, total: int | None = None) -> None:
+        if not self.enabled:
+            return
+        if stage != self.stage:
+            self.close()
+            self.stage = stage
+            if done is None:
+                print(f"{stage}...", file=self.stream, flush=True)
+            else:
+                from tqdm import tqdm
+
+                try:  # a terminal that reports no size (0 x 0) would get no bar at all from tqdm
+                    sized = min(os.get_terminal_size(self.stream.fileno())) > 0
+                except (OSError, ValueError, AttributeError):
+                    sized = False
+                fixed = {} if sized else {"ncols": 80, "nrows": 24}
+                self.bar = tqdm(total=total, desc=stage, unit="plan", file=self.stream, leave=False,
+                                dynamic_ncols=sized, **fixed)
+        if self.bar is not None and done is not None:
+            self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -13,6 +13,7 @@ import argparse
 from .common import (
     MAX_BATCH,
     MAX_GROUPS,
+    RawDescriptionHelpFormatter,
     add_force_arg,
     add_precision_arg,
     check_outputs,
@@ -24,7 +25,7 @@ from .common import (
 
 def register(sub) -> None:
     p = sub.add_parser("execute", help="run a plan on torch.distributed and measure it",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     add_execute_args(p)
     p.add_argument("--plan", required=True, help="plan JSON (from `tag plan`)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
@@ -41,9 +42,10 @@ def add_execute_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", required=True, help="topology file (one rank per device)")
     p.add_argument("--batch", type=int_in(1, MAX_BATCH), default=None,
                    help=f"global batch (1..{MAX_BATCH}; default: the plan's)")
-    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"])
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"],
+                   help="optimizer the plan was made for")
     add_precision_arg(p, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed for weights and inputs")
     p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=None, help="op-groups (default: the plan's)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
                    help="auto: NCCL when every rank has a GPU on this machine, else gloo")
@@ -76,7 +78,9 @@ def run(args) -> int:
         print_json(d)
         return 0
     pred = res.predicted_iteration_time_s
-    print(f"{res.model} on {res.topology} ({res.world_size} ranks, {res.backend}): "
+    from ..topology.units import format_count
+
+    print(f"{res.model} on {res.topology} ({format_count(res.world_size, 'rank')}, {res.backend}): "
           f"measured {res.measured_iteration_time_s * 1e3:.2f} ms/iteration (median of {res.steps})"
           + (f", predicted {pred * 1e3:.2f} ms ({(pred / res.measured_iteration_time_s - 1) * 100:+.1f}%)"
              if pred else ""))

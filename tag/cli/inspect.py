@@ -59,7 +59,8 @@ def run(args) -> int:
     from ..errors import TagError
     from ..graph.summary import graph_summary
     from ..io import write_atomic
-    from ..topology.units import format_bytes
+    from ..topology.table import render_table
+    from ..topology.units import format_bytes, format_time
 
     if args.list:
         return list_models(args.json)
@@ -86,8 +87,7 @@ def run(args) -> int:
     print(f"activations  {format_bytes(s['activation_bytes'], digits=3)} saved for backward")
     print(f"capture      {s['capture_s']:.1f} s{' (graph cache)' if hit else ''}, signature {s['signature']}")
     print("\nheaviest groups (reference roofline time, V100):")
-    print(f"  {'group':>5} {'ops':>5} {'params':>10} {'GFLOPs':>9} {'time':>10}  first op")
-    for g in s["heaviest_groups"]:
-        print(f"  {g['group']:>5} {g['ops']:>5} {format_bytes(g['param_bytes'], digits=3):>10} {g['flops'] / 1e9:>9.3f} "
-              f"{g['weight_s'] * 1e6:>8.1f}us  {g['first_op']}")
+    rows = [[str(g["group"]), str(g["ops"]), format_bytes(g["param_bytes"], digits=3), f"{g['flops'] / 1e9:.3f}",
+             format_time(g["weight_s"], digits=3), g["first_op"]] for g in s["heaviest_groups"]]
+    print(render_table(["group", "ops", "params", "GFLOPs", "time", "first op"], rows))
     return 0

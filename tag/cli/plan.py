@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from .common import (
+    PROFILES_HELP,
     add_cache_arg,
     add_force_arg,
     add_model_args,
@@ -42,7 +43,7 @@ def register(sub) -> None:
                         "and return the best if it beats the searched plan (default)")
     p.add_argument("--no-one-shot", dest="one_shot", action="store_false",
                    help="with --prior gnn: do not spend the last playout on the network's one-shot plan")
-    p.add_argument("--profiles", metavar="DIR", default=None, help="profile database root (default data/profiles)")
+    p.add_argument("--profiles", metavar="DIR", default=None, help=PROFILES_HELP)
     p.add_argument("--out", metavar="PLAN.json", default=None, help="write the plan JSON here")
     p.add_argument("--trace", metavar="OUT.json", default=None,
                    help="write the simulated timeline of the plan (Chrome/Perfetto trace)")
@@ -83,11 +84,13 @@ def run(args) -> int:
 
     from ..planner import find_plan
     from ..topology import load_topology
-    from .common import load_graph
+    from .common import StageProgress, load_graph
 
     check_outputs(args, out=args.out, trace=args.trace)
     topo = load_topology(args.topology)
+    progress = StageProgress(quiet=args.json)
     t0 = time.perf_counter()
+    progress("capture")
     graph, _, _ = load_graph(args)
     if not args.allow_oom:
         from ..cost.baselines import check_fits
@@ -99,9 +102,13 @@ def run(args) -> int:
         costs = CostModel.for_topology(graph, topo, args.profiles, numerics=numerics_of(args))
     except ImportError:  # pragma: no cover
         pass
-    p = find_plan(graph, topo, searcher=args.searcher, prior=args.prior, budget=args.budget,
-                  time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs,
-                  compression=args.compression, one_shot=args.one_shot, pipelines=args.pipelines)
+    try:
+        p = find_plan(graph, topo, searcher=args.searcher, prior=args.prior, budget=args.budget,
+                      time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs,
+                      compression=args.compression, one_shot=args.one_shot, pipelines=args.pipelines,
+                      progress=progress)
+    finally:
+        progress.close()  # no bar left on the terminal, after an error either
     p.meta["capture_s"] = capture_s
     if p.meta.get("oom") and not args.allow_oom:
         from ..errors import OutOfMemoryError
@@ -134,9 +141,10 @@ def _describe(topo, gp) -> str:
         parts.append(mach.name if len(ds) == mach.count else f"{mach.name}{[topo.devices[d].local_index for d in ds]}")
     where = "+".join(parts)
     from ..parallel import strategy_of
+    from ..topology.units import format_count
 
     if strategy_of(gp).chunked:
-        return f"{gp.sync:7s} on {where} ({len(gp.devices)} chunks)"
+        return f"{gp.sync:7s} on {where} ({format_count(len(gp.devices), 'chunk')})"
     shares = ", ".join(f"{s:.2f}" for s in gp.shares)
     if len(set(round(s, 3) for s in gp.shares)) == 1 and len(gp.shares) > 3:
         shares = f"{gp.shares[0]:.3f} x{len(gp.shares)}"
@@ -147,22 +155,26 @@ def _describe(topo, gp) -> str:
 
 
 def _print(graph, topo, p, args) -> None:
+    from ..topology.units import format_count
+
     s = summary(p)
 
     def ms(x):
         return "n/a" if x is None else f"{x * 1e3:.3f} ms"
 
-    print(f"plan for {graph.model} (batch {graph.batch_size}, {graph.num_groups} op-groups) on {topo.name} "
-          f"({topo.num_devices} devices, {topo.num_machines} machines)")
+    print(f"plan for {graph.model} (batch {graph.batch_size}, {format_count(graph.num_groups, 'op-group')}) on "
+          f"{topo.name} ({format_count(topo.num_devices, 'device')}, {format_count(topo.num_machines, 'machine')})")
     prior = f", prior {s['prior']}" if s["prior"] else ""
-    extra = "".join(f", {s[k]} {name}" for k, name in (("repeats", "repeats"), ("value_cuts", "cut by the value head"))
+    extra = "".join(f", {text}" for k, text in (("repeats", format_count(s["repeats"] or 0, "repeat")),
+                                                 ("value_cuts", f"{s['value_cuts']} cut by the value head"))
                     if s.get(k))
-    print(f"searcher {s['searcher']}{prior}: {s['playouts']} playouts{extra}, {s['sim_calls']} simulator calls, "
+    print(f"searcher {s['searcher']}{prior}: {format_count(s['playouts'], 'playout')}{extra}, "
+          f"{format_count(s['sim_calls'], 'simulator call')}, "
           f"{s['search_time_s']:.2f} s (seed {s['seed']})")
     imp = s.get("improvements") or []
     if imp:
         print(f"progress: first beat data parallel at playout {imp[0][0]}, best plan at playout {imp[-1][0]} "
-              f"({len(imp)} improvements)")
+              f"({format_count(len(imp), 'improvement')})")
     else:
         print("progress: no plan beat data parallel")
     if s.get("one_shot_time_s") is not None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ..executor.commprof import DEFAULT_REPEATS
-from .common import add_model_args, int_in
+from .common import PROFILES_HELP, add_model_args, int_in
 
 
 def register(sub) -> None:
@@ -23,9 +22,12 @@ def register(sub) -> None:
                    help="per-replica batch sizes to time (default 1, B/4, B/2, B)")
     p.add_argument("--repeats", type=int_in(1), default=5, help="timed repeats per batch size (median; default 5)")
     p.add_argument("--warmup", type=int_in(0), default=2, help="untimed warm-up iterations (default 2)")
-    p.add_argument("--comm-repeats", type=int_in(1), default=DEFAULT_REPEATS,
-                   help=f"timed calls per communication operation and size (mean; default {DEFAULT_REPEATS})")
-    p.add_argument("--out", default=None, metavar="DIR", help="profile database root (default data/profiles)")
+    # No default here: importing tag.executor.commprof for its DEFAULT_REPEATS would load torch on
+    # every `tag` start-up, --help included.
+    p.add_argument("--comm-repeats", type=int_in(1), default=None,
+                   help="timed calls per communication operation and size (mean; default: the profiler's "
+                        "DEFAULT_REPEATS, tag/executor/commprof.py)")
+    p.add_argument("--out", default=None, metavar="DIR", help=PROFILES_HELP)
     comm = p.add_mutually_exclusive_group()
     comm.add_argument("--no-comm", action="store_true", help="skip the communication measurements")
     comm.add_argument("--comm-only", action="store_true", help="only measure communication")
@@ -54,7 +56,7 @@ def run(args) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise TagError(f"--threads: expected a positive integer, got {args.threads}")
-    if args.repeats < 1 or args.warmup < 0 or args.comm_repeats < 1:
+    if args.repeats < 1 or args.warmup < 0 or (args.comm_repeats is not None and args.comm_repeats < 1):
         raise TagError("--repeats/--comm-repeats/--warmup: expected repeats >= 1 and warmup >= 0, got "
                        f"{args.repeats}/{args.comm_repeats}/{args.warmup}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -77,11 +79,14 @@ def run(args) -> int:
         print(f"profile {prof.model} ({prof.graph_signature}) on {dtype}: batches {prof.batches} -> {path}")
     if not args.no_comm:
         from ..executor.commprof import profile_comm
+        from ..topology.units import format_bandwidth, format_time
 
         backend = "nccl" if args.device == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
         print(f"profile comm: {backend}, 2 local processes, 4 KiB..16 MiB", file=sys.stderr, flush=True)
-        cp = profile_comm(dtype, backend=backend, repeats=args.comm_repeats, warmup=args.warmup)
+        repeats = {"repeats": args.comm_repeats} if args.comm_repeats is not None else {}
+        cp = profile_comm(dtype, backend=backend, warmup=args.warmup, **repeats)
         path = cp.save(root)
-        fits = ", ".join(f"{op} {f.alpha * 1e6:.0f} us + {f.beta / 1e9:.2f} GB/s" for op, f in cp.fits.items())
+        fits = ", ".join(f"{op} {format_time(f.alpha, digits=3)} + {format_bandwidth(f.beta, digits=3)}"
+                         for op, f in cp.fits.items())
         print(f"comm on {dtype} ({backend}): {fits} -> {path}")
     return 0

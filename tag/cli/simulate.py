@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .common import (
+    PROFILES_HELP,
     add_cache_arg,
     add_force_arg,
     add_model_args,
@@ -14,8 +15,6 @@ from .common import (
 
 
 def register(sub) -> None:
-    from ..cost.baselines import BASELINES
-
     p = sub.add_parser(
         "simulate", help="simulate one training iteration of a plan on a topology",
         description="Capture the model, build the cost model (profiles from data/profiles where they exist, else the "
@@ -27,7 +26,9 @@ def register(sub) -> None:
     p.add_argument("--topology", required=True, help="topology YAML/JSON file or shipped topology name")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--plan", metavar="FILE", help="plan JSON file")
-    src.add_argument("--baseline", choices=list(BASELINES),
+    # Checked in run() against tag.cost.baselines.BASELINES: importing it here would load torch on
+    # every `tag` start-up, --help included.
+    src.add_argument("--baseline", metavar="NAME",
                      help="dp: even data parallel; dp-prop: shares proportional to device speed; single: best "
                           "single device; mp: greedy model parallel by memory")
     src.add_argument("--layout", metavar="dp=D,pp=P,micro=M",
@@ -35,7 +36,7 @@ def register(sub) -> None:
                           "equal compute placed machine-major, M micro-batches; optional schedule=1f1b|gpipe|kfkb, "
                           "k=K (kfkb block), tp=1; D*P must equal the topology's device count")
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline in Chrome/Perfetto trace format")
-    p.add_argument("--profiles", metavar="DIR", default=None, help="profile database root (default data/profiles)")
+    p.add_argument("--profiles", metavar="DIR", default=None, help=PROFILES_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_numerics_args(p)
     add_force_arg(p)
@@ -43,8 +44,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..cost.baselines import baseline_plan
+    from ..cost.baselines import BASELINES, baseline_plan
     from ..cost.model import CostModel
+    from ..errors import TagError
     from ..io import write_json
     from ..parallel import validate_plan
     from ..parallel.layout import check_devices, layout_plan, parse_layout
@@ -52,6 +54,8 @@ def run(args) -> int:
     from ..sim import Simulator, lower_bound
     from ..topology import load_topology
 
+    if args.baseline is not None and args.baseline not in BASELINES:
+        raise TagError(f"--baseline: unknown baseline {args.baseline!r}; expected one of {', '.join(BASELINES)}")
     check_outputs(args, trace=args.trace)
     layout = parse_layout(args.layout) if args.layout else None  # a typo fails before any capture
     topo = load_topology(args.topology)
@@ -103,23 +107,25 @@ def _sources(costs, topo) -> list[str]:
 
 
 def _print_summary(graph, topo, args, res, lb, sources) -> None:
-    from ..topology.units import format_bytes
+    from ..topology.table import render_table
+    from ..topology.units import format_bytes, format_count
 
     def ms(x: float) -> str:
-        return f"{x * 1e3:10.3f}"
+        return f"{x * 1e3:.3f}"
 
     what = _what(args)
-    print(f"model {graph.model} (batch {graph.batch_size}, {graph.num_groups} groups, {graph.precision}) on "
+    print(f"model {graph.model} (batch {graph.batch_size}, {format_count(graph.num_groups, 'op-group')}, "
+          f"{graph.precision}) on "
           f"{topo.name}: {what}")
     print(f"costs from {', '.join(sources)}")
     print(f"iteration time {res.iteration_time_s * 1e3:.3f} ms  (ideal lower bound {lb * 1e3:.3f} ms)  "
           f"OOM: {'yes' if res.oom else 'no'}")
-    print(f"{'device':<28} {'compute ms':>10} {'comm ms':>10} {'idle ms':>10}  {'peak memory / capacity':>26}")
-    for d, dev in enumerate(topo.devices):
-        mem = f"{format_bytes(res.peak_memory_bytes[d], digits=3)} / {format_bytes(res.memory_capacity_bytes[d], digits=3)}"
-        flag = "  OOM" if res.peak_memory_bytes[d] > res.memory_capacity_bytes[d] else ""
-        print(f"{d:>3} {dev.name + ' (' + dev.gpu.name + ')':<24} {ms(res.compute_time_s[d])} {ms(res.comm_time_s[d])} "
-              f"{ms(res.idle_time_s[d])}  {mem:>26}{flag}")
+    rows = [[str(d), f"{dev.name} ({dev.gpu.name})", ms(res.compute_time_s[d]), ms(res.comm_time_s[d]),
+             ms(res.idle_time_s[d]), format_bytes(res.peak_memory_bytes[d], digits=3),
+             format_bytes(res.memory_capacity_bytes[d], digits=3),
+             "OOM" if res.peak_memory_bytes[d] > res.memory_capacity_bytes[d] else ""]
+            for d, dev in enumerate(topo.devices)]
+    print(render_table(["", "device", "compute ms", "comm ms", "idle ms", "peak memory", "capacity", ""], rows))
     for d, over in res.oom_devices:
         print(f"out of memory on device {d} ({topo.devices[d].name}) by {format_bytes(over, digits=3)}")
     path = res.critical_path

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import print_json
+from .common import OUTSIDE, print_json
 
 
 def register(sub) -> None:
@@ -14,7 +14,7 @@ def register(sub) -> None:
                     "after an interruption. The defaults reproduce the shipped tag/gnn/predictor.pt.")
     p.add_argument("--config", metavar="FILE.json", default=None,
                    help="LoopConfig JSON (fields as in tag/training/config.py); flags below override it")
-    p.add_argument("--run-dir", default=None, help="run folder (default runs/predictor)")
+    p.add_argument("--run-dir", default=None, help=f"run folder (default: runs/predictor {OUTSIDE})")
     p.add_argument("--rounds", type=int, default=None, help="generate/train rounds (default 4)")
     p.add_argument("--samples", type=int, nargs="+", default=None, metavar="N",
                    help="pairs labelled per round (last value repeats; default 300 150)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import print_json
+from .common import OUTSIDE, print_json
 
 
 def register(sub) -> None:
@@ -12,18 +12,21 @@ def register(sub) -> None:
                     "labelled datasets (e.g. runs/predictor/round0) and scored by validation policy loss. Trials "
                     "are kept in <study-dir>/optuna.db, so re-running the command resumes the study.")
     p.add_argument("--data", nargs="+", required=True, metavar="DIR", help="labelled dataset folders")
-    p.add_argument("--study-dir", default="runs/tune", help="study folder (default runs/tune)")
+    p.add_argument("--study-dir", default=None,
+                   help=f"study folder (default: runs/tune {OUTSIDE})")
     p.add_argument("--trials", type=int, default=20, help="total trials to reach (default 20)")
     p.add_argument("--epochs", type=int, default=6, help="epochs per trial (default 6)")
     p.add_argument("--timeout", type=float, default=None, help="stop starting trials after S seconds")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--wandb", choices=["offline", "online", "disabled"], default="offline")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler and of training")
+    p.add_argument("--wandb", choices=["offline", "online", "disabled"], default="offline",
+                   help="wandb logging of the trials")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from ..training.tune import TuneConfig, tune
-    cfg = TuneConfig(data=list(args.data), study_dir=args.study_dir, trials=args.trials, epochs=args.epochs,
-                     timeout=args.timeout, seed=args.seed, wandb=args.wandb)
+    where = {"study_dir": args.study_dir} if args.study_dir else {}
+    cfg = TuneConfig(data=list(args.data), trials=args.trials, epochs=args.epochs, timeout=args.timeout,
+                     seed=args.seed, wandb=args.wandb, **where)
     print_json(tune(cfg))
     return 0

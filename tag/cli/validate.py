@@ -6,21 +6,20 @@ percentage error, the Spearman rank correlation, and a scatter plot (PNG) in ``-
 
 from __future__ import annotations
 
-import argparse
-
-from .common import MAX_BATCH, MAX_GROUPS, add_precision_arg, int_in
+from .common import MAX_BATCH, MAX_GROUPS, OUTSIDE, RawDescriptionHelpFormatter, add_precision_arg, int_in
 
 
 def register(sub) -> None:
     p = sub.add_parser("validate", help="execute plans and compare predicted vs measured iteration times",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="workload spec (e.g. gpt2 or mlp:hidden=512)")
     p.add_argument("--topology", required=True, help="topology of this machine (e.g. topologies/local-cpu2.yaml)")
     p.add_argument("--plans", type=int_in(1), default=12, help="number of plans: baselines first, then varied (default 12)")
     p.add_argument("--batch", type=int_in(1, MAX_BATCH), default=None,
                    help=f"global batch (1..{MAX_BATCH}; default: the model's)")
     p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=8, help="op-groups (default 8)")
-    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"])
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"],
+                   help="optimizer of the training step")
     add_precision_arg(p)
     p.add_argument("--steps", type=int_in(1), default=10, help="timed iterations per plan (default 10)")
     p.add_argument("--warmup", type=int_in(0), default=3, help="warm-up iterations per plan (default 3)")
@@ -34,7 +33,7 @@ def register(sub) -> None:
     p.add_argument("--profile-dir", default=None,
                    help="profile database to predict with (default: OUT/profiles, measured afresh "
                         "first: CPU costs are only valid on the machine, and in the state, that measured them)")
-    p.add_argument("--out", default=None, help="output folder (default evaluation/results/validate-<topology>)")
+    p.add_argument("--out", default=None, help=f"output folder (default: evaluation/results/validate-<topology> {OUTSIDE})")
     p.set_defaults(func=run)
 
 
@@ -43,12 +42,13 @@ def run(args) -> int:
 
     from ..errors import TagError
     from ..executor.validate import validate
+    from ..io import output_dir
 
     if args.plans < 1:
         raise TagError(f"--plans: expected a positive integer, got {args.plans}")
     if args.rounds < 1:
         raise TagError(f"--rounds: expected a positive integer, got {args.rounds}")
-    out = args.out or str(Path("evaluation/results") / f"validate-{Path(args.topology).stem}")
+    out = args.out or str(output_dir(f"evaluation/results/validate-{Path(args.topology).stem}"))
     report = validate(args.model, args.topology, out, n_plans=args.plans, batch=args.batch, groups=args.groups,
                       optimizer=args.optimizer, steps=args.steps, warmup=args.warmup, seed=args.seed,
                       profile=not args.no_profile, profile_dir=args.profile_dir, rounds=args.rounds,

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import TagError
-from ..io import read_json, write_json
+from ..io import output_dir, read_json, write_json
 
 PROFILE_VERSION = 1
 
@@ -35,14 +35,14 @@ class ProfileError(TagError):
 
 def default_profile_dir() -> Path:
     """``$TAG_PROFILE_DIR``; else the repository's ``data/profiles`` when TAG runs from a checkout;
-    else ``data/profiles`` under the working directory. An installed wheel ships no profiles (they
-    are measurements of particular machines): devices without one are costed by the roofline rule,
-    and ``tag profile`` writes there, never into the installed package."""
+    else ``data/profiles`` in the user's data folder (``~/.local/share/tag``,
+    :func:`tag.io.output_dir`). An installed wheel ships no profiles (they are measurements of
+    particular machines): devices without one are costed by the roofline rule, and ``tag profile``
+    writes there, never into the installed package nor the current folder."""
     env = os.environ.get("TAG_PROFILE_DIR")
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parents[2] / "data" / "profiles"
-    return repo if repo.is_dir() else Path("data") / "profiles"
+    return output_dir("data/profiles")
 
 
 def cpu_device_type(threads: int) -> str:

@@ -1,4 +1,4 @@
-"""The labelled decisions as a PyG ``InMemoryDataset``.
+"""The labelled decisions as a PyG ``InMemoryDataset`` (read with ``weights_only=True`` only).
 
 Each item is one decision of an MCTS episode: the joint encoding of (graph, topology, partial
 plan, simulator feedback) (:meth:`tag.gnn.JointContext.encode`) with targets ``action.pi`` (the
@@ -19,11 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch_geometric.data import InMemoryDataset
+from torch_geometric.data import HeteroData, InMemoryDataset
 
+from ..errors import TagError
 from ..gnn.features import SCHEMA
 from ..gnn.model import VALUE_CLIP, reward_to_value
 from ..gnn.transforms import JointNormalize
+from ..io import load_tensors, save_tensors
 from .generate import graphs_dir, load_graph
 
 _SCHEMA_TAG = hashlib.sha256(json.dumps([SCHEMA, VALUE_CLIP]).encode()).hexdigest()[:8]
@@ -109,22 +111,39 @@ def records_to_data(root: Path, rec: dict, target: PolicyTarget | None = None) -
     return out
 
 
+class DatasetError(TagError):
+    """A dataset folder or its processed file is malformed."""
+
+
 class PlanDataset(InMemoryDataset):
     """Decisions labelled by MCTS under ``root`` (``root/raw/*.json``).
+
+    The encodings are cached in ``root/processed/`` as tensors and plain containers only
+    (:func:`tag.io.save_tensors`) and read back with ``weights_only=True``
+    (:func:`tag.io.load_tensors`): a dataset folder someone handed over never runs code. The class
+    defines no ``process()`` / ``download()``, so PyG's own processing, which unpickles
+    ``pre_transform.pt`` / ``pre_filter.pt`` and falls back to ``weights_only=False`` for the data
+    file, never runs; files it left in older folders are ignored.
 
     Args:
         root: dataset folder written by :func:`tag.data.generate.generate`.
         transform: applied on access.
         pre_transform: applied once when processing (default: :class:`JointNormalize`).
+        force_reload: rebuild the processed file from ``raw/`` even if it exists.
         target: how the policy targets are made (:class:`PolicyTarget`).
     """
+
+    FORMAT = "tag-dataset"
 
     def __init__(self, root, transform=None, pre_transform=None, force_reload: bool = False,
                  target: PolicyTarget | None = None):
         self._raw = sorted((Path(root) / "raw").glob("*.json"))
         self.target = target or PolicyTarget()
         super().__init__(str(root), transform, pre_transform or JointNormalize(), force_reload=force_reload)
-        self.load(self.processed_paths[0])
+        path = Path(self.processed_paths[0])
+        if force_reload or not path.exists():
+            self._build(path)
+        self._read(path)
 
     @property
     def raw_file_names(self) -> list[str]:
@@ -132,12 +151,10 @@ class PlanDataset(InMemoryDataset):
 
     @property
     def processed_file_names(self) -> list[str]:
-        return [f"decisions_{len(self._raw)}_{_SCHEMA_TAG}_{self.target.tag}.pt"]
+        # "tensors_": the safe format; files of the pickled format (decisions_*.pt) are never read.
+        return [f"tensors_{len(self._raw)}_{_SCHEMA_TAG}_{self.target.tag}.pt"]
 
-    def download(self) -> None:  # raw files come from tag.data.generate
-        return
-
-    def process(self) -> None:
+    def _build(self, path: Path) -> None:
         items = []
         root = Path(self.root)
         for p in self._raw:
@@ -145,8 +162,20 @@ class PlanDataset(InMemoryDataset):
             for d in records_to_data(root, rec, self.target):
                 items.append(self.pre_transform(d) if self.pre_transform is not None else d)
         if not items:
-            raise ValueError(f"{self.root}: no labelled decisions in raw/")
-        self.save(items, self.processed_paths[0])
+            raise DatasetError(f"{self.root}: no labelled decisions in raw/")
+        data, slices = self.collate(items)
+        save_tensors(path, {"format": self.FORMAT, "version": 1, "data": data.to_dict(), "slices": slices})
+
+    def _read(self, path: Path) -> None:
+        obj = load_tensors(path, DatasetError, "TAG dataset file")
+        if not (isinstance(obj, dict) and obj.get("format") == self.FORMAT and isinstance(obj.get("data"), dict)
+                and isinstance(obj.get("slices"), (dict, type(None)))):
+            raise DatasetError(f"{path}: format: expected a {self.FORMAT!r} file (delete it to rebuild from raw/)")
+        try:
+            self.data = HeteroData.from_dict(obj["data"])
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise DatasetError(f"{path}: data: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        self.slices = obj["slices"]
 
 
 def split(dataset, val_fraction: float, seed: int) -> tuple:

@@ -1,7 +1,7 @@
 """Measure point-to-point and collective costs on the local process group and fit them.
 
 Two local processes (``torch.multiprocessing.spawn``) join a ``torch.distributed`` group over TCP
-on 127.0.0.1 (gloo; NCCL when ``backend="nccl"`` and GPUs are present) and time, for every
+on 127.0.0.1 only (:mod:`tag.executor.loopback`) (gloo; NCCL when ``backend="nccl"`` and GPUs are present) and time, for every
 message size, each operation the way the executor performs it (``tag.executor.comm``), every
 call from the later of the ranks' arrivals to the later of their completions on the host's one
 clock (:func:`_rendezvous_mean`, as the simulator prices a transfer or a collective: a parameter
@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 from ..cost.comm import COMM_OPS, CommProfile, fit_latency_bandwidth
 from ..cost.host import demote_threads, pin_cores
+from .loopback import LOOPBACK, loopback_env, loopback_store
 
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
 BURST = 4
@@ -74,12 +74,6 @@ beside a large message's transfer time, and a 16 MiB all-gather takes ~50 ms on 
 def repeats_for(nbytes: int, repeats: int) -> int:
     """Timed calls for messages of ``nbytes`` (the same on every rank: collectives must match)."""
     return max(min(5, repeats), min(repeats, repeats * FULL_REPEATS_BYTES // max(1, nbytes)))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _busy(seconds: float, a, b) -> None:
@@ -178,7 +172,9 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], re
     pinned = None
     if backend != "nccl":  # as an executor's CPU ranks run (tag.executor.worker)
         pinned = pin_cores(rank, world, threads)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A client of the launcher's store, which listens on 127.0.0.1 only (tag.executor.loopback).
+    store = dist.TCPStore(LOOPBACK, port, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -252,9 +248,11 @@ def profile_comm(device_type: str, *, backend: str = "gloo", sizes=DEFAULT_SIZES
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "comm.json")
-        port = _free_port()
-        mp.spawn(_worker, args=(world, port, backend, list(sizes), repeats, warmup, out, threads, busy_s), nprocs=world,
-                 join=True)
+        store = loopback_store()  # held open until every worker has joined and left
+        with loopback_env():
+            mp.spawn(_worker, args=(world, store.port, backend, list(sizes), repeats, warmup, out, threads, busy_s),
+                     nprocs=world, join=True)
+        del store
         samples = {k: [tuple(s) for s in v] for k, v in json.loads(Path(out).read_text()).items()}
     fits = {op: fit_latency_bandwidth([s for s, _ in pts], [t for _, t in pts]) for op, pts in samples.items()}
     meta = {"repeats": repeats, "warmup": warmup, "threads_per_process": threads, "statistic": "mean", "busy_s": busy_s,

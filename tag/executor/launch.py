@@ -211,10 +211,12 @@ def chrome_trace(sim_res, ranks: list[dict]) -> dict:
 
 def memory_report(res, topology) -> str:
     """``device 1 (local:1) needs 3.20 GiB of 2.00 GiB; ...`` from a :class:`tag.sim.SimResult`."""
+    from ..topology.units import format_bytes
+
     parts = []
     for d, _over in res.oom_devices:
-        parts.append(f"device {d} ({topology.devices[d].name}) needs {res.peak_memory_bytes[d] / 2**30:.2f} GiB "
-                     f"of {res.memory_capacity_bytes[d] / 2**30:.2f} GiB")
+        parts.append(f"device {d} ({topology.devices[d].name}) needs {format_bytes(res.peak_memory_bytes[d], digits=3)} "
+                     f"of {format_bytes(res.memory_capacity_bytes[d], digits=3)}")
     return "; ".join(parts) or "the simulator reports OOM"
 
 
@@ -234,6 +236,8 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from .loopback import loopback_env, loopback_launch_args
+
     # A failed rank becomes one ExecutionError line naming the rank, the cause and the log folder;
     # torchelastic's own multi-line error dump is only shown with --debug.
     debug = logging.getLogger().getEffectiveLevel() <= logging.DEBUG
@@ -250,12 +254,13 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
     run_id = f"tag-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id,
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": int(timeout_s)},
+        **loopback_launch_args(), rdzv_configs={"timeout": int(timeout_s)},
         max_restarts=0, monitor_interval=0.1, start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL), shutdown_timeout=5,
     )
     try:
-        elastic_launch(config, worker_entry)(str(args_path))
+        with loopback_env():
+            elastic_launch(config, worker_entry)(str(args_path))
     except ChildFailedError as e:
         raise ExecutionError(failure_line(e, run_dir, run_id)) from None
     finally:

@@ -24,25 +24,19 @@ class CheckpointError(TagError):
 
 def save_checkpoint(path: str | os.PathLike, net: TagNet, meta: dict | None = None) -> None:
     """Write a predictor checkpoint (weights and config only, loadable with ``weights_only``)."""
-    import io
-
-    from ..io import write_atomic
-    buf = io.BytesIO()
-    torch.save({"format": "tag-predictor", "version": 1, "config": net.cfg.to_dict(),
-                "state_dict": {k: v.detach().clone() for k, v in net.state_dict().items()},
-                "meta": dict(meta or {})}, buf)
-    write_atomic(path, buf.getvalue())
+    from ..io import save_tensors
+    save_tensors(path, {"format": "tag-predictor", "version": 1, "config": net.cfg.to_dict(),
+                        "state_dict": {k: v.detach().clone() for k, v in net.state_dict().items()},
+                        "meta": dict(meta or {})})
 
 
 def load_net(path: str | os.PathLike | None = None) -> tuple[TagNet, dict]:
     """Load a predictor checkpoint (default: the shipped one)."""
     p = Path(path) if path is not None else DEFAULT_CHECKPOINT
-    try:
-        ck = torch.load(p, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{p}: predictor checkpoint not found (train one with `tag train`, or plan with --prior uniform)") from None
-    except Exception as e:  # noqa: BLE001 - torch raises many types for corrupt files
-        raise CheckpointError(f"{p}: not a predictor checkpoint: {str(e).splitlines()[0]}") from None
+    from ..io import load_tensors
+    if not p.exists():
+        raise CheckpointError(f"{p}: predictor checkpoint not found (train one with `tag train`, or plan with --prior uniform)")
+    ck = load_tensors(p, CheckpointError, "predictor checkpoint")
     if not isinstance(ck, dict) or ck.get("format") != "tag-predictor":
         raise CheckpointError(f"{p}: format: expected 'tag-predictor' checkpoint")
     try:

@@ -114,16 +114,30 @@ class Plan:
         if self.precision != getattr(graph, "precision", "fp32"):
             raise PlanError(f"{source}: precision: plan is for {self.precision}, the graph was captured in "
                             f"{graph.precision}; pass --precision {self.precision}")
-        if self.graph_signature != graph.signature():
-            raise PlanError(f"{source}: graph_signature: plan was made for {self.model!r} "
-                            f"({self.graph_signature}), not for {graph.model!r} ({graph.signature()}) "
-                            "with this grouping; re-plan for this model")
+        # What differs, named field by field (the signature alone says only "something").
+        differs = [(f, text) for f, same, text in (
+            ("model", self.model == graph.model, f"model {self.model!r} in the plan, {graph.model!r} given"),
+            ("batch_size", self.batch_size == graph.batch_size,
+             f"batch {self.batch_size} in the plan, {graph.batch_size} given"),
+            ("groups", len(self.groups) == graph.num_groups,
+             f"{len(self.groups)} op-groups in the plan, {graph.num_groups} given"),
+        ) if not same]
+        if self.graph_signature == graph.signature():  # the same ops and grouping: only the batch can differ
+            differs = [d for d in differs if d[0] == "batch_size"]
+        if differs or self.graph_signature != graph.signature():
+            what = ", ".join(text for _, text in differs) or (
+                f"same model, batch and op-group count, but other ops or grouping (graph signature "
+                f"{self.graph_signature} in the plan, {graph.signature()} given: another --optimizer, or "
+                "another version of the model or of torch)")
+            field = differs[0][0] if differs else "graph_signature"
+            raise PlanError(f"{source}: {field}: plan was made for another graph: {what}; re-plan for this one")
         if self.topology_signature != topology.signature():
-            raise PlanError(f"{source}: topology_signature: plan was made for topology {self.topology!r}, "
-                            f"not {topology.name!r} ({topology.signature()})")
-        if self.batch_size != graph.batch_size:
-            raise PlanError(f"{source}: batch_size: plan is for batch {self.batch_size}, graph has {graph.batch_size}")
-        if len(self.groups) != graph.num_groups:
+            same = self.topology == topology.name
+            what = (f"topology {self.topology!r} with other contents (signature {self.topology_signature} in "
+                    f"the plan, {topology.signature()} given)") if same else \
+                f"topology {self.topology!r}, not {topology.name!r}"
+            raise PlanError(f"{source}: topology_signature: plan was made for {what}; re-plan for this one")
+        if len(self.groups) != graph.num_groups:  # the plan's own list is short or long
             raise PlanError(f"{source}: groups: expected {graph.num_groups} entries (one per op-group), "
                             f"got {len(self.groups)}")
 

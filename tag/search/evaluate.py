@@ -103,6 +103,9 @@ class Evaluator:
     sim_seconds: float = 0.0
     history: list = field(default_factory=list)
     """(sim call number, best time so far) after every simulator call."""
+    on_simulate: object = None
+    """Called as ``on_simulate(evaluator)`` after every plan the search has simulated (not the
+    baselines, not cache hits): progress display."""
 
     def __post_init__(self):
         if self.simulator is None:
@@ -165,6 +168,8 @@ class Evaluator:
             self.best_groups = None
             self.best_source = "search"
         self.history.append((self.sim_calls, self.best_time))
+        if self.on_simulate is not None:
+            self.on_simulate(self)
         return out
 
     def evaluate_partial(self, assign) -> tuple[tuple, Outcome]:

@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
 from tag.errors import TopologyError
-from tag.io import cache_dir, write_atomic
+
+from ..io import cache_dir, write_atomic
 
 __all__ = ["GPUSpec", "GPU_CATALOG", "get_gpu", "match_gpu_name", "local_cpu_spec", "cache_dir"]
 

@@ -332,6 +332,15 @@ def _read_file(ctx: _Context, path: Path) -> Any:
         raise ctx.error(where, f"invalid YAML: {problem}") from None
 
 
+def _closest(name: str, shipped: Mapping[str, Path]) -> str:
+    """"did you mean 'local-cpu2', 'local-cpu4'?" (difflib), else the list of shipped names."""
+    close = difflib.get_close_matches(name, list(shipped), n=3, cutoff=0.6)
+    close += [s for s in shipped if name and s.startswith(name) and s not in close]  # 'local-cpu' -> local-cpu2, 4
+    if close:
+        return "did you mean " + ", ".join(repr(c) for c in sorted(set(close))) + "?"
+    return "shipped: " + ", ".join(shipped)
+
+
 def shipped_topologies() -> dict[str, Path]:
     """Name (file stem) -> path of the shipped topologies (:data:`SHIPPED_DIR`)."""
     if not SHIPPED_DIR.is_dir():
@@ -351,9 +360,13 @@ def load_topology(path_or_dict: str | os.PathLike | Mapping | Topology, *, sourc
             f"{source or '<topology>'}: expected a file path or a mapping, got {_show(path_or_dict)}"
         )
     path = Path(path_or_dict)
-    if not path.exists() and isinstance(path_or_dict, str) and os.sep not in path_or_dict:
-        path = shipped_topologies().get(path_or_dict, path)
     ctx = _Context(source or str(path_or_dict))
+    if (not path.exists() and isinstance(path_or_dict, str) and os.sep not in path_or_dict
+            and path.suffix.lower() not in (".yaml", ".yml", ".json")):
+        shipped = shipped_topologies()
+        if path_or_dict not in shipped:
+            raise ctx.error("", f"no such file nor shipped topology; {_closest(path_or_dict, shipped)}")
+        path = shipped[path_or_dict]
     data = _read_file(ctx, path)
     if not isinstance(data, Mapping):
         raise ctx.error("", f"expected a mapping at the top level (name, machines, network), got {_show(data)}")

@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import re
+
 from tag.topology.model import Topology
-from tag.topology.units import format_bandwidth, format_bytes, format_time
+from tag.topology.units import format_bandwidth, format_bytes, format_count, format_time
 
 __all__ = ["format_topology", "render_table"]
 
 
+_NUMERIC = re.compile(r"^([-+]?\d|-$|n/a$)")
+
+
 def render_table(header: list[str], rows: list[list[str]], right: set[int] | None = None) -> str:
-    """Columns padded to their widest cell; ``right`` = column indices aligned right."""
-    right = right or set()
+    """Columns padded to their widest cell; ``right`` = column indices aligned right (default:
+    every column whose cells are all numbers or quantities, e.g. ``16 GiB``, or ``-``)."""
+    if right is None:
+        right = {c for c in range(len(header))
+                 if rows and all(_NUMERIC.match(str(r[c])) for r in rows) and any(str(r[c]) != "-" for r in rows)}
     widths = [max(len(str(r[c])) for r in [header, *rows]) for c in range(len(header))]
 
     def line(cells: list[str]) -> str:
         parts = [str(v).rjust(w) if c in right else str(v).ljust(w) for c, (v, w) in enumerate(zip(cells, widths))]
         return "  ".join(parts).rstrip()
 
-    rule = "  ".join("-" * w for w in widths)
+    rule = "  ".join("-" * w for w in widths).rstrip()
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
 
 
@@ -25,7 +33,8 @@ def format_topology(topo: Topology) -> str:
     """Readable summary: machines (gpu, count, FP32 TFLOP/s, memory, memory and intra bandwidth,
     intra latency), then the machine x machine network bandwidth (and latency when not uniform)."""
     title = (
-        f"Topology {topo.name!r}: {topo.num_machines} machine(s), {topo.num_devices} device(s), "
+        f"Topology {topo.name!r}: {format_count(topo.num_machines, 'machine')}, "
+        f"{format_count(topo.num_devices, 'device')}, "
         f"signature {topo.signature()}"
     )
     header = ["machine", "gpu", "count", "fp32 TFLOP/s", "memory", "mem bw", "intra bw", "intra lat"]
@@ -42,7 +51,7 @@ def format_topology(topo: Topology) -> str:
         ]
         for m in topo.machines
     ]
-    parts = [title, "", render_table(header, rows, right={2, 3})]
+    parts = [title, "", render_table(header, rows)]
     if topo.num_machines > 1:
         names = [m.name for m in topo.machines]
         count = topo.num_machines
@@ -50,7 +59,7 @@ def format_topology(topo: Topology) -> str:
             [a] + ["-" if i == j else format_bandwidth(topo.machine_bandwidth(i, j), bits=True, digits=4) for j in range(count)]
             for i, a in enumerate(names)
         ]
-        parts += ["", "Inter-machine bandwidth:", render_table(["", *names], bw_rows, right=set(range(1, count + 1)))]
+        parts += ["", "Inter-machine bandwidth:", render_table(["", *names], bw_rows)]
         latencies = {topo.machine_latency(i, j) for i in range(count) for j in range(count) if i != j}
         if len(latencies) == 1:
             parts += ["", f"Inter-machine latency: {format_time(latencies.pop(), digits=4)}"]
@@ -59,5 +68,5 @@ def format_topology(topo: Topology) -> str:
                 [a] + ["-" if i == j else format_time(topo.machine_latency(i, j), digits=4) for j in range(count)]
                 for i, a in enumerate(names)
             ]
-            parts += ["", "Inter-machine latency:", render_table(["", *names], lat_rows, right=set(range(1, count + 1)))]
+            parts += ["", "Inter-machine latency:", render_table(["", *names], lat_rows)]
     return "\n".join(parts)

@@ -26,6 +26,7 @@ __all__ = [
     "format_bytes",
     "format_time",
     "format_flops",
+    "format_count",
 ]
 
 _NUMBER_RE = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(.*?)\s*$")
@@ -232,17 +233,24 @@ def _prefixed(base: str, prefixes: dict[str, int], scale: Fraction) -> list[tupl
 def format_bytes(value: int, *, digits: int | None = None) -> str:
     """Format a byte count, e.g. ``16000000000 -> "16 GB"``, ``17179869184 -> "16 GiB"``.
 
-    Exact (parses back to ``value``) unless ``digits`` asks for rounding to significant digits."""
-    groups = [_prefixed("B", _DECIMAL, Fraction(1)), _prefixed("B", _BINARY, Fraction(1))]
+    Exact (parses back to ``value``, the shorter of decimal and binary prefixes: for files) unless
+    ``digits`` asks for rounding to significant digits: for display, always binary prefixes with
+    IEC names (``"14.9 GiB"``, ``"603 KiB"``), so that every size TAG prints is in one unit
+    system."""
+    groups = [_prefixed("B", _BINARY, Fraction(1))] if digits is not None else \
+        [_prefixed("B", _DECIMAL, Fraction(1)), _prefixed("B", _BINARY, Fraction(1))]
     return _format(int(value), groups, lambda t: parse_bytes(t, positive=False), digits, "B", exact_int=True)
 
 
 def format_bandwidth(value: float, *, bits: bool = False, digits: int | None = None) -> str:
     """Format bytes/s, e.g. ``1.5e11 -> "150 GB/s"``; ``bits=True`` gives ``"25 Gbit/s"``.
 
-    Exact (parses back to ``value``) unless ``digits`` asks for rounding to significant digits."""
+    Exact (parses back to ``value``) unless ``digits`` asks for rounding to significant digits: for
+    display, always decimal prefixes (rates are quoted in powers of 1000: links, HBM)."""
     if bits:
         groups = [_prefixed("bit/s", _DECIMAL, Fraction(1, 8))]
+    elif digits is not None:
+        groups = [_prefixed("B/s", _DECIMAL, Fraction(1))]
     else:
         groups = [_prefixed("B/s", _DECIMAL, Fraction(1)), _prefixed("B/s", _BINARY, Fraction(1))]
     return _format(float(value), groups, lambda t: parse_bandwidth(t, positive=False), digits, "B/s")
@@ -258,3 +266,8 @@ def format_flops(value: float, *, digits: int | None = None) -> str:
     """Format FLOP/s, e.g. ``1.57e13 -> "15.7 TFLOP/s"`` (exact unless ``digits`` is given)."""
     groups = [_prefixed("FLOP/s", _DECIMAL, Fraction(1))]
     return _format(float(value), groups, lambda t: parse_flops(t, positive=False), digits, "FLOP/s")
+
+
+def format_count(n: int, noun: str, plural: str | None = None) -> str:
+    """``"1 machine"``, ``"7 machines"``: a count with its noun in the right number."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

@@ -9,7 +9,7 @@ from ..data.dataset import PolicyTarget
 from ..data.generate import GenConfig
 from ..errors import TagError
 from ..gnn.model import NetConfig
-from ..io import read_json
+from ..io import output_dir, read_json
 
 
 class ConfigError(TagError):
@@ -54,8 +54,9 @@ class TrainConfig:
 class LoopConfig:
     """The AlphaZero-style loop: generate -> train -> regenerate with the new network."""
 
-    run_dir: str = "runs/predictor"
-    """Run folder: data, checkpoints, config, logs."""
+    run_dir: str = field(default_factory=lambda: str(output_dir("runs/predictor")))
+    """Run folder: data, checkpoints, config, logs (default ``runs/predictor`` in the checkout, or in
+    the user's data folder for an installed package: :func:`tag.io.output_dir`)."""
     rounds: int = 4
     """Generate/train rounds; round 0 is labelled by uniform-prior MCTS (bootstrap)."""
     samples_per_round: list[int] = field(default_factory=lambda: [300, 150])

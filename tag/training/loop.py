@@ -28,8 +28,8 @@ import torch
 
 from ..data.generate import GenConfig, generate
 from ..gnn.model import TagNet
-from ..gnn.predictor import load_net, save_checkpoint
-from ..io import write_atomic
+from ..gnn.predictor import CheckpointError, load_net, save_checkpoint
+from ..io import load_tensors, write_atomic
 from .config import LoopConfig
 from .train import fit
 
@@ -114,7 +114,7 @@ def run_loop(cfg: LoopConfig, *, progress: bool = True) -> Path:
             res = fit(net, train_set, val_set, cfg.train, rdir / "ckpt", log=log, tag=f"round{r}")
             best = rdir / "ckpt" / "best.pt"
             if best.exists():
-                net.load_state_dict(torch.load(best, map_location="cpu", weights_only=True)["net"])
+                net.load_state_dict(load_tensors(best, CheckpointError, "training checkpoint")["net"])
             meta = {"round": r, "train_decisions": len(train_set), "val": res["best"],
                     "wall_seconds": time.perf_counter() - t_start}
             save_checkpoint(done_flag, net, meta)

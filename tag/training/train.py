@@ -7,7 +7,6 @@ epoch, so a killed run loses at most the epoch in progress.
 
 from __future__ import annotations
 
-import io
 import math
 import random
 from collections.abc import Callable
@@ -19,7 +18,8 @@ from torch_geometric.loader import DataLoader
 from torch_geometric.utils import scatter
 
 from ..gnn.model import TagNet, action_log_probs
-from ..io import write_atomic
+from ..gnn.predictor import CheckpointError
+from ..io import load_tensors, save_tensors
 from .config import TrainConfig
 
 
@@ -43,12 +43,6 @@ def losses(net: TagNet, batch) -> dict[str, torch.Tensor]:
 def _rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state()[1].astype(np.int64).tolist(),
             "python": random.getstate()[1]}
-
-
-def _save(path: Path, obj: dict) -> None:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    write_atomic(path, buf.getvalue())
 
 
 @torch.no_grad()
@@ -93,7 +87,7 @@ def _fit(net: TagNet, train_set, val_set, cfg: TrainConfig, ckpt_dir: str | Path
     start, step, history = 0, 0, []
     best = {"val_loss": math.inf}
     if last.exists():
-        ck = torch.load(last, map_location="cpu", weights_only=True)
+        ck = load_tensors(last, CheckpointError, "training checkpoint")
         if ck.get("tag") == tag:
             net.load_state_dict(ck["net"])
             opt.load_state_dict(ck["opt"])
@@ -135,8 +129,8 @@ def _fit(net: TagNet, train_set, val_set, cfg: TrainConfig, ckpt_dir: str | Path
         history.append(rec)
         if rec["val_loss"] < best["val_loss"]:
             best = {"val_loss": rec["val_loss"], "epoch": epoch}
-            _save(ckpt_dir / "best.pt", {"net": net.state_dict(), "epoch": epoch, "tag": tag})
-        _save(last, {"net": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+            save_tensors(ckpt_dir / "best.pt", {"net": net.state_dict(), "epoch": epoch, "tag": tag})
+        save_tensors(last, {"net": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                      "epoch": epoch, "step": step, "history": history, "best": best, "tag": tag,
                      "rng": _rng_state()})
         if log is not None:

@@ -9,13 +9,13 @@ epoch (``RetryHeartbeatStaleTrialCallback``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..gnn.model import NetConfig, TagNet
-from ..io import write_json
+from ..io import output_dir, write_json
 from .config import ConfigError, TrainConfig
 
 
@@ -25,7 +25,7 @@ class TuneConfig:
 
     data: list[str]
     """Dataset folders (each with ``raw/``) to train and validate on."""
-    study_dir: str = "runs/tune"
+    study_dir: str = field(default_factory=lambda: str(output_dir("runs/tune")))
     """Folder of the SQLite study and the trials' run folders."""
     trials: int = 20
     """Total trials the study should reach (finished ones count)."""
