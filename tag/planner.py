@@ -29,8 +29,8 @@ pair of the planner benchmark, 32 gives the same plans as all groups there."""
 GNN_MAX_DEVICES = 128
 """Largest cluster the predictor runs on. Its device graph is complete (``D (D - 1)`` link edges
 in every encoded state) and its context holds a ``[K, A, D]`` placement table. With 128 groups
-(one core, a loaded 2-core machine) an 8-state wave took 1.7 s on 64 GPUs, 60 s on 256 and 88 s
-on 512; the one-shot call 18 s, 227 s (4.3 GB) and 313 s (14.5 GB)
+(one core, a loaded 2-core machine) an 8-state wave took 1.7 s on 64 GPUs, 20 s on 256 and 88 s
+on 512; the one-shot call 11 s, 250 s (4.2 GB) and 313 s (14.5 GB)
 (``evaluation/results/sim-speed/scale.md``). Beyond it :func:`find_plan` searches with the
 uniform prior and says so in ``meta["prior_note"]``; a machine-level device graph (and a predictor
 trained on it) is the way past."""
@@ -106,8 +106,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     propose_fn = None
     prior_note = None
     if searcher == "mcts" and prior == "gnn" and topology.num_devices > GNN_MAX_DEVICES:
-        prior, prior_note = "uniform", (f"gnn prior skipped: {topology.num_devices} devices > GNN_MAX_DEVICES "
-                                        f"({GNN_MAX_DEVICES}); searched with the uniform prior")
+        prior, prior_note = "uniform", f"uniform prior: {topology.num_devices} devices > GNN_MAX_DEVICES ({GNN_MAX_DEVICES})"
     if searcher == "mcts" and prior == "gnn":
         pred = predictor if predictor is not None else _predictor(checkpoint)
         prior_fn = pred.bind(space, ev.t_ref)

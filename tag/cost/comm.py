@@ -363,8 +363,11 @@ class CommModel:
         512 GPUs prices the same sets for every group, each an O(devices) walk of its rings)."""
         key = tuple(devs)
         hit = self._hier_cache.get(key)
-        if hit is not None:
-            return hit
+        if hit is None:
+            hit = _remember(self._hier_cache, key, self._walk_hierarchical(devs, machines))
+        return hit
+
+    def _walk_hierarchical(self, devs: list[int], machines: list[int]) -> tuple[list, float, float]:
         mo = self.machine_of
         on: dict[int, list[int]] = {}  # machine -> its devices of devs, ascending (one pass: O(n))
         for d in devs:
@@ -377,11 +380,7 @@ class CommModel:
             lat = max((self._lat[a][b] for a, b in ring if a != b), default=0.0)
             per_machine.append((len(ds), bw, lat))
         ring = _ring_links([on[m][0] for m in machines])  # first device each
-        hit = (per_machine, min(self._bw[a][b] for a, b in ring), max(self._lat[a][b] for a, b in ring))
-        if len(self._hier_cache) > 10_000:  # bounded: a long search meets many sets
-            self._hier_cache.clear()
-        self._hier_cache[key] = hit
-        return hit
+        return per_machine, min(self._bw[a][b] for a, b in ring), max(self._lat[a][b] for a, b in ring)
 
     # ---- reduce, broadcast, parameter server -----------------------------------------------
     def reduce_time(self, devices, root: int, nbytes: float) -> float:
@@ -408,9 +407,7 @@ class CommModel:
                 hit = (max(self._lat[w][root] for w in workers), [self._bw[w][root] for w in workers])
             else:
                 hit = (max(self._lat[root][w] for w in workers), [self._bw[root][w] for w in workers])
-            if len(self._root_cache) > 10_000:
-                self._root_cache.clear()
-            self._root_cache[key] = hit
+            _remember(self._root_cache, key, hit)
         return hit[0] + sum(nbytes / bw for bw in hit[1])
 
     def ps_time(self, devices, server: int, nbytes: float) -> float:
@@ -478,8 +475,9 @@ class CommModel:
         on 512 GPUs prices every factor of every group over the same sets)."""
         key = tuple(devices)
         hit = self._gather_cache.get(key)
-        if hit is not None:
-            return hit
+        return hit if hit is not None else _remember(self._gather_cache, key, self._walk_gather(key))
+
+    def _walk_gather(self, key: tuple[int, ...]) -> _GatherLinks:
         at = {d: i for i, d in enumerate(key)}  # device -> its chunk
         bw, lat = self._bw, self._lat
         ring = _ring_links(sorted(key))
@@ -491,7 +489,7 @@ class CommModel:
         inter = _ring_links(list(range(len(machines))))
         intra = [(m, _ring_links(per[m])) for m in machines if len(per[m]) > 1]
         starts = np.cumsum([0] + [len(r) for _, r in intra[:-1]]).astype(np.int64)
-        hit = _GatherLinks(
+        return _GatherLinks(
             ring_to=np.array([at[b] for _, b in ring], dtype=np.int64),
             ring_bw=np.array([bw[a][b] for a, b in ring], dtype=np.float64),
             ring_lat=max((lat[a][b] for a, b in ring), default=0.0),
@@ -506,10 +504,19 @@ class CommModel:
             intra_lat=np.array([(len(per[m]) - 1) * max(lat[a][b] for a, b in r) for m, r in intra],
                                dtype=np.float64),
         )
-        if len(self._gather_cache) > 10_000:  # bounded: a long search meets many sets
-            self._gather_cache.clear()
-        self._gather_cache[key] = hit
-        return hit
+
+
+CACHE_SETS = 1024
+"""Device sets a :class:`CommModel` remembers per cache before it starts over (a search meets a
+few hundred: its action space's subsets; at 512 GPUs an entry holds up to ~20 KB)."""
+
+
+def _remember(cache: dict, key, value):
+    """``cache[key] = value`` (the cache cleared first once it holds :data:`CACHE_SETS`); ``value``."""
+    if len(cache) >= CACHE_SETS:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 @dataclass(frozen=True)

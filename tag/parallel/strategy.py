@@ -217,7 +217,7 @@ def sample_replicas(devices, shares, batch_size: int) -> list[Replica]:
         sizes = local_batches(batch_size, list(shares))
         stops = list(itertools.accumulate(sizes))
         reps = tuple(map(Replica, devices, [0] + stops[:-1], stops))
-        if len(_REPLICAS) > 4096:
+        if len(_REPLICAS) > 512:  # bounded: ~20 MB of replicas at 512 per split
             _REPLICAS.clear()
         _REPLICAS[key] = reps
     return list(reps)
