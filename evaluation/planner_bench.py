@@ -42,6 +42,11 @@ MODELS = [
 TOPOLOGIES = ["topologies/cluster-16gpu-4m.yaml", "topologies/tag-testbed.yaml",
               "topologies/mixed-a100-v100.yaml", "topologies/cloud-t4.yaml",
               "topologies/homogeneous-2x4-v100.yaml"]
+# ``--scale``: held-out pairs at scale (the 12-layer GPT-2 of evaluation/sim_speed.py --scale, batch
+# 512, on the 64-GPU shipped topology; the predictor is not run beyond GNN_MAX_DEVICES = 128).
+SCALE_MODELS = [("gpt2:n_layer=12,n_embd=768,n_head=12,seq=128", 512, 128),
+                ("gpt2:n_layer=12,n_embd=768,n_head=12,seq=128", 512, 64)]
+SCALE_TOPOLOGIES = ["hetero-64gpu"]
 RANDOM_SEED = 7777
 """Seed of the ``--random`` pairs' stream (training uses ``GenConfig.seed``, 0 by default)."""
 
@@ -61,6 +66,8 @@ def run(args) -> dict:
     pred = Predictor.load(args.checkpoint)
     models = MODELS[:2] if args.quick else MODELS
     topos = TOPOLOGIES[:2] if args.quick else TOPOLOGIES
+    if args.scale:
+        models, topos = SCALE_MODELS, SCALE_TOPOLOGIES
     cache = Path(args.graphs)
     runs = {
         "gnn50": dict(searcher="mcts", prior="gnn", budget=50),
@@ -70,6 +77,8 @@ def run(args) -> dict:
         "random200": dict(searcher="random", budget=200),
         "tpe": dict(searcher="tpe", budget=args.tpe),
     }
+    if args.tpe == 0:
+        del runs["tpe"]
     budgets = {name: kw["budget"] for name, kw in runs.items()}
     rows = []
     for spec, batch, groups in models:
@@ -82,18 +91,18 @@ def run(args) -> dict:
             row["never_worse_than_dp"] = all(row[n]["time_s"] <= best_dp * (1 + 1e-9) for n in runs)
             row["gnn50_over_uniform2000"] = row["gnn50"]["time_s"] / row["uniform2000"]["time_s"]
             rows.append(row)
+            tpe = f" tpe{args.tpe} {row['tpe']['time_s'] * 1e3:9.3f}" if "tpe" in row else ""
             print(f"{spec:36s} {topo.name:22s} dp {best_dp * 1e3:9.3f} ms | gnn50 {row['gnn50']['time_s'] * 1e3:9.3f}"
                   f" (beat@{row['gnn50']['first_beat_dp']}) | uni50 {row['uniform50']['time_s'] * 1e3:9.3f}"
                   f" (beat@{row['uniform50']['first_beat_dp']}) | uni{args.big} "
                   f"{row['uniform2000']['time_s'] * 1e3:9.3f} (beat@{row['uniform2000']['first_beat_dp']})"
                   f" | sa {row['sa200']['time_s'] * 1e3:9.3f} rnd {row['random200']['time_s'] * 1e3:9.3f}"
-                  f" tpe{args.tpe} {row['tpe']['time_s'] * 1e3:9.3f} | ratio {row['gnn50_over_uniform2000']:.3f}",
-                  flush=True)
+                  f"{tpe} | ratio {row['gnn50_over_uniform2000']:.3f}", flush=True)
     # plan time: 64-group model on the 16-GPU, 4-machine cluster, default budget and 50 playouts
-    graph = _load("gpt2:n_layer=4,n_embd=256", 32, 64, cache)
-    topo = load_topology("topologies/cluster-16gpu-4m.yaml")
     timing = {}
-    for budget in (50, 200):
+    for budget in (() if args.scale else (50, 200)):
+        graph = _load("gpt2:n_layer=4,n_embd=256", 32, 64, cache)
+        topo = load_topology("topologies/cluster-16gpu-4m.yaml")
         t0 = time.perf_counter()
         find_plan(graph, topo, seed=0, predictor=pred, budget=budget)
         timing[f"gnn{budget}_wall_s"] = time.perf_counter() - t0
@@ -111,7 +120,7 @@ def run(args) -> dict:
         **_claim1(ratios),
         "first_beat_dp_median": {n: med(firsts(n)) for n in ("gnn50", "uniform50", "uniform2000")},
         "within_1pct_of_uniform2000_median": {
-            n: med([_reach(r, n, 1.01) for r in rows]) for n in ("gnn50", "uniform2000", "sa200", "random200", "tpe")},
+            n: med([_reach(r, n, 1.01) for r in rows]) for n in runs if n != "uniform50"},
         "never_worse_than_dp": all(r["never_worse_than_dp"] for r in rows),
         "plan_time_64groups_16gpu": timing,
     }
@@ -177,7 +186,7 @@ def plot_progress(rows: list[dict], budgets: dict[str, int], path: Path) -> None
               "random200": "random search", "tpe": "optuna TPE"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ref = np.array([r["uniform2000"]["time_s"] for r in rows])
-    for name, label in curves.items():
+    for name, label in ((n, x) for n, x in curves.items() if n in budgets):
         budget = budgets[name]
         x = np.arange(1, budget + 1)
         ratio = np.stack([best_so_far(r, name, budget) for r in rows]) / ref[:, None]  # [pairs, playouts]
@@ -237,6 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tpe", type=int, default=100, help="optuna TPE budget (default 100; slow per trial)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="2 models x 2 topologies")
+    ap.add_argument("--scale", action="store_true", help="the held-out pairs at scale (SCALE_MODELS x "
+                    "SCALE_TOPOLOGIES; use --graphs runs/scale/graphs)")
     ap.add_argument("--random", type=int, default=0, metavar="N",
                     help="also compare GNN @50 with uniform @--big on N pairs drawn like the training pairs "
                          f"(training models on random clusters, seed {RANDOM_SEED}, never labelled)")

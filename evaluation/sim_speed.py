@@ -15,6 +15,15 @@ Workloads of :meth:`Simulator.run`:
 
     .venv/bin/python evaluation/sim_speed.py [--model gpt2:n_layer=4] [--batch 32] [--seconds 3]
     .venv/bin/python evaluation/sim_speed.py --vs ../other-worktree [--rounds 20] [--seconds 6]
+    .venv/bin/python evaluation/sim_speed.py --scale [--budgets 50,200] [--out FILE.json]
+
+``--scale``: the 128-group graph of a 12-layer GPT-2 (width 768, sequence 128, batch 512; captured
+once into ``--graphs``) on the shipped topologies at scale (``hetero-64gpu``,
+``cloud-256gpu-3zones``, ``h100-512gpu``): set-up times, simulations per second of the baselines
+and of search-like plans (a random run of 1-16 groups given a random action of the planner's own
+action space), then the planner's wall time on 128 groups x 512 GPUs (:func:`tag.find_plan`,
+set-up + search + compression, capture excluded) per ``--budgets``. Results:
+``evaluation/results/sim-speed/scale.md``.
 
 ``--vs`` times this tree against another one (the previous commit, say) in two worker processes,
 alternating short rounds, so the load of a shared machine falls on both alike.
@@ -204,6 +213,93 @@ def paired(args) -> int:
     return 0
 
 
+SCALE_MODEL = ("gpt2:n_layer=12,n_embd=768,n_head=12,seq=128", 512, 128)
+"""(spec, global batch, op-groups) of ``--scale``."""
+SCALE_TOPOLOGIES = ("hetero-64gpu", "cloud-256gpu-3zones", "h100-512gpu")
+
+
+def _scale_topology(graph, name: str, seconds: float) -> dict:
+    """Set-up seconds and simulations per second of one shipped topology (``--scale``)."""
+    import numpy as np
+
+    from tag.cost import CostModel
+    from tag.cost.baselines import baseline_plan
+    from tag.search.space import ActionSpace
+    from tag.sim import Simulator
+    from tag.topology import load_topology
+
+    t0 = time.perf_counter()
+    topo = load_topology(name)
+    t_topo = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    costs = CostModel.for_topology(graph, topo)
+    t_cost = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    sim = Simulator(graph, topo, costs)
+    t_sim = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    space = ActionSpace(graph, topo, cost_model=costs)
+    _ = space.group_canonical
+    t_space = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    plans = {n: baseline_plan(n, graph, topo, costs).groups for n in ("dp", "dp-prop")}
+    base = plans["dp-prop"]
+
+    def playout():
+        g0 = int(rng.integers(graph.num_groups))
+        g1 = min(graph.num_groups, g0 + int(rng.integers(1, 17)))
+        a = int(rng.integers(space.num_actions))
+        sim.run(base[:g0] + [space.group_plan(g, a) for g in range(g0, g1)] + base[g1:])
+
+    row = {"devices": topo.num_devices, "machines": topo.num_machines, "actions": space.num_actions,
+           "load_topology_s": t_topo, "cost_model_s": t_cost, "simulator_s": t_sim, "action_space_s": t_space,
+           "sims_per_s": {}}
+    print(f"{name}: {topo.num_devices} devices / {topo.num_machines} machines, {space.num_actions} actions; "
+          f"set-up s: topology {t_topo:.2f}, cost model {t_cost:.2f}, simulator {t_sim:.2f}, "
+          f"action space {t_space:.2f}", flush=True)
+    for wname, fn in (("dp", lambda: sim.run(plans["dp"])), ("dp-prop", lambda: sim.run(plans["dp-prop"])),
+                      ("search", playout)):
+        fn()  # warm
+        r, count = rate(fn, seconds)
+        row["sims_per_s"][wname] = r
+        print(f"  {wname:<8} {r:8.2f} sims/s  ({count} runs)", flush=True)
+    return row
+
+
+def scale(args) -> dict:
+    """Set-up, simulations per second and plan time at 64-512 GPUs (see the module docstring)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from tag.data.generate import load_graph
+    from tag.planner import find_plan
+    from tag.topology import load_topology
+
+    spec, batch, groups = SCALE_MODEL
+    graph = load_graph(args.graphs, spec, batch, groups)
+    out: dict = {"model": spec, "batch": batch, "groups": graph.num_groups, "ops": len(graph.ops), "topologies": {}}
+    print(f"{spec} batch {batch}: {graph.num_groups} groups, {len(graph.ops)} ops")
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    for name in SCALE_TOPOLOGIES:
+        out["topologies"][name] = _scale_topology(graph, name, args.seconds)
+    topo = load_topology(SCALE_TOPOLOGIES[-1])
+    out["plan"] = []
+    for budget in budgets:
+        t0 = time.perf_counter()
+        p = find_plan(graph, topo, prior="uniform", budget=budget, seed=0)
+        wall = time.perf_counter() - t0
+        m = p.meta
+        out["plan"].append({"topology": topo.name, "prior": "uniform", "budget": budget, "wall_s": wall,
+                            "search_time_s": m["search_time_s"], "sim_calls": m["sim_calls"],
+                            "iteration_s": p.predicted_iteration_time_s, "dp_even_s": m["dp_even_time_s"],
+                            "compression": m["compression"]})
+        print(f"find_plan {graph.num_groups} groups x {topo.num_devices} GPUs, uniform prior, {budget} playouts: "
+              f"{wall:.1f} s wall (set-up + search {m['search_time_s']:.1f} s, {m['sim_calls']} simulations); "
+              f"plan {p.predicted_iteration_time_s * 1e3:.2f} ms vs dp {m['dp_even_time_s'] * 1e3:.2f} ms; "
+              f"{m['compression']}", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2:n_layer=4")
@@ -216,9 +312,19 @@ def main(argv=None) -> int:
                     "previous commit), alternating: see paired()")
     ap.add_argument("--rounds", type=int, default=20, help="with --vs: alternations per workload")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--scale", action="store_true", help="64-512 GPU topologies and the planner's time at 512 GPUs")
+    ap.add_argument("--budgets", default="50,200", help="with --scale: playout budgets of the planner runs")
+    ap.add_argument("--graphs", default="runs/scale/graphs", help="with --scale: captured-graph cache folder")
+    ap.add_argument("--out", help="with --scale: write the numbers as JSON here")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.scale:
+        res = scale(args)
+        if args.out:
+            from tag.io import write_json
+            write_json(args.out, res)
+        return 0
     if args.vs:
         return paired(args)
     head, _, workloads = build(args)

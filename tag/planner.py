@@ -26,6 +26,15 @@ rest by rule: its one batched call costs ~K x (K x D) cross edges, 4.3 s for all
 an 8-layer gpt2 on 32 GPUs against 1.4 s for the whole 50-playout search. 16 lost a held-out
 pair of the planner benchmark, 32 gives the same plans as all groups there."""
 
+GNN_MAX_DEVICES = 128
+"""Largest cluster the predictor runs on. Its device graph is complete (``D (D - 1)`` link edges
+in every encoded state) and its context holds a ``[K, A, D]`` placement table. With 128 groups
+(one core, a loaded 2-core machine) an 8-state wave took 1.7 s on 64 GPUs, 20 s on 256 and 88 s
+on 512; the one-shot call 11 s, 250 s (4.2 GB) and 313 s (14.5 GB)
+(``evaluation/results/sim-speed/scale.md``). Beyond it :func:`find_plan` searches with the
+uniform prior and says so in ``meta["prior_note"]``; a machine-level device graph (and a predictor
+trained on it) is the way past."""
+
 _PREDICTORS: dict = {}
 
 
@@ -52,7 +61,8 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         topology: a :class:`tag.topology.Topology`.
         searcher: ``mcts`` (default), ``sa`` (simulated annealing), ``random`` or ``tpe`` (optuna).
         prior: MCTS prior: ``gnn`` (the trained predictor; also its value head at leaves) or
-            ``uniform``.
+            ``uniform``. Beyond :data:`GNN_MAX_DEVICES` devices ``gnn`` searches with the uniform
+            prior (``meta["prior"]`` says which ran, ``meta["prior_note"]`` why).
         budget: playouts: proposed plans not simulated before (a plan proposed again is a free
             repeat; see :mod:`tag.search.mcts`). Default :data:`DEFAULT_PLAYOUTS` unless
             ``time_limit``.
@@ -110,6 +120,9 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     stats, proposals = SearchStats(), []
     prior_fn = uniform_prior
     propose_fn = None
+    prior_note = None
+    if searcher == "mcts" and prior == "gnn" and topology.num_devices > GNN_MAX_DEVICES:
+        prior, prior_note = "uniform", f"uniform prior: {topology.num_devices} devices > GNN_MAX_DEVICES ({GNN_MAX_DEVICES})"
     if searcher == "mcts" and prior == "gnn":
         pred = predictor if predictor is not None else _predictor(checkpoint)
         prior_fn = pred.bind(space, ev.t_ref)
@@ -142,7 +155,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     p = new_plan(graph, topology, groups)
     p.predicted_iteration_time_s = None if best.oom else best.time_s
     p.meta = {
-        "searcher": searcher, "prior": prior if searcher == "mcts" else None, "seed": seed,
+        "searcher": searcher, "prior": prior if searcher == "mcts" else None, "prior_note": prior_note, "seed": seed,
         "playouts": stats.playouts, "sim_calls": ev.sim_calls, "value_cuts": stats.value_cuts, "repeats": stats.repeats,
         "search_time_s": search_s, "first_beat_dp_playout": stats.first_beat_dp,
         # [playout, seconds] at each new best plan: the search's progress (1e-9 keeps 6+ digits)

@@ -19,3 +19,15 @@ def test_losses_predicted_and_executed():
     assert len(ex) == 1 and "a on local-cpu2: tag-50 measured 3500.0 ms vs data parallel 3000.0 ms" in ex[0]
     md = markdown(cells, "t", {"date": "d"}, None)
     assert ex[0] in md and pred[0] in md
+
+
+def test_scale_suite_runs_every_method_on_the_topologies_at_scale():
+    from tag.bench.suites import METHODS, SUITES
+    from tag.topology import load_topology
+
+    cfg = SUITES["scale"]()
+    assert cfg.methods == list(METHODS) and cfg.groups == 128 and not cfg.execute_topologies
+    assert [load_topology(t).num_devices for t in cfg.topologies] == [64, 256, 512]
+    quick = SUITES["quick"]()  # unchanged: a few minutes on a 2-core machine
+    assert quick.topologies == ["tag-testbed", "cloud-t4", "homogeneous-8xa100"] and quick.groups == 24
+    assert quick.search_budget == 500 and len(quick.models) == 2

@@ -93,6 +93,45 @@ def test_allgather_by_hand(mixed):
     assert cm.allgather_time([5.0], [2]) == 0.0
 
 
+def _loop_allgathers(cm, chunks, devices) -> tuple[float, float]:
+    """(flat, hierarchical) all-gather by the module docstring's formulas, walked link by link."""
+    bw, lat, mo = cm.bandwidth, cm.latency, cm.machine_of
+    own, ring = dict(zip(devices, chunks)), sorted(devices)
+    total = float(sum(chunks))
+    links = list(zip(ring, ring[1:] + ring[:1]))
+    flat = max((total - own[b]) / bw[a, b] for a, b in links) + (len(ring) - 1) * max(lat[a, b] for a, b in links)
+    per: dict[int, list[int]] = {}
+    for d in ring:
+        per.setdefault(mo[d], []).append(d)
+    ms = sorted(per)
+    if len(ms) < 2:
+        return flat, flat
+    mchunk = {m: sum(own[d] for d in per[m]) for m in ms}
+    mlinks = list(zip(ms, ms[1:] + ms[:1]))
+    inter = max((total - mchunk[b]) / bw[per[a][0], per[b][0]] for a, b in mlinks) \
+        + (len(ms) - 1) * max(lat[per[a][0], per[b][0]] for a, b in mlinks)
+    intra = 0.0
+    for ds in per.values():
+        if len(ds) > 1:
+            r = list(zip(ds, ds[1:] + ds[:1]))
+            intra = max(intra, max((total - own[b]) / bw[a, b] for a, b in r) + (len(ds) - 1) * max(lat[a, b] for a, b in r))
+    return flat, inter + intra
+
+
+def test_allgather_equals_the_link_by_link_formulas_on_a_large_cluster():
+    """The vectorised all-gathers (link arrays cached per device set) give the link-by-link
+    formulas' seconds exactly, on random replica sets of the 64-GPU, 10-machine topology."""
+    cm = CommModel.nominal(load_topology("hetero-64gpu"))
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        devs = [int(d) for d in rng.permutation(64)[:int(rng.integers(2, 65))]]
+        chunks = [float(x) for x in rng.integers(1, 10**7, size=len(devs))]
+        flat, hier = _loop_allgathers(cm, chunks, devs)
+        for _ in range(2):  # the second time from the cache
+            assert cm.allgather_time(chunks, devs, "flat") == flat
+            assert cm.allgather_time(chunks, devs, "hierarchical") == hier
+
+
 def test_machine_links(mixed):
     cm = CommModel.nominal(mixed)
     assert cm.machine_bandwidth(0, 2) == 0.5 * GB and cm.machine_latency(2, 0) == 40e-6

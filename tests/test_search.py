@@ -362,6 +362,18 @@ def test_gnn_prior_with_the_shipped_predictor_is_deterministic(graph, topo):
     assert p1.predicted_iteration_time_s <= min(p1.meta["dp_even_time_s"], p1.meta["dp_prop_time_s"])
 
 
+def test_gnn_prior_beyond_its_device_limit_searches_uniformly_and_says_so(graph, topo, monkeypatch):
+    """Past GNN_MAX_DEVICES the predictor is not run (its device graph is complete: quadratic in
+    the devices); the plan is the uniform prior's, and its meta says why."""
+    import tag.planner as planner
+    monkeypatch.setattr(planner, "GNN_MAX_DEVICES", topo.num_devices - 1)
+    monkeypatch.setattr(planner, "_predictor", lambda checkpoint: pytest.fail("the predictor was loaded"))
+    p = find_plan(graph, topo, prior="gnn", budget=6, seed=3, compression="off")
+    u = find_plan(graph, topo, prior="uniform", budget=6, seed=3, compression="off")
+    assert p.meta["prior"] == "uniform" and str(topo.num_devices) in p.meta["prior_note"]
+    assert p.to_dict()["groups"] == u.to_dict()["groups"] and u.meta["prior_note"] is None
+
+
 def test_the_networks_one_shot_plan(graph, topo):
     from tag.gnn import DEFAULT_CHECKPOINT, Predictor
     from tag.search.evaluate import Feedback
@@ -422,6 +434,23 @@ def test_repeated_plans_are_walked_but_an_exhausted_space_ends(graph):
     assert 2.0 * 10 < r.stats.repeats <= 2.0 * 10 + 10 + cfg.batch  # then repeats counted too
     with pytest.raises(ValueError, match="repeat_limit"):
         MCTSConfig(repeat_limit=-1)
+
+
+@pytest.mark.parametrize("machines", [
+    [("A100-40GB", 2), ("V100-SXM2-16GB", 2), ("T4", 4)],
+    [("T4", 1), ("T4", 2), ("A100-40GB", 4), ("V100-SXM2-16GB", 2), ("T4", 2), ("A100-40GB", 1)],
+])
+def test_equivalence_classes_match_the_normalised_plans(graph, machines):
+    """:attr:`ActionSpace.group_canonical` (keyed without materialising plans) has the classes of
+    the strategy-normalised group plans as the simulator's caches key them."""
+    sp = ActionSpace(graph, _topo(machines))
+    ref = np.empty((sp.num_groups, sp.num_actions), dtype=np.int64)
+    for g in range(sp.num_groups):
+        first: dict = {}
+        for a in range(sp.num_actions):
+            ref[g, a] = first.setdefault(sp._deployment_key(g, a), a)
+    assert np.array_equal(sp.group_canonical, ref)
+    assert len(set(sp.group_canonical.reshape(-1).tolist())) < sp.num_actions  # some actions merge
 
 
 def test_equivalent_actions_are_one_action(graph, topo):

@@ -35,7 +35,7 @@ from tag.topology import (
     parse_time,
 )
 from tag.topology import catalog as catalog_module
-from tag.topology.loader import DEFAULT_INTRA_LATENCY, SHIPPED_DIR, shipped_topologies
+from tag.topology.loader import DEFAULT_INTRA_LATENCY, SHIPPED_DIR, shipped_topologies, topology_to_yaml
 from tag.topology.units import format_flops, parse_flops
 
 EXAMPLE = """\
@@ -382,6 +382,47 @@ def test_shipped_topologies_load():
     assert len({m.gpu.name for m in cluster.machines}) == 4 and cluster.links
 
 
+# The shipped topologies at scale: name -> (devices, machines, GPU kinds).
+SCALE = {"hetero-64gpu": (64, 10, 3), "cloud-256gpu-3zones": (256, 40, 3), "h100-512gpu": (512, 64, 1)}
+
+
+@pytest.mark.parametrize("name", sorted(SCALE))
+def test_scale_topologies(name):
+    devices, machines, kinds = SCALE[name]
+    topo = load_topology(name)
+    assert (topo.num_devices, topo.num_machines) == (devices, machines)
+    assert len({m.gpu.name for m in topo.machines}) == kinds
+    # Loading holds machine-level state only: the [D, D] matrices are built on first use.
+    assert "bandwidth_matrix" not in topo.__dict__ and "latency_matrix" not in topo.__dict__
+    assert topo.machine_bandwidth_matrix.shape == (machines, machines)
+    assert load_topology(yaml.safe_load(topology_to_yaml(topo))) == topo  # zones dumped as links
+
+
+def test_zones_expand_to_links():
+    cloud = load_topology("cloud-256gpu-3zones")
+    gbit = 1e9 / 8
+    a100, v100, t4 = (cloud.devices_of_machine(cloud.machine_index(n))[0] for n in ("a100-00", "v100-00", "t4-00"))
+    a100b = cloud.devices_of_machine(cloud.machine_index("a100-11"))[0]
+    t4b = cloud.devices_of_machine(cloud.machine_index("t4-15"))[0]
+    assert cloud.bandwidth(a100, a100b) == 400 * gbit and cloud.latency(a100, a100b) == 15e-6  # zone-a
+    assert cloud.bandwidth(t4, t4b) == 50 * gbit  # zone-c
+    assert cloud.bandwidth(a100, v100) == cloud.bandwidth(v100, t4) == 10 * gbit  # across zones
+    assert cloud.latency(a100, t4) == 1e-3
+    lab = load_topology("hetero-64gpu")  # a zone of two GPU kinds; machines without a zone
+    assert lab.machine_bandwidth(lab.machine_index("a100-00"), lab.machine_index("v100-03")) == 100 * gbit
+    assert lab.machine_bandwidth(lab.machine_index("v100-00"), lab.machine_index("t4-00")) == 25 * gbit
+    # an explicit link overrides a zone's; a zone giving only a latency keeps the default bandwidth
+    data = example_dict()
+    data["machines"].append({"name": "c", "gpu": "T4", "count": 1, "zone": "z"})
+    data["machines"][0]["zone"] = data["machines"][1]["zone"] = "z"
+    data["network"]["zones"] = [{"name": "z", "latency": "2 us"}]
+    topo = load_topology(data)
+    assert topo.links[frozenset("ab")] == (10 * gbit, 20e-6)  # the example's link
+    assert topo.links[frozenset("ac")] == (25 * gbit, 2e-6)
+    with pytest.raises(TopologyError, match="machines.0..zone: a zone needs network.zones"):
+        load_topology({"name": "x", "machines": [{"name": "a", "gpu": "T4", "count": 1, "zone": "z"}]})
+
+
 def test_format_topology():
     text = format_topology(load_topology("cluster-16gpu-4m"))
     for token in ("a100", "A100-40GB", "19.5", "40 GiB", "300 GB/s", "25 Gbit/s", "10 Gbit/s", "40 us"):
@@ -515,6 +556,14 @@ BAD = [
     (_set(["network", "links", 1], {"between": ["b", "a"], "bandwidth": 1}), "network.links[1].between",
      "duplicate link"),
     (_set(["nmae"], "x"), "nmae", "did you mean 'name'"),
+    (_set(["machines", 0, "zone"], "z9"), "machines[0].zone", "unknown zone 'z9'"),
+    (_set(["machines", 0, "zone"], ""), "machines[0].zone", "non-empty name"),
+    (_set(["network", "zones"], [{"name": "z1", "bandwidth": "1 Gbit/s"}]), "network.zones", "'z1' has no machine"),
+    (_set(["network", "zones"], "z1"), "network.zones", "list of zones"),
+    (_set(["network", "zones"], [{"name": "z1"}]), "network.zones[0]", "bandwidth and/or latency"),
+    (_set(["network", "zones"], [{"name": "z1", "bandwidth": "x"}]), "network.zones[0].bandwidth", "'x'"),
+    (_set(["network", "zones"], [{"name": "z1", "bw": 1}]), "network.zones[0].bw", "unknown field"),
+    (_set(["network", "zones"], [{"bandwidth": 1}]), "network.zones[0].name", "missing field"),
 ]
 
 

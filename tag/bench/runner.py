@@ -153,7 +153,8 @@ def _run_cell(case: _Case, model, topo_name: str, method: str, cfg: SuiteConfig)
     res = case.simulate(plan)
     t = res.iteration_time_s
     cell = Cell(model.spec, topo_name, method, t, bool(res.oom), case.dp_time / t if t > 0 else 0.0,
-                t / case.lower_bound if case.lower_bound > 0 else math.inf, search_s, playouts)
+                t / case.lower_bound if case.lower_bound > 0 else math.inf, search_s, playouts,
+                note=plan.meta.get("prior_note") or "")  # e.g. the gnn prior skipped on 512 GPUs
     if topo_name in cfg.execute_topologies and plan.pipeline is not None:
         cell.note = "pipeline plans are not executed by this version"
     elif topo_name in cfg.execute_topologies and not res.oom:

@@ -103,4 +103,23 @@ def full_suite() -> SuiteConfig:
     )
 
 
-SUITES = {"quick": quick_suite, "full": full_suite}
+SCALE = ["hetero-64gpu", "cloud-256gpu-3zones", "h100-512gpu"]
+"""The shipped topologies at scale (64, 256, 512 GPUs; sources of their figures in the files)."""
+
+
+def scale_suite() -> SuiteConfig:
+    """128 op-groups of a 12-layer GPT-2 (width 768, 3.5x the full suite's) at batch 512 on 64,
+    256 and 512 GPUs, every method. Beyond :data:`tag.planner.GNN_MAX_DEVICES` the ``tag-*``
+    methods search with the uniform prior (the cell's note says so). Hours on a 2-core machine
+    (a simulation of a 512-GPU plan costs ~0.1-0.5 s): run it by topology with ``--topologies``
+    into one ``--out``; ``evaluation/results/sim-speed/scale.md`` has the planner's time there."""
+    return SuiteConfig(
+        name="scale",
+        models=[ModelCase("gpt2:n_layer=12,n_embd=768,n_head=12,seq=128", 512)],
+        topologies=list(SCALE),
+        search_budget=2000,
+        groups=128,
+    )
+
+
+SUITES = {"quick": quick_suite, "full": full_suite, "scale": scale_suite}

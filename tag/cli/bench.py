@@ -10,7 +10,7 @@ def register(sub) -> None:
                        description="Run a benchmark suite (models x topologies x methods) and write raw results "
                                    "(CSV, JSON), the config and library versions, a Markdown report and plots. "
                                    "Rerunning with the same --out resumes a killed run.")
-    p.add_argument("--suite", choices=["quick", "full"], default="quick", help="benchmark suite")
+    p.add_argument("--suite", choices=["quick", "full", "scale"], default="quick", help="benchmark suite")
     p.add_argument("--out", default=None, help=f"output folder (default: evaluation/results/<suite>-<date> {OUTSIDE})")
     p.add_argument("--methods", default=None, help="comma-separated subset of methods")
     p.add_argument("--topologies", default=None,

@@ -231,6 +231,9 @@ class CommModel:
         """Measured parameter-server sync (reduce then broadcast back, one call; None in older
         profiles: :meth:`ps_time` then adds the reduce and broadcast fits)."""
         self._fitted = fitted_devices
+        self._hier_cache: dict[tuple[int, ...], tuple[list, float, float]] = {}
+        self._gather_cache: dict[tuple[int, ...], _GatherLinks] = {}
+        self._root_cache: dict[tuple, tuple[float, list[float]]] = {}
         self.machine_of = [topology.machine_of(d) for d in range(topology.num_devices)]
         """Machine index of every device (a list, indexed by device)."""
 
@@ -351,17 +354,33 @@ class CommModel:
                                    max(self._lat[a][b] for a, b in ring))
 
     def _hierarchical_allreduce(self, devs: list[int], machines: list[int], nbytes: float) -> float:
+        per_machine, bw, lat = self._hierarchical_links(devs, machines)
+        return hierarchical_allreduce_time(per_machine, nbytes, bw, lat)
+
+    def _hierarchical_links(self, devs: list[int], machines: list[int]) -> tuple[list, float, float]:
+        """``(per_machine, net_bw_min, net_lat_max)`` of :func:`hierarchical_allreduce_time` for the
+        device set ``devs`` on ``machines`` (sorted): a function of the set alone, cached (a search on
+        512 GPUs prices the same sets for every group, each an O(devices) walk of its rings)."""
+        key = tuple(devs)
+        hit = self._hier_cache.get(key)
+        if hit is None:
+            hit = _remember(self._hier_cache, key, self._walk_hierarchical(devs, machines))
+        return hit
+
+    def _walk_hierarchical(self, devs: list[int], machines: list[int]) -> tuple[list, float, float]:
         mo = self.machine_of
+        on: dict[int, list[int]] = {}  # machine -> its devices of devs, ascending (one pass: O(n))
+        for d in devs:
+            on.setdefault(mo[d], []).append(d)
         per_machine = []
         for m in machines:
-            ds = [d for d in devs if mo[d] == m]
+            ds = on[m]
             ring = _ring_links(ds)
             bw = min((self._bw[a][b] for a, b in ring if a != b), default=float("inf"))
             lat = max((self._lat[a][b] for a, b in ring if a != b), default=0.0)
             per_machine.append((len(ds), bw, lat))
-        ring = _ring_links([next(d for d in devs if mo[d] == m) for m in machines])  # first device each
-        return hierarchical_allreduce_time(per_machine, nbytes, min(self._bw[a][b] for a, b in ring),
-                                           max(self._lat[a][b] for a, b in ring))
+        ring = _ring_links([on[m][0] for m in machines])  # first device each
+        return per_machine, min(self._bw[a][b] for a, b in ring), max(self._lat[a][b] for a, b in ring)
 
     # ---- reduce, broadcast, parameter server -----------------------------------------------
     def reduce_time(self, devices, root: int, nbytes: float) -> float:
@@ -381,9 +400,15 @@ class CommModel:
         f = self._fit(fit, workers + [root])
         if f is not None:
             return f.alpha + len(workers) * nbytes / f.beta
-        if to_root:
-            return max(self._lat[w][root] for w in workers) + sum(nbytes / self._bw[w][root] for w in workers)
-        return max(self._lat[root][w] for w in workers) + sum(nbytes / self._bw[root][w] for w in workers)
+        key = (tuple(workers), root, to_root)
+        hit = self._root_cache.get(key)  # (largest latency, the workers' bandwidths) of a set
+        if hit is None:
+            if to_root:
+                hit = (max(self._lat[w][root] for w in workers), [self._bw[w][root] for w in workers])
+            else:
+                hit = (max(self._lat[root][w] for w in workers), [self._bw[root][w] for w in workers])
+            _remember(self._root_cache, key, hit)
+        return hit[0] + sum(nbytes / bw for bw in hit[1])
 
     def ps_time(self, devices, server: int, nbytes: float) -> float:
         """Parameter-server sync: reduce to ``server`` then broadcast the sum back (what the
@@ -420,37 +445,104 @@ class CommModel:
         return None if fit is None else fitted_allgather_time(list(chunks), fit)
 
     def _ring_allgather(self, chunks, devices) -> float:
-        own = dict(zip(devices, chunks))
-        ring = sorted(devices)
-        if len(ring) < 2:
+        if len(devices) < 2:
             return 0.0
+        lk = self._gather_links(devices)
         total = float(sum(chunks))
-        links = _ring_links(ring)
+        c = np.asarray(chunks, dtype=np.float64)
         # the link a -> b carries every chunk except b's own
-        t = max((total - own[b]) / self._bw[a][b] for a, b in links)
-        return t + (len(ring) - 1) * max(self._lat[a][b] for a, b in links)
+        t = float(np.max((total - c[lk.ring_to]) / lk.ring_bw))
+        return t + (len(devices) - 1) * lk.ring_lat
 
     def _hierarchical_allgather(self, chunks, devices) -> float:
-        own = dict(zip(devices, chunks))
-        per: dict[int, list[int]] = {}
-        for d in sorted(devices):
-            per.setdefault(self.machine_of[d], []).append(d)
-        if len(per) < 2:
+        lk = self._gather_links(devices)
+        if len(lk.machines) < 2:
             return self._ring_allgather(chunks, devices)
         total = float(sum(chunks))
-        machines = sorted(per)
-        mchunk = {m: sum(own[d] for d in per[m]) for m in machines}
-        lead = {m: per[m][0] for m in machines}  # machine links: between the machines' devices
-        links = _ring_links(machines)
-        inter = max((total - mchunk[b]) / self._bw[lead[a]][lead[b]] for a, b in links)
-        inter += (len(machines) - 1) * max(self._lat[lead[a]][lead[b]] for a, b in links)
+        c = np.asarray(chunks, dtype=np.float64)
+        mchunk = np.array([sum(chunks[i] for i in pos) for pos in lk.machine_pos], dtype=np.float64)
+        inter = float(np.max((total - mchunk[lk.inter_to]) / lk.inter_bw))
+        inter += (len(lk.machines) - 1) * lk.inter_lat
         intra = 0.0
-        for ds in per.values():  # every local device receives everything but its own rows
-            if len(ds) > 1:
-                ring = _ring_links(ds)
-                t = max((total - own[b]) / self._bw[a][b] for a, b in ring)
-                intra = max(intra, t + (len(ds) - 1) * max(self._lat[a][b] for a, b in ring))
+        if len(lk.intra_bw):  # every local device receives everything but its own rows
+            t = np.maximum.reduceat((total - c[lk.intra_to]) / lk.intra_bw, lk.intra_start) + lk.intra_lat
+            intra = max(intra, float(np.max(t)))
         return inter + intra
+
+    def _gather_links(self, devices) -> _GatherLinks:
+        """The links of the ring and hierarchical all-gathers over ``devices`` (aligned with the
+        chunks), cached per device sequence: what the formulas walk, as arrays (an SFB selection
+        on 512 GPUs prices every factor of every group over the same sets)."""
+        key = tuple(devices)
+        hit = self._gather_cache.get(key)
+        return hit if hit is not None else _remember(self._gather_cache, key, self._walk_gather(key))
+
+    def _walk_gather(self, key: tuple[int, ...]) -> _GatherLinks:
+        at = {d: i for i, d in enumerate(key)}  # device -> its chunk
+        bw, lat = self._bw, self._lat
+        ring = _ring_links(sorted(key))
+        per: dict[int, list[int]] = {}
+        for d in sorted(key):
+            per.setdefault(self.machine_of[d], []).append(d)
+        machines = sorted(per)
+        lead = {m: per[m][0] for m in machines}  # machine links: between the machines' devices
+        inter = _ring_links(list(range(len(machines))))
+        intra = [(m, _ring_links(per[m])) for m in machines if len(per[m]) > 1]
+        starts = np.cumsum([0] + [len(r) for _, r in intra[:-1]]).astype(np.int64)
+        return _GatherLinks(
+            ring_to=np.array([at[b] for _, b in ring], dtype=np.int64),
+            ring_bw=np.array([bw[a][b] for a, b in ring], dtype=np.float64),
+            ring_lat=max((lat[a][b] for a, b in ring), default=0.0),
+            machines=machines,
+            machine_pos=[[at[d] for d in per[m]] for m in machines],
+            inter_to=np.array([j for _, j in inter], dtype=np.int64),
+            inter_bw=np.array([bw[lead[machines[i]]][lead[machines[j]]] for i, j in inter], dtype=np.float64),
+            inter_lat=max((lat[lead[machines[i]]][lead[machines[j]]] for i, j in inter), default=0.0),
+            intra_to=np.array([at[b] for _, r in intra for _, b in r], dtype=np.int64),
+            intra_bw=np.array([bw[a][b] for _, r in intra for a, b in r], dtype=np.float64),
+            intra_start=starts,
+            intra_lat=np.array([(len(per[m]) - 1) * max(lat[a][b] for a, b in r) for m, r in intra],
+                               dtype=np.float64),
+        )
+
+
+CACHE_SETS = 1024
+"""Device sets a :class:`CommModel` remembers per cache before it starts over (a search meets a
+few hundred: its action space's subsets; at 512 GPUs an entry holds up to ~20 KB)."""
+
+
+def _remember(cache: dict, key, value):
+    """``cache[key] = value`` (the cache cleared first once it holds :data:`CACHE_SETS`); ``value``."""
+    if len(cache) >= CACHE_SETS:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+@dataclass(frozen=True)
+class _GatherLinks:
+    """The links the all-gather formulas walk over one device sequence (:meth:`CommModel._gather_links`);
+    ``*_to``: index of the chunk (or machine) each link delivers to."""
+
+    ring_to: np.ndarray
+    ring_bw: np.ndarray
+    """[n] bytes/s of the flat ring's links (ascending device order)."""
+    ring_lat: float
+    """Largest latency on the flat ring, seconds."""
+    machines: list[int]
+    machine_pos: list[list[int]]
+    """Per machine (ascending), the chunk indices of its devices (ascending device order)."""
+    inter_to: np.ndarray
+    inter_bw: np.ndarray
+    """Bytes/s of the ring over the machines' first devices."""
+    inter_lat: float
+    intra_to: np.ndarray
+    intra_bw: np.ndarray
+    """Bytes/s of every machine's own ring (machines with 2+ devices), concatenated."""
+    intra_start: np.ndarray
+    """Where each machine's ring starts in ``intra_*``."""
+    intra_lat: np.ndarray
+    """Per such machine: (devices - 1) x its ring's largest latency, seconds."""
 
 
 _NOMINAL: dict[int, tuple[object, CommModel]] = {}

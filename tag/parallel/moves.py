@@ -49,12 +49,15 @@ def move_pieces(kind: str, src, dst, machine_of: Callable[[int], int]) -> list[P
         return out + [(-1, j, "zeros", 0, 0) for j in range(len(dst.devices)) if j not in fed]
     if kind != "copy":
         raise ValueError(f"move kind: expected rows, copy or sum, got {kind!r}")
-    out = []
-    for j, d in enumerate(dst.devices):
-        same = [i for i, s in enumerate(src.devices) if s == d]
-        near = [i for i, s in enumerate(src.devices) if machine_of(s) == machine_of(d)]
-        out.append(((same or near or [0])[0], j, "copy", 0, 0))
-    return out
+    # From the first producer replica on the consumer's device, else on its machine, else the
+    # first replica (one pass over the producers: O(n), not O(n^2) on 512 replicas).
+    on_device: dict[int, int] = {}
+    on_machine: dict[int, int] = {}
+    for i, s in enumerate(src.devices):
+        on_device.setdefault(s, i)
+        on_machine.setdefault(machine_of(s), i)
+    return [(on_device[d] if d in on_device else on_machine.get(machine_of(d), 0), j, "copy", 0, 0)
+            for j, d in enumerate(dst.devices)]
 
 
 def move_kind(batch_dim: int | None, partial_sum: bool) -> str:

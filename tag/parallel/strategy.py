@@ -17,6 +17,7 @@ lists the files a new one touches.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -63,7 +64,7 @@ class Unit:
     @property
     def batches(self) -> tuple[int, ...]:
         """Samples per replica (plan order)."""
-        return tuple(r.batch for r in self.replicas)
+        return tuple([r.stop - r.start for r in self.replicas])
 
     @property
     def starts(self) -> tuple[int, ...]:
@@ -219,11 +220,21 @@ def no_field(gp: GroupPlan, field: str, where: str, owner: str) -> None:
 
 def sample_replicas(devices, shares, batch_size: int) -> list[Replica]:
     """Replicas on ``devices`` with contiguous sample ranges of ``local_batches`` sizes."""
-    reps, start = [], 0
-    for d, b in zip(devices, local_batches(batch_size, list(shares))):
-        reps.append(Replica(d, start, start + b))
-        start += b
-    return reps
+    key = (tuple(devices), tuple(shares), batch_size)
+    reps = _REPLICAS.get(key)
+    if reps is None:
+        sizes = local_batches(batch_size, list(shares))
+        stops = list(itertools.accumulate(sizes))
+        reps = tuple(map(Replica, devices, [0] + stops[:-1], stops))
+        if len(_REPLICAS) > 512:  # bounded: ~20 MB of replicas at 512 per split
+            _REPLICAS.clear()
+        _REPLICAS[key] = reps
+    return list(reps)
+
+
+_REPLICAS: dict[tuple, tuple[Replica, ...]] = {}
+"""(devices, shares, batch) -> replicas (immutable): a search on a homogeneous 512-GPU cluster
+lowers the same batch split for every group (512 replicas each)."""
 
 
 __all__ = ["Collective", "Replica", "Strategy", "Unit", "UnitKey", "get_strategy", "group_positions", "register",

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import PlanError
 from ..io import read_json, write_atomic
 
@@ -267,12 +269,15 @@ def local_batches(batch_size: int, shares: list[float]) -> list[int]:
 
     Every replica gets at least one sample when ``batch_size >= len(shares)``.
     """
-    raw = [s * batch_size for s in shares]
-    base = [int(math.floor(r)) for r in raw]
-    rest = batch_size - sum(base)
-    order = sorted(range(len(raw)), key=lambda i: (base[i] == 0, raw[i] - base[i]), reverse=True)
-    for i in order[:rest]:
-        base[i] += 1
+    raw = np.asarray(shares, dtype=np.float64) * batch_size
+    floor = np.floor(raw)
+    base = floor.astype(np.int64)
+    rest = batch_size - int(base.sum())
+    # Largest remainders first, replicas without a sample before the others, ties in replica order
+    # (a stable descending sort on (base == 0, raw - base)): np.lexsort's last key is the first.
+    order = np.lexsort((np.arange(len(shares)), -(raw - floor), -(base == 0).astype(np.int64)))
+    base[order[:rest]] += 1  # (a negative rest, from shares summing past 1, slices as a list does)
+    base = base.tolist()
     if batch_size >= len(shares):
         for i in range(len(base)):
             while base[i] == 0:

@@ -192,6 +192,8 @@ class ActionSpace:
         self.rank[self.order] = np.arange(self.num_groups)
         self.default_action = 0  # "all" subset, allreduce
         self._cache: dict[tuple[int, int], GroupPlan] = {}
+        self._servers: dict[tuple[int, ...], int] = {}  # subset -> its parameter server
+        self._mp_cache: dict[tuple, tuple[int, ...]] = {}  # (ranking, subset, chunks) -> mp devices
 
     # ------------------------------------------------------------------ symmetry
     @cached_property
@@ -252,18 +254,60 @@ class ActionSpace:
         group without parameters (nothing to synchronise; half of GPT-2's 64 groups) or on one
         device, ``mp`` cut into one chunk and a single replica on that device, and ``mp`` over two
         subsets whose fastest devices are the same. Searching both would simulate one deployment
-        twice; the simulator gives such pairs identical times and peak memory (tested)."""
+        twice; the simulator gives such pairs identical times and peak memory (tested).
+
+        Keyed by :meth:`_fast_deployment_key`, which gives the classes of
+        :meth:`_deployment_key` (the strategy-normalised plan) without materialising K x A plans
+        (74,000 of 512 shares each on 512 GPUs; equal classes are tested)."""
         k, a = self.num_groups, self.num_actions
         out = np.empty((k, a), dtype=np.int64)
         for g in range(k):
             first: dict = {}
             for x in range(a):
-                out[g, x] = first.setdefault(self._deployment_key(g, x), x)
+                out[g, x] = first.setdefault(self._fast_deployment_key(g, x), x)
         return out
 
     def _deployment_key(self, g: int, a: int) -> tuple:
+        """The key of action ``a``'s plan for group ``g`` as the simulator's caches key it, after its
+        strategy's normalisation (the reference :meth:`_fast_deployment_key` is tested against)."""
         gp = self.group_plan(g, a)  # a copy: normalised by its strategy, then keyed as the caches key it
         return strategy_of(gp).normalise(gp, self.costs.param_bytes[g] != 0).key()
+
+    def _fast_deployment_key(self, g: int, a: int) -> tuple:
+        """A key with the classes of :meth:`_deployment_key`, from what the plan depends on: a
+        replicated action's shares and server are functions of (group, subset), so its subset and
+        normalised sync identify it (``allreduce`` without parameters or with one replica, as
+        :meth:`tag.parallel.Strategy.normalise` does); an ``mp`` action is its chosen devices (its
+        cuts follow from their number), one chunk being a single replica."""
+        act = self.actions[a]
+        if act.sync == "mp":
+            chosen = self._mp_devices(g, act)
+            return (chosen, "allreduce") if len(chosen) == 1 else (chosen, "mp")
+        if len(act.devices) == 1 or self.costs.param_bytes[g] == 0:
+            return (act.devices, "allreduce")
+        return (act.devices, act.sync)
+
+    def _mp_devices(self, g: int, act: Action) -> tuple[int, ...]:
+        """The devices of ``mp`` action ``act``'s chunks for group ``g``: the subset's fastest for
+        the group (ties: lower index first), as many as chunks (see :meth:`_materialise`)."""
+        lo, hi = self.costs.positions[g]
+        n = max(1, min(len(act.devices), hi - lo, MP_MAX_DEVICES))
+        key = (self._speed_order[g], act.devices, n)  # groups ranking devices alike choose alike
+        chosen = self._mp_cache.get(key)
+        if chosen is None:
+            devs = np.asarray(act.devices)
+            order = np.lexsort((devs, self.costs.group_time_full[g][devs]))  # by (time, index)
+            chosen = self._mp_cache[key] = tuple(int(x) for x in devs[order[:n]])
+        return chosen
+
+    @cached_property
+    def _speed_order(self) -> list[int]:
+        """[K] an id per distinct ranking of the devices by a group's time (ties: lower index
+        first); on a cluster of a few GPU kinds, a few rankings serve every group."""
+        ids: dict[bytes, int] = {}
+        t = self.costs.group_time_full
+        idx = np.arange(self.num_devices)
+        return [ids.setdefault(np.lexsort((idx, t[g])).tobytes(), len(ids)) for g in range(self.num_groups)]
 
     def canonical_prior(self, g: int, prior: np.ndarray) -> np.ndarray:
         """``prior`` over group ``g``'s actions with the mass of equivalent actions moved onto
@@ -349,28 +393,33 @@ class ActionSpace:
 
     def _materialise(self, g: int, act: Action) -> GroupPlan:
         devs = list(act.devices)
-        tg = self.costs.group_time_full[g]
         if act.sync == "mp":
             lo, hi = group_positions(self.graph, g)
             w = self.costs.position_weights(g)
-            by_speed = sorted(devs, key=lambda d: (tg[d], d))
-            n = max(1, min(len(devs), hi - lo, MP_MAX_DEVICES))
-            chosen = by_speed[:n]
-            splits = _balanced_splits(w, n, lo)
+            chosen = list(self._mp_devices(g, act))
+            splits = _balanced_splits(w, len(chosen), lo)
             n = len(splits)
             return GroupPlan(chosen[:n], [1.0] * n, "mp", None, splits)
-        rate = np.array([1.0 / max(tg[d], 1e-15) for d in devs])
-        shares = (rate / rate.sum()).tolist()
-        shares[-1] = 1.0 - sum(shares[:-1])
         if len(devs) == 1:
             return GroupPlan(devs, [1.0], "allreduce")
+        rate = 1.0 / np.maximum(self.costs.group_time_full[g][devs], 1e-15)
+        shares = (rate / rate.sum()).tolist()
+        shares[-1] = 1.0 - sum(shares[:-1])
         if act.sync == "ps":
-            bw = self.comm.bandwidth
-            sub = np.array([[0.0 if i == j else bw[i, j] for j in devs] for i in devs])
-            score = sub.sum(axis=1)
-            server = devs[int(np.argmax(score - 1e-12 * np.arange(len(devs))))]
-            return GroupPlan(devs, shares, "ps", server)
+            return GroupPlan(devs, shares, "ps", self._server(act.devices))
         return GroupPlan(devs, shares, "allreduce")
+
+    def _server(self, devices: tuple[int, ...]) -> int:
+        """The parameter server of a subset: its device with the most bandwidth to the others (the
+        first of equals); a function of the subset alone, so computed once per subset."""
+        server = self._servers.get(devices)
+        if server is None:
+            devs = list(devices)
+            sub = np.array(self.comm.bandwidth[np.ix_(devs, devs)])  # [n, n] bytes/s
+            np.fill_diagonal(sub, 0.0)
+            score = sub.sum(axis=1)
+            server = self._servers[devices] = devs[int(np.argmax(score - 1e-12 * np.arange(len(devs))))]
+        return server
 
 
 def _balanced_splits(weights: np.ndarray, n: int, lo: int) -> list[int]:

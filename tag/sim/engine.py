@@ -108,7 +108,7 @@ class Simulator:
         """Per device: communication shares the compute cores (a CPU rank uses every core it has
         for compute, so gloo has no spare core to progress a collective: syncs start after the
         device's compute). GPUs have copy engines: their syncs overlap compute."""
-        self._buckets: dict[tuple, float] = {}  # (bucket key, bytes) -> seconds
+        self._buckets: dict[tuple, float] = {}  # ((op, devices, server), bytes) -> seconds of a sync
         self._layouts: dict[tuple, Layout] = {}
         self._groups: dict[tuple, GroupData] = {}
         self._pairs: dict[tuple, _Pair] = {}
@@ -199,7 +199,7 @@ class Simulator:
             return GroupData([unit], "none", 0.0, (), (), 0.0, sfb=sfb, layout=lay,
                              ukey=("dp", devs, batches))
         server, members = coll.server, coll.members
-        t = self._sync_seconds(coll.op, coll.devices, server, sbytes)
+        t = self._bucket_time((coll.op, coll.devices, server), sbytes)  # groups of equal bytes: one pricing
         machines = tuple(sorted({comm.machine_of[d] for d in members}))
         deferred = all(self.shared_stream[d] for d in members)
         return GroupData([unit], coll.op, t, members, machines if len(machines) > 1 else (), sbytes, sfb=sfb,
