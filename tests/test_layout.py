@@ -23,10 +23,12 @@ from tag.sim import simulate
 def test_parse_layout():
     assert parse_layout("dp=2,pp=2,micro=8") == Layout(dp=2, pp=2, micro=8)
     assert parse_layout(" dp=1 , pp=4, micro=4, schedule=kfkb, k=2") == Layout(1, 1, 4, 4, "kfkb", 2)
+    assert parse_layout("pp=4,cut=memory") == Layout(pp=4, cut="memory")
     for text, message in [("dp=2,pp", r"'pp': expected key=value"), ("dq=2", r"dq: unknown key; expected one of"),
                           ("dp=two", r"dp: expected a positive integer, got 'two'"), ("dp=0", r"dp: expected a positive"),
                           ("dp=1,dp=2", r"dp: given twice"), ("schedule=zb", r"schedule: expected one of"),
-                          ("tp=2", r"tp: tensor parallelism is not an action of this version")]:
+                          ("tp=2", r"tp: tensor parallelism is not an action of this version"),
+                          ("cut=even", r"cut: expected one of \['time', 'memory'\]")]:
         with pytest.raises(PlanError, match="^layout: .*" + message):
             parse_layout(text)
 
@@ -99,6 +101,7 @@ def test_layout_grid_and_its_best(mlp, topo4):
 
     grid = layout_grid(mlp, topo4)
     assert Layout(dp=4) in grid and Layout(dp=2, pp=2, micro=4) in grid and Layout(dp=1, pp=4, micro=8) in grid
+    assert Layout(dp=2, pp=2, micro=4, cut="memory") in grid
     assert all(g.devices == 4 and g.micro * g.dp <= B for g in grid)
     assert not any(g.pp == 1 and g.micro > 1 for g in grid)
     sim = Simulator(mlp, topo4)

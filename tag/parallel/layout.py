@@ -11,7 +11,8 @@ builds that plan so it can be simulated and compared with TAG's:
 * stage ``s`` runs on devices ``s * D * T .. (s + 1) * D * T - 1`` of the topology's order
   (machine-major: a stage fills machines before the next begins), ``D`` replicas with even
   shares, gradients all-reduced;
-* ``M`` micro-batches on schedule ``1f1b`` (default), ``gpipe`` or ``kfkb`` with ``k``.
+* ``M`` micro-batches on schedule ``1f1b`` (default), ``gpipe`` or ``kfkb`` with ``k``;
+* ``cut=memory`` balances the stages' parameters, gradients and optimizer state instead.
 
 ``D * T * P`` must equal the topology's device count, as in Megatron. Tensor parallelism is not
 an action of this version: ``tp`` other than 1 is refused in one line.
@@ -23,6 +24,9 @@ from dataclasses import dataclass
 
 from ..errors import PlanError
 from ..plan.format import PIPELINE_SCHEDULES, GroupPlan, PipelinePlan, Plan, new_plan
+
+CUTS = ("time", "memory")
+"""Stage cuts a layout may ask for (:attr:`Layout.cut`)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,10 @@ class Layout:
     """Pipeline schedule: ``1f1b``, ``gpipe`` or ``kfkb``."""
     k: int = 1
     """Micro-batches per block (``kfkb``)."""
+    cut: str = "time"
+    """How stages are cut: ``time`` (the slowest stage's compute minimised) or ``memory`` (the
+    largest stage's parameters, gradients and optimizer state minimised: what a model too large
+    for its devices needs)."""
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "micro", "k"):
@@ -49,6 +57,8 @@ class Layout:
                 raise PlanError(f"layout: {name}: expected a positive integer, got {v!r}")
         if self.schedule not in PIPELINE_SCHEDULES:
             raise PlanError(f"layout: schedule: expected one of {list(PIPELINE_SCHEDULES)}, got {self.schedule!r}")
+        if self.cut not in CUTS:
+            raise PlanError(f"layout: cut: expected one of {list(CUTS)}, got {self.cut!r}")
         if self.tp != 1:
             raise PlanError(f"layout: tp: tensor parallelism is not an action of this version; expected 1, got {self.tp}")
 
@@ -70,7 +80,7 @@ def parse_layout(text: str) -> Layout:
             raise PlanError(f"layout: {key}: unknown key; expected one of {list(known)}")
         if key in fields:
             raise PlanError(f"layout: {key}: given twice")
-        if key == "schedule":
+        if key in ("schedule", "cut"):
             fields[key] = value
         else:
             try:
@@ -147,7 +157,13 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
     seconds = [[layout.micro * max(sum(costs.group_time(g, ph, d, per_replica) for ph in ("fwd", "bwd"))
                                    + costs.group_time(g, "opt", d, per_replica) / layout.micro for d in devs)
                 for g in range(k)] for devs in stage_devices]
-    stages = balanced_cuts(seconds)
+    if layout.cut == "memory":  # bytes held for good per group, the same on every stage
+        held = [0.0] * k
+        for p in graph.params:
+            held[p.group] += 2 * p.nbytes + p.opt_state_bytes
+        stages = balanced_cuts(held, layout.pp)
+    else:
+        stages = balanced_cuts(seconds)
     bounds = stages + [k]
     groups: list[GroupPlan] = []
     for s, devs in enumerate(stage_devices):
@@ -160,7 +176,8 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
 
 def _spell(layout: Layout) -> str:
     text = f"dp={layout.dp},tp={layout.tp},pp={layout.pp},micro={layout.micro},schedule={layout.schedule}"
-    return text + (f",k={layout.k}" if layout.schedule == "kfkb" else "")
+    return text + (f",k={layout.k}" if layout.schedule == "kfkb" else "") + \
+        (f",cut={layout.cut}" if layout.cut != "time" else "")
 
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -171,7 +188,7 @@ def layout_grid(graph, topology) -> list[Layout]:
     """Every layout a Megatron/AMP user would search by hand on ``topology``: ``dp * pp`` = the
     device count (``tp`` 1 in this version), ``pp`` up to the op-group count, 1F1B with each
     micro-batch count of :data:`MICRO_BATCHES` that gives every replica a sample (one micro-batch
-    without a pipeline)."""
+    without a pipeline), stages cut by time and by memory."""
     n, out = topology.num_devices, []
     for pp in range(1, min(n, graph.num_groups) + 1):
         if n % pp:
@@ -179,7 +196,7 @@ def layout_grid(graph, topology) -> list[Layout]:
         dp = n // pp
         for micro in MICRO_BATCHES if pp > 1 else (1,):
             if micro * dp <= graph.batch_size:
-                out.append(Layout(dp=dp, pp=pp, micro=micro))
+                out += [Layout(dp=dp, pp=pp, micro=micro, cut=c) for c in (CUTS if pp > 1 else CUTS[:1])]
     return out
 
 
