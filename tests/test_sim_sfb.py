@@ -11,7 +11,7 @@ import pytest
 from tag.compress import apply_sfb, find_candidates
 from tag.cost.baselines import data_parallel
 from tag.cost.model import CostModel
-from tag.cost.roofline import Roofline
+from tag.cost.roofline import Roofline, group_phase_table, op_overhead
 from tag.errors import PlanError
 from tag.graph import capture
 from tag.plan import GroupPlan, new_plan
@@ -76,9 +76,16 @@ def test_one_linear_layer_by_hand(one_linear):
     # ring all-gather of two devices on two machines: each link carries the other's rows once
     gather_x = b * 512 * 4 / NET + LAT  # inputs_0: 512 floats per sample
     gather_dy = b * 256 * 4 / NET + LAT  # mul_1 (dY): 256 floats per sample
-    roof = Roofline(FLOPS * 0.7, MEMBW * 0.8)
-    op = lambda n: roof.time(2 * 512 * 256 * n, 512 * 256 * 4 + n * (512 + 256 + 256) * 4)  # noqa: E731
-    recompute = op(B) - op(b)
+    # the op's roofline share of the group's backward in the cost model (tag/sim/sfb.py): the
+    # device's rule (here the GPU rule, datasheet-derived) apportioned by the roofline
+    roof, over = Roofline(FLOPS * 0.7, MEMBW * 0.8), op_overhead(topo.devices[0].gpu)
+    rule = group_phase_table(graph, roof, [b, B], over)[0, 1]  # roofline seconds of the backward
+
+    def op(n, j):
+        mine = roof.time(2 * 512 * 256 * n, 512 * 256 * 4 + n * (512 + 256 + 256) * 4) + over
+        return float(costs.table(0)[0, 1, n]) * mine / rule[j]
+
+    recompute = op(B, 1) - op(b, 0)
     assert recompute > 0
     opt = float(costs.table(0)[0, 2, b]) + costs.step_overhead(0)
     assert r.iteration_time_s == pytest.approx(bwd_end + gather_x + gather_dy + recompute + opt, rel=1e-9)

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cost.roofline import group_phase_table, op_overhead
 from ..plan.format import group_positions
 
 BATCH_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
@@ -19,17 +18,12 @@ BATCH_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 
 
 def _roofline_table(graph, topology, batches) -> dict[str, np.ndarray]:
-    """gpu name -> [K, len(batches)] seconds (fwd+bwd+opt) by the cost model's roofline rule
-    (:func:`tag.cost.roofline.group_phase_table` on the device's effective roofs and op overhead:
-    what :meth:`tag.cost.CostModel.roofline_only` tabulates)."""
-    from ..cost.model import device_roofline, device_type
+    """gpu name -> [K, len(batches)] seconds (fwd+bwd+opt) by the cost model's rule without
+    profiles (:meth:`tag.cost.CostModel.roofline_only`: the GPU rule of :mod:`tag.cost.gpu` or the
+    CPU roofline): one table of rules, whoever asks."""
+    from ..cost.model import CostModel
 
-    out = {}
-    for d in topology.devices:
-        if d.gpu.name not in out:
-            roof = device_roofline(device_type(topology, d.index), d.gpu)
-            out[d.gpu.name] = group_phase_table(graph, roof, batches, op_overhead(d.gpu)).sum(axis=1)
-    return out
+    return _costmodel_table(graph, topology, batches, CostModel.roofline_only(graph, topology))
 
 
 def default_cost_model(graph, topology):
