@@ -244,12 +244,12 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
         os.environ["PYTHONWARNINGS"] = ",".join(
             filter(None, [warn_env, "ignore::UserWarning:multiprocessing.resource_tracker"]))
     run_id = f"tag-{uuid.uuid4().hex[:8]}"
-    config = LaunchConfig(
+    config = LaunchConfig(**supported_kwargs(LaunchConfig, dict(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": int(timeout_s)},
         max_restarts=0, monitor_interval=0.1, start_method=start_method,
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL), shutdown_timeout=5,
-    )
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL),
+    ), optional={"shutdown_timeout": 5}))
     try:
         elastic_launch(config, worker_entry)(str(args_path))
     except ChildFailedError as e:
@@ -259,6 +259,20 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
             os.environ.pop("PYTHONWARNINGS", None)
         else:
             os.environ["PYTHONWARNINGS"] = warn_env
+
+
+def supported_kwargs(fn, required: dict, optional: dict) -> dict:
+    """``required`` plus those of ``optional`` that ``fn`` accepts (by signature inspection).
+
+    torch's launcher grows arguments between releases (``LaunchConfig(shutdown_timeout=...)`` is in
+    torch 2.13 but not 2.11, where passing it raised ``TypeError``); the supported torch range is
+    in pyproject.toml. An optional argument the installed torch lacks is left out: its default
+    behaviour applies (for ``shutdown_timeout``, the agent's own grace period before SIGKILL)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {**required, **{k: v for k, v in optional.items() if takes_any or k in params}}
 
 
 # Imported once by the fork server, inherited by every CPU rank.

@@ -15,7 +15,7 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -126,7 +126,10 @@ def run_rank(a: WorkerArgs) -> dict:
     export_s = time.perf_counter() - t0
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in wl.inputs)
     slow = slowdown_factors(topology)[rank] if a.emulate_speed else 1.0
-    rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow, global_joint=full)
+    # A CPU rank queues its gradient syncs until its compute is done (DistComm.defer_syncs): its
+    # segments run on across them; a GPU rank issues each as soon as its gradients exist.
+    rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow, global_joint=full,
+                     cut_at_sync=device.type != "cpu")
     comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device)
     if pinned:
         demote_threads()  # gloo's threads exist now; only for a rank on cores of its own
@@ -145,27 +148,29 @@ def run_rank(a: WorkerArgs) -> dict:
             last = it == a.warmup + a.steps - 1
             for i, st in enumerate(sched.steps):
                 t0 = time.perf_counter()
-                if st.kind == "compute":
-                    rt.compute(st.unit, st.phase)
+                if rt.covers(i):  # a fused segment of local steps (runs at its first step)
+                    rt.run_segment(i)
+                elif st.kind == "compute":
+                    continue  # not this rank's
                 elif st.kind == "transfer":
                     comm.transfer(rt, st, i)
                 elif st.kind == "sfb":
                     comm.sfb(rt, st)
                 else:
                     comm.sync(rt, st)
+                if not rt.covers(i):
+                    rt.release(i)
                 if last:
-                    _record(timeline, rt, plan, st, t0 - t_start, time.perf_counter() - t_start)
+                    _record(timeline, rt, plan, st, i, t0 - t_start, time.perf_counter() - t_start)
             t0 = time.perf_counter()
             comm.finish_syncs(rt)
             t1 = time.perf_counter()
-            rt.update()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            rt.update()  # reads the loss: the iteration's one wait for the device
             t2 = time.perf_counter()
             if last:
                 timeline.append(["wait syncs", "sync", t0 - t_start, t1 - t_start])
                 timeline.append(["opt", "opt", t1 - t_start, t2 - t_start])
-            iters.append({"time_s": t2 - t_start, **asdict(rt.timer), "loss": rt.loss})
+            iters.append({"time_s": t2 - t_start, **rt.timer.as_dict(), "loss": rt.loss})
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         mine = {"rank": rank, "device": topology.devices[rank].name, "slowdown": slow, "export_s": export_s,
                 "peak_memory_bytes": peak, "iterations": iters, "timeline": timeline,
@@ -184,10 +189,16 @@ def run_rank(a: WorkerArgs) -> dict:
     return mine
 
 
-def _record(timeline: list, rt, plan, st, start: float, end: float) -> None:
-    """Append step ``st`` to ``timeline`` if this rank took part (CPU wall-clock seconds since
-    the iteration began; with CUDA, kernel launch times unless the step waited)."""
+def _record(timeline: list, rt, plan, st, index: int, start: float, end: float) -> None:
+    """Append step ``st`` (schedule index ``index``) to ``timeline`` if this rank took part (CPU
+    wall-clock seconds since the iteration began; with CUDA, kernel launch times unless the step
+    waited). A fused segment is one entry at its first step (e.g. ``fwd g0-g3 + bwd g3-g0``)."""
     r = rt.rank
+    if rt.covers(index):
+        name = rt.segment_name(index)
+        if name is not None:
+            timeline.append([name, "compute", start, end])
+        return
     if st.kind in ("compute", "transfer"):
         g, j = st.unit
         name = f"{st.phase} g{g}" + (f".{j}" if rt.schedule.units[st.unit].positions is not None else "")
