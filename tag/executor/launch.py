@@ -60,6 +60,9 @@ class ExecuteConfig:
     ``data/profiles``). CPU profiles are only valid on the machine that measured them."""
     fault: str | None = None
     """Testing only (see :class:`WorkerArgs`)."""
+    threads: int | None = None
+    """Intra-op threads per CPU rank (default: the machine's cores over its ranks; the prediction
+    is costed for the default)."""
 
 
 @dataclass
@@ -132,7 +135,8 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
                        topology=str(topo_path), plan=str(Path(cfg.plan).resolve()),
                        out_dir=str(run_dir), steps=cfg.steps, warmup=cfg.warmup, backend=backend,
                        emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
-                       save_params=cfg.save_params, fault=cfg.fault, launcher_pid=os.getpid())
+                       save_params=cfg.save_params, fault=cfg.fault, threads=cfg.threads,
+                       launcher_pid=os.getpid())
     write_json(args_path, asdict(wargs))
     _launch(world, args_path, run_dir, cfg.timeout_s, "spawn" if backend == "nccl" else "forkserver")
     ranks = _read_ranks(run_dir)

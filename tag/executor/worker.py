@@ -53,6 +53,8 @@ class WorkerArgs:
     save_params: bool = False
     fault: str | None = None
     """Testing only: ``"RANK:ITER:raise|exit|hang"`` makes that rank fail at that iteration."""
+    threads: int | None = None
+    """Intra-op threads per rank (default: the machine's cores over its ranks)."""
     launcher_pid: int | None = None
     """``tag execute``'s process: the rank exits when it does (:func:`tag.lifetime.die_with`);
     None under torchrun (the rank dies with its parent, the torchrun agent)."""
@@ -94,13 +96,14 @@ def run_rank(a: WorkerArgs) -> dict:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    threads = a.threads or max(1, (os.cpu_count() or 1) // local_world)
     pinned = None
     if a.backend != "nccl":  # a CPU rank: its own cores, before any thread starts (gloo's inherit them)
-        pinned = pin_cores(local_rank, local_world, max(1, (os.cpu_count() or 1) // local_world))
+        pinned = pin_cores(local_rank, local_world, threads)
     # Load the topology before changing the thread count: a "cpu" device spec is measured
     # (and cached) per thread count, and the plan's topology signature was made with the default.
     topology = load_topology(a.topology)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    torch.set_num_threads(threads)
     if world != topology.num_devices:
         raise ExecutionError(f"world size {world} != {topology.num_devices} devices of topology {topology.name!r}; "
                              "run one rank per device")
@@ -134,6 +137,7 @@ def run_rank(a: WorkerArgs) -> dict:
     if pinned:
         demote_threads()  # gloo's threads exist now; only for a rank on cores of its own
     fault = _parse_fault(a.fault)
+    rss0 = host_memory(reset_peak=True) if device.type == "cpu" else None
     iters: list[dict] = []
     timeline: list[list] = []  # [name, category, start s, end s] of the last iteration's steps
     try:  # noqa: SIM105 - see the except clause
@@ -174,6 +178,8 @@ def run_rank(a: WorkerArgs) -> dict:
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         mine = {"rank": rank, "device": topology.devices[rank].name, "slowdown": slow, "export_s": export_s,
                 "peak_memory_bytes": peak, "iterations": iters, "timeline": timeline,
+                "host_peak_growth_bytes": None if rss0 is None else host_memory(peak=True) - rss0,
+                "optimizer_state_bytes": optimizer_state_bytes(rt.optimizer),
                 "median_time_s": statistics.median(x["time_s"] for x in iters[a.warmup:])}
         if a.save_params:
             torch.save(rt.named_params(), Path(a.out_dir) / f"params-rank{rank}.pt")
@@ -187,6 +193,33 @@ def run_rank(a: WorkerArgs) -> dict:
         raise
     comm.close()
     return mine
+
+
+def host_memory(peak: bool = False, reset_peak: bool = False) -> int:
+    """This process's resident bytes (``VmRSS``), or its high-water mark (``VmHWM``) with ``peak``;
+    ``reset_peak`` first resets the mark (``/proc/self/clear_refs``; Linux only, 0 elsewhere).
+
+    With the allocator settings of :func:`tag.cost.host.tune_malloc` freed memory stays with the
+    process, so the growth of the mark over the iterations is what they needed at their peak on
+    top of what existed before (a CPU rank's analogue of ``torch.cuda.max_memory_allocated``)."""
+    try:
+        if reset_peak:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        field = "VmHWM:" if peak else "VmRSS:"
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith(field))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def optimizer_state_bytes(opt) -> int:
+    """Bytes of the optimizer's state tensors (Adam's moments, SGD's momentum)."""
+    if opt is None:
+        return 0
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
 
 
 def _record(timeline: list, rt, plan, st, index: int, start: float, end: float) -> None:
