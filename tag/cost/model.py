@@ -27,7 +27,7 @@ import numpy as np
 from ..graph.ir import PHASES
 from .comm import CommModel
 from .profile import cpu_device_type, default_profile_dir, find_profile, profiled_device_types
-from .roofline import Roofline, group_phase_table, op_overhead, roofline_for
+from .roofline import Roofline, group_phase_table, op_overhead, optimizer_step_overhead, roofline_for
 
 PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 
@@ -216,7 +216,7 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
         if wake is not None:  # scaled like the stages it delays
             wake = wake * _ratio(table[:, :2], prof.table(grid)[:, :2])
         return DeviceCost(dt, f"scaled:{ref}", table, over, scaled, wake, gap, tau)
-    return DeviceCost(dt, "roofline", rtab(grid), 0.0, rtab)
+    return DeviceCost(dt, "roofline", rtab(grid), optimizer_step_overhead(graph.optimizer, overhead), rtab)
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:

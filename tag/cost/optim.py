@@ -23,6 +23,13 @@ SGD_LR = 1e-2
 SGD_MOMENTUM = 0.9
 
 
+STEP_OPS = {"adam": 8, "sgd": 3, "sgd-plain": 1}
+"""``torch._foreach_*`` ops one foreach step runs, whatever the number of parameters (counted with
+``torch.profiler`` on torch 2.13: Adam add, lerp, mul, addcmul, sqrt, div, add, addcdiv; SGD with
+momentum mul, add, add; plain SGD add). The roofline's fixed cost of a step
+(:func:`tag.cost.roofline.optimizer_step_overhead`); measured devices use their profile's."""
+
+
 def implementation(device: torch.device | str | None) -> dict[str, bool]:
     """``{"fused": True}`` on CUDA, else ``{"foreach": True}``."""
     dev = torch.device(device) if device is not None else torch.device("cpu")

@@ -562,3 +562,39 @@ def cuda_device_type(dev: torch.device) -> str:
     name = torch.cuda.get_device_name(dev)
     spec = match_gpu_name(name)
     return spec.name if spec is not None else name.replace(" ", "-")
+
+
+def retime_optimizer(path, spec: str, *, repeats: int = 9, warmup: int = 2, threads: int | None = None,
+                     log: Log = stderr_log) -> Profile:
+    """Re-time only the optimizer step of the profile at ``path`` (of zoo model / factory ``spec``)
+    as :func:`time_optimizer` does, keeping its stage times; writes it back and returns it.
+
+    For profiles whose optimizer was timed another way (``meta.optimizer_step`` absent: one
+    single-tensor step per parameter, which the executor no longer runs). CPU profiles only (a
+    GPU profile is re-made on its GPU with ``tag profile``)."""
+    from ..graph.capture import capture
+    from ..io import write_json
+    from ..workloads import load_workload
+    from .profile import _rounded, load_profile
+
+    prof = load_profile(path)
+    if not prof.device_type.startswith("cpu"):
+        raise ValueError(f"{path}: device type {prof.device_type}: re-time a GPU profile on its GPU")
+    torch.set_num_threads(threads or int(prof.meta.get("threads", 1)))
+    tune_malloc()
+    dev = torch.device("cpu")
+    wl = load_workload(spec, batch=prof.batch_size, seed=0)
+    cap = capture(wl, optimizer=prof.optimizer, num_groups=int(prof.meta.get("num_groups_requested", prof.num_groups)))
+    if cap.graph.signature() != prof.graph_signature:
+        raise ValueError(f"{path}: graph signature {prof.graph_signature}, but {spec} captures as "
+                         f"{cap.graph.signature()}")
+    it = build_iteration(cap.graph, wl.model, wl.make_inputs, prof.batches[-1], dev, structure(cap.joint))
+    clock = timing_clock(dev)
+    opt, overhead = time_optimizer(cap.graph, it, lambda: None, clock, repeats=repeats, warmup=warmup)
+    log(f"{prof.model}: optimizer {sum(prof.opt) * 1e3:.2f} ms + {prof.opt_step_overhead_s * 1e3:.3f} ms -> "
+        f"{sum(opt) * 1e3:.2f} ms + {overhead * 1e3:.3f} ms per step")
+    prof.opt, prof.opt_step_overhead_s = opt, overhead
+    prof.meta = {**prof.meta, "optimizer_step": optimizer_step(dev),
+                 "optimizer_timed": time.strftime("%Y-%m-%d"), "optimizer_torch": torch.__version__}
+    write_json(path, _rounded(prof.to_dict()), indent=None)
+    return prof
