@@ -10,8 +10,10 @@ round), each a fresh set of processes running ``--steps`` timed iterations after
   2-core development VM two threads made both far noisier: mlp eager 66 ms with two threads,
   11-20 ms with one);
 * ``ddp``: ``DistributedDataParallel`` (25 MB buckets, its default) on two gloo ranks, each with half
-  the batch and one thread, on the same host settings as ``tag execute``'s CPU ranks (pinned to its
-  core, gloo's event threads under ``SCHED_IDLE``, the same malloc thresholds: tag.cost.host);
+  the batch and one thread, the malloc thresholds of ``tag execute``'s ranks (tag.cost.host), not
+  pinned: with tag's pinning and gloo's event threads under ``SCHED_IDLE`` DDP's all-reduces,
+  which run during the backward, starved on a loaded host (mlp: 2.04 s per iteration instead of
+  9.8 ms unpinned, 2026-11-26, load average 12 on the 2-core VM);
 * ``tag-dp``: ``tag execute`` of the even all-reduce plan on ``topologies/local-cpu2.yaml``.
 
 An iteration's time runs from a barrier (all ranks) to the end of the optimizer step (the slowest
@@ -92,15 +94,12 @@ def run_ddp(spec: str, batch: int, steps: int, warmup: int, rank: int, world: in
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from tag.cost.host import demote_threads
     from tag.workloads import load_workload
 
-    pinned = _setup(1, rank, world)
+    _setup(1)
     wl = load_workload(spec, batch=batch, seed=0)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    if pinned:
-        demote_threads()
     model = DistributedDataParallel(wl.model)  # bucket_cap_mb=25
     b = batch // world
     inputs = tuple(x[rank * b:(rank + 1) * b] for x in wl.inputs)
