@@ -97,6 +97,8 @@ def test_optimizer_is_costed_per_byte_plus_a_fixed_step():
     fixed, per_byte = fit_fixed_per_byte(sizes, [2e-4 + s * 3e-9 for s in sizes])
     assert fixed == pytest.approx(2e-4) and per_byte == pytest.approx(3e-9)
     assert fit_fixed_per_byte(sizes, [s * 3e-9 - 1e-5 for s in sizes])[0] == 0.0  # never a negative fixed part
+    fixed, per_byte = fit_fixed_per_byte(sizes, [1e-3, 1.1e-3, 1.2e-3])  # noise: falls with the bytes
+    assert fixed == 0.0 and per_byte > 0
 
 
 def test_cost_model_sources(tmp_path):

@@ -277,19 +277,22 @@ def time_optimizer(graph, it: RunnableIteration, sync, clock, repeats: int,
 
 
 def fit_fixed_per_byte(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares ``seconds = fixed + per_byte * sizes`` with both terms >= 0 (one point: all
-    per byte)."""
+    """Least-squares ``seconds = fixed + per_byte * sizes`` with both terms >= 0. Where noise makes
+    the line fall with the bytes or cross below the origin (or there is one size), the line
+    through the origin instead (all per byte: a step over more bytes never costs less)."""
+    def origin() -> tuple[float, float]:
+        sxx = sum(x * x for x in sizes)
+        return 0.0, max(0.0, sum(x * y for x, y in zip(sizes, seconds)) / sxx) if sxx else 0.0
+
     if len(sizes) < 2 or max(sizes) == min(sizes):
-        return 0.0, max(0.0, max(seconds) / max(max(sizes), 1))
+        return origin()
     n = len(sizes)
     mx, my = sum(sizes) / n, sum(seconds) / n
     sxx = sum((x - mx) ** 2 for x in sizes)
     slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx
-    if slope <= 0:
-        return my, 0.0
     fixed = my - slope * mx
-    if fixed < 0:  # through the origin instead
-        return 0.0, sum(x * y for x, y in zip(sizes, seconds)) / sum(x * x for x in sizes)
+    if slope <= 0 or fixed < 0:
+        return origin()
     return fixed, slope
 
 
