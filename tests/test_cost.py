@@ -80,6 +80,27 @@ def test_roofline_table_picks_the_binding_roof():
     assert t[0, 0, 0] == pytest.approx(fwd_ops * (2.0 + 1.0))  # memory-bound + per-op overhead
 
 
+def test_optimizer_is_costed_per_byte_plus_a_fixed_step():
+    """One multi-tensor step per device: the roofline charges update ops their bytes, no launch
+    each (per parameter), and the step a fixed cost; the profiler's fit recovers fixed + per byte."""
+    from tag.cost.optim import STEP_OPS
+    from tag.cost.profiler import fit_fixed_per_byte
+    from tag.cost.roofline import optimizer_step_overhead
+
+    g = chain_graph(2)
+    roof = Roofline(flop_rate=1e12, mem_bandwidth=1e9)
+    bare = group_phase_table(g, roof, [2], overhead=0.0)
+    over = group_phase_table(g, roof, [2], overhead=1.0)
+    assert (over[:, 2] == bare[:, 2]).all() and (bare[:, 2] > 0).any()
+    assert optimizer_step_overhead("adam", 1e-6) == pytest.approx(STEP_OPS["adam"] * 1e-6)
+    sizes = [1 << 20, 1 << 19, 1 << 18]
+    fixed, per_byte = fit_fixed_per_byte(sizes, [2e-4 + s * 3e-9 for s in sizes])
+    assert fixed == pytest.approx(2e-4) and per_byte == pytest.approx(3e-9)
+    assert fit_fixed_per_byte(sizes, [s * 3e-9 - 1e-5 for s in sizes])[0] == 0.0  # never a negative fixed part
+    fixed, per_byte = fit_fixed_per_byte(sizes, [1e-3, 1.1e-3, 1.2e-3])  # noise: falls with the bytes
+    assert fixed == 0.0 and per_byte > 0
+
+
 def test_cost_model_sources(tmp_path):
     g = chain_graph(2)
     topo = load_topology({"name": "c", "machines": [{"name": "m", "gpu": "cpu", "count": 1}]})

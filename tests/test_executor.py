@@ -34,9 +34,9 @@ def joints():
     return {}  # shared export cache per spec: {spec: {batch: Joint}}
 
 
-def assert_matches_reference(graph, plan, spec, optimizer, joints, steps=2, atol=1e-6):
+def assert_matches_reference(graph, plan, spec, optimizer, joints, steps=2, atol=1e-6, cut_at_sync=False):
     rts = run_virtual(graph, plan, load_workload(spec, batch=B), optimizer, steps,
-                      joints=joints.setdefault(spec, {}))
+                      joints=joints.setdefault(spec, {}), cut_at_sync=cut_at_sync)
     ref, _ = reference_training(load_workload(spec, batch=B), optimizer, steps)
     held = set()
     for rank, rt in rts.items():
@@ -77,6 +77,83 @@ def test_mlp_plans_match_single_process_training(mlp, topo4, joints, kind):
     plan = new_plan(mlp, topo4, groups)
     validate_plan(plan, mlp, topo4)
     assert_matches_reference(mlp, plan, MLP, "adam", joints)
+
+
+@pytest.mark.parametrize("kind", ["mixed", "ps-outside", "mp"])
+def test_segments_cut_at_syncs_match_single_process_training(mlp, topo4, joints, kind):
+    """A GPU rank issues each gradient sync as soon as its gradients exist: its fused segments end
+    at every sync (``cut_at_sync``), and training is unchanged."""
+    K = mlp.num_groups
+    groups = {
+        "mixed": lambda: [GroupPlan([0, 1], [0.5, 0.5]) if g % 2 == 0 else GroupPlan([1, 2, 3], [0.25, 0.25, 0.5])
+                          for g in range(K)],
+        "ps-outside": lambda: [GroupPlan([0, 1], [0.625, 0.375], "ps", server=3) for _ in range(K)],
+        "mp": lambda: mp_groups(mlp, lambda g: [g % 4, (g + 1) % 4]),
+    }[kind]()
+    plan = new_plan(mlp, topo4, groups)
+    assert_matches_reference(mlp, plan, MLP, "adam", joints, cut_at_sync=True)
+    rts = run_virtual(mlp, plan, load_workload(MLP, batch=B), "adam", 0, joints=joints.setdefault(MLP, {}),
+                      cut_at_sync=True)
+    sched = next(iter(rts.values())).schedule
+    for r, rt in rts.items():
+        syncs = [i for i, st in enumerate(sched.steps) if st.kind == "sync" and r in st.collective.members]
+        for seg in rt.program.segments.values():  # no segment spans one of its rank's syncs
+            assert not any(seg.steps[0] < i < seg.steps[-1] for i in syncs)
+
+
+def test_single_device_plan_runs_as_one_segment_keeping_only_gradients(mlp, topo4, joints):
+    """Every stage of a one-device plan is one generated module; once it ran, the rank holds only
+    what the update and the loss need (no activation survives the backward)."""
+    plan = new_plan(mlp, topo4, [GroupPlan([1], [1.0]) for _ in range(mlp.num_groups)])
+    rt = run_virtual(mlp, plan, load_workload(MLP, batch=B), "adam", 1, joints=joints.setdefault(MLP, {}))[1]
+    s = rt.schedule
+    assert len(rt.program.segments) == 1
+    seg = next(iter(rt.program.segments.values()))
+    assert [(s.steps[i].unit, s.steps[i].phase) for i in seg.steps if s.steps[i].kind == "compute"] == \
+        [(st.unit, st.phase) for st in s.steps if st.kind == "compute" and (st.unit, st.phase) in rt.stages]
+    assert seg.name.startswith("fwd g0-") and " + bwd " in seg.name
+    rt.begin_iteration()
+    rt.run_segment(seg.start)
+    grads = {(s.param_owner[ph], s.param_grad[ph]) for ph in rt.params}
+    assert set(rt.env) == grads | {(s.loss_unit, s.loss)}
+    rt.update()
+    assert not rt.env and rt.loss > 0
+
+
+def test_data_parallel_cpu_rank_is_one_segment_across_its_queued_syncs(mlp, topo4, joints):
+    """A CPU rank only queues its syncs (they are issued after its compute): nothing to cut at."""
+    plan = new_plan(mlp, topo4, [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(mlp.num_groups)])
+    rts = run_virtual(mlp, plan, load_workload(MLP, batch=B), "adam", 0, joints=joints.setdefault(MLP, {}))
+    assert [len(rt.program.segments) for rt in rts.values()] == [1, 1]
+
+
+def test_launch_arguments_are_detected_by_signature():
+    """torch 2.11's LaunchConfig has no ``shutdown_timeout`` (``tag execute`` failed there with
+    'unexpected keyword argument'): optional arguments the installed class lacks are left out."""
+    from dataclasses import dataclass
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from tag.executor.launch import supported_kwargs
+
+    @dataclass
+    class Old:  # the fields of torch 2.11's LaunchConfig that tag passes, without shutdown_timeout
+        min_nodes: int
+        max_nodes: int
+        nproc_per_node: int
+        run_id: str = ""
+
+    required = {"min_nodes": 1, "max_nodes": 1, "nproc_per_node": 2, "run_id": "x"}
+    assert supported_kwargs(Old, required, {"shutdown_timeout": 5}) == required
+    Old(**supported_kwargs(Old, required, {"shutdown_timeout": 5}))
+    assert supported_kwargs(lambda **kw: None, required, {"shutdown_timeout": 5})["shutdown_timeout"] == 5
+    got = supported_kwargs(LaunchConfig, required, {"shutdown_timeout": 5, "no_such_argument": 1})
+    assert "no_such_argument" not in got
+    cfg = LaunchConfig(**got)  # the installed torch accepts what is detected
+    import inspect
+
+    if "shutdown_timeout" in inspect.signature(LaunchConfig).parameters:
+        assert cfg.shutdown_timeout == 5
 
 
 def test_random_plans_match_single_process_training(mlp, topo4, joints):

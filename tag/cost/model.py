@@ -35,7 +35,7 @@ from ..graph.ir import PHASES
 from .comm import CommModel
 from .gpu import Numerics, OpFeatures, gpu_rates, stage_table
 from .profile import cpu_device_type, default_profile_dir, find_profile, profiled_device_types
-from .roofline import Roofline, group_phase_table, op_overhead, roofline_for
+from .roofline import Roofline, group_phase_table, op_overhead, optimizer_step_overhead, roofline_for
 
 PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 
@@ -208,7 +208,8 @@ def _rule(graph, dt: str, spec, features):
     roofline for a CPU, the GPU rule of :mod:`tag.cost.gpu` for a GPU."""
     if _is_cpu(dt):
         roof, overhead = device_roofline(dt, spec), op_overhead(spec)
-        return (lambda batches: group_phase_table(graph, roof, batches, overhead)), "roofline", 0.0
+        return ((lambda batches: group_phase_table(graph, roof, batches, overhead)), "roofline",
+                optimizer_step_overhead(graph.optimizer, overhead))
     rates = gpu_rates(spec)
     return ((lambda batches: stage_table(graph, features(), rates, batches)), rates.source,
             rates.step_overhead(graph.optimizer))

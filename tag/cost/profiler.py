@@ -16,9 +16,12 @@ the profiled batch sizes: a virtual machine's speed swings by 20-30% within seco
 the batches one after the other would bend the batch curve with it. Per-stage medians over the
 repeats are stored, rescaled so that they sum to the median time of the whole iteration (stalls
 land in random stages, so the per-stage medians alone under-count a real iteration). The optimizer is
-timed as a real ``torch.optim`` step (``foreach=False``) on every parameter, fed the gradients a
-real backward just produced, one optimizer per group plus one over all parameters, which separates
-the fixed per-step cost from the per-group marginal cost (:class:`tag.cost.profile.Profile`).
+timed as an executor rank runs it (:mod:`tag.cost.optim`: one multi-tensor ``torch.optim`` step over
+the rank's parameters, foreach on a CPU, fused on CUDA), fed the gradients a real backward just
+produced, over nested subsets of the parameters (all, about half and a quarter of the bytes): a
+least-squares line gives a fixed cost per step plus seconds per parameter byte
+(:func:`time_optimizer`; :class:`tag.cost.profile.Profile` stores the fixed part as
+``opt_step_overhead_s`` and each group's bytes times the slope as its ``opt``).
 
 **Wake penalty (CPU).** A stage that starts right after its rank idled (blocked on a peer's
 transfer) runs slower than back to back: measured on this project's 2-core VM, a 3-5 ms gpt2
@@ -48,6 +51,7 @@ from torch.export.graph_signature import InputKind
 from ..graph.capture import export_joint
 from ..graph.stages import Stage, build_stages
 from .host import tune_malloc
+from .optim import make_optimizer
 from .profile import Profile, cpu_device_type
 
 Log = Callable[[str], None]
@@ -175,13 +179,13 @@ def _quiet():
     return q()
 
 
-def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """The executor's optimizers (single-tensor kernels, ``foreach=False``)."""
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-3, foreach=False)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=False)
-    return torch.optim.SGD(params, lr=1e-2, foreach=False)
+def optimizer_step(device: torch.device) -> str:
+    """How the optimizer step was timed (``meta.optimizer_step``): ``foreach`` or ``fused``, the
+    multi-tensor step the executor runs on ``device`` (profiles without it timed one
+    single-tensor step per parameter, ``foreach=False``)."""
+    from .optim import implementation
+
+    return next(iter(implementation(device)))
 
 
 def timing_clock(device: torch.device) -> Callable[[], float]:
@@ -220,48 +224,76 @@ class OptimizerStep:
             self.step(self._opt, list(self.params), env)
 
 
+OPT_FRACTIONS = (1.0, 0.5, 0.25)
+"""Fractions of the parameter bytes the optimizer step is timed over (nested subsets)."""
+
+
 def time_optimizer(graph, it: RunnableIteration, sync, clock, repeats: int,
                    warmup: int) -> tuple[list[float], float]:
-    """(per-group marginal seconds, fixed per-step seconds) of ``graph.optimizer``'s step.
+    """(per-group seconds, fixed per-step seconds) of ``graph.optimizer``'s step, as fixed + per byte.
 
-    Timed in context: right after a real forward+backward of ``it`` and on the gradients it
-    produced (their strides, caches as cold as in a real iteration), one optimizer per group, and
-    separately one optimizer over all parameters; the difference gives the fixed per-step cost.
-    Each timing covers what an executor rank's update does (:meth:`OptimizerStep.step`): hand
-    the gradients to the parameters, step, drop them (on the 2-core development VM, one mlp
-    execution's update took 0.36 ms while a profile of bare ``step()`` calls gave 0.30 ms; two
-    profiles timing the whole hand-over gave 0.32 and 0.34 ms).
+    The executor runs one multi-tensor step over all the parameters a rank holds
+    (:func:`tag.cost.optim.make_optimizer`), whose time is a launch/dispatch cost plus a cost per
+    byte of parameters (each byte is read and written with its gradient and state), not a cost per
+    parameter. It is timed in context, right after a real forward+backward of ``it`` and on the
+    gradients it produced, over nested subsets of the parameters holding about
+    :data:`OPT_FRACTIONS` of their bytes (whole groups, in reverse group order as a rank's
+    backward finishes them), repeats interleaved; ``t = fixed + per_byte * bytes`` is fitted to the
+    per-subset medians. A group's cost is ``per_byte * (its parameter bytes)``. Each timing covers
+    what an executor rank's update does (:meth:`OptimizerStep.step`): hand the gradients to the
+    parameters, step, drop them.
     """
     copies = OptimizerStep(graph, it)
     params = copies.params
     groups = [[graph.params[p].name for p in grp.params if graph.params[p].name in params] for grp in graph.groups]
-    opts = [make_optimizer(graph.optimizer, [params[n] for n in ns]) if ns else None for ns in groups]
-    whole = make_optimizer(graph.optimizer, list(params.values())) if params else None
-    per: list[list[float]] = [[] for _ in groups]
-    tot: list[float] = []
-
+    nbytes = [sum(params[n].numel() * params[n].element_size() for n in ns) for ns in groups]
+    total = sum(nbytes)
+    if total == 0:
+        return [0.0] * len(groups), 0.0
+    subsets: list[list[str]] = []
+    for frac in OPT_FRACTIONS:
+        names, acc = [], 0
+        for g in reversed(range(len(groups))):
+            if acc >= frac * total and names:
+                break
+            names += groups[g]
+            acc += nbytes[g]
+        if not subsets or len(names) != len(subsets[-1]):
+            subsets.append(names)
+    opts = [make_optimizer(graph.optimizer, [params[n] for n in ns]) for ns in subsets]
+    size = [sum(params[n].numel() * params[n].element_size() for n in ns) for ns in subsets]
+    times: list[list[float]] = [[] for _ in subsets]
     for r in range(warmup + repeats):
-        env = it.run(sync)
-        for g in reversed(range(len(opts))):
-            if opts[g] is not None:
-                t0 = clock()
-                copies.step(opts[g], groups[g], env)
-                sync()
-                if r >= warmup:
-                    per[g].append(clock() - t0)
-        if whole is not None:
+        for k, (opt, names) in enumerate(zip(opts, subsets)):
             env = it.run(sync)
             t0 = clock()
-            copies.step(whole, list(params), env)
+            copies.step(opt, names, env)
             sync()
             if r >= warmup:
-                tot.append(clock() - t0)
-    per_group = [statistics.median(ts) if ts else 0.0 for ts in per]
-    total = statistics.median(tot) if tot else 0.0
-    nonempty = sum(1 for o in opts if o is not None)
-    overhead = max(0.0, (sum(per_group) - total) / (nonempty - 1)) if nonempty > 1 else 0.0
-    overhead = min(overhead, min((t for t in per_group if t > 0), default=0.0))
-    return [max(0.0, t - overhead) if t > 0 else 0.0 for t in per_group], overhead
+                times[k].append(clock() - t0)
+    med = [statistics.median(ts) for ts in times]
+    fixed, per_byte = fit_fixed_per_byte(size, med)
+    return [per_byte * b for b in nbytes], fixed
+
+
+def fit_fixed_per_byte(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares ``seconds = fixed + per_byte * sizes`` with both terms >= 0. Where noise makes
+    the line fall with the bytes or cross below the origin (or there is one size), the line
+    through the origin instead (all per byte: a step over more bytes never costs less)."""
+    def origin() -> tuple[float, float]:
+        sxx = sum(x * x for x in sizes)
+        return 0.0, max(0.0, sum(x * y for x, y in zip(sizes, seconds)) / sxx) if sxx else 0.0
+
+    if len(sizes) < 2 or max(sizes) == min(sizes):
+        return origin()
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx
+    fixed = my - slope * mx
+    if slope <= 0 or fixed < 0:
+        return origin()
+    return fixed, slope
 
 
 def _corun_worker(spec: str, seed: int, threads: int, batch, stop, done, slot: int, parent: int) -> None:
@@ -420,7 +452,8 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
     meta = {"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "host": platform.node(), "date": time.strftime("%Y-%m-%d"), "num_groups_requested": num_groups,
             "stage_scale": scales, "corun": n_bg, "precision": graph.precision,
-            "clock": "thread_time" if clock is time.thread_time else "perf_counter"}
+            "clock": "thread_time" if clock is time.thread_time else "perf_counter",
+            "optimizer_step": optimizer_step(dev)}
     if wake:
         log(f"  wake penalty after {gap * 1e3:.0f} ms idle: +{wake['total'] * 1e3:.2f} ms per iteration at "
             f"batch {bs[-1]} if every stage started cold; time constant {wake['tau'] * 1e3:.1f} ms")
@@ -535,3 +568,39 @@ def cuda_device_type(dev: torch.device) -> str:
     name = torch.cuda.get_device_name(dev)
     spec = match_gpu_name(name)
     return spec.name if spec is not None else name.replace(" ", "-")
+
+
+def retime_optimizer(path, spec: str, *, repeats: int = 9, warmup: int = 2, threads: int | None = None,
+                     log: Log = stderr_log) -> Profile:
+    """Re-time only the optimizer step of the profile at ``path`` (of zoo model / factory ``spec``)
+    as :func:`time_optimizer` does, keeping its stage times; writes it back and returns it.
+
+    For profiles whose optimizer was timed another way (``meta.optimizer_step`` absent: one
+    single-tensor step per parameter, which the executor no longer runs). CPU profiles only (a
+    GPU profile is re-made on its GPU with ``tag profile``)."""
+    from ..graph.capture import capture
+    from ..io import write_json
+    from ..workloads import load_workload
+    from .profile import _rounded, load_profile
+
+    prof = load_profile(path)
+    if not prof.device_type.startswith("cpu"):
+        raise ValueError(f"{path}: device type {prof.device_type}: re-time a GPU profile on its GPU")
+    torch.set_num_threads(threads or int(prof.meta.get("threads", 1)))
+    tune_malloc()
+    dev = torch.device("cpu")
+    wl = load_workload(spec, batch=prof.batch_size, seed=0)
+    cap = capture(wl, optimizer=prof.optimizer, num_groups=int(prof.meta.get("num_groups_requested", prof.num_groups)))
+    if cap.graph.signature() != prof.graph_signature:
+        raise ValueError(f"{path}: graph signature {prof.graph_signature}, but {spec} captures as "
+                         f"{cap.graph.signature()}")
+    it = build_iteration(cap.graph, wl.model, wl.make_inputs, prof.batches[-1], dev, structure(cap.joint))
+    clock = timing_clock(dev)
+    opt, overhead = time_optimizer(cap.graph, it, lambda: None, clock, repeats=repeats, warmup=warmup)
+    log(f"{prof.model}: optimizer {sum(prof.opt) * 1e3:.2f} ms + {prof.opt_step_overhead_s * 1e3:.3f} ms -> "
+        f"{sum(opt) * 1e3:.2f} ms + {overhead * 1e3:.3f} ms per step")
+    prof.opt, prof.opt_step_overhead_s = opt, overhead
+    prof.meta = {**prof.meta, "optimizer_step": optimizer_step(dev),
+                 "optimizer_timed": time.strftime("%Y-%m-%d"), "optimizer_torch": torch.__version__}
+    write_json(path, _rounded(prof.to_dict()), indent=None)
+    return prof

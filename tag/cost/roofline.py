@@ -72,11 +72,22 @@ def op_overhead(gpu) -> float:
     return CPU_OP_OVERHEAD_S if gpu.name == "cpu" else GPU_OP_OVERHEAD_S
 
 
+def optimizer_step_overhead(optimizer: str, overhead: float) -> float:
+    """Fixed seconds of one multi-tensor optimizer step on a device with ``overhead`` seconds per
+    launched op: one per foreach op of the step (:data:`tag.cost.optim.STEP_OPS`)."""
+    from .optim import STEP_OPS
+
+    return overhead * STEP_OPS.get(optimizer, 1)
+
+
 def group_phase_table(graph, roof: Roofline, batches, overhead: float = 0.0):
     """Roofline seconds per (group, phase, batch): ``ndarray [K, 3, len(batches)]``.
 
     Per op: ``max(flops(b) / flop_rate, bytes(b) / mem_bandwidth) + overhead`` (the overhead only
-    for ops that move or compute anything; views are free); phases in ``PHASES`` order.
+    for forward/backward ops that move or compute anything; views are free); phases in ``PHASES``
+    order. An optimizer update op is charged no overhead: the executor updates all of a device's
+    parameters in one multi-tensor step (:mod:`tag.cost.optim`), whose launches are a fixed cost
+    per step (:func:`optimizer_step_overhead`), not one per parameter.
     """
     import numpy as np
 
@@ -89,7 +100,8 @@ def group_phase_table(graph, roof: Roofline, batches, overhead: float = 0.0):
     bf = np.array([o.bytes_read.fixed + o.bytes_written.fixed for o in ops])[:, None]
     bs = np.array([o.bytes_read.per_sample + o.bytes_written.per_sample for o in ops])[:, None]
     t = np.maximum((ff + fs * b) / roof.flop_rate, (bf + bs * b) / roof.mem_bandwidth)
-    t = t + overhead * ((ff + fs + bf + bs) > 0)
+    launched = np.array([o.phase != "opt" for o in ops])[:, None]
+    t = t + overhead * (((ff + fs + bf + bs) > 0) & launched)
     row = np.array([o.group * 3 + PHASES.index(o.phase) for o in ops], dtype=np.int64)
     out = np.zeros((graph.num_groups * 3, b.shape[1]))
     np.add.at(out, row, t)

@@ -63,6 +63,9 @@ class ExecuteConfig:
     precision: str | None = None
     """fp32, or bf16 / fp16 autocast (:mod:`tag.graph.precision`; fp16 with loss scaling);
     None: the plan's."""
+    threads: int | None = None
+    """Intra-op threads per CPU rank (default: the machine's cores over its ranks; the prediction
+    is costed for the default)."""
 
 
 @dataclass
@@ -135,8 +138,8 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
                        topology=str(topo_path), plan=str(Path(cfg.plan).resolve()),
                        out_dir=str(run_dir), steps=cfg.steps, warmup=cfg.warmup, backend=backend,
                        emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
-                       save_params=cfg.save_params, fault=cfg.fault, launcher_pid=os.getpid(),
-                       precision=graph.precision)
+                       save_params=cfg.save_params, fault=cfg.fault, threads=cfg.threads,
+                       launcher_pid=os.getpid(), precision=graph.precision)
     write_json(args_path, asdict(wargs))
     _launch(world, args_path, run_dir, cfg.timeout_s, "spawn" if backend == "nccl" else "forkserver")
     ranks = _read_ranks(run_dir)
@@ -252,12 +255,12 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
         os.environ["PYTHONWARNINGS"] = ",".join(
             filter(None, [warn_env, "ignore::UserWarning:multiprocessing.resource_tracker"]))
     run_id = f"tag-{uuid.uuid4().hex[:8]}"
-    config = LaunchConfig(
+    config = LaunchConfig(**supported_kwargs(LaunchConfig, dict(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id,
         **loopback_launch_args(), rdzv_configs={"timeout": int(timeout_s)},
         max_restarts=0, monitor_interval=0.1, start_method=start_method,
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL), shutdown_timeout=5,
-    )
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL),
+    ), optional={"shutdown_timeout": 5}))
     try:
         with loopback_env():
             elastic_launch(config, worker_entry)(str(args_path))
@@ -268,6 +271,20 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
             os.environ.pop("PYTHONWARNINGS", None)
         else:
             os.environ["PYTHONWARNINGS"] = warn_env
+
+
+def supported_kwargs(fn, required: dict, optional: dict) -> dict:
+    """``required`` plus those of ``optional`` that ``fn`` accepts (by signature inspection).
+
+    torch's launcher grows arguments between releases (``LaunchConfig(shutdown_timeout=...)`` is in
+    torch 2.13 but not 2.11, where passing it raised ``TypeError``); the supported torch range is
+    in pyproject.toml. An optional argument the installed torch lacks is left out: its default
+    behaviour applies (for ``shutdown_timeout``, the agent's own grace period before SIGKILL)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {**required, **{k: v for k, v in optional.items() if takes_any or k in params}}
 
 
 # Imported once by the fork server, inherited by every CPU rank.

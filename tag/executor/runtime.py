@@ -7,7 +7,13 @@ worker moves the pieces with torch.distributed; :mod:`tag.executor.virtual` move
 one process (fast semantic tests).
 
 Values live in ``env[(unit, node name)]``: a rank may serve several units with different
-sample ranges, so the same node name can hold different rows for different units.
+sample ranges, so the same node name can hold different rows for different units. A rank runs its
+consecutive local steps (stages and local hand-overs) as one generated module per segment
+(:mod:`tag.executor.fuse`), and ``env`` keeps a value only until its last reader ran.
+
+Nothing waits for the device inside an iteration: on CUDA the activities are timed with events,
+resolved after the one synchronisation per iteration (:meth:`RankRuntime.update`, which also reads
+the loss).
 
 Every joint graph a rank runs (one per local batch, plus the global batch for SFB) must have the
 captured graph's structure (:func:`joint_structure`), or its node names would designate other
@@ -21,6 +27,7 @@ gathered factors (the joint graph at the global batch) to get the full gradients
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
 import types
@@ -33,6 +40,7 @@ from ..errors import TagError
 from ..graph.capture import export_joint
 from ..graph.stages import Stage, build_stages
 from ..parallel.schedule import Move, Schedule, SfbGroup, Step, UnitKey
+from .fuse import Key, build_module, plan_program
 from .optim import make_optimizer
 
 
@@ -67,7 +75,10 @@ def export_at(model: torch.nn.Module, make_inputs, batch: int, precision: str = 
 
 @dataclass
 class Timer:
-    """Seconds spent per activity in the current iteration."""
+    """Seconds spent per activity in the current iteration.
+
+    :meth:`span` times a block: the host clock on a CPU; CUDA events on a GPU (no
+    synchronisation: :meth:`resolve` reads them once the iteration's work is done)."""
 
     compute: float = 0.0
     comm: float = 0.0
@@ -77,6 +88,36 @@ class Timer:
     """SFB factor all-gathers (included in ``sync``)."""
     sfb_recompute: float = 0.0
     """SFB gradient recompute on the gathered factors (included in ``compute``)."""
+    cuda: bool = field(default=False, repr=False)
+    _events: list = field(default_factory=list, repr=False)
+
+    @contextlib.contextmanager
+    def span(self, *activities: str):
+        """Add the block's duration to each of ``activities``."""
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((activities, start, end))
+            return
+        t0 = time.perf_counter()
+        yield
+        dt = time.perf_counter() - t0
+        for a in activities:
+            setattr(self, a, getattr(self, a) + dt)
+
+    def resolve(self) -> None:
+        """Add the CUDA-event spans (call after the device finished them)."""
+        for activities, start, end in self._events:
+            dt = start.elapsed_time(end) / 1e3  # ms -> s
+            for a in activities:
+                setattr(self, a, getattr(self, a) + dt)
+        self._events.clear()
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in ("compute", "comm", "sync", "update", "sfb_gather", "sfb_recompute")}
 
 
 @dataclass
@@ -99,6 +140,9 @@ class RankRuntime:
     """Static fp16 loss scale (:data:`tag.graph.precision.FP16_LOSS_SCALE`; 1 otherwise): the
     loss-gradient seed is multiplied by it and the gradients divided by it before the update,
     which is skipped when one of them is not finite (``torch.amp.GradScaler``'s rule)."""
+    cut_at_sync: bool = False
+    """A gradient sync ends a fused segment (a rank that issues its syncs as they come, on GPUs);
+    otherwise segments run on across the syncs, which are only queued (CPU ranks)."""
 
     def __post_init__(self) -> None:
         s = self.schedule
@@ -131,54 +175,124 @@ class RankRuntime:
             if owner in self.my_units:
                 value = any_joint.state_values[s.param_target[ph]]
                 self.params[ph] = torch.nn.Parameter(value.detach().clone().to(self.device))
-        self.optimizer = make_optimizer(self.optimizer_name, self.params.values())
+        self.optimizer = make_optimizer(self.optimizer_name, self.params.values(), self.device)
         self.kernels: dict[int, list] = {}
         """Op-group -> its SFB kernels (:class:`tag.compress.SfbKernel`), for my SFB units."""
         for sg in s.sfb.values():
             if sg.unit in self.my_units:
                 self._prepare_sfb(sg)
-        self.env: dict[tuple[UnitKey, str], torch.Tensor] = {}
-        self.timer = Timer()
+        # User inputs: this rank's rows of each unit (views, the same every iteration).
+        self.input_rows: dict[Key, torch.Tensor] = {}
+        for key, u in self.my_units.items():
+            r = u.replica_on(self.rank)
+            for name, x in zip(self.user_inputs, self.inputs):
+                self.input_rows[(key, name)] = x[r.start:r.stop]  # dim 0 of every user input is the batch
+        self._build_program()
+        self.env: dict[Key, torch.Tensor] = {}
+        self.timer = Timer(cuda=self.device.type == "cuda")
         self.loss = 0.0
+
+    # ---- the rank's program -------------------------------------------------------------
+    def _build_program(self) -> None:
+        """Segments of fused local steps and the liveness of ``env`` values (:mod:`tag.executor.fuse`)."""
+        s = self.schedule
+        written = {(m.dst_unit, m.name) for st in s.steps if st.kind == "transfer" for m in st.moves
+                   if m.dst == self.rank}
+        final = [(s.param_owner[ph], s.param_grad[ph]) for ph in self.params]
+        if s.loss_unit in self.my_units:
+            final.append((s.loss_unit, s.loss))
+        self.program = plan_program(
+            s, self.rank, self.stages, static=lambda k: k not in written and self._static(k) is not None,
+            synced=self._synced_keys, sfb_writes=self._sfb_writes, final_reads=final,
+            cut_at_sync=self.cut_at_sync)
+        metas = {b: {n.name: n.meta.get("val") for n in j.module.graph.nodes} for b, j in self.joints.items()}
+
+        def meta(key: Key):
+            rep = self.my_units[key[0]].replica_on(self.rank)
+            return metas[rep.batch].get(key[1])
+
+        for seg in self.program.segments.values():
+            build_module(seg, s, self.rank, self.stages,
+                         static_value=lambda k: None if k in written else self._static(k),
+                         meta=meta, local_rows=self._row_range, device=self.device)
+
+    def _static(self, key: Key) -> torch.Tensor | None:
+        """The value of ``key`` if the runtime holds it for good (parameter, buffer, constant, input rows)."""
+        unit, name = key
+        v = self.input_rows.get(key)
+        if v is not None:
+            return v
+        if name in self.params and self.schedule.param_owner[name] == unit:
+            return self.params[name]
+        return self.state.get(name)
+
+    def _synced_keys(self, group: int) -> list[Key]:
+        s = self.schedule
+        return [(s.param_owner[ph], s.param_grad[ph]) for ph in self._synced(group) if s.param_owner[ph] in self.my_units]
+
+    def _sfb_writes(self, group: int) -> list[Key]:
+        sg = self.schedule.sfb[group]
+        return [(sg.unit, k.grad_node) for k in self.kernels.get(group, ())]
+
+    def _row_range(self, m: Move) -> tuple[int, int] | None:
+        """(start, length) along ``m.batch_dim`` of the rows ``m`` takes from its producer's tensor;
+        None when it takes all of them."""
+        rep = self.schedule.units[m.src_unit].replica_on(m.src)
+        if (m.start, m.stop) == (rep.start, rep.stop):
+            return None
+        joint = self.joints[rep.batch]
+        val = next(n for n in joint.module.graph.nodes if n.name == m.name).meta["val"]
+        rows = val.shape[m.batch_dim] // rep.batch  # rows per sample along the batch dim
+        return (m.start - rep.start) * rows, (m.stop - m.start) * rows
+
+    def covers(self, index: int) -> bool:
+        """Whether schedule step ``index`` runs inside one of this rank's segments."""
+        return index in self.program.covered
+
+    def segment_name(self, index: int) -> str | None:
+        seg = self.program.segments.get(index)
+        return None if seg is None else seg.name
 
     # ---- values ------------------------------------------------------------------------
     def begin_iteration(self) -> None:
         self.env.clear()
-        self.timer = Timer()
+        self.timer = Timer(cuda=self.device.type == "cuda")
         self.loss = 0.0
-        for key, u in self.my_units.items():
-            r = u.replica_on(self.rank)
-            for name, x in zip(self.user_inputs, self.inputs):
-                self.env[(key, name)] = x[r.start:r.stop]  # dim 0 of every user input is the batch
 
     def value(self, unit: UnitKey, name: str) -> torch.Tensor:
         v = self.env.get((unit, name))
         if v is not None:
             return v
-        if name in self.params and self.schedule.param_owner[name] == unit:
-            return self.params[name]
-        if name in self.state:
-            return self.state[name]
+        v = self._static((unit, name))
+        if v is not None:
+            return v
         raise ExecutionError(f"rank {self.rank}: unit {unit} has no value for {name!r} (schedule bug)")
 
+    def release(self, index: int) -> None:
+        """Drop the values whose last reader was step ``index`` (run outside a segment)."""
+        for k in self.program.free_after.get(index, ()):
+            self.env.pop(k, None)
+
     # ---- compute -------------------------------------------------------------------------
-    def compute(self, unit: UnitKey, phase: str) -> None:
-        stage = self.stages.get((unit, phase))
-        if stage is None or unit not in self.my_units:
+    def run_segment(self, index: int) -> None:
+        """Run the segment starting at schedule step ``index`` (nothing at its other steps)."""
+        seg = self.program.segments.get(index)
+        if seg is None:
+            return
+        with self.timer.span("compute"), self._emulated(), torch.no_grad():
+            seg(self.env)
+
+    @contextlib.contextmanager
+    def _emulated(self):
+        """``--emulate-speed``: sleep so that the block takes ``slowdown`` x its real time (waits for
+        the device only then)."""
+        if self.slowdown <= 1.0:
+            yield
             return
         t0 = time.perf_counter()
-        with torch.no_grad():
-            outs = stage.module(*[self.value(unit, n) for n in stage.inputs])
-        for name, v in zip(stage.outputs, outs):
-            self.env[(unit, name)] = v
-        if phase == "fwd" and self.schedule.loss in stage.outputs:
-            rep = self.my_units[unit].replica_on(self.rank)
-            self.loss = float(self.env[(unit, self.schedule.loss)]) * rep.batch / self.schedule.batch_size
+        yield
         self._synchronize()
-        dt = time.perf_counter() - t0
-        if self.slowdown > 1.0:
-            time.sleep((self.slowdown - 1.0) * dt)
-        self.timer.compute += time.perf_counter() - t0
+        time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -203,15 +317,16 @@ class RankRuntime:
         return [(k, src, torch.empty(shape, dtype=dtype, device=self.device))
                 for k, src, shape, dtype in self.incoming_specs(step)]
 
-    def piece(self, m: Move) -> torch.Tensor:
-        """The part of the producer's value that ``m`` moves (contiguous, ready to send)."""
+    def piece(self, m: Move, send: bool = True) -> torch.Tensor:
+        """The part of the producer's value that ``m`` moves: contiguous to be sent, else (a local
+        hand-over) a view where it is one."""
         v = self.value(m.src_unit, m.name)
         if m.mode == "rows":
-            rep = self.schedule.units[m.src_unit].replica_on(m.src)
-            if (m.start, m.stop) != (rep.start, rep.stop):  # a view costs microseconds: only if needed
-                rows = v.shape[m.batch_dim] // rep.batch  # rows per sample along the batch dim
-                v = v.narrow(m.batch_dim, (m.start - rep.start) * rows, (m.stop - m.start) * rows)
-        return (v.detach() if v.requires_grad else v).contiguous()
+            rng = self._row_range(m)
+            if rng is not None:  # a view costs microseconds: only if needed
+                v = v.narrow(m.batch_dim, *rng)
+        v = v.detach() if v.requires_grad else v
+        return v.contiguous() if send or m.batch_dim else v
 
     def piece_spec(self, step: Step, m: Move) -> tuple[list[int], torch.dtype]:
         """Shape and dtype of the piece ``m`` delivers to this rank (from the stage's metadata)."""
@@ -234,7 +349,7 @@ class RankRuntime:
             if m.mode == "zeros":
                 piece = None
             elif m.src == self.rank:
-                piece = self.piece(m) if m.mode == "rows" else self.value(m.src_unit, m.name)
+                piece = self.piece(m, send=False) if m.mode == "rows" else self.value(m.src_unit, m.name)
             else:
                 piece = received[k]
             pieces.setdefault((m.dst_unit, m.name), []).append((m, piece))
@@ -244,9 +359,9 @@ class RankRuntime:
                 ps.sort(key=lambda mp: mp[0].start)
                 self.env[key] = torch.cat([p for _, p in ps], dim=m0.batch_dim) if len(ps) > 1 else ps[0][1]
             elif m0.mode == "sum":
-                total = ps[0][1].clone()
+                total = ps[0][1]
                 for _, p in ps[1:]:
-                    total += p
+                    total = total + p  # not in place: the first piece may be this rank's own value
                 self.env[key] = total
             elif m0.mode == "zeros":
                 shape, dtype = self.piece_spec(step, m0)
@@ -298,17 +413,9 @@ class RankRuntime:
     def sfb_recompute(self, group: int, full: dict[str, torch.Tensor]) -> None:
         """Set the SFB ops' gradients from the gathered (global-batch) factors ``full``."""
         sg = self.schedule.sfb[group]
-        t0 = time.perf_counter()
-        with torch.no_grad():
+        with self.timer.span("compute", "sfb_recompute"), self._emulated(), torch.no_grad():
             for k in self.kernels[group]:
                 self.env[(sg.unit, k.grad_node)] = k({f.name: full[f.name] for f in k.candidate.factors})
-        self._synchronize()
-        dt = time.perf_counter() - t0
-        if self.slowdown > 1.0:
-            time.sleep((self.slowdown - 1.0) * dt)
-        dt = time.perf_counter() - t0
-        self.timer.compute += dt
-        self.timer.sfb_recompute += dt
 
     def sfb_counts(self, group: int, name: str, local: torch.Tensor) -> list[int]:
         """Rows of factor ``name`` each replica holds, in :attr:`SfbGroup.members` order."""
@@ -350,21 +457,26 @@ class RankRuntime:
             off += n
 
     def update(self) -> None:
-        """Apply the optimizer to every parameter this rank holds."""
-        if self.optimizer is None:
-            return
-        t0 = time.perf_counter()
+        """Apply the optimizer to every parameter this rank holds, then read the loss (this waits
+        for the device: the iteration's one synchronisation) and drop the iteration's values."""
         s = self.schedule
-        # The gradients are used in place, without a copy: with no weight decay neither
-        # single-tensor Adam nor SGD writes into ``grad``, and ``env`` is cleared next iteration.
-        for ph, p in self.params.items():
-            p.grad = self.env[(s.param_owner[ph], s.param_grad[ph])].detach().reshape(p.shape)
-        if self.loss_scale == 1.0 or _unscale(self.params.values(), self.loss_scale):
-            self.optimizer.step()
-        for p in self.params.values():
-            p.grad = None
+        if self.optimizer is not None:
+            with self.timer.span("update"):
+                # The gradients are used in place, without a copy: with no weight decay neither
+                # Adam nor SGD writes into ``grad``, and ``env`` is cleared below.
+                for ph, p in self.params.items():
+                    p.grad = self.env[(s.param_owner[ph], s.param_grad[ph])].detach().reshape(p.shape)
+                if self.loss_scale == 1.0 or _unscale(self.params.values(), self.loss_scale):
+                    self.optimizer.step()
+                for p in self.params.values():
+                    p.grad = None
+        loss = self.env.get((s.loss_unit, s.loss))
+        if loss is not None:
+            rep = self.my_units[s.loss_unit].replica_on(self.rank)
+            self.loss = float(loss) * rep.batch / s.batch_size
         self._synchronize()
-        self.timer.update += time.perf_counter() - t0
+        self.timer.resolve()
+        self.env.clear()
 
     def named_params(self) -> dict[str, torch.Tensor]:
         """State-dict name -> current value of the parameters this rank holds."""

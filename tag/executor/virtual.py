@@ -28,12 +28,14 @@ def needs_global_joint(schedule: Schedule, rank: int) -> bool:
 
 
 def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int,
-                machine_of=None, joints: dict[int, Joint] | None = None) -> dict[int, RankRuntime]:
+                machine_of=None, joints: dict[int, Joint] | None = None,
+                cut_at_sync: bool = False) -> dict[int, RankRuntime]:
     # the joints are exported in ``graph.precision`` (a ``joints`` cache must hold that precision's)
     """Train ``steps`` iterations of ``plan`` with all ranks in this process; returns the runtimes.
 
     ``joints``: cache of joint graphs by local batch (filled as needed; reuse it across calls
-    for the same workload to save exports).
+    for the same workload to save exports). ``cut_at_sync``: segments end at gradient syncs, as
+    on a GPU rank (:attr:`RankRuntime.cut_at_sync`).
     """
     sched = build_schedule(graph, plan, machine_of)
     ranks = sorted({r.device for u in sched.units.values() for r in u.replicas}
@@ -52,17 +54,18 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
                                                      graph.precision)
             full = joints[sched.batch_size]
         runtimes[r] = RankRuntime(r, sched, tuple(workload.inputs), mine, optimizer, global_joint=full,
-                                  loss_scale=loss_scale(graph.precision))
+                                  loss_scale=loss_scale(graph.precision), cut_at_sync=cut_at_sync)
     for _ in range(steps):
         for rt in runtimes.values():
             rt.begin_iteration()
-        for st in sched.steps:
-            if st.kind == "compute":
-                for rt in runtimes.values():
-                    rt.compute(st.unit, st.phase)
-            elif st.kind == "transfer":
-                sent = {k: t for rt in runtimes.values() for k, _dst, t in rt.outgoing(st)}
-                for rt in runtimes.values():
+        for i, st in enumerate(sched.steps):
+            fused = [rt for rt in runtimes.values() if rt.covers(i)]
+            for rt in fused:
+                rt.run_segment(i)
+            others = {r: rt for r, rt in runtimes.items() if not rt.covers(i)}
+            if st.kind == "transfer":
+                sent = {k: t for rt in others.values() for k, _dst, t in rt.outgoing(st)}
+                for rt in others.values():
                     rt.assemble(st, {k: sent[k].clone() for k, _src, _buf in rt.incoming(st)})
             elif st.kind == "sfb":  # all-gather = concatenation in sample (plan device) order
                 sg = sched.sfb[st.group]
@@ -71,11 +74,13 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
                         for f in sg.factors}
                 for d in sg.devices:
                     runtimes[d].sfb_recompute(st.group, {k: v.clone() for k, v in full.items()})
-            else:
+            elif st.kind == "sync":
                 members = st.collective.members
                 total = sum(runtimes[m].grad_flat(st.group) for m in members)
                 for m in members:
                     runtimes[m].set_grad_flat(st.group, total.clone())
+            for rt in others.values():
+                rt.release(i)
         for rt in runtimes.values():
             rt.update()
     return runtimes

@@ -15,7 +15,7 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,6 +55,8 @@ class WorkerArgs:
     """Testing only: ``"RANK:ITER:raise|exit|hang"`` makes that rank fail at that iteration."""
     precision: str = "fp32"
     """fp32, or bf16 / fp16 autocast: every joint graph is exported with its casts."""
+    threads: int | None = None
+    """Intra-op threads per rank (default: the machine's cores over its ranks)."""
     launcher_pid: int | None = None
     """``tag execute``'s process: the rank exits when it does (:func:`tag.lifetime.die_with`);
     None under torchrun (the rank dies with its parent, the torchrun agent)."""
@@ -96,13 +98,14 @@ def run_rank(a: WorkerArgs) -> dict:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    threads = a.threads or max(1, (os.cpu_count() or 1) // local_world)
     pinned = None
     if a.backend != "nccl":  # a CPU rank: its own cores, before any thread starts (gloo's inherit them)
-        pinned = pin_cores(local_rank, local_world, max(1, (os.cpu_count() or 1) // local_world))
+        pinned = pin_cores(local_rank, local_world, threads)
     # Load the topology before changing the thread count: a "cpu" device spec is measured
     # (and cached) per thread count, and the plan's topology signature was made with the default.
     topology = load_topology(a.topology)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    torch.set_num_threads(threads)
     if world != topology.num_devices:
         raise ExecutionError(f"world size {world} != {topology.num_devices} devices of topology {topology.name!r}; "
                              "run one rank per device")
@@ -130,12 +133,15 @@ def run_rank(a: WorkerArgs) -> dict:
     slow = slowdown_factors(topology)[rank] if a.emulate_speed else 1.0
     from ..graph.precision import loss_scale
 
+    # A CPU rank queues its gradient syncs until its compute is done (DistComm.defer_syncs): its
+    # segments run on across them; a GPU rank issues each as soon as its gradients exist.
     rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow, global_joint=full,
-                     loss_scale=loss_scale(a.precision))
+                     loss_scale=loss_scale(a.precision), cut_at_sync=device.type != "cpu")
     comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device)
     if pinned:
         demote_threads()  # gloo's threads exist now; only for a rank on cores of its own
     fault = _parse_fault(a.fault)
+    rss0 = host_memory(reset_peak=True) if device.type == "cpu" else None
     iters: list[dict] = []
     timeline: list[list] = []  # [name, category, start s, end s] of the last iteration's steps
     try:  # noqa: SIM105 - see the except clause
@@ -150,30 +156,34 @@ def run_rank(a: WorkerArgs) -> dict:
             last = it == a.warmup + a.steps - 1
             for i, st in enumerate(sched.steps):
                 t0 = time.perf_counter()
-                if st.kind == "compute":
-                    rt.compute(st.unit, st.phase)
+                if rt.covers(i):  # a fused segment of local steps (runs at its first step)
+                    rt.run_segment(i)
+                elif st.kind == "compute":
+                    continue  # not this rank's
                 elif st.kind == "transfer":
                     comm.transfer(rt, st, i)
                 elif st.kind == "sfb":
                     comm.sfb(rt, st)
                 else:
                     comm.sync(rt, st)
+                if not rt.covers(i):
+                    rt.release(i)
                 if last:
-                    _record(timeline, rt, plan, st, t0 - t_start, time.perf_counter() - t_start)
+                    _record(timeline, rt, plan, st, i, t0 - t_start, time.perf_counter() - t_start)
             t0 = time.perf_counter()
             comm.finish_syncs(rt)
             t1 = time.perf_counter()
-            rt.update()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            rt.update()  # reads the loss: the iteration's one wait for the device
             t2 = time.perf_counter()
             if last:
                 timeline.append(["wait syncs", "sync", t0 - t_start, t1 - t_start])
                 timeline.append(["opt", "opt", t1 - t_start, t2 - t_start])
-            iters.append({"time_s": t2 - t_start, **asdict(rt.timer), "loss": rt.loss})
+            iters.append({"time_s": t2 - t_start, **rt.timer.as_dict(), "loss": rt.loss})
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         mine = {"rank": rank, "device": topology.devices[rank].name, "slowdown": slow, "export_s": export_s,
                 "peak_memory_bytes": peak, "iterations": iters, "timeline": timeline,
+                "host_peak_growth_bytes": None if rss0 is None else host_memory(peak=True) - rss0,
+                "optimizer_state_bytes": optimizer_state_bytes(rt.optimizer),
                 "median_time_s": statistics.median(x["time_s"] for x in iters[a.warmup:])}
         if a.save_params:
             torch.save(rt.named_params(), Path(a.out_dir) / f"params-rank{rank}.pt")
@@ -189,10 +199,43 @@ def run_rank(a: WorkerArgs) -> dict:
     return mine
 
 
-def _record(timeline: list, rt, plan, st, start: float, end: float) -> None:
-    """Append step ``st`` to ``timeline`` if this rank took part (CPU wall-clock seconds since
-    the iteration began; with CUDA, kernel launch times unless the step waited)."""
+def host_memory(peak: bool = False, reset_peak: bool = False) -> int:
+    """This process's resident bytes (``VmRSS``), or its high-water mark (``VmHWM``) with ``peak``;
+    ``reset_peak`` first resets the mark (``/proc/self/clear_refs``; Linux only, 0 elsewhere).
+
+    With the allocator settings of :func:`tag.cost.host.tune_malloc` freed memory stays with the
+    process, so the growth of the mark over the iterations is what they needed at their peak on
+    top of what existed before (a CPU rank's analogue of ``torch.cuda.max_memory_allocated``)."""
+    try:
+        if reset_peak:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        field = "VmHWM:" if peak else "VmRSS:"
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith(field))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def optimizer_state_bytes(opt) -> int:
+    """Bytes of the optimizer's state tensors (Adam's moments, SGD's momentum)."""
+    if opt is None:
+        return 0
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
+
+
+def _record(timeline: list, rt, plan, st, index: int, start: float, end: float) -> None:
+    """Append step ``st`` (schedule index ``index``) to ``timeline`` if this rank took part (CPU
+    wall-clock seconds since the iteration began; with CUDA, kernel launch times unless the step
+    waited). A fused segment is one entry at its first step (e.g. ``fwd g0-g3 + bwd g3-g0``)."""
     r = rt.rank
+    if rt.covers(index):
+        name = rt.segment_name(index)
+        if name is not None:
+            timeline.append([name, "compute", start, end])
+        return
     if st.kind in ("compute", "transfer"):
         g, j = st.unit
         name = f"{st.phase} g{g}" + (f".{j}" if rt.schedule.units[st.unit].positions is not None else "")

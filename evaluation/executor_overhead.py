@@ -1,0 +1,304 @@
+"""`tag execute` against plain PyTorch, side by side in one run: step time and peak memory.
+
+Per model and round, interleaved (eager, tag single-device, DDP, tag data-parallel, then the next
+round), each a fresh set of processes running ``--steps`` timed iterations after ``--warmup``:
+
+* ``eager``: one process, ``model(*inputs)``, ``loss.backward()``, ``torch.optim.Adam`` (its default
+  foreach update), ``zero_grad(set_to_none=True)``; the loss read after the step;
+* ``tag-1``: ``tag execute`` of the plan putting every group on the one device of a one-CPU
+  topology; its rank and the eager process run one thread pinned to the first core (on the shared
+  2-core development VM two threads made both far noisier: mlp eager 66 ms with two threads,
+  11-20 ms with one);
+* ``ddp``: ``DistributedDataParallel`` (25 MB buckets, its default) on two gloo ranks, each with half
+  the batch and one thread, the malloc thresholds of ``tag execute``'s ranks (tag.cost.host), not
+  pinned: with tag's pinning and gloo's event threads under ``SCHED_IDLE`` DDP's all-reduces,
+  which run during the backward, starved on a loaded host (mlp: 2.04 s per iteration instead of
+  9.8 ms unpinned, 2026-11-26, load average 12 on the 2-core VM);
+* ``tag-dp``: ``tag execute`` of the even all-reduce plan on ``topologies/local-cpu2.yaml``.
+
+An iteration's time runs from a barrier (all ranks) to the end of the optimizer step (the slowest
+rank's); a run's figure is the median over its iterations, a configuration's the median over the
+rounds, and a ratio the median of the per-round ratios. Memory: the growth of the process's
+resident-set high-water mark over the timed run minus the optimizer state it created (what the
+iterations need above parameters and optimizer state; the largest rank's; allocator thresholds
+pinned so freed memory stays with the process: ``tag.executor.worker.host_memory``).
+
+    PYTHONPATH=. python -m evaluation.executor_overhead [--models mlp gpt2] [--rounds 5] [--steps 20]
+
+writes ``evaluation/results/executor-overhead/{results.json,README.md,plot.png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "evaluation" / "results" / "executor-overhead"
+MODELS = ["mlp", "gpt2"]
+CONFIGS = ["eager", "tag-1", "ddp", "tag-dp"]
+
+
+# ---- baselines (run in subprocesses: ``python -m evaluation.executor_overhead --_run JSON``) -----
+def _setup(threads: int, slot: int | None = None, slots: int = 1) -> bool:
+    import torch
+
+    from tag.cost.host import pin_cores, tune_malloc
+
+    tune_malloc()
+    pinned = pin_cores(slot, slots, threads) if slot is not None else None
+    torch.set_num_threads(threads)
+    return pinned is not None
+
+
+def _train(model, inputs, opt, steps: int, warmup: int, barrier=None) -> dict:
+    """Timed eager iterations; memory growth over them above the optimizer state."""
+    from tag.executor.worker import host_memory, optimizer_state_bytes
+
+    rss0 = host_memory(reset_peak=True)
+    times = []
+    for _ in range(warmup + steps):
+        if barrier is not None:
+            barrier()
+        t0 = time.perf_counter()
+        loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        float(loss.detach())
+        times.append(time.perf_counter() - t0)
+    return {"times": times[warmup:], "peak_above_bytes": host_memory(peak=True) - rss0 - optimizer_state_bytes(opt)}
+
+
+def run_eager(spec: str, batch: int, steps: int, warmup: int) -> dict:
+    import torch
+
+    from tag.workloads import load_workload
+
+    _setup(1, 0, 1)  # as tag-1's rank: one thread on the first core
+    wl = load_workload(spec, batch=batch, seed=0)
+    opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)  # torch's default (foreach) update
+    return _train(wl.model, wl.inputs, opt, steps, warmup)
+
+
+def run_ddp(spec: str, batch: int, steps: int, warmup: int, rank: int, world: int, port: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tag.workloads import load_workload
+
+    _setup(1)
+    wl = load_workload(spec, batch=batch, seed=0)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = DistributedDataParallel(wl.model)  # bucket_cap_mb=25
+    b = batch // world
+    inputs = tuple(x[rank * b:(rank + 1) * b] for x in wl.inputs)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    zero = torch.zeros(1)
+    out = _train(model, inputs, opt, steps, warmup, barrier=lambda: dist.all_reduce(zero))
+    dist.destroy_process_group()
+    return out
+
+
+def _subprocess(kind: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "evaluation.executor_overhead", "--_run",
+                             json.dumps({"kind": kind, **kw})], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def _result(p: subprocess.Popen) -> dict:
+    out, _ = p.communicate()
+    if p.returncode != 0:
+        raise RuntimeError(f"baseline process failed with exit code {p.returncode}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def eager(spec, batch, steps, warmup) -> dict:
+    r = _result(_subprocess("eager", spec=spec, batch=batch, steps=steps, warmup=warmup))
+    return {"time_s": statistics.median(r["times"]), "peak_above_bytes": r["peak_above_bytes"]}
+
+
+def ddp(spec, batch, steps, warmup) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ps = [_subprocess("ddp", spec=spec, batch=batch, steps=steps, warmup=warmup, rank=r, world=2, port=port)
+          for r in range(2)]
+    rs = [_result(p) for p in ps]
+    per_iter = [max(x) for x in zip(*(r["times"] for r in rs))]
+    return {"time_s": statistics.median(per_iter), "peak_above_bytes": max(r["peak_above_bytes"] for r in rs)}
+
+
+# ---- tag execute -------------------------------------------------------------------------------
+def tag_execute(graph, topo_path: str, plan_path: str, spec: str, steps: int, warmup: int, run_dir: Path) -> dict:
+    from tag.executor import ExecuteConfig, execute
+
+    res = execute(ExecuteConfig(spec, topo_path, plan_path, steps=steps, warmup=warmup, run_dir=str(run_dir),
+                                threads=1), graph=graph)
+    peak = max((r["host_peak_growth_bytes"] or 0) - r["optimizer_state_bytes"] for r in res.ranks)
+    return {"time_s": res.measured_iteration_time_s, "peak_above_bytes": peak,
+            "predicted_s": res.predicted_iteration_time_s}
+
+
+def one_cpu_topology(folder: Path) -> str:
+    path = folder / "local-cpu1.yaml"
+    path.write_text("# One CPU device: a single-device plan runs one rank on all cores.\n"
+                    "name: local-cpu1\nmachines:\n  - name: local\n    gpu: cpu\n    count: 1\n"
+                    '    intra_bandwidth: "5 GB/s"\n')
+    return str(path)
+
+
+def plans(graph, folder: Path) -> dict[str, tuple[str, str]]:
+    """config -> (topology path, plan path)."""
+    from tag.plan import GroupPlan, new_plan
+    from tag.topology import load_topology
+
+    out = {}
+    t1 = one_cpu_topology(folder)
+    t2 = str(REPO / "topologies" / "local-cpu2.yaml")
+    for name, topo, devs in (("tag-1", t1, [0]), ("tag-dp", t2, [0, 1])):
+        plan = new_plan(graph, load_topology(topo), [GroupPlan(devs, [1.0 / len(devs)] * len(devs)) for _ in range(graph.num_groups)])
+        path = folder / f"{graph.model}-{name}.json"
+        plan.save(path)
+        out[name] = (topo, str(path))
+    return out
+
+
+def measure(models: list[str], batches: dict[str, int], rounds: int, steps: int, warmup: int, groups: int,
+            log=print) -> dict:
+    from tag.graph import capture
+    from tag.workloads import load_workload
+
+    tmp = Path(tempfile.mkdtemp(prefix="tag-overhead-"))
+    setups = {}
+    for spec in models:
+        wl = load_workload(spec, batch=batches.get(spec))
+        graph = capture(wl, optimizer="adam", num_groups=groups).graph
+        setups[spec] = (graph, wl.batch_size, plans(graph, tmp))
+        params = sum(p.nbytes for p in graph.params)
+        log(f"{spec}: batch {wl.batch_size}, {len(graph.params)} parameters ({params / 2**20:.1f} MiB), "
+            f"{graph.num_groups} groups")
+    runs: dict[str, dict[str, list[dict]]] = {s: {c: [] for c in CONFIGS} for s in models}
+    for r in range(rounds):
+        for spec in models:
+            graph, batch, pl = setups[spec]
+            for c in CONFIGS:
+                if c == "eager":
+                    x = eager(spec, batch, steps, warmup)
+                elif c == "ddp":
+                    x = ddp(spec, batch, steps, warmup)
+                else:
+                    x = tag_execute(graph, *pl[c], spec, steps, warmup, tmp / f"run-{c}")
+                runs[spec][c].append(x)
+                log(f"round {r} {spec} {c}: {x['time_s'] * 1e3:.2f} ms, peak above params+state "
+                    f"{x['peak_above_bytes'] / 2**20:.1f} MiB")
+    out = {}
+    for spec in models:
+        rr = runs[spec]
+
+        def ratio(a, b, key="time_s", rr=rr):
+            vals = [x[key] / y[key] for x, y in zip(rr[a], rr[b]) if y[key] > 0]
+            return statistics.median(vals) if vals else None
+
+        out[spec] = {
+            "batch": setups[spec][1],
+            "median_time_s": {c: statistics.median(x["time_s"] for x in rr[c]) for c in CONFIGS},
+            "median_peak_above_bytes": {c: statistics.median(x["peak_above_bytes"] for x in rr[c]) for c in CONFIGS},
+            "time_ratio": {"tag-1/eager": ratio("tag-1", "eager"), "tag-dp/ddp": ratio("tag-dp", "ddp")},
+            "memory_ratio": {"tag-1/eager": ratio("tag-1", "eager", "peak_above_bytes"),
+                             "tag-dp/ddp": ratio("tag-dp", "ddp", "peak_above_bytes")},
+            "runs": rr,
+        }
+    return out
+
+
+def write(results: dict, meta: dict, out: Path) -> None:
+    from tag.io import write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "results.json", {"meta": meta, "models": results})
+    lines = [
+        "# `tag execute` against eager PyTorch and DDP (CPU)", "",
+        f"Command: `{meta['command']}`", "",
+        f"{meta['date']}, commit {meta['commit']}, torch {meta['torch']}, {meta['cpus']} CPUs (shared with "
+        "other jobs: interleaved rounds, medians). Eager and `tag-1` run one process, one thread pinned to "
+        "core 0; DDP and `tag-dp` two gloo ranks with one core each. Module docstring of `evaluation/executor_overhead.py`: "
+        "what is timed and how memory is read.", "",
+        "| model (batch) | eager ms | tag-1 ms | tag-1 / eager | DDP ms | tag-dp ms | tag-dp / DDP | "
+        "memory above params+state, MiB: eager / tag-1 / DDP / tag-dp |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for spec, r in results.items():
+        t, m, q = r["median_time_s"], r["median_peak_above_bytes"], r["time_ratio"]
+        lines.append(f"| {spec} ({r['batch']}) | {t['eager'] * 1e3:.2f} | {t['tag-1'] * 1e3:.2f} | "
+                     f"{q['tag-1/eager']:.3f} | {t['ddp'] * 1e3:.2f} | {t['tag-dp'] * 1e3:.2f} | "
+                     f"{q['tag-dp/ddp']:.3f} | " + " / ".join(f"{m[c] / 2**20:.1f}" for c in CONFIGS) + " |")
+    lines += ["", "Targets (issue 26): tag-1 <= 1.10x eager in time and memory, tag-dp <= 1.10x DDP.", ""]
+    (out / "README.md").write_text("\n".join(lines))
+    _plot(results, out / "plot.png")
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    specs = list(results)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, key, title in ((axes[0], "time_ratio", "step time"), (axes[1], "memory_ratio", "peak memory above params+state")):
+        xs = range(len(specs))
+        a = [results[s][key]["tag-1/eager"] or 0 for s in specs]
+        b = [results[s][key]["tag-dp/ddp"] or 0 for s in specs]
+        ax.bar([x - 0.2 for x in xs], a, 0.4, label="tag-1 / eager")
+        ax.bar([x + 0.2 for x in xs], b, 0.4, label="tag-dp / DDP")
+        ax.axhline(1.10, color="k", ls="--", lw=1, label="target 1.10")
+        ax.set_xticks(list(xs), specs)
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=MODELS)
+    p.add_argument("--batch", nargs="*", default=[], metavar="MODEL=B", help="global batch per model (default: the zoo's)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--groups", type=int, default=48)
+    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--_run", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a._run:
+        kw = json.loads(a._run)
+        kind = kw.pop("kind")
+        print(json.dumps(run_eager(**kw) if kind == "eager" else run_ddp(**kw)))
+        return 0
+    import torch
+
+    batches = {k: int(v) for k, v in (x.split("=", 1) for x in a.batch)}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    meta = {"command": "PYTHONPATH=. python -m evaluation.executor_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__, "cpus": os.cpu_count(),
+            "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup, "groups": a.groups}
+    results = measure(a.models, batches, a.rounds, a.steps, a.warmup, a.groups,
+                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    write(results, meta, Path(a.out))
+    print((Path(a.out) / "README.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
