@@ -173,3 +173,14 @@ def test_plan_shows_stages_on_a_terminal_only(capsys):
 
 def test_commands_listed_in_help():
     assert set(_subparsers()) == set(COMMANDS)
+
+
+def test_validation_table_aligns_long_plan_names():
+    """``tag validate``'s table: columns as wide as their widest cell, numbers right-aligned."""
+    from tag.executor.validate import ValidationRow, summarize_rows
+
+    rows = [ValidationRow("dp-even", 0.0105, 0.0110, []), ValidationRow("a-very-long-plan-name-indeed", 0.2, 0.19, [])]
+    text = summarize_rows("mlp", "local-cpu2", rows, {}).table().splitlines()
+    assert text[0].index("predicted ms") > len("a-very-long-plan-name-indeed")
+    assert text[2].split() == ["dp-even", "10.50", "11.00", "4.5"] and text[3].endswith(" 5.3")
+    assert len({len(line) for line in text[:4]}) == 1  # every row as wide as the header

@@ -101,9 +101,11 @@ class ValidationReport:
         return d
 
     def table(self) -> str:
-        lines = [f"{'plan':<12} {'predicted ms':>13} {'measured ms':>12} {'error %':>8}"]
-        for r in self.rows:
-            lines.append(f"{r.name:<12} {r.predicted_s * 1e3:>13.2f} {r.measured_s * 1e3:>12.2f} {r.error:>8.1f}")
+        from ..topology.table import render_table
+
+        lines = [render_table(["plan", "predicted ms", "measured ms", "error %"],
+                              [[r.name, f"{r.predicted_s * 1e3:.2f}", f"{r.measured_s * 1e3:.2f}", f"{r.error:.1f}"]
+                               for r in self.rows])]
         lines.append(f"median |error| {self.mape_median_pct:.1f}%   Spearman {self.spearman:.3f}   "
                      f"({len(self.rows)} plans)")
         if math.isfinite(self.round_spearman):
