@@ -49,7 +49,7 @@ import torch
 from torch.export.graph_signature import InputKind
 
 from ..graph.capture import export_joint
-from ..graph.stages import Stage, build_stages
+from ..graph.stages import Stage, build_stages, retarget_devices
 from .host import tune_malloc
 from .optim import make_optimizer
 from .profile import Profile, cpu_device_type
@@ -147,7 +147,7 @@ def build_iteration(graph, model, make_inputs, batch: int, device: torch.device,
     ordered = [(key, stages[key]) for key in order if key in stages]
     if device.type != "cpu":
         for _, st in ordered:
-            _retarget(st.module, device)
+            retarget_devices(st.module, device)
     state = {**ep.state_dict, **ep.constants}
     inputs = [x for x in make_inputs(batch)]
     env0: dict[str, torch.Tensor] = {}
@@ -162,15 +162,6 @@ def build_iteration(graph, model, make_inputs, batch: int, device: torch.device,
             if s.kind == InputKind.PARAMETER:
                 params[s.target] = env0[s.arg.name]
     return RunnableIteration(batch, ordered, env0, params)
-
-
-def _retarget(gm: torch.fx.GraphModule, device: torch.device) -> None:
-    """Tensor-creating ops were traced with device=cpu; point them at ``device``."""
-    for n in gm.graph.nodes:
-        dev = n.kwargs.get("device") if n.op == "call_function" else None
-        if dev is not None and torch.device(dev).type == "cpu":
-            n.kwargs = {**n.kwargs, "device": device}
-    gm.recompile()
 
 
 def _quiet():

@@ -38,7 +38,7 @@ from torch.export.graph_signature import InputKind
 
 from ..errors import TagError
 from ..graph.capture import export_joint
-from ..graph.stages import Stage, build_stages
+from ..graph.stages import Stage, build_stages, retarget_devices
 from ..parallel.schedule import Move, Schedule, SfbGroup, Step, UnitKey
 from .fuse import Key, build_module, plan_program
 from .optim import make_optimizer
@@ -157,7 +157,7 @@ class RankRuntime:
             self.stages.update(build_stages(types.SimpleNamespace(joint=joint.module), assign))
         for key, stage in self.stages.items():
             if self.device.type != "cpu":
-                _retarget_devices(stage.module, self.device)
+                retarget_devices(stage.module, self.device)
             if key == (s.loss_unit, "bwd"):
                 rep = self.my_units[s.loss_unit].replica_on(self.rank)
                 _scale_seed(stage, s.loss, rep.batch / s.batch_size * self.loss_scale)
@@ -401,7 +401,7 @@ class RankRuntime:
             except SfbError as e:
                 raise ExecutionError(str(e)) from None
             if self.device.type != "cpu":
-                _retarget_devices(k.stage.module, self.device)
+                retarget_devices(k.stage.module, self.device)
             kernels.append(k)
         self.kernels[sg.group] = kernels
 
@@ -574,10 +574,3 @@ def _scale_seed(stage: Stage, loss: str, scale: float) -> None:
     stage.module.recompile()
 
 
-def _retarget_devices(gm: torch.fx.GraphModule, device: torch.device) -> None:
-    """Ops that create tensors (full_like, scalar_tensor, _to_copy) were traced with device=cpu."""
-    for n in gm.graph.nodes:
-        dev = n.kwargs.get("device") if n.op == "call_function" else None
-        if dev is not None and torch.device(dev).type == "cpu":
-            n.kwargs = {**n.kwargs, "device": device}
-    gm.recompile()

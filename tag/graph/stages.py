@@ -90,3 +90,13 @@ def group_phase_assignment(captured: Captured, groups: Iterable[int] | None = No
     wanted = None if groups is None else set(groups)
     return {op.name: (op.group, op.phase) for op in captured.graph.ops
             if op.phase in ("fwd", "bwd") and (wanted is None or op.group in wanted)}
+
+
+def retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
+    """Point the ops that create tensors (``full_like``, ``scalar_tensor``, ``_to_copy``), traced
+    with ``device=cpu``, at ``device`` (a stage run on a GPU)."""
+    for n in gm.graph.nodes:
+        dev = n.kwargs.get("device") if n.op == "call_function" else None
+        if dev is not None and torch.device(dev).type == "cpu":
+            n.kwargs = {**n.kwargs, "device": device}
+    gm.recompile()
