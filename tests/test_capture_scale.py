@@ -148,7 +148,7 @@ def test_model_larger_than_all_devices_is_one_line(tmp_path, capsys, monkeypatch
     topo.write_text(TINY_TOPOLOGY)
     line = one_line_error(capsys, "simulate", "--model", "mlp", "--topology", str(topo), "--groups", "2",
                           "--baseline", "dp")
-    assert "error: model mlp (batch 32) needs " in line and "of parameters, gradients and adam state" in line, line
+    assert "error: model mlp (batch 32) needs at least " in line and "of parameters, gradients and adam state" in line, line
     assert "than the 1.91 MiB of all 2 devices of tiny together (largest device 977 KiB); no plan fits" in line, line
 
 

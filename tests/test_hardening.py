@@ -247,7 +247,7 @@ def test_plan_where_everything_runs_out_of_memory(tmp_path, capsys):
     argv = ["plan", "--model", "mlp", "--batch", "8", "--groups", "2", "--topology", str(topo),
             "--searcher", "random", "--budget", "2", "--compression", "off", "--out", str(out)]
     line = one_line_error(capsys, *argv)  # the model needs more than both devices hold: refused before searching
-    assert "error: model mlp (batch 8) needs " in line and "than the 1.95 KiB of all 2 devices" in line, line
+    assert "error: model mlp (batch 8) needs at least " in line and "than the 1.95 KiB of all 2 devices" in line, line
     assert "(largest device 0.977 KiB)" in line and "no plan fits" in line and not out.exists()
     rc, stdout, _ = run_tag(capsys, *argv, "--allow-oom")
     assert rc == 0 and "OUT OF MEMORY" in stdout and out.exists()

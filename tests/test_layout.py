@@ -143,3 +143,24 @@ def test_the_planner_proposes_a_pipeline_where_it_pays(captured, tmp_path):
     assert not res.oom and res.iteration_time_s == pytest.approx(best.predicted_iteration_time_s)
     best.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json").pipeline == best.pipeline
+
+
+def test_check_fits_counts_one_sample_of_activations(captured, tmp_path):
+    """A model whose full batch's activations exceed the cluster but whose state and one sample's
+    do not may still run (as a pipeline of small micro-batches): it is not refused up front."""
+    from tag.cost.baselines import check_fits, group_footprints
+    from tag.errors import OutOfMemoryError
+    from tag.topology import load_topology
+
+    graph = captured("mlp:layers=4,hidden=512,in_dim=256", batch=4096, groups=4).graph
+    low, full = sum(group_footprints(graph, 1)), sum(group_footprints(graph))
+    assert full > 2 * low
+
+    def two(each: float):
+        gpu = {"name": "g", "tflops": 10, "memory": f"{int(each)} B", "memory_bandwidth": "900 GB/s"}
+        return load_topology({"name": "two", "machines": [{"name": "m", "gpu": gpu, "count": 2,
+                                                           "intra_bandwidth": "10 GB/s"}]})
+
+    check_fits(graph, two((low + full) / 4))  # between one sample's need and the full batch's
+    with pytest.raises(OutOfMemoryError, match=r"needs at least .* of all 2 devices"):
+        check_fits(graph, two(low / 4))

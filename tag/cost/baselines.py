@@ -61,10 +61,10 @@ def cost_model_speeds(graph, topology, costs=None) -> list[float]:
     return _costs(graph, topology, costs).device_speeds()
 
 
-def group_footprints(graph) -> list[float]:
-    """Bytes a device holding group ``g`` on the full batch needs: parameters, gradients, optimizer
-    state and the forward activations the backward reads."""
-    b = graph.batch_size
+def group_footprints(graph, batch: int | None = None) -> list[float]:
+    """Bytes a device holding group ``g`` on ``batch`` samples (default: the full batch) needs:
+    parameters, gradients, optimizer state and the forward activations the backward reads."""
+    b = graph.batch_size if batch is None else batch
     out = [0.0] * graph.num_groups
     for p in graph.params:
         out[p.group] += 2 * p.nbytes + p.opt_state_bytes
@@ -78,26 +78,27 @@ def group_footprints(graph) -> list[float]:
 def check_fits(graph, topology) -> None:
     """Refuse (one-line :class:`OutOfMemoryError`) a model no plan can fit on ``topology``.
 
-    The model needs its parameters, gradients, optimizer state and the forward activations the
-    backward reads at the graph's batch (``sum(group_footprints)``). A plan may split that over
-    devices (model parallel) but never below it in total, so a model needing more than all the
-    devices' memory together fits nowhere; the message names the model's memory and the largest
-    device's, the capacity a user most often compares it with.
+    Every plan holds the parameters, gradients and optimizer state somewhere, and the forward
+    activations the backward reads of at least one sample at a time (a pipeline of one-sample
+    micro-batches keeps no more alive; data and model parallel keep the whole batch's):
+    ``sum(group_footprints(graph, 1))``. A model needing more than all the devices' memory
+    together fits nowhere; the message names the model's memory and the largest device's, the
+    capacity a user most often compares it with.
     """
     from ..errors import OutOfMemoryError
     from ..topology.units import format_bytes
 
-    need = sum(group_footprints(graph))
+    need = sum(group_footprints(graph, 1))
     caps = [d.gpu.memory_bytes for d in topology.devices]
     if need <= sum(caps):
         return
     state = sum(2 * p.nbytes + p.opt_state_bytes for p in graph.params)
     raise OutOfMemoryError(
-        f"model {graph.model} (batch {graph.batch_size}) needs {format_bytes(need, digits=3)} "
-        f"({format_bytes(state, digits=3)} of parameters, gradients and {graph.optimizer} state, the rest saved "
-        f"activations), more than the {format_bytes(sum(caps), digits=3)} of all {len(caps)} devices of "
+        f"model {graph.model} (batch {graph.batch_size}) needs at least {format_bytes(need, digits=3)} "
+        f"({format_bytes(state, digits=3)} of parameters, gradients and {graph.optimizer} state, the rest the saved "
+        f"activations of one sample), more than the {format_bytes(sum(caps), digits=3)} of all {len(caps)} devices of "
         f"{topology.name} together (largest device {format_bytes(max(caps), digits=3)}); no plan fits: "
-        f"use more or larger devices or a smaller batch")
+        f"use more or larger devices")
 
 
 def data_parallel_proportional(graph, topology, costs=None) -> Plan:
