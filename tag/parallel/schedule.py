@@ -46,7 +46,7 @@ from ..graph.ir import OpGraph
 from ..plan.format import PipelinePlan, Plan
 from .moves import move_kind, move_pieces
 from .pipeline import block_size, micro_ranges, pipeline_order, stage_of_group
-from .strategy import Collective, Replica, Unit, UnitKey, sample_replicas, strategy_of  # noqa: F401 (Replica re-exported)
+from .strategy import Collective, Replica, Unit, UnitKey, strategy_of  # noqa: F401 (Replica re-exported)
 
 if TYPE_CHECKING:  # tag.compress (scipy) is imported only for plans using SFB
     from ..compress.detect import Candidate, Factor
@@ -165,11 +165,13 @@ class Schedule:
     """:func:`graph_structure` of the captured graph: every joint graph a rank runs must match it."""
     micro_ranges: list[tuple[int, int]] = field(default_factory=list)
     """Sample ranges ``[lo, hi)`` of the micro-batches (one, the whole batch, without a pipeline)."""
+    micro_units: dict[tuple[UnitKey, int], Unit] = field(default_factory=dict)
+    """(unit, micro-batch) -> the unit lowered at that micro-batch (pipeline plans only)."""
 
     def unit_at(self, key: UnitKey, micro: int) -> Unit:
-        """Unit ``key`` restricted to micro-batch ``micro``: its replicas' sample ranges cut the
-        micro-batch's samples in the unit's shares (the unit itself without a pipeline)."""
-        return _micro_unit(self.units[key], self.micro_ranges, micro)
+        """Unit ``key`` on micro-batch ``micro``: its strategy's lowering at the micro-batch's size,
+        sample ranges from the micro-batch's start (the unit itself without a pipeline)."""
+        return self.micro_units.get((key, micro)) or self.units[key]
 
     def steps_of(self, device: int) -> list[Step]:
         """The ordered steps ``device`` takes part in (its task list)."""
@@ -313,6 +315,14 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
         if c is not None:
             collective_of[g] = c
 
+    # Each micro-batch's units, lowered by their strategy at its size (as the simulator costs them).
+    micro_units: dict[tuple[UnitKey, int], Unit] = {}
+    if plan.pipeline is not None:
+        for m, (lo, hi) in enumerate(ranges):
+            for g, gp in enumerate(plan.groups):
+                for u in strategies[g].units(g, gp, graph, hi - lo):
+                    micro_units[(u.key, m)] = Unit(u.key, u.sync, [Replica(r.device, lo + r.start, lo + r.stop)
+                                                                   for r in u.replicas], u.server, u.positions)
     last_micro = {u: m for u, ph, m in tasks if ph == "bwd"}  # a unit's last backward micro-batch
     steps: list[Step] = []
     for u, ph, m in tasks:
@@ -320,8 +330,8 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
         for t in needed[(u, ph)]:
             tensor = graph.tensors[t]
             src_unit = owner_of_tensor[t] if tensor.producer < 0 else unit_of_op[tensor.producer]
-            moves += _moves(tensor.name, _micro_unit(units[src_unit], ranges, m), _micro_unit(units[u], ranges, m),
-                            tensor.batch_dim, t in partial_sums, machine_of)
+            moves += _moves(tensor.name, micro_units.get((src_unit, m), units[src_unit]),
+                            micro_units.get((u, m), units[u]), tensor.batch_dim, t in partial_sums, machine_of)
         if moves:
             steps.append(Step("transfer", u, ph, moves, micro=m))
         steps.append(Step("compute", u, ph, micro=m))
@@ -336,7 +346,7 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
     gathers = sorted({sg.members for sg in sfb.values()})
     return Schedule(B, units, assign, param_owner, param_target, param_grad, group_params, param_numel,
                     loss_t.name, loss_unit, steps, comm, sync_params, sfb, gathers, graph.model,
-                    graph_structure(graph), ranges)
+                    graph_structure(graph), ranges, micro_units)
 
 
 def _pipeline_tasks(pp: PipelinePlan, order: list[UnitKey], num_groups: int) -> list[tuple[UnitKey, str, int]]:
@@ -352,17 +362,6 @@ def _pipeline_tasks(pp: PipelinePlan, order: list[UnitKey], num_groups: int) -> 
         us = members[t.stage] if t.phase == "fwd" else list(reversed(members[t.stage]))
         out += [(u, t.phase, t.micro) for u in us]
     return out
-
-
-def _micro_unit(unit: Unit, ranges: list[tuple[int, int]], micro: int) -> Unit:
-    """``unit`` on micro-batch ``micro`` only (``unit`` itself when there is one micro-batch)."""
-    if len(ranges) == 1:
-        return unit
-    lo, hi = ranges[micro]
-    total = sum(r.batch for r in unit.replicas)
-    reps = sample_replicas(unit.devices, [r.batch / total for r in unit.replicas], hi - lo)
-    return Unit(unit.key, unit.sync, [Replica(r.device, lo + r.start, lo + r.stop) for r in reps], unit.server,
-                unit.positions)
 
 
 def _sfb_groups(graph: OpGraph, plan: Plan, param_owner: dict[str, UnitKey],
