@@ -152,18 +152,17 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
     k = graph.num_groups
     width = layout.dp * layout.tp
     stage_devices = [list(range(s * width, (s + 1) * width)) for s in range(layout.pp)]
-    # a replica's samples per micro-batch (the largest micro-batch, even shares)
-    per_replica = -(-graph.batch_size // (layout.micro * layout.dp))
-    seconds = [[layout.micro * max(sum(costs.group_time(g, ph, d, per_replica) for ph in ("fwd", "bwd"))
-                                   + costs.group_time(g, "opt", d, per_replica) / layout.micro for d in devs)
-                for g in range(k)] for devs in stage_devices]
     if layout.cut == "memory":  # bytes held for good per group, the same on every stage
         held = [0.0] * k
         for p in graph.params:
             held[p.group] += 2 * p.nbytes + p.opt_state_bytes
         stages = balanced_cuts(held, layout.pp)
-    else:
-        stages = balanced_cuts(seconds)
+    else:  # a replica runs ceil(B / (micro * dp)) samples per micro-batch (the largest, even shares)
+        per_replica = -(-graph.batch_size // (layout.micro * layout.dp))
+        stages = balanced_cuts([[layout.micro * max(sum(costs.group_time(g, ph, d, per_replica) for ph in ("fwd", "bwd"))
+                                                    + costs.group_time(g, "opt", d, per_replica) / layout.micro
+                                                    for d in devs)
+                                 for g in range(k)] for devs in stage_devices])
     bounds = stages + [k]
     groups: list[GroupPlan] = []
     for s, devs in enumerate(stage_devices):

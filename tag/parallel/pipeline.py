@@ -142,6 +142,8 @@ def validate_pipeline(plan, graph, num_devices: int, *, source: str = "plan") ->
     pp: PipelinePlan | None = plan.pipeline
     if pp is None:
         return
+    from .strategy import strategy_of  # (strategy.py imports this module)
+
     where = f"{source}: pipeline"
     G = len(plan.groups)
     st = pp.stages
@@ -160,9 +162,9 @@ def validate_pipeline(plan, graph, num_devices: int, *, source: str = "plan") ->
         first = plan.groups[bounds[s]]
         for g in range(bounds[s], bounds[s + 1]):
             gp = plan.groups[g]
-            if gp.sync not in ("allreduce", "ps"):
-                raise PlanError(f"{source}: groups[{g}].sync: a pipeline stage is data parallel "
-                                f"('allreduce' or 'ps'), got {gp.sync!r}")
+            if strategy_of(gp).chunked:
+                raise PlanError(f"{source}: groups[{g}].sync: a pipeline stage is data parallel (its groups run "
+                                f"whole on each replica), got {gp.sync!r}")
             if gp.sfb:
                 raise PlanError(f"{source}: groups[{g}].sfb: SFB is not available in a pipeline plan "
                                 "(its factors would be gathered per micro-batch); expected []")
@@ -177,12 +179,6 @@ def validate_pipeline(plan, graph, num_devices: int, *, source: str = "plan") ->
         if len(first.devices) > smallest:
             raise PlanError(f"{where}.micro_batches: stage {s} has {len(first.devices)} replicas but the smallest "
                             f"micro-batch has {smallest} samples; every replica needs at least one")
-
-
-def tasks_per_stage(pp: PipelinePlan) -> list[list[tuple[Phase, int]]]:
-    """:func:`stage_sequence` of every stage of ``pp``."""
-    S = len(pp.stages)
-    return [stage_sequence(s, S, pp.micro_batches, block_size(pp)) for s in range(S)]
 
 
 def bubble_fraction(num_stages: int, micro_batches: int) -> float:
