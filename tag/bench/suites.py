@@ -87,19 +87,22 @@ def quick_suite() -> SuiteConfig:
 
 
 def full_suite() -> SuiteConfig:
+    """The zoo at the sizes people train (presets of ``tag inspect --list``), in bf16, on the
+    shipped GPU topologies (simulated). Real-size models are not executed on this suite's CPU
+    ranks (GPT-2 medium's Adam state alone is 5.7 GB per replica): the quick suite executes its
+    plans for real, and ``tag validate`` checks predictions against executions."""
     return SuiteConfig(
         name="full",
-        models=[ModelCase("gpt2:n_layer=6,n_embd=384,n_head=6,seq=128", 32),
-                ModelCase("bert:n_layer=6,n_embd=384,n_head=6,seq=128", 32),
-                ModelCase("vit:n_layer=6,n_embd=384,n_head=6,image=64", 64),
-                ModelCase("resnet:depth=50,width=32,image=64,norm=gn", 64),
-                ModelCase("vgg:depth=19,width=32,image=64", 64),
-                ModelCase("mlp:layers=6,hidden=2048,in_dim=1024", 256)],
+        models=[ModelCase("gpt2-medium", 32),
+                ModelCase("bert-large", 32),
+                ModelCase("vit-l16", 64),
+                ModelCase("resnet152", 64),
+                ModelCase("vgg19", 64),
+                ModelCase("llama-1b", 16)],
         topologies=HETERO + CONTROLS,
         search_budget=2000,
         groups=32,
-        execute_topologies=["local-cpu2"],
-        execute_steps=3,
+        precision="bf16",
     )
 
 
