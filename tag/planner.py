@@ -223,3 +223,26 @@ def _compress(graph, topology, p: Plan, simulator) -> str:
     p.predicted_iteration_time_s = float(res.iteration_time_s)
     p.meta["sfb_saving_s"] = before - res.iteration_time_s
     return f"compression: SFB on {n} weight gradients saves {(before - res.iteration_time_s) * 1e3:.3f} ms"
+
+
+def model_graph(spec: str, batch: int | None = None, *, optimizer: str = "adam", precision: str = "fp32",
+                seed: int = 0, num_groups: int = 48, use_cache: bool = True):
+    """``(OpGraph grouped into num_groups, seconds, from_cache)`` of workload ``spec``: what
+    ``tag inspect`` / ``plan`` / ``simulate`` and ``tag bench`` capture.
+
+    The model is built without weights (meta device: a model larger than this machine's memory is
+    captured all the same) and the graph is read from / written to the graph cache
+    (:mod:`tag.graph.cache`, keyed by spec, batch, optimizer, precision and library versions)
+    unless ``use_cache`` is False.
+    """
+    from .graph import capture
+    from .graph.cache import cached_graph, graph_key
+    from .workloads import is_zoo, load_workload
+
+    key = graph_key(spec, batch, optimizer, precision=precision, seed=seed, zoo=is_zoo(spec))
+
+    def fresh():
+        wl = load_workload(spec, batch=batch, seed=seed, abstract=True)
+        return capture(wl, optimizer=optimizer, num_groups=1, precision=precision).graph
+
+    return cached_graph(key, fresh, num_groups, use_cache=use_cache)

@@ -58,15 +58,17 @@ class _Case:
     def __init__(self, model, topology_name: str, cfg: SuiteConfig, graph_cache: dict):
         from ..cost import CostModel
         from ..cost.baselines import data_parallel
-        from ..graph import capture
+        from ..planner import model_graph
         from ..sim import Simulator, lower_bound
         from ..topology import load_topology
-        from ..workloads import load_workload
 
         key = (model.spec, model.batch, cfg.precision)
         if key not in graph_cache:
-            graph_cache[key] = capture(load_workload(model.spec, batch=model.batch, seed=cfg.seed),
-                                       num_groups=cfg.groups, precision=cfg.precision).graph
+            _progress(f"{cfg.name} {model.spec} b{model.batch} {cfg.precision}: capturing")
+            graph, secs, hit = model_graph(model.spec, model.batch, precision=cfg.precision, seed=cfg.seed,
+                                           num_groups=cfg.groups)
+            _progress(f"{cfg.name} {model.spec}: {len(graph.ops)} ops, {secs:.1f} s{' (graph cache)' if hit else ''}")
+            graph_cache[key] = graph
         self.graph = graph_cache[key]
         self.topology = load_topology(topology_name)
         self.costs = CostModel.for_topology(self.graph, self.topology)

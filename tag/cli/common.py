@@ -151,25 +151,13 @@ def add_cache_arg(p: argparse.ArgumentParser) -> None:
 
 
 def load_graph(args):
-    """``(OpGraph, seconds, from_cache)`` of ``--model/--batch/--optimizer/--groups/--seed``.
+    """``(OpGraph, seconds, from_cache)`` of ``--model/--batch/--optimizer/--precision/--groups/--seed``
+    (:func:`tag.planner.model_graph`; ``--no-cache`` bypasses the graph cache)."""
+    from ..planner import model_graph
 
-    The model is built without weights (meta device: a model larger than this machine's memory
-    is captured all the same) and the graph is read from / written to the graph cache
-    (:mod:`tag.graph.cache`) unless ``--no-cache``.
-    """
-    from ..graph import capture
-    from ..graph.cache import cached_graph, graph_key
-    from ..workloads import is_zoo, load_workload
-
-    precision = getattr(args, "precision", "fp32")
-    key = graph_key(args.model, args.batch, args.optimizer, precision=precision, seed=args.seed,
-                    zoo=is_zoo(args.model))
-
-    def fresh():
-        wl = load_workload(args.model, batch=args.batch, seed=args.seed, abstract=True)
-        return capture(wl, optimizer=args.optimizer, num_groups=1, precision=precision).graph
-
-    return cached_graph(key, fresh, getattr(args, "groups", 48), use_cache=not getattr(args, "no_cache", False))
+    return model_graph(args.model, args.batch, optimizer=args.optimizer,
+                       precision=getattr(args, "precision", "fp32"), seed=args.seed,
+                       num_groups=getattr(args, "groups", 48), use_cache=not getattr(args, "no_cache", False))
 
 
 def print_json(obj) -> None:
