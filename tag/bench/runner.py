@@ -5,7 +5,8 @@ parallel with even shares, the ratio to the ideal lower bound, out-of-memory, se
 playouts. On the suite's local CPU topologies the plans are also executed for real.
 
 Cells are appended to ``cells.jsonl`` as they finish; a rerun with the same ``--out`` skips the
-cells already there, so a killed benchmark resumes.
+cells already there, so a killed benchmark resumes. Captured graphs are kept in ``graphs/`` under
+the output folder, so a resumed run does not capture again (minutes for the scale suite's model).
 """
 
 from __future__ import annotations
@@ -55,18 +56,15 @@ def _progress(msg: str) -> None:
 class _Case:
     """One (model, topology): captured graph, simulator and the two reference times."""
 
-    def __init__(self, model, topology_name: str, cfg: SuiteConfig, graph_cache: dict):
+    def __init__(self, model, topology_name: str, cfg: SuiteConfig, graph_cache: dict, graph_dir: Path | None = None):
         from ..cost import CostModel
         from ..cost.baselines import data_parallel
-        from ..graph import capture
         from ..sim import Simulator, lower_bound
         from ..topology import load_topology
-        from ..workloads import load_workload
 
         key = (model.spec, model.batch, cfg.precision)
         if key not in graph_cache:
-            graph_cache[key] = capture(load_workload(model.spec, batch=model.batch, seed=cfg.seed),
-                                       num_groups=cfg.groups, precision=cfg.precision).graph
+            graph_cache[key] = _captured(model, cfg, graph_dir)
         self.graph = graph_cache[key]
         self.topology = load_topology(topology_name)
         self.costs = CostModel.for_topology(self.graph, self.topology)
@@ -106,6 +104,27 @@ class _Case:
         return p, int(p.meta.get("playouts", 0))
 
 
+def _captured(model, cfg: SuiteConfig, graph_dir: Path | None):
+    """The captured, grouped graph of ``model`` (from ``graph_dir`` when an earlier run of the same
+    model, batch, groups, precision and seed left it there)."""
+    import hashlib
+
+    from ..graph import OpGraph, capture
+    from ..workloads import load_workload
+
+    path = None
+    if graph_dir is not None:
+        key = json.dumps([model.spec, model.batch, cfg.groups, cfg.precision, cfg.seed])
+        path = graph_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+        if path.exists():
+            return OpGraph.from_json(path.read_text())
+    g = capture(load_workload(model.spec, batch=model.batch, seed=cfg.seed), num_groups=cfg.groups,
+                precision=cfg.precision).graph
+    if path is not None:
+        write_atomic(path, g.to_json())
+    return g
+
+
 def run_suite(cfg: SuiteConfig, out: Path) -> list[Cell]:
     """Run (or resume) every cell of ``cfg``; results go under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -132,7 +151,7 @@ def run_suite(cfg: SuiteConfig, out: Path) -> list[Cell]:
                 cells.append(done[key])
                 continue
             if case is None:
-                case = _Case(model, topo_name, cfg, graphs)
+                case = _Case(model, topo_name, cfg, graphs, out / "graphs")
             cell = _run_cell(case, model, topo_name, method, cfg)
             cells.append(cell)
             with log.open("a") as f:  # one line per finished cell: resumable
