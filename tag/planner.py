@@ -32,8 +32,12 @@ in every encoded state) and its context holds a ``[K, A, D]`` placement table. W
 (one core, a loaded 2-core machine) an 8-state wave took 1.7 s on 64 GPUs, 20 s on 256 and 88 s
 on 512; the one-shot call 11 s, 250 s (4.2 GB) and 313 s (14.5 GB)
 (``evaluation/results/sim-speed/scale.md``). Beyond it :func:`find_plan` searches with the
-uniform prior and says so in ``meta["prior_note"]``; a machine-level device graph (and a predictor
-trained on it) is the way past."""
+uniform prior and says so in ``meta["prior_note"]``. Above 128 devices the predictor can encode
+one device node per machine (:mod:`tag.gnn.features`, ``coarse="machine"``: an 8-state wave 11.6 s
+and 1.8 GB at 512 GPUs), but the shipped network, trained with one node per device on at most 32
+GPUs, was 27% behind uniform MCTS @500 with 50 playouts on ``cloud-256gpu-3zones``
+(``evaluation/results/planner-bench/scale-256gpu-machine-graph/``): raising this limit waits for
+a predictor trained on that graph."""
 
 _PREDICTORS: dict = {}
 

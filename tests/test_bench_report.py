@@ -31,3 +31,33 @@ def test_scale_suite_runs_every_method_on_the_topologies_at_scale():
     quick = SUITES["quick"]()  # unchanged: a few minutes on a 2-core machine
     assert quick.topologies == ["tag-testbed", "cloud-t4", "homogeneous-8xa100"] and quick.groups == 24
     assert quick.search_budget == 500 and len(quick.models) == 2
+
+
+def test_a_resumed_run_reuses_the_captured_graph(tmp_path, monkeypatch):
+    """The first run captures the model into the graph cache; a second run into the same folder
+    (its cells removed) plans from that graph without capturing."""
+    import tag.graph
+    from tag.bench.runner import run_suite
+    from tag.bench.suites import ModelCase, SuiteConfig
+
+    cfg = SuiteConfig(name="t", models=[ModelCase("mlp:layers=2,hidden=32,in_dim=16", 8)], topologies=["tag-testbed"],
+                      methods=["dp", "lower-bound"], groups=4)
+    first = run_suite(cfg, tmp_path)
+    from tag.graph.cache import default_folder
+
+    assert len(list(default_folder().glob("*.json"))) == 1
+    (tmp_path / "cells.jsonl").unlink()
+
+    def no_capture(*a, **k):
+        raise AssertionError("captured again")
+
+    monkeypatch.setattr(tag.graph, "capture", no_capture)
+    again = run_suite(cfg, tmp_path)
+    assert [c.predicted_time_s for c in again] == [c.predicted_time_s for c in first]
+
+
+def test_bench_budget_must_be_positive(capsys):
+    from tag.cli import main
+
+    assert main(["bench", "--suite", "quick", "--budget", "0"]) == 2
+    assert "--budget: 0 playouts; expected a positive integer" in capsys.readouterr().err

@@ -155,3 +155,68 @@ def test_shipped_checkpoint_loads():
     assert DEFAULT_CHECKPOINT.stat().st_size < 5 * 2**20
     net, meta = load_net()
     assert isinstance(net, TagNet)
+
+
+def _cluster(machines):
+    """A topology of ``(gpu, count, intra GB/s)`` machines on 25 Gbit/s."""
+    return load_topology({"name": "c", "network": {"bandwidth": "25 Gbit/s"}, "machines": [
+        {"name": f"m{i}", "gpu": gpu, "count": n, **({"intra_bandwidth": f"{bw} GB/s"} if n > 1 else {})}
+        for i, (gpu, n, bw) in enumerate(machines)]})
+
+
+def _logits_values(net, ctx, states):
+    with torch.no_grad():
+        return net(JointNormalize()(ctx.encode(states)))
+
+
+def test_exact_coarse_device_graph_gives_the_full_graphs_outputs(setup):
+    """Three identical 4-GPU machines and two 2-GPU ones: devices no action tells apart share a
+    node, and the network (weights of any value) sees the same thing as on the full graph."""
+    from tag.gnn.features import device_classes
+    graph = setup[0]
+    topo = _cluster([("V100-SXM2-16GB", 4, 150)] * 3 + [("T4", 2, 10)] * 2)
+    space = ActionSpace(graph, topo)
+    ev = Evaluator(space, ToySimulator(graph, topo, space.costs))
+    cls = device_classes(space, "exact")
+    assert cls.max() + 1 < topo.num_devices  # something merged
+    for x in range(topo.num_devices):  # a class never spans machines
+        assert len({topo.machine_of(y) for y in np.nonzero(cls == cls[x])[0]}) == 1
+    torch.manual_seed(0)
+    net = TagNet(NetConfig(hidden=16, layers=2, heads=2)).eval()
+    full, coarse = JointContext(space, ev.t_ref), JointContext(space, ev.t_ref, coarse="exact")
+    assert coarse.d == cls.max() + 1 and full.d == topo.num_devices
+    states = _states(space, ev, 4)
+    states += [SearchState(s.assign, s.group, Feedback.neutral(space.num_devices, space.num_groups)) for s in states]
+    (lf, vf), (lc, vc) = _logits_values(net, full, states), _logits_values(net, coarse, states)
+    assert torch.allclose(lf, lc, atol=1e-5) and torch.allclose(vf, vc, atol=1e-5)
+    assert lf.std() > 1e-3  # not a degenerate comparison
+
+
+def test_machine_coarse_device_graph(setup):
+    """One node per machine: identical to the full graph when every machine has one GPU; on
+    multi-GPU machines as many device nodes as machines, and the predictor switches to it above
+    its device limit."""
+    graph = setup[0]
+    torch.manual_seed(1)
+    net = TagNet(NetConfig(hidden=16, layers=2, heads=2)).eval()
+    single = _cluster([("A100-40GB", 1, 0), ("A100-40GB", 1, 0), ("T4", 1, 0)])
+    space = ActionSpace(graph, single)
+    ev = Evaluator(space, ToySimulator(graph, single, space.costs))
+    states = _states(space, ev, 3)
+    (lf, vf) = _logits_values(net, JointContext(space, ev.t_ref), states)
+    (lm, vm) = _logits_values(net, JointContext(space, ev.t_ref, coarse="machine"), states)
+    assert torch.allclose(lf, lm, atol=1e-5) and torch.allclose(vf, vm, atol=1e-5)
+    multi = _cluster([("V100-SXM2-16GB", 4, 150)] * 2 + [("T4", 2, 10)])
+    space = ActionSpace(graph, multi)
+    ev = Evaluator(space, ToySimulator(graph, multi, space.costs))
+    pred = Predictor(net, coarse_above=multi.num_devices - 1)
+    ctx = pred.context(space, ev.t_ref)
+    assert ctx.coarse == "machine" and ctx.d == multi.num_machines
+    data = ctx.encode(_states(space, ev, 2))
+    assert data["device"].x.shape[0] == 2 * multi.num_machines
+    assert float(data["device"].mult.sum()) == 2 * multi.num_devices
+    pri, val = pred.predict(ctx, _states(space, ev, 2))
+    assert pri.shape == (2, space.num_actions) and np.allclose(pri.sum(1), 1) and np.isfinite(val).all()
+    assert Predictor(net).context(space, ev.t_ref).coarse is None  # 10 devices: one node each
+    with pytest.raises(ValueError, match="coarse"):
+        JointContext(space, ev.t_ref, coarse="rack")

@@ -383,7 +383,7 @@ def test_shipped_topologies_load():
 
 
 # The shipped topologies at scale: name -> (devices, machines, GPU kinds).
-SCALE = {"hetero-64gpu": (64, 10, 3), "cloud-256gpu-3zones": (256, 40, 3), "h100-512gpu": (512, 64, 1)}
+SCALE = {"hetero-64gpu": (64, 10, 3), "hetero-128gpu": (128, 16, 3), "cloud-256gpu-3zones": (256, 40, 3), "h100-512gpu": (512, 64, 1)}
 
 
 @pytest.mark.parametrize("name", sorted(SCALE))

@@ -5,7 +5,9 @@ parallel with even shares, the ratio to the ideal lower bound, out-of-memory, se
 playouts. On the suite's local CPU topologies the plans are also executed for real.
 
 Cells are appended to ``cells.jsonl`` as they finish; a rerun with the same ``--out`` skips the
-cells already there, so a killed benchmark resumes.
+cells already there, so a killed benchmark resumes. Graphs come from the graph cache
+(:func:`tag.planner.model_graph`), so a resumed run does not capture again (minutes for a
+real-size model).
 """
 
 from __future__ import annotations

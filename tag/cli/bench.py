@@ -16,6 +16,9 @@ def register(sub) -> None:
     p.add_argument("--topologies", default=None,
                    help="comma-separated subset of the suite's topologies (runs sharing --out fill one "
                         "cells.jsonl; a final run without filters writes the whole report)")
+    p.add_argument("--budget", type=int, default=None, metavar="N",
+                   help="playouts of random / sa / tpe / mcts-uniform (default: the suite's; TAG's budget is in "
+                        "its method name)")
     p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
                    help="training precision of every model (default: the suite's)")
     p.set_defaults(func=run)
@@ -32,6 +35,10 @@ def run(args) -> int:
     cfg = SUITES[args.suite]()
     if args.precision:
         cfg.precision = args.precision
+    if args.budget is not None:
+        if args.budget < 1:
+            raise TagError(f"--budget: {args.budget} playouts; expected a positive integer")
+        cfg.search_budget = args.budget
     if args.methods:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         bad = [m for m in methods if m not in METHODS]

@@ -22,6 +22,25 @@ in :data:`SCHEMA`; :class:`tag.gnn.transforms.JointNormalize` maps them to scale
 so that one network serves models and clusters of very different scale. Static columns come from
 the graph, the cost tables and the GPU catalog; dynamic ones from the partial plan and from the
 simulator's feedback on it (per-device utilisation and peak-memory ratio, per-group finish time).
+
+**Coarse device graphs** (``JointContext(..., coarse="exact" | "machine")``; the predictor uses
+``machine`` above :data:`COARSE_ABOVE` devices). One node stands for a class of ``m`` devices and
+carries their mean features (placement share, server flag, simulator feedback); ``m`` weights
+the attention over incoming messages (``log m`` added to the logits: what ``m`` identical
+neighbours contribute to a softmax), the policy head's means and share-weighted sums and the
+pooled embedding; a class's link to itself stands for the ``m - 1`` links among its devices.
+
+* ``exact``: devices that no table of the action space tells apart (:func:`device_classes`:
+  same machine, same membership in every action's subset, same model-parallel chunks and
+  parameter-server roles, same per-group times) are interchangeable in every state, and the
+  network's outputs equal the full graph's up to float rounding and the simulator's feedback
+  (which differs inside a class only by integer batch rounding). It saves little on 8-GPU
+  machines: a machine's first device (parameter server, single-device actions) and its first
+  ``MP_MAX_DEVICES`` (model-parallel chunks) stay apart, 320 nodes for 512 H100s.
+* ``machine``: one node per machine (a machine has one GPU kind). Exact for actions that take
+  whole machines; a model-parallel chunk, a parameter server or a single-device action on part
+  of a machine is spread over its node as a mean share. ``D (D - 1)`` link edges become
+  ``M^2`` and ``K D`` placement edges ``K M``: 64 nodes for 512 H100s.
 """
 
 from __future__ import annotations
@@ -74,6 +93,43 @@ REL = {
 }
 EDGE_SCHEMA = {"feeds": "feeds", "fed_by": "feeds", "link": "link", "on": "on", "hosts": "on", "uses": "uses"}
 MESSAGE_RELATIONS = ("feeds", "fed_by", "link", "on", "hosts")
+COARSE_ABOVE = 128
+"""The predictor encodes clusters of more devices than this with the coarse device graph (see the
+module docstring); up to it, one node per device, as the shipped predictor was trained."""
+
+
+COARSE_LEVELS = ("exact", "machine")
+
+
+def device_classes(space: ActionSpace, level: str = "exact") -> np.ndarray:
+    """[D] class of each device (0..C-1, by first device). ``exact``: two devices share a class
+    when no table of ``space`` tells them apart, i.e. they are on the same machine, in the same
+    actions' subsets, chosen for the same model-parallel chunks, parameter server of the same
+    actions, and have the same time for every group; every state's placement, shares and server
+    flags are then identical over a class. ``machine``: one class per machine (see the module
+    docstring)."""
+    topo, d = space.topology, space.num_devices
+    if level == "machine":
+        return np.array([topo.machine_of(x) for x in range(d)], dtype=np.int64)
+    if level != "exact":
+        raise ValueError(f"coarse: expected one of {COARSE_LEVELS}, got {level!r}")
+    mp_roles: list[list[tuple[int, int]]] = [[] for _ in range(d)]
+    server_of: list[list[int]] = [[] for _ in range(d)]
+    for a, act in enumerate(space.actions):
+        if act.sync == "mp" and len(act.devices) > 1:
+            for g in range(space.num_groups):
+                for x in space._mp_devices(g, act):
+                    mp_roles[x].append((g, a))
+        elif act.sync == "ps" and len(act.devices) > 1:
+            server_of[space._server(act.devices)].append(a)
+    member = np.ascontiguousarray(space.membership.T)  # [D, A]
+    times = np.ascontiguousarray(space.costs.group_time_full.T)  # [D, K] seconds
+    keys: dict[tuple, int] = {}
+    out = np.empty(d, dtype=np.int64)
+    for x in range(d):
+        key = (topo.machine_of(x), member[x].tobytes(), tuple(mp_roles[x]), tuple(server_of[x]), times[x].tobytes())
+        out[x] = keys.setdefault(key, len(keys))
+    return out
 
 
 def dims() -> dict[str, int]:
@@ -89,14 +145,26 @@ class JointContext:
     Args:
         space: the action space (it holds the graph, the topology and the cost tables).
         t_ref: reference iteration time (s), the better data-parallel baseline's.
+        coarse: ``None`` one node per device; ``exact`` or ``machine``: one per class of devices
+            (:func:`device_classes`; see the module docstring).
     """
 
-    def __init__(self, space: ActionSpace, t_ref: float):
+    def __init__(self, space: ActionSpace, t_ref: float, coarse: str | None = None):
         self.space = space
         self.t_ref = float(t_ref)
+        self.coarse = coarse
         topo, c = space.topology, space.costs
         k, d, a = space.num_groups, space.num_devices, space.num_actions
-        self.k, self.d, self.a = k, d, a
+        self.k, self.a = k, a
+        self.cls = device_classes(space, coarse) if coarse else np.arange(d)
+        """[D] device node of each device."""
+        self.d = d = int(self.cls.max()) + 1 if d else 0
+        """Device nodes per state (``D``, or the classes when coarse)."""
+        self.mult = np.bincount(self.cls, minlength=d).astype(np.float64)
+        """[d] devices per device node."""
+        self.reps = np.unique(self.cls, return_index=True)[1]
+        """[d] first device of each node."""
+        reps, cls, mult = self.reps, self.cls, self.mult
         gt = c.group_time  # [K, D, 4]
         fast = int(np.argmax(c.device_speed))
         slow = int(np.argmin(c.device_speed))
@@ -104,7 +172,8 @@ class JointContext:
         self.total_param_bytes = total_p
         comm = space.comm  # links: measured fits where profiled (tag.cost.comm)
         bw = comm.bandwidth
-        off = bw[~np.eye(d, dtype=bool)] if d > 1 else np.array([])
+        nd = space.num_devices
+        off = bw[~np.eye(nd, dtype=bool)] if nd > 1 else np.array([])  # full [D, D]: the same reference coarse or not
         finite = off[np.isfinite(off)]
         self.bw_ref = float(np.median(finite)) if finite.size else 100e9
         # ---- group static
@@ -118,52 +187,66 @@ class JointContext:
         gs[:, 9] = np.arange(k) / max(k - 1, 1)
         gs[:, 10] = space.rank / max(k - 1, 1)
         self.group_static = gs
-        # ---- device static
+        # ---- device static (per device [D, 7], then one row per node)
         flops = np.array([dv.gpu.fp32_flops for dv in topo.devices])
-        ds = np.zeros((d, 7))
+        ds = np.zeros((nd, 7))
         ds[:, 0] = flops / flops.max()
         ds[:, 1] = flops
         ds[:, 2] = [dv.gpu.memory_bytes for dv in topo.devices]
         ds[:, 3] = [dv.gpu.memory_bandwidth for dv in topo.devices]
         intra = [comm.machine_bandwidth(m, m) for m in (topo.machine_of(dv.index) for dv in topo.devices)]
         ds[:, 4] = [b if math.isfinite(b) else 1e12 for b in intra]  # no intra link given: 1 TB/s
-        ds[:, 5] = [topo.machines[topo.machine_of(i)].count / d for i in range(d)]
+        ds[:, 5] = [topo.machines[topo.machine_of(i)].count / nd for i in range(nd)]
         ds[:, 6] = c.device_speed / c.device_speed.max()
-        self.device_static = ds
-        self.mem_cap = ds[:, 2]
+        self.device_static = ds[reps]
+        self.mem_cap = ds[:, 2]  # [D] bytes, per device (the actions' memory need)
         # ---- edges
         flow = sorted(c.flow.items())
         self.flow_src = np.array([f[0][0] for f in flow], dtype=np.int64)
         self.flow_dst = np.array([f[0][1] for f in flow], dtype=np.int64)
         self.flow_bytes = np.array([f[1] for f in flow], dtype=np.float64)
-        src, dst = np.nonzero(~np.eye(d, dtype=bool))
+        # links: node j -> node i stands for the links from the m_j devices of j to one device of i
+        # (j == i: the m_i - 1 others of its own class); src_dev/dst_dev one such device pair
+        src, dst = np.nonzero(np.ones((d, d), dtype=bool))
+        n_links = np.where(src == dst, mult[dst] - 1, mult[src])
+        keep = n_links > 0
+        src, dst, n_links = src[keep], dst[keep], n_links[keep]
+        second = np.array([np.nonzero(cls == i)[0][min(1, int(mult[i]) - 1)] for i in range(d)], dtype=np.int64)
+        src_dev, dst_dev = reps[src], np.where(src == dst, second[dst], reps[dst])
         self.link_src, self.link_dst = src.astype(np.int64), dst.astype(np.int64)
-        mo = np.array([topo.machine_of(i) for i in range(d)])
+        self.link_log_mult = np.log(n_links)
+        mo = np.array([topo.machine_of(i) for i in range(nd)])
         lat = comm.latency
-        self.link_attr = np.stack([bw[src, dst], lat[src, dst], (mo[src] == mo[dst]).astype(float)], 1) \
+        self.link_attr = np.stack([bw[src_dev, dst_dev], lat[src_dev, dst_dev],
+                                   (mo[src_dev] == mo[dst_dev]).astype(float)], 1) \
             if len(src) else np.zeros((0, 3))
         gg, dd = np.meshgrid(np.arange(k), np.arange(d), indexing="ij")
         self.on_src, self.on_dst = gg.reshape(-1), dd.reshape(-1)
-        self.on_tfull = gt[:, :, 0].reshape(-1)
+        self.on_tfull = gt[:, reps, 0].reshape(-1)
         # ---- per (group, action) materialisation tables
         self.plans = [[space.group_plan(gi, ai) for ai in range(a)] for gi in range(k)]
-        self.place = np.zeros((k, a, d))  # batch share per device (mp: 1/n)
-        self.server = np.full((k, a), -1, np.int64)
+        self.place = np.zeros((k, a, d))  # summed batch share of each node's devices (mp: 1/n each)
+        self.server = np.full((k, a), -1, np.int64)  # node of the parameter server
         for gi in range(k):
             for ai, gp in enumerate(self.plans[gi]):
-                if strategy_of(gp).chunked:
-                    self.place[gi, ai, gp.devices] = 1.0 / len(gp.devices)
-                else:
-                    self.place[gi, ai, gp.devices] = gp.shares
+                shares = np.full(len(gp.devices), 1.0 / len(gp.devices)) if strategy_of(gp).chunked else gp.shares
+                np.add.at(self.place[gi, ai], cls[gp.devices], shares)
                 if gp.server is not None:
-                    self.server[gi, ai] = gp.server
+                    self.server[gi, ai] = cls[gp.server]
         self.sync_idx = space.sync_index
         self.ndev = space.membership.sum(axis=1)
         self.machines_frac = np.array([len({topo.machine_of(x) for x in act.devices}) / topo.num_machines
                                        for act in space.actions])
         self.action_feats = self._action_static()
-        mem = space.membership
-        self.uses_src, self.uses_dst = np.nonzero(mem)
+        members = np.zeros((a, d))  # [A, d] devices of each node in each action's subset
+        np.add.at(members.T, cls, space.membership.T)
+        self.uses_src, self.uses_dst = np.nonzero(members)
+        self.uses_mult = members[self.uses_src, self.uses_dst]
+
+    def _per_node(self, x) -> np.ndarray:
+        """[D] per-device values -> [d] their mean over each node's devices."""
+        x = np.asarray(x, dtype=np.float64)
+        return x if self.coarse is None else np.bincount(self.cls, weights=x, minlength=self.d) / self.mult
 
     def _action_static(self) -> np.ndarray:
         """[K, A, 3]: compute, sync time and memory need of every action for every group.
@@ -217,6 +300,7 @@ class JointContext:
         ``value`` (training data)."""
         sp = self.space
         k, d, a = self.k, self.d, self.a
+        nd = sp.num_devices  # devices (d: device nodes)
         n = len(states)
         gx, dx, ax, on_attr, feeds_attr, uses_attr = [], [], [], [], [], []
         for st in states:
@@ -231,15 +315,15 @@ class JointContext:
             if cur >= 0:
                 gdyn[cur, 1] = 1.0
             gdyn[np.arange(k), 2 + sync] = 1.0
-            gdyn[:, 5] = self.ndev[res] / d
+            gdyn[:, 5] = self.ndev[res] / nd
             gdyn[:, 6] = np.clip(fb.group_finish, 0, 10)
             gdyn[:, 7] = (res == sp.default_action).astype(float)
             gx.append(np.concatenate([self.group_static, gdyn], 1))
-            place = self.place[np.arange(k), res]  # [K, D]
+            place = self.place[np.arange(k), res] / self.mult  # [K, d] mean share of a node's devices
             ddyn = np.zeros((d, 6))
-            ddyn[:, 0] = np.clip(fb.device_util, 0, 10)
-            ddyn[:, 1] = np.clip(fb.device_mem, 0, 10)
-            ddyn[:, 2] = np.clip(fb.device_comm, 0, 10)
+            ddyn[:, 0] = np.clip(self._per_node(fb.device_util), 0, 10)
+            ddyn[:, 1] = np.clip(self._per_node(fb.device_mem), 0, 10)
+            ddyn[:, 2] = np.clip(self._per_node(fb.device_comm), 0, 10)
             ddyn[:, 3] = (place > 0).sum(0) / k
             if cur >= 0:
                 ddyn[:, 4] = place[cur] > 0
@@ -248,7 +332,7 @@ class JointContext:
             srv = np.zeros((k, d))
             sv = self.server[np.arange(k), res]
             has = sv >= 0
-            srv[np.arange(k)[has], sv[has]] = 1.0
+            srv[np.arange(k)[has], sv[has]] = 1.0 / self.mult[sv[has]]  # a node's share of servers
             share = place.reshape(-1)
             t_share = self.on_tfull * np.where(share > 0, 0.1 + 0.9 * share, 0.0)
             on_attr.append(np.stack([self.on_tfull, t_share, (share > 0).astype(float), share,
@@ -258,7 +342,7 @@ class JointContext:
                 if len(self.flow_src) else np.zeros((0, 2)))
             # actions of the current group
             afe = np.zeros((a, 10))
-            afe[:, 0] = self.ndev / d
+            afe[:, 0] = self.ndev / nd
             afe[np.arange(a), 1 + self.sync_idx] = 1.0
             gi = cur if cur >= 0 else 0
             afe[:, 4:7] = self.action_feats[gi]
@@ -269,7 +353,7 @@ class JointContext:
                     afe[prev, 8] = 1.0
             afe[:, 9] = self.machines_frac
             ax.append(afe)
-            uses_attr.append(self.place[gi, self.uses_src, self.uses_dst][:, None])
+            uses_attr.append((self.place[gi, self.uses_src, self.uses_dst] / self.uses_mult)[:, None])
         data = HeteroData()
         data.num_states = n
         data["group"].x = _t(np.concatenate(gx))
@@ -291,6 +375,11 @@ class JointContext:
         data[REL["fed_by"]].edge_attr = data[REL["feeds"]].edge_attr
         data[REL["link"]].edge_index = rep(self.link_src, self.link_dst, d, d)
         data[REL["link"]].edge_attr = _t(np.tile(self.link_attr, (n, 1)))
+        if self.coarse is not None:  # devices per node (tag.gnn.model reads these; absent: one each)
+            data["device"].mult = _t(np.tile(self.mult, n))
+            data[REL["link"]].log_mult = _t(np.tile(self.link_log_mult, n))
+            data[REL["hosts"]].log_mult = _t(np.tile(np.log(self.mult)[self.on_dst], n))
+            data[REL["uses"]].mult = _t(np.tile(self.uses_mult, n))
         data[REL["on"]].edge_index = rep(self.on_src, self.on_dst, k, d)
         data[REL["on"]].edge_attr = _t(np.concatenate(on_attr))
         data[REL["hosts"]].edge_index = rep(self.on_dst, self.on_src, d, k)

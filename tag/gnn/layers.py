@@ -6,10 +6,28 @@ import linecache
 import tempfile
 from pathlib import Path
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch_geometric.nn import GATv2Conv, HeteroConv
+from torch_geometric.utils import softmax
 
 EdgeType = tuple[str, str, str]
+
+
+class MultGATv2Conv(GATv2Conv):
+    """:class:`GATv2Conv` whose edges may stand for several identical ones: the last column of
+    ``edge_attr`` is ``log m`` (0: one edge), added to the attention logit before the softmax, as
+    ``m`` parallel copies of the edge would weigh; the other columns are the edge features. Same
+    parameters as :class:`GATv2Conv` (checkpoints load unchanged)."""
+
+    def edge_update(self, x_j: Tensor, x_i: Tensor, edge_attr: Tensor, index: Tensor, ptr: Tensor | None,
+                    dim_size: int | None) -> Tensor:
+        feats, log_mult = edge_attr[:, :-1], edge_attr[:, -1]
+        x = x_i + x_j + self.lin_edge(feats).view(-1, self.heads, self.out_channels)
+        x = F.leaky_relu(x, self.negative_slope)
+        alpha = (x * self.att).sum(dim=-1) + log_mult[:, None]  # [E, heads]
+        alpha = softmax(alpha, index, ptr, dim_size)
+        return F.dropout(alpha, p=self.dropout, training=self.training)
 
 
 class JointConv(nn.Module):
@@ -31,7 +49,8 @@ class JointConv(nn.Module):
         \mathbf{h}'_i = \operatorname{LayerNorm}\left(\mathbf{h}_i + \operatorname{ELU}(\mathbf{m}_i)\right)
 
     Node types that receive no message (e.g. the policy's ``action`` nodes) pass through
-    unchanged.
+    unchanged. An edge may stand for ``m`` identical edges (:class:`MultGATv2Conv`: the last
+    column of its features is ``log m``; the coarse device graph of :mod:`tag.gnn.features`).
 
     Args:
         relations: the edge types ``(src, rel, dst)`` that carry messages.
@@ -43,7 +62,8 @@ class JointConv(nn.Module):
 
     Shapes:
         - **input:** ``x_dict[t]`` :math:`(|V_t|, \text{hidden})`, ``edge_index_dict[r]``
-          :math:`(2, |E_r|)`, ``edge_attr_dict[r]`` :math:`(|E_r|, \text{edge\_dim}[r])`
+          :math:`(2, |E_r|)`, ``edge_attr_dict[r]`` :math:`(|E_r|, \text{edge\_dim}[r] + 1)` (the
+          edge features, then ``log m``)
         - **output:** ``x_dict[t]`` :math:`(|V_t|, \text{hidden})` for every input node type.
     """
 
@@ -54,7 +74,7 @@ class JointConv(nn.Module):
             raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
         self.relations = list(relations)
         with _template_files_removed():
-            convs = {r: GATv2Conv((hidden, hidden), hidden // heads, heads=heads, edge_dim=edge_dim[r],
+            convs = {r: MultGATv2Conv((hidden, hidden), hidden // heads, heads=heads, edge_dim=edge_dim[r],
                                   add_self_loops=False, dropout=dropout, share_weights=False)
                      for r in self.relations}
         self.conv = HeteroConv(convs, aggr="sum")

@@ -97,7 +97,8 @@ class TagNet(nn.Module):
     def forward(self, data: HeteroData) -> tuple[Tensor, Tensor]:
         x = {t: torch.relu(self.node_in[t](data[t].x)) for t in NODE_TYPES}
         ei = {REL[r]: data[REL[r]].edge_index for r in MESSAGE_RELATIONS}
-        ea = {REL[r]: self.edge_in[r](data[REL[r]].edge_attr) for r in MESSAGE_RELATIONS}
+        ea = {REL[r]: torch.cat([self.edge_in[r](data[REL[r]].edge_attr), _edge_log_mult(data[REL[r]])], 1)
+              for r in MESSAGE_RELATIONS}  # features, then log of the edges each stands for
         hx = {"group": x["group"], "device": x["device"]}
         for conv in self.convs:
             hx = conv(hx, ei, ea)
@@ -105,20 +106,37 @@ class TagNet(nn.Module):
         gb, db, ab = data["group"].batch, data["device"].batch, data["action"].batch
         n = int(data.t_ref.numel())
         z = torch.cat([scatter(hg, gb, 0, dim_size=n, reduce="mean"),
-                       scatter(hd, db, 0, dim_size=n, reduce="mean")], 1)
+                       _mean(hd, db, n, data["device"].get("mult"))], 1)  # devices per node (coarse)
         cur_mask = data["group"].current > 0.5
         h_cur = torch.zeros(n, hg.size(1), dtype=hg.dtype)
         h_cur = h_cur.index_add(0, gb[cur_mask], hg[cur_mask])
         src, dst = data[REL["uses"]].edge_index
         share = data[REL["uses"]].edge_attr[:, :1]
+        um = data[REL["uses"]].get("mult")  # [E] devices each edge stands for (coarse), else None: one
         na = ha.size(0)
-        mean_d = scatter(hd[dst], src, 0, dim_size=na, reduce="mean")
+        mean_d = _mean(hd[dst], src, na, um)
         max_d = scatter(hd[dst], src, 0, dim_size=na, reduce="max")
-        wsum = scatter(hd[dst] * share, src, 0, dim_size=na, reduce="sum")
+        wsum = scatter(hd[dst] * (share if um is None else share * um[:, None]), src, 0, dim_size=na, reduce="sum")
         feats = torch.cat([h_cur[ab], mean_d, max_d, wsum, ha, z[ab][:, : hg.size(1)]], 1)
         logits = self.policy(feats).squeeze(-1)
         value = self.value(z).squeeze(-1)
         return logits, value
+
+
+def _mean(x: Tensor, index: Tensor, n: int, weight: Tensor | None) -> Tensor:
+    """[n, F] mean of the rows of ``x`` [N, F] per ``index``, each row counted ``weight`` [N] times
+    (the devices a coarse node or edge stands for; None: once)."""
+    if weight is None:
+        return scatter(x, index, 0, dim_size=n, reduce="mean")
+    w = weight.to(x.dtype)[:, None]
+    return scatter(x * w, index, 0, dim_size=n, reduce="sum") / scatter(w, index, 0, dim_size=n, reduce="sum").clamp_min(1)
+
+
+def _edge_log_mult(store) -> Tensor:
+    """[E, 1] log of the edges each edge of ``store`` stands for (0 when not given)."""
+    if "log_mult" in store:
+        return store.log_mult.to(store.edge_attr.dtype)[:, None]
+    return store.edge_attr.new_zeros(store.edge_attr.size(0), 1)
 
 
 def action_log_probs(logits: Tensor, batch: Tensor) -> Tensor:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import TagError
-from .features import JointContext
+from .features import COARSE_ABOVE, JointContext
 from .model import NetConfig, TagNet, value_to_reward
 from .transforms import JointNormalize
 
@@ -55,8 +55,11 @@ class Predictor:
     :func:`tag.search.mcts.run_playouts`.
     """
 
-    def __init__(self, net: TagNet):
+    def __init__(self, net: TagNet, coarse_above: int = COARSE_ABOVE):
         self.net = net.eval()
+        self.coarse_above = coarse_above
+        """Clusters of more devices than this are encoded with one device node per machine
+        (:mod:`tag.gnn.features`, ``coarse="machine"``)."""
         self.norm = JointNormalize()
         self._ctx: dict[int, JointContext] = {}
 
@@ -68,7 +71,7 @@ class Predictor:
         key = id(space)
         ctx = self._ctx.get(key)
         if ctx is None or ctx.space is not space or ctx.t_ref != t_ref:
-            ctx = JointContext(space, t_ref)
+            ctx = JointContext(space, t_ref, coarse="machine" if space.num_devices > self.coarse_above else None)
             self._ctx = {key: ctx}
         return ctx
 
