@@ -104,9 +104,9 @@ def test_plan_field_round_trip(mlp, topo4, tmp_path):
     plan = _pipelined(mlp, topo4)
     plan.pipeline = PipelinePlan([0, 2], 4, "kfkb", 2)
     validate_plan(plan, mlp, topo4, pipelines=True)
-    # the executor does not run micro-batches yet: it refuses, in one line
-    with pytest.raises(PlanError, match=r"^p: pipeline: pipeline plans are simulated \(tag simulate\) but not executed"):
-        validate_plan(plan, mlp, topo4, source="p")
+    # a caller that runs no micro-batches refuses it, in one line
+    with pytest.raises(PlanError, match=r"^p: pipeline: this caller runs no micro-batches; expected no pipeline field$"):
+        validate_plan(plan, mlp, topo4, source="p", pipelines=False)
     assert stage_of_group(plan.pipeline, 4) == [0, 0, 1, 1]
     plan.save(tmp_path / "p.json")
     back = Plan.load(tmp_path / "p.json")

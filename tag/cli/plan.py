@@ -204,8 +204,7 @@ def _print(graph, topo, p, args) -> None:
         pp = p.pipeline
         print(f"  a Megatron-style layout beats the searched plan: {s['layout']} ({len(pp.stages)} stages from "
               f"groups {pp.stages}, {pp.micro_batches} micro-batch{'es' if pp.micro_batches > 1 else ''}, "
-              f"{pp.schedule}); simulated, not executed "
-              "by this version")
+              f"{pp.schedule})")
     elif s["source"] != "search":
         print(f"  search found nothing better than the baselines; returning {s['source']}")
     print(f"  {s['compression']}")

@@ -13,7 +13,9 @@ its last use, and the module is called with the boxed convention (the argument l
 once unpacked), so an input value whose last use is in the segment dies there too, not when the
 iteration ends.
 
-Values cross segments in the runtime's ``env`` by ``(unit, node name)``; :func:`plan_program`
+Values cross segments in the runtime's ``env`` by ``(unit, node name)`` (on a pipeline by
+``((group, chunk, micro-batch), node name)``, :func:`env_unit`, except the accumulated parameter
+gradients, :func:`accumulation`); :func:`plan_program`
 computes, for every action of the rank (a segment or another step, in execution order), which
 ``env`` keys it reads and which die after it, so ``env`` holds only what is still needed.
 
@@ -61,15 +63,16 @@ class Segment:
 
     @property
     def name(self) -> str:
-        """E.g. ``fwd g0-g3 + bwd g3-g0`` (timelines)."""
-        parts: list[tuple[str, list[str]]] = []
-        for (g, j), ph in self.stages:
+        """E.g. ``fwd g0-g3 + bwd g3-g0`` (timelines; on a pipeline ``fwd g0-g1 m2 + ...``)."""
+        parts: list[tuple[tuple, list[str]]] = []
+        for (g, j), ph, *micro in self.stages:
             label = f"g{g}" + (f".{j}" if j else "")
-            if parts and parts[-1][0] == ph:
+            if parts and parts[-1][0] == (ph, micro):
                 parts[-1][1].append(label)
             else:
-                parts.append((ph, [label]))
-        return " + ".join(f"{ph} {ls[0]}" + (f"-{ls[-1]}" if len(ls) > 1 else "") for ph, ls in parts)
+                parts.append(((ph, micro), [label]))
+        return " + ".join(f"{ph} {ls[0]}" + (f"-{ls[-1]}" if len(ls) > 1 else "") + "".join(f" m{m}" for m in micro)
+                          for (ph, micro), ls in parts)
 
     def __call__(self, env: dict[Key, torch.Tensor]) -> None:
         args = list(self.static)
@@ -81,10 +84,46 @@ class Segment:
         env.update(zip(self.outputs, outs))
 
 
+def env_unit(schedule: Schedule, unit: UnitKey, micro: int) -> tuple:
+    """The unit part of the ``env`` key of a value ``unit`` computes or receives on micro-batch
+    ``micro``: ``unit`` itself, or on a pipeline ``(group, chunk, micro)``, so that the values of
+    micro-batches in flight at once do not overwrite one another."""
+    return (*unit, micro) if schedule.micro_units else unit
+
+
+def stage_key(schedule: Schedule, st: Step) -> tuple:
+    """The key of the stage compute step ``st`` runs in a rank's ``stages``: ``(unit, phase)``, or
+    on a pipeline ``(unit, phase, micro)`` (a micro-batch's stage is cut from the joint graph at
+    that micro-batch's local batch)."""
+    return (st.unit, st.phase, st.micro) if schedule.micro_units else (st.unit, st.phase)
+
+
+def accumulation(schedule: Schedule) -> dict[UnitKey, tuple[int, frozenset[str]]]:
+    """Pipeline plans: unit -> (the micro-batch of its first backward in the schedule, the
+    parameter-gradient node names its backward computes); empty without a pipeline.
+
+    A unit's backward of micro-batch ``m`` computes its parameters' gradients over ``m``'s samples;
+    they are summed over the micro-batches into ``env[(unit, gradient name)]`` (no micro-batch in
+    the key: the key the gradient sync and the optimizer read without a pipeline). The first
+    backward writes it, every later one adds to it (:func:`step_reads_writes`,
+    :func:`build_module`)."""
+    if not schedule.micro_units:
+        return {}
+    grads: dict[UnitKey, set[str]] = {}
+    for ph, owner in schedule.param_owner.items():
+        grads.setdefault(owner, set()).add(schedule.param_grad[ph])
+    first: dict[UnitKey, int] = {}
+    for st in schedule.steps:
+        if st.kind == "compute" and st.phase == "bwd":
+            first.setdefault(st.unit, st.micro)
+    return {u: (first[u], frozenset(names)) for u, names in grads.items() if u in first}
+
+
 def takes_part(schedule: Schedule, rank: int, st: Step, stages) -> bool:
-    """Whether ``rank`` has something to do in step ``st`` (``stages``: its (unit, phase) stages)."""
+    """Whether ``rank`` has something to do in step ``st`` (``stages``: its stages, by
+    :func:`stage_key`)."""
     if st.kind == "compute":
-        return (st.unit, st.phase) in stages
+        return stage_key(schedule, st) in stages
     if st.kind == "transfer":
         return any(rank in (m.src, m.dst) for m in st.moves)
     if st.kind == "sfb":
@@ -98,14 +137,24 @@ def is_local(rank: int, st: Step) -> bool:
 
 
 def step_reads_writes(schedule: Schedule, rank: int, st: Step, stages, synced: Callable[[int], list[Key]],
-                      sfb_writes: Callable[[int], list[Key]]) -> tuple[list[Key], list[Key]]:
-    """``env`` keys step ``st`` reads and writes on ``rank``."""
+                      sfb_writes: Callable[[int], list[Key]],
+                      accum: dict[UnitKey, tuple[int, frozenset[str]]] | None = None) -> tuple[list[Key], list[Key]]:
+    """``env`` keys step ``st`` reads and writes on ``rank`` (``accum``: :func:`accumulation`)."""
     if st.kind == "compute":
-        stage = stages[(st.unit, st.phase)]
-        return [(st.unit, n) for n in stage.inputs], [(st.unit, n) for n in stage.outputs]
+        stage = stages[stage_key(schedule, st)]
+        u = env_unit(schedule, st.unit, st.micro)
+        acc = accum.get(st.unit) if accum and st.phase == "bwd" else None
+        if acc is None:
+            return [(u, n) for n in stage.inputs], [(u, n) for n in stage.outputs]
+        first, grads = acc  # the parameter gradients go to (unit, name), summed over the micro-batches
+        summed = [(st.unit, n) for n in stage.outputs if n in grads]
+        return ([(u, n) for n in stage.inputs] + (summed if st.micro != first else []),
+                [(st.unit, n) if n in grads else (u, n) for n in stage.outputs])
     if st.kind == "transfer":
-        reads = [(m.src_unit, m.name) for m in st.moves if m.src == rank and m.mode != "zeros"]
-        writes = list(dict.fromkeys((m.dst_unit, m.name) for m in st.moves if m.dst == rank))
+        reads = [(env_unit(schedule, m.src_unit, st.micro), m.name) for m in st.moves
+                 if m.src == rank and m.mode != "zeros"]
+        writes = list(dict.fromkeys((env_unit(schedule, m.dst_unit, st.micro), m.name) for m in st.moves
+                                    if m.dst == rank))
         return reads, writes
     if st.kind == "sfb":
         sg = schedule.sfb[st.group]
@@ -128,7 +177,7 @@ class Program:
 def plan_program(schedule: Schedule, rank: int, stages: dict, static: Callable[[Key], bool],
                  synced: Callable[[int], list[Key]], sfb_writes: Callable[[int], list[Key]],
                  final_reads: list[Key], cut_at_sync: bool) -> Program:
-    """Segments of ``rank`` and the liveness of its ``env`` values.
+    """Segments of ``rank`` and the liveness of its ``env`` values (``stages`` by :func:`stage_key`).
 
     ``static(key)``: the value is not in ``env`` (a parameter, buffer, constant or user-input slice
     the runtime holds anyway). ``final_reads``: keys read after the last step (gradients by the
@@ -147,12 +196,13 @@ def plan_program(schedule: Schedule, rank: int, stages: dict, static: Callable[[
                 actions.append(("seg", current))
             current.steps.append(i)
             if st.kind == "compute":
-                current.stages.append((st.unit, st.phase))
+                current.stages.append(stage_key(schedule, st))
             continue
         if st.kind in ("transfer", "sfb") or cut_at_sync:
             current = None
         actions.append(("step", i))
-    rw = {i: step_reads_writes(schedule, rank, st, stages, synced, sfb_writes) for i, st in mine}
+    accum = accumulation(schedule)
+    rw = {i: step_reads_writes(schedule, rank, st, stages, synced, sfb_writes, accum) for i, st in mine}
     reads_of: list[list[Key]] = []
     for kind, a in actions:
         if kind == "seg":
@@ -176,8 +226,9 @@ def plan_program(schedule: Schedule, rank: int, stages: dict, static: Callable[[
         if kind == "seg":
             later = {k for k, p in last.items() if p > pos}
             a.inputs = [k for k in dict.fromkeys(reads_of[pos]) if not static(k)]
-            a.drop = [k for k in a.inputs if last[k] == pos]
             produced_keys = [k for i in a.steps for k in rw[i][1]]
+            # an input the segment overwrites (a gradient summed over micro-batches) is dead once read
+            a.drop = [k for k in a.inputs if last[k] == pos or k in produced_keys]
             a.outputs = [k for k in dict.fromkeys(produced_keys) if k in later]
             segments[a.start] = a
             covered.update(a.steps)
@@ -194,9 +245,11 @@ def build_module(seg: Segment, schedule: Schedule, rank: int, stages: dict, stat
     """Generate ``seg.module`` (boxed calling convention) and ``seg.static``.
 
     ``static_value(key)``: the held tensor of a static key, else None. ``meta(key)``: the fake
-    tensor (``node.meta["val"]``) of a value. ``local_rows(m)``: for a local ``rows`` move,
-    ``(start, length)`` along its batch dim in the producer's tensor, or None for all of it.
+    tensor (``node.meta["val"]``) of a value. ``local_rows(m, micro)``: for a local ``rows`` move
+    of micro-batch ``micro``, ``(start, length)`` along its batch dim in the producer's tensor, or
+    None for all of it.
     """
+    accum = accumulation(schedule)
     g = fx.Graph()
     node_of: dict[Key, fx.Node] = {}
     static_keys: list[Key] = []
@@ -204,14 +257,22 @@ def build_module(seg: Segment, schedule: Schedule, rank: int, stages: dict, stat
     produced: set[Key] = set()
     for i in seg.steps:  # which keys come from outside, in first-use order
         st = schedule.steps[i]
-        r, w = step_reads_writes(schedule, rank, st, stages, lambda g_: [], lambda g_: [])
+        r, w = step_reads_writes(schedule, rank, st, stages, lambda g_: [], lambda g_: [], accum)
         reads += [k for k in r if k not in produced]
         produced.update(w)
     for k in dict.fromkeys(reads):
         if static_value(k) is not None:
             static_keys.append(k)
+    used: set[str] = set()
     for k in static_keys + seg.inputs:
-        ph = g.placeholder(_ident(k[1]))
+        # One name per placeholder: the generated code unpacks the arguments by target name, and two
+        # keys may share a node name (a user input's rows for two units or micro-batches).
+        name, n = _ident(k[1]), 0
+        while name in used:
+            n += 1
+            name = f"{_ident(k[1])}_arg{n}"
+        used.add(name)
+        ph = g.placeholder(name)
         val = meta(k)
         if val is not None:
             ph.meta["val"] = val
@@ -221,23 +282,34 @@ def build_module(seg: Segment, schedule: Schedule, rank: int, stages: dict, stat
     for i in seg.steps:
         st = schedule.steps[i]
         if st.kind == "compute":
-            stage: Stage = stages[(st.unit, st.phase)]
+            stage: Stage = stages[stage_key(schedule, st)]
+            u = env_unit(schedule, st.unit, st.micro)
+            first, grads = accum.get(st.unit, (st.micro, frozenset())) if st.phase == "bwd" else (0, frozenset())
             local: dict[fx.Node, fx.Node] = {}
             phs = [n for n in stage.module.graph.nodes if n.op == "placeholder"]
             for n, name in zip(phs, stage.inputs):
-                local[n] = node_of[(st.unit, name)]
+                local[n] = node_of[(u, name)]
             for n in stage.module.graph.nodes:
                 if n.op == "placeholder":
                     continue
                 if n.op == "output":
                     for name, v in zip(stage.outputs, n.args[0]):
-                        node_of[(st.unit, name)] = local[v]
+                        if name not in grads:
+                            node_of[(u, name)] = local[v]
+                        elif st.micro == first:  # a gradient summed over the micro-batches (accumulation)
+                            node_of[(st.unit, name)] = local[v]
+                        else:
+                            node_of[(st.unit, name)] = g.call_function(torch.add, (node_of[(st.unit, name)], local[v]))
                     continue
-                if n.op == "get_attr":
-                    attrs[n.target] = getattr(stage.module, n.target)
-                local[n] = g.node_copy(n, lambda a, local=local: local[a])
+                new = g.node_copy(n, lambda a, local=local: local[a])
+                if n.op == "get_attr":  # stages cut from joint graphs at two batch sizes may share a name
+                    val = getattr(stage.module, n.target)
+                    if attrs.get(n.target, val) is not val:
+                        new.target = f"{n.target}_{i}"
+                    attrs[new.target] = val
+                local[n] = new
         else:
-            _local_transfer(g, st, rank, node_of, local_rows, meta, device)
+            _local_transfer(g, st, schedule, rank, node_of, local_rows, meta, device)
     g.output(tuple(node_of[k] for k in seg.outputs))
     root = torch.nn.Module()
     for name, v in attrs.items():
@@ -249,12 +321,17 @@ def build_module(seg: Segment, schedule: Schedule, rank: int, stages: dict, stat
     seg.module = fx.GraphModule(root, g, class_name="Segment")
 
 
-def _local_transfer(g: fx.Graph, st: Step, rank: int, node_of: dict, local_rows, meta, device) -> None:
+def _local_transfer(g: fx.Graph, st: Step, schedule: Schedule, rank: int, node_of: dict, local_rows, meta,
+                    device) -> None:
     """Local hand-overs of step ``st`` as graph ops (no copies where a view or the tensor does)."""
     pieces: dict[Key, list[Move]] = {}
+
+    def at(unit: UnitKey) -> tuple:
+        return env_unit(schedule, unit, st.micro)
+
     for m in st.moves:
         if m.dst == rank:
-            pieces.setdefault((m.dst_unit, m.name), []).append(m)
+            pieces.setdefault((at(m.dst_unit), m.name), []).append(m)
     for key, ms in pieces.items():
         m0 = ms[0]
         if m0.mode == "zeros":
@@ -263,8 +340,8 @@ def _local_transfer(g: fx.Graph, st: Step, rank: int, node_of: dict, local_rows,
         elif m0.mode == "rows":
             parts = []
             for m in sorted(ms, key=lambda m: m.start):
-                v = node_of[(m.src_unit, m.name)]
-                rng = local_rows(m)
+                v = node_of[(at(m.src_unit), m.name)]
+                rng = local_rows(m, st.micro)
                 if rng is not None:
                     v = g.call_function(torch.narrow, (v, m.batch_dim, *rng))
                     if m.batch_dim != 0:  # a row range along an inner dim is strided; stages may view it
@@ -272,12 +349,12 @@ def _local_transfer(g: fx.Graph, st: Step, rank: int, node_of: dict, local_rows,
                 parts.append(v)
             node_of[key] = parts[0] if len(parts) == 1 else g.call_function(torch.cat, (parts, m0.batch_dim))
         elif m0.mode == "sum":
-            total = node_of[(m0.src_unit, m0.name)]
+            total = node_of[(at(m0.src_unit), m0.name)]
             for m in ms[1:]:
-                total = g.call_function(torch.add, (total, node_of[(m.src_unit, m.name)]))
+                total = g.call_function(torch.add, (total, node_of[(at(m.src_unit), m.name)]))
             node_of[key] = total
         else:  # copy: the producer's tensor itself
-            node_of[key] = node_of[(m0.src_unit, m0.name)]
+            node_of[key] = node_of[(at(m0.src_unit), m0.name)]
 
 
 def _ident(name: str) -> str:

@@ -7,7 +7,23 @@ worker moves the pieces with torch.distributed; :mod:`tag.executor.virtual` move
 one process (fast semantic tests).
 
 Values live in ``env[(unit, node name)]``: a rank may serve several units with different
-sample ranges, so the same node name can hold different rows for different units. A rank runs its
+sample ranges, so the same node name can hold different rows for different units. On a pipeline
+(``Plan.pipeline``) the unit part carries the micro-batch, ``(group, chunk, micro)``
+(:func:`tag.executor.fuse.env_unit`), so micro-batches in flight at once keep their own values;
+each micro-batch runs the stages cut from the joint graph at its local batch (the loss-gradient
+seed of micro-batch ``m`` scaled by ``b_{i,m} / B``), and the parameter gradients are summed over
+the micro-batches into ``env[(unit, gradient name)]`` (:func:`tag.executor.fuse.accumulation`),
+which the one gradient sync per group and the one optimizer step read as without a pipeline.
+
+Why not ``torch.distributed.pipelining``: its schedules (``ScheduleGPipe``, ``Schedule1F1B``, ...)
+drive ``PipelineStage`` objects that wrap ``nn.Module`` pieces and run their backward through
+autograd, one rank (or an FSDP/DDP group) per stage, exchanging only the stage outputs and their
+gradients with the neighbouring stages. TAG's stages are cuts of the captured *joint* forward +
+backward graph (explicit gradient ops, no autograd), a stage may be data parallel over uneven
+replicas whose rows are re-partitioned between stages, tensors other than the stage outputs cross
+stages (a tied weight and its partial-sum gradient, the loss seed), and the schedule (kFkB, the
+global order every rank walks, the packed transfers of :mod:`tag.executor.comm`) is shared with
+the simulator. The pipeline runs on the executor's own schedule walk instead. A rank runs its
 consecutive local steps (stages and local hand-overs) as one generated module per segment
 (:mod:`tag.executor.fuse`), and ``env`` keeps a value only until its last reader ran.
 
@@ -40,7 +56,7 @@ from ..errors import TagError
 from ..graph.capture import export_joint
 from ..graph.stages import Stage, build_stages, retarget_devices
 from ..parallel.schedule import Move, Schedule, SfbGroup, Step, UnitKey
-from .fuse import Key, build_module, plan_program
+from .fuse import Key, build_module, env_unit, plan_program
 from .optim import make_optimizer
 
 
@@ -147,20 +163,29 @@ class RankRuntime:
     def __post_init__(self) -> None:
         s = self.schedule
         self.my_units = {u.key: u for u in s.units_of(self.rank)}
-        self.stages: dict[tuple[UnitKey, str], Stage] = {}
+        self.micros = range(len(s.micro_ranges))
+        """Micro-batches (one, the whole batch, without a pipeline)."""
+        runs: dict[int, list[tuple[UnitKey, int]]] = {}  # local batch -> (unit, micro-batch) run at it
+        for k in self.my_units:
+            for m in self.micros:
+                runs.setdefault(s.unit_at(k, m).replica_on(self.rank).batch, []).append((k, m))
+        # Stages by (unit, phase), on a pipeline (unit, phase, micro) (fuse.stage_key): one cut of
+        # the joint graph per local batch, shared by the micro-batches of that size.
+        self.stages: dict[tuple, Stage] = {}
         for b, joint in self.joints.items():
-            keys = {k for k, u in self.my_units.items() if u.replica_on(self.rank).batch == b}
-            if not keys:
+            if b not in runs:
                 continue
-            check_structure(s, joint, b, min(k[0] for k in keys))
+            keys = {k for k, _ in runs[b]}
+            check_structure(s, joint, b, min(k[0] for k in keys), pipeline=bool(s.micro_units))
             assign = {n: up for n, up in s.assign.items() if up[0] in keys}
-            self.stages.update(build_stages(types.SimpleNamespace(joint=joint.module), assign))
-        for key, stage in self.stages.items():
-            if self.device.type != "cpu":
-                retarget_devices(stage.module, self.device)
-            if key == (s.loss_unit, "bwd"):
-                rep = self.my_units[s.loss_unit].replica_on(self.rank)
-                _scale_seed(stage, s.loss, rep.batch / s.batch_size * self.loss_scale)
+            for (key, phase), stage in build_stages(types.SimpleNamespace(joint=joint.module), assign).items():
+                if self.device.type != "cpu":
+                    retarget_devices(stage.module, self.device)
+                if (key, phase) == (s.loss_unit, "bwd"):  # the loss is a mean over the stage's b samples
+                    _scale_seed(stage, s.loss, b / s.batch_size * self.loss_scale)
+                for k, m in runs[b]:
+                    if k == key:
+                        self.stages[(key, phase, m) if s.micro_units else (key, phase)] = stage
         # Parameters of the units this rank replicates; buffers/constants for every placeholder.
         any_joint = next(iter(self.joints.values())) if self.joints else None
         self.state: dict[str, torch.Tensor] = {}
@@ -181,12 +206,14 @@ class RankRuntime:
         for sg in s.sfb.values():
             if sg.unit in self.my_units:
                 self._prepare_sfb(sg)
-        # User inputs: this rank's rows of each unit (views, the same every iteration).
+        # User inputs: this rank's rows of each unit and micro-batch (views, the same every iteration).
         self.input_rows: dict[Key, torch.Tensor] = {}
-        for key, u in self.my_units.items():
-            r = u.replica_on(self.rank)
-            for name, x in zip(self.user_inputs, self.inputs):
-                self.input_rows[(key, name)] = x[r.start:r.stop]  # dim 0 of every user input is the batch
+        for key in self.my_units:
+            for m in self.micros:
+                r = s.unit_at(key, m).replica_on(self.rank)
+                for name, x in zip(self.user_inputs, self.inputs):
+                    # dim 0 of every user input is the batch
+                    self.input_rows[(env_unit(s, key, m), name)] = x[r.start:r.stop]
         self._build_program()
         self.env: dict[Key, torch.Tensor] = {}
         self.timer = Timer(cuda=self.device.type == "cuda")
@@ -196,11 +223,11 @@ class RankRuntime:
     def _build_program(self) -> None:
         """Segments of fused local steps and the liveness of ``env`` values (:mod:`tag.executor.fuse`)."""
         s = self.schedule
-        written = {(m.dst_unit, m.name) for st in s.steps if st.kind == "transfer" for m in st.moves
-                   if m.dst == self.rank}
+        written = {(env_unit(s, m.dst_unit, st.micro), m.name) for st in s.steps if st.kind == "transfer"
+                   for m in st.moves if m.dst == self.rank}
         final = [(s.param_owner[ph], s.param_grad[ph]) for ph in self.params]
         if s.loss_unit in self.my_units:
-            final.append((s.loss_unit, s.loss))
+            final += [(env_unit(s, s.loss_unit, m), s.loss) for m in self.micros]
         self.program = plan_program(
             s, self.rank, self.stages, static=lambda k: k not in written and self._static(k) is not None,
             synced=self._synced_keys, sfb_writes=self._sfb_writes, final_reads=final,
@@ -208,13 +235,17 @@ class RankRuntime:
         metas = {b: {n.name: n.meta.get("val") for n in j.module.graph.nodes} for b, j in self.joints.items()}
 
         def meta(key: Key):
-            rep = self.my_units[key[0]].replica_on(self.rank)
-            return metas[rep.batch].get(key[1])
+            return metas[self._replica(key[0]).batch].get(key[1])
 
         for seg in self.program.segments.values():
             build_module(seg, s, self.rank, self.stages,
                          static_value=lambda k: None if k in written else self._static(k),
                          meta=meta, local_rows=self._row_range, device=self.device)
+
+    def _replica(self, unit: tuple):
+        """This rank's replica of the unit part of an ``env`` key: on a pipeline, the unit at the
+        key's micro-batch (a summed gradient's key has none: micro-batch 0, its shape has no batch)."""
+        return self.schedule.unit_at(unit[:2], unit[2] if len(unit) > 2 else 0).replica_on(self.rank)
 
     def _static(self, key: Key) -> torch.Tensor | None:
         """The value of ``key`` if the runtime holds it for good (parameter, buffer, constant, input rows)."""
@@ -222,7 +253,7 @@ class RankRuntime:
         v = self.input_rows.get(key)
         if v is not None:
             return v
-        if name in self.params and self.schedule.param_owner[name] == unit:
+        if name in self.params and self.schedule.param_owner[name] == unit[:2]:
             return self.params[name]
         return self.state.get(name)
 
@@ -234,10 +265,10 @@ class RankRuntime:
         sg = self.schedule.sfb[group]
         return [(sg.unit, k.grad_node) for k in self.kernels.get(group, ())]
 
-    def _row_range(self, m: Move) -> tuple[int, int] | None:
-        """(start, length) along ``m.batch_dim`` of the rows ``m`` takes from its producer's tensor;
-        None when it takes all of them."""
-        rep = self.schedule.units[m.src_unit].replica_on(m.src)
+    def _row_range(self, m: Move, micro: int = 0) -> tuple[int, int] | None:
+        """(start, length) along ``m.batch_dim`` of the rows ``m`` (of micro-batch ``micro``) takes
+        from its producer's tensor; None when it takes all of them."""
+        rep = self.schedule.unit_at(m.src_unit, micro).replica_on(m.src)
         if (m.start, m.stop) == (rep.start, rep.stop):
             return None
         joint = self.joints[rep.batch]
@@ -304,7 +335,7 @@ class RankRuntime:
         out = []
         for k, m in enumerate(step.moves):
             if m.src == self.rank and m.dst != self.rank:
-                out.append((k, m.dst, self.piece(m)))
+                out.append((k, m.dst, self.piece(m, micro=step.micro)))
         return out
 
     def incoming_specs(self, step: Step) -> list[tuple[int, int, list[int], torch.dtype]]:
@@ -317,12 +348,12 @@ class RankRuntime:
         return [(k, src, torch.empty(shape, dtype=dtype, device=self.device))
                 for k, src, shape, dtype in self.incoming_specs(step)]
 
-    def piece(self, m: Move, send: bool = True) -> torch.Tensor:
-        """The part of the producer's value that ``m`` moves: contiguous to be sent, else (a local
-        hand-over) a view where it is one."""
-        v = self.value(m.src_unit, m.name)
+    def piece(self, m: Move, send: bool = True, micro: int = 0) -> torch.Tensor:
+        """The part of the producer's value that ``m`` (of micro-batch ``micro``) moves: contiguous
+        to be sent, else (a local hand-over) a view where it is one."""
+        v = self.value(env_unit(self.schedule, m.src_unit, micro), m.name)
         if m.mode == "rows":
-            rng = self._row_range(m)
+            rng = self._row_range(m, micro)
             if rng is not None:  # a view costs microseconds: only if needed
                 v = v.narrow(m.batch_dim, *rng)
         v = v.detach() if v.requires_grad else v
@@ -330,29 +361,32 @@ class RankRuntime:
 
     def piece_spec(self, step: Step, m: Move) -> tuple[list[int], torch.dtype]:
         """Shape and dtype of the piece ``m`` delivers to this rank (from the stage's metadata)."""
-        stage = self.stages[(m.dst_unit, step.phase)]
+        s = self.schedule
+        stage = self.stages[(m.dst_unit, step.phase, step.micro) if s.micro_units else (m.dst_unit, step.phase)]
         ph = next(n for n in stage.module.graph.nodes if n.op == "placeholder" and n.name == m.name)
         val = ph.meta["val"]
         shape = list(val.shape)
         if m.mode == "rows":
-            rep = self.my_units[m.dst_unit].replica_on(self.rank)
+            rep = s.unit_at(m.dst_unit, step.micro).replica_on(self.rank)
             rows = shape[m.batch_dim] // rep.batch
             shape[m.batch_dim] = rows * (m.stop - m.start)
         return shape, val.dtype
 
     def assemble(self, step: Step, received: dict[int, torch.Tensor]) -> None:
         """Combine local and received pieces into ``env[(consumer unit, name)]``."""
-        pieces: dict[tuple[UnitKey, str], list[tuple[Move, torch.Tensor | None]]] = {}
+        pieces: dict[Key, list[tuple[Move, torch.Tensor | None]]] = {}
+        s, mb = self.schedule, step.micro
         for k, m in enumerate(step.moves):
             if m.dst != self.rank:
                 continue
             if m.mode == "zeros":
                 piece = None
             elif m.src == self.rank:
-                piece = self.piece(m, send=False) if m.mode == "rows" else self.value(m.src_unit, m.name)
+                piece = self.piece(m, send=False, micro=mb) if m.mode == "rows" else \
+                    self.value(env_unit(s, m.src_unit, mb), m.name)
             else:
                 piece = received[k]
-            pieces.setdefault((m.dst_unit, m.name), []).append((m, piece))
+            pieces.setdefault((env_unit(s, m.dst_unit, mb), m.name), []).append((m, piece))
         for key, ps in pieces.items():
             m0 = ps[0][0]
             if m0.mode == "rows":
@@ -470,10 +504,9 @@ class RankRuntime:
                     self.optimizer.step()
                 for p in self.params.values():
                     p.grad = None
-        loss = self.env.get((s.loss_unit, s.loss))
-        if loss is not None:
-            rep = self.my_units[s.loss_unit].replica_on(self.rank)
-            self.loss = float(loss) * rep.batch / s.batch_size
+        if s.loss_unit in self.my_units:  # each micro-batch's mean over its b samples, weighted b / B
+            self.loss = sum(float(self.env[(env_unit(s, s.loss_unit, m), s.loss)])
+                            * s.unit_at(s.loss_unit, m).replica_on(self.rank).batch for m in self.micros) / s.batch_size
         self._synchronize()
         self.timer.resolve()
         self.env.clear()
@@ -499,7 +532,8 @@ def joint_structure(gm: torch.fx.GraphModule) -> list[tuple[str, str, tuple[str,
             for n in gm.graph.nodes if n.op == "call_function" and n.name in live]
 
 
-def check_structure(schedule: Schedule, joint: Joint, batch: int, group: int, local: bool = True) -> None:
+def check_structure(schedule: Schedule, joint: Joint, batch: int, group: int, local: bool = True,
+                    pipeline: bool = False) -> None:
     """Refuse (one line) a joint graph whose ops differ from the captured graph's.
 
     Transformers (GPT-2, BERT, ViT) exported at batch 1 lose a few ``expand`` / copy ops, which
@@ -522,6 +556,8 @@ def check_structure(schedule: Schedule, joint: Joint, batch: int, group: int, lo
                              f"captured graph ({where}); capture with the plan's batch size")
     fix = ("give each replica at least 2 samples" if batch == 1
            else f"choose shares that give no replica {batch} samples")
+    if pipeline:
+        fix += " (of a micro-batch: fewer micro-batches give more)"
     raise ExecutionError(f"local batch {batch} of group {group} changes the graph structure of {schedule.model} "
                          f"({where}); {fix}")
 

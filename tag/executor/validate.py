@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..cost.baselines import data_parallel
 from ..io import write_json
-from ..plan import GroupPlan, Plan, group_positions, new_plan
+from ..plan import GroupPlan, PipelinePlan, Plan, group_positions, new_plan
 from .launch import ExecuteConfig, execute
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,10 @@ def validation_plans(graph, topology, n: int, seed: int = 0) -> list[tuple[str, 
         plans.append(("dp-uneven", new_plan(graph, topology, [GroupPlan(all_devs, uneven) for _ in range(K)])))
         plans.append(("ps-0", new_plan(graph, topology,
                                        [GroupPlan(all_devs, [1 / D] * D, "ps", server=0) for _ in range(K)])))
-        plans.append(("pipeline", new_plan(graph, topology, [GroupPlan([g * D // K], [1.0]) for g in range(K)])))
+        # inter-op model parallel: consecutive groups on consecutive devices, the whole batch stage
+        # after stage (no micro-batches: the devices take turns)
+        plans.append(("inter-op", new_plan(graph, topology, [GroupPlan([g * D // K], [1.0]) for g in range(K)])))
+        plans += pipeline_plans(graph, topology)
         plans.append(("mixed", new_plan(graph, topology, [GroupPlan(all_devs, [1 / D] * D) if g % 2 == 0
                                                           else GroupPlan([g % D], [1.0]) for g in range(K)])))
         mp = []
@@ -60,6 +63,33 @@ def validation_plans(graph, topology, n: int, seed: int = 0) -> list[tuple[str, 
     for name, p in plans:
         p.meta["validation_name"] = name
     return plans[:n]
+
+
+PIPELINE_MICRO_BATCHES = 4
+"""Micro-batches of the validation's pipelined plans."""
+
+
+def pipeline_plans(graph, topology) -> list[tuple[str, Plan]]:
+    """Two pipeline stages (even group cut) on the two halves of the devices (each half data parallel,
+    even shares), :data:`PIPELINE_MICRO_BATCHES` micro-batches, 1F1B and GPipe; none where the
+    devices do not halve or a replica would get fewer than 2 samples of a micro-batch (transformers
+    exported at batch 1 change their graph)."""
+    from ..parallel.pipeline import even_stages, micro_ranges
+
+    D, K, M = topology.num_devices, graph.num_groups, PIPELINE_MICRO_BATCHES
+    if D < 2 or D % 2 or K < 2 or graph.batch_size < M:
+        return []
+    half = D // 2
+    if min(hi - lo for lo, hi in micro_ranges(graph.batch_size, M)) < 2 * half:
+        return []
+    cut = even_stages(K, 2)
+    stage = [GroupPlan(list(range(s * half, (s + 1) * half)), [1 / half] * half) for s in range(2)]
+    out = []
+    for schedule in ("1f1b", "gpipe"):
+        plan = new_plan(graph, topology, [stage[0] if g < cut[1] else stage[1] for g in range(K)])
+        plan.pipeline = PipelinePlan(cut, M, schedule)
+        out.append((f"pp2-{schedule}-m{M}", plan))
+    return out
 
 
 @dataclass

@@ -18,8 +18,10 @@ from .runtime import Joint, RankRuntime, export_at
 
 
 def local_batch_sizes(schedule: Schedule, rank: int) -> set[int]:
-    """Local batch sizes at which ``rank`` runs some unit (one joint export each)."""
-    return {u.replica_on(rank).batch for u in schedule.units_of(rank)}
+    """Local batch sizes at which ``rank`` runs some unit (one joint export each; on a pipeline,
+    those of every micro-batch)."""
+    return {schedule.unit_at(u.key, m).replica_on(rank).batch for u in schedule.units_of(rank)
+            for m in range(len(schedule.micro_ranges))}
 
 
 def needs_global_joint(schedule: Schedule, rank: int) -> bool:

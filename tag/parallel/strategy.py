@@ -183,20 +183,19 @@ def validate_group(gp: GroupPlan, graph, g: int, num_devices: int, where: str, b
     s.validate(gp, graph, g, num_devices, graph.batch_size if batch_size is None else batch_size, where)
 
 
-def validate_plan(plan, graph, topology, *, source: str = "plan", pipelines: bool = False) -> None:
+def validate_plan(plan, graph, topology, *, source: str = "plan", pipelines: bool = True) -> None:
     """Raise :class:`PlanError` (one line) unless ``plan`` fits ``graph`` and ``topology`` and
     every group is a valid deployment of its strategy.
 
-    ``pipelines``: accept a :attr:`Plan.pipeline <tag.plan.Plan.pipeline>` (the caller runs
-    micro-batches: the simulator does). Off by default: the executor's runtime does not run
-    micro-batches yet, and must not run such a plan as if it had none."""
+    ``pipelines``: accept a :attr:`Plan.pipeline <tag.plan.Plan.pipeline>` (the simulator and the
+    executor run micro-batches); False for a caller that does not, so that it refuses such a plan
+    in one line instead of running it as if it had none."""
     plan.validate(graph, topology, source=source)
     for g, gp in enumerate(plan.groups):
         validate_group(gp, graph, g, topology.num_devices, f"{source}: groups[{g}]", plan.batch_size)
     validate_pipeline(plan, graph, topology.num_devices, source=source)
     if plan.pipeline is not None and not pipelines:
-        raise PlanError(f"{source}: pipeline: pipeline plans are simulated (tag simulate) but not executed by "
-                        "this version; expected no pipeline field")
+        raise PlanError(f"{source}: pipeline: this caller runs no micro-batches; expected no pipeline field")
 
 
 # ---- helpers shared by the built-in strategies ---------------------------------------------------

@@ -1,0 +1,154 @@
+"""Pipeline plans executed: micro-batches, per-micro-batch values, gradient accumulation, one sync.
+
+After K=2 steps the parameters of a 2-stage pipeline (1F1B, GPipe, kFkB; uneven micro-batches;
+a stage that is itself data parallel; GPT-2's tied embedding crossing the stages) equal
+single-process training on the full batch, fp32, with the executor's tolerance (rtol 1e-4,
+atol 1e-6: tests/test_executor.py). In one process (:func:`tag.executor.run_virtual`, the same
+schedule and rank runtimes) and on gloo ranks (:func:`tag.executor.execute`).
+
+The batch-6 cases train with SGD (momentum): with Adam one weight of the MLP gets a full-batch
+gradient of -1.5e-10 in the first step (cancellation over the samples), which Adam normalises to a
+full-size step whose sign depends on the summation order; any split of the batch (data parallel
+too) moves that one element by ~5e-6. SGD checks the accumulation exactly (7e-9 here).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_executor import GPT2, MLP
+from test_executor_dist import cpu_topology
+
+from tag.executor import ExecuteConfig, build_schedule, execute, reference_training, run_virtual
+from tag.executor.fuse import accumulation
+from tag.parallel import validate_plan
+from tag.plan import GroupPlan, PipelinePlan, new_plan
+from tag.topology import load_topology
+from tag.workloads import load_workload
+
+
+def two_stages(graph, topo, first, second, micro, schedule="1f1b", k=1):
+    """Groups 0..K/2-1 on devices ``first`` (even shares), the rest on ``second``, pipelined."""
+    half = graph.num_groups // 2
+    stage = [GroupPlan(list(d), [1 / len(d)] * len(d)) for d in (first, second)]
+    plan = new_plan(graph, topo, [stage[0]] * half + [stage[1]] * (graph.num_groups - half))
+    plan.pipeline = PipelinePlan([0, half], micro, schedule, k)
+    return plan
+
+
+def assert_equal_params(params_by_rank, ref, graph):
+    held = set()
+    for rank, params in params_by_rank.items():
+        for name, value in params.items():
+            held.add(name)
+            torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, r=rank, n=name: f"rank {r} {n}: {m}")
+    assert held == {p.name for p in graph.params}
+
+
+@pytest.fixture(scope="module")
+def joints():
+    return {}
+
+
+CASES = {  # name: (spec, batch, micro-batches, schedule, k, stage devices, optimizer)
+    "1f1b-uneven": (MLP, 6, 4, "1f1b", 1, ([0], [1]), "sgd"),
+    "gpipe-uneven": (MLP, 6, 4, "gpipe", 1, ([0], [1]), "sgd"),
+    "kfkb-dp-stage": (MLP, 8, 4, "kfkb", 2, ([2], [0, 1]), "adam"),
+    "gpt2-tied": (GPT2, 4, 2, "1f1b", 1, ([1], [0]), "adam"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipelines_match_single_process_training(captured, topo4, joints, case):
+    spec, B, M, schedule, k, devices, optimizer = CASES[case]
+    graph = captured(spec, batch=B, groups=4).graph
+    plan = two_stages(graph, topo4, *devices, M, schedule, k)
+    validate_plan(plan, graph, topo4)
+    steps = 2
+    rts = run_virtual(graph, plan, load_workload(spec, batch=B), optimizer, steps,
+                      joints=joints.setdefault(spec, {}), cut_at_sync=case == "kfkb-dp-stage")
+    ref, losses = reference_training(load_workload(spec, batch=B), optimizer, steps)
+    assert_equal_params({r: rt.named_params() for r, rt in rts.items()}, ref, graph)
+    # the loss of the last step: each micro-batch's mean weighted by its share of the batch
+    assert sum(rt.loss for rt in rts.values()) == pytest.approx(losses[-1], rel=1e-5)
+
+
+def test_gradients_are_summed_over_micro_batches_once(captured, topo4):
+    """Every unit's parameter gradients: written by its first backward micro-batch, added to by the
+    others, synchronised once after its last; per-micro-batch values never share a key."""
+    graph = captured(MLP, batch=6, groups=4).graph
+    plan = two_stages(graph, topo4, [0], [1, 2], 3, "1f1b")
+    sched = build_schedule(graph, plan)
+    acc = accumulation(sched)
+    assert set(acc) == set(sched.param_owner.values()) and all(first == 0 for first, _ in acc.values())
+    assert all(names == {sched.param_grad[ph] for ph, u in sched.param_owner.items() if u == key}
+               for key, (_, names) in acc.items())
+    syncs = [i for i, st in enumerate(sched.steps) if st.kind == "sync"]
+    synced = [sched.steps[i].group for i in syncs]  # once per group of the data-parallel stage
+    assert sorted(synced) == [g for g in range(graph.num_groups) if g >= 2 and sched.sync_params[g]] != []
+    for i in syncs:
+        g = sched.steps[i].group
+        bwd = [j for j, st in enumerate(sched.steps) if st.kind == "compute" and st.phase == "bwd" and st.unit[0] == g]
+        assert i > max(bwd) and len(bwd) == 3
+    assert accumulation(build_schedule(graph, new_plan(graph, topo4, plan.groups))) == {}
+
+
+def _execute(tmp_path: Path, graph, topo_path: str, plan, spec: str, optimizer: str, steps: int = 2):
+    plan_path = tmp_path / "plan.json"
+    plan.save(plan_path)
+    cfg = ExecuteConfig(spec, topo_path, str(plan_path), steps=steps, warmup=0, save_params=True, optimizer=optimizer,
+                        run_dir=str(tmp_path / "run"), timeout_s=60.0)
+    res = execute(cfg, graph=graph)
+    params = {r: torch.load(tmp_path / "run" / f"params-rank{r}.pt") for r in range(res.world_size)}
+    return res, params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b"])
+def test_two_gloo_ranks_run_a_pipeline(tmp_path, captured, schedule):
+    """2 stages on 2 ranks, B=6 in 4 micro-batches (2, 2, 1, 1 samples). (GPipe runs on gloo in
+    the three-rank test; every schedule in one process above.)"""
+    graph = captured(MLP, batch=6, groups=4).graph
+    topo_path = cpu_topology(tmp_path, 2)
+    plan = two_stages(graph, load_topology(topo_path), [0], [1], 4, schedule)
+    res, params = _execute(tmp_path, graph, topo_path, plan, MLP, "sgd")
+    ref, losses = reference_training(load_workload(MLP, batch=6), "sgd", 2)
+    assert_equal_params(params, ref, graph)
+    assert res.losses == pytest.approx(losses, rel=1e-5)
+    # the rank timelines name the micro-batches (fused segments: "fwd g0-g1 m0", ...)
+    words = {w for e in res.ranks[0]["timeline"] for w in e[0].split()}
+    assert {f"m{m}" for m in range(4)} <= words, words
+
+
+@pytest.mark.slow
+def test_three_gloo_ranks_with_a_data_parallel_stage(tmp_path, captured):
+    """Stage 0 on rank 0, stage 1 data parallel on ranks 1 and 2 (a gradient all-reduce once per
+    iteration, after the last micro-batch); B=8 in 2 micro-batches, GPipe, Adam."""
+    graph = captured(MLP, batch=8, groups=4).graph
+    topo_path = cpu_topology(tmp_path, 3)
+    plan = two_stages(graph, load_topology(topo_path), [0], [1, 2], 2, "gpipe")
+    res, params = _execute(tmp_path, graph, topo_path, plan, MLP, "adam")
+    ref, losses = reference_training(load_workload(MLP, batch=8), "adam", 2)
+    assert_equal_params(params, ref, graph)
+    assert res.losses == pytest.approx(losses, rel=1e-5)
+
+
+def test_validation_plans_include_pipelines(tmp_path, captured, topo4):
+    """``tag validate`` executes two pipelined plans (2 stages x 4 micro-batches, 1F1B and GPipe)
+    beside the inter-op model-parallel one; none where a replica would get < 2 samples."""
+    from tag.executor.validate import validation_plans
+
+    graph = captured(MLP, batch=8, groups=4).graph
+    topo = load_topology(cpu_topology(tmp_path, 2))
+    plans = dict(validation_plans(graph, topo, 11))
+    assert plans["inter-op"].pipeline is None and "pipeline" not in plans
+    for schedule in ("1f1b", "gpipe"):
+        plan = plans[f"pp2-{schedule}-m4"]
+        validate_plan(plan, graph, topo)
+        assert (plan.pipeline.stages, plan.pipeline.micro_batches, plan.pipeline.schedule) == ([0, 2], 4, schedule)
+        assert [gp.devices for gp in plan.groups] == [[0], [0], [1], [1]]
+    # 4 devices: stages of 2 replicas, but micro-batches of 2 samples would give them 1 each
+    assert not any(name.startswith("pp2") for name, _ in validation_plans(graph, topo4, 20))
