@@ -224,3 +224,37 @@ def test_simulate_a_tensor_parallel_layout(capsys):
     assert main(args + ["--layout", "tp=8"]) == 2  # 4 heads, 8 devices
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "4 attention heads, not divisible by 8" in err[0]
+
+
+def test_the_planner_proposes_tensor_parallelism_where_it_pays(captured, tmp_path):
+    """One machine of four small GPUs on fast links, too small for the model's state on one
+    device: data parallel does not fit, a pipeline idles in its bubble, splitting every layer
+    pair four ways fits and keeps every GPU busy. ``find_plan(pipelines="auto")`` returns the
+    tensor-parallel layout, faster than its own searched plan and than every layout without it."""
+    import yaml
+
+    from tag.parallel.layout import best_layout
+    from tag.planner import find_plan
+    from tag.sim import Simulator
+
+    graph = captured("mlp:layers=4,hidden=2048,in_dim=2048", batch=512, groups=8).graph
+    state = sum(p.nbytes for p in graph.params) * 4  # weights, gradients, two Adam moments
+    gpu = {"name": "small", "tflops": 14, "memory": f"{int(state * 0.75)} B", "memory_bandwidth": "900 GB/s"}
+    path = tmp_path / "one-by-four.yaml"
+    path.write_text(yaml.safe_dump({"name": "one-by-four", "network": {"bandwidth": "10 Gbit/s"}, "machines": [
+        {"name": "m", "gpu": gpu, "count": 4, "intra_bandwidth": "300 GB/s"}]}))
+    topo = load_topology(path)
+    searched = find_plan(graph, topo, prior="uniform", budget=100, pipelines="off", compression="off")
+    best = find_plan(graph, topo, prior="uniform", budget=100, compression="off")
+    assert best.meta["source"] == "layout-grid" and all(g.sync == "tp" for g in best.groups)
+    assert searched.predicted_iteration_time_s is None or \
+        best.predicted_iteration_time_s < searched.predicted_iteration_time_s
+    res = simulate(graph, topo, best)
+    assert not res.oom and res.iteration_time_s == pytest.approx(best.predicted_iteration_time_s)
+    # the best layout without tensor parallelism is slower
+    sim = Simulator(graph, topo)
+    no_tp = [lay for lay in layout_grid(graph, topo) if lay.tp == 1]
+    costs = CostModel.for_topology(graph, topo)
+    times = [sim.run(p.groups, pipeline=p.pipeline) for p in (layout_plan(graph, topo, lay, costs) for lay in no_tp)]
+    assert min(r.iteration_time_s for r in times if not r.oom) > best.predicted_iteration_time_s
+    assert best_layout(graph, topo, costs, lambda q: sim.run(q.groups, pipeline=q.pipeline))[0].groups[0].sync == "tp"

@@ -157,6 +157,8 @@ def _run_cell(case: _Case, model, topo_name: str, method: str, cfg: SuiteConfig)
                 note=plan.meta.get("prior_note") or "")  # e.g. the gnn prior skipped on 512 GPUs
     if topo_name in cfg.execute_topologies and plan.pipeline is not None:
         cell.note = "pipeline plans are not executed by this version"
+    elif topo_name in cfg.execute_topologies and any(g.sync == "tp" for g in plan.groups):
+        cell.note = "tensor-parallel plans are not executed by this version"
     elif topo_name in cfg.execute_topologies and not res.oom:
         key = tuple(g.key() for g in plan.groups)
         if key not in case.executed:
