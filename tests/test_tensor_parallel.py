@@ -195,6 +195,16 @@ def test_simulated_costs(gpt2, v100):
         rest = float(sim.static.grad_bytes[g]) - s.split_bytes
         assert gd_tp[g].sync_time == pytest.approx(comm.allreduce_time(devs, rest) if rest > 0 else 0.0)
     assert rt.iteration_time_s > 0 and not rt.oom
+    # two data-parallel replicas of 2-way tensor parallelism, one per machine: the split
+    # parameters' gradients also cross the network, between the replicas holding the same shard
+    both = sim.deploy(_tp_plan(gpt2, v100, [0, 1, 4, 5], tp=2).groups)
+    for g in range(gpt2.num_groups):
+        s = group_split(gpt2, g)
+        rest = float(sim.static.grad_bytes[g]) - s.split_bytes
+        want = (comm.allreduce_time([0, 1, 4, 5], rest) if rest > 0 else 0.0) + \
+            (comm.allreduce_time([0, 4], s.split_bytes) if s.split_bytes > 0 else 0.0)
+        assert both[g].sync_time == pytest.approx(want) and (want > 0) == (both[g].sync == "tp")
+        assert both[g].sync_machines == ((0, 1) if want > 0 else ())
 
 
 def test_layouts_with_tensor_parallelism(gpt2, v100):
