@@ -85,8 +85,8 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
             (:meth:`tag.gnn.Predictor.one_shot`, for the first :data:`ONE_SHOT_GROUPS` groups in
             decision order) as the last playout of the budget.
         pipelines: ``auto`` also simulates the Megatron-style layouts a user would try by hand
-            (:func:`tag.parallel.layout.best_layout`: data x pipeline degrees, balanced stages,
-            1F1B micro-batches) and returns the best of them instead of the searched plan when it
+            (:func:`tag.parallel.layout.best_layout`: data x tensor x pipeline degrees, balanced
+            stages, 1F1B micro-batches) and returns the best of them instead of the searched plan when it
             is strictly faster (``meta["source"] == "layout-grid"``); ``off`` skips them (and a
             ``simulator`` whose ``run`` takes no ``pipeline`` cannot run them).
         progress: called as ``progress(stage)`` when a stage starts (``"baselines"``, ``"search"``,
@@ -196,7 +196,8 @@ def _pipelined(graph, topology, p: Plan, costs, simulator) -> Plan:
     p.meta["layouts_tried"] = tried
     p.meta["best_layout"] = lay.meta["layout"]
     p.meta["best_layout_time_s"] = t_lay
-    if lay.pipeline is None or t_lay is None or (t_plan is not None and t_lay >= t_plan):
+    new_action = lay.pipeline is not None or any(g.sync == "tp" for g in lay.groups)  # else the search's own
+    if not new_action or t_lay is None or (t_plan is not None and t_lay >= t_plan):
         return p
     lay.meta = {**p.meta, "source": "layout-grid", "layout": lay.meta["layout"], "oom": False}
     return lay

@@ -159,7 +159,9 @@ def _run_cell(case: _Case, model, topo_name: str, method: str, cfg: SuiteConfig)
     cell = Cell(model.spec, topo_name, method, t, bool(res.oom), case.dp_time / t if t > 0 else 0.0,
                 t / case.lower_bound if case.lower_bound > 0 else math.inf, search_s, playouts,
                 note=plan.meta.get("prior_note") or "")  # e.g. the gnn prior skipped on 512 GPUs
-    if topo_name in cfg.execute_topologies and not res.oom:
+    if topo_name in cfg.execute_topologies and any(g.sync == "tp" for g in plan.groups):
+        cell.note = "tensor-parallel plans are not executed by this version"
+    elif topo_name in cfg.execute_topologies and not res.oom:
         pp = plan.pipeline
         key = (tuple(g.key() for g in plan.groups),
                None if pp is None else (tuple(pp.stages), pp.micro_batches, pp.schedule, pp.k))

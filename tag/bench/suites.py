@@ -14,8 +14,8 @@ METHODS: dict[str, str] = {
     "dp-prop": "data parallel, shares proportional to device speed",
     "single": "best single device",
     "mp": "greedy model parallel (fill devices in topological order by memory)",
-    "dp-tp-pp-grid": "best Megatron-style layout by hand: dp x pp = devices (tp 1 in this version), balanced "
-                     "stages, 1F1B with 1-32 micro-batches",
+    "dp-tp-pp-grid": "best Megatron-style layout by hand: dp x tp x pp = devices (tp 2-8 within a machine "
+                     "where the model's blocks divide), balanced stages, 1F1B with 1-32 micro-batches",
     "random": "random search",
     "sa": "simulated annealing",
     "tpe": "optuna TPE, one categorical per op-group",

@@ -39,7 +39,7 @@ def register(sub) -> None:
     p.add_argument("--compression", choices=["auto", "off"], default="auto",
                    help="auto: choose Sufficient Factor Broadcasting per group after search (default)")
     p.add_argument("--pipelines", choices=["auto", "off"], default="auto",
-                   help="auto: also simulate the Megatron-style data x pipeline layouts a user would try by hand "
+                   help="auto: also simulate the Megatron-style data x tensor x pipeline layouts a user would try by hand "
                         "and return the best if it beats the searched plan (default)")
     p.add_argument("--no-one-shot", dest="one_shot", action="store_false",
                    help="with --prior gnn: do not spend the last playout on the network's one-shot plan")
@@ -150,6 +150,8 @@ def _describe(topo, gp) -> str:
         shares = f"{gp.shares[0]:.3f} x{len(gp.shares)}"
     sync = gp.sync if len(gp.devices) > 1 else "single"
     extra = f", server {topo.devices[gp.server].name}" if gp.server is not None else ""
+    if gp.tp is not None:  # tensor parallel: devices per tensor-parallel group
+        extra += f", tp {gp.tp}"
     sfb = f", sfb {len(gp.sfb)}" if gp.sfb else ""
     return f"{sync:9s} on {where} (shares {shares}{extra}{sfb})"
 

@@ -31,10 +31,11 @@ def register(sub) -> None:
     src.add_argument("--baseline", metavar="NAME",
                      help="dp: even data parallel; dp-prop: shares proportional to device speed; single: best "
                           "single device; mp: greedy model parallel by memory")
-    src.add_argument("--layout", metavar="dp=D,pp=P,micro=M",
-                     help="a Megatron-style layout: D data-parallel replicas per stage, P pipeline stages of about "
-                          "equal compute placed machine-major, M micro-batches; optional schedule=1f1b|gpipe|kfkb, "
-                          "k=K (kfkb block), tp=1; D*P must equal the topology's device count")
+    src.add_argument("--layout", metavar="dp=D,tp=T,pp=P,micro=M",
+                     help="a Megatron-style layout: D data-parallel replicas per stage, each T-way tensor parallel "
+                          "on one machine (default 1), P pipeline stages of about equal compute placed "
+                          "machine-major, M micro-batches; optional schedule=1f1b|gpipe|kfkb, k=K (kfkb block), "
+                          "cut=time|memory; D*T*P must equal the topology's device count")
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline in Chrome/Perfetto trace format")
     p.add_argument("--profiles", metavar="DIR", default=None, help=PROFILES_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -82,7 +83,7 @@ def run(args) -> int:
     elif plan is None:
         plan = baseline_plan(args.baseline, graph, topo, costs)
     where = _what(args)
-    validate_plan(plan, graph, topo, source=where, pipelines=True)
+    validate_plan(plan, graph, topo, source=where, pipelines=True, tensor_parallel=True)
     res = Simulator(graph, topo, costs).run(plan.groups, trace=bool(args.trace), pipeline=plan.pipeline)
     lb = lower_bound(graph, topo, costs)
     if args.trace:

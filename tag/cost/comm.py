@@ -33,6 +33,11 @@ profile (``comm.json``, :mod:`tag.executor.commprof`): there the measured gloo p
 * parameter server on device ``s``: reduce to ``s`` then broadcast the sum back
   (:meth:`CommModel.ps_time`); on links all equal to ``(bw, lat)`` with ``w`` workers this is
   ``2 (lat + w * S / bw)`` (:func:`uniform_ps_time`);
+* tensor parallelism (:meth:`CommModel.tensor_parallel_time`, ``..._sync_time``): per Megatron
+  block and direction the flat ring all-reduce of its activation over the group's devices (an
+  all-gather plus a reduce-scatter with sequence parallelism: the same bytes); the gradient sync
+  a hierarchical all-reduce of the replicated parameters over every device plus one of the split
+  parameters over the data-parallel replicas' first devices;
 * all-gather of ``c_r`` bytes from each device ``r`` (SFB factors, :meth:`CommModel.allgather_time`):
   flat ring, the link into device ``s`` carrying every chunk but ``s``'s own
   (``max_(a->s) (sum(c) - c_s) / bw(a, s) + (n-1) * lat_max``); hierarchical: the same ring over
@@ -421,6 +426,27 @@ class CommModel:
         if f is not None:
             return f.alpha + len(workers) * nbytes / f.beta
         return self.reduce_time(devices, server, nbytes) + self.broadcast_time(devices, server, nbytes)
+
+    # ---- tensor parallelism ------------------------------------------------------------------
+    def tensor_parallel_time(self, devices, nbytes: list[float]) -> float:
+        """Seconds of a tensor-parallel group's blocking collectives in one pass: per Megatron
+        block an all-gather of the token shards entering it and a reduce-scatter leaving it, the
+        bytes of one ring all-reduce of ``nbytes[i]`` (the block's full activation) over
+        ``devices`` (one machine)."""
+        return sum(self.allreduce_time(devices, b, "flat") for b in nbytes if b > 0)
+
+    def tensor_parallel_sync_time(self, tp_groups, split_bytes: float, rest_bytes: float) -> float:
+        """Gradient sync of a tensor-parallel op-group with data-parallel replicas ``tp_groups``
+        (each a list of ``T`` devices of one machine): the replicated parameters' partial
+        gradients (``rest_bytes``, partial over token shards) all-reduced over every device, then
+        the split ones (``split_bytes`` in all, ``1 / T`` per device) over the replicas holding
+        the same shard; the ``T`` shard rings run at once over the same machines' links, priced
+        as one ring of all ``split_bytes`` over the replicas' first devices."""
+        devs = [d for grp in tp_groups for d in grp]
+        t = self.allreduce_time(devs, rest_bytes) if rest_bytes > 0 else 0.0
+        if len(tp_groups) > 1 and split_bytes > 0:
+            t += self.allreduce_time([grp[0] for grp in tp_groups], split_bytes)
+        return t
 
     # ---- all-gather ----------------------------------------------------------------------
     def allgather_time(self, chunks, devices, algorithm: str = "best") -> float:

@@ -3,7 +3,8 @@
 * :mod:`~tag.parallel.strategy`: the :class:`Strategy` interface, the registry
   (``GroupPlan.sync`` -> strategy), units, replicas, collectives, plan validation.
 * :mod:`~tag.parallel.data_parallel` (``allreduce``), :mod:`~tag.parallel.parameter_server`
-  (``ps``), :mod:`~tag.parallel.model_parallel` (``mp``): the built-in strategies.
+  (``ps``), :mod:`~tag.parallel.model_parallel` (``mp``), :mod:`~tag.parallel.tensor_parallel`
+  (``tp``, simulated only): the built-in strategies.
 * :mod:`~tag.parallel.moves`: which replica sends what to which when a tensor crosses units.
 * :mod:`~tag.parallel.schedule`: the global schedule of one iteration that every executor rank
   walks; the simulator costs the same lowering (:mod:`tag.sim`).
@@ -32,14 +33,15 @@ from .strategy import (
     validate_group,
     validate_plan,
 )
+from .tensor_parallel import TensorParallel
 
 # The built-in strategies (a new one is a module plus a line here; error messages list them in
 # this order).
-for _s in (DataParallel(), ParameterServer(), ModelParallel()):
+for _s in (DataParallel(), ParameterServer(), ModelParallel(), TensorParallel()):
     register(_s)
 
 __all__ = [
-    "Collective", "DataParallel", "ModelParallel", "Move", "ParameterServer", "Replica", "Schedule", "SfbGroup", "Step", "Strategy", "Unit", "UnitKey", "build_schedule",
+    "Collective", "DataParallel", "ModelParallel", "Move", "ParameterServer", "Replica", "Schedule", "SfbGroup", "Step", "Strategy", "TensorParallel", "Unit", "UnitKey", "build_schedule",
     "get_strategy", "graph_structure", "move_kind", "move_pieces", "register", "strategy_names", "strategy_of",
     "unregister", "validate_group", "validate_plan",
 ]

@@ -20,6 +20,7 @@ class DataParallel(Strategy):
     def validate(self, gp: GroupPlan, graph, g: int, num_devices: int, batch_size: int, where: str) -> None:
         check_shares(gp, batch_size, where)
         no_field(gp, "mp_splits", where, "mp")
+        no_field(gp, "tp", where, "tp")
         self.check_server(gp, num_devices, where)
 
     def check_server(self, gp: GroupPlan, num_devices: int, where: str) -> None:

@@ -10,12 +10,14 @@ builds that plan so it can be simulated and compared with TAG's:
   hand), :func:`balanced_cuts`;
 * stage ``s`` runs on devices ``s * D * T .. (s + 1) * D * T - 1`` of the topology's order
   (machine-major: a stage fills machines before the next begins), ``D`` replicas with even
-  shares, gradients all-reduced;
+  shares, gradients all-reduced; with ``T > 1`` each replica is ``T`` consecutive devices (tensor
+  parallel innermost, as Megatron places it; each group on one machine) and every op-group of
+  the stage is ``tp`` (:mod:`tag.parallel.tensor_parallel`), the stage cuts falling between
+  Megatron blocks;
 * ``M`` micro-batches on schedule ``1f1b`` (default), ``gpipe`` or ``kfkb`` with ``k``;
 * ``cut=memory`` balances the stages' parameters, gradients and optimizer state instead.
 
-``D * T * P`` must equal the topology's device count, as in Megatron. Tensor parallelism is not
-an action of this version: ``tp`` other than 1 is refused in one line.
+``D * T * P`` must equal the topology's device count, as in Megatron.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 from ..errors import PlanError
 from ..plan.format import PIPELINE_SCHEDULES, GroupPlan, PipelinePlan, Plan, new_plan
+from .tensor_parallel import MAX_DEGREE, aligned_cuts, megatron_blocks
 
 CUTS = ("time", "memory")
 """Stage cuts a layout may ask for (:attr:`Layout.cut`)."""
@@ -36,7 +39,7 @@ class Layout:
     dp: int = 1
     """Data-parallel replicas per stage."""
     tp: int = 1
-    """Tensor-parallel degree (only 1 in this version)."""
+    """Tensor-parallel degree (devices of one machine per replica)."""
     pp: int = 1
     """Pipeline stages."""
     micro: int = 1
@@ -59,8 +62,8 @@ class Layout:
             raise PlanError(f"layout: schedule: expected one of {list(PIPELINE_SCHEDULES)}, got {self.schedule!r}")
         if self.cut not in CUTS:
             raise PlanError(f"layout: cut: expected one of {list(CUTS)}, got {self.cut!r}")
-        if self.tp != 1:
-            raise PlanError(f"layout: tp: tensor parallelism is not an action of this version; expected 1, got {self.tp}")
+        if self.tp > MAX_DEGREE:
+            raise PlanError(f"layout: tp: expected a tensor-parallel degree of 1..{MAX_DEGREE}, got {self.tp}")
 
     @property
     def devices(self) -> int:
@@ -90,14 +93,15 @@ def parse_layout(text: str) -> Layout:
     return Layout(**fields)
 
 
-def balanced_cuts(seconds, parts: int | None = None) -> list[int]:
+def balanced_cuts(seconds, parts: int | None = None, allowed: set[int] | None = None) -> list[int]:
     """First group of each stage of the contiguous cut minimising the slowest stage (exact, by
     dynamic programming over cut points, ``O(parts x K^2)``).
 
     ``seconds``: one list of per-group seconds shared by every stage, with ``parts`` stages; or
     one list per stage (``seconds[s][g]``: group ``g``'s seconds if stage ``s`` runs it; stages
     on different devices cost a group differently: AMP's heterogeneity-aware cut). Every stage
-    gets at least one group; ties go to the earliest cut."""
+    gets at least one group; ties go to the earliest cut. ``allowed``: the groups a stage may
+    start at (default any)."""
     per_stage = [list(x) for x in seconds] if parts is None else [list(seconds)] * parts
     P = len(per_stage)
     n = len(per_stage[0]) if P else 0
@@ -120,6 +124,8 @@ def balanced_cuts(seconds, parts: int | None = None) -> list[int]:
         for j in range(s + 1, n - (P - 1 - s) + 1):
             b, c = INF, s
             for i in range(s, j):
+                if allowed is not None and i not in allowed:
+                    continue
                 v = best[s - 1][i]
                 w = ps[j] - ps[i]
                 if w > v:
@@ -127,6 +133,9 @@ def balanced_cuts(seconds, parts: int | None = None) -> list[int]:
                 if v < b:
                     b, c = v, i
             best[s][j], cut[s][j] = b, c
+    if best[P - 1][n] == INF:
+        raise PlanError(f"layout: pp: no cut of the op-groups into {P} stages between Megatron blocks; "
+                        "expected fewer stages or more op-groups")
     cuts, j = [], n
     for s in range(P - 1, 0, -1):
         j = cut[s][j]
@@ -146,27 +155,33 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
     """The plan of ``layout`` for ``graph`` on ``topology`` (module docstring); ``costs``: the
     :class:`~tag.cost.CostModel` that balances the stages."""
     check_devices(layout, topology)
-    if layout.micro > graph.batch_size or layout.dp > graph.batch_size // layout.micro:
-        raise PlanError(f"layout: micro: {layout.micro} micro-batches of {layout.dp} replicas need at least "
-                        f"{layout.micro * layout.dp} samples, batch is {graph.batch_size}")
-    k = graph.num_groups
     width = layout.dp * layout.tp
+    if layout.micro > graph.batch_size or width > graph.batch_size // layout.micro:
+        # (tensor parallelism shards the tokens of a micro-batch by samples: one each at least)
+        raise PlanError(f"layout: micro: {layout.micro} micro-batches over dp*tp = {width} devices need at least "
+                        f"{layout.micro * width} samples, batch is {graph.batch_size}")
+    if layout.tp > 1 and not megatron_blocks(graph):
+        raise PlanError(f"layout: tp: model {graph.model!r} has no Megatron block (column- then row-parallel "
+                        "matmuls) to split; expected tp=1")
+    k = graph.num_groups
     stage_devices = [list(range(s * width, (s + 1) * width)) for s in range(layout.pp)]
+    allowed = aligned_cuts(graph) if layout.tp > 1 else None
     if layout.cut == "memory":  # bytes held for good per group, the same on every stage
         held = [0.0] * k
         for p in graph.params:
             held[p.group] += 2 * p.nbytes + p.opt_state_bytes
-        stages = balanced_cuts(held, layout.pp)
-    else:  # a replica runs ceil(B / (micro * dp)) samples per micro-batch (the largest, even shares)
-        per_replica = -(-graph.batch_size // (layout.micro * layout.dp))
+        stages = balanced_cuts(held, layout.pp, allowed)
+    else:  # a device runs ceil(B / (micro * dp * tp)) samples per micro-batch (the largest, even shares)
+        per_replica = -(-graph.batch_size // (layout.micro * width))
         stages = balanced_cuts([[layout.micro * max(sum(costs.group_time(g, ph, d, per_replica) for ph in ("fwd", "bwd"))
                                                     + costs.group_time(g, "opt", d, per_replica) / layout.micro
                                                     for d in devs)
-                                 for g in range(k)] for devs in stage_devices])
+                                 for g in range(k)] for devs in stage_devices], allowed=allowed)
     bounds = stages + [k]
     groups: list[GroupPlan] = []
+    tp = dict(sync="tp", tp=layout.tp) if layout.tp > 1 else {}
     for s, devs in enumerate(stage_devices):
-        groups += [GroupPlan(devs, [1.0 / len(devs)] * len(devs)) for _ in range(bounds[s], bounds[s + 1])]
+        groups += [GroupPlan(devs, [1.0 / len(devs)] * len(devs), **tp) for _ in range(bounds[s], bounds[s + 1])]
     plan = new_plan(graph, topology, groups, searcher="layout", layout=_spell(layout))
     if layout.pp > 1 or layout.micro > 1:
         plan.pipeline = PipelinePlan(stages, layout.micro, layout.schedule, layout.k)
@@ -183,19 +198,32 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 """Micro-batch counts the layout grid tries (as Megatron users do: powers of two)."""
 
 
+def tp_degrees(graph, topology) -> list[int]:
+    """Tensor-parallel degrees a layout may use: 1, and each of 2, 4, 8 dividing every machine's
+    device count (so that consecutive groups of ``T`` devices stay on one machine) and every
+    Megatron block's split features and heads."""
+    blocks = megatron_blocks(graph)
+    sizes = [len(topology.devices_of_machine(m)) for m in range(topology.num_machines)]
+    return [1] + [t for t in (2, 4, 8) if t <= MAX_DEGREE and blocks and all(s % t == 0 for s in sizes)
+                  and all(b.features % t == 0 and (b.heads is None or b.heads % t == 0) for b in blocks)]
+
+
 def layout_grid(graph, topology) -> list[Layout]:
-    """Every layout a Megatron/AMP user would search by hand on ``topology``: ``dp * pp`` = the
-    device count (``tp`` 1 in this version), ``pp`` up to the op-group count, 1F1B with each
-    micro-batch count of :data:`MICRO_BATCHES` that gives every replica a sample (one micro-batch
-    without a pipeline), stages cut by time and by memory."""
+    """Every layout a Megatron/AMP user would search by hand on ``topology``: ``dp * tp * pp`` =
+    the device count, ``tp`` of :func:`tp_degrees`, ``pp`` up to the op-group count (stage cuts
+    between Megatron blocks when ``tp > 1``), 1F1B with each micro-batch count of
+    :data:`MICRO_BATCHES` that gives every device a sample (one micro-batch without a pipeline),
+    stages cut by time and by memory."""
     n, out = topology.num_devices, []
-    for pp in range(1, min(n, graph.num_groups) + 1):
-        if n % pp:
-            continue
-        dp = n // pp
-        for micro in MICRO_BATCHES if pp > 1 else (1,):
-            if micro * dp <= graph.batch_size:
-                out += [Layout(dp=dp, pp=pp, micro=micro, cut=c) for c in (CUTS if pp > 1 else CUTS[:1])]
+    aligned = len(aligned_cuts(graph))
+    for tp in tp_degrees(graph, topology):
+        for pp in range(1, min(n, graph.num_groups if tp == 1 else aligned) + 1):
+            if n % (pp * tp):
+                continue
+            dp = n // (pp * tp)
+            for micro in MICRO_BATCHES if pp > 1 else (1,):
+                if micro * dp * tp <= graph.batch_size:
+                    out += [Layout(dp=dp, tp=tp, pp=pp, micro=micro, cut=c) for c in (CUTS if pp > 1 else CUTS[:1])]
     return out
 
 

@@ -19,6 +19,7 @@ class ModelParallel(Strategy):
 
     def validate(self, gp: GroupPlan, graph, g: int, num_devices: int, batch_size: int, where: str) -> None:
         no_field(gp, "server", where, "ps")
+        no_field(gp, "tp", where, "tp")
         if any(s != 1.0 for s in gp.shares):
             raise PlanError(f"{where}.shares: sync 'mp' runs every chunk on the full batch; expected all 1.0")
         lo, hi = group_positions(graph, g)

@@ -119,6 +119,10 @@ class Strategy:
         """The collective synchronising the group's gradients (``None``: none needed)."""
         return None
 
+    def check_plan(self, plan, graph, topology, source: str) -> None:
+        """Checks across the groups of a plan using this strategy (raise :class:`PlanError`
+        naming ``source``); called once per strategy a plan uses, after every group's checks."""
+
     def normalise(self, gp: GroupPlan, has_params: bool) -> GroupPlan:
         """``gp`` (a copy, changed in place) in the canonical form of the deployments that run the
         same (searches count such actions once); ``has_params``: the group owns parameters."""
@@ -183,16 +187,25 @@ def validate_group(gp: GroupPlan, graph, g: int, num_devices: int, where: str, b
     s.validate(gp, graph, g, num_devices, graph.batch_size if batch_size is None else batch_size, where)
 
 
-def validate_plan(plan, graph, topology, *, source: str = "plan", pipelines: bool = True) -> None:
+def validate_plan(plan, graph, topology, *, source: str = "plan", pipelines: bool = True,
+                  tensor_parallel: bool = False) -> None:
     """Raise :class:`PlanError` (one line) unless ``plan`` fits ``graph`` and ``topology`` and
     every group is a valid deployment of its strategy.
 
     ``pipelines``: accept a :attr:`Plan.pipeline <tag.plan.Plan.pipeline>` (the simulator and the
     executor run micro-batches); False for a caller that does not, so that it refuses such a plan
-    in one line instead of running it as if it had none."""
+    in one line instead of running it as if it had none. ``tensor_parallel``: accept groups of
+    sync ``tp`` (the simulator costs them; the executor does not run them yet)."""
     plan.validate(graph, topology, source=source)
     for g, gp in enumerate(plan.groups):
         validate_group(gp, graph, g, topology.num_devices, f"{source}: groups[{g}]", plan.batch_size)
+    for name in dict.fromkeys(gp.sync for gp in plan.groups):
+        get_strategy(name).check_plan(plan, graph, topology, source)
+    if not tensor_parallel:
+        g = next((g for g, gp in enumerate(plan.groups) if gp.sync == "tp"), None)
+        if g is not None:
+            raise PlanError(f"{source}: groups[{g}].sync: tensor-parallel groups are simulated (tag simulate) but "
+                            "not executed by this version; expected allreduce, ps or mp")
     validate_pipeline(plan, graph, topology.num_devices, source=source)
     if plan.pipeline is not None and not pipelines:
         raise PlanError(f"{source}: pipeline: this caller runs no micro-batches; expected no pipeline field")

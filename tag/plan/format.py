@@ -13,6 +13,8 @@ What each ``sync`` value means is defined by the strategy registered under that 
   chunks, chunk ``j`` (positions ``mp_splits[j] .. mp_splits[j+1]-1``) running on
   ``devices[j]`` on the full batch. Its backward ops follow their forward anchor; its
   parameters live on one device each; no gradient synchronisation.
+* ``tp``: tensor parallel (Megatron-style), ``devices`` in groups of ``tp`` devices of one
+  machine (:mod:`tag.parallel.tensor_parallel`).
 * ``sfb``: names of weight-gradient ops whose gradient is obtained by Sufficient Factor
   Broadcasting instead of all-reduce (see :mod:`tag.compress`).
 
@@ -55,11 +57,14 @@ class GroupPlan:
     """``mp`` only: first forward position of each device's chunk (absolute, increasing)."""
     sfb: list[str] = field(default_factory=list)
     """Weight-gradient op names synchronised by Sufficient Factor Broadcasting."""
+    tp: int | None = None
+    """``tp`` only: devices per tensor-parallel group (consecutive devices; default all of them);
+    omitted from the file when unset."""
 
     def key(self) -> tuple:
         """Hashable identity (used by caches)."""
         return (tuple(self.devices), tuple(round(s, 9) for s in self.shares), self.sync, self.server,
-                tuple(self.mp_splits or ()), tuple(self.sfb))
+                tuple(self.mp_splits or ()), tuple(self.sfb), self.tp)
 
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "kfkb")
@@ -148,6 +153,9 @@ class Plan:
         d = asdict(self)
         if self.pipeline is None:  # plans without a pipeline keep the format they always had
             del d["pipeline"]
+        for g in d["groups"]:  # and groups without tensor parallelism
+            if g["tp"] is None:
+                del g["tp"]
         return d
 
     @classmethod
@@ -203,7 +211,7 @@ _PLAN_TYPES = {"model": "str", "graph_signature": "str", "topology": "str", "top
                "batch_size": "int", "groups": "list", "predicted_iteration_time_s": "number?", "meta": "dict",
                "version": "int", "pipeline": "dict?", "precision": "str"}
 _GROUP_TYPES = {"devices": "list[int]", "shares": "list[number]", "sync": "str", "server": "int?",
-                "mp_splits": "list[int]?", "sfb": "list[str]"}
+                "mp_splits": "list[int]?", "sfb": "list[str]", "tp": "int?"}
 _PIPELINE_TYPES = {"stages": "list[int]", "micro_batches": "int", "schedule": "str", "k": "int"}
 _JSON_TYPES = {"int": "an integer", "number": "a number", "str": "a string", "list": "a list", "dict": "an object"}
 

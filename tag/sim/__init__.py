@@ -10,7 +10,7 @@ from .result import SimEvent, SimResult
 def simulate(graph, topology, plan, *, costs=None, trace: bool = False) -> SimResult:
     """Validate ``plan`` against ``graph`` and ``topology`` (:func:`tag.parallel.validate_plan`),
     then simulate one iteration."""
-    validate_plan(plan, graph, topology, pipelines=True)
+    validate_plan(plan, graph, topology, pipelines=True, tensor_parallel=True)
     return Simulator(graph, topology, costs).run(plan.groups, trace=trace, pipeline=plan.pipeline)
 
 

@@ -75,7 +75,7 @@ def plan_key(gp) -> tuple:
     """Cache key of a GroupPlan: :meth:`GroupPlan.key` without rounding the shares (20x cheaper;
     shares that differ by float noise merely miss the cache, the derived data is the same)."""
     sp = gp.mp_splits
-    return (tuple(gp.devices), tuple(gp.shares), gp.sync, gp.server, tuple(sp) if sp else (), tuple(gp.sfb))
+    return (tuple(gp.devices), tuple(gp.shares), gp.sync, gp.server, tuple(sp) if sp else (), tuple(gp.sfb), gp.tp)
 
 
 class Simulator:
@@ -191,6 +191,10 @@ class Simulator:
         if len(lowered) != 1 or lowered[0].positions is not None:
             raise PlanError(f"plan: groups[{g}]: strategy {gp.sync!r}: the simulator costs one unit over the "
                             "whole group or position chunks")
+        if gp.sync == "tp":  # tensor parallel: costed on its own layout (tag.sim.tensor_parallel)
+            from .tensor_parallel import tp_group
+
+            return tp_group(self, g, gp, lowered)
         batches = lowered[0].batches
         lay = self.layout(devs, batches)
         unit = Unit(g, -1, devs, batches, lay.starts, lay)

@@ -1,0 +1,358 @@
+"""Tensor parallelism, Megatron-style (``GroupPlan.sync == "tp"``).
+
+**Detection** (pure functions of the :class:`~tag.graph.ir.OpGraph`): a *weight matmul* is a
+forward ``mm`` / ``addmm`` / ``bmm`` / ``linear`` one of whose inputs is a parameter (through views,
+transposes and dtype casts only, the parameter used by nothing else). A Megatron block is a
+**row-parallel** weight matmul ``R`` (attention output / MLP down projection: weight split by its
+input features) and the **column-parallel** weight matmuls ``C`` (QKV / MLP up and gate
+projections: weight and bias split by their output features) whose outputs reach ``R`` through
+ops that act per feature or per head only (:data:`PER_FEATURE`: element-wise maths, views,
+attention's weightless ``bmm`` and ``softmax`` over keys, rotary ``cat``/``slice``), and reach
+nothing else. Layer norms, reductions over features and the loss are not per feature: the LM head
+and embeddings are never split. The split features (``R``'s input features) come from ``R``'s
+weight size and the ratio of its input to output activation bytes; the heads from the attention
+scores' bytes where they are materialised (a ``softmax``), else unknown.
+
+**The strategy.** A group's ``T`` devices (``GroupPlan.tp``: ``len(devices) / T`` data-parallel
+replicas of ``T`` consecutive devices each, default one replica) on one machine split every block
+touching the group ``T`` ways and run it with sequence parallelism (Megatron-LM's
+``--sequence-parallel``): outside a block's column-to-row region each device holds ``1 / T`` of
+the tokens (here: of the samples, contiguous ranges in device order, so tensors crossing units
+move as data-parallel ones do and costs are those of a ``1 / T`` batch); entering a block the
+shards are all-gathered, leaving it the row-parallel partial sums are reduce-scattered (forward),
+and the same pair in reverse for the input gradient (backward): per block and direction the bytes
+of one all-reduce of the block's activation. Split parameters (and their gradients and optimizer
+state) are ``1 / T`` per device; replicated ones (layer norms, row biases) have partial gradients
+over the token shards, all-reduced over the group's devices after the backward, with the split
+ones' gradients over the data-parallel replicas holding the same shard.
+
+The simulator costs it (:mod:`tag.sim.tensor_parallel`); the executor does not run it and
+refuses such plans in one line (:func:`tag.parallel.validate_plan` ``tensor_parallel=False``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import PlanError
+from ..graph.ir import Affine, OpGraph
+from ..plan.format import GroupPlan
+from .strategy import Collective, Strategy, Unit, check_shares, no_field, sample_replicas
+
+MAX_DEGREE = 8
+"""Largest tensor-parallel degree (devices of one machine, as Megatron-LM advises)."""
+
+WEIGHT_MATMULS = frozenset({"mm", "addmm", "bmm", "linear", "matmul"})
+"""ATen ops (base names) that are a weight matmul when one input is a parameter."""
+
+WEIGHT_PATH = frozenset({"t", "permute", "transpose", "view", "_unsafe_view", "reshape", "_to_copy", "alias",
+                         "expand", "clone", "detach", "contiguous"})
+"""Ops between a parameter and the matmul reading it (layout and dtype only)."""
+
+PER_FEATURE = WEIGHT_PATH | frozenset({
+    "unsqueeze", "squeeze", "split", "split_with_sizes", "slice", "select", "unbind", "chunk", "getitem",
+    "add", "sub", "mul", "div", "neg", "pow", "tanh", "sigmoid", "silu", "gelu", "relu", "erf", "exp",
+    "where", "masked_fill", "native_dropout", "dropout", "_softmax", "softmax", "cat", "bmm", "matmul", "baddbmm",
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention", "full_like", "zeros_like", "ones_like", "copy", "fill"})
+"""Ops that act per feature or per attention head (on the split features each device holds)."""
+
+ITEMSIZE = {"": 4, "float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+def base_name(target: str) -> str:
+    """``aten.addmm.default`` -> ``addmm``; ``getitem`` -> ``getitem``."""
+    parts = target.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[-1]
+
+
+@dataclass(frozen=True)
+class MegatronBlock:
+    """One column-then-row-parallel region of the forward graph."""
+
+    columns: tuple[int, ...]
+    """Op indices of the column-parallel matmuls (forward order)."""
+    row: int
+    """Op index of the row-parallel matmul."""
+    split_params: tuple[int, ...]
+    """Indices into ``graph.params`` split ``T`` ways: the columns' weights and biases, the row's weight."""
+    features: int
+    """Split features: the row matmul's input features (= the columns' output features summed
+    over the row's input)."""
+    heads: int | None
+    """Attention heads (from the materialised scores), ``None`` for an MLP or where unknown."""
+    reduce_fwd: Affine
+    """Bytes of the forward all-reduce: the row matmul's output (at the replica's batch)."""
+    reduce_bwd: Affine
+    """Bytes of the backward all-reduce: the gradient of the columns' input."""
+
+
+def weight_param(graph: OpGraph, op: int, pidx: dict[int, int] | None = None) -> tuple[int, list[int]] | None:
+    """``(param index, other param-derived inputs)`` when op ``op`` is a weight matmul: the
+    parameter read by its weight input (through :data:`WEIGHT_PATH` ops only, used by this op
+    alone), and the input indices of its other parameter inputs (a bias)."""
+    o = graph.ops[op]
+    if o.phase != "fwd" or base_name(o.target) not in WEIGHT_MATMULS:
+        return None
+    if pidx is None:
+        pidx = {p.tensor: i for i, p in enumerate(graph.params)}
+    found = [(i, p) for i, t in enumerate(o.inputs) if (p := _param_of(graph, t, pidx)) is not None]
+    if not found:
+        return None
+    weights = [(i, p) for i, p in found if graph.params[p].numel > 1 and _is_weight_slot(o, i)]
+    if len(weights) != 1:
+        return None
+    return weights[0][1], [p for i, p in found if (i, p) != weights[0]]
+
+
+def _is_weight_slot(o, i: int) -> bool:
+    """``addmm(bias, x, W)``: the weight is its last input; ``mm(x, W)`` / ``linear(x, W, b)``: not the first."""
+    name = base_name(o.target)
+    return i == 2 if name == "addmm" else (i == 1 if name == "linear" else i >= 1)
+
+
+def _param_of(graph: OpGraph, t: int, pidx: dict[int, int]) -> int | None:
+    """The parameter behind tensor ``t`` (through :data:`WEIGHT_PATH` ops) if nothing else in the
+    forward uses it; ``pidx``: param tensor -> param index."""
+    chain = [t]
+    while True:
+        ten = graph.tensors[t]
+        if ten.batch_dim is not None:
+            return None
+        if ten.kind == "param":
+            break
+        if ten.producer < 0:
+            return None
+        prod = graph.ops[ten.producer]
+        if base_name(prod.target) not in WEIGHT_PATH or not prod.inputs:
+            return None
+        t = prod.inputs[0]
+        chain.append(t)
+    p = pidx.get(t)
+    if p is None:
+        return None
+    # Used by nothing else in the forward (a tied weight is not split).
+    for x in chain:
+        fwd = [c for c in graph.tensors[x].consumers if graph.ops[c].phase == "fwd"]
+        if len(fwd) != 1:
+            return None
+    return p
+
+
+def megatron_blocks(graph: OpGraph) -> tuple[MegatronBlock, ...]:
+    """Every Megatron block of ``graph`` (forward order of their row matmuls); cached per graph."""
+    cached = _BLOCKS.get(id(graph))
+    if cached is not None and cached[0] is graph:
+        return cached[1]
+    blocks = tuple(_detect(graph))
+    if len(_BLOCKS) > 16:
+        _BLOCKS.clear()
+    _BLOCKS[id(graph)] = (graph, blocks)
+    return blocks
+
+
+_BLOCKS: dict[int, tuple[OpGraph, tuple[MegatronBlock, ...]]] = {}
+
+
+def _detect(graph: OpGraph) -> list[MegatronBlock]:
+    ops, tensors = graph.ops, graph.tensors
+    pidx = {p.tensor: i for i, p in enumerate(graph.params)}
+    wm = {i: w for i in range(len(ops)) if (w := weight_param(graph, i, pidx)) is not None}
+    reach: dict[int, list[int]] = {}  # row op -> column ops reaching it
+    softmax_of: dict[int, int] = {}  # row op -> a softmax op on the way (attention)
+    for c in sorted(wm):
+        hit, soft, ok = set(), None, True
+        seen, todo = set(), list(ops[c].outputs)
+        while todo and ok:
+            t = todo.pop()
+            if t in seen:
+                continue
+            seen.add(t)
+            for u in tensors[t].consumers:
+                uo = ops[u]
+                if uo.phase != "fwd":
+                    continue
+                if u in wm:
+                    hit.add(u)
+                    continue
+                name = base_name(uo.target)
+                if name not in PER_FEATURE:
+                    ok = False
+                    break
+                if name in ("_softmax", "softmax"):
+                    soft = u
+                todo.extend(uo.outputs)
+        if ok and len(hit) == 1:
+            r = hit.pop()
+            reach.setdefault(r, []).append(c)
+            if soft is not None:
+                softmax_of[r] = soft
+    blocks = []
+    used: set[int] = set()  # matmuls already in a block (a chain of MLP layers pairs up 1-2, 3-4, ...)
+    for r, cols in sorted(reach.items()):
+        cols = [c for c in cols if c not in used]
+        if not cols or r in used:
+            continue
+        ro = ops[r]
+        wp, row_other = wm[r]
+        act = [t for t in ro.inputs if tensors[t].batch_dim is not None]
+        if len(act) != 1 or not ro.outputs:
+            continue
+        w = graph.params[wp].numel
+        out_ps, in_ps = tensors[ro.outputs[0]].nbytes.per_sample, tensors[act[0]].nbytes.per_sample
+        if out_ps <= 0 or in_ps <= 0:
+            continue
+        feats = round(math.sqrt(w * in_ps / out_ps))  # in * out = w, in / out = in_ps / out_ps
+        if feats < 1 or w % feats:
+            continue
+        out_feats = w // feats
+        heads = None
+        if r in softmax_of:
+            so = ops[softmax_of[r]]
+            item_r = ITEMSIZE.get(ro.dtype, 4)
+            tokens = out_ps / (out_feats * item_r)  # per sample
+            scores = tensors[so.outputs[0]].nbytes.per_sample / ITEMSIZE.get(so.dtype, 4)
+            h = scores / (tokens * tokens) if tokens >= 1 else 0
+            if h >= 1 and abs(h - round(h)) < 1e-6 and feats % round(h) == 0:
+                heads = round(h)
+        split = [wp]
+        for c in cols:
+            cw, cother = wm[c]
+            split += [cw, *cother]
+        first_in = [t for t in ops[cols[0]].inputs if tensors[t].batch_dim is not None]
+        bwd = tensors[first_in[0]].nbytes if first_in else tensors[ro.outputs[0]].nbytes
+        used.update(cols)
+        used.add(r)
+        blocks.append(MegatronBlock(tuple(cols), r, tuple(split), feats, heads, tensors[ro.outputs[0]].nbytes, bwd))
+    return blocks
+
+
+@dataclass(frozen=True)
+class GroupSplit:
+    """What tensor parallelism changes in one op-group (all blocks touching it split)."""
+
+    blocks: tuple[int, ...]
+    """Indices into :func:`megatron_blocks` of the blocks with an op in this group."""
+    split_params: tuple[int, ...]
+    """Parameters this group owns that are split."""
+    split_bytes: int
+    """Their bytes (= their gradients' bytes)."""
+    split_state: int
+    """Their parameter + gradient + optimizer-state bytes."""
+    reduce_fwd: tuple[Affine, ...]
+    """Bytes of each forward all-reduce in this group (blocks whose row matmul is here)."""
+    reduce_bwd: tuple[Affine, ...]
+    """Bytes of each backward all-reduce in this group (blocks whose first column matmul is here)."""
+
+
+def group_split(graph: OpGraph, g: int) -> GroupSplit:
+    """:class:`GroupSplit` of group ``g``."""
+    blocks = megatron_blocks(graph)
+    mine, fwd, bwd, params = [], [], [], []
+    for i, b in enumerate(blocks):
+        gs = {graph.ops[c].group for c in b.columns} | {graph.ops[b.row].group}
+        if g not in gs:
+            continue
+        mine.append(i)
+        if graph.ops[b.row].group == g:
+            fwd.append(b.reduce_fwd)
+        if graph.ops[b.columns[0]].group == g:
+            bwd.append(b.reduce_bwd)
+        params += [p for p in b.split_params if graph.params[p].group == g]
+    ps = [graph.params[p] for p in params]
+    return GroupSplit(tuple(mine), tuple(params), sum(p.nbytes for p in ps),
+                      sum(2 * p.nbytes + p.opt_state_bytes for p in ps), tuple(fwd), tuple(bwd))
+
+
+def block_groups(graph: OpGraph, block: MegatronBlock) -> tuple[int, ...]:
+    """The op-groups holding a block's matmuls (sorted)."""
+    return tuple(sorted({graph.ops[c].group for c in block.columns} | {graph.ops[block.row].group}))
+
+
+def aligned_cuts(graph: OpGraph) -> set[int]:
+    """Group indices ``g`` where a stage may start without cutting a Megatron block (``g = 0`` included)."""
+    inside = set()
+    for b in megatron_blocks(graph):
+        gs = block_groups(graph, b)
+        inside.update(range(gs[0] + 1, gs[-1] + 1))
+    return set(range(graph.num_groups)) - inside
+
+
+# ---- the strategy -----------------------------------------------------------------------
+
+def tp_degree(gp: GroupPlan) -> int:
+    """Devices per tensor-parallel group of ``gp`` (``GroupPlan.tp``, default all its devices)."""
+    return gp.tp if gp.tp is not None else len(gp.devices)
+
+
+def tp_groups(gp: GroupPlan) -> list[list[int]]:
+    """The tensor-parallel groups of ``gp``: consecutive runs of :func:`tp_degree` devices."""
+    t = tp_degree(gp)
+    return [list(gp.devices[i:i + t]) for i in range(0, len(gp.devices), t)]
+
+
+class TensorParallel(Strategy):
+    name = "tp"
+
+    def validate(self, gp: GroupPlan, graph, g: int, num_devices: int, batch_size: int, where: str) -> None:
+        no_field(gp, "mp_splits", where, "mp")
+        no_field(gp, "server", where, "ps")
+        if gp.sfb:
+            raise PlanError(f"{where}.sfb: sync 'tp' has no Sufficient Factor Broadcasting; expected []")
+        t = tp_degree(gp)
+        if not 2 <= t <= MAX_DEGREE:
+            raise PlanError(f"{where}.tp: expected a tensor-parallel degree of 2..{MAX_DEGREE}, got {t}")
+        if len(gp.devices) % t:
+            raise PlanError(f"{where}.tp: {len(gp.devices)} devices are not groups of {t}")
+        check_shares(gp, batch_size, where)
+        for devs in tp_groups(gp):
+            shares = [gp.shares[gp.devices.index(d)] for d in devs]
+            if max(shares) - min(shares) > 1e-9:
+                raise PlanError(f"{where}.shares: the {t} devices of tensor-parallel group {devs} hold equal "
+                                f"token shards; expected equal shares, got {shares}")
+        for i in group_split(graph, g).blocks:
+            b = megatron_blocks(graph)[i]
+            name = graph.ops[b.row].name
+            if b.features % t:
+                raise PlanError(f"{where}.tp: block ending at {name!r} has {b.features} split features, not "
+                                f"divisible by {t}")
+            if b.heads is not None and b.heads % t:
+                raise PlanError(f"{where}.tp: block ending at {name!r} has {b.heads} attention heads, not "
+                                f"divisible by {t}")
+
+    def units(self, g: int, gp: GroupPlan, graph, batch_size: int) -> list[Unit]:
+        # One unit, each device on its token shard (sample range) between blocks.
+        return [Unit((g, 0), gp.sync, sample_replicas(gp.devices, gp.shares, batch_size))]
+
+    def collective(self, gp: GroupPlan) -> Collective | None:
+        """Replicated parameters' partial gradients (over token shards) summed over every device;
+        split ones over the replicas holding the same shard (:mod:`tag.sim.tensor_parallel`)."""
+        return Collective("tp", tuple(gp.devices))
+
+    def check_plan(self, plan, graph, topology, source: str) -> None:
+        """Each tensor-parallel group on one machine; a block split over op-groups needs all of them
+        ``tp`` over the same devices and degree."""
+        for g, gp in enumerate(plan.groups):
+            if gp.sync != self.name:
+                continue
+            for devs in tp_groups(gp):
+                if len({topology.machine_of(d) for d in devs}) > 1:
+                    raise PlanError(f"{source}: groups[{g}].devices: tensor-parallel group {devs} spans machines; "
+                                    f"expected the {len(devs)} devices of one group on one machine")
+        for b in megatron_blocks(graph):
+            gs = block_groups(graph, b)
+            gps = [plan.groups[g] for g in gs]
+            if len(gs) < 2 or not any(p.sync == self.name for p in gps):
+                continue
+            first = gps[0]
+            for g, p in zip(gs, gps):
+                if p.sync != self.name or p.devices != first.devices or tp_degree(p) != tp_degree(first):
+                    raise PlanError(
+                        f"{source}: groups[{g}]: the Megatron block ending at {graph.ops[b.row].name!r} spans "
+                        f"groups {list(gs)}; expected sync 'tp' over the same devices and degree in all of them")
+
+
+__all__ = ["MAX_DEGREE", "GroupSplit", "MegatronBlock", "TensorParallel", "aligned_cuts", "block_groups",
+           "group_split", "megatron_blocks", "tp_degree", "tp_groups", "weight_param"]

@@ -1,0 +1,270 @@
+"""Tensor parallelism (Megatron-style, ``sync == "tp"``): block detection on the zoo's
+transformers, plan checks, the simulator's costs, layouts with ``tp > 1``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tag.cli import main
+from tag.cost.model import CostModel
+from tag.errors import PlanError
+from tag.parallel import validate_plan
+from tag.parallel.layout import Layout, layout_grid, layout_plan, parse_layout
+from tag.parallel.tensor_parallel import (
+    aligned_cuts,
+    block_groups,
+    group_split,
+    megatron_blocks,
+    weight_param,
+)
+from tag.plan import GroupPlan, Plan, new_plan
+from tag.sim import simulate
+from tag.topology import load_topology
+
+GPT2 = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab=100,seq=16"
+BERT = "bert:n_layer=2,n_embd=64,n_head=4,vocab=100,seq=16"
+LLAMA = "llama:n_layer=2,n_embd=64,n_head=4,vocab=100,seq=16"
+
+
+def _names(graph, block):
+    """Module paths of a block's column and row weights (``...attn.c_attn``)."""
+    def mod(op):
+        for p in graph.params:
+            if p.name.endswith("weight") and any(graph.tensors[t].kind == "param" and t == p.tensor
+                                                 for t in _param_inputs(graph, op)):
+                return p.name.rsplit(".", 1)[0].split("model.", 1)[-1]
+        return None
+    return [mod(c) for c in block.columns], mod(block.row)
+
+
+def _param_inputs(graph, op):
+    """Param tensors behind an op's inputs (through single-input producers)."""
+    out = []
+    for t in graph.ops[op].inputs:
+        while graph.tensors[t].kind != "param" and graph.tensors[t].producer >= 0 and \
+                graph.tensors[t].batch_dim is None:
+            t = graph.ops[graph.tensors[t].producer].inputs[0]
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("spec,attn,mlp", [
+    (GPT2, (["transformer.h.{i}.attn.c_attn"], "transformer.h.{i}.attn.c_proj"),
+     (["transformer.h.{i}.mlp.c_fc"], "transformer.h.{i}.mlp.c_proj")),
+    (BERT, ([f"bert.encoder.layer.{{i}}.attention.self.{x}" for x in ("query", "key", "value")],
+            "bert.encoder.layer.{i}.attention.output.dense"),
+     (["bert.encoder.layer.{i}.intermediate.dense"], "bert.encoder.layer.{i}.output.dense")),
+    (LLAMA, ([f"model.layers.{{i}}.self_attn.{x}_proj" for x in "qkv"], "model.layers.{i}.self_attn.o_proj"),
+     ([f"model.layers.{{i}}.mlp.{x}_proj" for x in ("gate", "up")], "model.layers.{i}.mlp.down_proj")),
+])
+def test_detects_the_megatron_blocks(captured, spec, attn, mlp):
+    """Per layer an attention block (QKV column-parallel, output row-parallel, heads found from
+    the scores) and an MLP block (up / gate column-parallel, down row-parallel); the LM head, the
+    embeddings and the norms are never split."""
+    graph = captured(spec, batch=2, groups=4).graph
+    blocks = megatron_blocks(graph)
+    assert len(blocks) == 4
+    for i in range(2):
+        a, m = blocks[2 * i], blocks[2 * i + 1]
+        cols, row = _names(graph, a)
+        assert [c.split("model.", 1)[-1] for c in cols] == [c.format(i=i).split("model.", 1)[-1] for c in attn[0]]
+        assert row.endswith(attn[1].format(i=i).split("model.", 1)[-1])
+        cols, row = _names(graph, m)
+        assert [c.split("model.", 1)[-1] for c in cols] == [c.format(i=i).split("model.", 1)[-1] for c in mlp[0]]
+        assert row.endswith(mlp[1].format(i=i).split("model.", 1)[-1])
+        assert a.features == 64 and a.heads == 4
+        assert m.heads is None and m.features > 64
+        # the all-reduces carry the block's activation: seq * hidden * 4 bytes per sample
+        assert a.reduce_fwd.per_sample == m.reduce_fwd.per_sample == 16 * 64 * 4
+    split = {graph.params[p].name for b in blocks for p in b.split_params}
+    assert not any(("wte" in n or "embed" in n or "norm" in n or "ln_" in n or "lm_head" in n or "LayerNorm" in n)
+                   for n in split)
+    # every split parameter is in exactly one block; every owned one in its group's split
+    assert len(split) == sum(len(b.split_params) for b in blocks)
+    assert sum(group_split(graph, g).split_bytes for g in range(graph.num_groups)) == \
+        sum(graph.params[p].nbytes for b in blocks for p in b.split_params)
+
+
+def test_detection_in_bf16_and_on_a_plain_mlp(captured):
+    graph = captured(GPT2, batch=2, groups=4, precision="bf16").graph
+    blocks = megatron_blocks(graph)
+    assert len(blocks) == 4 and blocks[0].reduce_fwd.per_sample == 16 * 64 * 2  # bf16 activations
+    # a chain of Linear-ReLU layers pairs up (1, 2), (3, 4), ...: no weight both row and column split
+    mlp = captured("mlp:layers=5,hidden=64,in_dim=32", batch=8, groups=4).graph
+    bl = megatron_blocks(mlp)
+    linears = [i for i in range(len(mlp.ops)) if weight_param(mlp, i) is not None]
+    assert [op for b in bl for op in (*b.columns, b.row)] == linears[:2 * (len(linears) // 2)]
+    assert len(bl) == len(linears) // 2 >= 2
+
+
+@pytest.fixture(scope="module")
+def gpt2(captured):
+    return captured(GPT2, batch=8, groups=6).graph
+
+
+@pytest.fixture(scope="module")
+def v100():
+    return load_topology("homogeneous-2x4-v100")
+
+
+def _tp_plan(graph, topo, devices, tp=None, **kw):
+    return new_plan(graph, topo, [GroupPlan(list(devices), [1 / len(devices)] * len(devices), sync="tp", tp=tp, **kw)
+                                  for _ in range(graph.num_groups)])
+
+
+def test_plan_checks(gpt2, v100):
+    ok = _tp_plan(gpt2, v100, [0, 1, 2, 3])
+    validate_plan(ok, gpt2, v100, tensor_parallel=True)
+    validate_plan(_tp_plan(gpt2, v100, [0, 1, 4, 5], tp=2), gpt2, v100, tensor_parallel=True)
+    # the executor does not run tensor parallelism: one line naming the field
+    with pytest.raises(PlanError, match=r"^plan: groups\[0\]\.sync: tensor-parallel groups are simulated .* not "
+                                        r"executed by this version"):
+        validate_plan(ok, gpt2, v100)
+    bad = [
+        (_tp_plan(gpt2, v100, [0]), r"groups\[0\]\.tp: expected a tensor-parallel degree of 2\.\.8, got 1"),
+        (_tp_plan(gpt2, v100, [0, 1, 2], tp=2), r"groups\[0\]\.tp: 3 devices are not groups of 2"),
+        (_tp_plan(gpt2, v100, [2, 3, 4, 5]), r"groups\[0\]\.devices: tensor-parallel group \[2, 3, 4, 5\] spans "
+                                             r"machines"),
+        (_tp_plan(gpt2, v100, list(range(8))), r"groups\[0\]\.tp: block ending at '.*' has 4 attention heads, not "
+                                               r"divisible by 8"),
+        (_tp_plan(gpt2, v100, [0, 1, 2], tp=3), r"groups\[\d\]\.tp: block ending at '.*' has 64 split features, not "
+                                                r"divisible by 3"),
+        (_tp_plan(gpt2, v100, [0, 1, 2, 3], mp_splits=[0, 1, 2, 3]), r"groups\[0\]\.mp_splits: only allowed with "
+                                                                        r"sync 'mp'"),
+    ]
+    uneven = _tp_plan(gpt2, v100, [0, 1, 2, 3], tp=2)
+    uneven.groups[0].shares = [0.3, 0.2, 0.25, 0.25]
+    bad.append((uneven, r"groups\[0\]\.shares: the 2 devices of tensor-parallel group \[0, 1\] hold equal"))
+    on_dp = new_plan(gpt2, v100, [GroupPlan([0, 1], [0.5, 0.5], tp=2) for _ in range(gpt2.num_groups)])
+    bad.append((on_dp, r"groups\[0\]\.tp: only allowed with sync 'tp'"))
+    # a block split over two op-groups: both tensor parallel over the same devices
+    straddle = next(b for b in megatron_blocks(gpt2) if len(block_groups(gpt2, b)) > 1)
+    mixed = _tp_plan(gpt2, v100, [0, 1])
+    g2 = block_groups(gpt2, straddle)[-1]
+    mixed.groups[g2] = GroupPlan([0, 1], [0.5, 0.5])
+    bad.append((mixed, rf"groups\[{g2}\]: the Megatron block ending at .* spans groups .*; expected sync 'tp' over "
+                       "the same devices"))
+    for plan, message in bad:
+        with pytest.raises(PlanError, match="^plan: " + message):
+            validate_plan(plan, gpt2, v100, tensor_parallel=True)
+
+
+def test_plan_files_keep_their_format(gpt2, v100, tmp_path):
+    """Plans without tensor parallelism are written as before (no ``tp`` key); ``tp`` round-trips."""
+    from tag.cost.baselines import data_parallel
+
+    dp = data_parallel(gpt2, v100)
+    assert all("tp" not in g for g in json.loads(dp.to_json())["groups"])
+    plan = _tp_plan(gpt2, v100, [0, 1, 2, 3], tp=2)
+    plan.save(tmp_path / "p.json")
+    back = Plan.load(tmp_path / "p.json")
+    assert back.groups[0].tp == 2 and back.groups[0].sync == "tp" and back.to_dict() == plan.to_dict()
+    d = plan.to_dict()
+    d["groups"][0]["tp"] = "two"
+    with pytest.raises(PlanError, match=r"groups\[0\]\.tp: expected an integer"):
+        Plan.from_dict(d)
+
+
+def test_simulated_costs(gpt2, v100):
+    """Tensor parallel over T devices of one machine against data parallel over the same devices:
+    the same token shards (compute), the split parameters' bytes divided by T on every device,
+    per block a blocking all-reduce in forward and in backward (zero on infinitely fast links)."""
+    from tag.sim import Simulator
+
+    devs = [0, 1, 2, 3]
+    dp = new_plan(gpt2, v100, [GroupPlan(devs, [0.25] * 4) for _ in range(gpt2.num_groups)])
+    tp = _tp_plan(gpt2, v100, devs)
+    costs = CostModel.for_topology(gpt2, v100)
+    rd, rt = simulate(gpt2, v100, dp, costs=costs), simulate(gpt2, v100, tp, costs=costs)
+    split = sum(group_split(gpt2, g).split_state for g in range(gpt2.num_groups))
+    assert split > 0
+    saved = rd.peak_memory_bytes[0] - rt.peak_memory_bytes[0]
+    assert saved == pytest.approx(0.75 * split, rel=1e-6)
+    sim = Simulator(gpt2, v100, costs)
+    gd_dp, gd_tp = sim.deploy(dp.groups), sim.deploy(tp.groups)
+    comm = costs.comm
+    for g in range(gpt2.num_groups):
+        s = group_split(gpt2, g)
+        extra_f = gd_tp[g].layout.dur[0, g] - gd_dp[g].layout.dur[0, g]
+        want = sum(comm.allreduce_time(devs, a.at(8), "flat") for a in s.reduce_fwd)
+        assert extra_f == pytest.approx([want] * 4)
+        assert (want > 0) == bool(s.reduce_fwd)
+        # only the replicated parameters' partial gradients are all-reduced
+        rest = float(sim.static.grad_bytes[g]) - s.split_bytes
+        assert gd_tp[g].sync_time == pytest.approx(comm.allreduce_time(devs, rest) if rest > 0 else 0.0)
+    assert rt.iteration_time_s > 0 and not rt.oom
+    # two data-parallel replicas of 2-way tensor parallelism, one per machine: the split
+    # parameters' gradients also cross the network, between the replicas holding the same shard
+    both = sim.deploy(_tp_plan(gpt2, v100, [0, 1, 4, 5], tp=2).groups)
+    for g in range(gpt2.num_groups):
+        s = group_split(gpt2, g)
+        rest = float(sim.static.grad_bytes[g]) - s.split_bytes
+        want = (comm.allreduce_time([0, 1, 4, 5], rest) if rest > 0 else 0.0) + \
+            (comm.allreduce_time([0, 4], s.split_bytes) if s.split_bytes > 0 else 0.0)
+        assert both[g].sync_time == pytest.approx(want) and (want > 0) == (both[g].sync == "tp")
+        assert both[g].sync_machines == ((0, 1) if want > 0 else ())
+
+
+def test_layouts_with_tensor_parallelism(gpt2, v100):
+    assert parse_layout("dp=2,tp=4") == Layout(dp=2, tp=4)
+    with pytest.raises(PlanError, match=r"^layout: tp: expected a tensor-parallel degree of 1\.\.8, got 16$"):
+        parse_layout("tp=16")
+    costs = CostModel.for_topology(gpt2, v100)
+    plan = layout_plan(gpt2, v100, Layout(dp=2, tp=2, pp=2, micro=2), costs)
+    validate_plan(plan, gpt2, v100, pipelines=True, tensor_parallel=True)
+    assert all(g.sync == "tp" and g.tp == 2 and len(g.devices) == 4 for g in plan.groups)
+    cut = plan.pipeline.stages[1]
+    assert cut in aligned_cuts(gpt2)  # no Megatron block cut by the stages
+    assert plan.groups[0].devices == [0, 1, 2, 3] and plan.groups[-1].devices == [4, 5, 6, 7]
+    assert simulate(gpt2, v100, plan).iteration_time_s > 0
+    grid = layout_grid(gpt2, v100)
+    assert {g.tp for g in grid} == {1, 2, 4}  # 8 would span the 4-GPU machines
+    assert all(g.dp * g.tp * g.pp == 8 and g.micro * g.dp * g.tp <= 8 for g in grid)
+    with pytest.raises(PlanError, match=r"^layout: micro: 4 micro-batches over dp\*tp = 4 devices need at least 16"):
+        layout_plan(gpt2, v100, Layout(dp=2, tp=2, pp=2, micro=4), costs)
+
+
+def test_simulate_a_tensor_parallel_layout(capsys):
+    args = ["simulate", "--model", GPT2, "--batch", "8", "--groups", "6", "--topology", "homogeneous-2x4-v100"]
+    assert main(args + ["--layout", "dp=2,tp=4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"] == "layout:dp=2,tp=4" and out["iteration_time_s"] > 0
+    assert main(args + ["--layout", "tp=8"]) == 2  # 4 heads, 8 devices
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "4 attention heads, not divisible by 8" in err[0]
+
+
+def test_the_planner_proposes_tensor_parallelism_where_it_pays(captured, tmp_path):
+    """One machine of four small GPUs on fast links, too small for the model's state on one
+    device: data parallel does not fit, a pipeline idles in its bubble, splitting every layer
+    pair four ways fits and keeps every GPU busy. ``find_plan(pipelines="auto")`` returns the
+    tensor-parallel layout, faster than its own searched plan and than every layout without it."""
+    import yaml
+
+    from tag.parallel.layout import best_layout
+    from tag.planner import find_plan
+    from tag.sim import Simulator
+
+    graph = captured("mlp:layers=4,hidden=2048,in_dim=2048", batch=512, groups=8).graph
+    state = sum(p.nbytes for p in graph.params) * 4  # weights, gradients, two Adam moments
+    gpu = {"name": "small", "tflops": 14, "memory": f"{int(state * 0.75)} B", "memory_bandwidth": "900 GB/s"}
+    path = tmp_path / "one-by-four.yaml"
+    path.write_text(yaml.safe_dump({"name": "one-by-four", "network": {"bandwidth": "10 Gbit/s"}, "machines": [
+        {"name": "m", "gpu": gpu, "count": 4, "intra_bandwidth": "300 GB/s"}]}))
+    topo = load_topology(path)
+    searched = find_plan(graph, topo, prior="uniform", budget=100, pipelines="off", compression="off")
+    best = find_plan(graph, topo, prior="uniform", budget=100, compression="off")
+    assert best.meta["source"] == "layout-grid" and all(g.sync == "tp" for g in best.groups)
+    assert searched.predicted_iteration_time_s is None or \
+        best.predicted_iteration_time_s < searched.predicted_iteration_time_s
+    res = simulate(graph, topo, best)
+    assert not res.oom and res.iteration_time_s == pytest.approx(best.predicted_iteration_time_s)
+    # the best layout without tensor parallelism is slower
+    sim = Simulator(graph, topo)
+    no_tp = [lay for lay in layout_grid(graph, topo) if lay.tp == 1]
+    costs = CostModel.for_topology(graph, topo)
+    times = [sim.run(p.groups, pipeline=p.pipeline) for p in (layout_plan(graph, topo, lay, costs) for lay in no_tp)]
+    assert min(r.iteration_time_s for r in times if not r.oom) > best.predicted_iteration_time_s
+    assert best_layout(graph, topo, costs, lambda q: sim.run(q.groups, pipeline=q.pipeline))[0].groups[0].sync == "tp"
