@@ -40,19 +40,18 @@ def test_a_resumed_run_reuses_the_captured_graph(tmp_path, monkeypatch):
     from tag.bench.runner import run_suite
     from tag.bench.suites import ModelCase, SuiteConfig
 
+    monkeypatch.setenv("TAG_CACHE_DIR", str(tmp_path / "cache"))  # this test's own graph cache
     cfg = SuiteConfig(name="t", models=[ModelCase("mlp:layers=2,hidden=32,in_dim=16", 8)], topologies=["tag-testbed"],
                       methods=["dp", "lower-bound"], groups=4)
-    first = run_suite(cfg, tmp_path)
-    from tag.graph.cache import default_folder
-
-    assert len(list(default_folder().glob("*.json"))) == 1
-    (tmp_path / "cells.jsonl").unlink()
+    first = run_suite(cfg, tmp_path / "out")
+    assert len(list((tmp_path / "cache" / "graphs").glob("*.json"))) == 1
+    (tmp_path / "out" / "cells.jsonl").unlink()
 
     def no_capture(*a, **k):
         raise AssertionError("captured again")
 
     monkeypatch.setattr(tag.graph, "capture", no_capture)
-    again = run_suite(cfg, tmp_path)
+    again = run_suite(cfg, tmp_path / "out")
     assert [c.predicted_time_s for c in again] == [c.predicted_time_s for c in first]
 
 
