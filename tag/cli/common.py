@@ -154,10 +154,11 @@ def load_graph(args):
     """``(OpGraph, seconds, from_cache)`` of ``--model/--batch/--optimizer/--groups/--seed``.
 
     The model is built without weights (meta device: a model larger than this machine's memory
-    is captured all the same) and the graph is read from / written to the graph cache
+    is captured all the same), a zoo transformer is captured by layer folding (:mod:`tag.graph.fold`),
+    and the graph is read from / written to the graph cache
     (:mod:`tag.graph.cache`) unless ``--no-cache``.
     """
-    from ..graph import capture
+    from ..graph import capture_graph
     from ..graph.cache import cached_graph, graph_key
     from ..workloads import is_zoo, load_workload
 
@@ -167,7 +168,7 @@ def load_graph(args):
 
     def fresh():
         wl = load_workload(args.model, batch=args.batch, seed=args.seed, abstract=True)
-        return capture(wl, optimizer=args.optimizer, num_groups=1, precision=precision).graph
+        return capture_graph(wl, optimizer=args.optimizer, num_groups=1, precision=precision)
 
     return cached_graph(key, fresh, getattr(args, "groups", 48), use_cache=not getattr(args, "no_cache", False))
 
