@@ -236,11 +236,12 @@ def model_graph(spec: str, batch: int | None = None, *, optimizer: str = "adam",
     ``tag inspect`` / ``plan`` / ``simulate`` and ``tag bench`` capture.
 
     The model is built without weights (meta device: a model larger than this machine's memory is
-    captured all the same) and the graph is read from / written to the graph cache
+    captured all the same), a zoo transformer is captured by layer folding (:mod:`tag.graph.fold`),
+    and the graph is read from / written to the graph cache
     (:mod:`tag.graph.cache`, keyed by spec, batch, optimizer, precision and library versions)
     unless ``use_cache`` is False.
     """
-    from .graph import capture
+    from .graph import capture_graph
     from .graph.cache import cached_graph, graph_key
     from .workloads import is_zoo, load_workload
 
@@ -248,6 +249,6 @@ def model_graph(spec: str, batch: int | None = None, *, optimizer: str = "adam",
 
     def fresh():
         wl = load_workload(spec, batch=batch, seed=seed, abstract=True)
-        return capture(wl, optimizer=optimizer, num_groups=1, precision=precision).graph
+        return capture_graph(wl, optimizer=optimizer, num_groups=1, precision=precision)
 
     return cached_graph(key, fresh, num_groups, use_cache=use_cache)

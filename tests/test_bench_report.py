@@ -50,7 +50,7 @@ def test_a_resumed_run_reuses_the_captured_graph(tmp_path, monkeypatch):
     def no_capture(*a, **k):
         raise AssertionError("captured again")
 
-    monkeypatch.setattr(tag.graph, "capture", no_capture)
+    monkeypatch.setattr(tag.graph, "capture_graph", no_capture)
     again = run_suite(cfg, tmp_path / "out")
     assert [c.predicted_time_s for c in again] == [c.predicted_time_s for c in first]
 

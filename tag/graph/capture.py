@@ -454,12 +454,10 @@ def capture(workload: Any, *, optimizer: str = "adam", num_groups: int = 48, pre
         raise WorkloadError(f"optimizer {optimizer!r}: expected one of {sorted(OPTIMIZER_COSTS)}")
     check_precision(precision)
     name, model, inputs, b1, make_inputs = _workload_parts(workload)
-    b2 = b1 + 1
     t0 = time.perf_counter()
+    ep1, ep2, b2 = export_pair(name, model, inputs, make_inputs, b1, precision)
+    seconds = time.perf_counter() - t0
     with _quiet():
-        ep1 = export_joint(model, inputs, name, precision)
-        ep2 = export_joint(model, make_inputs(b2), name, precision)
-        seconds = time.perf_counter() - t0
         graph, grad_outputs, loss_node = _build_graph(name, ep1, ep2, b1, b2, optimizer)
     graph.precision = precision
     group_ops(graph, num_groups)
@@ -471,6 +469,45 @@ def capture(workload: Any, *, optimizer: str = "adam", num_groups: int = 48, pre
     placeholders = [(s.arg.name, kinds.get(s.kind, "other"), s.target) for s in sig.input_specs]
     state = {**ep1.state_dict, **ep1.constants}
     return Captured(graph, ep1.graph_module, placeholders, state, grad_outputs, loss_node, seconds)
+
+
+def export_pair(name: str, model: torch.nn.Module, inputs: tuple, make_inputs: Callable[[int], tuple], b1: int,
+                precision: str) -> tuple[torch.export.ExportedProgram, torch.export.ExportedProgram, int]:
+    """The joint graphs at batch ``b1`` (``inputs``) and ``b2 = b1 + 1``; returns ``(ep1, ep2, b2)``."""
+    b2 = b1 + 1
+    with _quiet():
+        ep1 = export_joint(model, inputs, name, precision)
+        ep2 = export_joint(model, make_inputs(b2), name, precision)
+    return ep1, ep2, b2
+
+
+def capture_graph(workload: Any, *, optimizer: str = "adam", num_groups: int = 48, precision: str = "fp32",
+                  fold: bool = True) -> OpGraph:
+    """The :class:`OpGraph` of ``workload`` alone (what ``tag inspect`` and ``tag plan`` need; the
+    runnable joint graph of :func:`capture` is not kept).
+
+    A workload of identical blocks (``workload.blocks``, ``workload.with_blocks(k)``: the zoo's
+    transformers) is captured by layer folding (:mod:`tag.graph.fold`): the same graph from a
+    3-block and a 2-block capture, proven against each other; anything else, a fold that fails its
+    checks or ``fold=False``, by the full :func:`capture`.
+    """
+    from .fold import MIN_BLOCKS, NoFold, fold_capture
+    from .grouping import group_ops
+
+    blocks = getattr(workload, "blocks", None)
+    if fold and blocks is not None and blocks >= MIN_BLOCKS and getattr(workload, "with_blocks", None) is not None:
+        if optimizer not in OPTIMIZER_COSTS:
+            raise WorkloadError(f"optimizer {optimizer!r}: expected one of {sorted(OPTIMIZER_COSTS)}")
+        check_precision(precision)
+        try:
+            graph, _ = fold_capture(workload, blocks, optimizer, precision)
+        except NoFold as e:
+            log.info("%s: layer folding not used (%s); capturing all %d blocks", workload.name, e, blocks)
+        else:
+            graph.precision = precision
+            group_ops(graph, num_groups)
+            return graph
+    return capture(workload, optimizer=optimizer, num_groups=num_groups, precision=precision).graph
 
 
 def _build_graph(name, ep1, ep2, b1, b2, optimizer) -> tuple[OpGraph, dict[str, str], str]:

@@ -43,6 +43,10 @@ class Workload:
     inputs: tuple
     batch_size: int
     make_inputs: Callable[[int], tuple]
+    blocks: int | None = None
+    """Identical transformer layers the model stacks (zoo GPT-2, BERT, ViT, Llama), else None."""
+    with_blocks: Callable[[int], Workload] | None = None
+    """``with_blocks(k)``: the same workload (batch, seed, device) with ``k`` such layers."""
 
 
 def _checked(spec: str, fn: Callable[[int], tuple]) -> Callable[[int], tuple]:
@@ -76,7 +80,13 @@ def load_workload(spec: str, batch: int | None = None, seed: int = 0, *, abstrac
     head, colon, tail = spec.partition(":")
     if is_zoo(spec):  # zoo names shadow same-named modules; use file.py:function for those
         z = load_zoo(spec, head, tail, batch, seed, abstract=abstract)
-        return Workload(z.name, z.model, z.inputs, z.batch_size, _checked(spec, z.make_inputs))
+
+        def with_blocks(k: int) -> Workload:
+            zk = load_zoo(spec, head, tail, z.batch_size, seed, abstract=abstract, blocks=k)
+            return Workload(zk.name, zk.model, zk.inputs, zk.batch_size, _checked(spec, zk.make_inputs), k)
+
+        return Workload(z.name, z.model, z.inputs, z.batch_size, _checked(spec, z.make_inputs), z.blocks,
+                        with_blocks if z.blocks is not None else None)
     if not colon or not all(part.isidentifier() for part in tail.split(".")):
         raise WorkloadError(suggest(spec, head))  # e.g. "gtp2" or "resnett:depth=50"
     f = load_factory(spec, batch, seed)

@@ -157,6 +157,12 @@ def _build_llama(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
     return model, _tokens(v, cfg["seq"])
 
 
+#: Builders whose model is ``n_layer`` identical transformer layers between an embedding and a head
+#: (HF's ``nn.ModuleList`` of one layer class, one config): graphs of them may be captured by layer
+#: folding (:mod:`tag.graph.fold`, which proves each fold all the same).
+FOLDABLE = (_build_gpt2, _build_bert, _build_vit, _build_llama)
+
+
 def _build_mlp(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
     _positive(cfg, "hidden", "in_dim", "classes")
     _require(cfg["layers"] >= 0, f"layers must be >= 0, got {cfg['layers']}")
@@ -328,19 +334,25 @@ class ZooResult:
     inputs: tuple
     batch_size: int
     make_inputs: Callable[[int], tuple]
+    blocks: int | None = None
+    """Identical transformer layers (``n_layer``) of a model built from them, else None."""
 
 
 def load_zoo(spec: str, name: str, overrides: str, batch: int | None, seed: int, *,
-             abstract: bool = False) -> ZooResult:
+             abstract: bool = False, blocks: int | None = None) -> ZooResult:
     """Build zoo model ``name`` with ``overrides`` (``"k=v,..."``) under ``seed``.
 
     Parameters are initialised under ``torch.manual_seed(seed)`` inside a forked RNG (the global
     RNG is untouched); inputs come from a ``torch.Generator`` seeded with ``seed``, so
     ``make_inputs(b)`` is deterministic and ``make_inputs(batch_size)`` equals ``inputs``.
     ``abstract``: the model and inputs are built on the meta device (no weights allocated).
+    ``blocks``: build it with this many transformer layers instead (``n_layer``; for layer
+    folding, :mod:`tag.graph.fold`).
     """
     entry = zoo_entries()[name]
     cfg = parse_overrides(spec, entry, overrides)
+    if blocks is not None:
+        cfg["n_layer"] = blocks
     with torch.random.fork_rng(devices=[]), (torch.device("meta") if abstract else contextlib.nullcontext()):
         torch.manual_seed(seed)
         try:
@@ -355,4 +367,5 @@ def load_zoo(spec: str, name: str, overrides: str, batch: int | None, seed: int,
         return tuple(t.to("meta") for t in inputs) if abstract else inputs
 
     b = entry.batch if batch is None else batch
-    return ZooResult(canonical_name(entry, cfg), model, make_inputs(b), b, make_inputs)
+    return ZooResult(canonical_name(entry, cfg), model, make_inputs(b), b, make_inputs,
+                     cfg["n_layer"] if entry.build in FOLDABLE else None)
