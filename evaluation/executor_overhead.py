@@ -18,7 +18,9 @@ round), each a fresh set of processes running ``--steps`` timed iterations after
 
 An iteration's time runs from a barrier (all ranks) to the end of the optimizer step (the slowest
 rank's); a run's figure is the median over its iterations, a configuration's the median over the
-rounds, and a ratio the median of the per-round ratios. Memory: the growth of the process's
+rounds, and a ratio the median of the per-round ratios. CPU time: the same for the main thread's
+CPU seconds per iteration (``time.thread_time``; a rank reports it per iteration as ``cpu_s``),
+which a shared host's other jobs inflate far less than the step time. Memory: the growth of the process's
 resident-set high-water mark over the timed run minus the optimizer state it created (what the
 iterations need above parameters and optimizer state; the largest rank's; allocator thresholds
 pinned so freed memory stays with the process: ``tag.executor.worker.host_memory``).
@@ -64,18 +66,20 @@ def _train(model, inputs, opt, steps: int, warmup: int, barrier=None) -> dict:
     from tag.executor.worker import host_memory, optimizer_state_bytes
 
     rss0 = host_memory(reset_peak=True)
-    times = []
+    times, cpu = [], []
     for _ in range(warmup + steps):
         if barrier is not None:
             barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         loss = model(*inputs)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         float(loss.detach())
         times.append(time.perf_counter() - t0)
-    return {"times": times[warmup:], "peak_above_bytes": host_memory(peak=True) - rss0 - optimizer_state_bytes(opt)}
+        cpu.append(time.thread_time() - c0)
+    return {"times": times[warmup:], "cpu": cpu[warmup:],
+            "peak_above_bytes": host_memory(peak=True) - rss0 - optimizer_state_bytes(opt)}
 
 
 def run_eager(spec: str, batch: int, steps: int, warmup: int) -> dict:
@@ -125,7 +129,8 @@ def _result(p: subprocess.Popen) -> dict:
 
 def eager(spec, batch, steps, warmup) -> dict:
     r = _result(_subprocess("eager", spec=spec, batch=batch, steps=steps, warmup=warmup))
-    return {"time_s": statistics.median(r["times"]), "peak_above_bytes": r["peak_above_bytes"]}
+    return {"time_s": statistics.median(r["times"]), "cpu_s": statistics.median(r["cpu"]),
+            "peak_above_bytes": r["peak_above_bytes"]}
 
 
 def ddp(spec, batch, steps, warmup) -> dict:
@@ -136,7 +141,9 @@ def ddp(spec, batch, steps, warmup) -> dict:
           for r in range(2)]
     rs = [_result(p) for p in ps]
     per_iter = [max(x) for x in zip(*(r["times"] for r in rs))]
-    return {"time_s": statistics.median(per_iter), "peak_above_bytes": max(r["peak_above_bytes"] for r in rs)}
+    cpu = [max(x) for x in zip(*(r["cpu"] for r in rs))]
+    return {"time_s": statistics.median(per_iter), "cpu_s": statistics.median(cpu),
+            "peak_above_bytes": max(r["peak_above_bytes"] for r in rs)}
 
 
 # ---- tag execute -------------------------------------------------------------------------------
@@ -146,7 +153,8 @@ def tag_execute(graph, topo_path: str, plan_path: str, spec: str, steps: int, wa
     res = execute(ExecuteConfig(spec, topo_path, plan_path, steps=steps, warmup=warmup, run_dir=str(run_dir),
                                 threads=1), graph=graph)
     peak = max((r["host_peak_growth_bytes"] or 0) - r["optimizer_state_bytes"] for r in res.ranks)
-    return {"time_s": res.measured_iteration_time_s, "peak_above_bytes": peak,
+    cpu = [max(x["cpu_s"] for x in its) for its in zip(*(r["iterations"][warmup:] for r in res.ranks))]
+    return {"time_s": res.measured_iteration_time_s, "cpu_s": statistics.median(cpu), "peak_above_bytes": peak,
             "predicted_s": res.predicted_iteration_time_s}
 
 
@@ -214,7 +222,9 @@ def measure(models: list[str], batches: dict[str, int], rounds: int, steps: int,
             "batch": setups[spec][1],
             "median_time_s": {c: statistics.median(x["time_s"] for x in rr[c]) for c in CONFIGS},
             "median_peak_above_bytes": {c: statistics.median(x["peak_above_bytes"] for x in rr[c]) for c in CONFIGS},
+            "median_cpu_s": {c: statistics.median(x["cpu_s"] for x in rr[c]) for c in CONFIGS},
             "time_ratio": {"tag-1/eager": ratio("tag-1", "eager"), "tag-dp/ddp": ratio("tag-dp", "ddp")},
+            "cpu_ratio": {"tag-1/eager": ratio("tag-1", "eager", "cpu_s"), "tag-dp/ddp": ratio("tag-dp", "ddp", "cpu_s")},
             "memory_ratio": {"tag-1/eager": ratio("tag-1", "eager", "peak_above_bytes"),
                              "tag-dp/ddp": ratio("tag-dp", "ddp", "peak_above_bytes")},
             "runs": rr,
@@ -235,15 +245,20 @@ def write(results: dict, meta: dict, out: Path) -> None:
         "core 0; DDP and `tag-dp` two gloo ranks with one core each. Module docstring of `evaluation/executor_overhead.py`: "
         "what is timed and how memory is read.", "",
         "| model (batch) | eager ms | tag-1 ms | tag-1 / eager | DDP ms | tag-dp ms | tag-dp / DDP | "
-        "memory above params+state, MiB: eager / tag-1 / DDP / tag-dp |",
-        "|---|---|---|---|---|---|---|---|",
+        "CPU-time ratios tag-1 / eager, tag-dp / DDP | memory above params+state, MiB: eager / tag-1 / DDP / tag-dp |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for spec, r in results.items():
-        t, m, q = r["median_time_s"], r["median_peak_above_bytes"], r["time_ratio"]
+        t, m, q, c = r["median_time_s"], r["median_peak_above_bytes"], r["time_ratio"], r["cpu_ratio"]
         lines.append(f"| {spec} ({r['batch']}) | {t['eager'] * 1e3:.2f} | {t['tag-1'] * 1e3:.2f} | "
                      f"{q['tag-1/eager']:.3f} | {t['ddp'] * 1e3:.2f} | {t['tag-dp'] * 1e3:.2f} | "
-                     f"{q['tag-dp/ddp']:.3f} | " + " / ".join(f"{m[c] / 2**20:.1f}" for c in CONFIGS) + " |")
-    lines += ["", "Targets (issue 26): tag-1 <= 1.10x eager in time and memory, tag-dp <= 1.10x DDP.", ""]
+                     f"{q['tag-dp/ddp']:.3f} | {c['tag-1/eager']:.3f}, {c['tag-dp/ddp']:.3f} | "
+                     + " / ".join(f"{m[c] / 2**20:.1f}" for c in CONFIGS) + " |")
+    lines += ["", "CPU time: the main thread's CPU seconds per iteration (`time.thread_time`; the slowest rank's), "
+              "medians and ratios as for the step time: what each configuration computes, apart from waits and "
+              "from the time other jobs on a shared host take from it.", "",
+              f"Load average (1 min) at the start / end of the run: {meta.get('load', '?')}.", "",
+              "Targets (issue 26): tag-1 <= 1.10x eager in time and memory, tag-dp <= 1.10x DDP.", ""]
     (out / "README.md").write_text("\n".join(lines))
     _plot(results, out / "plot.png")
 
@@ -293,8 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "PYTHONPATH=. python -m evaluation.executor_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
             "date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__, "cpus": os.cpu_count(),
             "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup, "groups": a.groups}
+    load0 = os.getloadavg()[0]
     results = measure(a.models, batches, a.rounds, a.steps, a.warmup, a.groups,
                       log=lambda m: print(m, file=sys.stderr, flush=True))
+    meta["load"] = f"{load0:.1f} / {os.getloadavg()[0]:.1f}"
     write(results, meta, Path(a.out))
     print((Path(a.out) / "README.md").read_text())
     return 0

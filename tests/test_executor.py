@@ -34,9 +34,10 @@ def joints():
     return {}  # shared export cache per spec: {spec: {batch: Joint}}
 
 
-def assert_matches_reference(graph, plan, spec, optimizer, joints, steps=2, atol=1e-6, cut_at_sync=False):
+def assert_matches_reference(graph, plan, spec, optimizer, joints, steps=2, atol=1e-6, cut_at_sync=False,
+                             bucket_bytes=None):
     rts = run_virtual(graph, plan, load_workload(spec, batch=B), optimizer, steps,
-                      joints=joints.setdefault(spec, {}), cut_at_sync=cut_at_sync)
+                      joints=joints.setdefault(spec, {}), cut_at_sync=cut_at_sync, bucket_bytes=bucket_bytes)
     ref, _ = reference_training(load_workload(spec, batch=B), optimizer, steps)
     held = set()
     for rank, rt in rts.items():
@@ -81,8 +82,9 @@ def test_mlp_plans_match_single_process_training(mlp, topo4, joints, kind):
 
 @pytest.mark.parametrize("kind", ["mixed", "ps-outside", "mp"])
 def test_segments_cut_at_syncs_match_single_process_training(mlp, topo4, joints, kind):
-    """A GPU rank issues each gradient sync as soon as its gradients exist: its fused segments end
-    at every sync (``cut_at_sync``), and training is unchanged."""
+    """A GPU rank issues each gradient bucket as soon as its gradients exist: its fused segments end
+    at every bucket's launch (``cut_at_sync``; one group per bucket here), and training is
+    unchanged."""
     K = mlp.num_groups
     groups = {
         "mixed": lambda: [GroupPlan([0, 1], [0.5, 0.5]) if g % 2 == 0 else GroupPlan([1, 2, 3], [0.25, 0.25, 0.5])
@@ -91,14 +93,49 @@ def test_segments_cut_at_syncs_match_single_process_training(mlp, topo4, joints,
         "mp": lambda: mp_groups(mlp, lambda g: [g % 4, (g + 1) % 4]),
     }[kind]()
     plan = new_plan(mlp, topo4, groups)
-    assert_matches_reference(mlp, plan, MLP, "adam", joints, cut_at_sync=True)
+    assert_matches_reference(mlp, plan, MLP, "adam", joints, cut_at_sync=True, bucket_bytes=1)
     rts = run_virtual(mlp, plan, load_workload(MLP, batch=B), "adam", 0, joints=joints.setdefault(MLP, {}),
-                      cut_at_sync=True)
+                      cut_at_sync=True, bucket_bytes=1)
     sched = next(iter(rts.values())).schedule
     for r, rt in rts.items():
         syncs = [i for i, st in enumerate(sched.steps) if st.kind == "sync" and r in st.collective.members]
         for seg in rt.program.segments.values():  # no segment spans one of its rank's syncs
             assert not any(seg.steps[0] < i < seg.steps[-1] for i in syncs)
+
+
+@pytest.mark.parametrize("cap", [1, "half", None])
+def test_gradient_buckets_launch_at_their_last_group(mlp, topo4, joints, cap):
+    """Buckets of one group each (cap 1 B), of about half the gradients, and DDP's (one bucket for
+    this 0.6 MiB model): a GPU-like rank cuts its segments only where a bucket is launched (at its
+    last group's sync), and training is unchanged, mixed replica sets and a parameter server
+    included."""
+    K = mlp.num_groups
+    plans = {
+        "dp": [GroupPlan([0, 1, 2], [0.5, 0.25, 0.25]) for _ in range(K)],
+        "mixed": [GroupPlan([0, 1], [0.5, 0.5]) if g % 3 else GroupPlan([1, 2], [0.5, 0.5], "ps", server=3)
+                  for g in range(K)],
+    }
+    if cap == "half":
+        cap = sum(p.nbytes for p in mlp.params) // 2
+    for groups in plans.values():
+        plan = new_plan(mlp, topo4, groups)
+        assert_matches_reference(mlp, plan, MLP, "adam", joints, cut_at_sync=True, bucket_bytes=cap)
+        rts = run_virtual(mlp, plan, load_workload(MLP, batch=B), "adam", 0, joints=joints.setdefault(MLP, {}),
+                          cut_at_sync=True, bucket_bytes=cap)
+        sched = next(iter(rts.values())).schedule
+        synced = [st.group for st in sched.steps if st.kind == "sync"]
+        assert [g for b in sched.buckets for g in b.groups] == synced  # reverse group order, each once
+        if cap == 1:
+            assert len(sched.buckets) == len(synced)
+        elif cap is None and groups is plans["dp"]:
+            assert [b.groups for b in sched.buckets] == [tuple(synced)]
+        for r, rt in rts.items():
+            launches = [i for i, st in enumerate(sched.steps) if (b := sched.launched_at(st)) is not None
+                        and r in b.collective.members]
+            for seg in rt.program.segments.values():  # no segment spans a launch
+                assert not any(seg.steps[0] < i < seg.steps[-1] for i in launches)
+            if cap is None and groups is plans["dp"]:  # the syncs launching nothing cut nothing
+                assert len(rt.program.segments) == 1
 
 
 def test_single_device_plan_runs_as_one_segment_keeping_only_gradients(mlp, topo4, joints):

@@ -142,3 +142,21 @@ def test_the_simulator_runs_stages_in_the_schedules_order(captured):
             assert seen == sorted(seen) and len(set(seen)) == len(seen), (d, seen)
             checked += len(seen)
     assert checked > 50
+
+
+def test_gradient_buckets_are_ddps():
+    """Syncs in readiness order fill a bucket per collective key until it holds at least its cap
+    (DDP's: 1 MiB for the first bucket, 25 MiB after); a key's last sync closes its bucket; the
+    buckets come in launch order (their last sync's)."""
+    from tag.parallel.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, assign_buckets, bucket_caps
+
+    mib = 2**20
+    assert (FIRST_BUCKET_BYTES, BUCKET_BYTES) == (mib, 25 * mib) == bucket_caps()
+    syncs = [("a", 0.6 * mib), ("a", 0.6 * mib), ("a", 10 * mib), ("b", 5), ("a", 20 * mib), ("a", 1)]
+    assert assign_buckets(syncs) == [[0, 1], [3], [2, 4], [5]]
+    # an explicit cap holds for the first bucket too (as DDP's bucket_cap_mb)
+    assert assign_buckets(syncs, 11 * mib) == [[0, 1, 2], [3], [4], [5]]
+    assert assign_buckets(syncs, 1) == [[0], [1], [2], [3], [4], [5]]
+    assert assign_buckets([]) == []
+    with pytest.raises(ValueError, match="bucket_bytes: 0"):
+        bucket_caps(0)

@@ -21,9 +21,9 @@ NET = 1e6  # bytes/s
 LAT = 1e-3  # s
 
 
-def _sim(topo, graph=None, **kw):
+def _sim(topo, graph=None, bucket_bytes=None, **kw):
     graph = graph or chain_graph(2)
-    return Simulator(graph, topo, hand_costs(graph, topo, F, BW, OPT, **kw)), graph
+    return Simulator(graph, topo, hand_costs(graph, topo, F, BW, OPT, **kw), bucket_bytes), graph
 
 
 def _two_machines(memory="16 GB"):
@@ -58,7 +58,9 @@ def test_transfer_between_devices():
 
 
 def test_ring_allreduce_two_machines():
-    sim, _ = _sim(_two_machines())
+    """Buckets of 1000 B (one group each): g1's all-reduce starts when g1's backward ends and
+    overlaps g0's backward; g0's starts when g0's ends."""
+    sim, _ = _sim(_two_machines(), bucket_bytes=1000)
     r = sim.run([dp([0, 1]), dp([0, 1])])
     ar = 2 * (2 - 1) / 2 * 1000 / NET + 2 * (2 - 1) * LAT  # 2(n-1)/n S/bw + 2(n-1) lat
     g1_ready = 4 * (1e-3 + 2e-3 + 4e-3)
@@ -67,6 +69,27 @@ def test_ring_allreduce_two_machines():
     assert r.iteration_time_s == pytest.approx(g0_ready + ar + 2e-3)
     assert r.comm_time_s == pytest.approx([2 * ar, 2 * ar])
     assert r.critical_path[-2:] == ["allreduce g0", "opt @d0"]
+    ev = [e for e in sim.run([dp([0, 1]), dp([0, 1])], trace=True).events if e.cat == "allreduce" and e.device == 0]
+    assert [(e.name, e.start) for e in ev] == [("allreduce g1", pytest.approx(g1_ready)),
+                                               ("allreduce g0", pytest.approx(g0_ready))]
+
+
+def test_gradient_buckets_as_ddp():
+    """With DDP's caps (first bucket 1 MiB, then 25 MiB) the two 1000 B syncs are one bucket,
+    launched when its last group's (g0's) backward ends: one all-reduce of 2000 B, nothing
+    overlapped. Groups of 1.5 MiB fill the first bucket alone: g1's all-reduce starts when its
+    backward ends, overlapping g0's."""
+    sim, _ = _sim(_two_machines())
+    ar2 = 2000 / NET + 2 * LAT
+    g0_ready = 4 * (1e-3 + 2e-3 + 4e-3) + 4 * 2e-3
+    r = sim.run([dp([0, 1]), dp([0, 1])], trace=True)
+    assert r.iteration_time_s == pytest.approx(g0_ready + ar2 + 2e-3)
+    assert r.critical_path[-2:] == ["allreduce g1+g0", "opt @d0"]
+    big = 3 * 2**19  # 1.5 MiB of parameters per group
+    graph = chain_graph(2, param_bytes=big)
+    sim = Simulator(graph, _two_machines(), hand_costs(graph, _two_machines(), F, BW, OPT))
+    jobs = sim.sync_jobs(sim.deploy([dp([0, 1]), dp([0, 1])]))
+    assert [(gs, j.sync_bytes) for gs, j in jobs] == [((1,), big), ((0,), big)]
 
 
 def test_cpu_syncs_wait_for_compute():
@@ -87,8 +110,9 @@ def test_cpu_syncs_wait_for_compute():
 
 
 def test_cpu_sync_buckets():
-    """Deferred (CPU) syncs of one kind, replica set and server share a bucket placed at its first
-    group in reverse group order; GPU syncs stay one per group."""
+    """Syncs of one kind, replica set and server share a bucket (CPU and GPU alike), launched at its
+    last group in reverse group order: the PS bucket of group 1 comes before the all-reduce bucket
+    of groups 2 and 0."""
     cpu = topology([("a", 1, None, 0.0), ("b", 1, None, 0.0)], net_bw=NET, net_lat=LAT, gpu="cpu")
     graph = chain_graph(3)
     plans = [dp([0, 1]), dp([0, 1], sync="ps", server=0), dp([0, 1])]
@@ -96,10 +120,10 @@ def test_cpu_sync_buckets():
     for name, topo in (("cpu", cpu), ("gpu", _two_machines())):
         sim = Simulator(graph, topo, hand_costs(graph, topo, [1e-3] * 3, [2e-3] * 3, [1e-3] * 3))
         jobs[name] = sim.sync_jobs(sim.deploy(plans))
-    assert [(gs, j.sync) for gs, j in jobs["cpu"]] == [((2, 0), "allreduce"), ((1,), "ps")]
-    assert [(gs, j.sync) for gs, j in jobs["gpu"]] == [((2,), "allreduce"), ((1,), "ps"), ((0,), "allreduce")]
+    assert [(gs, j.sync) for gs, j in jobs["cpu"]] == [((1,), "ps"), ((2, 0), "allreduce")]
+    assert [(gs, j.sync) for gs, j in jobs["gpu"]] == [((1,), "ps"), ((2, 0), "allreduce")]
     jobs = jobs["cpu"]
-    assert jobs[0][1].sync_bytes == 2000 and jobs[0][1].sync_time == pytest.approx(2000 / NET + 2 * LAT)
+    assert jobs[1][1].sync_bytes == 2000 and jobs[1][1].sync_time == pytest.approx(2000 / NET + 2 * LAT)
 
 
 def test_wake_penalty_after_idle():
@@ -170,7 +194,7 @@ def test_wake_penalty_traced_run_matches(captured):
 
 def test_parameter_server_contended_link():
     topo = topology([("a", 2, 1e7, 1e-4), ("s", 1, None, 0.0)], net_bw=NET, net_lat=LAT)
-    sim, _ = _sim(topo)
+    sim, _ = _sim(topo, bucket_bytes=1000)  # one bucket per group
     r = sim.run([dp([0, 1], sync="ps", server=2), dp([0, 1], sync="ps", server=2)])
     push = LAT + 2 * 1000 / NET  # both workers' gradients through the server's link
     ps = 2 * push
@@ -183,7 +207,7 @@ def test_parameter_server_contended_link():
 
 def test_parameter_server_on_a_replica():
     topo = _two_machines()
-    sim, _ = _sim(topo)
+    sim, _ = _sim(topo, bucket_bytes=1000)  # one bucket per group
     r = sim.run([dp([0, 1], sync="ps", server=1), dp([0, 1], sync="ps", server=1)])
     ps = 2 * (LAT + 1000 / NET)  # only d0 pushes and pulls
     assert r.iteration_time_s == pytest.approx(4 * 9e-3 + ps + 2e-3)
@@ -191,7 +215,7 @@ def test_parameter_server_on_a_replica():
 
 def test_repartition_uneven_shares():
     topo = topology([("m", 2, NET, LAT)])
-    sim, _ = _sim(topo)
+    sim, _ = _sim(topo, bucket_bytes=1000)  # one bucket per group
     r = sim.run([dp([0, 1], [0.5, 0.5]), dp([0, 1], [0.25, 0.75])])  # batches [4, 4] then [2, 6]
     x = LAT + 2 * 400 / NET  # samples 2..3 move d0 -> d1 (forward) and d1 -> d0 (backward)
     f1_d1 = 4e-3 + x  # d1's fwd of group 1 waits for the rows

@@ -67,3 +67,28 @@ def test_transfers_match_the_executor(graph):
         assert set(got) == set(want)
         for k, v in want.items():
             assert got[k] == pytest.approx(v, rel=1e-12), k
+
+
+def test_gradient_buckets_match_the_executor(graph):
+    """The simulator's gradient collectives are the executor's buckets: the same groups, in the same
+    launch order, carrying the same bytes, for many plans and bucket caps (a cap below every
+    group's bytes: one bucket per group; DDP's default; one between)."""
+    topo, costs = setup(graph)
+    rng = random.Random(7)
+    plans = [groups for _, groups in make_plans(graph, topo, costs)]
+    plans += [[_random_group(rng, graph, g, topo.num_devices) for g in range(GROUPS)] for _ in range(10)]
+    grad_bytes = sum(p.nbytes for p in graph.params)
+    seen_multi = False
+    for cap in (1, None, grad_bytes // 5):
+        sim = Simulator(graph, topo, costs, cap)
+        for groups in plans:
+            sched = build_schedule(graph, new_plan(graph, topo, groups), topo.machine_of, cap)
+            want = [(b.groups, b.nbytes) for b in sched.buckets]
+            got = [(gs, job.sync_bytes) for gs, job in sim.sync_jobs(sim.deploy(groups))]
+            assert got == want
+            launches = [i for i, st in enumerate(sched.steps) if sched.launched_at(st) is not None]
+            assert [sched.steps[i].group for i in launches] == [b.groups[-1] for b in sched.buckets]
+            seen_multi |= any(len(b.groups) > 1 for b in sched.buckets)
+            if cap == 1:
+                assert all(len(b.groups) == 1 for b in sched.buckets)
+    assert seen_multi

@@ -32,6 +32,9 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, help="also write the result JSON here")
     add_force_arg(p)
     p.add_argument("--save-params", action="store_true", help="each rank saves its final parameters in the run dir")
+    p.add_argument("--bucket-bytes", type=int_in(1), default=None,
+                   help="cap of the gradient buckets in bytes (default: DDP's, a first bucket of 1 MiB, "
+                        "then 25 MiB); the prediction uses the same")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # testing: RANK:ITER:raise|exit|hang
     p.set_defaults(func=run)
 
@@ -69,7 +72,7 @@ def run(args) -> int:
                         optimizer=args.optimizer, seed=args.seed, groups=args.groups, steps=args.steps,
                         warmup=args.warmup, backend=args.backend, emulate_speed=args.emulate_speed,
                         timeout_s=args.timeout, run_dir=args.run_dir, save_params=args.save_params,
-                        fault=args.inject_fault, precision=args.precision)
+                        fault=args.inject_fault, precision=args.precision, bucket_bytes=args.bucket_bytes)
     res = execute(cfg)
     d = res.to_dict()
     if args.out:

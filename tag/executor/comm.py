@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..parallel.schedule import Schedule, Step
+from ..parallel.schedule import Bucket, Schedule, Step
 from .runtime import RankRuntime
 
 
@@ -27,7 +27,7 @@ class DistComm:
     """SFB all-gathers: process groups of their own (not queued behind the gradient syncs)."""
     pending: list[_Pending] = field(default_factory=list)
     defer_syncs: bool = False
-    """Queue gradient syncs until :meth:`finish_syncs` (CPU ranks, see :meth:`sync`)."""
+    """Queue gradient buckets until :meth:`finish_syncs` (CPU ranks, see :meth:`sync`)."""
     pack_p2p: bool = False
     """Send one message per peer and step, receives posted a step ahead (CPU ranks, see
     :meth:`transfer`)."""
@@ -181,7 +181,10 @@ class DistComm:
         rt.sfb_recompute(step.group, full)
 
     def sync(self, rt: RankRuntime, step: Step) -> None:
-        """Start summing the group's gradients over its members (async; see :meth:`finish_syncs`).
+        """At the sync of a gradient bucket's last group (:meth:`Schedule.launched_at`): flatten the
+        bucket's gradients into one buffer and start summing it over its members (async; see
+        :meth:`finish_syncs`). At the other syncs nothing happens: their gradients wait in ``env``
+        for their bucket's last group.
 
         All-reduce, or PS: reduce to the server now, broadcast back in :meth:`finish_syncs`
         (after every reduce of the iteration was issued), so every member issues the collectives
@@ -189,43 +192,19 @@ class DistComm:
 
         On a CPU rank the collective is only queued here and issued by :meth:`finish_syncs`, after
         the rank's last compute (docs/DESIGN.md: a CPU rank computes on every core it has; gloo's
-        threads would otherwise time-slice with the compute and stretch both), coalesced
-        into buckets (:meth:`_coalesce`; the simulator's :meth:`tag.sim.Simulator.sync_jobs`).
+        threads would otherwise time-slice with the compute and stretch both), bucket after
+        bucket in launch order (the simulator's :meth:`tag.sim.Simulator.sync_jobs`).
         """
-        c = step.collective
-        members, server = c.members, c.server
-        if self.rank not in members:
+        b = rt.schedule.launched_at(step)
+        if b is None or self.rank not in b.collective.members:
             return
         t0 = time.perf_counter()
-        flat = rt.grad_flat(step.group)
-        p = _Pending([step.group], flat, None, self.groups[members], server, key=(c.op, c.devices, server))
+        c = b.collective
+        p = _Pending(b, rt.bucket_flat(b), None, self.groups[c.members], c.server)
         if not self.defer_syncs:
             p.start()
         self.pending.append(p)
         rt.timer.sync += time.perf_counter() - t0
-
-    def _coalesce(self) -> None:
-        """Merge the queued (not yet issued) syncs of one kind over one replica set and server into
-        one flat bucket each, in order of first occurrence (the same order on every rank).
-
-        One gloo collective per bucket instead of one per group: on the 2-core development VM six
-        all-reduces of vgg's gradients (2.6 MiB in all) issued back to back took 8.7-11 ms at the
-        median, one all-reduce of the concatenation 2.9 ms (tag/executor/README.md)."""
-        buckets: dict[tuple, _Pending] = {}
-        out = []
-        for p in self.pending:
-            if p.work is not None:  # already issued (not deferred)
-                out.append(p)
-            elif p.key in buckets:
-                buckets[p.key].parts.append(p.flat)
-                buckets[p.key].groups.extend(p.groups)
-            else:
-                buckets[p.key] = p
-                out.append(p)
-        for b in buckets.values():
-            if len(b.parts) > 1:
-                b.flat = torch.cat(b.parts)
-        self.pending = out
 
     def _broadcast_reduced(self) -> None:
         """For every PS reduce started so far: wait for it and start its broadcast back."""
@@ -236,17 +215,15 @@ class DistComm:
                 p.broadcast = True
 
     def finish_syncs(self, rt: RankRuntime) -> None:
-        """Wait for every gradient sync of the iteration and hand the sums to the runtime."""
+        """Wait for every gradient bucket of the iteration and hand the sums to the runtime."""
         t0 = time.perf_counter()
-        self._coalesce()
         for p in self.pending:
             if p.work is None:
                 p.start()
         self._broadcast_reduced()
         for p in self.pending:
             p.work.wait()
-            for g, part in zip(p.groups, p.flat.split([x.numel() for x in p.parts])):
-                rt.set_grad_flat(g, part)
+            rt.set_bucket_flat(p.bucket, p.flat)
         self.pending.clear()
         rt.timer.sync += time.perf_counter() - t0
 
@@ -292,22 +269,15 @@ def packed_buffer(specs: list[tuple[list[int], torch.dtype]], device) -> tuple[t
 
 @dataclass
 class _Pending:
-    """A gradient sync (one group's, or a bucket of several groups') in flight."""
+    """A gradient bucket's collective in flight (or queued: ``work`` None)."""
 
-    groups: list[int]
+    bucket: Bucket
     flat: torch.Tensor
+    """The bucket's gradients, concatenated (summed in place)."""
     work: object
     pg: object
     server: int | None
-    key: tuple = ()
-    """(sync, replica devices, server): syncs with equal keys may share a bucket."""
-    parts: list[torch.Tensor] = field(default_factory=list)
-    """Each group's flat gradients, in ``groups`` order (``flat`` is their concatenation)."""
     broadcast: bool = False
-
-    def __post_init__(self):
-        if not self.parts:
-            self.parts = [self.flat]
 
     def start(self) -> None:
         """Issue the all-reduce, or the PS reduce to the server (async)."""

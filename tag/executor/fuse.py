@@ -5,10 +5,10 @@ A rank's part of the global schedule (:meth:`tag.parallel.schedule.Schedule.step
 of compute steps (one stage each), transfers, SFB steps and gradient syncs. A **segment** is a
 maximal run of the rank's steps that need no other rank: compute steps and transfer steps whose
 moves into / out of this rank are all local hand-overs (``src == dst``). It is cut where a remote
-transfer, an SFB all-gather or (when syncs are issued as they come, GPU ranks) a gradient sync must
-happen. The segment's stages are inlined into one ``fx.Graph``; local hand-overs become graph ops
-(a row range is a ``narrow``, several pieces a ``cat``, partial sums an ``add``, a single whole
-piece is the producer's tensor itself: no copy). fx's code generation frees every intermediate at
+transfer, an SFB all-gather or (when syncs are issued as they come, GPU ranks) the launch of a
+gradient bucket must happen. The segment's stages are inlined into one ``fx.Graph``; local
+hand-overs become graph ops (a row range is a ``narrow``, several pieces a ``cat``, partial sums
+an ``add``, a single whole piece is the producer's tensor itself: no copy). fx's code generation frees every intermediate at
 its last use, and the module is called with the boxed convention (the argument list is cleared
 once unpacked), so an input value whose last use is in the segment dies there too, not when the
 iteration ends.
@@ -181,8 +181,9 @@ def plan_program(schedule: Schedule, rank: int, stages: dict, static: Callable[[
 
     ``static(key)``: the value is not in ``env`` (a parameter, buffer, constant or user-input slice
     the runtime holds anyway). ``final_reads``: keys read after the last step (gradients by the
-    update, the loss). ``cut_at_sync``: a gradient sync ends a segment (it is issued as soon as its
-    gradients exist); otherwise syncs are only queued and a segment runs on across them.
+    update, the loss). ``cut_at_sync``: the sync that launches a gradient bucket ends a segment (the
+    bucket's collective is issued as soon as its gradients exist); otherwise syncs are only queued
+    and a segment runs on across them. A sync that launches nothing never cuts.
     """
     mine = [(i, st) for i, st in enumerate(schedule.steps) if takes_part(schedule, rank, st, stages)]
     # Actions in execution order: ("seg", Segment) or ("step", index); a segment runs at its first step.
@@ -198,7 +199,7 @@ def plan_program(schedule: Schedule, rank: int, stages: dict, static: Callable[[
             if st.kind == "compute":
                 current.stages.append(stage_key(schedule, st))
             continue
-        if st.kind in ("transfer", "sfb") or cut_at_sync:
+        if st.kind in ("transfer", "sfb") or (cut_at_sync and schedule.launched_at(st) is not None):
             current = None
         actions.append(("step", i))
     accum = accumulation(schedule)

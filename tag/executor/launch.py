@@ -66,6 +66,9 @@ class ExecuteConfig:
     threads: int | None = None
     """Intra-op threads per CPU rank (default: the machine's cores over its ranks; the prediction
     is costed for the default)."""
+    bucket_bytes: int | None = None
+    """Cap of the gradient buckets (:func:`tag.parallel.buckets.bucket_caps`; default DDP's); the
+    prediction is costed with the same."""
 
 
 @dataclass
@@ -124,7 +127,7 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     validate_plan(plan, graph, topology, source=cfg.plan)
     world = topology.num_devices
     backend = _backend(cfg.backend, topology)
-    sim_res = _predict(graph, topology, plan, cfg.check_memory, cfg.profile_dir)
+    sim_res = _predict(graph, topology, plan, cfg.check_memory, cfg.profile_dir, cfg.bucket_bytes)
 
     run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="tag-execute-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -139,7 +142,7 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
                        out_dir=str(run_dir), steps=cfg.steps, warmup=cfg.warmup, backend=backend,
                        emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
                        save_params=cfg.save_params, fault=cfg.fault, threads=cfg.threads,
-                       launcher_pid=os.getpid(), precision=graph.precision)
+                       launcher_pid=os.getpid(), precision=graph.precision, bucket_bytes=cfg.bucket_bytes)
     write_json(args_path, asdict(wargs))
     _launch(world, args_path, run_dir, cfg.timeout_s, "spawn" if backend == "nccl" else "forkserver")
     ranks = _read_ranks(run_dir)
@@ -183,14 +186,15 @@ def _backend(choice: str, topology) -> str:
     return choice
 
 
-def _predict(graph, topology, plan, check_memory: bool, profile_dir: str | None = None):
+def _predict(graph, topology, plan, check_memory: bool, profile_dir: str | None = None,
+             bucket_bytes: int | None = None):
     """The simulated iteration (with its timeline); refuses (OutOfMemoryError) a plan it says
     will not fit."""
     from ..cost.model import CostModel
     from ..sim import simulate
 
     costs = CostModel.for_topology(graph, topology, profile_dir=profile_dir)
-    res = simulate(graph, topology, plan, costs=costs, trace=True)
+    res = simulate(graph, topology, plan, costs=costs, trace=True, bucket_bytes=bucket_bytes)
     if check_memory and res.oom:
         raise OutOfMemoryError(f"plan would run out of memory: {memory_report(res, topology)}")
     return res

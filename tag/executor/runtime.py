@@ -55,7 +55,7 @@ from torch.export.graph_signature import InputKind
 from ..errors import TagError
 from ..graph.capture import export_joint
 from ..graph.stages import Stage, build_stages, retarget_devices
-from ..parallel.schedule import Move, Schedule, SfbGroup, Step, UnitKey
+from ..parallel.schedule import Bucket, Move, Schedule, SfbGroup, Step, UnitKey
 from .fuse import Key, build_module, env_unit, plan_program
 from .optim import make_optimizer
 
@@ -157,8 +157,9 @@ class RankRuntime:
     loss-gradient seed is multiplied by it and the gradients divided by it before the update,
     which is skipped when one of them is not finite (``torch.amp.GradScaler``'s rule)."""
     cut_at_sync: bool = False
-    """A gradient sync ends a fused segment (a rank that issues its syncs as they come, on GPUs);
-    otherwise segments run on across the syncs, which are only queued (CPU ranks)."""
+    """A gradient bucket's launch ends a fused segment (a rank that issues its buckets as their
+    gradients become final, on GPUs); otherwise segments run on across the syncs, which are only
+    queued (CPU ranks)."""
 
     def __post_init__(self) -> None:
         s = self.schedule
@@ -258,8 +259,14 @@ class RankRuntime:
         return self.state.get(name)
 
     def _synced_keys(self, group: int) -> list[Key]:
+        """The gradients the ``sync`` step of ``group`` reads on this rank: those of its bucket's
+        groups at the bucket's last group (the collective starts there), none at the others."""
         s = self.schedule
-        return [(s.param_owner[ph], s.param_grad[ph]) for ph in self._synced(group) if s.param_owner[ph] in self.my_units]
+        b = s.buckets[s.bucket_of[group]]
+        if b.groups[-1] != group:
+            return []
+        return [(s.param_owner[ph], s.param_grad[ph]) for g in b.groups for ph in self._synced(g)
+                if s.param_owner[ph] in self.my_units]
 
     def _sfb_writes(self, group: int) -> list[Key]:
         sg = self.schedule.sfb[group]
@@ -464,31 +471,32 @@ class RankRuntime:
         s = self.schedule
         return s.sync_params.get(group, s.group_params[group])
 
-    def grad_flat(self, group: int) -> torch.Tensor:
-        """This rank's gradients of ``group``'s params, flattened (zeros on a mere PS server).
+    def bucket_flat(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's gradients of ``bucket``'s groups, concatenated in its order into one new
+        buffer (zeros on a mere PS server), as DDP flattens a bucket.
 
         SFB params (their gradients are recomputed in full) are left out."""
         s = self.schedule
         parts = []
-        for ph in self._synced(group):
-            owner = s.param_owner[ph]
-            if owner in self.my_units:
-                parts.append(self.env[(owner, s.param_grad[ph])].reshape(-1))
-            else:
-                parts.append(torch.zeros(s.param_numel[ph], device=self.device))
+        for g in bucket.groups:
+            for ph in self._synced(g):
+                owner = s.param_owner[ph]
+                if owner in self.my_units:
+                    parts.append(self.env[(owner, s.param_grad[ph])].reshape(-1))
+                else:
+                    parts.append(torch.zeros(s.param_numel[ph], device=self.device))
         return torch.cat(parts) if parts else torch.zeros(0, device=self.device)
 
-    def set_grad_flat(self, group: int, flat: torch.Tensor) -> None:
-        """Replace this rank's gradients of ``group`` by the synchronised ``flat``."""
+    def set_bucket_flat(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        """Replace this rank's gradients of ``bucket``'s groups by views of the summed ``flat``."""
         s = self.schedule
         off = 0
-        for ph in self._synced(group):
-            owner = s.param_owner[ph]
-            if owner not in self.my_units:
-                return  # a PS server outside the replica set keeps nothing
-            n = self.params[ph].numel()
-            self.env[(owner, s.param_grad[ph])] = flat[off:off + n]
-            off += n
+        for g in bucket.groups:
+            for ph in self._synced(g):
+                owner, n = s.param_owner[ph], s.param_numel[ph]
+                if owner in self.my_units:  # (a PS server outside the replica set keeps nothing)
+                    self.env[(owner, s.param_grad[ph])] = flat[off:off + n]
+                off += n
 
     def update(self) -> None:
         """Apply the optimizer to every parameter this rank holds, then read the loss (this waits

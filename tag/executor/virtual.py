@@ -31,15 +31,16 @@ def needs_global_joint(schedule: Schedule, rank: int) -> bool:
 
 def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int,
                 machine_of=None, joints: dict[int, Joint] | None = None,
-                cut_at_sync: bool = False) -> dict[int, RankRuntime]:
+                cut_at_sync: bool = False, bucket_bytes: int | None = None) -> dict[int, RankRuntime]:
     # the joints are exported in ``graph.precision`` (a ``joints`` cache must hold that precision's)
     """Train ``steps`` iterations of ``plan`` with all ranks in this process; returns the runtimes.
 
     ``joints``: cache of joint graphs by local batch (filled as needed; reuse it across calls
-    for the same workload to save exports). ``cut_at_sync``: segments end at gradient syncs, as
-    on a GPU rank (:attr:`RankRuntime.cut_at_sync`).
+    for the same workload to save exports). ``cut_at_sync``: segments end where a gradient bucket
+    is launched, as on a GPU rank (:attr:`RankRuntime.cut_at_sync`). ``bucket_bytes``: the gradient
+    buckets' cap (:func:`tag.parallel.buckets.bucket_caps`).
     """
-    sched = build_schedule(graph, plan, machine_of)
+    sched = build_schedule(graph, plan, machine_of, bucket_bytes)
     ranks = sorted({r.device for u in sched.units.values() for r in u.replicas}
                    | {m for st in sched.steps if st.collective is not None for m in st.collective.members})
     joints = {} if joints is None else joints
@@ -76,11 +77,11 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
                         for f in sg.factors}
                 for d in sg.devices:
                     runtimes[d].sfb_recompute(st.group, {k: v.clone() for k, v in full.items()})
-            elif st.kind == "sync":
-                members = st.collective.members
-                total = sum(runtimes[m].grad_flat(st.group) for m in members)
+            elif st.kind == "sync" and (b := sched.launched_at(st)) is not None:  # a bucket's last group
+                members = b.collective.members
+                total = sum(runtimes[m].bucket_flat(b) for m in members)
                 for m in members:
-                    runtimes[m].set_grad_flat(st.group, total.clone())
+                    runtimes[m].set_bucket_flat(b, total.clone())
             for rt in others.values():
                 rt.release(i)
         for rt in runtimes.values():

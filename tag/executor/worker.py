@@ -60,6 +60,8 @@ class WorkerArgs:
     launcher_pid: int | None = None
     """``tag execute``'s process: the rank exits when it does (:func:`tag.lifetime.die_with`);
     None under torchrun (the rank dies with its parent, the torchrun agent)."""
+    bucket_bytes: int | None = None
+    """Cap of the gradient buckets (:func:`tag.parallel.buckets.bucket_caps`; None: DDP's)."""
 
     @classmethod
     def load(cls, path: str) -> WorkerArgs:
@@ -116,7 +118,7 @@ def run_rank(a: WorkerArgs) -> dict:
     graph = _load_graph(a)
     plan = Plan.load(a.plan)
     validate_plan(plan, graph, topology, source=a.plan)
-    sched = build_schedule(graph, plan, topology.machine_of)
+    sched = build_schedule(graph, plan, topology.machine_of, a.bucket_bytes)
     if a.backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -133,7 +135,7 @@ def run_rank(a: WorkerArgs) -> dict:
     slow = slowdown_factors(topology)[rank] if a.emulate_speed else 1.0
     from ..graph.precision import loss_scale
 
-    # A CPU rank queues its gradient syncs until its compute is done (DistComm.defer_syncs): its
+    # A CPU rank queues its gradient buckets until its compute is done (DistComm.defer_syncs): its
     # segments run on across them; a GPU rank issues each as soon as its gradients exist.
     rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow, global_joint=full,
                      loss_scale=loss_scale(a.precision), cut_at_sync=device.type != "cpu")
@@ -148,6 +150,7 @@ def run_rank(a: WorkerArgs) -> dict:
         for it in range(a.warmup + a.steps):
             comm.barrier(device)  # every rank starts the iteration together
             t_start = time.perf_counter()
+            cpu_start = time.thread_time()
             if fault and fault[0] == rank and fault[1] == it:
                 _inject(fault[2])
             rt.begin_iteration()
@@ -178,7 +181,10 @@ def run_rank(a: WorkerArgs) -> dict:
             if last:
                 timeline.append(["wait syncs", "sync", t0 - t_start, t1 - t_start])
                 timeline.append(["opt", "opt", t1 - t_start, t2 - t_start])
-            iters.append({"time_s": t2 - t_start, **rt.timer.as_dict(), "loss": rt.loss})
+            # cpu_s: the main thread's CPU seconds over the iteration (a CPU rank's own work, apart
+            # from waits and from time taken by other processes on a shared host)
+            iters.append({"time_s": t2 - t_start, "cpu_s": time.thread_time() - cpu_start, **rt.timer.as_dict(),
+                          "loss": rt.loss})
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         mine = {"rank": rank, "device": topology.devices[rank].name, "slowdown": slow, "export_s": export_s,
                 "peak_memory_bytes": peak, "iterations": iters, "timeline": timeline,

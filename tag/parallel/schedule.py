@@ -10,9 +10,11 @@ Order of one iteration (see docs/DESIGN.md, "How a plan runs"):
 1. for each unit in forward order (group 0..K-1, chunk 0..): the transfers into its forward
    stage, then its forward stage on every replica;
 2. for each unit in reverse order: the transfers into its backward stage, then the stage;
-   right after a data-parallel group's backward, its gradient sync starts (all-reduce over the
-   replica set, or reduce to the server + broadcast back), asynchronously: it overlaps the
-   backward of the earlier groups, so syncs run in reverse group order;
+   right after a data-parallel group's backward comes its ``sync`` step: its gradients are final.
+   The syncs are bucketed as DDP buckets gradients (:mod:`tag.parallel.buckets`, about 25 MiB,
+   :attr:`Schedule.buckets`); at the sync of a bucket's last group the bucket's collective starts
+   (all-reduce over the replica set, or reduce to the server + broadcast back) over its groups'
+   concatenated gradients, asynchronously: it overlaps the backward of the earlier groups;
 3. the optimizer update of every parameter on its owner unit's replicas (local, no comm).
 
 Sufficient Factor Broadcasting (``GroupPlan.sfb``, docs/DESIGN.md): right after an SFB group's
@@ -44,6 +46,7 @@ from ..errors import PlanError
 from ..graph.gradients import gradient_tensors, partial_sum_tensors  # noqa: F401 (re-exported by tag.executor)
 from ..graph.ir import OpGraph
 from ..plan.format import PipelinePlan, Plan
+from .buckets import assign_buckets
 from .moves import move_kind, move_pieces
 from .pipeline import block_size, micro_ranges, pipeline_order, stage_of_group
 from .strategy import Collective, Replica, Unit, UnitKey, strategy_of  # noqa: F401 (Replica re-exported)
@@ -85,7 +88,9 @@ class Step:
 
     ``compute``: the unit's ``phase`` stage on each of its replicas (its sample range);
     ``transfer``: the point-to-point ``moves`` into that stage; ``sfb``: the group's factor
-    all-gathers and gradient recompute; ``sync``: the group's gradient ``collective``. Dependencies
+    all-gathers and gradient recompute; ``sync``: the group's gradients are final, to be summed by
+    ``collective`` in its bucket, which starts at the sync of its last group
+    (:meth:`Schedule.launched_at`). Dependencies
     follow the global order: a step runs once every earlier step it shares a device with
     has been issued (transfers and compute block; syncs are asynchronous and waited for before
     the optimizer update of their group, which ends every device's list)."""
@@ -128,6 +133,17 @@ class SfbGroup:
         return tuple(sorted(self.devices))
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """Groups whose gradients one collective sums (:mod:`tag.parallel.buckets`)."""
+
+    groups: tuple[int, ...]
+    """In the order their gradients become final; launched at the sync of the last."""
+    collective: Collective
+    nbytes: int
+    """Gradient bytes it carries."""
+
+
 @dataclass
 class Schedule:
     """Everything every rank needs to know about the plan, identical on all ranks."""
@@ -167,6 +183,17 @@ class Schedule:
     """Sample ranges ``[lo, hi)`` of the micro-batches (one, the whole batch, without a pipeline)."""
     micro_units: dict[tuple[UnitKey, int], Unit] = field(default_factory=dict)
     """(unit, micro-batch) -> the unit lowered at that micro-batch (pipeline plans only)."""
+    buckets: list[Bucket] = field(default_factory=list)
+    """The gradient buckets, in launch order (the order of their last group's ``sync`` step)."""
+    bucket_of: dict[int, int] = field(default_factory=dict)
+    """Op-group -> index of its bucket in :attr:`buckets`."""
+
+    def launched_at(self, step: Step) -> Bucket | None:
+        """The bucket whose collective starts at ``step`` (the ``sync`` of its last group), else None."""
+        if step.kind != "sync":
+            return None
+        b = self.buckets[self.bucket_of[step.group]]
+        return b if b.groups[-1] == step.group else None
 
     def unit_at(self, key: UnitKey, micro: int) -> Unit:
         """Unit ``key`` on micro-batch ``micro``: its strategy's lowering at the micro-batch's size,
@@ -208,12 +235,14 @@ def graph_structure(graph: OpGraph) -> list[tuple[str, str, tuple[str, ...]]]:
     return [(op.name, op.target, tuple(names[t] for t in op.inputs)) for op in graph.ops if op.phase != "opt"]
 
 
-def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
+def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: int | None = None) -> Schedule:
     """The global schedule of ``plan`` on ``graph``.
 
     Args:
         machine_of: ``device -> machine index`` (prefer same-machine sources for copies);
             default: all devices on one machine.
+        bucket_bytes: cap of the gradient buckets (:func:`tag.parallel.buckets.bucket_caps`;
+            default DDP's).
     """
     machine_of = machine_of or (lambda d: 0)
     B = plan.batch_size
@@ -247,6 +276,7 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
     param_target: dict[str, str] = {}
     param_grad: dict[str, str] = {}
     param_numel: dict[str, int] = {}
+    param_bytes: dict[str, int] = {}
     group_params: dict[int, list[str]] = {g: [] for g in range(len(plan.groups))}
     owner_of_tensor: dict[int, UnitKey] = {}
     for p in graph.params:
@@ -255,6 +285,7 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
         owner = unit_of_op[gnode.producer] if gnode.producer >= 0 else (p.group, 0)
         param_owner[ph], param_target[ph], param_grad[ph] = owner, p.name, gnode.name
         param_numel[ph] = p.numel
+        param_bytes[ph] = p.nbytes
         group_params[owner[0]].append(ph)
         owner_of_tensor[p.tensor] = owner
 
@@ -344,9 +375,14 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None) -> Schedule:
             steps.append(Step("sync", u, group=u[0], collective=collective_of[u[0]]))
     comm = sorted({c.members for c in collective_of.values()})
     gathers = sorted({sg.members for sg in sfb.values()})
+    syncs = [(st.group, st.collective, sum(param_bytes[ph] for ph in sync_params[st.group]))
+             for st in steps if st.kind == "sync"]
+    buckets = [Bucket(tuple(syncs[i][0] for i in b), syncs[b[0]][1], sum(syncs[i][2] for i in b))
+               for b in assign_buckets([(c, n) for _, c, n in syncs], bucket_bytes)]
     return Schedule(B, units, assign, param_owner, param_target, param_grad, group_params, param_numel,
                     loss_t.name, loss_unit, steps, comm, sync_params, sfb, gathers, graph.model,
-                    graph_structure(graph), ranges, micro_units)
+                    graph_structure(graph), ranges, micro_units, buckets,
+                    {g: k for k, b in enumerate(buckets) for g in b.groups})
 
 
 def _pipeline_tasks(pp: PipelinePlan, order: list[UnitKey], num_groups: int) -> list[tuple[UnitKey, str, int]]:

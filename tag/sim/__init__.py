@@ -7,11 +7,11 @@ from .engine import Simulator
 from .result import SimEvent, SimResult
 
 
-def simulate(graph, topology, plan, *, costs=None, trace: bool = False) -> SimResult:
+def simulate(graph, topology, plan, *, costs=None, trace: bool = False, bucket_bytes: int | None = None) -> SimResult:
     """Validate ``plan`` against ``graph`` and ``topology`` (:func:`tag.parallel.validate_plan`),
-    then simulate one iteration."""
+    then simulate one iteration (``bucket_bytes``: the gradient buckets' cap, default DDP's)."""
     validate_plan(plan, graph, topology, pipelines=True, tensor_parallel=True)
-    return Simulator(graph, topology, costs).run(plan.groups, trace=trace, pipeline=plan.pipeline)
+    return Simulator(graph, topology, costs, bucket_bytes).run(plan.groups, trace=trace, pipeline=plan.pipeline)
 
 
 def lower_bound(graph, topology, costs=None) -> float:

@@ -5,7 +5,7 @@ overlaps transfers); every machine has a network link with an outgoing and an in
 shared by all flows and collectives crossing machines (contended: they take turns). Each resource
 serves its tasks in the executor's global step order (:mod:`tag.parallel.schedule`): for every
 unit in forward order the transfers into its forward stage, then the stage; the same for the
-backward stages in reverse order; then the gradient synchronisations in reverse group order; then
+backward stages in reverse order; then the gradient buckets in launch order; then
 one optimizer step per device. A task starts when its inputs are ready and every resource it uses
 is free, so the iteration is a max-plus system: shorter tasks (faster devices, more bandwidth)
 never make any task finish later.
@@ -16,11 +16,15 @@ ranks pack them; occupy both endpoints' comm streams, and both machines' network
 a flow is a rendezvous, as in the executor, where sender and receiver post their halves at the
 step of the schedule and wait for them: it starts once both endpoints' compute streams reached
 that step, and both compute streams wait for it to finish),
-synchronisations (one collective over the replica set, or PS push+pull, see
-:mod:`tag.cost.comm`; occupy every participant's comm stream and the network sides of the
-machines it spans; on a CPU device, whose rank computes on every core it has, a sync also waits
-for the device's compute: :attr:`Simulator.shared_stream`, and syncs of one kind over one replica set
-are coalesced into one collective: :meth:`Simulator.sync_jobs`), optimizer steps (after the device's last compute and its last sync).
+gradient buckets (:meth:`Simulator.sync_jobs`: the groups' syncs bucketed as the executor's
+schedule buckets them, :mod:`tag.parallel.buckets`, about 25 MiB as DDP; each one collective over
+the replica set, or PS push+pull, over its groups' concatenated gradients, see
+:mod:`tag.cost.comm`), each starting once the backward of its last group ended (and the previous
+collective over its members: one collective stream per device), so on a GPU it overlaps the
+backward of the earlier groups; it occupies every participant's comm stream and the network sides
+of the machines it spans; on a CPU device, whose rank computes on every core it has, a bucket also
+waits for the device's compute (:attr:`Simulator.shared_stream`)), optimizer steps (after the
+device's last compute and its last bucket).
 
 Sufficient Factor Broadcasting (``GroupPlan.sfb``, :mod:`tag.sim.sfb`): right after an SFB
 group's backward stage (once every replica finished it), the all-gathers of its factors, one
@@ -51,6 +55,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import PlanError
+from ..parallel.buckets import assign_buckets, bucket_caps
 from ..parallel.strategy import strategy_of
 from .result import SimEvent, SimResult
 from .static import BWD, FWD, OPT, PARAM, build_static
@@ -81,9 +86,12 @@ def plan_key(gp) -> tuple:
 class Simulator:
     """Simulate plans of one graph on one topology; build once, call :meth:`run` many times."""
 
-    def __init__(self, graph, topology, costs=None):
+    def __init__(self, graph, topology, costs=None, bucket_bytes: int | None = None):
         from ..cost.model import CostModel
 
+        self.bucket_bytes = bucket_bytes
+        """Cap of the gradient buckets (:func:`tag.parallel.buckets.bucket_caps`; None: DDP's)."""
+        bucket_caps(bucket_bytes)  # a bad cap is refused here, not at the first plan
         self.graph = graph
         self.topology = topology
         self.costs = costs if costs is not None else CostModel.for_topology(graph, topology)
@@ -106,8 +114,8 @@ class Simulator:
         self.device_names = [f"{d.name} ({d.gpu.name})" for d in topology.devices]
         self.shared_stream = [d.gpu.name == "cpu" for d in topology.devices]
         """Per device: communication shares the compute cores (a CPU rank uses every core it has
-        for compute, so gloo has no spare core to progress a collective: syncs start after the
-        device's compute). GPUs have copy engines: their syncs overlap compute."""
+        for compute, so gloo has no spare core to progress a collective: gradient buckets start
+        after the device's compute). GPUs have copy engines: their buckets overlap compute."""
         self._buckets: dict[tuple, float] = {}  # ((op, devices, server), bytes) -> seconds of a sync
         self._layouts: dict[tuple, Layout] = {}
         self._groups: dict[tuple, GroupData] = {}
@@ -205,9 +213,8 @@ class Simulator:
         server, members = coll.server, coll.members
         t = self._bucket_time((coll.op, coll.devices, server), sbytes)  # groups of equal bytes: one pricing
         machines = tuple(sorted({comm.machine_of[d] for d in members}))
-        deferred = all(self.shared_stream[d] for d in members)
         return GroupData([unit], coll.op, t, members, machines if len(machines) > 1 else (), sbytes, sfb=sfb,
-                         layout=lay, ukey=("dp", devs, batches), bucket=(coll.op, devs, server) if deferred else None)
+                         layout=lay, ukey=("dp", devs, batches), bucket=(coll.op, devs, server))
 
     def _sync_seconds(self, op: str, devs: tuple[int, ...], server: int | None, nbytes: float) -> float:
         """One gradient collective ``op`` (:class:`tag.parallel.Collective`) of ``nbytes`` over the
@@ -219,28 +226,22 @@ class Simulator:
         raise PlanError(f"collective {op!r}: the simulator costs 'allreduce' and 'ps'")
 
     def sync_jobs(self, gds: list[GroupData]) -> list[tuple[tuple[int, ...], object]]:
-        """The iteration's gradient collectives in issue order: ``(groups, job)`` with ``job`` the
-        group's :class:`GroupData` or, for deferred syncs of equal :attr:`GroupData.bucket`, one
-        :class:`SyncJob` over the concatenated gradients (the executor's buckets,
-        ``tag/executor/comm.py``), placed at its first group in reverse group order."""
+        """The iteration's gradient collectives in launch order, one per bucket
+        (:func:`tag.parallel.buckets.assign_buckets` over the syncs in reverse group order, as the
+        executor's schedule buckets them): ``(groups, job)``, ``groups`` in the bucket's order,
+        ``job`` the group's :class:`GroupData` for a bucket of one group, else a :class:`SyncJob`
+        over the concatenated gradients."""
+        order = [g for g in range(len(gds) - 1, -1, -1) if gds[g].sync != "none"]
         jobs: list = []
-        open_: dict[tuple, int] = {}
-        for g in range(len(gds) - 1, -1, -1):
-            gd = gds[g]
-            if gd.sync == "none":
+        for b in assign_buckets([(gds[g].bucket, gds[g].sync_bytes) for g in order], self.bucket_bytes):
+            gs = tuple(order[i] for i in b)
+            gd = gds[gs[0]]
+            if len(gs) == 1:
+                jobs.append((gs, gd))
                 continue
-            j = open_.get(gd.bucket) if gd.bucket is not None else None
-            if j is None:
-                if gd.bucket is not None:
-                    open_[gd.bucket] = len(jobs)
-                jobs.append(((g,), gd))
-            else:
-                jobs[j] = (jobs[j][0] + (g,), jobs[j][1])
-        for i, (gs, gd) in enumerate(jobs):
-            if len(gs) > 1:
-                nbytes = sum(gds[g].sync_bytes for g in gs)
-                jobs[i] = (gs, SyncJob(gs, gd.sync, self._bucket_time(gd.bucket, nbytes), gd.sync_devices,
-                                       gd.sync_machines, nbytes))
+            nbytes = sum(gds[g].sync_bytes for g in gs)
+            jobs.append((gs, SyncJob(gs, gd.sync, self._bucket_time(gd.bucket, nbytes), gd.sync_devices,
+                                     gd.sync_machines, nbytes)))
         return jobs
 
     def _bucket_time(self, key: tuple, nbytes: float) -> float:

@@ -142,13 +142,13 @@ class GroupData:
     """What the replica-level moves into and out of the group depend on: ``("dp", devices,
     batches)`` or ``("mp", devices)`` (every chunk holds the full batch)."""
     bucket: tuple | None = None
-    """``(sync, replica devices, server)`` when the sync is deferred to the end of the iteration
-    and coalesced with the others of equal key (every member a CPU device), else ``None``."""
+    """``(sync, replica devices, server)``: syncs of equal key may share a gradient bucket
+    (:mod:`tag.parallel.buckets`); ``None`` without a sync."""
 
 
 @dataclass(slots=True)
 class SyncJob:
-    """Several groups' deferred syncs coalesced into one collective (one flat bucket)."""
+    """A gradient bucket of several groups: one collective over their concatenated gradients."""
 
     groups: tuple[int, ...]
     sync: str
