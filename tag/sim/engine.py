@@ -233,7 +233,9 @@ class Simulator:
         over the concatenated gradients."""
         order = [g for g in range(len(gds) - 1, -1, -1) if gds[g].sync != "none"]
         jobs: list = []
-        for b in assign_buckets([(gds[g].bucket, gds[g].sync_bytes) for g in order], self.bucket_bytes):
+        # A group without a bucket key (a tensor-parallel group's own sync) is a bucket of its own.
+        keys = [gds[g].bucket if gds[g].bucket is not None else ("alone", g) for g in order]
+        for b in assign_buckets([(k, gds[g].sync_bytes) for k, g in zip(keys, order)], self.bucket_bytes):
             gs = tuple(order[i] for i in b)
             gd = gds[gs[0]]
             if len(gs) == 1:
