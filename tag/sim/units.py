@@ -143,7 +143,8 @@ class GroupData:
     batches)`` or ``("mp", devices)`` (every chunk holds the full batch)."""
     bucket: tuple | None = None
     """``(sync, replica devices, server)``: syncs of equal key may share a gradient bucket
-    (:mod:`tag.parallel.buckets`); ``None`` without a sync."""
+    (:mod:`tag.parallel.buckets`); ``None``: never bucketed with another group (no sync, or a
+    sync of its own such as a tensor-parallel group's; :meth:`Simulator.sync_jobs`)."""
 
 
 @dataclass(slots=True)
