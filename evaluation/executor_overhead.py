@@ -3,13 +3,15 @@
 Per model and round, interleaved (eager, tag single-device, DDP, tag data-parallel, then the next
 round), each a fresh set of processes running ``--steps`` timed iterations after ``--warmup``:
 
-* ``eager``: one process, ``model(*inputs)``, ``loss.backward()``, ``torch.optim.Adam`` (its default
-  foreach update), ``zero_grad(set_to_none=True)``; the loss read after the step;
+* ``eager``: one process, ``model(*inputs)``, ``loss.backward()``, ``torch.optim.Adam(foreach=True)``
+  (the multi-tensor update ``tag execute`` runs; torch's default on CPU is the slower per-tensor
+  loop, which would flatter ``tag execute``), ``zero_grad(set_to_none=True)``; the loss read after
+  the step;
 * ``tag-1``: ``tag execute`` of the plan putting every group on the one device of a one-CPU
   topology; its rank and the eager process run one thread pinned to the first core (on the shared
   2-core development VM two threads made both far noisier: mlp eager 66 ms with two threads,
   11-20 ms with one);
-* ``ddp``: ``DistributedDataParallel`` (25 MB buckets, its default) on two gloo ranks, each with half
+* ``ddp``: ``DistributedDataParallel`` (25 MB buckets, its default; Adam as for eager) on two gloo ranks, each with half
   the batch and one thread, the malloc thresholds of ``tag execute``'s ranks (tag.cost.host), not
   pinned: with tag's pinning and gloo's event threads under ``SCHED_IDLE`` DDP's all-reduces,
   which run during the backward, starved on a loaded host (mlp: 2.04 s per iteration instead of
@@ -45,7 +47,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "evaluation" / "results" / "executor-overhead"
-MODELS = ["mlp", "gpt2"]
+MODELS = ["mlp", "gpt2", "bert", "vit", "llama", "resnet", "vgg", "mixer", "encoder"]
+UNSEEN = {name: f"{REPO / 'evaluation' / 'models' / 'unseen.py'}:{name}" for name in ("mixer", "encoder")}
+"""Models outside the zoo (user factories in ``evaluation/models/unseen.py``), by short name."""
 CONFIGS = ["eager", "tag-1", "ddp", "tag-dp"]
 
 
@@ -89,7 +93,7 @@ def run_eager(spec: str, batch: int, steps: int, warmup: int) -> dict:
 
     _setup(1, 0, 1)  # as tag-1's rank: one thread on the first core
     wl = load_workload(spec, batch=batch, seed=0)
-    opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)  # torch's default (foreach) update
+    opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3, foreach=True)  # as tag execute (CPU default: per tensor)
     return _train(wl.model, wl.inputs, opt, steps, warmup)
 
 
@@ -107,7 +111,7 @@ def run_ddp(spec: str, batch: int, steps: int, warmup: int, rank: int, world: in
     model = DistributedDataParallel(wl.model)  # bucket_cap_mb=25
     b = batch // world
     inputs = tuple(x[rank * b:(rank + 1) * b] for x in wl.inputs)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)  # the update tag execute runs
     zero = torch.zeros(1)
     out = _train(model, inputs, opt, steps, warmup, barrier=lambda: dist.all_reduce(zero))
     dist.destroy_process_group()
@@ -166,7 +170,7 @@ def one_cpu_topology(folder: Path) -> str:
     return str(path)
 
 
-def plans(graph, folder: Path) -> dict[str, tuple[str, str]]:
+def plans(graph, folder: Path, name: str) -> dict[str, tuple[str, str]]:
     """config -> (topology path, plan path)."""
     from tag.plan import GroupPlan, new_plan
     from tag.topology import load_topology
@@ -174,9 +178,10 @@ def plans(graph, folder: Path) -> dict[str, tuple[str, str]]:
     out = {}
     t1 = one_cpu_topology(folder)
     t2 = str(REPO / "topologies" / "local-cpu2.yaml")
+    model = name
     for name, topo, devs in (("tag-1", t1, [0]), ("tag-dp", t2, [0, 1])):
         plan = new_plan(graph, load_topology(topo), [GroupPlan(devs, [1.0 / len(devs)] * len(devs)) for _ in range(graph.num_groups)])
-        path = folder / f"{graph.model}-{name}.json"
+        path = folder / f"{model}-{name}.json"
         plan.save(path)
         out[name] = (topo, str(path))
     return out
@@ -189,17 +194,18 @@ def measure(models: list[str], batches: dict[str, int], rounds: int, steps: int,
 
     tmp = Path(tempfile.mkdtemp(prefix="tag-overhead-"))
     setups = {}
-    for spec in models:
-        wl = load_workload(spec, batch=batches.get(spec))
+    for name in models:
+        spec = UNSEEN.get(name, name)
+        wl = load_workload(spec, batch=batches.get(name))
         graph = capture(wl, optimizer="adam", num_groups=groups).graph
-        setups[spec] = (graph, wl.batch_size, plans(graph, tmp))
+        setups[name] = (spec, graph, wl.batch_size, plans(graph, tmp, name))
         params = sum(p.nbytes for p in graph.params)
-        log(f"{spec}: batch {wl.batch_size}, {len(graph.params)} parameters ({params / 2**20:.1f} MiB), "
+        log(f"{name}: batch {wl.batch_size}, {len(graph.params)} parameters ({params / 2**20:.1f} MiB), "
             f"{graph.num_groups} groups")
     runs: dict[str, dict[str, list[dict]]] = {s: {c: [] for c in CONFIGS} for s in models}
     for r in range(rounds):
-        for spec in models:
-            graph, batch, pl = setups[spec]
+        for name in models:
+            spec, graph, batch, pl = setups[name]
             for c in CONFIGS:
                 if c == "eager":
                     x = eager(spec, batch, steps, warmup)
@@ -207,19 +213,20 @@ def measure(models: list[str], batches: dict[str, int], rounds: int, steps: int,
                     x = ddp(spec, batch, steps, warmup)
                 else:
                     x = tag_execute(graph, *pl[c], spec, steps, warmup, tmp / f"run-{c}")
-                runs[spec][c].append(x)
-                log(f"round {r} {spec} {c}: {x['time_s'] * 1e3:.2f} ms, peak above params+state "
+                runs[name][c].append(x)
+                log(f"round {r} {name} {c}: {x['time_s'] * 1e3:.2f} ms, peak above params+state "
                     f"{x['peak_above_bytes'] / 2**20:.1f} MiB")
     out = {}
-    for spec in models:
-        rr = runs[spec]
+    for name in models:
+        rr = runs[name]
 
         def ratio(a, b, key="time_s", rr=rr):
             vals = [x[key] / y[key] for x, y in zip(rr[a], rr[b]) if y[key] > 0]
             return statistics.median(vals) if vals else None
 
-        out[spec] = {
-            "batch": setups[spec][1],
+        out[name] = {
+            "spec": setups[name][0],
+            "batch": setups[name][2],
             "median_time_s": {c: statistics.median(x["time_s"] for x in rr[c]) for c in CONFIGS},
             "median_peak_above_bytes": {c: statistics.median(x["peak_above_bytes"] for x in rr[c]) for c in CONFIGS},
             "median_cpu_s": {c: statistics.median(x["cpu_s"] for x in rr[c]) for c in CONFIGS},
@@ -287,7 +294,8 @@ def _plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=MODELS)
+    p.add_argument("--models", nargs="+", default=MODELS,
+                   help="zoo names, or " + " / ".join(UNSEEN) + " (user factories outside the zoo)")
     p.add_argument("--batch", nargs="*", default=[], metavar="MODEL=B", help="global batch per model (default: the zoo's)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)

@@ -312,6 +312,7 @@ def build_module(seg: Segment, schedule: Schedule, rank: int, stages: dict, stat
         else:
             _local_transfer(g, st, schedule, rank, node_of, local_rows, meta, device)
     g.output(tuple(node_of[k] for k in seg.outputs))
+    simplify(g)
     root = torch.nn.Module()
     for name, v in attrs.items():
         setattr(root, name, v)
@@ -356,6 +357,78 @@ def _local_transfer(g: fx.Graph, st: Step, schedule: Schedule, rank: int, node_o
             node_of[key] = total
         else:  # copy: the producer's tensor itself
             node_of[key] = node_of[(at(m0.src_unit), m0.name)]
+
+
+_ALIAS = torch.ops.aten.alias.default
+_PERMUTE = torch.ops.aten.permute.default
+
+
+def _pure(n: fx.Node) -> bool:
+    """Whether ``n`` is an ATen op whose result depends only on its arguments (no RNG, no
+    mutation, no uninitialised memory): two such nodes with equal arguments are one value."""
+    t = n.target
+    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    return (not t._schema.is_mutable and torch.Tag.nondeterministic_seeded not in t.tags
+            and t.overloadpacket not in (torch.ops.aten.empty, torch.ops.aten.empty_like,
+                                         torch.ops.aten.empty_strided, torch.ops.aten.new_empty))
+
+
+def simplify(g: fx.Graph) -> int:
+    """Drop the ops of a fused segment that only cost a dispatch, in place; returns how many.
+
+    The captured joint graph is functional ATen, so: ``aten.alias`` is its input; ``permute`` of a
+    ``permute`` that composes to the identity is the inner input (the ``W.t().t()`` of a linear
+    layer's backward); and a pure op repeated with the same arguments (the loss's ``labels != -100``
+    three times) is computed once. Values returned by the segment are never replaced by one of
+    its inputs (the caller may hold them as distinct tensors). On a small MLP this removes 16 of
+    71 op calls per iteration, each ~1-2 us of Python dispatch on a CPU rank.
+    """
+    out = next(n for n in reversed(g.nodes) if n.op == "output")
+    removed = 0
+    seen: dict[tuple, fx.Node] = {}
+    for n in list(g.nodes):
+        if n.op != "call_function":
+            continue
+        repl = None
+        if n.target is _ALIAS:
+            repl = n.args[0]
+        elif n.target is _PERMUTE and isinstance(n.args[0], fx.Node) and n.args[0].target is _PERMUTE:
+            p, q = n.args[0].args[1], n.args[1]
+            if [p[i] for i in q] == list(range(len(q))):
+                repl = n.args[0].args[0]
+        elif _pure(n):
+            key = (n.target, _hashable(n.args), _hashable(n.kwargs))
+            if key[1] is not None and key[2] is not None:
+                repl = seen.setdefault(key, n)
+                repl = None if repl is n else repl
+        if repl is None or (out in n.users and (repl.op == "placeholder" or out in repl.users)):
+            continue  # an output would become an input, or two outputs one tensor
+        n.replace_all_uses_with(repl)
+        g.erase_node(n)
+        removed += 1
+    for n in reversed(list(g.nodes)):  # what only the removed ops read (users before producers)
+        if n.op == "call_function" and not n.users and _pure(n):
+            g.erase_node(n)
+            removed += 1
+    return removed
+
+
+def _hashable(x):
+    """``x`` (node arguments) as a hashable key, nodes by identity; None if it holds something else."""
+    if isinstance(x, fx.Node):
+        return ("n", x)
+    if isinstance(x, float):  # by repr: -0.0 and 0.0 differ, nan equals nan
+        return ("float", repr(x))
+    if x is None or isinstance(x, (int, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return (type(x).__name__, x)
+    if isinstance(x, (list, tuple)):
+        items = tuple(_hashable(v) for v in x)
+        return None if any(i is None for i in items) else (type(x).__name__, items)
+    if isinstance(x, dict):
+        items = tuple((k, _hashable(v)) for k, v in x.items())
+        return None if any(v is None for _, v in items) else ("dict", items)
+    return None
 
 
 def _ident(name: str) -> str:

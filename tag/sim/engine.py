@@ -117,6 +117,7 @@ class Simulator:
         for compute, so gloo has no spare core to progress a collective: gradient buckets start
         after the device's compute). GPUs have copy engines: their buckets overlap compute."""
         self._buckets: dict[tuple, float] = {}  # ((op, devices, server), bytes) -> seconds of a sync
+        self._sync_jobs: dict[tuple[int, ...], list] = {}  # the groups' serials -> sync_jobs (read-only)
         self._layouts: dict[tuple, Layout] = {}
         self._groups: dict[tuple, GroupData] = {}
         self._pairs: dict[tuple, _Pair] = {}
@@ -230,7 +231,16 @@ class Simulator:
         (:func:`tag.parallel.buckets.assign_buckets` over the syncs in reverse group order, as the
         executor's schedule buckets them): ``(groups, job)``, ``groups`` in the bucket's order,
         ``job`` the group's :class:`GroupData` for a bucket of one group, else a :class:`SyncJob`
-        over the concatenated gradients."""
+        over the concatenated gradients. Cached by the groups' deployments (a serial is never reused)."""
+        key = tuple(gd.serial for gd in gds)
+        jobs = self._sync_jobs.get(key)
+        if jobs is None:
+            if len(self._sync_jobs) > CACHE_LIMIT:
+                self._sync_jobs.clear()
+            jobs = self._sync_jobs[key] = self._bucketed(gds)
+        return jobs
+
+    def _bucketed(self, gds: list[GroupData]) -> list[tuple[tuple[int, ...], object]]:
         order = [g for g in range(len(gds) - 1, -1, -1) if gds[g].sync != "none"]
         jobs: list = []
         # A group without a bucket key (a tensor-parallel group's own sync) is a bucket of its own.
