@@ -146,9 +146,13 @@ def export_joint(model: torch.nn.Module, inputs: tuple, name: str = "the model",
     """Export ``model(*inputs) -> scalar loss`` as a joint forward+backward ExportedProgram
     (``name``: how error messages call the model). ``precision`` bf16/fp16: the forward is
     exported under ``torch.autocast`` (:mod:`tag.graph.precision`), so the graph holds its casts
-    and runs as mixed precision without an autocast context."""
+    and runs as mixed precision without an autocast context.
+
+    No node records its stack trace (``torch.fx.config.do_not_emit_stack_traces``): nothing here
+    reads them (an export failure names the user's line from its own traceback), and extracting
+    one per node costs ~10% of a trace."""
     try:
-        with _quiet(), autocast(precision):
+        with _quiet(), autocast(precision), _fx_config(do_not_emit_stack_traces=True):
             ep = torch.export.export(model, tuple(inputs), strict=False)
     except Exception as e:  # noqa: BLE001 - any export failure is a model the user must fix
         raise WorkloadError(_export_failure(name, e)) from e
@@ -166,7 +170,8 @@ def export_joint(model: torch.nn.Module, inputs: tuple, name: str = "the model",
     ep = ep._update(ep.graph_module, ExportGraphSignature(ep.graph_signature.input_specs, specs))
     ep = _prune_params(_views_to_reshapes(_drop_noop_dropout(ep)))
     try:
-        with _quiet(), autocast(precision):  # its decomposition re-traces the autocast regions
+        # its decomposition re-traces the autocast regions
+        with _quiet(), autocast(precision), _fx_config(do_not_emit_stack_traces=True):
             return _forward_backward(ep)
     except Exception as e:  # noqa: BLE001
         raise WorkloadError(f"could not build the backward graph: {type(e).__name__}: {_first_line(e)}") from e
@@ -196,14 +201,11 @@ def joint_decompositions() -> dict:
 
 def _forward_backward(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """``torch.export.experimental._export_forward_backward`` with :func:`joint_decompositions`
-    instead of the full core-ATen table (private API: this one place and :func:`_no_joint_retrace`).
-
-    Stack traces are not recorded on the joint graph's nodes (``torch.fx.config``; nothing here
-    reads them, and collecting one per node costs ~8% of the trace)."""
+    instead of the full core-ATen table (private API: this one place and :func:`_no_joint_retrace`)."""
     from torch.export.experimental import _remove_detach_pass
     from torch.export.exported_program import _decompose_exported_program
 
-    with _no_joint_retrace(), _fx_config(do_not_emit_stack_traces=True):
+    with _no_joint_retrace():
         ep = _decompose_exported_program(ep, cia_to_decomp={}, python_decomp_table=joint_decompositions(),
                                          joint_loss_index=0, decompose_custom_triton_ops=False)
     # _export_forward_backward copies the graph first (_copy_graph_module_and_signature) to keep
