@@ -178,3 +178,33 @@ def test_optimizer_choice_changes_state_bytes(captured):
     assert {op.target for op in sgd.ops if op.phase == "opt"} == {"optim.sgd-plain"}
     with pytest.raises(WorkloadError):
         capture(load_workload("mlp"), optimizer="lamb")
+
+
+@pytest.mark.parametrize("spec", ["gpt2:n_layer=1,n_embd=32,n_head=2,seq=8,vocab=64", "resnet:width=4,image=16",
+                                  "odd"])
+def test_joint_graph_copy_is_the_retrace(spec, tmp_path, monkeypatch):
+    """The joint graph copied node by node (capture._no_joint_retrace) is the one aot_export_module's
+    make_fx retrace records: names, targets, arguments, values and strides (tied and unused weights,
+    a GRU's multi-output ops, BatchNorm's buffer mutations)."""
+    import contextlib
+    import sys
+
+    from tag.graph.fold import same_graph
+
+    cap = sys.modules["tag.graph.capture"]
+    if spec == "odd":
+        (tmp_path / "odd.py").write_text(FACTORY)
+        spec = f"{tmp_path / 'odd.py'}:make"
+    wl = load_workload(spec, batch=2)
+    copies = []
+    flat = cap._flat_joint
+    monkeypatch.setattr(cap, "_flat_joint", lambda *a: copies.append(flat(*a)) or copies[-1])
+    ep = cap.export_joint(wl.model, wl.inputs)
+    assert copies and all(c is not None for c in copies)  # the copy was made, not the retrace
+    monkeypatch.setattr(cap, "_no_joint_retrace", contextlib.nullcontext)
+    ref = cap.export_joint(wl.model, wl.inputs)
+    assert same_graph(ep.graph, ep.graph_signature, ref.graph, ref.graph_signature) is None
+    for a, b in zip(ep.graph.nodes, ref.graph.nodes):
+        va, vb = a.meta.get("val"), b.meta.get("val")
+        if isinstance(va, torch.Tensor):
+            assert va.stride() == vb.stride(), a.name

@@ -146,9 +146,13 @@ def export_joint(model: torch.nn.Module, inputs: tuple, name: str = "the model",
     """Export ``model(*inputs) -> scalar loss`` as a joint forward+backward ExportedProgram
     (``name``: how error messages call the model). ``precision`` bf16/fp16: the forward is
     exported under ``torch.autocast`` (:mod:`tag.graph.precision`), so the graph holds its casts
-    and runs as mixed precision without an autocast context."""
+    and runs as mixed precision without an autocast context.
+
+    No node records its stack trace (``torch.fx.config.do_not_emit_stack_traces``): nothing here
+    reads them (an export failure names the user's line from its own traceback), and extracting
+    one per node costs ~10% of a trace."""
     try:
-        with _quiet(), autocast(precision):
+        with _quiet(), autocast(precision), _fx_config(do_not_emit_stack_traces=True):
             ep = torch.export.export(model, tuple(inputs), strict=False)
     except Exception as e:  # noqa: BLE001 - any export failure is a model the user must fix
         raise WorkloadError(_export_failure(name, e)) from e
@@ -166,7 +170,8 @@ def export_joint(model: torch.nn.Module, inputs: tuple, name: str = "the model",
     ep = ep._update(ep.graph_module, ExportGraphSignature(ep.graph_signature.input_specs, specs))
     ep = _prune_params(_views_to_reshapes(_drop_noop_dropout(ep)))
     try:
-        with _quiet(), autocast(precision):  # its decomposition re-traces the autocast regions
+        # its decomposition re-traces the autocast regions
+        with _quiet(), autocast(precision), _fx_config(do_not_emit_stack_traces=True):
             return _forward_backward(ep)
     except Exception as e:  # noqa: BLE001
         raise WorkloadError(f"could not build the backward graph: {type(e).__name__}: {_first_line(e)}") from e
@@ -196,15 +201,143 @@ def joint_decompositions() -> dict:
 
 def _forward_backward(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """``torch.export.experimental._export_forward_backward`` with :func:`joint_decompositions`
-    instead of the full core-ATen table (private API: this one place only)."""
-    from torch.export.experimental import _copy_graph_module_and_signature, _remove_detach_pass
+    instead of the full core-ATen table (private API: this one place and :func:`_no_joint_retrace`)."""
+    from torch.export.experimental import _remove_detach_pass
     from torch.export.exported_program import _decompose_exported_program
 
-    ep = _decompose_exported_program(ep, cia_to_decomp={}, python_decomp_table=joint_decompositions(),
-                                     joint_loss_index=0, decompose_custom_triton_ops=False)
-    gm, sig = _copy_graph_module_and_signature(ep)
-    _remove_detach_pass(gm, sig)
-    return ep._update(gm, sig)
+    with _no_joint_retrace():
+        ep = _decompose_exported_program(ep, cia_to_decomp={}, python_decomp_table=joint_decompositions(),
+                                         joint_loss_index=0, decompose_custom_triton_ops=False)
+    # _export_forward_backward copies the graph first (_copy_graph_module_and_signature) to keep
+    # the decomposed program intact; nothing else holds this one.
+    _remove_detach_pass(ep.graph_module, ep.graph_signature)
+    return ep._update(ep.graph_module, ep.graph_signature)
+
+
+@contextlib.contextmanager
+def _fx_config(**values):
+    """Set ``torch.fx.config`` attributes for the duration."""
+    import torch.fx.config as cfg
+
+    old = {k: getattr(cfg, k) for k in values}
+    for k, v in values.items():
+        setattr(cfg, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(cfg, k, v)
+
+
+@contextlib.contextmanager
+def _no_joint_retrace():
+    """Inside ``aot_export_module(trace_joint=True)``, build the flattened joint graph by copying
+    the traced joint graph node by node instead of tracing it a second time with ``make_fx``.
+
+    ``aot_export_module`` traces the joint graph ``fx_g(primals, tangents) -> (fw_outs,
+    grads)`` and then retraces ``flattened_joint`` (calls ``fx_g`` and keeps the gradients of
+    the inputs that require one) only to drop the unused tangents and flatten the outputs: a
+    third of the joint export's time. :func:`_flat_joint` builds what that retrace records: the
+    same ops in the same order, named by ``torch.fx``'s namespace as ``make_fx`` names them
+    (``make_fx`` creates a ``getitem`` node for every element of a multi-output op at once, so
+    the copy does too), with the joint trace's FakeTensor values. Anything unexpected (another
+    ``torch`` whose closure differs, a tangent in use) runs the real retrace.
+    ``tests/test_graph.py`` checks the copy against the retrace node by node.
+    """
+    import torch._functorch.aot_autograd as aot
+
+    real = aot.make_fx
+
+    def make_fx(fn, *args, **kwargs):
+        import inspect
+
+        try:
+            closure = inspect.getclosurevars(fn).nonlocals
+        except (TypeError, ValueError):
+            closure = {}
+        fx_g = closure.get("fx_g")
+        if args or set(kwargs) != {"record_module_stack"} or not isinstance(fx_g, torch.fx.GraphModule):
+            return real(fn, *args, **kwargs)
+
+        def trace(*full_args):
+            flat = _flat_joint(fx_g, full_args)
+            return flat if flat is not None else real(fn, *args, **kwargs)(*full_args)
+
+        return trace
+
+    aot.make_fx = make_fx
+    try:
+        yield
+    finally:
+        aot.make_fx = real
+
+
+def _flat_joint(fx_g: torch.fx.GraphModule, full_args: tuple) -> torch.fx.GraphModule | None:
+    """The graph ``make_fx(flattened_joint)(*full_args)`` records (see :func:`_no_joint_retrace`),
+    or None when ``fx_g`` is not the joint graph expected."""
+    import torch.utils._pytree as pytree
+
+    codegen = fx_g.graph._codegen
+    info = getattr(codegen, "pytree_info", None)
+    if info is None or info.in_spec is None or info.out_spec is None:
+        return None
+    placeholders = [n for n in fx_g.graph.nodes if n.op == "placeholder"]
+    try:
+        primals, tangents = pytree.tree_unflatten(placeholders, info.in_spec)
+    except Exception:  # noqa: BLE001 - another layout: retrace
+        return None
+    if len(primals) != len(full_args) or any(t.users for t in tangents):
+        return None
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, Any] = {t: None for t in tangents}
+    for i, (node, arg) in enumerate(zip(primals, full_args)):
+        env[node] = new = graph.placeholder(f"arg{i}_1")
+        new.meta = dict(node.meta)
+        if isinstance(arg, torch.Tensor):
+            new.meta["val"] = arg
+    items: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # multi-output op -> its getitem nodes
+    for node in fx_g.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op != "call_function":
+            return None
+        if node.target is operator.getitem:
+            src, idx = node.args
+            if src not in items or not isinstance(idx, int):
+                return None
+            env[node] = items[src][idx]
+            env[node].meta = dict(node.meta)
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return None
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+        name = graph._target_to_str(node.target.overloadpacket.__name__)
+        env[node] = new = graph.create_node("call_function", node.target, args, kwargs, name=name)
+        new.meta = dict(node.meta)
+        val = node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            items[node] = []
+            for k, v in enumerate(val):
+                item = graph.create_node("call_function", operator.getitem, (new, k), {}, name="getitem")
+                item.meta = {"val": v}
+                items[node].append(item)
+    out_args = fx_g.graph.output_node().args[0]
+    try:
+        fw_outs, grads = codegen.process_outputs([env[a] if isinstance(a, torch.fx.Node) else a for a in out_args])
+    except Exception:  # noqa: BLE001 - another layout: retrace
+        return None
+    if len(grads) != len(full_args):
+        return None
+    result = list(fw_outs)
+    for a, g in zip(full_args, grads):
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            if g is None:
+                return None
+            result.append(g)
+        elif g is not None:
+            return None
+    graph.output(tuple(result))
+    return torch.fx.GraphModule(fx_g, graph)
 
 
 def _drop_noop_dropout(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
