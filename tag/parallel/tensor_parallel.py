@@ -26,12 +26,24 @@ state) are ``1 / T`` per device; replicated ones (layer norms, row biases) have 
 over the token shards, all-reduced over the group's devices after the backward, with the split
 ones' gradients over the data-parallel replicas holding the same shard.
 
-The simulator costs it (:mod:`tag.sim.tensor_parallel`); the executor does not run it and
-refuses such plans in one line (:func:`tag.parallel.validate_plan` ``tensor_parallel=False``).
+The simulator costs it (:mod:`tag.sim.tensor_parallel`).
+
+**What the executor runs** (:mod:`tag.executor.tensor_parallel`): a plan whose every group is
+``tp`` over the same devices with ``tp`` equal to their number (one tensor-parallel group, no
+data-parallel replicas, no pipeline), as plain Megatron-LM *without* sequence parallelism: each
+device runs the group's whole batch, the ops outside the blocks replicated, one all-reduce after
+each row-parallel matmul (forward) and one after each column-parallel input gradient (backward).
+Its collective bytes per block and direction equal the costed all-gather + reduce-scatter pair
+(one all-reduce of the block's activation); its compute and activation memory outside the blocks
+are those of the whole batch on every device, not the ``1 / T`` the simulator costs, and the
+replicated parameters' gradients need no sync (they are identical on every device).
+:func:`execution_refusal` names the first field of any other plan with ``tp`` groups, which the
+executor refuses in one line (:func:`tag.parallel.validate_plan` ``tensor_parallel=False``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -354,5 +366,45 @@ class TensorParallel(Strategy):
                         f"groups {list(gs)}; expected sync 'tp' over the same devices and degree in all of them")
 
 
+# ---- what the executor runs ---------------------------------------------------------------
+
+def execution_refusal(plan) -> str | None:
+    """None when the executor runs ``plan``'s tensor parallelism (or it has none), else one line
+    naming the field it does not run: every group must be ``tp`` over the same devices, with
+    ``tp`` equal to their number, and the plan without a pipeline."""
+    tp = [g for g, gp in enumerate(plan.groups) if gp.sync == "tp"]
+    if not tp:
+        return None
+    first = plan.groups[tp[0]]
+    for g, gp in enumerate(plan.groups):
+        if gp.sync != "tp":
+            return (f"groups[{g}].sync: the executor runs tensor parallelism only when every group is 'tp' "
+                    f"(group {tp[0]} is); expected 'tp', got {gp.sync!r}")
+        if gp.devices != first.devices:
+            return (f"groups[{g}].devices: the executor runs one tensor-parallel group for the whole plan; "
+                    f"expected {first.devices}, got {gp.devices}")
+        if tp_degree(gp) != len(gp.devices):
+            return (f"groups[{g}].tp: data parallel x tensor parallel is not executed by this version; expected "
+                    f"tp = {len(gp.devices)} (all the group's devices), got {gp.tp}")
+    if plan.pipeline is not None:
+        return "pipeline: pipelines of tensor-parallel groups are not executed by this version; expected none"
+    return None
+
+
+def executed_plan(plan):
+    """The plan each device of a whole-plan tensor-parallel group executes (see the module doc):
+    every group on the first tp device alone with the whole batch, data parallel with no peers.
+    Device ``devices[i]`` runs that device's schedule on its shard ``i`` of the split parameters
+    (:mod:`tag.executor.tensor_parallel`); None when ``plan`` has no ``tp`` group."""
+    if not any(gp.sync == "tp" for gp in plan.groups):
+        return None
+    why = execution_refusal(plan)
+    if why is not None:
+        raise PlanError(f"plan: {why}")
+    lead = plan.groups[0].devices[0]
+    return dataclasses.replace(plan, groups=[GroupPlan([lead], [1.0]) for _ in plan.groups])
+
+
 __all__ = ["MAX_DEGREE", "GroupSplit", "MegatronBlock", "TensorParallel", "aligned_cuts", "block_groups",
-           "group_split", "megatron_blocks", "tp_degree", "tp_groups", "weight_param"]
+           "executed_plan", "execution_refusal", "group_split", "megatron_blocks", "tp_degree", "tp_groups",
+           "weight_param"]
