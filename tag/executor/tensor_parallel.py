@@ -89,8 +89,9 @@ class TpRank:
     index: int
     degree: int
     spec: TpSpec
-    reduce: Callable[[torch.Tensor], None]
-    """In-place sum over the tensor-parallel group (blocking)."""
+    reduce: Callable[[torch.Tensor], None] | None = None
+    """In-place sum over the tensor-parallel group (blocking); may be set after construction
+    (the process group exists once the rank joined it), before the first iteration."""
     key: int = -1
     kept: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     """State-dict name of each split parameter -> kept indices per dim (:meth:`shard`)."""
@@ -98,7 +99,7 @@ class TpRank:
 
     def __post_init__(self) -> None:
         self.key = next(_KEYS)
-        _REDUCERS[self.key] = self.reduce
+        _REDUCERS[self.key] = lambda x: self.reduce(x)
 
     # ---- the joint graph of one local batch ---------------------------------------------------
     def shard(self, joint: Joint, inputs: tuple, param_grad: dict[str, str]) -> Joint:
