@@ -301,26 +301,32 @@ def _assert_full_params(params, ref, graph):
         torch.testing.assert_close(params[name], ref[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_tensor_parallel_training_in_one_process(gpt2, v100):
+@pytest.mark.parametrize("spec,batch,groups", [(GPT2, 8, 6), (LLAMA, 2, 4)])
+def test_tensor_parallel_training_in_one_process(captured, v100, spec, batch, groups):
     """Both shards in one process (threads all-reduce): shards of half the split parameters, an
-    all-reduce after each row matmul and each column input gradient, the loss reported once."""
+    all-reduce after each row matmul and each column input gradient (Llama: q, k, v and gate, up
+    each have theirs), the loss reported once. GPT-2: fused QKV, blocks straddling op-groups;
+    Llama: rotary embeddings (a slice's gradient padded with zeros), SiLU's backward constants."""
     from tag.executor import reference_training, run_virtual
     from tag.workloads import load_workload
 
-    plan = _tp_plan(gpt2, v100, [0, 1])
-    rts = run_virtual(gpt2, plan, load_workload(GPT2, batch=8), "sgd", 2)
+    graph = captured(spec, batch=batch, groups=groups).graph
+    plan = _tp_plan(graph, v100, [0, 1])
+    rts = run_virtual(graph, plan, load_workload(spec, batch=batch), "sgd", 2)
     assert sorted(rts) == [0, 1]
-    split = {gpt2.params[p].name for b in megatron_blocks(gpt2) for p in b.split_params}
+    blocks = megatron_blocks(graph)
+    split = {graph.params[p].name for b in blocks for p in b.split_params}
     for rt in rts.values():
-        assert set(rt.tp.kept) == split and len(rt.tp.boundaries) == 2 * len(megatron_blocks(gpt2))
-        for p in gpt2.params:
+        assert set(rt.tp.kept) == split
+        assert len(rt.tp.boundaries) == sum(1 + len(b.columns) for b in blocks)
+        for p in graph.params:
             held = rt.named_params()[p.name].numel()
             assert held == (p.numel // 2 if p.name in split else p.numel), p.name
-    # GPT-2's fused c_attn: each shard keeps the same heads of q, k and v
-    cols = rts[1].tp.kept["model.transformer.h.0.attn.c_attn.weight"][1].tolist()
-    assert cols == [*range(32, 64), *range(96, 128), *range(160, 192)]
-    ref, losses = reference_training(load_workload(GPT2, batch=8), "sgd", 2)
-    _assert_full_params(rts[0].tp.full_params([(rt.named_params(), rt.tp.kept) for rt in rts.values()]), ref, gpt2)
+    if spec == GPT2:  # the fused c_attn: each shard keeps the same heads of q, k and v
+        cols = rts[1].tp.kept["model.transformer.h.0.attn.c_attn.weight"][1].tolist()
+        assert cols == [*range(32, 64), *range(96, 128), *range(160, 192)]
+    ref, losses = reference_training(load_workload(spec, batch=batch), "sgd", 2)
+    _assert_full_params(rts[0].tp.full_params([(rt.named_params(), rt.tp.kept) for rt in rts.values()]), ref, graph)
     assert rts[0].loss == pytest.approx(losses[-1], rel=1e-5) and rts[1].loss == 0.0
 
 

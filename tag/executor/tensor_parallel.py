@@ -49,8 +49,16 @@ from .runtime import ExecutionError, Joint
 
 aten = torch.ops.aten
 
-SHAPE_ARG_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
+SHAPE_ARG_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+                 aten.slice_backward.default, aten.select_backward.default, aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 """Ops whose second argument is the output shape (rewritten for a sharded output)."""
+CREATE_OPS = {aten.empty.memory_format, aten.empty_permuted.default, aten.full.default, aten.zeros.default,
+              aten.ones.default}
+"""Ops whose first argument is the output shape: a constant combined with a sharded tensor of its
+shape (``silu``'s backward subtracts from ``full_like(empty_permuted(shape), 1)``) is sharded too."""
+UNINITIALISED = {aten.empty.memory_format, aten.empty_permuted.default, aten.empty_like.default,
+                 aten.new_empty.default, aten.empty_strided.default}
+"""Ops returning uninitialised memory (zeroed in the analysis, where garbage could read as NaN)."""
 
 _REDUCERS: dict[int, Callable[[torch.Tensor], None]] = {}
 """Key -> in-place sum over the tensor-parallel group (one per rank; several in one process)."""
@@ -141,16 +149,22 @@ class TpRank:
             if ph not in split_ph and _has_nan(vals[g]):
                 raise ExecutionError(f"tensor parallel: the gradient of {joint.state.get(ph, ph)!r}, which is not "
                                      "split, depends on one shard only")
+        # (D) this shard's elements NaN instead: which elements depend on this shard (neither: a
+        # constant, e.g. the zeros around a slice's gradient)
+        inject = {ph: _with_nan(values[ph], ~m) for ph, m in masks.items()}
+        mine, _ = _nan_pass(gm, {**values, **inject}, {}, clean)
         grids = {}
         for name, v in vals.items():
+            ours = dict(_tensors(mine[name]))
             for k, t in _tensors(v):
-                m = _kept(t)
-                if m is not None:
-                    grid = _grid(m)
+                theirs = t.isnan()
+                if bool(theirs.any()):
+                    grid = _grid(theirs, ours[k].isnan())
                     if grid is None:
                         raise ExecutionError(f"tensor parallel: the elements of {name!r} shard {self.index} keeps "
                                              "are not one index set per dim")
                     grids[(name, k)] = grid
+        _constants_follow(gm, grids)
         self.boundaries = boundaries
         self.kept = {joint.state[ph]: grids[(ph, None)] for ph in split_ph}
         out = _rewrite(gm, grids)
@@ -280,16 +294,18 @@ def _kept(t: torch.Tensor) -> torch.Tensor | None:
     return ~nan if bool(nan.any()) else None
 
 
-def _grid(mask: torch.Tensor) -> list[torch.Tensor] | None:
-    """Indices kept per dim when ``mask`` is their outer product, else None."""
+def _grid(theirs: torch.Tensor, mine: torch.Tensor) -> list[torch.Tensor] | None:
+    """Indices kept per dim: along each dim, those whose slice holds no element depending on
+    another shard only (``theirs`` and not ``mine``); None unless the grid they span holds every
+    element of ``mine`` and none of ``theirs``."""
     kept = []
-    for d in range(mask.dim()):
-        other = [i for i in range(mask.dim()) if i != d]
-        kept.append((mask.any(dim=other) if other else mask).nonzero().flatten())
+    for d in range(theirs.dim()):
+        other = [i for i in range(theirs.dim()) if i != d]
+        t, m = (theirs.any(dim=other), mine.any(dim=other)) if other else (theirs, mine)
+        kept.append((~(t & ~m)).nonzero().flatten())
     if any(len(ix) == 0 for ix in kept):
         return None
-    sub = select(mask, kept)
-    if not bool(sub.all()) or int(mask.sum()) != sub.numel():
+    if bool(select(theirs, kept).any()) or int(select(mine, kept).sum()) != int(mine.sum()):
         return None
     return kept
 
@@ -313,6 +329,8 @@ def _nan_pass(gm: fx.GraphModule, values: dict[str, object], operand: dict[str, 
                 env[n.name] = getattr(gm, n.target)
             elif n.op == "call_function":
                 v = n.target(*fx.node.map_arg(n.args, load), **fx.node.map_arg(n.kwargs, load))
+                if n.target in UNINITIALISED:
+                    v = torch.zeros_like(v)
                 if clean and isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() \
                         and bool(v.isnan().all()):
                     if any(_kept(env[a.name]) is not None for a in n.all_input_nodes
@@ -323,6 +341,27 @@ def _nan_pass(gm: fx.GraphModule, values: dict[str, object], operand: dict[str, 
             if n.op == "placeholder" and n.name in operand:
                 env[n.name] = operand[n.name]
     return env, boundaries
+
+
+def _constants_follow(gm: fx.GraphModule, grids: dict[tuple[str, int | None], list[torch.Tensor]]) -> None:
+    """Give a constant tensor (computed from no placeholder) the grid of a sharded tensor of the same
+    shape it is combined with, and the same to the constants it is made from (same shape)."""
+    varying: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or any(a.name in varying for a in n.all_input_nodes):
+            varying.add(n.name)
+
+    def shape(n: fx.Node):
+        v = n.meta.get("val")
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+    for n in reversed(list(gm.graph.nodes)):  # consumers first: a chain of constants gets the grid in one walk
+        grid = grids.get((n.name, None))
+        if grid is None:
+            continue
+        for a in n.all_input_nodes:
+            if a.name not in varying and (a.name, None) not in grids and shape(a) == shape(n):
+                grids[(a.name, None)] = grid
 
 
 def _rewrite(gm: fx.GraphModule, grids: dict[tuple[str, int | None], list[torch.Tensor]]) -> fx.GraphModule:
@@ -339,9 +378,11 @@ def _rewrite(gm: fx.GraphModule, grids: dict[tuple[str, int | None], list[torch.
         if isinstance(val, torch.Tensor) and (n.name, None) in grids:
             n.meta = {**n.meta, "val": torch.empty(new_shape(n.name, None, val.shape), dtype=val.dtype,
                                                    device="meta")}
+            shape = new_shape(n.name, None, val.shape)
             if n.op == "call_function" and n.target in SHAPE_ARG_OPS:
-                shape = new_shape(n.name, None, val.shape)
                 n.args = (n.args[0], [-1 if o == -1 else shape[i] for i, o in enumerate(n.args[1])], *n.args[2:])
+            elif n.op == "call_function" and n.target in CREATE_OPS:
+                n.args = (shape, *n.args[1:])
         elif isinstance(val, (list, tuple)) and any((n.name, i) in grids for i in range(len(val))):
             shapes = [new_shape(n.name, i, v.shape) for i, v in enumerate(val)]
             n.meta = {**n.meta, "val": [torch.empty(s, dtype=v.dtype, device="meta") for s, v in zip(shapes, val)]}
