@@ -128,17 +128,20 @@ def test_plan_checks(gpt2, v100):
     ok = _tp_plan(gpt2, v100, [0, 1, 2, 3])
     validate_plan(ok, gpt2, v100, tensor_parallel=True)
     validate_plan(_tp_plan(gpt2, v100, [0, 1, 4, 5], tp=2), gpt2, v100, tensor_parallel=True)
-    # the executor runs one tensor-parallel group for the whole plan; any other: one line naming the field
+    # the executor runs the same tensor-parallel groups for the whole plan; any other: one line naming the field
     validate_plan(ok, gpt2, v100)
-    refused = [(_tp_plan(gpt2, v100, [0, 1, 4, 5], tp=2), r"groups\[0\]\.tp: data parallel x tensor parallel is "
-                                                          r"not executed by this version; expected tp = 4 \(all the group's devices\), got 2"),
+    validate_plan(_tp_plan(gpt2, v100, [0, 1, 2, 3], tp=2), gpt2, v100)
+    shares = _tp_plan(gpt2, v100, [0, 1, 2, 3], tp=2)  # (its shares)
+    shares.groups[1] = GroupPlan([0, 1, 2, 3], [0.3, 0.3, 0.2, 0.2], sync="tp", tp=2)
+    refused = [(shares, r"groups\[1\]\.shares: the executor runs the same tensor-parallel groups for the whole "
+                         r"plan; expected \[0\.25, 0\.25, 0\.25, 0\.25\], got \[0\.3, 0\.3, 0\.2, 0\.2\]"),
                (new_plan(gpt2, v100, ok.groups[:-1] + [GroupPlan([0, 1, 2, 3], [0.25] * 4)]),
                 rf"groups\[{gpt2.num_groups - 1}\]\.sync: the executor runs tensor parallelism only when every group "
                 r"is 'tp' \(group 0 is\); expected 'tp', got 'allreduce'")]
     other = _tp_plan(gpt2, v100, [0, 1])
     other.groups[0] = GroupPlan([2, 3], [0.5, 0.5], sync="tp")
-    refused.append((other, r"groups\[1\]\.devices: the executor runs one tensor-parallel group for the whole plan; "
-                           r"expected \[2, 3\], got \[0, 1\]"))
+    refused.append((other, r"groups\[1\]\.devices: the executor runs the same tensor-parallel groups for the whole "
+                           r"plan; expected \[2, 3\], got \[0, 1\]"))
     for plan, message in refused:
         with pytest.raises(PlanError, match="^plan: " + message + "$"):
             validate_plan(plan, gpt2, v100)
@@ -301,19 +304,21 @@ def _assert_full_params(params, ref, graph):
         torch.testing.assert_close(params[name], ref[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("spec,batch,groups", [(GPT2, 8, 6), (LLAMA, 2, 4)])
-def test_tensor_parallel_training_in_one_process(captured, v100, spec, batch, groups):
-    """Both shards in one process (threads all-reduce): shards of half the split parameters, an
+@pytest.mark.parametrize("spec,batch,groups,devices", [(GPT2, 8, 6, [0, 1, 2, 3]), (LLAMA, 2, 4, [0, 1])])
+def test_tensor_parallel_training_in_one_process(captured, v100, spec, batch, groups, devices):
+    """Every device in one process (threads all-reduce): shards of half the split parameters, an
     all-reduce after each row matmul and each column input gradient (Llama: q, k, v and gate, up
-    each have theirs), the loss reported once. GPT-2: fused QKV, blocks straddling op-groups;
-    Llama: rotary embeddings (a slice's gradient padded with zeros), SiLU's backward constants."""
+    each have theirs), the loss reported once per tensor-parallel group. GPT-2: fused QKV, blocks
+    straddling op-groups, 2 data-parallel replicas of 2-way tensor parallelism (gradients summed
+    over the devices holding the same shard); Llama: rotary embeddings (a slice's gradient padded
+    with zeros), SiLU's backward constants."""
     from tag.executor import reference_training, run_virtual
     from tag.workloads import load_workload
 
     graph = captured(spec, batch=batch, groups=groups).graph
-    plan = _tp_plan(graph, v100, [0, 1])
+    plan = _tp_plan(graph, v100, devices, tp=2)
     rts = run_virtual(graph, plan, load_workload(spec, batch=batch), "sgd", 2)
-    assert sorted(rts) == [0, 1]
+    assert sorted(rts) == devices and [rt.rank for rt in rts.values()] == [d - d % 2 for d in devices]
     blocks = megatron_blocks(graph)
     split = {graph.params[p].name for b in blocks for p in b.split_params}
     for rt in rts.values():
@@ -326,8 +331,11 @@ def test_tensor_parallel_training_in_one_process(captured, v100, spec, batch, gr
         cols = rts[1].tp.kept["model.transformer.h.0.attn.c_attn.weight"][1].tolist()
         assert cols == [*range(32, 64), *range(96, 128), *range(160, 192)]
     ref, losses = reference_training(load_workload(spec, batch=batch), "sgd", 2)
-    _assert_full_params(rts[0].tp.full_params([(rt.named_params(), rt.tp.kept) for rt in rts.values()]), ref, graph)
-    assert rts[0].loss == pytest.approx(losses[-1], rel=1e-5) and rts[1].loss == 0.0
+    for lead in devices[::2]:  # each tensor-parallel group holds the full parameters
+        pair = [rts[lead], rts[lead + 1]]
+        _assert_full_params(pair[0].tp.full_params([(rt.named_params(), rt.tp.kept) for rt in pair]), ref, graph)
+        assert pair[1].loss == 0.0
+    assert sum(rt.loss for rt in rts.values()) == pytest.approx(losses[-1], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -504,7 +504,8 @@ class RankRuntime:
         off = 0
         for g in bucket.groups:
             for ph in self._synced(g):
-                owner, n = s.param_owner[ph], s.param_numel[ph]
+                owner = s.param_owner[ph]
+                n = self.params[ph].numel() if ph in self.params else s.param_numel[ph]  # (a tp shard holds 1/T)
                 if owner in self.my_units:  # (a PS server outside the replica set keeps nothing)
                     self.env[(owner, s.param_grad[ph])] = flat[off:off + n]
                 off += n

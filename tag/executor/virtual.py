@@ -14,7 +14,7 @@ import torch
 from ..graph.ir import OpGraph
 from ..graph.precision import autocast, loss_scale
 from ..parallel.schedule import Schedule, build_schedule
-from ..parallel.tensor_parallel import executed_plan
+from ..parallel.tensor_parallel import executed_plan, tp_groups
 from ..plan.format import Plan
 from .optim import make_optimizer
 from .runtime import Joint, RankRuntime, export_at
@@ -48,15 +48,20 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
     sched = build_schedule(graph, tp_plan or plan, machine_of, bucket_bytes)
     ranks = sorted({r.device for u in sched.units.values() for r in u.replicas}
                    | {m for st in sched.steps if st.collective is not None for m in st.collective.members})
-    tp: dict[int, TpRank] = {}  # actual device -> its shard; it runs the schedule of ranks[0]
+    tp: dict[int, TpRank] = {}  # device -> its shard; it runs the schedule of its tp group's first device
+    shards: list[dict[int, int]] = []  # per shard: the schedule's device -> the device holding that shard
+    lead: dict[int, int] = {}  # device -> the schedule's device it runs as
     if tp_plan is not None:
-        devices, spec = plan.groups[0].devices, tp_spec(graph)
-        tp = {d: TpRank(i, len(devices), spec, red) for i, (d, red) in
-              enumerate(zip(devices, thread_reducers(len(devices))))}
+        spec, groups = tp_spec(graph), tp_groups(plan.groups[0])
+        for devs in groups:
+            tp.update({d: TpRank(i, len(devs), spec, red) for i, (d, red) in
+                       enumerate(zip(devs, thread_reducers(len(devs))))})
+        shards = [{devs[0]: devs[i] for devs in groups} for i in range(len(groups[0]))]
+        lead = {d: devs[0] for devs in groups for d in devs}
     joints = {} if joints is None else joints
     runtimes: dict[int, RankRuntime] = {}
     for actual in tp or ranks:
-        r = ranks[0] if tp else actual  # the schedule's device it runs as
+        r = lead.get(actual, actual)
         for b in local_batch_sizes(sched, r):
             if b not in joints:
                 joints[b] = export_at(workload.model, workload.make_inputs, b, graph.precision)
@@ -95,10 +100,11 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
                 for d in sg.devices:
                     runtimes[d].sfb_recompute(st.group, {k: v.clone() for k, v in full.items()})
             elif st.kind == "sync" and (b := sched.launched_at(st)) is not None:  # a bucket's last group
-                members = b.collective.members
-                total = sum(runtimes[m].bucket_flat(b) for m in members)
-                for m in members:
-                    runtimes[m].set_bucket_flat(b, total.clone())
+                for shard in shards or [{m: m for m in b.collective.members}]:  # tp: over the same shard
+                    members = [shard[m] for m in b.collective.members]
+                    total = sum(runtimes[m].bucket_flat(b) for m in members)
+                    for m in members:
+                        runtimes[m].set_bucket_flat(b, total.clone())
             for rt in others.values():
                 rt.release(i)
         for rt in runtimes.values():

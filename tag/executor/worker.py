@@ -23,7 +23,7 @@ import torch
 
 from ..io import write_json
 from ..parallel import build_schedule, validate_plan
-from ..parallel.tensor_parallel import executed_plan
+from ..parallel.tensor_parallel import executed_plan, tp_groups
 from .runtime import ExecutionError, RankRuntime, export_at
 from .tensor_parallel import TpRank, tp_spec
 from .virtual import local_batch_sizes, needs_global_joint
@@ -121,11 +121,12 @@ def run_rank(a: WorkerArgs) -> dict:
     graph = _load_graph(a)
     plan = Plan.load(a.plan)
     validate_plan(plan, graph, topology, source=a.plan)
-    tp_plan = executed_plan(plan)  # whole-plan tensor parallel: every tp device runs the first one's schedule
+    tp_plan = executed_plan(plan)  # whole-plan tensor parallel: a tp group's devices run its first one's schedule
     sched = build_schedule(graph, tp_plan or plan, topology.machine_of, a.bucket_bytes)
-    tp_devices = plan.groups[0].devices if tp_plan is not None else []
-    me = tp_devices[0] if rank in tp_devices else rank  # the schedule's device this rank runs as
-    tp = TpRank(tp_devices.index(rank), len(tp_devices), tp_spec(graph)) if rank in tp_devices else None
+    groups = tp_groups(plan.groups[0]) if tp_plan is not None else []
+    mine = next((devs for devs in groups if rank in devs), None)
+    me = mine[0] if mine else rank  # the schedule's device this rank runs as
+    tp = TpRank(mine.index(rank), len(mine), tp_spec(graph)) if mine else None
     if a.backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -146,10 +147,12 @@ def run_rank(a: WorkerArgs) -> dict:
     # segments run on across them; a GPU rank issues each as soon as its gradients exist.
     rt = RankRuntime(me, sched, inputs, joints, a.optimizer, device, slow, global_joint=full,
                      loss_scale=loss_scale(a.precision), cut_at_sync=device.type != "cpu", tp=tp)
-    comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device)
+    shards = [{devs[0]: devs[i] for devs in groups} for i in range(len(groups[0]))] if groups else None
+    comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device, shards)
     tp_group = None
-    if tp_plan is not None:  # every rank creates every process group
-        tp_group = dist.new_group(tp_devices, timeout=timedelta(seconds=a.timeout_s))
+    for devs in groups:  # every rank creates every process group, in the same order
+        pg = dist.new_group(devs, timeout=timedelta(seconds=a.timeout_s))
+        tp_group = pg if devs is mine else tp_group
     if tp is not None:
         tp.reduce = lambda x: dist.all_reduce(x, group=tp_group)
     if pinned:

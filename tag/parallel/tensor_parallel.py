@@ -29,14 +29,15 @@ ones' gradients over the data-parallel replicas holding the same shard.
 The simulator costs it (:mod:`tag.sim.tensor_parallel`).
 
 **What the executor runs** (:mod:`tag.executor.tensor_parallel`): a plan whose every group is
-``tp`` over the same devices with ``tp`` equal to their number (one tensor-parallel group, no
-data-parallel replicas, no pipeline), as plain Megatron-LM *without* sequence parallelism: each
-device runs the group's whole batch, the ops outside the blocks replicated, one all-reduce after
-each row-parallel matmul (forward) and one after each column-parallel input gradient (backward).
-Its collective bytes per block and direction equal the costed all-gather + reduce-scatter pair
-(one all-reduce of the block's activation); its compute and activation memory outside the blocks
-are those of the whole batch on every device, not the ``1 / T`` the simulator costs, and the
-replicated parameters' gradients need no sync (they are identical on every device).
+``tp`` over the same devices with the same degree (the same tensor-parallel groups for the whole
+plan, each a data-parallel replica; no pipeline), as plain Megatron-LM *without* sequence
+parallelism: each device of a tensor-parallel group runs the group's whole batch, the ops outside
+the blocks replicated, one all-reduce after each row-parallel matmul (forward) and one after each
+column-parallel input gradient (backward). Its collective bytes per block and direction equal the
+costed all-gather + reduce-scatter pair (one all-reduce of the block's activation); its compute and
+activation memory outside the blocks are those of the group's whole batch on every device, not the
+``1 / T`` the simulator costs, and every gradient (replicated parameters' too: identical within a
+tensor-parallel group) is all-reduced over the replicas holding the same shard only.
 :func:`execution_refusal` names the first field of any other plan with ``tp`` groups, which the
 executor refuses in one line (:func:`tag.parallel.validate_plan` ``tensor_parallel=False``).
 """
@@ -370,8 +371,8 @@ class TensorParallel(Strategy):
 
 def execution_refusal(plan) -> str | None:
     """None when the executor runs ``plan``'s tensor parallelism (or it has none), else one line
-    naming the field it does not run: every group must be ``tp`` over the same devices, with
-    ``tp`` equal to their number, and the plan without a pipeline."""
+    naming the field it does not run: every group must be ``tp`` over the same devices with the
+    same degree, and the plan without a pipeline."""
     tp = [g for g, gp in enumerate(plan.groups) if gp.sync == "tp"]
     if not tp:
         return None
@@ -381,28 +382,34 @@ def execution_refusal(plan) -> str | None:
             return (f"groups[{g}].sync: the executor runs tensor parallelism only when every group is 'tp' "
                     f"(group {tp[0]} is); expected 'tp', got {gp.sync!r}")
         if gp.devices != first.devices:
-            return (f"groups[{g}].devices: the executor runs one tensor-parallel group for the whole plan; "
+            return (f"groups[{g}].devices: the executor runs the same tensor-parallel groups for the whole plan; "
                     f"expected {first.devices}, got {gp.devices}")
-        if tp_degree(gp) != len(gp.devices):
-            return (f"groups[{g}].tp: data parallel x tensor parallel is not executed by this version; expected "
-                    f"tp = {len(gp.devices)} (all the group's devices), got {gp.tp}")
+        if tp_degree(gp) != tp_degree(first) or gp.shares != first.shares:
+            field = "tp" if tp_degree(gp) != tp_degree(first) else "shares"
+            return (f"groups[{g}].{field}: the executor runs the same tensor-parallel groups for the whole plan; "
+                    f"expected {getattr(first, field)}, got {getattr(gp, field)}")
     if plan.pipeline is not None:
         return "pipeline: pipelines of tensor-parallel groups are not executed by this version; expected none"
     return None
 
 
 def executed_plan(plan):
-    """The plan each device of a whole-plan tensor-parallel group executes (see the module doc):
-    every group on the first tp device alone with the whole batch, data parallel with no peers.
-    Device ``devices[i]`` runs that device's schedule on its shard ``i`` of the split parameters
-    (:mod:`tag.executor.tensor_parallel`); None when ``plan`` has no ``tp`` group."""
+    """The plan the devices of whole-plan tensor-parallel groups execute (see the module doc):
+    every group data parallel over the first device of each tensor-parallel group, with the
+    group's batch share. Device ``i`` of a tensor-parallel group runs its first device's schedule
+    on shard ``i`` of the split parameters (:mod:`tag.executor.tensor_parallel`), its gradients
+    summed with those of the devices ``i`` of the other groups; None when ``plan`` has no ``tp``
+    group."""
     if not any(gp.sync == "tp" for gp in plan.groups):
         return None
     why = execution_refusal(plan)
     if why is not None:
         raise PlanError(f"plan: {why}")
-    lead = plan.groups[0].devices[0]
-    return dataclasses.replace(plan, groups=[GroupPlan([lead], [1.0]) for _ in plan.groups])
+    gp = plan.groups[0]
+    groups = tp_groups(gp)
+    shares = [sum(gp.shares[gp.devices.index(d)] for d in devs) for devs in groups]
+    return dataclasses.replace(plan, groups=[GroupPlan([devs[0] for devs in groups], list(shares))
+                                             for _ in plan.groups])
 
 
 __all__ = ["MAX_DEGREE", "GroupSplit", "MegatronBlock", "TensorParallel", "aligned_cuts", "block_groups",
