@@ -186,7 +186,9 @@ class RankRuntime:
             keys = {k for k, _ in runs[b]}
             check_structure(s, joint, b, min(k[0] for k in keys), pipeline=bool(s.micro_units))
             if self.tp is not None:
-                joint = self.joints[b] = self.tp.shard(joint, tuple(x[:b] for x in self.inputs), s.param_grad)
+                # (the analysis runs on the host, where the exported joint graph's state lives)
+                rows = tuple(x[:b].cpu() if isinstance(x, torch.Tensor) else x for x in self.inputs)
+                joint = self.joints[b] = self.tp.shard(joint, rows, s.param_grad)
             assign = {n: up for n, up in s.assign.items() if up[0] in keys}
             for (key, phase), stage in build_stages(types.SimpleNamespace(joint=joint.module), assign).items():
                 if self.device.type != "cpu":

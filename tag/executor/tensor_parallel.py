@@ -1,13 +1,14 @@
 """Tensor-parallel execution (Megatron-LM without sequence parallelism) of TAG's joint graphs.
 
-A plan whose every group is ``tp`` over devices ``D`` (:func:`tag.parallel.tensor_parallel.
-executed_plan`) runs as the plan "every group on ``D[0]`` with the whole batch", on every device of
-``D`` at once: device ``D[i]`` walks ``D[0]``'s schedule with shard ``i`` of the split parameters,
-its joint graphs rewritten for that shard (:meth:`TpRank.shard`), and a blocking all-reduce over
-``D`` after each row-parallel matmul (forward) and each column-parallel input gradient (backward)
-inside its stages (:meth:`TpRank.insert_reduces`). The ops outside the Megatron blocks (norms,
-embeddings, LM head, loss) run replicated on the same batch, so their parameters and gradients
-stay identical on every device and need no sync; the split parameters' gradients are per shard.
+A plan whose every group is ``tp`` with the same tensor-parallel groups runs as the data-parallel
+plan over the groups' first devices (:func:`tag.parallel.tensor_parallel.executed_plan`), each
+group's devices at once: device ``D[i]`` of group ``D`` walks ``D[0]``'s schedule with shard ``i``
+of the split parameters, its joint graphs rewritten for that shard (:meth:`TpRank.shard`), and a
+blocking all-reduce over ``D`` after each row-parallel matmul (forward) and each column-parallel
+input gradient (backward) inside its stages (:meth:`TpRank.insert_reduces`). The ops outside the
+Megatron blocks (norms, embeddings, LM head, loss) run replicated on the group's batch, so their
+parameters and gradients stay identical on the group's devices; the split parameters' gradients
+are per shard; the gradient syncs sum over the replicas holding the same shard.
 
 **Why not DTensor's ``ColwiseParallel`` / ``RowwiseParallel``.** ``parallelize_module`` swaps the
 parameters of eager ``nn.Linear`` / ``nn.Embedding`` modules for DTensors and relies on autograd
@@ -38,6 +39,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -107,7 +109,8 @@ class TpRank:
 
     def __post_init__(self) -> None:
         self.key = next(_KEYS)
-        _REDUCERS[self.key] = lambda x: self.reduce(x)
+        me = weakref.ref(self)  # the registry keeps no rank alive
+        _REDUCERS[self.key] = lambda x: me().reduce(x)
 
     # ---- the joint graph of one local batch ---------------------------------------------------
     def shard(self, joint: Joint, inputs: tuple, param_grad: dict[str, str]) -> Joint:

@@ -17,7 +17,8 @@ non-matmul ops sequence-parallel. On that layout, for every group ``g`` as tenso
 
 This is the sequence-parallel variant. The executor runs plain Megatron (:mod:`tag.parallel.
 tensor_parallel`, "What the executor runs"): the same collective bytes per block, but the ops
-outside the blocks on the whole batch on every device, and no sync of the replicated gradients.
+outside the blocks on the tensor-parallel group's whole batch on every device, and every gradient
+all-reduced over the replicas holding the same shard only.
 """
 
 from __future__ import annotations
