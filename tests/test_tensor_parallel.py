@@ -29,7 +29,7 @@ from tag.parallel.tensor_parallel import (
     megatron_blocks,
     weight_param,
 )
-from tag.plan import GroupPlan, Plan, new_plan
+from tag.plan import GroupPlan, PipelinePlan, Plan, new_plan
 from tag.sim import simulate
 from tag.topology import load_topology
 
@@ -142,6 +142,10 @@ def test_plan_checks(gpt2, v100):
     other.groups[0] = GroupPlan([2, 3], [0.5, 0.5], sync="tp")
     refused.append((other, r"groups\[1\]\.devices: the executor runs the same tensor-parallel groups for the whole "
                            r"plan; expected \[2, 3\], got \[0, 1\]"))
+    piped = _tp_plan(gpt2, v100, [0, 1])
+    piped.pipeline = PipelinePlan([0, 3], 2)
+    refused.append((piped, r"pipeline: pipelines of tensor-parallel groups are not executed by this version; "
+                           r"expected none"))
     for plan, message in refused:
         with pytest.raises(PlanError, match="^plan: " + message + "$"):
             validate_plan(plan, gpt2, v100)
