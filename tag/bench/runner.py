@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..io import write_atomic, write_json
+from ..parallel.tensor_parallel import execution_refusal
 from .suites import SuiteConfig
 
 
@@ -159,8 +160,9 @@ def _run_cell(case: _Case, model, topo_name: str, method: str, cfg: SuiteConfig)
     cell = Cell(model.spec, topo_name, method, t, bool(res.oom), case.dp_time / t if t > 0 else 0.0,
                 t / case.lower_bound if case.lower_bound > 0 else math.inf, search_s, playouts,
                 note=plan.meta.get("prior_note") or "")  # e.g. the gnn prior skipped on 512 GPUs
-    if topo_name in cfg.execute_topologies and any(g.sync == "tp" for g in plan.groups):
-        cell.note = "tensor-parallel plans are not executed by this version"
+    refusal = execution_refusal(plan) if topo_name in cfg.execute_topologies else None
+    if refusal is not None:  # a tensor-parallel form the executor does not run
+        cell.note = f"not executed: {refusal}"
     elif topo_name in cfg.execute_topologies and not res.oom:
         pp = plan.pipeline
         key = (tuple(g.key() for g in plan.groups),

@@ -44,11 +44,15 @@ class DistComm:
 
     @classmethod
     def init(cls, rank: int, world: int, backend: str, timeout_s: float, schedule: Schedule,
-             device: torch.device) -> DistComm:
+             device: torch.device, shards: list[dict[int, int]] | None = None) -> DistComm:
         """``init_process_group`` (env:// from the launcher) plus one subgroup per synced device set.
 
         ``timeout_s`` bounds every blocked collective / receive (gloo), so a stuck peer turns
         into an error instead of a hang.
+
+        ``shards`` (whole-plan tensor parallelism, :mod:`tag.executor.tensor_parallel`): per
+        shard, the schedule's device -> the rank holding that shard of it; every synced device set
+        then gets one process group per shard, and this rank's gradients go to its shard's.
 
         CPU ranks also get a two-rank process group of its own per direction of every pair that
         exchanges activations (:attr:`links`). gloo's event thread skips a connection whose lock
@@ -68,7 +72,11 @@ class DistComm:
                    remote_steps=frozenset(i for i, st in transfers
                                           if any(m.src != m.dst and rank in (m.src, m.dst) for m in st.moves)))
         for members in schedule.comm_groups:  # every rank calls new_group for every set, same order
-            comm.groups[members] = dist.new_group(list(members), timeout=timedelta(seconds=timeout_s))
+            for shard in shards or [{m: m for m in members}]:
+                ranks = [shard[m] for m in members]
+                pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+                if shards is None or rank in ranks:
+                    comm.groups[members] = pg
         for members in schedule.gather_groups:
             comm.gather_groups[members] = dist.new_group(list(members), timeout=timedelta(seconds=timeout_s))
         if cpu:
@@ -196,7 +204,7 @@ class DistComm:
         bucket in launch order (the simulator's :meth:`tag.sim.Simulator.sync_jobs`).
         """
         b = rt.schedule.launched_at(step)
-        if b is None or self.rank not in b.collective.members:
+        if b is None or rt.rank not in b.collective.members:  # (rt.rank: the schedule's device this rank runs as)
             return
         t0 = time.perf_counter()
         c = b.collective

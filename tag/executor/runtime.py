@@ -48,6 +48,7 @@ import operator
 import time
 import types
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.export.graph_signature import InputKind
@@ -58,6 +59,9 @@ from ..graph.stages import Stage, build_stages, retarget_devices
 from ..parallel.schedule import Bucket, Move, Schedule, SfbGroup, Step, UnitKey
 from .fuse import Key, build_module, env_unit, plan_program
 from .optim import make_optimizer
+
+if TYPE_CHECKING:
+    from .tensor_parallel import TpRank
 
 
 class ExecutionError(TagError):
@@ -156,6 +160,9 @@ class RankRuntime:
     """Static fp16 loss scale (:data:`tag.graph.precision.FP16_LOSS_SCALE`; 1 otherwise): the
     loss-gradient seed is multiplied by it and the gradients divided by it before the update,
     which is skipped when one of them is not finite (``torch.amp.GradScaler``'s rule)."""
+    tp: TpRank | None = None
+    """This rank's shard of a whole-plan tensor-parallel group (:mod:`tag.executor.tensor_parallel`):
+    its joint graphs are rewritten for the shard, its stages all-reduce at the block boundaries."""
     cut_at_sync: bool = False
     """A gradient bucket's launch ends a fused segment (a rank that issues its buckets as their
     gradients become final, on GPUs); otherwise segments run on across the syncs, which are only
@@ -178,10 +185,16 @@ class RankRuntime:
                 continue
             keys = {k for k, _ in runs[b]}
             check_structure(s, joint, b, min(k[0] for k in keys), pipeline=bool(s.micro_units))
+            if self.tp is not None:
+                # (the analysis runs on the host, where the exported joint graph's state lives)
+                rows = tuple(x[:b].cpu() if isinstance(x, torch.Tensor) else x for x in self.inputs)
+                joint = self.joints[b] = self.tp.shard(joint, rows, s.param_grad)
             assign = {n: up for n, up in s.assign.items() if up[0] in keys}
             for (key, phase), stage in build_stages(types.SimpleNamespace(joint=joint.module), assign).items():
                 if self.device.type != "cpu":
                     retarget_devices(stage.module, self.device)
+                if self.tp is not None:
+                    self.tp.insert_reduces(stage)
                 if (key, phase) == (s.loss_unit, "bwd"):  # the loss is a mean over the stage's b samples
                     _scale_seed(stage, s.loss, b / s.batch_size * self.loss_scale)
                 for k, m in runs[b]:
@@ -493,7 +506,8 @@ class RankRuntime:
         off = 0
         for g in bucket.groups:
             for ph in self._synced(g):
-                owner, n = s.param_owner[ph], s.param_numel[ph]
+                owner = s.param_owner[ph]
+                n = self.params[ph].numel() if ph in self.params else s.param_numel[ph]  # (a tp shard holds 1/T)
                 if owner in self.my_units:  # (a PS server outside the replica set keeps nothing)
                     self.env[(owner, s.param_grad[ph])] = flat[off:off + n]
                 off += n
@@ -512,7 +526,7 @@ class RankRuntime:
                     self.optimizer.step()
                 for p in self.params.values():
                     p.grad = None
-        if s.loss_unit in self.my_units:  # each micro-batch's mean over its b samples, weighted b / B
+        if s.loss_unit in self.my_units and (self.tp is None or self.tp.index == 0):  # each micro-batch's mean over its b samples, weighted b / B
             self.loss = sum(float(self.env[(env_unit(s, s.loss_unit, m), s.loss)])
                             * s.unit_at(s.loss_unit, m).replica_on(self.rank).batch for m in self.micros) / s.batch_size
         self._synchronize()

@@ -7,14 +7,18 @@ plan quickly, and as the single-process reference of training (:func:`reference_
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from ..graph.ir import OpGraph
 from ..graph.precision import autocast, loss_scale
 from ..parallel.schedule import Schedule, build_schedule
+from ..parallel.tensor_parallel import executed_plan, tp_groups
 from ..plan.format import Plan
 from .optim import make_optimizer
 from .runtime import Joint, RankRuntime, export_at
+from .tensor_parallel import TpRank, thread_reducers, tp_spec
 
 
 def local_batch_sizes(schedule: Schedule, rank: int) -> set[int]:
@@ -40,12 +44,24 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
     is launched, as on a GPU rank (:attr:`RankRuntime.cut_at_sync`). ``bucket_bytes``: the gradient
     buckets' cap (:func:`tag.parallel.buckets.bucket_caps`).
     """
-    sched = build_schedule(graph, plan, machine_of, bucket_bytes)
+    tp_plan = executed_plan(plan)
+    sched = build_schedule(graph, tp_plan or plan, machine_of, bucket_bytes)
     ranks = sorted({r.device for u in sched.units.values() for r in u.replicas}
                    | {m for st in sched.steps if st.collective is not None for m in st.collective.members})
+    tp: dict[int, TpRank] = {}  # device -> its shard; it runs the schedule of its tp group's first device
+    shards: list[dict[int, int]] = []  # per shard: the schedule's device -> the device holding that shard
+    lead: dict[int, int] = {}  # device -> the schedule's device it runs as
+    if tp_plan is not None:
+        spec, groups = tp_spec(graph), tp_groups(plan.groups[0])
+        for devs in groups:
+            tp.update({d: TpRank(i, len(devs), spec, red) for i, (d, red) in
+                       enumerate(zip(devs, thread_reducers(len(devs))))})
+        shards = [{devs[0]: devs[i] for devs in groups} for i in range(len(groups[0]))]
+        lead = {d: devs[0] for devs in groups for d in devs}
     joints = {} if joints is None else joints
     runtimes: dict[int, RankRuntime] = {}
-    for r in ranks:
+    for actual in tp or ranks:
+        r = lead.get(actual, actual)
         for b in local_batch_sizes(sched, r):
             if b not in joints:
                 joints[b] = export_at(workload.model, workload.make_inputs, b, graph.precision)
@@ -56,15 +72,21 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
                 joints[sched.batch_size] = export_at(workload.model, workload.make_inputs, sched.batch_size,
                                                      graph.precision)
             full = joints[sched.batch_size]
-        runtimes[r] = RankRuntime(r, sched, tuple(workload.inputs), mine, optimizer, global_joint=full,
-                                  loss_scale=loss_scale(graph.precision), cut_at_sync=cut_at_sync)
+        runtimes[actual] = RankRuntime(r, sched, tuple(workload.inputs), mine, optimizer, global_joint=full,
+                                       loss_scale=loss_scale(graph.precision), cut_at_sync=cut_at_sync,
+                                       tp=tp.get(actual))
+    pool = ThreadPoolExecutor(len(tp)) if tp else None  # a tp group's ranks all-reduce inside their segments
     for _ in range(steps):
         for rt in runtimes.values():
             rt.begin_iteration()
         for i, st in enumerate(sched.steps):
             fused = [rt for rt in runtimes.values() if rt.covers(i)]
-            for rt in fused:
-                rt.run_segment(i)
+            if pool is not None:
+                for f in [pool.submit(rt.run_segment, i) for rt in fused]:
+                    f.result()
+            else:
+                for rt in fused:
+                    rt.run_segment(i)
             others = {r: rt for r, rt in runtimes.items() if not rt.covers(i)}
             if st.kind == "transfer":
                 sent = {k: t for rt in others.values() for k, _dst, t in rt.outgoing(st)}
@@ -78,14 +100,17 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
                 for d in sg.devices:
                     runtimes[d].sfb_recompute(st.group, {k: v.clone() for k, v in full.items()})
             elif st.kind == "sync" and (b := sched.launched_at(st)) is not None:  # a bucket's last group
-                members = b.collective.members
-                total = sum(runtimes[m].bucket_flat(b) for m in members)
-                for m in members:
-                    runtimes[m].set_bucket_flat(b, total.clone())
+                for shard in shards or [{m: m for m in b.collective.members}]:  # tp: over the same shard
+                    members = [shard[m] for m in b.collective.members]
+                    total = sum(runtimes[m].bucket_flat(b) for m in members)
+                    for m in members:
+                        runtimes[m].set_bucket_flat(b, total.clone())
             for rt in others.values():
                 rt.release(i)
         for rt in runtimes.values():
             rt.update()
+    if pool is not None:
+        pool.shutdown()
     return runtimes
 
 

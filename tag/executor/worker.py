@@ -16,13 +16,16 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from ..io import write_json
 from ..parallel import build_schedule, validate_plan
+from ..parallel.tensor_parallel import executed_plan, tp_groups
 from .runtime import ExecutionError, RankRuntime, export_at
+from .tensor_parallel import TpRank, tp_spec
 from .virtual import local_batch_sizes, needs_global_joint
 
 SECONDARY_EXIT_DELAY_S = 2.0  # seconds a rank that saw a peer vanish waits before exiting
@@ -118,7 +121,12 @@ def run_rank(a: WorkerArgs) -> dict:
     graph = _load_graph(a)
     plan = Plan.load(a.plan)
     validate_plan(plan, graph, topology, source=a.plan)
-    sched = build_schedule(graph, plan, topology.machine_of, a.bucket_bytes)
+    tp_plan = executed_plan(plan)  # whole-plan tensor parallel: a tp group's devices run its first one's schedule
+    sched = build_schedule(graph, tp_plan or plan, topology.machine_of, a.bucket_bytes)
+    groups = tp_groups(plan.groups[0]) if tp_plan is not None else []
+    mine = next((devs for devs in groups if rank in devs), None)
+    me = mine[0] if mine else rank  # the schedule's device this rank runs as
+    tp = TpRank(mine.index(rank), len(mine), tp_spec(graph)) if mine else None
     if a.backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -126,9 +134,9 @@ def run_rank(a: WorkerArgs) -> dict:
         device = torch.device("cpu")
     wl = load_workload(a.model, batch=a.batch, seed=a.seed)
     t0 = time.perf_counter()
-    joints = {b: export_at(wl.model, wl.make_inputs, b, a.precision) for b in sorted(local_batch_sizes(sched, rank))}
+    joints = {b: export_at(wl.model, wl.make_inputs, b, a.precision) for b in sorted(local_batch_sizes(sched, me))}
     full = None
-    if needs_global_joint(sched, rank):  # SFB kernels run on the joint graph at the global batch
+    if needs_global_joint(sched, me):  # SFB kernels run on the joint graph at the global batch
         full = joints.get(sched.batch_size) or export_at(wl.model, wl.make_inputs, sched.batch_size, a.precision)
     export_s = time.perf_counter() - t0
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in wl.inputs)
@@ -137,9 +145,16 @@ def run_rank(a: WorkerArgs) -> dict:
 
     # A CPU rank queues its gradient buckets until its compute is done (DistComm.defer_syncs): its
     # segments run on across them; a GPU rank issues each as soon as its gradients exist.
-    rt = RankRuntime(rank, sched, inputs, joints, a.optimizer, device, slow, global_joint=full,
-                     loss_scale=loss_scale(a.precision), cut_at_sync=device.type != "cpu")
-    comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device)
+    rt = RankRuntime(me, sched, inputs, joints, a.optimizer, device, slow, global_joint=full,
+                     loss_scale=loss_scale(a.precision), cut_at_sync=device.type != "cpu", tp=tp)
+    shards = [{devs[0]: devs[i] for devs in groups} for i in range(len(groups[0]))] if groups else None
+    comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device, shards)
+    tp_group = None
+    for devs in groups:  # every rank creates every process group, in the same order
+        pg = dist.new_group(devs, timeout=timedelta(seconds=a.timeout_s))
+        tp_group = pg if devs is mine else tp_group
+    if tp is not None:
+        tp.reduce = lambda x: dist.all_reduce(x, group=tp_group)
     if pinned:
         demote_threads()  # gloo's threads exist now; only for a rank on cores of its own
     fault = _parse_fault(a.fault)
@@ -192,7 +207,12 @@ def run_rank(a: WorkerArgs) -> dict:
                 "optimizer_state_bytes": optimizer_state_bytes(rt.optimizer),
                 "median_time_s": statistics.median(x["time_s"] for x in iters[a.warmup:])}
         if a.save_params:
-            torch.save(rt.named_params(), Path(a.out_dir) / f"params-rank{rank}.pt")
+            params = rt.named_params()
+            if tp is not None:  # the full parameters, from every shard
+                shards: list = [None] * tp.degree
+                dist.all_gather_object(shards, (params, tp.kept), group=tp_group)
+                params = tp.full_params(shards)
+            torch.save(params, Path(a.out_dir) / f"params-rank{rank}.pt")
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine)
         if rank == 0:

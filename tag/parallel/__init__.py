@@ -4,7 +4,7 @@
   (``GroupPlan.sync`` -> strategy), units, replicas, collectives, plan validation.
 * :mod:`~tag.parallel.data_parallel` (``allreduce``), :mod:`~tag.parallel.parameter_server`
   (``ps``), :mod:`~tag.parallel.model_parallel` (``mp``), :mod:`~tag.parallel.tensor_parallel`
-  (``tp``, simulated only): the built-in strategies.
+  (``tp``; executed as the same groups for the whole plan): the built-in strategies.
 * :mod:`~tag.parallel.moves`: which replica sends what to which when a tensor crosses units.
 * :mod:`~tag.parallel.schedule`: the global schedule of one iteration that every executor rank
   walks; the simulator costs the same lowering (:mod:`tag.sim`).

@@ -195,17 +195,19 @@ def validate_plan(plan, graph, topology, *, source: str = "plan", pipelines: boo
     ``pipelines``: accept a :attr:`Plan.pipeline <tag.plan.Plan.pipeline>` (the simulator and the
     executor run micro-batches); False for a caller that does not, so that it refuses such a plan
     in one line instead of running it as if it had none. ``tensor_parallel``: accept groups of
-    sync ``tp`` (the simulator costs them; the executor does not run them yet)."""
+    sync ``tp`` of any form (the simulator costs them); without it only those the executor runs
+    (:func:`tag.parallel.tensor_parallel.execution_refusal`)."""
     plan.validate(graph, topology, source=source)
     for g, gp in enumerate(plan.groups):
         validate_group(gp, graph, g, topology.num_devices, f"{source}: groups[{g}]", plan.batch_size)
     for name in dict.fromkeys(gp.sync for gp in plan.groups):
         get_strategy(name).check_plan(plan, graph, topology, source)
     if not tensor_parallel:
-        g = next((g for g, gp in enumerate(plan.groups) if gp.sync == "tp"), None)
-        if g is not None:
-            raise PlanError(f"{source}: groups[{g}].sync: tensor-parallel groups are simulated (tag simulate) but "
-                            "not executed by this version; expected allreduce, ps or mp")
+        from .tensor_parallel import execution_refusal
+
+        why = execution_refusal(plan)
+        if why is not None:
+            raise PlanError(f"{source}: {why}")
     validate_pipeline(plan, graph, topology.num_devices, source=source)
     if plan.pipeline is not None and not pipelines:
         raise PlanError(f"{source}: pipeline: this caller runs no micro-batches; expected no pipeline field")

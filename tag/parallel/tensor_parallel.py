@@ -26,12 +26,25 @@ state) are ``1 / T`` per device; replicated ones (layer norms, row biases) have 
 over the token shards, all-reduced over the group's devices after the backward, with the split
 ones' gradients over the data-parallel replicas holding the same shard.
 
-The simulator costs it (:mod:`tag.sim.tensor_parallel`); the executor does not run it and
-refuses such plans in one line (:func:`tag.parallel.validate_plan` ``tensor_parallel=False``).
+The simulator costs it (:mod:`tag.sim.tensor_parallel`).
+
+**What the executor runs** (:mod:`tag.executor.tensor_parallel`): a plan whose every group is
+``tp`` over the same devices with the same degree (the same tensor-parallel groups for the whole
+plan, each a data-parallel replica; no pipeline), as plain Megatron-LM *without* sequence
+parallelism: each device of a tensor-parallel group runs the group's whole batch, the ops outside
+the blocks replicated, one all-reduce after each row-parallel matmul (forward) and one after each
+column-parallel input gradient (backward). Its collective bytes per block and direction equal the
+costed all-gather + reduce-scatter pair (one all-reduce of the block's activation); its compute and
+activation memory outside the blocks are those of the group's whole batch on every device, not the
+``1 / T`` the simulator costs, and every gradient (replicated parameters' too: identical within a
+tensor-parallel group) is all-reduced over the replicas holding the same shard only.
+:func:`execution_refusal` names the first field of any other plan with ``tp`` groups, which the
+executor refuses in one line (:func:`tag.parallel.validate_plan` ``tensor_parallel=False``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -354,5 +367,51 @@ class TensorParallel(Strategy):
                         f"groups {list(gs)}; expected sync 'tp' over the same devices and degree in all of them")
 
 
+# ---- what the executor runs ---------------------------------------------------------------
+
+def execution_refusal(plan) -> str | None:
+    """None when the executor runs ``plan``'s tensor parallelism (or it has none), else one line
+    naming the field it does not run: every group must be ``tp`` over the same devices with the
+    same degree, and the plan without a pipeline."""
+    tp = [g for g, gp in enumerate(plan.groups) if gp.sync == "tp"]
+    if not tp:
+        return None
+    first = plan.groups[tp[0]]
+    for g, gp in enumerate(plan.groups):
+        if gp.sync != "tp":
+            return (f"groups[{g}].sync: the executor runs tensor parallelism only when every group is 'tp' "
+                    f"(group {tp[0]} is); expected 'tp', got {gp.sync!r}")
+        if gp.devices != first.devices:
+            return (f"groups[{g}].devices: the executor runs the same tensor-parallel groups for the whole plan; "
+                    f"expected {first.devices}, got {gp.devices}")
+        if tp_degree(gp) != tp_degree(first) or gp.shares != first.shares:
+            field = "tp" if tp_degree(gp) != tp_degree(first) else "shares"
+            return (f"groups[{g}].{field}: the executor runs the same tensor-parallel groups for the whole plan; "
+                    f"expected {getattr(first, field)}, got {getattr(gp, field)}")
+    if plan.pipeline is not None:
+        return "pipeline: pipelines of tensor-parallel groups are not executed by this version; expected none"
+    return None
+
+
+def executed_plan(plan):
+    """The plan the devices of whole-plan tensor-parallel groups execute (see the module doc):
+    every group data parallel over the first device of each tensor-parallel group, with the
+    group's batch share. Device ``i`` of a tensor-parallel group runs its first device's schedule
+    on shard ``i`` of the split parameters (:mod:`tag.executor.tensor_parallel`), its gradients
+    summed with those of the devices ``i`` of the other groups; None when ``plan`` has no ``tp``
+    group."""
+    if not any(gp.sync == "tp" for gp in plan.groups):
+        return None
+    why = execution_refusal(plan)
+    if why is not None:
+        raise PlanError(f"plan: {why}")
+    gp = plan.groups[0]
+    groups = tp_groups(gp)
+    shares = [sum(gp.shares[gp.devices.index(d)] for d in devs) for devs in groups]
+    return dataclasses.replace(plan, groups=[GroupPlan([devs[0] for devs in groups], list(shares))
+                                             for _ in plan.groups])
+
+
 __all__ = ["MAX_DEGREE", "GroupSplit", "MegatronBlock", "TensorParallel", "aligned_cuts", "block_groups",
-           "group_split", "megatron_blocks", "tp_degree", "tp_groups", "weight_param"]
+           "executed_plan", "execution_refusal", "group_split", "megatron_blocks", "tp_degree", "tp_groups",
+           "weight_param"]

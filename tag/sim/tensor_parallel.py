@@ -14,6 +14,11 @@ non-matmul ops sequence-parallel. On that layout, for every group ``g`` as tenso
   bytes, and the optimizer seconds by the same fraction of the group's parameter bytes;
 * the gradient sync (:meth:`CommModel.tensor_parallel_sync_time`) is issued like a data-parallel
   one, not coalesced with other groups'.
+
+This is the sequence-parallel variant. The executor runs plain Megatron (:mod:`tag.parallel.
+tensor_parallel`, "What the executor runs"): the same collective bytes per block, but the ops
+outside the blocks on the tensor-parallel group's whole batch on every device, and every gradient
+all-reduced over the replicas holding the same shard only.
 """
 
 from __future__ import annotations

@@ -1,0 +1,430 @@
+"""Tensor-parallel execution (Megatron-LM without sequence parallelism) of TAG's joint graphs.
+
+A plan whose every group is ``tp`` with the same tensor-parallel groups runs as the data-parallel
+plan over the groups' first devices (:func:`tag.parallel.tensor_parallel.executed_plan`), each
+group's devices at once: device ``D[i]`` of group ``D`` walks ``D[0]``'s schedule with shard ``i``
+of the split parameters, its joint graphs rewritten for that shard (:meth:`TpRank.shard`), and a
+blocking all-reduce over ``D`` after each row-parallel matmul (forward) and each column-parallel
+input gradient (backward) inside its stages (:meth:`TpRank.insert_reduces`). The ops outside the
+Megatron blocks (norms, embeddings, LM head, loss) run replicated on the group's batch, so their
+parameters and gradients stay identical on the group's devices; the split parameters' gradients
+are per shard; the gradient syncs sum over the replicas holding the same shard.
+
+**Why not DTensor's ``ColwiseParallel`` / ``RowwiseParallel``.** ``parallelize_module`` swaps the
+parameters of eager ``nn.Linear`` / ``nn.Embedding`` modules for DTensors and relies on autograd
+and DTensor's dispatch to insert the collectives. TAG runs no modules: its stages are cuts of the
+captured joint forward + backward graph (ATen ops, explicit gradient ops, shapes baked into
+``view`` / ``split`` arguments), fused per rank (:mod:`tag.executor.fuse`) and shared with the
+simulator. Running DTensors through those graphs would need every ``view`` of a head count to
+carry a sharding rule and gives up the schedule's explicit ops; the graph is rewritten instead.
+
+**Which elements a shard keeps** is found by running the joint graph (:func:`_nan_pass`) with the
+other shards' parameter elements set to NaN: an output element that depends on another shard is
+NaN, one that does not is this shard's. GPT-2's fused ``c_attn`` (q, k and v side by side) thus
+keeps each of q, k and v's heads of shard ``i`` without a model-specific rule. Three passes:
+(A) the rows of each row-parallel weight outside shard ``i`` (contiguous input features) are NaN,
+which reaches, through the backward, the gradients of the column-parallel weights and biases:
+their NaN elements are the other shards'; (B) those column elements are NaN too, which gives the
+row weights' own elements (their gradients); (C) every split parameter's other elements are NaN:
+every tensor is then clean (replicated), partly NaN (sharded: the kept elements must form a
+sub-grid, one index set per dim, and give its new shape), or NaN everywhere while an input is only
+partly NaN: a sum over the split features (the row matmul's output, the column input's gradient),
+taken as the all-reduced clean value and marked as a *boundary* where the rank all-reduces.
+The rewritten graph is run once on the shard to check every shape (one line naming the op
+otherwise).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from ..graph.stages import Stage
+from .runtime import ExecutionError, Joint
+
+aten = torch.ops.aten
+
+SHAPE_ARG_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+                 aten.slice_backward.default, aten.select_backward.default, aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
+"""Ops whose second argument is the output shape (rewritten for a sharded output)."""
+CREATE_OPS = {aten.empty.memory_format, aten.empty_permuted.default, aten.full.default, aten.zeros.default,
+              aten.ones.default}
+"""Ops whose first argument is the output shape: a constant combined with a sharded tensor of its
+shape (``silu``'s backward subtracts from ``full_like(empty_permuted(shape), 1)``) is sharded too."""
+UNINITIALISED = {aten.empty.memory_format, aten.empty_permuted.default, aten.empty_like.default,
+                 aten.new_empty.default, aten.empty_strided.default}
+"""Ops returning uninitialised memory (zeroed in the analysis, where garbage could read as NaN)."""
+
+_REDUCERS: dict[int, Callable[[torch.Tensor], None]] = {}
+"""Key -> in-place sum over the tensor-parallel group (one per rank; several in one process)."""
+_KEYS = itertools.count()
+
+
+def tp_all_reduce(x: torch.Tensor, key: int) -> torch.Tensor:
+    """Sum ``x`` over the tensor-parallel group of the rank registered as ``key`` (blocking)."""
+    _REDUCERS[key](x)
+    return x
+
+
+@dataclass
+class TpSpec:
+    """What the rewriting needs from the captured graph (the same on every rank)."""
+
+    rows: tuple[str, ...]
+    """Node names of the row-parallel matmuls."""
+    split: frozenset[str]
+    """State-dict names of the split parameters."""
+
+
+def tp_spec(graph) -> TpSpec:
+    """:class:`TpSpec` of a captured :class:`~tag.graph.ir.OpGraph` (all its Megatron blocks split)."""
+    from ..parallel.tensor_parallel import megatron_blocks
+
+    blocks = megatron_blocks(graph)
+    return TpSpec(tuple(graph.ops[b.row].name for b in blocks),
+                  frozenset(graph.params[p].name for b in blocks for p in b.split_params))
+
+
+@dataclass
+class TpRank:
+    """Shard ``index`` of ``degree``: rewrites this rank's joint graphs and stages."""
+
+    index: int
+    degree: int
+    spec: TpSpec
+    reduce: Callable[[torch.Tensor], None] | None = None
+    """In-place sum over the tensor-parallel group (blocking); may be set after construction
+    (the process group exists once the rank joined it), before the first iteration."""
+    key: int = -1
+    kept: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """State-dict name of each split parameter -> kept indices per dim (:meth:`shard`)."""
+    boundaries: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.key = next(_KEYS)
+        me = weakref.ref(self)  # the registry keeps no rank alive
+        _REDUCERS[self.key] = lambda x: me().reduce(x)
+
+    # ---- the joint graph of one local batch ---------------------------------------------------
+    def shard(self, joint: Joint, inputs: tuple, param_grad: dict[str, str]) -> Joint:
+        """``joint`` rewritten for this shard: split parameters sliced, shapes of sharded tensors
+        divided, node metadata updated; the boundaries (all-reduce after) in :attr:`boundaries`.
+
+        ``inputs``: the user inputs at the joint's batch; ``param_grad``: parameter placeholder ->
+        its gradient node."""
+        gm = joint.module
+        nodes = {n.name: n for n in gm.graph.nodes}
+        values = {ph: joint.state_values[t] for ph, t in joint.state.items()}
+        values.update(zip(joint.user_inputs, inputs))
+        clean, _ = _nan_pass(gm, values, {}, {})
+        split_ph = {ph for ph, t in joint.state.items() if t in self.spec.split}
+        if len(split_ph) != len(self.spec.split):
+            raise ExecutionError(f"tensor parallel: split parameters {sorted(self.spec.split)} are not all "
+                                 "placeholders of the joint graph")
+        # (A) the row weights' other input features -> the column parameters' elements
+        operand = {}
+        for r in self.spec.rows:
+            arg, dim = _row_operand(nodes[r])
+            v = clean[arg.name]
+            operand[arg.name] = _nan_outside(v, dim, self.index, self.degree, r)
+        vals, _ = _nan_pass(gm, values, operand, clean)
+        col_masks = {ph: _kept(vals[param_grad[ph]]) for ph in split_ph
+                     if _kept(vals[param_grad[ph]]) is not None}
+        # (B) the column elements too -> the row weights' elements
+        inject = {ph: _with_nan(values[ph], m) for ph, m in col_masks.items()}
+        vals, _ = _nan_pass(gm, {**values, **inject}, operand, clean)
+        masks = {ph: _kept(vals[param_grad[ph]]) for ph in split_ph}
+        missing = sorted(joint.state[ph] for ph, m in masks.items() if m is None)
+        if missing:
+            raise ExecutionError(f"tensor parallel: parameters {missing} are planned as split but no element of "
+                                 "their gradients depends on one shard only")
+        # (C) every split parameter's other elements -> every tensor's kind
+        inject = {ph: _with_nan(values[ph], m) for ph, m in masks.items()}
+        vals, boundaries = _nan_pass(gm, {**values, **inject}, {}, clean)
+        for ph, g in param_grad.items():
+            if ph not in split_ph and _has_nan(vals[g]):
+                raise ExecutionError(f"tensor parallel: the gradient of {joint.state.get(ph, ph)!r}, which is not "
+                                     "split, depends on one shard only")
+        # (D) this shard's elements NaN instead: which elements depend on this shard (neither: a
+        # constant, e.g. the zeros around a slice's gradient)
+        inject = {ph: _with_nan(values[ph], ~m) for ph, m in masks.items()}
+        mine, _ = _nan_pass(gm, {**values, **inject}, {}, clean)
+        grids = {}
+        for name, v in vals.items():
+            ours = dict(_tensors(mine[name]))
+            for k, t in _tensors(v):
+                theirs = t.isnan()
+                if bool(theirs.any()):
+                    grid = _grid(theirs, ours[k].isnan())
+                    if grid is None:
+                        raise ExecutionError(f"tensor parallel: the elements of {name!r} shard {self.index} keeps "
+                                             "are not one index set per dim")
+                    grids[(name, k)] = grid
+        _constants_follow(gm, grids)
+        self.boundaries = boundaries
+        self.kept = {joint.state[ph]: grids[(ph, None)] for ph in split_ph}
+        out = _rewrite(gm, grids)
+        state_values = dict(joint.state_values)
+        for ph in split_ph:
+            t = joint.state[ph]
+            state_values[t] = select(state_values[t], self.kept[t])
+        sharded = Joint(out, joint.user_inputs, joint.state, state_values)
+        _check_shapes(sharded, inputs, grids)
+        return sharded
+
+    # ---- stages --------------------------------------------------------------------------
+    def insert_reduces(self, stage: Stage) -> None:
+        """All-reduce every boundary of ``stage`` right after it (``addmm``: its bias added after)."""
+        g = stage.module.graph
+        for n in list(g.nodes):
+            if n.op != "call_function" or n.name not in self.boundaries:
+                continue
+            if n.target is aten.addmm.default:
+                if n.kwargs:
+                    raise ExecutionError(f"tensor parallel: {n.name!r} is an addmm with {dict(n.kwargs)}; expected "
+                                         "beta = alpha = 1")
+                bias, x, w = n.args
+                with g.inserting_before(n):
+                    part = g.call_function(aten.mm.default, (x, w))
+                    part.meta = dict(n.meta)
+                    red = g.call_function(tp_all_reduce, (part, self.key))
+                    red.meta = dict(n.meta)
+                n.target, n.args = aten.add.Tensor, (red, bias)
+            else:
+                with g.inserting_after(n):
+                    red = g.call_function(tp_all_reduce, (n, self.key))
+                red.meta = dict(n.meta)
+                n.replace_all_uses_with(red, delete_user_cb=lambda u, r=red: u is not r)
+        stage.module.recompile()
+
+    def full_params(self, gathered: list[tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]]
+                    ) -> dict[str, torch.Tensor]:
+        """Full parameters from every shard's ``(named_params, kept)`` (in shard order)."""
+        full = dict(gathered[0][0])
+        for name in self.kept:
+            shape = [int(max(int(ix[-1]) for ix in (kept[name][d] for _, kept in gathered)) + 1)
+                     for d in range(len(self.kept[name]))]
+            value = torch.zeros(shape, dtype=gathered[0][0][name].dtype)
+            for params, kept in gathered:
+                value[torch.meshgrid(*kept[name], indexing="ij")] = params[name]
+            full[name] = value
+        return full
+
+
+def select(t: torch.Tensor, kept: list[torch.Tensor]) -> torch.Tensor:
+    """The sub-grid ``kept`` (indices per dim) of ``t``, contiguous."""
+    for d, ix in enumerate(kept):
+        if len(ix) != t.shape[d]:
+            t = t.index_select(d, ix)
+    return t.contiguous()
+
+
+def thread_reducers(n: int) -> list[Callable[[torch.Tensor], None]]:
+    """In-place sums over ``n`` threads of one process (the in-process runner's tp group): each
+    thread adds the ``n`` tensors in the same order, so all get the same bits."""
+    barrier = threading.Barrier(n)
+    slots: list[torch.Tensor | None] = [None] * n
+
+    def make(i: int):
+        def reduce(x: torch.Tensor) -> None:
+            slots[i] = x.clone()
+            barrier.wait()
+            total = slots[0]
+            for s in slots[1:]:
+                total = total + s
+            barrier.wait()  # everybody read the slots before anybody writes them again
+            x.copy_(total)
+        return reduce
+
+    return [make(i) for i in range(n)]
+
+
+# ---- the analysis ----------------------------------------------------------------------------
+
+def _row_operand(node: fx.Node) -> tuple[fx.Node, int]:
+    """The weight operand of a row-parallel matmul and its contraction dim."""
+    t = node.target
+    if t is aten.addmm.default:
+        return node.args[2], 0
+    if t in (aten.mm.default, aten.bmm.default, aten.matmul.default):
+        return node.args[1], -2
+    if t is aten.linear.default:
+        return node.args[1], 1
+    raise ExecutionError(f"tensor parallel: row-parallel matmul {node.name!r} is {t}; expected addmm, mm, bmm, "
+                         "matmul or linear")
+
+
+def _nan_outside(v: torch.Tensor, dim: int, index: int, degree: int, name: str) -> torch.Tensor:
+    """``v`` with NaN outside slice ``index`` of ``degree`` along ``dim``."""
+    n = v.shape[dim]
+    if n % degree:
+        raise ExecutionError(f"tensor parallel: {name!r} contracts {n} features, not divisible by {degree}")
+    out = torch.full_like(v, math.nan)
+    w = n // degree
+    out.narrow(dim, index * w, w).copy_(v.narrow(dim, index * w, w))
+    return out
+
+
+def _with_nan(v: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    return torch.where(kept, v, torch.full_like(v, math.nan))
+
+
+def _tensors(v) -> list[tuple[int | None, torch.Tensor]]:
+    """The float tensors of a node value: ``[(None, v)]``, or ``(i, v[i])`` of a list / tuple."""
+    if isinstance(v, torch.Tensor):
+        return [(None, v)] if v.is_floating_point() else []
+    if isinstance(v, (list, tuple)):
+        return [(i, t) for i, t in enumerate(v) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return []
+
+
+def _has_nan(v) -> bool:
+    return any(bool(t.isnan().any()) for _, t in _tensors(v))
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor | None:
+    """Mask of the non-NaN elements of a partly-NaN tensor; None when it has no NaN."""
+    if not t.is_floating_point():
+        return None
+    nan = t.isnan()
+    return ~nan if bool(nan.any()) else None
+
+
+def _grid(theirs: torch.Tensor, mine: torch.Tensor) -> list[torch.Tensor] | None:
+    """Indices kept per dim: along each dim, those whose slice holds no element depending on
+    another shard only (``theirs`` and not ``mine``); None unless the grid they span holds every
+    element of ``mine`` and none of ``theirs``."""
+    kept = []
+    for d in range(theirs.dim()):
+        other = [i for i in range(theirs.dim()) if i != d]
+        t, m = (theirs.any(dim=other), mine.any(dim=other)) if other else (theirs, mine)
+        kept.append((~(t & ~m)).nonzero().flatten())
+    if any(len(ix) == 0 for ix in kept):
+        return None
+    if bool(select(theirs, kept).any()) or int(select(mine, kept).sum()) != int(mine.sum()):
+        return None
+    return kept
+
+
+def _nan_pass(gm: fx.GraphModule, values: dict[str, object], operand: dict[str, torch.Tensor],
+              clean: dict[str, object]) -> tuple[dict[str, object], set[str]]:
+    """Run the joint graph node by node; ``operand``: values replacing those nodes' own. A float
+    result NaN everywhere whose inputs are only partly NaN is a boundary: its ``clean`` value is
+    used instead. Returns every node's value and the boundaries."""
+    env: dict[str, object] = {}
+    boundaries: set[str] = set()
+
+    def load(a):
+        return env[a.name] if isinstance(a, fx.Node) else a
+
+    with torch.no_grad():
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                env[n.name] = values[n.name]
+            elif n.op == "get_attr":
+                env[n.name] = getattr(gm, n.target)
+            elif n.op == "call_function":
+                v = n.target(*fx.node.map_arg(n.args, load), **fx.node.map_arg(n.kwargs, load))
+                if n.target in UNINITIALISED:
+                    v = torch.zeros_like(v)
+                if clean and isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() \
+                        and bool(v.isnan().all()):
+                    if any(_kept(env[a.name]) is not None for a in n.all_input_nodes
+                           if isinstance(env[a.name], torch.Tensor)):
+                        boundaries.add(n.name)
+                        v = clean[n.name]
+                env[n.name] = operand.get(n.name, v)
+            if n.op == "placeholder" and n.name in operand:
+                env[n.name] = operand[n.name]
+    return env, boundaries
+
+
+def _constants_follow(gm: fx.GraphModule, grids: dict[tuple[str, int | None], list[torch.Tensor]]) -> None:
+    """Give a constant tensor (computed from no placeholder) the grid of a sharded tensor of the same
+    shape it is combined with, and the same to the constants it is made from (same shape)."""
+    varying: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or any(a.name in varying for a in n.all_input_nodes):
+            varying.add(n.name)
+
+    def shape(n: fx.Node):
+        v = n.meta.get("val")
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+    for n in reversed(list(gm.graph.nodes)):  # consumers first: a chain of constants gets the grid in one walk
+        grid = grids.get((n.name, None))
+        if grid is None:
+            continue
+        for a in n.all_input_nodes:
+            if a.name not in varying and (a.name, None) not in grids and shape(a) == shape(n):
+                grids[(a.name, None)] = grid
+
+
+def _rewrite(gm: fx.GraphModule, grids: dict[tuple[str, int | None], list[torch.Tensor]]) -> fx.GraphModule:
+    """A copy of ``gm`` whose sharded nodes have their new shapes (arguments and metadata)."""
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+
+    def new_shape(name: str, k: int | None, old) -> list[int]:
+        grid = grids.get((name, k))
+        return list(old) if grid is None else [len(ix) for ix in grid]
+
+    for n in g.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and (n.name, None) in grids:
+            n.meta = {**n.meta, "val": torch.empty(new_shape(n.name, None, val.shape), dtype=val.dtype,
+                                                   device="meta")}
+            shape = new_shape(n.name, None, val.shape)
+            if n.op == "call_function" and n.target in SHAPE_ARG_OPS:
+                n.args = (n.args[0], [-1 if o == -1 else shape[i] for i, o in enumerate(n.args[1])], *n.args[2:])
+            elif n.op == "call_function" and n.target in CREATE_OPS:
+                n.args = (shape, *n.args[1:])
+        elif isinstance(val, (list, tuple)) and any((n.name, i) in grids for i in range(len(val))):
+            shapes = [new_shape(n.name, i, v.shape) for i, v in enumerate(val)]
+            n.meta = {**n.meta, "val": [torch.empty(s, dtype=v.dtype, device="meta") for s, v in zip(shapes, val)]}
+            if n.target is aten.split_with_sizes.default:
+                dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+                n.args = (n.args[0], [s[dim] for s in shapes], *n.args[2:])
+            elif n.target is aten.split.Tensor:
+                dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+                n.args = (n.args[0], shapes[0][dim], *n.args[2:])
+    return fx.GraphModule(gm, g)
+
+
+def _check_shapes(joint: Joint, inputs: tuple, grids) -> None:
+    """Run the rewritten joint graph on the shard (boundaries unreduced: shapes only) and refuse,
+    naming the op, a result whose shape is not the one planned."""
+    values = {ph: joint.state_values[t] for ph, t in joint.state.items()}
+    values.update(zip(joint.user_inputs, inputs))
+    env: dict[str, object] = {}
+
+    def load(a):
+        return env[a.name] if isinstance(a, fx.Node) else a
+
+    with torch.no_grad():
+        for n in joint.module.graph.nodes:
+            if n.op == "placeholder":
+                env[n.name] = values[n.name]
+                continue
+            if n.op != "call_function":
+                continue
+            try:
+                v = n.target(*fx.node.map_arg(n.args, load), **fx.node.map_arg(n.kwargs, load))
+            except RuntimeError as e:
+                raise ExecutionError(f"tensor parallel: op {n.name!r} ({n.target}) fails on the shard: "
+                                     f"{str(e).splitlines()[0]}") from None
+            env[n.name] = v
+            want = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and isinstance(want, torch.Tensor) and v.shape != want.shape:
+                raise ExecutionError(f"tensor parallel: op {n.name!r} ({n.target}) gives shape {list(v.shape)} on the "
+                                     f"shard; expected {list(want.shape)}")
+
+
+__all__ = ["TpRank", "TpSpec", "select", "thread_reducers", "tp_all_reduce", "tp_spec"]
