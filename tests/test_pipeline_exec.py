@@ -57,7 +57,7 @@ CASES = {  # name: (spec, batch, micro-batches, schedule, k, stage devices, opti
     "1f1b-uneven": (MLP, 6, 4, "1f1b", 1, ([0], [1]), "sgd"),
     "gpipe-uneven": (MLP, 6, 4, "gpipe", 1, ([0], [1]), "sgd"),
     "kfkb-dp-stage": (MLP, 8, 4, "kfkb", 2, ([2], [0, 1]), "adam"),
-    "gpt2-tied": (GPT2, 4, 2, "1f1b", 1, ([1], [0]), "adam"),
+    "gpt2-tied": (GPT2, 8, 2, "1f1b", 1, ([0], [1, 2]), "adam"),
 }
 
 
@@ -94,6 +94,36 @@ def test_gradients_are_summed_over_micro_batches_once(captured, topo4):
         bwd = [j for j, st in enumerate(sched.steps) if st.kind == "compute" and st.phase == "bwd" and st.unit[0] == g]
         assert i > max(bwd) and len(bwd) == 3
     assert accumulation(build_schedule(graph, new_plan(graph, topo4, plan.groups))) == {}
+
+
+def test_tied_weight_moves_once_per_iteration(captured, topo4):
+    """GPT-2's tied embedding / LM-head weight is read by the last stage and its gradient summed
+    into the first stage's: on a pipeline both cross once per iteration, whatever the number of
+    micro-batches (the weight before the first micro-batch, the gradient summed over the
+    micro-batches after the last; zeros before), and the simulator moves the schedule's bytes."""
+    from test_sim_executor import schedule_bytes, sim_bytes
+
+    from tag.sim import Simulator
+
+    spec, B, M, schedule, k, devices, _ = CASES["gpt2-tied"]
+    graph = captured(spec, batch=B, groups=4).graph
+    tied = "p_model_lm_head_weight"
+    moved: dict[int, object] = {}
+    for m in (1, 2, 4):
+        plan = two_stages(graph, topo4, *devices, m, schedule, k)
+        sched = build_schedule(graph, plan, topo4.machine_of)
+        (grad,) = {n for names in sched.summed.values() for n in names}  # the LM head's weight gradient
+        steps = [(st, mv) for st in sched.steps if st.kind == "transfer" for mv in st.moves]
+        weight = [(st.phase, st.micro, mv.src, mv.dst) for st, mv in steps if mv.name == tied]
+        assert weight == [("fwd", 0, 0, 1), ("fwd", 0, 0, 2)]  # from stage 0 to each replica of stage 1
+        sums = [(st.micro, mv.mode, mv.src, mv.dst) for st, mv in steps if mv.name == grad]
+        assert sums == [(mb, "zeros", 0, 0) for mb in range(m - 1)] + [(m - 1, "sum", 1, 0), (m - 1, "sum", 2, 0)]
+        moved[m] = schedule_bytes(graph, sched, {tied, grad})
+        want = schedule_bytes(graph, sched)
+        assert want[(0, 1)] > moved[m][(0, 1)] > 0
+        got = sim_bytes(Simulator(graph, topo4), plan.groups, plan.pipeline if m > 1 else None)
+        assert set(got) == set(want) and all(got[key] == pytest.approx(v, rel=1e-12) for key, v in want.items())
+    assert moved[1] == moved[2] == moved[4]
 
 
 def _execute(tmp_path: Path, graph, topo_path: str, plan, spec: str, optimizer: str, steps: int = 2):
