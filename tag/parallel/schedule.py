@@ -375,7 +375,6 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
                 for u in strategies[g].units(g, gp, graph, hi - lo):
                     micro_units[(u.key, m)] = Unit(u.key, u.sync, [Replica(r.device, lo + r.start, lo + r.stop)
                                                                    for r in u.replicas], u.server, u.positions)
-    last_micro = {u: m for u, ph, m in tasks if ph == "bwd"}  # a unit's last backward micro-batch
     # On a pipeline, what does not change with the micro-batch moves once per iteration (a tied
     # weight read by another stage, and its partial-sum gradient), not once per micro-batch:
     # a batch-independent tensor before its consumer's first micro-batch (held by the consumer
@@ -384,8 +383,8 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
     # producer's last ran before it), the consumer getting zeros at the earlier ones.
     once = batch_independent_tensors(graph) if plan.pipeline is not None else set()
     deferred = deferrable_sums(graph) if plan.pipeline is not None else set()
-    first_task: dict[tuple[UnitKey, str], int] = {}
-    last_task: dict[tuple[UnitKey, str], int] = {}
+    first_task: dict[tuple[UnitKey, str], int] = {}  # (unit, phase) -> its first micro-batch
+    last_task: dict[tuple[UnitKey, str], int] = {}  # (unit, phase) -> its last micro-batch
     for u, ph, m in tasks:
         first_task.setdefault((u, ph), m)
         last_task[(u, ph)] = m
@@ -414,7 +413,7 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
         steps.append(Step("compute", u, ph, micro=m))
         if ph == "bwd" and u[0] in sfb:
             steps.append(Step("sfb", u, group=u[0]))
-        if ph == "bwd" and u[0] in collective_of and m == last_micro[u]:
+        if ph == "bwd" and u[0] in collective_of and m == last_task[(u, "bwd")]:
             # The group's gradients are final once its (last micro-batch's) backward ran
             # (contributions from later groups arrived before it): start its sync now, overlapping
             # the earlier groups' backward (as the simulator does); the update waits for it.
