@@ -96,6 +96,40 @@ def test_gradients_are_summed_over_micro_batches_once(captured, topo4):
     assert accumulation(build_schedule(graph, new_plan(graph, topo4, plan.groups))) == {}
 
 
+def test_tied_weight_moves_once_per_iteration(captured, topo4):
+    """GPT-2's tied embedding / LM-head weight is read by the last stage and its gradient summed
+    into the first stage's: on a pipeline both cross once per iteration, whatever the number of
+    micro-batches (the weight before the first micro-batch, to every replica of the last stage;
+    the gradient summed over the micro-batches on each replica and sent after the last, zeros
+    before), and the simulator moves the schedule's bytes."""
+    from test_sim_executor import schedule_bytes, sim_bytes
+
+    from tag.sim import Simulator
+
+    spec, B, *_ = CASES["gpt2-tied"]
+    graph = captured(spec, batch=B, groups=4).graph
+    sim = Simulator(graph, topo4)
+    tied = "p_model_lm_head_weight"
+    for first, second, micro in (([0], [1, 2], (1, 2)), ([1], [0], (1, 2, 4))):
+        moved = []
+        for m in micro:
+            plan = two_stages(graph, topo4, first, second, m)
+            sched = build_schedule(graph, plan, topo4.machine_of)
+            (grad,) = {n for names in sched.summed.values() for n in names}  # the LM head's weight gradient
+            steps = [(st, mv) for st in sched.steps if st.kind == "transfer" for mv in st.moves]
+            assert [(st.phase, st.micro, mv.src, mv.dst) for st, mv in steps if mv.name == tied] == \
+                [("fwd", 0, first[0], d) for d in second]
+            sums = [(st.micro, mv.mode, mv.src, mv.dst) for st, mv in steps if mv.name == grad]
+            assert sums == [(mb, "zeros", first[0], first[0]) for mb in range(m - 1)] + \
+                [(m - 1, "sum", d, first[0]) for d in second]
+            moved.append(schedule_bytes(graph, sched, {tied, grad}))
+            want = schedule_bytes(graph, sched)
+            assert want[(first[0], second[0])] > moved[-1][(first[0], second[0])] > 0
+            got = sim_bytes(sim, plan.groups, plan.pipeline if m > 1 else None)
+            assert set(got) == set(want) and all(got[key] == pytest.approx(v, rel=1e-12) for key, v in want.items())
+        assert all(x == moved[0] for x in moved)
+
+
 def _execute(tmp_path: Path, graph, topo_path: str, plan, spec: str, optimizer: str, steps: int = 2):
     plan_path = tmp_path / "plan.json"
     plan.save(plan_path)

@@ -16,6 +16,7 @@ from tag.graph.gradients import gradient_tensors, partial_sum_tensors
 from tag.parallel.schedule import build_schedule
 from tag.plan import new_plan
 from tag.sim import Simulator
+from tag.sim.engine import _Run
 
 
 @pytest.fixture(scope="module")
@@ -23,28 +24,37 @@ def graph(captured):
     return captured(SPEC, batch=BATCH, groups=GROUPS).graph
 
 
-def _sim_bytes(sim, groups) -> Counter:
+def sim_bytes(sim, groups, pipeline=None) -> Counter:
+    """(source device, destination device) -> bytes the simulated iteration moves (every
+    micro-batch's flows on a pipeline)."""
     out: Counter = Counter()
-    for pr in sim._pairs_used(sim.deploy(groups)):
-        for f in pr.flows:
-            out[(f.a, f.b)] += f.nbytes
+    micro = None if pipeline is None else sim._micro(groups, pipeline)
+    for flows in _Run(sim, sim.deploy(groups), None, micro).incoming.values():
+        for *_, a, b, _ma, _mb, _t, _r, nbytes in flows:
+            out[(a, b)] += nbytes
     return out
 
 
-def _executor_bytes(graph, topo, groups) -> Counter:
-    sched = build_schedule(graph, new_plan(graph, topo, groups), topo.machine_of)
+def schedule_bytes(graph, sched, names=None) -> Counter:
+    """(source device, destination device) -> bytes the executor's schedule moves (of the tensors
+    ``names`` only, if given)."""
     by_name = {t.name: t for t in graph.tensors}
     out: Counter = Counter()
     for step in sched.steps:
         for m in step.moves:
-            if m.src == m.dst or m.mode == "zeros":
+            if m.src == m.dst or m.mode == "zeros" or (names is not None and m.name not in names):
                 continue
             nb = by_name[m.name].nbytes
             if m.mode == "rows":
                 out[(m.src, m.dst)] += nb.per_sample * (m.stop - m.start)
             else:
-                out[(m.src, m.dst)] += nb.fixed + nb.per_sample * sched.units[m.src_unit].replica_on(m.src).batch
+                batch = sched.unit_at(m.src_unit, step.micro).replica_on(m.src).batch
+                out[(m.src, m.dst)] += nb.fixed + nb.per_sample * batch
     return out
+
+
+def _executor_bytes(graph, topo, groups) -> Counter:
+    return schedule_bytes(graph, build_schedule(graph, new_plan(graph, topo, groups), topo.machine_of))
 
 
 def test_seed_is_copied_tied_weight_gradient_summed(graph):
@@ -63,7 +73,7 @@ def test_transfers_match_the_executor(graph):
     plans = [groups for _, groups in make_plans(graph, topo, costs)]
     plans += [[_random_group(rng, graph, g, topo.num_devices) for g in range(GROUPS)] for _ in range(10)]
     for groups in plans:
-        got, want = _sim_bytes(sim, groups), _executor_bytes(graph, topo, groups)
+        got, want = sim_bytes(sim, groups), _executor_bytes(graph, topo, groups)
         assert set(got) == set(want)
         for k, v in want.items():
             assert got[k] == pytest.approx(v, rel=1e-12), k

@@ -15,7 +15,8 @@ iteration ends.
 
 Values cross segments in the runtime's ``env`` by ``(unit, node name)`` (on a pipeline by
 ``((group, chunk, micro-batch), node name)``, :func:`env_unit`, except the accumulated parameter
-gradients, :func:`accumulation`); :func:`plan_program`
+gradients and partial sums, :func:`accumulation`, and the batch-independent tensors a unit
+receives once per iteration, :func:`value_key`); :func:`plan_program`
 computes, for every action of the rank (a segment or another step, in execution order), which
 ``env`` keys it reads and which die after it, so ``env`` holds only what is still needed.
 
@@ -91,6 +92,17 @@ def env_unit(schedule: Schedule, unit: UnitKey, micro: int) -> tuple:
     return (*unit, micro) if schedule.micro_units else unit
 
 
+def value_key(schedule: Schedule, unit: UnitKey, name: str, micro: int) -> Key:
+    """The ``env`` key of value ``name`` that ``unit`` computes or receives on micro-batch ``micro``:
+    ``(env_unit, name)``, except, on a pipeline, a value the unit holds once per iteration for all
+    its micro-batches, keyed ``(unit, name)``: a batch-independent tensor it receives
+    (:attr:`Schedule.shared`) or a partial sum it sums over the micro-batches before sending it
+    (:attr:`Schedule.summed`)."""
+    if schedule.micro_units and (name in schedule.shared.get(unit, ()) or name in schedule.summed.get(unit, ())):
+        return unit, name
+    return env_unit(schedule, unit, micro), name
+
+
 def stage_key(schedule: Schedule, st: Step) -> tuple:
     """The key of the stage compute step ``st`` runs in a rank's ``stages``: ``(unit, phase)``, or
     on a pipeline ``(unit, phase, micro)`` (a micro-batch's stage is cut from the joint graph at
@@ -100,7 +112,8 @@ def stage_key(schedule: Schedule, st: Step) -> tuple:
 
 def accumulation(schedule: Schedule) -> dict[UnitKey, tuple[int, frozenset[str]]]:
     """Pipeline plans: unit -> (the micro-batch of its first backward in the schedule, the
-    parameter-gradient node names its backward computes); empty without a pipeline.
+    parameter-gradient node names its backward computes and the partial sums it sends once per
+    iteration, :attr:`Schedule.summed`); empty without a pipeline.
 
     A unit's backward of micro-batch ``m`` computes its parameters' gradients over ``m``'s samples;
     they are summed over the micro-batches into ``env[(unit, gradient name)]`` (no micro-batch in
@@ -109,7 +122,7 @@ def accumulation(schedule: Schedule) -> dict[UnitKey, tuple[int, frozenset[str]]
     :func:`build_module`)."""
     if not schedule.micro_units:
         return {}
-    grads: dict[UnitKey, set[str]] = {}
+    grads: dict[UnitKey, set[str]] = {u: set(names) for u, names in schedule.summed.items()}
     for ph, owner in schedule.param_owner.items():
         grads.setdefault(owner, set()).add(schedule.param_grad[ph])
     first: dict[UnitKey, int] = {}
@@ -143,17 +156,18 @@ def step_reads_writes(schedule: Schedule, rank: int, st: Step, stages, synced: C
     if st.kind == "compute":
         stage = stages[stage_key(schedule, st)]
         u = env_unit(schedule, st.unit, st.micro)
+        reads = [value_key(schedule, st.unit, n, st.micro) for n in stage.inputs]
         acc = accum.get(st.unit) if accum and st.phase == "bwd" else None
         if acc is None:
-            return [(u, n) for n in stage.inputs], [(u, n) for n in stage.outputs]
+            return reads, [(u, n) for n in stage.outputs]
         first, grads = acc  # the parameter gradients go to (unit, name), summed over the micro-batches
         summed = [(st.unit, n) for n in stage.outputs if n in grads]
-        return ([(u, n) for n in stage.inputs] + (summed if st.micro != first else []),
+        return (reads + (summed if st.micro != first else []),
                 [(st.unit, n) if n in grads else (u, n) for n in stage.outputs])
     if st.kind == "transfer":
-        reads = [(env_unit(schedule, m.src_unit, st.micro), m.name) for m in st.moves
+        reads = [value_key(schedule, m.src_unit, m.name, st.micro) for m in st.moves
                  if m.src == rank and m.mode != "zeros"]
-        writes = list(dict.fromkeys((env_unit(schedule, m.dst_unit, st.micro), m.name) for m in st.moves
+        writes = list(dict.fromkeys(value_key(schedule, m.dst_unit, m.name, st.micro) for m in st.moves
                                     if m.dst == rank))
         return reads, writes
     if st.kind == "sfb":
@@ -289,7 +303,7 @@ def build_module(seg: Segment, schedule: Schedule, rank: int, stages: dict, stat
             local: dict[fx.Node, fx.Node] = {}
             phs = [n for n in stage.module.graph.nodes if n.op == "placeholder"]
             for n, name in zip(phs, stage.inputs):
-                local[n] = node_of[(u, name)]
+                local[n] = node_of[value_key(schedule, st.unit, name, st.micro)]
             for n in stage.module.graph.nodes:
                 if n.op == "placeholder":
                     continue
@@ -328,12 +342,12 @@ def _local_transfer(g: fx.Graph, st: Step, schedule: Schedule, rank: int, node_o
     """Local hand-overs of step ``st`` as graph ops (no copies where a view or the tensor does)."""
     pieces: dict[Key, list[Move]] = {}
 
-    def at(unit: UnitKey) -> tuple:
-        return env_unit(schedule, unit, st.micro)
+    def src(m: Move) -> Key:
+        return value_key(schedule, m.src_unit, m.name, st.micro)
 
     for m in st.moves:
         if m.dst == rank:
-            pieces.setdefault((at(m.dst_unit), m.name), []).append(m)
+            pieces.setdefault(value_key(schedule, m.dst_unit, m.name, st.micro), []).append(m)
     for key, ms in pieces.items():
         m0 = ms[0]
         if m0.mode == "zeros":
@@ -342,7 +356,7 @@ def _local_transfer(g: fx.Graph, st: Step, schedule: Schedule, rank: int, node_o
         elif m0.mode == "rows":
             parts = []
             for m in sorted(ms, key=lambda m: m.start):
-                v = node_of[(at(m.src_unit), m.name)]
+                v = node_of[src(m)]
                 rng = local_rows(m, st.micro)
                 if rng is not None:
                     v = g.call_function(torch.narrow, (v, m.batch_dim, *rng))
@@ -351,12 +365,12 @@ def _local_transfer(g: fx.Graph, st: Step, schedule: Schedule, rank: int, node_o
                 parts.append(v)
             node_of[key] = parts[0] if len(parts) == 1 else g.call_function(torch.cat, (parts, m0.batch_dim))
         elif m0.mode == "sum":
-            total = node_of[(at(m0.src_unit), m0.name)]
+            total = node_of[src(m0)]
             for m in ms[1:]:
-                total = g.call_function(torch.add, (total, node_of[(at(m.src_unit), m.name)]))
+                total = g.call_function(torch.add, (total, node_of[src(m)]))
             node_of[key] = total
         else:  # copy: the producer's tensor itself
-            node_of[key] = node_of[(at(m0.src_unit), m0.name)]
+            node_of[key] = node_of[src(m0)]
 
 
 _ALIAS = torch.ops.aten.alias.default

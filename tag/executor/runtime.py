@@ -14,6 +14,9 @@ each micro-batch runs the stages cut from the joint graph at its local batch (th
 seed of micro-batch ``m`` scaled by ``b_{i,m} / B``), and the parameter gradients are summed over
 the micro-batches into ``env[(unit, gradient name)]`` (:func:`tag.executor.fuse.accumulation`),
 which the one gradient sync per group and the one optimizer step read as without a pipeline.
+What crosses units once per iteration (a tied weight and its summed gradient,
+:attr:`Schedule.shared` / :attr:`Schedule.summed`) is keyed without the micro-batch
+(:func:`tag.executor.fuse.value_key`).
 
 Why not ``torch.distributed.pipelining``: its schedules (``ScheduleGPipe``, ``Schedule1F1B``, ...)
 drive ``PipelineStage`` objects that wrap ``nn.Module`` pieces and run their backward through
@@ -57,7 +60,7 @@ from ..errors import TagError
 from ..graph.capture import export_joint
 from ..graph.stages import Stage, build_stages, retarget_devices
 from ..parallel.schedule import Bucket, Move, Schedule, SfbGroup, Step, UnitKey
-from .fuse import Key, build_module, env_unit, plan_program
+from .fuse import Key, build_module, env_unit, plan_program, value_key
 from .optim import make_optimizer
 
 if TYPE_CHECKING:
@@ -237,7 +240,7 @@ class RankRuntime:
     def _build_program(self) -> None:
         """Segments of fused local steps and the liveness of ``env`` values (:mod:`tag.executor.fuse`)."""
         s = self.schedule
-        written = {(env_unit(s, m.dst_unit, st.micro), m.name) for st in s.steps if st.kind == "transfer"
+        written = {value_key(s, m.dst_unit, m.name, st.micro) for st in s.steps if st.kind == "transfer"
                    for m in st.moves if m.dst == self.rank}
         final = [(s.param_owner[ph], s.param_grad[ph]) for ph in self.params]
         if s.loss_unit in self.my_units:
@@ -371,7 +374,7 @@ class RankRuntime:
     def piece(self, m: Move, send: bool = True, micro: int = 0) -> torch.Tensor:
         """The part of the producer's value that ``m`` (of micro-batch ``micro``) moves: contiguous
         to be sent, else (a local hand-over) a view where it is one."""
-        v = self.value(env_unit(self.schedule, m.src_unit, micro), m.name)
+        v = self.value(*value_key(self.schedule, m.src_unit, m.name, micro))
         if m.mode == "rows":
             rng = self._row_range(m, micro)
             if rng is not None:  # a view costs microseconds: only if needed
@@ -403,10 +406,10 @@ class RankRuntime:
                 piece = None
             elif m.src == self.rank:
                 piece = self.piece(m, send=False, micro=mb) if m.mode == "rows" else \
-                    self.value(env_unit(s, m.src_unit, mb), m.name)
+                    self.value(*value_key(s, m.src_unit, m.name, mb))
             else:
                 piece = received[k]
-            pieces.setdefault((env_unit(s, m.dst_unit, mb), m.name), []).append((m, piece))
+            pieces.setdefault(value_key(s, m.dst_unit, m.name, mb), []).append((m, piece))
         for key, ps in pieces.items():
             m0 = ps[0][0]
             if m0.mode == "rows":

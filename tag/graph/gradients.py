@@ -36,3 +36,46 @@ def partial_sum_tensors(graph: OpGraph) -> set[int]:
         if any(t in grads and (tensors[t].batch_dim is not None or t in below_batch) for t in op.inputs):
             below_batch.update(op.outputs)
     return {t for t in below_batch if tensors[t].batch_dim is None}
+
+
+def batch_independent_tensors(graph: OpGraph) -> set[int]:
+    """Non-batch tensors computed from parameters, buffers and constants only (the parameters
+    included): the same in every micro-batch of a pipeline (a tied weight, its bf16 cast or
+    transpose).
+
+    A tensor with a user input or the loss among its ancestors is not, nor one below an op
+    without inputs (``full``, ``arange``): such an op may hold the batch size the graph was
+    exported at, and a pipeline's micro-batches run graphs exported at their own sizes.
+    """
+    tensors = graph.tensors
+    fixed = {i for i, t in enumerate(tensors) if t.producer < 0 and t.kind in ("param", "buffer", "const")}
+    for op in graph.ops:  # topological order
+        if op.phase != "opt" and op.inputs and all(t in fixed for t in op.inputs):
+            fixed.update(op.outputs)
+    return {t for t in fixed if tensors[t].batch_dim is None}
+
+
+def deferrable_sums(graph: OpGraph) -> set[int]:
+    """Partial sums (:func:`partial_sum_tensors`) that a pipeline may sum over its micro-batches
+    at their producer and move once, after the last micro-batch, the consumer getting zeros at
+    the earlier ones.
+
+    That is exact when whatever the consumer computes from the tensor is linear in it with
+    coefficients the same in every micro-batch: every backward op reading it, or reading what is
+    computed from it, reads only gradients (linear in the seed, summed over the micro-batches
+    like it) and batch-independent tensors (:func:`batch_independent_tensors`), and writes no
+    batch-carrying tensor. A tied weight's gradient summed into the weight's gradient is one; a
+    gradient flowing back into activations (a batch norm's statistics) or scaled by a saved
+    activation is not.
+    """
+    grads = gradient_tensors(graph)
+    linear = grads | batch_independent_tensors(graph)
+    tensors, ops = graph.tensors, graph.ops
+    ok_op = [True] * len(ops)
+    for i in range(len(ops) - 1, -1, -1):  # consumers come after their inputs: reverse order
+        op = ops[i]
+        if op.phase == "opt":  # the optimizer reads the final gradients once, after the sync
+            continue
+        ok_op[i] = all(t in linear for t in op.inputs) and all(
+            tensors[t].batch_dim is None and all(ok_op[c] for c in tensors[t].consumers) for t in op.outputs)
+    return {t for t in partial_sum_tensors(graph) if all(ok_op[c] for c in tensors[t].consumers)}

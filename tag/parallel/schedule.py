@@ -35,6 +35,14 @@ would count it once per replica: a transposed weight computed in the backward ph
 loss-gradient seed and ``seed / count`` of a mean loss (the same on every replica in
 full-batch units). See :func:`partial_sum_tensors` (:mod:`tag.graph.gradients`, shared with the
 simulator).
+
+Pipelines (``Plan.pipeline``): every unit runs once per micro-batch and a tensor crossing units
+moves once per micro-batch, except what does not depend on the micro-batch, which moves once
+per iteration (:attr:`Schedule.shared`, :attr:`Schedule.summed`): a batch-independent tensor (a
+tied weight read by another stage) in the transfer before its consumer's first micro-batch, and
+a deferrable partial sum (that weight's gradient) summed over the micro-batches at its producer
+and moved in the transfer before its consumer's last micro-batch (zeros before: the consumer is
+linear in it). The simulator moves the same (:func:`tag.sim.units.pair_kinds`).
 """
 
 from __future__ import annotations
@@ -43,7 +51,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import PlanError
-from ..graph.gradients import gradient_tensors, partial_sum_tensors  # noqa: F401 (re-exported by tag.executor)
+from ..graph.gradients import (  # noqa: F401 (gradient_tensors, partial_sum_tensors re-exported by tag.executor)
+    batch_independent_tensors,
+    deferrable_sums,
+    gradient_tensors,
+    partial_sum_tensors,
+)
 from ..graph.ir import OpGraph
 from ..plan.format import PipelinePlan, Plan
 from .buckets import assign_buckets
@@ -187,6 +200,14 @@ class Schedule:
     """The gradient buckets, in launch order (the order of their last group's ``sync`` step)."""
     bucket_of: dict[int, int] = field(default_factory=dict)
     """Op-group -> index of its bucket in :attr:`buckets`."""
+    shared: dict[UnitKey, frozenset[str]] = field(default_factory=dict)
+    """Pipeline plans: unit -> names of the batch-independent tensors it receives once per
+    iteration, before its first micro-batch needs them, and holds for all of them
+    (:func:`tag.graph.gradients.batch_independent_tensors`: a tied weight)."""
+    summed: dict[UnitKey, frozenset[str]] = field(default_factory=dict)
+    """Pipeline plans: unit -> names of the partial sums it produces, sums over its micro-batches
+    and sends once, at its consumer's last micro-batch (zeros at the earlier ones;
+    :func:`tag.graph.gradients.deferrable_sums`: a tied weight's gradient)."""
 
     def launched_at(self, step: Step) -> Bucket | None:
         """The bucket whose collective starts at ``step`` (the ``sync`` of its last group), else None."""
@@ -354,21 +375,45 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
                 for u in strategies[g].units(g, gp, graph, hi - lo):
                     micro_units[(u.key, m)] = Unit(u.key, u.sync, [Replica(r.device, lo + r.start, lo + r.stop)
                                                                    for r in u.replicas], u.server, u.positions)
-    last_micro = {u: m for u, ph, m in tasks if ph == "bwd"}  # a unit's last backward micro-batch
+    # On a pipeline, what does not change with the micro-batch moves once per iteration (a tied
+    # weight read by another stage, and its partial-sum gradient), not once per micro-batch:
+    # a batch-independent tensor before its consumer's first micro-batch (held by the consumer
+    # without a micro-batch in its key, read by all of them); a deferrable partial sum summed
+    # over the micro-batches at its producer, moved after its consumer's last micro-batch (the
+    # producer's last ran before it), the consumer getting zeros at the earlier ones.
+    once = batch_independent_tensors(graph) if plan.pipeline is not None else set()
+    deferred = deferrable_sums(graph) if plan.pipeline is not None else set()
+    first_task: dict[tuple[UnitKey, str], int] = {}  # (unit, phase) -> its first micro-batch
+    last_task: dict[tuple[UnitKey, str], int] = {}  # (unit, phase) -> its last micro-batch
+    for u, ph, m in tasks:
+        first_task.setdefault((u, ph), m)
+        last_task[(u, ph)] = m
+    shared: dict[UnitKey, set[str]] = {}
+    summed: dict[UnitKey, set[str]] = {}
     steps: list[Step] = []
     for u, ph, m in tasks:
         moves: list[Move] = []
         for t in needed[(u, ph)]:
             tensor = graph.tensors[t]
             src_unit = owner_of_tensor[t] if tensor.producer < 0 else unit_of_op[tensor.producer]
+            dst = micro_units.get((u, m), units[u])
+            if t in once:
+                if m != first_task[(u, ph)]:
+                    continue
+                shared.setdefault(u, set()).add(tensor.name)
+            elif t in deferred:
+                summed.setdefault(src_unit, set()).add(tensor.name)
+                if m != last_task[(u, ph)]:
+                    moves += [Move(tensor.name, src_unit, u, r.device, r.device, "zeros") for r in dst.replicas]
+                    continue
             moves += _moves(tensor.name, micro_units.get((src_unit, m), units[src_unit]),
-                            micro_units.get((u, m), units[u]), tensor.batch_dim, t in partial_sums, machine_of)
+                            dst, tensor.batch_dim, t in partial_sums, machine_of)
         if moves:
             steps.append(Step("transfer", u, ph, moves, micro=m))
         steps.append(Step("compute", u, ph, micro=m))
         if ph == "bwd" and u[0] in sfb:
             steps.append(Step("sfb", u, group=u[0]))
-        if ph == "bwd" and u[0] in collective_of and m == last_micro[u]:
+        if ph == "bwd" and u[0] in collective_of and m == last_task[(u, "bwd")]:
             # The group's gradients are final once its (last micro-batch's) backward ran
             # (contributions from later groups arrived before it): start its sync now, overlapping
             # the earlier groups' backward (as the simulator does); the update waits for it.
@@ -382,7 +427,8 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
     return Schedule(B, units, assign, param_owner, param_target, param_grad, group_params, param_numel,
                     loss_t.name, loss_unit, steps, comm, sync_params, sfb, gathers, graph.model,
                     graph_structure(graph), ranges, micro_units, buckets,
-                    {g: k for k, b in enumerate(buckets) for g in b.groups})
+                    {g: k for k, b in enumerate(buckets) for g in b.groups},
+                    {u: frozenset(n) for u, n in shared.items()}, {u: frozenset(n) for u, n in summed.items()})
 
 
 def _pipeline_tasks(pp: PipelinePlan, order: list[UnitKey], num_groups: int) -> list[tuple[UnitKey, str, int]]:

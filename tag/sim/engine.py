@@ -265,21 +265,21 @@ class Simulator:
             self._buckets[(key, nbytes)] = t
         return t
 
-    def pair(self, g1: int, gd1: GroupData, g2: int, gd2: GroupData) -> _Pair:
+    def pair(self, g1: int, gd1: GroupData, g2: int, gd2: GroupData, select: str | None = None) -> _Pair:
         """Flows from group ``g1`` deployed as ``gd1`` to ``g2`` deployed as ``gd2`` (cached, and
         their :class:`PairTemplate` cached by what it depends on: the tensors crossing and the
-        two replica sets)."""
-        key = (gd1.serial, gd2.serial)
+        two replica sets); ``select``: a pipeline's part of them (:func:`pair_kinds`)."""
+        key = (gd1.serial, gd2.serial) if select is None else (gd1.serial, gd2.serial, select)
         pr = self._pairs.get(key)
         if pr is None:
             if len(self._pairs) > CACHE_LIMIT:
                 self._pairs.clear()
-            kid = self._kinds.get((g1, g2)) if not (gd1.mp or gd2.mp) else None
+            kid = self._kinds.get((g1, g2, select)) if not (gd1.mp or gd2.mp) else None
             if kid is None:
-                kinds = pair_kinds(self.static, g1, gd1, g2, gd2)
+                kinds = pair_kinds(self.static, g1, gd1, g2, gd2, select)
                 kid = self._kind_ids.setdefault(kinds, (len(self._kind_ids), kinds))
                 if not (gd1.mp or gd2.mp):
-                    self._kinds[(g1, g2)] = kid
+                    self._kinds[(g1, g2, select)] = kid
             tkey = (kid[0], gd1.ukey, gd2.ukey)
             tpl = self._templates.get(tkey)
             if tpl is None:
@@ -296,10 +296,14 @@ class Simulator:
         k = self.static.num_groups
         return -1 if ph == PARAM else ph * k + g + 2 * k * j
 
-    def _pairs_used(self, gds: list[GroupData]) -> list[_Pair]:
+    def _pairs_used(self, gds: list[GroupData], select: str | None = None) -> list[_Pair]:
         """The pairs of groups whose deployments move tensors between them, in pair order: all but
         those within one group (only mp chunks exchange) and those between two groups on one
-        layout (same replicas and sample ranges: only non-batch gradients move)."""
+        layout (same replicas and sample ranges: only non-batch gradients move); ``select``: a
+        pipeline's part of their flows (:func:`pair_kinds`)."""
+        if select is not None:
+            parts = (self.pair(pr.g1, gds[pr.g1], pr.g2, gds[pr.g2], select) for pr in self._pairs_used(gds))
+            return [pr for pr in parts if pr.fast]
         lid = np.array([gd.lid for gd in gds])
         l1, l2 = lid[self._pair_src], lid[self._pair_dst]
         used = np.where(self._pair_self, l1 < 0, self._pair_nonlocal | (l1 != l2))
@@ -495,9 +499,14 @@ class _Run:
         incoming: dict[int, tuple] = {}
         if micro is None:
             used = sim._pairs_used(gds)
-        else:  # every micro-batch's flows, at its chunk index
-            k = len(gds)
-            used = [_Shifted(pr, j, k) for j, mg in enumerate(micro.gds) for pr in sim._pairs_used(mg)]
+        elif len(micro.gds) == 1:  # one micro-batch: the flows of the plan without a pipeline
+            used = [_Shifted(pr, 0, len(gds)) for pr in sim._pairs_used(micro.gds[0])]
+        else:  # every micro-batch's flows, at its chunk index; what moves once per iteration at
+            # the first micro-batch (batch-independent tensors) or the last (deferred partial sums)
+            k, last = len(gds), len(micro.gds) - 1
+            used = [_Shifted(pr, j, k) for j, mg in enumerate(micro.gds) for pr in sim._pairs_used(mg, "micro")]
+            used += [_Shifted(pr, 0, k) for pr in sim._pairs_used(micro.gds[0], "first")]
+            used += [_Shifted(pr, last, k) for pr in sim._pairs_used(micro.gds[last], "last")]
         for pr in used:
             for dst, fl in pr.fast:
                 lst = incoming.get(dst)

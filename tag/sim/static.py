@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..graph.gradients import partial_sum_tensors
+from ..graph.gradients import batch_independent_tensors, deferrable_sums, partial_sum_tensors
 from ..plan.format import group_positions
 
 FWD, BWD, OPT = 0, 1, 2
@@ -45,6 +45,11 @@ class TensorEdge:
     fixed: float
     """Bytes: ``fixed + per_sample * b``."""
     per_sample: float
+    once: bool = False
+    """On a pipeline, moved once per iteration, not once per micro-batch (the executor's rule,
+    :mod:`tag.parallel.schedule`): a batch-independent tensor (a tied weight) before its
+    consumer's first micro-batch, a deferrable partial sum (its gradient) after the last
+    (:func:`tag.graph.gradients.batch_independent_tensors`, :func:`~tag.graph.gradients.deferrable_sums`)."""
 
 
 @dataclass
@@ -124,6 +129,7 @@ def build_static(graph) -> GraphStatic:
         grad_bytes[g] += p.nbytes
         static_pos[g][slot(g, ps)] += 2 * p.nbytes + p.opt_state_bytes
     partial_sums = partial_sum_tensors(graph)
+    once = batch_independent_tensors(graph) | deferrable_sums(graph)
 
     cons: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (tensor, dst group) -> consumers
     buffer_pos = [np.zeros(h - lo_) for lo_, h in pos]
@@ -157,7 +163,7 @@ def build_static(graph) -> GraphStatic:
         if g_src == g_dst and len({slot(g_dst, p) for p, _ in cs} | {slot(g_src, p_src)}) == 1:
             continue  # never crosses a unit, whatever the plan
         e = TensorEdge(t, g_src, p_src, ph_src, g_dst, cs, tt.batch_dim is not None,
-                       tt.batch_dim is None and t in partial_sums, tt.nbytes.fixed, tt.nbytes.per_sample)
+                       tt.batch_dim is None and t in partial_sums, tt.nbytes.fixed, tt.nbytes.per_sample, t in once)
         edges.setdefault((g_src, g_dst), []).append(e)
     saved: list[list[tuple[float, float, list[int]]]] = [[] for _ in range(k)]
     for (t, g), ps in saved_map.items():

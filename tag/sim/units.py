@@ -236,13 +236,20 @@ def pair_flows(static: GraphStatic, comm, g1: int, gd1: GroupData, g2: int, gd2:
     return flows
 
 
-def pair_kinds(static: GraphStatic, g1: int, gd1: GroupData, g2: int, gd2: GroupData) -> tuple:
+def pair_kinds(static: GraphStatic, g1: int, gd1: GroupData, g2: int, gd2: GroupData,
+               select: str | None = None) -> tuple:
     """The tensors crossing from group ``g1``'s units to ``g2``'s, summed per (source unit and
     phase, destination unit and first-need phase, move kind): ``((su, sphase, du, ph, kind),
     fixed, per_sample)`` in :func:`pair_flows` order. Depends on the deployments only through
-    the mp chunks of the two groups."""
+    the mp chunks of the two groups.
+
+    ``select`` (pipelines, :attr:`TensorEdge.once`): ``"micro"`` only the tensors moved once per
+    micro-batch, ``"first"`` only the batch-independent ones moved before the first, ``"last"``
+    only the partial sums moved after the last; None: all of them."""
     kinds: dict[tuple, list[float]] = {}
     for e in static.edges.get((g1, g2), ()):
+        if select is not None and select != ("micro" if not e.once else "last" if e.grad else "first"):
+            continue
         su = gd1.chunk_of.get(e.src_pos, 0) if gd1.mp else 0
         need: dict[int, int] = {}  # dst unit -> first phase needing it
         for p, ph in e.consumers:
