@@ -262,7 +262,12 @@ def _parse_fault(spec: str | None) -> tuple[int, int, str] | None:
     return int(r), int(it), kind
 
 
+FAULT_MARK = "tag: injecting fault"
+"""Start of the stderr line (in the rank's log) with the wall-clock time a fault was injected at."""
+
+
 def _inject(kind: str) -> None:
+    print(f"{FAULT_MARK} {kind} at {time.time():.3f}", file=sys.stderr, flush=True)
     if kind == "raise":
         raise RuntimeError("injected fault")
     if kind == "exit":
