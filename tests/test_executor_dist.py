@@ -6,10 +6,7 @@ a failing rank ends the run quickly with one line naming it; bad input is refuse
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -135,12 +132,23 @@ def test_mixed_plan_neighbours_on_different_device_sets(tmp_path, mlp):
 @pytest.mark.parametrize("fault, expect", [("1:1:raise", r"rank 1 failed: RuntimeError: injected fault"),
                                            ("0:0:exit", r"rank 0 failed: exit code -9 \(SIGKILL\)")])
 def test_failing_rank_stops_everyone_with_one_line(tmp_path, mlp, fault, expect):
+    """The failure, not gloo's timeout, ends the run: from the fault (the time the failing rank
+    logged) to the error takes less than the timeout every blocked peer would otherwise wait out.
+    (Not from the call: starting the fork server and the ranks takes ~5 s on an idle machine and
+    over a minute under load, and says nothing about the failure. A rank killed by SIGKILL dies
+    only once its SCHED_IDLE gloo thread has run its exit: 35 s after the fault under load 11.)"""
+    from tag.executor.worker import FAULT_MARK
+
     groups = [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(mlp.num_groups)]
-    t0 = time.monotonic()
+    timeout = 60
     with pytest.raises(ExecutionError, match=expect) as info:
-        run_plan(tmp_path, mlp, cpu_topology(tmp_path, 2), groups, fault=fault, timeout=30, steps=3)
+        run_plan(tmp_path, mlp, cpu_topology(tmp_path, 2), groups, fault=fault, timeout=timeout, steps=3)
+    ended = time.time()
     assert "\n" not in str(info.value)
-    assert time.monotonic() - t0 < 40
+    rank = fault.split(":")[0]
+    log = next((tmp_path / "run" / "logs").glob(f"*/attempt_0/{rank}/stderr.log")).read_text()
+    marks = [float(ln.rsplit(" at ", 1)[1]) for ln in log.splitlines() if ln.startswith(FAULT_MARK)]
+    assert len(marks) == 1 and ended - marks[0] < timeout, (ended - marks[0], timeout)
     assert children_of(os.getpid()) == [], "worker processes left behind"
 
 
@@ -158,123 +166,3 @@ def test_plan_for_another_topology_is_refused(tmp_path, mlp):
     cfg = ExecuteConfig(MLP, cpu_topology(tmp_path, 3), str(tmp_path / "plan.json"))
     with pytest.raises(PlanError, match=r"plan.json: topology: plan is for topology 'test-cpu2'"):
         execute(cfg, graph=mlp)
-
-
-def test_cli_errors_are_one_line(tmp_path, mlp):
-    groups = [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(mlp.num_groups)]
-    topo = cpu_topology(tmp_path, 2)
-    new_plan(mlp, load_topology(topo), groups).save(tmp_path / "plan.json")
-    cases = [
-        (["--model", "gpt2:n_layer=1", "--topology", topo], "model: plan is for 'mlp'"),
-        (["--model", MLP, "--topology", topo, "--backend", "nccl"], "one GPU per rank is needed"),
-    ]
-    for extra, expect in cases:
-        p = subprocess.run([sys.executable, "-m", "tag", "execute", "--plan", str(tmp_path / "plan.json"), *extra],
-                           capture_output=True, text=True, cwd=REPO, timeout=120)
-        assert p.returncode == 2, p.stderr
-        lines = [ln for ln in p.stderr.splitlines() if ln.startswith("tag execute: error:")]
-        assert len(lines) == 1 and expect in lines[0], p.stderr
-
-
-def test_validate_interleaves_rounds_and_reports(tmp_path):
-    """``tag validate`` end to end: profiles into its own folder (under load: the other rank's
-    share) afresh every round, executes every plan ``rounds`` times (each round in its own
-    order) and reports the medians of the rounds."""
-    from tag.executor.validate import validate
-
-    topo = cpu_topology(tmp_path, 2)
-    report = validate(MLP, topo, tmp_path / "v", n_plans=3, batch=B, groups=4, steps=2, warmup=1, rounds=2,
-                      log_fn=lambda m: None)
-    assert [r.name for r in report.rows] == ["dp-even", "dp-prop", "single-0"]
-    for r in report.rows:
-        assert len(r.rounds_s) == 2 and r.measured_s == pytest.approx(sum(r.rounds_s) / 2)
-        assert len(r.predicted_rounds_s) == 2 and r.predicted_s == pytest.approx(sum(r.predicted_rounds_s) / 2)
-        assert r.predicted_s > 0 and r.error >= 0
-    for k in range(2):  # stages and links profiled afresh every round
-        profiles = list((tmp_path / "v" / "profiles" / f"round-{k}").glob("cpu-*/*.json"))
-        assert any(p.name == "comm.json" for p in profiles) and len(profiles) == 2
-    assert report.meta["profile_per_round"] is True
-    # re-costing the stored runs with the same simulator gives the same predictions, measurements kept
-    from tag.executor.validate import repredict
-
-    again = repredict(tmp_path / "v", log_fn=lambda m: None)
-    assert [r.predicted_rounds_s for r in again.rows] == [r.predicted_rounds_s for r in report.rows]
-    assert [r.rounds_s for r in again.rows] == [r.rounds_s for r in report.rows]
-    assert again.meta["repredicted"] is True
-    assert -1.0 <= report.round_spearman <= 1.0 and again.round_spearman == report.round_spearman
-    assert (tmp_path / "v" / "runs" / "single-0" / "round-1" / "result.json").is_file()
-    assert (tmp_path / "v" / "validation.json").is_file() and (tmp_path / "v" / "scatter.png").is_file()
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (children, grandchildren: forkserver, ranks, helpers)."""
-    parent: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                parent[int(d.name)] = int(fields[1])
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out.update(kids)
-        todo.extend(kids)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def test_kill_9_of_the_launcher_leaves_no_rank(tmp_path, mlp):
-    """The forkserver and both ranks used to train on for minutes, reparented to pid 1."""
-    import signal
-
-    groups = [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(mlp.num_groups)]
-    topo = cpu_topology(tmp_path, 2)
-    new_plan(mlp, load_topology(topo), groups).save(tmp_path / "plan.json")
-    run = tmp_path / "run"
-    helpers: set[int] = set()
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "tag", "execute", "--model", MLP, "--topology", topo, "--plan",
-         str(tmp_path / "plan.json"), "--steps", "100000", "--run-dir", str(run)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(list(run.glob("logs/**/*.log"))) < 2:
-            time.sleep(0.2)  # both ranks started (torchelastic opened their log files)
-        assert launcher.poll() is None, "the run ended before it could be killed"
-        time.sleep(1.0)  # ranks past rendezvous, training
-        helpers = _descendants(launcher.pid)
-        assert len(helpers) >= 2, helpers
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(map(_alive, helpers)):
-            time.sleep(0.1)
-        assert not [p for p in helpers if _alive(p)], "processes outlived the launcher"
-    finally:
-        for p in helpers | _descendants(launcher.pid) | {launcher.pid}:
-            with contextlib.suppress(OSError):
-                os.kill(p, 9)
-
-
-def test_killed_rank_is_one_line_without_torch_warnings(tmp_path, mlp):
-    """torch's "Terminating process N via signal SIGTERM" and the resource tracker's "leaked
-    semaphore objects" warning used to surround the error line (kept under --debug)."""
-    groups = [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(mlp.num_groups)]
-    topo = cpu_topology(tmp_path, 2)
-    new_plan(mlp, load_topology(topo), groups).save(tmp_path / "plan.json")
-    p = subprocess.run([sys.executable, "-m", "tag", "execute", "--model", MLP, "--topology", topo, "--plan",
-                        str(tmp_path / "plan.json"), "--steps", "3", "--warmup", "0", "--inject-fault", "0:1:exit",
-                        "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert p.returncode == 2
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("tag execute: error: rank 0 failed"), p.stderr

@@ -179,13 +179,14 @@ def test_tune_malloc(monkeypatch):
 def test_pin_cores_and_demote_threads():
     """In a child process (affinity and priorities are process state): a slot gets its own cores,
     slots that do not fit change nothing; only threads of the given name are demoted (SCHED_IDLE,
-    or nice 19 where refused), never the caller."""
+    or nice 19 where refused), never the caller; restore_threads undoes SCHED_IDLE (a failing
+    rank's exit)."""
     import subprocess
     import sys
 
     code = r"""
 import os, threading, time
-from tag.cost.host import pin_cores, demote_threads
+from tag.cost.host import pin_cores, demote_threads, restore_threads
 cores = sorted(os.sched_getaffinity(0))
 assert pin_cores(0, len(cores) + 1, 1) is None and sorted(os.sched_getaffinity(0)) == cores
 mine = pin_cores(len(cores) - 1, len(cores), 1)
@@ -203,6 +204,10 @@ assert demote_threads(name) >= 1
 assert (os.sched_getscheduler(t.native_id) == os.SCHED_IDLE
         or os.getpriority(os.PRIO_PROCESS, t.native_id) == 19)
 assert os.sched_getscheduler(me) == main_policy and os.getpriority(os.PRIO_PROCESS, me) == main_nice
+if os.sched_getscheduler(t.native_id) == os.SCHED_IDLE:
+    assert restore_threads("no-such-thread") == 0 and restore_threads(name) >= 1
+    assert os.sched_getscheduler(t.native_id) == os.SCHED_OTHER
+    assert restore_threads(name) == 0  # nothing left to restore
 stop.set()
 t.join()
 print("ok")

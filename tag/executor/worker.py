@@ -282,7 +282,12 @@ def _parse_fault(spec: str | None) -> tuple[int, int, str] | None:
     return int(r), int(it), kind
 
 
+FAULT_MARK = "tag: injecting fault"
+"""Start of the stderr line (in the rank's log) with the wall-clock time a fault was injected at."""
+
+
 def _inject(kind: str) -> None:
+    print(f"{FAULT_MARK} {kind} at {time.time():.3f}", file=sys.stderr, flush=True)
     if kind == "raise":
         raise RuntimeError("injected fault")
     if kind == "exit":
@@ -306,9 +311,13 @@ def worker_entry(args_path: str) -> dict:
     except BaseException as e:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+        from ..cost.host import restore_threads
         from .launch import is_secondary
 
         ErrorHandler().record_exception(e)
+        # The process (and its connections, which tell the peers) ends only once all its threads
+        # have exited: gloo's demoted event thread would wait for an idle core on a busy host.
+        restore_threads()
         if is_secondary(str(e)):
             # Only a consequence of a peer's failure: let the peer's exit reach the agent first
             # (it reports the first failed process it polls). The agent stops us meanwhile.
