@@ -59,7 +59,7 @@ def _executor_steps(spec: str) -> dict:
     from tag.topology import load_topology
     from tag.workloads import load_workload
 
-    from .executor_overhead import UNSEEN, one_cpu_topology
+    from evaluation.executor_overhead import UNSEEN, one_cpu_topology
 
     tune_malloc()
     torch.set_num_threads(1)
@@ -97,7 +97,13 @@ def _executor_steps(spec: str) -> dict:
 
 
 def _sim_steps() -> dict:
-    from .sim_speed import build
+    import importlib.util
+
+    # this file's sim_speed (the other tree may predate it), with the tree's tag (PYTHONPATH)
+    spec = importlib.util.spec_from_file_location("sim_speed", REPO / "evaluation" / "sim_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    build = mod.build
 
     args = argparse.Namespace(model="gpt2:n_layer=4", batch=32, groups=64, topology="cluster-16gpu-4m")
     _, _, workloads = build(args)
@@ -110,9 +116,10 @@ def _sim_steps() -> dict:
 def count(serve_args: list[str], requests: list[tuple[str, int]], tree: Path = REPO) -> dict[str, float]:
     """Instructions per call of each request ``(name, count)`` in a served process of ``tree``."""
     out = Path(tempfile.mkdtemp(prefix="tag-callgrind-")) / "cg"
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
+    # run as a file: the served process imports ``tag`` (and ``evaluation``) from ``tree`` only
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p",
-           sys.executable, "-m", "evaluation.instructions", "--_serve", *serve_args]
+           sys.executable, str(Path(__file__).resolve()), "--_serve", *serve_args]
     p = subprocess.Popen(cmd, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, text=True)
     if p.stdout.readline().strip() != "ready":
