@@ -51,6 +51,7 @@ def _serve(steps: dict) -> None:
 def _executor_steps(spec: str) -> dict:
     import torch
 
+    from evaluation.executor_overhead import UNSEEN, one_cpu_topology
     from tag.cost.host import tune_malloc
     from tag.executor.runtime import RankRuntime, export_at
     from tag.graph import capture
@@ -58,8 +59,6 @@ def _executor_steps(spec: str) -> dict:
     from tag.plan import GroupPlan, new_plan
     from tag.topology import load_topology
     from tag.workloads import load_workload
-
-    from evaluation.executor_overhead import UNSEEN, one_cpu_topology
 
     tune_malloc()
     torch.set_num_threads(1)
@@ -83,7 +82,7 @@ def _executor_steps(spec: str) -> dict:
 
     def tag():  # the worker's walk (tag.executor.worker.run_rank) without its communication
         rt.begin_iteration()
-        for i, st in enumerate(sched.steps):
+        for i in range(len(sched.steps)):
             if rt.covers(i):
                 rt.run_segment(i)
             else:
