@@ -367,7 +367,7 @@ def test_helpers_die_with_the_launcher(tmp_path):
     import subprocess
     import sys
 
-    from test_executor_dist import _alive, _descendants
+    from test_executor_cli import _alive, _descendants
 
     launcher_code = ("import subprocess, sys, os; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], "
                      "str(os.getpid()), 'spawn', sys.argv[1]]); p.wait()")
