@@ -100,23 +100,33 @@ def demote_threads(name: str = GLOO_EVENT_THREAD) -> int:
     """
     if not _pinning_on() or not os.path.isdir("/proc/self/task"):
         return 0
-    idle = getattr(os, "SCHED_IDLE", None)
-    me, n = threading.get_native_id(), 0
-    for tid in os.listdir("/proc/self/task"):
+    idle, n = getattr(os, "SCHED_IDLE", None), 0
+    for tid in _threads_named(name):
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if int(tid) == me or f.read().strip() != name:
-                    continue
             try:
                 if idle is None:
                     raise PermissionError("no SCHED_IDLE")
-                os.sched_setscheduler(int(tid), idle, os.sched_param(0))
+                os.sched_setscheduler(tid, idle, os.sched_param(0))
             except PermissionError:
-                os.setpriority(os.PRIO_PROCESS, int(tid), FALLBACK_NICE)
+                os.setpriority(os.PRIO_PROCESS, tid, FALLBACK_NICE)
             n += 1
         except OSError:  # the thread ended meanwhile
             pass
     return n
+
+
+def _threads_named(name: str):
+    """Native ids of this process's threads called ``name`` (``/proc/self/task/*/comm``), never
+    the calling thread's."""
+    me = threading.get_native_id()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                found = int(tid) != me and f.read().strip() == name
+        except OSError:  # the thread ended meanwhile
+            continue
+        if found:
+            yield int(tid)
 
 
 def restore_threads(name: str = GLOO_EVENT_THREAD) -> int:
@@ -129,16 +139,13 @@ def restore_threads(name: str = GLOO_EVENT_THREAD) -> int:
     if not os.path.isdir("/proc/self/task") or not hasattr(os, "sched_getscheduler"):
         return 0
     idle, n = getattr(os, "SCHED_IDLE", None), 0
-    for tid in os.listdir("/proc/self/task"):
+    for tid in _threads_named(name):
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != name:
-                    continue
-            if idle is not None and os.sched_getscheduler(int(tid)) == idle:
-                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+            if idle is not None and os.sched_getscheduler(tid) == idle:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
                 n += 1
-            elif os.getpriority(os.PRIO_PROCESS, int(tid)) == FALLBACK_NICE:
-                os.setpriority(os.PRIO_PROCESS, int(tid), 0)  # lowering nice may need CAP_SYS_NICE
+            elif os.getpriority(os.PRIO_PROCESS, tid) == FALLBACK_NICE:
+                os.setpriority(os.PRIO_PROCESS, tid, 0)  # lowering nice may need CAP_SYS_NICE
                 n += 1
         except OSError:  # the thread ended meanwhile, or the change was refused
             pass

@@ -395,7 +395,7 @@ def simplify(g: fx.Graph) -> int:
     ``permute`` that composes to the identity is the inner input (the ``W.t().t()`` of a linear
     layer's backward); and a pure op repeated with the same arguments (the loss's ``labels != -100``
     three times) is computed once. Values returned by the segment are never replaced by one of
-    its inputs (the caller may hold them as distinct tensors). On a small MLP this removes 16 of
+    its inputs (the caller may hold them as distinct tensors). On a small MLP this removes 21 of
     71 op calls per iteration, each ~1-2 us of Python dispatch on a CPU rank.
     """
     out = next(n for n in reversed(g.nodes) if n.op == "output")

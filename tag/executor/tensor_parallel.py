@@ -121,8 +121,7 @@ class TpRank:
         its gradient node."""
         gm = joint.module
         nodes = {n.name: n for n in gm.graph.nodes}
-        values = {ph: joint.state_values[t] for ph, t in joint.state.items()}
-        values.update(zip(joint.user_inputs, inputs))
+        values = _joint_values(joint, inputs)
         clean, _ = _nan_pass(gm, values, {}, {})
         split_ph = {ph for ph, t in joint.state.items() if t in self.spec.split}
         if len(split_ph) != len(self.spec.split):
@@ -398,11 +397,17 @@ def _rewrite(gm: fx.GraphModule, grids: dict[tuple[str, int | None], list[torch.
     return fx.GraphModule(gm, g)
 
 
+def _joint_values(joint: Joint, inputs: tuple) -> dict[str, object]:
+    """Placeholder name -> value: the joint graph's state and the user inputs."""
+    values: dict[str, object] = {ph: joint.state_values[t] for ph, t in joint.state.items()}
+    values.update(zip(joint.user_inputs, inputs))
+    return values
+
+
 def _check_shapes(joint: Joint, inputs: tuple, grids) -> None:
     """Run the rewritten joint graph on the shard (boundaries unreduced: shapes only) and refuse,
     naming the op, a result whose shape is not the one planned."""
-    values = {ph: joint.state_values[t] for ph, t in joint.state.items()}
-    values.update(zip(joint.user_inputs, inputs))
+    values = _joint_values(joint, inputs)
     env: dict[str, object] = {}
 
     def load(a):

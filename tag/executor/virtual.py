@@ -14,7 +14,7 @@ import torch
 from ..graph.ir import OpGraph
 from ..graph.precision import autocast, loss_scale
 from ..parallel.schedule import Schedule, build_schedule
-from ..parallel.tensor_parallel import executed_plan, tp_groups
+from ..parallel.tensor_parallel import executed_plan, shard_maps, tp_groups
 from ..plan.format import Plan
 from .optim import make_optimizer
 from .runtime import Joint, RankRuntime, export_at
@@ -56,7 +56,7 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
         for devs in groups:
             tp.update({d: TpRank(i, len(devs), spec, red) for i, (d, red) in
                        enumerate(zip(devs, thread_reducers(len(devs))))})
-        shards = [{devs[0]: devs[i] for devs in groups} for i in range(len(groups[0]))]
+        shards = shard_maps(groups)
         lead = {d: devs[0] for devs in groups for d in devs}
     joints = {} if joints is None else joints
     runtimes: dict[int, RankRuntime] = {}

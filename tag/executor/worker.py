@@ -23,7 +23,7 @@ import torch
 
 from ..io import write_json
 from ..parallel import build_schedule, validate_plan
-from ..parallel.tensor_parallel import executed_plan, tp_groups
+from ..parallel.tensor_parallel import executed_plan, shard_maps, tp_groups
 from .runtime import ExecutionError, RankRuntime, export_at
 from .tensor_parallel import TpRank, tp_spec
 from .virtual import local_batch_sizes, needs_global_joint
@@ -147,7 +147,7 @@ def run_rank(a: WorkerArgs) -> dict:
     # segments run on across them; a GPU rank issues each as soon as its gradients exist.
     rt = RankRuntime(me, sched, inputs, joints, a.optimizer, device, slow, global_joint=full,
                      loss_scale=loss_scale(a.precision), cut_at_sync=device.type != "cpu", tp=tp)
-    shards = [{devs[0]: devs[i] for devs in groups} for i in range(len(groups[0]))] if groups else None
+    shards = shard_maps(groups) if groups else None
     comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device, shards)
     tp_group = None
     for devs in groups:  # every rank creates every process group, in the same order
