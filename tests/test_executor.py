@@ -16,11 +16,15 @@ import torch
 from tag.errors import PlanError
 from tag.executor import build_schedule, partial_sum_tensors, reference_training, run_virtual
 from tag.parallel import validate_plan
+from tag.parallel.tensor_parallel import base_name
 from tag.plan import GroupPlan, group_positions, new_plan
 from tag.workloads import load_workload
 
 MLP = "mlp"
 GPT2 = "gpt2:n_layer=1,n_embd=32,n_head=2,seq=16"
+ATTENTION = "tests/data/attention_model.py:make"
+"""A model outside the zoo calling F.scaled_dot_product_attention (the zoo's transformers use
+the eager attention implementation: matmul, softmax, matmul)."""
 B = 8
 
 
@@ -417,3 +421,38 @@ def test_validation_report_measures_its_own_reproducibility():
     single = summarize_rows("m", "t", [ValidationRow(r.name, r.predicted_s, r.measured_s, [], rounds_s=r.rounds_s[:1])
                                        for r in rows], {})
     assert math.isnan(single.round_spearman) and "round-to-round" not in single.table()
+
+
+
+@pytest.mark.parametrize("kind", ["single", "dp-uneven"])
+def test_fused_attention_is_one_op_and_trains_like_eager(topo4, kind):
+    """F.scaled_dot_product_attention is captured as the fused kernel eager runs on this CPU
+    (forward and backward, the backward reading the forward's output and logsumexp), not as the
+    math path (bmm, softmax, NaN masking), and a plan of it trains as eager does."""
+    from tag.graph import capture
+
+    spec = ATTENTION
+    graph = capture(load_workload(spec, batch=B), num_groups=4).graph
+    targets = [o.target for o in graph.ops]
+    fwd = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    assert targets.count(fwd) == 1
+    assert targets.count("aten._scaled_dot_product_flash_attention_for_cpu_backward.default") == 1
+    assert not [t for t in targets if base_name(t) in ("bmm", "_softmax", "any", "_safe_softmax")]
+    op = next(o for o in graph.ops if o.target == fwd)
+    # FLOPs: two bmm of [B * heads, 12, 8] x [.., 8, 12] (torch's SDPA formula), counted per sample
+    assert op.flops.at(B) == 2 * (2 * B * 4 * 12 * 12 * 8)
+    bwd = next(o for o in graph.ops if o.target.endswith("for_cpu_backward.default"))
+
+    def reaches(t: int) -> set[int]:  # t and the aliases of it
+        return {t} | {r for c in graph.tensors[t].consumers if graph.ops[c].target == "aten.alias.default"
+                      for r in reaches(graph.ops[c].outputs[0])}
+
+    items = [graph.ops[c].outputs[0] for c in graph.tensors[op.outputs[0]].consumers]  # output, logsumexp
+    assert len(items) == 2 and all(reaches(t) & set(bwd.inputs) for t in items)
+    groups = {"single": lambda: [GroupPlan([1], [1.0])] * graph.num_groups,
+              "dp-uneven": lambda: [GroupPlan([0, 1], [0.75, 0.25])] * graph.num_groups}[kind]()
+    plan = new_plan(graph, topo4, groups)
+    validate_plan(plan, graph, topo4)
+    # SGD: the key bias's gradient is zero in exact arithmetic, and Adam would turn the rounding
+    # noise of a split batch into a full-size step
+    assert_matches_reference(graph, plan, spec, "sgd", {})

@@ -40,6 +40,23 @@ from .precision import autocast, check_precision, dtype_name
 
 log = logging.getLogger(__name__)
 
+
+def register_attention_flops() -> None:
+    """Count the CPU flash attention kernels in ``torch.utils.flop_counter`` (its own CUDA
+    kernels are counted; ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward
+    are not, so ``FlopCounterMode`` would count an SDPA model's attention as 0 on the CPU, where
+    the graphs are captured). Same formulas as the CUDA flash kernels: forward two ``bmm``,
+    backward five (scores recomputed). Idempotent; leaves a registration torch ships alone."""
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    for packet, formula in ((aten._scaled_dot_product_flash_attention_for_cpu, fc.sdpa_flop),
+                            (aten._scaled_dot_product_flash_attention_for_cpu_backward, fc.sdpa_backward_flop)):
+        flop_registry.setdefault(packet, formula)
+
+
+register_attention_flops()
+
 # Per-element cost of one optimizer update: (FLOPs, tensors read, tensors written), counted
 # from torch.optim's single-tensor kernels (Adam: lerp_, mul_/addcmul_, sqrt/div/add_, addcdiv_;
 # SGD+momentum: mul_/add_, add_; SGD: add_).
@@ -183,20 +200,37 @@ def _is_backward_kernel(op) -> bool:
     return base.endswith(("_backward", "_backward_data"))
 
 
+FUSED_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+"""The fused attention forwards ``F.scaled_dot_product_attention`` dispatches to (ATen base
+names): CPU flash, CUDA flash, memory-efficient, cuDNN. Their backwards are backward kernels."""
+
+
+def _is_fused_attention(op) -> bool:
+    """Whether ``op`` (an ATen overload) is a fused attention forward (:data:`FUSED_ATTENTION`)."""
+    return op.name().split("::")[-1].split(".")[0] in FUSED_ATTENTION
+
+
 @functools.cache
 def joint_decompositions() -> dict:
     """Core-ATen decompositions minus the backward kernels (LayerNorm, BatchNorm, softmax, GELU,
-    NLL, embedding, ... backwards), which stay single ops as eager runs them.
+    NLL, embedding, ... backwards) and the fused attention forwards (:data:`FUSED_ATTENTION`),
+    which stay single ops as eager runs them.
 
     Decomposed, LayerNorm's backward is ~10 elementwise ops and reductions, each writing a full
     activation: the graph then has 1.2-1.3x the ops of eager (gpt2, resnet; evaluation/results/
-    capture-scale) and the byte counts price intermediates eager never writes. FLOP counts are
-    unchanged: ``torch.utils.flop_counter`` counts matmuls, convolutions and attention only,
-    none of which is in this table's removed part.
+    capture-scale) and the byte counts price intermediates eager never writes. Decomposed, the CPU
+    flash attention forward becomes the math path (two ``bmm``, a softmax, NaN masking with
+    ``any``/``where``) feeding a fused backward that recomputes the scores anyway. FLOP counts
+    are unchanged: ``torch.utils.flop_counter`` counts the fused attention as the two ``bmm`` it
+    replaces (:func:`register_attention_flops` adds the CPU flash kernels).
+    ``aten.scaled_dot_product_attention`` itself stays decomposed: its decomposition is the
+    dispatch to a fused kernel (or to the math path where no fused kernel applies).
     """
     from torch._decomp import core_aten_decompositions
 
-    return {op: fn for op, fn in core_aten_decompositions().items() if not _is_backward_kernel(op)}
+    return {op: fn for op, fn in core_aten_decompositions().items()
+            if not _is_backward_kernel(op) and not _is_fused_attention(op)}
 
 
 def _forward_backward(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

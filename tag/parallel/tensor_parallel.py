@@ -11,7 +11,8 @@ attention's weightless ``bmm`` and ``softmax`` over keys, rotary ``cat``/``slice
 nothing else. Layer norms, reductions over features and the loss are not per feature: the LM head
 and embeddings are never split. The split features (``R``'s input features) come from ``R``'s
 weight size and the ratio of its input to output activation bytes; the heads from the attention
-scores' bytes where they are materialised (a ``softmax``), else unknown.
+scores' bytes where they are materialised (a ``softmax``) or from a fused attention's logsumexp,
+else unknown.
 
 **The strategy.** A group's ``T`` devices (``GroupPlan.tp``: ``len(devices) / T`` data-parallel
 replicas of ``T`` consecutive devices each, default one replica) on one machine split every block
@@ -49,6 +50,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import PlanError
+from ..graph.capture import FUSED_ATTENTION
 from ..graph.ir import Affine, OpGraph
 from ..plan.format import GroupPlan
 from .strategy import Collective, Strategy, Unit, check_shares, no_field, sample_replicas
@@ -67,10 +69,12 @@ PER_FEATURE = WEIGHT_PATH | frozenset({
     "unsqueeze", "squeeze", "split", "split_with_sizes", "slice", "select", "unbind", "chunk", "getitem",
     "add", "sub", "mul", "div", "neg", "pow", "tanh", "sigmoid", "silu", "gelu", "relu", "erf", "exp",
     "where", "masked_fill", "native_dropout", "dropout", "_softmax", "softmax", "cat", "bmm", "matmul", "baddbmm",
-    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_cudnn_attention", "full_like", "zeros_like", "ones_like", "copy", "fill"})
+    "scaled_dot_product_attention", *FUSED_ATTENTION, "full_like", "zeros_like", "ones_like", "copy", "fill"})
 """Ops that act per feature or per attention head (on the split features each device holds)."""
+
+LSE_ITEMSIZE = 4
+"""Bytes per element of a fused attention's logsumexp (FP32: the kernels' accumulation dtype,
+also under bf16/fp16 autocast)."""
 
 ITEMSIZE = {"": 4, "float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
@@ -79,6 +83,18 @@ def base_name(target: str) -> str:
     """``aten.addmm.default`` -> ``addmm``; ``getitem`` -> ``getitem``."""
     parts = target.split(".")
     return parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[-1]
+
+
+def _heads(graph: OpGraph, op: int, tokens: float) -> float:
+    """Attention heads read from the bytes per sample of op ``op``: a softmax's scores are
+    ``heads x tokens x tokens``; a fused attention's logsumexp (its smaller output, taken by a
+    ``getitem``; the other is ``heads x tokens x head_dim``) is ``heads x tokens`` FP32."""
+    o = graph.ops[op]
+    if base_name(o.target) in ("_softmax", "softmax"):
+        return graph.tensors[o.outputs[0]].nbytes.per_sample / ITEMSIZE.get(o.dtype, 4) / (tokens * tokens)
+    items = [graph.tensors[graph.ops[c].outputs[0]].nbytes.per_sample for c in graph.tensors[o.outputs[0]].consumers
+             if graph.ops[c].target == "getitem"]
+    return min(items) / LSE_ITEMSIZE / tokens if items else 0.0
 
 
 @dataclass(frozen=True)
@@ -95,7 +111,8 @@ class MegatronBlock:
     """Split features: the row matmul's input features (= the columns' output features summed
     over the row's input)."""
     heads: int | None
-    """Attention heads (from the materialised scores), ``None`` for an MLP or where unknown."""
+    """Attention heads (from the materialised scores or a fused attention's logsumexp), ``None``
+    for an MLP or where unknown."""
     reduce_fwd: Affine
     """Bytes of the forward all-reduce: the row matmul's output (at the replica's batch)."""
     reduce_bwd: Affine
@@ -174,7 +191,7 @@ def _detect(graph: OpGraph) -> list[MegatronBlock]:
     pidx = {p.tensor: i for i, p in enumerate(graph.params)}
     wm = {i: w for i in range(len(ops)) if (w := weight_param(graph, i, pidx)) is not None}
     reach: dict[int, list[int]] = {}  # row op -> column ops reaching it
-    softmax_of: dict[int, int] = {}  # row op -> a softmax op on the way (attention)
+    softmax_of: dict[int, int] = {}  # row op -> a softmax or fused attention op on the way
     for c in sorted(wm):
         hit, soft, ok = set(), None, True
         seen, todo = set(), list(ops[c].outputs)
@@ -194,7 +211,7 @@ def _detect(graph: OpGraph) -> list[MegatronBlock]:
                 if name not in PER_FEATURE:
                     ok = False
                     break
-                if name in ("_softmax", "softmax"):
+                if name in ("_softmax", "softmax", *FUSED_ATTENTION):
                     soft = u
                 todo.extend(uo.outputs)
         if ok and len(hit) == 1:
@@ -223,11 +240,8 @@ def _detect(graph: OpGraph) -> list[MegatronBlock]:
         out_feats = w // feats
         heads = None
         if r in softmax_of:
-            so = ops[softmax_of[r]]
-            item_r = ITEMSIZE.get(ro.dtype, 4)
-            tokens = out_ps / (out_feats * item_r)  # per sample
-            scores = tensors[so.outputs[0]].nbytes.per_sample / ITEMSIZE.get(so.dtype, 4)
-            h = scores / (tokens * tokens) if tokens >= 1 else 0
+            tokens = out_ps / (out_feats * ITEMSIZE.get(ro.dtype, 4))  # per sample
+            h = _heads(graph, softmax_of[r], tokens) if tokens >= 1 else 0
             if h >= 1 and abs(h - round(h)) < 1e-6 and feats % round(h) == 0:
                 heads = round(h)
         split = [wp]
