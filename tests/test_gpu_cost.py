@@ -79,6 +79,9 @@ def test_op_classes_and_pytorch_tf32_defaults():
     assert [op_class(t) for t in ("aten.mm.default", "aten.convolution_backward.default", "optim.adam",
                                   "aten._scaled_dot_product_flash_attention.default", "aten.add.Tensor")] == \
         ["matmul", "conv", "opt", "attention", "memory"]
+    # the CPU flash kernels the graphs hold (F.scaled_dot_product_attention captured on the CPU)
+    assert {op_class(f"aten._scaled_dot_product_flash_attention_for_cpu{b}.default") for b in ("", "_backward")} == \
+        {"attention"}
     d = Numerics()
     assert (op_mode("matmul", "float32", d), op_mode("conv", "float32", d), op_mode("matmul", "bfloat16", d)) == \
         ("fp32", "tf32", "low")

@@ -208,3 +208,36 @@ def test_joint_graph_copy_is_the_retrace(spec, tmp_path, monkeypatch):
         va, vb = a.meta.get("val"), b.meta.get("val")
         if isinstance(va, torch.Tensor):
             assert va.stride() == vb.stride(), a.name
+
+
+def test_fused_attention_stages_on_a_gpu_device_keep_shapes(captured):
+    """The CPU flash attention kernels of a captured graph (CUDA has none) run as memory-efficient
+    attention on a GPU stage: on the meta device (the CUDA kernels' shape functions) the retargeted
+    stages give every value the shape and dtype the CPU run gives, the logsumexp included."""
+    import copy
+
+    from tag.graph.stages import efficient_attention, retarget_devices
+
+    spec = "tests/data/attention_model.py:make"
+    cap = captured(spec, batch=4)
+    wl = load_workload(spec, batch=4)
+    args = [cap.state[t] if kind != "input" else None for _, kind, t in cap.placeholders]
+    user = iter(wl.inputs)
+    args = [a if a is not None else next(user) for a in args]
+    meta = copy.deepcopy(cap.joint)
+    retarget_devices(meta, torch.device("meta"))
+    targets = [n.target for n in meta.graph.nodes if n.op == "call_function"]
+    assert efficient_attention in targets and not any("for_cpu" in str(t) for t in targets)
+
+    def shapes(gm, inputs):
+        env = {}
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                env[n.name] = inputs.pop(0)
+            elif n.op == "call_function":
+                a, kw = torch.fx.node.map_arg((n.args, n.kwargs), lambda x: env[x.name])
+                env[n.name] = n.target(*a, **kw)
+        return {k: (tuple(v.shape), v.dtype) for k, v in env.items() if isinstance(v, torch.Tensor)}
+
+    cpu = shapes(cap.joint, list(args))
+    assert shapes(meta, [a.to("meta") for a in args]) == cpu

@@ -94,9 +94,55 @@ def group_phase_assignment(captured: Captured, groups: Iterable[int] | None = No
 
 def retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
     """Point the ops that create tensors (``full_like``, ``scalar_tensor``, ``_to_copy``), traced
-    with ``device=cpu``, at ``device`` (a stage run on a GPU)."""
+    with ``device=cpu``, at ``device`` (a stage run on a GPU); on a CUDA (or meta) device, run the
+    CPU flash attention kernels the capture recorded as :func:`efficient_attention` and
+    :func:`efficient_attention_backward`."""
+    moved = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: efficient_attention,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: efficient_attention_backward}
     for n in gm.graph.nodes:
         dev = n.kwargs.get("device") if n.op == "call_function" else None
         if dev is not None and torch.device(dev).type == "cpu":
             n.kwargs = {**n.kwargs, "device": device}
+        if n.op == "call_function" and n.target in moved and torch.device(device).type in ("cuda", "meta"):
+            n.target = moved[n.target]
     gm.recompile()
+
+
+# CUDA has no kernel of the CPU flash attention the graphs are captured with (on fake CPU
+# tensors); memory-efficient attention is the fused CUDA kernel for every dtype and GPU that
+# F.scaled_dot_product_attention dispatches to in fp32 (flash needs fp16/bf16 and sm80+). Its
+# logsumexp is [B, H, L] padded to a multiple of 32 along L, the CPU kernel's [B, H, L]: the
+# graph keeps the CPU shape (stage boundaries and messages are sized by it), these pad and cut.
+# Not run on a GPU as of 2026-11-26 (none available); tests/test_graph.py runs both on
+# the meta device, where the CUDA kernels' shape functions live.
+_LSE_ALIGN = 32
+"""Alignment of memory-efficient attention's logsumexp length (PyTorch's ``kAlignLSE``)."""
+
+
+def _no_dropout(dropout_p: float) -> None:
+    if dropout_p:
+        raise NotImplementedError(f"fused attention with dropout_p={dropout_p} on a GPU: the graph was captured with "
+                                  "the CPU kernel, whose random numbers the CUDA kernel cannot reproduce; set the "
+                                  "attention dropout to 0")
+
+
+def efficient_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` (same arguments and results:
+    ``(output [B, H, L, Dv], logsumexp [B, H, L] fp32)``) by the memory-efficient CUDA kernel."""
+    _no_dropout(dropout_p)
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)
+    return out, lse[..., :query.shape[-2]]
+
+
+def efficient_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
+                                 attn_mask=None, scale=None):
+    """``aten._scaled_dot_product_flash_attention_for_cpu_backward`` (same arguments, results
+    ``(grad_query, grad_key, grad_value)``) by the memory-efficient CUDA kernel's backward."""
+    _no_dropout(dropout_p)
+    lse = torch.nn.functional.pad(logsumexp, (0, -logsumexp.shape[-1] % _LSE_ALIGN))
+    seed = offset = torch.empty((), dtype=torch.int64, device=query.device)  # read only with dropout
+    gq, gk, gv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, query, key, value, attn_mask, out, lse, seed, offset, dropout_p, [True, True, True, False],
+        is_causal, scale=scale)
+    return gq, gk, gv

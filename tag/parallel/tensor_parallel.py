@@ -192,8 +192,9 @@ def _detect(graph: OpGraph) -> list[MegatronBlock]:
     wm = {i: w for i in range(len(ops)) if (w := weight_param(graph, i, pidx)) is not None}
     reach: dict[int, list[int]] = {}  # row op -> column ops reaching it
     softmax_of: dict[int, int] = {}  # row op -> a softmax or fused attention op on the way
+    bias_of: dict[int, set[int]] = {}  # column op -> params added to its output on the way (a bias)
     for c in sorted(wm):
-        hit, soft, ok = set(), None, True
+        hit, soft, ok, bias = set(), None, True, set()
         seen, todo = set(), list(ops[c].outputs)
         while todo and ok:
             t = todo.pop()
@@ -213,10 +214,13 @@ def _detect(graph: OpGraph) -> list[MegatronBlock]:
                     break
                 if name in ("_softmax", "softmax", *FUSED_ATTENTION):
                     soft = u
+                if name == "add":  # a linear layer on a non-contiguous input: mm, then its bias added
+                    bias.update(p for x in uo.inputs if (p := _param_of(graph, x, pidx)) is not None)
                 todo.extend(uo.outputs)
         if ok and len(hit) == 1:
             r = hit.pop()
             reach.setdefault(r, []).append(c)
+            bias_of[c] = bias
             if soft is not None:
                 softmax_of[r] = soft
     blocks = []
@@ -247,7 +251,7 @@ def _detect(graph: OpGraph) -> list[MegatronBlock]:
         split = [wp]
         for c in cols:
             cw, cother = wm[c]
-            split += [cw, *cother]
+            split += [p for p in (cw, *cother, *sorted(bias_of[c])) if p not in split]
         first_in = [t for t in ops[cols[0]].inputs if tensors[t].batch_dim is not None]
         bwd = tensors[first_in[0]].nbytes if first_in else tensors[ro.outputs[0]].nbytes
         used.update(cols)
