@@ -92,3 +92,21 @@ def test_bad_topology_file(tmp_path, text, field):
 def test_debug_shows_traceback():
     r = tag("--debug", "inspect", "--model", "gtp2")
     assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+@pytest.mark.parametrize("argv, code", [(["--version"], 0), (["inspect", "--model", "gtp2"], 2)])
+def test_entry_is_main_then_freezes_the_objects(argv, code, monkeypatch, capsys):
+    """``python -m tag`` and the installed script run tag.cli.entry: main's exit code, and the
+    objects frozen so that the collection at interpreter exit skips them."""
+    import gc
+
+    from tag.cli import entry
+
+    monkeypatch.setattr(sys, "argv", ["tag", *argv])
+    assert gc.get_freeze_count() == 0
+    try:
+        assert entry() == code
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert ("error" in capsys.readouterr().err) == (code == 2)

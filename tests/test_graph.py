@@ -241,3 +241,30 @@ def test_fused_attention_stages_on_a_gpu_device_keep_shapes(captured):
 
     cpu = shapes(cap.joint, list(args))
     assert shapes(meta, [a.to("meta") for a in args]) == cpu
+
+
+def test_joint_graph_code_is_generated_when_first_run():
+    """export_joint builds its graph modules without generating their code (capture._lazy_codegen):
+    the returned joint module generates the same code a plain GraphModule does when it is first
+    run or read, runs as the model does, and GraphModule is left as it was."""
+    import sys
+
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    cap = sys.modules["tag.graph.capture"]
+    new_before = torch.fx.GraphModule.__dict__["__new__"]
+    wl = load_workload("gpt2:n_layer=1,n_embd=32,n_head=2,seq=8,vocab=64", batch=2)
+    ep = cap.export_joint(wl.model, wl.inputs)
+    gm = ep.graph_module
+    assert isinstance(gm, _LazyGraphModule) and gm._needs_recompile()  # no code generated yet
+    assert torch.fx.GraphModule.__dict__["__new__"] is new_before
+    assert not isinstance(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), _LazyGraphModule)
+    plain = torch.fx.GraphModule(gm, gm.graph)
+    state = {**ep.state_dict, **ep.constants}
+    args = [state[s.target] if s.target is not None else None for s in ep.graph_signature.input_specs]
+    user = iter(wl.inputs)
+    args = [next(user) if a is None else a for a in args]
+    loss = gm(*args)[0]
+    assert not gm._needs_recompile() and gm.code == plain.code
+    assert torch.equal(loss, plain(*args)[0])
+    assert torch.allclose(loss, wl.model(*wl.inputs))

@@ -44,4 +44,4 @@ def test_wheel_holds_only_tag_and_its_data(tmp_path):
     assert all(f"{p}/__init__.py" in names for p in packages)
     entry = configparser.ConfigParser()
     entry.read_string(zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode())
-    assert entry["console_scripts"]["tag"] == "tag.cli:main"
+    assert entry["console_scripts"]["tag"] == "tag.cli:entry"
