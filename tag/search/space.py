@@ -40,6 +40,35 @@ representative (:meth:`ActionSpace.canonical_prior`). On gpt2 (64 groups) over
 ``cluster-16gpu-4m`` a group has 29 distinct actions of 49 on average, on VGG-16 over
 ``mixed-a100-v100`` 7 of 11.
 
+**Tensor-parallel actions** (``tensor_parallel=True``, the default; none for a model without
+Megatron blocks, :mod:`tag.parallel.tensor_parallel`): ``tp`` over the subsets of whole machines
+(families :data:`TP_FAMILIES`) at each degree of :attr:`ActionSpace.tp_degrees` (2, 4, 8 dividing
+every machine's devices and every block's features and heads), consecutive devices forming one
+tensor-parallel group, groups' shares proportional to their slowest device's speed. They are
+appended after TAG's actions, whose indices (and the default) do not move. A block split over
+several op-groups needs all of them ``tp`` alike: :meth:`ActionSpace.canonical` gives every group
+of such a run the ``tp`` action of the first of them in decision order. Through the completion
+rule a ``tp`` first decision deploys the whole model that way, the one tensor-parallel plan the
+executor runs (every group ``tp`` over the same devices); the simulator costs any mix. On
+gpt2-medium over ``cloud-t4`` 15 ``tp`` actions join TAG's 49, on ``mixed-a100-v100`` 6 join 11.
+
+**Plan-level decisions** (``pipelines=True``; :func:`tag.planner.find_plan` asks for them):
+before any op-group, the stage count (:data:`PLAN_DECISIONS`; 1 = no pipeline, the default, then
+the per-group decisions exactly as without them); more stages go on with four small decisions
+instead: how stages are cut (``time``: the slowest stage's compute balanced by
+:func:`tag.parallel.layout.balanced_cuts`, heterogeneity-aware; ``memory``: the largest stage's
+state balanced; default ``memory`` only where a ``time`` stage cannot hold its state), the
+micro-batch count (default ``2 x stages``), each stage data parallel or tensor parallel at a degree
+(default data parallel), the schedule (1F1B, GPipe, kFkB with k = 2; default 1F1B), after which
+the plan is complete (stages machine-major, :func:`tag.parallel.layout.layout_plan`). The product
+is never enumerated: on gpt2-medium over ``cloud-t4`` 144 pipelines (2, 4 or 8 stages) sit below a
+4-way first decision and at most 6-way decisions after it. A plan-level decision's prior is uniform
+over its options (action ``i`` is option ``i``; a larger index is option ``i mod n``, an
+equivalent action), except "no pipeline", which gets
+:data:`tag.search.mcts.NO_PIPELINE_PRIOR` of the stage-count decision. Plans are keyed by their
+action tuple, or by a pipeline key ``("pp", stages, micro, tp, schedule, k, cut)``
+(:meth:`ActionSpace.resolve_path`, :meth:`ActionSpace.plan_of`).
+
 **Defaults.** Before any decision every group takes :attr:`ActionSpace.default_action` (all
 devices, all-reduce, proportional shares). After, a partial plan is completed along program
 order: undecided groups before the first decided group follow it, those after the last follow
