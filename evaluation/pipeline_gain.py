@@ -102,6 +102,11 @@ def _speedup(r: dict, m: str) -> float | None:
     return r["dp"] / r[m] if r.get("dp") and r.get(m) else None
 
 
+def _short(spec: str) -> str:
+    """``gpt2:n_layer=24,...`` -> ``gpt2-24L``; a zoo preset (``gpt2-medium``) as it is."""
+    return f"{spec.split(':')[0]}-{spec.split('n_layer=')[1].split(',')[0]}L" if "n_layer=" in spec else spec
+
+
 def write_report(rows: list[dict], out: Path, command: str) -> None:
     import matplotlib
 
@@ -142,8 +147,7 @@ def write_report(rows: list[dict], out: Path, command: str) -> None:
                [min((r[x] for x in shown if r.get(x)), default=0) / r[m] if r.get(m) else 0
                 for r in rows], width, label=m)
     ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{r['model'].split(':')[0]}-{r['model'].split('n_layer=')[1].split(',')[0]}L\n{r['topology']}"
-                        for r in rows], fontsize=7)
+    ax.set_xticklabels([f"{_short(r['model'])}\n{r['topology']}" for r in rows], fontsize=7)
     ax.set_ylabel("speed relative to the best (0: out of memory)")
     ax.legend(fontsize=8)
     fig.tight_layout()

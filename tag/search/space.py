@@ -57,12 +57,15 @@ before any op-group, the stage count (:data:`PLAN_DECISIONS`; 1 = no pipeline, t
 the per-group decisions exactly as without them); more stages go on with four small decisions
 instead: how stages are cut (``time``: the slowest stage's compute balanced by
 :func:`tag.parallel.layout.balanced_cuts`, heterogeneity-aware; ``memory``: the largest stage's
-state balanced; default ``memory`` only where a ``time`` stage cannot hold its state), the
-micro-batch count (default ``2 x stages``), each stage data parallel or tensor parallel at a degree
-(default data parallel), the schedule (1F1B, GPipe, kFkB with k = 2; default 1F1B), after which
+state balanced), each stage data parallel or tensor parallel at a degree, the micro-batch count
+(default ``2 x stages``), the schedule (1F1B, GPipe, kFkB with k = 2; default 1F1B), after which
 the plan is complete (stages machine-major, :func:`tag.parallel.layout.layout_plan`). The product
 is never enumerated: on gpt2-medium over ``cloud-t4`` 144 pipelines (2, 4 or 8 stages) sit below a
-4-way first decision and at most 6-way decisions after it. A plan-level decision's prior is uniform
+4-way first decision and at most 6-way decisions after it. Cut and stage deployment left open take
+the first of (time, data parallel), (time, tp 2), ..., (memory, data parallel), ... whose memory a
+static estimate says fits (:meth:`ActionSpace.pipeline_key`): on gpt2-medium over ``tag-testbed``
+(32 groups) the 4-stage data-parallel default ran out of memory (1.29 x a device) and MCTS left
+the stage count, whose 2 x 2 tensor-parallel stages are the best layout. A plan-level decision's prior is uniform
 over its options (action ``i`` is option ``i``; a larger index is option ``i mod n``, an
 equivalent action), except "no pipeline", which gets
 :data:`tag.search.mcts.NO_PIPELINE_PRIOR` of the stage-count decision. Plans are keyed by their
@@ -89,6 +92,7 @@ from functools import cached_property
 
 import numpy as np
 
+from ..cost.baselines import group_footprints
 from ..cost.comm import CommModel
 from ..errors import PlanError
 from ..parallel import strategy_of
@@ -102,7 +106,7 @@ TP_FAMILIES = ("all", "machines", "machine", "gpu-type")
 """Subset families that take tensor-parallel actions: whole machines (a tp group never spans
 machines), and of the families that grow with the machine count only one machine and one GPU
 kind (32 GPUs over 8 machines: 26 tp actions at degrees 2 and 4 next to TAG's 79, not 54)."""
-PLAN_DECISIONS = ("stages", "cut", "micro", "stage_sync", "schedule")
+PLAN_DECISIONS = ("stages", "cut", "stage_sync", "micro", "schedule")
 """The plan-level decisions, in the order they are made (see the module docstring)."""
 SCHEDULE_OPTIONS = (("1f1b", 1), ("gpipe", 1), ("kfkb", 2))
 """Pipeline schedules the search tries: (schedule, k)."""
@@ -252,6 +256,7 @@ class ActionSpace:
         self.plan_options: dict[str, list] = self._plan_options() if pipelines else {}
         """Options of each plan-level decision (:data:`PLAN_DECISIONS`); empty: no pipelines."""
         self._pipe_plans: dict[tuple, tuple] = {}  # pipeline key -> (groups, PipelinePlan) or None
+        self._footprints: dict[int, np.ndarray] = {}  # samples per device -> [K] bytes (group_footprints)
 
     # ------------------------------------------------------------------ symmetry
     @cached_property
@@ -527,35 +532,45 @@ class ActionSpace:
         return aligned_cuts(self.graph)
 
     def default_option(self, name: str, stages: int) -> int:
-        """Index of a plan-level decision's default: no pipeline; ``2 x stages`` micro-batches
-        (or the most that fit); data parallel stages; 1F1B; stages cut by time unless a stage of
-        that cut cannot hold its parameters, gradients and optimizer state (then by memory)."""
-        if name == "cut":
-            return int(self._state_overflows(stages))
+        """Index of a plan-level decision's default where nothing else decides it: no pipeline;
+        ``2 x stages`` micro-batches (or the most that fit); 1F1B; the cut and each stage's
+        deployment are chosen together by :meth:`pipeline_key` (the first of time-cut data parallel,
+        time-cut tensor parallel at rising degrees, then the same cut by memory, whose estimated
+        memory fits), index 0 here."""
         if name != "micro":
             return 0
         opts = self.options("micro", stages)
         fit = [i for i, m in enumerate(opts) if m <= 2 * stages]
         return fit[-1] if fit else 0
 
-    def _state_overflows(self, stages: int) -> bool:
-        """Whether a stage of the time-balanced data-parallel cut into ``stages`` stages holds more
-        parameter, gradient and optimizer-state bytes than its smallest device's memory."""
-        opts = self.options("micro", stages)
-        fit = [m for m in opts if m <= 2 * stages]
-        key = ("pp", stages, fit[-1] if fit else opts[0], 1, "1f1b", 1, "time")
+    def _estimated_fit(self, key: tuple) -> bool:
+        """Whether every device of a pipeline key's plan holds its stage's state and in-flight
+        activations by a static estimate (:func:`tag.cost.baselines.group_footprints` at a
+        device's samples per micro-batch, times the micro-batches 1F1B keeps alive on the stage;
+        the state of tensor-parallel stages divided by the degree): a guess for the defaults, the
+        simulator decides."""
         plan = self.pipeline_plan(key)
         if plan is None:
-            return True
-        held = np.zeros(self.num_groups)
-        for p in self.graph.params:
-            held[p.group] += 2 * p.nbytes + p.opt_state_bytes
-        bounds = list(plan[1].stages) + [self.num_groups]
-        for s, lo in enumerate(plan[1].stages):
-            cap = min(self.topology.devices[d].gpu.memory_bytes for d in plan[0][lo].devices)
-            if held[lo:bounds[s + 1]].sum() > cap:
-                return True
-        return False
+            return False
+        groups, pipe = plan
+        _, p, m, t, _, _, _ = key
+        b = -(-self.graph.batch_size // (m * (self.num_devices // p)))  # samples per device per micro-batch
+        if b not in self._footprints:
+            self._footprints[b] = np.array(group_footprints(self.graph, b))
+        total = self._footprints[b]
+        held = self._held
+        bounds = list(pipe.stages) + [self.num_groups]
+        for s, lo in enumerate(pipe.stages):
+            hi = bounds[s + 1]
+            need = held[lo:hi].sum() / t + min(p - s, m) * (total[lo:hi] - held[lo:hi]).sum()
+            if need > min(self.topology.devices[d].gpu.memory_bytes for d in groups[lo].devices):
+                return False
+        return True
+
+    @cached_property
+    def _held(self) -> np.ndarray:
+        """[K] parameter, gradient and optimizer-state bytes of each group."""
+        return np.array(group_footprints(self.graph, 0))
 
     def decision_at(self, path) -> tuple[str, int] | None:
         """What a node reached by ``path`` (action indices from the root) decides next:
@@ -606,11 +621,16 @@ class ActionSpace:
         return self.resolve(assign) if chosen is None else self.pipeline_key(chosen)
 
     def pipeline_key(self, chosen: dict) -> tuple:
-        """``("pp", stages, micro, tp, schedule, k, cut)`` of plan-level choices, defaults filled."""
+        """``("pp", stages, micro, tp, schedule, k, cut)`` of plan-level choices, defaults filled
+        (:meth:`default_option`; the undecided of cut and stage deployment: the first candidate
+        whose estimated memory fits, :meth:`_estimated_fit`, else the first)."""
         p = chosen["stages"]
         val = {n: chosen.get(n, self.options(n, p)[self.default_option(n, p)]) for n in PLAN_DECISIONS[1:]}
         sched, k = val["schedule"]
-        return ("pp", p, val["micro"], val["stage_sync"], sched, k, val["cut"])
+        cuts = [chosen["cut"]] if "cut" in chosen else self.options("cut", p)
+        syncs = [chosen["stage_sync"]] if "stage_sync" in chosen else self.options("stage_sync", p)
+        cands = [("pp", p, val["micro"], t, sched, k, c) for c in cuts for t in syncs]
+        return next((key for key in cands if self._estimated_fit(key)), cands[0])
 
     def pipeline_plan(self, key: tuple) -> tuple[list[GroupPlan], PipelinePlan | None] | None:
         """Group plans and pipeline of a pipeline key (:func:`tag.parallel.layout.layout_plan`:
