@@ -61,9 +61,10 @@ state balanced), each stage data parallel or tensor parallel at a degree, the mi
 (default ``2 x stages``), the schedule (1F1B, GPipe, kFkB with k = 2; default 1F1B), after which
 the plan is complete (stages machine-major, :func:`tag.parallel.layout.layout_plan`). The product
 is never enumerated: on gpt2-medium over ``cloud-t4`` 144 pipelines (2, 4 or 8 stages) sit below a
-4-way first decision and at most 6-way decisions after it. Cut and stage deployment left open take
-the first of (time, data parallel), (time, tp 2), ..., (memory, data parallel), ... whose memory a
-static estimate says fits (:meth:`ActionSpace.pipeline_key`): on gpt2-medium over ``tag-testbed``
+4-way first decision and at most 6-way decisions after it. Cut, stage deployment and micro-batch
+count left open take the first of (time, data parallel, 2 x stages micro-batches, then more, then
+fewer), (time, tp 2, ...), ..., (memory, data parallel, ...), ... whose memory a static estimate
+says fits (:meth:`ActionSpace.pipeline_key`): on gpt2-medium over ``tag-testbed``
 (32 groups) the 4-stage data-parallel default ran out of memory (1.29 x a device) and MCTS left
 the stage count, whose 2 x 2 tensor-parallel stages are the best layout. A plan-level decision's prior is uniform
 over its options (action ``i`` is option ``i``; a larger index is option ``i mod n``, an
@@ -622,14 +623,19 @@ class ActionSpace:
 
     def pipeline_key(self, chosen: dict) -> tuple:
         """``("pp", stages, micro, tp, schedule, k, cut)`` of plan-level choices, defaults filled
-        (:meth:`default_option`; the undecided of cut and stage deployment: the first candidate
-        whose estimated memory fits, :meth:`_estimated_fit`, else the first)."""
+        (:meth:`default_option`; the undecided of cut, stage deployment and micro-batch count: the
+        first candidate whose estimated memory fits, :meth:`_estimated_fit`, else the first;
+        micro-batch counts from the default up, then down)."""
         p = chosen["stages"]
         val = {n: chosen.get(n, self.options(n, p)[self.default_option(n, p)]) for n in PLAN_DECISIONS[1:]}
         sched, k = val["schedule"]
         cuts = [chosen["cut"]] if "cut" in chosen else self.options("cut", p)
         syncs = [chosen["stage_sync"]] if "stage_sync" in chosen else self.options("stage_sync", p)
-        cands = [("pp", p, val["micro"], t, sched, k, c) for c in cuts for t in syncs]
+        micros = [val["micro"]]
+        if "micro" not in chosen:  # more micro-batches hold fewer activations at once, then fewer
+            opts = self.options("micro", p)
+            micros += [m for m in opts if m > val["micro"]] + [m for m in opts[::-1] if m < val["micro"]]
+        cands = [("pp", p, m, t, sched, k, c) for c in cuts for t in syncs for m in micros]
         return next((key for key in cands if self._estimated_fit(key)), cands[0])
 
     def pipeline_plan(self, key: tuple) -> tuple[list[GroupPlan], PipelinePlan | None] | None:
