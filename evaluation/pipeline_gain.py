@@ -2,8 +2,9 @@
 
 Per (model, topology): even data parallel; TAG (GNN-guided MCTS, 50 playouts) over its per-group
 actions only (``pipelines="off"``); the by-hand layout grid alone (``dp-tp-pp-grid``: data x pipeline
-degrees, balanced stages, 1F1B); TAG with pipelines (``pipelines="auto"``: the searched plan or the
-best layout, whichever the simulator says is faster); and the compute lower bound.
+degrees, balanced stages, 1F1B); TAG over the space with tensor-parallel actions and the
+plan-level pipeline decisions (``pipelines="auto"``, :mod:`tag.search.space`), GNN-guided and with
+the uniform prior, 50 playouts each; and the compute lower bound.
 
     PYTHONPATH=. python -m evaluation.pipeline_gain [--models ...] [--topologies ...] [--precision bf16]
 
@@ -24,7 +25,7 @@ MODELS = [("gpt2:n_layer=24,n_embd=1024,n_head=16,seq=1024", 32),   # GPT-2 medi
           ("gpt2:n_layer=36,n_embd=1280,n_head=20,seq=1024", 32),   # GPT-2 large (774M)
           ("bert:n_layer=24,n_embd=1024,n_head=16,seq=512", 32)]    # BERT-large (335M)
 TOPOLOGIES = ["tag-testbed", "mixed-a100-v100", "cloud-t4"]
-METHODS = ["dp", "tag-50", "dp-tp-pp-grid", "tag-50+pipelines", "lower-bound"]
+METHODS = ["dp", "tag-50", "dp-tp-pp-grid", "tag-50+pipelines", "uniform-50+pipelines", "lower-bound"]
 
 
 def cell(graph, topo, costs, sim, predictor) -> dict:
@@ -50,6 +51,10 @@ def cell(graph, topo, costs, sim, predictor) -> dict:
     q = find_plan(graph, topo, pipelines="auto", **kw)
     out["tag-50+pipelines"] = q.predicted_iteration_time_s
     out["tag_source"] = q.meta["source"]
+    out["tag_plan"] = (q.meta.get("actions") or ["dp"])[0]
+    u = find_plan(graph, topo, pipelines="auto", **{**kw, "prior": "uniform", "predictor": None})
+    out["uniform-50+pipelines"] = u.predicted_iteration_time_s
+    out["uniform_plan"] = (u.meta.get("actions") or ["dp"])[0]
     out["lower-bound"] = lower_bound(graph, topo, costs)
     out["seconds"] = time.perf_counter() - t0
     return out
@@ -62,20 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--groups", type=int, default=32)
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--checkpoint", default=None, help="predictor checkpoint (default: the shipped one)")
     a = ap.parse_args(argv)
     from tag.cost.model import CostModel
     from tag.gnn.predictor import Predictor
-    from tag.graph import capture
+    from tag.planner import model_graph
     from tag.sim import Simulator
     from tag.topology import load_topology
-    from tag.workloads import load_workload
 
     models = MODELS if a.models is None else [(m.rsplit("@", 1)[0], int(m.rsplit("@", 1)[1])) for m in a.models]
-    pred = Predictor.load()
+    pred = Predictor.load(a.checkpoint)
     rows = []
     for spec, batch in models:
         t0 = time.perf_counter()
-        graph = capture(load_workload(spec, batch=batch), num_groups=a.groups, precision=a.precision).graph
+        graph = model_graph(spec, batch, precision=a.precision, num_groups=a.groups)[0]  # graph cache, folded
         print(f"{spec} b{batch} {a.precision}: captured in {time.perf_counter() - t0:.0f} s", flush=True)
         for name in a.topologies:
             topo = load_topology(name)
@@ -97,6 +102,11 @@ def _speedup(r: dict, m: str) -> float | None:
     return r["dp"] / r[m] if r.get("dp") and r.get(m) else None
 
 
+def _short(spec: str) -> str:
+    """``gpt2:n_layer=24,...`` -> ``gpt2-24L``; a zoo preset (``gpt2-medium``) as it is."""
+    return f"{spec.split(':')[0]}-{spec.split('n_layer=')[1].split(',')[0]}L" if "n_layer=" in spec else spec
+
+
 def write_report(rows: list[dict], out: Path, command: str) -> None:
     import matplotlib
 
@@ -113,28 +123,31 @@ def write_report(rows: list[dict], out: Path, command: str) -> None:
     lines = ["# Pipelines in TAG's action space", "", f"Command: `{command}`", "",
              "Simulated iteration time in ms (speedup over even data parallel when that fits): `tag-50`: "
              "GNN-guided MCTS, 50 playouts, over TAG's per-group actions; `grid`: the best by-hand dp x pp layout "
-             "(`dp-tp-pp-grid`); `tag-50+pipelines`: the planner with pipelines (`find_plan(pipelines='auto')`: "
-             "the searched plan or the best layout); last column: that plan over the compute lower bound. "
+             "(`dp-tp-pp-grid`); `tag-50+pipelines` / `uniform-50+pipelines`: MCTS (GNN prior / uniform prior, "
+             "50 playouts) over the space with tensor-parallel actions and pipeline decisions "
+             "(`find_plan(pipelines='auto')`), with the plan's first action or layout; last column: the "
+             "GNN-guided plan over the compute lower bound. "
              "OOM: every plan of the method runs out of memory.", "",
-             "| model | topology | dp | tag-50 | grid (layout) | tag-50+pipelines (source) | x lower bound |",
-             "|---|---|---|---|---|---|---|"]
+             "| model | topology | dp | tag-50 | grid (layout) | tag-50+pipelines (plan) | uniform-50+pipelines (plan) "
+             "| x lower bound |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         best = r["tag-50+pipelines"]
         lb = f"{best / r['lower-bound']:.2f}" if best else "-"
         lines.append(f"| {r['model']} | {r['topology']} | {cell(r, 'dp')} | {cell(r, 'tag-50')} | "
                      f"{cell(r, 'dp-tp-pp-grid')} ({r['grid_layout']}) | {cell(r, 'tag-50+pipelines')} "
-                     f"({r['tag_source']}) | {lb} |")
+                     f"({r['tag_plan']}) | {cell(r, 'uniform-50+pipelines')} ({r['uniform_plan']}) | {lb} |")
     (out / "README.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
-    width = 0.27
-    for k, m in enumerate(["tag-50", "dp-tp-pp-grid", "tag-50+pipelines"]):
+    width = 0.2
+    shown = ["tag-50", "dp-tp-pp-grid", "tag-50+pipelines", "uniform-50+pipelines"]
+    for k, m in enumerate(shown):
         # iteration time relative to the fastest method of the cell (1 = best; 0 = out of memory)
-        ax.bar([i + (k - 1) * width for i in range(len(rows))],
-               [min(r[x] for x in ("tag-50", "dp-tp-pp-grid", "tag-50+pipelines") if r.get(x)) / r[m] if r.get(m) else 0
+        ax.bar([i + (k - 1.5) * width for i in range(len(rows))],
+               [min((r[x] for x in shown if r.get(x)), default=0) / r[m] if r.get(m) else 0
                 for r in rows], width, label=m)
     ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{r['model'].split(':')[0]}-{r['model'].split('n_layer=')[1].split(',')[0]}L\n{r['topology']}"
-                        for r in rows], fontsize=7)
+    ax.set_xticklabels([f"{_short(r['model'])}\n{r['topology']}" for r in rows], fontsize=7)
     ax.set_ylabel("speed relative to the best (0: out of memory)")
     ax.legend(fontsize=8)
     fig.tight_layout()

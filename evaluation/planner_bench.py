@@ -96,7 +96,7 @@ def run(args) -> dict:
         for tpath in topos:
             topo = load_topology(tpath)
             row = {"model": spec, "batch": batch, "groups": graph.num_groups, "topology": topo.name,
-                   **search_row(graph, topo, runs, seed=args.seed, predictor=pred)}
+                   **search_row(graph, topo, runs, seed=args.seed, predictor=pred, pipelines=args.pipelines)}
             best_dp = _best_dp(row)
             row["never_worse_than_dp"] = all(row[n]["time_s"] <= best_dp * (1 + 1e-9) for n in runs)
             row["gnn50_over_uniform2000"] = row["gnn50"]["time_s"] / row["uniform2000"]["time_s"]
@@ -138,16 +138,17 @@ def run(args) -> dict:
     return {"rows": rows, "random_rows": random_rows, "summary": summary, "budgets": budgets}
 
 
-def search_row(graph, topo, runs: dict[str, dict], *, seed: int, predictor=None) -> dict:
+def search_row(graph, topo, runs: dict[str, dict], *, seed: int, predictor=None, pipelines: str = "off") -> dict:
     """One benchmark row: every searcher of ``runs`` (name -> :func:`tag.planner.find_plan` keywords) on
-    one (graph, topology), with the data-parallel baselines and the lower bound."""
+    one (graph, topology), with the data-parallel baselines and the lower bound. ``pipelines``:
+    ``off`` compares searchers over TAG's per-group actions, ``auto`` over the space with
+    tensor-parallel actions and pipeline decisions."""
     from tag.planner import find_plan
     row: dict = {}
     for name, kw in runs.items():
         t0 = time.perf_counter()
-        # pipelines="off": the benchmark compares searchers over TAG's per-group actions
         p = find_plan(graph, topo, seed=seed, predictor=predictor if kw.get("prior") == "gnn" else None,
-                      pipelines="off", **kw)
+                      pipelines=pipelines, **kw)
         m = p.meta
         row[name] = {"time_s": p.predicted_iteration_time_s, "first_beat_dp": m["first_beat_dp_playout"],
                      "sim_calls": m["sim_calls"], "wall_s": time.perf_counter() - t0,
@@ -234,7 +235,7 @@ def _random_pairs(args, pred, cache: Path) -> list[dict]:
         graph = _load(spec.model, spec.batch, spec.groups, cache)
         topo = load_topology(spec.topology)
         t = {name: find_plan(graph, topo, seed=args.seed, prior=prior, predictor=pred, budget=budget,
-                             compression="off", pipelines="off").predicted_iteration_time_s
+                             compression="off", pipelines=args.pipelines).predicted_iteration_time_s
              for name, prior, budget in (("gnn50", "gnn", 50), ("uniform2000", "uniform", args.big))}
         row = {"index": i, "model": spec.model, "batch": spec.batch, "groups": graph.num_groups,
                "devices": topo.num_devices, "machines": topo.num_machines, **{f"{k}_s": v for k, v in t.items()},
@@ -264,6 +265,9 @@ def main(argv=None) -> int:
                          "tag.gnn.features.COARSE_ABOVE it sees one device node per machine")
     ap.add_argument("--groups", type=int, default=None, help="only the chosen set's models cut into this many groups")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pipelines", choices=["off", "auto"], default="off",
+                    help="off: searchers over TAG's per-group actions (default); auto: with tensor-parallel "
+                         "actions and pipeline decisions (find_plan's default space)")
     ap.add_argument("--quick", action="store_true", help="2 models x 2 topologies")
     ap.add_argument("--scale", action="store_true", help="the held-out pairs at scale (SCALE_MODELS x "
                     "SCALE_TOPOLOGIES; use --graphs runs/scale/graphs)")

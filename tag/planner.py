@@ -39,6 +39,9 @@ GPUs, was 27% behind uniform MCTS @500 with 50 playouts on ``cloud-256gpu-3zones
 (``evaluation/results/planner-bench/scale-256gpu-machine-graph/``): raising this limit waits for
 a predictor trained on that graph."""
 
+PIPELINE_MODES = ("auto", "grid", "off")
+"""``find_plan(pipelines=...)``: search pipelines and tp, also the hand-written layout grid, or neither."""
+
 _PREDICTORS: dict = {}
 
 
@@ -84,11 +87,14 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         one_shot: with ``prior="gnn"``, simulate the network's one-shot plan
             (:meth:`tag.gnn.Predictor.one_shot`, for the first :data:`ONE_SHOT_GROUPS` groups in
             decision order) as the last playout of the budget.
-        pipelines: ``auto`` also simulates the Megatron-style layouts a user would try by hand
-            (:func:`tag.parallel.layout.best_layout`: data x tensor x pipeline degrees, balanced
-            stages, 1F1B micro-batches) and returns the best of them instead of the searched plan when it
-            is strictly faster (``meta["source"] == "layout-grid"``); ``off`` skips them (and a
-            ``simulator`` whose ``run`` takes no ``pipeline`` cannot run them).
+        pipelines: ``auto`` searches pipelines and tensor parallelism with the rest: per-group
+            ``tp`` actions and the plan-level decisions (stage count, micro-batches, each stage
+            data or tensor parallel, schedule, cut) of :class:`tag.search.space.ActionSpace`
+            (``pipelines=True``; not where ``simulator.run`` takes no ``pipeline``); ``grid`` also
+            simulates the Megatron-style layouts a user would try by hand
+            (:func:`tag.parallel.layout.best_layout`) and returns the best of them instead of the
+            searched plan when it is strictly faster (``meta["source"] == "layout-grid"``); ``off``
+            searches TAG's action space alone (no ``tp`` actions, no pipelines).
         progress: called as ``progress(stage)`` when a stage starts (``"baselines"``, ``"search"``,
             ``"compression"``) and ``progress("search", done, total)`` after each plan the search
             simulates (``total``: the playout budget, None under a time limit alone).
@@ -109,13 +115,17 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         raise TagError(f"graph {graph.model!r}: has no op-groups")
     if compression not in ("auto", "off"):
         raise TagError(f"compression: expected 'auto' or 'off', got {compression!r}")
-    if pipelines not in ("auto", "off"):
-        raise TagError(f"pipelines: expected 'auto' or 'off', got {pipelines!r}")
+    if pipelines not in PIPELINE_MODES:
+        raise TagError(f"pipelines: expected one of {', '.join(PIPELINE_MODES)}, got {pipelines!r}")
     note = progress or (lambda stage, done=None, total=None: None)
     t0 = time.perf_counter()
     playouts = budget if budget is not None else (10**9 if time_limit is not None else DEFAULT_PLAYOUTS)
     note("baselines")
-    space = ActionSpace(graph, topology, cost_model=costs) if costs is not None else ActionSpace(graph, topology)
+    import inspect
+    new_actions = pipelines != "off"
+    runs_pipelines = simulator is None or "pipeline" in inspect.signature(simulator.run).parameters
+    space = ActionSpace(graph, topology, cost_model=costs, tensor_parallel=new_actions,
+                        pipelines=new_actions and runs_pipelines)
     ev = Evaluator(space, simulator)
     total = None if playouts == 10**9 else playouts
     note("search", 0, total)
@@ -157,6 +167,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     groups = ev.best_plan_groups()
     best = ev.best
     p = new_plan(graph, topology, groups)
+    p.pipeline = ev.best_pipeline()
     p.predicted_iteration_time_s = None if best.oom else best.time_s
     p.meta = {
         "searcher": searcher, "prior": prior if searcher == "mcts" else None, "prior_note": prior_note, "seed": seed,
@@ -171,9 +182,11 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         "lower_bound_s": lb,
         # the network's one-shot plan (None: not simulated, e.g. prior uniform, or out of memory)
         "one_shot_time_s": one_shot_out.time_s if one_shot_out is not None and not one_shot_out.oom else None,
-        "actions": [space.actions[a].describe(topology) for a in ev.best_actions] if ev.best_actions else None,
+        "actions": space.describe_key(ev.best_actions) if ev.best_actions else None,
+        "space": {"actions": space.num_actions, "tp_actions": space.num_actions - space.num_base_actions,
+                  "stages": space.options("stages", 1) if space.plan_options else None},
     }
-    if pipelines == "auto":
+    if pipelines == "grid":
         p = _pipelined(graph, topology, p, space.cost_model, ev.simulator)
     if compression != "off":
         note("compression")

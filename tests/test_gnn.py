@@ -157,6 +157,41 @@ def test_shipped_checkpoint_loads():
     assert isinstance(net, TagNet)
 
 
+def test_an_older_checkpoint_loads_and_scores_tp_actions(setup, tmp_path):
+    """A checkpoint trained before the tensor-parallel feature columns (ADDED_COLUMNS fewer input
+    columns) loads with zero weights on them and computes what it did; the encoding marks the
+    ``tp`` actions and the groups deployed by one."""
+    from tag.gnn.features import ADDED_COLUMNS
+    from tag.io import save_tensors
+    _, _, space, ev, ctx = setup
+    assert space.tp_degrees
+    torch.manual_seed(2)
+    net = TagNet(NetConfig(hidden=16, layers=1, heads=2))
+    state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    for nt, extra in ADDED_COLUMNS.items():
+        state[f"node_in.{nt}.weight"] = state[f"node_in.{nt}.weight"][:, :-extra]
+        with torch.no_grad():
+            net.node_in[nt].weight[:, -extra:] = 0.0
+    path = tmp_path / "old.pt"
+    save_tensors(path, {"format": "tag-predictor", "version": 1, "config": net.cfg.to_dict(), "state_dict": state,
+                        "meta": {}})
+    old, _ = load_net(path)
+    states = _states(space, ev, 2)
+    tp = [a for a, act in enumerate(space.actions) if act.sync == "tp"]
+    assign = np.full(space.num_groups, -1)
+    assign[space.order[0]] = tp[0]
+    states.append(SearchState(assign, space.order[1], states[0].feedback))
+    for x, y in zip(_logits_values(old, ctx, states), _logits_values(net, ctx, states)):
+        assert torch.equal(x, y)
+    d = ctx.encode(states[-1:])
+    col = {n: i for i, (n, _) in enumerate(SCHEMA["action"])}
+    ax = d["action"].x.numpy()
+    assert set(np.flatnonzero(ax[:, col["sync_tp"]])) == set(tp) and (ax[tp, col["tp_frac"]] > 0).all()
+    assert ax[tp][:, [col["sync_allreduce"], col["sync_ps"], col["sync_mp"]]].sum() == 0
+    gcol = {n: i for i, (n, _) in enumerate(SCHEMA["group"])}
+    assert d["group"].x[space.order[0], gcol["sync_tp"]] == 1.0
+
+
 def _cluster(machines):
     """A topology of ``(gpu, count, intra GB/s)`` machines on 25 Gbit/s."""
     return load_topology({"name": "c", "network": {"bandwidth": "25 Gbit/s"}, "machines": [

@@ -466,7 +466,8 @@ def test_equivalent_actions_are_one_action(graph, topo):
             if act.sync == "ps":
                 assert sp.actions[canon[g, a]].devices == act.devices and sp.actions[canon[g, a]].sync == "allreduce"
     weighted = int(np.argmax(sp.costs.param_bytes))
-    assert {sp.actions[a].sync for a in set(canon[weighted].tolist())} == {"allreduce", "ps", "mp"}
+    assert {sp.actions[a].sync for a in set(canon[weighted].tolist())} == {"allreduce", "ps", "mp"} | (
+        {"tp"} if sp.tp_degrees else set())
     sim = Simulator(graph, topo, sp.cost_model)
     base = [sp.default_action] * sp.num_groups
     for g in range(sp.num_groups):
@@ -488,3 +489,111 @@ def test_equivalent_actions_are_one_action(graph, topo):
         if tree.expanded[n] and tree.depth[n] < sp.num_groups:
             gd = sp.order[tree.depth[n]]
             assert np.all(tree.prior[n][canon[gd] != np.arange(sp.num_actions)] == 0)
+
+
+# ---- tensor-parallel actions and plan-level (pipeline) decisions -------------------------------
+
+@pytest.fixture(scope="module")
+def pipe_space(graph, topo):
+    return ActionSpace(graph, topo, pipelines=True)
+
+
+def _plan_of_key(sp, key):
+    from tag.plan import new_plan
+    groups, pipe = sp.plan_of(key)
+    p = new_plan(sp.graph, sp.topology, groups)
+    p.pipeline = pipe
+    return p
+
+
+def test_new_actions_leave_tags_actions_and_defaults_as_they_were(graph, topo, pipe_space):
+    """``tp`` actions are appended after TAG's; the empty plan, "no pipeline" and every path of
+    TAG's actions below it resolve as in TAG's space."""
+    old = ActionSpace(graph, topo, tensor_parallel=False)
+    sp = pipe_space
+    assert sp.actions[:old.num_actions] == old.actions and sp.num_base_actions == old.num_actions
+    extra = sp.actions[old.num_actions:]
+    assert extra and {a.sync for a in extra} == {"tp"} and {a.tp for a in extra} <= set(sp.tp_degrees)
+    assert old.plan_options == {} and sp.options("stages", 1)[0] == 1
+    k = graph.num_groups
+    assert sp.resolve_path([]) == sp.resolve_path([0]) == old.resolve_path([]) == (sp.default_action,) * k
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        path = [int(a) for a in rng.integers(0, old.num_actions, size=int(rng.integers(1, k + 1)))]
+        assert sp.resolve_path([0] + path) == old.resolve_path(path)
+        assert sp.decode([0] + path)[1] is None
+
+
+def test_every_reachable_plan_is_valid(graph, topo, pipe_space):
+    """Random paths through the whole space (plan-level decisions, then op-groups' actions
+    including ``tp`` on parts of Megatron blocks) give plans ``validate_plan`` accepts, and reach
+    pipelines, tensor-parallel stages, every schedule and both cuts."""
+    sp = pipe_space
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(80):
+        key = sp.resolve_path(sp.random_path(rng, sp.max_depth))
+        if sp.plan_of(key) is None:
+            continue
+        plan = _plan_of_key(sp, key)
+        validate_plan(plan, graph, topo, pipelines=True, tensor_parallel=True)
+        if plan.pipeline is None:
+            seen.add("tp" if any(g.sync == "tp" for g in plan.groups) else "flat")
+        else:
+            seen |= {f"pp{len(plan.pipeline.stages)}", plan.pipeline.schedule, key[-1]}
+            seen |= {"pp-tp"} if plan.groups[0].sync == "tp" else set()
+    assert {"flat", "tp", "pp-tp", "1f1b", "gpipe", "kfkb", "time", "memory"} <= seen
+    assert {f"pp{p}" for p in sp.options("stages", 1)[1:]} <= seen
+
+
+def test_a_tp_decision_carries_its_megatron_block(graph, topo, pipe_space):
+    """A ``tp`` action on one op-group of a block split over several groups puts the whole
+    block's groups on it; the plan stays valid."""
+    sp = pipe_space
+    comps = [c for c in sp._components]
+    tp = next(a for a, act in enumerate(sp.actions) if act.sync == "tp")
+    g = comps[0][1] if comps else 0
+    acts = [sp.default_action] * graph.num_groups
+    acts[g] = tp
+    key = sp.canonical(acts)
+    for comp in comps:
+        if g in comp:
+            assert all(sp.actions[key[x]].sync == "tp" for x in comp)
+    validate_plan(_plan_of_key(sp, key), graph, topo, pipelines=True, tensor_parallel=True)
+
+
+def test_searchers_reach_pipelines_and_tp_deterministically(graph, topo):
+    """MCTS (uniform prior), random search, simulated annealing and TPE all propose pipelines and
+    tensor-parallel plans on the real simulator, and the same seed gives the same search."""
+    from tag.search.space import is_pipeline_key
+
+    def run(search, seed, **kw):
+        sp = ActionSpace(graph, topo, pipelines=True)
+        ev = Evaluator(sp)
+        search(sp, ev, np.random.default_rng(seed), playouts=24, **kw)
+        return sp, ev
+
+    for search, kw in ((mcts_search, {"prior_fn": uniform_prior}), (random_search, {}),
+                       (simulated_annealing, {"plan_prob": 0.5}), (tpe_search, {})):
+        if search is mcts_search:
+            def search(sp, ev, rng, playouts, prior_fn):  # noqa: F811 (positional order of mcts_search)
+                return mcts_search(sp, ev, prior_fn, rng, playouts=playouts)
+        sp, ev = run(search, 0, **kw)
+        keys = list(ev.cache)
+        assert any(is_pipeline_key(k) for k in keys), search.__name__
+        assert any(not is_pipeline_key(k) and any(sp.actions[a].sync == "tp" for a in k) for k in keys), \
+            search.__name__
+        sp2, ev2 = run(search, 0, **kw)
+        assert list(ev2.cache) == keys and ev2.best_actions == ev.best_actions
+        if ev.best_actions is not None:
+            plan = _plan_of_key(sp, ev.best_actions)
+            validate_plan(plan, graph, topo, pipelines=True, tensor_parallel=True)
+
+
+def test_find_plan_reports_the_space_and_off_keeps_tags(graph, topo):
+    off = find_plan(graph, topo, prior="uniform", budget=6, pipelines="off", compression="off")
+    auto = find_plan(graph, topo, prior="uniform", budget=6, compression="off")
+    assert off.meta["space"]["tp_actions"] == 0 and off.meta["space"]["stages"] is None
+    assert auto.meta["space"]["tp_actions"] > 0 and auto.meta["space"]["stages"][0] == 1
+    for p in (off, auto):
+        validate_plan(p, graph, topo, pipelines=True, tensor_parallel=True)

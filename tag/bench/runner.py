@@ -102,7 +102,7 @@ class _Case:
             searcher = "mcts" if method == "mcts-uniform" else method
             p = find_plan(g, topo, searcher=searcher, prior="uniform", budget=cfg.search_budget,
                             seed=cfg.seed, costs=self.costs, simulator=self.sim, compression="off",
-                            pipelines="off")  # the searchers alone; TAG's method adds the layouts
+                            pipelines="off")  # the searchers over TAG's space; TAG's method adds pp/tp
         else:  # tag-50, tag-200, with or without +sfb
             budget = int(method.split("-")[1].split("+")[0])
             p = find_plan(g, topo, searcher="mcts", prior="gnn", budget=budget, seed=cfg.seed,

@@ -38,9 +38,11 @@ def register(sub) -> None:
                    help="predictor checkpoint (default: the shipped tag/gnn/predictor.pt)")
     p.add_argument("--compression", choices=["auto", "off"], default="auto",
                    help="auto: choose Sufficient Factor Broadcasting per group after search (default)")
-    p.add_argument("--pipelines", choices=["auto", "off"], default="auto",
-                   help="auto: also simulate the Megatron-style data x tensor x pipeline layouts a user would try by hand "
-                        "and return the best if it beats the searched plan (default)")
+    p.add_argument("--pipelines", choices=["auto", "grid", "off"], default="auto",
+                   help="auto: search pipeline stages, micro-batches, schedules and tensor-parallel degrees with the "
+                        "per-group actions (default); grid: also simulate the Megatron-style data x tensor x pipeline "
+                        "layouts a user would try by hand and return the best if it beats the searched plan; off: "
+                        "TAG's action space alone")
     p.add_argument("--no-one-shot", dest="one_shot", action="store_false",
                    help="with --prior gnn: do not spend the last playout on the network's one-shot plan")
     p.add_argument("--profiles", metavar="DIR", default=None, help=PROFILES_HELP)
@@ -202,11 +204,13 @@ def _print(graph, topo, p, args) -> None:
     lb = s["lower_bound_s"]
     if lb and t:
         print(f"  lower bound: {ms(lb)}  (plan is {t / lb:.2f}x the bound)")
+    pp = p.pipeline
+    if pp is not None:
+        print(f"  pipeline: {len(pp.stages)} stages from groups {pp.stages}, {pp.micro_batches} "
+              f"micro-batch{'es' if pp.micro_batches > 1 else ''}, {pp.schedule}"
+              + (f" (k={pp.k})" if pp.schedule == "kfkb" else ""))
     if s["source"] == "layout-grid":
-        pp = p.pipeline
-        print(f"  a Megatron-style layout beats the searched plan: {s['layout']} ({len(pp.stages)} stages from "
-              f"groups {pp.stages}, {pp.micro_batches} micro-batch{'es' if pp.micro_batches > 1 else ''}, "
-              f"{pp.schedule})")
+        print(f"  a Megatron-style layout beats the searched plan: {s['layout']}")
     elif s["source"] != "search":
         print(f"  search found nothing better than the baselines; returning {s['source']}")
     print(f"  {s['compression']}")

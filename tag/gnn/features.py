@@ -54,6 +54,7 @@ from torch_geometric.data import HeteroData
 
 from ..cost.comm import LinkFit, ring_allreduce_time, uniform_ps_time
 from ..parallel import strategy_of
+from ..parallel.tensor_parallel import group_split
 from ..search.space import ActionSpace
 
 # (column name, kind). Kinds: time [s], bytes [B], bw [B/s], lat [s], mem [B], flops [FLOP/s],
@@ -65,6 +66,7 @@ SCHEMA: dict[str, list[tuple[str, str]]] = {
         ("param_frac", "ratio"), ("position", "ratio"), ("rank", "ratio"),
         ("decided", "flag"), ("current", "flag"), ("sync_allreduce", "flag"), ("sync_ps", "flag"),
         ("sync_mp", "flag"), ("ndev_frac", "ratio"), ("finish", "ratio"), ("is_default", "flag"),
+        ("sync_tp", "flag"), ("tp_frac", "ratio"),
     ],
     "device": [
         ("flops_rel", "ratio"), ("flops", "flops"), ("memory", "mem"), ("mem_bw", "membw"),
@@ -75,7 +77,7 @@ SCHEMA: dict[str, list[tuple[str, str]]] = {
     "action": [
         ("ndev_frac", "ratio"), ("sync_allreduce", "flag"), ("sync_ps", "flag"), ("sync_mp", "flag"),
         ("compute", "time"), ("sync_time", "time"), ("mem_need", "ratio"), ("is_resolved", "flag"),
-        ("is_prev", "flag"), ("machines_frac", "ratio"),
+        ("is_prev", "flag"), ("machines_frac", "ratio"), ("sync_tp", "flag"), ("tp_frac", "ratio"),
     ],
     "feeds": [("bytes", "bytes"), ("same_devices", "flag")],
     "link": [("bandwidth", "bw"), ("latency", "lat"), ("same_machine", "flag")],
@@ -83,6 +85,10 @@ SCHEMA: dict[str, list[tuple[str, str]]] = {
     "uses": [("share", "ratio")],
 }
 NODE_TYPES = ("group", "device", "action")
+ADDED_COLUMNS = {"group": 2, "action": 2}
+"""Columns appended to a node type's features after the shipped predictor of 27fed77 was trained
+(tensor-parallel actions): :func:`tag.gnn.predictor.load_net` reads an older checkpoint by giving
+them zero input weights, so it scores a ``tp`` action by its other columns until retrained."""
 REL = {
     "feeds": ("group", "feeds", "group"),
     "fed_by": ("group", "fed_by", "group"),
@@ -235,6 +241,8 @@ class JointContext:
                     self.server[gi, ai] = cls[gp.server]
         self.sync_idx = space.sync_index
         self.ndev = space.membership.sum(axis=1)
+        self.tp_frac = np.array([act.tp / len(act.devices) if act.tp else 0.0 for act in space.actions])
+        """[A] devices of one tensor-parallel group over the action's devices (0: not ``tp``)."""
         self.machines_frac = np.array([len({topo.machine_of(x) for x in act.devices}) / topo.num_machines
                                        for act in space.actions])
         self.action_feats = self._action_static()
@@ -259,6 +267,9 @@ class JointContext:
         sp, c = self.space, self.space.costs
         k, a = self.k, self.a
         bw = sp.comm.bandwidth
+        split = [group_split(sp.graph, g) for g in range(k)] if sp.tp_degrees else [None] * k
+        self.tp_split = [() if x is None else x.reduce_fwd + x.reduce_bwd for x in split]
+        """[K] affine bytes of each tensor-parallel all-reduce in the group (forward and backward)."""
         lat = sp.comm.latency
         out = np.zeros((k, a, 3))
         for ai, act in enumerate(sp.actions):
@@ -273,7 +284,15 @@ class JointContext:
             for gi in range(k):
                 tg = c.group_time[gi, devs, 0]
                 p = c.param_bytes[gi]
-                if act.sync == "mp":
+                if act.sync == "tp":  # T-way split blocks, replicas of T devices, sequence-parallel outside
+                    t = act.tp
+                    comp = t / float(np.sum(1.0 / np.maximum(tg, 1e-15)))
+                    inner = bw[np.ix_(devs[:t], devs[:t])][~np.eye(t, dtype=bool)]  # one tp group's links
+                    per_replica = sp.graph.batch_size * t / n
+                    sync = ring_allreduce_time(n, p / t, bmin, lmax) + sum(
+                        ring_allreduce_time(t, r.at(per_replica), float(inner.min()), lmax) for r in self.tp_split[gi])
+                    need = (2 * p + c.opt_bytes[gi]) / t + c.act_bytes[gi] / n
+                elif act.sync == "mp":
                     n_mp = len(self.plans[gi][ai].devices)
                     comp = float(tg.min())
                     sync = 0.0 if n_mp == 1 else 2 * LinkFit(0.0, bmin).time(c.act_bytes[gi] / n_mp)
@@ -310,14 +329,15 @@ class JointContext:
             fb = st.feedback
             decided = (assign >= 0).astype(float)
             sync = self.sync_idx[res]
-            gdyn = np.zeros((k, 8))
+            gdyn = np.zeros((k, 10))
             gdyn[:, 0] = decided
             if cur >= 0:
                 gdyn[cur, 1] = 1.0
-            gdyn[np.arange(k), 2 + sync] = 1.0
+            gdyn[np.arange(k), np.where(sync < 3, 2 + sync, 8)] = 1.0  # allreduce, ps, mp | tp
             gdyn[:, 5] = self.ndev[res] / nd
             gdyn[:, 6] = np.clip(fb.group_finish, 0, 10)
             gdyn[:, 7] = (res == sp.default_action).astype(float)
+            gdyn[:, 9] = self.tp_frac[res]
             gx.append(np.concatenate([self.group_static, gdyn], 1))
             place = self.place[np.arange(k), res] / self.mult  # [K, d] mean share of a node's devices
             ddyn = np.zeros((d, 6))
@@ -341,9 +361,10 @@ class JointContext:
                 [float(res[s] == res[t]) for s, t in zip(self.flow_src, self.flow_dst)])], 1)
                 if len(self.flow_src) else np.zeros((0, 2)))
             # actions of the current group
-            afe = np.zeros((a, 10))
+            afe = np.zeros((a, 12))
             afe[:, 0] = self.ndev / nd
-            afe[np.arange(a), 1 + self.sync_idx] = 1.0
+            afe[np.arange(a), np.where(self.sync_idx < 3, 1 + self.sync_idx, 10)] = 1.0  # allreduce, ps, mp | tp
+            afe[:, 11] = self.tp_frac
             gi = cur if cur >= 0 else 0
             afe[:, 4:7] = self.action_feats[gi]
             if cur >= 0:

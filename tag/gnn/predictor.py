@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import TagError
-from .features import COARSE_ABOVE, JointContext
+from .features import ADDED_COLUMNS, COARSE_ABOVE, JointContext
 from .model import NetConfig, TagNet, value_to_reward
 from .transforms import JointNormalize
 
@@ -41,11 +41,26 @@ def load_net(path: str | os.PathLike | None = None) -> tuple[TagNet, dict]:
         raise CheckpointError(f"{p}: format: expected 'tag-predictor' checkpoint")
     try:
         net = TagNet(NetConfig(**ck["config"]))
-        net.load_state_dict(ck["state_dict"])
+        net.load_state_dict(_widened(ck["state_dict"], net))
     except (TypeError, ValueError, RuntimeError, KeyError) as e:
         raise CheckpointError(f"{p}: config/state_dict: {str(e).splitlines()[0]}") from None
     net.eval()
     return net, ck.get("meta", {})
+
+
+def _widened(state: dict, net: TagNet) -> dict:
+    """``state`` with the input weights of the feature columns added since it was trained
+    (:data:`tag.gnn.features.ADDED_COLUMNS`, appended last) set to zero: the network computes
+    exactly what it did on the columns it knows. Any other shape mismatch is left to
+    ``load_state_dict`` to report."""
+    state = dict(state)
+    own = net.state_dict()
+    for nt, extra in ADDED_COLUMNS.items():
+        key = f"node_in.{nt}.weight"
+        w = state.get(key)
+        if w is not None and w.dim() == 2 and own[key].shape == (w.shape[0], w.shape[1] + extra):
+            state[key] = torch.cat([w, w.new_zeros(w.shape[0], extra)], 1)
+    return state
 
 
 class Predictor:

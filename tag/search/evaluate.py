@@ -147,9 +147,9 @@ class Evaluator:
             return OOM_REWARD
         return self.t_ref / t - 1.0
 
-    def _run_groups(self, groups) -> Outcome:
+    def _run_groups(self, groups, pipeline=None) -> Outcome:
         t0 = time.perf_counter()
-        res = self.simulator.run(groups)
+        res = self.simulator.run(groups) if pipeline is None else self.simulator.run(groups, pipeline=pipeline)
         self.sim_seconds += time.perf_counter() - t0
         self.sim_calls += 1
         fb = Feedback.from_result(res, self.space.num_devices, self.space.num_groups)
@@ -160,7 +160,13 @@ class Evaluator:
         out = self.cache.get(actions)
         if out is not None:
             return out
-        out = self._run_groups(self.space.group_plans(actions))
+        plan = self.space.plan_of(actions)
+        if plan is None:  # a pipeline no stage cut realises: scored as not fitting, never simulated
+            sp = self.space
+            out = Outcome(math.inf, True, OOM_REWARD, Feedback.neutral(sp.num_devices, sp.num_groups))
+            self.cache[actions] = out
+            return out
+        out = self._run_groups(*plan)
         out.reward = self.reward(out.time_s, out.oom)
         self.cache[actions] = out
         if out.reward > self.best.reward or (self.best.oom and not out.oom):
@@ -178,5 +184,9 @@ class Evaluator:
 
     def best_plan_groups(self):
         if self.best_actions is not None and self.best_groups is None:
-            return self.space.group_plans(self.best_actions)
+            return self.space.plan_of(self.best_actions)[0]
         return [g for g in self.best_groups]
+
+    def best_pipeline(self):
+        """The best plan's :class:`~tag.plan.PipelinePlan` (None: no pipeline)."""
+        return None if self.best_actions is None else self.space.plan_of(self.best_actions)[1]

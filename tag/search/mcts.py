@@ -46,8 +46,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .evaluate import Evaluator, Feedback, Outcome
-from .space import ActionSpace
+from .space import PLAN_DECISIONS, ActionSpace
 
+NO_PIPELINE_PRIOR = 0.75
+"""Prior of "no pipeline" at the stage-count decision (the rest spread evenly over the stage
+counts): the per-group decisions below it are most of the space. With 0.5, uniform MCTS @50 on
+gpt2-medium bf16 over ``mixed-a100-v100`` first reached the plan it returned (tensor parallel on
+the A100 machine) at playout 31, with 0.75 at playout 7."""
 REPEAT_LIMIT = 4.0
 """Default ``repeat_limit`` of every searcher (see :meth:`SearchStats.spent`)."""
 
@@ -64,6 +69,11 @@ class SearchState:
     """Simulator feedback of the nearest simulated ancestor (or the state itself)."""
     resolved: tuple | None = None
     """Full action tuple after defaults (filled on demand)."""
+    plan_decision: int = -1
+    """Index into :data:`tag.search.space.PLAN_DECISIONS` of the plan-level decision made next
+    (-1: none; ``group`` is then the op-group decided next)."""
+    pipeline: dict | None = None
+    """Plan-level choices made so far when the path chose a pipeline (None: no pipeline)."""
 
 
 PriorFn = Callable[[ActionSpace, Sequence[SearchState]], tuple[np.ndarray, np.ndarray]]
@@ -72,11 +82,25 @@ PriorFn = Callable[[ActionSpace, Sequence[SearchState]], tuple[np.ndarray, np.nd
 
 def uniform_prior(space: ActionSpace, states: Sequence[SearchState]) -> tuple[np.ndarray, np.ndarray]:
     """Uniform prior over the distinct deployments of each state's group (one action per class
-    of :attr:`ActionSpace.group_canonical`), no value (MCTS without a network)."""
+    of :attr:`ActionSpace.group_canonical`), or over a plan-level decision's options, no value
+    (MCTS without a network)."""
     a = np.arange(space.num_actions)
-    p = np.stack([(space.group_canonical[st.group] == a) if st.group >= 0 else np.ones(space.num_actions, bool)
+    p = np.stack([plan_prior(space, st) if st.plan_decision >= 0 else
+                  (space.group_canonical[st.group] == a) if st.group >= 0 else np.ones(space.num_actions, bool)
                   for st in states]).astype(np.float64)
     return p / p.sum(axis=1, keepdims=True), np.full(len(states), np.nan)
+
+
+def plan_prior(space: ActionSpace, state: SearchState) -> np.ndarray:
+    """[A] uniform over the options of the state's plan-level decision (action ``i`` is option
+    ``i``; a larger index means option ``i mod n``, as an equivalent action does)."""
+    stages = (state.pipeline or {}).get("stages", 1)
+    n = len(space.options(PLAN_DECISIONS[state.plan_decision], stages))
+    p = (np.arange(space.num_actions) < n).astype(np.float64)
+    if state.plan_decision == 0 and n > 1:  # no pipeline: TAG's whole space below it
+        p[1:n] = (1.0 - NO_PIPELINE_PRIOR) / (n - 1)
+        p[0] = NO_PIPELINE_PRIOR
+    return p
 
 
 @dataclass
@@ -96,6 +120,8 @@ class Tree:
     children: np.ndarray = field(init=False)
     expanded: np.ndarray = field(init=False)
     """Whether the node's prior is set (False while its evaluation is pending)."""
+    terminal: np.ndarray = field(init=False)
+    """Whether the node's plan is complete (nothing left to decide)."""
     feedback: list = field(init=False)
     size: int = 0
 
@@ -110,11 +136,13 @@ class Tree:
         self.prior = np.zeros((c, a), np.float32)
         self.children = np.full((c, a), -1, np.int64)
         self.expanded = np.zeros(c, bool)
+        self.terminal = np.zeros(c, bool)
         self.feedback = [None] * c
 
     def _grow(self):
         c = self.capacity
-        for name in ("parent", "action", "depth", "visits", "value_sum", "best", "prior", "children", "expanded"):
+        for name in ("parent", "action", "depth", "visits", "value_sum", "best", "prior", "children", "expanded",
+                     "terminal"):
             arr = getattr(self, name)
             fill = {"parent": -1, "action": -1, "best": -np.inf, "children": -1}.get(name, 0)
             new = np.full((2 * c,) + arr.shape[1:], fill, arr.dtype)
@@ -135,14 +163,26 @@ class Tree:
             self.children[parent, action] = n
         return n
 
-    def assign(self, node: int, space: ActionSpace) -> np.ndarray:
-        """The partial plan of ``node``."""
-        a = np.full(space.num_groups, -1, np.int64)
-        n = node
+    def path(self, node: int) -> list[int]:
+        """Actions from the root of the tree to ``node``."""
+        out, n = [], node
         while self.parent[n] >= 0:
-            a[space.order[self.depth[n] - 1]] = self.action[n]
+            out.append(int(self.action[n]))
             n = self.parent[n]
-        return a
+        return out[::-1]
+
+    def assign(self, node: int, space: ActionSpace) -> np.ndarray:
+        """The op-groups' actions decided on the way to ``node`` (-1: undecided)."""
+        return space.decode(self.path(node))[0]
+
+    def state(self, node: int, space: ActionSpace, feedback: Feedback) -> SearchState:
+        """What the prior sees at ``node``: its partial plan and what it decides next."""
+        path = self.path(node)
+        assign, chosen = space.decode(path)
+        nxt = space.decision_at(path)
+        grp = nxt[1] if nxt is not None and nxt[0] == "group" else -1
+        plan = nxt[1] if nxt is not None and nxt[0] == "plan" else -1
+        return SearchState(assign, grp, feedback, space.resolve_path(path), plan, chosen)
 
     def nearest_feedback(self, node: int) -> Feedback | None:
         n = node
@@ -177,13 +217,13 @@ def puct_scores(tree: Tree, node: int, c_puct: float, qmin: float, qmax: float) 
     return qn + u
 
 
-def select(tree: Tree, root: int, num_groups: int, c_puct: float, qrange: tuple[float, float],
+def select(tree: Tree, root: int, c_puct: float, qrange: tuple[float, float],
            noise: np.ndarray) -> tuple[int, int]:
     """Descend from ``root``; returns ``(node, action)`` to expand, or ``(node, -1)`` when the
     walk ends at a terminal or pending node. ``noise`` [A] breaks ties deterministically."""
     n = root
     while True:
-        if tree.depth[n] >= num_groups or not tree.expanded[n]:
+        if tree.terminal[n] or not tree.expanded[n]:
             return n, -1
         s = puct_scores(tree, n, c_puct, *qrange) + noise
         a = int(np.argmax(s))
@@ -337,24 +377,32 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
     states, pending = [], []
     for n in nodes:
         fb = tree.nearest_feedback(n) or Feedback.neutral(space.num_devices, k)
-        d = tree.depth[n]
-        grp = space.order[d] if d < k else -1
-        states.append(SearchState(tree.assign(n, space), grp, fb))
-        pending.append(d < k and not tree.expanded[n])
-    priors, values = prior_fn(space, states) if any(pending) or cfg.value_cut else (None, None)
-    if priors is not None:
+        st = tree.state(n, space, fb)
+        tree.terminal[n] = st.group < 0 and st.plan_decision < 0
+        states.append(st)
+        pending.append(not tree.terminal[n] and not tree.expanded[n])
+    # The network sees plans without a pipeline (its priors serve op-group decisions; a
+    # plan-level decision has the uniform prior over its options, a pipeline plan no value).
+    asked = [i for i, st in enumerate(states) if st.pipeline is None]
+    want = any(pending[i] and states[i].plan_decision < 0 for i in asked) or cfg.value_cut
+    priors = values = None
+    if asked and want:
+        pri, val = prior_fn(space, [states[i] for i in asked])
+        priors, values = [None] * len(states), np.full(len(states), np.nan)
+        for j, i in enumerate(asked):
+            priors[i], values[i] = pri[j], val[j]
         stats.prior_calls += 1
     out = []
     for i, n in enumerate(nodes):
         v = float(values[i]) if values is not None and np.isfinite(values[i]) else None
-        acts = space.resolve(states[i].assign)
+        acts = states[i].resolved
         seen = evaluator.cache.get(acts)
         if seen is not None:  # a repeat: this plan was simulated before, nothing new is proposed
             stats.repeats += 1
             tree.feedback[n] = seen.feedback
             val, sim = seen.reward, seen.reward
         else:
-            simulate = (v is None or not cfg.value_cut or tree.depth[n] >= k
+            simulate = (v is None or not cfg.value_cut or tree.terminal[n]
                         or len(stats.value_errors) < max(cfg.min_sims, 2))
             if not simulate:
                 bias, sd = stats.value_error()
@@ -371,16 +419,25 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
                 stats.value_cuts += 1  # back up the bias-corrected prediction
                 val, sim = (math.expm1(math.log1p(v) - stats.value_error()[0]) if v > -1.0 else v), None
         if pending[i]:
-            p = np.asarray(priors[i], dtype=np.float64)
-            p = np.where(np.isfinite(p) & (p > 0), p, 0.0)
-            p = p / p.sum() if p.sum() > 0 else np.full(space.num_actions, 1.0 / space.num_actions)
-            p = space.canonical_prior(states[i].group, p)  # equivalent actions are one action
-            if tree.depth[n] == 0:  # symmetric first decisions are one decision
+            st = states[i]
+            if st.plan_decision >= 0:
+                mask = plan_prior(space, st)
+                p = mask / mask.sum()
+            else:
+                mask = None
+                p = np.asarray(priors[i], dtype=np.float64) if priors is not None else np.zeros(space.num_actions)
+                p = np.where(np.isfinite(p) & (p > 0), p, 0.0)
+                p = p / p.sum() if p.sum() > 0 else np.full(space.num_actions, 1.0 / space.num_actions)
+                p = space.canonical_prior(st.group, p)  # equivalent actions are one action
+            first = st.plan_decision < 0 and not (st.assign >= 0).any()
+            if first:  # symmetric first decisions are one decision
                 p = space.canonical_root_prior(p)
             if n == root and cfg.dirichlet > 0:
-                p = (1 - cfg.dirichlet) * p + cfg.dirichlet * rng.dirichlet(
-                    np.full(space.num_actions, cfg.dirichlet_alpha))
-                if tree.depth[n] == 0:
+                noise = rng.dirichlet(np.full(space.num_actions, cfg.dirichlet_alpha))
+                if mask is not None:
+                    noise = noise * mask / max((noise * mask).sum(), 1e-300)
+                p = (1 - cfg.dirichlet) * p + cfg.dirichlet * noise
+                if first:
                     p = space.canonical_root_prior(p)
             tree.prior[n] = p
             tree.expanded[n] = True
@@ -395,7 +452,6 @@ def run_playouts(tree: Tree, root: int, space: ActionSpace, evaluator: Evaluator
     before the first wave)."""
     cfg = cfg or MCTSConfig()
     stats = stats or SearchStats()
-    k = space.num_groups
     start, start_repeats = stats.playouts, stats.repeats
     if not tree.expanded[root]:  # the root's own plan is the first playout
         res = _evaluate_nodes(tree, [root], space, evaluator, prior_fn, cfg, stats, root, rng)
@@ -413,7 +469,7 @@ def run_playouts(tree: Tree, root: int, space: ActionSpace, evaluator: Evaluator
         qrange = (float(seen.min()), float(seen.max())) if seen.size else (0.0, 0.0)
         for _ in range(wave):
             noise = rng.random(space.num_actions) * 1e-6
-            node, a = select(tree, root, k, cfg.c_puct, qrange, noise)
+            node, a = select(tree, root, cfg.c_puct, qrange, noise)
             if a >= 0:
                 node = expand(tree, node, a)
             add_virtual_loss(tree, node, root)
@@ -477,8 +533,8 @@ def mcts_search(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng
                          deadline=deadline, cfg=cfg)
     proposals: list[tuple] = []
     if reserve > 0:
-        root = SearchState(tree.assign(0, space), space.order[0],
-                           tree.feedback[0] or Feedback.neutral(space.num_devices, space.num_groups))
+        fb = tree.feedback[0] or Feedback.neutral(space.num_devices, space.num_groups)
+        root = SearchState(np.full(space.num_groups, -1, np.int64), space.order[0], fb)
         proposals = [space.canonical(p) for p in propose_fn(space, root)][:reserve]
         before = stats.playouts
         for acts in proposals:
@@ -509,6 +565,8 @@ def run_episode(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng
     """AlphaZero self-play: at each decision run playouts from the current root (reusing the
     tree), record the root's visit distribution, commit to an action (sampled by visits for the
     first ``temperature_steps`` decisions, then the most visited) and move the root down."""
+    if space.plan_options:
+        raise ValueError("run_episode labels op-group decisions only; expected a space built with pipelines=False")
     tree = new_tree(space)
     stats = SearchStats()
     root = 0

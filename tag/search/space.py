@@ -40,6 +40,39 @@ representative (:meth:`ActionSpace.canonical_prior`). On gpt2 (64 groups) over
 ``cluster-16gpu-4m`` a group has 29 distinct actions of 49 on average, on VGG-16 over
 ``mixed-a100-v100`` 7 of 11.
 
+**Tensor-parallel actions** (``tensor_parallel=True``, the default; none for a model without
+Megatron blocks, :mod:`tag.parallel.tensor_parallel`): ``tp`` over the subsets of whole machines
+(families :data:`TP_FAMILIES`) at each degree of :attr:`ActionSpace.tp_degrees` (2, 4, 8 dividing
+every machine's devices and every block's features and heads), consecutive devices forming one
+tensor-parallel group, groups' shares proportional to their slowest device's speed. They are
+appended after TAG's actions, whose indices (and the default) do not move. A block split over
+several op-groups needs all of them ``tp`` alike: :meth:`ActionSpace.canonical` gives every group
+of such a run the ``tp`` action of the first of them in decision order. Through the completion
+rule a ``tp`` first decision deploys the whole model that way, the one tensor-parallel plan the
+executor runs (every group ``tp`` over the same devices); the simulator costs any mix. On
+gpt2-medium over ``cloud-t4`` 15 ``tp`` actions join TAG's 49, on ``mixed-a100-v100`` 6 join 11.
+
+**Plan-level decisions** (``pipelines=True``; :func:`tag.planner.find_plan` asks for them):
+before any op-group, the stage count (:data:`PLAN_DECISIONS`; 1 = no pipeline, the default, then
+the per-group decisions exactly as without them); more stages go on with four small decisions
+instead: how stages are cut (``time``: the slowest stage's compute balanced by
+:func:`tag.parallel.layout.balanced_cuts`, heterogeneity-aware; ``memory``: the largest stage's
+state balanced), each stage data parallel or tensor parallel at a degree, the micro-batch count
+(default ``2 x stages``), the schedule (1F1B, GPipe, kFkB with k = 2; default 1F1B), after which
+the plan is complete (stages machine-major, :func:`tag.parallel.layout.layout_plan`). The product
+is never enumerated: on gpt2-medium over ``cloud-t4`` 144 pipelines (2, 4 or 8 stages) sit below a
+4-way first decision and at most 6-way decisions after it. Cut, stage deployment and micro-batch
+count left open take the first of (time, data parallel, 2 x stages micro-batches, then more, then
+fewer), (time, tp 2, ...), ..., (memory, data parallel, ...), ... whose memory a static estimate
+says fits (:meth:`ActionSpace.pipeline_key`): on gpt2-medium over ``tag-testbed``
+(32 groups) the 4-stage data-parallel default ran out of memory (1.29 x a device) and MCTS left
+the stage count, whose 2 x 2 tensor-parallel stages are the best layout. A plan-level decision's prior is uniform
+over its options (action ``i`` is option ``i``; a larger index is option ``i mod n``, an
+equivalent action), except "no pipeline", which gets
+:data:`tag.search.mcts.NO_PIPELINE_PRIOR` of the stage-count decision. Plans are keyed by their
+action tuple, or by a pipeline key ``("pp", stages, micro, tp, schedule, k, cut)``
+(:meth:`ActionSpace.resolve_path`, :meth:`ActionSpace.plan_of`).
+
 **Defaults.** Before any decision every group takes :attr:`ActionSpace.default_action` (all
 devices, all-reduce, proportional shares). After, a partial plan is completed along program
 order: undecided groups before the first decided group follow it, those after the last follow
@@ -60,12 +93,24 @@ from functools import cached_property
 
 import numpy as np
 
+from ..cost.baselines import group_footprints
 from ..cost.comm import CommModel
+from ..errors import PlanError
 from ..parallel import strategy_of
-from ..plan.format import GroupPlan, group_positions
+from ..parallel.layout import MICRO_BATCHES, Layout, layout_plan, tp_degrees
+from ..parallel.tensor_parallel import aligned_cuts, block_groups, megatron_blocks
+from ..plan.format import GroupPlan, PipelinePlan, group_positions
 from .costs import GroupCosts, default_cost_model
 
-SYNC_NAMES = ("allreduce", "ps", "mp")
+SYNC_NAMES = ("allreduce", "ps", "mp", "tp")
+TP_FAMILIES = ("all", "machines", "machine", "gpu-type")
+"""Subset families that take tensor-parallel actions: whole machines (a tp group never spans
+machines), and of the families that grow with the machine count only one machine and one GPU
+kind (32 GPUs over 8 machines: 26 tp actions at degrees 2 and 4 next to TAG's 79, not 54)."""
+PLAN_DECISIONS = ("stages", "cut", "stage_sync", "micro", "schedule")
+"""The plan-level decisions, in the order they are made (see the module docstring)."""
+SCHEDULE_OPTIONS = (("1f1b", 1), ("gpipe", 1), ("kfkb", 2))
+"""Pipeline schedules the search tries: (schedule, k)."""
 ENUMERATE_MACHINES = 4
 """Up to this many machines, every non-empty machine subset is a candidate (as in TAG)."""
 MP_MAX_DEVICES = 4
@@ -84,6 +129,8 @@ class Action:
     """``allreduce``, ``ps`` or ``mp``."""
     family: str
     """Which subset family produced it (``all``, ``machine``, ``prefix``, ...); for display."""
+    tp: int | None = None
+    """``tp`` only: devices per tensor-parallel group (consecutive devices of one machine)."""
 
     def describe(self, topology) -> str:
         machines: dict[int, int] = {}
@@ -94,7 +141,8 @@ class Action:
         for m, c in machines.items():
             mach = topology.machines[m]
             parts.append(mach.name if c == mach.count else f"{mach.name}[{c}]")
-        return f"{self.sync}({'+'.join(parts)})"
+        name = self.sync if self.tp is None else f"tp{self.tp}"
+        return f"{name}({'+'.join(parts)})"
 
 
 def device_subsets(topology, speeds: np.ndarray) -> list[tuple[tuple[int, ...], str]]:
@@ -164,7 +212,8 @@ class ActionSpace:
             omitted and available); shared with the evaluator's simulator.
     """
 
-    def __init__(self, graph, topology, costs: GroupCosts | None = None, cost_model=None):
+    def __init__(self, graph, topology, costs: GroupCosts | None = None, cost_model=None, *,
+                 tensor_parallel: bool = True, pipelines: bool = False):
         self.graph = graph
         self.topology = topology
         if cost_model is None and costs is None:
@@ -178,10 +227,20 @@ class ActionSpace:
         self.num_devices = topology.num_devices
         speeds = self.costs.device_speed
         actions: list[Action] = []
-        for devs, fam in device_subsets(topology, speeds):
-            syncs = ("allreduce",) if len(devs) == 1 else SYNC_NAMES
+        subsets = device_subsets(topology, speeds)
+        for devs, fam in subsets:
+            syncs = ("allreduce",) if len(devs) == 1 else SYNC_NAMES[:3]
             for s in syncs:
                 actions.append(Action(devs, s, fam))
+        self.num_base_actions = len(actions)
+        """Actions of TAG's space (replicas and model-parallel splits); tensor-parallel ones follow."""
+        self.tp_degrees = [t for t in tp_degrees(graph, topology)[1:]] if tensor_parallel else []
+        """Tensor-parallel degrees of the ``tp`` actions (2, 4, 8 dividing every machine's devices
+        and every Megatron block's features and heads; none for a model without blocks)."""
+        for devs, fam in subsets:  # appended: the indices of TAG's actions stay as they were
+            for t in self.tp_degrees:
+                if fam in TP_FAMILIES and len(devs) >= t and len(devs) % t == 0:
+                    actions.append(Action(devs, "tp", fam, t))
         self.actions = actions
         self.num_actions = len(actions)
         self.stake_s = decision_stake(self.costs, self.comm)
@@ -194,6 +253,11 @@ class ActionSpace:
         self._cache: dict[tuple[int, int], GroupPlan] = {}
         self._servers: dict[tuple[int, ...], int] = {}  # subset -> its parameter server
         self._mp_cache: dict[tuple, tuple[int, ...]] = {}  # (ranking, subset, chunks) -> mp devices
+        self._components = _block_components(graph) if self.tp_degrees else []
+        self.plan_options: dict[str, list] = self._plan_options() if pipelines else {}
+        """Options of each plan-level decision (:data:`PLAN_DECISIONS`); empty: no pipelines."""
+        self._pipe_plans: dict[tuple, tuple] = {}  # pipeline key -> (groups, PipelinePlan) or None
+        self._footprints: dict[int, np.ndarray] = {}  # samples per device -> [K] bytes (group_footprints)
 
     # ------------------------------------------------------------------ symmetry
     @cached_property
@@ -238,7 +302,7 @@ class ActionSpace:
             for d in act.devices:
                 m = topo.machine_of(d)
                 per[m] = per.get(m, 0) + 1
-            key = (act.sync, tuple(sorted((cls[m], c) for m, c in per.items())))
+            key = (act.sync, act.tp, tuple(sorted((cls[m], c) for m, c in per.items())))
             out[a] = first.setdefault(key, a)
         return out
 
@@ -280,6 +344,8 @@ class ActionSpace:
         :meth:`tag.parallel.Strategy.normalise` does); an ``mp`` action is its chosen devices (its
         cuts follow from their number), one chunk being a single replica."""
         act = self.actions[a]
+        if act.sync == "tp":
+            return (act.devices, "tp", act.tp)
         if act.sync == "mp":
             chosen = self._mp_devices(g, act)
             return (chosen, "allreduce") if len(chosen) == 1 else (chosen, "mp")
@@ -328,10 +394,10 @@ class ActionSpace:
         """[A] index of the action's sync in :data:`SYNC_NAMES`."""
         return np.array([SYNC_NAMES.index(a.sync) for a in self.actions], dtype=np.int64)
 
-    def action_index(self, devices, sync: str) -> int | None:
-        key = (tuple(sorted(devices)), sync)
+    def action_index(self, devices, sync: str, tp: int | None = None) -> int | None:
+        key = (tuple(sorted(devices)), sync, tp)
         for a, act in enumerate(self.actions):
-            if (act.devices, act.sync) == key:
+            if (act.devices, act.sync, act.tp) == key:
                 return a
         return None
 
@@ -362,10 +428,25 @@ class ActionSpace:
                 out[b + 1:right] = [int(assign[right])] * (right - b - 1)
         return self.canonical(out)
 
-    def canonical(self, actions) -> tuple[int, ...]:
+    def canonical(self, actions) -> tuple:
         """``actions`` with each group's action replaced by the representative of its
-        equivalents (:attr:`group_canonical`): the key under which a plan is simulated once."""
-        return tuple(int(a) for a in self.group_canonical[np.arange(self.num_groups), np.asarray(actions)])
+        equivalents (:attr:`group_canonical`): the key under which a plan is simulated once.
+
+        A Megatron block split over several op-groups needs every one of them ``tp`` over the same
+        devices and degree (:meth:`tag.parallel.TensorParallel.check_plan`): where any group of such
+        a run of block-linked groups is ``tp``, all of them take the ``tp`` action of the first of
+        them in decision order (a decided tp group carries its block with it, as an undecided group
+        follows its neighbour). A pipeline key (:meth:`pipeline_key`) is its own canonical form."""
+        if is_pipeline_key(actions):
+            return tuple(actions)
+        acts = [int(a) for a in actions]
+        for comp in self._components:
+            tp = [g for g in comp if self.actions[acts[g]].sync == "tp"]
+            if tp and len(tp) < len(comp) or len({acts[g] for g in tp}) > 1:
+                first = acts[min(tp, key=lambda g: self.rank[g])]
+                for g in comp:
+                    acts[g] = first
+        return tuple(int(a) for a in self.group_canonical[np.arange(self.num_groups), np.asarray(acts)])
 
     def _gap_cut(self, left: int, right: int) -> int:
         """Cut ``b`` (``left <= b < right``) between two decided groups with different actions:
@@ -385,7 +466,7 @@ class ActionSpace:
             gp = self._materialise(g, self.actions[a])
             self._cache[key] = gp
         return GroupPlan(list(gp.devices), list(gp.shares), gp.sync, gp.server,
-                         None if gp.mp_splits is None else list(gp.mp_splits))
+                         None if gp.mp_splits is None else list(gp.mp_splits), tp=gp.tp)
 
     def group_plans(self, actions) -> list[GroupPlan]:
         """Group plans of a full action tuple."""
@@ -402,12 +483,214 @@ class ActionSpace:
             return GroupPlan(chosen[:n], [1.0] * n, "mp", None, splits)
         if len(devs) == 1:
             return GroupPlan(devs, [1.0], "allreduce")
+        if act.sync == "tp":  # tp groups at the pace of their slowest device, equal shares inside one
+            t = self.costs.group_time_full[g][devs].reshape(-1, act.tp).max(axis=1)
+            rate = np.repeat(1.0 / np.maximum(t, 1e-15), act.tp)
+            shares = (rate / rate.sum()).tolist()
+            return GroupPlan(devs, shares, "tp", tp=act.tp)
         rate = 1.0 / np.maximum(self.costs.group_time_full[g][devs], 1e-15)
         shares = (rate / rate.sum()).tolist()
         shares[-1] = 1.0 - sum(shares[:-1])
         if act.sync == "ps":
             return GroupPlan(devs, shares, "ps", self._server(act.devices))
         return GroupPlan(devs, shares, "allreduce")
+
+    # ------------------------------------------------------------------ plan-level decisions
+    def _plan_options(self) -> dict[str, list]:
+        """Stage counts of the ``stages`` decision (1: no pipeline, the per-group decisions
+        follow); empty when no pipeline fits (one device, one op-group, no cost model)."""
+        n, k, b = self.num_devices, self.num_groups, self.graph.batch_size
+        if self.cost_model is None or n < 2 or k < 2:
+            return {}
+        stages = [1] + [p for p in range(2, min(n, k) + 1) if n % p == 0 and n // p <= b]
+        return {"stages": stages[: self.num_actions]} if len(stages) > 1 else {}
+
+    def options(self, name: str, stages: int) -> list:
+        """Options of plan-level decision ``name`` for a pipeline of ``stages`` stages (placed
+        machine-major, ``D / stages`` devices each, as :func:`tag.parallel.layout.layout_plan`
+        places them). ``micro``: counts of :data:`~tag.parallel.layout.MICRO_BATCHES` giving every
+        device a sample; ``stage_sync``: 1 (data parallel) or a tensor-parallel degree dividing a
+        stage's devices, where enough stage cuts fall between Megatron blocks; ``schedule``:
+        :data:`SCHEDULE_OPTIONS`; ``cut``: ``time`` or ``memory``. At most :attr:`num_actions`
+        options each (the tree's width)."""
+        if name == "stages":
+            return self.plan_options.get("stages", [1])
+        w = self.num_devices // stages
+        if name == "micro":
+            out = [m for m in MICRO_BATCHES if m * w <= self.graph.batch_size]
+        elif name == "stage_sync":
+            out = [1] + [t for t in self.tp_degrees if w % t == 0 and len(self._aligned) >= stages]
+        elif name == "schedule":
+            out = list(SCHEDULE_OPTIONS)
+        elif name == "cut":
+            out = ["time", "memory"]
+        else:
+            raise ValueError(f"plan decision: expected one of {PLAN_DECISIONS}, got {name!r}")
+        return out[: self.num_actions]
+
+    @cached_property
+    def _aligned(self) -> set[int]:
+        return aligned_cuts(self.graph)
+
+    def default_option(self, name: str, stages: int) -> int:
+        """Index of a plan-level decision's default where nothing else decides it: no pipeline;
+        ``2 x stages`` micro-batches (or the most that fit); 1F1B; the cut and each stage's
+        deployment are chosen together by :meth:`pipeline_key` (the first of time-cut data parallel,
+        time-cut tensor parallel at rising degrees, then the same cut by memory, whose estimated
+        memory fits), index 0 here."""
+        if name != "micro":
+            return 0
+        opts = self.options("micro", stages)
+        fit = [i for i, m in enumerate(opts) if m <= 2 * stages]
+        return fit[-1] if fit else 0
+
+    def _estimated_fit(self, key: tuple) -> bool:
+        """Whether every device of a pipeline key's plan holds its stage's state and in-flight
+        activations by a static estimate (:func:`tag.cost.baselines.group_footprints` at a
+        device's samples per micro-batch, times the micro-batches 1F1B keeps alive on the stage;
+        the state of tensor-parallel stages divided by the degree): a guess for the defaults, the
+        simulator decides."""
+        plan = self.pipeline_plan(key)
+        if plan is None:
+            return False
+        groups, pipe = plan
+        _, p, m, t, _, _, _ = key
+        b = -(-self.graph.batch_size // (m * (self.num_devices // p)))  # samples per device per micro-batch
+        if b not in self._footprints:
+            self._footprints[b] = np.array(group_footprints(self.graph, b))
+        total = self._footprints[b]
+        held = self._held
+        bounds = list(pipe.stages) + [self.num_groups]
+        for s, lo in enumerate(pipe.stages):
+            hi = bounds[s + 1]
+            need = held[lo:hi].sum() / t + min(p - s, m) * (total[lo:hi] - held[lo:hi]).sum()
+            if need > min(self.topology.devices[d].gpu.memory_bytes for d in groups[lo].devices):
+                return False
+        return True
+
+    @cached_property
+    def _held(self) -> np.ndarray:
+        """[K] parameter, gradient and optimizer-state bytes of each group."""
+        return np.array(group_footprints(self.graph, 0))
+
+    def decision_at(self, path) -> tuple[str, int] | None:
+        """What a node reached by ``path`` (action indices from the root) decides next:
+        ``("plan", i)`` for plan-level decision ``PLAN_DECISIONS[i]``, ``("group", g)`` for op-group
+        ``g``, None when nothing is left (a complete plan).
+
+        Without plan-level decisions (:attr:`plan_options` empty) the path decides op-groups in
+        :attr:`order`, as TAG does. With them the first decision is the stage count; one stage
+        (no pipeline, the default) goes on with the op-groups, more stages with the other
+        plan-level decisions and nothing after them (each stage data or tensor parallel as a
+        whole, stages cut by :func:`tag.parallel.layout.balanced_cuts`)."""
+        d = len(path)
+        if not self.plan_options:
+            return ("group", self.order[d]) if d < self.num_groups else None
+        if d == 0:
+            return ("plan", 0)
+        if self.stages_of(path) == 1:
+            return ("group", self.order[d - 1]) if d - 1 < self.num_groups else None
+        return ("plan", d) if d < len(PLAN_DECISIONS) else None
+
+    def stages_of(self, path) -> int:
+        """Stage count chosen on ``path`` (1 while undecided)."""
+        if not self.plan_options or not len(path):
+            return 1
+        opts = self.plan_options["stages"]
+        return opts[int(path[0]) % len(opts)]
+
+    def decode(self, path) -> tuple[np.ndarray, dict | None]:
+        """``(assign [K], pipeline choices)`` of a path: the op-groups' actions (-1 undecided), and
+        for a pipeline the value of each plan-level decision made (None: no pipeline)."""
+        assign = np.full(self.num_groups, -1, np.int64)
+        p = self.stages_of(path)
+        if p == 1:
+            groups = path[1:] if self.plan_options else path
+            for i, a in enumerate(groups):
+                assign[self.order[i]] = a
+            return assign, None
+        chosen = {"stages": p}
+        for i, a in enumerate(path[1:len(PLAN_DECISIONS)], start=1):
+            opts = self.options(PLAN_DECISIONS[i], p)
+            chosen[PLAN_DECISIONS[i]] = opts[int(a) % len(opts)]
+        return assign, chosen
+
+    def resolve_path(self, path) -> tuple:
+        """The key of the complete plan a path leads to (undecided choices take their defaults):
+        an action tuple (:meth:`resolve`) or a pipeline key (:meth:`pipeline_key`)."""
+        assign, chosen = self.decode(path)
+        return self.resolve(assign) if chosen is None else self.pipeline_key(chosen)
+
+    def pipeline_key(self, chosen: dict) -> tuple:
+        """``("pp", stages, micro, tp, schedule, k, cut)`` of plan-level choices, defaults filled
+        (:meth:`default_option`; the undecided of cut, stage deployment and micro-batch count: the
+        first candidate whose estimated memory fits, :meth:`_estimated_fit`, else the first;
+        micro-batch counts from the default up, then down)."""
+        p = chosen["stages"]
+        val = {n: chosen.get(n, self.options(n, p)[self.default_option(n, p)]) for n in PLAN_DECISIONS[1:]}
+        sched, k = val["schedule"]
+        cuts = [chosen["cut"]] if "cut" in chosen else self.options("cut", p)
+        syncs = [chosen["stage_sync"]] if "stage_sync" in chosen else self.options("stage_sync", p)
+        micros = [val["micro"]]
+        if "micro" not in chosen:  # more micro-batches hold fewer activations at once, then fewer
+            opts = self.options("micro", p)
+            micros += [m for m in opts if m > val["micro"]] + [m for m in opts[::-1] if m < val["micro"]]
+        cands = [("pp", p, m, t, sched, k, c) for c in cuts for t in syncs for m in micros]
+        return next((key for key in cands if self._estimated_fit(key)), cands[0])
+
+    def pipeline_plan(self, key: tuple) -> tuple[list[GroupPlan], PipelinePlan | None] | None:
+        """Group plans and pipeline of a pipeline key (:func:`tag.parallel.layout.layout_plan`:
+        stages machine-major, cut to balance the slowest stage), None if no such plan exists."""
+        out = self._pipe_plans.get(key, False)
+        if out is False:
+            _, p, m, t, sched, k, cut = key
+            w = self.num_devices // p
+            try:
+                plan = layout_plan(self.graph, self.topology,
+                                   Layout(dp=w // t, tp=t, pp=p, micro=m, schedule=sched, k=min(k, m), cut=cut),
+                                   self.cost_model)
+                out = (plan.groups, plan.pipeline)
+            except PlanError:
+                out = None
+            self._pipe_plans[key] = out
+        return None if out is None else ([GroupPlan(list(g.devices), list(g.shares), g.sync, tp=g.tp)
+                                          for g in out[0]], out[1])
+
+    def plan_of(self, key: tuple) -> tuple[list[GroupPlan], PipelinePlan | None] | None:
+        """Group plans and pipeline (None: no pipeline) of a key; None if it names no plan."""
+        if is_pipeline_key(key):
+            return self.pipeline_plan(key)
+        return self.group_plans(key), None
+
+    def describe_key(self, key: tuple) -> list[str]:
+        """Each group's action in words, or the pipeline's layout for a pipeline key."""
+        if is_pipeline_key(key):
+            _, p, m, t, sched, k, cut = key
+            w = self.num_devices // p
+            text = f"dp={w // t},tp={t},pp={p},micro={m},schedule={sched}"
+            return [text + (f",k={k}" if sched == "kfkb" else "") + (f",cut={cut}" if cut != "time" else "")]
+        return [self.actions[a].describe(self.topology) for a in key]
+
+    def random_path(self, rng: np.random.Generator, depth: int) -> list[int]:
+        """A path of up to ``depth`` uniformly random decisions (each among its distinct options:
+        plan-level options, or a group's distinct deployments)."""
+        path: list[int] = []
+        while len(path) < depth:
+            nxt = self.decision_at(path)
+            if nxt is None:
+                break
+            kind, i = nxt
+            if kind == "plan":
+                n = len(self.options(PLAN_DECISIONS[i], self.stages_of(path)))
+                path.append(int(rng.integers(n)))
+            else:
+                path.append(int(rng.integers(self.num_actions)))  # equivalent actions collapse in resolve
+        return path
+
+    @property
+    def max_depth(self) -> int:
+        """Most decisions on a path."""
+        return self.num_groups + (1 if self.plan_options else 0)
 
     def _server(self, devices: tuple[int, ...]) -> int:
         """The parameter server of a subset: its device with the most bandwidth to the others (the
@@ -436,3 +719,29 @@ def _balanced_splits(weights: np.ndarray, n: int, lo: int) -> list[int]:
         c = min(max(c, splits[-1] + 1), p - (n - j))
         splits.append(c)
     return [lo + s for s in splits]
+
+
+def is_pipeline_key(key) -> bool:
+    """Whether a plan key is a pipeline's (:meth:`ActionSpace.pipeline_key`), not an action tuple."""
+    return len(key) > 0 and key[0] == "pp"
+
+
+def _block_components(graph) -> list[list[int]]:
+    """Runs of op-groups linked by Megatron blocks split over several groups (each of >= 2 groups):
+    the groups that must share one ``tp`` deployment when any of them is ``tp``."""
+    parent = list(range(graph.num_groups))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for b in megatron_blocks(graph):
+        gs = block_groups(graph, b)
+        for g in gs[1:]:
+            parent[find(g)] = find(gs[0])
+    comps: dict[int, list[int]] = {}
+    for g in range(graph.num_groups):
+        comps.setdefault(find(g), []).append(g)
+    return [c for c in comps.values() if len(c) > 1]
