@@ -152,6 +152,8 @@ def _describe(topo, gp) -> str:
     extra = f", server {topo.devices[gp.server].name}" if gp.server is not None else ""
     if gp.tp is not None:  # tensor parallel: devices per tensor-parallel group
         extra += f", tp {gp.tp}"
+    if gp.sequence_parallel:
+        extra += ", sequence parallel"
     sfb = f", sfb {len(gp.sfb)}" if gp.sfb else ""
     return f"{sync:9s} on {where} (shares {shares}{extra}{sfb})"
 

@@ -39,6 +39,7 @@ def validation_plans(graph, topology, n: int, seed: int = 0) -> list[tuple[str, 
         # after stage (no micro-batches: the devices take turns)
         plans.append(("inter-op", new_plan(graph, topology, [GroupPlan([g * D // K], [1.0]) for g in range(K)])))
         plans += pipeline_plans(graph, topology)
+        plans += tensor_parallel_plans(graph, topology)
         plans.append(("mixed", new_plan(graph, topology, [GroupPlan(all_devs, [1 / D] * D) if g % 2 == 0
                                                           else GroupPlan([g % D], [1.0]) for g in range(K)])))
         mp = []
@@ -89,6 +90,24 @@ def pipeline_plans(graph, topology) -> list[tuple[str, Plan]]:
         plan = new_plan(graph, topology, [stage[0] if g < cut[1] else stage[1] for g in range(K)])
         plan.pipeline = PipelinePlan(cut, M, schedule)
         out.append((f"pp2-{schedule}-m{M}", plan))
+    return out
+
+
+def tensor_parallel_plans(graph, topology) -> list[tuple[str, Plan]]:
+    """Every op-group tensor parallel over all devices, in groups of ``T`` consecutive devices
+    (``D / T`` data-parallel replicas, even shares), for each degree ``T`` a layout may use
+    (:func:`tag.parallel.layout.tp_degrees`: dividing every machine's device count and every
+    Megatron block's features and heads); plain Megatron, what the executor runs. None for a
+    graph without Megatron blocks."""
+    from ..parallel.layout import tp_degrees
+
+    D, K = topology.num_devices, graph.num_groups
+    out = []
+    for t in tp_degrees(graph, topology)[1:]:
+        if D % t or D > graph.batch_size:
+            continue
+        plan = new_plan(graph, topology, [GroupPlan(list(range(D)), [1 / D] * D, "tp", tp=t) for _ in range(K)])
+        out.append((f"tp{t}" if t == D else f"dp{D // t}-tp{t}", plan))
     return out
 
 
