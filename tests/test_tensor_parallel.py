@@ -453,3 +453,22 @@ def test_tensor_parallel_training_on_two_gloo_ranks(gpt2, tmp_path):
     for r in range(2):
         _assert_full_params(torch.load(tmp_path / "run" / f"params-rank{r}.pt"), ref, gpt2)
     assert res.losses == pytest.approx(losses, rel=1e-5)
+
+
+def test_validate_runs_tensor_parallel_plans(gpt2):
+    """``tag validate``'s plan set has every op-group tensor parallel over all devices for each
+    degree a layout may use (plain Megatron: the executor runs it); ``--only`` picks plans by name
+    prefix, and a prefix naming none is one line."""
+    from tag.errors import TagError
+    from tag.executor.validate import select_plans, validation_plans
+
+    cpu2, cpu4 = load_topology("local-cpu2"), load_topology("local-cpu4")
+    plans = validation_plans(gpt2, cpu2, 20)
+    tp = dict(select_plans(plans, ["tp"]))
+    assert list(tp) == ["tp2"]
+    validate_plan(tp["tp2"], gpt2, cpu2)  # what the executor accepts
+    assert all(g.sync == "tp" and g.tp == 2 and not g.sequence_parallel for g in tp["tp2"].groups)
+    assert [n for n, _ in select_plans(validation_plans(gpt2, cpu4, 20), ["tp", "dp2"])] == ["dp2-tp2", "tp4"]
+    assert [n for n, _ in select_plans(plans, ["dp-even", "pp2"])] == ["dp-even", "pp2-1f1b-m4", "pp2-gpipe-m4"]
+    with pytest.raises(TagError, match=r"^--only: 'tp8' names none of the plans \['dp-even', .*\]; expected a name"):
+        select_plans(plans, ["tp8"])
