@@ -205,10 +205,11 @@ def _print(graph, topo, p, args) -> None:
     if lb and t:
         print(f"  lower bound: {ms(lb)}  (plan is {t / lb:.2f}x the bound)")
     if s["source"] == "layout-grid":
-        pp = p.pipeline
-        print(f"  a Megatron-style layout beats the searched plan: {s['layout']} ({len(pp.stages)} stages from "
-              f"groups {pp.stages}, {pp.micro_batches} micro-batch{'es' if pp.micro_batches > 1 else ''}, "
-              f"{pp.schedule})")
+        pp = p.pipeline  # None: a layout without a pipeline (tensor parallelism alone)
+        shape = "no pipeline" if pp is None else (
+            f"{len(pp.stages)} stages from groups {pp.stages}, {pp.micro_batches} "
+            f"micro-batch{'es' if pp.micro_batches > 1 else ''}, {pp.schedule}")
+        print(f"  a Megatron-style layout beats the searched plan: {s['layout']} ({shape})")
     elif s["source"] != "search":
         print(f"  search found nothing better than the baselines; returning {s['source']}")
     print(f"  {s['compression']}")
