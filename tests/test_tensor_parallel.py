@@ -146,9 +146,14 @@ def test_plan_checks(gpt2, v100):
     piped.pipeline = PipelinePlan([0, 3], 2)
     refused.append((piped, r"pipeline: pipelines of tensor-parallel groups are not executed by this version; "
                            r"expected none"))
+    refused.append((_tp_plan(gpt2, v100, [0, 1], sequence_parallel=True),
+                    r"groups\[0\]\.sequence_parallel: the executor runs plain Megatron \(every device of a "
+                    r"tensor-parallel group on the group's whole batch outside the blocks\), not sequence "
+                    r"parallelism; expected false"))
     for plan, message in refused:
         with pytest.raises(PlanError, match="^plan: " + message + "$"):
             validate_plan(plan, gpt2, v100)
+    validate_plan(_tp_plan(gpt2, v100, [0, 1], sequence_parallel=True), gpt2, v100, tensor_parallel=True)
     bad = [
         (_tp_plan(gpt2, v100, [0]), r"groups\[0\]\.tp: expected a tensor-parallel degree of 2\.\.8, got 1"),
         (_tp_plan(gpt2, v100, [0, 1, 2], tp=2), r"groups\[0\]\.tp: 3 devices are not groups of 2"),
@@ -166,6 +171,9 @@ def test_plan_checks(gpt2, v100):
     bad.append((uneven, r"groups\[0\]\.shares: the 2 devices of tensor-parallel group \[0, 1\] hold equal"))
     on_dp = new_plan(gpt2, v100, [GroupPlan([0, 1], [0.5, 0.5], tp=2) for _ in range(gpt2.num_groups)])
     bad.append((on_dp, r"groups\[0\]\.tp: only allowed with sync 'tp'"))
+    sp_dp = new_plan(gpt2, v100, [GroupPlan([0, 1], [0.5, 0.5], sequence_parallel=True)
+                                  for _ in range(gpt2.num_groups)])
+    bad.append((sp_dp, r"groups\[0\]\.sequence_parallel: only allowed with sync 'tp'; expected false, got true$"))
     # a block split over two op-groups: both tensor parallel over the same devices
     straddle = next(b for b in megatron_blocks(gpt2) if len(block_groups(gpt2, b)) > 1)
     mixed = _tp_plan(gpt2, v100, [0, 1])
@@ -173,6 +181,10 @@ def test_plan_checks(gpt2, v100):
     mixed.groups[g2] = GroupPlan([0, 1], [0.5, 0.5])
     bad.append((mixed, rf"groups\[{g2}\]: the Megatron block ending at .* spans groups .*; expected sync 'tp' over "
                        "the same devices"))
+    variants = _tp_plan(gpt2, v100, [0, 1])
+    variants.groups[g2] = GroupPlan([0, 1], [0.5, 0.5], sync="tp", sequence_parallel=True)
+    bad.append((variants, rf"groups\[{g2}\]: the Megatron block ending at .* spans groups .*; expected sync 'tp' "
+                          "over the same devices and degree, with or without sequence parallelism alike"))
     for plan, message in bad:
         with pytest.raises(PlanError, match="^plan: " + message):
             validate_plan(plan, gpt2, v100, tensor_parallel=True)
@@ -188,21 +200,32 @@ def test_plan_files_keep_their_format(gpt2, v100, tmp_path):
     plan.save(tmp_path / "p.json")
     back = Plan.load(tmp_path / "p.json")
     assert back.groups[0].tp == 2 and back.groups[0].sync == "tp" and back.to_dict() == plan.to_dict()
+    assert all("sequence_parallel" not in g for g in json.loads(plan.to_json())["groups"])  # plain: the default
+    seq = _tp_plan(gpt2, v100, [0, 1, 2, 3], tp=2, sequence_parallel=True)
+    seq.save(tmp_path / "sp.json")
+    back = Plan.load(tmp_path / "sp.json")
+    assert back.groups[0].sequence_parallel is True and back.to_dict() == seq.to_dict()
+    assert back.groups[0].key() != plan.groups[0].key()
     d = plan.to_dict()
     d["groups"][0]["tp"] = "two"
     with pytest.raises(PlanError, match=r"groups\[0\]\.tp: expected an integer"):
         Plan.from_dict(d)
+    d = seq.to_dict()
+    d["groups"][1]["sequence_parallel"] = 1
+    with pytest.raises(PlanError, match=r"groups\[1\]\.sequence_parallel: expected true or false, got 1$"):
+        Plan.from_dict(d)
 
 
 def test_simulated_costs(gpt2, v100):
-    """Tensor parallel over T devices of one machine against data parallel over the same devices:
-    the same token shards (compute), the split parameters' bytes divided by T on every device,
-    per block a blocking all-reduce in forward and in backward (zero on infinitely fast links)."""
+    """Sequence-parallel tensor parallelism over T devices of one machine against data parallel
+    over the same devices: the same token shards (compute), the split parameters' bytes divided by
+    T on every device, per block a blocking all-reduce in forward and in backward (zero on
+    infinitely fast links)."""
     from tag.sim import Simulator
 
     devs = [0, 1, 2, 3]
     dp = new_plan(gpt2, v100, [GroupPlan(devs, [0.25] * 4) for _ in range(gpt2.num_groups)])
-    tp = _tp_plan(gpt2, v100, devs)
+    tp = _tp_plan(gpt2, v100, devs, sequence_parallel=True)
     costs = CostModel.for_topology(gpt2, v100)
     # One bucket per group (bucket_bytes=1): a tensor-parallel group's sync is never bucketed, so
     # both plans hold the same largest sync buffer and differ only in the split parameters' state.
@@ -227,7 +250,7 @@ def test_simulated_costs(gpt2, v100):
     assert rt.iteration_time_s > 0 and not rt.oom
     # two data-parallel replicas of 2-way tensor parallelism, one per machine: the split
     # parameters' gradients also cross the network, between the replicas holding the same shard
-    both = sim.deploy(_tp_plan(gpt2, v100, [0, 1, 4, 5], tp=2).groups)
+    both = sim.deploy(_tp_plan(gpt2, v100, [0, 1, 4, 5], tp=2, sequence_parallel=True).groups)
     for g in range(gpt2.num_groups):
         s = group_split(gpt2, g)
         rest = float(sim.static.grad_bytes[g]) - s.split_bytes
@@ -237,20 +260,91 @@ def test_simulated_costs(gpt2, v100):
         assert both[g].sync_machines == ((0, 1) if want > 0 else ())
 
 
+def test_plain_megatron_against_sequence_parallel(gpt2, v100):
+    """The variant the executor runs (plain Megatron, the default) against the sequence-parallel one
+    on the same devices: the same block collectives and split state; outside the blocks every
+    device computes, and holds activations for, its tensor-parallel group's whole batch (more
+    compute and memory); replicated parameters' gradients are identical within a group, so only
+    the replicas holding the same shard sum gradients (no sync with one replica)."""
+    from tag.parallel.tensor_parallel import base_name, block_interior
+    from tag.sim import Simulator
+
+    blocks = megatron_blocks(gpt2)
+    inner = block_interior(gpt2)
+    kinds = {"fwd": set(), "bwd": set()}
+    for i in inner.ops:
+        kinds[gpt2.ops[i].phase].add(base_name(gpt2.ops[i].target))
+    assert all({*b.columns, b.row} <= inner.ops for b in blocks)
+    assert {"addmm", "bmm", "_softmax"} <= kinds["fwd"] and {"mm", "bmm", "_softmax_backward_data"} <= kinds["bwd"]
+    assert not any("layer_norm" in k or "embedding" in k or "log_softmax" in k for k in kinds["fwd"] | kinds["bwd"])
+    assert sum(gpt2.ops[i].target == "aten.mm.default" for i in inner.ops) == 4 * len(blocks)  # 2 grads x 2 matmuls
+    assert {gpt2.params[p].tensor for b in blocks for p in b.split_params} <= inner.tensors
+    assert not {gpt2.ops[b.row].outputs[0] for b in blocks} & inner.tensors  # all-reduced: full
+
+    # four CPU devices costed by the roofline (the datasheet V100's tiny-model stages are launch-bound:
+    # the same seconds at 2 and 8 samples)
+    cpu4 = load_topology("local-cpu4")
+    costs = CostModel.roofline_only(gpt2, cpu4)
+    sim = Simulator(gpt2, cpu4, costs)
+    comm = costs.comm
+    devs = [0, 1, 2, 3]  # one group of 4: 2 samples per device's shard, 8 for the group
+    plain = sim.deploy(_tp_plan(gpt2, cpu4, devs).groups)
+    seq = sim.deploy(_tp_plan(gpt2, cpu4, devs, sequence_parallel=True).groups)
+    more = 0.0
+    for g in range(gpt2.num_groups):
+        lp, ls = plain[g].layout, seq[g].layout
+        s = group_split(gpt2, g)
+        for ph, name in ((0, "fwd"), (1, "bwd")):
+            comm_s = sum(comm.allreduce_time(devs, a.at(8), "flat") for a in (s.reduce_fwd if ph == 0 else s.reduce_bwd))
+            small, big = costs.group_time(g, name, 0, 2), costs.group_time(g, name, 0, 8)
+            compute = lp.dur[ph, g] - comm_s
+            assert (compute >= ls.dur[ph, g] - comm_s - 1e-12).all()
+            if s.blocks:  # block ops at the shard's cost, the rest at the group's
+                assert (compute >= small - 1e-12).all() and (compute <= big + 1e-12).all()
+            else:
+                assert compute == pytest.approx([big] * 4)
+            more += float((compute - (ls.dur[ph, g] - comm_s)).sum())
+        assert lp.dur[2, g] == pytest.approx(ls.dur[2, g])  # the same split optimizer state
+        assert (lp.mem[g] >= ls.mem[g]).all()
+        assert plain[g].sync == "none" and plain[g].sync_time == 0.0
+        rest = float(sim.static.grad_bytes[g]) - s.split_bytes
+        assert (seq[g].sync_time > 0) == (rest > 0)
+    assert more > 0
+    rp = simulate(gpt2, cpu4, _tp_plan(gpt2, cpu4, devs), costs=costs)
+    rs = simulate(gpt2, cpu4, _tp_plan(gpt2, cpu4, devs, sequence_parallel=True), costs=costs)
+    assert rp.peak_memory_bytes[0] > rs.peak_memory_bytes[0]
+    costs = CostModel.for_topology(gpt2, v100)
+    sim, comm = Simulator(gpt2, v100, costs), costs.comm
+    # two replicas of 2-way groups: each shard's gradients (split part and the whole replicated
+    # part) summed over the 2 replicas holding it, the 2 rings priced as one over the replicas' leads
+    both = sim.deploy(_tp_plan(gpt2, v100, [0, 1, 4, 5], tp=2).groups)
+    for g in range(gpt2.num_groups):
+        s = group_split(gpt2, g)
+        rest = float(sim.static.grad_bytes[g]) - s.split_bytes
+        want = comm.allreduce_time([0, 4], s.split_bytes + 2 * rest) if s.split_bytes + rest > 0 else 0.0
+        assert both[g].sync_time == pytest.approx(want) and both[g].sync_machines == ((0, 1) if want > 0 else ())
+
+
 def test_layouts_with_tensor_parallelism(gpt2, v100):
     assert parse_layout("dp=2,tp=4") == Layout(dp=2, tp=4)
+    assert parse_layout("dp=2,tp=4,sp=1") == Layout(dp=2, tp=4, sp=1)
+    with pytest.raises(PlanError, match=r"^layout: sp: sequence parallelism needs tensor parallelism; expected tp > 1"):
+        parse_layout("dp=8,sp=1")
     with pytest.raises(PlanError, match=r"^layout: tp: expected a tensor-parallel degree of 1\.\.8, got 16$"):
         parse_layout("tp=16")
     costs = CostModel.for_topology(gpt2, v100)
     plan = layout_plan(gpt2, v100, Layout(dp=2, tp=2, pp=2, micro=2), costs)
     validate_plan(plan, gpt2, v100, pipelines=True, tensor_parallel=True)
-    assert all(g.sync == "tp" and g.tp == 2 and len(g.devices) == 4 for g in plan.groups)
+    assert all(g.sync == "tp" and g.tp == 2 and len(g.devices) == 4 and not g.sequence_parallel for g in plan.groups)
+    sp = layout_plan(gpt2, v100, Layout(dp=2, tp=2, pp=2, micro=2, sp=1), costs)
+    assert all(g.sequence_parallel for g in sp.groups) and sp.meta["layout"].endswith(",sp=1")
     cut = plan.pipeline.stages[1]
     assert cut in aligned_cuts(gpt2)  # no Megatron block cut by the stages
     assert plan.groups[0].devices == [0, 1, 2, 3] and plan.groups[-1].devices == [4, 5, 6, 7]
     assert simulate(gpt2, v100, plan).iteration_time_s > 0
     grid = layout_grid(gpt2, v100)
     assert {g.tp for g in grid} == {1, 2, 4}  # 8 would span the 4-GPU machines
+    assert {(g.tp > 1, g.sp) for g in grid} == {(False, 0), (True, 0), (True, 1)}  # both variants of tp
     assert all(g.dp * g.tp * g.pp == 8 and g.micro * g.dp * g.tp <= 8 for g in grid)
     with pytest.raises(PlanError, match=r"^layout: micro: 4 micro-batches over dp\*tp = 4 devices need at least 16"):
         layout_plan(gpt2, v100, Layout(dp=2, tp=2, pp=2, micro=4), costs)
@@ -395,3 +489,22 @@ def test_tensor_parallel_through_fused_attention(v100, spec, qkv, blocks):
                                                           *range(5 * f // 2, 3 * f)]
     ref, _ = reference_training(load_workload(spec, batch=batch), "sgd", 2)
     _assert_full_params(rts[0].tp.full_params([(rt.named_params(), rt.tp.kept) for rt in rts.values()]), ref, graph)
+
+
+def test_validate_runs_tensor_parallel_plans(gpt2):
+    """``tag validate``'s plan set has every op-group tensor parallel over all devices for each
+    degree a layout may use (plain Megatron: the executor runs it); ``--only`` picks plans by name
+    prefix, and a prefix naming none is one line."""
+    from tag.errors import TagError
+    from tag.executor.validate import select_plans, validation_plans
+
+    cpu2, cpu4 = load_topology("local-cpu2"), load_topology("local-cpu4")
+    plans = validation_plans(gpt2, cpu2, 20)
+    tp = dict(select_plans(plans, ["tp"]))
+    assert list(tp) == ["tp2"]
+    validate_plan(tp["tp2"], gpt2, cpu2)  # what the executor accepts
+    assert all(g.sync == "tp" and g.tp == 2 and not g.sequence_parallel for g in tp["tp2"].groups)
+    assert [n for n, _ in select_plans(validation_plans(gpt2, cpu4, 20), ["tp", "dp2"])] == ["dp2-tp2", "tp4"]
+    assert [n for n, _ in select_plans(plans, ["dp-even", "pp2"])] == ["dp-even", "pp2-1f1b-m4", "pp2-gpipe-m4"]
+    with pytest.raises(TagError, match=r"^--only: 'tp8' names none of the plans \['dp-even', .*\]; expected a name"):
+        select_plans(plans, ["tp8"])

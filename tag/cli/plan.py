@@ -154,6 +154,8 @@ def _describe(topo, gp) -> str:
     extra = f", server {topo.devices[gp.server].name}" if gp.server is not None else ""
     if gp.tp is not None:  # tensor parallel: devices per tensor-parallel group
         extra += f", tp {gp.tp}"
+    if gp.sequence_parallel:
+        extra += ", sequence parallel"
     sfb = f", sfb {len(gp.sfb)}" if gp.sfb else ""
     return f"{sync:9s} on {where} (shares {shares}{extra}{sfb})"
 
@@ -210,7 +212,8 @@ def _print(graph, topo, p, args) -> None:
               f"micro-batch{'es' if pp.micro_batches > 1 else ''}, {pp.schedule}"
               + (f" (k={pp.k})" if pp.schedule == "kfkb" else ""))
     if s["source"] == "layout-grid":
-        print(f"  a Megatron-style layout beats the searched plan: {s['layout']}")
+        shape = " (no pipeline)" if p.pipeline is None else ""  # tensor parallelism alone
+        print(f"  a Megatron-style layout beats the searched plan: {s['layout']}{shape}")
     elif s["source"] != "search":
         print(f"  search found nothing better than the baselines; returning {s['source']}")
     print(f"  {s['compression']}")

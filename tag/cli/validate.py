@@ -15,6 +15,9 @@ def register(sub) -> None:
     p.add_argument("--model", required=True, help="workload spec (e.g. gpt2 or mlp:hidden=512)")
     p.add_argument("--topology", required=True, help="topology of this machine (e.g. topologies/local-cpu2.yaml)")
     p.add_argument("--plans", type=int_in(1), default=12, help="number of plans: baselines first, then varied (default 12)")
+    p.add_argument("--only", default=None, metavar="NAME[,NAME...]",
+                   help="run only the plans (of those --plans gives) whose names start with one of these, e.g. "
+                        "dp-even,single-0,inter-op,pp2,tp (pp2: the pipelines, tp: tensor parallelism)")
     p.add_argument("--batch", type=int_in(1, MAX_BATCH), default=None,
                    help=f"global batch (1..{MAX_BATCH}; default: the model's)")
     p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=8, help="op-groups (default 8)")
@@ -52,7 +55,8 @@ def run(args) -> int:
     report = validate(args.model, args.topology, out, n_plans=args.plans, batch=args.batch, groups=args.groups,
                       optimizer=args.optimizer, steps=args.steps, warmup=args.warmup, seed=args.seed,
                       profile=not args.no_profile, profile_dir=args.profile_dir, rounds=args.rounds,
-                      precision=args.precision)
+                      precision=args.precision,
+                      only=[x.strip() for x in args.only.split(",") if x.strip()] if args.only is not None else None)
     print(report.table())
     print(f"results: {out}/validation.json, plot: {out}/scatter.png")
     return 0

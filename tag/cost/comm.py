@@ -37,7 +37,8 @@ profile (``comm.json``, :mod:`tag.executor.commprof`): there the measured gloo p
   block and direction the flat ring all-reduce of its activation over the group's devices (an
   all-gather plus a reduce-scatter with sequence parallelism: the same bytes); the gradient sync
   a hierarchical all-reduce of the replicated parameters over every device plus one of the split
-  parameters over the data-parallel replicas' first devices;
+  parameters over the data-parallel replicas' first devices (sequence parallel), or only rings
+  over the replicas holding the same shard (plain Megatron);
 * all-gather of ``c_r`` bytes from each device ``r`` (SFB factors, :meth:`CommModel.allgather_time`):
   flat ring, the link into device ``s`` carrying every chunk but ``s``'s own
   (``max_(a->s) (sum(c) - c_s) / bw(a, s) + (n-1) * lat_max``); hierarchical: the same ring over
@@ -435,13 +436,24 @@ class CommModel:
         ``devices`` (one machine)."""
         return sum(self.allreduce_time(devices, b, "flat") for b in nbytes if b > 0)
 
-    def tensor_parallel_sync_time(self, tp_groups, split_bytes: float, rest_bytes: float) -> float:
+    def tensor_parallel_sync_time(self, tp_groups, split_bytes: float, rest_bytes: float,
+                                  sequence_parallel: bool = True) -> float:
         """Gradient sync of a tensor-parallel op-group with data-parallel replicas ``tp_groups``
-        (each a list of ``T`` devices of one machine): the replicated parameters' partial
-        gradients (``rest_bytes``, partial over token shards) all-reduced over every device, then
-        the split ones (``split_bytes`` in all, ``1 / T`` per device) over the replicas holding
-        the same shard; the ``T`` shard rings run at once over the same machines' links, priced
-        as one ring of all ``split_bytes`` over the replicas' first devices."""
+        (each a list of ``T`` devices of one machine). The split parameters' gradients
+        (``split_bytes`` in all, ``1 / T`` per device) are all-reduced over the replicas holding
+        the same shard: the ``T`` shard rings run at once over the same machines' links, priced
+        as one ring of all ``split_bytes`` over the replicas' first devices. The replicated
+        parameters' gradients (``rest_bytes``): with ``sequence_parallel`` partial over the token
+        shards, all-reduced over every device first; without it (plain Megatron) identical within
+        a tensor-parallel group, so summed over the replicas only, in the same ``T`` shard rings
+        (each carrying ``rest_bytes``: ``T * rest_bytes`` more in the priced ring); nothing with
+        one replica."""
+        if not sequence_parallel:
+            n = len(tp_groups[0]) if tp_groups else 1
+            total = split_bytes + n * rest_bytes
+            if len(tp_groups) < 2 or total <= 0:
+                return 0.0
+            return self.allreduce_time([grp[0] for grp in tp_groups], total)
         devs = [d for grp in tp_groups for d in grp]
         t = self.allreduce_time(devs, rest_bytes) if rest_bytes > 0 else 0.0
         if len(tp_groups) > 1 and split_bytes > 0:

@@ -80,8 +80,9 @@ def optimizer_step_overhead(optimizer: str, overhead: float) -> float:
     return overhead * STEP_OPS.get(optimizer, 1)
 
 
-def group_phase_table(graph, roof: Roofline, batches, overhead: float = 0.0):
-    """Roofline seconds per (group, phase, batch): ``ndarray [K, 3, len(batches)]``.
+def group_phase_table(graph, roof: Roofline, batches, overhead: float = 0.0, only=None):
+    """Roofline seconds per (group, phase, batch): ``ndarray [K, 3, len(batches)]``; ``only``: a
+    boolean mask over the ops, counting those alone (default all).
 
     Per op: ``max(flops(b) / flop_rate, bytes(b) / mem_bandwidth) + overhead`` (the overhead only
     for forward/backward ops that move or compute anything; views are free); phases in ``PHASES``
@@ -102,6 +103,8 @@ def group_phase_table(graph, roof: Roofline, batches, overhead: float = 0.0):
     t = np.maximum((ff + fs * b) / roof.flop_rate, (bf + bs * b) / roof.mem_bandwidth)
     launched = np.array([o.phase != "opt" for o in ops])[:, None]
     t = t + overhead * (((ff + fs + bf + bs) > 0) & launched)
+    if only is not None:
+        t = t * np.asarray(only, dtype=bool)[:, None]
     row = np.array([o.group * 3 + PHASES.index(o.phase) for o in ops], dtype=np.int64)
     out = np.zeros((graph.num_groups * 3, b.shape[1]))
     np.add.at(out, row, t)

@@ -39,6 +39,7 @@ def validation_plans(graph, topology, n: int, seed: int = 0) -> list[tuple[str, 
         # after stage (no micro-batches: the devices take turns)
         plans.append(("inter-op", new_plan(graph, topology, [GroupPlan([g * D // K], [1.0]) for g in range(K)])))
         plans += pipeline_plans(graph, topology)
+        plans += tensor_parallel_plans(graph, topology)
         plans.append(("mixed", new_plan(graph, topology, [GroupPlan(all_devs, [1 / D] * D) if g % 2 == 0
                                                           else GroupPlan([g % D], [1.0]) for g in range(K)])))
         mp = []
@@ -90,6 +91,42 @@ def pipeline_plans(graph, topology) -> list[tuple[str, Plan]]:
         plan.pipeline = PipelinePlan(cut, M, schedule)
         out.append((f"pp2-{schedule}-m{M}", plan))
     return out
+
+
+def tensor_parallel_plans(graph, topology) -> list[tuple[str, Plan]]:
+    """Every op-group tensor parallel over all devices, in groups of ``T`` consecutive devices
+    (``D / T`` data-parallel replicas, even shares), for each degree ``T`` a layout may use
+    (:func:`tag.parallel.layout.tp_degrees`: dividing every machine's device count and every
+    Megatron block's features and heads); plain Megatron, what the executor runs. None for a
+    graph without Megatron blocks."""
+    from ..parallel.layout import tp_degrees
+
+    D, K = topology.num_devices, graph.num_groups
+    out = []
+    for t in tp_degrees(graph, topology)[1:]:
+        if D % t or D > graph.batch_size:
+            continue
+        plan = new_plan(graph, topology, [GroupPlan(list(range(D)), [1 / D] * D, "tp", tp=t) for _ in range(K)])
+        out.append((f"tp{t}" if t == D else f"dp{D // t}-tp{t}", plan))
+    return out
+
+
+def select_plans(plans: list[tuple[str, Plan]], only: list[str] | None) -> list[tuple[str, Plan]]:
+    """The plans whose name is, or starts with, one of ``only`` (``pp2`` selects both pipelines,
+    ``tp`` every tensor-parallel plan); all of them when ``only`` is None. A prefix matching none
+    is a one-line :class:`~tag.errors.TagError` listing the names."""
+    if only is None:
+        return plans
+    from ..errors import TagError
+
+    if not only:
+        raise TagError("--only: expected at least one plan name or prefix")
+
+    names = [name for name, _ in plans]
+    for prefix in only:
+        if not any(n.startswith(prefix) for n in names):
+            raise TagError(f"--only: {prefix!r} names none of the plans {names}; expected a name or its prefix")
+    return [(n, p) for n, p in plans if any(n.startswith(x) for x in only)]
 
 
 @dataclass
@@ -191,7 +228,7 @@ def scatter_plot(report: ValidationReport, path: str | Path) -> None:
 def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: int = 12, batch: int | None = None,
              groups: int = 8, optimizer: str = "adam", steps: int = 10, warmup: int = 3, seed: int = 0,
              profile: bool = True, profile_dir: str | Path | None = None, rounds: int = 1,
-             log_fn=print, precision: str = "fp32") -> ValidationReport:
+             log_fn=print, precision: str = "fp32", only: list[str] | None = None) -> ValidationReport:
     """Execute ``n_plans`` plans of ``model`` on ``topology_path``; write JSON + PNG into ``out_dir``.
 
     ``profile_dir``: the profile database predictions are costed with; default
@@ -207,7 +244,8 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     four gloo profiles taken within minutes priced vgg's 2.6 MiB all-reduce at 1.61 to 2.06 ms,
     which moves every synchronising plan alike against the single-device ones.) Each round runs
     the plans in its own shuffled order (seeded), so no plan always runs at the same point of a
-    drift.
+    drift. ``only``: run the plans of :func:`validation_plans` (``n_plans`` of them) whose names
+    start with one of these (:func:`select_plans`).
     """
     if rounds < 1:
         raise ValueError(f"rounds: expected a positive integer, got {rounds}")
@@ -224,7 +262,7 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     per_round = profile and profile_dir is None and rounds > 1
     if profile and not per_round:
         ensure_profiles(model, cap, topology, log_fn, root)
-    plans = validation_plans(graph, topology, n_plans, seed)
+    plans = select_plans(validation_plans(graph, topology, n_plans, seed), only)
     for name, plan in plans:
         plan_path = out / "plans" / f"{name}.json"
         plan_path.parent.mkdir(parents=True, exist_ok=True)
@@ -260,7 +298,7 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
         per_rank = [statistics.median(pr[i] for _, pr in ms) for i in range(len(ms[0][1]))]
         rows.append(ValidationRow(name, statistics.median(predicted[name]), med, per_rank,
                                   rounds_s=[m for m, _ in ms], predicted_rounds_s=predicted[name]))
-    meta = {"batch": graph.batch_size, "groups": graph.num_groups, "optimizer": optimizer, "steps": steps,
+    meta = {"batch": graph.batch_size, "groups": graph.num_groups, "only": only, "optimizer": optimizer, "steps": steps,
             "warmup": warmup, "rounds": rounds, "graph_signature": graph.signature(), "profile_dir": str(root),
             "profile_per_round": per_round}
     report = summarize_rows(model, topology.name, rows, meta)

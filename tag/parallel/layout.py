@@ -1,4 +1,4 @@
-"""Megatron-style layouts: ``dp=D,tp=T,pp=P,micro=M[,schedule=S][,k=K]`` as a TAG plan.
+"""Megatron-style layouts: ``dp=D,tp=T,pp=P,micro=M[,schedule=S][,k=K][,sp=1]`` as a TAG plan.
 
 Users of Megatron-style trainers describe a run by its degrees: ``D`` data-parallel replicas,
 ``T``-way tensor parallelism, ``P`` pipeline stages, ``M`` micro-batches. :func:`layout_plan`
@@ -13,7 +13,7 @@ builds that plan so it can be simulated and compared with TAG's:
   shares, gradients all-reduced; with ``T > 1`` each replica is ``T`` consecutive devices (tensor
   parallel innermost, as Megatron places it; each group on one machine) and every op-group of
   the stage is ``tp`` (:mod:`tag.parallel.tensor_parallel`), the stage cuts falling between
-  Megatron blocks;
+  Megatron blocks; plain Megatron, or with ``sp=1`` Megatron-LM's ``--sequence-parallel``;
 * ``M`` micro-batches on schedule ``1f1b`` (default), ``gpipe`` or ``kfkb`` with ``k``;
 * ``cut=memory`` balances the stages' parameters, gradients and optimizer state instead.
 
@@ -48,6 +48,8 @@ class Layout:
     """Pipeline schedule: ``1f1b``, ``gpipe`` or ``kfkb``."""
     k: int = 1
     """Micro-batches per block (``kfkb``)."""
+    sp: int = 0
+    """1: tensor parallelism with sequence parallelism (``GroupPlan.sequence_parallel``); 0: plain."""
     cut: str = "time"
     """How stages are cut: ``time`` (the slowest stage's compute minimised) or ``memory`` (the
     largest stage's parameters, gradients and optimizer state minimised: what a model too large
@@ -62,6 +64,10 @@ class Layout:
             raise PlanError(f"layout: schedule: expected one of {list(PIPELINE_SCHEDULES)}, got {self.schedule!r}")
         if self.cut not in CUTS:
             raise PlanError(f"layout: cut: expected one of {list(CUTS)}, got {self.cut!r}")
+        if self.sp not in (0, 1) or isinstance(self.sp, bool):
+            raise PlanError(f"layout: sp: expected 0 or 1, got {self.sp!r}")
+        if self.sp and self.tp == 1:
+            raise PlanError("layout: sp: sequence parallelism needs tensor parallelism; expected tp > 1 or sp=0")
         if self.tp > MAX_DEGREE:
             raise PlanError(f"layout: tp: expected a tensor-parallel degree of 1..{MAX_DEGREE}, got {self.tp}")
 
@@ -179,7 +185,7 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
                                  for g in range(k)] for devs in stage_devices], allowed=allowed)
     bounds = stages + [k]
     groups: list[GroupPlan] = []
-    tp = dict(sync="tp", tp=layout.tp) if layout.tp > 1 else {}
+    tp = dict(sync="tp", tp=layout.tp, sequence_parallel=bool(layout.sp)) if layout.tp > 1 else {}
     for s, devs in enumerate(stage_devices):
         groups += [GroupPlan(devs, [1.0 / len(devs)] * len(devs), **tp) for _ in range(bounds[s], bounds[s + 1])]
     plan = new_plan(graph, topology, groups, searcher="layout", layout=_spell(layout))
@@ -190,7 +196,7 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
 
 def _spell(layout: Layout) -> str:
     text = f"dp={layout.dp},tp={layout.tp},pp={layout.pp},micro={layout.micro},schedule={layout.schedule}"
-    return text + (f",k={layout.k}" if layout.schedule == "kfkb" else "") + \
+    return text + (f",k={layout.k}" if layout.schedule == "kfkb" else "") + (",sp=1" if layout.sp else "") + \
         (f",cut={layout.cut}" if layout.cut != "time" else "")
 
 
@@ -213,7 +219,7 @@ def layout_grid(graph, topology) -> list[Layout]:
     the device count, ``tp`` of :func:`tp_degrees`, ``pp`` up to the op-group count (stage cuts
     between Megatron blocks when ``tp > 1``), 1F1B with each micro-batch count of
     :data:`MICRO_BATCHES` that gives every device a sample (one micro-batch without a pipeline),
-    stages cut by time and by memory."""
+    stages cut by time and by memory, tensor parallelism with and without sequence parallelism."""
     n, out = topology.num_devices, []
     aligned = len(aligned_cuts(graph))
     for tp in tp_degrees(graph, topology):
@@ -223,7 +229,8 @@ def layout_grid(graph, topology) -> list[Layout]:
             dp = n // (pp * tp)
             for micro in MICRO_BATCHES if pp > 1 else (1,):
                 if micro * dp * tp <= graph.batch_size:
-                    out += [Layout(dp=dp, tp=tp, pp=pp, micro=micro, cut=c) for c in (CUTS if pp > 1 else CUTS[:1])]
+                    out += [Layout(dp=dp, tp=tp, pp=pp, micro=micro, cut=c, sp=sp)
+                            for sp in ((0, 1) if tp > 1 else (0,)) for c in (CUTS if pp > 1 else CUTS[:1])]
     return out
 
 

@@ -16,31 +16,37 @@ else unknown.
 
 **The strategy.** A group's ``T`` devices (``GroupPlan.tp``: ``len(devices) / T`` data-parallel
 replicas of ``T`` consecutive devices each, default one replica) on one machine split every block
-touching the group ``T`` ways and run it with sequence parallelism (Megatron-LM's
-``--sequence-parallel``): outside a block's column-to-row region each device holds ``1 / T`` of
-the tokens (here: of the samples, contiguous ranges in device order, so tensors crossing units
-move as data-parallel ones do and costs are those of a ``1 / T`` batch); entering a block the
-shards are all-gathered, leaving it the row-parallel partial sums are reduce-scattered (forward),
-and the same pair in reverse for the input gradient (backward): per block and direction the bytes
-of one all-reduce of the block's activation. Split parameters (and their gradients and optimizer
-state) are ``1 / T`` per device; replicated ones (layer norms, row biases) have partial gradients
-over the token shards, all-reduced over the group's devices after the backward, with the split
-ones' gradients over the data-parallel replicas holding the same shard.
+touching the group ``T`` ways: split parameters (and their gradients and optimizer state) are
+``1 / T`` per device, and inside a block (:func:`block_interior`) each device computes ``1 / T``
+of the features of the tensor-parallel group's samples. Two variants (``GroupPlan.
+sequence_parallel``):
 
-The simulator costs it (:mod:`tag.sim.tensor_parallel`).
+* **plain Megatron-LM** (the default, what the executor runs): outside the blocks every device of
+  a tensor-parallel group runs the group's whole batch, the ops replicated; one all-reduce after
+  each row-parallel matmul (forward) and one after each column-parallel input gradient
+  (backward). The replicated parameters' gradients are identical within a tensor-parallel group,
+  so every gradient is all-reduced over the data-parallel replicas holding the same shard only
+  (nothing with one replica);
+* **sequence parallel** (Megatron-LM's ``--sequence-parallel``): outside a block each device
+  holds ``1 / T`` of the tokens; entering a block the shards are all-gathered, leaving it the
+  row-parallel partial sums are reduce-scattered (forward), the same pair in reverse for the input
+  gradient (backward): per block and direction the bytes of one all-reduce of the block's
+  activation, as plain Megatron's. The replicated parameters' gradients are partial over the
+  token shards: all-reduced over every device of the group's replicas, the split ones' over the
+  replicas holding the same shard.
+
+Either way the group's unit (:meth:`TensorParallel.units`) gives every device a contiguous sample
+range of the batch (in device order; a tensor-parallel group's devices together hold its
+samples), so tensors crossing units move as data-parallel ones do. The simulator costs both
+variants (:mod:`tag.sim.tensor_parallel`).
 
 **What the executor runs** (:mod:`tag.executor.tensor_parallel`): a plan whose every group is
-``tp`` over the same devices with the same degree (the same tensor-parallel groups for the whole
-plan, each a data-parallel replica; no pipeline), as plain Megatron-LM *without* sequence
-parallelism: each device of a tensor-parallel group runs the group's whole batch, the ops outside
-the blocks replicated, one all-reduce after each row-parallel matmul (forward) and one after each
-column-parallel input gradient (backward). Its collective bytes per block and direction equal the
-costed all-gather + reduce-scatter pair (one all-reduce of the block's activation); its compute and
-activation memory outside the blocks are those of the group's whole batch on every device, not the
-``1 / T`` the simulator costs, and every gradient (replicated parameters' too: identical within a
-tensor-parallel group) is all-reduced over the replicas holding the same shard only.
-:func:`execution_refusal` names the first field of any other plan with ``tp`` groups, which the
-executor refuses in one line (:func:`tag.parallel.validate_plan` ``tensor_parallel=False``).
+``tp`` over the same devices with the same degree, plain Megatron (the same tensor-parallel groups
+for the whole plan, each a data-parallel replica; no pipeline): the data-parallel plan over the
+tensor-parallel groups' first devices (:func:`executed_plan`), every device of a group walking
+its first device's schedule on its shard. :func:`execution_refusal` names the first field of any
+other plan with ``tp`` groups (sequence parallelism included), which the executor refuses in one
+line (:func:`tag.parallel.validate_plan` ``tensor_parallel=False``).
 """
 
 from __future__ import annotations
@@ -261,6 +267,87 @@ def _detect(graph: OpGraph) -> list[MegatronBlock]:
 
 
 @dataclass(frozen=True)
+class Interior:
+    """What runs split inside the Megatron blocks (forward and backward), the rest replicated."""
+
+    ops: frozenset[int]
+    """Op indices computed on ``1 / T`` of the split features: the forward ops from each block's
+    column matmuls to its row matmul, and the backward ops reading a tensor they make (or a split
+    weight): the row input's gradient, the per-head ops' gradients, the weight gradients, the
+    column input gradients (partial sums over the split features, all-reduced after)."""
+    tensors: frozenset[int]
+    """Tensors held as ``1 / T`` of their features: the outputs of :attr:`ops` but the row
+    matmuls' outputs and the column input gradients (both all-reduced to the full value), and the
+    split parameters with what views them."""
+
+
+def block_interior(graph: OpGraph) -> Interior:
+    """:class:`Interior` of every Megatron block of ``graph`` (cached per graph). Backward ops
+    follow the forward ones by data: one reading an interior tensor is interior; its outputs are
+    interior tensors unless it reads a column weight and its output carries the batch (the column
+    input gradient, all-reduced)."""
+    cached = _INTERIOR.get(id(graph))
+    if cached is not None and cached[0] is graph:
+        return cached[1]
+    ops, tensors = graph.ops, graph.tensors
+    blocks = megatron_blocks(graph)
+    fwd: set[int] = set()
+    for b in blocks:
+        fwd.update(b.columns)
+        fwd.add(b.row)
+        todo, seen = [t for c in b.columns for t in ops[c].outputs], set()
+        while todo:
+            t = todo.pop()
+            if t in seen:
+                continue
+            seen.add(t)
+            for u in tensors[t].consumers:
+                if ops[u].phase == "fwd" and u != b.row and u not in fwd:
+                    fwd.add(u)
+                    todo.extend(ops[u].outputs)
+    rows = {b.row for b in blocks}
+    split = {graph.params[p].tensor for b in blocks for p in b.split_params}
+    column_weights = {graph.params[p].tensor for b in blocks for c in b.columns
+                      for p in [weight_param(graph, c)[0]]}
+    # the split weights and their views / transposes / casts (forward or backward)
+    sharded: set[int] = set(split)
+    weight_of: dict[int, int] = {t: t for t in split}  # sharded weight view -> its parameter tensor
+    inner: set[int] = set(fwd)
+    for i, o in enumerate(ops):  # graph order: producers before consumers
+        if o.phase == "opt":
+            continue
+        reads = [t for t in o.inputs if t in sharded]
+        if o.phase == "fwd" and i not in fwd:
+            if reads and base_name(o.target) in WEIGHT_PATH and tensors[o.inputs[0]].batch_dim is None:
+                for t in o.outputs:
+                    sharded.add(t)
+                    weight_of[t] = weight_of.get(o.inputs[0], o.inputs[0])
+            continue
+        if o.phase == "bwd":
+            if not reads:
+                continue
+            inner.add(i)
+            if base_name(o.target) in WEIGHT_PATH and all(t in weight_of for t in o.inputs[:1]):
+                for t in o.outputs:
+                    sharded.add(t)
+                    weight_of[t] = weight_of[o.inputs[0]]
+                continue
+            if any(weight_of.get(t) in column_weights for t in reads) and \
+                    any(tensors[t].batch_dim is not None for t in o.outputs):
+                continue  # a column input gradient: all-reduced to the full value
+        if i not in rows:
+            sharded.update(o.outputs)
+    out = Interior(frozenset(inner), frozenset(sharded))
+    if len(_INTERIOR) > 16:
+        _INTERIOR.clear()
+    _INTERIOR[id(graph)] = (graph, out)
+    return out
+
+
+_INTERIOR: dict[int, tuple[OpGraph, Interior]] = {}
+
+
+@dataclass(frozen=True)
 class GroupSplit:
     """What tensor parallelism changes in one op-group (all blocks touching it split)."""
 
@@ -379,10 +466,12 @@ class TensorParallel(Strategy):
                 continue
             first = gps[0]
             for g, p in zip(gs, gps):
-                if p.sync != self.name or p.devices != first.devices or tp_degree(p) != tp_degree(first):
+                if p.sync != self.name or p.devices != first.devices or tp_degree(p) != tp_degree(first) \
+                        or p.sequence_parallel != first.sequence_parallel:
                     raise PlanError(
                         f"{source}: groups[{g}]: the Megatron block ending at {graph.ops[b.row].name!r} spans "
-                        f"groups {list(gs)}; expected sync 'tp' over the same devices and degree in all of them")
+                        f"groups {list(gs)}; expected sync 'tp' over the same devices and degree, with or "
+                        "without sequence parallelism alike, in all of them")
 
 
 # ---- what the executor runs ---------------------------------------------------------------
@@ -402,10 +491,16 @@ def execution_refusal(plan) -> str | None:
         if gp.devices != first.devices:
             return (f"groups[{g}].devices: the executor runs the same tensor-parallel groups for the whole plan; "
                     f"expected {first.devices}, got {gp.devices}")
-        if tp_degree(gp) != tp_degree(first) or gp.shares != first.shares:
-            field = "tp" if tp_degree(gp) != tp_degree(first) else "shares"
+        if tp_degree(gp) != tp_degree(first) or gp.shares != first.shares \
+                or gp.sequence_parallel != first.sequence_parallel:
+            field = "tp" if tp_degree(gp) != tp_degree(first) else \
+                "shares" if gp.shares != first.shares else "sequence_parallel"
             return (f"groups[{g}].{field}: the executor runs the same tensor-parallel groups for the whole plan; "
                     f"expected {getattr(first, field)}, got {getattr(gp, field)}")
+    if first.sequence_parallel:
+        return (f"groups[{tp[0]}].sequence_parallel: the executor runs plain Megatron (every device of a "
+                "tensor-parallel group on the group's whole batch outside the blocks), not sequence parallelism; "
+                "expected false")
     if plan.pipeline is not None:
         return "pipeline: pipelines of tensor-parallel groups are not executed by this version; expected none"
     return None
@@ -437,5 +532,5 @@ def executed_plan(plan):
 
 
 __all__ = ["MAX_DEGREE", "GroupSplit", "MegatronBlock", "TensorParallel", "aligned_cuts", "block_groups",
-           "executed_plan", "execution_refusal", "group_split", "megatron_blocks", "tp_degree", "tp_groups",
-           "weight_param"]
+           "Interior", "block_interior", "executed_plan", "execution_refusal", "group_split", "megatron_blocks",
+           "tp_degree", "tp_groups", "weight_param"]

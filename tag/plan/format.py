@@ -14,7 +14,8 @@ What each ``sync`` value means is defined by the strategy registered under that 
   ``devices[j]`` on the full batch. Its backward ops follow their forward anchor; its
   parameters live on one device each; no gradient synchronisation.
 * ``tp``: tensor parallel (Megatron-style), ``devices`` in groups of ``tp`` devices of one
-  machine (:mod:`tag.parallel.tensor_parallel`).
+  machine (:mod:`tag.parallel.tensor_parallel`); ``sequence_parallel`` picks Megatron-LM's
+  sequence-parallel variant (default: plain Megatron, what the executor runs).
 * ``sfb``: names of weight-gradient ops whose gradient is obtained by Sufficient Factor
   Broadcasting instead of all-reduce (see :mod:`tag.compress`).
 
@@ -60,11 +61,16 @@ class GroupPlan:
     tp: int | None = None
     """``tp`` only: devices per tensor-parallel group (consecutive devices; default all of them);
     omitted from the file when unset."""
+    sequence_parallel: bool = False
+    """``tp`` only: the sequence-parallel variant (ops outside the Megatron blocks on ``1 / tp`` of
+    the tensor-parallel group's samples, all-gather / reduce-scatter at the blocks' edges) instead
+    of plain Megatron (every device of a tensor-parallel group runs the group's whole batch outside
+    the blocks); omitted from the file when false (:mod:`tag.parallel.tensor_parallel`)."""
 
     def key(self) -> tuple:
         """Hashable identity (used by caches)."""
         return (tuple(self.devices), tuple(round(s, 9) for s in self.shares), self.sync, self.server,
-                tuple(self.mp_splits or ()), tuple(self.sfb), self.tp)
+                tuple(self.mp_splits or ()), tuple(self.sfb), self.tp, self.sequence_parallel)
 
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "kfkb")
@@ -156,6 +162,8 @@ class Plan:
         for g in d["groups"]:  # and groups without tensor parallelism
             if g["tp"] is None:
                 del g["tp"]
+            if not g["sequence_parallel"]:
+                del g["sequence_parallel"]
         return d
 
     @classmethod
@@ -211,9 +219,11 @@ _PLAN_TYPES = {"model": "str", "graph_signature": "str", "topology": "str", "top
                "batch_size": "int", "groups": "list", "predicted_iteration_time_s": "number?", "meta": "dict",
                "version": "int", "pipeline": "dict?", "precision": "str"}
 _GROUP_TYPES = {"devices": "list[int]", "shares": "list[number]", "sync": "str", "server": "int?",
-                "mp_splits": "list[int]?", "sfb": "list[str]", "tp": "int?"}
+                "mp_splits": "list[int]?", "sfb": "list[str]", "tp": "int?",
+                "sequence_parallel": "bool"}
 _PIPELINE_TYPES = {"stages": "list[int]", "micro_batches": "int", "schedule": "str", "k": "int"}
-_JSON_TYPES = {"int": "an integer", "number": "a number", "str": "a string", "list": "a list", "dict": "an object"}
+_JSON_TYPES = {"bool": "true or false", "int": "an integer", "number": "a number", "str": "a string", "list": "a list",
+               "dict": "an object"}
 
 
 def _typed(cls, d: dict, required: tuple[str, ...], types: dict[str, str], where: str):
@@ -233,6 +243,8 @@ def _typed(cls, d: dict, required: tuple[str, ...], types: dict[str, str], where
 
 
 def _is(value: Any, kind: str) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
     if kind == "int":
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == "number":

@@ -80,7 +80,8 @@ def plan_key(gp) -> tuple:
     """Cache key of a GroupPlan: :meth:`GroupPlan.key` without rounding the shares (20x cheaper;
     shares that differ by float noise merely miss the cache, the derived data is the same)."""
     sp = gp.mp_splits
-    return (tuple(gp.devices), tuple(gp.shares), gp.sync, gp.server, tuple(sp) if sp else (), tuple(gp.sfb), gp.tp)
+    return (tuple(gp.devices), tuple(gp.shares), gp.sync, gp.server, tuple(sp) if sp else (), tuple(gp.sfb), gp.tp,
+            gp.sequence_parallel)
 
 
 class Simulator:
@@ -119,6 +120,7 @@ class Simulator:
         self._buckets: dict[tuple, float] = {}  # ((op, devices, server), bytes) -> seconds of a sync
         self._sync_jobs: dict[tuple[int, ...], list] = {}  # the groups' serials -> sync_jobs (read-only)
         self._layouts: dict[tuple, Layout] = {}
+        self._tp_shares: dict[tuple, np.ndarray] = {}  # tag.sim.tensor_parallel: block shares per device class
         self._groups: dict[tuple, GroupData] = {}
         self._pairs: dict[tuple, _Pair] = {}
         self._kinds: dict[tuple[int, int], tuple] = {}  # dp -> dp group pair -> (kinds id, kinds)

@@ -1,48 +1,72 @@
 """How the simulator costs a tensor-parallel op-group (``sync == "tp"``,
-:mod:`tag.parallel.tensor_parallel`).
+:mod:`tag.parallel.tensor_parallel`), in either variant (``GroupPlan.sequence_parallel``).
 
-The group's devices hold token shards (sample ranges, :meth:`TensorParallel.units`), so its unit
-is a data-parallel :class:`~tag.sim.units.Layout` over them, costed at each device's shard: the
-split matmuls' FLOPs are the block's FLOPs over ``T`` (what a ``1 / T`` batch costs), the
-non-matmul ops sequence-parallel. On that layout, for every group ``g`` as tensor parallel
-(:func:`tp_layout`, all groups at once so consecutive ``tp`` groups stay one vectorised segment):
+The group's unit is a data-parallel :class:`~tag.sim.units.Layout` over its devices, each on its
+sample shard (:meth:`TensorParallel.units`); :func:`tp_layout` re-costs it for every group ``g``
+as tensor parallel (all groups at once so consecutive ``tp`` groups stay one vectorised segment).
+With ``b`` a device's shard and ``B`` its tensor-parallel group's samples (``B = T b`` with even
+shares):
 
+* compute: the Megatron blocks' ops (:func:`~tag.parallel.tensor_parallel.block_interior`: the
+  split matmuls, the per-head ops between them, their gradients) cost what ``b`` samples cost
+  (``1 / T`` of the features of ``B`` samples). The other ops cost ``b`` samples with sequence
+  parallelism, ``B`` without (plain Megatron: every device of the group runs them on the group's
+  whole batch). A group's seconds ``t(x)`` at a batch are split between the two by the roofline
+  share ``s(x)`` of the block ops in it (:func:`tag.cost.roofline.group_phase_table` over those
+  ops / over all): plain Megatron costs ``t(b) + max(0, (1 - s(B)) t(B) - (1 - s(b)) t(b))``,
+  the shard's seconds plus what the outside ops take more at ``B`` (never less: a cost rule
+  other than the roofline, a GPU's, can make ``t`` grow slower than the roofline share falls);
 * forward / backward seconds grow by the blocking collectives of the blocks in ``g``
   (:meth:`CommModel.tensor_parallel_time <tag.cost.comm.CommModel.tensor_parallel_time>` at the
-  tensor-parallel group's batch; they sit between the block's matmuls, so nothing overlaps them);
+  tensor-parallel group's batch; all-gather + reduce-scatter, or one all-reduce: the same bytes;
+  they sit between the block's matmuls, so nothing overlaps them);
 * held bytes shrink by ``(1 - 1/T)`` of the split parameters' parameter, gradient and optimizer
-  bytes, and the optimizer seconds by the same fraction of the group's parameter bytes;
-* the gradient sync (:meth:`CommModel.tensor_parallel_sync_time`) is issued like a data-parallel
-  one, not coalesced with other groups'.
+  bytes, and the optimizer seconds by the same fraction of the group's parameter bytes; plain
+  Megatron holds the activations saved for the backward outside the blocks at ``B`` samples
+  (those inside at ``b``) and its largest op's working set at ``B``;
+* the gradient sync (:meth:`CommModel.tensor_parallel_sync_time`, per variant) is issued like a
+  data-parallel one, not coalesced with other groups'.
 
-This is the sequence-parallel variant. The executor runs plain Megatron (:mod:`tag.parallel.
-tensor_parallel`, "What the executor runs"): the same collective bytes per block, but the ops
-outside the blocks on the tensor-parallel group's whole batch on every device, and every gradient
-all-reduced over the replicas holding the same shard only.
+Tensors crossing between a ``tp`` group and another unit (mixed plans, pipelines of ``tp``
+groups: simulated, not executed) move per sample shard in both variants.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..parallel.tensor_parallel import group_split, tp_degree, tp_groups
+from ..parallel.tensor_parallel import block_interior, group_split, tp_degree, tp_groups
 from .static import BWD, FWD, OPT
 from .units import GroupData, Layout, Unit
 
 
-def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], t: int) -> Layout:
+def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], t: int,
+              sequence_parallel: bool = False) -> Layout:
     """The data-parallel layout of ``devices`` / ``batches`` with every group costed as tensor
     parallel of degree ``t`` (cached in the simulator's layouts)."""
-    key = ("tp", t, devices, batches)
+    key = ("tp", t, sequence_parallel, devices, batches)
     lay = sim._layouts.get(key)
     if lay is not None:
         return lay
     base = sim.layout(devices, batches)
     graph, comm, static = sim.graph, sim.comm, sim.static
-    dur, mem = base.dur.copy(), base.mem.copy()
+    dur, mem, work = base.dur.copy(), base.mem.copy(), base.work.copy()
     r = len(devices)
     groups = [list(range(i, i + t)) for i in range(0, r, t)]  # replica indices per tp group
     keep = 1.0 - 1.0 / t
+    if not sequence_parallel:
+        outside = _outside_saved_per_sample(graph, static.num_groups)
+        for reps in groups:
+            big = sum(batches[i] for i in reps)
+            for i in reps:
+                cls, small = sim.dev_class[devices[i]], batches[i]
+                share = _block_share(sim, devices[i], (small, big))  # [K, 2 phases, 2 batches]
+                tab = sim.tables[cls]
+                for ph in (FWD, BWD):  # the shard's seconds + the outside ops' extra ones at the group's batch
+                    extra = (1.0 - share[:, ph, 1]) * tab[:, ph, big] - (1.0 - share[:, ph, 0]) * tab[:, ph, small]
+                    dur[ph, :, i] = tab[:, ph, small] + np.maximum(extra, 0.0)
+                mem[:, i] += outside * (big - small)
+                work[:, i] = static.work_fixed + static.work_per_sample * big
     for g in range(static.num_groups):
         sp = group_split(graph, g)
         if not sp.blocks:
@@ -50,10 +74,8 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], t: int) -
         for reps in groups:
             devs = [devices[i] for i in reps]
             b = sum(batches[i] for i in reps)
-            fwd = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_fwd])
-            bwd = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_bwd])
-            dur[FWD, g, reps] += fwd
-            dur[BWD, g, reps] += bwd
+            dur[FWD, g, reps] += comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_fwd])
+            dur[BWD, g, reps] += comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_bwd])
         gb = float(static.grad_bytes[g])
         if gb > 0:
             dur[OPT, g, :] *= 1.0 - keep * sp.split_bytes / gb
@@ -64,7 +86,7 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], t: int) -
     cum_b = np.zeros((k + 1, r))
     np.cumsum(dur[BWD][::-1], axis=0, out=cum_b[1:])
     gsum = dur.sum(axis=(0, 2))
-    lay = Layout(base.devices, base.batches, base.dev_arr, dur, cum_f, cum_b, mem, base.work, base.starts, gsum,
+    lay = Layout(base.devices, base.batches, base.dev_arr, dur, cum_f, cum_b, mem, work, base.starts, gsum,
                  gsum.tolist(), rows=[None] * k)
     sim._serial += 1
     lay.uid = sim._serial
@@ -72,14 +94,63 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], t: int) -
     return lay
 
 
+def _block_share(sim, device: int, batches: tuple[int, int]) -> np.ndarray:
+    """``[K, 2, len(batches)]``: the fraction of each group's forward / backward seconds spent in
+    the Megatron blocks' ops at each batch, by the roofline of ``device`` (0 where a group has no
+    cost); cached per device class and batches."""
+    from ..cost.roofline import group_phase_table, op_overhead, roofline_for
+
+    spec = sim.topology.devices[device].gpu
+    key = (sim.dev_class[device], batches)
+    share = sim._tp_shares.get(key)
+    if share is None:
+        graph = sim.graph
+        roofline = getattr(sim.costs, "roofline", None)  # (a cost model without one: the datasheet's)
+        roof = roofline(device) if roofline is not None else roofline_for(spec)
+        overhead = op_overhead(spec)
+        inner = np.zeros(len(graph.ops), dtype=bool)
+        inner[list(block_interior(graph).ops)] = True
+        part = group_phase_table(graph, roof, batches, overhead, only=inner)[:, :2]
+        whole = group_phase_table(graph, roof, batches, overhead)[:, :2]
+        share = sim._tp_shares[key] = np.divide(part, whole, out=np.zeros_like(part), where=whole > 0)
+    return share
+
+
+def _outside_saved_per_sample(graph, k: int) -> np.ndarray:
+    """``[K]`` per-sample bytes of the activations each group's backward reads from the forward
+    (or the user inputs) that are not held split inside a Megatron block (cached per graph)."""
+    interior = block_interior(graph)
+    cache = _OUTSIDE.get(id(graph))
+    if cache is not None and cache[0] is graph:
+        return cache[1]
+    out = np.zeros(k)
+    seen: set[tuple[int, int]] = set()
+    for o in graph.ops:
+        if o.phase != "bwd":
+            continue
+        for t in o.inputs:
+            ten = graph.tensors[t]
+            fwd = ten.kind == "input" or (ten.producer >= 0 and graph.ops[ten.producer].phase == "fwd")
+            if fwd and (t, o.group) not in seen and t not in interior.tensors:
+                seen.add((t, o.group))
+                out[o.group] += ten.nbytes.per_sample
+    if len(_OUTSIDE) > 16:
+        _OUTSIDE.clear()
+    _OUTSIDE[id(graph)] = (graph, out)
+    return out
+
+
+_OUTSIDE: dict[int, tuple[object, np.ndarray]] = {}
+
+
 def tp_group(sim, g: int, gp, lowered) -> GroupData:
     """:class:`GroupData` of group ``g`` deployed tensor parallel as ``gp`` (``lowered``: its units)."""
     devs, batches = tuple(gp.devices), lowered[0].batches
-    lay = tp_layout(sim, devs, batches, tp_degree(gp))
+    lay = tp_layout(sim, devs, batches, tp_degree(gp), gp.sequence_parallel)
     unit = Unit(g, -1, devs, batches, lay.starts, lay)
     split = group_split(sim.graph, g).split_bytes
     total = float(sim.static.grad_bytes[g])
-    t = sim.comm.tensor_parallel_sync_time(tp_groups(gp), split, max(0.0, total - split))
+    t = sim.comm.tensor_parallel_sync_time(tp_groups(gp), split, max(0.0, total - split), gp.sequence_parallel)
     if t <= 0:
         return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=("dp", devs, batches))
     mo = sim.comm.machine_of
