@@ -25,6 +25,7 @@ from tag.parallel.layout import Layout, layout_grid, layout_plan, parse_layout
 from tag.parallel.tensor_parallel import (
     aligned_cuts,
     block_groups,
+    execution_refusal,
     group_split,
     megatron_blocks,
     weight_param,
@@ -360,7 +361,7 @@ def test_simulate_a_tensor_parallel_layout(capsys):
     assert len(err) == 1 and "4 attention heads, not divisible by 8" in err[0]
 
 
-def test_the_planner_proposes_tensor_parallelism_where_it_pays(captured, tmp_path):
+def test_the_planner_proposes_tensor_parallelism_where_it_pays(captured, tmp_path, capsys):
     """One machine of four small GPUs on fast links, too small for the model's state on one
     device: data parallel does not fit, a pipeline idles in its bubble, splitting every layer
     pair four ways fits and keeps every GPU busy. ``find_plan`` (``pipelines="auto"``: ``tp``
@@ -401,6 +402,14 @@ def test_the_planner_proposes_tensor_parallelism_where_it_pays(captured, tmp_pat
     runs = [sim.run(p.groups, pipeline=p.pipeline) for p in (layout_plan(graph, topo, lay, costs) for lay in plain)]
     grid = min(r.iteration_time_s for r in runs if not r.oom)
     assert best.predicted_iteration_time_s <= grid
+    # tag plan says when its plan is one the executor refuses (here: tp beside data parallel)
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--model", "mlp:layers=4,hidden=2048,in_dim=2048", "--batch", "512", "--groups", "8",
+               "--topology", str(path), "--prior", "uniform", "--budget", "100", "--compression", "off",
+               "--out", str(out)])
+    printed = capsys.readouterr().out
+    why = execution_refusal(Plan.load(out))
+    assert rc == 0 and why is not None and f"simulated only: tag execute refuses this plan ({why})" in printed
 
 
 # ---- execution ---------------------------------------------------------------------------------

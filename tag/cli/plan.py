@@ -216,6 +216,11 @@ def _print(graph, topo, p, args) -> None:
         print(f"  a Megatron-style layout beats the searched plan: {s['layout']}{shape}")
     elif s["source"] != "search":
         print(f"  search found nothing better than the baselines; returning {s['source']}")
+    from ..parallel.tensor_parallel import execution_refusal
+
+    why = execution_refusal(p)  # e.g. tp groups beside data-parallel ones: simulated, not executed
+    if why:
+        print(f"  simulated only: tag execute refuses this plan ({why})")
     print(f"  {s['compression']}")
     if args.out:
         print(f"plan written to {args.out}")
