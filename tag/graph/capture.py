@@ -228,10 +228,14 @@ def export_joint(model: torch.nn.Module, inputs: tuple, name: str = "the model",
         raise WorkloadError(f"could not build the backward graph: {type(e).__name__}: {_first_line(e)}") from e
 
 
+def _base_name(op) -> str:
+    """An ATen overload's base name: ``aten::native_layer_norm_backward.default`` -> ``native_layer_norm_backward``."""
+    return op.name().split("::")[-1].split(".")[0]
+
+
 def _is_backward_kernel(op) -> bool:
     """Whether ``op`` (an ATen overload) is a backward kernel, e.g. ``aten.native_layer_norm_backward``."""
-    base = op.name().split("::")[-1].split(".")[0]
-    return base.endswith(("_backward", "_backward_data"))
+    return _base_name(op).endswith(("_backward", "_backward_data"))
 
 
 FUSED_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
@@ -242,7 +246,7 @@ names): CPU flash, CUDA flash, memory-efficient, cuDNN. Their backwards are back
 
 def _is_fused_attention(op) -> bool:
     """Whether ``op`` (an ATen overload) is a fused attention forward (:data:`FUSED_ATTENTION`)."""
-    return op.name().split("::")[-1].split(".")[0] in FUSED_ATTENTION
+    return _base_name(op) in FUSED_ATTENTION
 
 
 @functools.cache
