@@ -119,10 +119,10 @@ def _block_share(sim, device: int, batches: tuple[int, int]) -> np.ndarray:
 def _outside_saved_per_sample(graph, k: int) -> np.ndarray:
     """``[K]`` per-sample bytes of the activations each group's backward reads from the forward
     (or the user inputs) that are not held split inside a Megatron block (cached per graph)."""
-    interior = block_interior(graph)
     cache = _OUTSIDE.get(id(graph))
     if cache is not None and cache[0] is graph:
         return cache[1]
+    interior = block_interior(graph)
     out = np.zeros(k)
     seen: set[tuple[int, int]] = set()
     for o in graph.ops:
