@@ -18,14 +18,18 @@ writes ``DIR/gpu-check.jsonl`` (one record per measurement, the format of
    size 1); the simulator's prediction for that plan (``tag.cost``: the fitted rates of this GPU
    type, else datasheet-derived) -- so each row gives execute / eager and predicted / eager.
 
-Work past ``--budget`` seconds is skipped and says so; nothing here needs optuna or wandb. The
-workloads default to :data:`WORKLOADS` (the three of ``../shared/gpu-measurements/`` and GPT-2
-small at sequence 512).
+Each eager step and each ``tag execute`` also runs one more, untimed step under
+``torch.profiler``: its aten-op and kernel counts and kernel time (:mod:`tag.executor.profiling`).
+The captures (CPU) of every row run first, in parallel processes, and are waited for before any
+timing (host-bound steps are slowed by a busy CPU). Work past ``--budget`` seconds is skipped and
+says so; nothing here needs optuna or wandb. The workloads default to :data:`WORKLOADS`.
+Results of 2026-11-26 on an H200: ``evaluation/results/gpu-check/2026-11-26-h200/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -39,9 +43,15 @@ REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = [
     ("gpt2:n_layer=6,n_embd=512,n_head=8,vocab=8192,seq=256", 16),
     ("resnet:depth=50,width=64,image=64", 64),
-    ("bert:n_layer=12,n_embd=768,n_head=12,vocab=30522,seq=512", 8),
     ("gpt2:n_layer=12,n_embd=768,n_head=12,vocab=50257,seq=512", 8),
+    ("evaluation/models/unseen.py:encoder", 64),
+    ("llama:n_layer=8,n_embd=1024,n_head=16,seq=512", 8),
+    ("bert:n_layer=12,n_embd=768,n_head=12,vocab=30522,seq=512", 8),
+    ("vit-b16", 32),
 ]
+"""In order of priority (the budget skips the last): the three workloads of
+``../shared/gpu-measurements/``'s execute-vs-eager table first, GPT-2 small at sequence 512, then
+models outside the calibration (an SDPA encoder from a user factory, a Llama shape, ViT-B/16)."""
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -134,6 +144,14 @@ def eager_step(spec: str, batch: int, precision: str, common: dict, steps: int =
     rec = {"kind": "step", "spec": spec, "batch": batch, "precision": precision,
            "params": sum(p.numel() for p in model.parameters()), "s": s,
            "peak_bytes": torch.cuda.max_memory_allocated(), **common}
+    try:  # one more step under torch.profiler: its ops and kernels (see tag.executor.profiling)
+        from tag.executor.profiling import op_table, profiled
+
+        with profiled() as prof:
+            step()
+        rec["ops"] = op_table(prof)
+    except Exception as e:  # noqa: BLE001 - a diagnostic; the step's figures stand without it
+        rec["ops_error"] = f"{type(e).__name__}: {e}"[:200]
     return rec
 
 
@@ -170,17 +188,37 @@ def tag_execute(spec: str, batch: int, precision: str, topo_path: Path, plan_pat
     cmd = [sys.executable, "-m", "tag", "execute", "--plan", str(plan_path), "--model", spec, "--batch", str(batch),
            "--topology", str(topo_path), "--precision", precision, "--steps", "10", "--warmup", "3", "--json",
            "--timeout", str(timeout)]
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    from tag.executor.profiling import ENV
+
+    prefix = plan_path.with_suffix(".ops")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), ENV: str(prefix)}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout + 60)
     if p.returncode != 0:
         return {"execute_error": (p.stderr.strip().splitlines() or ["no output"])[-1][:300]}
     out = json.loads(p.stdout)
-    rec = {"execute_s": out.get("measured_iteration_time_s")}
-    for k in ("peak_memory_bytes", "measured_peak_memory_bytes"):
-        if k in out:
-            v = out[k]
-            rec["execute_peak_bytes"] = v[0] if isinstance(v, list) else v
+    rank = out["ranks"][0]
+    rec = {"execute_s": out.get("measured_iteration_time_s"), "execute_peak_bytes": rank.get("peak_memory_bytes"),
+           "execute_optimizer_state_bytes": rank.get("optimizer_state_bytes")}
+    table = Path(f"{prefix}-rank0.json")
+    if table.exists():
+        ops = json.loads(table.read_text())
+        rec.update(execute_kernels=ops["kernels"], execute_aten_ops=ops["aten_ops"], execute_ops=ops)
     return rec
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _capture_pool():
+    """Processes for the CPU side of each row (fresh interpreters: no CUDA state inherited)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = max(1, min(6, (os.cpu_count() or 2) // 2))
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_one_thread)
 
 
 def write_report(records: list[dict], out: Path, command: str) -> None:
@@ -198,7 +236,8 @@ def write_report(records: list[dict], out: Path, command: str) -> None:
         lines.append("")
     rows = [r for r in records if r["kind"] == "check"]
     lines += ["| workload | batch | precision | eager ms | execute ms | execute / eager | predicted ms | "
-              "predicted / eager | eager peak GB | execute peak GB | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "predicted / eager | eager peak GB | execute peak GB | above weights + Adam state, eager / execute GB | kernels eager / execute | aten ops eager / execute | "
+              "note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(x):
         return f"{x * 1e3:.2f}" if isinstance(x, (int, float)) else "-"
@@ -213,7 +252,9 @@ def write_report(records: list[dict], out: Path, command: str) -> None:
         lines.append(f"| {r['spec']} | {r['batch']} | {r['precision']} | {ms(r.get('s'))} | {ms(r.get('execute_s'))} | "
                      f"{ratio(r.get('execute_s'), r.get('s'))} | {ms(r.get('predicted_s'))} | "
                      f"{ratio(r.get('predicted_s'), r.get('s'))} | {gb(r.get('peak_bytes'))} | "
-                     f"{gb(r.get('execute_peak_bytes'))} | {r.get('note', '')} |")
+                     f"{gb(r.get('execute_peak_bytes'))} | {gb(r.get('eager_above_state_bytes'))} / "
+                     f"{gb(r.get('execute_above_state_bytes'))} | {r.get('eager_kernels', '-')} / {r.get('execute_kernels', '-')} | "
+                     f"{r.get('eager_aten_ops', '-')} / {r.get('execute_aten_ops', '-')} | {r.get('note', '')} |")
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
@@ -221,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for gpu-check.jsonl and README.md")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which remaining work is skipped")
+    ap.add_argument("--skip-micro", action="store_true", help="no microbenchmarks (workloads only)")
     ap.add_argument("--workloads", default=None, help="semicolon-separated spec@batch list (default: WORKLOADS)")
     a = ap.parse_args(argv)
     import torch
@@ -248,34 +290,51 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rec), flush=True)
 
     log.write_text(json.dumps(records[0]) + "\n")
-    for rec in microbenchmarks(common):
-        emit(rec)
     workloads = WORKLOADS if not a.workloads else [
         (w.rsplit("@", 1)[0], int(w.rsplit("@", 1)[1])) for w in a.workloads.split(";")]
+    pool = _capture_pool()
     with tempfile.TemporaryDirectory() as tmp:
         topo_path = one_gpu_topology(Path(tmp), gpu)
-        for spec_, batch in workloads:
-            for precision in PRECISIONS:
-                row = {"kind": "check", "spec": spec_, "batch": batch, "precision": precision, **common}
+        # Every row's capture, plan and prediction (CPU work) starts now, in parallel, while the
+        # GPU runs the microbenchmarks and the eager steps.
+        rows = [(spec_, batch, precision) for spec_, batch in workloads for precision in PRECISIONS]
+        planned = {row: pool.submit(predicted_and_plan, *row, topo_path, Path(tmp) / f"plan-{i}.json")
+                   for i, row in enumerate(rows)}
+        # Wait for them before timing anything: a host-bound eager step (bf16 autocast) measured
+        # beside six capturing processes took 31.9 ms on the H200 (gpt2 6L, 2026-11-26; 16.6 ms
+        # in the calibration run).
+        concurrent.futures.wait(planned.values())
+        if not a.skip_micro:
+            for rec in microbenchmarks(common):
+                emit(rec)
+        for i, (spec_, batch, precision) in enumerate(rows):
+            row = {"kind": "check", "spec": spec_, "batch": batch, "precision": precision, **common}
+            left = a.budget - (time.perf_counter() - t_start)
+            if left < 20:
+                emit({**row, "note": "skipped: time budget"})
+                continue
+            try:
+                step = eager_step(spec_, batch, precision, common)
+                torch.cuda.empty_cache()  # the step's model and optimizer are gone with its frame
+                emit(step)
+                row.update(s=step["s"], peak_bytes=step["peak_bytes"])
+                row["eager_above_state_bytes"] = step["peak_bytes"] - 12 * step["params"]  # fp32 weights + Adam m, v
+                if "ops" in step:
+                    row.update(eager_kernels=step["ops"]["kernels"], eager_aten_ops=step["ops"]["aten_ops"])
+                plan_path = Path(tmp) / f"plan-{i}.json"
+                row.update(planned[(spec_, batch, precision)].result())
                 left = a.budget - (time.perf_counter() - t_start)
-                if left < 20:
-                    emit({**row, "note": "skipped: time budget"})
-                    continue
-                try:
-                    step = eager_step(spec_, batch, precision, common)
-                    torch.cuda.empty_cache()  # the step's model and optimizer are gone with its frame
-                    emit(step)
-                    row.update(s=step["s"], peak_bytes=step["peak_bytes"])
-                    plan_path = Path(tmp) / "plan.json"
-                    row.update(predicted_and_plan(spec_, batch, precision, topo_path, plan_path))
-                    left = a.budget - (time.perf_counter() - t_start)
-                    if left > 30:
-                        row.update(tag_execute(spec_, batch, precision, topo_path, plan_path, timeout=min(240, left)))
-                    else:
-                        row["note"] = "execute skipped: time budget"
-                except Exception as e:  # noqa: BLE001 - one failed row is a result, the others still run
-                    row["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                emit(row)
+                if left > 30:
+                    row.update(tag_execute(spec_, batch, precision, topo_path, plan_path, timeout=min(240, left)))
+                    if row.get("execute_peak_bytes") and row.get("execute_optimizer_state_bytes") is not None:
+                        row["execute_above_state_bytes"] = (row["execute_peak_bytes"] - 4 * step["params"]
+                                                            - row["execute_optimizer_state_bytes"])
+                else:
+                    row["note"] = "execute skipped: time budget"
+            except Exception as e:  # noqa: BLE001 - one failed row is a result, the others still run
+                row["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            emit(row)
+        pool.shutdown(wait=False, cancel_futures=True)  # rows skipped by the budget
     write_report(records, out, " ".join(["python -m evaluation.gpu_check", *(argv or sys.argv[1:])]))
     print(f"gpu_check: {len(records)} records in {time.perf_counter() - t_start:.0f} s -> {out}")
     return 0

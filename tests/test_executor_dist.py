@@ -77,7 +77,9 @@ def children_of(pid: int) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", ["dp-even", "dp-uneven", "mp"])
-def test_two_ranks_match_single_process_training(tmp_path, mlp, kind):
+def test_two_ranks_match_single_process_training(tmp_path, mlp, kind, monkeypatch):
+    if kind == "dp-even":  # and each rank writes the op table of one extra, uncounted iteration
+        monkeypatch.setenv("TAG_PROFILE_KERNELS", str(tmp_path / "ops"))
     K = mlp.num_groups
     if kind == "mp":
         groups = []
@@ -92,6 +94,14 @@ def test_two_ranks_match_single_process_training(tmp_path, mlp, kind):
     ref_losses = assert_params_match(tmp_path, mlp, 2)
     assert res.losses == pytest.approx(ref_losses, rel=1e-4)
     assert res.measured_iteration_time_s > 0 and len(res.per_rank_median_s) == 2
+    if kind == "dp-even":
+        import json
+
+        assert len(res.losses) == 2  # the profiled iteration is not among the timed ones
+        for r in range(2):
+            table = json.loads((tmp_path / f"ops-rank{r}.json").read_text())
+            ops = {name for name, _, _ in table["top_ops"]}
+            assert table["rank"] == r and table["aten_ops"] > 0 and "aten::_foreach_addcdiv_" in ops, table
 
 
 def test_two_ranks_with_sfb_match_single_process_training(tmp_path, captured):

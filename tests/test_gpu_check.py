@@ -22,11 +22,13 @@ def test_report(tmp_path):
     records = [{"kind": "env", "device": "X", "torch": "t", "gpu": "H200", "date": "d"},
                {"kind": "matmul", "dtype": "torch.float32", "tf32": True, "n": 4096, "tflops": 400.0},
                {"kind": "check", "spec": "mlp", "batch": 8, "precision": "fp32", "s": 0.010, "execute_s": 0.011,
-                "predicted_s": 0.009, "peak_bytes": 2e9, "execute_peak_bytes": 2.2e9},
+                "predicted_s": 0.009, "peak_bytes": 2e9, "execute_peak_bytes": 2.2e9, "eager_above_state_bytes": 1e9,
+                "execute_above_state_bytes": 1.05e9, "eager_kernels": 10, "execute_kernels": 9, "eager_aten_ops": 20,
+                "execute_aten_ops": 18},
                {"kind": "check", "spec": "gpt2", "batch": 8, "precision": "bf16", "note": "skipped: time budget"}]
     gpu_check.write_report(records, tmp_path, "cmd")
     text = (tmp_path / "README.md").read_text()
-    assert "| mlp | 8 | fp32 | 10.00 | 11.00 | 1.10 | 9.00 | 0.90 | 2.00 | 2.20 |  |" in text
+    assert "| mlp | 8 | fp32 | 10.00 | 11.00 | 1.10 | 9.00 | 0.90 | 2.00 | 2.20 | 1.00 / 1.05 | 10 / 9 | 20 / 18 |  |" in text
     assert "skipped: time budget" in text and "matmul n=4096 torch.float32 tf32 | 400.0" in text
 
 

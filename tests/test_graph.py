@@ -237,10 +237,26 @@ def test_fused_attention_stages_on_a_gpu_device_keep_shapes(captured):
             elif n.op == "call_function":
                 a, kw = torch.fx.node.map_arg((n.args, n.kwargs), lambda x: env[x.name])
                 env[n.name] = n.target(*a, **kw)
-        return {k: (tuple(v.shape), v.dtype) for k, v in env.items() if isinstance(v, torch.Tensor)}
+        return {k: (tuple(v.shape), v.dtype, v.stride()) for k, v in env.items() if isinstance(v, torch.Tensor)}
 
     cpu = shapes(cap.joint, list(args))
     assert shapes(meta, [a.to("meta") for a in args]) == cpu
+
+
+def test_fused_attention_results_take_the_captured_strides():
+    """A retargeted attention result whose strides differ from the captured ones (CUDA's backward
+    returns slices of one packed gradient when q, k, v are slices of one projection) is copied into
+    the captured strides, values unchanged; results already so strided are not copied."""
+    from tag.graph.stages import _restrided
+
+    packed = torch.randn(2, 8, 3, 4, 5)  # [B, L, 3, H, D]: gradients of q, k, v in one tensor
+    grads = tuple(packed[:, :, i].transpose(1, 2) for i in range(3))  # [B, H, L, D], not contiguous
+    want = ((160, 40, 5, 1),) * 3  # what the CPU kernel returns: contiguous [B, H, L, D]
+    out = _restrided(grads, want)
+    assert [t.stride() for t in out] == list(want)
+    assert all(torch.equal(a, b) for a, b in zip(out, grads))
+    same = _restrided(out, want)
+    assert all(a is b for a, b in zip(same, out))
 
 
 def test_joint_graph_code_is_generated_when_first_run():

@@ -24,6 +24,7 @@ from pathlib import Path
 from ..errors import OutOfMemoryError, PlanError, TagError
 from ..io import write_json
 from ..parallel import validate_plan
+from .profiling import ENV as PROFILE_ENV
 from .runtime import ExecutionError
 from .worker import WorkerArgs, worker_entry
 
@@ -142,7 +143,8 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
                        out_dir=str(run_dir), steps=cfg.steps, warmup=cfg.warmup, backend=backend,
                        emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
                        save_params=cfg.save_params, fault=cfg.fault, threads=cfg.threads,
-                       launcher_pid=os.getpid(), precision=graph.precision, bucket_bytes=cfg.bucket_bytes)
+                       launcher_pid=os.getpid(), precision=graph.precision, bucket_bytes=cfg.bucket_bytes,
+                       profile_ops=os.environ.get(PROFILE_ENV))
     write_json(args_path, asdict(wargs))
     _launch(world, args_path, run_dir, cfg.timeout_s, "spawn" if backend == "nccl" else "forkserver")
     ranks = _read_ranks(run_dir)

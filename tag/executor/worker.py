@@ -24,6 +24,7 @@ import torch
 from ..io import write_json
 from ..parallel import build_schedule, validate_plan
 from ..parallel.tensor_parallel import executed_plan, shard_maps, tp_groups
+from .profiling import op_table, profiled, table_path
 from .runtime import ExecutionError, RankRuntime, export_at
 from .tensor_parallel import TpRank, tp_spec
 from .virtual import local_batch_sizes, needs_global_joint
@@ -65,6 +66,9 @@ class WorkerArgs:
     None under torchrun (the rank dies with its parent, the torchrun agent)."""
     bucket_bytes: int | None = None
     """Cap of the gradient buckets (:func:`tag.parallel.buckets.bucket_caps`; None: DDP's)."""
+    profile_ops: str | None = None
+    """Path prefix of the op tables of one extra iteration (:mod:`tag.executor.profiling`; the
+    launcher's ``$TAG_PROFILE_KERNELS``); None: the rank's own environment decides."""
 
     @classmethod
     def load(cls, path: str) -> WorkerArgs:
@@ -161,45 +165,51 @@ def run_rank(a: WorkerArgs) -> dict:
     rss0 = host_memory(reset_peak=True) if device.type == "cpu" else None
     iters: list[dict] = []
     timeline: list[list] = []  # [name, category, start s, end s] of the last iteration's steps
-    try:  # noqa: SIM105 - see the except clause
-        for it in range(a.warmup + a.steps):
-            comm.barrier(device)  # every rank starts the iteration together
-            t_start = time.perf_counter()
-            cpu_start = time.thread_time()
-            if fault and fault[0] == rank and fault[1] == it:
-                _inject(fault[2])
-            rt.begin_iteration()
-            if comm.pack_p2p:
-                comm.prepost(rt)
-            last = it == a.warmup + a.steps - 1
-            for i, st in enumerate(sched.steps):
-                t0 = time.perf_counter()
-                if rt.covers(i):  # a fused segment of local steps (runs at its first step)
-                    rt.run_segment(i)
-                elif st.kind == "compute":
-                    continue  # not this rank's
-                elif st.kind == "transfer":
-                    comm.transfer(rt, st, i)
-                elif st.kind == "sfb":
-                    comm.sfb(rt, st)
-                else:
-                    comm.sync(rt, st)
-                if not rt.covers(i):
-                    rt.release(i)
-                if last:
-                    _record(timeline, rt, plan, st, i, t0 - t_start, time.perf_counter() - t_start)
+    n_iters = a.warmup + a.steps
+
+    def iteration(it: int) -> dict:
+        """Run iteration ``it``; its record (seconds, loss); the last timed one fills ``timeline``."""
+        comm.barrier(device)  # every rank starts the iteration together
+        t_start = time.perf_counter()
+        cpu_start = time.thread_time()
+        if fault and fault[0] == rank and fault[1] == it:
+            _inject(fault[2])
+        rt.begin_iteration()
+        if comm.pack_p2p:
+            comm.prepost(rt)
+        last = it == n_iters - 1
+        for i, st in enumerate(sched.steps):
             t0 = time.perf_counter()
-            comm.finish_syncs(rt)
-            t1 = time.perf_counter()
-            rt.update()  # reads the loss: the iteration's one wait for the device
-            t2 = time.perf_counter()
+            if rt.covers(i):  # a fused segment of local steps (runs at its first step)
+                rt.run_segment(i)
+            elif st.kind == "compute":
+                continue  # not this rank's
+            elif st.kind == "transfer":
+                comm.transfer(rt, st, i)
+            elif st.kind == "sfb":
+                comm.sfb(rt, st)
+            else:
+                comm.sync(rt, st)
+            if not rt.covers(i):
+                rt.release(i)
             if last:
-                timeline.append(["wait syncs", "sync", t0 - t_start, t1 - t_start])
-                timeline.append(["opt", "opt", t1 - t_start, t2 - t_start])
-            # cpu_s: the main thread's CPU seconds over the iteration (a CPU rank's own work, apart
-            # from waits and from time taken by other processes on a shared host)
-            iters.append({"time_s": t2 - t_start, "cpu_s": time.thread_time() - cpu_start, **rt.timer.as_dict(),
-                          "loss": rt.loss})
+                _record(timeline, rt, plan, st, i, t0 - t_start, time.perf_counter() - t_start)
+        t0 = time.perf_counter()
+        comm.finish_syncs(rt)
+        t1 = time.perf_counter()
+        rt.update()  # reads the loss: the iteration's one wait for the device
+        t2 = time.perf_counter()
+        if last:
+            timeline.append(["wait syncs", "sync", t0 - t_start, t1 - t_start])
+            timeline.append(["opt", "opt", t1 - t_start, t2 - t_start])
+        # cpu_s: the main thread's CPU seconds over the iteration (a CPU rank's own work, apart
+        # from waits and from time taken by other processes on a shared host)
+        return {"time_s": t2 - t_start, "cpu_s": time.thread_time() - cpu_start, **rt.timer.as_dict(),
+                "loss": rt.loss}
+
+    try:  # noqa: SIM105 - see the except clause
+        for it in range(n_iters):
+            iters.append(iteration(it))
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         mine = {"rank": rank, "device": topology.devices[rank].name, "slowdown": slow, "export_s": export_s,
                 "peak_memory_bytes": peak, "iterations": iters, "timeline": timeline,
@@ -213,6 +223,11 @@ def run_rank(a: WorkerArgs) -> dict:
                 dist.all_gather_object(shards, (params, tp.kept), group=tp_group)
                 params = tp.full_params(shards)
             torch.save(params, Path(a.out_dir) / f"params-rank{rank}.pt")
+        table = table_path(rank, a.profile_ops)
+        if table is not None:  # diagnostics: one more iteration, after every figure and the saved parameters
+            with profiled() as probe:
+                iteration(n_iters)
+            write_json(Path(table), {"rank": rank, "device": str(device), **op_table(probe)})
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine)
         if rank == 0:

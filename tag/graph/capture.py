@@ -288,9 +288,12 @@ def _forward_backward(ep: torch.export.ExportedProgram) -> torch.export.Exported
 
 @contextlib.contextmanager
 def _fx_config(**values):
-    """Set ``torch.fx.config`` attributes for the duration."""
+    """Set ``torch.fx.config`` attributes for the duration; those this torch lacks are skipped
+    (``do_not_emit_stack_traces`` is absent from torch 2.11, whose graphs then record their stack
+    traces: slower capture, the same graph)."""
     import torch.fx.config as cfg
 
+    values = {k: v for k, v in values.items() if hasattr(cfg, k)}
     old = {k: getattr(cfg, k) for k in values}
     for k, v in values.items():
         setattr(cfg, k, v)

@@ -105,6 +105,9 @@ def retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
             n.kwargs = {**n.kwargs, "device": device}
         if n.op == "call_function" and n.target in moved and torch.device(device).type in ("cuda", "meta"):
             n.target = moved[n.target]
+            vals = n.meta.get("val")
+            if isinstance(vals, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in vals):
+                n.kwargs = {**n.kwargs, "strides": tuple(tuple(v.stride()) for v in vals)}
     gm.recompile()
 
 
@@ -113,8 +116,12 @@ def retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
 # F.scaled_dot_product_attention dispatches to in fp32 (flash needs fp16/bf16 and sm80+). Its
 # logsumexp is [B, H, L] padded to a multiple of 32 along L, the CPU kernel's [B, H, L]: the
 # graph keeps the CPU shape (stage boundaries and messages are sized by it), these pad and cut.
-# Not run on a GPU as of 2026-11-26 (none available); tests/test_graph.py runs both on
-# the meta device, where the CUDA kernels' shape functions live.
+# The ops after them were traced with the CPU kernel's output strides (a ``view`` of a transposed
+# gradient, say); the CUDA backward returns other strides when q, k and v are slices of one packed
+# projection (it allocates one packed gradient), and that ``view`` fails ("view size is not
+# compatible with input tensor's size and stride": the SDPA encoder of evaluation/models/unseen.py
+# on an H200, 2026-11-26), so results whose strides differ from the captured ones are copied into
+# them (``strides``: each result's captured strides, set by retarget_devices).
 _LSE_ALIGN = 32
 """Alignment of memory-efficient attention's logsumexp length (PyTorch's ``kAlignLSE``)."""
 
@@ -126,23 +133,40 @@ def _no_dropout(dropout_p: float) -> None:
                                   "attention dropout to 0")
 
 
-def efficient_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+def _restrided(tensors: tuple, strides) -> tuple:
+    """``tensors``, each with ``strides[i]`` (a copy where it has other strides); as is if None."""
+    if strides is None:
+        return tuple(tensors)
+    out = []
+    for t, st in zip(tensors, strides):
+        if tuple(t.stride()) != tuple(st) and t.numel() > 1:
+            t = torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device).copy_(t)
+        out.append(t)
+    return tuple(out)
+
+
+def efficient_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None,
+                        strides=None):
     """``aten._scaled_dot_product_flash_attention_for_cpu`` (same arguments and results:
     ``(output [B, H, L, Dv], logsumexp [B, H, L] fp32)``) by the memory-efficient CUDA kernel."""
     _no_dropout(dropout_p)
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)
-    return out, lse[..., :query.shape[-2]]
+    return _restrided((out, lse[..., :query.shape[-2]]), strides)
 
 
 def efficient_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
-                                 attn_mask=None, scale=None):
+                                 attn_mask=None, scale=None, strides=None):
     """``aten._scaled_dot_product_flash_attention_for_cpu_backward`` (same arguments, results
     ``(grad_query, grad_key, grad_value)``) by the memory-efficient CUDA kernel's backward."""
     _no_dropout(dropout_p)
-    lse = torch.nn.functional.pad(logsumexp, (0, -logsumexp.shape[-1] % _LSE_ALIGN))
+    # a fresh contiguous [B, H, L padded] buffer: the kernel wants its H stride aligned too ("LSE is
+    # not correctly aligned (strideH)" from the captured CPU layout [B, L, H], H200, 2026-11-26)
+    length = logsumexp.shape[-1]
+    lse = logsumexp.new_zeros(*logsumexp.shape[:-1], length + (-length % _LSE_ALIGN))
+    lse[..., :length] = logsumexp
     seed = offset = torch.empty((), dtype=torch.int64, device=query.device)  # read only with dropout
     gq, gk, gv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         grad_out, query, key, value, attn_mask, out, lse, seed, offset, dropout_p, [True, True, True, False],
         is_causal, scale=scale)
-    return gq, gk, gv
+    return _restrided((gq, gk, gv), strides)
