@@ -686,3 +686,9 @@ def test_find_plan_executable_by_default(graph, topo):
     validate_plan(p, graph, topo, pipelines=True)  # what tag execute checks
     q = find_plan(graph, topo, prior="uniform", budget=6, compression="off", executable=False)
     assert q.meta["executable"] is False
+    # TAG's own actions all run: over them the constraint changes nothing, draws included
+    for searcher in ("mcts", "random", "sa"):
+        a, b = (find_plan(graph, topo, searcher=searcher, prior="uniform", budget=12, seed=2, compression="off",
+                          pipelines="off", executable=e) for e in (True, False))
+        assert [g.key() for g in a.groups] == [g.key() for g in b.groups] and a.meta["improvements"] == \
+            b.meta["improvements"], searcher

@@ -640,8 +640,8 @@ class ActionSpace:
         """[A] bool: the actions an op-group may take after the decisions of ``assign`` ([K], -1
         undecided), None where every action may. Executable: after a first decision that is not
         ``tp`` no group is ``tp`` (a ``tp`` first decision ends the path, :meth:`decision_at`)."""
-        if not self.executable or not (np.asarray(assign) >= 0).any():
-            return None
+        if not self.executable or not self.is_tp.any() or not (np.asarray(assign) >= 0).any():
+            return None  # (no tp action: nothing to mask, the searches draw as without the constraint)
         return ~self.is_tp
 
     def stages_of(self, path) -> int:
