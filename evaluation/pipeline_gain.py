@@ -48,11 +48,11 @@ def cell(graph, topo, costs, sim, predictor) -> dict:
     lay, tried = best_layout(graph, topo, costs, lambda q: sim.run(q.groups, pipeline=q.pipeline))
     out["dp-tp-pp-grid"] = lay.predicted_iteration_time_s
     out["grid_layout"] = lay.meta["layout"]
-    q = find_plan(graph, topo, pipelines="auto", **kw)
+    q = find_plan(graph, topo, pipelines="auto", executable=False, **kw)  # as recorded: simulated plans
     out["tag-50+pipelines"] = q.predicted_iteration_time_s
     out["tag_source"] = q.meta["source"]
     out["tag_plan"] = (q.meta.get("actions") or ["dp"])[0]
-    u = find_plan(graph, topo, pipelines="auto", **{**kw, "prior": "uniform", "predictor": None})
+    u = find_plan(graph, topo, pipelines="auto", executable=False, **{**kw, "prior": "uniform", "predictor": None})
     out["uniform-50+pipelines"] = u.predicted_iteration_time_s
     out["uniform_plan"] = (u.meta.get("actions") or ["dp"])[0]
     out["lower-bound"] = lower_bound(graph, topo, costs)

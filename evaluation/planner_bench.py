@@ -147,8 +147,9 @@ def search_row(graph, topo, runs: dict[str, dict], *, seed: int, predictor=None,
     row: dict = {}
     for name, kw in runs.items():
         t0 = time.perf_counter()
+        # executable=False: the searchers compared on the simulated space (as recorded)
         p = find_plan(graph, topo, seed=seed, predictor=predictor if kw.get("prior") == "gnn" else None,
-                      pipelines=pipelines, **kw)
+                      pipelines=pipelines, executable=False, **kw)
         m = p.meta
         row[name] = {"time_s": p.predicted_iteration_time_s, "first_beat_dp": m["first_beat_dp_playout"],
                      "sim_calls": m["sim_calls"], "wall_s": time.perf_counter() - t0,

@@ -28,6 +28,7 @@ _EXPORTS = {
     "data_parallel": ("tag.cost.baselines", "data_parallel"),
     "find_plan": ("tag.planner", "find_plan"),
     "validate_plan": ("tag.parallel", "validate_plan"),
+    "execution_refusal": ("tag.parallel", "execution_refusal"),
     "build_schedule": ("tag.parallel", "build_schedule"),
     "Strategy": ("tag.parallel", "Strategy"),
     "register_strategy": ("tag.parallel", "register"),

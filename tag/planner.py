@@ -57,7 +57,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
               time_limit: float | None = None, seed: int = 0, checkpoint: str | os.PathLike | None = None,
               predictor=None, costs=None, simulator=None, mcts: MCTSConfig | None = None,
               compression: str = "auto", one_shot: bool = True, pipelines: str = "auto",
-              progress=None) -> Plan:
+              executable: bool = True, progress=None) -> Plan:
     """Search a deployment of ``graph`` on ``topology``.
 
     Both data-parallel baselines (even and speed-proportional shares) are simulated first and
@@ -95,6 +95,12 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
             (:func:`tag.parallel.layout.best_layout`) and returns the best of them instead of the
             searched plan when it is strictly faster (``meta["source"] == "layout-grid"``); ``off``
             searches TAG's action space alone (no ``tp`` actions, no pipelines).
+        executable: search only plans ``tag execute`` runs (:func:`tag.parallel.execution_refusal`:
+            ``tp`` as the whole plan's one deployment, plain, no pipeline of ``tp`` stages; masked
+            in the search space, :class:`tag.search.space.ActionSpace`, and the ``grid`` layouts
+            filtered alike). False searches every plan the simulator costs (``tp`` beside other
+            groups, pipelines of ``tp`` stages, sequence-parallel layouts): faster plans, some
+            of them simulated only. TAG's own actions (``pipelines="off"``) are all executed.
         progress: called as ``progress(stage)`` when a stage starts (``"baselines"``, ``"search"``,
             ``"compression"``) and ``progress("search", done, total)`` after each plan the search
             simulates (``total``: the playout budget, None under a time limit alone).
@@ -125,7 +131,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     new_actions = pipelines != "off"
     runs_pipelines = simulator is None or "pipeline" in inspect.signature(simulator.run).parameters
     space = ActionSpace(graph, topology, cost_model=costs, tensor_parallel=new_actions,
-                        pipelines=new_actions and runs_pipelines)
+                        pipelines=new_actions and runs_pipelines, executable=executable)
     ev = Evaluator(space, simulator)
     total = None if playouts == 10**9 else playouts
     note("search", 0, total)
@@ -175,7 +181,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         "search_time_s": search_s, "first_beat_dp_playout": stats.first_beat_dp,
         # [playout, seconds] at each new best plan: the search's progress (1e-9 keeps 6+ digits)
         "improvements": [[n, round(ev.t_ref / (1.0 + r), 12)] for n, r in stats.improvements],
-        "source": ev.best_source, "oom": best.oom,
+        "source": ev.best_source, "oom": best.oom, "executable": executable,
         "dp_even_time_s": None if ev.dp_even_out.oom else ev.dp_even_out.time_s,
         "dp_prop_time_s": None if ev.dp_prop_out.oom else ev.dp_prop_out.time_s,
         "dp_even_oom": ev.dp_even_out.oom, "dp_prop_oom": ev.dp_prop_out.oom,
@@ -187,16 +193,17 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
                   "stages": space.options("stages", 1) if space.plan_options else None},
     }
     if pipelines == "grid":
-        p = _pipelined(graph, topology, p, space.cost_model, ev.simulator)
+        p = _pipelined(graph, topology, p, space.cost_model, ev.simulator, executable)
     if compression != "off":
         note("compression")
     p.meta["compression"] = "off" if compression == "off" else _compress(graph, topology, p, ev.simulator)
     return p
 
 
-def _pipelined(graph, topology, p: Plan, costs, simulator) -> Plan:
-    """``p``, or the best hand-written layout (:func:`tag.parallel.layout.best_layout`) when the
-    simulator says it is strictly faster (and fits); the layouts' outcome goes into ``meta``."""
+def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool) -> Plan:
+    """``p``, or the best hand-written layout (:func:`tag.parallel.layout.best_layout`; with
+    ``executable`` of those the executor runs) when the simulator says it is strictly faster (and
+    fits); the layouts' outcome goes into ``meta``."""
     import inspect
 
     from .parallel.layout import best_layout
@@ -204,7 +211,8 @@ def _pipelined(graph, topology, p: Plan, costs, simulator) -> Plan:
     if "pipeline" not in inspect.signature(simulator.run).parameters:
         p.meta["pipelines"] = "skipped (the simulator runs no pipelines)"
         return p
-    lay, tried = best_layout(graph, topology, costs, lambda q: simulator.run(q.groups, pipeline=q.pipeline))
+    lay, tried = best_layout(graph, topology, costs, lambda q: simulator.run(q.groups, pipeline=q.pipeline),
+                             executable=executable)
     t_lay, t_plan = lay.predicted_iteration_time_s, p.predicted_iteration_time_s
     p.meta["layouts_tried"] = tried
     p.meta["best_layout"] = lay.meta["layout"]

@@ -506,6 +506,15 @@ def _plan_of_key(sp, key):
     return p
 
 
+def _random_plans(sp, n: int, seed: int = 0):
+    """(key, plan) of ``n`` random paths through ``sp`` (those naming a plan)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        key = sp.resolve_path(sp.random_path(rng, sp.max_depth))
+        if sp.plan_of(key) is not None:
+            yield key, _plan_of_key(sp, key)
+
+
 def test_new_actions_leave_tags_actions_and_defaults_as_they_were(graph, topo, pipe_space):
     """``tp`` actions are appended after TAG's; the empty plan, "no pipeline" and every path of
     TAG's actions below it resolve as in TAG's space."""
@@ -529,13 +538,8 @@ def test_every_reachable_plan_is_valid(graph, topo, pipe_space):
     including ``tp`` on parts of Megatron blocks) give plans ``validate_plan`` accepts, and reach
     pipelines, tensor-parallel stages, every schedule and both cuts."""
     sp = pipe_space
-    rng = np.random.default_rng(0)
     seen = set()
-    for _ in range(80):
-        key = sp.resolve_path(sp.random_path(rng, sp.max_depth))
-        if sp.plan_of(key) is None:
-            continue
-        plan = _plan_of_key(sp, key)
+    for key, plan in _random_plans(sp, 80):
         validate_plan(plan, graph, topo, pipelines=True, tensor_parallel=True)
         if plan.pipeline is None:
             seen.add("tp" if any(g.sync == "tp" for g in plan.groups) else "flat")
@@ -597,3 +601,94 @@ def test_find_plan_reports_the_space_and_off_keeps_tags(graph, topo):
     assert auto.meta["space"]["tp_actions"] > 0 and auto.meta["space"]["stages"][0] == 1
     for p in (off, auto):
         validate_plan(p, graph, topo, pipelines=True, tensor_parallel=True)
+
+
+# ---- the executable constraint (find_plan(executable=True), tag plan's default) ----------------
+
+@pytest.fixture(scope="module")
+def exec_space(graph, topo):
+    return ActionSpace(graph, topo, pipelines=True, executable=True)
+
+
+def test_executable_space_masks_what_the_executor_refuses(graph, topo, pipe_space, exec_space):
+    """A ``tp`` first decision ends the path as the whole plan's one deployment; after any other
+    first decision ``tp`` is masked; a pipeline's stages are data parallel only; a tuple mixing
+    ``tp`` with other actions is mapped onto an executable plan; on mixed GPUs every group of a
+    whole-plan ``tp`` deployment gets the same shares (per group they differ: refused)."""
+    from tag.parallel import execution_refusal
+    from tag.search.space import is_pipeline_key
+
+    sp, free = exec_space, pipe_space
+    tp = next(a for a, act in enumerate(sp.actions) if act.sync == "tp" and act.devices == tuple(range(8)))
+    dp = sp.default_action
+    assert free.decision_at([0, tp]) == ("group", sp.order[1]) and sp.decision_at([0, tp]) is None
+    assert sp.decision_at([0, dp]) == ("group", sp.order[1])
+    assert sp.group_mask(np.full(sp.num_groups, -1)) is None
+    decided = np.full(sp.num_groups, -1)
+    decided[sp.order[0]] = dp
+    mask = sp.group_mask(decided)
+    assert not mask[tp] and mask[:sp.num_base_actions].all() and free.group_mask(decided) is None
+    assert max(free.options("stage_sync", 2)) > 1 and sp.options("stage_sync", 2) == [1]
+    # the whole-plan tp deployment over all 8 devices (A100, V100 and T4 machines)
+    whole = sp.resolve_path([0, tp])
+    assert set(whole) == {tp} and execution_refusal(_plan_of_key(sp, whole)) is None
+    assert execution_refusal(_plan_of_key(free, free.resolve_path([0, tp]))).startswith("groups[1].shares")
+    # mixes: the first group in decision order decides
+    mixed = [dp] * sp.num_groups
+    mixed[sp.order[1]] = tp
+    assert sp.canonical(mixed) == sp.canonical([dp] * sp.num_groups)  # tp over all -> allreduce over all
+    mixed[sp.order[0]] = tp
+    assert sp.canonical(mixed) == whole
+    # every path's plan: accepted by the executor's predicate (and valid)
+    kinds = set()
+    for key, plan in _random_plans(sp, 60):
+        validate_plan(plan, graph, topo, pipelines=True)  # the executor's check
+        kinds.add("pp" if is_pipeline_key(key) else "tp" if plan.groups[0].sync == "tp" else "flat")
+    assert kinds == {"pp", "tp", "flat"}
+    # MCTS: no prior on tp below a first op-group decision, none on tp stages
+    tree = mcts_search(sp, Evaluator(sp), uniform_prior, np.random.default_rng(1), playouts=30).tree
+    below = [n for n in range(tree.size) if tree.expanded[n] and tree.depth[n] >= 2 and sp.stages_of(tree.path(n)) == 1]
+    assert below and all(tree.prior[n][sp.is_tp].sum() == 0 for n in below)
+    assert not any(sp.is_tp[tree.path(n)[1]] for n in below)
+
+
+def test_executable_searches_propose_only_plans_the_executor_runs(graph, topo):
+    """Every searcher on an executable space simulates only plans the executor runs, still
+    reaching whole-plan tensor parallelism and pipelines; the evaluator scores a refused plan as
+    not fitting without simulating it (the predicate has the last word)."""
+    from tag.parallel import execution_refusal
+    from tag.search.evaluate import OOM_REWARD
+    from tag.search.space import is_pipeline_key
+
+    def mcts(sp, ev, rng, playouts):
+        return mcts_search(sp, ev, uniform_prior, rng, playouts=playouts)
+
+    for search in (mcts, random_search, simulated_annealing, tpe_search):
+        sp = ActionSpace(graph, topo, pipelines=True, executable=True)
+        ev = Evaluator(sp)
+        search(sp, ev, np.random.default_rng(0), playouts=24)
+        plans = [(k, sp.plan_of(k)) for k in ev.cache]
+        plans = [(k, _plan_of_key(sp, k)) for k, p in plans if p is not None]
+        assert all(execution_refusal(p) is None for _, p in plans), search.__name__
+        assert any(is_pipeline_key(k) for k, _ in plans), search.__name__
+        assert any(p.groups[0].sync == "tp" for _, p in plans), search.__name__
+    tp = next(a for a, act in enumerate(sp.actions) if act.sync == "tp")
+    mixed = [sp.default_action] * sp.num_groups
+    mixed[sp.order[1]] = tp  # not canonical: what no searcher proposes
+    calls = ev.sim_calls
+    assert execution_refusal(_plan_of_key(sp, tuple(mixed))) is not None
+    assert ev.evaluate(tuple(mixed)).reward == OOM_REWARD and ev.sim_calls == calls
+
+
+def test_find_plan_executable_by_default(graph, topo):
+    p = find_plan(graph, topo, prior="uniform", budget=6, compression="off")
+    assert p.meta["executable"] is True
+    validate_plan(p, graph, topo, pipelines=True)  # what tag execute checks
+    q = find_plan(graph, topo, prior="uniform", budget=6, compression="off", executable=False)
+    assert q.meta["executable"] is False
+    # TAG's own actions all run: over them the constraint changes nothing, draws included
+    for searcher in ("mcts", "random", "sa"):
+        a, b = (find_plan(graph, topo, searcher=searcher, prior="uniform", budget=12, seed=2, compression="off",
+                          pipelines="off", executable=e) for e in (True, False))
+        assert [g.key() for g in a.groups] == [g.key() for g in b.groups] and a.meta["improvements"] == \
+            b.meta["improvements"], searcher

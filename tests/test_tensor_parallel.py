@@ -13,6 +13,7 @@ the rest exactly (4e-9 here)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -20,12 +21,11 @@ import torch
 from tag.cli import main
 from tag.cost.model import CostModel
 from tag.errors import PlanError
-from tag.parallel import validate_plan
+from tag.parallel import execution_refusal, validate_plan
 from tag.parallel.layout import Layout, layout_grid, layout_plan, parse_layout
 from tag.parallel.tensor_parallel import (
     aligned_cuts,
     block_groups,
-    execution_refusal,
     group_split,
     megatron_blocks,
     weight_param,
@@ -151,9 +151,21 @@ def test_plan_checks(gpt2, v100):
                     r"groups\[0\]\.sequence_parallel: the executor runs plain Megatron \(every device of a "
                     r"tensor-parallel group on the group's whole batch outside the blocks\), not sequence "
                     r"parallelism; expected false"))
-    for plan, message in refused:
+    degree = _tp_plan(gpt2, v100, [0, 1, 2, 3], tp=2)
+    cut = max(aligned_cuts(gpt2))  # (a Megatron block's groups share one degree: validated before)
+    degree.groups[cut:] = [GroupPlan([0, 1, 2, 3], [0.25] * 4, sync="tp", tp=4) for _ in degree.groups[cut:]]
+    refused.append((degree, rf"groups\[{cut}\]\.tp: the executor runs the same tensor-parallel groups for the "
+                            r"whole plan; expected 2, got 4"))
+    for plan, message in refused:  # the one predicate, and the executor's check raising it
+        assert re.fullmatch(message, execution_refusal(plan))
         with pytest.raises(PlanError, match="^plan: " + message + "$"):
             validate_plan(plan, gpt2, v100)
+    dp_pipe = new_plan(gpt2, v100, [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(3)]
+                       + [GroupPlan([2, 3], [0.5, 0.5], "ps", server=2) for _ in range(3)])
+    dp_pipe.pipeline = PipelinePlan([0, 3], 2)
+    for plan in (ok, _tp_plan(gpt2, v100, [0, 1, 4, 5], tp=2), dp_pipe):  # what the executor runs
+        assert execution_refusal(plan) is None
+        validate_plan(plan, gpt2, v100)
     validate_plan(_tp_plan(gpt2, v100, [0, 1], sequence_parallel=True), gpt2, v100, tensor_parallel=True)
     bad = [
         (_tp_plan(gpt2, v100, [0]), r"groups\[0\]\.tp: expected a tensor-parallel degree of 2\.\.8, got 1"),
@@ -367,7 +379,9 @@ def test_the_planner_proposes_tensor_parallelism_where_it_pays(captured, tmp_pat
     pair four ways fits and keeps every GPU busy. ``find_plan`` (``pipelines="auto"``: ``tp``
     actions in the search space) finds a tensor-parallel plan, faster than TAG's action space
     alone, than every layout without tensor parallelism, and as fast as the best plain tensor-parallel
-    layout."""
+    layout. Unconstrained (``executable=False``, ``tag plan --allow-unexecutable``) it puts the
+    groups outside the blocks data parallel beside the ``tp`` ones, a plan the executor refuses;
+    by default (``tag plan`` too) it returns the whole-plan ``tp`` plan the executor runs."""
     import yaml
 
     from tag.planner import find_plan
@@ -381,10 +395,11 @@ def test_the_planner_proposes_tensor_parallelism_where_it_pays(captured, tmp_pat
         {"name": "m", "gpu": gpu, "count": 4, "intra_bandwidth": "300 GB/s"}]}))
     topo = load_topology(path)
     searched = find_plan(graph, topo, prior="uniform", budget=100, pipelines="off", compression="off")
-    best = find_plan(graph, topo, prior="uniform", budget=100, compression="off")
-    # the layer pairs tensor parallel; groups outside the blocks may go data parallel over the same
+    best = find_plan(graph, topo, prior="uniform", budget=100, compression="off", executable=False)
+    # the layer pairs tensor parallel; groups outside the blocks go data parallel over the same
     # devices (plain Megatron replicates their work, ccd7d5c), a mix the executor refuses
     assert best.meta["source"] == "search" and sum(g.sync == "tp" for g in best.groups) >= 4
+    assert execution_refusal(best) is not None
     validate_plan(best, graph, topo, pipelines=True, tensor_parallel=True)
     assert searched.predicted_iteration_time_s is None or \
         best.predicted_iteration_time_s < searched.predicted_iteration_time_s
@@ -402,14 +417,21 @@ def test_the_planner_proposes_tensor_parallelism_where_it_pays(captured, tmp_pat
     runs = [sim.run(p.groups, pipeline=p.pipeline) for p in (layout_plan(graph, topo, lay, costs) for lay in plain)]
     grid = min(r.iteration_time_s for r in runs if not r.oom)
     assert best.predicted_iteration_time_s <= grid
-    # tag plan says when its plan is one the executor refuses (here: tp beside data parallel)
+    # by default only what the executor runs: every group tp alike, as fast as the plain layouts
+    runs_ = find_plan(graph, topo, prior="uniform", budget=100, compression="off")
+    assert execution_refusal(runs_) is None and {g.sync for g in runs_.groups} == {"tp"}
+    validate_plan(runs_, graph, topo)  # tag execute's check
+    assert runs_.predicted_iteration_time_s <= grid
+    # tag plan: the executable plan by default; --allow-unexecutable: the mix, and it says so
+    argv = ["plan", "--model", "mlp:layers=4,hidden=2048,in_dim=2048", "--batch", "512", "--groups", "8",
+            "--topology", str(path), "--prior", "uniform", "--budget", "100", "--compression", "off"]
     out = tmp_path / "plan.json"
-    rc = main(["plan", "--model", "mlp:layers=4,hidden=2048,in_dim=2048", "--batch", "512", "--groups", "8",
-               "--topology", str(path), "--prior", "uniform", "--budget", "100", "--compression", "off",
-               "--out", str(out)])
+    assert main(argv + ["--out", str(out)]) == 0
+    assert execution_refusal(Plan.load(out)) is None and "simulated only" not in capsys.readouterr().out
+    assert main(argv + ["--out", str(out), "--force", "--allow-unexecutable"]) == 0
     printed = capsys.readouterr().out
     why = execution_refusal(Plan.load(out))
-    assert rc == 0 and why is not None and f"simulated only: tag execute refuses this plan ({why})" in printed
+    assert why is not None and f"simulated only: tag execute refuses this plan ({why})" in printed
 
 
 # ---- execution ---------------------------------------------------------------------------------

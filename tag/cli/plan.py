@@ -23,7 +23,8 @@ def register(sub) -> None:
         "plan", help="search a deployment plan (GNN-guided MCTS) for a model on a topology",
         description="Capture the model, simulate both data-parallel baselines, then search per-op-group "
                     "deployments (devices, batch shares, gradient synchronisation) with MCTS guided by the "
-                    "shipped GNN predictor (or another searcher). Prints the plan, its predicted iteration "
+                    "shipped GNN predictor (or another searcher), among the plans tag execute runs unless "
+                    "--allow-unexecutable. Prints the plan, its predicted iteration "
                     "time, the speedup over the baselines and the distance to the lower bound.")
     add_model_args(p)
     add_cache_arg(p)
@@ -43,6 +44,10 @@ def register(sub) -> None:
                         "per-group actions (default); grid: also simulate the Megatron-style data x tensor x pipeline "
                         "layouts a user would try by hand and return the best if it beats the searched plan; off: "
                         "TAG's action space alone")
+    p.add_argument("--allow-unexecutable", dest="executable", action="store_false",
+                   help="also search plans the simulator costs but tag execute refuses (tensor-parallel groups "
+                        "beside other groups, pipelines of tensor-parallel stages, sequence parallelism); the "
+                        "output then says when the plan is simulated only (default: only plans tag execute runs)")
     p.add_argument("--no-one-shot", dest="one_shot", action="store_false",
                    help="with --prior gnn: do not spend the last playout on the network's one-shot plan")
     p.add_argument("--profiles", metavar="DIR", default=None, help=PROFILES_HELP)
@@ -59,6 +64,8 @@ def register(sub) -> None:
 
 
 def summary(plan) -> dict:
+    from ..parallel import execution_refusal
+
     m = plan.meta
     return {
         "model": plan.model, "topology": plan.topology, "batch_size": plan.batch_size,
@@ -74,6 +81,8 @@ def summary(plan) -> dict:
         "best_layout": m.get("best_layout"), "best_layout_time_s": m.get("best_layout_time_s"),
         "speedup_vs_dp_even": _ratio(m.get("dp_even_time_s"), plan.predicted_iteration_time_s),
         "speedup_vs_dp_prop": _ratio(m.get("dp_prop_time_s"), plan.predicted_iteration_time_s),
+        # None: tag execute runs the plan; else why not (only with --allow-unexecutable)
+        "execution_refusal": execution_refusal(plan),
     }
 
 
@@ -108,7 +117,7 @@ def run(args) -> int:
         p = find_plan(graph, topo, searcher=args.searcher, prior=args.prior, budget=args.budget,
                       time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs,
                       compression=args.compression, one_shot=args.one_shot, pipelines=args.pipelines,
-                      progress=progress)
+                      executable=args.executable, progress=progress)
     finally:
         progress.close()  # no bar left on the terminal, after an error either
     p.meta["capture_s"] = capture_s
@@ -216,9 +225,7 @@ def _print(graph, topo, p, args) -> None:
         print(f"  a Megatron-style layout beats the searched plan: {s['layout']}{shape}")
     elif s["source"] != "search":
         print(f"  search found nothing better than the baselines; returning {s['source']}")
-    from ..parallel.tensor_parallel import execution_refusal
-
-    why = execution_refusal(p)  # e.g. tp groups beside data-parallel ones: simulated, not executed
+    why = s["execution_refusal"]  # (--allow-unexecutable) e.g. tp beside data parallel: simulated only
     if why:
         print(f"  simulated only: tag execute refuses this plan ({why})")
     print(f"  {s['compression']}")

@@ -5,6 +5,8 @@
 * :mod:`~tag.parallel.data_parallel` (``allreduce``), :mod:`~tag.parallel.parameter_server`
   (``ps``), :mod:`~tag.parallel.model_parallel` (``mp``), :mod:`~tag.parallel.tensor_parallel`
   (``tp``; executed as the same groups for the whole plan): the built-in strategies.
+* :func:`execution_refusal`: the one rule of which plans the executor runs (each strategy judges
+  its groups); ``tag execute`` refuses through it, ``find_plan(executable=True)`` searches within it.
 * :mod:`~tag.parallel.moves`: which replica sends what to which when a tensor crosses units.
 * :mod:`~tag.parallel.schedule`: the global schedule of one iteration that every executor rank
   walks; the simulator costs the same lowering (:mod:`tag.sim`).
@@ -25,6 +27,7 @@ from .strategy import (
     Strategy,
     Unit,
     UnitKey,
+    execution_refusal,
     get_strategy,
     register,
     strategy_names,
@@ -42,6 +45,6 @@ for _s in (DataParallel(), ParameterServer(), ModelParallel(), TensorParallel())
 
 __all__ = [
     "Collective", "DataParallel", "ModelParallel", "Move", "ParameterServer", "Replica", "Schedule", "SfbGroup", "Step", "Strategy", "TensorParallel", "Unit", "UnitKey", "build_schedule",
-    "get_strategy", "graph_structure", "move_kind", "move_pieces", "register", "strategy_names", "strategy_of",
+    "execution_refusal", "get_strategy", "graph_structure", "move_kind", "move_pieces", "register", "strategy_names", "strategy_of",
     "unregister", "validate_group", "validate_plan",
 ]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ..errors import PlanError
 from ..plan.format import PIPELINE_SCHEDULES, GroupPlan, PipelinePlan, Plan, new_plan
+from .strategy import execution_refusal
 from .tensor_parallel import MAX_DEGREE, aligned_cuts, megatron_blocks
 
 CUTS = ("time", "memory")
@@ -234,13 +235,17 @@ def layout_grid(graph, topology) -> list[Layout]:
     return out
 
 
-def best_layout(graph, topology, costs, simulate) -> tuple[Plan, int]:
+def best_layout(graph, topology, costs, simulate, *, executable: bool = False) -> tuple[Plan, int]:
     """The fastest plan of :func:`layout_grid` (one that fits in memory if any does; its
-    ``predicted_iteration_time_s`` is None if none does) and the number of layouts simulated. ``simulate(plan)`` returns its :class:`~tag.sim.SimResult` (passed in:
-    this layer does not import the simulator)."""
+    ``predicted_iteration_time_s`` is None if none does) and the number of layouts simulated.
+    ``simulate(plan)`` returns its :class:`~tag.sim.SimResult` (passed in: this layer does not
+    import the simulator). ``executable``: only the layouts the executor runs
+    (:func:`tag.parallel.execution_refusal`: no sequence parallelism, no pipeline of ``tp`` stages)."""
     best, best_key, tried = None, None, 0
     for lay in layout_grid(graph, topology):
         plan = layout_plan(graph, topology, lay, costs)
+        if executable and execution_refusal(plan) is not None:
+            continue
         res = simulate(plan)
         tried += 1
         key = (bool(res.oom), res.iteration_time_s)

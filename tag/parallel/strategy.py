@@ -123,6 +123,12 @@ class Strategy:
         """Checks across the groups of a plan using this strategy (raise :class:`PlanError`
         naming ``source``); called once per strategy a plan uses, after every group's checks."""
 
+    def execution_refusal(self, plan) -> str | None:
+        """Why the executor does not run ``plan`` as far as this strategy's groups go (one line
+        naming the field), None when it runs them; called once per strategy the plan uses, by
+        :func:`execution_refusal`. The default: every deployment of the strategy runs."""
+        return None
+
     def normalise(self, gp: GroupPlan, has_params: bool) -> GroupPlan:
         """``gp`` (a copy, changed in place) in the canonical form of the deployments that run the
         same (searches count such actions once); ``has_params``: the group owns parameters."""
@@ -197,22 +203,38 @@ def validate_plan(plan, graph, topology, *, source: str = "plan", pipelines: boo
     ``pipelines``: accept a :attr:`Plan.pipeline <tag.plan.Plan.pipeline>` (the simulator and the
     executor run micro-batches); False for a caller that does not, so that it refuses such a plan
     in one line instead of running it as if it had none. ``tensor_parallel``: accept groups of
-    sync ``tp`` of any form (the simulator costs them); without it only those the executor runs
-    (:func:`tag.parallel.tensor_parallel.execution_refusal`)."""
+    sync ``tp`` of any form, i.e. any plan the simulator costs; without it only those the executor
+    runs (:func:`execution_refusal`, raised as the :class:`PlanError`)."""
     plan.validate(graph, topology, source=source)
     for g, gp in enumerate(plan.groups):
         validate_group(gp, graph, g, topology.num_devices, f"{source}: groups[{g}]", plan.batch_size)
     for name in dict.fromkeys(gp.sync for gp in plan.groups):
         get_strategy(name).check_plan(plan, graph, topology, source)
     if not tensor_parallel:
-        from .tensor_parallel import execution_refusal
-
         why = execution_refusal(plan)
         if why is not None:
             raise PlanError(f"{source}: {why}")
     validate_pipeline(plan, graph, topology.num_devices, source=source)
     if plan.pipeline is not None and not pipelines:
         raise PlanError(f"{source}: pipeline: this caller runs no micro-batches; expected no pipeline field")
+
+
+def execution_refusal(plan) -> str | None:
+    """The one rule of what the executor runs: None when ``tag execute`` runs ``plan`` (anything
+    with ``groups`` and ``pipeline``, already valid for the simulator), else one line naming the
+    first field it does not run. Each strategy the plan uses judges its groups
+    (:meth:`Strategy.execution_refusal`); of the built-in ones only ``tp`` refuses forms
+    (:meth:`tag.parallel.TensorParallel.execution_refusal`: ``tp`` beside other groups, over other
+    devices, degrees or shares, sequence parallelism, pipelines of ``tp`` stages).
+
+    The executor refuses through :func:`validate_plan` (``tensor_parallel=False``); the search's
+    ``executable`` constraint (:class:`tag.search.space.ActionSpace`) and ``tag plan``'s
+    "simulated only" line call it too."""
+    for name in dict.fromkeys(gp.sync for gp in plan.groups):
+        why = get_strategy(name).execution_refusal(plan)
+        if why is not None:
+            return why
+    return None
 
 
 # ---- helpers shared by the built-in strategies ---------------------------------------------------
@@ -253,5 +275,6 @@ _REPLICAS: dict[tuple, tuple[Replica, ...]] = {}
 lowers the same batch split for every group (512 replicas each)."""
 
 
-__all__ = ["Collective", "Replica", "Strategy", "Unit", "UnitKey", "get_strategy", "group_positions", "register",
+__all__ = ["Collective", "Replica", "Strategy", "Unit", "UnitKey", "execution_refusal", "get_strategy", "group_positions",
+           "register",
            "strategy_names", "strategy_of", "unregister", "validate_group", "validate_plan"]

@@ -44,9 +44,10 @@ variants (:mod:`tag.sim.tensor_parallel`).
 ``tp`` over the same devices with the same degree, plain Megatron (the same tensor-parallel groups
 for the whole plan, each a data-parallel replica; no pipeline): the data-parallel plan over the
 tensor-parallel groups' first devices (:func:`executed_plan`), every device of a group walking
-its first device's schedule on its shard. :func:`execution_refusal` names the first field of any
-other plan with ``tp`` groups (sequence parallelism included), which the executor refuses in one
-line (:func:`tag.parallel.validate_plan` ``tensor_parallel=False``).
+its first device's schedule on its shard. :meth:`TensorParallel.execution_refusal` names the first
+field of any other plan with ``tp`` groups (sequence parallelism included), which the executor
+refuses in one line (:func:`tag.parallel.execution_refusal`, raised by
+:func:`tag.parallel.validate_plan` ``tensor_parallel=False``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from ..errors import PlanError
 from ..graph.capture import FUSED_ATTENTION
 from ..graph.ir import Affine, OpGraph
 from ..plan.format import GroupPlan
-from .strategy import Collective, Strategy, Unit, check_shares, no_field, sample_replicas
+from .strategy import Collective, Strategy, Unit, check_shares, execution_refusal, no_field, sample_replicas
 
 MAX_DEGREE = 8
 """Largest tensor-parallel degree (devices of one machine, as Megatron-LM advises)."""
@@ -473,38 +474,38 @@ class TensorParallel(Strategy):
                         f"groups {list(gs)}; expected sync 'tp' over the same devices and degree, with or "
                         "without sequence parallelism alike, in all of them")
 
+    def execution_refusal(self, plan) -> str | None:
+        """None when the executor runs ``plan``'s tensor parallelism (or it has none), else one line
+        naming the field it does not run: every group must be ``tp`` over the same devices with the
+        same degree and shares, plain Megatron (no sequence parallelism), and the plan without a
+        pipeline (:func:`tag.parallel.strategy.execution_refusal` asks it)."""
+        tp = [g for g, gp in enumerate(plan.groups) if gp.sync == "tp"]
+        if not tp:
+            return None
+        first = plan.groups[tp[0]]
+        for g, gp in enumerate(plan.groups):
+            if gp.sync != "tp":
+                return (f"groups[{g}].sync: the executor runs tensor parallelism only when every group is 'tp' "
+                        f"(group {tp[0]} is); expected 'tp', got {gp.sync!r}")
+            if gp.devices != first.devices:
+                return (f"groups[{g}].devices: the executor runs the same tensor-parallel groups for the whole "
+                        f"plan; expected {first.devices}, got {gp.devices}")
+            if tp_degree(gp) != tp_degree(first) or gp.shares != first.shares \
+                    or gp.sequence_parallel != first.sequence_parallel:
+                field = "tp" if tp_degree(gp) != tp_degree(first) else \
+                    "shares" if gp.shares != first.shares else "sequence_parallel"
+                return (f"groups[{g}].{field}: the executor runs the same tensor-parallel groups for the whole "
+                        f"plan; expected {getattr(first, field)}, got {getattr(gp, field)}")
+        if first.sequence_parallel:
+            return (f"groups[{tp[0]}].sequence_parallel: the executor runs plain Megatron (every device of a "
+                    "tensor-parallel group on the group's whole batch outside the blocks), not sequence "
+                    "parallelism; expected false")
+        if plan.pipeline is not None:
+            return "pipeline: pipelines of tensor-parallel groups are not executed by this version; expected none"
+        return None
+
 
 # ---- what the executor runs ---------------------------------------------------------------
-
-def execution_refusal(plan) -> str | None:
-    """None when the executor runs ``plan``'s tensor parallelism (or it has none), else one line
-    naming the field it does not run: every group must be ``tp`` over the same devices with the
-    same degree, and the plan without a pipeline."""
-    tp = [g for g, gp in enumerate(plan.groups) if gp.sync == "tp"]
-    if not tp:
-        return None
-    first = plan.groups[tp[0]]
-    for g, gp in enumerate(plan.groups):
-        if gp.sync != "tp":
-            return (f"groups[{g}].sync: the executor runs tensor parallelism only when every group is 'tp' "
-                    f"(group {tp[0]} is); expected 'tp', got {gp.sync!r}")
-        if gp.devices != first.devices:
-            return (f"groups[{g}].devices: the executor runs the same tensor-parallel groups for the whole plan; "
-                    f"expected {first.devices}, got {gp.devices}")
-        if tp_degree(gp) != tp_degree(first) or gp.shares != first.shares \
-                or gp.sequence_parallel != first.sequence_parallel:
-            field = "tp" if tp_degree(gp) != tp_degree(first) else \
-                "shares" if gp.shares != first.shares else "sequence_parallel"
-            return (f"groups[{g}].{field}: the executor runs the same tensor-parallel groups for the whole plan; "
-                    f"expected {getattr(first, field)}, got {getattr(gp, field)}")
-    if first.sequence_parallel:
-        return (f"groups[{tp[0]}].sequence_parallel: the executor runs plain Megatron (every device of a "
-                "tensor-parallel group on the group's whole batch outside the blocks), not sequence parallelism; "
-                "expected false")
-    if plan.pipeline is not None:
-        return "pipeline: pipelines of tensor-parallel groups are not executed by this version; expected none"
-    return None
-
 
 def shard_maps(groups: list[list[int]]) -> list[dict[int, int]]:
     """Per shard ``i``: each tensor-parallel group's first device (the one whose schedule the group
@@ -532,5 +533,5 @@ def executed_plan(plan):
 
 
 __all__ = ["MAX_DEGREE", "GroupSplit", "MegatronBlock", "TensorParallel", "aligned_cuts", "block_groups",
-           "Interior", "block_interior", "executed_plan", "execution_refusal", "group_split", "megatron_blocks",
+           "Interior", "block_interior", "executed_plan", "group_split", "megatron_blocks",
            "tp_degree", "tp_groups", "weight_param"]

@@ -2,7 +2,9 @@
 
 Reward (as TAG): ``r = t_ref / t - 1`` where ``t_ref`` is the better of the two data-parallel
 baselines (even and speed-proportional shares), so ``r > 0`` means beating both; a plan that does
-not fit in memory gets ``r = -1``, the worst possible reward.
+not fit in memory gets ``r = -1``, the worst possible reward, and so does, in an executable space
+(:attr:`ActionSpace.executable`), a plan the executor refuses (:func:`tag.parallel.execution_refusal`;
+not simulated: the space proposes none, this is the rule's last word).
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from ..cost.baselines import data_parallel
+from ..parallel import execution_refusal
 from .space import ActionSpace
 
 OOM_REWARD = -1.0
@@ -29,6 +33,13 @@ def _dp_prop(space):
             pass
     return data_parallel(space.graph, space.topology, proportional=True,
                          speeds=list(space.costs.device_speed))
+
+
+class _Plan(NamedTuple):
+    """What :func:`tag.parallel.execution_refusal` reads of a plan."""
+
+    groups: list
+    pipeline: object
 
 
 @dataclass
@@ -161,6 +172,8 @@ class Evaluator:
         if out is not None:
             return out
         plan = self.space.plan_of(actions)
+        if plan is not None and self.space.executable and execution_refusal(_Plan(*plan)) is not None:
+            plan = None  # the executor would refuse it (the space proposes none such: a safety net)
         if plan is None:  # a pipeline no stage cut realises: scored as not fitting, never simulated
             sp = self.space
             out = Outcome(math.inf, True, OOM_REWARD, Feedback.neutral(sp.num_devices, sp.num_groups))

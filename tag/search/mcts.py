@@ -424,10 +424,13 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
                 mask = plan_prior(space, st)
                 p = mask / mask.sum()
             else:
-                mask = None
+                mask = space.group_mask(st.assign)  # None: every action allowed (else: executable ones)
                 p = np.asarray(priors[i], dtype=np.float64) if priors is not None else np.zeros(space.num_actions)
                 p = np.where(np.isfinite(p) & (p > 0), p, 0.0)
-                p = p / p.sum() if p.sum() > 0 else np.full(space.num_actions, 1.0 / space.num_actions)
+                if mask is not None:
+                    p = np.where(mask, p, 0.0)
+                ok = mask if mask is not None else np.ones(space.num_actions, bool)
+                p = p / p.sum() if p.sum() > 0 else ok / ok.sum()
                 p = space.canonical_prior(st.group, p)  # equivalent actions are one action
             first = st.plan_decision < 0 and not (st.assign >= 0).any()
             if first:  # symmetric first decisions are one decision

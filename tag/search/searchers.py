@@ -12,7 +12,8 @@ repeat, free up to :data:`tag.search.mcts.REPEAT_LIMIT` x the budget of them, as
 * :func:`simulated_annealing` - Metropolis on ``log(time)`` from the proportional
   data-parallel plan; a move re-decides one plan-level choice (probability 0.2, where the space
   has them), else one group or, with probability 0.3, a contiguous block of groups; geometric
-  cooling.
+  cooling. In an executable space a ``tp`` move deploys the whole plan so, and any other move
+  from there puts the other groups data parallel over the same devices.
 * :func:`tpe_search` - optuna's TPE sampler, one categorical over the actions per op-group, and
   before them the stage count; a pipeline's other plan-level choices replace the groups' ones.
 """
@@ -79,6 +80,10 @@ def simulated_annealing(space: ActionSpace, evaluator: Evaluator, rng: np.random
                     new[g] = act
             else:
                 new[int(rng.integers(k))] = act
+            if space.executable and space.is_tp[act]:  # tp runs as the whole plan's one deployment
+                new = [act] * k
+            elif space.executable:  # leaving it: the other groups data parallel over the same devices
+                new = [int(space.tp_as_dp[x]) for x in new]
         new_t = tuple(new)
         key = space.pipeline_key(new_plan) if new_plan.get("stages", 1) > 1 else new_t
         out = propose(stats, evaluator, key)

@@ -52,6 +52,19 @@ rule a ``tp`` first decision deploys the whole model that way, the one tensor-pa
 executor runs (every group ``tp`` over the same devices); the simulator costs any mix. On
 gpt2-medium over ``cloud-t4`` 15 ``tp`` actions join TAG's 49, on ``mixed-a100-v100`` 6 join 11.
 
+**Executable plans** (``executable=True``; :func:`tag.planner.find_plan` asks for them unless
+told otherwise): only plans :func:`tag.parallel.execution_refusal` accepts, i.e. ``tp`` as the one
+deployment of the whole plan, plain, without a pipeline. The space says so up front rather than
+scoring refused plans after simulating them: a ``tp`` first decision ends the path (the completion
+rule gives every group that action; :meth:`ActionSpace.decision_at`), after any other first
+decision ``tp`` actions are masked (:meth:`ActionSpace.group_mask`: MCTS's prior puts no mass on
+them, random paths never draw them), a pipeline's stages are data parallel (no ``stage_sync``
+option but 1), and ``tp`` actions give every group the shares of the whole model's pace (per
+group, on mixed GPUs, the shares would differ and the executor refuses that).
+:meth:`ActionSpace.canonical` maps the tuples the other searchers propose (SA, TPE, the network's
+one-shot plan) onto executable ones; the evaluator checks every plan with the predicate before
+simulating it (a refused one scores as not fitting, never simulated).
+
 **Plan-level decisions** (``pipelines=True``; :func:`tag.planner.find_plan` asks for them):
 before any op-group, the stage count (:data:`PLAN_DECISIONS`; 1 = no pipeline, the default, then
 the per-group decisions exactly as without them); more stages go on with four small decisions
@@ -213,9 +226,12 @@ class ActionSpace:
     """
 
     def __init__(self, graph, topology, costs: GroupCosts | None = None, cost_model=None, *,
-                 tensor_parallel: bool = True, pipelines: bool = False):
+                 tensor_parallel: bool = True, pipelines: bool = False, executable: bool = False):
         self.graph = graph
         self.topology = topology
+        self.executable = executable
+        """Only plans the executor runs (:func:`tag.parallel.execution_refusal`; see the module
+        docstring, "Executable plans"); False: every plan the simulator costs."""
         if cost_model is None and costs is None:
             cost_model = default_cost_model(graph, topology)
         self.cost_model = cost_model
@@ -243,6 +259,13 @@ class ActionSpace:
                     actions.append(Action(devs, "tp", fam, t))
         self.actions = actions
         self.num_actions = len(actions)
+        self.is_tp = np.array([a.sync == "tp" for a in actions], dtype=bool)
+        """[A] whether an action is tensor parallel."""
+        base = {(act.devices, act.sync): a for a, act in enumerate(actions[:self.num_base_actions])}
+        self.tp_as_dp = np.array([base[(act.devices, "allreduce")] if act.sync == "tp" else a
+                                  for a, act in enumerate(actions)], dtype=np.int64)
+        """[A] the data-parallel action over the same devices of a ``tp`` action (others: itself):
+        where an executable plan cannot keep a group ``tp`` (:meth:`canonical`)."""
         self.stake_s = decision_stake(self.costs, self.comm)
         """[K] seconds a group's decision can move (see :func:`decision_stake`)."""
         self.order: list[int] = sorted(range(self.num_groups), key=lambda g: (-self.stake_s[g], g))
@@ -436,10 +459,20 @@ class ActionSpace:
         devices and degree (:meth:`tag.parallel.TensorParallel.check_plan`): where any group of such
         a run of block-linked groups is ``tp``, all of them take the ``tp`` action of the first of
         them in decision order (a decided tp group carries its block with it, as an undecided group
-        follows its neighbour). A pipeline key (:meth:`pipeline_key`) is its own canonical form."""
+        follows its neighbour). A pipeline key (:meth:`pipeline_key`) is its own canonical form.
+
+        Executable (:attr:`executable`): a tuple mixing ``tp`` with other actions, or several ``tp``
+        actions, becomes the plan the executor runs that the first group in decision order asks
+        for: its ``tp`` action everywhere, or, when it is not ``tp``, the data-parallel action over
+        the same devices in place of every ``tp`` one (:attr:`tp_as_dp`)."""
         if is_pipeline_key(actions):
             return tuple(actions)
         acts = [int(a) for a in actions]
+        if self.executable and self.is_tp[acts].any() and len(set(acts)) > 1:
+            # the executor runs tp as the whole plan's one deployment: the first group in decision
+            # order decides (as MCTS's first decision does); tp elsewhere -> data parallel, same devices
+            first = acts[self.order[0]]
+            acts = [first] * len(acts) if self.is_tp[first] else [int(self.tp_as_dp[a]) for a in acts]
         for comp in self._components:
             tp = [g for g in comp if self.actions[acts[g]].sync == "tp"]
             if tp and len(tp) < len(comp) or len({acts[g] for g in tp}) > 1:
@@ -484,7 +517,9 @@ class ActionSpace:
         if len(devs) == 1:
             return GroupPlan(devs, [1.0], "allreduce")
         if act.sync == "tp":  # tp groups at the pace of their slowest device, equal shares inside one
-            t = self.costs.group_time_full[g][devs].reshape(-1, act.tp).max(axis=1)
+            # (executable: the whole model's pace, so that every group of the plan has the same shares)
+            t = (self._model_time if self.executable else self.costs.group_time_full[g])[devs]
+            t = t.reshape(-1, act.tp).max(axis=1)
             rate = np.repeat(1.0 / np.maximum(t, 1e-15), act.tp)
             shares = (rate / rate.sum()).tolist()
             return GroupPlan(devs, shares, "tp", tp=act.tp)
@@ -494,6 +529,11 @@ class ActionSpace:
         if act.sync == "ps":
             return GroupPlan(devs, shares, "ps", self._server(act.devices))
         return GroupPlan(devs, shares, "allreduce")
+
+    @cached_property
+    def _model_time(self) -> np.ndarray:
+        """[D] seconds of every group (fwd + bwd + opt, full batch) on each device."""
+        return self.costs.group_time_full.sum(axis=0)
 
     # ------------------------------------------------------------------ plan-level decisions
     def _plan_options(self) -> dict[str, list]:
@@ -518,8 +558,9 @@ class ActionSpace:
         w = self.num_devices // stages
         if name == "micro":
             out = [m for m in MICRO_BATCHES if m * w <= self.graph.batch_size]
-        elif name == "stage_sync":
-            out = [1] + [t for t in self.tp_degrees if w % t == 0 and len(self._aligned) >= stages]
+        elif name == "stage_sync":  # (executable: data-parallel stages only; tp stages are not executed)
+            out = [1] + [t for t in self.tp_degrees if w % t == 0 and len(self._aligned) >= stages
+                         and not self.executable]
         elif name == "schedule":
             out = list(SCHEDULE_OPTIONS)
         elif name == "cut":
@@ -584,6 +625,9 @@ class ActionSpace:
         plan-level decisions and nothing after them (each stage data or tensor parallel as a
         whole, stages cut by :func:`tag.parallel.layout.balanced_cuts`)."""
         d = len(path)
+        first = 1 if self.plan_options else 0  # index of the first op-group decision on a path
+        if self.executable and d > first and self.is_tp[int(path[first])] and self.stages_of(path) == 1:
+            return None  # a tp first decision deploys the whole model (the plan the executor runs)
         if not self.plan_options:
             return ("group", self.order[d]) if d < self.num_groups else None
         if d == 0:
@@ -591,6 +635,14 @@ class ActionSpace:
         if self.stages_of(path) == 1:
             return ("group", self.order[d - 1]) if d - 1 < self.num_groups else None
         return ("plan", d) if d < len(PLAN_DECISIONS) else None
+
+    def group_mask(self, assign) -> np.ndarray | None:
+        """[A] bool: the actions an op-group may take after the decisions of ``assign`` ([K], -1
+        undecided), None where every action may. Executable: after a first decision that is not
+        ``tp`` no group is ``tp`` (a ``tp`` first decision ends the path, :meth:`decision_at`)."""
+        if not self.executable or not self.is_tp.any() or not (np.asarray(assign) >= 0).any():
+            return None  # (no tp action: nothing to mask, the searches draw as without the constraint)
+        return ~self.is_tp
 
     def stages_of(self, path) -> int:
         """Stage count chosen on ``path`` (1 while undecided)."""
@@ -683,8 +735,10 @@ class ActionSpace:
             if kind == "plan":
                 n = len(self.options(PLAN_DECISIONS[i], self.stages_of(path)))
                 path.append(int(rng.integers(n)))
-            else:
-                path.append(int(rng.integers(self.num_actions)))  # equivalent actions collapse in resolve
+            else:  # equivalent actions collapse in resolve
+                mask = self.group_mask(self.decode(path)[0]) if self.executable else None
+                path.append(int(rng.integers(self.num_actions)) if mask is None
+                            else int(rng.choice(np.flatnonzero(mask))))
         return path
 
     @property
