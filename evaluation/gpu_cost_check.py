@@ -20,6 +20,7 @@ on log time over a grid) and the held-out workload's fp32 and bf16 steps are pre
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -44,7 +45,8 @@ def load_graph(spec: str, batch: int, precision: str, cache: Path):
     from tag.io import write_atomic
     from tag.workloads import load_workload
 
-    path = cache / f"{spec.replace(':', '_').replace(',', '_').replace('=', '')}-b{batch}-{precision}.json"
+    name = spec.replace(':', '_').replace(',', '_').replace('=', '').replace('/', '_')
+    path = cache / f"{name}-b{batch}-{precision}.json"
     if path.exists():
         return OpGraph.from_json(path.read_text())
     t0 = time.perf_counter()
@@ -122,6 +124,35 @@ def run(cache: Path) -> dict:
             "cases": rows}
 
 
+def held_out(files: list[Path], cache: Path) -> list[dict]:
+    """Eager steps of ``gpu_check`` result files (``kind: step`` records, not used by any fit)
+    predicted with the stored fit: the step, and the device side alone (``host_s`` = 0, against
+    the summed kernel time the profiler measured in one more step, ``ops.kernel_s``)."""
+    import dataclasses
+
+    from tag.cost.gpu import fitted_rates
+
+    rates = fitted_rates(GPU)
+    rows = []
+    for f in files:
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("kind") != "step":
+                continue
+            g = load_graph(r["spec"], r["batch"], r["precision"], cache)
+            row = {"file": f.name, "spec": r["spec"], "batch": r["batch"], "precision": r["precision"],
+                   "measured_s": r["s"], "predicted_s": predict(g, rates)}
+            row["error"] = row["predicted_s"] / row["measured_s"] - 1
+            kernel_s = (r.get("ops") or {}).get("kernel_s")
+            if kernel_s:
+                row["kernel_s"] = kernel_s
+                row["predicted_device_s"] = predict(g, dataclasses.replace(rates, host_s=0.0))
+                row["device_error"] = row["predicted_device_s"] / kernel_s - 1
+                row["kernels"], row["aten_ops"] = r["ops"]["kernels"], r["ops"]["aten_ops"]
+            rows.append(row)
+    return rows
+
+
 def write_report(res: dict, command: str) -> None:
     from tag.cost.gpu import CALIB_DIR
     from tag.io import write_atomic, write_json
@@ -173,9 +204,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--graphs", default="runs/gpu-cost/graphs", help="graph cache folder")
     ap.add_argument("--write", action="store_true", help="store the fit and the report")
+    ap.add_argument("--held-out", nargs="+", type=Path, default=None, metavar="JSONL",
+                    help="instead: predict the eager steps of these gpu_check result files with the stored fit")
     args = ap.parse_args(argv)
     cache = Path(args.graphs)
     cache.mkdir(parents=True, exist_ok=True)
+    if args.held_out:
+        print("| file | workload | batch | precision | measured ms | predicted ms | error | kernel ms (count, aten ops) | "
+              "predicted device ms | device error |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in held_out(args.held_out, cache):
+            dev = (f"{r['kernel_s'] * 1e3:.2f} ({r['kernels']}, {r['aten_ops']}) | {r['predicted_device_s'] * 1e3:.2f} | "
+                   f"{r['device_error']:+.1%}") if "kernel_s" in r else "- | - | -"
+            print(f"| {r['file']} | {r['spec']} | {r['batch']} | {r['precision']} | {r['measured_s'] * 1e3:.2f} | "
+                  f"{r['predicted_s'] * 1e3:.2f} | {r['error']:+.1%} | {dev} |")
+        return 0
     res = run(cache)
     for c in res["cases"]:
         print(f"{c['workload']:<7} {c['precision']}: measured {c['measured_s'] * 1e3:7.2f} ms, held out "
