@@ -8,6 +8,7 @@ multi-process launches on different workers.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -48,12 +49,15 @@ def test_cli_errors_are_one_line(tmp_path, mlp, capsys):
         assert len(lines) == 1 and expect in lines[0], err
 
 
-def test_validate_interleaves_rounds_and_reports(tmp_path, monkeypatch):
+def test_validate_interleaves_rounds_and_reports(tmp_path, monkeypatch, mlp):
     """``tag validate`` end to end: profiles into its own folder (under load: the other rank's
-    share) afresh every round, executes every plan ``rounds`` times (each round in its own
-    order) and reports the medians of the rounds."""
+    share) afresh every round, replacing the profiles an earlier run left there, executes every
+    plan ``rounds`` times (each round in its own order) and reports the medians of the rounds."""
     import functools
 
+    from tag.cost.comm import CommProfile, LinkFit
+    from tag.cost.model import device_type
+    from tag.cost.profile import Profile
     from tag.executor import commprof
     from tag.executor import validate as validate_mod
     from tag.executor.validate import validate
@@ -67,6 +71,12 @@ def test_validate_interleaves_rounds_and_reports(tmp_path, monkeypatch):
     monkeypatch.setattr(validate_mod, "PROFILE_REPEATS", 3)
 
     topo = cpu_topology(tmp_path, 2)
+    # an earlier run's round-0 profiles (10 s a stage, 10 s a message) in the same folder: replaced
+    dt, k = device_type(load_topology(topo), 0), mlp.num_groups
+    stale = tmp_path / "v" / "profiles" / "round-0"
+    Profile(dt, mlp.model, mlp.signature(), B, "adam", [1, B], [[10.0, 10.0]] * k, [[10.0, 10.0]] * k, [0.0] * k,
+            meta={"stale": True}).save(stale)
+    CommProfile(dt, "gloo", 2, {"p2p": LinkFit(10.0, 1e9)}, meta={"stale": True}).save(stale)
     report = validate(MLP, topo, tmp_path / "v", n_plans=3, batch=B, groups=4, steps=2, warmup=1, rounds=2,
                       log_fn=lambda m: None)
     assert [r.name for r in report.rows] == ["dp-even", "dp-prop", "single-0"]
@@ -77,6 +87,8 @@ def test_validate_interleaves_rounds_and_reports(tmp_path, monkeypatch):
     for k in range(2):  # stages and links profiled afresh every round
         profiles = list((tmp_path / "v" / "profiles" / f"round-{k}").glob("cpu-*/*.json"))
         assert any(p.name == "comm.json" for p in profiles) and len(profiles) == 2
+        assert not any(json.loads(p.read_text())["meta"].get("stale") for p in profiles)
+    assert max(report.rows[0].predicted_rounds_s) < 10.0  # not costed with the stale profile
     assert report.meta["profile_per_round"] is True
     # re-costing the stored runs with the same simulator gives the same predictions, measurements kept
     from tag.executor.validate import repredict

@@ -224,14 +224,17 @@ def load_profile(path: str | os.PathLike) -> Profile:
     return Profile.from_dict(d, source=str(p))
 
 
+def profile_files(root: str | os.PathLike, device_type: str, signature: str) -> list[Path]:
+    """The files under ``root`` holding a profile of graph ``signature`` on ``device_type``, sorted
+    (:func:`find_profile` reads the first)."""
+    folder = Path(root) / _slug(device_type)
+    return sorted(folder.glob(f"*-{signature}.json")) if folder.is_dir() else []
+
+
 def find_profile(root: str | os.PathLike, device_type: str, signature: str) -> Profile | None:
     """The profile of graph ``signature`` on ``device_type`` under ``root``, or None."""
-    folder = Path(root) / _slug(device_type)
-    if not folder.is_dir():
-        return None
-    for path in sorted(folder.glob(f"*-{signature}.json")):
-        return load_profile(path)
-    return None
+    paths = profile_files(root, device_type, signature)
+    return load_profile(paths[0]) if paths else None
 
 
 def profiled_device_types(root: str | os.PathLike, signature: str) -> list[str]:

@@ -441,7 +441,8 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
     else:
         dtype = cpu_device_type(torch.get_num_threads())
     meta = {"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "host": platform.node(), "date": time.strftime("%Y-%m-%d"), "num_groups_requested": num_groups,
+            "host": platform.node(), "date": time.strftime("%Y-%m-%d"),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "num_groups_requested": num_groups,
             "stage_scale": scales, "corun": n_bg, "precision": graph.precision,
             "clock": "thread_time" if clock is time.thread_time else "perf_counter",
             "optimizer_step": optimizer_step(dev)}

@@ -260,8 +260,11 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     graph = cap.graph
     root = Path(profile_dir) if profile_dir is not None else out / "profiles"
     per_round = profile and profile_dir is None and rounds > 1
+    # validate's own database (no --profile-dir) is measured by this call, replacing whatever an
+    # earlier run into the same folder left there; a given database is only completed
+    fresh = profile_dir is None
     if profile and not per_round:
-        ensure_profiles(model, cap, topology, log_fn, root)
+        ensure_profiles(model, cap, topology, log_fn, root, fresh=fresh)
     plans = select_plans(validation_plans(graph, topology, n_plans, seed), only)
     for name, plan in plans:
         plan_path = out / "plans" / f"{name}.json"
@@ -276,7 +279,7 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
         proot = _profile_root(root, r, per_round)
         if per_round:  # stages and links: one profile's noise would shift every plan of its kind alike
             log_fn(f"round {r + 1}/{rounds}: profiling afresh")
-            ensure_profiles(model, cap, topology, log_fn, proot)
+            ensure_profiles(model, cap, topology, log_fn, proot, fresh=True)
         order = list(plans)
         if rounds > 1:
             random.Random(seed + r).shuffle(order)
@@ -361,32 +364,42 @@ PROFILE_REPEATS = 25
 medians must hold against the host's swings in speed, which the executions see too)."""
 
 
-def ensure_profiles(model: str, cap, topology, log_fn, root: Path) -> None:
+def ensure_profiles(model: str, cap, topology, log_fn, root: Path, fresh: bool = False) -> None:
     """Profile this graph (and gloo communication) into ``root`` for the topology's CPU device
-    types where missing."""
+    types where missing; with ``fresh``, also where ``root`` holds them already (they are replaced).
+
+    A validation's own database must be ``fresh``: on 2026-11-26 a three-round run into a folder
+    an earlier run had used costed its first two rounds with stage profiles measured an hour
+    before under load 8.5 (1.38x the stage times of its own third round, which it did measure),
+    and missed both targets (validate-tp-local-cpu2/README.md)."""
     from ..cost.comm import find_comm_profile
     from ..cost.model import device_type
-    from ..cost.profile import find_profile
+    from ..cost.profile import profile_files
 
+    sig = cap.graph.signature()
     for dt in sorted({device_type(topology, d) for d in range(topology.num_devices)}):
         if not dt.startswith("cpu-"):
             continue
         threads = int(dt[4:-1])
-        if find_profile(root, dt, cap.graph.signature()) is None:
+        stale = profile_files(root, dt, sig)
+        if fresh or not stale:
             import torch
 
             from ..cost.profiler import profile_model
 
+            for path in stale:  # (Profile.save would merge their batch sizes into the new one)
+                path.unlink()
             before = torch.get_num_threads()
-            log_fn(f"profiling {cap.graph.model} on {dt} (no profile yet) ...")
+            log_fn(f"profiling {cap.graph.model} on {dt} " + (f"afresh (replacing {stale[0]})" if stale else
+                                                              "(no profile yet)") + " ...")
             try:
                 profile_model(model, batch=cap.graph.batch_size, optimizer=cap.graph.optimizer,
                               num_groups=cap.graph.num_groups, threads=threads, captured=cap,
                               repeats=PROFILE_REPEATS, log=log_fn).save(root)
             finally:
                 torch.set_num_threads(before)
-        if find_comm_profile(root, dt) is None:
+        if fresh or find_comm_profile(root, dt) is None:
             from .commprof import profile_comm
 
-            log_fn(f"profiling gloo communication for {dt} ...")
+            log_fn(f"profiling gloo communication for {dt} ...")  # (save replaces comm.json)
             profile_comm(dt, backend="gloo", threads=threads).save(root)
