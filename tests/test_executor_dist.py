@@ -100,7 +100,8 @@ def test_two_ranks_match_single_process_training(tmp_path, mlp, kind, monkeypatc
         assert len(res.losses) == 2  # the profiled iteration is not among the timed ones
         for r in range(2):
             table = json.loads((tmp_path / f"ops-rank{r}.json").read_text())
-            ops = {name for name, _, _ in table["top_ops"]}
+            ops = {name for name, *_ in table["top_ops"]}
+            assert all(len(row) == 4 and row[3] == 0.0 for row in table["top_ops"])  # no device on CPU
             assert table["rank"] == r and table["aten_ops"] > 0 and "aten::_foreach_addcdiv_" in ops, table
 
 
