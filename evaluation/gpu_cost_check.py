@@ -124,6 +124,33 @@ def run(cache: Path) -> dict:
             "cases": rows}
 
 
+def measured_by_class(top_ops: list) -> dict[str, float]:
+    """Device seconds per op class (:func:`tag.cost.gpu.op_class`) of an op table's ``top_ops``
+    rows ``[aten name, count, host s, device s]`` (:func:`tag.executor.profiling.op_table`;
+    multi-tensor ``_foreach_*`` ops are the optimizer's). Empty for tables without device times."""
+    from tag.cost.gpu import op_class
+
+    out: dict[str, float] = {}
+    for row in top_ops:
+        if len(row) < 4:
+            return {}
+        name = row[0].split("::", 1)[-1]
+        cls = "opt" if name.startswith("_foreach") else op_class(f"aten.{name}.default")
+        out[cls] = out.get(cls, 0.0) + float(row[3])
+    return out
+
+
+def predicted_by_class(graph, rates) -> dict[str, float]:
+    """The rule's device seconds per op class of one step of ``graph`` (``host_s`` not counted)."""
+    import numpy as np
+
+    from tag.cost.gpu import OP_CLASSES, Numerics, OpFeatures, op_seconds
+
+    feat = OpFeatures.of(graph, Numerics())
+    t = op_seconds(feat, rates, [graph.batch_size])[:, 0]
+    return {c: float(t[feat.cls == i].sum()) for i, c in enumerate(OP_CLASSES) if np.any(feat.cls == i)}
+
+
 def held_out(files: list[Path], cache: Path) -> list[dict]:
     """Eager steps of ``gpu_check`` result files (``kind: step`` records, not used by any fit)
     predicted with the stored fit: the step, and the device side alone (``host_s`` = 0, against
@@ -149,6 +176,9 @@ def held_out(files: list[Path], cache: Path) -> list[dict]:
                 row["predicted_device_s"] = predict(g, dataclasses.replace(rates, host_s=0.0))
                 row["device_error"] = row["predicted_device_s"] / kernel_s - 1
                 row["kernels"], row["aten_ops"] = r["ops"]["kernels"], r["ops"]["aten_ops"]
+                by_class = measured_by_class(r["ops"].get("top_ops", []))
+                if by_class:  # op tables since 32700af: per-class device seconds, measured vs rule
+                    row["device_by_class"] = {"measured_s": by_class, "predicted_s": predicted_by_class(g, rates)}
             rows.append(row)
     return rows
 
@@ -218,6 +248,11 @@ def main(argv=None) -> int:
                    f"{r['device_error']:+.1%}") if "kernel_s" in r else "- | - | -"
             print(f"| {r['file']} | {r['spec']} | {r['batch']} | {r['precision']} | {r['measured_s'] * 1e3:.2f} | "
                   f"{r['predicted_s'] * 1e3:.2f} | {r['error']:+.1%} | {dev} |")
+            if "device_by_class" in r:
+                m, p = r["device_by_class"]["measured_s"], r["device_by_class"]["predicted_s"]
+                print("|  | device ms by class, measured / rule: " + ", ".join(
+                    f"{c} {m.get(c, 0) * 1e3:.2f} / {p.get(c, 0) * 1e3:.2f}" for c in sorted(set(m) | set(p)))
+                    + " |  |  |  |  |  |  |  |  |")
         return 0
     res = run(cache)
     for c in res["cases"]:

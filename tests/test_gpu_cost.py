@@ -155,3 +155,22 @@ def test_bf16_data_parallel_training_equals_single_process_autocast(graphs, topo
             far += int(not torch.allclose(value, ref32[name], rtol=0, atol=1e-6))
     assert far > 0  # the run was mixed precision: it differs from fp32 training
     assert all(math.isfinite(x) for x in losses)
+
+
+def test_held_out_check_splits_device_time_by_op_class(graphs):
+    """evaluation/gpu_cost_check.py's per-class comparison: an op table's ATen rows (eager names,
+    composite ops such as ``aten::linear`` included) fall in the rule's classes, multi-tensor
+    optimizer ops in ``opt``; the rule's per-class seconds add up to its device total."""
+    from evaluation.gpu_cost_check import measured_by_class, predicted_by_class
+
+    rows = [["aten::linear", 4, 1e-4, 2e-3], ["aten::mm", 6, 1e-4, 1e-3], ["aten::native_layer_norm", 2, 1e-5, 5e-4],
+            ["aten::_scaled_dot_product_efficient_attention", 1, 1e-5, 4e-4], ["aten::_foreach_addcdiv_", 1, 1e-5, 3e-4],
+            ["aten::convolution_backward", 1, 1e-5, 2e-4]]
+    got = measured_by_class(rows)
+    assert got == pytest.approx({"matmul": 3e-3, "memory": 5e-4, "attention": 4e-4, "opt": 3e-4, "conv": 2e-4})
+    assert measured_by_class([r[:3] for r in rows]) == {}  # tables without device seconds (before 32700af)
+    rates = gpu_rates(GPU_CATALOG["H200"])
+    g = graphs["bf16"]
+    by_class = predicted_by_class(g, rates)
+    assert set(by_class) <= {"matmul", "conv", "attention", "memory", "opt"} and by_class["matmul"] > 0
+    assert sum(by_class.values()) == pytest.approx(op_seconds(OpFeatures.of(g, Numerics()), rates, [B]).sum())
