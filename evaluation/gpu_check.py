@@ -21,8 +21,9 @@ writes ``DIR/gpu-check.jsonl`` (one record per measurement, the format of
 Each eager step and each ``tag execute`` also runs one more, untimed step under
 ``torch.profiler``: its aten-op and kernel counts and kernel time (:mod:`tag.executor.profiling`).
 The captures (CPU) of every row run first, in parallel processes, and are waited for before any
-timing (host-bound steps are slowed by a busy CPU). Work past ``--budget`` seconds is skipped and
-says so; nothing here needs optuna or wandb. The workloads default to :data:`WORKLOADS`.
+timing (host-bound steps are slowed by a busy CPU); then every row's eager step (seconds each:
+the cost model's calibration data), then the rows' ``tag execute`` runs in order. Work past
+``--budget`` seconds is skipped and says so; nothing here needs optuna or wandb. The workloads default to :data:`WORKLOADS`.
 Results of 2026-11-26 on an H200: ``evaluation/results/gpu-check/2026-11-26-h200/``.
 """
 
@@ -206,6 +207,10 @@ def tag_execute(spec: str, batch: int, precision: str, topo_path: Path, plan_pat
     return rec
 
 
+def _failure(e: Exception) -> str:
+    return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
 def _one_thread() -> None:
     import torch
 
@@ -295,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = _capture_pool()
     with tempfile.TemporaryDirectory() as tmp:
         topo_path = one_gpu_topology(Path(tmp), gpu)
-        # Every row's capture, plan and prediction (CPU work) starts now, in parallel, while the
-        # GPU runs the microbenchmarks and the eager steps.
+        # Every row's capture, plan and prediction (CPU work), in parallel processes.
         rows = [(spec_, batch, precision) for spec_, batch in workloads for precision in PRECISIONS]
         planned = {row: pool.submit(predicted_and_plan, *row, topo_path, Path(tmp) / f"plan-{i}.json")
                    for i, row in enumerate(rows)}
@@ -307,32 +311,40 @@ def main(argv: list[str] | None = None) -> int:
         if not a.skip_micro:
             for rec in microbenchmarks(common):
                 emit(rec)
-        for i, (spec_, batch, precision) in enumerate(rows):
+        # Pass 1, every row's eager step (seconds each: the calibration data of the cost model);
+        # pass 2, the rows' `tag execute` runs in order, while the budget lasts.
+        checks = []
+        for spec_, batch, precision in rows:
             row = {"kind": "check", "spec": spec_, "batch": batch, "precision": precision, **common}
-            left = a.budget - (time.perf_counter() - t_start)
-            if left < 20:
-                emit({**row, "note": "skipped: time budget"})
+            checks.append(row)
+            if a.budget - (time.perf_counter() - t_start) < 20:
+                row["note"] = "skipped: time budget"
                 continue
             try:
                 step = eager_step(spec_, batch, precision, common)
                 torch.cuda.empty_cache()  # the step's model and optimizer are gone with its frame
                 emit(step)
-                row.update(s=step["s"], peak_bytes=step["peak_bytes"])
+                row.update(s=step["s"], peak_bytes=step["peak_bytes"], params=step["params"])
                 row["eager_above_state_bytes"] = step["peak_bytes"] - 12 * step["params"]  # fp32 weights + Adam m, v
                 if "ops" in step:
                     row.update(eager_kernels=step["ops"]["kernels"], eager_aten_ops=step["ops"]["aten_ops"])
-                plan_path = Path(tmp) / f"plan-{i}.json"
                 row.update(planned[(spec_, batch, precision)].result())
-                left = a.budget - (time.perf_counter() - t_start)
-                if left > 30:
-                    row.update(tag_execute(spec_, batch, precision, topo_path, plan_path, timeout=min(240, left)))
-                    if row.get("execute_peak_bytes") and row.get("execute_optimizer_state_bytes") is not None:
-                        row["execute_above_state_bytes"] = (row["execute_peak_bytes"] - 4 * step["params"]
-                                                            - row["execute_optimizer_state_bytes"])
-                else:
-                    row["note"] = "execute skipped: time budget"
             except Exception as e:  # noqa: BLE001 - one failed row is a result, the others still run
-                row["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                row["note"] = _failure(e)
+        for i, row in enumerate(checks):
+            if "note" not in row:
+                left = a.budget - (time.perf_counter() - t_start)
+                try:
+                    if left > 30:
+                        row.update(tag_execute(row["spec"], row["batch"], row["precision"], topo_path,
+                                               Path(tmp) / f"plan-{i}.json", timeout=min(240, left)))
+                        if row.get("execute_peak_bytes") and row.get("execute_optimizer_state_bytes") is not None:
+                            row["execute_above_state_bytes"] = (row["execute_peak_bytes"] - 4 * row["params"]
+                                                                - row["execute_optimizer_state_bytes"])
+                    else:
+                        row["note"] = "execute skipped: time budget"
+                except Exception as e:  # noqa: BLE001
+                    row["note"] = _failure(e)
             emit(row)
         pool.shutdown(wait=False, cancel_futures=True)  # rows skipped by the budget
     write_report(records, out, " ".join(["python -m evaluation.gpu_check", *(argv or sys.argv[1:])]))

@@ -3,6 +3,8 @@ the report, and a clear refusal without a GPU (the measurements themselves need 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -36,3 +38,33 @@ def test_report(tmp_path):
 def test_refuses_without_a_gpu(tmp_path, capsys):
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_every_eager_step_comes_before_the_executes(tmp_path, monkeypatch):
+    """The check's order without a GPU (the GPU parts replaced, the capture, plan and prediction
+    real): all rows' eager steps first, then `tag execute` per row while the budget lasts, every
+    row reported once, the report written."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def eager(spec, batch, precision, common, steps=20):
+        calls.append(("eager", precision))
+        return {"kind": "step", "spec": spec, "batch": batch, "precision": precision, "params": 10, "s": 0.01,
+                "peak_bytes": 1000, **common}
+
+    def execute(spec, batch, precision, topo_path, plan_path, timeout):
+        calls.append(("execute", precision))
+        assert plan_path.exists()  # the row's own plan, written by its capture process
+        return {"execute_s": 0.009, "execute_peak_bytes": 900, "execute_optimizer_state_bytes": 80}
+
+    monkeypatch.setattr(gpu_check, "eager_step", eager)
+    monkeypatch.setattr(gpu_check, "tag_execute", execute)
+    assert gpu_check.main(["--out", str(tmp_path), "--skip-micro", "--workloads", "mlp@8"]) == 0
+    assert calls == [("eager", "fp32"), ("eager", "bf16"), ("execute", "fp32"), ("execute", "bf16")]
+    checks = [json.loads(x) for x in (tmp_path / "gpu-check.jsonl").read_text().splitlines()]
+    checks = [r for r in checks if r["kind"] == "check"]
+    assert [r["precision"] for r in checks] == ["fp32", "bf16"]
+    assert all(r["execute_above_state_bytes"] == 900 - 40 - 80 and r["predicted_s"] > 0 for r in checks)
+    assert "| mlp | 8 | fp32 | 10.00 | 9.00 | 0.90 |" in (tmp_path / "README.md").read_text()
