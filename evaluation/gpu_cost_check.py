@@ -60,14 +60,22 @@ def load_graph(spec: str, batch: int, precision: str, cache: Path):
 _FEATURES: dict = {}
 
 
-def predict(graph, rates) -> float:
-    """Simulated single-device step (seconds): every stage in turn plus the optimizer's launches."""
-    from tag.cost.gpu import Numerics, OpFeatures, stage_table
+def _features(graph):
+    """The GPU rule's per-op features of ``graph`` under PyTorch's default numerics (built once)."""
+    from tag.cost.gpu import Numerics, OpFeatures
 
     feat = _FEATURES.get(id(graph))
     if feat is None:
         feat = _FEATURES[id(graph)] = OpFeatures.of(graph, Numerics())
-    return float(stage_table(graph, feat, rates, [graph.batch_size]).sum()) + rates.step_overhead(graph.optimizer)
+    return feat
+
+
+def predict(graph, rates) -> float:
+    """Simulated single-device step (seconds): every stage in turn plus the optimizer's launches."""
+    from tag.cost.gpu import stage_table
+
+    return float(stage_table(graph, _features(graph), rates, [graph.batch_size]).sum()) \
+        + rates.step_overhead(graph.optimizer)
 
 
 def fit_host(cases: list[tuple], rates) -> float:
@@ -144,9 +152,9 @@ def predicted_by_class(graph, rates) -> dict[str, float]:
     """The rule's device seconds per op class of one step of ``graph`` (``host_s`` not counted)."""
     import numpy as np
 
-    from tag.cost.gpu import OP_CLASSES, Numerics, OpFeatures, op_seconds
+    from tag.cost.gpu import OP_CLASSES, op_seconds
 
-    feat = OpFeatures.of(graph, Numerics())
+    feat = _features(graph)
     t = op_seconds(feat, rates, [graph.batch_size])[:, 0]
     return {c: float(t[feat.cls == i].sum()) for i, c in enumerate(OP_CLASSES) if np.any(feat.cls == i)}
 
