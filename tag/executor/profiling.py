@@ -1,9 +1,9 @@
 """Op and kernel tables of one training iteration (``torch.profiler``), for diagnosing where an
 executed step spends its time against an eager one.
 
-``TAG_PROFILE_KERNELS=PREFIX tag execute ...`` (the launcher passes it to its ranks) makes every rank run one extra iteration after the
-timed ones under ``torch.profiler`` (not counted in any figure) and write
-``PREFIX-rank<R>.json``: :func:`op_table` of that iteration. ``evaluation/gpu_check.py`` writes the
+``TAG_PROFILE_KERNELS=PREFIX tag execute ...`` (the launcher passes it to its ranks) makes every
+rank run one extra iteration after the timed ones under ``torch.profiler`` (not counted in any
+figure) and write ``PREFIX-rank<R>.json``: :func:`op_table` of that iteration. ``evaluation/gpu_check.py`` writes the
 same table for an eager step, so the two can be compared kernel by kernel.
 """
 
@@ -21,14 +21,16 @@ ENV = "TAG_PROFILE_KERNELS"
 
 @contextlib.contextmanager
 def profiled():
-    """``torch.profiler.profile`` over the CPU and, when there is one, the CUDA device."""
+    """``torch.profiler.profile`` over the CPU and, when there is one, the CUDA device; the device
+    finishes the block's kernels before the profiler stops (an eager step returns with its last
+    kernels still queued)."""
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         yield prof
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
 
 
 def op_table(prof, top: int = 200) -> dict:
