@@ -593,3 +593,98 @@ def test_an_installed_package_writes_into_the_user_data_folder(tmp_path):
                         "tune": str(xdg / "tag/runs/tune"), "validate/bench": str(xdg / "tag/evaluation/results")}
     assert r.returncode == 2 and "no labelled decisions" in r.stderr, r.stderr
     assert (xdg / "tag/runs/tune/tune_config.json").is_file() and not list(work.iterdir())
+
+
+# ------------------------------------------------------------------------------- output at scale
+
+BIG_MLP = "mlp:hidden=32768"
+"""3.2e9 parameters: 48 GiB of fp32 parameters, gradients and Adam state on every data-parallel
+replica, more than any device of hetero-64gpu holds (A100-40GB, V100-SXM2-16GB, T4)."""
+
+
+def _device_rows(stdout: str) -> list[str]:
+    """The per-device table's body: the lines between the table's rule and the next line that
+    does not start with a device index or range."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line and set(line) <= {"-", " "}) + 1
+    body = []
+    for line in lines[start:]:
+        if not line.strip()[:1].isdigit():
+            break
+        body.append(line)
+    return body
+
+
+def test_simulate_at_64_devices_folds_alike_devices(capsys):
+    argv = ["simulate", "--model", BIG_MLP, "--batch", "64", "--groups", "2", "--topology", "hetero-64gpu",
+            "--baseline", "dp-prop"]
+    rc, out, _ = run_tag(capsys, *argv)
+    rows = _device_rows(out)
+    # shares proportional to speed: one row per device kind, each device over capacity
+    assert rc == 0 and len(rows) == 3, out
+    assert rows[0].split()[:4] == ["0-15", "16", "x", "A100-40GB"] and rows[0].endswith("OOM"), rows
+    assert rows[1].split()[:4] == ["16-47", "32", "x", "V100-SXM2-16GB"], rows
+    assert rows[2].split()[:4] == ["48-63", "16", "x", "T4"], rows
+    oom = [line for line in out.splitlines() if line.startswith("out of memory")]
+    # the worst device (need over capacity) named, the rest counted, in one line
+    assert oom == ["out of memory: device 16 (v100-00:0) needs 48 GiB of 16 GiB, and 63 more devices over "
+                   "capacity"], oom
+    rc, out, _ = run_tag(capsys, *argv, "--all-devices")
+    assert rc == 0 and len(_device_rows(out)) == 64
+    assert sum(line.startswith("out of memory on device ") for line in out.splitlines()) == 64
+    rc, out, _ = run_tag(capsys, *argv, "--json")
+    res = json.loads(out)  # JSON keeps every device
+    assert rc == 0 and len(res["devices"]) == 64 and len(res["oom_devices"]) == 64
+    assert [d["name"] for d in res["devices"][:2]] == ["a100-00:0 (A100-40GB)", "a100-00:1 (A100-40GB)"]
+
+
+def test_fold_rows_groups_alike_devices():
+    from tag.cli.simulate import device_ranges, fold_rows
+
+    assert device_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and device_ranges([3]) == "3"
+    rows = [[str(d), f"h{d}", "1.0", "OOM" if d in (3, 9) else ""] for d in range(12)]
+    kinds = ["H100"] * 10 + ["A100"] * 2
+    assert fold_rows(rows, kinds) == [["0-2,4-8", "8 x H100", "1.0", ""], ["3,9", "2 x H100", "1.0", "OOM"],
+                                      ["10-11", "2 x A100", "1.0", ""]]
+    assert fold_rows(rows[:2], ["a", "b"]) == rows[:2]  # a device alike with no other keeps its row
+
+
+def test_simulate_at_512_devices(capsys):
+    rc, out, _ = run_tag(capsys, "simulate", "--model", "mlp", "--batch", "512", "--groups", "4",
+                         "--topology", "h100-512gpu", "--baseline", "dp")
+    assert rc == 0 and [r.split()[:4] for r in _device_rows(out)] == [["0-511", "512", "x", "H100-SXM"]], out
+
+
+def test_memory_report_names_the_worst_device_and_counts_the_rest():
+    from tag.sim.result import SimResult
+    from tag.topology import load_topology
+
+    topo = load_topology("hetero-64gpu")  # 0-15 A100-40GB, 16-47 V100-SXM2-16GB, 48-63 T4 (16 GiB)
+    cap = [float(d.gpu.memory_bytes) for d in topo.devices]
+    gib = 2.0 ** 30
+
+    def report(need: list[float]) -> str:
+        over = [(d, n - c) for d, (n, c) in enumerate(zip(need, cap)) if n > c]
+        res = SimResult(1.0, bool(over), need, cap, over, [0.0] * 64, [0.0] * 64, [0.0] * 64, [], [])
+        return res.memory_report(topo)
+
+    need = [392 * gib] * 16 + [272 * gib] * 48
+    assert report(need) == ("device 16 (v100-00:0) needs 272 GiB of 16 GiB, and 63 more devices over capacity "
+                            "(largest need 392 GiB, device 0 (a100-00:0))")
+    few = [gib] * 64
+    few[20], few[50] = 20 * gib, 17 * gib
+    assert report(few) == "device 20 (v100-00:4) needs 20 GiB of 16 GiB; device 50 (t4-00:2) needs 17 GiB of 16 GiB"
+
+
+def test_plan_out_of_memory_on_64_devices_is_one_line(tmp_path, capsys):
+    kinds = [("a", "tinya", "120 KB")] + [(m, "tinyb", "60 KB") for m in "bcdefgh"]
+    rows = "".join(f"  - {{name: {m}, gpu: {{name: {g}, tflops: 1, memory: {mem}, memory_bandwidth: 1 GB/s}}, "
+                   f"count: 8, intra_bandwidth: 1 GB/s}}\n" for m, g, mem in kinds)
+    topo = tmp_path / "tiny64.yaml"
+    topo.write_text(f"name: tiny64\nmachines:\n{rows}network: {{bandwidth: 1 GB/s}}\n")
+    line = one_line_error(capsys, "plan", "--model", "mlp", "--batch", "64", "--groups", "2", "--topology",
+                          str(topo), "--searcher", "random", "--budget", "2", "--compression", "off")
+    # all 64 devices fit the model's memory together, none alone: every plan searched replicates it
+    assert line.startswith("tag plan: error: every plan searched runs out of memory, the best too: device 8 (b:0) "
+                           "needs "), line
+    assert "of 58.6 KiB, and 63 more devices over capacity; no plan written" in line, line

@@ -123,10 +123,9 @@ def run(args) -> int:
     p.meta["capture_s"] = capture_s
     if p.meta.get("oom") and not args.allow_oom:
         from ..errors import OutOfMemoryError
-        from ..executor.launch import memory_report
         from ..sim import Simulator
         res = Simulator(graph, topo, costs).run(p.groups, pipeline=p.pipeline)
-        raise OutOfMemoryError(f"every plan searched runs out of memory, the best too: {memory_report(res, topo)}; "
+        raise OutOfMemoryError(f"every plan searched runs out of memory, the best too: {res.memory_report(topo)}; "
                                "no plan written (--allow-oom writes it anyway)")
     if args.out:
         p.save(args.out)

@@ -13,6 +13,9 @@ from .common import (
     print_json,
 )
 
+FOLD_ABOVE = 32
+"""Devices above which the per-device table folds identical rows into one (``--all-devices`` not)."""
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -40,6 +43,9 @@ def register(sub) -> None:
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline in Chrome/Perfetto trace format")
     p.add_argument("--profiles", metavar="DIR", default=None, help=PROFILES_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--all-devices", action="store_true",
+                   help=f"print one table row per device (default: above {FOLD_ABOVE} devices, devices with "
+                        "identical rows share one row with their device range and count)")
     add_numerics_args(p)
     add_force_arg(p)
     p.set_defaults(func=run)
@@ -127,9 +133,15 @@ def _print_summary(graph, topo, args, res, lb, sources) -> None:
              format_bytes(res.memory_capacity_bytes[d], digits=3),
              "OOM" if res.peak_memory_bytes[d] > res.memory_capacity_bytes[d] else ""]
             for d, dev in enumerate(topo.devices)]
+    fold = topo.num_devices > FOLD_ABOVE and not args.all_devices
+    if fold:
+        rows = fold_rows(rows, [dev.gpu.name for dev in topo.devices])
     print(render_table(["", "device", "compute ms", "comm ms", "idle ms", "peak memory", "capacity", ""], rows))
-    for d, over in res.oom_devices:
-        print(f"out of memory on device {d} ({topo.devices[d].name}) by {format_bytes(over, digits=3)}")
+    if fold and res.oom:
+        print(f"out of memory: {res.memory_report(topo)}")
+    else:
+        for d, over in res.oom_devices:
+            print(f"out of memory on device {d} ({topo.devices[d].name}) by {format_bytes(over, digits=3)}")
     path = res.critical_path
     shown = path if len(path) <= 8 else path[:4] + [f"... ({len(path) - 8} more)"] + path[-4:]
     print("critical path: " + " -> ".join(shown))
@@ -140,3 +152,28 @@ def _print_summary(graph, topo, args, res, lb, sources) -> None:
 def _what(args) -> str:
     """What is simulated: the plan file, the layout or the baseline."""
     return args.plan or (f"layout {args.layout}" if args.layout else f"baseline {args.baseline}")
+
+
+def fold_rows(rows: list[list[str]], kinds: list[str]) -> list[list[str]]:
+    """Per-device table rows (``[index, name, figures...]``, one per device) with the devices of
+    one kind whose figures print alike folded into one row, in order of first appearance: index
+    ``0-7,16-23`` (the devices), name ``16 x A100-40GB`` (their count and kind); a device alike
+    with no other keeps its own row."""
+    folded: dict[tuple, list[int]] = {}
+    for d, (row, kind) in enumerate(zip(rows, kinds)):
+        folded.setdefault((kind, *row[2:]), []).append(d)
+    out = []
+    for (kind, *figures), devs in folded.items():
+        out.append(rows[devs[0]] if len(devs) == 1 else [device_ranges(devs), f"{len(devs)} x {kind}", *figures])
+    return out
+
+
+def device_ranges(devs: list[int]) -> str:
+    """Ascending device indices as ranges: ``[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"``."""
+    runs: list[list[int]] = []
+    for d in devs:
+        if runs and d == runs[-1][1] + 1:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -198,7 +198,7 @@ def _predict(graph, topology, plan, check_memory: bool, profile_dir: str | None 
     costs = CostModel.for_topology(graph, topology, profile_dir=profile_dir)
     res = simulate(graph, topology, plan, costs=costs, trace=True, bucket_bytes=bucket_bytes)
     if check_memory and res.oom:
-        raise OutOfMemoryError(f"plan would run out of memory: {memory_report(res, topology)}")
+        raise OutOfMemoryError(f"plan would run out of memory: {res.memory_report(topology)}")
     return res
 
 
@@ -216,17 +216,6 @@ def chrome_trace(sim_res, ranks: list[dict]) -> dict:
             ev.append({"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": 0, "ts": s * 1e6,
                        "dur": max(0.0, e - s) * 1e6})
     return tr
-
-
-def memory_report(res, topology) -> str:
-    """``device 1 (local:1) needs 3.20 GiB of 2.00 GiB; ...`` from a :class:`tag.sim.SimResult`."""
-    from ..topology.units import format_bytes
-
-    parts = []
-    for d, _over in res.oom_devices:
-        parts.append(f"device {d} ({topology.devices[d].name}) needs {format_bytes(res.peak_memory_bytes[d], digits=3)} "
-                     f"of {format_bytes(res.memory_capacity_bytes[d], digits=3)}")
-    return "; ".join(parts) or "the simulator reports OOM"
 
 
 def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_method: str) -> None:

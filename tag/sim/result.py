@@ -60,6 +60,33 @@ class SimResult:
             self.path_fn = None  # releases the simulation state it holds
         return self._path
 
+    def memory_report(self, topology, listed: int = 3) -> str:
+        """The devices over capacity (of ``topology``, the one simulated) in one line. Up to
+        ``listed`` of them each by name, ``device 1 (local:1) needs 3.20 GiB of 2.00 GiB; ...``; more than that, the worst (largest
+        need over capacity) and a count of the rest with the largest need among them:
+        ``device 16 (v100-00:0) needs 272 GiB of 16 GiB, and 63 more devices over capacity
+        (largest need 392 GiB, device 0 (a100-00:0))``."""
+        from ..topology.units import format_bytes
+
+        names = [dev.name for dev in topology.devices]
+        need, cap = self.peak_memory_bytes, self.memory_capacity_bytes
+
+        def one(d: int) -> str:
+            return f"device {d} ({names[d]}) needs {format_bytes(need[d], digits=3)} of {format_bytes(cap[d], digits=3)}"
+
+        over = [d for d, _ in self.oom_devices]
+        if not over:
+            return "the simulator reports OOM"
+        if len(over) <= listed:
+            return "; ".join(one(d) for d in over)
+        worst = max(over, key=lambda d: (need[d] / max(cap[d], 1.0), -d))
+        rest = [d for d in over if d != worst]
+        big = max(rest, key=lambda d: (need[d], -d))
+        largest = format_bytes(need[big], digits=3)  # named only where it prints apart from the worst's
+        tail = f" (largest need {largest}, device {big} ({names[big]}))" \
+            if largest != format_bytes(need[worst], digits=3) else ""
+        return f"{one(worst)}, and {len(rest)} more devices over capacity{tail}"
+
     def to_dict(self) -> dict:
         """JSON-able summary (no events; see :meth:`chrome_trace`)."""
         n = len(self.peak_memory_bytes)
