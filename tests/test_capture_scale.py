@@ -165,5 +165,9 @@ def test_presets_are_listed_and_built_without_weights(capsys):
     assert all(p.is_meta for p in wl.model.parameters()) and wl.inputs[0].shape == (4, 2048)
     rc, out, _ = run_tag(capsys, "inspect", "--list")
     assert rc == 0
-    row = next(line for line in out.splitlines() if line.startswith("llama-7b "))
-    assert row.split()[1:4] == ["6.74B", "4", "seq"], row
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert rows["llama-7b"][1:6] == ["6.74B", "4", "seq", "2048", "sdpa"], rows["llama-7b"]
+    # the real-size transformers use fused attention, the plain zoo names the eager one
+    assert {rows[n][5] for n in ("gpt2-small", "gpt2-xl", "bert-base", "bert-large", "vit-b16", "vit-l16",
+                                 "llama-1b", "llama-13b")} == {"sdpa"}
+    assert [rows[n][5] for n in ("gpt2", "bert", "vit", "llama", "resnet50")] == ["eager"] * 4 + ["-"]

@@ -24,7 +24,7 @@ MLP = "mlp"
 GPT2 = "gpt2:n_layer=1,n_embd=32,n_head=2,seq=16"
 ATTENTION = "tests/data/attention_model.py:make"
 """A model outside the zoo calling F.scaled_dot_product_attention (the zoo's transformers use
-the eager attention implementation: matmul, softmax, matmul)."""
+the eager attention implementation, matmul, softmax, matmul, unless built with ``attn=sdpa``)."""
 B = 8
 
 
@@ -456,3 +456,34 @@ def test_fused_attention_is_one_op_and_trains_like_eager(topo4, kind):
     # SGD: the key bias's gradient is zero in exact arithmetic, and Adam would turn the rounding
     # noise of a split batch into a full-size step
     assert_matches_reference(graph, plan, spec, "sgd", {})
+
+
+@pytest.mark.parametrize(("spec", "heads", "head_dim"), [
+    ("gpt2:n_layer=2,n_embd=32,n_head=2,seq=16,vocab=64", 2, 16),
+    ("llama:n_layer=2,n_embd=32,n_head=4,n_kv_head=2,ffn=48,seq=16,vocab=64", 4, 8),
+])
+def test_zoo_sdpa_is_one_fused_op_per_layer_and_trains_like_eager(topo4, spec, heads, head_dim):
+    """``attn=sdpa`` (Hugging Face's default attention): one fused attention forward and one
+    backward per layer; the forward FLOPs are the eager attention's (its two bmm), the backward
+    one score product more per layer (the fused backward recomputes the scores); a data-parallel
+    plan of it trains as single-process autograd, which trains as the eager attention does."""
+    from tag.executor import reference_training
+    from tag.graph import capture
+
+    sdpa, eager = f"{spec},attn=sdpa", f"{spec},attn=eager"
+    graph = capture(load_workload(sdpa, batch=B), num_groups=4).graph
+    ref_graph = capture(load_workload(eager, batch=B), num_groups=4).graph
+    targets = [base_name(o.target) for o in graph.ops]
+    assert targets.count("_scaled_dot_product_flash_attention_for_cpu") == 2
+    assert targets.count("_scaled_dot_product_flash_attention_for_cpu_backward") == 2
+    assert not [t for t in targets if t in ("bmm", "_softmax", "_safe_softmax")]
+    assert graph.flops(("fwd",)) == ref_graph.flops(("fwd",))
+    scores = 2 * B * heads * 16 * 16 * head_dim  # one [16, head_dim] x [head_dim, 16] product per head
+    assert graph.flops(("bwd",)) == ref_graph.flops(("bwd",)) + 2 * scores
+    plan = new_plan(graph, topo4, [GroupPlan([0, 1], [0.75, 0.25])] * graph.num_groups)
+    validate_plan(plan, graph, topo4)
+    assert_matches_reference(graph, plan, sdpa, "sgd", {})
+    fused, _ = reference_training(load_workload(sdpa, batch=B), "sgd", 2)
+    ref, _ = reference_training(load_workload(eager, batch=B), "sgd", 2)
+    for name, value in fused.items():
+        torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

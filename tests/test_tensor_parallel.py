@@ -61,7 +61,7 @@ def _param_inputs(graph, op):
     return out
 
 
-@pytest.mark.parametrize("spec,attn,mlp", [
+BLOCK_NAMES = [
     (GPT2, (["transformer.h.{i}.attn.c_attn"], "transformer.h.{i}.attn.c_proj"),
      (["transformer.h.{i}.mlp.c_fc"], "transformer.h.{i}.mlp.c_proj")),
     (BERT, ([f"bert.encoder.layer.{{i}}.attention.self.{x}" for x in ("query", "key", "value")],
@@ -69,11 +69,16 @@ def _param_inputs(graph, op):
      (["bert.encoder.layer.{i}.intermediate.dense"], "bert.encoder.layer.{i}.output.dense")),
     (LLAMA, ([f"model.layers.{{i}}.self_attn.{x}_proj" for x in "qkv"], "model.layers.{i}.self_attn.o_proj"),
      ([f"model.layers.{{i}}.mlp.{x}_proj" for x in ("gate", "up")], "model.layers.{i}.mlp.down_proj")),
-])
+]
+"""(spec, (attention's column weights, its row weight), (the MLP's column weights, its row weight))."""
+
+
+@pytest.mark.parametrize("spec,attn,mlp", BLOCK_NAMES + [(f"{s},attn=sdpa", a, m) for s, a, m in BLOCK_NAMES])
 def test_detects_the_megatron_blocks(captured, spec, attn, mlp):
     """Per layer an attention block (QKV column-parallel, output row-parallel, heads found from
-    the scores) and an MLP block (up / gate column-parallel, down row-parallel); the LM head, the
-    embeddings and the norms are never split."""
+    the scores, or with ``attn=sdpa`` from the fused kernel's logsumexp) and an MLP block (up /
+    gate column-parallel, down row-parallel); the LM head, the embeddings and the norms are never
+    split."""
     graph = captured(spec, batch=2, groups=4).graph
     blocks = megatron_blocks(graph)
     assert len(blocks) == 4

@@ -37,13 +37,13 @@ def list_models(as_json: bool) -> int:
         size = e.defaults.get("seq", e.defaults.get("image"))
         rows.append({"name": name, "params": zoo_params(name), "batch": e.batch,
                      "size": f"{'seq' if 'seq' in e.defaults else 'image'} {size}" if size else "-",
-                     "description": e.summary()})
+                     "attn": e.defaults.get("attn", "-"), "description": e.summary()})
     if as_json:
         print_json(rows)
         return 0
-    print(f"{'model':<12} {'params':>8} {'batch':>5}  {'seq/image':<10} description")
+    print(f"{'model':<12} {'params':>8} {'batch':>5}  {'seq/image':<10} {'attn':<5} description")
     for r in rows:
-        print(f"{r['name']:<12} {_count(r['params']):>8} {r['batch']:>5}  {r['size']:<10} "
+        print(f"{r['name']:<12} {_count(r['params']):>8} {r['batch']:>5}  {r['size']:<10} {r['attn']:<5} "
               f"{r['description'].split('; defaults')[0]}")
     return 0
 

@@ -2,8 +2,11 @@
 
 All zoo models have dropout disabled, are built offline from configs (no weight downloads), are
 deterministic given a seed, and are wrapped in :class:`LossWrapper` (parameters ``model.<...>``).
-Transformers use the eager attention implementation. Defaults are tiny (a CPU forward+backward
-at the default batch takes well under a second); scale them up with overrides.
+Transformers take ``attn=eager|sdpa`` (Hugging Face's ``attn_implementation``): the plain names
+default to ``eager`` (matmul, softmax, matmul: [B, heads, L, L] probabilities kept for the
+backward), the real-size :data:`PRESETS` to ``sdpa`` (``F.scaled_dot_product_attention``, one
+fused op; Hugging Face's own default). Defaults are tiny (a CPU forward+backward at the default
+batch takes well under a second); scale them up with overrides.
 """
 
 from __future__ import annotations
@@ -94,6 +97,10 @@ def _hf() -> Any:
     return transformers
 
 
+ATTENTION = ("eager", "sdpa")
+"""Values of the transformers' ``attn`` key: Hugging Face ``attn_implementation`` names."""
+
+
 def _build_gpt2(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
     _transformer_checks(cfg)
     hf = _hf()
@@ -102,7 +109,7 @@ def _build_gpt2(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
         vocab_size=v, n_positions=cfg["seq"], n_embd=cfg["n_embd"], n_layer=cfg["n_layer"],
         n_head=cfg["n_head"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         summary_first_dropout=0.0, bos_token_id=v - 1, eos_token_id=v - 1, pad_token_id=v - 1,
-        use_cache=False, attn_implementation="eager",
+        use_cache=False, attn_implementation=cfg["attn"],
     )
     lm = hf.GPT2LMHeadModel(conf)
     lm.loss_type = "ForCausalLM"  # the class name does not match HF's loss registry; avoids a warning
@@ -118,7 +125,7 @@ def _build_bert(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
         vocab_size=v, hidden_size=cfg["n_embd"], num_hidden_layers=cfg["n_layer"],
         num_attention_heads=cfg["n_head"], intermediate_size=4 * cfg["n_embd"],
         max_position_embeddings=cfg["seq"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        pad_token_id=0, bos_token_id=None, eos_token_id=None, attn_implementation="eager",
+        pad_token_id=0, bos_token_id=None, eos_token_id=None, attn_implementation=cfg["attn"],
     )
     model = LossWrapper(hf.BertForMaskedLM(conf), ("input_ids", "labels"))
     return model, _tokens(v, cfg["seq"])
@@ -134,7 +141,7 @@ def _build_vit(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
         num_hidden_layers=cfg["n_layer"], num_attention_heads=cfg["n_head"],
         intermediate_size=4 * cfg["n_embd"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         num_labels=cfg["classes"], problem_type="single_label_classification",
-        attn_implementation="eager",
+        attn_implementation=cfg["attn"],
     )
     model = LossWrapper(hf.ViTForImageClassification(conf), ("pixel_values", "labels"))
     return model, _images(cfg["image"], cfg["classes"])
@@ -151,7 +158,7 @@ def _build_llama(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
         vocab_size=v, hidden_size=cfg["n_embd"], intermediate_size=cfg["ffn"],
         num_hidden_layers=cfg["n_layer"], num_attention_heads=cfg["n_head"],
         num_key_value_heads=cfg["n_kv_head"], max_position_embeddings=cfg["seq"],
-        attention_dropout=0.0, tie_word_embeddings=False, use_cache=False, attn_implementation="eager",
+        attention_dropout=0.0, tie_word_embeddings=False, use_cache=False, attn_implementation=cfg["attn"],
     )
     model = LossWrapper(hf.LlamaForCausalLM(conf), ("input_ids", "labels"), {"use_cache": False})
     return model, _tokens(v, cfg["seq"])
@@ -194,19 +201,22 @@ def _build_vgg(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
 def zoo_entries() -> dict[str, ZooEntry]:
     """A fresh ``name -> ZooEntry`` table of all built-in workloads."""
     mp = MappingProxyType
+    attn = mp({"attn": ATTENTION})
     entries = [
         ZooEntry("mlp", "MLP classifier (cross-entropy on random features)",
                  mp({"layers": 3, "hidden": 256, "in_dim": 64, "classes": 10}), 32, _build_mlp),
         ZooEntry("gpt2", "GPT-2 causal LM (HF transformers, next-token loss on random tokens)",
-                 mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab": 1000, "seq": 64}), 8, _build_gpt2),
+                 mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab": 1000, "seq": 64, "attn": "eager"}), 8,
+                 _build_gpt2, attn),
         ZooEntry("bert", "BERT masked LM (HF transformers, MLM loss on random labels at every position)",
-                 mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab": 1000, "seq": 64}), 8, _build_bert),
+                 mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab": 1000, "seq": 64, "attn": "eager"}), 8,
+                 _build_bert, attn),
         ZooEntry("vit", "ViT image classifier (HF transformers, cross-entropy on random images)",
-                 mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "image": 32, "patch": 8, "classes": 10}),
-                 8, _build_vit),
+                 mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "image": 32, "patch": 8, "classes": 10,
+                     "attn": "eager"}), 8, _build_vit, attn),
         ZooEntry("llama", "Llama causal LM (HF transformers LlamaConfig, random weights, next-token loss)",
                  mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "n_kv_head": 4, "ffn": 344, "vocab": 1000,
-                     "seq": 64}), 8, _build_llama),
+                     "seq": 64, "attn": "eager"}), 8, _build_llama, attn),
         ZooEntry("resnet", "ResNet-18/34/50/101/152 classifier (norm=bn|gn|none; split-batch equality needs "
                  "gn or none)", mp({"depth": 18, "width": 16, "image": 32, "classes": 10, "norm": "bn"}),
                  8, _build_resnet, mp({"norm": NORMS})),
@@ -223,33 +233,44 @@ def zoo_entries() -> dict[str, ZooEntry]:
 
 
 #: Models at the sizes people train: (name, zoo base, what, overrides of the base, default batch).
+#: The transformers use fused attention (``attn=sdpa``, :data:`SDPA`), as Hugging Face builds them
+#: by default; ``<preset>:attn=eager`` gives the materialised [B, heads, L, L] probabilities.
 #: Shapes follow the published configurations (GPT-2: Radford et al. 2019; BERT: Devlin et al. 2019;
 #: ViT: Dosovitskiy et al. 2021; ResNet: He et al. 2016; VGG: Simonyan & Zisserman 2015; Llama-2 7B
 #: and 13B: Touvron et al. 2023, and TinyLlama-1.1B for the 1B shape). Build them with
 #: ``load_workload(..., abstract=True)`` to capture without allocating their weights.
+SDPA = {"attn": "sdpa"}
 PRESETS: tuple[tuple[str, str, str, dict[str, Value], int], ...] = (
-    ("gpt2-small", "gpt2", "GPT-2 small", {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 50257, "seq": 1024}, 8),
+    ("gpt2-small", "gpt2", "GPT-2 small",
+     {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 50257, "seq": 1024, **SDPA}, 8),
     ("gpt2-medium", "gpt2", "GPT-2 medium",
-     {"n_layer": 24, "n_embd": 1024, "n_head": 16, "vocab": 50257, "seq": 1024}, 8),
-    ("gpt2-large", "gpt2", "GPT-2 large", {"n_layer": 36, "n_embd": 1280, "n_head": 20, "vocab": 50257, "seq": 1024}, 8),
-    ("gpt2-xl", "gpt2", "GPT-2 XL", {"n_layer": 48, "n_embd": 1600, "n_head": 25, "vocab": 50257, "seq": 1024}, 8),
-    ("bert-base", "bert", "BERT base", {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 30522, "seq": 512}, 8),
-    ("bert-large", "bert", "BERT large", {"n_layer": 24, "n_embd": 1024, "n_head": 16, "vocab": 30522, "seq": 512}, 8),
+     {"n_layer": 24, "n_embd": 1024, "n_head": 16, "vocab": 50257, "seq": 1024, **SDPA}, 8),
+    ("gpt2-large", "gpt2", "GPT-2 large",
+     {"n_layer": 36, "n_embd": 1280, "n_head": 20, "vocab": 50257, "seq": 1024, **SDPA}, 8),
+    ("gpt2-xl", "gpt2", "GPT-2 XL",
+     {"n_layer": 48, "n_embd": 1600, "n_head": 25, "vocab": 50257, "seq": 1024, **SDPA}, 8),
+    ("bert-base", "bert", "BERT base",
+     {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 30522, "seq": 512, **SDPA}, 8),
+    ("bert-large", "bert", "BERT large",
+     {"n_layer": 24, "n_embd": 1024, "n_head": 16, "vocab": 30522, "seq": 512, **SDPA}, 8),
     ("vit-b16", "vit", "ViT-B/16 at 224",
-     {"n_layer": 12, "n_embd": 768, "n_head": 12, "image": 224, "patch": 16, "classes": 1000}, 32),
+     {"n_layer": 12, "n_embd": 768, "n_head": 12, "image": 224, "patch": 16, "classes": 1000, **SDPA}, 32),
     ("vit-l16", "vit", "ViT-L/16 at 224",
-     {"n_layer": 24, "n_embd": 1024, "n_head": 16, "image": 224, "patch": 16, "classes": 1000}, 32),
+     {"n_layer": 24, "n_embd": 1024, "n_head": 16, "image": 224, "patch": 16, "classes": 1000, **SDPA}, 32),
     ("resnet50", "resnet", "ResNet-50 at 224", {"depth": 50, "width": 64, "image": 224, "classes": 1000}, 32),
     ("resnet101", "resnet", "ResNet-101 at 224", {"depth": 101, "width": 64, "image": 224, "classes": 1000}, 32),
     ("resnet152", "resnet", "ResNet-152 at 224", {"depth": 152, "width": 64, "image": 224, "classes": 1000}, 32),
     ("vgg16", "vgg", "VGG-16 at 224", {"depth": 16, "width": 64, "image": 224, "classes": 1000, "hidden": 4096}, 32),
     ("vgg19", "vgg", "VGG-19 at 224", {"depth": 19, "width": 64, "image": 224, "classes": 1000, "hidden": 4096}, 32),
     ("llama-1b", "llama", "Llama 1.1B (TinyLlama shape)",
-     {"n_layer": 22, "n_embd": 2048, "n_head": 32, "n_kv_head": 4, "ffn": 5632, "vocab": 32000, "seq": 2048}, 4),
+     {"n_layer": 22, "n_embd": 2048, "n_head": 32, "n_kv_head": 4, "ffn": 5632,
+      "vocab": 32000, "seq": 2048, **SDPA}, 4),
     ("llama-7b", "llama", "Llama-2 7B shape",
-     {"n_layer": 32, "n_embd": 4096, "n_head": 32, "n_kv_head": 32, "ffn": 11008, "vocab": 32000, "seq": 2048}, 4),
+     {"n_layer": 32, "n_embd": 4096, "n_head": 32, "n_kv_head": 32, "ffn": 11008,
+      "vocab": 32000, "seq": 2048, **SDPA}, 4),
     ("llama-13b", "llama", "Llama-2 13B shape",
-     {"n_layer": 40, "n_embd": 5120, "n_head": 40, "n_kv_head": 40, "ffn": 13824, "vocab": 32000, "seq": 2048}, 4),
+     {"n_layer": 40, "n_embd": 5120, "n_head": 40, "n_kv_head": 40, "ffn": 13824,
+      "vocab": 32000, "seq": 2048, **SDPA}, 4),
 )
 
 

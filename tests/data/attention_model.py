@@ -1,6 +1,6 @@
 """Test model outside the zoo: one pre-norm transformer layer whose attention is
-``F.scaled_dot_product_attention`` (causal; the zoo's transformers use the eager attention
-implementation), a GELU MLP, a mean-pooled classifier (tests/test_executor.py,
+``F.scaled_dot_product_attention`` (causal, called directly rather than through Hugging Face's
+``attn_implementation``), a GELU MLP, a mean-pooled classifier (tests/test_executor.py,
 tests/test_tensor_parallel.py).
 
 inputs: ids [B, 12] int64 in [0, 50), labels [B] int64 in [0, 5)."""
