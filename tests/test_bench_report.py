@@ -27,6 +27,7 @@ def test_scale_suite_runs_every_method_on_the_topologies_at_scale():
 
     cfg = SUITES["scale"]()
     assert cfg.methods == list(METHODS) and cfg.groups == 128 and not cfg.execute_topologies
+    assert cfg.precision == "bf16" and [m.spec for m in cfg.models] == ["llama-7b", "gpt2-xl"]
     assert [load_topology(t).num_devices for t in cfg.topologies] == [64, 256, 512]
     quick = SUITES["quick"]()  # unchanged: a few minutes on a 2-core machine
     assert quick.topologies == ["tag-testbed", "cloud-t4", "homogeneous-8xa100"] and quick.groups == 24
@@ -60,3 +61,12 @@ def test_bench_budget_must_be_positive(capsys):
 
     assert main(["bench", "--suite", "quick", "--budget", "0"]) == 2
     assert "--budget: 0 playouts; expected a positive integer" in capsys.readouterr().err
+
+
+def test_bench_model_must_be_in_the_suite(capsys, tmp_path):
+    from tag.cli import main
+
+    assert main(["bench", "--suite", "scale", "--model", "llama-13b", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--model: 'llama-13b' is not in suite 'scale'; expected one of ['llama-7b', 'gpt2-xl']" in err
+    assert not (tmp_path / "o").exists()

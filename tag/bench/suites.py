@@ -114,17 +114,21 @@ SCALE = ["hetero-64gpu", "cloud-256gpu-3zones", "h100-512gpu"]
 
 
 def scale_suite() -> SuiteConfig:
-    """128 op-groups of a 12-layer GPT-2 (width 768, 3.5x the full suite's) at batch 512 on 64,
-    256 and 512 GPUs, every method. Beyond :data:`tag.planner.GNN_MAX_DEVICES` the ``tag-*``
-    methods search with the uniform prior (the cell's note says so). Hours on a 2-core machine
-    (a simulation of a 512-GPU plan costs ~0.1-0.5 s): run it by topology with ``--topologies``
-    into one ``--out``; ``evaluation/results/sim-speed/scale.md`` has the planner's time there."""
+    """Real-size models in bf16 at the batch sizes people train them with (Llama-2 7B shape and
+    GPT-2 XL, 512 sequences of 2048 / 1024 tokens), cut into 128 op-groups, on 64, 256 and 512
+    GPUs, every method. Neither fits one device: plans need model parallelism, pipelines, tensor
+    parallelism or activation recomputation. Beyond :data:`tag.planner.GNN_MAX_DEVICES` the
+    ``tag-*`` methods search with the uniform prior (the cell's note says so). Hours on a 2-core
+    machine (a simulation of a 512-GPU plan costs ~0.1-0.5 s): run it by topology or model with
+    ``--topologies`` / ``--models`` into one ``--out``. The suite until 2026-11-26 (a 12-layer
+    GPT-2 of width 768 at sequence 128, fp32) is ``evaluation/results/scale-2026-11-26``."""
     return SuiteConfig(
         name="scale",
-        models=[ModelCase("gpt2:n_layer=12,n_embd=768,n_head=12,seq=128", 512)],
+        models=[ModelCase("llama-7b", 512), ModelCase("gpt2-xl", 512)],
         topologies=list(SCALE),
         search_budget=2000,
         groups=128,
+        precision="bf16",
     )
 
 

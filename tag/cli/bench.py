@@ -16,6 +16,8 @@ def register(sub) -> None:
     p.add_argument("--topologies", default=None,
                    help="comma-separated subset of the suite's topologies (runs sharing --out fill one "
                         "cells.jsonl; a final run without filters writes the whole report)")
+    p.add_argument("--model", dest="models", action="append", default=None, metavar="SPEC",
+                   help="run only this model of the suite (its spec as the report names it; repeatable)")
     p.add_argument("--budget", type=int, default=None, metavar="N",
                    help="playouts of random / sa / tpe / mcts-uniform (default: the suite's; TAG's budget is in "
                         "its method name)")
@@ -53,6 +55,13 @@ def run(args) -> int:
             raise TagError(f"--topologies: {bad[0]!r} is not in suite {cfg.name!r}; expected some of {','.join(known)}")
         cfg.topologies = [t for t in cfg.topologies if t in want]
         cfg.execute_topologies = [t for t in cfg.execute_topologies if t in want]
+    if args.models:
+        want = [m.strip() for m in args.models]
+        known = [m.spec for m in cfg.models]
+        bad = [m for m in want if m not in known]
+        if bad:
+            raise TagError(f"--model: {bad[0]!r} is not in suite {cfg.name!r}; expected one of {known}")
+        cfg.models = [m for m in cfg.models if m.spec in want]
     out = Path(args.out or output_dir(f"evaluation/results/{cfg.name}-{time.strftime('%Y-%m-%d')}"))
     t0 = time.perf_counter()
     cells = run_suite(cfg, out)
