@@ -146,14 +146,24 @@ _OUTSIDE: dict[int, tuple[object, np.ndarray]] = {}
 def tp_group(sim, g: int, gp, lowered) -> GroupData:
     """:class:`GroupData` of group ``g`` deployed tensor parallel as ``gp`` (``lowered``: its units)."""
     devs, batches = tuple(gp.devices), lowered[0].batches
-    lay = tp_layout(sim, devs, batches, tp_degree(gp), gp.sequence_parallel)
+    t = tp_degree(gp)
+    lay = tp_layout(sim, devs, batches, t, gp.sequence_parallel)
+    if gp.recompute:
+        if gp.sequence_parallel:
+            lay = sim.recompute_layout(lay)
+        else:  # plain: the inputs and recomputed values at the tensor-parallel group's batch (an
+            # upper bound: inside a block they are split), the outside activations no longer held
+            big = [sum(batches[i - i % t:i - i % t + t]) for i in range(len(batches))]
+            outside = _outside_saved_per_sample(sim.graph, sim.static.num_groups)
+            lay = sim.recompute_layout(lay, big, outside[:, None] * (np.array(big) - np.array(batches))[None, :])
     unit = Unit(g, -1, devs, batches, lay.starts, lay)
     split = group_split(sim.graph, g).split_bytes
     total = float(sim.static.grad_bytes[g])
-    t = sim.comm.tensor_parallel_sync_time(tp_groups(gp), split, max(0.0, total - split), gp.sequence_parallel)
-    if t <= 0:
-        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=("dp", devs, batches))
+    ts = sim.comm.tensor_parallel_sync_time(tp_groups(gp), split, max(0.0, total - split), gp.sequence_parallel)
+    if ts <= 0:
+        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=("dp", devs, batches),
+                         recompute=gp.recompute)
     mo = sim.comm.machine_of
     machines = tuple(sorted({mo[d] for d in devs}))
-    return GroupData([unit], "tp", t, tuple(sorted(devs)), machines if len(machines) > 1 else (), total,
-                     layout=lay, ukey=("dp", devs, batches))
+    return GroupData([unit], "tp", ts, tuple(sorted(devs)), machines if len(machines) > 1 else (), total,
+                     layout=lay, ukey=("dp", devs, batches), recompute=gp.recompute)
