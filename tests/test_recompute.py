@@ -16,8 +16,10 @@ import pytest
 from test_sim_tools import chain_graph, hand_costs, topology
 
 from tag.errors import PlanError
-from tag.plan import GroupPlan, PipelinePlan, Plan, new_plan
+from tag.parallel import validate_plan
+from tag.plan import GroupPlan, PipelinePlan, Plan, group_positions, new_plan
 from tag.sim import Simulator
+from tag.topology import load_topology
 
 F, BW, OPT = [1e-3, 2e-3], [2e-3, 4e-3], [1e-3, 1e-3]
 B = 8
@@ -121,7 +123,6 @@ def test_layout_recompute(captured):
 
     from tag.cost.model import CostModel
     from tag.parallel.layout import Layout, layout_grid, layout_plan, parse_layout
-    from tag.topology import load_topology
 
     assert parse_layout("dp=2,pp=2,micro=2,recompute=1") == Layout(dp=2, pp=2, micro=2, recompute=1)
     for text, message in [("recompute=2", "recompute: expected 0 or 1, got 2"),
@@ -138,3 +139,144 @@ def test_layout_recompute(captured):
         [g.devices for g in plan.groups]
     grid = layout_grid(graph, topo)
     assert Layout(dp=4, recompute=1) in grid and len(grid) == 2 * sum(1 for g in grid if not g.recompute)
+
+
+# ---- the executor ------------------------------------------------------------------------------
+
+def _executor_plans(graph):
+    """(name, groups, pipeline) of plans with recomputation on some groups, on 1-2 ranks."""
+    k = graph.num_groups
+    odd = [g % 2 == 1 for g in range(k)]
+    lo, hi = group_positions(graph, 1)
+    return [
+        ("single, all", [GroupPlan([0], [1.0], recompute=True) for _ in range(k)], None),
+        ("single, odd", [GroupPlan([0], [1.0], recompute=r) for r in odd], None),
+        ("dp uneven", [GroupPlan([0, 1], [0.25, 0.75], recompute=r) for r in odd], None),
+        ("mp chunk", [GroupPlan([0, 1], [1.0, 1.0], "mp", mp_splits=[lo, (lo + hi) // 2], recompute=True)
+                      if g == 1 else GroupPlan([g % 2], [1.0], recompute=g == 2) for g in range(k)], None),
+        ("pipeline", [GroupPlan([0 if g < k // 2 else 1], [1.0], recompute=not r) for g, r in enumerate(odd)],
+         PipelinePlan([0, k // 2], 4, "1f1b")),
+    ]
+
+
+@pytest.mark.parametrize("spec", ["mlp", "gpt2:n_layer=1,n_embd=32,n_head=2,seq=16"])
+def test_executor_recompute_matches_single_process_training(captured, spec):
+    """Parameters after 2 Adam steps equal single-process training (tests/test_executor.py's
+    check), for plans recomputing some or all groups."""
+    from test_executor import assert_matches_reference
+
+    graph = captured(spec, batch=8, groups=4).graph
+    topo = load_topology("topologies/local-cpu4.yaml")
+    for _, groups, pipeline in _executor_plans(graph):
+        plan = new_plan(graph, topo, groups)
+        plan.pipeline = pipeline
+        validate_plan(plan, graph, topo)
+        assert_matches_reference(graph, plan, spec, "adam", {}, steps=2)
+
+
+def test_executor_recomputed_forward_keeps_only_what_others_read(captured):
+    """A recomputed unit's forward stage returns only the values other units read; its backward
+    stage recomputes the rest from the forward's inputs and is a segment of its own."""
+    from tag.executor import build_schedule
+    from tag.executor.fuse import plan_program
+    from tag.graph.stages import build_stages
+
+    cap = captured("mlp", batch=8, groups=4)
+    graph, topo = cap.graph, load_topology("topologies/local-cpu4.yaml")
+    plain = new_plan(graph, topo, [GroupPlan([0], [1.0]) for _ in range(4)])
+    rc = new_plan(graph, topo, [GroupPlan([0], [1.0], recompute=g == 1) for g in range(4)])
+    s_plain, s_rc = build_schedule(graph, plain), build_schedule(graph, rc)
+    a = build_stages(cap, s_plain.assign)
+    b = build_stages(cap, s_rc.assign, [(1, 0)])
+    fwd_a, fwd_b, bwd_a, bwd_b = a[((1, 0), "fwd")], b[((1, 0), "fwd")], a[((1, 0), "bwd")], b[((1, 0), "bwd")]
+    read_by_others = {n for (u, ph), st in a.items() if (u, ph) != ((1, 0), "bwd") for n in st.inputs}
+    assert set(fwd_b.outputs) == set(fwd_a.outputs) & read_by_others and len(fwd_b.outputs) < len(fwd_a.outputs)
+    assert bwd_b.outputs == bwd_a.outputs and set(bwd_b.nodes) == set(fwd_a.nodes) | set(bwd_a.nodes)
+    assert not set(bwd_b.inputs) & (set(fwd_a.outputs) - read_by_others)  # nothing of the forward's kept
+    stages = {k: v for k, v in b.items()}
+    prog = plan_program(s_rc, 0, stages, static=lambda k: False, synced=lambda g: [], sfb_writes=lambda g: [],
+                        final_reads=[], cut_at_sync=False)
+    starts = [s_rc.steps[i] for i in prog.segments]
+    assert any(st.kind == "compute" and st.phase == "bwd" and st.unit == (1, 0) for st in starts)
+    assert len(prog.segments) == 2
+
+
+def test_execution_refusal_of_recompute():
+    from tag.parallel import execution_refusal
+
+    sim, graph, topo = _sim()
+    plan = new_plan(graph, topo, [_dp(0, True), _dp(0)])
+    assert execution_refusal(plan, graph) is None
+    plan.groups = [GroupPlan([0, 1], [0.5, 0.5], "tp", tp=2, recompute=g == 1) for g in range(2)]
+    assert execution_refusal(plan).startswith("groups[1].recompute: recomputation of a tensor-parallel group")
+    plan.groups = [GroupPlan([0, 1], [0.5, 0.5], sfb=["gw0"], recompute=True), _dp(0)]
+    assert execution_refusal(plan).startswith("groups[0].recompute: recomputation with SFB is simulated only")
+
+
+def test_execution_refusal_of_recompute_with_dropout(tmp_path):
+    """A group drawing random numbers in its forward (dropout, p > 0) is refused in one line."""
+    from tag.graph import capture
+    from tag.parallel import execution_refusal
+    from tag.workloads import load_workload
+
+    f = tmp_path / "drop.py"
+    f.write_text("import torch\n"
+                 "def make(batch_size=4):\n"
+                 "    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))\n"
+                 "    class M(torch.nn.Module):\n"
+                 "        def __init__(self):\n"
+                 "            super().__init__()\n"
+                 "            self.net = net\n"
+                 "        def forward(self, x):\n"
+                 "            return self.net(x).pow(2).mean()\n"
+                 "    return M(), (torch.randn(batch_size, 8),)\n")
+    graph = capture(load_workload(f"{f}:make", batch=4), num_groups=1).graph
+    topo = load_topology("topologies/local-cpu4.yaml")
+    plan = new_plan(graph, topo, [GroupPlan([0], [1.0], recompute=True)])
+    why = execution_refusal(plan, graph)
+    assert why is not None and why.startswith("groups[0].recompute: op ") and "draws random numbers" in why
+    assert execution_refusal(plan) is None  # without the graph the rule cannot see the op
+    with pytest.raises(PlanError, match=r"groups\[0\]\.recompute: op .* draws random numbers"):
+        validate_plan(plan, graph, topo)
+
+
+# ---- the search ---------------------------------------------------------------------------------
+
+def _gpu_pair(memory):
+    return load_topology({"name": "pair", "machines": [{
+        "name": "m", "gpu": {"name": "G", "tflops": 10.0, "memory": memory, "memory_bandwidth": "100 GB/s"},
+        "count": 2, "intra_bandwidth": "10 GB/s", "intra_latency": 1e-5}]})
+
+
+def test_search_fits_a_plan_by_recomputing_the_fewest_groups(captured):
+    """Capacity between data parallelism's peak with and without recomputing every group: the
+    search returns a plan that fits, recomputing a shortest prefix of the greedy order."""
+    from tag.cost.baselines import data_parallel
+    from tag.planner import find_plan
+    from tag.search.recompute import fit_by_recompute, recompute_order, with_recompute
+
+    graph = captured("gpt2:n_layer=4,n_embd=128,n_head=4,seq=64", batch=8, groups=8).graph
+    k = graph.num_groups
+    roomy = _gpu_pair("16 GB")
+    dp = data_parallel(graph, roomy).groups
+    sim = Simulator(graph, roomy)
+    plain, every = sim.run(dp), sim.run(with_recompute(dp, range(k)))
+    assert max(every.peak_memory_bytes) < max(plain.peak_memory_bytes)
+    assert every.iteration_time_s > plain.iteration_time_s
+    topo = _gpu_pair(int((max(plain.peak_memory_bytes) + max(every.peak_memory_bytes)) / 2))
+    sim = Simulator(graph, topo)
+    res = sim.run(dp)
+    assert res.oom
+    order = recompute_order(sim, dp, [d for d, _ in res.oom_devices])
+    groups, fitted, calls = fit_by_recompute(sim, dp, None, res)
+    n = sum(g.recompute for g in groups)
+    assert not fitted.oom and 0 < n < k and calls >= 2
+    assert [g for g in range(k) if groups[g].recompute] == sorted(order[:n])
+    assert sim.run(with_recompute(dp, order[:n - 1])).oom  # one group fewer does not fit
+    plan = find_plan(graph, topo, searcher="mcts", prior="uniform", budget=10, seed=0, pipelines="off")
+    assert not plan.meta["oom"] and any(g.recompute for g in plan.groups)
+    check = Simulator(graph, topo).run(plan.groups)
+    assert not check.oom and check.iteration_time_s == pytest.approx(plan.predicted_iteration_time_s)
+    # where memory does not bind, the search is unchanged: no group recomputes
+    plan = find_plan(graph, roomy, searcher="mcts", prior="uniform", budget=10, seed=0, pipelines="off")
+    assert not any(g.recompute for g in plan.groups)

@@ -254,7 +254,7 @@ def best_layout(graph, topology, costs, simulate, *, executable: bool = False) -
     best, best_key, tried = None, None, 0
     for lay in layout_grid(graph, topology):
         plan = layout_plan(graph, topology, lay, costs)
-        if executable and execution_refusal(plan) is not None:
+        if executable and execution_refusal(plan, graph) is not None:
             continue
         res = simulate(plan)
         tried += 1

@@ -224,7 +224,7 @@ class Simulator:
                          layout=lay, ukey=("dp", devs, batches), bucket=(coll.op, devs, server),
                          recompute=gp.recompute)
 
-    def recompute_layout(self, lay: Layout, acts=None, saved=None) -> Layout:
+    def recompute_layout(self, lay: Layout, held=None, live=None, saved=None) -> Layout:
         """``lay`` with every group costed under activation recomputation
         (:func:`tag.sim.units.recompute_layout`; cached per layout). A recomputed group runs on
         this layout: a layout of its own, so consecutive recomputed groups still form one
@@ -233,7 +233,7 @@ class Simulator:
         key = ("rc", lay.uid)
         out = self._layouts.get(key)
         if out is None:
-            out = recompute_layout(self.static, lay, acts, saved)
+            out = recompute_layout(self.static, lay, held, live, saved)
             self._serial += 1
             out.uid = self._serial
             self._layouts[key] = out

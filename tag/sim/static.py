@@ -87,7 +87,7 @@ class GraphStatic:
     work_per_sample: np.ndarray = None
     reads: list = None
     """Per group: ``(fixed, per_sample, producer position or None, forward positions, backward
-    positions)`` of every tensor its ops read that a forward op produced or that is a user input
+    positions, tensor index)`` of every tensor its ops read that a forward op produced or that is a user input
     (producer None: made outside the group, or a user input; positions: of the group's ops
     reading it in that phase). What activation recomputation keeps and re-makes
     (:meth:`recompute_bytes`)."""
@@ -121,16 +121,19 @@ class GraphStatic:
             self.rc_per_sample[g] = hp
             self.rc_work_fixed[g], self.rc_work_per_sample[g] = tf, tp
 
-    def recompute_bytes(self, g: int, lo: int, hi: int) -> tuple[float, float, float, float]:
+    def recompute_bytes(self, g: int, lo: int, hi: int, only=None) -> tuple[float, float, float, float]:
         """Activation recomputation of the unit computing forward positions ``[lo, hi)`` of group
         ``g`` (the whole group or an ``mp`` chunk): ``(held fixed, held per sample, transient
         fixed, transient per sample)`` bytes. Held from its forward to its backward: every tensor
         made outside the unit (another group or chunk, a user input) that the unit's forward or
         backward reads (its inputs, and what its backward reads from elsewhere). Transient, at its
         backward: the values the unit's own forward makes that its backward reads (made again by
-        the recompute). Without recomputation the unit holds ``saved`` (what its backward reads)."""
+        the recompute). Without recomputation the unit holds ``saved`` (what its backward reads).
+        ``only``: count only these tensors (indices)."""
         hf = hp = tf = tp = 0.0
-        for fixed, per_sample, src, fwd, bwd in self.reads[g]:
+        for fixed, per_sample, src, fwd, bwd, t in self.reads[g]:
+            if only is not None and t not in only:
+                continue
             read_f = any(lo <= x < hi for x in fwd)
             read_b = any(lo <= x < hi for x in bwd)
             if src is not None and lo <= src < hi:  # made by the unit: re-made before its backward
@@ -221,6 +224,6 @@ def build_static(graph) -> GraphStatic:
         tt = tensors[t]
         src = eff[tt.producer] if tt.producer >= 0 else None
         reads[g].append((tt.nbytes.fixed, tt.nbytes.per_sample, src[1] if src is not None and src[0] == g else None,
-                         sorted(set(fwd)), sorted(set(bwd))))
+                         sorted(set(fwd)), sorted(set(bwd)), t))
     return GraphStatic(k, graph.batch_size, lo, hi, edges, sorted(edges), grad_bytes, grad_bytes.tolist(), static_pos,
                        buffer_pos, saved, work_pos, reads=reads)

@@ -143,6 +143,18 @@ def _outside_saved_per_sample(graph, k: int) -> np.ndarray:
 _OUTSIDE: dict[int, tuple[object, np.ndarray]] = {}
 
 
+def _outside_recompute_per_sample(graph, static) -> tuple[np.ndarray, np.ndarray]:
+    """``([K], [K])`` per-sample bytes a recomputed group holds and has live again at its backward
+    (:meth:`GraphStatic.recompute_bytes`) of the tensors outside the Megatron blocks."""
+    interior = block_interior(graph).tensors
+    outside = {t for rows in static.reads for *_, t in rows if t not in interior}
+    k = static.num_groups
+    held, live = np.zeros(k), np.zeros(k)
+    for g in range(k):
+        _, held[g], _, live[g] = static.recompute_bytes(g, static.lo[g], static.hi[g], only=outside)
+    return held, live
+
+
 def tp_group(sim, g: int, gp, lowered) -> GroupData:
     """:class:`GroupData` of group ``g`` deployed tensor parallel as ``gp`` (``lowered``: its units)."""
     devs, batches = tuple(gp.devices), lowered[0].batches
@@ -151,11 +163,13 @@ def tp_group(sim, g: int, gp, lowered) -> GroupData:
     if gp.recompute:
         if gp.sequence_parallel:
             lay = sim.recompute_layout(lay)
-        else:  # plain: the inputs and recomputed values at the tensor-parallel group's batch (an
-            # upper bound: inside a block they are split), the outside activations no longer held
-            big = [sum(batches[i - i % t:i - i % t + t]) for i in range(len(batches))]
-            outside = _outside_saved_per_sample(sim.graph, sim.static.num_groups)
-            lay = sim.recompute_layout(lay, big, outside[:, None] * (np.array(big) - np.array(batches))[None, :])
+        else:  # plain: what is outside the blocks (inputs, recomputed values, the saved values no
+            # longer held) at the tensor-parallel group's batch, what is inside at the shard's
+            more = np.array([sum(batches[i - i % t:i - i % t + t]) - batches[i] for i in range(len(batches))],
+                            dtype=float)[None, :]
+            held, live = _outside_recompute_per_sample(sim.graph, sim.static)
+            saved = _outside_saved_per_sample(sim.graph, sim.static.num_groups)
+            lay = sim.recompute_layout(lay, held[:, None] * more, live[:, None] * more, saved[:, None] * more)
     unit = Unit(g, -1, devs, batches, lay.starts, lay)
     split = group_split(sim.graph, g).split_bytes
     total = float(sim.static.grad_bytes[g])

@@ -202,22 +202,24 @@ def make_layout(static: GraphStatic, tables: np.ndarray, dev_class: list[int], d
                   rows=[None] * k)
 
 
-def recompute_layout(static: GraphStatic, lay: Layout, acts=None, saved=None) -> Layout:
+def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, saved=None) -> Layout:
     """``lay`` with every group under activation recomputation (``GroupPlan.recompute``): backward
     seconds = forward + backward seconds; held bytes = ``lay``'s less the saved activations plus
-    the group's inputs (:meth:`GraphStatic.recompute_bytes`); working set + the recomputed values.
-    ``acts``: [R] samples whose activations a replica holds (default its batch; plain tensor
-    parallelism: its tensor-parallel group's); ``saved``: [K, R] saved bytes ``lay`` holds beyond
-    ``mem_per_sample * batch`` (plain tensor parallelism's outside-block activations)."""
+    the group's inputs (:meth:`GraphStatic.recompute_bytes`, at each replica's batch); working set
+    + the recomputed values. ``held`` / ``live`` / ``saved``: [K, R] bytes held, live at the
+    backward, and saved bytes ``lay`` holds, beyond those at the replica's batch (plain tensor
+    parallelism: what is outside the Megatron blocks is at the tensor-parallel group's batch)."""
     dur = lay.dur.copy()
     dur[BWD] += dur[FWD]
     b = np.asarray(lay.batches, dtype=float)[None, :]
-    a = b if acts is None else np.asarray(acts, dtype=float)[None, :]
-    mem = (lay.mem + (static.rc_fixed - static.mem_fixed)[:, None] - static.mem_per_sample[:, None] * b
-           + static.rc_per_sample[:, None] * a)
-    if saved is not None:
-        mem = mem - saved
-    work = lay.work + static.rc_work_fixed[:, None] + static.rc_work_per_sample[:, None] * a
+    mem = (lay.mem + (static.rc_fixed - static.mem_fixed)[:, None]
+           + (static.rc_per_sample - static.mem_per_sample)[:, None] * b)
+    work = lay.work + static.rc_work_fixed[:, None] + static.rc_work_per_sample[:, None] * b
+    for extra, sign in ((held, 1.0), (saved, -1.0)):
+        if extra is not None:
+            mem = mem + sign * extra
+    if live is not None:
+        work = work + live
     k, r = dur.shape[1], dur.shape[2]
     cum_f = lay.cum_fwd.copy()
     cum_b = np.zeros((k + 1, r))
