@@ -233,8 +233,8 @@ def execution_refusal(plan, graph=None) -> str | None:
     ``executable`` constraint (:class:`tag.search.space.ActionSpace`) and ``tag plan``'s
     "simulated only" line call it too.
 
-    Activation recomputation (``GroupPlan.recompute``) runs on every strategy but ``tp`` and
-    without SFB; with ``graph`` (the plan's :class:`~tag.graph.ir.OpGraph`), also not on a group
+    Activation recomputation (``GroupPlan.recompute``) runs on every strategy (on ``tp`` the
+    recomputed forward all-reduces again, as Megatron-LM's), without SFB; with ``graph`` (the plan's :class:`~tag.graph.ir.OpGraph`), also not on a group
     with an op drawing random numbers (dropout with p > 0: the recompute would draw others)."""
     for name in dict.fromkeys(gp.sync for gp in plan.groups):
         why = get_strategy(name).execution_refusal(plan)
@@ -243,9 +243,6 @@ def execution_refusal(plan, graph=None) -> str | None:
     for g, gp in enumerate(plan.groups):
         if not gp.recompute:
             continue
-        if gp.sync == "tp":
-            return (f"groups[{g}].recompute: recomputation of a tensor-parallel group is simulated only (the "
-                    "executor's tensor-parallel stages do not recompute); expected false")
         if gp.sfb:
             return (f"groups[{g}].recompute: recomputation with SFB is simulated only (the SFB factors are "
                     "forward values the recomputation drops); expected false or no sfb")
