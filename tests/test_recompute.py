@@ -305,3 +305,20 @@ def test_search_fits_a_plan_by_recomputing_the_fewest_groups(captured):
     # where memory does not bind, the search is unchanged: no group recomputes
     plan = find_plan(graph, roomy, searcher="mcts", prior="uniform", budget=10, seed=0, pipelines="off")
     assert not any(g.recompute for g in plan.groups)
+
+
+def test_tensor_parallel_group_costs(captured):
+    """Plain Megatron 2-way over one pair: a recomputed group's backward adds its forward seconds
+    (its block all-reduces included); memory goes down when every group recomputes."""
+    from tag.sim.static import FWD
+
+    graph = captured("gpt2:n_layer=2,n_embd=64,n_head=4,vocab=100,seq=16", batch=8, groups=6).graph
+    topo = load_topology("homogeneous-2x4-v100")
+    sim = Simulator(graph, topo)
+    for sp in (False, True):
+        plain = [GroupPlan([0, 1], [0.5, 0.5], sync="tp", tp=2, sequence_parallel=sp) for _ in range(6)]
+        rc = [GroupPlan([0, 1], [0.5, 0.5], sync="tp", tp=2, sequence_parallel=sp, recompute=True) for _ in range(6)]
+        a, b = sim.run(plain), sim.run(rc)
+        fwd = sim.deploy(plain)[0].layout.dur[FWD].sum(axis=0)  # [replicas] forward seconds of all groups
+        assert b.compute_time_s[:2] == pytest.approx([x + f for x, f in zip(a.compute_time_s[:2], fwd)])
+        assert max(b.peak_memory_bytes) < max(a.peak_memory_bytes)
