@@ -29,8 +29,7 @@ def _figures(res) -> dict:
 
 
 def _plan_json(plan) -> list:
-    from dataclasses import asdict
-    return [asdict(g) for g in plan.groups]
+    return plan.to_dict()["groups"]  # fields at their defaults left out, as in the plan file
 
 
 def _quick_cells(log) -> list[dict]:

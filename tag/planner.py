@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -237,6 +238,8 @@ def _compress(graph, topology, p: Plan, simulator) -> str:
     if p.pipeline is not None:
         return "compression: skipped (SFB is not available in a pipeline plan)"
     cand = apply_sfb(graph, topology, p)
+    # a group that recomputes its activations keeps its all-reduce (the executor runs no SFB on it)
+    cand.groups = [replace(g, sfb=[]) if g.recompute and g.sfb else g for g in cand.groups]
     n = sum(len(g.sfb) for g in cand.groups)
     if n == 0:
         return "compression: no op-group benefits from SFB"

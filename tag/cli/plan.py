@@ -125,7 +125,8 @@ def run(args) -> int:
         from ..errors import OutOfMemoryError
         from ..sim import Simulator
         res = Simulator(graph, topo, costs).run(p.groups, pipeline=p.pipeline)
-        raise OutOfMemoryError(f"every plan searched runs out of memory, the best too: {res.memory_report(topo)}; "
+        raise OutOfMemoryError(f"every plan searched runs out of memory, also with activation recomputation where "
+                               f"the search may use it; the best: {res.memory_report(topo)}; "
                                "no plan written (--allow-oom writes it anyway)")
     if args.out:
         p.save(args.out)
@@ -164,6 +165,8 @@ def _describe(topo, gp) -> str:
         extra += f", tp {gp.tp}"
     if gp.sequence_parallel:
         extra += ", sequence parallel"
+    if gp.recompute:
+        extra += ", recompute"
     sfb = f", sfb {len(gp.sfb)}" if gp.sfb else ""
     return f"{sync:9s} on {where} (shares {shares}{extra}{sfb})"
 

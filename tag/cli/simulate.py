@@ -38,7 +38,8 @@ def register(sub) -> None:
                      help="a Megatron-style layout: D data-parallel replicas per stage, each T-way tensor parallel "
                           "on one machine (default 1), P pipeline stages of about equal compute placed "
                           "machine-major, M micro-batches; optional schedule=1f1b|gpipe|kfkb, k=K (kfkb block), "
-                          "cut=time|memory, sp=1 (tensor parallelism with sequence parallelism); D*T*P must equal the "
+                          "cut=time|memory, sp=1 (tensor parallelism with sequence parallelism), recompute=1 (every "
+                          "op-group recomputes its activations in its backward); D*T*P must equal the "
                           "topology's device count")
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline in Chrome/Perfetto trace format")
     p.add_argument("--profiles", metavar="DIR", default=None, help=PROFILES_HELP)

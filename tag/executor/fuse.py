@@ -6,7 +6,8 @@ of compute steps (one stage each), transfers, SFB steps and gradient syncs. A **
 maximal run of the rank's steps that need no other rank: compute steps and transfer steps whose
 moves into / out of this rank are all local hand-overs (``src == dst``). It is cut where a remote
 transfer, an SFB all-gather or (when syncs are issued as they come, GPU ranks) the launch of a
-gradient bucket must happen. The segment's stages are inlined into one ``fx.Graph``; local
+gradient bucket must happen, and before the backward of a unit that recomputes its activations
+(``Schedule.recompute``). The segment's stages are inlined into one ``fx.Graph``; local
 hand-overs become graph ops (a row range is a ``narrow``, several pieces a ``cat``, partial sums
 an ``add``, a single whole piece is the producer's tensor itself: no copy). fx's code generation frees every intermediate at
 its last use, and the module is called with the boxed convention (the argument list is cleared
@@ -205,6 +206,11 @@ def plan_program(schedule: Schedule, rank: int, stages: dict, static: Callable[[
     current: Segment | None = None
     for i, st in mine:
         fusable = st.kind == "compute" or (st.kind == "transfer" and is_local(rank, st))
+        if st.kind == "compute" and st.phase == "bwd" and st.unit[0] in schedule.recompute:
+            # A recomputed unit's backward starts a segment: within one module the common-value
+            # pass (simplify) would merge its forward's recomputed values with the forward's own
+            # and keep those alive from the forward on.
+            current = None
         if fusable:
             if current is None:
                 current = Segment(i, [], [])

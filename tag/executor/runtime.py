@@ -193,7 +193,8 @@ class RankRuntime:
                 rows = tuple(x[:b].cpu() if isinstance(x, torch.Tensor) else x for x in self.inputs)
                 joint = self.joints[b] = self.tp.shard(joint, rows, s.param_grad)
             assign = {n: up for n, up in s.assign.items() if up[0] in keys}
-            for (key, phase), stage in build_stages(types.SimpleNamespace(joint=joint.module), assign).items():
+            again = [k for k in keys if k[0] in s.recompute]  # units recomputing their activations
+            for (key, phase), stage in build_stages(types.SimpleNamespace(joint=joint.module), assign, again).items():
                 if self.device.type != "cpu":
                     retarget_devices(stage.module, self.device)
                 if self.tp is not None:
@@ -621,7 +622,8 @@ def _scale_seed(stage: Stage, loss: str, scale: float) -> None:
     "scale every gradient leaving the loss unit by b_i / B", done once at the source.
     """
     g = stage.module.graph
-    ph = next((n for n in g.nodes if n.op == "placeholder" and n.name == loss), None)
+    # (a unit recomputing its activations computes the loss again inside its backward stage)
+    ph = next((n for n in g.nodes if n.op in ("placeholder", "call_function") and n.name == loss), None)
     if ph is None or not ph.users:
         raise ExecutionError(f"loss {loss!r}: the loss unit's backward does not read the loss; "
                              "cannot find the loss-gradient seed to scale")

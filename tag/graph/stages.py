@@ -36,11 +36,17 @@ class Stage:
         return dict(zip(self.outputs, outs))
 
 
-def build_stages(captured: Captured, assign: dict[str, Hashable]) -> dict[Hashable, Stage]:
+def build_stages(captured: Captured, assign: dict[str, Hashable], recompute: Iterable[Hashable] = ()) -> dict[Hashable, Stage]:
     """Split ``captured.joint`` by ``assign`` (call_function node name -> stage key).
 
     Nodes not named in ``assign`` (placeholders, dead code) are not computed by any stage.
     Stages are returned in the order their first node appears in the joint graph.
+
+    ``recompute``: units whose stages are keyed ``(unit, "fwd")`` and ``(unit, "bwd")`` and that
+    recompute their activations (``GroupPlan.recompute``): the forward stage returns only what
+    other stages than the unit's backward read, and the backward stage computes the forward's
+    nodes again from their inputs before the backward's own (returning only what the backward's
+    nodes make).
     """
     graph = captured.joint.graph
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
@@ -49,12 +55,25 @@ def build_stages(captured: Captured, assign: dict[str, Hashable]) -> dict[Hashab
     for n in graph.nodes:
         if n.op == "call_function" and n.name in assign:
             members.setdefault(assign[n.name], []).append(n)
-    return {k: _extract(k, nodes, assign, graph_outputs, captured.joint) for k, nodes in members.items()}
+    stages = {k: _extract(k, nodes, assign, graph_outputs, captured.joint) for k, nodes in members.items()}
+    for unit in recompute:
+        fwd, bwd = members.get((unit, "fwd"), []), members.get((unit, "bwd"), [])
+        if not fwd or not bwd:
+            continue
+        own = {n.name for n in fwd + bwd}
+        stages[(unit, "fwd")] = _extract((unit, "fwd"), fwd, assign, graph_outputs, captured.joint, own=own)
+        stages[(unit, "bwd")] = _extract((unit, "bwd"), fwd + bwd, assign, graph_outputs, captured.joint,
+                                         returns={n.name for n in bwd})
+    return stages
 
 
 def _extract(key: Hashable, nodes: list[fx.Node], assign: dict[str, Hashable], graph_outputs: set[str],
-             root: fx.GraphModule) -> Stage:
+             root: fx.GraphModule, own: set[str] | None = None, returns: set[str] | None = None) -> Stage:
+    """The stage computing ``nodes``; it returns those read outside it (or graph outputs): with
+    ``own``, outside ``own`` (a recomputed unit's forward: not for its backward); with
+    ``returns``, only those of ``returns`` (a recomputed unit's backward: not its forward's)."""
     inside = {n.name for n in nodes}
+    reach = inside if own is None else own
     g = fx.Graph()
     env: dict[str, fx.Node] = {}
     inputs: list[str] = []
@@ -74,8 +93,8 @@ def _extract(key: Hashable, nodes: list[fx.Node], assign: dict[str, Hashable], g
             lookup(a)
         new = g.node_copy(n, lambda a: env[a.name])
         env[n.name] = new
-    outputs = [n.name for n in nodes
-               if n.name in graph_outputs or any(u.name not in inside for u in n.users)]
+    outputs = [n.name for n in nodes if (returns is None or n.name in returns)
+               and (n.name in graph_outputs or any(u.name not in reach for u in n.users))]
     g.output(tuple(env[o] for o in outputs))
     gm = fx.GraphModule(root, g, class_name=f"Stage_{_ident(key)}")
     return Stage(key, gm, inputs, outputs, [n.name for n in nodes])

@@ -1,4 +1,4 @@
-"""Megatron-style layouts: ``dp=D,tp=T,pp=P,micro=M[,schedule=S][,k=K][,sp=1]`` as a TAG plan.
+"""Megatron-style layouts: ``dp=D,tp=T,pp=P,micro=M[,schedule=S][,k=K][,sp=1][,recompute=1]`` as a TAG plan.
 
 Users of Megatron-style trainers describe a run by its degrees: ``D`` data-parallel replicas,
 ``T``-way tensor parallelism, ``P`` pipeline stages, ``M`` micro-batches. :func:`layout_plan`
@@ -15,7 +15,9 @@ builds that plan so it can be simulated and compared with TAG's:
   the stage is ``tp`` (:mod:`tag.parallel.tensor_parallel`), the stage cuts falling between
   Megatron blocks; plain Megatron, or with ``sp=1`` Megatron-LM's ``--sequence-parallel``;
 * ``M`` micro-batches on schedule ``1f1b`` (default), ``gpipe`` or ``kfkb`` with ``k``;
-* ``cut=memory`` balances the stages' parameters, gradients and optimizer state instead.
+* ``cut=memory`` balances the stages' parameters, gradients and optimizer state instead;
+* ``recompute=1``: Megatron-LM's ``--recompute-granularity full`` (every op-group recomputes its
+  activations, ``GroupPlan.recompute``).
 
 ``D * T * P`` must equal the topology's device count, as in Megatron.
 """
@@ -55,6 +57,8 @@ class Layout:
     """How stages are cut: ``time`` (the slowest stage's compute minimised) or ``memory`` (the
     largest stage's parameters, gradients and optimizer state minimised: what a model too large
     for its devices needs)."""
+    recompute: int = 0
+    """1: every op-group recomputes its activations (Megatron-LM's full recompute); 0: none."""
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "micro", "k"):
@@ -65,8 +69,10 @@ class Layout:
             raise PlanError(f"layout: schedule: expected one of {list(PIPELINE_SCHEDULES)}, got {self.schedule!r}")
         if self.cut not in CUTS:
             raise PlanError(f"layout: cut: expected one of {list(CUTS)}, got {self.cut!r}")
-        if self.sp not in (0, 1) or isinstance(self.sp, bool):
-            raise PlanError(f"layout: sp: expected 0 or 1, got {self.sp!r}")
+        for name in ("sp", "recompute"):
+            v = getattr(self, name)
+            if v not in (0, 1) or isinstance(v, bool):
+                raise PlanError(f"layout: {name}: expected 0 or 1, got {v!r}")
         if self.sp and self.tp == 1:
             raise PlanError("layout: sp: sequence parallelism needs tensor parallelism; expected tp > 1 or sp=0")
         if self.tp > MAX_DEGREE:
@@ -96,7 +102,8 @@ def parse_layout(text: str) -> Layout:
             try:
                 fields[key] = int(value)
             except ValueError:
-                raise PlanError(f"layout: {key}: expected a positive integer, got {value!r}") from None
+                what = "0 or 1" if key in ("sp", "recompute") else "a positive integer"
+                raise PlanError(f"layout: {key}: expected {what}, got {value!r}") from None
     return Layout(**fields)
 
 
@@ -188,7 +195,8 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
     groups: list[GroupPlan] = []
     tp = dict(sync="tp", tp=layout.tp, sequence_parallel=bool(layout.sp)) if layout.tp > 1 else {}
     for s, devs in enumerate(stage_devices):
-        groups += [GroupPlan(devs, [1.0 / len(devs)] * len(devs), **tp) for _ in range(bounds[s], bounds[s + 1])]
+        groups += [GroupPlan(devs, [1.0 / len(devs)] * len(devs), recompute=bool(layout.recompute), **tp)
+                   for _ in range(bounds[s], bounds[s + 1])]
     plan = new_plan(graph, topology, groups, searcher="layout", layout=_spell(layout))
     if layout.pp > 1 or layout.micro > 1:
         plan.pipeline = PipelinePlan(stages, layout.micro, layout.schedule, layout.k)
@@ -198,7 +206,7 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
 def _spell(layout: Layout) -> str:
     text = f"dp={layout.dp},tp={layout.tp},pp={layout.pp},micro={layout.micro},schedule={layout.schedule}"
     return text + (f",k={layout.k}" if layout.schedule == "kfkb" else "") + (",sp=1" if layout.sp else "") + \
-        (f",cut={layout.cut}" if layout.cut != "time" else "")
+        (f",cut={layout.cut}" if layout.cut != "time" else "") + (",recompute=1" if layout.recompute else "")
 
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -220,7 +228,8 @@ def layout_grid(graph, topology) -> list[Layout]:
     the device count, ``tp`` of :func:`tp_degrees`, ``pp`` up to the op-group count (stage cuts
     between Megatron blocks when ``tp > 1``), 1F1B with each micro-batch count of
     :data:`MICRO_BATCHES` that gives every device a sample (one micro-batch without a pipeline),
-    stages cut by time and by memory, tensor parallelism with and without sequence parallelism."""
+    stages cut by time and by memory, tensor parallelism with and without sequence parallelism,
+    each without and with full activation recomputation."""
     n, out = topology.num_devices, []
     aligned = len(aligned_cuts(graph))
     for tp in tp_degrees(graph, topology):
@@ -230,8 +239,9 @@ def layout_grid(graph, topology) -> list[Layout]:
             dp = n // (pp * tp)
             for micro in MICRO_BATCHES if pp > 1 else (1,):
                 if micro * dp * tp <= graph.batch_size:
-                    out += [Layout(dp=dp, tp=tp, pp=pp, micro=micro, cut=c, sp=sp)
-                            for sp in ((0, 1) if tp > 1 else (0,)) for c in (CUTS if pp > 1 else CUTS[:1])]
+                    out += [Layout(dp=dp, tp=tp, pp=pp, micro=micro, cut=c, sp=sp, recompute=rc)
+                            for sp in ((0, 1) if tp > 1 else (0,)) for c in (CUTS if pp > 1 else CUTS[:1])
+                            for rc in (0, 1)]
     return out
 
 
@@ -244,7 +254,7 @@ def best_layout(graph, topology, costs, simulate, *, executable: bool = False) -
     best, best_key, tried = None, None, 0
     for lay in layout_grid(graph, topology):
         plan = layout_plan(graph, topology, lay, costs)
-        if executable and execution_refusal(plan) is not None:
+        if executable and execution_refusal(plan, graph) is not None:
             continue
         res = simulate(plan)
         tried += 1

@@ -208,6 +208,9 @@ class Schedule:
     """Pipeline plans: unit -> names of the partial sums it produces, sums over its micro-batches
     and sends once, at its consumer's last micro-batch (zeros at the earlier ones;
     :func:`tag.graph.gradients.deferrable_sums`: a tied weight's gradient)."""
+    recompute: frozenset[int] = frozenset()
+    """Op-groups that recompute their activations (``GroupPlan.recompute``): each of their units'
+    backward stages runs the unit's forward again first (:func:`tag.graph.stages.build_stages`)."""
 
     def launched_at(self, step: Step) -> Bucket | None:
         """The bucket whose collective starts at ``step`` (the ``sync`` of its last group), else None."""
@@ -428,7 +431,8 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
                     loss_t.name, loss_unit, steps, comm, sync_params, sfb, gathers, graph.model,
                     graph_structure(graph), ranges, micro_units, buckets,
                     {g: k for k, b in enumerate(buckets) for g in b.groups},
-                    {u: frozenset(n) for u, n in shared.items()}, {u: frozenset(n) for u, n in summed.items()})
+                    {u: frozenset(n) for u, n in shared.items()}, {u: frozenset(n) for u, n in summed.items()},
+                    frozenset(g for g, gp in enumerate(plan.groups) if gp.recompute))
 
 
 def _pipeline_tasks(pp: PipelinePlan, order: list[UnitKey], num_groups: int) -> list[tuple[UnitKey, str, int]]:

@@ -185,6 +185,8 @@ def validate_group(gp: GroupPlan, graph, g: int, num_devices: int, where: str, b
         raise PlanError(f"{where}.devices: duplicate device in {gp.devices}")
     if len(gp.shares) != len(gp.devices):
         raise PlanError(f"{where}.shares: expected {len(gp.devices)} shares (one per device), got {len(gp.shares)}")
+    if not isinstance(gp.recompute, bool):
+        raise PlanError(f"{where}.recompute: expected true or false, got {gp.recompute!r}")
     if gp.sequence_parallel and gp.sync != "tp":
         raise PlanError(f"{where}.sequence_parallel: only allowed with sync 'tp'; expected false, got true")
     if gp.sfb:
@@ -211,7 +213,7 @@ def validate_plan(plan, graph, topology, *, source: str = "plan", pipelines: boo
     for name in dict.fromkeys(gp.sync for gp in plan.groups):
         get_strategy(name).check_plan(plan, graph, topology, source)
     if not tensor_parallel:
-        why = execution_refusal(plan)
+        why = execution_refusal(plan, graph)
         if why is not None:
             raise PlanError(f"{source}: {why}")
     validate_pipeline(plan, graph, topology.num_devices, source=source)
@@ -219,7 +221,7 @@ def validate_plan(plan, graph, topology, *, source: str = "plan", pipelines: boo
         raise PlanError(f"{source}: pipeline: this caller runs no micro-batches; expected no pipeline field")
 
 
-def execution_refusal(plan) -> str | None:
+def execution_refusal(plan, graph=None) -> str | None:
     """The one rule of what the executor runs: None when ``tag execute`` runs ``plan`` (anything
     with ``groups`` and ``pipeline``, already valid for the simulator), else one line naming the
     first field it does not run. Each strategy the plan uses judges its groups
@@ -229,11 +231,44 @@ def execution_refusal(plan) -> str | None:
 
     The executor refuses through :func:`validate_plan` (``tensor_parallel=False``); the search's
     ``executable`` constraint (:class:`tag.search.space.ActionSpace`) and ``tag plan``'s
-    "simulated only" line call it too."""
+    "simulated only" line call it too.
+
+    Activation recomputation (``GroupPlan.recompute``) runs on every strategy (on ``tp`` the
+    recomputed forward all-reduces again, as Megatron-LM's), without SFB; with ``graph`` (the plan's :class:`~tag.graph.ir.OpGraph`), also not on a group
+    with an op drawing random numbers (dropout with p > 0: the recompute would draw others)."""
     for name in dict.fromkeys(gp.sync for gp in plan.groups):
         why = get_strategy(name).execution_refusal(plan)
         if why is not None:
             return why
+    for g, gp in enumerate(plan.groups):
+        if not gp.recompute:
+            continue
+        if gp.sfb:
+            return (f"groups[{g}].recompute: recomputation with SFB is simulated only (the SFB factors are "
+                    "forward values the recomputation drops); expected false or no sfb")
+        op = _random_op(graph, g) if graph is not None else None
+        if op is not None:
+            return (f"groups[{g}].recompute: op {op!r} draws random numbers (dropout with p > 0), which the "
+                    "recomputed forward would draw again differently; expected false for this group")
+    return None
+
+
+def _random_op(graph, g: int) -> str | None:
+    """Name of the first forward op of group ``g`` whose ATen overload is tagged
+    ``nondeterministic_seeded`` (draws from the random generator), or None."""
+    import torch
+
+    for i in graph.groups[g].ops:
+        op = graph.ops[i]
+        if op.phase != "fwd" or not op.target.startswith("aten."):
+            continue
+        parts = op.target.split(".")
+        try:
+            overload = getattr(getattr(torch.ops.aten, parts[1]), parts[2] if len(parts) > 2 else "default")
+        except (AttributeError, IndexError, RuntimeError):
+            continue
+        if torch.Tag.nondeterministic_seeded in overload.tags:
+            return op.name
     return None
 
 

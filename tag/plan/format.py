@@ -18,6 +18,10 @@ What each ``sync`` value means is defined by the strategy registered under that 
   sequence-parallel variant (default: plain Megatron, what the executor runs).
 * ``sfb``: names of weight-gradient ops whose gradient is obtained by Sufficient Factor
   Broadcasting instead of all-reduce (see :mod:`tag.compress`).
+* ``recompute``: activation recomputation (Megatron-LM's full recompute, ``torch.utils.checkpoint``)
+  of every unit of the group: its forward keeps only the unit's inputs (the tensors entering it
+  from other units or the batch) instead of the values its backward reads; right before its
+  backward the unit re-runs its forward from those inputs. Omitted from the file when false.
 
 Semantics shared by the simulator and the executor: the global batch is split into integer
 sample counts with :func:`local_batches`.
@@ -66,11 +70,16 @@ class GroupPlan:
     the tensor-parallel group's samples, all-gather / reduce-scatter at the blocks' edges) instead
     of plain Megatron (every device of a tensor-parallel group runs the group's whole batch outside
     the blocks); omitted from the file when false (:mod:`tag.parallel.tensor_parallel`)."""
+    recompute: bool = False
+    """Activation recomputation of the group's units: the forward keeps only each unit's inputs,
+    the backward first re-runs the unit's forward (docs/DESIGN.md, "Activation recomputation");
+    omitted from the file when false."""
 
     def key(self) -> tuple:
         """Hashable identity (used by caches)."""
         return (tuple(self.devices), tuple(round(s, 9) for s in self.shares), self.sync, self.server,
-                tuple(self.mp_splits or ()), tuple(self.sfb), self.tp, self.sequence_parallel)
+                tuple(self.mp_splits or ()), tuple(self.sfb), self.tp, self.sequence_parallel,
+                self.recompute)
 
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "kfkb")
@@ -159,11 +168,13 @@ class Plan:
         d = asdict(self)
         if self.pipeline is None:  # plans without a pipeline keep the format they always had
             del d["pipeline"]
-        for g in d["groups"]:  # and groups without tensor parallelism
+        for g in d["groups"]:  # and groups without tensor parallelism or recomputation
             if g["tp"] is None:
                 del g["tp"]
             if not g["sequence_parallel"]:
                 del g["sequence_parallel"]
+            if not g["recompute"]:
+                del g["recompute"]
         return d
 
     @classmethod
@@ -220,7 +231,7 @@ _PLAN_TYPES = {"model": "str", "graph_signature": "str", "topology": "str", "top
                "version": "int", "pipeline": "dict?", "precision": "str"}
 _GROUP_TYPES = {"devices": "list[int]", "shares": "list[number]", "sync": "str", "server": "int?",
                 "mp_splits": "list[int]?", "sfb": "list[str]", "tp": "int?",
-                "sequence_parallel": "bool"}
+                "sequence_parallel": "bool", "recompute": "bool"}
 _PIPELINE_TYPES = {"stages": "list[int]", "micro_batches": "int", "schedule": "str", "k": "int"}
 _JSON_TYPES = {"bool": "true or false", "int": "an integer", "number": "a number", "str": "a string", "list": "a list",
                "dict": "an object"}

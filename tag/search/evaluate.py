@@ -5,6 +5,10 @@ baselines (even and speed-proportional shares), so ``r > 0`` means beating both;
 not fit in memory gets ``r = -1``, the worst possible reward, and so does, in an executable space
 (:attr:`ActionSpace.executable`), a plan the executor refuses (:func:`tag.parallel.execution_refusal`;
 not simulated: the space proposes none, this is the rule's last word).
+
+A plan out of memory is first given activation recomputation on the fewest groups that make it
+fit (:func:`tag.search.recompute.fit_by_recompute`; ``Evaluator.recompute``), and scored as that
+plan (:attr:`Outcome.groups`); a plan that fits is scored as it is.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 
 from ..cost.baselines import data_parallel
 from ..parallel import execution_refusal
+from .recompute import fit_by_recompute
 from .space import ActionSpace
 
 OOM_REWARD = -1.0
@@ -93,6 +98,9 @@ class Outcome:
     oom: bool
     reward: float
     feedback: Feedback
+    groups: list | None = None
+    """The deployment simulated when it is not the plan asked for: the plan with activation
+    recomputation on some groups (:func:`tag.search.recompute.fit_by_recompute`); None otherwise."""
 
 
 @dataclass
@@ -117,6 +125,9 @@ class Evaluator:
     on_simulate: object = None
     """Called as ``on_simulate(evaluator)`` after every plan the search has simulated (not the
     baselines, not cache hits): progress display."""
+    recompute: bool = True
+    """Give a plan out of memory activation recomputation on the fewest groups that make it fit
+    (in an executable space only where the executor runs it); False: score it as it is."""
 
     def __post_init__(self):
         if self.simulator is None:
@@ -137,10 +148,10 @@ class Evaluator:
             o.reward = self.reward(o.time_s, o.oom)
         # Best so far: the better baseline (never return anything worse).
         if (self.dp_prop_out.oom, self.dp_prop_out.time_s) <= (self.dp_even_out.oom, self.dp_even_out.time_s):
-            self.best_groups, self.best = self.dp_prop.groups, self.dp_prop_out
+            self.best_groups, self.best = self.dp_prop_out.groups or self.dp_prop.groups, self.dp_prop_out
             self.best_source = "dp-prop"
         else:
-            self.best_groups, self.best = self.dp_even.groups, self.dp_even_out
+            self.best_groups, self.best = self.dp_even_out.groups or self.dp_even.groups, self.dp_even_out
             self.best_source = "dp-even"
         self.best_actions: tuple | None = None
         self.history = [(self.sim_calls, self.best_time)]
@@ -161,10 +172,20 @@ class Evaluator:
     def _run_groups(self, groups, pipeline=None) -> Outcome:
         t0 = time.perf_counter()
         res = self.simulator.run(groups) if pipeline is None else self.simulator.run(groups, pipeline=pipeline)
-        self.sim_seconds += time.perf_counter() - t0
         self.sim_calls += 1
+        fitted = None
+        if res.oom and self.recompute:
+            accept = None
+            if self.space.executable:
+                def accept(gs):
+                    return execution_refusal(_Plan(gs, pipeline), self.space.graph) is None
+            fitted = fit_by_recompute(self.simulator, groups, pipeline, res, accept)
+            if fitted is not None:
+                res = fitted[1]
+                self.sim_calls += fitted[2]
+        self.sim_seconds += time.perf_counter() - t0
         fb = Feedback.from_result(res, self.space.num_devices, self.space.num_groups)
-        return Outcome(fb.iteration_time_s, fb.oom, 0.0, fb)
+        return Outcome(fb.iteration_time_s, fb.oom, 0.0, fb, None if fitted is None else fitted[0])
 
     def evaluate(self, actions: tuple) -> Outcome:
         """Simulate a full action tuple (cached)."""
@@ -184,7 +205,7 @@ class Evaluator:
         self.cache[actions] = out
         if out.reward > self.best.reward or (self.best.oom and not out.oom):
             self.best, self.best_actions = out, actions
-            self.best_groups = None
+            self.best_groups = out.groups  # None: the action tuple's own plan
             self.best_source = "search"
         self.history.append((self.sim_calls, self.best_time))
         if self.on_simulate is not None:

@@ -69,6 +69,7 @@ from .units import (
     make_layout,
     mp_unit,
     pair_kinds,
+    recompute_layout,
 )
 
 PHASE_NAME = {FWD: "fwd", BWD: "bwd", OPT: "opt", PARAM: "param"}
@@ -81,7 +82,7 @@ def plan_key(gp) -> tuple:
     shares that differ by float noise merely miss the cache, the derived data is the same)."""
     sp = gp.mp_splits
     return (tuple(gp.devices), tuple(gp.shares), gp.sync, gp.server, tuple(sp) if sp else (), tuple(gp.sfb), gp.tp,
-            gp.sequence_parallel)
+            gp.sequence_parallel, gp.recompute)
 
 
 class Simulator:
@@ -196,9 +197,10 @@ class Simulator:
             if any(len(u.replicas) != 1 or u.positions is None for u in lowered):
                 raise PlanError(f"plan: groups[{g}]: strategy {gp.sync!r}: the simulator costs position chunks "
                                 "on one device each")
-            units = [mp_unit(st, self.costs, g, j, u.replicas[0].device, *u.positions) for j, u in enumerate(lowered)]
+            units = [mp_unit(st, self.costs, g, j, u.replicas[0].device, *u.positions, recompute=gp.recompute)
+                     for j, u in enumerate(lowered)]
             chunk_of = {p: j for j, u in enumerate(lowered) for p in range(*u.positions)}
-            return GroupData(units, "none", 0.0, (), (), 0.0, True, chunk_of, ukey=("mp", devs))
+            return GroupData(units, "none", 0.0, (), (), 0.0, True, chunk_of, ukey=("mp", devs), recompute=gp.recompute)
         if len(lowered) != 1 or lowered[0].positions is not None:
             raise PlanError(f"plan: groups[{g}]: strategy {gp.sync!r}: the simulator costs one unit over the "
                             "whole group or position chunks")
@@ -208,16 +210,34 @@ class Simulator:
             return tp_group(self, g, gp, lowered)
         batches = lowered[0].batches
         lay = self.layout(devs, batches)
+        if gp.recompute:
+            lay = self.recompute_layout(lay)
         unit = Unit(g, -1, devs, batches, lay.starts, lay)
         coll = strategy.collective(gp)
         if coll is None or sbytes <= 0:
             return GroupData([unit], "none", 0.0, (), (), 0.0, sfb=sfb, layout=lay,
-                             ukey=("dp", devs, batches))
+                             ukey=("dp", devs, batches), recompute=gp.recompute)
         server, members = coll.server, coll.members
         t = self._bucket_time((coll.op, coll.devices, server), sbytes)  # groups of equal bytes: one pricing
         machines = tuple(sorted({comm.machine_of[d] for d in members}))
         return GroupData([unit], coll.op, t, members, machines if len(machines) > 1 else (), sbytes, sfb=sfb,
-                         layout=lay, ukey=("dp", devs, batches), bucket=(coll.op, devs, server))
+                         layout=lay, ukey=("dp", devs, batches), bucket=(coll.op, devs, server),
+                         recompute=gp.recompute)
+
+    def recompute_layout(self, lay: Layout, held=None, live=None, saved=None) -> Layout:
+        """``lay`` with every group costed under activation recomputation
+        (:func:`tag.sim.units.recompute_layout`; cached per layout). A recomputed group runs on
+        this layout: a layout of its own, so consecutive recomputed groups still form one
+        vectorised segment; between it and a group on ``lay`` (the same replicas and sample
+        ranges) no tensor moves."""
+        key = ("rc", lay.uid)
+        out = self._layouts.get(key)
+        if out is None:
+            out = recompute_layout(self.static, lay, held, live, saved)
+            self._serial += 1
+            out.uid = self._serial
+            self._layouts[key] = out
+        return out
 
     def _sync_seconds(self, op: str, devs: tuple[int, ...], server: int | None, nbytes: float) -> float:
         """One gradient collective ``op`` (:class:`tag.parallel.Collective`) of ``nbytes`` over the
@@ -1097,17 +1117,20 @@ def _holdings(sim, gds, micro: _Micro | None = None):
     """Per device: optimizer seconds, held bytes, max working set, holds-params flag (lists);
     per group: compute seconds (summed over a pipeline's micro-batches). A pipeline replica holds
     its stage's in-flight micro-batches' saved activations (the first, largest, micro-batch's
-    size each; ``mem_per_sample``) besides what one run of the group holds."""
+    size each; ``mem_per_sample``, a recomputed group's inputs: ``rc_per_sample``) besides what
+    one run of the group holds."""
     if micro is not None:
         opt, mem, work, holds, _ = _holdings(sim, micro.gds[0])
         gcomp = [sum(x) for x in zip(*(_holdings(sim, mg)[4] for mg in micro.gds))]
-        per_sample = sim.static.mem_per_sample
+        per_sample, rc_per_sample = sim.static.mem_per_sample, sim.static.rc_per_sample
         for stage, gs in enumerate(micro.members):
             extra = micro.flight[stage] - 1
             for g in gs:
-                lay = micro.gds[0][g].layout
+                gd = micro.gds[0][g]
+                lay = gd.layout
+                ps = float(rc_per_sample[g] if gd.recompute else per_sample[g])
                 for d, b in zip(lay.devices, lay.batches):
-                    mem[d] += extra * float(per_sample[g]) * b
+                    mem[d] += extra * ps * b
         return opt, mem, work, holds, gcomp
     n = sim.num_devices
     opt, mem, work = [0.0] * n, [0.0] * n, [0.0] * n

@@ -85,6 +85,20 @@ class GraphStatic:
     """[K] largest single-op working set of the group: ``work_fixed + work_per_sample * b`` (0 when
     the group has no op)."""
     work_per_sample: np.ndarray = None
+    reads: list = None
+    """Per group: ``(fixed, per_sample, producer position or None, forward positions, backward
+    positions, tensor index)`` of every tensor its ops read that a forward op produced or that is a user input
+    (producer None: made outside the group, or a user input; positions: of the group's ops
+    reading it in that phase). What activation recomputation keeps and re-makes
+    (:meth:`recompute_bytes`)."""
+    rc_fixed: np.ndarray = None
+    """[K] bytes a data-parallel replica of a recomputed group holds: ``rc_fixed + rc_per_sample * b``
+    (parameters, buffers and the group's inputs instead of its saved values)."""
+    rc_per_sample: np.ndarray = None
+    rc_work_fixed: np.ndarray = None
+    """[K] the recomputed values live at the group's backward (added to its working set):
+    ``rc_work_fixed + rc_work_per_sample * b``."""
+    rc_work_per_sample: np.ndarray = None
 
     def __post_init__(self):
         k = self.num_groups
@@ -97,6 +111,39 @@ class GraphStatic:
             w = self.work_pos[g]
             if len(w):
                 self.work_fixed[g], self.work_per_sample[g] = w[:, 0].max(), w[:, 1].max()
+        self.rc_fixed, self.rc_per_sample = np.zeros(k), np.zeros(k)
+        self.rc_work_fixed, self.rc_work_per_sample = np.zeros(k), np.zeros(k)
+        if self.reads is None:
+            self.reads = [[] for _ in range(k)]
+        for g in range(k):
+            hf, hp, tf, tp = self.recompute_bytes(g, self.lo[g], self.hi[g])
+            self.rc_fixed[g] = self.static_pos[g].sum() + self.buffer_pos[g].sum() + hf
+            self.rc_per_sample[g] = hp
+            self.rc_work_fixed[g], self.rc_work_per_sample[g] = tf, tp
+
+    def recompute_bytes(self, g: int, lo: int, hi: int, only=None) -> tuple[float, float, float, float]:
+        """Activation recomputation of the unit computing forward positions ``[lo, hi)`` of group
+        ``g`` (the whole group or an ``mp`` chunk): ``(held fixed, held per sample, transient
+        fixed, transient per sample)`` bytes. Held from its forward to its backward: every tensor
+        made outside the unit (another group or chunk, a user input) that the unit's forward or
+        backward reads (its inputs, and what its backward reads from elsewhere). Transient, at its
+        backward: the values the unit's own forward makes that its backward reads (made again by
+        the recompute). Without recomputation the unit holds ``saved`` (what its backward reads).
+        ``only``: count only these tensors (indices)."""
+        hf = hp = tf = tp = 0.0
+        for fixed, per_sample, src, fwd, bwd, t in self.reads[g]:
+            if only is not None and t not in only:
+                continue
+            read_f = any(lo <= x < hi for x in fwd)
+            read_b = any(lo <= x < hi for x in bwd)
+            if src is not None and lo <= src < hi:  # made by the unit: re-made before its backward
+                if read_b:
+                    tf += fixed
+                    tp += per_sample
+            elif read_f or read_b:
+                hf += fixed
+                hp += per_sample
+        return hf, hp, tf, tp
 
 
 def build_static(graph) -> GraphStatic:
@@ -135,6 +182,7 @@ def build_static(graph) -> GraphStatic:
     buffer_pos = [np.zeros(h - lo_) for lo_, h in pos]
     work_pos = [np.zeros((h - lo_, 2)) for lo_, h in pos]
     saved_map: dict[tuple[int, int], list[int]] = {}  # (tensor, group) -> bwd consumer positions
+    read_map: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (tensor, group) -> (fwd, bwd) positions
     seen_buf: set[tuple[int, int, int]] = set()
     for i, op in enumerate(ops):
         if op.phase == "opt":
@@ -148,8 +196,10 @@ def build_static(graph) -> GraphStatic:
             if tt.producer < 0 and tt.kind in ("buffer", "const") and (t, g, slot(g, ps)) not in seen_buf:
                 seen_buf.add((t, g, slot(g, ps)))
                 buffer_pos[g][slot(g, ps)] += tt.nbytes.fixed
-            if ph == BWD and (tt.kind == "input" or (tt.producer >= 0 and eff[tt.producer][2] == FWD)):
-                saved_map.setdefault((t, g), []).append(ps)
+            if tt.kind == "input" or (tt.producer >= 0 and eff[tt.producer][2] == FWD):
+                read_map.setdefault((t, g), ([], []))[ph == BWD].append(ps)
+                if ph == BWD:
+                    saved_map.setdefault((t, g), []).append(ps)
             if tt.producer >= 0 or t in owner:
                 cons.setdefault((t, g), []).append((ps, ph))
 
@@ -169,5 +219,11 @@ def build_static(graph) -> GraphStatic:
     for (t, g), ps in saved_map.items():
         nb = tensors[t].nbytes
         saved[g].append((nb.fixed, nb.per_sample, sorted(set(ps))))
+    reads: list[list[tuple]] = [[] for _ in range(k)]
+    for (t, g), (fwd, bwd) in read_map.items():
+        tt = tensors[t]
+        src = eff[tt.producer] if tt.producer >= 0 else None
+        reads[g].append((tt.nbytes.fixed, tt.nbytes.per_sample, src[1] if src is not None and src[0] == g else None,
+                         sorted(set(fwd)), sorted(set(bwd)), t))
     return GraphStatic(k, graph.batch_size, lo, hi, edges, sorted(edges), grad_bytes, grad_bytes.tolist(), static_pos,
-                       buffer_pos, saved, work_pos)
+                       buffer_pos, saved, work_pos, reads=reads)

@@ -143,17 +143,41 @@ def _outside_saved_per_sample(graph, k: int) -> np.ndarray:
 _OUTSIDE: dict[int, tuple[object, np.ndarray]] = {}
 
 
+def _outside_recompute_per_sample(graph, static) -> tuple[np.ndarray, np.ndarray]:
+    """``([K], [K])`` per-sample bytes a recomputed group holds and has live again at its backward
+    (:meth:`GraphStatic.recompute_bytes`) of the tensors outside the Megatron blocks."""
+    interior = block_interior(graph).tensors
+    outside = {t for rows in static.reads for *_, t in rows if t not in interior}
+    k = static.num_groups
+    held, live = np.zeros(k), np.zeros(k)
+    for g in range(k):
+        _, held[g], _, live[g] = static.recompute_bytes(g, static.lo[g], static.hi[g], only=outside)
+    return held, live
+
+
 def tp_group(sim, g: int, gp, lowered) -> GroupData:
     """:class:`GroupData` of group ``g`` deployed tensor parallel as ``gp`` (``lowered``: its units)."""
     devs, batches = tuple(gp.devices), lowered[0].batches
-    lay = tp_layout(sim, devs, batches, tp_degree(gp), gp.sequence_parallel)
+    t = tp_degree(gp)
+    lay = tp_layout(sim, devs, batches, t, gp.sequence_parallel)
+    if gp.recompute:
+        if gp.sequence_parallel:
+            lay = sim.recompute_layout(lay)
+        else:  # plain: what is outside the blocks (inputs, recomputed values, the saved values no
+            # longer held) at the tensor-parallel group's batch, what is inside at the shard's
+            more = np.array([sum(batches[i - i % t:i - i % t + t]) - batches[i] for i in range(len(batches))],
+                            dtype=float)[None, :]
+            held, live = _outside_recompute_per_sample(sim.graph, sim.static)
+            saved = _outside_saved_per_sample(sim.graph, sim.static.num_groups)
+            lay = sim.recompute_layout(lay, held[:, None] * more, live[:, None] * more, saved[:, None] * more)
     unit = Unit(g, -1, devs, batches, lay.starts, lay)
     split = group_split(sim.graph, g).split_bytes
     total = float(sim.static.grad_bytes[g])
-    t = sim.comm.tensor_parallel_sync_time(tp_groups(gp), split, max(0.0, total - split), gp.sequence_parallel)
-    if t <= 0:
-        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=("dp", devs, batches))
+    ts = sim.comm.tensor_parallel_sync_time(tp_groups(gp), split, max(0.0, total - split), gp.sequence_parallel)
+    if ts <= 0:
+        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=("dp", devs, batches),
+                         recompute=gp.recompute)
     mo = sim.comm.machine_of
     machines = tuple(sorted({mo[d] for d in devs}))
-    return GroupData([unit], "tp", t, tuple(sorted(devs)), machines if len(machines) > 1 else (), total,
-                     layout=lay, ukey=("dp", devs, batches))
+    return GroupData([unit], "tp", ts, tuple(sorted(devs)), machines if len(machines) > 1 else (), total,
+                     layout=lay, ukey=("dp", devs, batches), recompute=gp.recompute)

@@ -138,6 +138,8 @@ class GroupData:
     """The data-parallel layout (``None`` for ``mp``)."""
     lid: int = 0
     """``layout.uid``, or ``-serial`` for ``mp`` (no two groups share it)."""
+    recompute: bool = False
+    """``GroupPlan.recompute``: the units' costs are those of activation recomputation."""
     ukey: tuple = ()
     """What the replica-level moves into and out of the group depend on: ``("dp", devices,
     batches)`` or ``("mp", devices)`` (every chunk holds the full batch)."""
@@ -200,16 +202,52 @@ def make_layout(static: GraphStatic, tables: np.ndarray, dev_class: list[int], d
                   rows=[None] * k)
 
 
-def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi: int) -> Unit:
-    """Chunk ``j`` (positions [lo, hi)) of mp group ``g`` on ``device``, full batch."""
+def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, saved=None) -> Layout:
+    """``lay`` with every group under activation recomputation (``GroupPlan.recompute``): backward
+    seconds = forward + backward seconds; held bytes = ``lay``'s less the saved activations plus
+    the group's inputs (:meth:`GraphStatic.recompute_bytes`, at each replica's batch); working set
+    + the recomputed values. ``held`` / ``live`` / ``saved``: [K, R] bytes held, live at the
+    backward, and saved bytes ``lay`` holds, beyond those at the replica's batch (plain tensor
+    parallelism: what is outside the Megatron blocks is at the tensor-parallel group's batch)."""
+    dur = lay.dur.copy()
+    dur[BWD] += dur[FWD]
+    b = np.asarray(lay.batches, dtype=float)[None, :]
+    mem = (lay.mem + (static.rc_fixed - static.mem_fixed)[:, None]
+           + (static.rc_per_sample - static.mem_per_sample)[:, None] * b)
+    work = lay.work + static.rc_work_fixed[:, None] + static.rc_work_per_sample[:, None] * b
+    for extra, sign in ((held, 1.0), (saved, -1.0)):
+        if extra is not None:
+            mem = mem + sign * extra
+    if live is not None:
+        work = work + live
+    k, r = dur.shape[1], dur.shape[2]
+    cum_f = lay.cum_fwd.copy()
+    cum_b = np.zeros((k + 1, r))
+    np.cumsum(dur[BWD][::-1], axis=0, out=cum_b[1:])
+    gsum = dur.sum(axis=(0, 2))
+    return Layout(lay.devices, lay.batches, lay.dev_arr, dur, cum_f, cum_b, mem, work, lay.starts, gsum, gsum.tolist(),
+                  rows=[None] * k)
+
+
+def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi: int,
+            recompute: bool = False) -> Unit:
+    """Chunk ``j`` (positions [lo, hi)) of mp group ``g`` on ``device``, full batch; ``recompute``:
+    under activation recomputation (backward seconds + forward seconds; its inputs held instead
+    of its saved values, which are live again at its backward: :meth:`GraphStatic.recompute_bytes`)."""
     bsz = static.batch_size
     table = costs.table(device)
     a, z = lo - static.lo[g], hi - static.lo[g]
     dur = tuple(float(table[g, ph, bsz] * costs.position_weights(g, ph)[a:z].sum()) for ph in range(3))
-    saved = sum(f + p * bsz for f, p, ps in static.saved[g] if any(lo <= x < hi for x in ps))
-    mem = float(static.static_pos[g][a:z].sum() + static.buffer_pos[g][a:z].sum() + saved)
     w = static.work_pos[g][a:z]
     work = float(w[:, 0].max() + w[:, 1].max() * bsz) if len(w) else 0.0
+    if recompute:
+        hf, hp, tf, tp = static.recompute_bytes(g, lo, hi)
+        held = hf + hp * bsz
+        work += tf + tp * bsz
+        dur = (dur[0], dur[1] + dur[0], dur[2])
+    else:
+        held = sum(f + p * bsz for f, p, ps in static.saved[g] if any(lo <= x < hi for x in ps))
+    mem = float(static.static_pos[g][a:z].sum() + static.buffer_pos[g][a:z].sum() + held)
     return Unit(g, j, (device,), (bsz,), (0,), None, dur, mem, work, lo, hi)
 
 
@@ -312,5 +350,5 @@ def _piece_bytes(pieces: list, fixed: float, per_sample: float, batches) -> list
     return [(i, j, per_sample * n if n >= 0 else fixed + per_sample * batches[i]) for i, j, n in pieces]
 
 
-__all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "SfbData", "Unit", "make_layout", "mp_unit",
+__all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "SfbData", "Unit", "make_layout", "mp_unit", "recompute_layout",
            "pair_flows", "pair_kinds", "PairTemplate"]
