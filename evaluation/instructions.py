@@ -48,7 +48,7 @@ def _serve(steps: dict) -> None:
         print("done", flush=True)
 
 
-def _executor_steps(spec: str) -> dict:
+def _executor_steps(spec: str, batch: int | None = None) -> dict:
     import torch
 
     from evaluation.executor_overhead import UNSEEN, one_cpu_topology
@@ -64,11 +64,11 @@ def _executor_steps(spec: str) -> dict:
     torch.set_num_threads(1)
     spec = UNSEEN.get(spec, spec)
     topo = load_topology(one_cpu_topology(Path(tempfile.mkdtemp(prefix="tag-instr-"))))
-    wl = load_workload(spec, seed=0)
+    wl = load_workload(spec, batch=batch, seed=0)
     graph = capture(wl, optimizer="adam", num_groups=48).graph
     plan = new_plan(graph, topo, [GroupPlan([0], [1.0]) for _ in range(graph.num_groups)])
     sched = build_schedule(graph, plan, topo.machine_of, None)
-    twin = load_workload(spec, seed=0)  # the rank's own copy of the weights
+    twin = load_workload(spec, batch=batch, seed=0)  # the rank's own copy of the weights
     rt = RankRuntime(0, sched, tuple(twin.inputs), {twin.batch_size: export_at(twin.model, twin.make_inputs,
                                                                                twin.batch_size)}, "adam")
     opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3, foreach=True)
