@@ -526,7 +526,7 @@ class RankRuntime:
                 # The gradients are used in place, without a copy: with no weight decay neither
                 # Adam nor SGD writes into ``grad``, and ``env`` is cleared below.
                 # (each call only where needed: detach + reshape cost ~5 us a parameter on the
-                # development VM, 4% of the zoo mlp's step; segments run under no_grad, and only a
+                # development VM, 1-4% of the zoo mlp's step; segments run under no_grad, and only a
                 # bucket's flat slices differ in shape)
                 for p, key in self._grad_keys:
                     g = self.env[key]
