@@ -27,7 +27,18 @@ resident-set high-water mark over the timed run minus the optimizer state it cre
 iterations need above parameters and optimizer state; the largest rank's; allocator thresholds
 pinned so freed memory stays with the process: ``tag.executor.worker.host_memory``).
 
+In-process A/B (``--interleaved ROUNDS``): one more process per model, one thread pinned to the
+first core, holds both an eager model and a single-device rank's runtime
+(:func:`evaluation.instructions._executor_steps`: the rank's walk without ``tag execute``'s
+launcher and barrier) and alternates blocks of ``--block`` iterations of each, in an order
+shuffled per round (seed 0), ROUNDS times; the ratio is the median of the per-round ratios (time
+and thread CPU time). Alternating blocks of a few iterations cancels what moves the separate
+processes' figures (another job's burst, the VM's speed between blocks of seconds): on the 2-core
+development VM the per-round ``tag-1 / eager`` ratio of separate 20-step processes ranged over
+0.54-1.39 for the 2-4 ms mlp step (``results/executor-overhead/mlp-7-rounds-2026-11-26``).
+
     PYTHONPATH=. python -m evaluation.executor_overhead [--models mlp gpt2] [--rounds 5] [--steps 20]
+        [--configs eager tag-1] [--interleaved 100 --block 10]
 
 writes ``evaluation/results/executor-overhead/{results.json,README.md,plot.png}``.
 """
@@ -118,6 +129,41 @@ def run_ddp(spec: str, batch: int, steps: int, warmup: int, rank: int, world: in
     return out
 
 
+def run_interleaved(spec: str, batch: int, rounds: int, block: int) -> dict:
+    """Eager and the single-device rank's iteration in this process, in alternating blocks (module
+    docstring): per round and configuration, seconds and thread CPU seconds per iteration."""
+    import random
+
+    from evaluation.instructions import _executor_steps
+
+    _setup(1, 0, 1)
+    steps = _executor_steps(spec, batch)  # (a few warm-up iterations of each included)
+    out = {c: {"times": [], "cpu": []} for c in steps}
+    order = list(steps)
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for c in order:
+            fn = steps[c]
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(block):
+                fn()
+            out[c]["times"].append((time.perf_counter() - t0) / block)
+            out[c]["cpu"].append((time.thread_time() - c0) / block)
+    return out
+
+
+def interleaved(spec: str, batch: int, rounds: int, block: int) -> dict:
+    r = _result(_subprocess("interleaved", spec=spec, batch=batch, rounds=rounds, block=block))
+
+    def ratio(key):
+        return statistics.median(t / e for e, t in zip(r["eager"][key], r["tag-1"][key]))
+
+    return {"rounds": rounds, "block": block, "time_ratio": ratio("times"), "cpu_ratio": ratio("cpu"),
+            "median_time_s": {c: statistics.median(x["times"]) for c, x in r.items()},
+            "median_cpu_s": {c: statistics.median(x["cpu"]) for c, x in r.items()}, "runs": r}
+
+
 def _subprocess(kind: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-m", "evaluation.executor_overhead", "--_run",
@@ -188,7 +234,10 @@ def plans(graph, folder: Path, name: str) -> dict[str, tuple[str, str]]:
 
 
 def measure(models: list[str], batches: dict[str, int], rounds: int, steps: int, warmup: int, groups: int,
-            log=print) -> dict:
+            log=print, configs: list[str] = CONFIGS, interleave: int = 0, block: int = 10) -> dict:
+    """Per model: the ``configs`` in separate processes, ``rounds`` times (module docstring), and with
+    ``interleave`` > 0 the in-process A/B of eager and tag-1 over that many rounds of ``block``
+    iterations each."""
     from tag.graph import capture
     from tag.workloads import load_workload
 
@@ -202,11 +251,11 @@ def measure(models: list[str], batches: dict[str, int], rounds: int, steps: int,
         params = sum(p.nbytes for p in graph.params)
         log(f"{name}: batch {wl.batch_size}, {len(graph.params)} parameters ({params / 2**20:.1f} MiB), "
             f"{graph.num_groups} groups")
-    runs: dict[str, dict[str, list[dict]]] = {s: {c: [] for c in CONFIGS} for s in models}
+    runs: dict[str, dict[str, list[dict]]] = {s: {c: [] for c in configs} for s in models}
     for r in range(rounds):
         for name in models:
             spec, graph, batch, pl = setups[name]
-            for c in CONFIGS:
+            for c in configs:
                 if c == "eager":
                     x = eager(spec, batch, steps, warmup)
                 elif c == "ddp":
@@ -221,21 +270,28 @@ def measure(models: list[str], batches: dict[str, int], rounds: int, steps: int,
         rr = runs[name]
 
         def ratio(a, b, key="time_s", rr=rr):
-            vals = [x[key] / y[key] for x, y in zip(rr[a], rr[b]) if y[key] > 0]
+            vals = [x[key] / y[key] for x, y in zip(rr.get(a, ()), rr.get(b, ())) if y[key] > 0]
             return statistics.median(vals) if vals else None
+
+        def med(key, rr=rr):
+            return {c: statistics.median(x[key] for x in rr[c]) if rr[c] else None for c in configs}
 
         out[name] = {
             "spec": setups[name][0],
             "batch": setups[name][2],
-            "median_time_s": {c: statistics.median(x["time_s"] for x in rr[c]) for c in CONFIGS},
-            "median_peak_above_bytes": {c: statistics.median(x["peak_above_bytes"] for x in rr[c]) for c in CONFIGS},
-            "median_cpu_s": {c: statistics.median(x["cpu_s"] for x in rr[c]) for c in CONFIGS},
+            "median_time_s": med("time_s"),
+            "median_peak_above_bytes": med("peak_above_bytes"),
+            "median_cpu_s": med("cpu_s"),
             "time_ratio": {"tag-1/eager": ratio("tag-1", "eager"), "tag-dp/ddp": ratio("tag-dp", "ddp")},
             "cpu_ratio": {"tag-1/eager": ratio("tag-1", "eager", "cpu_s"), "tag-dp/ddp": ratio("tag-dp", "ddp", "cpu_s")},
             "memory_ratio": {"tag-1/eager": ratio("tag-1", "eager", "peak_above_bytes"),
                              "tag-dp/ddp": ratio("tag-dp", "ddp", "peak_above_bytes")},
             "runs": rr,
         }
+    for name in models if interleave > 0 else ():
+        x = out[name]["interleaved"] = interleaved(setups[name][0], setups[name][2], interleave, block)
+        log(f"{name} in-process A/B, {interleave} rounds of {block} iterations: tag-1 / eager "
+            f"{x['time_ratio']:.3f} (CPU time {x['cpu_ratio']:.3f})")
     return out
 
 
@@ -255,12 +311,24 @@ def write(results: dict, meta: dict, out: Path) -> None:
         "CPU-time ratios tag-1 / eager, tag-dp / DDP | memory above params+state, MiB: eager / tag-1 / DDP / tag-dp |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    def f(x, scale=1.0, fmt=".3f"):
+        return "-" if x is None else f"{x * scale:{fmt}}"
+
     for spec, r in results.items():
         t, m, q, c = r["median_time_s"], r["median_peak_above_bytes"], r["time_ratio"], r["cpu_ratio"]
-        lines.append(f"| {spec} ({r['batch']}) | {t['eager'] * 1e3:.2f} | {t['tag-1'] * 1e3:.2f} | "
-                     f"{q['tag-1/eager']:.3f} | {t['ddp'] * 1e3:.2f} | {t['tag-dp'] * 1e3:.2f} | "
-                     f"{q['tag-dp/ddp']:.3f} | {c['tag-1/eager']:.3f}, {c['tag-dp/ddp']:.3f} | "
-                     + " / ".join(f"{m[c] / 2**20:.1f}" for c in CONFIGS) + " |")
+        lines.append(f"| {spec} ({r['batch']}) | {f(t.get('eager'), 1e3, '.2f')} | {f(t.get('tag-1'), 1e3, '.2f')} | "
+                     f"{f(q['tag-1/eager'])} | {f(t.get('ddp'), 1e3, '.2f')} | {f(t.get('tag-dp'), 1e3, '.2f')} | "
+                     f"{f(q['tag-dp/ddp'])} | {f(c['tag-1/eager'])}, {f(c['tag-dp/ddp'])} | "
+                     + " / ".join(f(m.get(c), 2**-20, ".1f") for c in CONFIGS) + " |")
+    ab = {spec: r["interleaved"] for spec, r in results.items() if "interleaved" in r}
+    if ab:
+        lines += ["", "In-process A/B (eager and the rank's iteration alternating in one process; module docstring):", "",
+                  "| model | rounds x iterations | eager ms | tag-1 ms | tag-1 / eager | CPU time: eager ms, tag-1 ms, ratio |",
+                  "|---|---|---|---|---|---|"]
+        for spec, x in ab.items():
+            t, c = x["median_time_s"], x["median_cpu_s"]
+            lines.append(f"| {spec} | {x['rounds']} x {x['block']} | {t['eager'] * 1e3:.3f} | {t['tag-1'] * 1e3:.3f} | "
+                         f"{x['time_ratio']:.3f} | {c['eager'] * 1e3:.3f}, {c['tag-1'] * 1e3:.3f}, {x['cpu_ratio']:.3f} |")
     lines += ["", "CPU time: the main thread's CPU seconds per iteration (`time.thread_time`; the slowest rank's), "
               "medians and ratios as for the step time: what each configuration computes, apart from waits and "
               "from the time other jobs on a shared host take from it.", "",
@@ -301,13 +369,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--groups", type=int, default=48)
+    p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS,
+                   help="configurations run in separate processes (default: all)")
+    p.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
+                   help="also the in-process A/B of eager and tag-1, this many rounds (0: not run)")
+    p.add_argument("--block", type=int, default=10, help="iterations per block of the in-process A/B")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--_run", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a._run:
         kw = json.loads(a._run)
         kind = kw.pop("kind")
-        print(json.dumps(run_eager(**kw) if kind == "eager" else run_ddp(**kw)))
+        run = {"eager": run_eager, "ddp": run_ddp, "interleaved": run_interleaved}[kind]
+        print(json.dumps(run(**kw)))
         return 0
     import torch
 
@@ -315,10 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     meta = {"command": "PYTHONPATH=. python -m evaluation.executor_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
             "date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__, "cpus": os.cpu_count(),
-            "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup, "groups": a.groups}
+            "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup, "groups": a.groups,
+            "configs": a.configs, "interleaved": a.interleaved, "block": a.block}
     load0 = os.getloadavg()[0]
     results = measure(a.models, batches, a.rounds, a.steps, a.warmup, a.groups,
-                      log=lambda m: print(m, file=sys.stderr, flush=True))
+                      log=lambda m: print(m, file=sys.stderr, flush=True), configs=a.configs,
+                      interleave=a.interleaved, block=a.block)
     meta["load"] = f"{load0:.1f} / {os.getloadavg()[0]:.1f}"
     write(results, meta, Path(a.out))
     print((Path(a.out) / "README.md").read_text())

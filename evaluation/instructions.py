@@ -6,7 +6,9 @@ Each configuration runs in one process under ``valgrind --tool=callgrind --instr
 set-up (imports, capture, export) runs uninstrumented; then, per request, instrumentation is
 switched on (``callgrind_control -i on``), the counters zeroed, N steps run, and the counters
 dumped (``callgrind_control -d``). Instructions are not time (cache misses, memory bandwidth and
-BLAS threading are not in them), but a fixed per-step cost shows in them exactly.
+BLAS threading are not in them), but a fixed per-step cost shows in them exactly. ``--cache-sim``
+adds valgrind's simulated cache misses and its estimate of cycles (instruction-cache misses showed
+what instructions did not: 2026-11-26, the executor's ``torch.ops`` calls).
 
 * ``executor``: one iteration of eager PyTorch (``model(*inputs)``, ``backward``,
   ``Adam(foreach=True)``) against one iteration of ``tag execute``'s single-device plan as its
@@ -14,7 +16,7 @@ BLAS threading are not in them), but a fixed per-step cost shows in them exactly
 * ``sim``: one :meth:`Simulator.run` of the ``evaluation/sim_speed.py`` workloads, in this tree
   and in another one (``--vs``, e.g. a git worktree of an older commit).
 
-    PYTHONPATH=. python -m evaluation.instructions executor [--models mlp gpt2] [--steps 20]
+    PYTHONPATH=. python -m evaluation.instructions executor [--models mlp gpt2] [--steps 20] [--cache-sim]
     PYTHONPATH=. python -m evaluation.instructions sim --vs ../old-tree [--workloads dp:20 mcts:100]
 
 Needs ``valgrind`` and ``callgrind_control`` on PATH (a minute or more per configuration: the
@@ -48,7 +50,7 @@ def _serve(steps: dict) -> None:
         print("done", flush=True)
 
 
-def _executor_steps(spec: str) -> dict:
+def _executor_steps(spec: str, batch: int | None = None) -> dict:
     import torch
 
     from evaluation.executor_overhead import UNSEEN, one_cpu_topology
@@ -64,11 +66,11 @@ def _executor_steps(spec: str) -> dict:
     torch.set_num_threads(1)
     spec = UNSEEN.get(spec, spec)
     topo = load_topology(one_cpu_topology(Path(tempfile.mkdtemp(prefix="tag-instr-"))))
-    wl = load_workload(spec, seed=0)
+    wl = load_workload(spec, batch=batch, seed=0)
     graph = capture(wl, optimizer="adam", num_groups=48).graph
     plan = new_plan(graph, topo, [GroupPlan([0], [1.0]) for _ in range(graph.num_groups)])
     sched = build_schedule(graph, plan, topo.machine_of, None)
-    twin = load_workload(spec, seed=0)  # the rank's own copy of the weights
+    twin = load_workload(spec, batch=batch, seed=0)  # the rank's own copy of the weights
     rt = RankRuntime(0, sched, tuple(twin.inputs), {twin.batch_size: export_at(twin.model, twin.make_inputs,
                                                                                twin.batch_size)}, "adam")
     opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3, foreach=True)
@@ -112,12 +114,20 @@ def _sim_steps() -> dict:
 
 
 # ---- the controller ----------------------------------------------------------------------------
-def count(serve_args: list[str], requests: list[tuple[str, int]], tree: Path = REPO) -> dict[str, float]:
-    """Instructions per call of each request ``(name, count)`` in a served process of ``tree``."""
+def count(serve_args: list[str], requests: list[tuple[str, int]], tree: Path = REPO,
+          events: dict[str, dict[str, float]] | None = None) -> dict[str, float]:
+    """Instructions per call of each request ``(name, count)`` in a served process of ``tree``.
+
+    ``events`` given: valgrind simulates the caches too (``--cache-sim=yes``, its model of the
+    host's L1 and last-level caches) and ``events[name]`` receives every counter per call
+    (``Ir``, ``I1mr``, ``D1mr``, ``D1mw``, ``ILmr``, ``DLmr``, ``DLmw``: instructions, first-level
+    misses of instruction reads, data reads and writes, the same for the last level) and ``est``,
+    the estimate of cycles ``callgrind_annotate`` uses: Ir + 10 L1 misses + 100 last-level misses."""
     out = Path(tempfile.mkdtemp(prefix="tag-callgrind-")) / "cg"
     # run as a file: the served process imports ``tag`` (and ``evaluation``) from ``tree`` only
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p",
+           *(["--cache-sim=yes"] if events is not None else []),
            sys.executable, str(Path(__file__).resolve()), "--_serve", *serve_args]
     p = subprocess.Popen(cmd, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, text=True)
@@ -143,8 +153,17 @@ def count(serve_args: list[str], requests: list[tuple[str, int]], tree: Path = R
             if new:
                 break
             time.sleep(0.2)
-        m = re.search(r"^(?:summary|totals):\s*(\d+)", Path(new[-1]).read_text(), re.M)
-        res[name] = res.get(name, 0.0) + int(m.group(1)) / n / (sum(1 for r, _ in requests if r == name))
+        text = Path(new[-1]).read_text()
+        names = re.search(r"^events:\s*(.*)$", text, re.M).group(1).split()
+        values = re.search(r"^(?:summary|totals):\s*(.*)$", text, re.M).group(1).split()
+        per_call = {k: int(v) / n / sum(1 for r, _ in requests if r == name) for k, v in zip(names, values)}
+        res[name] = res.get(name, 0.0) + per_call["Ir"]
+        if events is not None:
+            per_call["est"] = per_call["Ir"] + 10 * sum(per_call.get(k, 0.0) for k in ("I1mr", "D1mr", "D1mw")) \
+                + 100 * sum(per_call.get(k, 0.0) for k in ("ILmr", "DLmr", "DLmw"))
+            acc = events.setdefault(name, {})
+            for k, v in per_call.items():
+                acc[k] = acc.get(k, 0.0) + v
     p.stdin.close()
     p.wait()
     return res
@@ -155,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("what", nargs="?", choices=["executor", "sim"])
     ap.add_argument("--models", nargs="+", default=["mlp", "gpt2"], help="executor: zoo names or mixer / encoder")
     ap.add_argument("--steps", type=int, default=20, help="executor: iterations counted per configuration")
+    ap.add_argument("--cache-sim", action="store_true",
+                    help="executor: simulate the caches too (misses and estimated cycles; slower)")
     ap.add_argument("--vs", default=None, help="sim: another tree to count too (its tag, this script)")
     ap.add_argument("--workloads", nargs="+", default=["dp:20", "mcts:100", "walk:10"], metavar="NAME:N")
     ap.add_argument("--_serve", nargs="*", help=argparse.SUPPRESS)
@@ -163,11 +184,24 @@ def main(argv: list[str] | None = None) -> int:
         _serve(_executor_steps(a._serve[0]) if a._serve else _sim_steps())
         return 0
     if a.what == "executor":
-        print("| model | eager instructions / iteration | tag-1 | tag-1 / eager |\n|---|---:|---:|---:|")
+        ev: dict | None = {} if a.cache_sim else None
+        head = "| model | eager instructions / iteration | tag-1 | tag-1 / eager |"
+        if a.cache_sim:
+            head += (" I1 misses eager, tag-1 | D1 misses eager, tag-1 | last-level misses eager, tag-1 |"
+                     " estimated cycles eager, tag-1, ratio |")
+        print(head + "\n|---|" + "---:|" * (head.count("|") - 2))
         for m in a.models:
-            r = count([m], [("eager", a.steps), ("tag-1", a.steps)])
-            print(f"| {m} | {r['eager'] / 1e6:.2f}M | {r['tag-1'] / 1e6:.2f}M | {r['tag-1'] / r['eager']:.3f} |",
-                  flush=True)
+            r = count([m], [("eager", a.steps), ("tag-1", a.steps)], events=ev)
+            row = f"| {m} | {r['eager'] / 1e6:.2f}M | {r['tag-1'] / 1e6:.2f}M | {r['tag-1'] / r['eager']:.3f} |"
+            if ev is not None:
+                e, t = ev.pop("eager"), ev.pop("tag-1")
+
+                def pair(keys, e=e, t=t):
+                    return ", ".join(f"{sum(x.get(k, 0.0) for k in keys) / 1e3:.1f}k" for x in (e, t))
+
+                row += (f" {pair(['I1mr'])} | {pair(['D1mr', 'D1mw'])} | {pair(['ILmr', 'DLmr', 'DLmw'])} |"
+                        f" {e['est'] / 1e6:.2f}M, {t['est'] / 1e6:.2f}M, {t['est'] / e['est']:.3f} |")
+            print(row, flush=True)
     elif a.what == "sim":
         reqs = [(w.split(":")[0], int(w.split(":")[1])) for w in a.workloads]
         trees = {"this tree": REPO} | ({"--vs": Path(a.vs).resolve()} if a.vs else {})

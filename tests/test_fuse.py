@@ -1,4 +1,5 @@
-"""The fused segment's graph clean-up (tag.executor.fuse.simplify): what it drops, what it keeps."""
+"""The fused segment's graph clean-up (tag.executor.fuse.simplify) and its calls through torch's Python bindings
+(bind_fast): what they change, what they keep."""
 
 import torch
 import torch.fx as fx
@@ -49,3 +50,43 @@ def test_simplify_drops_dispatch_only_ops_and_keeps_semantics():
     for a, b in zip(ref, out):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert out[3] is not x and out[5] is not out[0]
+
+
+
+class _Record(fx.Interpreter):
+    """Runs a module, recording each node's value as ``meta["val"]`` (as export does)."""
+
+    def run_node(self, n):
+        n.meta["val"] = out = super().run_node(n)
+        return out
+
+
+def test_bind_fast_calls_the_same_overloads_through_torchs_bindings():
+    from tag.executor.fuse import bind_fast
+
+    g = fx.Graph()
+    x, w, y = g.placeholder("x"), g.placeholder("w"), g.placeholder("y")
+    h = g.call_function(aten.relu.default, (g.call_function(aten.mm.default, (x, g.call_function(
+        aten.permute.default, (w, [1, 0]))),),))
+    s = g.call_function(aten.sum.dim_IntList, (h, [0], True))  # torch.sum(h, [0], True): the same overload
+    lin = g.call_function(aten.linear.default, (x, w))  # composite: torch.nn.functional.linear dispatches t + addmm
+    gr = g.call_function(aten.threshold_backward.default, (h, h, 0))  # no Python binding
+    z = g.call_function(aten.scalar_tensor.default, (0,), {"dtype": torch.float32, "device": torch.device("cpu")})
+    # torch.mul(x, 2.0) dispatches aten.mul.Tensor (the number wrapped in a tensor): kept
+    m = g.call_function(aten.mul.Scalar, (x, 2.0))
+    g.output((s, lin, gr, g.call_function(aten.ne.Scalar, (y, -100)), z, m))
+    args = (torch.randn(5, 4), torch.randn(3, 4), torch.tensor([1, -100, 3]))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    _Record(gm).run(*args)
+    ref = gm(*args)
+    assert bind_fast(g) == 6
+    gm.recompile()
+    targets = [n.target for n in g.nodes if n.op == "call_function"]
+    assert {torch.permute, torch.mm, torch.relu, torch.sum, torch.ne, torch.scalar_tensor} <= set(targets)
+    assert {aten.linear.default, aten.threshold_backward.default, aten.mul.Scalar} <= set(targets)
+    for a, b in zip(ref, gm(*args)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    g = fx.Graph()  # no recorded values: nothing can be checked, nothing is bound
+    x = g.placeholder("x")
+    g.output((g.call_function(aten.relu.default, (x,)),))
+    assert bind_fast(g) == 0
