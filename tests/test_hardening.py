@@ -710,3 +710,18 @@ def test_plan_op_group_lines_at_512_devices():
     ramp = [d + 1.0 for d in range(64)]
     line = _describe(hetero, GroupPlan(list(range(64)), [s / sum(ramp) for s in ramp]))
     assert line.endswith("(shares 0.000-0.031 over 64 devices)"), line
+
+
+def test_topology_show_at_512_devices(capsys):
+    """Alike machines share one row of the machine table above 8 machines, and a uniform network
+    is one line (as a uniform latency was): h100-512gpu in 9 lines, not 64 rows and a 64 x 64
+    matrix."""
+    rc, out, _ = run_tag(capsys, "topology", "show", "h100-512gpu")
+    lines = out.strip().splitlines()
+    assert rc == 0 and len(lines) == 9, out
+    assert lines[4].split()[:4] == ["h100-00..h100-63", "(64", "machines)", "H100-SXM"], lines
+    assert "Inter-machine bandwidth: 400 Gbit/s" in lines and "Inter-machine latency: 10 us" in lines
+    rc, out, _ = run_tag(capsys, "topology", "show", "hetero-64gpu")
+    rows = [line.split()[0] for line in out.splitlines()[4:7]]
+    assert rc == 0 and rows == ["a100-00..a100-01", "v100-00..v100-03", "t4-00..t4-03"], out
+    assert "Inter-machine bandwidth:\n" in out  # not uniform (100 and 25 Gbit/s): the matrix
