@@ -688,3 +688,40 @@ def test_plan_out_of_memory_on_64_devices_is_one_line(tmp_path, capsys):
     assert line.startswith("tag plan: error: every plan searched runs out of memory, also with activation "
                            "recomputation where the search may use it; the best: device 8 (b:0) needs "), line
     assert "of 58.6 KiB, and 63 more devices over capacity; no plan written" in line, line
+
+
+def test_plan_op_group_lines_at_512_devices():
+    """An op-group over many machines is described by their range and count, many unequal
+    shares by runs of equal ones or their range: one short line either way."""
+    from tag.cli.plan import _describe
+    from tag.plan import GroupPlan
+
+    h100 = load_topology("h100-512gpu")  # 64 machines of 8
+    assert _describe(h100, GroupPlan(list(range(512)), [1 / 512] * 512)) == \
+        "allreduce on h100-00..h100-63 (64 machines) (shares 0.002 x512)"
+    assert _describe(h100, GroupPlan(list(range(0, 512, 2)), [1 / 256] * 256)) == \
+        "allreduce on h100-00..h100-63 (256 devices of 64 machines) (shares 0.004 x256)"
+    assert _describe(h100, GroupPlan([0, 8, 48, 49], [0.25] * 4)) == \
+        "allreduce on h100-00[0]+h100-01[0]+h100-06[0, 1] (shares 0.250 x4)"  # a few machines: each named
+    hetero = load_topology("hetero-64gpu")  # 16 A100, 32 V100, 16 T4 on 10 machines
+    speed = [4.0] * 16 + [2.0] * 32 + [1.0] * 16
+    line = _describe(hetero, GroupPlan(list(range(64)), [s / 144 for s in speed]))
+    assert line == "allreduce on a100-00..t4-03 (10 machines) (shares 0.028 x16, 0.014 x32, 0.007 x16)"
+    ramp = [d + 1.0 for d in range(64)]
+    line = _describe(hetero, GroupPlan(list(range(64)), [s / sum(ramp) for s in ramp]))
+    assert line.endswith("(shares 0.000-0.031 over 64 devices)"), line
+
+
+def test_topology_show_at_512_devices(capsys):
+    """Alike machines share one row of the machine table above 8 machines, and a uniform network
+    is one line (as a uniform latency was): h100-512gpu in 9 lines, not 64 rows and a 64 x 64
+    matrix."""
+    rc, out, _ = run_tag(capsys, "topology", "show", "h100-512gpu")
+    lines = out.strip().splitlines()
+    assert rc == 0 and len(lines) == 9, out
+    assert lines[4].split()[:4] == ["h100-00..h100-63", "(64", "machines)", "H100-SXM"], lines
+    assert "Inter-machine bandwidth: 400 Gbit/s" in lines and "Inter-machine latency: 10 us" in lines
+    rc, out, _ = run_tag(capsys, "topology", "show", "hetero-64gpu")
+    rows = [line.split()[0] for line in out.splitlines()[4:7]]
+    assert rc == 0 and rows == ["a100-00..a100-01", "v100-00..v100-03", "t4-00..t4-03"], out
+    assert "Inter-machine bandwidth:\n" in out  # not uniform (100 and 25 Gbit/s): the matrix

@@ -142,15 +142,27 @@ def run(args) -> int:
     return 0
 
 
+FOLD_MACHINES = 4
+"""Machines of an op-group above which its line gives their range and count, not each name."""
+FOLD_SHARES = 8
+"""Shares of an op-group above which its line gives runs of equal shares (``0.021 x16``), and
+above which many runs their range."""
+
+
 def _describe(topo, gp) -> str:
     per: dict[int, list[int]] = {}
     for d in gp.devices:
         per.setdefault(topo.machine_of(d), []).append(d)
-    parts = []
-    for m, ds in per.items():
-        mach = topo.machines[m]
-        parts.append(mach.name if len(ds) == mach.count else f"{mach.name}{[topo.devices[d].local_index for d in ds]}")
-    where = "+".join(parts)
+    whole = {m for m, ds in per.items() if len(ds) == topo.machines[m].count}
+    if len(per) > FOLD_MACHINES:  # h100-00..h100-63 (64 machines), not 64 names
+        ms = sorted(per)
+        span = f"{topo.machines[ms[0]].name}..{topo.machines[ms[-1]].name} " if ms == list(range(ms[0], ms[-1] + 1)) \
+            else ""
+        where = span + (f"({len(ms)} machines)" if len(whole) == len(ms) else
+                        f"({len(gp.devices)} devices of {len(ms)} machines)")
+    else:
+        where = "+".join(topo.machines[m].name if m in whole else
+                         f"{topo.machines[m].name}{[topo.devices[d].local_index for d in ds]}" for m, ds in per.items())
     from ..parallel import strategy_of
     from ..topology.units import format_count
 
@@ -159,6 +171,15 @@ def _describe(topo, gp) -> str:
     shares = ", ".join(f"{s:.2f}" for s in gp.shares)
     if len(set(round(s, 3) for s in gp.shares)) == 1 and len(gp.shares) > 3:
         shares = f"{gp.shares[0]:.3f} x{len(gp.shares)}"
+    elif len(gp.shares) > FOLD_SHARES:  # runs of equal shares: 0.021 x16, 0.012 x32, 0.005 x16
+        runs: list[list] = []
+        for v in (round(s, 3) for s in gp.shares):
+            if runs and runs[-1][0] == v:
+                runs[-1][1] += 1
+            else:
+                runs.append([v, 1])
+        shares = ", ".join(f"{v:.3f}" + (f" x{n}" if n > 1 else "") for v, n in runs) if len(runs) <= FOLD_SHARES \
+            else f"{min(gp.shares):.3f}-{max(gp.shares):.3f} over {len(gp.shares)} devices"
     sync = gp.sync if len(gp.devices) > 1 else "single"
     extra = f", server {topo.devices[gp.server].name}" if gp.server is not None else ""
     if gp.tp is not None:  # tensor parallel: devices per tensor-parallel group

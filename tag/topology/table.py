@@ -29,6 +29,10 @@ def render_table(header: list[str], rows: list[list[str]], right: set[int] | Non
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
 
 
+FOLD_MACHINES = 8
+"""Machines above which consecutive machines with alike rows share one row of the machine table."""
+
+
 def format_topology(topo: Topology) -> str:
     """Readable summary: machines (gpu, count, FP32 TFLOP/s, memory, memory and intra bandwidth,
     intra latency), then the machine x machine network bandwidth (and latency when not uniform)."""
@@ -51,15 +55,29 @@ def format_topology(topo: Topology) -> str:
         ]
         for m in topo.machines
     ]
+    if topo.num_machines > FOLD_MACHINES:  # runs of alike machines: h100-00..h100-63 (64 machines)
+        runs: list[list] = []
+        for r in rows:
+            if runs and runs[-1][0][1:] == r[1:]:
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        rows = [run[0] if len(run) == 1 else [f"{run[0][0]}..{run[-1][0]} ({len(run)} machines)", *run[0][1:]]
+                for run in runs]
     parts = [title, "", render_table(header, rows)]
     if topo.num_machines > 1:
         names = [m.name for m in topo.machines]
         count = topo.num_machines
-        bw_rows = [
-            [a] + ["-" if i == j else format_bandwidth(topo.machine_bandwidth(i, j), bits=True, digits=4) for j in range(count)]
-            for i, a in enumerate(names)
-        ]
-        parts += ["", "Inter-machine bandwidth:", render_table(["", *names], bw_rows)]
+        bandwidths = {topo.machine_bandwidth(i, j) for i in range(count) for j in range(count) if i != j}
+        if len(bandwidths) == 1:
+            parts += ["", f"Inter-machine bandwidth: {format_bandwidth(bandwidths.pop(), bits=True, digits=4)}"]
+        else:
+            bw_rows = [
+                [a] + ["-" if i == j else format_bandwidth(topo.machine_bandwidth(i, j), bits=True, digits=4)
+                       for j in range(count)]
+                for i, a in enumerate(names)
+            ]
+            parts += ["", "Inter-machine bandwidth:", render_table(["", *names], bw_rows)]
         latencies = {topo.machine_latency(i, j) for i in range(count) for j in range(count) if i != j}
         if len(latencies) == 1:
             parts += ["", f"Inter-machine latency: {format_time(latencies.pop(), digits=4)}"]
