@@ -66,6 +66,7 @@ from .units import (
     PairTemplate,
     SyncJob,
     Unit,
+    at_batch,
     make_layout,
     mp_unit,
     pair_kinds,
@@ -383,7 +384,8 @@ def wake_extra(sim: Simulator, unit: Unit, g: int, ph: int, start: list[float], 
         if gap <= 0.0:
             continue
         if unit.layout is not None:
-            x = w[0][g, ph, unit.batches[r]]
+            comp = unit.layout.compute
+            x = w[0][g, ph, unit.batches[r]] if comp is None else at_batch(w[0][g, ph], comp[r])
         else:
             b = sim.graph.batch_size
             full = sim.tables[sim.dev_class[d]][g, ph, b]
@@ -1106,6 +1108,10 @@ def _holdings(sim, gds, micro: _Micro | None = None):
             extra = micro.flight[stage] - 1
             for g in gs:
                 lay = micro.gds[0][g].layout
+                if lay.saved is not None:
+                    for d, b in zip(lay.devices, lay.saved[g].tolist()):
+                        mem[d] += extra * b
+                    continue
                 for d, b in zip(lay.devices, lay.batches):
                     mem[d] += extra * float(per_sample[g]) * b
         return opt, mem, work, holds, gcomp

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..parallel.moves import move_pieces
+from ..parallel.moves import holder_sets, move_pieces
 from .static import BWD, FWD, PARAM, GraphStatic
 
 
@@ -54,6 +54,13 @@ class Layout:
     rows: list = field(default_factory=list)
     """Per group, made on first use by :meth:`row` (scalar access in the event loop):
     ``[fwd, bwd, opt, mem, work]`` lists over the replicas."""
+    saved: np.ndarray | None = None
+    """[K, R] bytes of the activations one run (a pipeline's micro-batch) saves for the backward,
+    where they are not ``mem_per_sample x batches`` (a tensor-parallel device's: part of its
+    replica's samples at ``1 / T`` of the features, :mod:`tag.sim.tensor_parallel`)."""
+    compute: tuple[float, ...] | None = None
+    """Per replica, the samples its per-batch cost tables are read at where that is not its batch
+    (a tensor-parallel device: ``1 / T`` of its replica's samples, possibly fractional)."""
 
     def row(self, g: int) -> list:
         r = self.rows[g]
@@ -179,6 +186,16 @@ class Flow:
     """Flows this one stands for (a message of several flows between the same two devices)."""
 
 
+def at_batch(table: np.ndarray, x: float) -> np.ndarray:
+    """``table[..., x]`` for a batch ``x`` that may be fractional: linear between the integer
+    batches around it (the exact entry at an integer)."""
+    lo = int(x)
+    f = x - lo
+    if f == 0.0:
+        return table[..., lo]
+    return (1.0 - f) * table[..., lo] + f * table[..., lo + 1]
+
+
 def make_layout(static: GraphStatic, tables: np.ndarray, dev_class: list[int], devices: tuple[int, ...],
                 batches: tuple[int, ...]) -> Layout:
     """``tables``: [C, K, 3, B+1] seconds per device class."""
@@ -298,19 +315,33 @@ class PairTemplate:
         self.by_dst = list(by_dst.items())
 
 
-def _pieces(kind: str, src: Unit, dst: Unit, mo) -> list[tuple[int, int, int]]:
-    """(producer replica, consumer replica, samples of a ``rows`` piece or -1) of the pieces that
-    cross devices, per the move rules (:func:`tag.parallel.move_pieces`)."""
+def _pieces(kind: str, src: Unit, dst: Unit, mo) -> list[tuple[int, int, int, float]]:
+    """(producer replica, consumer replica, samples of a ``rows`` piece or -1, fraction moved: 1,
+    or ``1 / size`` of a ``shard`` piece into a consumer holder set of ``size``) of the pieces
+    that cross devices, per the move rules (:func:`tag.parallel.move_pieces`)."""
     sd, dd = src.devices, dst.devices
-    return [(i, j, hi - lo if mode == "rows" else -1)
-            for i, j, mode, lo, hi in move_pieces(kind, src, dst, mo.__getitem__) if mode != "zeros" and sd[i] != dd[j]]
+    out = []
+    size = None
+    for i, j, mode, lo, hi in move_pieces(kind, src, dst, mo.__getitem__):
+        if mode == "zeros" or sd[i] == dd[j]:
+            continue
+        frac = 1.0
+        if mode == "shard":
+            if size is None:
+                size = [0] * len(dd)
+                for a, b in holder_sets(dst):
+                    size[a:b] = [b - a] * (b - a)
+            frac = 1.0 / size[j]
+        out.append((i, j, hi - lo if kind == "rows" else -1, frac))
+    return out
 
 
 def _piece_bytes(pieces: list, fixed: float, per_sample: float, batches) -> list[tuple[int, int, float]]:
     """(producer replica, consumer replica, bytes) of ``pieces`` of a tensor bundle of ``fixed +
-    per_sample * b`` bytes: rows by overlap, a copy or a partial sum at the producer's batch."""
-    return [(i, j, per_sample * n if n >= 0 else fixed + per_sample * batches[i]) for i, j, n in pieces]
+    per_sample * b`` bytes: rows by overlap, a copy or a partial sum at the producer's batch
+    (times the fraction moved)."""
+    return [(i, j, (per_sample * n if n >= 0 else fixed + per_sample * batches[i]) * f) for i, j, n, f in pieces]
 
 
-__all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "SfbData", "Unit", "make_layout", "mp_unit",
+__all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "SfbData", "Unit", "at_batch", "make_layout", "mp_unit",
            "pair_flows", "pair_kinds", "PairTemplate"]
