@@ -373,6 +373,7 @@ def test_replicas_of_one_sample(gpt2, v100):
     and the whole of them outside; a pipeline holds its in-flight micro-batches' activations
     likewise. Sequence parallelism keeps a token shard per device: a sample each."""
     from tag.parallel.strategy import strategy_of, validate_group
+    from tag.parallel.tensor_parallel import executed_plan
     from tag.sim import Simulator
     from tag.sim.tensor_parallel import _outside_saved_per_sample
 
@@ -387,7 +388,13 @@ def test_replicas_of_one_sample(gpt2, v100):
     with pytest.raises(PlanError, match=r"^layout: micro: 4 micro-batches over dp\*tp = 4 token shards need at least "
                                         r"16 samples, batch is 8$"):
         layout_plan(gpt2, v100, Layout(dp=2, tp=2, pp=2, micro=4, sp=1), costs)
-    # a replica's share is the sum of its devices' shares; more replicas than samples: one line
+    # a replica's share is the sum of its devices' shares, rounded per replica as the executor
+    # runs it (per device, 6 samples over 4 devices were 2, 2, 1, 1: groups of 4 and 2)
+    four = GroupPlan([0, 1, 2, 3], [0.25] * 4, sync="tp", tp=2)
+    (unit,) = strategy_of(four).units(0, four, gpt2, 6)
+    assert [tuple(r) for r in unit.replicas] == [(0, 0, 3), (1, 0, 3), (2, 3, 6), (3, 3, 6)]
+    assert executed_plan(new_plan(gpt2, v100, [four] * gpt2.num_groups)).groups[0].shares == [0.5, 0.5]
+    # more replicas than samples: one line
     eight = GroupPlan(list(range(8)), [1 / 8] * 8, sync="tp", tp=2)
     validate_group(eight, gpt2, 0, 8, "g", batch_size=4)
     with pytest.raises(PlanError, match=r"^g\.devices: 4 replicas but batch 3; every replica needs at least one "

@@ -7,7 +7,8 @@ token shard of ``b = B / T`` samples each (own ranges, as data-parallel replicas
 :func:`tp_layout` costs it for every group ``g`` as tensor parallel (all groups at once so
 consecutive ``tp`` groups stay one vectorised segment). With ``b = B / T``, fractional when a
 group has fewer samples than devices (a cost table read between its integer batches, linearly:
-``1 / T`` of one sample's block features is ``1 / T`` of its FLOPs and bytes):
+``1 / T`` of one sample's block features is ``1 / T`` of its FLOPs and activation bytes; as at
+any ``b``, the split weights are read whole by the cost, which overstates a small ``b``):
 
 * compute: the Megatron blocks' ops (:func:`~tag.parallel.tensor_parallel.block_interior`: the
   split matmuls, the per-head ops between them, their gradients) cost what ``b`` samples cost
@@ -27,15 +28,15 @@ group has fewer samples than devices (a cost table read between its integer batc
   Megatron holds the activations saved for the backward outside the blocks at ``B`` samples
   (those inside at ``b``) and its largest op's working set at ``B``;
 * the gradient sync (:meth:`CommModel.tensor_parallel_sync_time`, per variant) is issued like a
-  data-parallel one, not coalesced with other groups'.
-
+  data-parallel one, not coalesced with other groups';
 * a pipeline holds, per micro-batch in flight, a device's saved activations at ``b`` inside the
   blocks and (plain) at ``B`` outside (:attr:`Layout.saved <tag.sim.units.Layout.saved>`).
 
 Tensors crossing between a ``tp`` group and another unit (mixed plans, pipelines of ``tp``
-groups: simulated, not executed) move by :func:`tag.parallel.move_pieces`: from one device of a
-plain group (the consumer's aligned rank), to each device of it; per token shard with sequence
-parallelism.
+groups: simulated, not executed) move by :func:`tag.parallel.move_pieces`: out of a plain group
+from one of its devices (the consumer's aligned rank), into it to each device (from another
+machine ``1 / T`` to each, the group all-gathering the rest, uncosted); per token shard with
+sequence parallelism.
 """
 
 from __future__ import annotations
