@@ -14,15 +14,15 @@ unit every replica is a holder set of its own, and the rules below reduce to one
   device, else its *aligned* one (for consumer replica ``j`` the set's ``j mod size``-th: the
   devices of a tensor-parallel consumer from the same ranks of the producer's, each sending once)
   if on its machine, else the first on its machine, else the aligned one (into a set of several
-  devices as ``shard`` pieces).
-  So a tensor-parallel unit's output (or, in the backward, the gradient of its input, equal on
-  its devices after the block's all-reduce) is sent once per consumer replica, never once per
-  holder; every device of a consumer holder set receives what it computes on.
+  devices as ``shard`` pieces). So a tensor-parallel unit's output (or, in the backward, the
+  gradient of its input, equal on its devices after the block's all-reduce) is sent once per
+  consumer replica, never once per holder; every device of a consumer holder set receives what
+  it computes on.
 * ``shard``: rows (or a copy) entering a consumer holder set of ``size`` devices from another
-  machine are scattered: each of its devices receives ``1 / size`` of them from its aligned producer and the
-  set all-gathers the rest on its machine (Megatron-LM's scatter-gather of pipeline tensors: one
-  copy of the tensor crosses the network, not ``size``; the all-gather over the machine's links
-  is not costed). Not executed (the executor runs no holder sets: it runs a tensor-parallel plan
+  machine are scattered: each of its devices receives ``1 / size`` of them from its aligned
+  producer and the set all-gathers the rest on its machine (Megatron-LM's scatter-gather of
+  pipeline tensors: one copy of the tensor crosses the network, not ``size``; the all-gather
+  over the machine's links is not costed). Not executed (the executor runs no holder sets: it runs a tensor-parallel plan
   as the data-parallel plan over each group's first device).
 * ``copy`` (a non-batch forward tensor): every consumer replica receives the whole tensor from
   one producer replica: the one on its device, else on its machine, else the first. With a
@@ -77,7 +77,8 @@ def move_pieces(kind: str, src, dst, machine_of: Callable[[int], int]) -> list[P
                 if sets_s[i][1] - a == 1 and sets_d[j][1] - c == 1:  # data parallel on both sides
                     out.append((a, c, "rows", lo, hi))
                 else:
-                    out += _from_set(src.devices, sets_s[i], dst.devices, sets_d[j], machine_of, lo, hi)
+                    pick = _holder(src.devices, sets_s[i], machine_of, spread=True)
+                    out += _from_set(pick, src.devices, dst.devices, sets_d[j], machine_of, "rows", lo, hi)
             if pe <= ce:
                 i += 1
             if ce <= pe:
@@ -93,24 +94,23 @@ def move_pieces(kind: str, src, dst, machine_of: Callable[[int], int]) -> list[P
         pick = _holder(src.devices, run, machine_of)
         return [(pick(d, j), j, "copy", 0, 0) for j, d in enumerate(dst.devices)]
     # a tensor-parallel side: every producer replica holds the tensor; as rows, from the aligned one
-    return [(i, r, "shard" if mode == "shard" else "copy", 0, 0)
-            for c in sets_d for i, r, mode, _, _ in _from_set(src.devices, run, dst.devices, c, machine_of, 0, 0)]
+    pick = _holder(src.devices, run, machine_of, spread=True)
+    return [p for c in sets_d for p in _from_set(pick, src.devices, dst.devices, c, machine_of, "copy", 0, 0)]
 
 
-def _from_set(devices, run: tuple[int, int], dst_devices, dst_run: tuple[int, int], machine_of,
+def _from_set(pick, devices, dst_devices, dst_run: tuple[int, int], machine_of, mode: str,
               lo: int, hi: int) -> list[Piece]:
-    """Rows ``[lo, hi)`` of producer holder set ``run`` for every replica of consumer holder set
-    ``dst_run``: from the holder on its device or machine; else, for a consumer set of several
-    devices, 1/size of them from the aligned holder (``shard``: the consumer's devices all-gather
-    the rest on their machine), one consumer replica from the aligned holder otherwise."""
-    pick = _holder(devices, run, machine_of, spread=True)
+    """Pieces of ``mode`` for every replica of consumer holder set ``dst_run`` from the producer
+    replica ``pick`` chooses (:func:`_holder`); ``shard`` instead where the set has several
+    devices and that replica is on another machine (1/size to each, the rest all-gathered
+    there)."""
     size = dst_run[1] - dst_run[0]
     out = []
     for r in range(*dst_run):
         d = dst_devices[r]
         i = pick(d, r)
         far = size > 1 and machine_of(devices[i]) != machine_of(d)
-        out.append((i, r, "shard" if far else "rows", lo, hi))
+        out.append((i, r, "shard" if far else mode, lo, hi))
     return out
 
 
