@@ -80,7 +80,7 @@ def test_layout_plans(mlp, topo4):
     assert simulate(mlp, topo4, pp).iteration_time_s > 0
     with pytest.raises(PlanError, match=r"^layout: dp\*tp\*pp = 2\*1\*1 = 2 devices, but topology 'local-cpu4' has 4"):
         layout_plan(mlp, topo4, Layout(dp=2), costs)
-    with pytest.raises(PlanError, match=r"^layout: micro: 8 micro-batches over dp\*tp = 2 devices need at least 16 samples"):
+    with pytest.raises(PlanError, match=r"^layout: micro: 8 micro-batches over dp = 2 replicas need at least 16 samples"):
         layout_plan(mlp, topo4, Layout(dp=2, pp=2, micro=8), costs)
 
 
@@ -102,7 +102,7 @@ def test_layout_grid_and_its_best(mlp, topo4):
     grid = layout_grid(mlp, topo4)
     assert Layout(dp=4) in grid and Layout(dp=2, pp=2, micro=4) in grid and Layout(dp=1, pp=4, micro=8) in grid
     assert Layout(dp=2, pp=2, micro=4, cut="memory") in grid
-    assert all(g.devices == 4 and g.micro * g.dp * g.tp <= B for g in grid)
+    assert all(g.devices == 4 and g.micro * g.replicas <= B for g in grid)
     assert not any(g.pp == 1 and g.micro > 1 for g in grid)
     sim = Simulator(mlp, topo4)
     runs = []

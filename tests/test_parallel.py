@@ -88,6 +88,53 @@ def test_move_pieces():
     assert move_pieces("sum", src, both, same) == [(0, 1, "sum", 0, 0), (1, 0, "sum", 0, 0), (-1, 2, "zeros", 0, 0)]
 
 
+def test_move_pieces_with_holder_sets():
+    """Replicas holding the same samples (a tensor-parallel unit's devices): a tensor leaving them
+    moves once per consumer replica, from the holder on its device, else its aligned one (same
+    rank) or one on its machine, else the aligned one; one entering them reaches each, from
+    another machine 1/size to each device (``shard``); their equal partial sums count once."""
+    machine = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2}.__getitem__
+    tp = Unit((0, 0), "tp", [Replica(0, 0, 4), Replica(1, 0, 4), Replica(2, 4, 8), Replica(3, 4, 8)])
+    dp = Unit((1, 0), "allreduce", [Replica(1, 0, 2), Replica(4, 2, 6), Replica(3, 6, 8)])
+    # leaving: device 1 holds rows 0-4 itself, device 4 (no holder on its machine) gets them from
+    # each set's (1 mod 2)-th holder (replica 1: its consumer index)
+    assert move_pieces("rows", tp, dp, machine) == [(1, 0, "rows", 0, 2), (1, 1, "rows", 2, 4),
+                                                    (3, 1, "rows", 4, 6), (3, 2, "rows", 6, 8)]
+    # tensor parallel on other machines: device k of a group from device k of the producer's
+    far_tp = Unit((1, 0), "tp", [Replica(5, 0, 4), Replica(6, 0, 4), Replica(7, 4, 8), Replica(8, 4, 8)])
+    farm = {0: 0, 1: 0, 2: 1, 3: 1, 5: 2, 6: 2, 7: 3, 8: 3}.__getitem__
+    assert move_pieces("rows", tp, far_tp, farm) == [(0, 0, "shard", 0, 4), (1, 1, "shard", 0, 4),
+                                                     (2, 2, "shard", 4, 8), (3, 3, "shard", 4, 8)]
+    # ... and on the same machines, the whole rows from the same rank
+    near = {0: 0, 1: 0, 2: 1, 3: 1, 5: 0, 6: 0, 7: 1, 8: 1}.__getitem__
+    assert move_pieces("rows", tp, far_tp, near) == [(0, 0, "rows", 0, 4), (1, 1, "rows", 0, 4),
+                                                     (2, 2, "rows", 4, 8), (3, 3, "rows", 4, 8)]
+    # entering: both devices of a tensor-parallel group receive what they compute on; from
+    # another machine (device 4's rows) half each, the pair all-gathering the rest
+    assert move_pieces("rows", dp, tp, machine) == [(0, 0, "rows", 0, 2), (0, 1, "rows", 0, 2),
+                                                    (1, 0, "shard", 2, 4), (1, 1, "shard", 2, 4),
+                                                    (1, 2, "shard", 4, 6), (1, 3, "shard", 4, 6),
+                                                    (2, 2, "rows", 6, 8), (2, 3, "rows", 6, 8)]
+    # the same tensor-parallel groups on both sides: every piece stays on its device
+    assert [(i, j) for i, j, *_ in move_pieces("rows", tp, tp, machine)] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    # a copy: from any holder (each computed it), aligned as rows; device 4 from replica 1 mod 4
+    assert move_pieces("copy", tp, dp, machine) == [(1, 0, "copy", 0, 0), (1, 1, "copy", 0, 0),
+                                                    (3, 2, "copy", 0, 0)]
+    assert move_pieces("copy", tp, far_tp, farm) == [(i, i, "shard", 0, 0) for i in range(4)]
+    # one partial per holder set: from its holder on a consumer device, staying there
+    assert move_pieces("sum", tp, dp, machine) == [(1, 0, "sum", 0, 0), (3, 2, "sum", 0, 0), (-1, 1, "zeros", 0, 0)]
+    # a set without a holder on a consumer device: every partial goes to the first replica
+    far = Unit((1, 0), "allreduce", [Replica(4, 0, 4), Replica(0, 4, 8)])
+    assert move_pieces("sum", tp, far, machine) == [(0, 0, "sum", 0, 0), (2, 0, "sum", 0, 0), (-1, 1, "zeros", 0, 0)]
+    # a tensor-parallel consumer: each device of the receiving holder set syncs its own copy
+    assert move_pieces("sum", tp, tp, machine) == [(0, 0, "sum", 0, 0), (1, 1, "sum", 0, 0),
+                                                   (2, 2, "sum", 0, 0), (3, 3, "sum", 0, 0)]
+    assert move_pieces("sum", dp, tp, machine) == [(0, 0, "sum", 0, 0), (0, 1, "sum", 0, 0),
+                                                   (1, 0, "sum", 0, 0), (1, 1, "sum", 0, 0),
+                                                   (2, 0, "sum", 0, 0), (2, 1, "sum", 0, 0),
+                                                   (-1, 2, "zeros", 0, 0), (-1, 3, "zeros", 0, 0)]
+
+
 def test_a_new_strategy_drops_in(ps_first, mlp, topo4):
     """Registered in this test only: the simulator costs it and the executor runs it exactly like
     the equivalent built-in plan (PS on the first replica), and training equals single-process."""

@@ -363,9 +363,74 @@ def test_layouts_with_tensor_parallelism(gpt2, v100):
     grid = layout_grid(gpt2, v100)
     assert {g.tp for g in grid} == {1, 2, 4}  # 8 would span the 4-GPU machines
     assert {(g.tp > 1, g.sp) for g in grid} == {(False, 0), (True, 0), (True, 1)}  # both variants of tp
-    assert all(g.dp * g.tp * g.pp == 8 and g.micro * g.dp * g.tp <= 8 for g in grid)
-    with pytest.raises(PlanError, match=r"^layout: micro: 4 micro-batches over dp\*tp = 4 devices need at least 16"):
-        layout_plan(gpt2, v100, Layout(dp=2, tp=2, pp=2, micro=4), costs)
+    # a sample per replica and micro-batch, its tensor-parallel devices computing the same ones
+    assert all(g.dp * g.tp * g.pp == 8 and g.micro * g.dp <= 8 for g in grid)
+    assert Layout(dp=2, tp=2, pp=2, micro=4) in grid and Layout(dp=1, tp=4, pp=2, micro=8) in grid
+    with pytest.raises(PlanError, match=r"^layout: micro: 8 micro-batches over dp = 2 replicas need at least 16 "
+                                        r"samples, batch is 8$"):
+        layout_plan(gpt2, v100, Layout(dp=2, tp=2, pp=2, micro=8), costs)
+
+
+def test_replicas_of_one_sample(gpt2, v100):
+    """Micro-batches smaller than the tensor-parallel degree (plain Megatron): each
+    tensor-parallel group is one sample replica (its devices hold the same range), costed on
+    1 / T of its samples inside the blocks (fractional: between the cost tables' integer batches)
+    and the whole of them outside; a pipeline holds its in-flight micro-batches' activations
+    likewise. Sequence parallelism keeps a token shard per device: a sample each."""
+    from tag.parallel.strategy import strategy_of, validate_group
+    from tag.parallel.tensor_parallel import executed_plan
+    from tag.sim import Simulator
+    from tag.sim.tensor_parallel import _outside_saved_per_sample
+
+    costs = CostModel.for_topology(gpt2, v100)
+    plan = layout_plan(gpt2, v100, Layout(dp=2, tp=2, pp=2, micro=4), costs)  # 2 samples per micro-batch
+    validate_plan(plan, gpt2, v100, pipelines=True, tensor_parallel=True)
+    gp = plan.groups[0]
+    (unit,) = strategy_of(gp).units(0, gp, gpt2, 2)
+    assert [tuple(r) for r in unit.replicas] == [(0, 0, 1), (1, 0, 1), (2, 1, 2), (3, 1, 2)]
+    res = simulate(gpt2, v100, plan, costs=costs)
+    assert res.iteration_time_s > 0 and not res.oom
+    with pytest.raises(PlanError, match=r"^layout: micro: 4 micro-batches over dp\*tp = 4 token shards need at least "
+                                        r"16 samples, batch is 8$"):
+        layout_plan(gpt2, v100, Layout(dp=2, tp=2, pp=2, micro=4, sp=1), costs)
+    # a replica's share is the sum of its devices' shares, rounded per replica as the executor
+    # runs it (per device, 6 samples over 4 devices were 2, 2, 1, 1: groups of 4 and 2)
+    four = GroupPlan([0, 1, 2, 3], [0.25] * 4, sync="tp", tp=2)
+    (unit,) = strategy_of(four).units(0, four, gpt2, 6)
+    assert [tuple(r) for r in unit.replicas] == [(0, 0, 3), (1, 0, 3), (2, 3, 6), (3, 3, 6)]
+    assert executed_plan(new_plan(gpt2, v100, [four] * gpt2.num_groups)).groups[0].shares == [0.5, 0.5]
+    # more replicas than samples: one line
+    eight = GroupPlan(list(range(8)), [1 / 8] * 8, sync="tp", tp=2)
+    validate_group(eight, gpt2, 0, 8, "g", batch_size=4)
+    with pytest.raises(PlanError, match=r"^g\.devices: 4 replicas but batch 3; every replica needs at least one "
+                                        r"sample$"):
+        validate_group(eight, gpt2, 0, 8, "g", batch_size=3)
+    eight.sequence_parallel = True
+    with pytest.raises(PlanError, match=r"^g\.devices: 8 replicas but batch 4; "):
+        validate_group(eight, gpt2, 0, 8, "g", batch_size=4)
+    sim = Simulator(gpt2, v100, costs)
+    static, k = sim.static, gpt2.num_groups
+    tab = sim.tables[sim.dev_class[0]]
+    outside = _outside_saved_per_sample(gpt2, k)
+    gds = [sim.group_data(g, GroupPlan([0, 1], [0.5, 0.5], sync="tp"), batch=1) for g in range(k)]
+    lay = gds[0].layout
+    assert lay.batches == (1, 1) and lay.starts == (0, 0) and lay.compute == (0.5, 0.5)
+    for g in range(k):
+        s = group_split(gpt2, g)
+        comm = [sum(costs.comm.tensor_parallel_time([0, 1], [a.at(1)]) for a in x) for x in (s.reduce_fwd, s.reduce_bwd)]
+        half = (tab[g, :2, 0] + tab[g, :2, 1]) / 2  # half a sample's seconds
+        compute = lay.dur[:2, g, 0] - comm
+        if s.blocks:
+            assert (compute >= half - 1e-12).all() and (compute <= tab[g, :2, 1] + 1e-12).all()
+            assert (compute < tab[g, :2, 1]).any()
+        else:
+            assert compute == pytest.approx(tab[g, :2, 1])
+        assert lay.saved[g] == pytest.approx([(static.mem_per_sample[g] + outside[g]) * 0.5] * 2)
+    # one stage on 8 micro-batches of 1 sample: GPipe holds 7 micro-batches' saved activations
+    # more than 1F1B (one in flight), each at half a sample inside the blocks, a sample outside
+    groups = [GroupPlan([0, 1], [0.5, 0.5], sync="tp") for _ in range(k)]
+    gpipe, f1b1 = (sim.run(groups, pipeline=PipelinePlan([0], 8, s)) for s in ("gpipe", "1f1b"))
+    assert gpipe.peak_memory_bytes[0] - f1b1.peak_memory_bytes[0] == pytest.approx(7 * lay.saved[:, 0].sum())
 
 
 def test_simulate_a_tensor_parallel_layout(capsys):
@@ -384,9 +449,9 @@ def test_the_planner_proposes_tensor_parallelism_where_it_pays(captured, tmp_pat
     pair four ways fits and keeps every GPU busy. ``find_plan`` (``pipelines="auto"``: ``tp``
     actions in the search space) finds a tensor-parallel plan, faster than TAG's action space
     alone, than every layout without tensor parallelism, and as fast as the best plain tensor-parallel
-    layout. Unconstrained (``executable=False``, ``tag plan --allow-unexecutable``) it puts the
-    groups outside the blocks data parallel beside the ``tp`` ones, a plan the executor refuses;
-    by default (``tag plan`` too) it returns the whole-plan ``tp`` plan the executor runs."""
+    layout, unconstrained (``executable=False``) or by default (``tag plan`` too: the whole-plan
+    ``tp`` plan the executor runs). ``tag plan --allow-unexecutable --pipelines grid`` returns the
+    grid's sequence-parallel layout and says the executor refuses it."""
     import yaml
 
     from tag.planner import find_plan
@@ -401,10 +466,9 @@ def test_the_planner_proposes_tensor_parallelism_where_it_pays(captured, tmp_pat
     topo = load_topology(path)
     searched = find_plan(graph, topo, prior="uniform", budget=100, pipelines="off", compression="off")
     best = find_plan(graph, topo, prior="uniform", budget=100, compression="off", executable=False)
-    # the layer pairs tensor parallel; groups outside the blocks go data parallel over the same
-    # devices (plain Megatron replicates their work, ccd7d5c), a mix the executor refuses
+    # every group tensor parallel: data parallel over the same devices beside the tp groups (faster
+    # at fcbba72) pays an all-gather entering each tp group, whose devices compute the same samples
     assert best.meta["source"] == "search" and sum(g.sync == "tp" for g in best.groups) >= 4
-    assert execution_refusal(best) is not None
     validate_plan(best, graph, topo, pipelines=True, tensor_parallel=True)
     assert searched.predicted_iteration_time_s is None or \
         best.predicted_iteration_time_s < searched.predicted_iteration_time_s
@@ -427,13 +491,14 @@ def test_the_planner_proposes_tensor_parallelism_where_it_pays(captured, tmp_pat
     assert execution_refusal(runs_) is None and {g.sync for g in runs_.groups} == {"tp"}
     validate_plan(runs_, graph, topo)  # tag execute's check
     assert runs_.predicted_iteration_time_s <= grid
-    # tag plan: the executable plan by default; --allow-unexecutable: the mix, and it says so
+    # tag plan: the executable plan by default; --allow-unexecutable with the grid: its faster
+    # sequence-parallel layout, and it says it is simulated only
     argv = ["plan", "--model", "mlp:layers=4,hidden=2048,in_dim=2048", "--batch", "512", "--groups", "8",
             "--topology", str(path), "--prior", "uniform", "--budget", "100", "--compression", "off"]
     out = tmp_path / "plan.json"
     assert main(argv + ["--out", str(out)]) == 0
     assert execution_refusal(Plan.load(out)) is None and "simulated only" not in capsys.readouterr().out
-    assert main(argv + ["--out", str(out), "--force", "--allow-unexecutable"]) == 0
+    assert main(argv + ["--out", str(out), "--force", "--allow-unexecutable", "--pipelines", "grid"]) == 0
     printed = capsys.readouterr().out
     why = execution_refusal(Plan.load(out))
     assert why is not None and f"simulated only: tag execute refuses this plan ({why})" in printed
@@ -447,14 +512,16 @@ def _assert_full_params(params, ref, graph):
         torch.testing.assert_close(params[name], ref[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("spec,batch,groups,devices", [(GPT2, 8, 6, [0, 1, 2, 3]), (LLAMA, 2, 4, [0, 1])])
+@pytest.mark.parametrize("spec,batch,groups,devices", [(GPT2, 8, 6, [0, 1, 2, 3]), (LLAMA, 2, 4, [0, 1]),
+                                                        (LLAMA, 1, 4, [0, 1])])
 def test_tensor_parallel_training_in_one_process(captured, v100, spec, batch, groups, devices):
     """Every device in one process (threads all-reduce): shards of half the split parameters, an
     all-reduce after each row matmul and each column input gradient (Llama: q, k, v and gate, up
     each have theirs), the loss reported once per tensor-parallel group. GPT-2: fused QKV, blocks
     straddling op-groups, 2 data-parallel replicas of 2-way tensor parallelism (gradients summed
     over the devices holding the same shard); Llama: rotary embeddings (a slice's gradient padded
-    with zeros), SiLU's backward constants."""
+    with zeros), SiLU's backward constants; at a batch of one sample, which both devices compute
+    (a tensor-parallel group is one sample replica)."""
     from tag.executor import reference_training, run_virtual
     from tag.workloads import load_workload
 

@@ -14,7 +14,10 @@ builds that plan so it can be simulated and compared with TAG's:
   parallel innermost, as Megatron places it; each group on one machine) and every op-group of
   the stage is ``tp`` (:mod:`tag.parallel.tensor_parallel`), the stage cuts falling between
   Megatron blocks; plain Megatron, or with ``sp=1`` Megatron-LM's ``--sequence-parallel``;
-* ``M`` micro-batches on schedule ``1f1b`` (default), ``gpipe`` or ``kfkb`` with ``k``;
+* ``M`` micro-batches on schedule ``1f1b`` (default), ``gpipe`` or ``kfkb`` with ``k``; each of
+  the ``D`` replicas needs a sample per micro-batch (``M * D <= B``), its ``T`` tensor-parallel
+  devices computing the same samples (Megatron-LM runs ``tp=8`` on micro-batches of one sample);
+  with ``sp=1`` every device needs one (``M * D * T <= B``: token shards modelled as samples);
 * ``cut=memory`` balances the stages' parameters, gradients and optimizer state instead;
 * ``recompute=1``: Megatron-LM's ``--recompute-granularity full`` (every op-group recomputes its
   activations, ``GroupPlan.recompute``).
@@ -82,6 +85,13 @@ class Layout:
     def devices(self) -> int:
         """Devices the layout occupies."""
         return self.dp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Sample ranges per stage, each needing a sample per micro-batch: the ``dp`` replicas (a
+        replica's ``tp`` devices compute the same samples), or with sequence parallelism every
+        device (its token shard modelled as its own samples, :mod:`tag.parallel.tensor_parallel`)."""
+        return self.dp * self.tp if self.sp else self.dp
 
 
 def parse_layout(text: str) -> Layout:
@@ -170,10 +180,11 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
     :class:`~tag.cost.CostModel` that balances the stages."""
     check_devices(layout, topology)
     width = layout.dp * layout.tp
-    if layout.micro > graph.batch_size or width > graph.batch_size // layout.micro:
-        # (tensor parallelism shards the tokens of a micro-batch by samples: one each at least)
-        raise PlanError(f"layout: micro: {layout.micro} micro-batches over dp*tp = {width} devices need at least "
-                        f"{layout.micro * width} samples, batch is {graph.batch_size}")
+    replicas = layout.replicas
+    if layout.micro > graph.batch_size or replicas > graph.batch_size // layout.micro:
+        over = f"dp*tp = {replicas} token shards" if layout.sp else f"dp = {replicas} replicas"
+        raise PlanError(f"layout: micro: {layout.micro} micro-batches over {over} need at least "
+                        f"{layout.micro * replicas} samples, batch is {graph.batch_size}")
     if layout.tp > 1 and not megatron_blocks(graph):
         raise PlanError(f"layout: tp: model {graph.model!r} has no Megatron block (column- then row-parallel "
                         "matmuls) to split; expected tp=1")
@@ -185,7 +196,8 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
         for p in graph.params:
             held[p.group] += 2 * p.nbytes + p.opt_state_bytes
         stages = balanced_cuts(held, layout.pp, allowed)
-    else:  # a device runs ceil(B / (micro * dp * tp)) samples per micro-batch (the largest, even shares)
+    else:  # a device costed at ceil(B / (micro * dp * tp)) samples per micro-batch (a tp device computes
+        # 1/tp of its replica's B / (micro * dp) samples in the blocks; at least one: a balancing proxy)
         per_replica = -(-graph.batch_size // (layout.micro * width))
         stages = balanced_cuts([[layout.micro * max(sum(costs.group_time(g, ph, d, per_replica) for ph in ("fwd", "bwd"))
                                                     + costs.group_time(g, "opt", d, per_replica) / layout.micro
@@ -210,7 +222,11 @@ def _spell(layout: Layout) -> str:
 
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-"""Micro-batch counts the layout grid tries (as Megatron users do: powers of two)."""
+"""Micro-batch counts the searches' pipeline decision offers (as Megatron users do: powers of two)."""
+
+GRID_MICRO_BATCHES = MICRO_BATCHES + (64,)
+"""Micro-batch counts the layout grid tries: also 64, Megatron-LM's micro-batch of one sample on
+``dp=8,tp=8`` over a batch of 512 (a tensor-parallel replica needs one sample, not ``tp``)."""
 
 
 def tp_degrees(graph, topology) -> list[int]:
@@ -227,7 +243,7 @@ def layout_grid(graph, topology) -> list[Layout]:
     """Every layout a Megatron/AMP user would search by hand on ``topology``: ``dp * tp * pp`` =
     the device count, ``tp`` of :func:`tp_degrees`, ``pp`` up to the op-group count (stage cuts
     between Megatron blocks when ``tp > 1``), 1F1B with each micro-batch count of
-    :data:`MICRO_BATCHES` that gives every device a sample (one micro-batch without a pipeline),
+    :data:`GRID_MICRO_BATCHES` that gives every replica a sample (one micro-batch without a pipeline),
     stages cut by time and by memory, tensor parallelism with and without sequence parallelism,
     each without and with full activation recomputation."""
     n, out = topology.num_devices, []
@@ -237,11 +253,12 @@ def layout_grid(graph, topology) -> list[Layout]:
             if n % (pp * tp):
                 continue
             dp = n // (pp * tp)
-            for micro in MICRO_BATCHES if pp > 1 else (1,):
-                if micro * dp * tp <= graph.batch_size:
-                    out += [Layout(dp=dp, tp=tp, pp=pp, micro=micro, cut=c, sp=sp, recompute=rc)
-                            for sp in ((0, 1) if tp > 1 else (0,)) for c in (CUTS if pp > 1 else CUTS[:1])
-                            for rc in (0, 1)]
+            for micro in GRID_MICRO_BATCHES if pp > 1 else (1,):
+                for sp in (0, 1) if tp > 1 else (0,):
+                    lay = [Layout(dp=dp, tp=tp, pp=pp, micro=micro, cut=c, sp=sp, recompute=rc)
+                           for c in (CUTS if pp > 1 else CUTS[:1]) for rc in (0, 1)]
+                    if micro * lay[0].replicas <= graph.batch_size:
+                        out += lay
     return out
 
 

@@ -3,16 +3,40 @@
 One implementation of docs/DESIGN.md's rules, used by the executor (per tensor,
 :func:`tag.parallel.schedule.build_schedule`) and by the simulator (per bundle of tensors of one
 kind, :class:`tag.sim.units.PairTemplate`). Units are anything with ``devices``, ``starts`` and
-``batches`` (replicas in plan order; sample ranges contiguous and increasing).
+``batches`` (replicas in plan order; sample ranges contiguous and non-decreasing). Consecutive
+replicas with the same range form one *holder set*: they hold the same samples (the devices of a
+tensor-parallel group, :mod:`tag.parallel.tensor_parallel`: the same batch-carrying values
+outside the Megatron blocks, the same partial sums of replicated parameters); in a data-parallel
+unit every replica is a holder set of its own, and the rules below reduce to one replica each.
 
 * ``rows`` (a batch-carrying tensor): every consumer replica receives the rows of every producer
-  replica whose sample range overlaps its own.
+  holder set whose sample range overlaps its own, from one holder of the set: the one on its
+  device, else its *aligned* one (for consumer replica ``j`` the set's ``j mod size``-th: the
+  devices of a tensor-parallel consumer from the same ranks of the producer's, each sending once)
+  if on its machine, else the first on its machine, else the aligned one (into a set of several
+  devices as ``shard`` pieces). So a tensor-parallel unit's output (or, in the backward, the
+  gradient of its input, equal on its devices after the block's all-reduce) is sent once per
+  consumer replica, never once per holder; every device of a consumer holder set receives what
+  it computes on.
+* ``shard``: rows (or a copy) entering a consumer holder set of ``size`` devices from another
+  machine are scattered: each of its devices receives ``1 / size`` of them from its aligned
+  producer and the set all-gathers the rest on its machine (Megatron-LM's scatter-gather of
+  pipeline tensors: one copy of the tensor crosses the network, not ``size``; the all-gather
+  over the machine's links is not costed). Not executed (the executor runs no holder sets: it runs a tensor-parallel plan
+  as the data-parallel plan over each group's first device).
 * ``copy`` (a non-batch forward tensor): every consumer replica receives the whole tensor from
-  one producer replica: the one on its device, else on its machine, else the first.
-* ``sum`` (a non-batch partial sum over a replica's samples, e.g. a tied weight's gradient):
-  when every producer replica's device also holds a consumer replica each partial stays there
-  (the consumer's replicas then hold partials that sum to the whole); else all go to the
-  consumer's first replica. Consumer replicas fed nothing get zeros (``zeros``, no data moves).
+  one producer replica: the one on its device, else on its machine, else the first. With a
+  tensor-parallel side (a holder set of several replicas) the producer replicas are taken as one
+  set and chosen as for ``rows`` (the aligned one, ``j mod`` their count; ``shard`` pieces, with
+  no sample range, into a set of several devices on another machine), so that consumers on other
+  machines do not all draw from the first replica.
+* ``sum`` (a non-batch partial sum over a holder set's samples, e.g. a tied weight's gradient):
+  one partial per producer holder set (its holders' partials are equal: counted once). When
+  every producer set has a holder on a device of the consumer, the partial goes to the consumer
+  holder set there (the consumer's sets then hold partials that sum to the whole); else all go to
+  the consumer's first set. Every replica of the receiving set gets it (the one on a producer
+  holder's device from that holder), as each device of a tensor-parallel group syncs its own
+  copy. Consumer replicas fed nothing get zeros (``zeros``, no data moves).
 """
 
 from __future__ import annotations
@@ -21,43 +45,118 @@ from collections.abc import Callable
 
 Piece = tuple[int, int, str, int, int]
 """(producer replica, consumer replica, mode, first sample, one past the last sample): replica
-indices in plan order; the sample range is set for ``rows`` only; a ``zeros`` piece has producer
-replica -1."""
+indices in plan order; the sample range is set for ``rows`` and ``shard`` only; a ``zeros`` piece
+has producer replica -1."""
+
+
+def holder_sets(unit) -> list[tuple[int, int]]:
+    """``[first, stop)`` replica index runs of ``unit`` holding the same sample range (plan order)."""
+    starts, batches = unit.starts, unit.batches
+    out, n, i = [], len(starts), 0
+    while i < n:
+        j = i + 1
+        while j < n and starts[j] == starts[i] and batches[j] == batches[i]:
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
 
 
 def move_pieces(kind: str, src, dst, machine_of: Callable[[int], int]) -> list[Piece]:
     """The pieces of one tensor of ``kind`` (``rows``, ``copy`` or ``sum``) from ``src`` to ``dst``."""
-    if kind == "rows":  # both sample partitions in order: merge them (pieces in sample order)
+    if kind == "rows":  # both partitions into holder sets in order: merge them (pieces in sample order)
         out: list[Piece] = []
-        i, j, ni, nj = 0, 0, len(src.batches), len(dst.batches)
+        sets_s, sets_d = holder_sets(src), holder_sets(dst)
+        i, j, ni, nj = 0, 0, len(sets_s), len(sets_d)
         ps, pb, cs, cb = src.starts, src.batches, dst.starts, dst.batches
         while i < ni and j < nj:
-            pe, ce = ps[i] + pb[i], cs[j] + cb[j]
-            lo, hi = max(cs[j], ps[i]), min(ce, pe)
+            a, c = sets_s[i][0], sets_d[j][0]
+            pe, ce = ps[a] + pb[a], cs[c] + cb[c]
+            lo, hi = max(cs[c], ps[a]), min(ce, pe)
             if hi > lo:
-                out.append((i, j, "rows", lo, hi))
+                if sets_s[i][1] - a == 1 and sets_d[j][1] - c == 1:  # data parallel on both sides
+                    out.append((a, c, "rows", lo, hi))
+                else:
+                    pick = _holder(src.devices, sets_s[i], machine_of, spread=True)
+                    out += _from_set(pick, src.devices, dst.devices, sets_d[j], machine_of, "rows", lo, hi)
             if pe <= ce:
                 i += 1
             if ce <= pe:
                 j += 1
         return out
     if kind == "sum":
-        at = {d: j for j, d in enumerate(dst.devices)}
-        local = all(d in at for d in src.devices)
-        out = [(i, at[d] if local else 0, "sum", 0, 0) for i, d in enumerate(src.devices)]
-        fed = {j for _, j, _, _, _ in out}
-        return out + [(-1, j, "zeros", 0, 0) for j in range(len(dst.devices)) if j not in fed]
+        return _sum_pieces(src, dst, machine_of)
     if kind != "copy":
         raise ValueError(f"move kind: expected rows, copy or sum, got {kind!r}")
-    # From the first producer replica on the consumer's device, else on its machine, else the
-    # first replica (one pass over the producers: O(n), not O(n^2) on 512 replicas).
+    run = (0, len(src.devices))
+    sets_s, sets_d = holder_sets(src), holder_sets(dst)
+    if len(sets_s) == run[1] and len(sets_d) == len(dst.devices):  # data parallel on both sides
+        pick = _holder(src.devices, run, machine_of)
+        return [(pick(d, j), j, "copy", 0, 0) for j, d in enumerate(dst.devices)]
+    # a tensor-parallel side: every producer replica holds the tensor; as rows, from the aligned one
+    pick = _holder(src.devices, run, machine_of, spread=True)
+    return [p for c in sets_d for p in _from_set(pick, src.devices, dst.devices, c, machine_of, "copy", 0, 0)]
+
+
+def _from_set(pick, devices, dst_devices, dst_run: tuple[int, int], machine_of, mode: str,
+              lo: int, hi: int) -> list[Piece]:
+    """Pieces of ``mode`` for every replica of consumer holder set ``dst_run`` from the producer
+    replica ``pick`` chooses (:func:`_holder`); ``shard`` instead where the set has several
+    devices and that replica is on another machine (1/size to each, the rest all-gathered
+    there)."""
+    size = dst_run[1] - dst_run[0]
+    out = []
+    for r in range(*dst_run):
+        d = dst_devices[r]
+        i = pick(d, r)
+        far = size > 1 and machine_of(devices[i]) != machine_of(d)
+        out.append((i, r, "shard" if far else mode, lo, hi))
+    return out
+
+
+def _holder(devices, run: tuple[int, int], machine_of: Callable[[int], int],
+            spread: bool = False) -> Callable[[int, int], int]:
+    """For consumer replica ``j`` on device ``d``: the replica of ``devices[run[0]:run[1]]`` on
+    ``d``, else the *aligned* one if on ``d``'s machine, else the first on that machine, else the
+    aligned one; aligned: the run's first, or with ``spread`` its ``j mod len(run)``-th (consumer
+    ``j`` of a tensor-parallel group from the same rank of the producer's: each of its devices
+    sends once). One pass over the run: O(n), not O(n^2) on 512 replicas."""
     on_device: dict[int, int] = {}
     on_machine: dict[int, int] = {}
-    for i, s in enumerate(src.devices):
+    for i in range(*run):
+        s = devices[i]
         on_device.setdefault(s, i)
         on_machine.setdefault(machine_of(s), i)
-    return [(on_device[d] if d in on_device else on_machine.get(machine_of(d), 0), j, "copy", 0, 0)
-            for j, d in enumerate(dst.devices)]
+    first, size = run[0], run[1] - run[0]
+
+    def pick(d: int, j: int) -> int:
+        if d in on_device:
+            return on_device[d]
+        aligned = first + (j % size if spread else 0)
+        m = machine_of(d)
+        if machine_of(devices[aligned]) == m:
+            return aligned
+        return on_machine.get(m, aligned)
+    return pick
+
+
+def _sum_pieces(src, dst, machine_of: Callable[[int], int]) -> list[Piece]:
+    at = {d: j for j, d in enumerate(dst.devices)}
+    sets_d = holder_sets(dst)
+    set_of = [0] * len(dst.devices)  # consumer replica -> its holder set
+    for k, (a, b) in enumerate(sets_d):
+        set_of[a:b] = [k] * (b - a)
+    sets_s = holder_sets(src)
+    # per producer set: its representative, the first holder on a consumer device (else its first)
+    reps = [next((i for i in range(a, b) if src.devices[i] in at), a) for a, b in sets_s]
+    local = all(src.devices[r] in at for r in reps)
+    out: list[Piece] = []
+    for (a, b), r in zip(sets_s, reps):
+        k = set_of[at[src.devices[r]]] if local else 0
+        mine = {src.devices[i]: i for i in range(a, b)}
+        out += [(mine.get(dst.devices[j], r), j, "sum", 0, 0) for j in range(*sets_d[k])]
+    fed = {j for _, j, _, _, _ in out}
+    return out + [(-1, j, "zeros", 0, 0) for j in range(len(dst.devices)) if j not in fed]
 
 
 def move_kind(batch_dim: int | None, partial_sum: bool) -> str:

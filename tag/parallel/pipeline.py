@@ -176,8 +176,10 @@ def validate_pipeline(plan, graph, num_devices: int, *, source: str = "plan") ->
                 raise PlanError(f"{where}.stages: device {d} is in stage {seen[d]} and stage {s}; "
                                 "each stage needs its own devices")
             seen[d] = s
-        if len(first.devices) > smallest:
-            raise PlanError(f"{where}.micro_batches: stage {s} has {len(first.devices)} replicas but the smallest "
+        # (the devices of a tensor-parallel group share one replica's samples: GroupPlan.width)
+        replicas = max(len(gp.devices) // gp.width() for gp in plan.groups[bounds[s]:bounds[s + 1]])
+        if replicas > smallest:
+            raise PlanError(f"{where}.micro_batches: stage {s} has {replicas} replicas but the smallest "
                             f"micro-batch has {smallest} samples; every replica needs at least one")
 
 

@@ -275,13 +275,15 @@ def _random_op(graph, g: int) -> str | None:
 # ---- helpers shared by the built-in strategies ---------------------------------------------------
 
 def check_shares(gp: GroupPlan, batch_size: int, where: str) -> None:
-    """Replicas of a batch split: positive shares summing to 1, at least one sample each."""
+    """Replicas of a batch split: positive shares summing to 1, at least one sample per sample
+    replica (:meth:`GroupPlan.width` devices each)."""
     if any((not isinstance(s, (int, float))) or not s > 0 or math.isnan(s) for s in gp.shares):
         raise PlanError(f"{where}.shares: expected positive fractions, got {gp.shares}")
     if abs(sum(gp.shares) - 1.0) > 1e-6:
         raise PlanError(f"{where}.shares: must sum to 1, got {sum(gp.shares):.6g}")
-    if len(gp.devices) > batch_size:
-        raise PlanError(f"{where}.devices: {len(gp.devices)} replicas but batch {batch_size}; "
+    replicas = len(gp.devices) // gp.width()
+    if replicas > batch_size:
+        raise PlanError(f"{where}.devices: {replicas} replicas but batch {batch_size}; "
                         "every replica needs at least one sample")
 
 
@@ -291,14 +293,20 @@ def no_field(gp: GroupPlan, field: str, where: str, owner: str) -> None:
         raise PlanError(f"{where}.{field}: only allowed with sync {owner!r}")
 
 
-def sample_replicas(devices, shares, batch_size: int) -> list[Replica]:
-    """Replicas on ``devices`` with contiguous sample ranges of ``local_batches`` sizes."""
-    key = (tuple(devices), tuple(shares), batch_size)
+def sample_replicas(devices, shares, batch_size: int, width: int = 1) -> list[Replica]:
+    """Replicas on ``devices`` with contiguous sample ranges of ``local_batches(batch_size,
+    shares)`` sizes, one share per range; with ``width > 1`` each run of ``width`` consecutive
+    devices holds one range (:meth:`GroupPlan.replica_shares`: a tensor-parallel group's devices
+    computing the same samples)."""
+    key = (tuple(devices), tuple(shares), batch_size, width)
     reps = _REPLICAS.get(key)
     if reps is None:
         sizes = local_batches(batch_size, list(shares))
         stops = list(itertools.accumulate(sizes))
-        reps = tuple(map(Replica, devices, [0] + stops[:-1], stops))
+        starts = [0] + stops[:-1]
+        if width > 1:
+            starts, stops = ([x for x in xs for _ in range(width)] for xs in (starts, stops))
+        reps = tuple(map(Replica, devices, starts, stops))
         if len(_REPLICAS) > 512:  # bounded: ~20 MB of replicas at 512 per split
             _REPLICAS.clear()
         _REPLICAS[key] = reps

@@ -28,16 +28,30 @@ sequence_parallel``):
   so every gradient is all-reduced over the data-parallel replicas holding the same shard only
   (nothing with one replica);
 * **sequence parallel** (Megatron-LM's ``--sequence-parallel``): outside a block each device
-  holds ``1 / T`` of the tokens; entering a block the shards are all-gathered, leaving it the
+  holds ``1 / T`` of the tokens of the group's samples; entering a block the shards are all-gathered, leaving it the
   row-parallel partial sums are reduce-scattered (forward), the same pair in reverse for the input
   gradient (backward): per block and direction the bytes of one all-reduce of the block's
   activation, as plain Megatron's. The replicated parameters' gradients are partial over the
   token shards: all-reduced over every device of the group's replicas, the split ones' over the
   replicas holding the same shard.
 
-Either way the group's unit (:meth:`TensorParallel.units`) gives every device a contiguous sample
-range of the batch (in device order; a tensor-parallel group's devices together hold its
-samples), so tensors crossing units move as data-parallel ones do. The simulator costs both
+**Samples.** In plain Megatron the ``T`` devices of a tensor-parallel group compute the same
+samples: the group is one sample replica (Megatron-LM's micro-batch of one sample on ``tp=8`` is
+one replica of one sample). ``GroupPlan.shares`` keeps one share per device, equal within a
+tensor-parallel group (checked, one line otherwise); the group's share is their sum
+(:meth:`GroupPlan.replica_shares`), its samples ``local_batches(B, replica shares)``, so a plain
+``tp`` group needs a sample per tensor-parallel group, not per device. Its unit
+(:meth:`TensorParallel.units`) gives each device its group's sample range (a *holder set* of
+:mod:`tag.parallel.moves`: a tensor leaving the group moves once per consumer, from the aligned
+device of the group, as Megatron-LM's pipeline sends each tensor-parallel rank's full activation
+to the same rank of the next stage; one entering it reaches each device). Plans written when
+each device had its own range (``1 / T`` of the group's samples, in device order) keep their
+meaning, the group's samples being the union of its devices' ranges, of the same total; with a
+batch the group's devices do not divide evenly, the group's count now follows the executor's
+rounding (:func:`executed_plan`; the simulator's per-device rounding could give the two
+devices of a group 2 and 1 samples). With sequence parallelism each device holds ``1 / T`` of
+the tokens of the group's samples outside the blocks, modelled, as before, as its own sample
+range (:meth:`GroupPlan.width` 1): a sample per device and micro-batch. The simulator costs both
 variants (:mod:`tag.sim.tensor_parallel`).
 
 **What the executor runs** (:mod:`tag.executor.tensor_parallel`): a plan whose every group is
@@ -442,8 +456,8 @@ class TensorParallel(Strategy):
                                 f"divisible by {t}")
 
     def units(self, g: int, gp: GroupPlan, graph, batch_size: int) -> list[Unit]:
-        # One unit, each device on its token shard (sample range) between blocks.
-        return [Unit((g, 0), gp.sync, sample_replicas(gp.devices, gp.shares, batch_size))]
+        # One unit; the devices of a tensor-parallel group hold its one sample range.
+        return [Unit((g, 0), gp.sync, sample_replicas(gp.devices, gp.replica_shares(), batch_size, gp.width()))]
 
     def collective(self, gp: GroupPlan) -> Collective | None:
         """Replicated parameters' partial gradients (over token shards) summed over every device;
@@ -526,8 +540,7 @@ def executed_plan(plan):
     if why is not None:
         raise PlanError(f"plan: {why}")
     gp = plan.groups[0]
-    groups = tp_groups(gp)
-    shares = [sum(gp.shares[gp.devices.index(d)] for d in devs) for devs in groups]
+    groups, shares = tp_groups(gp), gp.replica_shares()
     return dataclasses.replace(plan, groups=[GroupPlan([devs[0] for devs in groups], list(shares))
                                              for _ in plan.groups])
 

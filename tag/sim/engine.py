@@ -66,6 +66,7 @@ from .units import (
     PairTemplate,
     SyncJob,
     Unit,
+    at_batch,
     make_layout,
     mp_unit,
     pair_kinds,
@@ -403,7 +404,8 @@ def wake_extra(sim: Simulator, unit: Unit, g: int, ph: int, start: list[float], 
         if gap <= 0.0:
             continue
         if unit.layout is not None:
-            x = w[0][g, ph, unit.batches[r]]
+            comp = unit.layout.compute
+            x = w[0][g, ph, unit.batches[r]] if comp is None else at_batch(w[0][g, ph], comp[r])
         else:
             b = sim.graph.batch_size
             full = sim.tables[sim.dev_class[d]][g, ph, b]
@@ -1128,6 +1130,10 @@ def _holdings(sim, gds, micro: _Micro | None = None):
             for g in gs:
                 gd = micro.gds[0][g]
                 lay = gd.layout
+                if lay.saved is not None:  # (a tensor-parallel layout's, recomputed or not)
+                    for d, b in zip(lay.devices, lay.saved[g].tolist()):
+                        mem[d] += extra * b
+                    continue
                 ps = float(rc_per_sample[g] if gd.recompute else per_sample[g])
                 for d, b in zip(lay.devices, lay.batches):
                     mem[d] += extra * ps * b

@@ -1,11 +1,14 @@
 """How the simulator costs a tensor-parallel op-group (``sync == "tp"``,
 :mod:`tag.parallel.tensor_parallel`), in either variant (``GroupPlan.sequence_parallel``).
 
-The group's unit is a data-parallel :class:`~tag.sim.units.Layout` over its devices, each on its
-sample shard (:meth:`TensorParallel.units`); :func:`tp_layout` re-costs it for every group ``g``
-as tensor parallel (all groups at once so consecutive ``tp`` groups stay one vectorised segment).
-With ``b`` a device's shard and ``B`` its tensor-parallel group's samples (``B = T b`` with even
-shares):
+The group's unit (:meth:`TensorParallel.units`) gives plain Megatron's devices their
+tensor-parallel group's ``B`` samples (one range per group) and sequence-parallel devices their
+token shard of ``b = B / T`` samples each (own ranges, as data-parallel replicas);
+:func:`tp_layout` costs it for every group ``g`` as tensor parallel (all groups at once so
+consecutive ``tp`` groups stay one vectorised segment). With ``b = B / T``, fractional when a
+group has fewer samples than devices (a cost table read between its integer batches, linearly:
+``1 / T`` of one sample's block features is ``1 / T`` of its FLOPs and activation bytes; as at
+any ``b``, the split weights are read whole by the cost, which overstates a small ``b``):
 
 * compute: the Megatron blocks' ops (:func:`~tag.parallel.tensor_parallel.block_interior`: the
   split matmuls, the per-head ops between them, their gradients) cost what ``b`` samples cost
@@ -25,10 +28,15 @@ shares):
   Megatron holds the activations saved for the backward outside the blocks at ``B`` samples
   (those inside at ``b``) and its largest op's working set at ``B``;
 * the gradient sync (:meth:`CommModel.tensor_parallel_sync_time`, per variant) is issued like a
-  data-parallel one, not coalesced with other groups'.
+  data-parallel one, not coalesced with other groups';
+* a pipeline holds, per micro-batch in flight, a device's saved activations at ``b`` inside the
+  blocks and (plain) at ``B`` outside (:attr:`Layout.saved <tag.sim.units.Layout.saved>`).
 
 Tensors crossing between a ``tp`` group and another unit (mixed plans, pipelines of ``tp``
-groups: simulated, not executed) move per sample shard in both variants.
+groups: simulated, not executed) move by :func:`tag.parallel.move_pieces`: out of a plain group
+from one of its devices (the consumer's aligned rank), into it to each device (from another
+machine ``1 / T`` to each, the group all-gathering the rest, uncosted); per token shard with
+sequence parallelism.
 """
 
 from __future__ import annotations
@@ -37,57 +45,68 @@ import numpy as np
 
 from ..parallel.tensor_parallel import block_interior, group_split, tp_degree, tp_groups
 from .static import BWD, FWD, OPT
-from .units import GroupData, Layout, Unit
+from .units import GroupData, Layout, Unit, at_batch
 
 
-def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], t: int,
+def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: tuple[int, ...], t: int,
               sequence_parallel: bool = False) -> Layout:
-    """The data-parallel layout of ``devices`` / ``batches`` with every group costed as tensor
-    parallel of degree ``t`` (cached in the simulator's layouts)."""
+    """The layout of ``devices`` with every group costed as tensor parallel of degree ``t``
+    (cached in the simulator's layouts); ``batches`` / ``starts``: the unit's replicas
+    (:meth:`TensorParallel.units`: plain, each device its group's samples, one range per run of
+    ``t`` devices; sequence parallel, each device its token shard as its own range)."""
     key = ("tp", t, sequence_parallel, devices, batches)
     lay = sim._layouts.get(key)
     if lay is not None:
         return lay
-    base = sim.layout(devices, batches)
     graph, comm, static = sim.graph, sim.comm, sim.static
-    dur, mem, work = base.dur.copy(), base.mem.copy(), base.work.copy()
-    r = len(devices)
-    groups = [list(range(i, i + t)) for i in range(0, r, t)]  # replica indices per tp group
+    k, r = static.num_groups, len(devices)
+    dur, mem, work, saved = np.empty((3, k, r)), np.empty((k, r)), np.empty((k, r)), np.empty((k, r))
+    groups = [list(range(i, i + t)) for i in range(0, r, t)]  # device indices per tp group
     keep = 1.0 - 1.0 / t
-    if not sequence_parallel:
-        outside = _outside_saved_per_sample(graph, static.num_groups)
-        for reps in groups:
-            big = sum(batches[i] for i in reps)
-            for i in reps:
-                cls, small = sim.dev_class[devices[i]], batches[i]
-                share = _block_share(sim, devices[i], (small, big))  # [K, 2 phases, 2 batches]
-                tab = sim.tables[cls]
-                for ph in (FWD, BWD):  # the shard's seconds + the outside ops' extra ones at the group's batch
-                    extra = (1.0 - share[:, ph, 1]) * tab[:, ph, big] - (1.0 - share[:, ph, 0]) * tab[:, ph, small]
-                    dur[ph, :, i] = tab[:, ph, small] + np.maximum(extra, 0.0)
-                mem[:, i] += outside * (big - small)
-                work[:, i] = static.work_fixed + static.work_per_sample * big
-    for g in range(static.num_groups):
+    outside = None if sequence_parallel else _outside_saved_per_sample(graph, k)
+    compute = []
+    for i, (d, b) in enumerate(zip(devices, batches)):
+        if sequence_parallel:  # b: the device's token shard, as a sample range; big: its group's
+            small, big = b, sum(batches[i - i % t:i - i % t + t])
+        else:  # b: the group's samples; 1 / t of their block features (fractional below t samples)
+            small, big = b / t, b
+        compute.append(small)
+        tab = sim.tables[sim.dev_class[d]]
+        tx = at_batch(tab, small)  # [K, 3]
+        dur[:, :, i] = tx.T
+        saved[:, i] = static.mem_per_sample * small
+        mem[:, i] = static.mem_fixed + saved[:, i]
+        if sequence_parallel:  # every op on 1 / t of the tokens
+            work[:, i] = static.work_fixed + static.work_per_sample * small
+        else:
+            share = _block_share(sim, d, (small, big))  # [K, 2 phases, 2 batches]
+            for ph in (FWD, BWD):  # the shard's seconds + the outside ops' extra ones at the group's batch
+                extra = (1.0 - share[:, ph, 1]) * tab[:, ph, big] - (1.0 - share[:, ph, 0]) * tx[:, ph]
+                dur[ph, :, i] = tx[:, ph] + np.maximum(extra, 0.0)
+            saved[:, i] += outside * (big - small)
+            mem[:, i] += outside * (big - small)
+            work[:, i] = static.work_fixed + static.work_per_sample * big
+    for g in range(k):
         sp = group_split(graph, g)
         if not sp.blocks:
             continue
         for reps in groups:
             devs = [devices[i] for i in reps]
-            b = sum(batches[i] for i in reps)
+            b = sum(batches[i] for i in reps) if sequence_parallel else batches[reps[0]]
             dur[FWD, g, reps] += comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_fwd])
             dur[BWD, g, reps] += comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_bwd])
         gb = float(static.grad_bytes[g])
         if gb > 0:
             dur[OPT, g, :] *= 1.0 - keep * sp.split_bytes / gb
         mem[g, :] -= keep * sp.split_state
-    k = static.num_groups
     cum_f = np.zeros((k + 1, r))
     np.cumsum(dur[FWD], axis=0, out=cum_f[1:])
     cum_b = np.zeros((k + 1, r))
     np.cumsum(dur[BWD][::-1], axis=0, out=cum_b[1:])
     gsum = dur.sum(axis=(0, 2))
-    lay = Layout(base.devices, base.batches, base.dev_arr, dur, cum_f, cum_b, mem, work, base.starts, gsum,
-                 gsum.tolist(), rows=[None] * k)
+    lay = Layout(tuple(devices), tuple(batches), np.array(devices, dtype=np.int64), dur, cum_f, cum_b, mem, work,
+                 starts, gsum, gsum.tolist(), rows=[None] * k, saved=saved,
+                 compute=None if sequence_parallel else tuple(compute))
     sim._serial += 1
     lay.uid = sim._serial
     sim._layouts[key] = lay
@@ -159,14 +178,13 @@ def tp_group(sim, g: int, gp, lowered) -> GroupData:
     """:class:`GroupData` of group ``g`` deployed tensor parallel as ``gp`` (``lowered``: its units)."""
     devs, batches = tuple(gp.devices), lowered[0].batches
     t = tp_degree(gp)
-    lay = tp_layout(sim, devs, batches, t, gp.sequence_parallel)
+    lay = tp_layout(sim, devs, batches, lowered[0].starts, t, gp.sequence_parallel)
     if gp.recompute:
         if gp.sequence_parallel:
             lay = sim.recompute_layout(lay)
         else:  # plain: what is outside the blocks (inputs, recomputed values, the saved values no
-            # longer held) at the tensor-parallel group's batch, what is inside at the shard's
-            more = np.array([sum(batches[i - i % t:i - i % t + t]) - batches[i] for i in range(len(batches))],
-                            dtype=float)[None, :]
+            # longer held) at the tensor-parallel group's samples, what is inside at the device's 1 / T
+            more = (np.asarray(batches, dtype=float) - np.asarray(lay.compute, dtype=float))[None, :]
             held, live = _outside_recompute_per_sample(sim.graph, sim.static)
             saved = _outside_saved_per_sample(sim.graph, sim.static.num_groups)
             lay = sim.recompute_layout(lay, held[:, None] * more, live[:, None] * more, saved[:, None] * more)
@@ -174,10 +192,10 @@ def tp_group(sim, g: int, gp, lowered) -> GroupData:
     split = group_split(sim.graph, g).split_bytes
     total = float(sim.static.grad_bytes[g])
     ts = sim.comm.tensor_parallel_sync_time(tp_groups(gp), split, max(0.0, total - split), gp.sequence_parallel)
+    ukey = ("tp", devs, lowered[0].starts, batches)
     if ts <= 0:
-        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=("dp", devs, batches),
-                         recompute=gp.recompute)
+        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=ukey, recompute=gp.recompute)
     mo = sim.comm.machine_of
     machines = tuple(sorted({mo[d] for d in devs}))
     return GroupData([unit], "tp", ts, tuple(sorted(devs)), machines if len(machines) > 1 else (), total,
-                     layout=lay, ukey=("dp", devs, batches), recompute=gp.recompute)
+                     layout=lay, ukey=ukey, recompute=gp.recompute)

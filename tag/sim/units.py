@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..parallel.moves import move_pieces
+from ..parallel.moves import holder_sets, move_pieces
 from .static import BWD, FWD, PARAM, GraphStatic
 
 
@@ -54,6 +54,13 @@ class Layout:
     rows: list = field(default_factory=list)
     """Per group, made on first use by :meth:`row` (scalar access in the event loop):
     ``[fwd, bwd, opt, mem, work]`` lists over the replicas."""
+    saved: np.ndarray | None = None
+    """[K, R] bytes of the activations one run (a pipeline's micro-batch) saves for the backward,
+    where they are not ``mem_per_sample x batches`` (a tensor-parallel device's: part of its
+    replica's samples at ``1 / T`` of the features, :mod:`tag.sim.tensor_parallel`)."""
+    compute: tuple[float, ...] | None = None
+    """Per replica, the samples its per-batch cost tables are read at where that is not its batch
+    (a tensor-parallel device: ``1 / T`` of its replica's samples, possibly fractional)."""
 
     def row(self, g: int) -> list:
         r = self.rows[g]
@@ -181,6 +188,16 @@ class Flow:
     """Flows this one stands for (a message of several flows between the same two devices)."""
 
 
+def at_batch(table: np.ndarray, x: float) -> np.ndarray:
+    """``table[..., x]`` for a batch ``x`` that may be fractional: linear between the integer
+    batches around it (the exact entry at an integer)."""
+    lo = int(x)
+    f = x - lo
+    if f == 0.0:
+        return table[..., lo]
+    return (1.0 - f) * table[..., lo] + f * table[..., lo + 1]
+
+
 def make_layout(static: GraphStatic, tables: np.ndarray, dev_class: list[int], devices: tuple[int, ...],
                 batches: tuple[int, ...]) -> Layout:
     """``tables``: [C, K, 3, B+1] seconds per device class."""
@@ -208,16 +225,20 @@ def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, sav
     the group's inputs (:meth:`GraphStatic.recompute_bytes`, at each replica's batch); working set
     + the recomputed values. ``held`` / ``live`` / ``saved``: [K, R] bytes held, live at the
     backward, and saved bytes ``lay`` holds, beyond those at the replica's batch (plain tensor
-    parallelism: what is outside the Megatron blocks is at the tensor-parallel group's batch)."""
+    parallelism: what is outside the Megatron blocks is at the tensor-parallel group's batch, the
+    rest at ``lay.compute``, its devices' ``1 / T`` of it); ``lay.saved``, where set, becomes what a
+    run keeps for its backward under recomputation."""
     dur = lay.dur.copy()
     dur[BWD] += dur[FWD]
-    b = np.asarray(lay.batches, dtype=float)[None, :]
-    mem = (lay.mem + (static.rc_fixed - static.mem_fixed)[:, None]
-           + (static.rc_per_sample - static.mem_per_sample)[:, None] * b)
+    b = np.asarray(lay.batches if lay.compute is None else lay.compute, dtype=float)[None, :]
+    per_sample = (static.rc_per_sample - static.mem_per_sample)[:, None] * b
+    mem = lay.mem + (static.rc_fixed - static.mem_fixed)[:, None] + per_sample
+    kept = None if lay.saved is None else lay.saved + per_sample  # what one run keeps for its backward
     work = lay.work + static.rc_work_fixed[:, None] + static.rc_work_per_sample[:, None] * b
     for extra, sign in ((held, 1.0), (saved, -1.0)):
         if extra is not None:
             mem = mem + sign * extra
+            kept = None if kept is None else kept + sign * extra
     if live is not None:
         work = work + live
     k, r = dur.shape[1], dur.shape[2]
@@ -226,7 +247,7 @@ def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, sav
     np.cumsum(dur[BWD][::-1], axis=0, out=cum_b[1:])
     gsum = dur.sum(axis=(0, 2))
     return Layout(lay.devices, lay.batches, lay.dev_arr, dur, cum_f, cum_b, mem, work, lay.starts, gsum, gsum.tolist(),
-                  rows=[None] * k)
+                  rows=[None] * k, saved=kept, compute=lay.compute)
 
 
 def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi: int,
@@ -336,19 +357,34 @@ class PairTemplate:
         self.by_dst = list(by_dst.items())
 
 
-def _pieces(kind: str, src: Unit, dst: Unit, mo) -> list[tuple[int, int, int]]:
-    """(producer replica, consumer replica, samples of a ``rows`` piece or -1) of the pieces that
-    cross devices, per the move rules (:func:`tag.parallel.move_pieces`)."""
+def _pieces(kind: str, src: Unit, dst: Unit, mo) -> list[tuple[int, int, int, float]]:
+    """(producer replica, consumer replica, samples of a ``rows`` piece or -1, fraction moved: 1,
+    or ``1 / size`` of a ``shard`` piece into a consumer holder set of ``size``) of the pieces
+    that cross devices, per the move rules (:func:`tag.parallel.move_pieces`)."""
     sd, dd = src.devices, dst.devices
-    return [(i, j, hi - lo if mode == "rows" else -1)
-            for i, j, mode, lo, hi in move_pieces(kind, src, dst, mo.__getitem__) if mode != "zeros" and sd[i] != dd[j]]
+    out = []
+    size = None
+    for i, j, mode, lo, hi in move_pieces(kind, src, dst, mo.__getitem__):
+        if mode == "zeros" or sd[i] == dd[j]:
+            continue
+        frac = 1.0
+        if mode == "shard":
+            if size is None:
+                size = [0] * len(dd)
+                for a, b in holder_sets(dst):
+                    size[a:b] = [b - a] * (b - a)
+            frac = 1.0 / size[j]
+        out.append((i, j, hi - lo if kind == "rows" else -1, frac))
+    return out
 
 
 def _piece_bytes(pieces: list, fixed: float, per_sample: float, batches) -> list[tuple[int, int, float]]:
     """(producer replica, consumer replica, bytes) of ``pieces`` of a tensor bundle of ``fixed +
-    per_sample * b`` bytes: rows by overlap, a copy or a partial sum at the producer's batch."""
-    return [(i, j, per_sample * n if n >= 0 else fixed + per_sample * batches[i]) for i, j, n in pieces]
+    per_sample * b`` bytes: rows by overlap, a copy or a partial sum at the producer's batch
+    (times the fraction moved)."""
+    return [(i, j, (per_sample * n if n >= 0 else fixed + per_sample * batches[i]) * f) for i, j, n, f in pieces]
 
 
-__all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "SfbData", "Unit", "make_layout", "mp_unit", "recompute_layout",
+__all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "SfbData", "Unit", "at_batch", "make_layout", "mp_unit",
+           "recompute_layout",
            "pair_flows", "pair_kinds", "PairTemplate"]
