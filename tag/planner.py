@@ -94,7 +94,8 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
             (``pipelines=True``; not where ``simulator.run`` takes no ``pipeline``); ``grid`` also
             simulates the Megatron-style layouts a user would try by hand
             (:func:`tag.parallel.layout.best_layout`) and returns the best of them instead of the
-            searched plan when it is strictly faster (``meta["source"] == "layout-grid"``); ``off``
+            searched plan when it is strictly faster (``meta["source"] == "layout-grid"``), as
+            ``auto`` does when every searched plan runs out of memory; ``off``
             searches TAG's action space alone (no ``tp`` actions, no pipelines).
         executable: search only plans ``tag execute`` runs (:func:`tag.parallel.execution_refusal`:
             ``tp`` as the whole plan's one deployment, plain, no pipeline of ``tp`` stages; masked
@@ -103,7 +104,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
             groups, pipelines of ``tp`` stages, sequence-parallel layouts): faster plans, some
             of them simulated only. TAG's own actions (``pipelines="off"``) are all executed.
         progress: called as ``progress(stage)`` when a stage starts (``"baselines"``, ``"search"``,
-            ``"compression"``) and ``progress("search", done, total)`` after each plan the search
+            ``"layout grid"``, ``"compression"``) and ``progress("search", done, total)`` after each plan the search
             simulates (``total``: the playout budget, None under a time limit alone).
 
     Returns:
@@ -193,7 +194,10 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         "space": {"actions": space.num_actions, "tp_actions": space.num_actions - space.num_base_actions,
                   "stages": space.options("stages", 1) if space.plan_options else None},
     }
-    if pipelines == "grid":
+    if pipelines == "grid" or (pipelines == "auto" and best.oom):  # auto: the grid when nothing searched fits
+        if pipelines == "auto":
+            note("layout grid")
+            p.meta["grid_because"] = "every searched plan runs out of memory"
         p = _pipelined(graph, topology, p, space.cost_model, ev.simulator, executable)
     if compression != "off":
         note("compression")
@@ -218,9 +222,9 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool) -> 
     p.meta["layouts_tried"] = tried
     p.meta["best_layout"] = lay.meta["layout"]
     p.meta["best_layout_time_s"] = t_lay
-    new_action = lay.pipeline is not None or any(g.sync == "tp" for g in lay.groups)  # else the search's own
-    if not new_action or t_lay is None or (t_plan is not None and t_lay >= t_plan):
-        return p
+    new_action = lay.pipeline is not None or any(g.sync == "tp" or g.recompute for g in lay.groups)  # else the search's
+    if t_lay is None or (not p.meta.get("oom") and (not new_action or (t_plan is not None and t_lay >= t_plan))):
+        return p  # (a layout that fits replaces a plan that does not)
     lay.meta = {**p.meta, "source": "layout-grid", "layout": lay.meta["layout"], "oom": False}
     return lay
 

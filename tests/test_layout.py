@@ -168,3 +168,40 @@ def test_check_fits_counts_one_sample_of_activations(captured, tmp_path):
     check_fits(graph, two((low + full) / 4))  # between one sample's need and the full batch's
     with pytest.raises(OutOfMemoryError, match=r"needs at least .* of all 2 devices"):
         check_fits(graph, two(low / 4))
+
+
+def test_the_planner_falls_back_to_the_grid_when_nothing_searched_fits(captured, tmp_path):
+    """Four devices whose memory holds the best Megatron-style layout (a 2-stage pipeline of
+    2-way tensor-parallel stages) but no data-parallel replica: a one-playout search finds only
+    plans out of memory, so ``pipelines="auto"`` returns the grid's layout, which fits, instead of
+    an out-of-memory plan (tag plan would refuse it)."""
+    import yaml
+
+    from tag.cost.model import CostModel
+    from tag.parallel.layout import best_layout
+    from tag.planner import find_plan
+    from tag.sim import Simulator
+    from tag.topology import load_topology
+
+    graph = captured("mlp:layers=4,hidden=256,in_dim=64", batch=16, groups=4).graph
+    path = tmp_path / "four.yaml"
+
+    def topology(capacity: int):
+        gpu = {"name": "g", "tflops": 1, "memory": f"{capacity} B", "memory_bandwidth": "100 GB/s"}
+        path.write_text(yaml.safe_dump({"name": "four", "network": {"bandwidth": "1 GB/s"}, "machines": [
+            {"name": "m", "gpu": gpu, "count": 4, "intra_bandwidth": "10 GB/s"}]}))
+        return load_topology(path)
+
+    big = topology(2**30)
+    sim = Simulator(graph, big, CostModel.for_topology(graph, big))
+    dp = max(sim.run(data_parallel(graph, big).groups).peak_memory_bytes)
+    lay, _ = best_layout(graph, big, sim.costs, lambda q: sim.run(q.groups, pipeline=q.pipeline))
+    fits = max(sim.run(lay.groups, pipeline=lay.pipeline).peak_memory_bytes)
+    assert fits < dp / 2
+    topo = topology(int(1.25 * fits))
+    plan = find_plan(graph, topo, prior="uniform", budget=1, compression="off", executable=False)
+    assert plan.meta["source"] == "layout-grid" and plan.meta["grid_because"] == "every searched plan runs out of memory"
+    res = simulate(graph, topo, plan)
+    assert not res.oom and res.iteration_time_s == pytest.approx(plan.predicted_iteration_time_s)
+    off = find_plan(graph, topo, prior="uniform", budget=1, compression="off", pipelines="off")
+    assert off.meta["oom"] and "grid_because" not in off.meta  # TAG's action space alone: no fallback

@@ -125,8 +125,9 @@ def run(args) -> int:
         from ..errors import OutOfMemoryError
         from ..sim import Simulator
         res = Simulator(graph, topo, costs).run(p.groups, pipeline=p.pipeline)
-        raise OutOfMemoryError(f"every plan searched runs out of memory, also with activation recomputation where "
-                               f"the search may use it; the best: {res.memory_report(topo)}; "
+        grid = f", so do the {p.meta['layouts_tried']} Megatron-style layouts of the grid" if "layouts_tried" in p.meta else ""
+        raise OutOfMemoryError(f"every plan searched runs out of memory, also with activation recomputation where the "
+                               f"search may use it{grid}; the best: {res.memory_report(topo)}; "
                                "no plan written (--allow-oom writes it anyway)")
     if args.out:
         p.save(args.out)
