@@ -41,7 +41,7 @@ def register(sub) -> None:
                    help="auto: choose Sufficient Factor Broadcasting per group after search (default)")
     p.add_argument("--pipelines", choices=["auto", "grid", "off"], default="auto",
                    help="auto: search pipeline stages, micro-batches, schedules and tensor-parallel degrees with the "
-                        "per-group actions (default); grid: also simulate the Megatron-style data x tensor x pipeline "
+                        "per-group actions, and the grid below when every searched plan runs out of memory (default); grid: also simulate the Megatron-style data x tensor x pipeline "
                         "layouts a user would try by hand and return the best if it beats the searched plan; off: "
                         "TAG's action space alone")
     p.add_argument("--allow-unexecutable", dest="executable", action="store_false",
@@ -246,7 +246,9 @@ def _print(graph, topo, p, args) -> None:
               + (f" (k={pp.k})" if pp.schedule == "kfkb" else ""))
     if s["source"] == "layout-grid":
         shape = " (no pipeline)" if p.pipeline is None else ""  # tensor parallelism alone
-        print(f"  a Megatron-style layout beats the searched plan: {s['layout']}{shape}")
+        why_grid = ("every searched plan runs out of memory, this one fits" if p.meta.get("grid_because")
+                    else "beats the searched plan")
+        print(f"  a Megatron-style layout {why_grid}: {s['layout']}{shape}")
     elif s["source"] != "search":
         print(f"  search found nothing better than the baselines; returning {s['source']}")
     why = s["execution_refusal"]  # (--allow-unexecutable) e.g. tp beside data parallel: simulated only
