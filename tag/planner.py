@@ -104,8 +104,8 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
             groups, pipelines of ``tp`` stages, sequence-parallel layouts): faster plans, some
             of them simulated only. TAG's own actions (``pipelines="off"``) are all executed.
         progress: called as ``progress(stage)`` when a stage starts (``"baselines"``, ``"search"``,
-            ``"layout grid"``, ``"compression"``) and ``progress("search", done, total)`` after each plan the search
-            simulates (``total``: the playout budget, None under a time limit alone).
+            ``"layout grid"``, ``"compression"``) and ``progress("search", done, total)`` after each
+            plan the search simulates (``total``: the playout budget, None under a time limit alone).
 
     Returns:
         A :class:`Plan` with ``predicted_iteration_time_s`` and ``meta`` holding the searcher,
@@ -222,7 +222,8 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool) -> 
     p.meta["layouts_tried"] = tried
     p.meta["best_layout"] = lay.meta["layout"]
     p.meta["best_layout_time_s"] = t_lay
-    new_action = lay.pipeline is not None or any(g.sync == "tp" or g.recompute for g in lay.groups)  # else the search's
+    # a layout the search's own actions can express replaces its plan only when that plan does not fit
+    new_action = lay.pipeline is not None or any(g.sync == "tp" or g.recompute for g in lay.groups)
     if t_lay is None or (not p.meta.get("oom") and (not new_action or (t_plan is not None and t_lay >= t_plan))):
         return p  # (a layout that fits replaces a plan that does not)
     lay.meta = {**p.meta, "source": "layout-grid", "layout": lay.meta["layout"], "oom": False}

@@ -41,7 +41,8 @@ def register(sub) -> None:
                    help="auto: choose Sufficient Factor Broadcasting per group after search (default)")
     p.add_argument("--pipelines", choices=["auto", "grid", "off"], default="auto",
                    help="auto: search pipeline stages, micro-batches, schedules and tensor-parallel degrees with the "
-                        "per-group actions, and the grid below when every searched plan runs out of memory (default); grid: also simulate the Megatron-style data x tensor x pipeline "
+                        "per-group actions, and fall back to the grid's layouts when every searched plan runs out "
+                        "of memory (default); grid: also simulate the Megatron-style data x tensor x pipeline "
                         "layouts a user would try by hand and return the best if it beats the searched plan; off: "
                         "TAG's action space alone")
     p.add_argument("--allow-unexecutable", dest="executable", action="store_false",

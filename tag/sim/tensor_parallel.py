@@ -41,6 +41,8 @@ sequence parallelism.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..parallel.tensor_parallel import block_interior, group_split, tp_degree, tp_groups
@@ -99,14 +101,8 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
         if gb > 0:
             dur[OPT, g, :] *= 1.0 - keep * sp.split_bytes / gb
         mem[g, :] -= keep * sp.split_state
-    cum_f = np.zeros((k + 1, r))
-    np.cumsum(dur[FWD], axis=0, out=cum_f[1:])
-    cum_b = np.zeros((k + 1, r))
-    np.cumsum(dur[BWD][::-1], axis=0, out=cum_b[1:])
-    gsum = dur.sum(axis=(0, 2))
-    lay = Layout(tuple(devices), tuple(batches), np.array(devices, dtype=np.int64), dur, cum_f, cum_b, mem, work,
-                 starts, gsum, gsum.tolist(), rows=[None] * k, saved=saved,
-                 compute=None if sequence_parallel else tuple(compute))
+    lay = Layout.of(devices, batches, np.array(devices, dtype=np.int64), dur, mem, work, starts, saved=saved,
+                    compute=None if sequence_parallel else tuple(compute))
     sim._serial += 1
     lay.uid = sim._serial
     sim._layouts[key] = lay
@@ -135,12 +131,29 @@ def _block_share(sim, device: int, batches: tuple[int, int]) -> np.ndarray:
     return share
 
 
+def _per_graph(fn):
+    """``fn(graph, ...)`` computed once per graph (the extra arguments derive from it), for the
+    last few graphs."""
+    cache: dict[int, tuple[object, object]] = {}
+
+    @functools.wraps(fn)
+    def get(graph, *args):
+        hit = cache.get(id(graph))
+        if hit is not None and hit[0] is graph:
+            return hit[1]
+        if len(cache) > 16:
+            cache.clear()
+        out = fn(graph, *args)
+        cache[id(graph)] = (graph, out)
+        return out
+
+    return get
+
+
+@_per_graph
 def _outside_saved_per_sample(graph, k: int) -> np.ndarray:
     """``[K]`` per-sample bytes of the activations each group's backward reads from the forward
-    (or the user inputs) that are not held split inside a Megatron block (cached per graph)."""
-    cache = _OUTSIDE.get(id(graph))
-    if cache is not None and cache[0] is graph:
-        return cache[1]
+    (or the user inputs) that are not held split inside a Megatron block."""
     interior = block_interior(graph)
     out = np.zeros(k)
     seen: set[tuple[int, int]] = set()
@@ -153,18 +166,14 @@ def _outside_saved_per_sample(graph, k: int) -> np.ndarray:
             if fwd and (t, o.group) not in seen and t not in interior.tensors:
                 seen.add((t, o.group))
                 out[o.group] += ten.nbytes.per_sample
-    if len(_OUTSIDE) > 16:
-        _OUTSIDE.clear()
-    _OUTSIDE[id(graph)] = (graph, out)
     return out
 
 
-_OUTSIDE: dict[int, tuple[object, np.ndarray]] = {}
-
-
+@_per_graph
 def _outside_recompute_per_sample(graph, static) -> tuple[np.ndarray, np.ndarray]:
     """``([K], [K])`` per-sample bytes a recomputed group holds and has live again at its backward
-    (:meth:`GraphStatic.recompute_bytes`) of the tensors outside the Megatron blocks."""
+    (:meth:`GraphStatic.recompute_bytes`; ``static`` is the graph's) of the tensors outside the
+    Megatron blocks."""
     interior = block_interior(graph).tensors
     outside = {t for rows in static.reads for *_, t in rows if t not in interior}
     k = static.num_groups

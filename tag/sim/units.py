@@ -62,6 +62,20 @@ class Layout:
     """Per replica, the samples its per-batch cost tables are read at where that is not its batch
     (a tensor-parallel device: ``1 / T`` of its replica's samples, possibly fractional)."""
 
+    @classmethod
+    def of(cls, devices, batches, dev_arr: np.ndarray, dur: np.ndarray, mem: np.ndarray, work: np.ndarray,
+           starts, **kw) -> Layout:
+        """A layout of ``dur`` [3, K, R] with what derives from it: the forward and backward
+        running sums and the per-group totals."""
+        k, r = dur.shape[1], dur.shape[2]
+        cum_f = np.zeros((k + 1, r))
+        np.cumsum(dur[FWD], axis=0, out=cum_f[1:])
+        cum_b = np.zeros((k + 1, r))
+        np.cumsum(dur[BWD][::-1], axis=0, out=cum_b[1:])
+        gsum = dur.sum(axis=(0, 2))
+        return cls(tuple(devices), tuple(batches), dev_arr, dur, cum_f, cum_b, mem, work, tuple(starts), gsum,
+                   gsum.tolist(), rows=[None] * k, **kw)
+
     def row(self, g: int) -> list:
         r = self.rows[g]
         if r is None:
@@ -205,18 +219,11 @@ def make_layout(static: GraphStatic, tables: np.ndarray, dev_class: list[int], d
     cls = np.array([dev_class[d] for d in devices], dtype=np.int64)
     b = np.array(batches, dtype=np.int64)
     dur = np.ascontiguousarray(tables[cls, :, :, b].transpose(2, 1, 0))  # [R, K, 3] -> [3, K, R]
-    k, r = dur.shape[1], dur.shape[2]
-    cum_f = np.zeros((k + 1, r))
-    np.cumsum(dur[FWD], axis=0, out=cum_f[1:])
-    cum_b = np.zeros((k + 1, r))
-    np.cumsum(dur[BWD][::-1], axis=0, out=cum_b[1:])
     bf = b.astype(float)[None, :]
     mem = static.mem_fixed[:, None] + static.mem_per_sample[:, None] * bf
     work = static.work_fixed[:, None] + static.work_per_sample[:, None] * bf
     starts = tuple(int(s) for s in np.concatenate([[0], np.cumsum(b)[:-1]]))
-    gsum = dur.sum(axis=(0, 2))
-    return Layout(tuple(devices), tuple(batches), dev, dur, cum_f, cum_b, mem, work, starts, gsum, gsum.tolist(),
-                  rows=[None] * k)
+    return Layout.of(devices, batches, dev, dur, mem, work, starts)
 
 
 def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, saved=None) -> Layout:
@@ -241,13 +248,7 @@ def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, sav
             kept = None if kept is None else kept + sign * extra
     if live is not None:
         work = work + live
-    k, r = dur.shape[1], dur.shape[2]
-    cum_f = lay.cum_fwd.copy()
-    cum_b = np.zeros((k + 1, r))
-    np.cumsum(dur[BWD][::-1], axis=0, out=cum_b[1:])
-    gsum = dur.sum(axis=(0, 2))
-    return Layout(lay.devices, lay.batches, lay.dev_arr, dur, cum_f, cum_b, mem, work, lay.starts, gsum, gsum.tolist(),
-                  rows=[None] * k, saved=kept, compute=lay.compute)
+    return Layout.of(lay.devices, lay.batches, lay.dev_arr, dur, mem, work, lay.starts, saved=kept, compute=lay.compute)
 
 
 def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi: int,
