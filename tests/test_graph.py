@@ -73,6 +73,57 @@ def test_unseen_factory_model(tmp_path):
     assert [t.batch_dim for t in inputs] == [0, 0]
 
 
+CONSTANTS = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    class Constants(nn.Module):
+        """Non-batch tensors made inside the forward: a table from ``arange`` and a buffer, noise
+        from ``rand``, a scalar holding the batch size."""
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("inv", torch.arange(1.0, 9.0))
+
+        def forward(self, x, y):
+            table = torch.cos(torch.arange(8.0) * self.inv)
+            noisy = self.lin.weight + torch.rand(8, 8)
+            count = torch.full((), float(x.shape[0]))
+            return (((x * table) @ noisy.t() + self.lin.bias.exp() - y) ** 2).sum() / count
+
+    def make(batch_size=4):
+        g = torch.Generator().manual_seed(1)
+        return Constants(), (torch.randn(batch_size, 8, generator=g), torch.randn(batch_size, 8, generator=g))
+''')
+
+
+def test_batch_independent_tensors(tmp_path):
+    """What a pipeline may move once per iteration: non-batch tensors computed from parameters,
+    buffers and constants (``arange`` included), not those below a random op or an op whose
+    arguments hold the batch size (recorded by the capture: they differ at its two batches). A
+    graph without that record takes every op without inputs to hold it."""
+    from tag.graph.gradients import batch_independent_tensors
+
+    path = tmp_path / "constants_model.py"
+    path.write_text(CONSTANTS)
+    g = capture(load_workload(f"{path}:make", batch=4), num_groups=2).graph
+    by_target = {}
+    for op in g.ops:
+        by_target.setdefault(op.target.split(".")[1], []).append(op)
+    assert [op.reads_batch for op in by_target["arange"] + by_target["full"]] == [False, True]
+    fixed = {g.tensors[t].name for t in batch_independent_tensors(g)}
+    out = lambda kind: g.tensors[by_target[kind][0].outputs[0]].name  # noqa: E731
+    assert {out("arange"), out("cos"), out("exp")} <= fixed  # the table, a function of the bias
+    assert not {out("rand"), out("add"), out("permute"), out("full")} & fixed  # noise, weight + noise, the count
+    g2 = OpGraph.from_json(g.to_json())
+    assert [op.reads_batch for op in g2.ops] == [op.reads_batch for op in g.ops]
+    for op in g2.ops:  # as stored before the capture recorded it
+        op.reads_batch = None
+    old = {g.tensors[t].name for t in batch_independent_tensors(g2)}
+    assert out("exp") in old and out("cos") not in old and old < fixed
+    assert "reads_batch" not in g2.to_dict()["ops"][0]
+
+
 def test_batch_probe_and_affine_costs(captured):
     cap = captured("gpt2:n_layer=1,n_embd=64,n_head=2,seq=16", batch=4)
     g = cap.graph

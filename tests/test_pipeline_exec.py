@@ -1,7 +1,8 @@
 """Pipeline plans executed: micro-batches, per-micro-batch values, gradient accumulation, one sync.
 
 After K=2 steps the parameters of a 2-stage pipeline (1F1B, GPipe, kFkB; uneven micro-batches;
-a stage that is itself data parallel; GPT-2's tied embedding crossing the stages) equal
+a stage that is itself data parallel; GPT-2's tied embedding and Llama's rotary tables crossing
+the stages) equal
 single-process training on the full batch, fp32, with the executor's tolerance (rtol 1e-4,
 atol 1e-6: tests/test_executor.py). In one process (:func:`tag.executor.run_virtual`, the same
 schedule and rank runtimes) and on gloo ranks (:func:`tag.executor.execute`).
@@ -23,10 +24,13 @@ from test_executor_dist import cpu_topology
 
 from tag.executor import ExecuteConfig, build_schedule, execute, reference_training, run_virtual
 from tag.executor.fuse import accumulation
+from tag.graph.gradients import batch_independent_tensors
 from tag.parallel import validate_plan
 from tag.plan import GroupPlan, PipelinePlan, new_plan
 from tag.topology import load_topology
 from tag.workloads import load_workload
+
+LLAMA = "llama:n_layer=2,n_embd=32,n_head=4,n_kv_head=2,ffn=48,seq=16,vocab=64"
 
 
 def two_stages(graph, topo, first, second, micro, schedule="1f1b", k=1):
@@ -58,6 +62,7 @@ CASES = {  # name: (spec, batch, micro-batches, schedule, k, stage devices, opti
     "gpipe-uneven": (MLP, 6, 4, "gpipe", 1, ([0], [1]), "sgd"),
     "kfkb-dp-stage": (MLP, 8, 4, "kfkb", 2, ([2], [0, 1]), "adam"),
     "gpt2-tied": (GPT2, 4, 2, "1f1b", 1, ([1], [0]), "adam"),
+    "llama-rotary": (LLAMA, 8, 3, "1f1b", 1, ([0], [1]), "adam"),
 }
 
 
@@ -128,6 +133,59 @@ def test_tied_weight_moves_once_per_iteration(captured, topo4):
             got = sim_bytes(sim, plan.groups, plan.pipeline if m > 1 else None)
             assert set(got) == set(want) and all(got[key] == pytest.approx(v, rel=1e-12) for key, v in want.items())
         assert all(x == moved[0] for x in moved)
+
+
+def _below_arange(graph, t: int) -> bool:
+    """Whether tensor ``t`` is computed from an ``arange`` (an op without inputs)."""
+    todo, seen = [t], set()
+    while todo:
+        p = graph.tensors[todo.pop()].producer
+        if p < 0 or p in seen:
+            continue
+        seen.add(p)
+        if graph.ops[p].target.startswith("aten.arange"):
+            return True
+        todo += graph.ops[p].inputs
+    return False
+
+
+def test_rotary_tables_move_once_per_iteration(captured, topo4):
+    """Llama's rotary cos/sin tables, computed in the first stage from ``arange`` and a buffer,
+    are read by the second stage's attention: on a pipeline they cross once per iteration, at the
+    first micro-batch, to every replica of the second stage, and the simulator moves exactly the
+    bytes counted here by hand from the graph: rows of each batch-carrying tensor per sample, a
+    batch-independent tensor's bytes once, any other non-batch tensor's once per micro-batch."""
+    from test_sim_executor import schedule_bytes, sim_bytes
+
+    from tag.sim import Simulator
+
+    graph = captured(LLAMA, batch=6, groups=4).graph
+    sim = Simulator(graph, topo4)
+    once = batch_independent_tensors(graph)
+    stage_of = [int(op.group >= graph.num_groups // 2) for op in graph.ops]
+    first_owned = {p.tensor for p in graph.params if p.group < graph.num_groups // 2}
+    crossing = {t for t, tt in enumerate(graph.tensors)  # made (or owned) by stage 0, read by stage 1
+                if ((tt.producer >= 0 and stage_of[tt.producer] == 0) or t in first_owned)
+                and any(stage_of[c] == 1 and graph.ops[c].phase != "opt" for c in tt.consumers)}
+    tables = {t for t in crossing & once if graph.tensors[t].kind == "activation"}
+    assert tables and all(_below_arange(graph, t) for t in tables), tables  # the rotary cos and sin
+    names = {graph.tensors[t].name for t in tables}
+    for second in ([1], [1, 2]):
+        for m in (1, 2, 3):
+            plan = two_stages(graph, topo4, [0], second, m)
+            sched = build_schedule(graph, plan, topo4.machine_of)
+            moves = [(st.phase, st.micro, mv.name, mv.src, mv.dst) for st in sched.steps
+                     if st.kind == "transfer" for mv in st.moves if mv.name in names]
+            assert sorted(moves) == sorted(("fwd", 0, n, 0, d) for n in names for d in second)
+            got = sim_bytes(sim, plan.groups, plan.pipeline if m > 1 else None)
+            want = schedule_bytes(graph, sched)
+            assert set(got) == set(want) and all(got[k] == pytest.approx(v, rel=1e-12) for k, v in want.items())
+            for d in second:  # by hand: the stage-1 replica on device d
+                samples = sum(sched.unit_at(sched.units_of(d)[0].key, mb).replica_on(d).batch for mb in range(m))
+                hand = sum(graph.tensors[t].nbytes.per_sample * samples if graph.tensors[t].batch_dim is not None
+                           else graph.tensors[t].nbytes.fixed * (1 if t in once else m) for t in crossing)
+                assert got[(0, d)] == pytest.approx(hand, rel=1e-12)
+                assert schedule_bytes(graph, sched, names)[(0, d)] == sum(graph.tensors[t].nbytes.fixed for t in tables)
 
 
 def _execute(tmp_path: Path, graph, topo_path: str, plan, spec: str, optimizer: str, steps: int = 2):

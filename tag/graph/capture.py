@@ -751,6 +751,13 @@ def _build_graph(name, ep1, ep2, b1, b2, optimizer) -> tuple[OpGraph, dict[str, 
         v2 = getattr(info2[n], attr) if n in info2 else v1
         return Affine.fit(float(v1), b1, float(v2), b2)
 
+    nodes2 = {n.name: n for n in gm2.graph.nodes}
+
+    def reads_batch(n: torch.fx.Node) -> bool:
+        """The node's non-tensor arguments differ at the two batches (inputs named by node)."""
+        n2 = nodes2.get(n.name)
+        return n2 is None or _plain_args(n) != _plain_args(n2)
+
     tensors: list[Tensor] = []
     tensor_of: dict[str, int] = {}
     ops: list[Op] = []
@@ -776,7 +783,7 @@ def _build_graph(name, ep1, ep2, b1, b2, optimizer) -> tuple[OpGraph, dict[str, 
         batch = bdim is not None or _any_batch(info1[n.name], info2.get(n.name))
         ops.append(Op(n.name, str(n.target) if n.target is not operator.getitem else "getitem", phase,
                       aff("flops", n.name), aff("read", n.name), aff("written", n.name), ins, [t_idx], batch,
-                      dtype=info1[n.name].dtype))
+                      dtype=info1[n.name].dtype, reads_batch=reads_batch(n)))
 
     # optimizer updates, one per parameter
     flops_el, n_read, n_written, n_state = OPTIMIZER_COSTS[optimizer]
@@ -797,12 +804,19 @@ def _build_graph(name, ep1, ep2, b1, b2, optimizer) -> tuple[OpGraph, dict[str, 
         tensors.append(Tensor(f"{optimizer}::{target}", "opt", Affine(nbytes, 0), None, idx))
         ops.append(Op(f"{optimizer}::{target}", f"optim.{optimizer}", "opt", Affine(flops_el * numel, 0),
                       Affine(n_read * numel * es, 0), Affine(n_written * numel * es, 0),
-                      [tensor_of[node_name], g_idx], [upd_out], False, dtype=dtype_name(t_dtype)))
+                      [tensor_of[node_name], g_idx], [upd_out], False, dtype=dtype_name(t_dtype),
+                      reads_batch=False))
         tensors[tensor_of[node_name]].consumers.append(idx)
         tensors[g_idx].consumers.append(idx)
         params.append(Param(target, tensor_of[node_name], g_idx, idx, numel, nbytes, n_state * nbytes))
     graph = OpGraph(name, b1, optimizer, ops, tensors, params, loss=tensor_of[loss_node.name])
     return graph, grad_outputs, loss_node.name
+
+
+def _plain_args(n: torch.fx.Node) -> str:
+    """A node's arguments with every input node replaced by its name (shapes, scalars, dtypes
+    compared as written)."""
+    return repr(torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.name))
 
 
 def _any_batch(i1: _NodeInfo, i2: _NodeInfo | None) -> bool:

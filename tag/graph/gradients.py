@@ -3,6 +3,10 @@ samples (shared by the executor's move rules and the simulator's costing of them
 
 from __future__ import annotations
 
+import functools
+
+import torch
+
 from .ir import OpGraph
 
 
@@ -41,18 +45,34 @@ def partial_sum_tensors(graph: OpGraph) -> set[int]:
 def batch_independent_tensors(graph: OpGraph) -> set[int]:
     """Non-batch tensors computed from parameters, buffers and constants only (the parameters
     included): the same in every micro-batch of a pipeline (a tied weight, its bf16 cast or
-    transpose).
+    transpose, a rotary table from ``arange``, a causal mask from ``full``).
 
-    A tensor with a user input or the loss among its ancestors is not, nor one below an op
-    without inputs (``full``, ``arange``): such an op may hold the batch size the graph was
-    exported at, and a pipeline's micro-batches run graphs exported at their own sizes.
+    A tensor with a user input or the loss among its ancestors is not, nor one below an op drawing
+    random numbers (each micro-batch draws its own) or below an op whose arguments hold the batch
+    size (:attr:`Op.reads_batch`: a pipeline's micro-batches run graphs exported at their own
+    sizes). In a graph that does not record ``reads_batch``, an op without inputs (``full``,
+    ``arange``) is taken to hold it.
     """
     tensors = graph.tensors
     fixed = {i for i, t in enumerate(tensors) if t.producer < 0 and t.kind in ("param", "buffer", "const")}
     for op in graph.ops:  # topological order
-        if op.phase != "opt" and op.inputs and all(t in fixed for t in op.inputs):
+        if (op.phase != "opt" and all(t in fixed for t in op.inputs) and not is_random(op.target)
+                and (not op.reads_batch if op.reads_batch is not None else bool(op.inputs))):
             fixed.update(op.outputs)
     return {t for t in fixed if tensors[t].batch_dim is None}
+
+
+@functools.cache
+def is_random(target: str) -> bool:
+    """Whether the ATen overload named ``target`` (``aten.native_dropout.default``) draws random
+    numbers (PyTorch tags it ``nondeterministic_seeded``: ``rand``, ``bernoulli``, dropout, ...)."""
+    ns, _, rest = target.partition(".")
+    name, _, overload = rest.partition(".")
+    try:
+        op = getattr(getattr(getattr(torch.ops, ns), name), overload or "default")
+    except (AttributeError, RuntimeError):
+        return False  # not an ATen overload (``getitem``, an optimizer update)
+    return torch.Tag.nondeterministic_seeded in op.tags
 
 
 def deferrable_sums(graph: OpGraph) -> set[int]:

@@ -69,6 +69,10 @@ class Op:
     dtype: str = ""
     """dtype of its (first) output, e.g. ``float32`` / ``bfloat16`` / ``int64``; "" where unknown
     (read as ``float32``: graphs captured in fp32 are stored without it, :meth:`OpGraph.to_dict`)."""
+    reads_batch: bool | None = None
+    """Whether its non-tensor arguments hold the batch size (they differ between the capture's two
+    batches: a ``full`` or ``view`` shape, a scalar); None in graphs captured before it was
+    recorded (stored without it, :meth:`OpGraph.to_dict`)."""
 
 
 @dataclass
@@ -178,8 +182,11 @@ class OpGraph:
     def to_dict(self) -> dict:
         """JSON-able dict. An fp32 graph is written without ``precision`` and per-op ``dtype``
         (as before precisions existed: a cached graph stays readable by older versions; a missing
-        dtype reads as "", i.e. float32)."""
+        dtype reads as "", i.e. float32); an op's ``reads_batch`` only where it was recorded."""
         d = asdict(self)
+        for o in d["ops"]:
+            if o["reads_batch"] is None:
+                del o["reads_batch"]
         if self.precision == "fp32":
             del d["precision"]
             for o in d["ops"]:

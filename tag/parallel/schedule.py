@@ -39,7 +39,8 @@ simulator).
 Pipelines (``Plan.pipeline``): every unit runs once per micro-batch and a tensor crossing units
 moves once per micro-batch, except what does not depend on the micro-batch, which moves once
 per iteration (:attr:`Schedule.shared`, :attr:`Schedule.summed`): a batch-independent tensor (a
-tied weight read by another stage) in the transfer before its consumer's first micro-batch, and
+tied weight read by another stage, a rotary table) in the transfer before its consumer's first
+micro-batch, and
 a deferrable partial sum (that weight's gradient) summed over the micro-batches at its producer
 and moved in the transfer before its consumer's last micro-batch (zeros before: the consumer is
 linear in it). The simulator moves the same (:func:`tag.sim.units.pair_kinds`).
