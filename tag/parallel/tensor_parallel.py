@@ -521,12 +521,6 @@ class TensorParallel(Strategy):
 
 # ---- what the executor runs ---------------------------------------------------------------
 
-def shard_maps(groups: list[list[int]]) -> list[dict[int, int]]:
-    """Per shard ``i``: each tensor-parallel group's first device (the one whose schedule the group
-    runs, :func:`executed_plan`) -> the group's device holding shard ``i``."""
-    return [{devs[0]: devs[i] for devs in groups} for i in range(len(groups[0]))]
-
-
 def executed_plan(plan):
     """The plan the devices of whole-plan tensor-parallel groups execute (see the module doc):
     every group data parallel over the first device of each tensor-parallel group, with the
