@@ -218,7 +218,8 @@ class Simulator:
         if len(lowered) != 1 or lowered[0].positions is not None:
             raise PlanError(f"plan: groups[{g}]: strategy {gp.sync!r}: the simulator costs one unit over the "
                             "whole group or position chunks")
-        batches = lowered[0].batches
+        # the lowering's replicas (a strategy may compute on part of gp.devices)
+        devs, batches = tuple(lowered[0].devices), lowered[0].batches
         lay = self.layout(devs, batches)
         if gp.recompute:
             lay = self.recompute_layout(lay)
