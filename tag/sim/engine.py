@@ -252,12 +252,11 @@ class Simulator:
 
     def _sync_seconds(self, op: str, devs: tuple[int, ...], server: int | None, nbytes: float) -> float:
         """One gradient collective ``op`` (:class:`tag.parallel.Collective`) of ``nbytes`` over the
-        replicas ``devs`` (``ps``: via ``server``)."""
-        if op == "ps":
-            return self.comm.ps_time(devs, server, nbytes)
-        if op == "allreduce":
-            return self.comm.allreduce_time(devs, nbytes)
-        raise PlanError(f"collective {op!r}: the simulator costs 'allreduce' and 'ps'")
+        replicas ``devs`` (``ps``: via ``server``; :meth:`tag.cost.comm.CommModel.sync_time`)."""
+        try:
+            return self.comm.sync_time(op, devs, nbytes, server)
+        except ValueError as e:
+            raise PlanError(f"simulator: {e}") from None
 
     def sync_jobs(self, gds: list[GroupData]) -> list[tuple[tuple[int, ...], object]]:
         """The iteration's gradient collectives in launch order, one per bucket

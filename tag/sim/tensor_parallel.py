@@ -1,5 +1,6 @@
 """How the simulator costs a tensor-parallel op-group (``sync == "tp"``,
-:mod:`tag.parallel.tensor_parallel`), in either variant (``GroupPlan.sequence_parallel``).
+:mod:`tag.parallel.tensor_parallel`), in either variant (``GroupPlan.sequence_parallel``):
+:func:`tp_group`, registered as the strategy's group costing (:mod:`tag.sim.strategies`).
 
 The group's unit (:meth:`TensorParallel.units`) gives plain Megatron's devices their
 tensor-parallel group's ``B`` samples (one range per group) and sequence-parallel devices their
