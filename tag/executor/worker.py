@@ -127,7 +127,7 @@ def run_rank(a: WorkerArgs) -> dict:
     ex = execution_for(plan, graph)  # a strategy may run it otherwise (tp: a group's devices run its first one's schedule)
     sched = build_schedule(graph, ex.plan, topology.machine_of, a.bucket_bytes)
     me = ex.lead.get(rank, rank)  # the schedule's device this rank runs as
-    hook = ex.hook(rank)
+    hook, members = ex.hook(rank), ex.group_of(rank)  # (members: this rank's group, None outside one)
     if a.backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -153,7 +153,7 @@ def run_rank(a: WorkerArgs) -> dict:
     for devs in ex.groups:  # every rank creates every process group, in the same order
         pg = dist.new_group(devs, timeout=timedelta(seconds=a.timeout_s))
         my_group = pg if rank in devs else my_group
-    if hook is not None:
+    if hook is not None and members is not None:
         hook.reduce = lambda x: dist.all_reduce(x, group=my_group)
     if pinned:
         demote_threads()  # gloo's threads exist now; only for a rank on cores of its own
@@ -215,8 +215,10 @@ def run_rank(a: WorkerArgs) -> dict:
         if a.save_params:
             params = rt.named_params()
             if hook is not None:  # the full parameters, from every member of the rank's group
-                parts: list = [None] * len(ex.group_of(rank))
-                dist.all_gather_object(parts, (params, hook.param_state()), group=my_group)
+                parts: list = [(params, hook.param_state())]
+                if members is not None:
+                    parts = [None] * len(members)
+                    dist.all_gather_object(parts, (params, hook.param_state()), group=my_group)
                 params = hook.full_params(parts)
             torch.save(params, Path(a.out_dir) / f"params-rank{rank}.pt")
         table = table_path(rank, a.profile_ops)
