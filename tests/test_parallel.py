@@ -1,6 +1,6 @@
 """The parallelism layer: the strategy registry, plan validation by strategy, the shared move
-rules, and a new strategy dropping in (a module plus a registration) with the simulator and the
-executor untouched."""
+rules, and new strategies dropping in (a module plus registrations) with the simulator and the
+executor untouched: one that only lowers, one with its own simulator costing and execution."""
 
 from __future__ import annotations
 
@@ -8,14 +8,18 @@ import random
 import re
 
 import pytest
+import torch
 from test_executor import MLP, B, assert_matches_reference
 from test_sim_reference import BATCH, GROUPS, SPEC, _random_group, setup
 
 from tag.cost.baselines import data_parallel
 from tag.errors import PlanError
+from tag.executor import Execution, RankHook, register_execution, run_virtual, unregister_execution
+from tag.executor.virtual import reference_training
 from tag.parallel import (
     Collective,
     Replica,
+    Strategy,
     Unit,
     build_schedule,
     get_strategy,
@@ -28,7 +32,9 @@ from tag.parallel import (
 )
 from tag.parallel.data_parallel import DataParallel
 from tag.plan import GroupPlan, new_plan
-from tag.sim import Simulator
+from tag.sim import Simulator, register_costing, unregister_costing
+from tag.sim import units as sim_units
+from tag.workloads import load_workload
 
 
 class FirstReplicaServer(DataParallel):
@@ -40,6 +46,73 @@ class FirstReplicaServer(DataParallel):
 
     def server(self, gp):
         return gp.devices[0]
+
+
+class Mirror(Strategy):
+    """A strategy with a simulator costing and an execution of its own, written as a user would:
+    every device of the group runs the whole group on the whole batch (hot standbys). Its
+    lowering, the schedule every rank walks, is the first device's alone; the other devices
+    replay that device's schedule (:class:`MirrorExecution`), and its costing gives each device
+    the first one's compute and memory (:func:`mirror_costing`)."""
+
+    name = "mirror"
+
+    def validate(self, gp, graph, g, num_devices, batch_size, where):
+        if any(s != 1.0 for s in gp.shares):
+            raise PlanError(f"{where}.shares: every mirror runs the full batch; expected all 1.0")
+
+    def units(self, g, gp, graph, batch_size):
+        return [Unit((g, 0), gp.sync, [Replica(gp.devices[0], 0, batch_size)])]
+
+    def execution_refusal(self, plan):
+        first = plan.groups[0]
+        for g, gp in enumerate(plan.groups):
+            if gp.sync != self.name or gp.devices != first.devices:
+                return f"groups[{g}]: mirrors run whole plans; expected sync 'mirror' over {first.devices}"
+        return None
+
+
+COSTED: list[int] = []  # groups mirror_costing costed
+STAGES: list[tuple] = []  # (member index, stage key) of the stages MirrorHook saw
+
+
+def mirror_costing(sim, g, gp, units):
+    """Every device computes the group at the first one's batch; no gradient sync."""
+    COSTED.append(g)
+    devs = tuple(gp.devices)
+    batches = (units[0].replicas[0].batch,) * len(devs)
+    lay = sim.layout(devs, batches)
+    return sim_units.GroupData([sim_units.Unit(g, -1, devs, batches, lay.starts, lay)], "none", 0.0, (), (), 0.0,
+                               layout=lay, ukey=("mirror", devs, batches))
+
+
+class MirrorHook(RankHook):
+    def stage(self, stage):
+        STAGES.append((self.index, stage.key))
+
+
+class MirrorExecution(Execution):
+    """The plan's own schedule (the first device's), walked by every device of the mirrors."""
+
+    def __init__(self, plan, graph):
+        super().__init__(plan, [list(plan.groups[0].devices)])
+
+    def hook(self, rank):
+        devs = self.group_of(rank)
+        return MirrorHook(devs.index(rank)) if devs else None
+
+
+@pytest.fixture()
+def mirror():
+    s = register(Mirror())
+    register_costing(s.name, mirror_costing)
+    register_execution(s.name, MirrorExecution)
+    COSTED.clear()
+    STAGES.clear()
+    yield s
+    unregister(s.name)
+    unregister_costing(s.name)
+    unregister_execution(s.name)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +224,40 @@ def test_a_new_strategy_drops_in(ps_first, mlp, topo4):
     assert any(s.collective == Collective("ps", (1, 2, 3), 1) for s in s1.steps)
     assert [s.kind for s in s1.steps_of(0)] == []  # device 0 takes no part
     assert_matches_reference(mlp, mine, MLP, "adam", {})
+
+
+def test_a_strategy_with_its_own_costing_and_execution_drops_in(mirror, mlp, topo4):
+    """Registered in this test only, through the simulator's and the executor's extension points
+    (tag.sim.strategies, tag.executor.strategies): the simulator costs every mirror as the single
+    device (its costing; the lowering alone would cost the first device only), and the executor
+    runs every mirror, each training equal to single-process training, the loss reported once."""
+    k = mlp.num_groups
+    plan = new_plan(mlp, topo4, [GroupPlan([1, 2], [1.0, 1.0], "mirror") for _ in range(k)])
+    validate_plan(plan, mlp, topo4)  # what the executor accepts
+    single = new_plan(mlp, topo4, [GroupPlan([1], [1.0]) for _ in range(k)])
+    a, b = Simulator(mlp, topo4).run(plan.groups), Simulator(mlp, topo4).run(single.groups)
+    assert sorted(set(COSTED)) == list(range(k))
+    assert a.iteration_time_s == b.iteration_time_s > 0
+    assert a.peak_memory_bytes[2] == a.peak_memory_bytes[1] == b.peak_memory_bytes[1] > 0
+    assert a.peak_memory_bytes[0] == a.peak_memory_bytes[3] == 0
+    unregister_costing("mirror")  # the lowering's costing: the first device only
+    c = Simulator(mlp, topo4).run(plan.groups)
+    assert c.peak_memory_bytes[2] == 0 and c.peak_memory_bytes[1] == b.peak_memory_bytes[1]
+    mixed = new_plan(mlp, topo4, [GroupPlan([1, 2], [1.0, 1.0], "mirror")] + single.groups[1:])
+    with pytest.raises(PlanError, match=r"groups\[1\]: mirrors run whole plans"):
+        validate_plan(mixed, mlp, topo4)
+
+    steps = 2
+    rts = run_virtual(mlp, plan, load_workload(MLP, batch=B), "adam", steps)
+    assert sorted(rts) == [1, 2] and [rt.rank for rt in rts.values()] == [1, 1]
+    assert {i for i, _ in STAGES} == {0, 1} and len(STAGES) == 2 * len({n for _, n in STAGES})
+    ref, losses = reference_training(load_workload(MLP, batch=B), "adam", steps)
+    for rt in rts.values():
+        params = rt.named_params()
+        assert set(params) == {p.name for p in mlp.params}
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6)
+    assert rts[1].loss == pytest.approx(losses[-1], rel=1e-5) and rts[2].loss == 0.0
 
 
 def test_steps_of_a_device_follow_the_global_order(mlp, topo4):

@@ -193,7 +193,7 @@ def test_executor_recompute_under_tensor_parallelism(captured):
     ref, losses = reference_training(load_workload(spec, batch=8), "sgd", 2)
     for lead in (0, 2):
         pair = [rts[lead], rts[lead + 1]]
-        full = pair[0].tp.full_params([(rt.named_params(), rt.tp.kept) for rt in pair])
+        full = pair[0].hook.full_params([(rt.named_params(), rt.hook.kept) for rt in pair])
         for p in graph.params:
             torch.testing.assert_close(full[p.name], ref[p.name], rtol=1e-4, atol=1e-6)
     assert sum(rt.loss for rt in rts.values()) == pytest.approx(losses[-1], rel=1e-5)

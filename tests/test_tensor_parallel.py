@@ -532,18 +532,18 @@ def test_tensor_parallel_training_in_one_process(captured, v100, spec, batch, gr
     blocks = megatron_blocks(graph)
     split = {graph.params[p].name for b in blocks for p in b.split_params}
     for rt in rts.values():
-        assert set(rt.tp.kept) == split
-        assert len(rt.tp.boundaries) == sum(1 + len(b.columns) for b in blocks)
+        assert set(rt.hook.kept) == split
+        assert len(rt.hook.boundaries) == sum(1 + len(b.columns) for b in blocks)
         for p in graph.params:
             held = rt.named_params()[p.name].numel()
             assert held == (p.numel // 2 if p.name in split else p.numel), p.name
     if spec == GPT2:  # the fused c_attn: each shard keeps the same heads of q, k and v
-        cols = rts[1].tp.kept["model.transformer.h.0.attn.c_attn.weight"][1].tolist()
+        cols = rts[1].hook.kept["model.transformer.h.0.attn.c_attn.weight"][1].tolist()
         assert cols == [*range(32, 64), *range(96, 128), *range(160, 192)]
     ref, losses = reference_training(load_workload(spec, batch=batch), "sgd", 2)
     for lead in devices[::2]:  # each tensor-parallel group holds the full parameters
         pair = [rts[lead], rts[lead + 1]]
-        _assert_full_params(pair[0].tp.full_params([(rt.named_params(), rt.tp.kept) for rt in pair]), ref, graph)
+        _assert_full_params(pair[0].hook.full_params([(rt.named_params(), rt.hook.kept) for rt in pair]), ref, graph)
         assert pair[1].loss == 0.0
     assert sum(rt.loss for rt in rts.values()) == pytest.approx(losses[-1], rel=1e-5)
 
@@ -594,10 +594,10 @@ def test_tensor_parallel_through_fused_attention(v100, spec, qkv, blocks):
     rts = run_virtual(graph, plan, load_workload(spec, batch=batch), "sgd", 2)
     # each shard keeps the same 2 of the 4 heads of q, k and v
     f = blocks[0][0]
-    assert rts[1].tp.kept[f"model.{qkv}"][0].tolist() == [*range(f // 2, f), *range(3 * f // 2, 2 * f),
+    assert rts[1].hook.kept[f"model.{qkv}"][0].tolist() == [*range(f // 2, f), *range(3 * f // 2, 2 * f),
                                                           *range(5 * f // 2, 3 * f)]
     ref, _ = reference_training(load_workload(spec, batch=batch), "sgd", 2)
-    _assert_full_params(rts[0].tp.full_params([(rt.named_params(), rt.tp.kept) for rt in rts.values()]), ref, graph)
+    _assert_full_params(rts[0].hook.full_params([(rt.named_params(), rt.hook.kept) for rt in rts.values()]), ref, graph)
 
 
 def test_validate_runs_tensor_parallel_plans(gpt2):

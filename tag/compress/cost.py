@@ -56,14 +56,12 @@ def ps_time(nbytes: float, devices: Sequence[int], server: int, links) -> float:
 
 def sync_time(nbytes: float, devices: Sequence[int], links, sync: str = "allreduce",
               server: int | None = None, algorithm: str = SYNC_ALGORITHM) -> float:
-    """Gradient sync of ``nbytes`` the way a group plan does it (``allreduce`` or ``ps``)."""
-    if sync == "ps":
-        if server is None:
-            raise SfbError("sync_time: server: expected a device index for sync 'ps', got None")
-        return ps_time(nbytes, devices, server, links)
-    if sync == "allreduce":
-        return allreduce_time(nbytes, devices, links, algorithm)
-    raise SfbError(f"sync_time: sync: expected 'allreduce' or 'ps', got {sync!r}")
+    """Gradient sync of ``nbytes`` the way a group plan does it (``allreduce`` or ``ps``,
+    :meth:`CommModel.sync_time`)."""
+    try:
+        return comm_model(links).sync_time(sync, devices, nbytes, server, algorithm)
+    except ValueError as e:
+        raise SfbError(f"sync_time: {e}") from None
 
 
 def allgather_time(chunks: Sequence[float], devices: Sequence[int], links) -> float:

@@ -73,6 +73,8 @@ from ..io import read_json, write_json
 from .profile import ProfileError
 
 COMM_OPS = ("p2p", "all_reduce", "broadcast", "reduce", "all_gather", "ps")
+SYNC_OPS = ("allreduce", "ps")
+"""Gradient collectives :meth:`CommModel.sync_time` prices (:class:`tag.parallel.Collective`'s ``op``)."""
 
 
 @dataclass(frozen=True)
@@ -415,6 +417,19 @@ class CommModel:
                 hit = (max(self._lat[root][w] for w in workers), [self._bw[root][w] for w in workers])
             _remember(self._root_cache, key, hit)
         return hit[0] + sum(nbytes / bw for bw in hit[1])
+
+    def sync_time(self, op: str, devices, nbytes: float, server: int | None = None,
+                  algorithm: str = "hierarchical") -> float:
+        """Seconds of one gradient collective ``op`` of ``nbytes`` (a
+        :class:`tag.parallel.Collective`'s: ``allreduce`` over ``devices`` by ``algorithm``,
+        ``ps`` over ``devices`` via ``server``); ValueError naming ``op`` otherwise."""
+        if op == "allreduce":
+            return self.allreduce_time(devices, nbytes, algorithm)
+        if op == "ps":
+            if server is None:
+                raise ValueError("server: expected a device index for collective 'ps', got None")
+            return self.ps_time(devices, server, nbytes)
+        raise ValueError(f"collective {op!r}: expected one of {list(SYNC_OPS)}")
 
     def ps_time(self, devices, server: int, nbytes: float) -> float:
         """Parameter-server sync: reduce to ``server`` then broadcast the sum back (what the

@@ -5,7 +5,9 @@
 * :mod:`tag.executor.worker` -- one rank (also the ``torchrun`` entry point across machines);
 * :func:`build_schedule` -- the global, deadlock-free order of compute and communication;
 * :func:`run_virtual` / :func:`reference_training` -- all ranks in one process, and the
-  single-process full-batch training the executor must reproduce.
+  single-process full-batch training the executor must reproduce;
+* :func:`register_execution` (:mod:`tag.executor.strategies`) -- a strategy that runs otherwise
+  than as its plan's own schedule (``tp``: :mod:`tag.executor.tensor_parallel`).
 """
 
 from ..parallel.schedule import (
@@ -19,12 +21,14 @@ from ..parallel.schedule import (
     graph_structure,
     partial_sum_tensors,
 )
+from . import tensor_parallel  # noqa: F401 - registers tp's execution (tag.executor.strategies)
 from .launch import ExecuteConfig, ExecuteResult, execute
 from .runtime import ExecutionError, RankRuntime
+from .strategies import Execution, RankHook, execution_for, register_execution, unregister_execution
 from .virtual import reference_training, run_virtual
 
 __all__ = [
-    "ExecuteConfig", "ExecuteResult", "ExecutionError", "Move", "RankRuntime", "Schedule", "SfbGroup", "Step", "Unit",
-    "build_schedule", "execute", "gradient_tensors", "graph_structure", "partial_sum_tensors", "reference_training",
-    "run_virtual",
+    "ExecuteConfig", "ExecuteResult", "Execution", "ExecutionError", "Move", "RankHook", "RankRuntime", "Schedule",
+    "SfbGroup", "Step", "Unit", "build_schedule", "execute", "execution_for", "gradient_tensors", "graph_structure",
+    "partial_sum_tensors", "reference_training", "register_execution", "run_virtual", "unregister_execution",
 ]

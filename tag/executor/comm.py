@@ -50,9 +50,10 @@ class DistComm:
         ``timeout_s`` bounds every blocked collective / receive (gloo), so a stuck peer turns
         into an error instead of a hang.
 
-        ``shards`` (whole-plan tensor parallelism, :mod:`tag.executor.tensor_parallel`): per
-        shard, the schedule's device -> the rank holding that shard of it; every synced device set
-        then gets one process group per shard, and this rank's gradients go to its shard's.
+        ``shards`` (ranks running one schedule device together, :attr:`Execution.shards
+        <tag.executor.strategies.Execution.shards>`; whole-plan tensor parallelism's shards): per
+        member index, the schedule's device -> the rank of that index running it; every synced
+        device set then gets one process group per index, and this rank's gradients go to its own.
 
         CPU ranks also get a two-rank process group of its own per direction of every pair that
         exchanges activations (:attr:`links`). gloo's event thread skips a connection whose lock

@@ -64,7 +64,7 @@ from .fuse import Key, build_module, env_unit, plan_program, value_key
 from .optim import make_optimizer
 
 if TYPE_CHECKING:
-    from .tensor_parallel import TpRank
+    from .strategies import RankHook
 
 
 class ExecutionError(TagError):
@@ -163,9 +163,10 @@ class RankRuntime:
     """Static fp16 loss scale (:data:`tag.graph.precision.FP16_LOSS_SCALE`; 1 otherwise): the
     loss-gradient seed is multiplied by it and the gradients divided by it before the update,
     which is skipped when one of them is not finite (``torch.amp.GradScaler``'s rule)."""
-    tp: TpRank | None = None
-    """This rank's shard of a whole-plan tensor-parallel group (:mod:`tag.executor.tensor_parallel`):
-    its joint graphs are rewritten for the shard, its stages all-reduce at the block boundaries."""
+    hook: RankHook | None = None
+    """What the plan's strategy changes in this rank (:mod:`tag.executor.strategies`; a
+    tensor-parallel shard's: its joint graphs rewritten for the shard, its stages all-reducing at
+    the block boundaries)."""
     cut_at_sync: bool = False
     """A gradient bucket's launch ends a fused segment (a rank that issues its buckets as their
     gradients become final, on GPUs); otherwise segments run on across the syncs, which are only
@@ -188,17 +189,17 @@ class RankRuntime:
                 continue
             keys = {k for k, _ in runs[b]}
             check_structure(s, joint, b, min(k[0] for k in keys), pipeline=bool(s.micro_units))
-            if self.tp is not None:
+            if self.hook is not None:
                 # (the analysis runs on the host, where the exported joint graph's state lives)
                 rows = tuple(x[:b].cpu() if isinstance(x, torch.Tensor) else x for x in self.inputs)
-                joint = self.joints[b] = self.tp.shard(joint, rows, s.param_grad)
+                joint = self.joints[b] = self.hook.joint(joint, rows, s.param_grad)
             assign = {n: up for n, up in s.assign.items() if up[0] in keys}
             again = [k for k in keys if k[0] in s.recompute]  # units recomputing their activations
             for (key, phase), stage in build_stages(types.SimpleNamespace(joint=joint.module), assign, again).items():
                 if self.device.type != "cpu":
                     retarget_devices(stage.module, self.device)
-                if self.tp is not None:
-                    self.tp.insert_reduces(stage)
+                if self.hook is not None:
+                    self.hook.stage(stage)
                 if (key, phase) == (s.loss_unit, "bwd"):  # the loss is a mean over the stage's b samples
                     _scale_seed(stage, s.loss, b / s.batch_size * self.loss_scale)
                 for k, m in runs[b]:
@@ -513,7 +514,7 @@ class RankRuntime:
         for g in bucket.groups:
             for ph in self._synced(g):
                 owner = s.param_owner[ph]
-                n = self.params[ph].numel() if ph in self.params else s.param_numel[ph]  # (a tp shard holds 1/T)
+                n = self.params[ph].numel() if ph in self.params else s.param_numel[ph]  # (a hook's rank may hold part: a tp shard 1/T)
                 if owner in self.my_units:  # (a PS server outside the replica set keeps nothing)
                     self.env[(owner, s.param_grad[ph])] = flat[off:off + n]
                 off += n
@@ -538,7 +539,7 @@ class RankRuntime:
                     self.optimizer.step()
                 for p in self.params.values():
                     p.grad = None
-        if s.loss_unit in self.my_units and (self.tp is None or self.tp.index == 0):  # each micro-batch's mean over its b samples, weighted b / B
+        if s.loss_unit in self.my_units and (self.hook is None or self.hook.reports_loss):  # each micro-batch's mean over its b samples, weighted b / B
             self.loss = sum(float(self.env[(env_unit(s, s.loss_unit, m), s.loss)])
                             * s.unit_at(s.loss_unit, m).replica_on(self.rank).batch for m in self.micros) / s.batch_size
         self._synchronize()

@@ -3,9 +3,9 @@
 A plan whose every group is ``tp`` with the same tensor-parallel groups runs as the data-parallel
 plan over the groups' first devices (:func:`tag.parallel.tensor_parallel.executed_plan`), each
 group's devices at once: device ``D[i]`` of group ``D`` walks ``D[0]``'s schedule with shard ``i``
-of the split parameters, its joint graphs rewritten for that shard (:meth:`TpRank.shard`), and a
+of the split parameters, its joint graphs rewritten for that shard (:meth:`TpRank.joint`), and a
 blocking all-reduce over ``D`` after each row-parallel matmul (forward) and each column-parallel
-input gradient (backward) inside its stages (:meth:`TpRank.insert_reduces`). The ops outside the
+input gradient (backward) inside its stages (:meth:`TpRank.stage`). The ops outside the
 Megatron blocks (norms, embeddings, LM head, loss) run replicated on the group's batch, so their
 parameters and gradients stay identical on the group's devices; the split parameters' gradients
 are per shard; the gradient syncs sum over the replicas holding the same shard.
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +46,9 @@ import torch
 from torch import fx
 
 from ..graph.stages import Stage
+from ..parallel.tensor_parallel import TensorParallel, executed_plan, tp_groups
 from .runtime import ExecutionError, Joint
+from .strategies import Execution, RankHook, register_execution
 
 aten = torch.ops.aten
 
@@ -93,8 +94,9 @@ def tp_spec(graph) -> TpSpec:
 
 
 @dataclass
-class TpRank:
-    """Shard ``index`` of ``degree``: rewrites this rank's joint graphs and stages."""
+class TpRank(RankHook):
+    """Shard ``index`` of ``degree``: rewrites this rank's joint graphs and stages (its
+    :class:`~tag.executor.strategies.RankHook`)."""
 
     index: int
     degree: int
@@ -113,7 +115,7 @@ class TpRank:
         _REDUCERS[self.key] = lambda x: me().reduce(x)
 
     # ---- the joint graph of one local batch ---------------------------------------------------
-    def shard(self, joint: Joint, inputs: tuple, param_grad: dict[str, str]) -> Joint:
+    def joint(self, joint: Joint, inputs: tuple, param_grad: dict[str, str]) -> Joint:
         """``joint`` rewritten for this shard: split parameters sliced, shapes of sharded tensors
         divided, node metadata updated; the boundaries (all-reduce after) in :attr:`boundaries`.
 
@@ -179,7 +181,7 @@ class TpRank:
         return sharded
 
     # ---- stages --------------------------------------------------------------------------
-    def insert_reduces(self, stage: Stage) -> None:
+    def stage(self, stage: Stage) -> None:
         """All-reduce every boundary of ``stage`` right after it (``addmm``: its bias added after)."""
         g = stage.module.graph
         for n in list(g.nodes):
@@ -203,6 +205,10 @@ class TpRank:
                 n.replace_all_uses_with(red, delete_user_cb=lambda u, r=red: u is not r)
         stage.module.recompile()
 
+    def param_state(self) -> dict[str, list[torch.Tensor]]:
+        """:attr:`kept`: where this shard's elements sit in the full parameters."""
+        return self.kept
+
     def full_params(self, gathered: list[tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]]
                     ) -> dict[str, torch.Tensor]:
         """Full parameters from every shard's ``(named_params, kept)`` (in shard order)."""
@@ -223,26 +229,6 @@ def select(t: torch.Tensor, kept: list[torch.Tensor]) -> torch.Tensor:
         if len(ix) != t.shape[d]:
             t = t.index_select(d, ix)
     return t.contiguous()
-
-
-def thread_reducers(n: int) -> list[Callable[[torch.Tensor], None]]:
-    """In-place sums over ``n`` threads of one process (the in-process runner's tp group): each
-    thread adds the ``n`` tensors in the same order, so all get the same bits."""
-    barrier = threading.Barrier(n)
-    slots: list[torch.Tensor | None] = [None] * n
-
-    def make(i: int):
-        def reduce(x: torch.Tensor) -> None:
-            slots[i] = x.clone()
-            barrier.wait()
-            total = slots[0]
-            for s in slots[1:]:
-                total = total + s
-            barrier.wait()  # everybody read the slots before anybody writes them again
-            x.copy_(total)
-        return reduce
-
-    return [make(i) for i in range(n)]
 
 
 # ---- the analysis ----------------------------------------------------------------------------
@@ -432,4 +418,21 @@ def _check_shapes(joint: Joint, inputs: tuple, grids) -> None:
                                      f"shard; expected {list(want.shape)}")
 
 
-__all__ = ["TpRank", "TpSpec", "select", "thread_reducers", "tp_all_reduce", "tp_spec"]
+class TpExecution(Execution):
+    """How the executor runs a plan of whole-plan tensor-parallel groups (its registered
+    :class:`~tag.executor.strategies.Execution`): the data-parallel plan over the groups' first
+    devices (:func:`~tag.parallel.tensor_parallel.executed_plan`), every device of a group walking
+    its first device's schedule as :class:`TpRank` of its index."""
+
+    def __init__(self, plan, graph) -> None:
+        super().__init__(executed_plan(plan), tp_groups(plan.groups[0]))
+        self.spec = tp_spec(graph)
+
+    def hook(self, rank: int) -> TpRank | None:
+        devs = self.group_of(rank)
+        return TpRank(devs.index(rank), len(devs), self.spec) if devs else None
+
+
+register_execution(TensorParallel.name, TpExecution)
+
+__all__ = ["TpExecution", "TpRank", "TpSpec", "select", "tp_all_reduce", "tp_spec"]

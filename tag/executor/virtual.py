@@ -14,11 +14,10 @@ import torch
 from ..graph.ir import OpGraph
 from ..graph.precision import autocast, loss_scale
 from ..parallel.schedule import Schedule, build_schedule
-from ..parallel.tensor_parallel import executed_plan, shard_maps, tp_groups
 from ..plan.format import Plan
 from .optim import make_optimizer
 from .runtime import Joint, RankRuntime, export_at
-from .tensor_parallel import TpRank, thread_reducers, tp_spec
+from .strategies import RankHook, execution_for, thread_reducers
 
 
 def local_batch_sizes(schedule: Schedule, rank: int) -> set[int]:
@@ -44,24 +43,20 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
     is launched, as on a GPU rank (:attr:`RankRuntime.cut_at_sync`). ``bucket_bytes``: the gradient
     buckets' cap (:func:`tag.parallel.buckets.bucket_caps`).
     """
-    tp_plan = executed_plan(plan)
-    sched = build_schedule(graph, tp_plan or plan, machine_of, bucket_bytes)
-    ranks = sorted({r.device for u in sched.units.values() for r in u.replicas}
-                   | {m for st in sched.steps if st.collective is not None for m in st.collective.members})
-    tp: dict[int, TpRank] = {}  # device -> its shard; it runs the schedule of its tp group's first device
-    shards: list[dict[int, int]] = []  # per shard: the schedule's device -> the device holding that shard
-    lead: dict[int, int] = {}  # device -> the schedule's device it runs as
-    if tp_plan is not None:
-        spec, groups = tp_spec(graph), tp_groups(plan.groups[0])
-        for devs in groups:
-            tp.update({d: TpRank(i, len(devs), spec, red) for i, (d, red) in
-                       enumerate(zip(devs, thread_reducers(len(devs))))})
-        shards = shard_maps(groups)
-        lead = {d: devs[0] for devs in groups for d in devs}
+    ex = execution_for(plan, graph)  # a strategy may run it otherwise (tag.executor.strategies)
+    sched = build_schedule(graph, ex.plan, machine_of, bucket_bytes)
+    ranks = ex.ranks({r.device for u in sched.units.values() for r in u.replicas}
+                     | {m for st in sched.steps if st.collective is not None for m in st.collective.members})
+    hooks: dict[int, RankHook | None] = {d: ex.hook(d) for d in ranks}
+    for devs in ex.groups:  # a group's ranks sum inside their segments: one thread each
+        for d, red in zip(devs, thread_reducers(len(devs))):
+            if hooks[d] is not None:
+                hooks[d].reduce = red
+    shards = ex.shards  # per member index: the schedule's device -> the rank of that index
     joints = {} if joints is None else joints
     runtimes: dict[int, RankRuntime] = {}
-    for actual in tp or ranks:
-        r = lead.get(actual, actual)
+    for actual in ranks:
+        r = ex.lead.get(actual, actual)
         for b in local_batch_sizes(sched, r):
             if b not in joints:
                 joints[b] = export_at(workload.model, workload.make_inputs, b, graph.precision)
@@ -74,8 +69,8 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
             full = joints[sched.batch_size]
         runtimes[actual] = RankRuntime(r, sched, tuple(workload.inputs), mine, optimizer, global_joint=full,
                                        loss_scale=loss_scale(graph.precision), cut_at_sync=cut_at_sync,
-                                       tp=tp.get(actual))
-    pool = ThreadPoolExecutor(len(tp)) if tp else None  # a tp group's ranks all-reduce inside their segments
+                                       hook=hooks[actual])
+    pool = ThreadPoolExecutor(len(ranks)) if ex.groups else None  # a group's ranks sum inside their segments
     for _ in range(steps):
         for rt in runtimes.values():
             rt.begin_iteration()
@@ -100,7 +95,7 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
                 for d in sg.devices:
                     runtimes[d].sfb_recompute(st.group, {k: v.clone() for k, v in full.items()})
             elif st.kind == "sync" and (b := sched.launched_at(st)) is not None:  # a bucket's last group
-                for shard in shards or [{m: m for m in b.collective.members}]:  # tp: over the same shard
+                for shard in shards or [{m: m for m in b.collective.members}]:  # over one member index
                     members = [shard[m] for m in b.collective.members]
                     total = sum(runtimes[m].bucket_flat(b) for m in members)
                     for m in members:

@@ -23,10 +23,9 @@ import torch
 
 from ..io import write_json
 from ..parallel import build_schedule, validate_plan
-from ..parallel.tensor_parallel import executed_plan, shard_maps, tp_groups
 from .profiling import op_table, profiled, table_path
 from .runtime import ExecutionError, RankRuntime, export_at
-from .tensor_parallel import TpRank, tp_spec
+from .strategies import execution_for
 from .virtual import local_batch_sizes, needs_global_joint
 
 SECONDARY_EXIT_DELAY_S = 2.0  # seconds a rank that saw a peer vanish waits before exiting
@@ -125,12 +124,10 @@ def run_rank(a: WorkerArgs) -> dict:
     graph = _load_graph(a)
     plan = Plan.load(a.plan)
     validate_plan(plan, graph, topology, source=a.plan)
-    tp_plan = executed_plan(plan)  # whole-plan tensor parallel: a tp group's devices run its first one's schedule
-    sched = build_schedule(graph, tp_plan or plan, topology.machine_of, a.bucket_bytes)
-    groups = tp_groups(plan.groups[0]) if tp_plan is not None else []
-    mine = next((devs for devs in groups if rank in devs), None)
-    me = mine[0] if mine else rank  # the schedule's device this rank runs as
-    tp = TpRank(mine.index(rank), len(mine), tp_spec(graph)) if mine else None
+    ex = execution_for(plan, graph)  # a strategy may run it otherwise (tp: a group's devices run its first one's schedule)
+    sched = build_schedule(graph, ex.plan, topology.machine_of, a.bucket_bytes)
+    me = ex.lead.get(rank, rank)  # the schedule's device this rank runs as
+    hook, members = ex.hook(rank), ex.group_of(rank)  # (members: this rank's group, None outside one)
     if a.backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -150,15 +147,14 @@ def run_rank(a: WorkerArgs) -> dict:
     # A CPU rank queues its gradient buckets until its compute is done (DistComm.defer_syncs): its
     # segments run on across them; a GPU rank issues each as soon as its gradients exist.
     rt = RankRuntime(me, sched, inputs, joints, a.optimizer, device, slow, global_joint=full,
-                     loss_scale=loss_scale(a.precision), cut_at_sync=device.type != "cpu", tp=tp)
-    shards = shard_maps(groups) if groups else None
-    comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device, shards)
-    tp_group = None
-    for devs in groups:  # every rank creates every process group, in the same order
+                     loss_scale=loss_scale(a.precision), cut_at_sync=device.type != "cpu", hook=hook)
+    comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device, ex.shards)
+    my_group = None
+    for devs in ex.groups:  # every rank creates every process group, in the same order
         pg = dist.new_group(devs, timeout=timedelta(seconds=a.timeout_s))
-        tp_group = pg if devs is mine else tp_group
-    if tp is not None:
-        tp.reduce = lambda x: dist.all_reduce(x, group=tp_group)
+        my_group = pg if rank in devs else my_group
+    if hook is not None and members is not None:
+        hook.reduce = lambda x: dist.all_reduce(x, group=my_group)
     if pinned:
         demote_threads()  # gloo's threads exist now; only for a rank on cores of its own
     fault = _parse_fault(a.fault)
@@ -218,10 +214,12 @@ def run_rank(a: WorkerArgs) -> dict:
                 "median_time_s": statistics.median(x["time_s"] for x in iters[a.warmup:])}
         if a.save_params:
             params = rt.named_params()
-            if tp is not None:  # the full parameters, from every shard
-                shards: list = [None] * tp.degree
-                dist.all_gather_object(shards, (params, tp.kept), group=tp_group)
-                params = tp.full_params(shards)
+            if hook is not None:  # the full parameters, from every member of the rank's group
+                parts: list = [(params, hook.param_state())]
+                if members is not None:
+                    parts = [None] * len(members)
+                    dist.all_gather_object(parts, (params, hook.param_state()), group=my_group)
+                params = hook.full_params(parts)
             torch.save(params, Path(a.out_dir) / f"params-rank{rank}.pt")
         table = table_path(rank, a.profile_ops)
         if table is not None:  # diagnostics: one more iteration, after every figure and the saved parameters

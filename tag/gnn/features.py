@@ -53,7 +53,7 @@ import torch
 from torch_geometric.data import HeteroData
 
 from ..cost.comm import LinkFit, ring_allreduce_time, uniform_ps_time
-from ..parallel import strategy_of
+from ..parallel import get_strategy, strategy_of
 from ..parallel.tensor_parallel import group_split
 from ..search.space import ActionSpace
 
@@ -122,7 +122,7 @@ def device_classes(space: ActionSpace, level: str = "exact") -> np.ndarray:
     mp_roles: list[list[tuple[int, int]]] = [[] for _ in range(d)]
     server_of: list[list[int]] = [[] for _ in range(d)]
     for a, act in enumerate(space.actions):
-        if act.sync == "mp" and len(act.devices) > 1:
+        if get_strategy(act.sync).chunked and len(act.devices) > 1:  # the chunks' devices per group
             for g in range(space.num_groups):
                 for x in space._mp_devices(g, act):
                     mp_roles[x].append((g, a))
@@ -292,7 +292,7 @@ class JointContext:
                     sync = ring_allreduce_time(n, p / t, bmin, lmax) + sum(
                         ring_allreduce_time(t, r.at(per_replica), float(inner.min()), lmax) for r in self.tp_split[gi])
                     need = (2 * p + c.opt_bytes[gi]) / t + c.act_bytes[gi] / n
-                elif act.sync == "mp":
+                elif get_strategy(act.sync).chunked:  # chunks one after the other, on the full batch
                     n_mp = len(self.plans[gi][ai].devices)
                     comp = float(tg.min())
                     sync = 0.0 if n_mp == 1 else 2 * LinkFit(0.0, bmin).time(c.act_bytes[gi] / n_mp)

@@ -176,8 +176,8 @@ def validate_pipeline(plan, graph, num_devices: int, *, source: str = "plan") ->
                 raise PlanError(f"{where}.stages: device {d} is in stage {seen[d]} and stage {s}; "
                                 "each stage needs its own devices")
             seen[d] = s
-        # (the devices of a tensor-parallel group share one replica's samples: GroupPlan.width)
-        replicas = max(len(gp.devices) // gp.width() for gp in plan.groups[bounds[s]:bounds[s + 1]])
+        # (the devices of a tensor-parallel group share one replica's samples: Strategy.width)
+        replicas = max(len(gp.devices) // strategy_of(gp).width(gp) for gp in plan.groups[bounds[s]:bounds[s + 1]])
         if replicas > smallest:
             raise PlanError(f"{where}.micro_batches: stage {s} has {replicas} replicas but the smallest "
                             f"micro-batch has {smallest} samples; every replica needs at least one")

@@ -111,6 +111,18 @@ class Strategy:
         """The group's units, in execution order."""
         raise NotImplementedError
 
+    def width(self, gp: GroupPlan) -> int:
+        """Devices holding one sample range (consecutive devices computing the same samples): 1,
+        each device its own (:meth:`TensorParallel.width <tag.parallel.TensorParallel.width>`:
+        a plain tensor-parallel group's degree)."""
+        return 1
+
+    def replica_shares(self, gp: GroupPlan) -> list[float]:
+        """The batch fraction of each sample replica (plan order): each run of :meth:`width`
+        devices' shares summed (the run holds one range)."""
+        w = self.width(gp)
+        return list(gp.shares) if w == 1 else [sum(gp.shares[i:i + w]) for i in range(0, len(gp.shares), w)]
+
     def unit_of(self, gp: GroupPlan, anchor: int) -> int:
         """Index (in :meth:`units`) of the unit computing forward position ``anchor``."""
         return 0
@@ -274,14 +286,14 @@ def _random_op(graph, g: int) -> str | None:
 
 # ---- helpers shared by the built-in strategies ---------------------------------------------------
 
-def check_shares(gp: GroupPlan, batch_size: int, where: str) -> None:
+def check_shares(gp: GroupPlan, batch_size: int, where: str, width: int = 1) -> None:
     """Replicas of a batch split: positive shares summing to 1, at least one sample per sample
-    replica (:meth:`GroupPlan.width` devices each)."""
+    replica (``width`` devices each, :meth:`Strategy.width`)."""
     if any((not isinstance(s, (int, float))) or not s > 0 or math.isnan(s) for s in gp.shares):
         raise PlanError(f"{where}.shares: expected positive fractions, got {gp.shares}")
     if abs(sum(gp.shares) - 1.0) > 1e-6:
         raise PlanError(f"{where}.shares: must sum to 1, got {sum(gp.shares):.6g}")
-    replicas = len(gp.devices) // gp.width()
+    replicas = len(gp.devices) // width
     if replicas > batch_size:
         raise PlanError(f"{where}.devices: {replicas} replicas but batch {batch_size}; "
                         "every replica needs at least one sample")
@@ -296,7 +308,7 @@ def no_field(gp: GroupPlan, field: str, where: str, owner: str) -> None:
 def sample_replicas(devices, shares, batch_size: int, width: int = 1) -> list[Replica]:
     """Replicas on ``devices`` with contiguous sample ranges of ``local_batches(batch_size,
     shares)`` sizes, one share per range; with ``width > 1`` each run of ``width`` consecutive
-    devices holds one range (:meth:`GroupPlan.replica_shares`: a tensor-parallel group's devices
+    devices holds one range (:meth:`Strategy.replica_shares`: a tensor-parallel group's devices
     computing the same samples)."""
     key = (tuple(devices), tuple(shares), batch_size, width)
     reps = _REPLICAS.get(key)

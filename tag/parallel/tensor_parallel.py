@@ -39,7 +39,7 @@ sequence_parallel``):
 samples: the group is one sample replica (Megatron-LM's micro-batch of one sample on ``tp=8`` is
 one replica of one sample). ``GroupPlan.shares`` keeps one share per device, equal within a
 tensor-parallel group (checked, one line otherwise); the group's share is their sum
-(:meth:`GroupPlan.replica_shares`), its samples ``local_batches(B, replica shares)``, so a plain
+(:meth:`TensorParallel.replica_shares`), its samples ``local_batches(B, replica shares)``, so a plain
 ``tp`` group needs a sample per tensor-parallel group, not per device. Its unit
 (:meth:`TensorParallel.units`) gives each device its group's sample range (a *holder set* of
 :mod:`tag.parallel.moves`: a tensor leaving the group moves once per consumer, from the aligned
@@ -51,7 +51,7 @@ batch the group's devices do not divide evenly, the group's count now follows th
 rounding (:func:`executed_plan`; the simulator's per-device rounding could give the two
 devices of a group 2 and 1 samples). With sequence parallelism each device holds ``1 / T`` of
 the tokens of the group's samples outside the blocks, modelled, as before, as its own sample
-range (:meth:`GroupPlan.width` 1): a sample per device and micro-batch. The simulator costs both
+range (:meth:`TensorParallel.width` 1): a sample per device and micro-batch. The simulator costs both
 variants (:mod:`tag.sim.tensor_parallel`).
 
 **What the executor runs** (:mod:`tag.executor.tensor_parallel`): a plan whose every group is
@@ -439,7 +439,7 @@ class TensorParallel(Strategy):
             raise PlanError(f"{where}.tp: expected a tensor-parallel degree of 2..{MAX_DEGREE}, got {t}")
         if len(gp.devices) % t:
             raise PlanError(f"{where}.tp: {len(gp.devices)} devices are not groups of {t}")
-        check_shares(gp, batch_size, where)
+        check_shares(gp, batch_size, where, self.width(gp))
         for devs in tp_groups(gp):
             shares = [gp.shares[gp.devices.index(d)] for d in devs]
             if max(shares) - min(shares) > 1e-9:
@@ -455,9 +455,15 @@ class TensorParallel(Strategy):
                 raise PlanError(f"{where}.tp: block ending at {name!r} has {b.heads} attention heads, not "
                                 f"divisible by {t}")
 
+    def width(self, gp: GroupPlan) -> int:
+        """A plain group's tensor-parallel degree (each run of ``GroupPlan.tp`` consecutive devices
+        computes the same samples); 1 with sequence parallelism (a device holds its own token
+        shard, modelled as its own sample range)."""
+        return 1 if gp.sequence_parallel else tp_degree(gp)
+
     def units(self, g: int, gp: GroupPlan, graph, batch_size: int) -> list[Unit]:
         # One unit; the devices of a tensor-parallel group hold its one sample range.
-        return [Unit((g, 0), gp.sync, sample_replicas(gp.devices, gp.replica_shares(), batch_size, gp.width()))]
+        return [Unit((g, 0), gp.sync, sample_replicas(gp.devices, self.replica_shares(gp), batch_size, self.width(gp)))]
 
     def collective(self, gp: GroupPlan) -> Collective | None:
         """Replicated parameters' partial gradients (over token shards) summed over every device;
@@ -521,12 +527,6 @@ class TensorParallel(Strategy):
 
 # ---- what the executor runs ---------------------------------------------------------------
 
-def shard_maps(groups: list[list[int]]) -> list[dict[int, int]]:
-    """Per shard ``i``: each tensor-parallel group's first device (the one whose schedule the group
-    runs, :func:`executed_plan`) -> the group's device holding shard ``i``."""
-    return [{devs[0]: devs[i] for devs in groups} for i in range(len(groups[0]))]
-
-
 def executed_plan(plan):
     """The plan the devices of whole-plan tensor-parallel groups execute (see the module doc):
     every group data parallel over the first device of each tensor-parallel group, with the
@@ -540,7 +540,7 @@ def executed_plan(plan):
     if why is not None:
         raise PlanError(f"plan: {why}")
     gp = plan.groups[0]
-    groups, shares = tp_groups(gp), gp.replica_shares()
+    groups, shares = tp_groups(gp), TensorParallel().replica_shares(gp)
     return dataclasses.replace(plan, groups=[GroupPlan([devs[0] for devs in groups], list(shares))
                                              for _ in plan.groups])
 

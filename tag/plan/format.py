@@ -55,7 +55,7 @@ class GroupPlan:
     shares: list[float]
     """Fraction of the global batch per device (sum 1). ``mp``: the full batch, ``[1.0, ...]``.
     ``tp``: the devices of a tensor-parallel group have equal shares; plain Megatron's group holds
-    their sum as one sample range computed by all of them (:meth:`replica_shares`)."""
+    their sum as one sample range computed by all of them (:meth:`tag.parallel.Strategy.replica_shares`)."""
     sync: Sync = "allreduce"
     """Deployment strategy (:mod:`tag.parallel`): ``allreduce``, ``ps`` or ``mp`` (model-parallel split)."""
     server: int | None = None
@@ -76,20 +76,6 @@ class GroupPlan:
     """Activation recomputation of the group's units: the forward keeps only each unit's inputs,
     the backward first re-runs the unit's forward (docs/DESIGN.md, "Activation recomputation");
     omitted from the file when false."""
-
-    def width(self) -> int:
-        """Devices holding one sample range: a plain ``tp`` group's tensor-parallel degree (each
-        run of :attr:`tp` consecutive devices computes the same samples), else 1 (a sequence-
-        parallel device holds its own token shard, modelled as its own sample range)."""
-        if self.sync != "tp" or self.sequence_parallel:
-            return 1
-        return self.tp if self.tp is not None else len(self.devices)
-
-    def replica_shares(self) -> list[float]:
-        """The batch fraction of each sample replica (plan order): each device's share, or for a
-        ``tp`` group each run of :meth:`width` devices' shares summed (the run holds one range)."""
-        w = self.width()
-        return list(self.shares) if w == 1 else [sum(self.shares[i:i + w]) for i in range(0, len(self.shares), w)]
 
     def key(self) -> tuple:
         """Hashable identity (used by caches)."""

@@ -474,7 +474,7 @@ class ActionSpace:
             first = acts[self.order[0]]
             acts = [first] * len(acts) if self.is_tp[first] else [int(self.tp_as_dp[a]) for a in acts]
         for comp in self._components:
-            tp = [g for g in comp if self.actions[acts[g]].sync == "tp"]
+            tp = [g for g in comp if self.is_tp[acts[g]]]
             if tp and len(tp) < len(comp) or len({acts[g] for g in tp}) > 1:
                 first = acts[min(tp, key=lambda g: self.rank[g])]
                 for g in comp:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cost.comm import CommModel, LinkFit
+from ..cost.comm import SYNC_OPS, CommModel, LinkFit
 from ..parallel import strategy_of
 from .costs import GroupCosts
 
@@ -65,10 +65,11 @@ class ToySimulator:
                 for d, s in zip(devs, gp.shares):
                     load[d] += c.group_time_full[g, d] * (0.1 + 0.9 * s)
                     mem[d] += 2 * c.param_bytes[g] + c.opt_bytes[g] + c.act_bytes[g] * s
-                if len(devs) > 1:
+                coll = strategy_of(gp).collective(gp) if len(devs) > 1 else None
+                if coll is not None:
                     p = float(c.param_bytes[g])
-                    op = strategy_of(gp).collective(gp).op
-                    t = cm.ps_time(devs, gp.server, p) if op == "ps" else cm.allreduce_time(devs, p)
+                    # (a collective of another kind, e.g. a tp group's: crudely, one all-reduce)
+                    t = cm.sync_time(coll.op if coll.op in SYNC_OPS else "allreduce", devs, p, coll.server)
                     t_comm += t
                     for d in devs:
                         comm[d] += t

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from ..parallel import validate_plan
+from . import tensor_parallel  # noqa: F401 - registers tp's group costing (tag.sim.strategies)
 from .engine import Simulator
 from .result import SimEvent, SimResult
+from .strategies import costing_of, register_costing, unregister_costing
 
 
 def simulate(graph, topology, plan, *, costs=None, trace: bool = False, bucket_bytes: int | None = None) -> SimResult:
@@ -24,4 +26,5 @@ def lower_bound(graph, topology, costs=None) -> float:
     return 1.0 / sum(1.0 / max(costs.iteration_time_alone(d), 1e-30) for d in range(topology.num_devices))
 
 
-__all__ = ["SimEvent", "SimResult", "Simulator", "lower_bound", "simulate"]
+__all__ = ["SimEvent", "SimResult", "Simulator", "costing_of", "lower_bound", "register_costing", "simulate",
+           "unregister_costing"]

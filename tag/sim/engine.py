@@ -59,6 +59,7 @@ from ..parallel.buckets import assign_buckets, bucket_caps
 from ..parallel.strategy import strategy_of
 from .result import SimEvent, SimResult
 from .static import BWD, FWD, OPT, PARAM, build_static
+from .strategies import costing_of
 from .units import (
     Flow,
     GroupData,
@@ -122,7 +123,7 @@ class Simulator:
         self._buckets: dict[tuple, float] = {}  # ((op, devices, server), bytes) -> seconds of a sync
         self._sync_jobs: dict[tuple[int, ...], list] = {}  # the groups' serials -> sync_jobs (read-only)
         self._layouts: dict[tuple, Layout] = {}
-        self._tp_shares: dict[tuple, np.ndarray] = {}  # tag.sim.tensor_parallel: block shares per device class
+        self._caches: dict[str, dict] = {}  # a group costing's own caches (cache())
         self._groups: dict[tuple, GroupData] = {}
         self._pairs: dict[tuple, _Pair] = {}
         self._kinds: dict[tuple[int, int], tuple] = {}  # dp -> dp group pair -> (kinds id, kinds)
@@ -148,6 +149,14 @@ class Simulator:
         self.any_wake = any(w is not None for w in self.wake)
 
     # ---- cached plan-derived data -------------------------------------------------------
+    def cache(self, name: str) -> dict:
+        """A dict kept as long as this simulator, for a group costing's own derived data
+        (:mod:`tag.sim.strategies`; ``name``: its owner, e.g. ``"tp-shares"``)."""
+        c = self._caches.get(name)
+        if c is None:
+            c = self._caches[name] = {}
+        return c
+
     def layout(self, devices: tuple[int, ...], batches: tuple[int, ...]) -> Layout:
         key = (devices, batches)
         lay = self._layouts.get(key)
@@ -179,11 +188,15 @@ class Simulator:
     def _make_group(self, g: int, gp, batch: int | None = None) -> GroupData:
         """Cost the lowering of ``gp`` by its strategy (:mod:`tag.parallel`): a unit running the
         whole group on a batch split (a vectorised :class:`Layout`) or position chunks on one
-        device each (:func:`mp_unit`), and the gradient collective. ``batch``: samples per run
+        device each (:func:`mp_unit`), and the gradient collective; or the strategy's own group
+        costing where one is registered (:mod:`tag.sim.strategies`). ``batch``: samples per run
         (a pipeline's micro-batch; default the graph's batch)."""
         st, comm = self.static, self.comm
         strategy = strategy_of(gp)
         lowered = strategy.units(g, gp, self.graph, st.batch_size if batch is None else batch)
+        costing = costing_of(gp.sync)
+        if costing is not None:  # a strategy costed its own way (tag.sim.strategies; tp's: tag.sim.tensor_parallel)
+            return costing(self, g, gp, lowered)
         devs = tuple(gp.devices)
         sbytes = float(st.grad_bytes[g])
         sfb = None
@@ -205,11 +218,8 @@ class Simulator:
         if len(lowered) != 1 or lowered[0].positions is not None:
             raise PlanError(f"plan: groups[{g}]: strategy {gp.sync!r}: the simulator costs one unit over the "
                             "whole group or position chunks")
-        if gp.sync == "tp":  # tensor parallel: costed on its own layout (tag.sim.tensor_parallel)
-            from .tensor_parallel import tp_group
-
-            return tp_group(self, g, gp, lowered)
-        batches = lowered[0].batches
+        # the lowering's replicas (a strategy may compute on part of gp.devices)
+        devs, batches = tuple(lowered[0].devices), lowered[0].batches
         lay = self.layout(devs, batches)
         if gp.recompute:
             lay = self.recompute_layout(lay)
@@ -242,12 +252,11 @@ class Simulator:
 
     def _sync_seconds(self, op: str, devs: tuple[int, ...], server: int | None, nbytes: float) -> float:
         """One gradient collective ``op`` (:class:`tag.parallel.Collective`) of ``nbytes`` over the
-        replicas ``devs`` (``ps``: via ``server``)."""
-        if op == "ps":
-            return self.comm.ps_time(devs, server, nbytes)
-        if op == "allreduce":
-            return self.comm.allreduce_time(devs, nbytes)
-        raise PlanError(f"collective {op!r}: the simulator costs 'allreduce' and 'ps'")
+        replicas ``devs`` (``ps``: via ``server``; :meth:`tag.cost.comm.CommModel.sync_time`)."""
+        try:
+            return self.comm.sync_time(op, devs, nbytes, server)
+        except ValueError as e:
+            raise PlanError(f"simulator: {e}") from None
 
     def sync_jobs(self, gds: list[GroupData]) -> list[tuple[tuple[int, ...], object]]:
         """The iteration's gradient collectives in launch order, one per bucket

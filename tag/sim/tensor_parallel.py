@@ -1,5 +1,6 @@
 """How the simulator costs a tensor-parallel op-group (``sync == "tp"``,
-:mod:`tag.parallel.tensor_parallel`), in either variant (``GroupPlan.sequence_parallel``).
+:mod:`tag.parallel.tensor_parallel`), in either variant (``GroupPlan.sequence_parallel``):
+:func:`tp_group`, registered as the strategy's group costing (:mod:`tag.sim.strategies`).
 
 The group's unit (:meth:`TensorParallel.units`) gives plain Megatron's devices their
 tensor-parallel group's ``B`` samples (one range per group) and sequence-parallel devices their
@@ -45,8 +46,9 @@ import functools
 
 import numpy as np
 
-from ..parallel.tensor_parallel import block_interior, group_split, tp_degree, tp_groups
+from ..parallel.tensor_parallel import TensorParallel, block_interior, group_split, tp_degree, tp_groups
 from .static import BWD, FWD, OPT
+from .strategies import register_costing
 from .units import GroupData, Layout, Unit, at_batch
 
 
@@ -117,7 +119,8 @@ def _block_share(sim, device: int, batches: tuple[int, int]) -> np.ndarray:
 
     spec = sim.topology.devices[device].gpu
     key = (sim.dev_class[device], batches)
-    share = sim._tp_shares.get(key)
+    shares = sim.cache("tp-shares")
+    share = shares.get(key)
     if share is None:
         graph = sim.graph
         roofline = getattr(sim.costs, "roofline", None)  # (a cost model without one: the datasheet's)
@@ -127,7 +130,7 @@ def _block_share(sim, device: int, batches: tuple[int, int]) -> np.ndarray:
         inner[list(block_interior(graph).ops)] = True
         part = group_phase_table(graph, roof, batches, overhead, only=inner)[:, :2]
         whole = group_phase_table(graph, roof, batches, overhead)[:, :2]
-        share = sim._tp_shares[key] = np.divide(part, whole, out=np.zeros_like(part), where=whole > 0)
+        share = shares[key] = np.divide(part, whole, out=np.zeros_like(part), where=whole > 0)
     return share
 
 
@@ -208,3 +211,6 @@ def tp_group(sim, g: int, gp, lowered) -> GroupData:
     machines = tuple(sorted({mo[d] for d in devs}))
     return GroupData([unit], "tp", ts, tuple(sorted(devs)), machines if len(machines) > 1 else (), total,
                      layout=lay, ukey=ukey, recompute=gp.recompute)
+
+
+register_costing(TensorParallel.name, tp_group)

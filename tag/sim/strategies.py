@@ -1,0 +1,51 @@
+"""Strategies the simulator costs in a way of their own, looked up by name.
+
+The simulator costs a group from its strategy's lowering (:meth:`tag.parallel.Strategy.units` and
+:meth:`~tag.parallel.Strategy.collective`): a unit over the whole group on a batch split, or
+position chunks on one device each, then the gradient collective. A strategy whose cost is not
+that (tensor parallelism: split blocks with blocking all-reduces inside its stages, on a layout
+of its own) registers a **group costing** here under its name (``GroupPlan.sync``), and
+:meth:`tag.sim.Simulator.group_data` calls it instead; nothing in the engine names the strategy.
+The built-in one is ``tp`` (:mod:`tag.sim.tensor_parallel`, registered when :mod:`tag.sim` is
+imported). docs/DESIGN.md "Adding a strategy".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..parallel import Unit
+    from ..plan.format import GroupPlan
+    from .engine import Simulator
+    from .units import GroupData
+
+GroupCosting = Callable[["Simulator", int, "GroupPlan", "list[Unit]"], "GroupData"]
+"""``costing(sim, g, gp, units) -> GroupData``: group ``g`` deployed as ``gp``, ``units`` its
+strategy's lowering at the batch the simulator runs (the graph's, or a pipeline's micro-batch).
+Its result is cached by the simulator per deployment; its own caches may live in
+:meth:`Simulator.cache <tag.sim.Simulator.cache>`."""
+
+_COSTINGS: dict[str, GroupCosting] = {}
+
+
+def register_costing(name: str, costing: GroupCosting) -> GroupCosting:
+    """Cost the groups of strategy ``name`` with ``costing`` (replacing any earlier one)."""
+    if not name:
+        raise ValueError("a group costing needs a strategy name")
+    _COSTINGS[name] = costing
+    return costing
+
+
+def unregister_costing(name: str) -> None:
+    """Back to the lowering's costing for strategy ``name`` (no error if it had none)."""
+    _COSTINGS.pop(name, None)
+
+
+def costing_of(name: str) -> GroupCosting | None:
+    """The group costing registered for strategy ``name``, or None (the lowering's)."""
+    return _COSTINGS.get(name)
+
+
+__all__ = ["GroupCosting", "costing_of", "register_costing", "unregister_costing"]
