@@ -96,7 +96,7 @@ def test_speed_proportional_shares_refine_a_mixed_stage(captured, tmp_path):
     """Two A100s and two T4s as one data-parallel stage: even shares leave the A100s waiting for
     the T4s; ``prop=1`` gives each replica a share proportional to its device's speed, and the
     refinement keeps it because the simulator says it is faster."""
-    from tag.parallel.layout import GridSearch, Layout, layout_plan
+    from tag.parallel.layout import GridSearch, Layout, layout_plan, parse_layout
     from tag.search.layouts import refine
 
     graph = captured("mlp:layers=4,hidden=2048,in_dim=1024", batch=256, groups=4).graph
@@ -108,7 +108,7 @@ def test_speed_proportional_shares_refine_a_mixed_stage(captured, tmp_path):
     speeds = costs.device_speeds()
     assert speeds[0] > 2 * speeds[2]
     assert prop.groups[0].shares == pytest.approx([s / sum(speeds) for s in speeds])
-    assert prop.meta["layout"].endswith(",prop=1")
+    assert parse_layout(prop.meta["layout"]) == Layout(dp=4, prop=1) and prop.meta["layout"].endswith(",prop=1")
     res = sim.run(even.groups)
     got = refine(graph, topo, costs, sim, GridSearch(even, [(even, res)], 1, 1, 0))
     assert got.plan is not None and got.plan.meta["refinement"] == "speed-proportional shares"

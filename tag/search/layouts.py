@@ -78,7 +78,7 @@ def refine(graph, topology, costs, simulator, found: GridSearch, *, executable: 
         base_t = res.iteration_time_s
         # speed-proportional shares (a stage of one device kind keeps its even shares: skipped)
         prop = layout_plan(graph, topology, replace(lay, prop=1), costs, template=plan)
-        if prop.groups != plan.groups and runs(prop):
+        if [g.key() for g in prop.groups] != [g.key() for g in plan.groups] and runs(prop):
             r = run(prop)
             if not r.oom and r.iteration_time_s < base_t:
                 prop.predicted_iteration_time_s = r.iteration_time_s

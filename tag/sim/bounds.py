@@ -122,7 +122,7 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
     """:class:`PlanBound` of the deployment ``groups`` (and ``pipeline``) on ``sim`` (a
     :class:`~tag.sim.Simulator`), in the simulator's units."""
     micro = None if pipeline is None else sim._micro(groups, pipeline)
-    gds = sim.deploy(groups) if micro is None else None  # (a pipeline runs its micro-batches' only)
+    gds = sim.deploy(groups)  # (a pipeline's gradient syncs: at the full batch's deployment)
     _, mem, work, _, _ = _holdings(sim, gds, micro)
     # the optimizer step as the run computes it (a pipeline's: at its first micro-batch's deployment)
     opt, _, _, holds, _ = _holdings(sim, gds if micro is None else micro.gds[0])
@@ -136,12 +136,75 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
             else:  # position chunks, one device each
                 for u in gd.units:
                     busy[u.devices[0]] += u.dur[FWD] + u.dur[BWD]
-    busy += np.asarray(opt) + np.where(holds, sim.step_overhead, 0.0)
+    step = np.asarray(opt) + np.where(holds, sim.step_overhead, 0.0)
+    low = busy + step
+    if micro is not None:  # the pipeline's fill before a stage and drain after it
+        for devs, before, after in _pipeline_waits(sim, micro, pipeline):
+            low[devs] += before
+            # the stage before runs micro-batch M - 1's backward after a replica of this one ran
+            # all its tasks (its last is that backward)
+            low[devs] = np.maximum(low[devs], before + busy[devs].min() + after)
+    # a device's gradient collectives run one after another on its links (Run._syncs)
+    comm = np.zeros(n)
+    for _, job in sim.sync_jobs(gds):
+        comm[list(job.sync_devices)] += job.sync_time
     peak = [m + w for m, w in zip(mem, work)]
     # (1 - 1e-9): the event loop sums the same seconds in another order (running sums), so a
     # bound equal to the run's time may differ from it in the last bits
-    return PlanBound(float(busy.max()) * (1.0 - 1e-9), peak,
+    return PlanBound(max(float(low.max()), float(comm.max())) * (1.0 - 1e-9), peak,
                      any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
+
+
+def _pipeline_waits(sim, micro, pipeline) -> list[tuple[np.ndarray, float, float]]:
+    """Per stage ``(devices, before, after)``: a device of the stage starts its first task no
+    earlier than ``before`` seconds (micro-batch 0's forward of the stages before it, each at its
+    fastest replica), and the iteration ends no earlier than ``after`` seconds (micro-batch
+    M - 1's backward of those stages) after a replica of the stage finished its last. Counted
+    across a stage boundary only between disjoint devices where the boundary's groups exchange a per-micro-batch tensor both ways (the last group of the stage before feeds
+    the first group of the stage after in the forward, and that group's backward feeds it back),
+    every replica of both runs samples of those micro-batches, each stage's groups share one set
+    of replicas and its sequence starts with micro-batch 0's forward and ends with micro-batch
+    M - 1's backward; 0 across other boundaries."""
+    from ..parallel.pipeline import block_size, stage_sequence
+
+    st = sim.static
+    S, M, k = len(pipeline.stages), pipeline.micro_batches, block_size(pipeline)
+    bounds = list(pipeline.stages) + [st.num_groups]
+    first, last = micro.gds[0], micro.gds[-1]
+    fwd, bwd, devs = [], [], []
+    for s in range(S):
+        gs = range(bounds[s], bounds[s + 1])
+        lays = [first[g].layout for g in gs] + [last[g].layout for g in gs]
+        seq = stage_sequence(s, S, M, k)
+        if any(x is None or x.devices != lays[0].devices or min(x.batches) < 1 for x in lays) \
+                or seq[0] != ("fwd", 0) or seq[-1] != ("bwd", M - 1):
+            fwd.append(None)
+            bwd.append(None)
+            devs.append(None)
+            continue
+        fwd.append(float(np.sum([first[g].layout.dur[FWD, g] for g in gs], axis=0).min()))
+        bwd.append(float(np.sum([last[g].layout.dur[BWD, g] for g in gs], axis=0).min()))
+        devs.append(lays[0].dev_arr)
+
+    def linked(a: int, b: int) -> bool:  # group a's forward feeds b's, b's backward feeds a's
+        there = any(e.batch and not e.once and e.src_phase == FWD and any(ph == FWD for _, ph in e.consumers)
+                    for e in st.edges.get((a, b), ()))
+        back = any(e.batch and not e.once and e.src_phase == BWD and any(ph == BWD for _, ph in e.consumers)
+                   for e in st.edges.get((b, a), ()))
+        return there and back
+
+    out = []
+    before = after = 0.0  # micro-batch 0's forward, M - 1's backward, of the linked stages before
+    for s in range(S):
+        if s > 0 and fwd[s - 1] is not None and fwd[s] is not None and linked(bounds[s] - 1, bounds[s]) \
+                and not set(devs[s - 1].tolist()) & set(devs[s].tolist()):  # (a transfer between devices)
+            before += fwd[s - 1]
+            after += bwd[s - 1]
+        else:
+            before = after = 0.0
+        if devs[s] is not None:
+            out.append((devs[s], before, after))
+    return out
 
 
 def layout_bounds(sim) -> tuple:
