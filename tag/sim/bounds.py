@@ -18,7 +18,12 @@ the run that may follow), so they hold by construction of the event loop
   penalty only adds), and its optimizer step (its held groups' optimizer seconds plus the step
   overhead) starts after them (``engine._result``). So the iteration takes at least, on every
   device, the forward and backward seconds of every run (micro-batch) of every unit on it, plus
-  its optimizer step. Communication, waits and pipeline bubbles are left out (>= 0).
+  its optimizer step; in a pipeline, a stage's devices start no earlier than micro-batch 0 went
+  forward through the stages before it, and the iteration ends no earlier than micro-batch
+  M - 1 went backward through them after a replica of the stage finished (where the stage
+  boundaries provably carry that tensor: :func:`_pipeline_waits`); and a device's gradient
+  collectives run one after another on its links (``_Run._syncs``), so the iteration lasts at
+  least their sum. Transfers, other waits and the rest of the bubbles are left out (>= 0).
 
 :func:`static_bound` counts a subset of the same terms, each as the simulator computes it from
 its tables (:mod:`tag.sim.units`, :mod:`tag.sim.tensor_parallel`): per device, the forward and
