@@ -41,7 +41,8 @@ GPUs, was 27% behind uniform MCTS @500 with 50 playouts on ``cloud-256gpu-3zones
 a predictor trained on that graph."""
 
 PIPELINE_MODES = ("auto", "grid", "off")
-"""``find_plan(pipelines=...)``: search pipelines and tp, also the hand-written layout grid, or neither."""
+"""``find_plan(pipelines=...)``: search pipelines and tp then the hand-written layout grid (bounded by
+the searched plan, or not), or neither."""
 
 _PREDICTORS: dict = {}
 
@@ -91,12 +92,15 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         pipelines: ``auto`` searches pipelines and tensor parallelism with the rest: per-group
             ``tp`` actions and the plan-level decisions (stage count, micro-batches, each stage
             data or tensor parallel, schedule, cut) of :class:`tag.search.space.ActionSpace`
-            (``pipelines=True``; not where ``simulator.run`` takes no ``pipeline``); ``grid`` also
-            simulates the Megatron-style layouts a user would try by hand
-            (:func:`tag.parallel.layout.best_layout`) and returns the best of them instead of the
-            searched plan when it is strictly faster (``meta["source"] == "layout-grid"``), as
-            ``auto`` does when every searched plan runs out of memory; ``off``
-            searches TAG's action space alone (no ``tp`` actions, no pipelines).
+            (``pipelines=True``; not where ``simulator.run`` takes no ``pipeline``), then goes
+            through the Megatron-style layouts a user would try by hand by branch and bound
+            (:func:`tag.search.layouts.grid_search`: only layouts that may fit and beat the
+            searched plan are simulated), refines the best few (:func:`tag.search.layouts.refine`)
+            and returns the fastest plan that fits (``meta["source"] == "layout-grid"`` when a
+            layout wins; ``meta["layouts"]``, ``"layouts_tried"``, ``"layouts_pruned"``,
+            ``"refinements"`` say what ran); ``grid`` the same without bounding the grid by the
+            searched plan (``meta["best_layout"]`` is then the grid's best); ``off`` searches
+            TAG's action space alone (no ``tp`` actions, no pipelines, no grid).
         executable: search only plans ``tag execute`` runs (:func:`tag.parallel.execution_refusal`:
             ``tp`` as the whole plan's one deployment, plain, no pipeline of ``tp`` stages; masked
             in the search space, :class:`tag.search.space.ActionSpace`, and the ``grid`` layouts
