@@ -41,7 +41,8 @@ GPUs, was 27% behind uniform MCTS @500 with 50 playouts on ``cloud-256gpu-3zones
 a predictor trained on that graph."""
 
 PIPELINE_MODES = ("auto", "grid", "off")
-"""``find_plan(pipelines=...)``: search pipelines and tp, also the hand-written layout grid, or neither."""
+"""``find_plan(pipelines=...)``: search pipelines and tp then the hand-written layout grid (bounded by
+the searched plan, or not), or neither."""
 
 _PREDICTORS: dict = {}
 
@@ -91,12 +92,15 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         pipelines: ``auto`` searches pipelines and tensor parallelism with the rest: per-group
             ``tp`` actions and the plan-level decisions (stage count, micro-batches, each stage
             data or tensor parallel, schedule, cut) of :class:`tag.search.space.ActionSpace`
-            (``pipelines=True``; not where ``simulator.run`` takes no ``pipeline``); ``grid`` also
-            simulates the Megatron-style layouts a user would try by hand
-            (:func:`tag.parallel.layout.best_layout`) and returns the best of them instead of the
-            searched plan when it is strictly faster (``meta["source"] == "layout-grid"``), as
-            ``auto`` does when every searched plan runs out of memory; ``off``
-            searches TAG's action space alone (no ``tp`` actions, no pipelines).
+            (``pipelines=True``; not where ``simulator.run`` takes no ``pipeline``), then goes
+            through the Megatron-style layouts a user would try by hand by branch and bound
+            (:func:`tag.search.layouts.grid_search`: only layouts that may fit and beat the
+            searched plan are simulated), refines the best few (:func:`tag.search.layouts.refine`)
+            and returns the fastest plan that fits (``meta["source"] == "layout-grid"`` when a
+            layout wins; ``meta["layouts"]``, ``"layouts_tried"``, ``"layouts_pruned"``,
+            ``"refinements"`` say what ran); ``grid`` the same without bounding the grid by the
+            searched plan (``meta["best_layout"]`` is then the grid's best); ``off`` searches
+            TAG's action space alone (no ``tp`` actions, no pipelines, no grid).
         executable: search only plans ``tag execute`` runs (:func:`tag.parallel.execution_refusal`:
             ``tp`` as the whole plan's one deployment, plain, no pipeline of ``tp`` stages; masked
             in the search space, :class:`tag.search.space.ActionSpace`, and the ``grid`` layouts
@@ -194,39 +198,55 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         "space": {"actions": space.num_actions, "tp_actions": space.num_actions - space.num_base_actions,
                   "stages": space.options("stages", 1) if space.plan_options else None},
     }
-    if pipelines == "grid" or (pipelines == "auto" and best.oom):  # auto: the grid when nothing searched fits
-        if pipelines == "auto":
-            note("layout grid")
+    if pipelines == "grid" or (pipelines == "auto" and space.plan_options):
+        note("layout grid")
+        if best.oom:
             p.meta["grid_because"] = "every searched plan runs out of memory"
-        p = _pipelined(graph, topology, p, space.cost_model, ev.simulator, executable)
+        p = _pipelined(graph, topology, p, space.cost_model, ev.simulator, executable,
+                       against_search=pipelines == "auto")
     if compression != "off":
         note("compression")
     p.meta["compression"] = "off" if compression == "off" else _compress(graph, topology, p, ev.simulator)
     return p
 
 
-def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool) -> Plan:
-    """``p``, or the best hand-written layout (:func:`tag.parallel.layout.best_layout`; with
-    ``executable`` of those the executor runs) when the simulator says it is strictly faster (and
-    fits); the layouts' outcome goes into ``meta``."""
+def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, against_search: bool = False) -> Plan:
+    """``p``, or the best hand-written layout (:func:`tag.search.layouts.grid_search`, pruned by
+    the simulator's lower bounds; with ``executable`` of those the executor runs) or a refinement
+    of the best few (:func:`tag.search.layouts.refine`) when the simulator says it is strictly
+    faster (and fits); the outcome goes into ``meta``. ``against_search``: prune the grid against
+    ``p``'s time too (only layouts faster than the searched plan matter; ``best_layout`` is then
+    None when none is)."""
     import inspect
 
-    from .parallel.layout import best_layout
+    from .search.layouts import grid_search, refine
 
     if "pipeline" not in inspect.signature(simulator.run).parameters:
         p.meta["pipelines"] = "skipped (the simulator runs no pipelines)"
         return p
-    lay, tried = best_layout(graph, topology, costs, lambda q: simulator.run(q.groups, pipeline=q.pipeline),
-                             executable=executable)
-    t_lay, t_plan = lay.predicted_iteration_time_s, p.predicted_iteration_time_s
-    p.meta["layouts_tried"] = tried
-    p.meta["best_layout"] = lay.meta["layout"]
-    p.meta["best_layout_time_s"] = t_lay
+    t_plan = p.predicted_iteration_time_s
+    t0 = time.perf_counter()
+    found = grid_search(graph, topology, costs, simulator, executable=executable,
+                        incumbent=t_plan if against_search and t_plan is not None else None)
+    better = refine(graph, topology, costs, simulator, found, executable=executable)
+    lay = found.best
+    p.meta.update(layouts=found.layouts, layouts_tried=found.simulated, layouts_pruned=found.layouts - found.simulated,
+                  best_layout=None if lay is None else lay.meta["layout"],
+                  best_layout_time_s=None if lay is None else lay.predicted_iteration_time_s,
+                  refinements=better.notes, refinement_simulations=better.simulations,
+                  grid_time_s=time.perf_counter() - t0)
+    if better.plan is not None and (lay is None or lay.predicted_iteration_time_s is None
+                                    or better.plan.predicted_iteration_time_s < lay.predicted_iteration_time_s):
+        lay = better.plan
+    if lay is None:
+        return p
+    t_lay = lay.predicted_iteration_time_s
     # a layout the search's own actions can express replaces its plan only when that plan does not fit
     new_action = lay.pipeline is not None or any(g.sync == "tp" or g.recompute for g in lay.groups)
     if t_lay is None or (not p.meta.get("oom") and (not new_action or (t_plan is not None and t_lay >= t_plan))):
         return p  # (a layout that fits replaces a plan that does not)
-    lay.meta = {**p.meta, "source": "layout-grid", "layout": lay.meta["layout"], "oom": False}
+    lay.meta = {**p.meta, "source": "layout-grid", "layout": lay.meta["layout"], "oom": False,
+                "refinement": lay.meta.get("refinement")}
     return lay
 
 

@@ -468,7 +468,8 @@ def test_the_planner_proposes_tensor_parallelism_where_it_pays(captured, tmp_pat
     best = find_plan(graph, topo, prior="uniform", budget=100, compression="off", executable=False)
     # every group tensor parallel: data parallel over the same devices beside the tp groups (faster
     # at fcbba72) pays an all-gather entering each tp group, whose devices compute the same samples
-    assert best.meta["source"] == "search" and sum(g.sync == "tp" for g in best.groups) >= 4
+    # (unconstrained, the grid after the search may return its faster sequence-parallel layout)
+    assert best.meta["source"] in ("search", "layout-grid") and sum(g.sync == "tp" for g in best.groups) >= 4
     validate_plan(best, graph, topo, pipelines=True, tensor_parallel=True)
     assert searched.predicted_iteration_time_s is None or \
         best.predicted_iteration_time_s < searched.predicted_iteration_time_s

@@ -94,8 +94,10 @@ class _Case:
             return baselines.baseline_plan(method, g, topo, self.costs), 0
         if method == "dp-tp-pp-grid":
             from ..parallel.layout import best_layout
+            from ..sim.bounds import layout_bounds
 
-            return best_layout(g, topo, self.costs, self.simulate)
+            # branch and bound: the full grid's best layout; "playouts": the layouts simulated
+            return best_layout(g, topo, self.costs, self.simulate, bounds=layout_bounds(self.sim))
         from ..planner import find_plan
 
         if method in ("random", "sa", "tpe", "mcts-uniform"):

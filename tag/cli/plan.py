@@ -41,10 +41,11 @@ def register(sub) -> None:
                    help="auto: choose Sufficient Factor Broadcasting per group after search (default)")
     p.add_argument("--pipelines", choices=["auto", "grid", "off"], default="auto",
                    help="auto: search pipeline stages, micro-batches, schedules and tensor-parallel degrees with the "
-                        "per-group actions, and fall back to the grid's layouts when every searched plan runs out "
-                        "of memory (default); grid: also simulate the Megatron-style data x tensor x pipeline "
-                        "layouts a user would try by hand and return the best if it beats the searched plan; off: "
-                        "TAG's action space alone")
+                        "per-group actions, then the Megatron-style data x tensor x pipeline layouts a user would "
+                        "try by hand (branch and bound: those that could beat the searched plan), the best few "
+                        "refined (speed-proportional shares, selective recomputation), and return the fastest "
+                        "(default); grid: the same, the grid not bounded by the searched plan (its best layout "
+                        "reported); off: TAG's action space alone")
     p.add_argument("--allow-unexecutable", dest="executable", action="store_false",
                    help="also search plans the simulator costs but tag execute refuses (tensor-parallel groups "
                         "beside other groups, pipelines of tensor-parallel stages, sequence parallelism); the "
@@ -80,6 +81,8 @@ def summary(plan) -> dict:
         "source": m.get("source"), "compression": m.get("compression"),
         "pipeline": None if plan.pipeline is None else asdict(plan.pipeline), "layout": m.get("layout"),
         "best_layout": m.get("best_layout"), "best_layout_time_s": m.get("best_layout_time_s"),
+        "layouts": m.get("layouts"), "layouts_tried": m.get("layouts_tried"), "layouts_pruned": m.get("layouts_pruned"),
+        "grid_time_s": m.get("grid_time_s"), "refinement": m.get("refinement"), "refinements": m.get("refinements"),
         "speedup_vs_dp_even": _ratio(m.get("dp_even_time_s"), plan.predicted_iteration_time_s),
         "speedup_vs_dp_prop": _ratio(m.get("dp_prop_time_s"), plan.predicted_iteration_time_s),
         # None: tag execute runs the plan; else why not (only with --allow-unexecutable)
@@ -126,7 +129,8 @@ def run(args) -> int:
         from ..errors import OutOfMemoryError
         from ..sim import Simulator
         res = Simulator(graph, topo, costs).run(p.groups, pipeline=p.pipeline)
-        grid = f", so do the {p.meta['layouts_tried']} Megatron-style layouts of the grid" if "layouts_tried" in p.meta else ""
+        grid = (f", so do the {p.meta['layouts']} Megatron-style layouts of the grid ({p.meta['layouts_tried']} "
+                "simulated, the others bounded out of memory or slower)") if "layouts" in p.meta else ""
         raise OutOfMemoryError(f"every plan searched runs out of memory, also with activation recomputation where the "
                                f"search may use it{grid}; the best: {res.memory_report(topo)}; "
                                "no plan written (--allow-oom writes it anyway)")
@@ -219,6 +223,13 @@ def _print(graph, topo, p, args) -> None:
         print("progress: no plan beat data parallel")
     if s.get("one_shot_time_s") is not None:
         print(f"network's one-shot plan (simulated after the tree): {ms(s['one_shot_time_s'])}")
+    if s.get("layouts") is not None:
+        best = (f"best {s['best_layout']} at {ms(s['best_layout_time_s'])}" if s["best_layout"]
+                else "none faster than the searched plan")
+        print(f"layout grid: {format_count(s['layouts'], 'layout')}, {s['layouts_tried']} simulated, "
+              f"{s['layouts_pruned']} bounded out, {s['grid_time_s']:.2f} s; {best}")
+        for line in s.get("refinements") or []:
+            print(f"  refinement: {line}")
     rows = []
     start = 0
     descs = [_describe(topo, gp) for gp in p.groups]
@@ -249,7 +260,8 @@ def _print(graph, topo, p, args) -> None:
         shape = " (no pipeline)" if p.pipeline is None else ""  # tensor parallelism alone
         why_grid = ("every searched plan runs out of memory, this one fits" if p.meta.get("grid_because")
                     else "beats the searched plan")
-        print(f"  a Megatron-style layout {why_grid}: {s['layout']}{shape}")
+        how = f", {s['refinement']}" if s.get("refinement") else ""
+        print(f"  a Megatron-style layout {why_grid}: {s['layout']}{shape}{how}")
     elif s["source"] != "search":
         print(f"  search found nothing better than the baselines; returning {s['source']}")
     why = s["execution_refusal"]  # (--allow-unexecutable) e.g. tp beside data parallel: simulated only

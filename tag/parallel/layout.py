@@ -27,7 +27,10 @@ builds that plan so it can be simulated and compared with TAG's:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..errors import PlanError
 from ..plan.format import PIPELINE_SCHEDULES, GroupPlan, PipelinePlan, Plan, new_plan
@@ -62,6 +65,10 @@ class Layout:
     for its devices needs)."""
     recompute: int = 0
     """1: every op-group recomputes its activations (Megatron-LM's full recompute); 0: none."""
+    prop: int = 0
+    """1: a stage's replicas get batch shares proportional to their devices' speed (the cost
+    model's, :meth:`~tag.cost.CostModel.device_speeds`; a tensor-parallel replica at its slowest
+    device's), as ``dp-prop`` does over all devices; 0: even shares (Megatron's)."""
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "micro", "k"):
@@ -72,7 +79,7 @@ class Layout:
             raise PlanError(f"layout: schedule: expected one of {list(PIPELINE_SCHEDULES)}, got {self.schedule!r}")
         if self.cut not in CUTS:
             raise PlanError(f"layout: cut: expected one of {list(CUTS)}, got {self.cut!r}")
-        for name in ("sp", "recompute"):
+        for name in ("sp", "recompute", "prop"):
             v = getattr(self, name)
             if v not in (0, 1) or isinstance(v, bool):
                 raise PlanError(f"layout: {name}: expected 0 or 1, got {v!r}")
@@ -112,7 +119,7 @@ def parse_layout(text: str) -> Layout:
             try:
                 fields[key] = int(value)
             except ValueError:
-                what = "0 or 1" if key in ("sp", "recompute") else "a positive integer"
+                what = "0 or 1" if key in ("sp", "recompute", "prop") else "a positive integer"
                 raise PlanError(f"layout: {key}: expected {what}, got {value!r}") from None
     return Layout(**fields)
 
@@ -131,38 +138,30 @@ def balanced_cuts(seconds, parts: int | None = None, allowed: set[int] | None = 
     n = len(per_stage[0]) if P else 0
     if not 1 <= P <= n:
         raise PlanError(f"layout: pp: expected 1..{n} stages (one op-group at least each), got {P}")
-    prefix = []
-    for row in per_stage:
-        acc = [0.0]
-        for x in row:
-            acc.append(acc[-1] + x)
-        prefix.append(acc)
+    prefix = [np.concatenate([[0.0], np.cumsum(np.asarray(row, dtype=float))]) for row in per_stage]
     INF = float("inf")
     # best[s][j]: the slowest of stages 0..s when they cover groups [0, j); cut[s][j]: stage s's start
-    best = [[INF] * (n + 1) for _ in range(P)]
-    cut = [[0] * (n + 1) for _ in range(P)]
-    for j in range(1, n - P + 2):
-        best[0][j] = prefix[0][j]
+    best = np.full((P, n + 1), INF)
+    cut = np.zeros((P, n + 1), dtype=np.int64)
+    best[0, 1:n - P + 2] = prefix[0][1:n - P + 2]
+    ok = np.ones(n + 1, dtype=bool) if allowed is None else np.isin(np.arange(n + 1), sorted(allowed))
     for s in range(1, P):
         ps = prefix[s]
-        for j in range(s + 1, n - (P - 1 - s) + 1):
-            b, c = INF, s
-            for i in range(s, j):
-                if allowed is not None and i not in allowed:
-                    continue
-                v = best[s - 1][i]
-                w = ps[j] - ps[i]
-                if w > v:
-                    v = w
-                if v < b:
-                    b, c = v, i
-            best[s][j], cut[s][j] = b, c
+        ends = np.arange(s + 1, n - (P - 1 - s) + 1)  # where stages 0..s end
+        starts = np.arange(s, ends[-1])  # where stage s may start
+        # [ends, starts]: the slowest of the stages before and of stage s itself, if stage s starts before it ends
+        v = np.maximum(best[s - 1, starts][None, :], ps[ends][:, None] - ps[starts][None, :])
+        v[(starts[None, :] >= ends[:, None]) | ~ok[starts][None, :]] = INF
+        i = np.argmin(v, axis=1)  # the first minimum: ties go to the earliest cut
+        low = v[np.arange(len(ends)), i]
+        best[s, ends] = low
+        cut[s, ends] = np.where(low < INF, starts[i], s)
     if best[P - 1][n] == INF:
         raise PlanError(f"layout: pp: no cut of the op-groups into {P} stages between Megatron blocks; "
                         "expected fewer stages or more op-groups")
     cuts, j = [], n
     for s in range(P - 1, 0, -1):
-        j = cut[s][j]
+        j = int(cut[s][j])
         cuts.append(j)
     return [0] + cuts[::-1]
 
@@ -175,9 +174,10 @@ def check_devices(layout: Layout, topology) -> None:
                         f"but topology {topology.name!r} has {n}; expected a product of {n}")
 
 
-def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
+def layout_plan(graph, topology, layout: Layout, costs, *, template: Plan | None = None) -> Plan:
     """The plan of ``layout`` for ``graph`` on ``topology`` (module docstring); ``costs``: the
-    :class:`~tag.cost.CostModel` that balances the stages."""
+    :class:`~tag.cost.CostModel` that balances the stages. ``template``: a plan of this layer for
+    the same graph and topology whose identity fields are copied (the grid builds hundreds)."""
     check_devices(layout, topology)
     width = layout.dp * layout.tp
     replicas = layout.replicas
@@ -190,6 +190,48 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
                         "matmuls) to split; expected tp=1")
     k = graph.num_groups
     stage_devices = [list(range(s * width, (s + 1) * width)) for s in range(layout.pp)]
+    stages = _stage_cuts(graph, layout, costs, stage_devices)
+    bounds = stages + [k]
+    groups: list[GroupPlan] = []
+    tp = dict(sync="tp", tp=layout.tp, sequence_parallel=bool(layout.sp)) if layout.tp > 1 else {}
+    speeds = costs.device_speeds() if layout.prop else None
+    for s, devs in enumerate(stage_devices):
+        shares = _shares(devs, layout.tp if layout.tp > 1 and not layout.sp else 1, speeds)
+        groups += [GroupPlan(devs, list(shares), recompute=bool(layout.recompute), **tp)
+                   for _ in range(bounds[s], bounds[s + 1])]
+    if template is None:
+        plan = new_plan(graph, topology, groups, searcher="layout", layout=_spell(layout))
+    else:
+        plan = copy.copy(template)
+        plan.groups, plan.meta, plan.predicted_iteration_time_s = groups, {"searcher": "layout", "layout": _spell(layout)}, None
+    plan.pipeline = PipelinePlan(stages, layout.micro, layout.schedule, layout.k) \
+        if layout.pp > 1 or layout.micro > 1 else None
+    return plan
+
+
+def _shares(devs: list[int], width: int, speeds) -> list[float]:
+    """Batch shares of a stage's devices: even, or (``speeds``: per device of the topology)
+    proportional to each run of ``width`` devices' slowest (a tensor-parallel replica holds one
+    sample range: its devices' shares sum to its share, split evenly)."""
+    if speeds is None:
+        return [1.0 / len(devs)] * len(devs)
+    runs = [min(speeds[d] for d in devs[i:i + width]) for i in range(0, len(devs), width)]
+    total = float(sum(runs))
+    return [r / total / width for r in runs for _ in range(width)]
+
+
+_CUTS: dict[tuple, tuple[object, object, list[int]]] = {}
+"""(graph, cost model, degrees, micro-batches, cut kind) -> the stages' first groups: layouts that
+differ in the schedule, sequence parallelism, recomputation or shares share their cut."""
+
+
+def _stage_cuts(graph, layout: Layout, costs, stage_devices: list[list[int]]) -> list[int]:
+    """First group of each stage (the module docstring's cut, by time or by memory; cached)."""
+    key = (id(graph), id(costs), tuple(map(tuple, stage_devices)), layout.tp, layout.micro, layout.cut)
+    hit = _CUTS.get(key)
+    if hit is not None and hit[0] is graph and hit[1] is costs:
+        return list(hit[2])
+    k = graph.num_groups
     allowed = aligned_cuts(graph) if layout.tp > 1 else None
     if layout.cut == "memory":  # bytes held for good per group, the same on every stage
         held = [0.0] * k
@@ -197,28 +239,26 @@ def layout_plan(graph, topology, layout: Layout, costs) -> Plan:
             held[p.group] += 2 * p.nbytes + p.opt_state_bytes
         stages = balanced_cuts(held, layout.pp, allowed)
     else:  # a device costed at ceil(B / (micro * dp * tp)) samples per micro-batch (a tp device computes
-        # 1/tp of its replica's B / (micro * dp) samples in the blocks; at least one: a balancing proxy)
-        per_replica = -(-graph.batch_size // (layout.micro * width))
-        stages = balanced_cuts([[layout.micro * max(sum(costs.group_time(g, ph, d, per_replica) for ph in ("fwd", "bwd"))
-                                                    + costs.group_time(g, "opt", d, per_replica) / layout.micro
-                                                    for d in devs)
-                                 for g in range(k)] for devs in stage_devices], allowed=allowed)
-    bounds = stages + [k]
-    groups: list[GroupPlan] = []
-    tp = dict(sync="tp", tp=layout.tp, sequence_parallel=bool(layout.sp)) if layout.tp > 1 else {}
-    for s, devs in enumerate(stage_devices):
-        groups += [GroupPlan(devs, [1.0 / len(devs)] * len(devs), recompute=bool(layout.recompute), **tp)
-                   for _ in range(bounds[s], bounds[s + 1])]
-    plan = new_plan(graph, topology, groups, searcher="layout", layout=_spell(layout))
-    if layout.pp > 1 or layout.micro > 1:
-        plan.pipeline = PipelinePlan(stages, layout.micro, layout.schedule, layout.k)
-    return plan
+        # 1/tp of its replica's B / (micro * dp) samples in the blocks; at least one: a balancing proxy);
+        # per group, the stage's slowest device, all micro-batches (one device per cost table: the same seconds)
+        b = -(-graph.batch_size // (layout.micro * layout.dp * layout.tp))
+        rows = []
+        for devs in stage_devices:
+            tabs = list({id(costs.table(d)): costs.table(d) for d in devs}.values())
+            rows.append((layout.micro * np.max([(t[:, 0, b] + t[:, 1, b]) + t[:, 2, b] / layout.micro
+                                                for t in tabs], axis=0)).tolist())
+        stages = balanced_cuts(rows, allowed=allowed)
+    if len(_CUTS) > 4096:
+        _CUTS.clear()
+    _CUTS[key] = (graph, costs, stages)
+    return list(stages)
 
 
 def _spell(layout: Layout) -> str:
     text = f"dp={layout.dp},tp={layout.tp},pp={layout.pp},micro={layout.micro},schedule={layout.schedule}"
     return text + (f",k={layout.k}" if layout.schedule == "kfkb" else "") + (",sp=1" if layout.sp else "") + \
-        (f",cut={layout.cut}" if layout.cut != "time" else "") + (",recompute=1" if layout.recompute else "")
+        (f",cut={layout.cut}" if layout.cut != "time" else "") + (",recompute=1" if layout.recompute else "") + \
+        (",prop=1" if layout.prop else "")
 
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -262,24 +302,87 @@ def layout_grid(graph, topology) -> list[Layout]:
     return out
 
 
-def best_layout(graph, topology, costs, simulate, *, executable: bool = False) -> tuple[Plan, int]:
-    """The fastest plan of :func:`layout_grid` (one that fits in memory if any does; its
-    ``predicted_iteration_time_s`` is None if none does) and the number of layouts simulated.
+@dataclass
+class GridSearch:
+    """What :func:`search_layouts` found."""
+
+    best: Plan | None
+    """The fastest layout's plan (one that fits if any does; ``predicted_iteration_time_s`` None
+    if it does not), or None when every layout is bounded out by ``incumbent``."""
+    ranked: list[tuple[Plan, object]]
+    """Every simulated layout's plan and :class:`~tag.sim.SimResult`, fastest first (those that
+    fit before those that do not)."""
+    layouts: int
+    """Layouts of the grid (those the executor runs, with ``executable``)."""
+    simulated: int
+    """Layouts simulated; the others were bounded out (they cannot fit or cannot be faster)."""
+    bounded: int
+    """Second (costlier) bounds computed."""
+
+
+def search_layouts(graph, topology, costs, simulate, *, executable: bool = False, bounds=(),
+                   incumbent: float | None = None) -> GridSearch:
+    """The fastest plan of :func:`layout_grid` by branch and bound: the same plan as simulating
+    every layout (ties to the first in grid order), fewer simulated.
+
     ``simulate(plan)`` returns its :class:`~tag.sim.SimResult` (passed in: this layer does not
-    import the simulator). ``executable``: only the layouts the executor runs
+    import the simulator). ``bounds``: functions of a plan returning lower bounds of its
+    simulation (``.time_s``: seconds it takes at least; ``.oom``: True if it cannot fit;
+    :mod:`tag.sim.bounds`), cheapest first. Layouts are taken in the order of the first bound
+    (those that may fit first, then by time); a layout is simulated unless its bounds show it
+    cannot beat the best simulated so far (out of memory when one fits, or not faster), and the
+    search stops at the first layout whose first bound cannot. Without ``bounds`` every layout is
+    simulated. ``incumbent``: seconds of a plan that fits found elsewhere: only layouts strictly
+    faster matter (``best`` None if none is). ``executable``: only the layouts the executor runs
     (:func:`tag.parallel.execution_refusal`: no sequence parallelism, no pipeline of ``tp`` stages)."""
-    best, best_key, tried = None, None, 0
+    plans, template = [], None
     for lay in layout_grid(graph, topology):
-        plan = layout_plan(graph, topology, lay, costs)
+        plan = layout_plan(graph, topology, lay, costs, template=template)
+        template = template or plan
         if executable and execution_refusal(plan, graph) is not None:
             continue
-        res = simulate(plan)
-        tried += 1
-        key = (bool(res.oom), res.iteration_time_s)
-        if best_key is None or key < best_key:
-            best, best_key = plan, key
-    if best is None:
+        plans.append(plan)
+    if not plans:
         raise PlanError(f"layout: no layout of {topology.num_devices} devices fits batch {graph.batch_size}")
-    best.predicted_iteration_time_s = None if best_key[0] else best_key[1]  # None: out of memory
-    best.meta["searcher"] = "dp-tp-pp-grid"
-    return best, tried
+    # (oom, seconds, grid index): the order layouts are compared in (the full grid's, ties to the first)
+    inc = None if incumbent is None else (False, incumbent, -1)
+    ranked: list[tuple[tuple, Plan, object]] = []
+    bounded = 0
+    if bounds:
+        first = [bounds[0](p) for p in plans]
+        order = sorted(range(len(plans)), key=lambda i: (first[i].oom, first[i].time_s, i))
+    else:
+        first, order = None, range(len(plans))
+    for i in order:
+        if first is not None:
+            low = (bool(first[i].oom), first[i].time_s, i)  # no more than the layout's own key
+            if inc is not None and low > inc:
+                break  # nor any layout after it
+            for more in bounds[1:]:
+                b = more(plans[i])
+                bounded += 1
+                low = (low[0] or bool(b.oom), max(low[1], b.time_s), i)
+                if inc is not None and low > inc:
+                    break
+            if inc is not None and low > inc:
+                continue
+        res = simulate(plans[i])
+        key = (bool(res.oom), res.iteration_time_s, i)
+        ranked.append((key, plans[i], res))
+        if inc is None or key < inc:
+            inc = key
+    ranked.sort(key=lambda x: x[0])
+    best = None
+    if ranked and (incumbent is None or ranked[0][0] < (False, incumbent, -1)):
+        key, best, _ = ranked[0]
+        best.predicted_iteration_time_s = None if key[0] else key[1]  # None: out of memory
+        best.meta["searcher"] = "dp-tp-pp-grid"
+    return GridSearch(best, [(p, r) for _, p, r in ranked], len(plans), len(ranked), bounded)
+
+
+def best_layout(graph, topology, costs, simulate, *, executable: bool = False, bounds=()) -> tuple[Plan, int]:
+    """The fastest plan of :func:`layout_grid` (one that fits in memory if any does; its
+    ``predicted_iteration_time_s`` is None if none does) and the number of layouts simulated:
+    :func:`search_layouts` (``bounds``: what it prunes with; none: every layout simulated)."""
+    found = search_layouts(graph, topology, costs, simulate, executable=executable, bounds=bounds)
+    return found.best, found.simulated

@@ -381,22 +381,39 @@ class GroupSplit:
 
 
 def group_split(graph: OpGraph, g: int) -> GroupSplit:
-    """:class:`GroupSplit` of group ``g``."""
-    blocks = megatron_blocks(graph)
-    mine, fwd, bwd, params = [], [], [], []
-    for i, b in enumerate(blocks):
-        gs = {graph.ops[c].group for c in b.columns} | {graph.ops[b.row].group}
-        if g not in gs:
-            continue
-        mine.append(i)
-        if graph.ops[b.row].group == g:
-            fwd.append(b.reduce_fwd)
-        if graph.ops[b.columns[0]].group == g:
-            bwd.append(b.reduce_bwd)
-        params += [p for p in b.split_params if graph.params[p].group == g]
-    ps = [graph.params[p] for p in params]
-    return GroupSplit(tuple(mine), tuple(params), sum(p.nbytes for p in ps),
-                      sum(2 * p.nbytes + p.opt_state_bytes for p in ps), tuple(fwd), tuple(bwd))
+    """:class:`GroupSplit` of group ``g`` (all groups' computed at once, cached per graph: the
+    simulator asks for every group of every tensor-parallel layout it costs)."""
+    cached = _SPLITS.get(id(graph))
+    if cached is None or cached[0] is not graph:
+        if len(_SPLITS) > 16:
+            _SPLITS.clear()
+        cached = _SPLITS[id(graph)] = (graph, _group_splits(graph))
+    return cached[1][g]
+
+
+def _group_splits(graph: OpGraph) -> list[GroupSplit]:
+    k = graph.num_groups
+    mine: list[list[int]] = [[] for _ in range(k)]
+    fwd: list[list] = [[] for _ in range(k)]
+    bwd: list[list] = [[] for _ in range(k)]
+    params: list[list[int]] = [[] for _ in range(k)]
+    for i, b in enumerate(megatron_blocks(graph)):
+        for g in sorted({graph.ops[c].group for c in b.columns} | {graph.ops[b.row].group}):
+            mine[g].append(i)
+            if graph.ops[b.row].group == g:
+                fwd[g].append(b.reduce_fwd)
+            if graph.ops[b.columns[0]].group == g:
+                bwd[g].append(b.reduce_bwd)
+            params[g] += [p for p in b.split_params if graph.params[p].group == g]
+    out = []
+    for g in range(k):
+        ps = [graph.params[p] for p in params[g]]
+        out.append(GroupSplit(tuple(mine[g]), tuple(params[g]), sum(p.nbytes for p in ps),
+                              sum(2 * p.nbytes + p.opt_state_bytes for p in ps), tuple(fwd[g]), tuple(bwd[g])))
+    return out
+
+
+_SPLITS: dict[int, tuple[OpGraph, list[GroupSplit]]] = {}
 
 
 def block_groups(graph: OpGraph, block: MegatronBlock) -> tuple[int, ...]:

@@ -1,0 +1,221 @@
+"""Static lower bounds of what :meth:`Simulator.run <tag.sim.engine.Simulator.run>` reports for a
+plan, without running the event loop: what the layout grid's branch and bound
+(:func:`tag.parallel.layout.best_layout`) prunes with.
+
+:func:`static_bound` reads the plan and the simulator's per-graph tables only (no deployment
+costed: milliseconds at 512 devices); :func:`plan_bound` reads the simulator's own deployment of the plan (:meth:`Simulator.deploy`, and for a
+pipeline :meth:`Simulator._micro`: every group at each micro-batch's size, cached and reused by
+the run that may follow), so they hold by construction of the event loop
+(:mod:`tag.sim.engine`):
+
+* **memory**: a device's peak is ``held + working set + transfer buffers``
+  (``engine._result``); ``held`` and the working set are what ``engine._holdings`` computes from
+  the deployment (parameters, gradients, optimizer state, buffers, saved activations, a pipeline's
+  in-flight micro-batches), the buffers are at least 0. ``held + working set`` above a device's
+  capacity: the run reports the plan out of memory.
+* **time**: a device's compute tasks never overlap (each starts at or after the device's
+  ``cfree`` and moves it to its end, ``_Run._phase``) and last at least their seconds (a wake
+  penalty only adds), and its optimizer step (its held groups' optimizer seconds plus the step
+  overhead) starts after them (``engine._result``). So the iteration takes at least, on every
+  device, the forward and backward seconds of every run (micro-batch) of every unit on it, plus
+  its optimizer step; in a pipeline, a stage's devices start no earlier than micro-batch 0 went
+  forward through the stages before it, and the iteration ends no earlier than micro-batch
+  M - 1 went backward through them after a replica of the stage finished (where the stage
+  boundaries provably carry that tensor: :func:`_pipeline_waits`); and a device's gradient
+  collectives run one after another on its links (``_Run._syncs``), so the iteration lasts at
+  least their sum. Transfers, other waits and the rest of the bubbles are left out (>= 0).
+
+:func:`static_bound` counts a subset of the same terms, each as the simulator computes it from
+its tables (:mod:`tag.sim.units`, :mod:`tag.sim.tensor_parallel`): per device, the forward and
+backward seconds of its groups' cost tables at its batch of each micro-batch (a tensor-parallel
+device's at ``1 / T`` of its replica's samples, or its token shard; the forward again under
+recomputation), without the tensor-parallel collectives and the plain variant's outside ops at
+the group's batch, the optimizer step or the wake penalty; and the bytes a group holds for good
+(parameters, gradients, optimizer state, buffers, the saved or, recomputed, input tensors' fixed
+bytes; less the ``1 - 1/T`` of the split parameters' state a tensor-parallel device drops) plus
+its per-sample saved bytes at its first micro-batch's samples times the stage's micro-batches in
+flight, and the largest single-op working set, without what the plain variant holds at the
+group's batch beyond ``1 / T`` of it, the recomputed values' working set and the transfer buffers.
+Groups split into position chunks (``mp``) count nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .engine import _holdings
+from .static import BWD, FWD
+
+
+@dataclass(frozen=True)
+class PlanBound:
+    """Lower bounds of one plan's simulation."""
+
+    time_s: float
+    """The iteration takes at least this (seconds)."""
+    peak_bytes: list[float]
+    """Per device, its peak memory is at least this."""
+    oom: bool
+    """True: some device's ``peak_bytes`` exceeds its capacity, so the simulator reports the plan
+    out of memory (False says nothing)."""
+
+
+def static_bound(sim, groups, pipeline=None) -> PlanBound:
+    """:class:`PlanBound` of the deployment ``groups`` (and ``pipeline``) on ``sim`` from its
+    tables alone (module docstring); at most :func:`plan_bound`'s."""
+    from ..parallel.pipeline import block_size, in_flight, micro_ranges, stage_of_group, stage_sequence
+    from ..parallel.strategy import strategy_of
+    from ..parallel.tensor_parallel import group_split, tp_degree
+
+    st, graph, n = sim.static, sim.graph, sim.num_devices
+    sizes = [st.batch_size] if pipeline is None else [hi - lo for lo, hi in micro_ranges(st.batch_size, pipeline.micro_batches)]
+    runs = {x: sizes.count(x) for x in sizes}  # micro-batch samples -> micro-batches of that size (first size first)
+    flight = [1] * len(groups)
+    if pipeline is not None:
+        S, k = len(pipeline.stages), block_size(pipeline)
+        per_stage = [in_flight(stage_sequence(s, S, pipeline.micro_batches, k)) for s in range(S)]
+        flight = [per_stage[s] for s in stage_of_group(pipeline, len(groups))]
+    busy, held, work = np.zeros(n), np.zeros(n), np.zeros(n)
+    # groups deployed alike (devices, shares, strategy, degree, variant, recomputation): lowered once
+    alike: dict[tuple, list[int]] = {}
+    for g, gp in enumerate(groups):
+        alike.setdefault((tuple(gp.devices), tuple(gp.shares), gp.sync, gp.tp, gp.sequence_parallel, gp.recompute,
+                          flight[g]), []).append(g)
+    for (devs, _, _, _, seqp, rc, fl), gs in alike.items():
+        gp = groups[gs[0]]
+        strategy = strategy_of(gp)
+        if strategy.chunked:
+            continue
+        tp = gp.sync == "tp"
+        t = tp_degree(gp) if tp else 1
+        dev = np.asarray(devs, dtype=np.int64)
+        cls = np.asarray([sim.dev_class[d] for d in devs], dtype=np.int64)
+        gi = np.asarray(gs, dtype=np.int64)
+        fixed = (st.rc_fixed if rc else st.mem_fixed)[gi].sum()
+        if tp:
+            fixed -= (1.0 - 1.0 / t) * sum(group_split(graph, g).split_state for g in gs)
+        ps = (st.rc_per_sample if rc else st.mem_per_sample)[gi].sum()
+        for m, (size, times) in enumerate(runs.items()):
+            b = np.asarray(strategy.units(gs[0], gp, graph, size)[0].batches, dtype=float)  # per device
+            if tp and not seqp:  # plain: a device computes 1 / t of its replica's samples
+                small, big = b / t, b
+            else:
+                small = big = b
+            # one row per distinct (device class, samples): [U] then back to the devices
+            pairs, back = np.unique(np.stack([cls.astype(float), small]), axis=1, return_inverse=True)
+            ucls, ux = pairs[0].astype(np.int64), pairs[1]
+            lo = np.floor(ux).astype(np.int64)
+            f = (ux - lo)[:, None]
+            hi = np.minimum(lo + 1, sim.tables.shape[3] - 1)
+            c, g2 = ucls[:, None], gi[None, :]
+            fwd = (1.0 - f) * sim.tables[c, g2, FWD, lo[:, None]] + f * sim.tables[c, g2, FWD, hi[:, None]]
+            bwd = (1.0 - f) * sim.tables[c, g2, BWD, lo[:, None]] + f * sim.tables[c, g2, BWD, hi[:, None]]
+            secs = (fwd.sum(axis=1) * (2.0 if rc else 1.0) + bwd.sum(axis=1))[np.ravel(back)]  # [R]: fwd + bwd (+ fwd again)
+            np.add.at(busy, dev, secs * times)
+            if m == 0:  # held at the first micro-batch's samples (the simulator's rule)
+                np.add.at(held, dev, fixed + ps * small * fl)
+                w = (st.work_fixed[gi][None, :] + st.work_per_sample[gi][None, :] * big[:, None]).max(axis=1)
+                np.maximum.at(work, dev, w)
+    peak = (held + work).tolist()
+    return PlanBound(float(busy.max()) * (1.0 - 1e-9), peak,
+                     any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
+
+
+def plan_bound(sim, groups, pipeline=None) -> PlanBound:
+    """:class:`PlanBound` of the deployment ``groups`` (and ``pipeline``) on ``sim`` (a
+    :class:`~tag.sim.Simulator`), in the simulator's units."""
+    micro = None if pipeline is None else sim._micro(groups, pipeline)
+    gds = sim.deploy(groups)  # (a pipeline's gradient syncs: at the full batch's deployment)
+    _, mem, work, _, _ = _holdings(sim, gds, micro)
+    # the optimizer step as the run computes it (a pipeline's: at its first micro-batch's deployment)
+    opt, _, _, holds, _ = _holdings(sim, gds if micro is None else micro.gds[0])
+    n = sim.num_devices
+    busy = np.zeros(n)
+    for run in (gds,) if micro is None else micro.gds:  # each micro-batch's deployment
+        for gd in run:
+            lay = gd.layout
+            if lay is not None:  # every replica runs the group's forward and backward once
+                np.add.at(busy, lay.dev_arr, lay.dur[FWD, gd.units[0].group] + lay.dur[BWD, gd.units[0].group])
+            else:  # position chunks, one device each
+                for u in gd.units:
+                    busy[u.devices[0]] += u.dur[FWD] + u.dur[BWD]
+    step = np.asarray(opt) + np.where(holds, sim.step_overhead, 0.0)
+    low = busy + step
+    if micro is not None:  # the pipeline's fill before a stage and drain after it
+        for devs, before, after in _pipeline_waits(sim, micro, pipeline):
+            low[devs] += before
+            # the stage before runs micro-batch M - 1's backward after a replica of this one ran
+            # all its tasks (its last is that backward)
+            low[devs] = np.maximum(low[devs], before + busy[devs].min() + after)
+    # a device's gradient collectives run one after another on its links (Run._syncs)
+    comm = np.zeros(n)
+    for _, job in sim.sync_jobs(gds):
+        comm[list(job.sync_devices)] += job.sync_time
+    peak = [m + w for m, w in zip(mem, work)]
+    # (1 - 1e-9): the event loop sums the same seconds in another order (running sums), so a
+    # bound equal to the run's time may differ from it in the last bits
+    return PlanBound(max(float(low.max()), float(comm.max())) * (1.0 - 1e-9), peak,
+                     any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
+
+
+def _pipeline_waits(sim, micro, pipeline) -> list[tuple[np.ndarray, float, float]]:
+    """Per stage ``(devices, before, after)``: a device of the stage starts its first task no
+    earlier than ``before`` seconds (micro-batch 0's forward of the stages before it, each at its
+    fastest replica), and the iteration ends no earlier than ``after`` seconds (micro-batch
+    M - 1's backward of those stages) after a replica of the stage finished its last. Counted
+    across a stage boundary only between disjoint devices where the boundary's groups exchange a per-micro-batch tensor both ways (the last group of the stage before feeds
+    the first group of the stage after in the forward, and that group's backward feeds it back),
+    every replica of both runs samples of those micro-batches, each stage's groups share one set
+    of replicas and its sequence starts with micro-batch 0's forward and ends with micro-batch
+    M - 1's backward; 0 across other boundaries."""
+    from ..parallel.pipeline import block_size, stage_sequence
+
+    st = sim.static
+    S, M, k = len(pipeline.stages), pipeline.micro_batches, block_size(pipeline)
+    bounds = list(pipeline.stages) + [st.num_groups]
+    first, last = micro.gds[0], micro.gds[-1]
+    fwd, bwd, devs = [], [], []
+    for s in range(S):
+        gs = range(bounds[s], bounds[s + 1])
+        lays = [first[g].layout for g in gs] + [last[g].layout for g in gs]
+        seq = stage_sequence(s, S, M, k)
+        if any(x is None or x.devices != lays[0].devices or min(x.batches) < 1 for x in lays) \
+                or seq[0] != ("fwd", 0) or seq[-1] != ("bwd", M - 1):
+            fwd.append(None)
+            bwd.append(None)
+            devs.append(None)
+            continue
+        fwd.append(float(np.sum([first[g].layout.dur[FWD, g] for g in gs], axis=0).min()))
+        bwd.append(float(np.sum([last[g].layout.dur[BWD, g] for g in gs], axis=0).min()))
+        devs.append(lays[0].dev_arr)
+
+    def linked(a: int, b: int) -> bool:  # group a's forward feeds b's, b's backward feeds a's
+        there = any(e.batch and not e.once and e.src_phase == FWD and any(ph == FWD for _, ph in e.consumers)
+                    for e in st.edges.get((a, b), ()))
+        back = any(e.batch and not e.once and e.src_phase == BWD and any(ph == BWD for _, ph in e.consumers)
+                   for e in st.edges.get((b, a), ()))
+        return there and back
+
+    out = []
+    before = after = 0.0  # micro-batch 0's forward, M - 1's backward, of the linked stages before
+    for s in range(S):
+        if s > 0 and fwd[s - 1] is not None and fwd[s] is not None and linked(bounds[s] - 1, bounds[s]) \
+                and not set(devs[s - 1].tolist()) & set(devs[s].tolist()):  # (a transfer between devices)
+            before += fwd[s - 1]
+            after += bwd[s - 1]
+        else:
+            before = after = 0.0
+        if devs[s] is not None:
+            out.append((devs[s], before, after))
+    return out
+
+
+def layout_bounds(sim) -> tuple:
+    """The bounds :func:`tag.parallel.layout.search_layouts` prunes with on ``sim``, cheapest
+    first: :func:`static_bound`, then :func:`plan_bound` (whose deployment a simulation reuses)."""
+    return (lambda p: static_bound(sim, p.groups, p.pipeline), lambda p: plan_bound(sim, p.groups, p.pipeline))
+
+
+__all__ = ["PlanBound", "layout_bounds", "plan_bound", "static_bound"]
