@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..plan.format import device_ranges
 from .common import (
     PROFILES_HELP,
     add_cache_arg,
@@ -167,14 +168,3 @@ def fold_rows(rows: list[list[str]], kinds: list[str]) -> list[list[str]]:
     for (kind, *figures), devs in folded.items():
         out.append(rows[devs[0]] if len(devs) == 1 else [device_ranges(devs), f"{len(devs)} x {kind}", *figures])
     return out
-
-
-def device_ranges(devs: list[int]) -> str:
-    """Ascending device indices as ranges: ``[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"``."""
-    runs: list[list[int]] = []
-    for d in devs:
-        if runs and d == runs[-1][1] + 1:
-            runs[-1][1] = d
-        else:
-            runs.append([d, d])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from ..errors import PlanError
 from ..graph.capture import FUSED_ATTENTION
 from ..graph.ir import Affine, OpGraph
-from ..plan.format import GroupPlan
+from ..plan.format import GroupPlan, device_ranges
 from .strategy import Collective, Strategy, Unit, check_shares, execution_refusal, no_field, sample_replicas
 
 MAX_DEGREE = 8
@@ -443,6 +443,13 @@ def tp_groups(gp: GroupPlan) -> list[list[int]]:
     return [list(gp.devices[i:i + t]) for i in range(0, len(gp.devices), t)]
 
 
+def _brief(value) -> str:
+    """A plan field for a one-line message: a list above 8 items as its first 4 and its length."""
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        return f"[{', '.join(f'{v:.4g}' if isinstance(v, float) else str(v) for v in value[:4])}, ... ({len(value)} items)]"
+    return str(value)
+
+
 class TensorParallel(Strategy):
     name = "tp"
 
@@ -526,13 +533,13 @@ class TensorParallel(Strategy):
                         f"(group {tp[0]} is); expected 'tp', got {gp.sync!r}")
             if gp.devices != first.devices:
                 return (f"groups[{g}].devices: the executor runs the same tensor-parallel groups for the whole "
-                        f"plan; expected {first.devices}, got {gp.devices}")
+                        f"plan; expected devices {device_ranges(first.devices)}, got {device_ranges(gp.devices)}")
             if tp_degree(gp) != tp_degree(first) or gp.shares != first.shares \
                     or gp.sequence_parallel != first.sequence_parallel:
                 field = "tp" if tp_degree(gp) != tp_degree(first) else \
                     "shares" if gp.shares != first.shares else "sequence_parallel"
                 return (f"groups[{g}].{field}: the executor runs the same tensor-parallel groups for the whole "
-                        f"plan; expected {getattr(first, field)}, got {getattr(gp, field)}")
+                        f"plan; expected {_brief(getattr(first, field))}, got {_brief(getattr(gp, field))}")
         if first.sequence_parallel:
             return (f"groups[{tp[0]}].sequence_parallel: the executor runs plain Megatron (every device of a "
                     "tensor-parallel group on the group's whole batch outside the blocks), not sequence "

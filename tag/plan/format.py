@@ -325,3 +325,14 @@ def new_plan(graph, topology, groups: list[GroupPlan], **meta) -> Plan:
     return Plan(model=graph.model, graph_signature=graph.signature(), topology=topology.name,
                 topology_signature=topology.signature(), batch_size=graph.batch_size,
                 groups=groups, meta=dict(meta), precision=getattr(graph, "precision", "fp32"))
+
+
+def device_ranges(devs: list[int]) -> str:
+    """Ascending device indices as ranges: ``[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"``."""
+    runs: list[list[int]] = []
+    for d in devs:
+        if runs and d == runs[-1][1] + 1:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
