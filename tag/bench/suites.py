@@ -18,15 +18,16 @@ METHODS: dict[str, str] = {
     "single": "best single device",
     "mp": "greedy model parallel (fill devices in topological order by memory)",
     "dp-tp-pp-grid": "best Megatron-style layout by hand: dp x tp x pp = devices (tp 2-8 within a machine "
-                     "where the model's blocks divide), balanced stages, 1F1B with 1-32 micro-batches",
+                     "where the model's blocks divide), balanced stages, 1F1B with 1-64 micro-batches, "
+                     "sequence parallelism and full recomputation on or off",
     "random": "random search",
     "sa": "simulated annealing",
     "tpe": "optuna TPE, one categorical per op-group",
     "mcts-uniform": "MCTS with a uniform prior",
-    "tag-50": "TAG: GNN-guided MCTS, 50 playouts, no compression",
-    "tag-200": "TAG: GNN-guided MCTS, 200 playouts, no compression",
-    "tag-50+sfb": "TAG: GNN-guided MCTS, 50 playouts, SFB compression",
-    "tag-200+sfb": "TAG: GNN-guided MCTS, 200 playouts, SFB compression",
+    "tag-50": "TAG: GNN-guided MCTS, 50 playouts, then the layout grid and its refinements, no compression",
+    "tag-200": "TAG: GNN-guided MCTS, 200 playouts, then the layout grid and its refinements, no compression",
+    "tag-50+sfb": "TAG: GNN-guided MCTS, 50 playouts, then the layout grid and its refinements, SFB compression",
+    "tag-200+sfb": "TAG: GNN-guided MCTS, 200 playouts, then the layout grid and its refinements, SFB compression",
     "lower-bound": "ideal: total compute / summed device throughput, no communication",
 }
 
