@@ -639,7 +639,8 @@ def test_simulate_at_64_devices_folds_alike_devices(capsys):
 
 
 def test_fold_rows_groups_alike_devices():
-    from tag.cli.simulate import device_ranges, fold_rows
+    from tag.cli.simulate import fold_rows
+    from tag.plan.format import device_ranges
 
     assert device_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and device_ranges([3]) == "3"
     rows = [[str(d), f"h{d}", "1.0", "OOM" if d in (3, 9) else ""] for d in range(12)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..plan.format import device_ranges
 from .common import (
     PROFILES_HELP,
     add_cache_arg,
@@ -164,6 +163,8 @@ def fold_rows(rows: list[list[str]], kinds: list[str]) -> list[list[str]]:
     folded: dict[tuple, list[int]] = {}
     for d, (row, kind) in enumerate(zip(rows, kinds)):
         folded.setdefault((kind, *row[2:]), []).append(d)
+    from ..plan.format import device_ranges  # (not at import: `tag --help` loads no numpy)
+
     out = []
     for (kind, *figures), devs in folded.items():
         out.append(rows[devs[0]] if len(devs) == 1 else [device_ranges(devs), f"{len(devs)} x {kind}", *figures])
