@@ -258,7 +258,7 @@ def _print(graph, topo, p, args) -> None:
               + (f" (k={pp.k})" if pp.schedule == "kfkb" else ""))
     if s["source"] == "layout-grid":
         shape = " (no pipeline)" if p.pipeline is None else ""  # tensor parallelism alone
-        why_grid = ("every searched plan runs out of memory, this one fits" if p.meta.get("grid_because")
+        why_grid = ("fits where every searched plan runs out of memory" if p.meta.get("grid_because")
                     else "beats the searched plan")
         how = f", {s['refinement']}" if s.get("refinement") else ""
         print(f"  a Megatron-style layout {why_grid}: {s['layout']}{shape}{how}")
