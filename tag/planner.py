@@ -75,8 +75,10 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         budget: playouts: proposed plans not simulated before (a plan proposed again is a free
             repeat; see :mod:`tag.search.mcts`). Default :data:`DEFAULT_PLAYOUTS` unless
             ``time_limit``.
-        time_limit: wall-clock seconds for the search after set-up (with ``budget``: whichever
-            ends first); at least one wave of playouts runs.
+        time_limit: wall-clock seconds for the search and the layout grid after set-up (with
+            ``budget``: whichever ends first); where the grid runs the search gets the first half
+            and the grid the rest (``meta["grid_cut"]``: it stopped before its bounds did); at
+            least one wave of playouts and one layout run.
         seed: seeds the searcher's ``numpy.random.Generator``; same seed -> same plan.
         checkpoint: predictor checkpoint (default: the shipped ``tag/gnn/predictor.pt``).
         predictor: an already loaded :class:`tag.gnn.Predictor` (overrides ``checkpoint``).
@@ -155,20 +157,25 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         if one_shot:
             def propose_fn(sp, root):  # after the tree: the root's feedback is the simulator's
                 return [pred.one_shot(sp, ev.t_ref, root.feedback, max_groups=ONE_SHOT_GROUPS)]
-    # The time limit covers the search itself (set-up above: cost tables, both baselines, loading
-    # the predictor); at least one wave of playouts always runs.
-    deadline = time.perf_counter() + time_limit if time_limit is not None else math.inf
+    # The time limit covers the search and the layout grid after it (set-up above: cost tables,
+    # both baselines, loading the predictor): where the grid runs, the search gets the first half
+    # of it (at least one wave of playouts always runs) and the grid what is left (at least one
+    # layout always simulated).
+    grid_runs = pipelines == "grid" or (pipelines == "auto" and bool(space.plan_options))
+    t_start = time.perf_counter()
+    deadline = t_start + time_limit if time_limit is not None else math.inf
+    search_deadline = t_start + time_limit / 2 if time_limit is not None and grid_runs else deadline
     if searcher == "mcts":
         res = mcts_search(space, ev, prior_fn, rng, playouts=playouts,
-                          time_limit=None if time_limit is None else max(0.0, deadline - time.perf_counter()),
+                          time_limit=None if time_limit is None else max(0.0, search_deadline - time.perf_counter()),
                           cfg=mcts, propose_fn=propose_fn)
         stats, proposals = res.stats, res.proposals
     elif searcher == "sa":
-        stats = simulated_annealing(space, ev, rng, playouts=playouts, deadline=deadline)
+        stats = simulated_annealing(space, ev, rng, playouts=playouts, deadline=search_deadline)
     elif searcher == "random":
-        stats = random_search(space, ev, rng, playouts=playouts, deadline=deadline)
+        stats = random_search(space, ev, rng, playouts=playouts, deadline=search_deadline)
     else:
-        stats = tpe_search(space, ev, rng, playouts=playouts, deadline=deadline)
+        stats = tpe_search(space, ev, rng, playouts=playouts, deadline=search_deadline)
     search_s = time.perf_counter() - t0
     try:
         from .sim import lower_bound
@@ -198,25 +205,27 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         "space": {"actions": space.num_actions, "tp_actions": space.num_actions - space.num_base_actions,
                   "stages": space.options("stages", 1) if space.plan_options else None},
     }
-    if pipelines == "grid" or (pipelines == "auto" and space.plan_options):
+    if grid_runs:
         note("layout grid")
         if best.oom:
             p.meta["grid_because"] = "every searched plan runs out of memory"
         p = _pipelined(graph, topology, p, space.cost_model, ev.simulator, executable,
-                       against_search=pipelines == "auto")
+                       against_search=pipelines == "auto", deadline=deadline)
     if compression != "off":
         note("compression")
     p.meta["compression"] = "off" if compression == "off" else _compress(graph, topology, p, ev.simulator)
     return p
 
 
-def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, against_search: bool = False) -> Plan:
+def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, against_search: bool = False,
+               deadline: float = math.inf) -> Plan:
     """``p``, or the best hand-written layout (:func:`tag.search.layouts.grid_search`, pruned by
     the simulator's lower bounds; with ``executable`` of those the executor runs) or a refinement
     of the best few (:func:`tag.search.layouts.refine`) when the simulator says it is strictly
     faster (and fits); the outcome goes into ``meta``. ``against_search``: prune the grid against
     ``p``'s time too (only layouts faster than the searched plan matter; ``best_layout`` is then
-    None when none is)."""
+    None when none is); ``deadline``: a :func:`time.perf_counter` time after which no layout or
+    refinement is started (``meta["grid_cut"]``)."""
     import inspect
 
     from .search.layouts import grid_search, refine
@@ -227,14 +236,14 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
     t_plan = p.predicted_iteration_time_s
     t0 = time.perf_counter()
     found = grid_search(graph, topology, costs, simulator, executable=executable,
-                        incumbent=t_plan if against_search and t_plan is not None else None)
-    better = refine(graph, topology, costs, simulator, found, executable=executable)
+                        incumbent=t_plan if against_search and t_plan is not None else None, deadline=deadline)
+    better = refine(graph, topology, costs, simulator, found, executable=executable, deadline=deadline)
     lay = found.best
     p.meta.update(layouts=found.layouts, layouts_tried=found.simulated, layouts_pruned=found.layouts - found.simulated,
                   best_layout=None if lay is None else lay.meta["layout"],
                   best_layout_time_s=None if lay is None else lay.predicted_iteration_time_s,
                   refinements=better.notes, refinement_simulations=better.simulations,
-                  grid_time_s=time.perf_counter() - t0)
+                  grid_time_s=time.perf_counter() - t0, grid_cut=found.cut)
     if better.plan is not None and (lay is None or lay.predicted_iteration_time_s is None
                                     or better.plan.predicted_iteration_time_s < lay.predicted_iteration_time_s):
         lay = better.plan

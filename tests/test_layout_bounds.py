@@ -178,3 +178,23 @@ def test_find_plan_returns_the_best_of_search_grid_and_refinements(gpt2, tmp_pat
         assert m["layout"] and "refinement" in m
     off = find_plan(gpt2, topo, prior="uniform", budget=5, compression="off", executable=False, pipelines="off")
     assert "layouts" not in off.meta
+
+
+def test_a_deadline_stops_the_grid_after_one_layout(gpt2):
+    """A deadline already passed: the grid simulates one layout (the first in bound order) and
+    says it was cut; ``find_plan``'s time limit reaches the grid the same way."""
+    from tag.planner import find_plan
+
+    topo = load_topology("homogeneous-2x4-v100")
+    costs = CostModel.for_topology(gpt2, topo)
+    sim = Simulator(gpt2, topo, costs)
+    run = lambda p: sim.run(p.groups, pipeline=p.pipeline)  # noqa: E731
+    whole = search_layouts(gpt2, topo, costs, run, bounds=layout_bounds(sim))
+    cut = search_layouts(gpt2, topo, costs, run, bounds=layout_bounds(sim), deadline=0.0)
+    assert not whole.cut and whole.simulated > 1
+    assert cut.cut and cut.simulated == 1 and cut.best is not None
+    assert cut.best.predicted_iteration_time_s >= whole.best.predicted_iteration_time_s
+    plan = find_plan(gpt2, topo, prior="uniform", time_limit=1e-6, compression="off", executable=False)
+    assert plan.meta["grid_cut"] and plan.meta["layouts_tried"] == 1
+    assert plan.meta["refinements"] in ([], ["stopped at the time limit"])
+    assert plan.predicted_iteration_time_s is not None

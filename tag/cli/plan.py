@@ -31,7 +31,8 @@ def register(sub) -> None:
     p.add_argument("--topology", required=True, help="topology YAML/JSON file or shipped topology name")
     p.add_argument("--budget", type=int_in(1), default=None, metavar="N",
                    help="search budget in playouts: plans proposed and not simulated before (default 200 unless --time is given)")
-    p.add_argument("--time", type=seconds, default=None, metavar="S", help="search time limit in seconds (after set-up; at least one wave of playouts runs)")
+    p.add_argument("--time", type=seconds, default=None, metavar="S", help="time limit in seconds for the search and the layout grid after set-up (the search "
+                        "half of it where the grid runs; at least one wave of playouts and one layout run)")
     p.add_argument("--prior", choices=["gnn", "uniform"], default="gnn", help="MCTS prior (default gnn)")
     p.add_argument("--searcher", choices=["mcts", "sa", "random", "tpe"], default="mcts",
                    help="search algorithm (default mcts)")
@@ -82,7 +83,8 @@ def summary(plan) -> dict:
         "pipeline": None if plan.pipeline is None else asdict(plan.pipeline), "layout": m.get("layout"),
         "best_layout": m.get("best_layout"), "best_layout_time_s": m.get("best_layout_time_s"),
         "layouts": m.get("layouts"), "layouts_tried": m.get("layouts_tried"), "layouts_pruned": m.get("layouts_pruned"),
-        "grid_time_s": m.get("grid_time_s"), "refinement": m.get("refinement"), "refinements": m.get("refinements"),
+        "grid_time_s": m.get("grid_time_s"), "grid_cut": m.get("grid_cut"), "refinement": m.get("refinement"),
+        "refinements": m.get("refinements"),
         "speedup_vs_dp_even": _ratio(m.get("dp_even_time_s"), plan.predicted_iteration_time_s),
         "speedup_vs_dp_prop": _ratio(m.get("dp_prop_time_s"), plan.predicted_iteration_time_s),
         # None: tag execute runs the plan; else why not (only with --allow-unexecutable)
@@ -226,8 +228,9 @@ def _print(graph, topo, p, args) -> None:
     if s.get("layouts") is not None:
         best = (f"best {s['best_layout']} at {ms(s['best_layout_time_s'])}" if s["best_layout"]
                 else "none faster than the searched plan")
+        skipped = "bounded out or left at the time limit" if s.get("grid_cut") else "bounded out"
         print(f"layout grid: {format_count(s['layouts'], 'layout')}, {s['layouts_tried']} simulated, "
-              f"{s['layouts_pruned']} bounded out, {s['grid_time_s']:.2f} s; {best}")
+              f"{s['layouts_pruned']} {skipped}, {s['grid_time_s']:.2f} s; {best}")
         for line in s.get("refinements") or []:
             print(f"  refinement: {line}")
     rows = []

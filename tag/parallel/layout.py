@@ -28,6 +28,8 @@ builds that plan so it can be simulated and compared with TAG's:
 from __future__ import annotations
 
 import copy
+import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -318,10 +320,13 @@ class GridSearch:
     """Layouts simulated; the others were bounded out (they cannot fit or cannot be faster)."""
     bounded: int
     """Second (costlier) bounds computed."""
+    cut: bool = False
+    """True when the deadline stopped the search before the bounds did (``best`` is then the
+    fastest of the layouts simulated, not necessarily the grid's)."""
 
 
 def search_layouts(graph, topology, costs, simulate, *, executable: bool = False, bounds=(),
-                   incumbent: float | None = None) -> GridSearch:
+                   incumbent: float | None = None, deadline: float = math.inf) -> GridSearch:
     """The fastest plan of :func:`layout_grid` by branch and bound: the same plan as simulating
     every layout (ties to the first in grid order), fewer simulated.
 
@@ -334,7 +339,9 @@ def search_layouts(graph, topology, costs, simulate, *, executable: bool = False
     search stops at the first layout whose first bound cannot. Without ``bounds`` every layout is
     simulated. ``incumbent``: seconds of a plan that fits found elsewhere: only layouts strictly
     faster matter (``best`` None if none is). ``executable``: only the layouts the executor runs
-    (:func:`tag.parallel.execution_refusal`: no sequence parallelism, no pipeline of ``tp`` stages)."""
+    (:func:`tag.parallel.execution_refusal`: no sequence parallelism, no pipeline of ``tp`` stages).
+    ``deadline``: a :func:`time.perf_counter` time after which no further layout is simulated (at
+    least one is; :attr:`GridSearch.cut` says it stopped early)."""
     plans, template = [], None
     for lay in layout_grid(graph, topology):
         plan = layout_plan(graph, topology, lay, costs, template=template)
@@ -347,13 +354,16 @@ def search_layouts(graph, topology, costs, simulate, *, executable: bool = False
     # (oom, seconds, grid index): the order layouts are compared in (the full grid's, ties to the first)
     inc = None if incumbent is None else (False, incumbent, -1)
     ranked: list[tuple[tuple, Plan, object]] = []
-    bounded = 0
+    bounded, cut = 0, False
     if bounds:
         first = [bounds[0](p) for p in plans]
         order = sorted(range(len(plans)), key=lambda i: (first[i].oom, first[i].time_s, i))
     else:
         first, order = None, range(len(plans))
     for i in order:
+        if ranked and time.perf_counter() >= deadline:
+            cut = True
+            break
         if first is not None:
             low = (bool(first[i].oom), first[i].time_s, i)  # no more than the layout's own key
             if inc is not None and low > inc:
@@ -377,7 +387,7 @@ def search_layouts(graph, topology, costs, simulate, *, executable: bool = False
         key, best, _ = ranked[0]
         best.predicted_iteration_time_s = None if key[0] else key[1]  # None: out of memory
         best.meta["searcher"] = "dp-tp-pp-grid"
-    return GridSearch(best, [(p, r) for _, p, r in ranked], len(plans), len(ranked), bounded)
+    return GridSearch(best, [(p, r) for _, p, r in ranked], len(plans), len(ranked), bounded, cut)
 
 
 def best_layout(graph, topology, costs, simulate, *, executable: bool = False, bounds=()) -> tuple[Plan, int]:

@@ -19,6 +19,8 @@ refined.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, replace
 
 from ..parallel import execution_refusal
@@ -41,22 +43,24 @@ class Refined:
 
 
 def grid_search(graph, topology, costs, simulator, *, executable: bool = False,
-                incumbent: float | None = None) -> GridSearch:
+                incumbent: float | None = None, deadline: float = math.inf) -> GridSearch:
     """:func:`tag.parallel.layout.search_layouts` on ``simulator``, pruned by its bounds where it
-    is a :class:`tag.sim.Simulator` (the full grid otherwise)."""
+    is a :class:`tag.sim.Simulator` (the full grid otherwise), stopped at ``deadline``
+    (:func:`time.perf_counter` seconds)."""
     bounds = ()
     if hasattr(simulator, "static") and hasattr(simulator, "deploy"):
         from ..sim.bounds import layout_bounds
 
         bounds = layout_bounds(simulator)
     return search_layouts(graph, topology, costs, lambda q: simulator.run(q.groups, pipeline=q.pipeline),
-                          executable=executable, bounds=bounds, incumbent=incumbent)
+                          executable=executable, bounds=bounds, incumbent=incumbent, deadline=deadline)
 
 
 def refine(graph, topology, costs, simulator, found: GridSearch, *, executable: bool = False,
-           top: int = REFINED_LAYOUTS) -> Refined:
+           top: int = REFINED_LAYOUTS, deadline: float = math.inf) -> Refined:
     """Try the refinements of the module docstring on the ``top`` fastest layouts of ``found``
-    that fit; ``executable``: only plans the executor runs."""
+    that fit; ``executable``: only plans the executor runs; none is started after ``deadline``
+    (:func:`time.perf_counter` seconds)."""
     best, best_t, sims, notes = None, None, 0, []
 
     def run(q):
@@ -74,6 +78,9 @@ def refine(graph, topology, costs, simulator, found: GridSearch, *, executable: 
             best, best_t = q, t
 
     for plan, res in [(p, r) for p, r in found.ranked if not r.oom][:top]:
+        if time.perf_counter() >= deadline:
+            notes.append("stopped at the time limit")
+            break
         lay = parse_layout(plan.meta["layout"])
         base_t = res.iteration_time_s
         # speed-proportional shares (a stage of one device kind keeps its even shares: skipped)
@@ -90,7 +97,7 @@ def refine(graph, topology, costs, simulator, found: GridSearch, *, executable: 
                 notes.append(f"{prop.meta['layout']}: {'out of memory' if r.oom else f'{r.iteration_time_s:.6g} s'}, "
                              f"not kept ({base_t:.6g} s)")
         # selective recomputation: the layout without it, made to fit by the fewest groups recomputed
-        if lay.recompute:
+        if lay.recompute and time.perf_counter() < deadline:
             bare = layout_plan(graph, topology, replace(lay, recompute=0), costs, template=plan)
             r = run(bare)
             if not r.oom:  # (a grid layout: already weighed by the grid)
