@@ -67,6 +67,7 @@ refuses in one line (:func:`tag.parallel.execution_refusal`, raised by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -98,6 +99,25 @@ LSE_ITEMSIZE = 4
 also under bf16/fp16 autocast)."""
 
 ITEMSIZE = {"": 4, "float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+def per_graph(fn):
+    """``fn(graph, ...)`` computed once per graph (the extra arguments derive from it), for the
+    last few graphs: keyed by the graph's identity, checked against the graph itself."""
+    cache: dict[int, tuple[object, object]] = {}
+
+    @functools.wraps(fn)
+    def get(graph, *args):
+        hit = cache.get(id(graph))
+        if hit is not None and hit[0] is graph:
+            return hit[1]
+        if len(cache) > 16:
+            cache.clear()
+        out = fn(graph, *args)
+        cache[id(graph)] = (graph, out)
+        return out
+
+    return get
 
 
 def base_name(target: str) -> str:
@@ -192,19 +212,10 @@ def _param_of(graph: OpGraph, t: int, pidx: dict[int, int]) -> int | None:
     return p
 
 
+@per_graph
 def megatron_blocks(graph: OpGraph) -> tuple[MegatronBlock, ...]:
     """Every Megatron block of ``graph`` (forward order of their row matmuls); cached per graph."""
-    cached = _BLOCKS.get(id(graph))
-    if cached is not None and cached[0] is graph:
-        return cached[1]
-    blocks = tuple(_detect(graph))
-    if len(_BLOCKS) > 16:
-        _BLOCKS.clear()
-    _BLOCKS[id(graph)] = (graph, blocks)
-    return blocks
-
-
-_BLOCKS: dict[int, tuple[OpGraph, tuple[MegatronBlock, ...]]] = {}
+    return tuple(_detect(graph))
 
 
 def _detect(graph: OpGraph) -> list[MegatronBlock]:
@@ -296,14 +307,12 @@ class Interior:
     split parameters with what views them."""
 
 
+@per_graph
 def block_interior(graph: OpGraph) -> Interior:
     """:class:`Interior` of every Megatron block of ``graph`` (cached per graph). Backward ops
     follow the forward ones by data: one reading an interior tensor is interior; its outputs are
     interior tensors unless it reads a column weight and its output carries the batch (the column
     input gradient, all-reduced)."""
-    cached = _INTERIOR.get(id(graph))
-    if cached is not None and cached[0] is graph:
-        return cached[1]
     ops, tensors = graph.ops, graph.tensors
     blocks = megatron_blocks(graph)
     fwd: set[int] = set()
@@ -352,14 +361,7 @@ def block_interior(graph: OpGraph) -> Interior:
                 continue  # a column input gradient: all-reduced to the full value
         if i not in rows:
             sharded.update(o.outputs)
-    out = Interior(frozenset(inner), frozenset(sharded))
-    if len(_INTERIOR) > 16:
-        _INTERIOR.clear()
-    _INTERIOR[id(graph)] = (graph, out)
-    return out
-
-
-_INTERIOR: dict[int, tuple[OpGraph, Interior]] = {}
+    return Interior(frozenset(inner), frozenset(sharded))
 
 
 @dataclass(frozen=True)
@@ -383,14 +385,10 @@ class GroupSplit:
 def group_split(graph: OpGraph, g: int) -> GroupSplit:
     """:class:`GroupSplit` of group ``g`` (all groups' computed at once, cached per graph: the
     simulator asks for every group of every tensor-parallel layout it costs)."""
-    cached = _SPLITS.get(id(graph))
-    if cached is None or cached[0] is not graph:
-        if len(_SPLITS) > 16:
-            _SPLITS.clear()
-        cached = _SPLITS[id(graph)] = (graph, _group_splits(graph))
-    return cached[1][g]
+    return _group_splits(graph)[g]
 
 
+@per_graph
 def _group_splits(graph: OpGraph) -> list[GroupSplit]:
     k = graph.num_groups
     mine: list[list[int]] = [[] for _ in range(k)]
@@ -412,8 +410,6 @@ def _group_splits(graph: OpGraph) -> list[GroupSplit]:
                               sum(2 * p.nbytes + p.opt_state_bytes for p in ps), tuple(fwd[g]), tuple(bwd[g])))
     return out
 
-
-_SPLITS: dict[int, tuple[OpGraph, list[GroupSplit]]] = {}
 
 
 def block_groups(graph: OpGraph, block: MegatronBlock) -> tuple[int, ...]:

@@ -42,11 +42,16 @@ sequence parallelism.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from ..parallel.tensor_parallel import TensorParallel, block_interior, group_split, tp_degree, tp_groups
+from ..parallel.tensor_parallel import (
+    TensorParallel,
+    block_interior,
+    group_split,
+    per_graph,
+    tp_degree,
+    tp_groups,
+)
 from .static import BWD, FWD, OPT
 from .strategies import register_costing
 from .units import GroupData, Layout, Unit, at_batch
@@ -134,26 +139,7 @@ def _block_share(sim, device: int, batches: tuple[int, int]) -> np.ndarray:
     return share
 
 
-def _per_graph(fn):
-    """``fn(graph, ...)`` computed once per graph (the extra arguments derive from it), for the
-    last few graphs."""
-    cache: dict[int, tuple[object, object]] = {}
-
-    @functools.wraps(fn)
-    def get(graph, *args):
-        hit = cache.get(id(graph))
-        if hit is not None and hit[0] is graph:
-            return hit[1]
-        if len(cache) > 16:
-            cache.clear()
-        out = fn(graph, *args)
-        cache[id(graph)] = (graph, out)
-        return out
-
-    return get
-
-
-@_per_graph
+@per_graph
 def _outside_saved_per_sample(graph, k: int) -> np.ndarray:
     """``[K]`` per-sample bytes of the activations each group's backward reads from the forward
     (or the user inputs) that are not held split inside a Megatron block."""
@@ -172,7 +158,7 @@ def _outside_saved_per_sample(graph, k: int) -> np.ndarray:
     return out
 
 
-@_per_graph
+@per_graph
 def _outside_recompute_per_sample(graph, static) -> tuple[np.ndarray, np.ndarray]:
     """``([K], [K])`` per-sample bytes a recomputed group holds and has live again at its backward
     (:meth:`GraphStatic.recompute_bytes`; ``static`` is the graph's) of the tensors outside the
