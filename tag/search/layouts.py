@@ -77,6 +77,7 @@ def refine(graph, topology, costs, simulator, found: GridSearch, *, executable: 
         if best_t is None or t < best_t:
             best, best_t = q, t
 
+    simulated = {p.meta["layout"]: r for p, r in found.ranked}  # what the grid already ran
     for plan, res in [(p, r) for p, r in found.ranked if not r.oom][:top]:
         if time.perf_counter() >= deadline:
             notes.append("stopped at the time limit")
@@ -99,7 +100,9 @@ def refine(graph, topology, costs, simulator, found: GridSearch, *, executable: 
         # selective recomputation: the layout without it, made to fit by the fewest groups recomputed
         if lay.recompute and time.perf_counter() < deadline:
             bare = layout_plan(graph, topology, replace(lay, recompute=0), costs, template=plan)
-            r = run(bare)
+            r = simulated.get(bare.meta["layout"])
+            if r is None:
+                r = run(bare)
             if not r.oom:  # (a grid layout: already weighed by the grid)
                 continue
             got = fit_by_recompute(simulator, bare.groups, bare.pipeline, r,
