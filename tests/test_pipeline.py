@@ -52,7 +52,7 @@ def test_in_flight_micro_batches():
 def test_global_order_is_consistent(S, M, k, f, b):
     """Every task once; each stage's tasks in its sequence's order; every task after the tasks
     whose data it needs (so walking the order with blocking transfers cannot deadlock)."""
-    order = pipeline_order(S, M, k, f, b)
+    order = pipeline_order([stage_sequence(s, S, M, k) for s in range(S)], f, b)
     assert sorted(order) == sorted(Task(s, p, m) for s in range(S) for p in ("fwd", "bwd") for m in range(M))
     at = {t: i for i, t in enumerate(order)}
     for s in range(S):
@@ -68,7 +68,7 @@ def test_pipelining_overlaps_stages():
     """With unit forward and backward times the 1F1B order keeps the stages busy as the textbook
     says: the makespan is (M + S - 1) (f + b), i.e. the bubble fraction (S - 1) / (M + S - 1)."""
     S, M = 4, 8
-    order = pipeline_order(S, M, 1, 1.0, 2.0)
+    order = pipeline_order([stage_sequence(s, S, M, 1) for s in range(S)], 1.0, 2.0)
     # replay the order: every task starts when its stage is free and its inputs are ready
     end, free = {}, [0.0] * S
     for t in order:

@@ -256,9 +256,10 @@ def _print(graph, topo, p, args) -> None:
         print(f"  lower bound: {ms(lb)}  (plan is {t / lb:.2f}x the bound)")
     pp = p.pipeline
     if pp is not None:
+        from ..parallel.pipeline import spell_schedule
+
         print(f"  pipeline: {len(pp.stages)} stages from groups {pp.stages}, {pp.micro_batches} "
-              f"micro-batch{'es' if pp.micro_batches > 1 else ''}, {pp.schedule}"
-              + (f" (k={pp.k})" if pp.schedule == "kfkb" else ""))
+              f"micro-batch{'es' if pp.micro_batches > 1 else ''}, {spell_schedule(pp.schedule, pp.k, ' (k={k})')}")
     if s["source"] == "layout-grid":
         shape = " (no pipeline)" if p.pipeline is None else ""  # tensor parallelism alone
         why_grid = ("fits where every searched plan runs out of memory" if p.meta.get("grid_because")

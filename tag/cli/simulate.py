@@ -37,7 +37,8 @@ def register(sub) -> None:
     src.add_argument("--layout", metavar="dp=D,tp=T,pp=P,micro=M",
                      help="a Megatron-style layout: D data-parallel replicas per stage, each T-way tensor parallel "
                           "on one machine (default 1), P pipeline stages of about equal compute placed "
-                          "machine-major, M micro-batches; optional schedule=1f1b|gpipe|kfkb, k=K (kfkb block), "
+                          "machine-major, M micro-batches; optional schedule=1f1b|gpipe|kfkb (or a schedule "
+                          "registered in tag.parallel.pipeline), k=K (kfkb block), "
                           "cut=time|memory, sp=1 (tensor parallelism with sequence parallelism), recompute=1 (every "
                           "op-group recomputes its activations in its backward); D*T*P must equal the "
                           "topology's device count")

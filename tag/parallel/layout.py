@@ -14,7 +14,8 @@ builds that plan so it can be simulated and compared with TAG's:
   parallel innermost, as Megatron places it; each group on one machine) and every op-group of
   the stage is ``tp`` (:mod:`tag.parallel.tensor_parallel`), the stage cuts falling between
   Megatron blocks; plain Megatron, or with ``sp=1`` Megatron-LM's ``--sequence-parallel``;
-* ``M`` micro-batches on schedule ``1f1b`` (default), ``gpipe`` or ``kfkb`` with ``k``; each of
+* ``M`` micro-batches on a registered schedule (:mod:`tag.parallel.pipeline`: ``1f1b``, the
+  default, ``gpipe``, ``kfkb`` with ``k``, ...); each of
   the ``D`` replicas needs a sample per micro-batch (``M * D <= B``), its ``T`` tensor-parallel
   devices computing the same samples (Megatron-LM runs ``tp=8`` on micro-batches of one sample);
   with ``sp=1`` every device needs one (``M * D * T <= B``: token shards modelled as samples);
@@ -35,7 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
-from ..plan.format import PIPELINE_SCHEDULES, GroupPlan, PipelinePlan, Plan, new_plan
+from ..plan.format import GroupPlan, PipelinePlan, Plan, new_plan
+from .pipeline import get_schedule, spell_schedule
 from .strategy import execution_refusal
 from .tensor_parallel import MAX_DEGREE, aligned_cuts, megatron_blocks
 
@@ -56,9 +58,9 @@ class Layout:
     micro: int = 1
     """Micro-batches per iteration."""
     schedule: str = "1f1b"
-    """Pipeline schedule: ``1f1b``, ``gpipe`` or ``kfkb``."""
+    """Pipeline schedule: a registered name (``1f1b``, ``gpipe``, ``kfkb``, ...)."""
     k: int = 1
-    """Micro-batches per block (``kfkb``)."""
+    """Micro-batches per block (a schedule that reads it: ``kfkb``)."""
     sp: int = 0
     """1: tensor parallelism with sequence parallelism (``GroupPlan.sequence_parallel``); 0: plain."""
     cut: str = "time"
@@ -77,8 +79,7 @@ class Layout:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise PlanError(f"layout: {name}: expected a positive integer, got {v!r}")
-        if self.schedule not in PIPELINE_SCHEDULES:
-            raise PlanError(f"layout: schedule: expected one of {list(PIPELINE_SCHEDULES)}, got {self.schedule!r}")
+        get_schedule(self.schedule, where="layout: schedule")
         if self.cut not in CUTS:
             raise PlanError(f"layout: cut: expected one of {list(CUTS)}, got {self.cut!r}")
         for name in ("sp", "recompute", "prop"):
@@ -257,8 +258,8 @@ def _stage_cuts(graph, layout: Layout, costs, stage_devices: list[list[int]]) ->
 
 
 def _spell(layout: Layout) -> str:
-    text = f"dp={layout.dp},tp={layout.tp},pp={layout.pp},micro={layout.micro},schedule={layout.schedule}"
-    return text + (f",k={layout.k}" if layout.schedule == "kfkb" else "") + (",sp=1" if layout.sp else "") + \
+    text = f"dp={layout.dp},tp={layout.tp},pp={layout.pp},micro={layout.micro},schedule="
+    return text + spell_schedule(layout.schedule, layout.k) + (",sp=1" if layout.sp else "") + \
         (f",cut={layout.cut}" if layout.cut != "time" else "") + (",recompute=1" if layout.recompute else "") + \
         (",prop=1" if layout.prop else "")
 

@@ -9,7 +9,9 @@ each stage runs its forward and its backward once per micro-batch, in the order 
 gives, accumulating gradients; the gradient sync of a group starts after its last micro-batch's
 backward (one sync per iteration, as without a pipeline).
 
-Schedules (all members of one family, the kFkB schedules of Ada-Grouper, arXiv 2303.01675):
+A **schedule** is registered by name (:func:`register_schedule`, a :class:`PipelineSchedule`):
+a function giving each stage's (phase, micro-batch) sequence. The built-ins are one family, the
+kFkB schedules of Ada-Grouper (arXiv 2303.01675, :func:`stage_sequence`):
 
 * ``kfkb`` with block size ``k``: micro-batches go in blocks of ``k``; stage ``s`` of ``S`` first
   runs ``min(S - 1 - s, G)`` blocks of forwards (``G = ceil(M / k)`` blocks), then alternates
@@ -22,15 +24,22 @@ run ``k`` micro-batches back to back (fewer waits on slow links). :func:`pipelin
 the stages' sequences into the one global order every rank walks (any order consistent with
 each stage's sequence and the data dependencies is deadlock-free under the schedule's rule: the
 earliest unfinished step always has all its participants waiting on it).
+
+:func:`iteration_program` is what every consumer reads (the simulator's event loop and bounds,
+:func:`~tag.parallel.schedule.build_schedule`): micro-batch ranges, stage members, the global task
+order and each stage's micro-batches in flight, whatever the schedule; none of them names one.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, NamedTuple
 
 from ..errors import PlanError
-from ..plan.format import PIPELINE_SCHEDULES, PipelinePlan, local_batches
+from ..plan.format import PipelinePlan, local_batches
 
 Phase = Literal["fwd", "bwd"]
 
@@ -41,15 +50,6 @@ class Task(NamedTuple):
     stage: int
     phase: Phase
     micro: int
-
-
-def block_size(pp: PipelinePlan) -> int:
-    """Micro-batches per forward / backward block (``k`` of kFkB)."""
-    if pp.schedule == "1f1b":
-        return 1
-    if pp.schedule == "gpipe":
-        return pp.micro_batches
-    return pp.k
 
 
 def stage_sequence(stage: int, num_stages: int, micro_batches: int, k: int) -> list[tuple[Phase, int]]:
@@ -79,9 +79,128 @@ def in_flight(sequence: list[tuple[Phase, int]]) -> int:
     return peak
 
 
-def pipeline_order(num_stages: int, micro_batches: int, k: int,
-                   fwd_s: float = 1.0, bwd_s: float = 2.0) -> list[Task]:
-    """Every stage's :func:`stage_sequence` merged into one global order.
+Sequence = list[tuple[Phase, int]]
+"""A stage's tasks in the order it runs them: ``(phase, micro-batch)``."""
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """A pipeline schedule, selected by :attr:`PipelinePlan.schedule <tag.plan.PipelinePlan.schedule>`."""
+
+    name: str
+    sequence: Callable[[int, int, PipelinePlan], Sequence]
+    """``(stage, num_stages, pipeline) -> Sequence``: every micro-batch's forward and backward
+    exactly once each, the forward first (:func:`iteration_program` checks it, and that the
+    stages' sequences can all run)."""
+    blocks: bool = False
+    """The schedule reads :attr:`PipelinePlan.k` (validated to ``1..micro_batches``, printed with
+    the schedule's name); otherwise ``k`` is ignored."""
+    searched: tuple[int, ...] = (1,)
+    """Values of ``k`` the plan search tries, one option each (empty: the search never picks the
+    schedule; plans and layouts may still name it)."""
+
+
+_SCHEDULES: dict[str, PipelineSchedule] = {}
+
+
+def register_schedule(schedule: PipelineSchedule) -> PipelineSchedule:
+    """Make ``schedule`` available under ``schedule.name`` (replacing one of that name)."""
+    if not schedule.name:
+        raise ValueError("a pipeline schedule needs a name")
+    _SCHEDULES[schedule.name] = schedule
+    return schedule
+
+
+def unregister_schedule(name: str) -> None:
+    """Remove the schedule registered under ``name`` (no error if there is none)."""
+    _SCHEDULES.pop(name, None)
+
+
+def schedule_names() -> tuple[str, ...]:
+    """Registered schedule names, in registration order."""
+    return tuple(_SCHEDULES)
+
+
+def get_schedule(name: str, *, where: str = "pipeline.schedule") -> PipelineSchedule:
+    """The schedule registered under ``name``; :class:`PlanError` naming ``where`` otherwise."""
+    s = _SCHEDULES.get(name)
+    if s is None:
+        raise PlanError(f"{where}: expected one of {list(_SCHEDULES)}, got {name!r}")
+    return s
+
+
+def searched_schedules() -> list[tuple[str, int]]:
+    """``(schedule, k)`` options the plan search tries: each registered schedule's
+    :attr:`~PipelineSchedule.searched` values, in registration order."""
+    return [(s.name, k) for s in _SCHEDULES.values() for k in s.searched]
+
+
+def spell_schedule(name: str, k: int, form: str = ",k={k}") -> str:
+    """``name``, followed by ``form`` with ``k`` where the schedule reads ``k`` (layouts, reports)."""
+    s = _SCHEDULES.get(name)
+    return name + (form.format(k=k) if s is not None and s.blocks else "")
+
+
+register_schedule(PipelineSchedule("1f1b", lambda s, n, pp: stage_sequence(s, n, pp.micro_batches, 1)))
+register_schedule(PipelineSchedule("gpipe", lambda s, n, pp: stage_sequence(s, n, pp.micro_batches, pp.micro_batches)))
+register_schedule(PipelineSchedule("kfkb", lambda s, n, pp: stage_sequence(s, n, pp.micro_batches, pp.k),
+                                   blocks=True, searched=(2,)))
+
+
+class IterationProgram(NamedTuple):
+    """One iteration of a pipeline, as every consumer reads it (:func:`iteration_program`)."""
+
+    ranges: list[tuple[int, int]]
+    """Sample range ``[lo, hi)`` of each micro-batch."""
+    stage_of: list[int]
+    """Stage of every op-group."""
+    members: list[range]
+    """Op-groups of every stage (consecutive)."""
+    sequences: tuple[tuple[tuple[Phase, int], ...], ...]
+    """Every stage's (phase, micro-batch) sequence."""
+    tasks: tuple[Task, ...]
+    """Every stage's sequence merged into the one global order (:func:`pipeline_order`)."""
+    flight: tuple[int, ...]
+    """Micro-batches in flight on every stage (:func:`in_flight`)."""
+
+
+def iteration_program(pp: PipelinePlan, batch_size: int, num_groups: int) -> IterationProgram:
+    """The :class:`IterationProgram` of pipeline ``pp`` (its schedule looked up in the registry)
+    on a batch of ``batch_size`` samples cut into ``num_groups`` op-groups. :class:`PlanError`
+    (one line) if the schedule is not registered or its sequences are not a valid schedule."""
+    sequences, tasks, flight = _program(get_schedule(pp.schedule), tuple(pp.stages), pp.micro_batches, pp.k)
+    bounds = list(pp.stages) + [num_groups]
+    return IterationProgram(micro_ranges(batch_size, pp.micro_batches), stage_of_group(pp, num_groups),
+                            [range(bounds[s], bounds[s + 1]) for s in range(len(pp.stages))],
+                            sequences, tasks, flight)
+
+
+@lru_cache(maxsize=512)
+def _program(schedule: PipelineSchedule, stages: tuple[int, ...], micro_batches: int, k: int):
+    """(sequences, global order, in-flight counts) of ``schedule`` (cached: a search simulates
+    the same few pipelines many times; a re-registered schedule is another key)."""
+    num_stages = len(stages)
+    pp = PipelinePlan(list(stages), micro_batches, schedule.name, k)
+    where = f"pipeline.schedule: {schedule.name!r}"
+    want = sorted((p, m) for p in ("bwd", "fwd") for m in range(micro_batches))
+    sequences = []
+    for s in range(num_stages):
+        seq = [(p, int(m)) for p, m in schedule.sequence(s, num_stages, pp)]
+        if sorted(seq) != want:
+            raise PlanError(f"{where} gives stage {s} of {num_stages} the sequence {seq}; expected every "
+                            f"micro-batch 0..{micro_batches - 1}'s fwd and bwd once each")
+        at = {t: i for i, t in enumerate(seq)}
+        late = next((m for m in range(micro_batches) if at[("bwd", m)] < at[("fwd", m)]), None)
+        if late is not None:
+            raise PlanError(f"{where} gives stage {s} of {num_stages} micro-batch {late}'s bwd before its fwd")
+        sequences.append(tuple(seq))
+    tasks = pipeline_order(sequences, where=where)
+    return tuple(sequences), tuple(tasks), tuple(in_flight(q) for q in sequences)
+
+
+def pipeline_order(sequences: list[Sequence], fwd_s: float = 1.0, bwd_s: float = 2.0, *,
+                   where: str = "pipeline") -> list[Task]:
+    """Every stage's sequence (``sequences[s]``) merged into one global order.
 
     The order is that of start times when each forward takes ``fwd_s`` and each backward
     ``bwd_s`` (any positive durations give an order consistent with the dependencies:
@@ -89,7 +208,7 @@ def pipeline_order(num_stages: int, micro_batches: int, k: int,
     ``s + 1`` and after its own forward), ties broken by stage. Raises :class:`PlanError` if the
     sequences cannot all run (a stage waits on a task that waits on it).
     """
-    seqs = [stage_sequence(s, num_stages, micro_batches, k) for s in range(num_stages)]
+    seqs, num_stages = sequences, len(sequences)
     end: dict[Task, float] = {}
     start: dict[Task, float] = {}
     pos = [0] * num_stages
@@ -113,8 +232,9 @@ def pipeline_order(num_stages: int, micro_batches: int, k: int,
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise PlanError(f"pipeline: the stage sequences deadlock ({num_stages} stages, "
-                            f"{micro_batches} micro-batches, k={k})")
+            stuck = {s: seqs[s][pos[s]] for s in range(num_stages) if pos[s] < len(seqs[s])}
+            raise PlanError(f"{where}: the stage sequences deadlock ({num_stages} stages; the next task "
+                            f"of each unfinished stage waits on another: {stuck})")
     # Ties go to the later stage first: a stage's input then moves as soon as it was computed,
     # before its producer goes on with its next task (any tie order respects the dependencies:
     # a task starts strictly after the tasks it needs).
@@ -149,12 +269,15 @@ def validate_pipeline(plan, graph, num_devices: int, *, source: str = "plan") ->
     st = pp.stages
     if not st or st[0] != 0 or any(b <= a for a, b in zip(st, st[1:])) or st[-1] >= G:
         raise PlanError(f"{where}.stages: expected increasing first groups starting at 0 and below {G}, got {st}")
-    if pp.schedule not in PIPELINE_SCHEDULES:
-        raise PlanError(f"{where}.schedule: expected one of {list(PIPELINE_SCHEDULES)}, got {pp.schedule!r}")
+    schedule = get_schedule(pp.schedule, where=f"{where}.schedule")
     if not 1 <= pp.micro_batches <= plan.batch_size:
         raise PlanError(f"{where}.micro_batches: expected 1..{plan.batch_size} (the batch), got {pp.micro_batches}")
-    if pp.schedule == "kfkb" and not 1 <= pp.k <= pp.micro_batches:
+    if schedule.blocks and not 1 <= pp.k <= pp.micro_batches:
         raise PlanError(f"{where}.k: expected 1..{pp.micro_batches} (micro-batches per block), got {pp.k}")
+    try:  # (the schedule's sequences are valid and can run)
+        iteration_program(pp, plan.batch_size, G)
+    except PlanError as e:
+        raise PlanError(f"{source}: {e}") from None
     smallest = min(hi - lo for lo, hi in micro_ranges(plan.batch_size, pp.micro_batches))
     seen: dict[int, int] = {}
     bounds = list(st) + [G]

@@ -59,10 +59,10 @@ from ..graph.gradients import (  # noqa: F401 (gradient_tensors, partial_sum_ten
     partial_sum_tensors,
 )
 from ..graph.ir import OpGraph
-from ..plan.format import PipelinePlan, Plan
+from ..plan.format import Plan
 from .buckets import assign_buckets
 from .moves import move_kind, move_pieces
-from .pipeline import block_size, micro_ranges, pipeline_order, stage_of_group
+from .pipeline import IterationProgram, iteration_program
 from .strategy import Collective, Replica, Unit, UnitKey, strategy_of  # noqa: F401 (Replica re-exported)
 
 if TYPE_CHECKING:  # tag.compress (scipy) is imported only for plans using SFB
@@ -325,11 +325,11 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
     order = list(units)
     phase_steps = [(u, "fwd") for u in order] + [(u, "bwd") for u in reversed(order)]
     position = {s: k for k, s in enumerate(phase_steps)}
-    ranges = [(0, B)] if plan.pipeline is None else micro_ranges(B, plan.pipeline.micro_batches)
+    program = None if plan.pipeline is None else iteration_program(plan.pipeline, B, len(plan.groups))
+    ranges = [(0, B)] if program is None else program.ranges
     # (unit, phase, micro-batch) in the order they run: each stage's pipeline schedule merged
     # (tag.parallel.pipeline), a unit's forward in group order and backward in reverse within it.
-    tasks = [(u, ph, 0) for u, ph in phase_steps] if plan.pipeline is None else \
-        _pipeline_tasks(plan.pipeline, order, len(plan.groups))
+    tasks = [(u, ph, 0) for u, ph in phase_steps] if program is None else _pipeline_tasks(program, order)
     first_need: dict[tuple[int, UnitKey], int] = {}  # (tensor, consumer unit) -> earliest step
     for i, op in enumerate(graph.ops):
         if op.phase == "opt":
@@ -436,16 +436,14 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
                     frozenset(g for g, gp in enumerate(plan.groups) if gp.recompute))
 
 
-def _pipeline_tasks(pp: PipelinePlan, order: list[UnitKey], num_groups: int) -> list[tuple[UnitKey, str, int]]:
-    """(unit, phase, micro-batch) in pipeline order: every stage task of
-    :func:`~tag.parallel.pipeline.pipeline_order` runs its stage's units (forward: in order;
-    backward: reversed)."""
-    stage = stage_of_group(pp, num_groups)
-    members: list[list[UnitKey]] = [[] for _ in pp.stages]
+def _pipeline_tasks(program: IterationProgram, order: list[UnitKey]) -> list[tuple[UnitKey, str, int]]:
+    """(unit, phase, micro-batch) in pipeline order: every stage task of the program's global
+    order runs its stage's units (forward: in order; backward: reversed)."""
+    members: list[list[UnitKey]] = [[] for _ in program.members]
     for u in order:
-        members[stage[u[0]]].append(u)
+        members[program.stage_of[u[0]]].append(u)
     out = []
-    for t in pipeline_order(len(pp.stages), pp.micro_batches, block_size(pp)):
+    for t in program.tasks:
         us = members[t.stage] if t.phase == "fwd" else list(reversed(members[t.stage]))
         out += [(u, t.phase, t.micro) for u in us]
     return out

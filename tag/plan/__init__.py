@@ -2,7 +2,6 @@
 :mod:`tag.cost.baselines`."""
 
 from .format import (
-    PIPELINE_SCHEDULES,
     PLAN_VERSION,
     GroupPlan,
     PipelinePlan,
@@ -12,5 +11,5 @@ from .format import (
     new_plan,
 )
 
-__all__ = ["PIPELINE_SCHEDULES", "PLAN_VERSION", "GroupPlan", "PipelinePlan", "Plan", "group_positions", "local_batches",
+__all__ = ["PLAN_VERSION", "GroupPlan", "PipelinePlan", "Plan", "group_positions", "local_batches",
            "new_plan"]

@@ -84,10 +84,6 @@ class GroupPlan:
                 self.recompute)
 
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "kfkb")
-"""Pipeline schedules a plan may name (:mod:`tag.parallel.pipeline`)."""
-
-
 @dataclass
 class PipelinePlan:
     """Op-groups cut into pipeline stages run on micro-batches (:mod:`tag.parallel.pipeline`)."""
@@ -98,9 +94,11 @@ class PipelinePlan:
     micro_batches: int
     """Micro-batches per iteration (contiguous sample ranges of the global batch)."""
     schedule: str = "1f1b"
-    """``1f1b``, ``gpipe`` or ``kfkb`` (blocks of :attr:`k` forwards then ``k`` backwards)."""
+    """A schedule registered in :mod:`tag.parallel.pipeline` (checked there, by
+    ``validate_pipeline``): ``1f1b``, ``gpipe``, ``kfkb`` (blocks of :attr:`k` forwards then ``k``
+    backwards), or one registered by user code."""
     k: int = 1
-    """Micro-batches per block, ``kfkb`` only."""
+    """Micro-batches per block, for a schedule that reads it (``kfkb``)."""
 
 
 @dataclass

@@ -111,6 +111,7 @@ from ..cost.comm import CommModel
 from ..errors import PlanError
 from ..parallel import strategy_of
 from ..parallel.layout import MICRO_BATCHES, Layout, layout_plan, tp_degrees
+from ..parallel.pipeline import searched_schedules, spell_schedule
 from ..parallel.tensor_parallel import aligned_cuts, block_groups, megatron_blocks
 from ..plan.format import GroupPlan, PipelinePlan, group_positions
 from .costs import GroupCosts, default_cost_model
@@ -122,8 +123,6 @@ machines), and of the families that grow with the machine count only one machine
 kind (32 GPUs over 8 machines: 26 tp actions at degrees 2 and 4 next to TAG's 79, not 54)."""
 PLAN_DECISIONS = ("stages", "cut", "stage_sync", "micro", "schedule")
 """The plan-level decisions, in the order they are made (see the module docstring)."""
-SCHEDULE_OPTIONS = (("1f1b", 1), ("gpipe", 1), ("kfkb", 2))
-"""Pipeline schedules the search tries: (schedule, k)."""
 ENUMERATE_MACHINES = 4
 """Up to this many machines, every non-empty machine subset is a candidate (as in TAG)."""
 MP_MAX_DEVICES = 4
@@ -551,7 +550,8 @@ class ActionSpace:
         places them). ``micro``: counts of :data:`~tag.parallel.layout.MICRO_BATCHES` giving every
         device a sample; ``stage_sync``: 1 (data parallel) or a tensor-parallel degree dividing a
         stage's devices, where enough stage cuts fall between Megatron blocks; ``schedule``:
-        :data:`SCHEDULE_OPTIONS`; ``cut``: ``time`` or ``memory``. At most :attr:`num_actions`
+        every registered schedule's searched ``(schedule, k)``
+        (:func:`~tag.parallel.pipeline.searched_schedules`); ``cut``: ``time`` or ``memory``. At most :attr:`num_actions`
         options each (the tree's width)."""
         if name == "stages":
             return self.plan_options.get("stages", [1])
@@ -562,7 +562,7 @@ class ActionSpace:
             out = [1] + [t for t in self.tp_degrees if w % t == 0 and len(self._aligned) >= stages
                          and not self.executable]
         elif name == "schedule":
-            out = list(SCHEDULE_OPTIONS)
+            out = searched_schedules()
         elif name == "cut":
             out = ["time", "memory"]
         else:
@@ -719,8 +719,8 @@ class ActionSpace:
         if is_pipeline_key(key):
             _, p, m, t, sched, k, cut = key
             w = self.num_devices // p
-            text = f"dp={w // t},tp={t},pp={p},micro={m},schedule={sched}"
-            return [text + (f",k={k}" if sched == "kfkb" else "") + (f",cut={cut}" if cut != "time" else "")]
+            text = f"dp={w // t},tp={t},pp={p},micro={m},schedule={spell_schedule(sched, k)}"
+            return [text + (f",cut={cut}" if cut != "time" else "")]
         return [self.actions[a].describe(self.topology) for a in key]
 
     def random_path(self, rng: np.random.Generator, depth: int) -> list[int]:

@@ -65,18 +65,15 @@ class PlanBound:
 def static_bound(sim, groups, pipeline=None) -> PlanBound:
     """:class:`PlanBound` of the deployment ``groups`` (and ``pipeline``) on ``sim`` from its
     tables alone (module docstring); at most :func:`plan_bound`'s."""
-    from ..parallel.pipeline import block_size, in_flight, micro_ranges, stage_of_group, stage_sequence
+    from ..parallel.pipeline import iteration_program
     from ..parallel.strategy import strategy_of
     from ..parallel.tensor_parallel import group_split, tp_degree
 
     st, graph, n = sim.static, sim.graph, sim.num_devices
-    sizes = [st.batch_size] if pipeline is None else [hi - lo for lo, hi in micro_ranges(st.batch_size, pipeline.micro_batches)]
+    prog = None if pipeline is None else iteration_program(pipeline, st.batch_size, len(groups))
+    sizes = [st.batch_size] if prog is None else [hi - lo for lo, hi in prog.ranges]
     runs = {x: sizes.count(x) for x in sizes}  # micro-batch samples -> micro-batches of that size (first size first)
-    flight = [1] * len(groups)
-    if pipeline is not None:
-        S, k = len(pipeline.stages), block_size(pipeline)
-        per_stage = [in_flight(stage_sequence(s, S, pipeline.micro_batches, k)) for s in range(S)]
-        flight = [per_stage[s] for s in stage_of_group(pipeline, len(groups))]
+    flight = [1] * len(groups) if prog is None else [prog.flight[s] for s in prog.stage_of]
     busy, held, work = np.zeros(n), np.zeros(n), np.zeros(n)
     # groups deployed alike (devices, shares, strategy, degree, variant, recomputation): lowered once
     alike: dict[tuple, list[int]] = {}
@@ -170,17 +167,18 @@ def _pipeline_waits(sim, micro, pipeline) -> list[tuple[np.ndarray, float, float
     every replica of both runs samples of those micro-batches, each stage's groups share one set
     of replicas and its sequence starts with micro-batch 0's forward and ends with micro-batch
     M - 1's backward; 0 across other boundaries."""
-    from ..parallel.pipeline import block_size, stage_sequence
+    from ..parallel.pipeline import iteration_program
 
     st = sim.static
-    S, M, k = len(pipeline.stages), pipeline.micro_batches, block_size(pipeline)
+    S, M = len(pipeline.stages), pipeline.micro_batches
+    sequences = iteration_program(pipeline, st.batch_size, st.num_groups).sequences
     bounds = list(pipeline.stages) + [st.num_groups]
     first, last = micro.gds[0], micro.gds[-1]
     fwd, bwd, devs = [], [], []
     for s in range(S):
         gs = range(bounds[s], bounds[s + 1])
         lays = [first[g].layout for g in gs] + [last[g].layout for g in gs]
-        seq = stage_sequence(s, S, M, k)
+        seq = sequences[s]
         if any(x is None or x.devices != lays[0].devices or min(x.batches) < 1 for x in lays) \
                 or seq[0] != ("fwd", 0) or seq[-1] != ("bwd", M - 1):
             fwd.append(None)

@@ -383,20 +383,18 @@ class Simulator:
         """What the event loop needs to run ``groups`` as the pipeline ``pp``
         (:mod:`tag.parallel.pipeline`): every group deployed at each micro-batch size, the tasks
         in the schedule's global order, each stage's groups and micro-batches in flight."""
-        from ..parallel.pipeline import block_size, in_flight, micro_ranges, pipeline_order, stage_sequence
+        from ..parallel.pipeline import iteration_program
 
-        ranges = micro_ranges(self.static.batch_size, pp.micro_batches)
+        prog = iteration_program(pp, self.static.batch_size, len(groups))
         by_size: dict[int, list[GroupData]] = {}
         mgds = []
-        for lo, hi in ranges:
+        for lo, hi in prog.ranges:
             if hi - lo not in by_size:
                 by_size[hi - lo] = [self.group_data(g, gp, batch=hi - lo) for g, gp in enumerate(groups)]
             mgds.append(by_size[hi - lo])
-        S, k = len(pp.stages), block_size(pp)
-        bounds = list(pp.stages) + [len(groups)]
-        members = [list(range(bounds[s], bounds[s + 1])) for s in range(S)]
-        tasks = [(t.stage, FWD if t.phase == "fwd" else BWD, t.micro) for t in pipeline_order(S, pp.micro_batches, k)]
-        flight = [in_flight(stage_sequence(s, S, pp.micro_batches, k)) for s in range(S)]
+        members = [list(r) for r in prog.members]
+        tasks = [(t.stage, FWD if t.phase == "fwd" else BWD, t.micro) for t in prog.tasks]
+        flight = list(prog.flight)
         return _Micro(mgds, tasks, members, flight)
 
 
