@@ -13,15 +13,23 @@ from test_executor import MLP, B
 from tag.cost.baselines import data_parallel
 from tag.errors import PlanError
 from tag.parallel import build_schedule, validate_plan
+from tag.parallel.layout import parse_layout
 from tag.parallel.pipeline import (
+    PipelineSchedule,
     Task,
     bubble_fraction,
     even_stages,
     in_flight,
+    iteration_program,
     micro_ranges,
     pipeline_order,
+    register_schedule,
+    schedule_names,
+    searched_schedules,
+    spell_schedule,
     stage_of_group,
     stage_sequence,
+    unregister_schedule,
 )
 from tag.plan import GroupPlan, PipelinePlan, Plan, new_plan
 
@@ -80,6 +88,61 @@ def test_pipelining_overlaps_stages():
     makespan = max(end.values())
     assert makespan == pytest.approx((M + S - 1) * 3.0)
     assert 1 - M * 3.0 / makespan == pytest.approx(bubble_fraction(S, M))
+
+
+def test_the_built_in_schedules_are_registered_kfkb_members():
+    """1F1B, GPipe and kFkB are registered schedules, in the order the search offers them (its
+    determinism depends on it); their programs are the kFkB sequences at k = 1, M and k."""
+    assert schedule_names()[:3] == ("1f1b", "gpipe", "kfkb")
+    assert searched_schedules()[:3] == [("1f1b", 1), ("gpipe", 1), ("kfkb", 2)]
+    for name, k in (("1f1b", 1), ("gpipe", 6), ("kfkb", 2)):
+        prog = iteration_program(PipelinePlan([0, 1, 3], 6, name, 2), 12, 5)
+        assert prog.sequences == tuple(tuple(stage_sequence(s, 3, 6, k)) for s in range(3))
+        assert list(prog.tasks) == pipeline_order([stage_sequence(s, 3, 6, k) for s in range(3)])
+        assert prog.flight == tuple(in_flight(q) for q in prog.sequences)
+        assert prog.ranges == micro_ranges(12, 6) and prog.stage_of == [0, 1, 1, 2, 2]
+        assert [list(r) for r in prog.members] == [[0], [1, 2], [3, 4]]
+    assert [spell_schedule(n, 3) for n in ("1f1b", "gpipe", "kfkb")] == ["1f1b", "gpipe", "kfkb,k=3"]
+
+
+def _reversed_drain(stage, num_stages, pp):
+    """GPipe with the backwards in reverse micro-batch order (not a kFkB member)."""
+    M = pp.micro_batches
+    return [("fwd", m) for m in range(M)] + [("bwd", m) for m in reversed(range(M))]
+
+
+def test_a_registered_schedule_is_offered_and_spelled():
+    register_schedule(PipelineSchedule("rev", _reversed_drain, searched=(1,)))
+    try:
+        assert searched_schedules()[-1] == ("rev", 1) and schedule_names()[-1] == "rev"
+        assert parse_layout("pp=2,micro=4,schedule=rev,k=3").schedule == "rev"
+        assert spell_schedule("rev", 3) == "rev"  # (it does not read k)
+        prog = iteration_program(PipelinePlan([0, 1], 3, "rev"), 6, 2)
+        assert prog.flight == (3, 3) and prog.tasks[-1] == Task(0, "bwd", 0)
+    finally:
+        unregister_schedule("rev")
+    assert "rev" not in schedule_names()
+    with pytest.raises(PlanError, match=r"^layout: schedule: expected one of \['1f1b', 'gpipe', 'kfkb'\], got 'rev'$"):
+        parse_layout("pp=2,micro=4,schedule=rev")
+
+
+@pytest.mark.parametrize("sequence, message", [
+    (lambda s, n, pp: [("bwd", 0), ("fwd", 0), ("fwd", 1), ("bwd", 1)], r"gives stage 0 of 2 micro-batch 0's bwd before its fwd"),
+    (lambda s, n, pp: [("fwd", 0), ("bwd", 0)], r"gives stage 0 of 2 the sequence \[.*\]; expected every micro-batch 0\.\.1's fwd and bwd once each"),
+    # stage 0 waits for micro-batch 0's backward before micro-batch 1's forward, stage 1 the reverse
+    (lambda s, n, pp: [("fwd", 0), ("bwd", 0), ("fwd", 1), ("bwd", 1)] if s == 0 else stage_sequence(s, n, 2, 2),
+     r"the stage sequences deadlock \(2 stages; the next task of each unfinished stage waits on another"),
+])
+def test_an_invalid_registered_schedule_is_refused_in_one_line(mlp, topo4, sequence, message):
+    register_schedule(PipelineSchedule("bad", sequence))
+    try:
+        plan = _pipelined(mlp, topo4)
+        plan.pipeline = PipelinePlan([0, 2], 2, "bad")
+        with pytest.raises(PlanError, match=r"^plan: pipeline\.schedule: 'bad'.*" + message) as e:
+            validate_plan(plan, mlp, topo4)
+        assert "\n" not in str(e.value)
+    finally:
+        unregister_schedule("bad")
 
 
 def test_micro_ranges_and_stage_cuts():

@@ -22,11 +22,15 @@ import torch
 from test_executor import GPT2, MLP
 from test_executor_dist import cpu_topology
 
+from tag.errors import PlanError
 from tag.executor import ExecuteConfig, build_schedule, execute, reference_training, run_virtual
 from tag.executor.fuse import accumulation
 from tag.graph.gradients import batch_independent_tensors
 from tag.parallel import validate_plan
+from tag.parallel.pipeline import PipelineSchedule, iteration_program, register_schedule, unregister_schedule
 from tag.plan import GroupPlan, PipelinePlan, new_plan
+from tag.sim import Simulator
+from tag.sim.bounds import plan_bound, static_bound
 from tag.topology import load_topology
 from tag.workloads import load_workload
 
@@ -79,6 +83,71 @@ def test_pipelines_match_single_process_training(captured, topo4, joints, case):
     assert_equal_params({r: rt.named_params() for r, rt in rts.items()}, ref, graph)
     # the loss of the last step: each micro-batch's mean weighted by its share of the batch
     assert sum(rt.loss for rt in rts.values()) == pytest.approx(losses[-1], rel=1e-5)
+
+
+def eager_1f1b(stage: int, num_stages: int, pp: PipelinePlan) -> list[tuple[str, int]]:
+    """Eager 1F1B: stage ``s`` runs ``min(2 (S - 1 - s), M)`` forwards before its first backward
+    (1F1B: ``S - 1 - s``), so a stage has work queued while a micro-batch makes its round trip
+    through the stages after it; then one forward and one backward, then the remaining backwards."""
+    M = pp.micro_batches
+    w = min(2 * (num_stages - 1 - stage), M)
+    seq = [("fwd", m) for m in range(w)]
+    for m in range(M - w):
+        seq += [("fwd", w + m), ("bwd", m)]
+    return seq + [("bwd", m) for m in range(M - w, M)]
+
+
+@pytest.fixture
+def eager():
+    register_schedule(PipelineSchedule("eager-1f1b", eager_1f1b, searched=()))
+    yield "eager-1f1b"
+    unregister_schedule("eager-1f1b")
+
+
+def test_a_new_schedule_drops_in(captured, topo4, joints, eager):
+    """A schedule registered from this test only (no edit of the simulator, the executor or the
+    schedule builder): the plan validates, the simulator runs its order (the heavier first stage
+    fills 1F1B's wait for micro-batch 0's backward, so the iteration is shorter; one more
+    micro-batch in flight on stage 0: its activations held once more), the bounds stay below the
+    simulation, and the executor trains equal to single-process training. Unregistered, a plan
+    naming it is refused in one line."""
+    graph = captured(MLP, batch=6, groups=4).graph
+    stages = [GroupPlan([0], [1.0])] * 3 + [GroupPlan([1], [1.0])]  # groups 0-2 on device 0, 3 on 1
+    plan = new_plan(graph, topo4, stages)
+    plan.pipeline = PipelinePlan([0, 3], 4, eager)
+    validate_plan(plan, graph, topo4)
+    prog = iteration_program(plan.pipeline, 6, 4)
+    assert prog.sequences[0] == (("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 0), ("fwd", 3), ("bwd", 1), ("bwd", 2),
+                                 ("bwd", 3))
+    assert prog.flight == (3, 1)
+    computes = [(s.unit[0], s.phase, s.micro) for s in build_schedule(graph, plan).steps if s.kind == "compute"]
+    assert tuple((p, m) for g, p, m in computes if g == 2) == prog.sequences[0]  # what the ranks walk
+
+    sim = Simulator(graph, topo4)
+    mine = sim.run(plan.groups, pipeline=plan.pipeline)
+    f1b1, gpipe = (sim.run(plan.groups, pipeline=PipelinePlan([0, 3], 4, s)) for s in ("1f1b", "gpipe"))
+    assert mine.iteration_time_s < f1b1.iteration_time_s
+    # stage 0 holds 3 micro-batches' activations (1F1B 2, GPipe 4); stage 1 one, as under 1F1B
+    extra = mine.peak_memory_bytes[0] - f1b1.peak_memory_bytes[0]
+    assert extra > 0 and extra == pytest.approx((gpipe.peak_memory_bytes[0] - f1b1.peak_memory_bytes[0]) / 2)
+    assert mine.peak_memory_bytes[1] == f1b1.peak_memory_bytes[1]
+    lo, mid = static_bound(sim, plan.groups, plan.pipeline), plan_bound(sim, plan.groups, plan.pipeline)
+    assert lo.time_s <= mid.time_s <= mine.iteration_time_s
+
+    steps = 2
+    rts = run_virtual(graph, plan, load_workload(MLP, batch=6), "sgd", steps, joints=joints.setdefault(MLP, {}))
+    ref, losses = reference_training(load_workload(MLP, batch=6), "sgd", steps)
+    assert_equal_params({r: rt.named_params() for r, rt in rts.items()}, ref, graph)
+    assert sum(rt.loss for rt in rts.values()) == pytest.approx(losses[-1], rel=1e-5)
+
+    unregister_schedule(eager)
+    refused = r"pipeline\.schedule: expected one of \['1f1b', 'gpipe', 'kfkb'\], got 'eager-1f1b'$"
+    with pytest.raises(PlanError, match=r"^plan: " + refused):
+        validate_plan(plan, graph, topo4)
+    with pytest.raises(PlanError, match=refused):
+        sim.run(plan.groups, pipeline=plan.pipeline)
+    with pytest.raises(PlanError, match=refused):
+        build_schedule(graph, plan)
 
 
 def test_gradients_are_summed_over_micro_batches_once(captured, topo4):
