@@ -44,6 +44,10 @@ from ..plan.format import PipelinePlan, local_batches
 Phase = Literal["fwd", "bwd"]
 
 
+StageSequence = list[tuple[Phase, int]]
+"""A stage's tasks in the order it runs them: ``(phase, micro-batch)``."""
+
+
 class Task(NamedTuple):
     """One stage running one phase of one micro-batch."""
 
@@ -52,13 +56,13 @@ class Task(NamedTuple):
     micro: int
 
 
-def stage_sequence(stage: int, num_stages: int, micro_batches: int, k: int) -> list[tuple[Phase, int]]:
+def stage_sequence(stage: int, num_stages: int, micro_batches: int, k: int) -> StageSequence:
     """The (phase, micro-batch) sequence stage ``stage`` of ``num_stages`` runs under kFkB with
     blocks of ``k`` micro-batches (``k = 1``: 1F1B; ``k >= micro_batches``: GPipe)."""
     k = max(1, min(k, micro_batches))
     blocks = [range(lo, min(lo + k, micro_batches)) for lo in range(0, micro_batches, k)]
     warmup = min(num_stages - 1 - stage, len(blocks))
-    seq: list[tuple[Phase, int]] = []
+    seq: StageSequence = []
     for b in blocks[:warmup]:
         seq += [("fwd", m) for m in b]
     for j in range(len(blocks) - warmup):
@@ -69,7 +73,7 @@ def stage_sequence(stage: int, num_stages: int, micro_batches: int, k: int) -> l
     return seq
 
 
-def in_flight(sequence: list[tuple[Phase, int]]) -> int:
+def in_flight(sequence: StageSequence) -> int:
     """The most micro-batches whose forward ran and whose backward did not yet (their saved
     activations are alive at once)."""
     live = peak = 0
@@ -79,17 +83,13 @@ def in_flight(sequence: list[tuple[Phase, int]]) -> int:
     return peak
 
 
-Sequence = list[tuple[Phase, int]]
-"""A stage's tasks in the order it runs them: ``(phase, micro-batch)``."""
-
-
 @dataclass(frozen=True)
 class PipelineSchedule:
     """A pipeline schedule, selected by :attr:`PipelinePlan.schedule <tag.plan.PipelinePlan.schedule>`."""
 
     name: str
-    sequence: Callable[[int, int, PipelinePlan], Sequence]
-    """``(stage, num_stages, pipeline) -> Sequence``: every micro-batch's forward and backward
+    sequence: Callable[[int, int, PipelinePlan], StageSequence]
+    """``(stage, num_stages, pipeline) -> StageSequence``: every micro-batch's forward and backward
     exactly once each, the forward first (:func:`iteration_program` checks it, and that the
     stages' sequences can all run)."""
     blocks: bool = False
@@ -198,7 +198,7 @@ def _program(schedule: PipelineSchedule, stages: tuple[int, ...], micro_batches:
     return tuple(sequences), tuple(tasks), tuple(in_flight(q) for q in sequences)
 
 
-def pipeline_order(sequences: list[Sequence], fwd_s: float = 1.0, bwd_s: float = 2.0, *,
+def pipeline_order(sequences: list[StageSequence], fwd_s: float = 1.0, bwd_s: float = 2.0, *,
                    where: str = "pipeline") -> list[Task]:
     """Every stage's sequence (``sequences[s]``) merged into one global order.
 
