@@ -85,6 +85,7 @@ from ..errors import PlanError
 from ..graph.capture import FUSED_ATTENTION
 from ..graph.ir import Affine, OpGraph
 from ..plan.format import GroupPlan, device_ranges
+from .pipeline import stage_of_group
 from .strategy import Collective, Strategy, Unit, check_shares, execution_refusal, no_field, sample_replicas
 
 MAX_DEGREE = 8
@@ -544,10 +545,8 @@ class TensorParallel(Strategy):
                     "tensor-parallel group on the group's whole batch outside the blocks), not sequence "
                     "parallelism; expected false")
         pp = plan.pipeline
-        starts = list(pp.stages) if pp is not None else [0]
-        stage = [0] * len(plan.groups)  # stage of each group (the whole plan is one without a pipeline)
-        for s, (lo, hi) in enumerate(zip(starts, starts[1:] + [len(plan.groups)])):
-            stage[lo:hi] = [s] * (hi - lo)
+        starts = list(pp.stages) if pp is not None else [0]  # (the whole plan is one stage without a pipeline)
+        stage = stage_of_group(pp, len(plan.groups)) if pp is not None else [0] * len(plan.groups)
         whole = "whole plan" if pp is None else "whole pipeline stage"
         for g, gp in enumerate(plan.groups):
             first = plan.groups[starts[stage[g]]]
