@@ -104,10 +104,10 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
             searched plan (``meta["best_layout"]`` is then the grid's best); ``off`` searches
             TAG's action space alone (no ``tp`` actions, no pipelines, no grid).
         executable: search only plans ``tag execute`` runs (:func:`tag.parallel.execution_refusal`:
-            ``tp`` as the whole plan's one deployment, plain, no pipeline of ``tp`` stages; masked
+            plain ``tp`` as the whole plan's or every pipeline stage's deployment, one degree; masked
             in the search space, :class:`tag.search.space.ActionSpace`, and the ``grid`` layouts
             filtered alike). False searches every plan the simulator costs (``tp`` beside other
-            groups, pipelines of ``tp`` stages, sequence-parallel layouts): faster plans, some
+            groups, stages of several ``tp`` degrees, sequence-parallel layouts): faster plans, some
             of them simulated only. TAG's own actions (``pipelines="off"``) are all executed.
         progress: called as ``progress(stage)`` when a stage starts (``"baselines"``, ``"search"``,
             ``"layout grid"``, ``"compression"``) and ``progress("search", done, total)`` after each

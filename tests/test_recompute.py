@@ -190,6 +190,7 @@ def test_executor_recompute_under_tensor_parallelism(captured):
                                   for g in range(graph.num_groups)])
     validate_plan(plan, graph, topo)
     rts = run_virtual(graph, plan, load_workload(spec, batch=8), "sgd", 2)
+    assert rts[1].schedule.recompute == {1, 3, 5}  # the executed plan keeps the groups' recomputation
     ref, losses = reference_training(load_workload(spec, batch=8), "sgd", 2)
     for lead in (0, 2):
         pair = [rts[lead], rts[lead + 1]]

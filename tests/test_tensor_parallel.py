@@ -12,6 +12,7 @@ the rest exactly (4e-9 here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -148,10 +149,12 @@ def test_plan_checks(gpt2, v100):
     other.groups[0] = GroupPlan([2, 3], [0.5, 0.5], sync="tp")
     refused.append((other, r"groups\[1\]\.devices: the executor runs the same tensor-parallel groups for the whole "
                            r"plan; expected devices 2-3, got 0-1"))
+    # a pipeline: one degree for every stage (device i of a stage's group sends to device i of the next's)
     piped = _tp_plan(gpt2, v100, [0, 1])
+    piped.groups[3:] = [GroupPlan([4, 5, 6, 7], [0.25] * 4, sync="tp", tp=4) for _ in piped.groups[3:]]
     piped.pipeline = PipelinePlan([0, 3], 2)
-    refused.append((piped, r"pipeline: pipelines of tensor-parallel groups are not executed by this version; "
-                           r"expected none"))
+    refused.append((piped, r"groups\[3\]\.tp: the executor runs one tensor-parallel degree in every pipeline stage "
+                           r"\(device i of a stage's group sends to device i of the next's\); expected 2, got 4"))
     refused.append((_tp_plan(gpt2, v100, [0, 1], sequence_parallel=True),
                     r"groups\[0\]\.sequence_parallel: the executor runs plain Megatron \(every device of a "
                     r"tensor-parallel group on the group's whole batch outside the blocks\), not sequence "
@@ -161,6 +164,11 @@ def test_plan_checks(gpt2, v100):
     degree.groups[cut:] = [GroupPlan([0, 1, 2, 3], [0.25] * 4, sync="tp", tp=4) for _ in degree.groups[cut:]]
     refused.append((degree, rf"groups\[{cut}\]\.tp: the executor runs the same tensor-parallel groups for the "
                             r"whole plan; expected 2, got 4"))
+    mixed_stage = layout_plan(gpt2, v100, Layout(dp=1, tp=4, pp=2, micro=2), CostModel.for_topology(gpt2, v100))
+    mixed_stage.groups[-1] = dataclasses.replace(mixed_stage.groups[-1], tp=2)
+    assert execution_refusal(mixed_stage) == (
+        f"groups[{gpt2.num_groups - 1}].tp: the executor runs the same tensor-parallel groups for the whole "
+        "pipeline stage; expected 4, got 2")
     for plan, message in refused:  # the one predicate, and the executor's check raising it
         assert re.fullmatch(message, execution_refusal(plan))
         with pytest.raises(PlanError, match="^plan: " + message + "$"):
@@ -168,7 +176,8 @@ def test_plan_checks(gpt2, v100):
     dp_pipe = new_plan(gpt2, v100, [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(3)]
                        + [GroupPlan([2, 3], [0.5, 0.5], "ps", server=2) for _ in range(3)])
     dp_pipe.pipeline = PipelinePlan([0, 3], 2)
-    for plan in (ok, _tp_plan(gpt2, v100, [0, 1, 4, 5], tp=2), dp_pipe):  # what the executor runs
+    tp_pipe = layout_plan(gpt2, v100, Layout(dp=2, tp=2, pp=2, micro=2), CostModel.for_topology(gpt2, v100))
+    for plan in (ok, _tp_plan(gpt2, v100, [0, 1, 4, 5], tp=2), dp_pipe, tp_pipe):  # what the executor runs
         assert execution_refusal(plan) is None
         validate_plan(plan, gpt2, v100)
     validate_plan(_tp_plan(gpt2, v100, [0, 1], sequence_parallel=True), gpt2, v100, tensor_parallel=True)
@@ -547,6 +556,60 @@ def test_tensor_parallel_training_in_one_process(captured, v100, spec, batch, gr
         _assert_full_params(pair[0].hook.full_params([(rt.named_params(), rt.hook.kept) for rt in pair]), ref, graph)
         assert pair[1].loss == 0.0
     assert sum(rt.loss for rt in rts.values()) == pytest.approx(losses[-1], rel=1e-5)
+
+
+def _assert_pipeline_params(full_by_group, ref, graph):
+    """Each tensor-parallel group's full parameters (its stage's) equal ``ref``; every parameter held."""
+    held = set()
+    for params in full_by_group:
+        held |= set(params)
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert held >= {p.name for p in graph.params}
+
+
+def test_pipeline_of_tensor_parallel_stages_in_one_process(captured, topo4):
+    """``tp=2,pp=2,micro=2`` (Megatron's layout) on 4 devices: each stage's 2 devices split its
+    blocks, device i of stage 0 sends its full activations to device i of stage 1 (and the
+    gradients back), gradients accumulated over the micro-batches; after 2 steps each stage's
+    parameters, gathered from its shards, equal single-process training, the loss reported once."""
+    from tag.executor import reference_training, run_virtual
+    from tag.workloads import load_workload
+
+    graph = captured(GPT2, batch=8, groups=6).graph
+    plan = layout_plan(graph, topo4, Layout(tp=2, pp=2, micro=2), CostModel.for_topology(graph, topo4))
+    assert [(g.devices, g.tp) for g in plan.groups] == [([0, 1], 2)] * 3 + [([2, 3], 2)] * 3
+    validate_plan(plan, graph, topo4)  # the executor's check
+    rts = run_virtual(graph, plan, load_workload(GPT2, batch=8), "sgd", 2)
+    assert {d: rt.rank for d, rt in rts.items()} == {0: 0, 1: 0, 2: 2, 3: 2}
+    ref, losses = reference_training(load_workload(GPT2, batch=8), "sgd", 2)
+    pairs = [[rts[0], rts[1]], [rts[2], rts[3]]]
+    _assert_pipeline_params([p[0].hook.full_params([(rt.named_params(), rt.hook.kept) for rt in p]) for p in pairs],
+                            ref, graph)
+    assert [rt.loss for rt in rts.values()].count(0.0) == 3
+    assert sum(rt.loss for rt in rts.values()) == pytest.approx(losses[-1], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_pipeline_of_tensor_parallel_stages_on_four_gloo_ranks(captured, tmp_path):
+    """The same layout on 4 gloo ranks (``tag execute``'s path): the activations cross between
+    ranks 0 -> 2 and 1 -> 3."""
+    from test_executor_dist import cpu_topology
+
+    from tag.executor import ExecuteConfig, execute, reference_training
+    from tag.workloads import load_workload
+
+    graph = captured(GPT2, batch=8, groups=6).graph
+    topo_path = cpu_topology(tmp_path, 4)
+    topo = load_topology(topo_path)
+    plan = layout_plan(graph, topo, Layout(tp=2, pp=2, micro=2), CostModel.for_topology(graph, topo))
+    plan.save(tmp_path / "plan.json")
+    cfg = ExecuteConfig(GPT2, topo_path, str(tmp_path / "plan.json"), steps=2, warmup=0, save_params=True,
+                        optimizer="sgd", run_dir=str(tmp_path / "run"), timeout_s=60.0)
+    res = execute(cfg, graph=graph)
+    ref, losses = reference_training(load_workload(GPT2, batch=8), "sgd", 2)
+    _assert_pipeline_params([torch.load(tmp_path / "run" / f"params-rank{r}.pt") for r in range(4)], ref, graph)
+    assert res.losses == pytest.approx(losses, rel=1e-5)
 
 
 @pytest.mark.slow

@@ -49,7 +49,8 @@ def register(sub) -> None:
                         "reported); off: TAG's action space alone")
     p.add_argument("--allow-unexecutable", dest="executable", action="store_false",
                    help="also search plans the simulator costs but tag execute refuses (tensor-parallel groups "
-                        "beside other groups, pipelines of tensor-parallel stages, sequence parallelism); the "
+                        "beside other groups, pipeline stages of different tensor-parallel degrees, sequence "
+                        "parallelism); the "
                         "output then says when the plan is simulated only (default: only plans tag execute runs)")
     p.add_argument("--no-one-shot", dest="one_shot", action="store_false",
                    help="with --prior gnn: do not spend the last playout on the network's one-shot plan")

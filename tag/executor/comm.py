@@ -41,10 +41,14 @@ class DistComm:
     links: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
     """CPU ranks: (source rank, destination rank) -> the two-rank process group that carries that
     direction's transfers (see :meth:`init`)."""
+    peers: dict[int, int] = field(default_factory=dict)
+    """The schedule's device -> the rank this rank exchanges its activations with in its place (a
+    rank running another's schedule device: the member of the same index, :attr:`Execution.shards
+    <tag.executor.strategies.Execution.shards>`); absent: the device itself."""
 
     @classmethod
     def init(cls, rank: int, world: int, backend: str, timeout_s: float, schedule: Schedule,
-             device: torch.device, shards: list[dict[int, int]] | None = None) -> DistComm:
+             device: torch.device, shards: list[dict[int, int]] | None = None, me: int | None = None) -> DistComm:
         """``init_process_group`` (env:// from the launcher) plus one subgroup per synced device set.
 
         ``timeout_s`` bounds every blocked collective / receive (gloo), so a stuck peer turns
@@ -53,7 +57,9 @@ class DistComm:
         ``shards`` (ranks running one schedule device together, :attr:`Execution.shards
         <tag.executor.strategies.Execution.shards>`; whole-plan tensor parallelism's shards): per
         member index, the schedule's device -> the rank of that index running it; every synced
-        device set then gets one process group per index, and this rank's gradients go to its own.
+        device set then gets one process group per index, and this rank's gradients go to its own;
+        ``me``: the schedule's device this rank runs as (default ``rank``), whose activations it
+        exchanges with the ranks of its own index (:attr:`peers`).
 
         CPU ranks also get a two-rank process group of its own per direction of every pair that
         exchanges activations (:attr:`links`). gloo's event thread skips a connection whose lock
@@ -67,11 +73,13 @@ class DistComm:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                                 **kwargs)
         cpu = device.type == "cpu"
+        me = rank if me is None else me
         transfers = [(i, st) for i, st in enumerate(schedule.steps) if st.kind == "transfer"]
         comm = cls(rank, world, backend, defer_syncs=cpu, pack_p2p=cpu,
-                   recv_steps=[i for i, st in transfers if any(m.dst == rank and m.src != rank for m in st.moves)],
+                   recv_steps=[i for i, st in transfers if any(m.dst == me and m.src != me for m in st.moves)],
                    remote_steps=frozenset(i for i, st in transfers
-                                          if any(m.src != m.dst and rank in (m.src, m.dst) for m in st.moves)))
+                                          if any(m.src != m.dst and me in (m.src, m.dst) for m in st.moves)),
+                   peers=next((shard for shard in shards or [] if shard.get(me) == rank), {}))
         for members in schedule.comm_groups:  # every rank calls new_group for every set, same order
             for shard in shards or [{m: m for m in members}]:
                 ranks = [shard[m] for m in members]
@@ -81,7 +89,8 @@ class DistComm:
         for members in schedule.gather_groups:
             comm.gather_groups[members] = dist.new_group(list(members), timeout=timedelta(seconds=timeout_s))
         if cpu:
-            for a, b in sorted({(m.src, m.dst) for _, st in transfers for m in st.moves if m.src != m.dst}):
+            pairs = {(m.src, m.dst) for _, st in transfers for m in st.moves if m.src != m.dst}
+            for a, b in sorted({(shard.get(a, a), shard.get(b, b)) for shard in shards or [{}] for a, b in pairs}):
                 comm.links[(a, b)] = dist.new_group(sorted((a, b)), timeout=timedelta(seconds=timeout_s))
         # One collective over everybody first: NCCL wants every rank in the first p2p batch's group.
         comm.barrier(device)
@@ -125,9 +134,9 @@ class DistComm:
         pieces by move tag."""
         ops, received = [], {}
         for tag, dst, piece in rt.outgoing(step):
-            ops.append(dist.P2POp(dist.isend, piece, dst, tag=tag))
+            ops.append(dist.P2POp(dist.isend, piece, self.peers.get(dst, dst), tag=tag))
         for tag, src, buf in rt.incoming(step):
-            ops.append(dist.P2POp(dist.irecv, buf, src, tag=tag))
+            ops.append(dist.P2POp(dist.irecv, buf, self.peers.get(src, src), tag=tag))
             received[tag] = buf
         if ops:
             for req in dist.batch_isend_irecv(ops):
@@ -140,7 +149,7 @@ class DistComm:
         recvs, received = self.posted.pop(index, None) or self._post_receives(rt, step, index)
         by_dst: dict[int, list] = {}
         for _tag, dst, piece in rt.outgoing(step):
-            by_dst.setdefault(dst, []).append(piece)
+            by_dst.setdefault(self.peers.get(dst, dst), []).append(piece)
         sends = [dist.isend(pack(pieces), dst, tag=index, group=self.links[(self.rank, dst)])
                  for dst, pieces in by_dst.items()]
         self.prepost(rt, index)
@@ -153,7 +162,7 @@ class DistComm:
         the step's ``index``; returns the works and the pieces (views of the buffers) by move tag."""
         by_src: dict[int, list] = {}
         for tag, src, shape, dtype in rt.incoming_specs(step):
-            by_src.setdefault(src, []).append((tag, shape, dtype))
+            by_src.setdefault(self.peers.get(src, src), []).append((tag, shape, dtype))
         works, received = [], {}
         for src, parts in by_src.items():
             flat, views = packed_buffer([(shape, dtype) for _, shape, dtype in parts], rt.device)

@@ -8,7 +8,8 @@ device of it. A strategy that runs otherwise registers an **execution** here und
 * which plan's schedule the ranks walk (:attr:`Execution.plan`);
 * which ranks run one device of that schedule together (:attr:`Execution.groups`: the first
   member is the schedule's device; each member walks its steps, the gradient syncs summing over
-  the members of the same index, :attr:`Execution.shards`), each group with a process group of
+  the members of the same index and the transfers going between them, :attr:`Execution.shards`),
+  each group with a process group of
   its own (an in-place sum over it is handed to the member's hook, :attr:`RankHook.reduce`);
 * what each member changes in its runtime (:meth:`Execution.hook` -> :class:`RankHook`): its
   joint graphs, its cut stages, whether it reports the loss, how its parameters combine with the
@@ -84,7 +85,8 @@ class Execution:
     @property
     def shards(self) -> list[dict[int, int]] | None:
         """Per member index ``i``: each group's schedule device -> the group's ``i``-th rank (the
-        gradient syncs sum over the ranks of one index); None without groups."""
+        gradient syncs sum over the ranks of one index, a transfer goes from the sender's rank of
+        an index to the receiver's of the same index); None without groups."""
         if not self.groups:
             return None
         return [{devs[0]: devs[i] for devs in self.groups} for i in range(len(self.groups[0]))]

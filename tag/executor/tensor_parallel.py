@@ -1,14 +1,20 @@
 """Tensor-parallel execution (Megatron-LM without sequence parallelism) of TAG's joint graphs.
 
-A plan whose every group is ``tp`` with the same tensor-parallel groups runs as the data-parallel
-plan over the groups' first devices (:func:`tag.parallel.tensor_parallel.executed_plan`), each
-group's devices at once: device ``D[i]`` of group ``D`` walks ``D[0]``'s schedule with shard ``i``
-of the split parameters, its joint graphs rewritten for that shard (:meth:`TpRank.joint`), and a
-blocking all-reduce over ``D`` after each row-parallel matmul (forward) and each column-parallel
-input gradient (backward) inside its stages (:meth:`TpRank.stage`). The ops outside the
-Megatron blocks (norms, embeddings, LM head, loss) run replicated on the group's batch, so their
-parameters and gradients stay identical on the group's devices; the split parameters' gradients
-are per shard; the gradient syncs sum over the replicas holding the same shard.
+A plan whose every group is ``tp`` with the same tensor-parallel groups (per pipeline stage on a
+pipeline, one degree for all stages) runs as the data-parallel plan (the pipeline of
+data-parallel stages) over the groups' first devices
+(:func:`tag.parallel.tensor_parallel.executed_plan`), each group's devices at once: device
+``D[i]`` of group ``D`` walks ``D[0]``'s schedule with shard ``i`` of the split parameters, its
+joint graphs rewritten for that shard (:meth:`TpRank.joint`), and a blocking all-reduce over
+``D`` after each row-parallel matmul (forward) and each column-parallel input gradient
+(backward) inside its stages (:meth:`TpRank.stage`). The ops outside the Megatron blocks (norms,
+embeddings, LM head, loss) run replicated on the group's batch, so their parameters and
+gradients stay identical on the group's devices; the split parameters' gradients are per shard;
+the gradient syncs sum over the replicas holding the same shard. What ``D[0]`` sends to another
+stage's first device ``E[0]``, ``D[i]`` sends to ``E[i]`` (the full activation, replicated
+outside the blocks, as Megatron-LM's pipeline sends each tensor-parallel rank's to the same rank
+of the next stage; :attr:`tag.executor.comm.DistComm.peers`, and per member index in
+:func:`tag.executor.run_virtual`).
 
 **Why not DTensor's ``ColwiseParallel`` / ``RowwiseParallel``.** ``parallelize_module`` swaps the
 parameters of eager ``nn.Linear`` / ``nn.Embedding`` modules for DTensors and relies on autograd
@@ -169,8 +175,8 @@ class TpRank(RankHook):
                                              "are not one index set per dim")
                     grids[(name, k)] = grid
         _constants_follow(gm, grids)
-        self.boundaries = boundaries
-        self.kept = {joint.state[ph]: grids[(ph, None)] for ph in split_ph}
+        self.boundaries |= boundaries  # (one joint per local batch size: a pipeline's micro-batches may differ)
+        self.kept.update({joint.state[ph]: grids[(ph, None)] for ph in split_ph})
         out = _rewrite(gm, grids)
         state_values = dict(joint.state_values)
         for ph in split_ph:
@@ -211,9 +217,10 @@ class TpRank(RankHook):
 
     def full_params(self, gathered: list[tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]]
                     ) -> dict[str, torch.Tensor]:
-        """Full parameters from every shard's ``(named_params, kept)`` (in shard order)."""
+        """Full parameters from every shard's ``(named_params, kept)`` (in shard order): those the
+        rank holds (a pipeline stage's)."""
         full = dict(gathered[0][0])
-        for name in self.kept:
+        for name in (n for n in self.kept if n in full):
             shape = [int(max(int(ix[-1]) for ix in (kept[name][d] for _, kept in gathered)) + 1)
                      for d in range(len(self.kept[name]))]
             value = torch.zeros(shape, dtype=gathered[0][0][name].dtype)
@@ -419,13 +426,16 @@ def _check_shapes(joint: Joint, inputs: tuple, grids) -> None:
 
 
 class TpExecution(Execution):
-    """How the executor runs a plan of whole-plan tensor-parallel groups (its registered
-    :class:`~tag.executor.strategies.Execution`): the data-parallel plan over the groups' first
-    devices (:func:`~tag.parallel.tensor_parallel.executed_plan`), every device of a group walking
-    its first device's schedule as :class:`TpRank` of its index."""
+    """How the executor runs a plan of tensor-parallel groups (its registered
+    :class:`~tag.executor.strategies.Execution`): the data-parallel plan (or pipeline of
+    data-parallel stages) over the groups' first devices
+    (:func:`~tag.parallel.tensor_parallel.executed_plan`), every device of a group walking its
+    first device's schedule as :class:`TpRank` of its index."""
 
     def __init__(self, plan, graph) -> None:
-        super().__init__(executed_plan(plan), tp_groups(plan.groups[0]))
+        # every stage's tensor-parallel groups (one set without a pipeline), in plan order
+        groups = dict.fromkeys(tuple(devs) for gp in plan.groups for devs in tp_groups(gp))
+        super().__init__(executed_plan(plan), [list(devs) for devs in groups])
         self.spec = tp_spec(graph)
 
     def hook(self, rank: int) -> TpRank | None:

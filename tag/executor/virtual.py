@@ -83,10 +83,12 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
                 for rt in fused:
                     rt.run_segment(i)
             others = {r: rt for r, rt in runtimes.items() if not rt.covers(i)}
-            if st.kind == "transfer":
-                sent = {k: t for rt in others.values() for k, _dst, t in rt.outgoing(st)}
-                for rt in others.values():
-                    rt.assemble(st, {k: sent[k].clone() for k, _src, _buf in rt.incoming(st)})
+            if st.kind == "transfer":  # between the ranks of one member index (each moves its own copy)
+                for team in ([[others[r] for r in shard.values() if r in others] for shard in shards]
+                             if shards else [list(others.values())]):
+                    sent = {k: t for rt in team for k, _dst, t in rt.outgoing(st)}
+                    for rt in team:
+                        rt.assemble(st, {k: sent[k].clone() for k, _src, _buf in rt.incoming(st)})
             elif st.kind == "sfb":  # all-gather = concatenation in sample (plan device) order
                 sg = sched.sfb[st.group]
                 local = {d: runtimes[d].sfb_local(st.group) for d in sg.devices}

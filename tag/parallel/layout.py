@@ -340,7 +340,7 @@ def search_layouts(graph, topology, costs, simulate, *, executable: bool = False
     search stops at the first layout whose first bound cannot. Without ``bounds`` every layout is
     simulated. ``incumbent``: seconds of a plan that fits found elsewhere: only layouts strictly
     faster matter (``best`` None if none is). ``executable``: only the layouts the executor runs
-    (:func:`tag.parallel.execution_refusal`: no sequence parallelism, no pipeline of ``tp`` stages).
+    (:func:`tag.parallel.execution_refusal`: no sequence parallelism).
     ``deadline``: a :func:`time.perf_counter` time after which no further layout is simulated (at
     least one is; :attr:`GridSearch.cut` says it stopped early)."""
     plans, template = [], None

@@ -23,7 +23,8 @@ unit every replica is a holder set of its own, and the rules below reduce to one
   producer and the set all-gathers the rest on its machine (Megatron-LM's scatter-gather of
   pipeline tensors: one copy of the tensor crosses the network, not ``size``; the all-gather
   over the machine's links is not costed). Not executed (the executor runs no holder sets: it runs a tensor-parallel plan
-  as the data-parallel plan over each group's first device).
+  as the data-parallel plan over each group's first device, device ``i`` of a group sending the
+  whole tensor to device ``i`` of the consumer's: ``size`` times these bytes between machines).
 * ``copy`` (a non-batch forward tensor): every consumer replica receives the whole tensor from
   one producer replica: the one on its device, else on its machine, else the first. With a
   tensor-parallel side (a holder set of several replicas) the producer replicas are taken as one

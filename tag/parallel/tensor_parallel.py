@@ -54,14 +54,25 @@ the tokens of the group's samples outside the blocks, modelled, as before, as it
 range (:meth:`TensorParallel.width` 1): a sample per device and micro-batch. The simulator costs both
 variants (:mod:`tag.sim.tensor_parallel`).
 
-**What the executor runs** (:mod:`tag.executor.tensor_parallel`): a plan whose every group is
-``tp`` over the same devices with the same degree, plain Megatron (the same tensor-parallel groups
-for the whole plan, each a data-parallel replica; no pipeline): the data-parallel plan over the
-tensor-parallel groups' first devices (:func:`executed_plan`), every device of a group walking
-its first device's schedule on its shard. :meth:`TensorParallel.execution_refusal` names the first
-field of any other plan with ``tp`` groups (sequence parallelism included), which the executor
-refuses in one line (:func:`tag.parallel.execution_refusal`, raised by
-:func:`tag.parallel.validate_plan` ``tensor_parallel=False``).
+**What the executor runs** (:mod:`tag.executor.tensor_parallel`): plain Megatron (no sequence
+parallelism) in a plan whose every group is ``tp``: without a pipeline, every group over the same
+devices with the same degree and shares (the same tensor-parallel groups for the whole plan,
+each a data-parallel replica); with a pipeline (Megatron-LM's ``dp x tp x pp``), every group of a
+stage over the stage's devices with the same degree and shares and every stage at the same
+degree. It runs the data-parallel plan (the pipeline of data-parallel stages) over the
+tensor-parallel groups' first devices (:func:`executed_plan`): every device of a group walks its
+first device's schedule on its shard, sends what the first device sends to another stage's first
+device to the device of its own index there (the full activation: the holder sets above price
+that within a machine; between machines they price Megatron-LM's scatter-gather, ``1 / T`` to
+each device and an uncosted all-gather, which the executor does not do: it sends ``T`` times
+those bytes), and sums its gradients with the devices of its index in the stage's other groups. :meth:`TensorParallel.execution_refusal` names the first field of any
+other plan with ``tp`` groups (sequence parallelism, stages of different degrees), which the
+executor refuses in one line (:func:`tag.parallel.execution_refusal`, raised by
+:func:`tag.parallel.validate_plan` ``tensor_parallel=False``). Sequence parallelism is refused:
+its ops outside the blocks run on ``1 / T`` of the tokens, which the rewriting of
+:mod:`tag.executor.tensor_parallel` (features split inside the blocks, everything else
+replicated) does not do; it would need the joint graph cut along the sequence dim outside the
+blocks and an all-gather / reduce-scatter pair in place of each all-reduce.
 """
 
 from __future__ import annotations
@@ -75,6 +86,7 @@ from ..errors import PlanError
 from ..graph.capture import FUSED_ATTENTION
 from ..graph.ir import Affine, OpGraph
 from ..plan.format import GroupPlan, device_ranges
+from .pipeline import stage_of_group
 from .strategy import Collective, Strategy, Unit, check_shares, execution_refusal, no_field, sample_replicas
 
 MAX_DEGREE = 8
@@ -516,53 +528,62 @@ class TensorParallel(Strategy):
 
     def execution_refusal(self, plan) -> str | None:
         """None when the executor runs ``plan``'s tensor parallelism (or it has none), else one line
-        naming the field it does not run: every group must be ``tp`` over the same devices with the
-        same degree and shares, plain Megatron (no sequence parallelism), and the plan without a
-        pipeline (:func:`tag.parallel.strategy.execution_refusal` asks it)."""
+        naming the field it does not run: every group ``tp``, plain Megatron (no sequence
+        parallelism); without a pipeline every group over the same devices with the same degree and
+        shares; with one, the same within each stage (:func:`tag.parallel.pipeline.validate_pipeline`
+        gives a stage's groups one device set and shares) and one degree for every stage
+        (Megatron-LM's layout). :func:`tag.parallel.strategy.execution_refusal` asks it."""
         tp = [g for g, gp in enumerate(plan.groups) if gp.sync == "tp"]
         if not tp:
             return None
-        first = plan.groups[tp[0]]
         for g, gp in enumerate(plan.groups):
             if gp.sync != "tp":
                 return (f"groups[{g}].sync: the executor runs tensor parallelism only when every group is 'tp' "
                         f"(group {tp[0]} is); expected 'tp', got {gp.sync!r}")
-            if gp.devices != first.devices:
-                return (f"groups[{g}].devices: the executor runs the same tensor-parallel groups for the whole "
-                        f"plan; expected devices {device_ranges(first.devices)}, got {device_ranges(gp.devices)}")
-            if tp_degree(gp) != tp_degree(first) or gp.shares != first.shares \
-                    or gp.sequence_parallel != first.sequence_parallel:
-                field = "tp" if tp_degree(gp) != tp_degree(first) else \
-                    "shares" if gp.shares != first.shares else "sequence_parallel"
-                return (f"groups[{g}].{field}: the executor runs the same tensor-parallel groups for the whole "
-                        f"plan; expected {_brief(getattr(first, field))}, got {_brief(getattr(gp, field))}")
-        if first.sequence_parallel:
-            return (f"groups[{tp[0]}].sequence_parallel: the executor runs plain Megatron (every device of a "
+        sp = next((g for g, gp in enumerate(plan.groups) if gp.sequence_parallel), None)
+        if sp is not None:
+            return (f"groups[{sp}].sequence_parallel: the executor runs plain Megatron (every device of a "
                     "tensor-parallel group on the group's whole batch outside the blocks), not sequence "
                     "parallelism; expected false")
-        if plan.pipeline is not None:
-            return "pipeline: pipelines of tensor-parallel groups are not executed by this version; expected none"
+        pp = plan.pipeline
+        starts = list(pp.stages) if pp is not None else [0]  # (the whole plan is one stage without a pipeline)
+        stage = stage_of_group(pp, len(plan.groups)) if pp is not None else [0] * len(plan.groups)
+        whole = "whole plan" if pp is None else "whole pipeline stage"
+        for g, gp in enumerate(plan.groups):
+            first = plan.groups[starts[stage[g]]]
+            if gp.devices != first.devices:
+                return (f"groups[{g}].devices: the executor runs the same tensor-parallel groups for the {whole}; "
+                        f"expected devices {device_ranges(first.devices)}, got {device_ranges(gp.devices)}")
+            for field, want, got in (("tp", tp_degree(first), tp_degree(gp)), ("shares", first.shares, gp.shares)):
+                if want != got:
+                    return (f"groups[{g}].{field}: the executor runs the same tensor-parallel groups for the "
+                            f"{whole}; expected {_brief(want)}, got {_brief(got)}")
+            if tp_degree(gp) != tp_degree(plan.groups[0]):
+                return (f"groups[{g}].tp: the executor runs one tensor-parallel degree in every pipeline stage "
+                        f"(device i of a stage's group sends to device i of the next's); expected "
+                        f"{tp_degree(plan.groups[0])}, got {tp_degree(gp)}")
         return None
 
 
 # ---- what the executor runs ---------------------------------------------------------------
 
 def executed_plan(plan):
-    """The plan the devices of whole-plan tensor-parallel groups execute (see the module doc):
-    every group data parallel over the first device of each tensor-parallel group, with the
-    group's batch share. Device ``i`` of a tensor-parallel group runs its first device's schedule
-    on shard ``i`` of the split parameters (:mod:`tag.executor.tensor_parallel`), its gradients
-    summed with those of the devices ``i`` of the other groups; None when ``plan`` has no ``tp``
-    group."""
+    """The plan the devices of tensor-parallel groups execute (see the module doc): every group
+    data parallel over the first device of each of its tensor-parallel groups, with that group's
+    batch share (its recomputation and the plan's pipeline kept). Device ``i`` of a
+    tensor-parallel group runs its first device's schedule on shard ``i`` of the split
+    parameters (:mod:`tag.executor.tensor_parallel`): its gradients are summed with those of the
+    devices ``i`` of the stage's other groups, a tensor its first device sends to another
+    stage's first device goes from device ``i`` to device ``i``. None when ``plan`` has no
+    ``tp`` group."""
     if not any(gp.sync == "tp" for gp in plan.groups):
         return None
     why = execution_refusal(plan)
     if why is not None:
         raise PlanError(f"plan: {why}")
-    gp = plan.groups[0]
-    groups, shares = tp_groups(gp), TensorParallel().replica_shares(gp)
-    return dataclasses.replace(plan, groups=[GroupPlan([devs[0] for devs in groups], list(shares))
-                                             for _ in plan.groups])
+    tp = TensorParallel()
+    return dataclasses.replace(plan, groups=[GroupPlan([devs[0] for devs in tp_groups(gp)], list(tp.replica_shares(gp)),
+                                                       recompute=gp.recompute) for gp in plan.groups])
 
 
 __all__ = ["MAX_DEGREE", "GroupSplit", "MegatronBlock", "TensorParallel", "aligned_cuts", "block_groups",

@@ -53,14 +53,15 @@ executor runs (every group ``tp`` over the same devices); the simulator costs an
 gpt2-medium over ``cloud-t4`` 15 ``tp`` actions join TAG's 49, on ``mixed-a100-v100`` 6 join 11.
 
 **Executable plans** (``executable=True``; :func:`tag.planner.find_plan` asks for them unless
-told otherwise): only plans :func:`tag.parallel.execution_refusal` accepts, i.e. ``tp`` as the one
-deployment of the whole plan, plain, without a pipeline. The space says so up front rather than
-scoring refused plans after simulating them: a ``tp`` first decision ends the path (the completion
-rule gives every group that action; :meth:`ActionSpace.decision_at`), after any other first
-decision ``tp`` actions are masked (:meth:`ActionSpace.group_mask`: MCTS's prior puts no mass on
-them, random paths never draw them), a pipeline's stages are data parallel (no ``stage_sync``
-option but 1), and ``tp`` actions give every group the shares of the whole model's pace (per
-group, on mixed GPUs, the shares would differ and the executor refuses that).
+told otherwise): only plans :func:`tag.parallel.execution_refusal` accepts, i.e. plain ``tp`` as the
+one deployment of the whole plan, or of every pipeline stage at one degree (the plan-level
+``stage_sync`` decision deploys every stage so: nothing to constrain there). The space says so
+up front rather than scoring refused plans after simulating them: a ``tp`` first decision ends the
+path (the completion rule gives every group that action; :meth:`ActionSpace.decision_at`), after
+any other first decision ``tp`` actions are masked (:meth:`ActionSpace.group_mask`: MCTS's prior
+puts no mass on them, random paths never draw them), and ``tp`` actions give every group the
+shares of the whole model's pace (per group, on mixed GPUs, the shares would differ and the
+executor refuses that).
 :meth:`ActionSpace.canonical` maps the tuples the other searchers propose (SA, TPE, the network's
 one-shot plan) onto executable ones; the evaluator checks every plan with the predicate before
 simulating it (a refused one scores as not fitting, never simulated).
@@ -558,9 +559,8 @@ class ActionSpace:
         w = self.num_devices // stages
         if name == "micro":
             out = [m for m in MICRO_BATCHES if m * w <= self.graph.batch_size]
-        elif name == "stage_sync":  # (executable: data-parallel stages only; tp stages are not executed)
-            out = [1] + [t for t in self.tp_degrees if w % t == 0 and len(self._aligned) >= stages
-                         and not self.executable]
+        elif name == "stage_sync":  # (every stage at one degree: executed too, tag.parallel.execution_refusal)
+            out = [1] + [t for t in self.tp_degrees if w % t == 0 and len(self._aligned) >= stages]
         elif name == "schedule":
             out = searched_schedules()
         elif name == "cut":

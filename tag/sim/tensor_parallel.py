@@ -33,11 +33,13 @@ any ``b``, the split weights are read whole by the cost, which overstates a smal
 * a pipeline holds, per micro-batch in flight, a device's saved activations at ``b`` inside the
   blocks and (plain) at ``B`` outside (:attr:`Layout.saved <tag.sim.units.Layout.saved>`).
 
-Tensors crossing between a ``tp`` group and another unit (mixed plans, pipelines of ``tp``
-groups: simulated, not executed) move by :func:`tag.parallel.move_pieces`: out of a plain group
+Tensors crossing between a ``tp`` group and another unit (mixed plans, simulated only; pipelines
+of ``tp`` stages, executed too) move by :func:`tag.parallel.move_pieces`: out of a plain group
 from one of its devices (the consumer's aligned rank), into it to each device (from another
 machine ``1 / T`` to each, the group all-gathering the rest, uncosted); per token shard with
-sequence parallelism.
+sequence parallelism. The executor sends the whole tensor from device ``i`` to device ``i``
+(:func:`tag.parallel.tensor_parallel.executed_plan`): the same bytes within a machine, ``T``
+times the priced bytes between machines (it does not scatter-gather).
 """
 
 from __future__ import annotations
