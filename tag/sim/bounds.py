@@ -143,21 +143,70 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
                     busy[u.devices[0]] += u.dur[FWD] + u.dur[BWD]
     step = np.asarray(opt) + np.where(holds, sim.step_overhead, 0.0)
     low = busy + step
+    first = np.zeros(n)  # per device: its first task starts no earlier (seconds)
     if micro is not None:  # the pipeline's fill before a stage and drain after it
         for devs, before, after in _pipeline_waits(sim, micro, pipeline):
+            first[devs] = before
             low[devs] += before
             # the stage before runs micro-batch M - 1's backward after a replica of this one ran
             # all its tasks (its last is that backward)
             low[devs] = np.maximum(low[devs], before + busy[devs].min() + after)
-    # a device's gradient collectives run one after another on its links (Run._syncs)
-    comm = np.zeros(n)
-    for _, job in sim.sync_jobs(gds):
-        comm[list(job.sync_devices)] += job.sync_time
+    # a device's gradient collectives run one after another on its links (Run._syncs), each after
+    # its groups' last backward; the optimizer step after the last
+    comm = _sync_chain(sim, gds, micro, first + busy)
+    low = np.maximum(low, comm + step)
     peak = [m + w for m, w in zip(mem, work)]
     # (1 - 1e-9): the event loop sums the same seconds in another order (running sums), so a
     # bound equal to the run's time may differ from it in the last bits
     return PlanBound(max(float(low.max()), float(comm.max())) * (1.0 - 1e-9), peak,
                      any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
+
+
+def _sync_chain(sim, gds, micro, done: np.ndarray) -> np.ndarray:
+    """Per device: its gradient collectives end no earlier than this (seconds). ``done``: per
+    device, its compute tasks start no earlier than its ``first`` and last their seconds at least,
+    so the tasks up to one of them end no earlier than ``first`` plus their seconds (``done`` is
+    ``first`` plus all of them).
+
+    A device runs its groups' last backward (a pipeline's last micro-batch: its stage's sequence
+    ends with it) in reverse group order after every other task of its, so group ``g``'s ends no
+    earlier than ``done`` less the last backwards of the device's groups before ``g``; its
+    ``group_finish`` (the latest replica's) no earlier than the latest of its devices'. A sync
+    starts after its groups' ``group_finish`` and after the device's previous sync
+    (``Run._syncs``: one collective stream per device; a run of syncs over one member set chained)
+    and lasts its seconds. Counted only where every group runs on a layout (no position chunks)
+    and, in a pipeline, every device runs one stage whose sequence ends with its last micro-batch's
+    backward; elsewhere the syncs' seconds summed per device."""
+    n, k = sim.num_devices, len(gds)
+    last = gds if micro is None else micro.gds[-1]
+    ready = np.zeros(k)  # per group: its last backward ends no earlier (seconds)
+    if all(gd.layout is not None for gd in last) and (micro is None or _one_stage_each(micro, last, n)):
+        before = np.zeros(n)  # per device: the last backwards of its groups before g
+        for g, gd in enumerate(last):
+            lay = gd.layout
+            ready[g] = float((done[lay.dev_arr] - before[lay.dev_arr]).max())
+            np.add.at(before, lay.dev_arr, lay.dur[BWD, g])
+    end = np.zeros(n)
+    for gs, job in sim.sync_jobs(gds):
+        devs = list(job.sync_devices)
+        end[devs] = np.maximum(end[devs], max(ready[g] for g in gs)) + job.sync_time
+    return end
+
+
+def _one_stage_each(micro, last, n: int) -> bool:
+    """True when every device runs the groups of one pipeline stage only and every stage's last
+    task is its last micro-batch's backward."""
+    stage = np.full(n, -1)
+    for s, gs in enumerate(micro.members):
+        for g in gs:
+            devs = last[g].layout.dev_arr
+            if ((stage[devs] != -1) & (stage[devs] != s)).any():
+                return False
+            stage[devs] = s
+    ends: dict[int, tuple[int, int]] = {}
+    for s, ph, m in micro.tasks:
+        ends[s] = (ph, m)
+    return all(x == (BWD, len(micro.gds) - 1) for x in ends.values())
 
 
 def _pipeline_waits(sim, micro, pipeline) -> list[tuple[np.ndarray, float, float]]:
