@@ -26,6 +26,7 @@ earliest unfinished step always has all its participants waiting on it).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal, NamedTuple
 
@@ -55,6 +56,13 @@ def block_size(pp: PipelinePlan) -> int:
 def stage_sequence(stage: int, num_stages: int, micro_batches: int, k: int) -> list[tuple[Phase, int]]:
     """The (phase, micro-batch) sequence stage ``stage`` of ``num_stages`` runs under kFkB with
     blocks of ``k`` micro-batches (``k = 1``: 1F1B; ``k >= micro_batches``: GPipe)."""
+    return list(_stage_sequence(stage, num_stages, micro_batches, k))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_sequence(stage: int, num_stages: int, micro_batches: int, k: int) -> tuple[tuple[Phase, int], ...]:
+    """:func:`stage_sequence` as a tuple, cached (the simulator and its bounds ask for every stage
+    of every pipeline they cost: hundreds of layouts share a few shapes)."""
     k = max(1, min(k, micro_batches))
     blocks = [range(lo, min(lo + k, micro_batches)) for lo in range(0, micro_batches, k)]
     warmup = min(num_stages - 1 - stage, len(blocks))
@@ -66,7 +74,7 @@ def stage_sequence(stage: int, num_stages: int, micro_batches: int, k: int) -> l
         seq += [("bwd", m) for m in blocks[j]]
     for b in blocks[len(blocks) - warmup:]:
         seq += [("bwd", m) for m in b]
-    return seq
+    return tuple(seq)
 
 
 def in_flight(sequence: list[tuple[Phase, int]]) -> int:
@@ -89,6 +97,12 @@ def pipeline_order(num_stages: int, micro_batches: int, k: int,
     ``s + 1`` and after its own forward), ties broken by stage. Raises :class:`PlanError` if the
     sequences cannot all run (a stage waits on a task that waits on it).
     """
+    return list(_pipeline_order(num_stages, micro_batches, k, fwd_s, bwd_s))
+
+
+@functools.lru_cache(maxsize=256)
+def _pipeline_order(num_stages: int, micro_batches: int, k: int, fwd_s: float, bwd_s: float) -> tuple[Task, ...]:
+    """:func:`pipeline_order` as a tuple, cached (a pure function of its arguments)."""
     seqs = [stage_sequence(s, num_stages, micro_batches, k) for s in range(num_stages)]
     end: dict[Task, float] = {}
     start: dict[Task, float] = {}
@@ -118,7 +132,7 @@ def pipeline_order(num_stages: int, micro_batches: int, k: int,
     # Ties go to the later stage first: a stage's input then moves as soon as it was computed,
     # before its producer goes on with its next task (any tie order respects the dependencies:
     # a task starts strictly after the tasks it needs).
-    return sorted(start, key=lambda t: (start[t], -t.stage, t.phase == "bwd", t.micro))
+    return tuple(sorted(start, key=lambda t: (start[t], -t.stage, t.phase == "bwd", t.micro)))
 
 
 def micro_ranges(batch_size: int, micro_batches: int) -> list[tuple[int, int]]:
