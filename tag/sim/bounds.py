@@ -155,11 +155,60 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
     # its groups' last backward; the optimizer step after the last
     comm = _sync_chain(sim, gds, micro, first + busy)
     low = np.maximum(low, comm + step)
+    # a transfer holds both ends' compute streams (a rendezvous, Run._transfer): a device's
+    # compute, its transfers and its optimizer step one after another; a machine's network side
+    # serves its transfers, then the syncs spanning it (Run._syncs starts them after it is free)
+    load, out, into = _transfer_load(sim, gds, micro)
+    nic = np.maximum(out, into)
+    for _, job in sim.sync_jobs(gds):
+        nic[list(job.sync_machines)] += job.sync_time
+    low = np.maximum(low, busy + load + step)
     peak = [m + w for m, w in zip(mem, work)]
     # (1 - 1e-9): the event loop sums the same seconds in another order (running sums), so a
     # bound equal to the run's time may differ from it in the last bits
-    return PlanBound(max(float(low.max()), float(comm.max())) * (1.0 - 1e-9), peak,
+    return PlanBound(max(float(low.max()), float(comm.max()), float(nic.max(initial=0.0))) * (1.0 - 1e-9), peak,
                      any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
+
+
+def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per device, per machine's outgoing and incoming network side: seconds of the run's
+    transfers at least. The run moves the flows of the pairs :class:`~tag.sim.engine._Run` takes
+    (per micro-batch; those moving once at the first and last), a stage's flows from one device to
+    another packed into one message of ``latency + bytes / bandwidth`` (:func:`tag.sim.engine._merge`):
+    at least each flow's ``bytes / bandwidth``."""
+    n, m = sim.num_devices, sim.num_machines
+    load, out, into = np.zeros(n), np.zeros(m), np.zeros(m)
+    if micro is None:
+        pairs = [(pr, 1) for pr in sim._pairs_used(gds)]
+    elif len(micro.gds) == 1:
+        pairs = [(pr, 1) for pr in sim._pairs_used(micro.gds[0])]
+    else:  # micro-batches of one size share one deployment (one list): its pairs once, times their count
+        runs: dict[int, list] = {}
+        for mg in micro.gds:
+            runs.setdefault(id(mg), [mg, 0])[1] += 1
+        pairs = [(pr, c) for mg, c in runs.values() for pr in sim._pairs_used(mg, "micro")]
+        pairs += [(pr, 1) for pr in sim._pairs_used(micro.gds[0], "first")]
+        pairs += [(pr, 1) for pr in sim._pairs_used(micro.gds[-1], "last")]
+    cache = sim.cache("transfer-load")
+    for pr, c in pairs:
+        hit = cache.get(id(pr.tpl))
+        if hit is None or hit[0] is not pr.tpl:
+            flows = [f for _, fl in pr.tpl.by_dst for f in fl]
+            a = np.asarray([f[4] for f in flows], dtype=np.int64)
+            b = np.asarray([f[5] for f in flows], dtype=np.int64)
+            secs = np.asarray([f[9] for f in flows], dtype=float) / sim.comm.bandwidth[a, b]
+            ma = np.asarray([f[6] for f in flows], dtype=np.int64)
+            mb = np.asarray([f[7] for f in flows], dtype=np.int64)
+            cross = ma >= 0
+            if len(cache) > 100_000:
+                cache.clear()
+            hit = cache[id(pr.tpl)] = (pr.tpl, a, b, secs, ma[cross], mb[cross], secs[cross])
+        _, a, b, secs, ma, mb, xs = hit
+        np.add.at(load, a, secs * c)
+        np.add.at(load, b, secs * c)
+        np.add.at(out, ma, xs * c)
+        np.add.at(into, mb, xs * c)
+    return load, out, into
 
 
 def _sync_chain(sim, gds, micro, done: np.ndarray) -> np.ndarray:
