@@ -21,9 +21,15 @@ the run that may follow), so they hold by construction of the event loop
   its optimizer step; in a pipeline, a stage's devices start no earlier than micro-batch 0 went
   forward through the stages before it, and the iteration ends no earlier than micro-batch
   M - 1 went backward through them after a replica of the stage finished (where the stage
-  boundaries provably carry that tensor: :func:`_pipeline_waits`); and a device's gradient
-  collectives run one after another on its links (``_Run._syncs``), so the iteration lasts at
-  least their sum. Transfers, other waits and the rest of the bubbles are left out (>= 0).
+  boundaries provably carry that tensor: :func:`_pipeline_waits`); a device's gradient
+  collectives run one after another on its links (``_Run._syncs``), each after its groups' last
+  backward, which ends no earlier than the device's tasks up to it (:func:`_sync_chain`), and its
+  optimizer step after the last; a transfer is a rendezvous holding both ends' compute streams
+  (``_Run._transfer``), so a device's compute, transfers and optimizer step add up, a transfer
+  taking at least its bytes over the link's bandwidth (packed messages pay one latency); and a
+  machine's outgoing (incoming) network side serves its transfers out (in), then the syncs
+  spanning it (:func:`_transfer_load`). Latencies, other waits and the rest of the bubbles are
+  left out (>= 0).
 
 :func:`static_bound` counts a subset of the same terms, each as the simulator computes it from
 its tables (:mod:`tag.sim.units`, :mod:`tag.sim.tensor_parallel`): per device, the forward and
