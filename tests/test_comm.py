@@ -173,6 +173,25 @@ def test_measured_fits_by_hand(tmp_path):
     assert np.array_equal(held.bandwidth, cm.bandwidth) and held.ps_fit == f["ps"]
 
 
+
+def test_ring_key_decides_the_flat_allreduce(mixed, tmp_path):
+    """Device sets with equal ``ring_key`` take equal flat all-reduce (tensor-parallel) seconds,
+    bit for bit, on measured fits and on plain links; the key tells apart what changes them."""
+    import itertools
+
+    fitted = CommModel.for_topology(_cpu_fitted(tmp_path, machines=2)[0], tmp_path)
+    for cm in (CommModel.nominal(mixed), fitted):
+        n = cm.topology.num_devices
+        sets = [list(c) for k in (1, 2, 3) for c in itertools.combinations(range(n), k)]
+        by_key: dict = {}
+        for devs in sets:
+            got = [cm.tensor_parallel_time(devs, [b]) for b in (0.0, 1.0, S, 3.7e9)]
+            assert by_key.setdefault(cm.ring_key(devs), got) == got
+            assert cm.ring_key(devs[::-1]) == cm.ring_key(devs)  # a set: its order does not matter
+        assert len(by_key) > 3  # one machine's rings, the network's, the slow a-c link's
+    assert fitted.ring_key([0, 1]) == (2, "fit") and fitted.ring_key([0, 3]) != (2, "fit")
+
+
 # ------------------------------------------------------------------------ the readers agree
 @pytest.fixture
 def fitted_setup(tmp_path, monkeypatch, captured):

@@ -112,7 +112,7 @@ def test_layout_grid_and_its_best(mlp, topo4):
         return runs[-1]
 
     plan, tried = best_layout(mlp, topo4, CostModel.for_topology(mlp, topo4), simulate_)
-    assert tried == len(grid) == len(runs)
+    assert tried == len(grid) > len(runs)  # (a memory cut equal to the time cut: one simulation)
     assert plan.predicted_iteration_time_s == min(r.iteration_time_s for r in runs if not r.oom)
     assert plan.meta["searcher"] == "dp-tp-pp-grid"
 

@@ -242,6 +242,7 @@ class CommModel:
         self._hier_cache: dict[tuple[int, ...], tuple[list, float, float]] = {}
         self._gather_cache: dict[tuple[int, ...], _GatherLinks] = {}
         self._root_cache: dict[tuple, tuple[float, list[float]]] = {}
+        self._ring_cache: dict[tuple[int, ...], tuple] = {}
         self.machine_of = [topology.machine_of(d) for d in range(topology.num_devices)]
         """Machine index of every device (a list, indexed by device)."""
 
@@ -442,6 +443,26 @@ class CommModel:
         if f is not None:
             return f.alpha + len(workers) * nbytes / f.beta
         return self.reduce_time(devices, server, nbytes) + self.broadcast_time(devices, server, nbytes)
+
+    def ring_key(self, devices) -> tuple:
+        """What :meth:`allreduce_time` with ``algorithm="flat"`` (and so :meth:`tensor_parallel_time`)
+        reads of the device set ``devices``: two sets with equal keys take equal seconds for every
+        byte count (the count, whether the measured fit applies, else the ring's slowest bandwidth
+        and largest latency); cached per set (a 512-device layout prices one per tensor-parallel
+        group, most of them alike)."""
+        key = tuple(devices)
+        hit = self._ring_cache.get(key)
+        if hit is None:
+            devs = sorted(key)
+            if len(devs) <= 1:
+                hit = (len(devs),)
+            elif self._fit(self.allreduce_fit, devs) is not None:
+                hit = (len(devs), "fit")
+            else:
+                ring = _ring_links(devs)
+                hit = (len(devs), min(self._bw[a][b] for a, b in ring), max(self._lat[a][b] for a, b in ring))
+            _remember(self._ring_cache, key, hit)
+        return hit
 
     # ---- tensor parallelism ------------------------------------------------------------------
     def tensor_parallel_time(self, devices, nbytes: list[float]) -> float:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -324,6 +324,9 @@ class GridSearch:
     cut: bool = False
     """True when the deadline stopped the search before the bounds did (``best`` is then the
     fastest of the layouts simulated, not necessarily the grid's)."""
+    shared: int = 0
+    """Layouts of ``simulated`` whose plan is an earlier layout's (stages cut by memory where the
+    time cut is the same): that layout's bounds and simulation reused, not computed again."""
 
 
 def search_layouts(graph, topology, costs, simulate, *, executable: bool = False, bounds=(),
@@ -337,27 +340,39 @@ def search_layouts(graph, topology, costs, simulate, *, executable: bool = False
     :mod:`tag.sim.bounds`), cheapest first. Layouts are taken in the order of the first bound
     (those that may fit first, then by time); a layout is simulated unless its bounds show it
     cannot beat the best simulated so far (out of memory when one fits, or not faster), and the
-    search stops at the first layout whose first bound cannot. Without ``bounds`` every layout is
+    search stops at the first layout whose first bound cannot. A layout whose plan is an earlier
+    layout's (:attr:`GridSearch.shared`) takes that layout's bounds and simulation. Without ``bounds`` every layout is
     simulated. ``incumbent``: seconds of a plan that fits found elsewhere: only layouts strictly
     faster matter (``best`` None if none is). ``executable``: only the layouts the executor runs
     (:func:`tag.parallel.execution_refusal`: no sequence parallelism).
     ``deadline``: a :func:`time.perf_counter` time after which no further layout is simulated (at
     least one is; :attr:`GridSearch.cut` says it stopped early)."""
     plans, template = [], None
+    # a layout whose plan is an earlier one's: they differ in the cut kind only and the cuts agree
+    # (layout_plan reads the kind for the cuts alone), so bounds and simulation are the same
+    twin_of: dict[int, int] = {}
+    first_of: dict[tuple, int] = {}
     for lay in layout_grid(graph, topology):
         plan = layout_plan(graph, topology, lay, costs, template=template)
         template = template or plan
         if executable and execution_refusal(plan, graph) is not None:
             continue
+        i = first_of.setdefault((replace(lay, cut=CUTS[0]), plan.pipeline and tuple(plan.pipeline.stages)), len(plans))
+        if i != len(plans):
+            twin_of[len(plans)] = i
         plans.append(plan)
     if not plans:
         raise PlanError(f"layout: no layout of {topology.num_devices} devices fits batch {graph.batch_size}")
     # (oom, seconds, grid index): the order layouts are compared in (the full grid's, ties to the first)
     inc = None if incumbent is None else (False, incumbent, -1)
     ranked: list[tuple[tuple, Plan, object]] = []
-    bounded, cut = 0, False
+    bounded, cut, shared = 0, False, 0
+    done: dict[int, object] = {}  # layout index -> its simulation
+    later: dict[tuple[int, int], object] = {}  # (layout index, bound index) -> that bound
     if bounds:
-        first = [bounds[0](p) for p in plans]
+        first = [None] * len(plans)
+        for i, p in enumerate(plans):
+            first[i] = first[twin_of[i]] if i in twin_of else bounds[0](p)
         order = sorted(range(len(plans)), key=lambda i: (first[i].oom, first[i].time_s, i))
     else:
         first, order = None, range(len(plans))
@@ -365,19 +380,26 @@ def search_layouts(graph, topology, costs, simulate, *, executable: bool = False
         if ranked and time.perf_counter() >= deadline:
             cut = True
             break
+        j = twin_of.get(i, i)  # (ahead of i in the order: same bounds, smaller index)
         if first is not None:
             low = (bool(first[i].oom), first[i].time_s, i)  # no more than the layout's own key
             if inc is not None and low > inc:
                 break  # nor any layout after it
-            for more in bounds[1:]:
-                b = more(plans[i])
-                bounded += 1
+            for x, more in enumerate(bounds[1:]):
+                b = later.get((j, x))
+                if b is None:
+                    b = later[(j, x)] = more(plans[i])
+                    bounded += 1
                 low = (low[0] or bool(b.oom), max(low[1], b.time_s), i)
                 if inc is not None and low > inc:
                     break
             if inc is not None and low > inc:
                 continue
-        res = simulate(plans[i])
+        res = done.get(j)
+        if res is None:
+            res = done[i] = simulate(plans[i])
+        else:
+            shared += 1
         key = (bool(res.oom), res.iteration_time_s, i)
         ranked.append((key, plans[i], res))
         if inc is None or key < inc:
@@ -388,7 +410,7 @@ def search_layouts(graph, topology, costs, simulate, *, executable: bool = False
         key, best, _ = ranked[0]
         best.predicted_iteration_time_s = None if key[0] else key[1]  # None: out of memory
         best.meta["searcher"] = "dp-tp-pp-grid"
-    return GridSearch(best, [(p, r) for _, p, r in ranked], len(plans), len(ranked), bounded, cut)
+    return GridSearch(best, [(p, r) for _, p, r in ranked], len(plans), len(ranked), bounded, cut, shared)
 
 
 def best_layout(graph, topology, costs, simulate, *, executable: bool = False, bounds=()) -> tuple[Plan, int]:

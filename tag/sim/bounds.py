@@ -21,9 +21,15 @@ the run that may follow), so they hold by construction of the event loop
   its optimizer step; in a pipeline, a stage's devices start no earlier than micro-batch 0 went
   forward through the stages before it, and the iteration ends no earlier than micro-batch
   M - 1 went backward through them after a replica of the stage finished (where the stage
-  boundaries provably carry that tensor: :func:`_pipeline_waits`); and a device's gradient
-  collectives run one after another on its links (``_Run._syncs``), so the iteration lasts at
-  least their sum. Transfers, other waits and the rest of the bubbles are left out (>= 0).
+  boundaries provably carry that tensor: :func:`_pipeline_waits`); a device's gradient
+  collectives run one after another on its links (``_Run._syncs``), each after its groups' last
+  backward, which ends no earlier than the device's tasks up to it (:func:`_sync_chain`), and its
+  optimizer step after the last; a transfer is a rendezvous holding both ends' compute streams
+  (``_Run._transfer``), so a device's compute, transfers and optimizer step add up, a transfer
+  taking at least its bytes over the link's bandwidth (packed messages pay one latency); and a
+  machine's outgoing (incoming) network side serves its transfers out (in), then the syncs
+  spanning it (:func:`_transfer_load`). Latencies, other waits and the rest of the bubbles are
+  left out (>= 0).
 
 :func:`static_bound` counts a subset of the same terms, each as the simulator computes it from
 its tables (:mod:`tag.sim.units`, :mod:`tag.sim.tensor_parallel`): per device, the forward and
@@ -140,21 +146,119 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
                     busy[u.devices[0]] += u.dur[FWD] + u.dur[BWD]
     step = np.asarray(opt) + np.where(holds, sim.step_overhead, 0.0)
     low = busy + step
+    first = np.zeros(n)  # per device: its first task starts no earlier (seconds)
     if micro is not None:  # the pipeline's fill before a stage and drain after it
         for devs, before, after in _pipeline_waits(sim, micro, pipeline):
+            first[devs] = before
             low[devs] += before
             # the stage before runs micro-batch M - 1's backward after a replica of this one ran
             # all its tasks (its last is that backward)
             low[devs] = np.maximum(low[devs], before + busy[devs].min() + after)
-    # a device's gradient collectives run one after another on its links (Run._syncs)
-    comm = np.zeros(n)
+    # a device's gradient collectives run one after another on its links (Run._syncs), each after
+    # its groups' last backward; the optimizer step after the last
+    comm = _sync_chain(sim, gds, micro, first + busy)
+    low = np.maximum(low, comm + step)
+    # a transfer holds both ends' compute streams (a rendezvous, Run._transfer): a device's
+    # compute, its transfers and its optimizer step one after another; a machine's network side
+    # serves its transfers, then the syncs spanning it (Run._syncs starts them after it is free)
+    load, out, into = _transfer_load(sim, gds, micro)
+    nic = np.maximum(out, into)
     for _, job in sim.sync_jobs(gds):
-        comm[list(job.sync_devices)] += job.sync_time
+        nic[list(job.sync_machines)] += job.sync_time
+    low = np.maximum(low, busy + load + step)
     peak = [m + w for m, w in zip(mem, work)]
     # (1 - 1e-9): the event loop sums the same seconds in another order (running sums), so a
     # bound equal to the run's time may differ from it in the last bits
-    return PlanBound(max(float(low.max()), float(comm.max())) * (1.0 - 1e-9), peak,
+    return PlanBound(max(float(low.max()), float(comm.max()), float(nic.max(initial=0.0))) * (1.0 - 1e-9), peak,
                      any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
+
+
+def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per device, per machine's outgoing and incoming network side: seconds of the run's
+    transfers at least. The run moves the flows of the pairs :class:`~tag.sim.engine._Run` takes
+    (per micro-batch; those moving once at the first and last), a stage's flows from one device to
+    another packed into one message of ``latency + bytes / bandwidth`` (:func:`tag.sim.engine._merge`):
+    at least each flow's ``bytes / bandwidth``."""
+    n, m = sim.num_devices, sim.num_machines
+    load, out, into = np.zeros(n), np.zeros(m), np.zeros(m)
+    if micro is None:
+        pairs = [(pr, 1) for pr in sim._pairs_used(gds)]
+    elif len(micro.gds) == 1:
+        pairs = [(pr, 1) for pr in sim._pairs_used(micro.gds[0])]
+    else:  # micro-batches of one size share one deployment (one list): its pairs once, times their count
+        runs: dict[int, list] = {}
+        for mg in micro.gds:
+            runs.setdefault(id(mg), [mg, 0])[1] += 1
+        pairs = [(pr, c) for mg, c in runs.values() for pr in sim._pairs_used(mg, "micro")]
+        pairs += [(pr, 1) for pr in sim._pairs_used(micro.gds[0], "first")]
+        pairs += [(pr, 1) for pr in sim._pairs_used(micro.gds[-1], "last")]
+    cache = sim.cache("transfer-load")
+    for pr, c in pairs:
+        hit = cache.get(id(pr.tpl))
+        if hit is None or hit[0] is not pr.tpl:
+            flows = [f for _, fl in pr.tpl.by_dst for f in fl]
+            a = np.asarray([f[4] for f in flows], dtype=np.int64)
+            b = np.asarray([f[5] for f in flows], dtype=np.int64)
+            secs = np.asarray([f[9] for f in flows], dtype=float) / sim.comm.bandwidth[a, b]
+            ma = np.asarray([f[6] for f in flows], dtype=np.int64)
+            mb = np.asarray([f[7] for f in flows], dtype=np.int64)
+            cross = ma >= 0
+            if len(cache) > 100_000:
+                cache.clear()
+            hit = cache[id(pr.tpl)] = (pr.tpl, a, b, secs, ma[cross], mb[cross], secs[cross])
+        _, a, b, secs, ma, mb, xs = hit
+        np.add.at(load, a, secs * c)
+        np.add.at(load, b, secs * c)
+        np.add.at(out, ma, xs * c)
+        np.add.at(into, mb, xs * c)
+    return load, out, into
+
+
+def _sync_chain(sim, gds, micro, done: np.ndarray) -> np.ndarray:
+    """Per device: its gradient collectives end no earlier than this (seconds). ``done``: per
+    device, its compute tasks start no earlier than its ``first`` and last their seconds at least,
+    so the tasks up to one of them end no earlier than ``first`` plus their seconds (``done`` is
+    ``first`` plus all of them).
+
+    A device runs its groups' last backward (a pipeline's last micro-batch: its stage's sequence
+    ends with it) in reverse group order after every other task of its, so group ``g``'s ends no
+    earlier than ``done`` less the last backwards of the device's groups before ``g``; its
+    ``group_finish`` (the latest replica's) no earlier than the latest of its devices'. A sync
+    starts after its groups' ``group_finish`` and after the device's previous sync
+    (``Run._syncs``: one collective stream per device; a run of syncs over one member set chained)
+    and lasts its seconds. Counted only where every group runs on a layout (no position chunks)
+    and, in a pipeline, every device runs one stage whose sequence ends with its last micro-batch's
+    backward; elsewhere the syncs' seconds summed per device."""
+    n, k = sim.num_devices, len(gds)
+    last = gds if micro is None else micro.gds[-1]
+    ready = np.zeros(k)  # per group: its last backward ends no earlier (seconds)
+    if all(gd.layout is not None for gd in last) and (micro is None or _one_stage_each(micro, last, n)):
+        before = np.zeros(n)  # per device: the last backwards of its groups before g
+        for g, gd in enumerate(last):
+            lay = gd.layout
+            ready[g] = float((done[lay.dev_arr] - before[lay.dev_arr]).max())
+            np.add.at(before, lay.dev_arr, lay.dur[BWD, g])
+    end = np.zeros(n)
+    for gs, job in sim.sync_jobs(gds):
+        devs = list(job.sync_devices)
+        end[devs] = np.maximum(end[devs], max(ready[g] for g in gs)) + job.sync_time
+    return end
+
+
+def _one_stage_each(micro, last, n: int) -> bool:
+    """True when every device runs the groups of one pipeline stage only and every stage's last
+    task is its last micro-batch's backward."""
+    stage = np.full(n, -1)
+    for s, gs in enumerate(micro.members):
+        for g in gs:
+            devs = last[g].layout.dev_arr
+            if ((stage[devs] != -1) & (stage[devs] != s)).any():
+                return False
+            stage[devs] = s
+    ends: dict[int, tuple[int, int]] = {}
+    for s, ph, m in micro.tasks:
+        ends[s] = (ph, m)
+    return all(x == (BWD, len(micro.gds) - 1) for x in ends.values())
 
 
 def _pipeline_waits(sim, micro, pipeline) -> list[tuple[np.ndarray, float, float]]:

@@ -1130,7 +1130,12 @@ def _holdings(sim, gds, micro: _Micro | None = None):
     one run of the group holds."""
     if micro is not None:
         opt, mem, work, holds, _ = _holdings(sim, micro.gds[0])
-        gcomp = [sum(x) for x in zip(*(_holdings(sim, mg)[4] for mg in micro.gds))]
+        # micro-batches of one size share one deployment (one list): its compute seconds once
+        per_run: dict[int, list[float]] = {}
+        for mg in micro.gds:
+            if id(mg) not in per_run:
+                per_run[id(mg)] = _holdings(sim, mg)[4]
+        gcomp = [sum(x) for x in zip(*(per_run[id(mg)] for mg in micro.gds))]
         per_sample, rc_per_sample = sim.static.mem_per_sample, sim.static.rc_per_sample
         for stage, gs in enumerate(micro.members):
             extra = micro.flight[stage] - 1

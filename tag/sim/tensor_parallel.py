@@ -72,40 +72,60 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
     graph, comm, static = sim.graph, sim.comm, sim.static
     k, r = static.num_groups, len(devices)
     dur, mem, work, saved = np.empty((3, k, r)), np.empty((k, r)), np.empty((k, r)), np.empty((k, r))
-    groups = [list(range(i, i + t)) for i in range(0, r, t)]  # device indices per tp group
     keep = 1.0 - 1.0 / t
     outside = None if sequence_parallel else _outside_saved_per_sample(graph, k)
     compute = []
+    # devices alike (cost class, shard samples, group samples) get the same columns: costed once
+    # (a 512-device stage has a handful of kinds), in device order (the first costs _block_share)
+    alike: dict[tuple, tuple[int, list[int]]] = {}
     for i, (d, b) in enumerate(zip(devices, batches)):
         if sequence_parallel:  # b: the device's token shard, as a sample range; big: its group's
             small, big = b, sum(batches[i - i % t:i - i % t + t])
         else:  # b: the group's samples; 1 / t of their block features (fractional below t samples)
             small, big = b / t, b
         compute.append(small)
-        tab = sim.tables[sim.dev_class[d]]
+        alike.setdefault((sim.dev_class[d], small, big), (d, []))[1].append(i)
+    for (c, small, big), (d, ids) in alike.items():
+        tab = sim.tables[c]
         tx = at_batch(tab, small)  # [K, 3]
-        dur[:, :, i] = tx.T
-        saved[:, i] = static.mem_per_sample * small
-        mem[:, i] = static.mem_fixed + saved[:, i]
+        d_col = tx.T.copy()  # [3, K]
+        s_col = static.mem_per_sample * small
+        m_col = static.mem_fixed + s_col
         if sequence_parallel:  # every op on 1 / t of the tokens
-            work[:, i] = static.work_fixed + static.work_per_sample * small
+            w_col = static.work_fixed + static.work_per_sample * small
         else:
             share = _block_share(sim, d, (small, big))  # [K, 2 phases, 2 batches]
             for ph in (FWD, BWD):  # the shard's seconds + the outside ops' extra ones at the group's batch
                 extra = (1.0 - share[:, ph, 1]) * tab[:, ph, big] - (1.0 - share[:, ph, 0]) * tx[:, ph]
-                dur[ph, :, i] = tx[:, ph] + np.maximum(extra, 0.0)
-            saved[:, i] += outside * (big - small)
-            mem[:, i] += outside * (big - small)
-            work[:, i] = static.work_fixed + static.work_per_sample * big
-    for g in range(k):
-        sp = group_split(graph, g)
+                d_col[ph] = tx[:, ph] + np.maximum(extra, 0.0)
+            s_col = s_col + outside * (big - small)
+            m_col = m_col + outside * (big - small)
+            w_col = static.work_fixed + static.work_per_sample * big
+        dur[:, :, ids] = d_col[:, :, None]
+        saved[:, ids] = s_col[:, None]
+        mem[:, ids] = m_col[:, None]
+        work[:, ids] = w_col[:, None]
+    splits = [group_split(graph, g) for g in range(k)]
+    # the blocking collectives per tensor-parallel group: [K] seconds per (ring, batch), priced once
+    # (CommModel.ring_key: groups with equal keys take equal seconds); 0 for a group without blocks
+    priced: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    for i in range(0, r, t):
+        devs = list(devices[i:i + t])
+        b = sum(batches[i:i + t]) if sequence_parallel else batches[i]
+        ring = (comm.ring_key(devs), b)
+        col = priced.get(ring)
+        if col is None:
+            fwd, bwd = np.zeros(k), np.zeros(k)
+            for g, sp in enumerate(splits):
+                if sp.blocks:
+                    fwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_fwd])
+                    bwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_bwd])
+            col = priced[ring] = (fwd[:, None], bwd[:, None])
+        dur[FWD, :, i:i + t] += col[0]
+        dur[BWD, :, i:i + t] += col[1]
+    for g, sp in enumerate(splits):
         if not sp.blocks:
             continue
-        for reps in groups:
-            devs = [devices[i] for i in reps]
-            b = sum(batches[i] for i in reps) if sequence_parallel else batches[reps[0]]
-            dur[FWD, g, reps] += comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_fwd])
-            dur[BWD, g, reps] += comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_bwd])
         gb = float(static.grad_bytes[g])
         if gb > 0:
             dur[OPT, g, :] *= 1.0 - keep * sp.split_bytes / gb
