@@ -11,9 +11,10 @@ What is fitted, and how (:data:`tag.cost.gpu.FIT_PARAMS`): the device constants 
 least squares on relative error over the **per-class kernel seconds** of every step (one row per
 class of each step; cuDNN runs some convolutions as GEMM kernels, so a graph with convolutions
 has one matmul+conv row), then ``host_s`` (host seconds per launch) and ``step_host_s`` (per
-step) on the step times by a grid search (least squares on log time). **Leave one workload out**: both fitted on the other
-workloads (fp32 and bf16 steps), the held-out workload's device time (its summed kernel seconds)
-and step time predicted. ``--held-out`` files (another run or machine) are predicted with the fit
+step) on the step times by a grid search (least absolute log error: robust to a step measured
+beside other processes). **Leave one workload out**: both fitted on the other workloads (fp32
+and bf16 steps), the held-out workload's device time (its summed kernel seconds) and step time
+predicted. ``--held-out`` files (another run or machine) are predicted with the fit
 on all. ``--write`` stores the fit on all in ``tag/cost/gpu_calib/H200-fit.json`` (what ``tag
 simulate`` uses) and the report in ``evaluation/results/gpu-cost/``.
 
@@ -179,12 +180,12 @@ def fit(cases: list[dict]):
 
 def fit_host(cases: list[tuple], rates) -> tuple[float, float]:
     """(``host_s``, ``step_host_s``) on :data:`HOST_GRID_S` x :data:`STEP_GRID_S` minimising the
-    summed squared log error of the predicted steps over ``cases`` ((graph, measured s)). The
+    summed absolute log error of the predicted steps over ``cases`` ((graph, measured s)). The
     step constant adds to every prediction, so only ``host_s`` needs the stage tables."""
     base = np.array([[predict(g, dataclasses.replace(rates, host_s=h, step_host_s=0.0)) for h in HOST_GRID_S]
                      for g, _ in cases])  # [cases, host grid]
     meas = np.array([s for _, s in cases])
-    loss = (np.log((base[:, :, None] + np.array(STEP_GRID_S)[None, None, :]) / meas[:, None, None]) ** 2).sum(axis=0)
+    loss = np.abs(np.log((base[:, :, None] + np.array(STEP_GRID_S)[None, None, :]) / meas[:, None, None])).sum(axis=0)
     i, j = np.unravel_index(int(np.argmin(loss)), loss.shape)
     return HOST_GRID_S[i], STEP_GRID_S[j]
 
@@ -246,6 +247,46 @@ def run(cache: Path, fit_files: list[Path], held_files: list[Path], capture_miss
             "held_out": [{k: v for k, v in c.items() if k not in strip} for c in held]}
 
 
+NOTES = """## What the tables show
+
+- **Device side.** Per class, the rule with microbenchmark rates (before) underestimated the
+  transformers' memory-bound classes by 1.3-2.7x (the SDPA encoder's by 10x and more: all its
+  kernels are floor) and their bf16 matmuls by 1.7-3x: bf16 steps are made of many small
+  kernels, and a small kernel costs a floor no bandwidth or FLOP rate gives. With the per-kernel
+  floor (`kernel_s`, about 4 us of device time per kernel), the fitted rates and batch norm's
+  extra passes, the device time of a held-out workload is within 20% on 10 of 12 steps, and
+  within 8.3% on every fp32 step but the encoder's (-11.9%). The two outliers: GPT-2 124M bf16
+  (-37%) spends 7.9 ms of its 12.6 ms of matmul time in `cutlass_75_tensorop_bf16_s1688gemm ...
+  align1` kernels, an unaligned fallback (most likely its LM head: the 50257 vocabulary is not a
+  multiple of 8; a graph without shapes cannot see it), and 17.8 ms in 973 memory kernels where
+  the graph has 576 launches (eager autocast's casts and non-contiguous copies); the SDPA
+  encoder's bf16 step (0.57 ms of kernels, +42%) is too small to pin anything. ResNet-50's batch
+  norms stay slower than the fit predicts even with their extra passes counted (fp32 1.3x, bf16
+  3x: the norm bandwidth is shared with the transformers' layer norms and softmaxes).
+- **Host side.** Two constants, `host_s` per launch and `step_host_s` per step; the stages of
+  one step are one pipeline (`tag.cost.gpu.stage_table`: the host issues the whole step without
+  waiting, so a GPU-bound stretch hides the host time of the next). The fp32 steps of the five
+  larger workloads are predicted within 15% (GPU-bound). Host-bound bf16 steps are not
+  consistent with any per-launch constant: in run 1 gpt2 6L bf16 spends 66 us per graph launch,
+  bert bf16 36 us; the same gpt2 6L bf16 step took 32.3 ms in run 1, 27.5 ms in run 3 and 16.6 ms
+  on the calibration machine; llama bf16 52.4 ms in run 1 and 40.4 ms in run 2 (same kernels,
+  16.9 ms). Step times that vary 1.3-2x between runs of one workload bound what a fit of them can
+  reach: the 20% target holds for the GPU-bound steps, not for every host-bound bf16 one. The
+  encoder's held-out steps (+59%) are the per-step constant: only the encoder (6-8 ms steps) pins
+  it, and without it the other workloads fit 6.3 ms instead of 2.2 ms.
+- **Parameters.** 9 device constants (fitted on 50 class rows of 12 steps) and 2 host constants
+  (on the 12 step times). `matmul:tf32` and `conv:fp32` are not exercised by any eager step
+  (PyTorch's defaults) and keep the microbenchmark's rates; unmeasured GPU types derive every rate
+  from these through datasheet ratios (`tag.cost.gpu.gpu_rates`).
+- **Before this fit** (microbenchmark rates and one `host_s` fitted to the three calibration
+  workloads of `gpu_calib/H200.jsonl`, the rule at 1e1aa35): worst held-out step error 21.6% on
+  those three; its device time on the GPU-check steps was 13-57% low (GPT-2 124M bf16 -56.7%,
+  Llama bf16 -46.8%, SDPA encoder -90%), and those device times counted the profiler's
+  `Optimizer.step#Adam.step` annotation (0.4-4.4 ms) as kernel time (`kernel_class` leaves it
+  out).
+"""
+
+
 def _ms(x) -> str:
     return "-" if x is None else f"{x * 1e3:.2f}"
 
@@ -260,7 +301,7 @@ def write_report(res: dict, command: str) -> None:
            "host_s": f["host_s"], "step_host_s": f["step_host_s"],
            "fitted_on": [f"{c['file']}: {c['spec']} batch {c['batch']} {c['precision']}" for c in res["cases"]],
            "how": "device constants: NNLS on relative error of per-class kernel seconds; host_s, step_host_s: "
-                  "grid search on log step time (evaluation/gpu_cost_check.py)",
+                  "grid search, least absolute log error of step times (evaluation/gpu_cost_check.py)",
            "command": command}
     write_json(CALIB_DIR / f"{GPU}-fit.json", fit)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
@@ -322,6 +363,7 @@ def write_report(res: dict, command: str) -> None:
                if "device_s" in c else "- | - | -")
         lines.append(f"| {c['file']} | {c['spec'][:48]} | {c['precision']} | {_ms(c['measured_s'])} | "
                      f"{_ms(a['predicted_s'])} | {a['error']:+.1%} | {dev} |")
+    lines += ["", NOTES]
     write_atomic(OUT_DIR / "README.md", "\n".join(lines) + "\n")
 
 

@@ -237,3 +237,33 @@ def test_check_splits_kernel_time_by_class_and_the_rule_is_linear(graphs):
     assert sum(by_class.values()) == pytest.approx(t[:, 0].sum())
     for j, b in enumerate((B, 2 * B)):
         np.testing.assert_allclose(design(feat, rates, b) @ theta_of(rates), t[:, j], rtol=1e-9, atol=1e-15)
+
+
+def test_stage_table_is_the_eager_pipeline(graphs):
+    """The stages of an eager step add up to the finish of its last kernel when the host issues
+    every kernel in eager order (forward 0..K-1, backward K-1..0, updates) without waiting and
+    the GPU runs them in order (checked against a loop over the kernels); with no host cost the
+    step is the kernels' sum, with a slow host it is the host's launches."""
+    import dataclasses
+
+    from tag.cost.gpu import launches, stage_table
+    from tag.graph.ir import PHASES
+
+    g = graphs["bf16"]
+    feat = OpFeatures.of(g, Numerics())
+    K = g.num_groups
+    rates = dataclasses.replace(gpu_rates(GPU_CATALOG["H200"]), host_s=7e-6)
+    t = op_seconds(feat, rates, [B])[:, 0]
+    n = launches(feat, [B])[:, 0]
+    key = {("fwd", k): k for k in range(K)} | {("bwd", k): 2 * K - 1 - k for k in range(K)} | \
+        {("opt", k): 2 * K + k for k in range(K)}
+    host = finish = 0.0
+    for i in sorted(range(len(g.ops)), key=lambda i: (key[g.ops[i].phase, g.ops[i].group], i)):
+        host += n[i] * rates.host_s
+        finish = max(finish, host) + t[i]
+    tab = stage_table(g, feat, rates, [B])
+    assert tab.shape == (K, len(PHASES), 1) and (tab >= 0).all()
+    assert tab.sum() == pytest.approx(finish, rel=1e-12)
+    assert stage_table(g, feat, dataclasses.replace(rates, host_s=0.0), [B]).sum() == pytest.approx(t.sum())
+    slow = dataclasses.replace(rates, host_s=1.0)  # a second per launch: the device's work is hidden
+    assert stage_table(g, feat, slow, [B]).sum() == pytest.approx(n.sum(), rel=1e-3)  # kernels: < 1 ms in all

@@ -578,30 +578,37 @@ def launches(feat: OpFeatures, batches) -> np.ndarray:
 
 
 def stage_table(graph, feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray:
-    """Seconds ``[K, 3, len(batches)]`` of every (group, phase) stage run eagerly on the GPU.
+    """Seconds ``[K, 3, len(batches)]`` of every (group, phase) stage of an eager step on the GPU.
 
-    The host issues the stage's kernels in graph order, ``host_s`` each; the GPU runs them in
-    order, each once issued and once the previous one finished. Kernel ``j`` is issued at
-    ``H_j = host_s * (launches up to and including j)``, so the stage ends at
-    ``max_j (H_j + sum_{i >= j} t_i)`` (``t``: :func:`op_seconds`): host-bound stages of many small
-    kernels cost ``host_s`` per kernel, GPU-bound ones the sum of their kernels.
+    Eager order: forward of groups 0..K-1, backward of K-1..0, then the updates of 0..K-1. The
+    host issues the kernels in that order, ``host_s`` each, without waiting for the GPU; the GPU
+    runs them in order, each once issued and once the previous one finished. Kernel ``j`` is
+    issued at ``H_j = host_s * (launches up to and including j)`` and finishes at
+    ``F_j = max(F_{j-1}, H_j) + t_j = T_j + max_{i <= j} (H_i - T_{i-1})`` (``t``:
+    :func:`op_seconds`, ``T`` its running sum). A stage lasts from the previous stage's last
+    finish to its own: the stages add up to the eager step (host-bound stretches cost ``host_s``
+    per kernel, GPU-bound ones the sum of their kernels, and a host that ran ahead during a
+    GPU-bound stage shortens the next).
     """
     from ..graph.ir import PHASES
 
+    K = graph.num_groups
     t = op_seconds(feat, rates, batches)
     h = launches(feat, batches) * rates.host_s
-    row = np.array([o.group * 3 + PHASES.index(o.phase) for o in graph.ops], dtype=np.int64)
-    order = np.lexsort((np.arange(len(row)), row))  # by row, graph order within a row
-    row_s, t_s, h_s = row[order], t[order], h[order]
-    starts = np.flatnonzero(np.r_[True, row_s[1:] != row_s[:-1]]) if len(row_s) else np.array([], dtype=np.int64)
-    ch = np.cumsum(h_s, axis=0)
+    phase = np.array([PHASES.index(o.phase) for o in graph.ops], dtype=np.int64)
+    group = np.array([o.group for o in graph.ops], dtype=np.int64)
+    rank = np.where(phase == 0, group, np.where(phase == 1, 2 * K - 1 - group, 2 * K + group))  # eager position
+    order = np.lexsort((np.arange(len(rank)), rank))  # by stage in eager order, graph order within it
+    out = np.zeros((K * 3, t.shape[1]))
+    if not len(order):
+        return out.reshape(K, 3, t.shape[1])
+    t_s, h_s, rank_s = t[order], h[order], rank[order]
     ct = np.cumsum(t_s, axis=0)
-    seg_of = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(row_s)]))
-    h0 = (ch - h_s)[starts][seg_of]  # host time before the row's first op
-    t_before = (ct - t_s)  # GPU time of the ops before j (all rows)
-    t_end = ct[np.r_[starts[1:] - 1, len(row_s) - 1]][seg_of] if len(row_s) else ct
-    value = (ch - h0) + (t_end - t_before)  # H_j within the row + GPU time of j..end of the row
-    out = np.zeros((graph.num_groups * 3, t.shape[1]))
-    if len(row_s):
-        out[row_s[starts]] = np.maximum.reduceat(value, starts, axis=0)
-    return out.reshape(graph.num_groups, 3, t.shape[1])
+    finish = ct + np.maximum.accumulate(np.cumsum(h_s, axis=0) - (ct - t_s), axis=0)  # F_j
+    last = np.r_[np.flatnonzero(rank_s[1:] != rank_s[:-1]), len(rank_s) - 1]  # each stage's last op
+    end = finish[last]
+    dur = np.diff(np.vstack([np.zeros((1, t.shape[1])), end]), axis=0)
+    r = rank_s[last]
+    row = np.where(r < K, r * 3, np.where(r < 2 * K, (2 * K - 1 - r) * 3 + 1, (r - 2 * K) * 3 + 2))
+    out[row] = dur
+    return out.reshape(K, 3, t.shape[1])
