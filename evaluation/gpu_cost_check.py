@@ -284,6 +284,15 @@ NOTES = """## What the tables show
   Llama bf16 -46.8%, SDPA encoder -90%), and those device times counted the profiler's
   `Optimizer.step#Adam.step` annotation (0.4-4.4 ms) as kernel time (`kernel_class` leaves it
   out).
+- **Golden figures.** The 104 stored plans of the quick suite in
+  `evaluation/results/golden/golden.json` re-simulated with this rule against the same plans
+  with the rule of c0fc1d8 (`evaluation.golden.resimulate`; the 210 planner-benchmark plans not
+  re-simulated, `--resim-only` takes about 13 minutes): `local-cpu2` 26 of 26 identical;
+  `tag-testbed` median 1.48x (1.06-1.72), `cloud-t4` 1.31x (1.03-1.41), `homogeneous-8xa100`
+  1.69x (1.52-1.80). The quick suite's models are tiny (GPT-2 3 layers 192 wide, ResNet-18 24
+  wide: steps of a few ms), where the per-kernel floor, `step_host_s` and the larger `host_s`
+  dominate. The stored file already differs from c0fc1d8 (0.64-1.065x on these cells) before
+  this change: it needs `--out` after the merge.
 """
 
 
