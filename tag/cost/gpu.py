@@ -7,7 +7,7 @@ optimizer update of one parameter) or ``memory`` (everything else: elementwise o
 casts). CUDA kernels fall in the same classes by name (:func:`kernel_class`), which is how the
 constants are fitted. An op's seconds on a GPU (:func:`op_seconds`):
 
-* ``matmul``: ``K + flops / R_mm[mode]``; ``conv``: ``K + flops / R_conv[mode]``
+* ``matmul``: ``C_mm[mode] + flops / R_mm[mode]``; ``conv``: ``K + flops / R_conv[mode]``
 * ``attention``: ``K + flops / (e_att * R_ref[mode])``
 * ``norm``: ``K + bytes / BW_norm`` (batch norm's extra passes: :data:`NORM_PASSES`);
   ``memory``: ``K + bytes / BW``
@@ -16,7 +16,10 @@ constants are fitted. An op's seconds on a GPU (:func:`op_seconds`):
   paid once per step (:meth:`GpuRates.step_overhead`)
 
 ``K`` (``kernel_s``) is the per-kernel floor: the device seconds a kernel costs beyond its work
-(small kernels do not fill the GPU). The host issues one launch per op, ``host_s`` each
+(small kernels do not fill the GPU). A matmul's floor is its own, ``C_mm[mode]``
+(``matmul_call_s``): small and unaligned GEMMs run below the large-matmul rate, and the seconds they
+lose are charged per call, so a large matmul runs at the microbenchmark's marginal rate
+``R_mm`` (measured between n=1024 and n=4096 square matmuls) whatever small ones the fit saw. The host issues one launch per op, ``host_s`` each
 (:func:`stage_table`), and spends ``step_host_s`` once per step: eager PyTorch dispatches kernels one by one, so a stream of small kernels
 runs at the host's pace. ``mode`` is the op's dtype as the hardware runs it: ``low`` (bf16/fp16
 tensor cores) for a bf16/fp16 op; for an fp32 op ``tf32`` where PyTorch enables TF32
@@ -31,20 +34,23 @@ Where the constants come from (``GpuRates.source``):
   ``BW`` the large elementwise kernel, ``launch_s`` the per-kernel time of a stream of tiny
   kernels; ``R_ref`` = ``R_mm`` of the microbenchmarks. Where eager training steps were
   profiled (``gpu_calib/<type>-fit.json``, written by ``evaluation/gpu_cost_check.py``) the
-  constants of :data:`FIT_PARAMS` (``K``, ``R_mm``, ``R_conv``, ``e_att``, ``BW``, ``BW_norm``,
-  ``BW_opt``) are fitted to the per-class kernel seconds of those steps (:func:`fit_device`) and
-  ``host_s`` and ``step_host_s`` to their step times; a class no profiled step exercises keeps the microbenchmark's.
+  constants of :data:`FIT_PARAMS` (``K``, ``C_mm``, ``R_conv``, ``BW``, ``BW_norm``, ``BW_opt``;
+  ``e_att`` only where the steps' attention kernels take long enough to identify it) are fitted to
+  the per-class kernel seconds of those steps (:func:`fit_device`) and ``host_s`` (``step_host_s``
+  where the fit file sets it) to their step times; ``R_mm`` stays the microbenchmark's (:data:`FIXED_PARAMS`),
+  and a constant no profiled step identifies keeps the microbenchmark's (``e_att`` = 1: fused
+  attention at the matmul rate of its mode, an assumption).
 * ``datasheet:<type>``: any other catalog GPU. The achieved-to-datasheet ratios of the fitted
   type (H200) are applied to this type's datasheet peaks (FP32, TF32 :data:`TF32_TFLOPS`,
-  FP16/BF16 tensor, memory bandwidth); ``K``, ``host_s``, ``step_host_s`` and ``launch_s`` are kept in seconds,
+  FP16/BF16 tensor, memory bandwidth); ``K``, ``C_mm``, ``host_s``, ``step_host_s`` and ``launch_s`` are kept in seconds,
   ``e_att`` as a ratio. Without TF32 (before Ampere) a tf32 op runs at the FP32 rate.
 
 Not measured anywhere, assumed: an fp32 convolution with TF32 off reaches the same fraction of
 the FP32 matmul rate as the TF32 convolution reaches of the TF32 matmul rate; fp16 runs at the
 bf16 rates (equal in every datasheet of the catalog's tensor-core GPUs); convolution backward
-runs at the forward convolution's rate. Not modelled: a matmul's shape beyond its FLOPs (a
-vocabulary that is not a multiple of 8 runs on slower unaligned kernels: the graph keeps no
-shapes).
+runs at the forward convolution's rate. Not modelled: a matmul's shape beyond its FLOPs and its
+per-call ``C_mm`` (a vocabulary that is not a multiple of 8 runs on slower unaligned kernels: the
+graph keeps no shapes).
 """
 
 from __future__ import annotations
@@ -155,6 +161,13 @@ class GpuRates:
     microbenchmark rate of its mode)."""
     attention_ref: dict | None = field(default=None, hash=False)
     """mode -> FLOP/s that ``attention_eff`` scales; None: ``matmul``."""
+    matmul_call_s: dict | None = field(default=None, hash=False)
+    """mode -> device seconds of a matmul kernel beyond ``flops / matmul[mode]`` (its floor in
+    place of ``kernel_s``); None: ``kernel_s``."""
+
+    def matmul_floor(self, mode: str) -> float:
+        """Device seconds a matmul kernel in ``mode`` costs beyond its FLOPs."""
+        return self.kernel_s if self.matmul_call_s is None else self.matmul_call_s[mode]
 
     def step_overhead(self, optimizer: str) -> float:
         """Seconds paid once per step: the optimizer's multi-tensor launches and ``step_host_s``."""
@@ -269,9 +282,10 @@ def fit_microbenchmarks(records: list[dict]) -> dict:
 
 FIT_PARAMS = {
     "kernel_s": ("s", "device seconds every launched kernel costs beyond its work (the per-kernel floor)"),
-    "matmul:fp32": ("FLOP/s", "matmuls on fp32 (FFMA) kernels"),
-    "matmul:tf32": ("FLOP/s", "matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)"),
-    "matmul:low": ("FLOP/s", "matmuls on bf16/fp16 tensor cores"),
+    "matmul:fp32": ("FLOP/s", "matmuls on fp32 (FFMA) kernels: the microbenchmark's marginal rate, not fitted"),
+    "matmul:tf32": ("FLOP/s", "matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32): the "
+                              "microbenchmark's marginal rate, not fitted"),
+    "matmul:low": ("FLOP/s", "matmuls on bf16/fp16 tensor cores: the microbenchmark's marginal rate, not fitted"),
     "conv:fp32": ("FLOP/s", "convolutions with TF32 off"),
     "conv:tf32": ("FLOP/s", "fp32 convolutions (cuDNN runs them on TF32 by default), layout transforms included"),
     "conv:low": ("FLOP/s", "bf16/fp16 convolutions, layout transforms included"),
@@ -279,13 +293,23 @@ FIT_PARAMS = {
     "memory_bw": ("B/s", "elementwise, copy and cast kernels (bytes read + written)"),
     "norm_bw": ("B/s", "normalisation, softmax and reduction kernels (bytes read + written)"),
     "opt_bw": ("B/s", "the multi-tensor optimizer update (bytes of its FOREACH_SWEEPS passes)"),
+    "matmul_call:fp32": ("s", "device seconds per fp32 matmul kernel beyond FLOPs / matmul:fp32"),
+    "matmul_call:tf32": ("s", "device seconds per TF32 matmul kernel beyond FLOPs / matmul:tf32"),
+    "matmul_call:low": ("s", "device seconds per bf16/fp16 matmul kernel beyond FLOPs / matmul:low"),
 }
 """The device constants of the GPU rule, fitted per GPU type to the per-class kernel seconds of
 eager training steps (:func:`fit_device`): name -> (unit, what it times). The fit is linear in
 their inverses (a kernel's seconds: ``kernel_s`` + FLOPs / rate or bytes / bandwidth), so each
-is one column of :func:`design`. ``host_s`` (s per launch) and ``step_host_s`` (s per step) are
-fitted to step times afterwards."""
+is one column of :func:`design`, except the seconds (``kernel_s``, ``matmul_call:<mode>``), which
+enter as they are. ``host_s`` (s per launch) and ``step_host_s`` (s per step) are fitted to step
+times afterwards."""
 COLUMNS = tuple(FIT_PARAMS)
+FIXED_PARAMS = ("matmul:fp32", "matmul:tf32", "matmul:low")
+"""Columns never fitted: the marginal matmul rate of the microbenchmarks (large square matmuls)
+holds for the large matmuls the planner costs; the small GEMMs of the profiled steps run below it,
+which ``matmul_call:<mode>`` charges per call instead."""
+SECONDS = tuple(n for n, (unit, _) in FIT_PARAMS.items() if unit == "s")
+"""Columns in seconds (the others are inverse rates in theta)."""
 
 
 def load_fit(gpu: str, root: Path = CALIB_DIR) -> dict:
@@ -301,7 +325,7 @@ def theta_of(rates: GpuRates) -> np.ndarray:
     inv = [rates.matmul[m] for m in MODES] + [rates.conv[m] for m in MODES] + [
         rates.attention_eff, rates.bandwidth, rates.norm_bandwidth or rates.bandwidth,
         rates.opt_bandwidth or rates.bandwidth]
-    return np.array([rates.kernel_s] + [1.0 / v for v in inv])
+    return np.array([rates.kernel_s] + [1.0 / v for v in inv] + [rates.matmul_floor(m) for m in MODES])
 
 
 def with_theta(rates: GpuRates, theta, source: str | None = None) -> GpuRates:
@@ -313,20 +337,21 @@ def with_theta(rates: GpuRates, theta, source: str | None = None) -> GpuRates:
         rates, source=source or rates.source, kernel_s=t[0],
         matmul={m: 1.0 / t[1 + i] for i, m in enumerate(MODES)}, conv={m: 1.0 / t[4 + i] for i, m in enumerate(MODES)},
         attention_eff=1.0 / t[7], bandwidth=1.0 / t[8], norm_bandwidth=1.0 / t[9], opt_bandwidth=1.0 / t[10],
-        attention_ref=rates.attention_ref or dict(rates.matmul))
+        attention_ref=rates.attention_ref or dict(rates.matmul), matmul_call_s={m: t[11 + i] for i, m in enumerate(MODES)})
 
 
-def fit_device(X: np.ndarray, T: np.ndarray, prior: np.ndarray) -> np.ndarray:
+def fit_device(X: np.ndarray, T: np.ndarray, prior: np.ndarray, fixed=()) -> np.ndarray:
     """Non-negative least squares for the unknowns ``theta`` of ``X @ theta ~= T``, each row
     weighted by ``1 / T`` (relative errors: a 50 us class counts as much as a 50 ms one).
 
     ``X``: ``[rows, len(COLUMNS)]``, the summed :func:`design` of the ops of one measured group of
     kernels (a class of one workload's step); ``T``: ``[rows]`` their measured seconds. A column
-    no row exercises (no convolution among the workloads, say) keeps ``prior``'s value."""
+    no row exercises (no convolution among the workloads, say) and the columns named in ``fixed``
+    keep ``prior``'s value (their share of each row is taken off its measured seconds)."""
     from scipy.optimize import nnls
 
     X, T, prior = np.asarray(X, float), np.asarray(T, float), np.asarray(prior, float)
-    used = np.abs(X).sum(axis=0) > 0
+    used = (np.abs(X).sum(axis=0) > 0) & ~np.isin(np.array(COLUMNS), list(fixed))
     A = X / T[:, None]
     b = np.ones(len(T)) - A[:, ~used] @ prior[~used]
     scale = np.where(used, np.abs(A).max(axis=0), 1.0)  # columns of FLOPs, bytes and counts differ by 1e12
@@ -373,7 +398,7 @@ def fitted_rates(gpu: str = REFERENCE_GPU) -> GpuRates | None:
     for i, name in enumerate(COLUMNS):
         if name in fit["params"]:
             v = float(fit["params"][name])
-            theta[i] = v if name == "kernel_s" else 1.0 / v
+            theta[i] = v if name in SECONDS else 1.0 / v
     return dataclasses.replace(with_theta(base, theta), host_s=float(fit["host_s"]),
                                step_host_s=float(fit.get("step_host_s", 0.0)))
 
@@ -396,7 +421,8 @@ def gpu_rates(spec) -> GpuRates:
     return GpuRates(spec.name, f"datasheet:{spec.name}", mm, conv, ref.bandwidth * bw_ratio, ref.launch_s, ref.host_s,
                     ref.step_host_s, ref.kernel_s, (ref.norm_bandwidth or ref.bandwidth) * bw_ratio,
                     (ref.opt_bandwidth or ref.bandwidth) * bw_ratio, ref.attention_eff,
-                    {m: (ref.attention_ref or ref.matmul)[m] / rp[m] * sp[m] for m in MODES})
+                    {m: (ref.attention_ref or ref.matmul)[m] / rp[m] * sp[m] for m in MODES},
+                    None if ref.matmul_call_s is None else dict(ref.matmul_call_s))
 
 
 # ------------------------------------------------------------------------------ per-op seconds
@@ -539,22 +565,29 @@ def op_seconds(feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray:
     t = np.where(cls == OP_CLASSES.index("conv"), f / conv_rate, t)
     t = np.where(cls == OP_CLASSES.index("attention"), f / att_rate, t)
     t = np.where(cls == OP_CLASSES.index("opt"), m * feat.sweeps / (rates.opt_bandwidth or rates.bandwidth), t)
-    t = t + rates.kernel_s * launches(feat, batches)
+    floor = np.where(feat.cls == OP_CLASSES.index("matmul"),
+                     np.array([rates.matmul_floor(x) for x in MODES])[feat.mode], rates.kernel_s)
+    t = t + floor[:, None] * launches(feat, batches)
     return np.where(feat.kernel[:, None], t, 0.0)
 
 
 def design(feat: OpFeatures, rates: GpuRates, batch: float) -> np.ndarray:
     """``[n_ops, len(COLUMNS)]``: each op's seconds at ``batch`` as a linear function of the
     unknowns :func:`theta_of` (a launch counts 1 in ``kernel_s``; FLOPs go to their class and
-    mode's rate, bytes to their class's bandwidth; attention FLOPs over ``attention_ref``)."""
+    mode's rate, bytes to their class's bandwidth; attention FLOPs over ``attention_ref``; a
+    matmul's launch to ``matmul_call:<mode>``)."""
     f = feat.flops[:, 0] + feat.flops[:, 1] * batch
     m = feat.nbytes[:, 0] + feat.nbytes[:, 1] * batch
     ref = rates.attention_ref or rates.matmul
     X = np.zeros((len(f), len(COLUMNS)))
     rows = np.arange(len(f))
-    X[:, 0] = launches(feat, [batch])[:, 0]
+    n_launch = launches(feat, [batch])[:, 0]
+    X[:, 0] = n_launch
     for k, c in enumerate(feat.cls):
         cls = OP_CLASSES[c]
+        if cls == "matmul":  # its floor is the per-call constant of its mode, not kernel_s
+            X[k, 0] = 0.0
+            X[k, COLUMNS.index(f"matmul_call:{MODES[feat.mode[k]]}")] = n_launch[k]
         if cls in ("matmul", "conv"):
             X[k, COLUMNS.index(f"{cls}:{MODES[feat.mode[k]]}")] = f[k]
         elif cls == "attention":
