@@ -125,7 +125,11 @@ def test_cost_model_sources(tmp_path):
 
 
 def test_scaled_gpu_profile_by_roofline(tmp_path):
+    from tag.graph.ir import Affine
+
     g = chain_graph(2)
+    for op in g.ops:  # 10 GFLOP a sample: compute-bound (a 1-FLOP op costs every GPU the same
+        op.flops = Affine(0.0, 1e10)  # per-kernel and host seconds: ratio 1)
     topo = load_topology({"name": "g", "machines": [{"name": "a", "gpu": "A100-40GB", "count": 1},
                                                     {"name": "v", "gpu": "V100-SXM2-16GB", "count": 1}],
                           "network": {"bandwidth": "10 Gbit/s"}})

@@ -6,19 +6,29 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from tag.cost.gpu import (
+    COLUMNS,
+    FIT_PARAMS,
+    FIXED_PARAMS,
+    SECONDS,
     Numerics,
     OpFeatures,
+    design,
+    fit_device,
     fit_microbenchmarks,
     fitted_rates,
     gpu_rates,
+    kernel_class,
     load_calibration,
+    microbenchmark_rates,
     op_class,
     op_mode,
     op_seconds,
+    theta_of,
 )
 from tag.errors import PlanError
 from tag.executor import reference_training, run_virtual
@@ -52,17 +62,88 @@ def test_microbenchmark_fit_reproduces_its_measurements():
     assert 49.9e12 < fit["matmul"]["fp32"] < 60e12 and 660e12 < fit["matmul"]["low"] < 900e12
 
 
-def test_step_fit_reproduces_the_measured_steps():
-    """The committed leave-one-workload-out check (evaluation/gpu_cost_check.py) and the shipped
-    fit agree; a regression guard at 25% (the issue's target is 20%: on the graphs captured since
-    the backward kernels are kept the worst held-out error is 21.6%, reported in its README)."""
+def test_fit_device_recovers_known_rates():
+    """Rows built from the design of known constants are fitted back exactly (non-negative least
+    squares on noiseless data); a column no row exercises keeps the prior."""
+    rng = np.random.default_rng(0)
+    true = theta_of(microbenchmark_rates("H200"))
+    true[0] = 5e-6  # 5 us per kernel
+    true[COLUMNS.index("memory_bw")] *= 1.5  # a third slower than the microbenchmark
+    X = np.zeros((30, len(COLUMNS)))
+    X[:, 0] = rng.integers(1, 500, 30)  # kernels
+    for name, scale in (("matmul:fp32", 1e12), ("matmul:low", 1e12), ("conv:tf32", 1e11), ("memory_bw", 1e9),
+                        ("norm_bw", 1e8), ("opt_bw", 1e9), ("attention_eff", 1e-4)):
+        X[:, COLUMNS.index(name)] = rng.uniform(0, scale, 30)
+    theta = fit_device(X, X @ true, prior=true * 2.0)
+    used = X.any(axis=0)
+    np.testing.assert_allclose(theta[used], true[used], rtol=1e-6)
+    np.testing.assert_allclose(theta[~used], 2.0 * true[~used])  # conv:fp32, conv:low, matmul:tf32: the prior
+    # fixed columns keep the prior and their share comes off the measured seconds: the rest is exact
+    fixed = np.isin(np.array(COLUMNS), FIXED_PARAMS)
+    theta = fit_device(X, X @ true, prior=np.where(fixed, true, 2.0 * true), fixed=FIXED_PARAMS)
+    np.testing.assert_allclose(theta[used], true[used], rtol=1e-6)
+    # a wrong fixed rate is not fitted away: the matmul rates stay where they were put
+    off = np.where(fixed, 1.3 * true, 2.0 * true)
+    assert np.array_equal(fit_device(X, X @ true, prior=off, fixed=FIXED_PARAMS)[fixed], off[fixed])
+
+
+def test_kernel_classes_of_real_profiler_names():
+    """Names as the H200 GPU check recorded them (evaluation/results/gpu-check/2026-11-26-h200)."""
+    names = {r[0] for line in (REPO / "evaluation/results/gpu-check/2026-11-26-h200/run1.jsonl").read_text().splitlines()
+             if json.loads(line).get("kind") == "step" for r in json.loads(line)["ops"]["top_kernels"]}
+
+    def one(part: str) -> str:
+        hits = {kernel_class(n) for n in names if part in n}
+        assert len(hits) == 1, (part, hits)
+        return hits.pop()
+
+    assert one("Optimizer.step#Adam.step") is None  # an annotation overlapping the kernels it holds
+    assert [one(p) for p in ("nvjet_sm90", "cutlass_80_simt_sgemm", "sm80_xmma_gemm_f32f32", "splitKreduce")] == \
+        ["matmul"] * 4
+    assert [one(p) for p in ("sm90_xmma_fprop_implicit_gemm", "sm90_xmma_dgrad", "sm90_xmma_wgrad", "nchwToNhwcKernel",
+                             "implicit_convolve_sgemm")] == ["conv"] * 5
+    assert [one(p) for p in ("fmha_cutlassF", "fmha_cutlassB", "native_sdpa_sm90_flash")] == ["attention"] * 3
+    assert [one(p) for p in ("bn_bw_1C11", "batch_norm_backward_kernel", "layer_norm", "softmax_warp_forward",
+                             "cunn_SoftMaxBackward", "native::reduce_kernel<")] == ["norm"] * 6
+    assert one("multi_tensor_apply_kernel") == "opt"
+    # elementwise kernels whose template names hold "#" (lambdas) are kernels, not annotations
+    assert [one(p) for p in ("direct_copy_kernel_cuda", "bfloat16_copy_kernel_cuda", "CatArrayBatchedCopy",
+                             "Memset (Device)")] == ["memory"] * 4
+
+
+def test_stored_fit_gives_the_documented_figures():
+    """tag/cost/gpu_calib/H200-fit.json (written by evaluation/gpu_cost_check.py --write) is what
+    the rule loads, and the same constants as the committed report; the per-op rule is linear in
+    the fitted unknowns (op_seconds == design @ theta_of)."""
+    fit = json.loads((REPO / "tag/cost/gpu_calib/H200-fit.json").read_text())
     res = json.loads((REPO / "evaluation/results/gpu-cost/results.json").read_text())
-    assert len(res["cases"]) == 6
-    for c in res["cases"]:
-        assert abs(c["error"]) < 0.25 and abs(c["error_all"]) < 0.25, c["spec"]
-    shipped = json.loads((REPO / "tag/cost/gpu_calib/H200-steps.json").read_text())
-    assert shipped["host_s"] == pytest.approx(res["host_s_all"]) == fitted_rates("H200").host_s
-    assert fitted_rates("H200").launch_s <= shipped["host_s"] < 1e-4
+    rates = fitted_rates("H200")
+    assert rates.source == "fitted:H200"
+    got = dict(zip(COLUMNS, theta_of(rates)))
+    for name, value in fit["params"].items():
+        assert (got[name] if name in SECONDS else 1.0 / got[name]) == pytest.approx(value, rel=1e-12)
+        assert res["fitted"][name] == pytest.approx(value, rel=1e-12)
+    assert rates.host_s == fit["host_s"] == res["fitted"]["host_s"]
+    assert rates.step_host_s == fit["step_host_s"] == res["fitted"]["step_host_s"]
+    assert len(fit["params"]) + 2 <= 11  # few constants for 12 steps (6 workloads x fp32/bf16)
+    assert all(fit["units"][n] == FIT_PARAMS[n][0] for n in fit["params"])
+
+
+def test_stored_rule_keeps_the_microbenchmark_regime_for_large_ops():
+    """The fitted rule times a large matmul as the microbenchmark measured it (its marginal rate
+    plus the fitted per-call seconds): the n=4096 square matmuls of gpu_calib/H200.jsonl within
+    12% (the isolated calls there also hold 28-40 us of per-call harness time, which an eager
+    stream hides); fused attention, unidentified by the profiled steps, stays at the matmul rate."""
+    rates, micro = fitted_rates("H200"), microbenchmark_rates("H200")
+    assert rates.matmul == micro.matmul
+    fit = json.loads((REPO / "tag/cost/gpu_calib/H200-fit.json").read_text())
+    assert "attention_eff" in fit["assumed"] and "attention_eff" not in fit["params"]
+    assert rates.attention_eff == 1.0 and rates.attention_rate("low") == micro.matmul["low"]
+    for r in load_calibration("H200"):
+        if r["kind"] == "matmul" and r["n"] == 4096:
+            mode = "low" if r["dtype"] == "torch.bfloat16" else ("tf32" if r["tf32"] else "fp32")
+            t = rates.matmul_floor(mode) + 2 * r["n"] ** 3 / rates.matmul[mode]
+            assert abs(t / r["s"] - 1) < 0.12, (mode, t, r["s"])
 
 
 def test_unmeasured_gpu_types_derive_from_their_datasheet():
@@ -77,8 +158,9 @@ def test_unmeasured_gpu_types_derive_from_their_datasheet():
 
 def test_op_classes_and_pytorch_tf32_defaults():
     assert [op_class(t) for t in ("aten.mm.default", "aten.convolution_backward.default", "optim.adam",
-                                  "aten._scaled_dot_product_flash_attention.default", "aten.add.Tensor")] == \
-        ["matmul", "conv", "opt", "attention", "memory"]
+                                  "aten._scaled_dot_product_flash_attention.default", "aten.add.Tensor",
+                                  "aten.native_layer_norm_backward.default", "aten.sum.dim_IntList")] == \
+        ["matmul", "conv", "opt", "attention", "memory", "norm", "norm"]
     # the CPU flash kernels the graphs hold (F.scaled_dot_product_attention captured on the CPU)
     assert {op_class(f"aten._scaled_dot_product_flash_attention_for_cpu{b}.default") for b in ("", "_backward")} == \
         {"attention"}
@@ -111,8 +193,13 @@ def test_bf16_graph_has_bf16_ops_fp32_master_state_and_smaller_activations(graph
 
 
 def test_bf16_costs_less_gpu_time_than_fp32(graphs):
+    """Beyond the per-kernel floors (``kernel_s`` and the matmuls' ``matmul_call_s``, which at
+    this toy size are most of every kernel and about the same in both precisions), bf16 matmuls
+    and memory-bound ops cost less."""
+    import dataclasses
+
     for name in ("H200", "A100-80GB"):
-        rates = gpu_rates(GPU_CATALOG[name])
+        rates = dataclasses.replace(gpu_rates(GPU_CATALOG[name]), kernel_s=0.0, matmul_call_s=None)
         t = {p: op_seconds(OpFeatures.of(g, Numerics()), rates, [B]).sum() for p, g in graphs.items()}
         mm = {p: op_seconds(OpFeatures.of(g, Numerics()), rates, [B])[
             [op_class(o.target) == "matmul" for o in g.ops]].sum() for p, g in graphs.items()}
@@ -157,20 +244,53 @@ def test_bf16_data_parallel_training_equals_single_process_autocast(graphs, topo
     assert all(math.isfinite(x) for x in losses)
 
 
-def test_held_out_check_splits_device_time_by_op_class(graphs):
-    """evaluation/gpu_cost_check.py's per-class comparison: an op table's ATen rows (eager names,
-    composite ops such as ``aten::linear`` included) fall in the rule's classes, multi-tensor
-    optimizer ops in ``opt``; the rule's per-class seconds add up to its device total."""
+def test_check_splits_kernel_time_by_class_and_the_rule_is_linear(graphs):
+    """evaluation/gpu_cost_check.py's per-class comparison: kernel-table rows fall in the rule's
+    classes, annotations left out; the rule's per-class seconds add up to its device total, and
+    equal the design matrix times the unknowns."""
     from evaluation.gpu_cost_check import measured_by_class, predicted_by_class
 
-    rows = [["aten::linear", 4, 1e-4, 2e-3], ["aten::mm", 6, 1e-4, 1e-3], ["aten::native_layer_norm", 2, 1e-5, 5e-4],
-            ["aten::_scaled_dot_product_efficient_attention", 1, 1e-5, 4e-4], ["aten::_foreach_addcdiv_", 1, 1e-5, 3e-4],
-            ["aten::convolution_backward", 1, 1e-5, 2e-4]]
-    got = measured_by_class(rows)
-    assert got == pytest.approx({"matmul": 3e-3, "memory": 5e-4, "attention": 4e-4, "opt": 3e-4, "conv": 2e-4})
-    assert measured_by_class([r[:3] for r in rows]) == {}  # tables without device seconds (before 32700af)
+    rows = [["nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", 4, 2e-3], ["Optimizer.step#Adam.step", 1, 9e-3],
+            ["void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", 6, 5e-4],
+            ["void (anonymous namespace)::softmax_warp_forward<float, float, float, 9, false, false>", 2, 4e-4]]
+    secs, count = measured_by_class(rows)
+    assert secs == pytest.approx({"matmul": 2e-3, "memory": 5e-4, "norm": 4e-4}) and count["memory"] == 6
     rates = gpu_rates(GPU_CATALOG["H200"])
     g = graphs["bf16"]
+    feat = OpFeatures.of(g, Numerics())
     by_class = predicted_by_class(g, rates)
-    assert set(by_class) <= {"matmul", "conv", "attention", "memory", "opt"} and by_class["matmul"] > 0
-    assert sum(by_class.values()) == pytest.approx(op_seconds(OpFeatures.of(g, Numerics()), rates, [B]).sum())
+    assert set(by_class) <= set(("matmul", "conv", "attention", "norm", "memory", "opt")) and by_class["matmul"] > 0
+    t = op_seconds(feat, rates, [B, 2 * B])
+    assert sum(by_class.values()) == pytest.approx(t[:, 0].sum())
+    for j, b in enumerate((B, 2 * B)):
+        np.testing.assert_allclose(design(feat, rates, b) @ theta_of(rates), t[:, j], rtol=1e-9, atol=1e-15)
+
+
+def test_stage_table_is_the_eager_pipeline(graphs):
+    """The stages of an eager step add up to the finish of its last kernel when the host issues
+    every kernel in eager order (forward 0..K-1, backward K-1..0, updates) without waiting and
+    the GPU runs them in order (checked against a loop over the kernels); with no host cost the
+    step is the kernels' sum, with a slow host it is the host's launches."""
+    import dataclasses
+
+    from tag.cost.gpu import launches, stage_table
+    from tag.graph.ir import PHASES
+
+    g = graphs["bf16"]
+    feat = OpFeatures.of(g, Numerics())
+    K = g.num_groups
+    rates = dataclasses.replace(gpu_rates(GPU_CATALOG["H200"]), host_s=7e-6)
+    t = op_seconds(feat, rates, [B])[:, 0]
+    n = launches(feat, [B])[:, 0]
+    key = {("fwd", k): k for k in range(K)} | {("bwd", k): 2 * K - 1 - k for k in range(K)} | \
+        {("opt", k): 2 * K + k for k in range(K)}
+    host = finish = 0.0
+    for i in sorted(range(len(g.ops)), key=lambda i: (key[g.ops[i].phase, g.ops[i].group], i)):
+        host += n[i] * rates.host_s
+        finish = max(finish, host) + t[i]
+    tab = stage_table(g, feat, rates, [B])
+    assert tab.shape == (K, len(PHASES), 1) and (tab >= 0).all()
+    assert tab.sum() == pytest.approx(finish, rel=1e-12)
+    assert stage_table(g, feat, dataclasses.replace(rates, host_s=0.0), [B]).sum() == pytest.approx(t.sum())
+    slow = dataclasses.replace(rates, host_s=1.0)  # a second per launch: the device's work is hidden
+    assert stage_table(g, feat, slow, [B]).sum() == pytest.approx(n.sum(), rel=1e-3)  # kernels: < 1 ms in all

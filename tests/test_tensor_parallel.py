@@ -432,8 +432,9 @@ def test_replicas_of_one_sample(gpt2, v100):
         if s.blocks:
             assert (compute >= half - 1e-12).all() and (compute <= tab[g, :2, 1] + 1e-12).all()
             assert (compute < tab[g, :2, 1]).any()
-        else:
-            assert compute == pytest.approx(tab[g, :2, 1])
+        else:  # rel 1e-5: a GPU stage's seconds are not exactly monotone in the batch (the eager
+            # pipeline of tag.cost.gpu.stage_table: a longer earlier stage lets the host run ahead)
+            assert compute == pytest.approx(tab[g, :2, 1], rel=1e-5)
         assert lay.saved[g] == pytest.approx([(static.mem_per_sample[g] + outside[g]) * 0.5] * 2)
     # one stage on 8 micro-batches of 1 sample: GPipe holds 7 micro-batches' saved activations
     # more than 1F1B (one in flight), each at half a sample inside the blocks, a sample outside

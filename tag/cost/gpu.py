@@ -2,48 +2,62 @@
 
 Every op of the joint graph falls in one **class** (:func:`op_class`): ``matmul`` (``mm``,
 ``addmm``, ``bmm``, ...), ``conv`` (convolutions and their backward), ``attention`` (fused
-scaled-dot-product kernels), ``opt`` (the optimizer update of one parameter) or ``memory``
-(everything else: elementwise ops, reductions, norms, copies, casts). Its seconds on a GPU:
+scaled-dot-product kernels), ``norm`` (normalisations, softmaxes, reductions), ``opt`` (the
+optimizer update of one parameter) or ``memory`` (everything else: elementwise ops, copies,
+casts). CUDA kernels fall in the same classes by name (:func:`kernel_class`), which is how the
+constants are fitted. An op's seconds on a GPU (:func:`op_seconds`):
 
-* ``matmul`` / ``attention``: ``max(flops / R_mm[mode] + c_mm, bytes / BW)``
-* ``conv``: ``max(flops / R_conv[mode], bytes / BW)``
-* ``memory``: ``bytes / BW``
-* ``opt``: ``bytes * sweeps / BW`` (PyTorch's multi-tensor Adam/SGD passes over its tensors more
-  often than the capture's single-kernel count, :data:`FOREACH_SWEEPS`); its launches are paid
-  once per step (:meth:`GpuRates.step_overhead`)
+* ``matmul``: ``C_mm[mode] + flops / R_mm[mode]``; ``conv``: ``K + flops / R_conv[mode]``
+* ``attention``: ``K + flops / (e_att * R_ref[mode])``
+* ``norm``: ``K + bytes / BW_norm`` (batch norm's extra passes: :data:`NORM_PASSES`);
+  ``memory``: ``K + bytes / BW``
+* ``opt``: ``bytes * sweeps / BW_opt`` (PyTorch's multi-tensor Adam/SGD passes over its tensors
+  more often than the capture's single-kernel count, :data:`FOREACH_SWEEPS`); its launches are
+  paid once per step (:meth:`GpuRates.step_overhead`)
 
-and every op that moves or computes anything costs at least ``L``, the launch floor: eager PyTorch
-dispatches kernels one by one, so a stream of small kernels runs at one per ``L`` seconds however
-little each does. ``mode`` is the op's dtype as the hardware runs it: ``low`` (bf16/fp16 tensor
-cores) for a bf16/fp16 op; for an fp32 op ``tf32`` where PyTorch enables TF32 (:class:`Numerics`:
-cuDNN convolutions by default, matmuls only when ``torch.backends.cuda.matmul.allow_tf32`` is
-set), else ``fp32``.
+``K`` (``kernel_s``) is the per-kernel floor: the device seconds a kernel costs beyond its work
+(small kernels do not fill the GPU). A matmul's floor is its own, ``C_mm[mode]``
+(``matmul_call_s``): small and unaligned GEMMs run below the large-matmul rate, and the seconds they
+lose are charged per call, so a large matmul runs at the microbenchmark's marginal rate
+``R_mm`` (measured between n=1024 and n=4096 square matmuls) whatever small ones the fit saw. The host issues one launch per op, ``host_s`` each
+(:func:`stage_table`), and spends ``step_host_s`` once per step: eager PyTorch dispatches kernels one by one, so a stream of small kernels
+runs at the host's pace. ``mode`` is the op's dtype as the hardware runs it: ``low`` (bf16/fp16
+tensor cores) for a bf16/fp16 op; for an fp32 op ``tf32`` where PyTorch enables TF32
+(:class:`Numerics`: cuDNN convolutions by default, matmuls only when
+``torch.backends.cuda.matmul.allow_tf32`` is set), else ``fp32``.
 
 Where the constants come from (``GpuRates.source``):
 
 * ``fitted:<type>``: a GPU type with microbenchmarks in ``gpu_calib/<type>.jsonl``
-  (:func:`fit_microbenchmarks`): ``R_mm[mode]`` is the slope of time over FLOPs between the two
-  largest square matmuls (the per-call overhead of an isolated, synchronised call is the
-  intercept, not part of the rate); ``R_conv[tf32]`` / ``R_conv[low]`` the measured 3x3
-  convolution (an "fp32" convolution runs on TF32 by cuDNN's default); ``BW`` the large
-  elementwise kernel; ``L`` the per-kernel time of a stream of tiny kernels. ``c_mm``, the
-  extra seconds of a matmul inside a training step, is fitted to measured eager training steps
-  (``gpu_calib/<type>-steps.json``, written by ``evaluation/gpu_cost_check.py``).
-* ``datasheet:<type>``: any other catalog GPU. The achieved-to-datasheet ratios measured on the
-  fitted type (H200) are applied to this type's datasheet peaks (FP32, TF32 :data:`TF32_TFLOPS`,
-  FP16/BF16 tensor, memory bandwidth); ``L`` and ``c_mm`` are kept in seconds (host- and
-  driver-bound, not GPU-bound). Without TF32 (before Ampere) a tf32 op runs at the FP32 rate.
+  (:func:`fit_microbenchmarks`, :func:`microbenchmark_rates`): ``R_mm[mode]`` is the slope of time
+  over FLOPs between the two largest square matmuls, ``R_conv`` the measured 3x3 convolution,
+  ``BW`` the large elementwise kernel, ``launch_s`` the per-kernel time of a stream of tiny
+  kernels; ``R_ref`` = ``R_mm`` of the microbenchmarks. Where eager training steps were
+  profiled (``gpu_calib/<type>-fit.json``, written by ``evaluation/gpu_cost_check.py``) the
+  constants of :data:`FIT_PARAMS` (``K``, ``C_mm``, ``R_conv``, ``BW``, ``BW_norm``, ``BW_opt``;
+  ``e_att`` only where the steps' attention kernels take long enough to identify it) are fitted to
+  the per-class kernel seconds of those steps (:func:`fit_device`) and ``host_s`` (``step_host_s``
+  where the fit file sets it) to their step times; ``R_mm`` stays the microbenchmark's (:data:`FIXED_PARAMS`),
+  and a constant no profiled step identifies keeps the microbenchmark's (``e_att`` = 1: fused
+  attention at the matmul rate of its mode, an assumption).
+* ``datasheet:<type>``: any other catalog GPU. The achieved-to-datasheet ratios of the fitted
+  type (H200) are applied to this type's datasheet peaks (FP32, TF32 :data:`TF32_TFLOPS`,
+  FP16/BF16 tensor, memory bandwidth); ``K``, ``C_mm``, ``host_s``, ``step_host_s`` and ``launch_s`` are kept in seconds,
+  ``e_att`` as a ratio. Without TF32 (before Ampere) a tf32 op runs at the FP32 rate.
 
 Not measured anywhere, assumed: an fp32 convolution with TF32 off reaches the same fraction of
 the FP32 matmul rate as the TF32 convolution reaches of the TF32 matmul rate; fp16 runs at the
 bf16 rates (equal in every datasheet of the catalog's tensor-core GPUs); convolution backward
-runs at the forward convolution's rate; fused attention kernels at the matmul rate.
+runs at the forward convolution's rate. Not modelled: a matmul's shape beyond its FLOPs and its
+per-call ``C_mm`` (a vocabulary that is not a multiple of 8 runs on slower unaligned kernels: the
+graph keeps no shapes).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,7 +68,7 @@ CALIB_DIR = Path(__file__).resolve().parent / "gpu_calib"
 REFERENCE_GPU = "H200"
 """The measured type whose efficiencies derive the others."""
 
-OP_CLASSES = ("matmul", "conv", "attention", "memory", "opt")
+OP_CLASSES = ("matmul", "conv", "attention", "norm", "memory", "opt")
 MODES = ("fp32", "tf32", "low")
 
 # ATen overload packets by class (the joint graph's targets are ``aten.<name>.<overload>``).
@@ -62,6 +76,24 @@ _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", 
 _CONV = {"convolution", "convolution_backward", "_convolution", "cudnn_convolution", "conv2d", "conv1d",
          "conv3d", "conv_transpose2d", "_slow_conv2d_forward", "_slow_conv2d_backward"}
 _ATTENTION_PREFIX = ("_scaled_dot_product", "_flash_attention", "_efficient_attention", "scaled_dot_product")
+# Normalisations, softmaxes and reductions: one kernel that reads its input (often twice) and
+# writes a smaller or equal output, slower per byte than a plain elementwise kernel.
+_NORM = {"native_layer_norm", "native_layer_norm_backward", "layer_norm", "native_batch_norm",
+         "native_batch_norm_backward", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+         "_native_batch_norm_legit_no_training", "batch_norm", "cudnn_batch_norm", "cudnn_batch_norm_backward",
+         "native_group_norm", "native_group_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
+         "_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data", "softmax", "log_softmax",
+         "sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "std", "prod", "logsumexp", "norm",
+         "linalg_vector_norm", "nll_loss_forward", "nll_loss_backward", "nll_loss", "nll_loss2d_forward",
+         "nll_loss2d_backward"}
+
+NORM_PASSES = {"_native_batch_norm_legit_functional": 1.5, "_native_batch_norm_legit": 1.5, "native_batch_norm": 1.5,
+               "native_batch_norm_backward": 5 / 3}
+"""Batch norm's tensor passes over the bytes the capture counts: training forward reads its input
+twice (statistics, then normalisation: 3 passes for 2 counted), backward reads input and gradient
+twice (reduction, then the elementwise pass: 5 for 3), as PyTorch's and cuDNN's batch-norm kernels
+do (``batch_norm_collect_statistics`` + ``batch_norm_transform_input``; ``batch_norm_backward_reduce``
++ ``batch_norm_backward_elemt``). Layer norm and softmax keep a row on chip: counted once."""
 
 FOREACH_SWEEPS = {"adam": 18, "sgd": 8, "sgd-plain": 3}
 """Tensor passes (reads + writes, each one parameter's size) of ``torch.optim``'s multi-tensor
@@ -102,21 +134,48 @@ class GpuRates:
     source: str
     """``fitted:<type>`` or ``datasheet:<type>`` (module docstring)."""
     matmul: dict = field(hash=False)
-    """mode -> achieved FLOP/s of large matmuls."""
+    """mode -> achieved FLOP/s of matmuls in an eager step (beyond their per-kernel floor)."""
     conv: dict = field(hash=False)
-    """mode -> achieved FLOP/s of convolutions."""
+    """mode -> achieved FLOP/s of convolutions (cuDNN's layout transforms included)."""
     bandwidth: float
-    """Achieved bytes/s of memory-bound kernels."""
+    """Achieved bytes/s of elementwise and copy kernels (class ``memory``)."""
     launch_s: float
     """Seconds per kernel of a stream of tiny kernels (the microbenchmark): a lower bound on
     ``host_s``."""
     host_s: float
     """Host seconds per kernel launch in an eager training step (Python, autograd, dispatch,
     launch), fitted to eager steps where they were measured, else ``launch_s``."""
+    step_host_s: float = 0.0
+    """Host seconds of an eager step beyond its launches (``optimizer.step``'s and the backward
+    engine's Python, ``zero_grad``), paid once per step (:meth:`step_overhead`)."""
+    kernel_s: float = 0.0
+    """Device seconds every launched kernel costs beyond its FLOPs or bytes (the per-kernel floor;
+    optimizer updates excluded: their multi-tensor kernels are few per step)."""
+    norm_bandwidth: float | None = None
+    """Achieved bytes/s of normalisations, softmaxes and reductions (class ``norm``); None: ``bandwidth``."""
+    opt_bandwidth: float | None = None
+    """Achieved bytes/s of the multi-tensor optimizer update over its :data:`FOREACH_SWEEPS`
+    passes (class ``opt``); None: ``bandwidth``."""
+    attention_eff: float = 1.0
+    """Fused attention's achieved FLOP/s as a fraction of ``attention_ref`` (the matmul
+    microbenchmark rate of its mode)."""
+    attention_ref: dict | None = field(default=None, hash=False)
+    """mode -> FLOP/s that ``attention_eff`` scales; None: ``matmul``."""
+    matmul_call_s: dict | None = field(default=None, hash=False)
+    """mode -> device seconds of a matmul kernel beyond ``flops / matmul[mode]`` (its floor in
+    place of ``kernel_s``); None: ``kernel_s``."""
+
+    def matmul_floor(self, mode: str) -> float:
+        """Device seconds a matmul kernel in ``mode`` costs beyond its FLOPs."""
+        return self.kernel_s if self.matmul_call_s is None else self.matmul_call_s[mode]
 
     def step_overhead(self, optimizer: str) -> float:
-        """Seconds of one optimizer step's multi-tensor launches (paid once per step)."""
-        return FOREACH_KERNELS.get(optimizer, 0) * self.launch_s
+        """Seconds paid once per step: the optimizer's multi-tensor launches and ``step_host_s``."""
+        return FOREACH_KERNELS.get(optimizer, 0) * self.launch_s + self.step_host_s
+
+    def attention_rate(self, mode: str) -> float:
+        """Achieved FLOP/s of a fused attention kernel in ``mode``."""
+        return (self.attention_ref or self.matmul)[mode] * self.attention_eff
 
 
 def op_class(target: str) -> str:
@@ -131,6 +190,33 @@ def op_class(target: str) -> str:
         return "conv"
     if name.startswith(_ATTENTION_PREFIX):
         return "attention"
+    if name in _NORM:
+        return "norm"
+    return "memory"
+
+
+# CUDA kernel names (``torch.profiler`` device events) by class, tried in order: the first match
+# wins (cuDNN's implicit-GEMM convolutions contain "gemm", its batch norms "cudnn").
+_KERNEL_PATTERNS = (
+    (None, re.compile(r"^[\w.]+#|^ProfilerStep")),  # profiler annotations on the device timeline, not kernels
+    ("opt", re.compile(r"multi_tensor_apply|fused_adam|FusedAdam|fused_sgd")),
+    ("attention", re.compile(r"fmha|flash|sdpa|[Aa]ttention|cudnn::fusion::")),
+    ("norm", re.compile(r"batch_norm|bn_fw|bn_bw|layer_norm|GammaBeta|rms_norm|[Ss]oft[Mm]ax|native::reduce_kernel"
+                        r"|nll_loss|group_norm|welford|cross_entropy")),
+    ("conv", re.compile(r"conv(?!ert)|fprop|dgrad|wgrad|nchwToNhwc|nhwcToNchw|nhwckrsc|nchwkcrs")),
+    ("matmul", re.compile(r"gemm|gemv|nvjet|cublas|splitKreduce|scal_kernel|_ampere_|_hopper_")),
+)
+
+
+def kernel_class(name: str) -> str | None:
+    """Class (:data:`OP_CLASSES`) of a CUDA kernel by its profiler name, or None for a profiler
+    annotation (``Optimizer.step#Adam.step``: a range on the device timeline that overlaps the
+    kernels inside it). cuDNN's NCHW<->NHWC layout transforms count as ``conv``: the graph's
+    convolution launches them; everything not matched (elementwise, copies, memsets, gathers,
+    ``cat``, sorts) is ``memory``."""
+    for cls, pattern in _KERNEL_PATTERNS:
+        if pattern.search(name):
+            return cls
     return "memory"
 
 
@@ -194,10 +280,85 @@ def fit_microbenchmarks(records: list[dict]) -> dict:
     return out
 
 
-def load_step_fit(gpu: str, root: Path = CALIB_DIR) -> dict:
-    """Constants fitted to eager training steps of ``gpu`` (``{}`` when none are shipped)."""
-    path = Path(root) / f"{gpu}-steps.json"
+FIT_PARAMS = {
+    "kernel_s": ("s", "device seconds every launched kernel costs beyond its work (the per-kernel floor)"),
+    "matmul:fp32": ("FLOP/s", "matmuls on fp32 (FFMA) kernels: the microbenchmark's marginal rate, not fitted"),
+    "matmul:tf32": ("FLOP/s", "matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32): the "
+                              "microbenchmark's marginal rate, not fitted"),
+    "matmul:low": ("FLOP/s", "matmuls on bf16/fp16 tensor cores: the microbenchmark's marginal rate, not fitted"),
+    "conv:fp32": ("FLOP/s", "convolutions with TF32 off"),
+    "conv:tf32": ("FLOP/s", "fp32 convolutions (cuDNN runs them on TF32 by default), layout transforms included"),
+    "conv:low": ("FLOP/s", "bf16/fp16 convolutions, layout transforms included"),
+    "attention_eff": ("1", "fused attention's FLOP/s over the matmul microbenchmark rate of its mode"),
+    "memory_bw": ("B/s", "elementwise, copy and cast kernels (bytes read + written)"),
+    "norm_bw": ("B/s", "normalisation, softmax and reduction kernels (bytes read + written)"),
+    "opt_bw": ("B/s", "the multi-tensor optimizer update (bytes of its FOREACH_SWEEPS passes)"),
+    "matmul_call:fp32": ("s", "device seconds per fp32 matmul kernel beyond FLOPs / matmul:fp32"),
+    "matmul_call:tf32": ("s", "device seconds per TF32 matmul kernel beyond FLOPs / matmul:tf32"),
+    "matmul_call:low": ("s", "device seconds per bf16/fp16 matmul kernel beyond FLOPs / matmul:low"),
+}
+"""The device constants of the GPU rule, fitted per GPU type to the per-class kernel seconds of
+eager training steps (:func:`fit_device`): name -> (unit, what it times). The fit is linear in
+their inverses (a kernel's seconds: ``kernel_s`` + FLOPs / rate or bytes / bandwidth), so each
+is one column of :func:`design`, except the seconds (``kernel_s``, ``matmul_call:<mode>``), which
+enter as they are. ``host_s`` (s per launch) and ``step_host_s`` (s per step) are fitted to step
+times afterwards."""
+COLUMNS = tuple(FIT_PARAMS)
+FIXED_PARAMS = ("matmul:fp32", "matmul:tf32", "matmul:low")
+"""Columns never fitted: the marginal matmul rate of the microbenchmarks (large square matmuls)
+holds for the large matmuls the planner costs; the small GEMMs of the profiled steps run below it,
+which ``matmul_call:<mode>`` charges per call instead."""
+SECONDS = tuple(n for n, (unit, _) in FIT_PARAMS.items() if unit == "s")
+"""Columns in seconds (the others are inverse rates in theta)."""
+
+
+def load_fit(gpu: str, root: Path = CALIB_DIR) -> dict:
+    """The constants fitted to eager training steps of ``gpu`` (``<type>-fit.json``; ``{}`` when
+    none are shipped): ``{"params": {name: value}, "host_s": s, "step_host_s": s, ...}``."""
+    path = Path(root) / f"{gpu}-fit.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def theta_of(rates: GpuRates) -> np.ndarray:
+    """The fit's unknowns for ``rates`` (:data:`COLUMNS` order): ``kernel_s`` in seconds, every
+    other one the inverse of its rate (s/FLOP, s/B, or 1 / ``attention_eff``)."""
+    inv = [rates.matmul[m] for m in MODES] + [rates.conv[m] for m in MODES] + [
+        rates.attention_eff, rates.bandwidth, rates.norm_bandwidth or rates.bandwidth,
+        rates.opt_bandwidth or rates.bandwidth]
+    return np.array([rates.kernel_s] + [1.0 / v for v in inv] + [rates.matmul_floor(m) for m in MODES])
+
+
+def with_theta(rates: GpuRates, theta, source: str | None = None) -> GpuRates:
+    """``rates`` with the constants of ``theta`` (:func:`theta_of`'s layout)."""
+    import dataclasses
+
+    t = [float(x) for x in theta]
+    return dataclasses.replace(
+        rates, source=source or rates.source, kernel_s=t[0],
+        matmul={m: 1.0 / t[1 + i] for i, m in enumerate(MODES)}, conv={m: 1.0 / t[4 + i] for i, m in enumerate(MODES)},
+        attention_eff=1.0 / t[7], bandwidth=1.0 / t[8], norm_bandwidth=1.0 / t[9], opt_bandwidth=1.0 / t[10],
+        attention_ref=rates.attention_ref or dict(rates.matmul), matmul_call_s={m: t[11 + i] for i, m in enumerate(MODES)})
+
+
+def fit_device(X: np.ndarray, T: np.ndarray, prior: np.ndarray, fixed=()) -> np.ndarray:
+    """Non-negative least squares for the unknowns ``theta`` of ``X @ theta ~= T``, each row
+    weighted by ``1 / T`` (relative errors: a 50 us class counts as much as a 50 ms one).
+
+    ``X``: ``[rows, len(COLUMNS)]``, the summed :func:`design` of the ops of one measured group of
+    kernels (a class of one workload's step); ``T``: ``[rows]`` their measured seconds. A column
+    no row exercises (no convolution among the workloads, say) and the columns named in ``fixed``
+    keep ``prior``'s value (their share of each row is taken off its measured seconds)."""
+    from scipy.optimize import nnls
+
+    X, T, prior = np.asarray(X, float), np.asarray(T, float), np.asarray(prior, float)
+    used = (np.abs(X).sum(axis=0) > 0) & ~np.isin(np.array(COLUMNS), list(fixed))
+    A = X / T[:, None]
+    b = np.ones(len(T)) - A[:, ~used] @ prior[~used]
+    scale = np.where(used, np.abs(A).max(axis=0), 1.0)  # columns of FLOPs, bytes and counts differ by 1e12
+    sol, _ = nnls(A[:, used] / scale[used], b)
+    theta = prior.copy()
+    theta[used] = sol / scale[used]
+    return theta
 
 
 def tf32_peak(spec) -> float:
@@ -210,16 +371,36 @@ def _peaks(spec) -> dict:
     return {"fp32": spec.fp32_flops, "tf32": tf32_peak(spec), "low": spec.fp16_flops}
 
 
-@functools.cache
-def fitted_rates(gpu: str = REFERENCE_GPU) -> GpuRates | None:
-    """Rates of a GPU type with shipped microbenchmarks, or None."""
+def microbenchmark_rates(gpu: str = REFERENCE_GPU) -> GpuRates | None:
+    """Rates of a GPU type from its microbenchmarks alone (no per-kernel floor, one bandwidth,
+    ``host_s`` = ``launch_s``): the prior of :func:`fit_device`, or None without measurements."""
     records = load_calibration(gpu)
     if not records:
         return None
     fit = fit_microbenchmarks(records)
-    steps = load_step_fit(gpu)
     return GpuRates(gpu, f"fitted:{gpu}", dict(fit["matmul"]), dict(fit["conv"]), fit["bandwidth"], fit["launch_s"],
-                    float(steps.get("host_s", fit["launch_s"])))
+                    fit["launch_s"], attention_ref=dict(fit["matmul"]))
+
+
+@functools.cache
+def fitted_rates(gpu: str = REFERENCE_GPU) -> GpuRates | None:
+    """Rates of a GPU type with shipped microbenchmarks, or None; where eager steps were fitted
+    (``<type>-fit.json``) their per-class constants and ``host_s`` replace the microbenchmarks'."""
+    base = microbenchmark_rates(gpu)
+    if base is None:
+        return None
+    fit = load_fit(gpu)
+    if not fit:
+        return base
+    import dataclasses
+
+    theta = theta_of(base)
+    for i, name in enumerate(COLUMNS):
+        if name in fit["params"]:
+            v = float(fit["params"][name])
+            theta[i] = v if name in SECONDS else 1.0 / v
+    return dataclasses.replace(with_theta(base, theta), host_s=float(fit["host_s"]),
+                               step_host_s=float(fit.get("step_host_s", 0.0)))
 
 
 def gpu_rates(spec) -> GpuRates:
@@ -236,8 +417,12 @@ def gpu_rates(spec) -> GpuRates:
     conv = {m: ref.conv[m] / rp[m] * sp[m] for m in MODES}
     if spec.name not in TF32_TFLOPS:  # no TF32 tensor cores: a "tf32" op runs as fp32
         mm["tf32"], conv["tf32"] = mm["fp32"], conv["fp32"]
-    bw = ref.bandwidth / ref_spec.memory_bandwidth * spec.memory_bandwidth
-    return GpuRates(spec.name, f"datasheet:{spec.name}", mm, conv, bw, ref.launch_s, ref.host_s)
+    bw_ratio = spec.memory_bandwidth / ref_spec.memory_bandwidth
+    return GpuRates(spec.name, f"datasheet:{spec.name}", mm, conv, ref.bandwidth * bw_ratio, ref.launch_s, ref.host_s,
+                    ref.step_host_s, ref.kernel_s, (ref.norm_bandwidth or ref.bandwidth) * bw_ratio,
+                    (ref.opt_bandwidth or ref.bandwidth) * bw_ratio, ref.attention_eff,
+                    {m: (ref.attention_ref or ref.matmul)[m] / rp[m] * sp[m] for m in MODES},
+                    None if ref.matmul_call_s is None else dict(ref.matmul_call_s))
 
 
 # ------------------------------------------------------------------------------ per-op seconds
@@ -269,6 +454,9 @@ class OpFeatures:
         sweeps = FOREACH_SWEEPS.get(graph.optimizer, n_read + n_written) / max(1, n_read + n_written)
         nbytes = np.array([(o.bytes_read.fixed + o.bytes_written.fixed, o.bytes_read.per_sample + o.bytes_written.per_sample)
                            for o in ops], dtype=float).reshape(-1, 2)
+        passes = np.array([NORM_PASSES.get(o.target.split(".")[1] if o.target.startswith("aten.") else "", 1.0)
+                           for o in ops])
+        nbytes = nbytes * passes[:, None]
         kernel = np.ones(len(ops), dtype=bool)
         for region, rb in backward_regions(graph, klass):
             nbytes[region] = 0.0
@@ -287,12 +475,15 @@ def _moves(op) -> bool:
             + op.flops.fixed + op.flops.per_sample) > 0
 
 
+_FUSABLE = ("memory", "norm")
+
+
 def backward_regions(graph, klass: list[str]) -> list[tuple[list[int], tuple[float, float]]]:
     """The fused kernels eager PyTorch runs where the joint graph has a decomposition.
 
     The export decomposes backward formulas eager runs as one kernel (batch norm, layer norm,
     softmax, ReLU/GELU backward, ...) into elementwise ops and reductions. A **region** is a
-    maximal run of consecutive backward ``memory`` ops (views in between do not break it) with
+    maximal run of consecutive backward ``memory`` or ``norm`` ops (views in between do not break it) with
     the same forward anchor (:attr:`tag.graph.ir.Op.anchor`: the forward position whose backward
     they compute); a region of two or more costly ops is costed as one kernel that reads each
     tensor entering it once and writes each tensor leaving it once (its intermediates stay on
@@ -316,9 +507,9 @@ def backward_regions(graph, klass: list[str]) -> list[tuple[list[int], tuple[flo
             if run:
                 run.append(i)
             continue
-        if klass[i] != "memory" or (run and ops[run[0]].anchor != op.anchor):
+        if klass[i] not in _FUSABLE or (run and ops[run[0]].anchor != op.anchor):
             close()
-            if klass[i] != "memory":
+            if klass[i] not in _FUSABLE:
                 continue
         run.append(i)
     close()
@@ -359,21 +550,54 @@ def _escapes(ops, tensors, t: int, region: set[int]) -> bool:
 
 def op_seconds(feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray:
     """GPU seconds ``[n_ops, len(batches)]`` of every op at the per-replica ``batches`` (module
-    rule, without the host's launch cost: :func:`stage_table` adds it)."""
+    rule, without the host's launch cost: :func:`stage_table` adds it); equal to
+    ``design(feat, rates, b) @ theta_of(rates)`` at every batch ``b``."""
     b = np.asarray(batches, dtype=float)[None, :]
     f = feat.flops[:, :1] + feat.flops[:, 1:] * b
     m = feat.nbytes[:, :1] + feat.nbytes[:, 1:] * b
     cls = feat.cls[:, None]
     mm_rate = np.array([rates.matmul[x] for x in MODES])[feat.mode][:, None]
     conv_rate = np.array([rates.conv[x] for x in MODES])[feat.mode][:, None]
-    mem = m / rates.bandwidth
-    is_mm = (cls == OP_CLASSES.index("matmul")) | (cls == OP_CLASSES.index("attention"))
-    is_conv = cls == OP_CLASSES.index("conv")
-    is_opt = cls == OP_CLASSES.index("opt")
-    t = np.where(is_mm, np.maximum(f / mm_rate, mem), mem)
-    t = np.where(is_conv, np.maximum(f / conv_rate, mem), t)
-    t = np.where(is_opt, mem * feat.sweeps, t)
+    att_rate = np.array([rates.attention_rate(x) for x in MODES])[feat.mode][:, None]
+    bw = np.array([rates.norm_bandwidth or rates.bandwidth if c == "norm" else rates.bandwidth for c in OP_CLASSES])
+    t = m / bw[feat.cls][:, None]
+    t = np.where(cls == OP_CLASSES.index("matmul"), f / mm_rate, t)
+    t = np.where(cls == OP_CLASSES.index("conv"), f / conv_rate, t)
+    t = np.where(cls == OP_CLASSES.index("attention"), f / att_rate, t)
+    t = np.where(cls == OP_CLASSES.index("opt"), m * feat.sweeps / (rates.opt_bandwidth or rates.bandwidth), t)
+    floor = np.where(feat.cls == OP_CLASSES.index("matmul"),
+                     np.array([rates.matmul_floor(x) for x in MODES])[feat.mode], rates.kernel_s)
+    t = t + floor[:, None] * launches(feat, batches)
     return np.where(feat.kernel[:, None], t, 0.0)
+
+
+def design(feat: OpFeatures, rates: GpuRates, batch: float) -> np.ndarray:
+    """``[n_ops, len(COLUMNS)]``: each op's seconds at ``batch`` as a linear function of the
+    unknowns :func:`theta_of` (a launch counts 1 in ``kernel_s``; FLOPs go to their class and
+    mode's rate, bytes to their class's bandwidth; attention FLOPs over ``attention_ref``; a
+    matmul's launch to ``matmul_call:<mode>``)."""
+    f = feat.flops[:, 0] + feat.flops[:, 1] * batch
+    m = feat.nbytes[:, 0] + feat.nbytes[:, 1] * batch
+    ref = rates.attention_ref or rates.matmul
+    X = np.zeros((len(f), len(COLUMNS)))
+    rows = np.arange(len(f))
+    n_launch = launches(feat, [batch])[:, 0]
+    X[:, 0] = n_launch
+    for k, c in enumerate(feat.cls):
+        cls = OP_CLASSES[c]
+        if cls == "matmul":  # its floor is the per-call constant of its mode, not kernel_s
+            X[k, 0] = 0.0
+            X[k, COLUMNS.index(f"matmul_call:{MODES[feat.mode[k]]}")] = n_launch[k]
+        if cls in ("matmul", "conv"):
+            X[k, COLUMNS.index(f"{cls}:{MODES[feat.mode[k]]}")] = f[k]
+        elif cls == "attention":
+            X[k, COLUMNS.index("attention_eff")] = f[k] / ref[MODES[feat.mode[k]]]
+        elif cls == "opt":
+            X[k, COLUMNS.index("opt_bw")] = m[k] * feat.sweeps
+        else:
+            X[k, COLUMNS.index(f"{cls}_bw")] = m[k]
+    X[rows[~feat.kernel]] = 0.0
+    return X
 
 
 def launches(feat: OpFeatures, batches) -> np.ndarray:
@@ -387,30 +611,37 @@ def launches(feat: OpFeatures, batches) -> np.ndarray:
 
 
 def stage_table(graph, feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray:
-    """Seconds ``[K, 3, len(batches)]`` of every (group, phase) stage run eagerly on the GPU.
+    """Seconds ``[K, 3, len(batches)]`` of every (group, phase) stage of an eager step on the GPU.
 
-    The host issues the stage's kernels in graph order, ``host_s`` each; the GPU runs them in
-    order, each once issued and once the previous one finished. Kernel ``j`` is issued at
-    ``H_j = host_s * (launches up to and including j)``, so the stage ends at
-    ``max_j (H_j + sum_{i >= j} t_i)`` (``t``: :func:`op_seconds`): host-bound stages of many small
-    kernels cost ``host_s`` per kernel, GPU-bound ones the sum of their kernels.
+    Eager order: forward of groups 0..K-1, backward of K-1..0, then the updates of 0..K-1. The
+    host issues the kernels in that order, ``host_s`` each, without waiting for the GPU; the GPU
+    runs them in order, each once issued and once the previous one finished. Kernel ``j`` is
+    issued at ``H_j = host_s * (launches up to and including j)`` and finishes at
+    ``F_j = max(F_{j-1}, H_j) + t_j = T_j + max_{i <= j} (H_i - T_{i-1})`` (``t``:
+    :func:`op_seconds`, ``T`` its running sum). A stage lasts from the previous stage's last
+    finish to its own: the stages add up to the eager step (host-bound stretches cost ``host_s``
+    per kernel, GPU-bound ones the sum of their kernels, and a host that ran ahead during a
+    GPU-bound stage shortens the next).
     """
     from ..graph.ir import PHASES
 
+    K = graph.num_groups
     t = op_seconds(feat, rates, batches)
     h = launches(feat, batches) * rates.host_s
-    row = np.array([o.group * 3 + PHASES.index(o.phase) for o in graph.ops], dtype=np.int64)
-    order = np.lexsort((np.arange(len(row)), row))  # by row, graph order within a row
-    row_s, t_s, h_s = row[order], t[order], h[order]
-    starts = np.flatnonzero(np.r_[True, row_s[1:] != row_s[:-1]]) if len(row_s) else np.array([], dtype=np.int64)
-    ch = np.cumsum(h_s, axis=0)
+    phase = np.array([PHASES.index(o.phase) for o in graph.ops], dtype=np.int64)
+    group = np.array([o.group for o in graph.ops], dtype=np.int64)
+    rank = np.where(phase == 0, group, np.where(phase == 1, 2 * K - 1 - group, 2 * K + group))  # eager position
+    order = np.lexsort((np.arange(len(rank)), rank))  # by stage in eager order, graph order within it
+    out = np.zeros((K * 3, t.shape[1]))
+    if not len(order):
+        return out.reshape(K, 3, t.shape[1])
+    t_s, h_s, rank_s = t[order], h[order], rank[order]
     ct = np.cumsum(t_s, axis=0)
-    seg_of = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(row_s)]))
-    h0 = (ch - h_s)[starts][seg_of]  # host time before the row's first op
-    t_before = (ct - t_s)  # GPU time of the ops before j (all rows)
-    t_end = ct[np.r_[starts[1:] - 1, len(row_s) - 1]][seg_of] if len(row_s) else ct
-    value = (ch - h0) + (t_end - t_before)  # H_j within the row + GPU time of j..end of the row
-    out = np.zeros((graph.num_groups * 3, t.shape[1]))
-    if len(row_s):
-        out[row_s[starts]] = np.maximum.reduceat(value, starts, axis=0)
-    return out.reshape(graph.num_groups, 3, t.shape[1])
+    finish = ct + np.maximum.accumulate(np.cumsum(h_s, axis=0) - (ct - t_s), axis=0)  # F_j
+    last = np.r_[np.flatnonzero(rank_s[1:] != rank_s[:-1]), len(rank_s) - 1]  # each stage's last op
+    end = finish[last]
+    dur = np.diff(np.vstack([np.zeros((1, t.shape[1])), end]), axis=0)
+    r = rank_s[last]
+    row = np.where(r < K, r * 3, np.where(r < 2 * K, (2 * K - 1 - r) * 3 + 1, (r - 2 * K) * 3 + 2))
+    out[row] = dur
+    return out.reshape(K, 3, t.shape[1])
