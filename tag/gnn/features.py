@@ -124,8 +124,10 @@ def device_classes(space: ActionSpace, level: str = "exact") -> np.ndarray:
             for g in range(space.num_groups):
                 for x in space._mp_devices(g, act):
                     mp_roles[x].append((g, a))
-        elif len(act.devices) > 1 and (srv := get_strategy(act.sync).search_server(space, act.devices, act.tp)) is not None:
-            server_of[srv].append(a)
+        elif len(act.devices) > 1:  # the parameter server of the action's plans, if any
+            srv = get_strategy(act.sync).search_server(space, act.devices, act.tp)
+            if srv is not None:
+                server_of[srv].append(a)
     member = np.ascontiguousarray(space.membership.T)  # [D, A]
     times = np.ascontiguousarray(space.costs.group_time_full.T)  # [D, K] seconds
     keys: dict[tuple, int] = {}

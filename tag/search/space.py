@@ -252,7 +252,8 @@ class ActionSpace:
         strategies = [get_strategy(name) for name in strategy_names()]
         actions: list[Action] = []
         self.num_base_actions = 0
-        """Actions of TAG's space (replicas and model-parallel splits); tensor-parallel ones follow."""
+        """Actions of pass 0 (TAG's space: replicas and model-parallel splits); those of later
+        passes (tensor parallel, then strategies registered later) follow."""
         for p in sorted({s.search_pass for s in strategies}):  # later passes appended: indices stay
             for devs, fam in subsets:
                 for s in strategies:
