@@ -353,3 +353,26 @@ def test_a_registered_strategy_is_offered_by_the_search(mirror, mlp, topo4):
         r = Simulator(mlp, topo4).run(plan.groups)
         single = Simulator(mlp, topo4).run([GroupPlan(devs[:1], [1.0]) for _ in range(k)])
         assert sorted(set(COSTED)) == list(range(k)) and r.iteration_time_s == single.iteration_time_s > 0
+
+
+def test_a_registered_subclass_of_a_built_in_strategy_goes_after_the_built_ins(mlp, topo4):
+    """FirstReplicaServer inherits data parallel's search actions (one on every subset, a single
+    device included) but not its place among them: its actions follow every built-in one, and
+    each is the same deployment as the all-reduce over its subset exactly where normalisation
+    says so (one replica, or a group without parameters)."""
+    old = ActionSpace(mlp, topo4)
+    register(FirstReplicaServer())
+    try:
+        sp = ActionSpace(mlp, topo4)
+        assert sp.actions[:old.num_actions] == old.actions
+        new = range(old.num_actions, sp.num_actions)
+        subsets = [devs for devs, _ in device_subsets(topo4, sp.costs.device_speed)]
+        assert [sp.actions[a].devices for a in new] == subsets and {sp.actions[a].sync for a in new} == {"ps-first"}
+        for a in new:
+            devs = sp.actions[a].devices
+            for g in range(mlp.num_groups):
+                validate_group(sp.group_plan(g, a), mlp, g, topo4.num_devices, f"groups[{g}]")
+                same = len(devs) == 1 or sp.costs.param_bytes[g] == 0
+                assert sp.group_canonical[g, a] == (old.action_index(devs, "allreduce") if same else a)
+    finally:
+        unregister(FirstReplicaServer.name)

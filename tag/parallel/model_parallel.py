@@ -57,7 +57,6 @@ class ModelParallel(Strategy):
                 c = j
         return c
 
-
     # ---- the search's actions (see Strategy.search_options): one per subset of >= 2 devices
     def search_devices(self, space, g: int, devices: tuple[int, ...], option) -> tuple[int, ...]:
         """The chunks' devices for group ``g``: the subset's fastest for the group (ties: lower

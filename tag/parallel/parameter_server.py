@@ -17,6 +17,7 @@ from .data_parallel import DataParallel
 class ParameterServer(DataParallel):
     name = "ps"
     collective_op = "ps"
+    search_pass = 0
 
     def check_server(self, gp: GroupPlan, num_devices: int, where: str) -> None:
         s = gp.server

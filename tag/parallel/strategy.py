@@ -159,8 +159,14 @@ class Strategy:
     """Where the search's action list puts this strategy's actions: every action of pass 0 over
     every device subset (within a subset, the strategies in registration order), then pass 1's,
     and so on. TAG's (``allreduce``, ``ps``, ``mp``) are pass 0, ``tp``'s pass 1, a strategy
-    registered later pass 2 unless it says otherwise: existing action indices (which the shipped
-    GNN predictor's outputs are) never move."""
+    registered later pass 2 unless its own class says otherwise (not inherited: a subclass of a
+    built-in one goes after them too, :meth:`__init_subclass__`), so that existing action indices
+    (the shipped GNN predictor's outputs) never move."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "search_pass" not in cls.__dict__:  # each class states its own pass, or goes last
+            cls.search_pass = Strategy.search_pass
 
     def search_options(self, devices: tuple[int, ...], family: str, space) -> list:
         """The options of the search's actions of this strategy over device subset ``devices``
@@ -192,9 +198,9 @@ class Strategy:
     def search_estimate(self, space, g: int, devices: tuple[int, ...], option, plan: GroupPlan, bmin: float,
                         lmax: float) -> tuple[float, float, float]:
         """``(compute s, sync s, memory bytes)`` of the search's action over ``devices`` with
-        ``option`` (deploying group ``g`` as ``plan``) by
-        static slowest-link bounds (the GNN predictor's action features, :mod:`tag.gnn.features`:
-        what the shipped predictor was trained on); ``bmin`` bytes/s and ``lmax`` s: the smallest
+        ``option`` (deploying group ``g`` as ``plan``) by static slowest-link bounds (the GNN
+        predictor's action features, :mod:`tag.gnn.features`: what the shipped predictor was
+        trained on); ``bmin`` bytes/s and ``lmax`` s: the smallest
         bandwidth and the largest latency between two devices of the action's subset. Default:
         replicas on ``devices`` at their summed speed, synchronised as by a parameter server
         counting every replica as a worker (:func:`tag.cost.comm.uniform_ps_time`)."""
