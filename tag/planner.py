@@ -202,7 +202,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         # the network's one-shot plan (None: not simulated, e.g. prior uniform, or out of memory)
         "one_shot_time_s": one_shot_out.time_s if one_shot_out is not None and not one_shot_out.oom else None,
         "actions": space.describe_key(ev.best_actions) if ev.best_actions else None,
-        "space": {"actions": space.num_actions, "tp_actions": space.num_actions - space.num_base_actions,
+        "space": {"actions": space.num_actions, "tp_actions": int(space.is_tp.sum()),
                   "stages": space.options("stages", 1) if space.plan_options else None},
     }
     if grid_runs:

@@ -32,6 +32,8 @@ from tag.parallel import (
 )
 from tag.parallel.data_parallel import DataParallel
 from tag.plan import GroupPlan, new_plan
+from tag.search import ActionSpace
+from tag.search.space import device_subsets
 from tag.sim import Simulator, register_costing, unregister_costing
 from tag.sim import units as sim_units
 from tag.workloads import load_workload
@@ -63,6 +65,11 @@ class Mirror(Strategy):
 
     def units(self, g, gp, graph, batch_size):
         return [Unit((g, 0), gp.sync, [Replica(gp.devices[0], 0, batch_size)])]
+
+    def search_plan(self, space, g, devices, option):
+        """The search's action over ``devices``: a mirror on each (default options: one action per
+        subset of two devices or more, after the built-in ones)."""
+        return GroupPlan(list(devices), [1.0] * len(devices), self.name)
 
     def execution_refusal(self, plan):
         first = plan.groups[0]
@@ -314,3 +321,58 @@ def test_gradient_buckets_are_ddps():
     assert assign_buckets([]) == []
     with pytest.raises(ValueError, match="bucket_bytes: 0"):
         bucket_caps(0)
+
+
+def test_a_registered_strategy_is_offered_by_the_search(mirror, mlp, topo4):
+    """Registered from this test, with tag.search untouched: the action space offers one mirror
+    action per subset of two devices or more, after every built-in action (whose indices do not
+    move), each deploying the strategy's GroupPlan (Mirror.search_plan), valid, its own
+    deployment class (no built-in action deploys a group alike), and simulated through the
+    strategy's costing."""
+    unregister(mirror.name)
+    old = ActionSpace(mlp, topo4)
+    register(mirror)
+    sp = ActionSpace(mlp, topo4)
+    assert sp.actions[:old.num_actions] == old.actions and sp.num_base_actions == old.num_base_actions
+    new = sp.actions[old.num_actions:]
+    subsets = [devs for devs, _ in device_subsets(topo4, sp.costs.device_speed) if len(devs) > 1]
+    assert subsets and [a.devices for a in new] == subsets and {a.sync for a in new} == {"mirror"}
+    k = mlp.num_groups
+    for a in range(old.num_actions, sp.num_actions):
+        devs = list(sp.actions[a].devices)
+        for g in range(k):
+            gp = sp.group_plan(g, a)
+            assert (gp.devices, gp.shares, gp.sync) == (devs, [1.0] * len(devs), "mirror")
+            validate_group(gp, mlp, g, topo4.num_devices, f"groups[{g}]")
+        assert (sp.group_canonical[:, a] == a).all()
+        key = sp.resolve([a] + [-1] * (k - 1))  # one decision: every group follows it
+        assert key == (a,) * k
+        plan = new_plan(mlp, topo4, sp.group_plans(key))
+        validate_plan(plan, mlp, topo4)
+        COSTED.clear()
+        r = Simulator(mlp, topo4).run(plan.groups)
+        single = Simulator(mlp, topo4).run([GroupPlan(devs[:1], [1.0]) for _ in range(k)])
+        assert sorted(set(COSTED)) == list(range(k)) and r.iteration_time_s == single.iteration_time_s > 0
+
+
+def test_a_registered_subclass_of_a_built_in_strategy_goes_after_the_built_ins(mlp, topo4):
+    """FirstReplicaServer inherits data parallel's search actions (one on every subset, a single
+    device included) but not its place among them: its actions follow every built-in one, and
+    each is the same deployment as the all-reduce over its subset exactly where normalisation
+    says so (one replica, or a group without parameters)."""
+    old = ActionSpace(mlp, topo4)
+    register(FirstReplicaServer())
+    try:
+        sp = ActionSpace(mlp, topo4)
+        assert sp.actions[:old.num_actions] == old.actions
+        new = range(old.num_actions, sp.num_actions)
+        subsets = [devs for devs, _ in device_subsets(topo4, sp.costs.device_speed)]
+        assert [sp.actions[a].devices for a in new] == subsets and {sp.actions[a].sync for a in new} == {"ps-first"}
+        for a in new:
+            devs = sp.actions[a].devices
+            for g in range(mlp.num_groups):
+                validate_group(sp.group_plan(g, a), mlp, g, topo4.num_devices, f"groups[{g}]")
+                same = len(devs) == 1 or sp.costs.param_bytes[g] == 0
+                assert sp.group_canonical[g, a] == (old.action_index(devs, "allreduce") if same else a)
+    finally:
+        unregister(FirstReplicaServer.name)

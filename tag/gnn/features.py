@@ -52,9 +52,7 @@ import numpy as np
 import torch
 from torch_geometric.data import HeteroData
 
-from ..cost.comm import LinkFit, ring_allreduce_time, uniform_ps_time
 from ..parallel import get_strategy, strategy_of
-from ..parallel.tensor_parallel import group_split
 from ..search.space import ActionSpace
 
 # (column name, kind). Kinds: time [s], bytes [B], bw [B/s], lat [s], mem [B], flops [FLOP/s],
@@ -126,8 +124,10 @@ def device_classes(space: ActionSpace, level: str = "exact") -> np.ndarray:
             for g in range(space.num_groups):
                 for x in space._mp_devices(g, act):
                     mp_roles[x].append((g, a))
-        elif act.sync == "ps" and len(act.devices) > 1:
-            server_of[space._server(act.devices)].append(a)
+        elif len(act.devices) > 1:  # the parameter server of the action's plans, if any
+            srv = get_strategy(act.sync).search_server(space, act.devices, act.tp)
+            if srv is not None:
+                server_of[srv].append(a)
     member = np.ascontiguousarray(space.membership.T)  # [D, A]
     times = np.ascontiguousarray(space.costs.group_time_full.T)  # [D, K] seconds
     keys: dict[tuple, int] = {}
@@ -259,17 +259,14 @@ class JointContext:
     def _action_static(self) -> np.ndarray:
         """[K, A, 3]: compute, sync time and memory need of every action for every group.
 
-        Sync times are slowest-link bounds (:mod:`tag.cost.comm`): the subset's smallest
-        bandwidth and largest latency over all its pairs priced by the ring all-reduce, the
-        parameter server (counting all ``n`` replicas as workers) and two latency-free
-        transfers of the activations per model-parallel chunk, what the shipped predictor was
-        trained on."""
-        sp, c = self.space, self.space.costs
+        Each strategy's :meth:`~tag.parallel.Strategy.search_estimate`: slowest-link bounds
+        (:mod:`tag.cost.comm`), the subset's smallest bandwidth and largest latency over all its
+        pairs priced by the ring all-reduce, the parameter server (counting all ``n`` replicas as
+        workers), two latency-free transfers of the activations per model-parallel chunk, ...:
+        what the shipped predictor was trained on."""
+        sp = self.space
         k, a = self.k, self.a
         bw = sp.comm.bandwidth
-        split = [group_split(sp.graph, g) for g in range(k)] if sp.tp_degrees else [None] * k
-        self.tp_split = [() if x is None else x.reduce_fwd + x.reduce_bwd for x in split]
-        """[K] affine bytes of each tensor-parallel all-reduce in the group (forward and backward)."""
         lat = sp.comm.latency
         out = np.zeros((k, a, 3))
         for ai, act in enumerate(sp.actions):
@@ -281,31 +278,9 @@ class JointContext:
                 lmax = float(lat[np.ix_(devs, devs)].max())
             else:
                 bmin, lmax = math.inf, 0.0
+            strategy = get_strategy(act.sync)
             for gi in range(k):
-                tg = c.group_time[gi, devs, 0]
-                p = c.param_bytes[gi]
-                if act.sync == "tp":  # T-way split blocks, replicas of T devices, sequence-parallel outside
-                    t = act.tp
-                    comp = t / float(np.sum(1.0 / np.maximum(tg, 1e-15)))
-                    inner = bw[np.ix_(devs[:t], devs[:t])][~np.eye(t, dtype=bool)]  # one tp group's links
-                    per_replica = sp.graph.batch_size * t / n
-                    sync = ring_allreduce_time(n, p / t, bmin, lmax) + sum(
-                        ring_allreduce_time(t, r.at(per_replica), float(inner.min()), lmax) for r in self.tp_split[gi])
-                    need = (2 * p + c.opt_bytes[gi]) / t + c.act_bytes[gi] / n
-                elif get_strategy(act.sync).chunked:  # chunks one after the other, on the full batch
-                    n_mp = len(self.plans[gi][ai].devices)
-                    comp = float(tg.min())
-                    sync = 0.0 if n_mp == 1 else 2 * LinkFit(0.0, bmin).time(c.act_bytes[gi] / n_mp)
-                    need = (2 * p + c.opt_bytes[gi] + c.act_bytes[gi]) / n_mp
-                else:
-                    comp = 1.0 / float(np.sum(1.0 / np.maximum(tg, 1e-15)))
-                    if n == 1:
-                        sync = 0.0
-                    elif act.sync == "allreduce":
-                        sync = ring_allreduce_time(n, p, bmin, lmax)
-                    else:
-                        sync = uniform_ps_time(n, p, bmin, lmax)
-                    need = 2 * p + c.opt_bytes[gi] + c.act_bytes[gi] / n
+                comp, sync, need = strategy.search_estimate(sp, gi, act.devices, act.tp, self.plans[gi][ai], bmin, lmax)
                 cap = float(self.mem_cap[devs].min())
                 out[gi, ai] = (comp, sync, need / cap)
         return out

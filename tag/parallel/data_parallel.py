@@ -8,12 +8,16 @@ or hierarchical, :mod:`tag.cost.comm`), then every replica applies the optimizer
 
 from __future__ import annotations
 
+import numpy as np
+
+from ..cost.comm import ring_allreduce_time
 from ..plan.format import GroupPlan
 from .strategy import Collective, Strategy, Unit, check_shares, no_field, sample_replicas
 
 
 class DataParallel(Strategy):
     name = "allreduce"
+    search_pass = 0
     collective_op = "allreduce"
     """The :class:`Collective` op summing the gradients (``allreduce`` or ``ps``)."""
 
@@ -44,3 +48,35 @@ class DataParallel(Strategy):
         c = Collective(self.collective_op, tuple(gp.devices), self.server(gp))
         return c if len(c.members) > 1 else None
 
+
+    # ---- the search's actions (see Strategy.search_options)
+    def search_options(self, devices: tuple[int, ...], family: str, space) -> list:
+        """One action on every subset, a single device included (one replica, nothing to sync)."""
+        return [None]
+
+    def search_plan(self, space, g: int, devices: tuple[int, ...], option) -> GroupPlan:
+        """Replicas on every device of ``devices``, batch shares proportional to the group's speed
+        on each (``1 / t_group(device)``, full batch), the last share closing the sum to 1."""
+        devs = list(devices)
+        if len(devs) == 1:
+            return GroupPlan(devs, [1.0], DataParallel.name)
+        rate = 1.0 / np.maximum(space.costs.group_time_full[g][devs], 1e-15)
+        shares = (rate / rate.sum()).tolist()
+        shares[-1] = 1.0 - sum(shares[:-1])
+        return GroupPlan(devs, shares, self.name, self.search_server(space, devices, option))
+
+    def search_key(self, space, g: int, devices: tuple[int, ...], option) -> tuple:
+        """Shares and server are functions of (group, subset): the subset and the normalised sync
+        (:meth:`normalise`: all-reduce on one replica or without parameters) identify the plan."""
+        if len(devices) == 1 or space.costs.param_bytes[g] == 0:
+            return (devices, DataParallel.name)
+        return (devices, self.name)
+
+    def search_estimate(self, space, g: int, devices: tuple[int, ...], option, plan: GroupPlan, bmin: float,
+                        lmax: float) -> tuple[float, float, float]:
+        """Replicas synchronised by a ring all-reduce over the slowest link (a parameter server:
+        :meth:`Strategy.search_estimate`)."""
+        if self.collective_op != "allreduce":
+            return super().search_estimate(space, g, devices, option, plan, bmin, lmax)
+        sync = 0.0 if len(devices) == 1 else ring_allreduce_time(len(devices), space.costs.param_bytes[g], bmin, lmax)
+        return self.replicated_estimate(space, g, devices, sync)

@@ -8,14 +8,22 @@ on one device: no gradient collective.
 
 from __future__ import annotations
 
+import numpy as np
+
+from ..cost.comm import LinkFit
 from ..errors import PlanError
 from ..plan.format import GroupPlan, group_positions
+from .data_parallel import DataParallel
 from .strategy import Replica, Strategy, Unit, no_field
+
+SEARCH_MAX_DEVICES = 4
+"""Most devices the search's model-parallel actions split a group over."""
 
 
 class ModelParallel(Strategy):
     name = "mp"
     chunked = True
+    search_pass = 0
 
     def validate(self, gp: GroupPlan, graph, g: int, num_devices: int, batch_size: int, where: str) -> None:
         no_field(gp, "server", where, "ps")
@@ -49,3 +57,71 @@ class ModelParallel(Strategy):
                 c = j
         return c
 
+    # ---- the search's actions (see Strategy.search_options): one per subset of >= 2 devices
+    def search_devices(self, space, g: int, devices: tuple[int, ...], option) -> tuple[int, ...]:
+        """The chunks' devices for group ``g``: the subset's fastest for the group (ties: lower
+        index first), as many as chunks (at most :data:`SEARCH_MAX_DEVICES` and the group's
+        forward positions)."""
+        lo, hi = space.costs.positions[g]
+        n = max(1, min(len(devices), hi - lo, SEARCH_MAX_DEVICES))
+        memo = space.memo.setdefault("mp", {})  # (ranking, subset, chunks) -> devices
+        key = (_speed_order(space)[g], devices, n)  # groups ranking devices alike choose alike
+        chosen = memo.get(key)
+        if chosen is None:
+            devs = np.asarray(devices)
+            order = np.lexsort((devs, space.costs.group_time_full[g][devs]))  # by (time, index)
+            chosen = memo[key] = tuple(int(x) for x in devs[order[:n]])
+        return chosen
+
+    def search_plan(self, space, g: int, devices: tuple[int, ...], option) -> GroupPlan:
+        """The group's forward positions cut into chunks balanced by compute, one per chosen
+        device (:meth:`search_devices`)."""
+        lo, _ = group_positions(space.graph, g)
+        chosen = list(self.search_devices(space, g, devices, option))
+        splits = balanced_splits(space.costs.position_weights(g), len(chosen), lo)
+        n = len(splits)
+        return GroupPlan(chosen[:n], [1.0] * n, self.name, None, splits)
+
+    def search_key(self, space, g: int, devices: tuple[int, ...], option) -> tuple:
+        """The chosen devices (the cuts follow from their number); one chunk is a single replica."""
+        chosen = self.search_devices(space, g, devices, option)
+        return (chosen, DataParallel.name) if len(chosen) == 1 else (chosen, self.name)
+
+    def search_estimate(self, space, g: int, devices: tuple[int, ...], option, plan: GroupPlan, bmin: float,
+                        lmax: float) -> tuple[float, float, float]:
+        """Chunks one after the other on the full batch (the subset's fastest device's time), the
+        activations crossing each cut twice without latency, the group's state spread over the
+        chunks."""
+        c, n = space.costs, len(plan.devices)
+        comp = float(c.group_time[g, list(devices), 0].min())
+        sync = 0.0 if n == 1 else 2 * LinkFit(0.0, bmin).time(c.act_bytes[g] / n)
+        return comp, sync, (2 * c.param_bytes[g] + c.opt_bytes[g] + c.act_bytes[g]) / n
+
+
+def _speed_order(space) -> list[int]:
+    """[K] an id per distinct ranking of the devices by a group's time (ties: lower index first);
+    on a cluster of a few GPU kinds, a few rankings serve every group (kept in ``space.memo``)."""
+    out = space.memo.get("mp-speed-order")
+    if out is None:
+        ids: dict[bytes, int] = {}
+        t = space.costs.group_time_full
+        idx = np.arange(t.shape[1])
+        out = space.memo["mp-speed-order"] = [ids.setdefault(np.lexsort((idx, t[g])).tobytes(), len(ids))
+                                              for g in range(t.shape[0])]
+    return out
+
+
+def balanced_splits(weights: np.ndarray, n: int, lo: int) -> list[int]:
+    """First absolute position of each of ``<= n`` contiguous chunks with balanced weight."""
+    p = len(weights)
+    n = max(1, min(n, p))
+    if n == 1:
+        return [lo]
+    cum = np.concatenate([[0.0], np.cumsum(np.maximum(weights, 0) + 1e-12)])
+    total = cum[-1]
+    splits = [0]
+    for j in range(1, n):
+        c = int(np.searchsorted(cum, total * j / n))
+        c = min(max(c, splits[-1] + 1), p - (n - j))
+        splits.append(c)
+    return [lo + s for s in splits]

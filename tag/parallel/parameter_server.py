@@ -17,6 +17,7 @@ from .data_parallel import DataParallel
 class ParameterServer(DataParallel):
     name = "ps"
     collective_op = "ps"
+    search_pass = 0
 
     def check_server(self, gp: GroupPlan, num_devices: int, where: str) -> None:
         s = gp.server
@@ -27,3 +28,11 @@ class ParameterServer(DataParallel):
     def server(self, gp: GroupPlan) -> int | None:
         return gp.server
 
+
+    def search_options(self, devices: tuple[int, ...], family: str, space) -> list:
+        """One action on subsets of two devices or more."""
+        return [None] if len(devices) > 1 else []
+
+    def search_server(self, space, devices: tuple[int, ...], option) -> int | None:
+        """The subset's device with the most bandwidth to the others (``space.server_of``)."""
+        return space.server_of(devices)

@@ -22,6 +22,9 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
+import numpy as np
+
+from ..cost.comm import uniform_ps_time
 from ..errors import PlanError
 from ..plan.format import GroupPlan, group_positions, local_batches
 from .pipeline import validate_pipeline
@@ -145,6 +148,74 @@ class Strategy:
         """``gp`` (a copy, changed in place) in the canonical form of the deployments that run the
         same (searches count such actions once); ``has_params``: the group owns parameters."""
         return gp
+
+    # ---- what the search offers (:class:`tag.search.space.ActionSpace`) ------------------------
+    # ``space`` below is the search's action space (duck-typed: this layer imports no search):
+    # ``graph``, ``topology``, ``costs`` (:class:`tag.search.costs.GroupCosts`), ``executable``,
+    # ``tp_degrees``, ``memo`` (a dict strategies may cache in), ``server_of(devices)``,
+    # ``model_time``.
+
+    search_pass: ClassVar[int] = 2
+    """Where the search's action list puts this strategy's actions: every action of pass 0 over
+    every device subset (within a subset, the strategies in registration order), then pass 1's,
+    and so on. TAG's (``allreduce``, ``ps``, ``mp``) are pass 0, ``tp``'s pass 1, a strategy
+    registered later pass 2 unless its own class says otherwise (not inherited: a subclass of a
+    built-in one goes after them too, :meth:`__init_subclass__`), so that existing action indices
+    (the shipped GNN predictor's outputs) never move."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "search_pass" not in cls.__dict__:  # each class states its own pass, or goes last
+            cls.search_pass = Strategy.search_pass
+
+    def search_options(self, devices: tuple[int, ...], family: str, space) -> list:
+        """The options of the search's actions of this strategy over device subset ``devices``
+        (produced by subset family ``family``): one action per option (an option is the
+        strategy's parameter, e.g. ``tp``'s degree, stored as ``Action.tp``; None for none).
+        Default: one action on subsets of two devices or more."""
+        return [None] if len(devices) > 1 else []
+
+    def search_devices(self, space, g: int, devices: tuple[int, ...], option) -> tuple[int, ...]:
+        """The devices the action over ``devices`` deploys op-group ``g`` on (default: all of them)."""
+        return devices
+
+    def search_server(self, space, devices: tuple[int, ...], option) -> int | None:
+        """The parameter server of the action's plans (the same for every group), None for none."""
+        return None
+
+    def search_plan(self, space, g: int, devices: tuple[int, ...], option) -> GroupPlan:
+        """The :class:`GroupPlan` the search's action (this strategy over ``devices`` with
+        ``option``) deploys op-group ``g`` with (a valid plan of the group)."""
+        raise NotImplementedError(f"strategy {self.name!r} offers search actions but no search_plan")
+
+    def search_key(self, space, g: int, devices: tuple[int, ...], option) -> tuple | None:
+        """A key with the equivalence classes of the action's plan for group ``g`` after
+        :meth:`normalise` (equal keys: the same deployment; the search simulates one of them),
+        computed without building the plan; None (the default): the search keys the normalised
+        plan itself (:meth:`GroupPlan.key <tag.plan.GroupPlan.key>`)."""
+        return None
+
+    def search_estimate(self, space, g: int, devices: tuple[int, ...], option, plan: GroupPlan, bmin: float,
+                        lmax: float) -> tuple[float, float, float]:
+        """``(compute s, sync s, memory bytes)`` of the search's action over ``devices`` with
+        ``option`` (deploying group ``g`` as ``plan``) by static slowest-link bounds (the GNN
+        predictor's action features, :mod:`tag.gnn.features`: what the shipped predictor was
+        trained on); ``bmin`` bytes/s and ``lmax`` s: the smallest
+        bandwidth and the largest latency between two devices of the action's subset. Default:
+        replicas on ``devices`` at their summed speed, synchronised as by a parameter server
+        counting every replica as a worker (:func:`tag.cost.comm.uniform_ps_time`)."""
+        sync = 0.0 if len(devices) == 1 else uniform_ps_time(len(devices), space.costs.param_bytes[g], bmin, lmax)
+        return self.replicated_estimate(space, g, devices, sync)
+
+    @staticmethod
+    def replicated_estimate(space, g: int, devices: tuple[int, ...], sync_s: float) -> tuple[float, float, float]:
+        """:meth:`search_estimate` of replicas of the whole group on ``devices`` with gradient
+        sync ``sync_s`` seconds: their summed speed, each holding parameters, gradients,
+        optimizer state and its share of the activations."""
+        c, n = space.costs, len(devices)
+        tg = c.group_time[g, list(devices), 0]
+        comp = 1.0 / float(np.sum(1.0 / np.maximum(tg, 1e-15)))
+        return comp, sync_s, 2 * c.param_bytes[g] + c.opt_bytes[g] + c.act_bytes[g] / n
 
 
 _REGISTRY: dict[str, Strategy] = {}

@@ -461,6 +461,55 @@ def _brief(value) -> str:
 class TensorParallel(Strategy):
     name = "tp"
 
+    # ---- the search's actions (see Strategy.search_options), after TAG's
+    search_pass = 1
+    search_families = ("all", "machines", "machine", "gpu-type")
+    """Subset families taking ``tp`` actions: whole machines (a tp group never spans machines),
+    and of the families that grow with the machine count only one machine and one GPU kind."""
+
+    def search_options(self, devices: tuple[int, ...], family: str, space) -> list:
+        """Each degree of ``space.tp_degrees`` dividing the subset (consecutive devices form one
+        tensor-parallel group)."""
+        if family not in self.search_families:
+            return []
+        return [t for t in space.tp_degrees if len(devices) >= t and len(devices) % t == 0]
+
+    def search_plan(self, space, g: int, devices: tuple[int, ...], option) -> GroupPlan:
+        """Groups of ``option`` consecutive devices, each group's share proportional to its slowest
+        device's speed for the group (executable: for the whole model, ``space.model_time``, so
+        every group of the plan has the same shares), equal shares inside a group."""
+        import numpy as np
+
+        devs = list(devices)
+        t = (space.model_time if space.executable else space.costs.group_time_full[g])[devs]
+        t = t.reshape(-1, option).max(axis=1)
+        rate = np.repeat(1.0 / np.maximum(t, 1e-15), option)
+        shares = (rate / rate.sum()).tolist()
+        return GroupPlan(devs, shares, self.name, tp=option)
+
+    def search_key(self, space, g: int, devices: tuple[int, ...], option) -> tuple:
+        return (devices, self.name, option)
+
+    def search_estimate(self, space, g: int, devices: tuple[int, ...], option, plan: GroupPlan, bmin: float,
+                        lmax: float) -> tuple[float, float, float]:
+        """Blocks split ``option`` ways, replicas of ``option`` devices (compute at the summed
+        speed times the degree): the gradient all-reduce of a 1/degree shard over the subset plus
+        the group's tensor-parallel all-reduces (:func:`group_split`) inside one tp group; the
+        state split by the degree, each device its share of the activations."""
+        import numpy as np
+
+        from ..cost.comm import ring_allreduce_time
+
+        c, t, n, devs = space.costs, option, len(devices), list(devices)
+        p = c.param_bytes[g]
+        x = group_split(space.graph, g)  # (cached per graph)
+        comp = t / float(np.sum(1.0 / np.maximum(c.group_time[g, devs, 0], 1e-15)))
+        inner = space.comm.bandwidth[np.ix_(devs[:t], devs[:t])][~np.eye(t, dtype=bool)]  # one tp group's links
+        per_replica = space.graph.batch_size * t / n
+        sync = ring_allreduce_time(n, p / t, bmin, lmax) + sum(
+            ring_allreduce_time(t, r.at(per_replica), float(inner.min()), lmax) for r in x.reduce_fwd + x.reduce_bwd)
+        return comp, sync, (2 * p + c.opt_bytes[g]) / t + c.act_bytes[g] / n
+
     def validate(self, gp: GroupPlan, graph, g: int, num_devices: int, batch_size: int, where: str) -> None:
         no_field(gp, "mp_splits", where, "mp")
         no_field(gp, "server", where, "ps")

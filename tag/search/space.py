@@ -15,8 +15,9 @@ benchmark by 2.2%.)
 * ``allreduce`` / ``ps``: every device of the subset holds a replica. Batch shares are
   proportional to the *group's* speed on each device (``1 / t_group(device)``), not even as in
   TAG; ``ps`` reduces to the subset device with the most bandwidth to the other members.
-* ``mp``: the group's forward positions are cut into up to ``MP_MAX_DEVICES`` contiguous chunks
-  balanced by compute, one per device, taking the subset's fastest devices first.
+* ``mp``: the group's forward positions are cut into up to ``SEARCH_MAX_DEVICES`` contiguous
+  chunks (:mod:`tag.parallel.model_parallel`) balanced by compute, one per device, taking the
+  subset's fastest devices first.
 
 TAG enumerates every subset of machines (``3 * (2^T - 1)`` actions). That explodes beyond a few
 machines, so subsets are drawn from structured families whose size grows linearly with the
@@ -110,24 +111,23 @@ import numpy as np
 from ..cost.baselines import group_footprints
 from ..cost.comm import CommModel
 from ..errors import PlanError
-from ..parallel import strategy_of
+from ..parallel import DataParallel, TensorParallel, get_strategy, strategy_names, strategy_of
 from ..parallel.layout import MICRO_BATCHES, Layout, layout_plan, tp_degrees
 from ..parallel.pipeline import searched_schedules, spell_schedule
 from ..parallel.tensor_parallel import aligned_cuts, block_groups, megatron_blocks
-from ..plan.format import GroupPlan, PipelinePlan, group_positions
+from ..plan.format import GroupPlan, PipelinePlan
 from .costs import GroupCosts, default_cost_model
 
 SYNC_NAMES = ("allreduce", "ps", "mp", "tp")
-TP_FAMILIES = ("all", "machines", "machine", "gpu-type")
-"""Subset families that take tensor-parallel actions: whole machines (a tp group never spans
-machines), and of the families that grow with the machine count only one machine and one GPU
-kind (32 GPUs over 8 machines: 26 tp actions at degrees 2 and 4 next to TAG's 79, not 54)."""
+"""The built-in strategies, whose index :attr:`ActionSpace.sync_index` gives (the GNN features'
+one-hot of an action's sync; a strategy registered later gets ``len(SYNC_NAMES)``)."""
+TP_FAMILIES = TensorParallel.search_families
+"""Subset families that take tensor-parallel actions (32 GPUs over 8 machines: 26 tp actions at
+degrees 2 and 4 next to TAG's 79, not 54; :meth:`tag.parallel.TensorParallel.search_options`)."""
 PLAN_DECISIONS = ("stages", "cut", "stage_sync", "micro", "schedule")
 """The plan-level decisions, in the order they are made (see the module docstring)."""
 ENUMERATE_MACHINES = 4
 """Up to this many machines, every non-empty machine subset is a candidate (as in TAG)."""
-MP_MAX_DEVICES = 4
-"""Most devices a model-parallel group is split over."""
 CUT_TIE = 0.05
 """Completion: cuts carrying within this fraction of the fewest bytes count as equally cheap."""
 
@@ -139,11 +139,13 @@ class Action:
     devices: tuple[int, ...]
     """Device subset (global indices, ascending)."""
     sync: str
-    """``allreduce``, ``ps`` or ``mp``."""
+    """The strategy's name (``GroupPlan.sync``: ``allreduce``, ``ps``, ``mp``, ``tp``, or one
+    registered later)."""
     family: str
     """Which subset family produced it (``all``, ``machine``, ``prefix``, ...); for display."""
     tp: int | None = None
-    """``tp`` only: devices per tensor-parallel group (consecutive devices of one machine)."""
+    """The strategy's option (:meth:`tag.parallel.Strategy.search_options`); ``tp``: devices per
+    tensor-parallel group (consecutive devices of one machine); None for none."""
 
     def describe(self, topology) -> str:
         machines: dict[int, int] = {}
@@ -154,7 +156,7 @@ class Action:
         for m, c in machines.items():
             mach = topology.machines[m]
             parts.append(mach.name if c == mach.count else f"{mach.name}[{c}]")
-        name = self.sync if self.tp is None else f"tp{self.tp}"
+        name = self.sync if self.tp is None else f"{self.sync}{self.tp}"
         return f"{name}({'+'.join(parts)})"
 
 
@@ -241,28 +243,31 @@ class ActionSpace:
         fits where profiled), else the topology's nominal links."""
         self.num_groups = graph.num_groups
         self.num_devices = topology.num_devices
-        speeds = self.costs.device_speed
-        actions: list[Action] = []
-        subsets = device_subsets(topology, speeds)
-        for devs, fam in subsets:
-            syncs = ("allreduce",) if len(devs) == 1 else SYNC_NAMES[:3]
-            for s in syncs:
-                actions.append(Action(devs, s, fam))
-        self.num_base_actions = len(actions)
-        """Actions of TAG's space (replicas and model-parallel splits); tensor-parallel ones follow."""
+        self.memo: dict = {}
+        """What strategies cache while building the space's plans (:mod:`tag.parallel`)."""
+        self._servers: dict[tuple[int, ...], int] = {}  # subset -> its parameter server
         self.tp_degrees = [t for t in tp_degrees(graph, topology)[1:]] if tensor_parallel else []
         """Tensor-parallel degrees of the ``tp`` actions (2, 4, 8 dividing every machine's devices
         and every Megatron block's features and heads; none for a model without blocks)."""
-        for devs, fam in subsets:  # appended: the indices of TAG's actions stay as they were
-            for t in self.tp_degrees:
-                if fam in TP_FAMILIES and len(devs) >= t and len(devs) % t == 0:
-                    actions.append(Action(devs, "tp", fam, t))
+        subsets = device_subsets(topology, self.costs.device_speed)
+        strategies = [get_strategy(name) for name in strategy_names()]
+        actions: list[Action] = []
+        self.num_base_actions = 0
+        """Actions of pass 0 (TAG's space: replicas and model-parallel splits); those of later
+        passes (tensor parallel, then strategies registered later) follow."""
+        for p in sorted({s.search_pass for s in strategies}):  # later passes appended: indices stay
+            for devs, fam in subsets:
+                for s in strategies:
+                    if s.search_pass == p:
+                        actions += [Action(devs, s.name, fam, o) for o in s.search_options(devs, fam, self)]
+            if p == 0:
+                self.num_base_actions = len(actions)
         self.actions = actions
         self.num_actions = len(actions)
-        self.is_tp = np.array([a.sync == "tp" for a in actions], dtype=bool)
+        self.is_tp = np.array([a.sync == TensorParallel.name for a in actions], dtype=bool)
         """[A] whether an action is tensor parallel."""
         base = {(act.devices, act.sync): a for a, act in enumerate(actions[:self.num_base_actions])}
-        self.tp_as_dp = np.array([base[(act.devices, "allreduce")] if act.sync == "tp" else a
+        self.tp_as_dp = np.array([base[(act.devices, DataParallel.name)] if self.is_tp[a] else a
                                   for a, act in enumerate(actions)], dtype=np.int64)
         """[A] the data-parallel action over the same devices of a ``tp`` action (others: itself):
         where an executable plan cannot keep a group ``tp`` (:meth:`canonical`)."""
@@ -274,8 +279,6 @@ class ActionSpace:
         self.rank[self.order] = np.arange(self.num_groups)
         self.default_action = 0  # "all" subset, allreduce
         self._cache: dict[tuple[int, int], GroupPlan] = {}
-        self._servers: dict[tuple[int, ...], int] = {}  # subset -> its parameter server
-        self._mp_cache: dict[tuple, tuple[int, ...]] = {}  # (ranking, subset, chunks) -> mp devices
         self._components = _block_components(graph) if self.tp_degrees else []
         self.plan_options: dict[str, list] = self._plan_options() if pipelines else {}
         """Options of each plan-level decision (:data:`PLAN_DECISIONS`); empty: no pipelines."""
@@ -361,42 +364,17 @@ class ActionSpace:
         return strategy_of(gp).normalise(gp, self.costs.param_bytes[g] != 0).key()
 
     def _fast_deployment_key(self, g: int, a: int) -> tuple:
-        """A key with the classes of :meth:`_deployment_key`, from what the plan depends on: a
-        replicated action's shares and server are functions of (group, subset), so its subset and
-        normalised sync identify it (``allreduce`` without parameters or with one replica, as
-        :meth:`tag.parallel.Strategy.normalise` does); an ``mp`` action is its chosen devices (its
-        cuts follow from their number), one chunk being a single replica."""
+        """A key with the classes of :meth:`_deployment_key`, from what the plan depends on
+        (:meth:`tag.parallel.Strategy.search_key`: a replicated action's subset and normalised
+        sync, an ``mp`` action's chosen devices, ...); a strategy without one: the plan's key."""
         act = self.actions[a]
-        if act.sync == "tp":
-            return (act.devices, "tp", act.tp)
-        if act.sync == "mp":
-            chosen = self._mp_devices(g, act)
-            return (chosen, "allreduce") if len(chosen) == 1 else (chosen, "mp")
-        if len(act.devices) == 1 or self.costs.param_bytes[g] == 0:
-            return (act.devices, "allreduce")
-        return (act.devices, act.sync)
+        key = get_strategy(act.sync).search_key(self, g, act.devices, act.tp)
+        return key if key is not None else self._deployment_key(g, a)
 
     def _mp_devices(self, g: int, act: Action) -> tuple[int, ...]:
-        """The devices of ``mp`` action ``act``'s chunks for group ``g``: the subset's fastest for
-        the group (ties: lower index first), as many as chunks (see :meth:`_materialise`)."""
-        lo, hi = self.costs.positions[g]
-        n = max(1, min(len(act.devices), hi - lo, MP_MAX_DEVICES))
-        key = (self._speed_order[g], act.devices, n)  # groups ranking devices alike choose alike
-        chosen = self._mp_cache.get(key)
-        if chosen is None:
-            devs = np.asarray(act.devices)
-            order = np.lexsort((devs, self.costs.group_time_full[g][devs]))  # by (time, index)
-            chosen = self._mp_cache[key] = tuple(int(x) for x in devs[order[:n]])
-        return chosen
-
-    @cached_property
-    def _speed_order(self) -> list[int]:
-        """[K] an id per distinct ranking of the devices by a group's time (ties: lower index
-        first); on a cluster of a few GPU kinds, a few rankings serve every group."""
-        ids: dict[bytes, int] = {}
-        t = self.costs.group_time_full
-        idx = np.arange(self.num_devices)
-        return [ids.setdefault(np.lexsort((idx, t[g])).tobytes(), len(ids)) for g in range(self.num_groups)]
+        """The devices action ``act`` deploys group ``g`` on (``mp``: its chunks' devices, the
+        subset's fastest for the group; :meth:`tag.parallel.Strategy.search_devices`)."""
+        return get_strategy(act.sync).search_devices(self, g, act.devices, act.tp)
 
     def canonical_prior(self, g: int, prior: np.ndarray) -> np.ndarray:
         """``prior`` over group ``g``'s actions with the mass of equivalent actions moved onto
@@ -414,8 +392,9 @@ class ActionSpace:
 
     @cached_property
     def sync_index(self) -> np.ndarray:
-        """[A] index of the action's sync in :data:`SYNC_NAMES`."""
-        return np.array([SYNC_NAMES.index(a.sync) for a in self.actions], dtype=np.int64)
+        """[A] index of the action's sync in :data:`SYNC_NAMES` (``len(SYNC_NAMES)`` for another)."""
+        index = {name: i for i, name in enumerate(SYNC_NAMES)}
+        return np.array([index.get(a.sync, len(SYNC_NAMES)) for a in self.actions], dtype=np.int64)
 
     def action_index(self, devices, sync: str, tp: int | None = None) -> int | None:
         key = (tuple(sorted(devices)), sync, tp)
@@ -506,32 +485,10 @@ class ActionSpace:
         return [self.group_plan(g, int(a)) for g, a in enumerate(actions)]
 
     def _materialise(self, g: int, act: Action) -> GroupPlan:
-        devs = list(act.devices)
-        if act.sync == "mp":
-            lo, hi = group_positions(self.graph, g)
-            w = self.costs.position_weights(g)
-            chosen = list(self._mp_devices(g, act))
-            splits = _balanced_splits(w, len(chosen), lo)
-            n = len(splits)
-            return GroupPlan(chosen[:n], [1.0] * n, "mp", None, splits)
-        if len(devs) == 1:
-            return GroupPlan(devs, [1.0], "allreduce")
-        if act.sync == "tp":  # tp groups at the pace of their slowest device, equal shares inside one
-            # (executable: the whole model's pace, so that every group of the plan has the same shares)
-            t = (self._model_time if self.executable else self.costs.group_time_full[g])[devs]
-            t = t.reshape(-1, act.tp).max(axis=1)
-            rate = np.repeat(1.0 / np.maximum(t, 1e-15), act.tp)
-            shares = (rate / rate.sum()).tolist()
-            return GroupPlan(devs, shares, "tp", tp=act.tp)
-        rate = 1.0 / np.maximum(self.costs.group_time_full[g][devs], 1e-15)
-        shares = (rate / rate.sum()).tolist()
-        shares[-1] = 1.0 - sum(shares[:-1])
-        if act.sync == "ps":
-            return GroupPlan(devs, shares, "ps", self._server(act.devices))
-        return GroupPlan(devs, shares, "allreduce")
+        return get_strategy(act.sync).search_plan(self, g, act.devices, act.tp)
 
     @cached_property
-    def _model_time(self) -> np.ndarray:
+    def model_time(self) -> np.ndarray:
         """[D] seconds of every group (fwd + bwd + opt, full batch) on each device."""
         return self.costs.group_time_full.sum(axis=0)
 
@@ -746,7 +703,7 @@ class ActionSpace:
         """Most decisions on a path."""
         return self.num_groups + (1 if self.plan_options else 0)
 
-    def _server(self, devices: tuple[int, ...]) -> int:
+    def server_of(self, devices: tuple[int, ...]) -> int:
         """The parameter server of a subset: its device with the most bandwidth to the others (the
         first of equals); a function of the subset alone, so computed once per subset."""
         server = self._servers.get(devices)
@@ -757,22 +714,6 @@ class ActionSpace:
             score = sub.sum(axis=1)
             server = self._servers[devices] = devs[int(np.argmax(score - 1e-12 * np.arange(len(devs))))]
         return server
-
-
-def _balanced_splits(weights: np.ndarray, n: int, lo: int) -> list[int]:
-    """First absolute position of each of ``<= n`` contiguous chunks with balanced weight."""
-    p = len(weights)
-    n = max(1, min(n, p))
-    if n == 1:
-        return [lo]
-    cum = np.concatenate([[0.0], np.cumsum(np.maximum(weights, 0) + 1e-12)])
-    total = cum[-1]
-    splits = [0]
-    for j in range(1, n):
-        c = int(np.searchsorted(cum, total * j / n))
-        c = min(max(c, splits[-1] + 1), p - (n - j))
-        splits.append(c)
-    return [lo + s for s in splits]
 
 
 def is_pipeline_key(key) -> bool:
