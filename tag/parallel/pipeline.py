@@ -40,6 +40,7 @@ from typing import Literal, NamedTuple
 
 from ..errors import PlanError
 from ..plan.format import PipelinePlan, local_batches
+from .registry import Registry
 
 Phase = Literal["fwd", "bwd"]
 
@@ -100,33 +101,15 @@ class PipelineSchedule:
     schedule; plans and layouts may still name it)."""
 
 
-_SCHEDULES: dict[str, PipelineSchedule] = {}
-
-
-def register_schedule(schedule: PipelineSchedule) -> PipelineSchedule:
-    """Make ``schedule`` available under ``schedule.name`` (replacing one of that name)."""
-    if not schedule.name:
-        raise ValueError("a pipeline schedule needs a name")
-    _SCHEDULES[schedule.name] = schedule
-    return schedule
-
-
-def unregister_schedule(name: str) -> None:
-    """Remove the schedule registered under ``name`` (no error if there is none)."""
-    _SCHEDULES.pop(name, None)
-
-
-def schedule_names() -> tuple[str, ...]:
-    """Registered schedule names, in registration order."""
-    return tuple(_SCHEDULES)
+_SCHEDULES: Registry[PipelineSchedule] = Registry("pipeline schedule")
+register_schedule = _SCHEDULES.register
+unregister_schedule = _SCHEDULES.unregister
+schedule_names = _SCHEDULES.names
 
 
 def get_schedule(name: str, *, where: str = "pipeline.schedule") -> PipelineSchedule:
     """The schedule registered under ``name``; :class:`PlanError` naming ``where`` otherwise."""
-    s = _SCHEDULES.get(name)
-    if s is None:
-        raise PlanError(f"{where}: expected one of {list(_SCHEDULES)}, got {name!r}")
-    return s
+    return _SCHEDULES.get(name, where=where)
 
 
 def searched_schedules() -> list[tuple[str, int]]:
@@ -137,7 +120,7 @@ def searched_schedules() -> list[tuple[str, int]]:
 
 def spell_schedule(name: str, k: int, form: str = ",k={k}") -> str:
     """``name``, followed by ``form`` with ``k`` where the schedule reads ``k`` (layouts, reports)."""
-    s = _SCHEDULES.get(name)
+    s = _SCHEDULES.find(name)
     return name + (form.format(k=k) if s is not None and s.blocks else "")
 
 

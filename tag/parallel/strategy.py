@@ -28,6 +28,7 @@ from ..cost.comm import uniform_ps_time
 from ..errors import PlanError
 from ..plan.format import GroupPlan, group_positions, local_batches
 from .pipeline import validate_pipeline
+from .registry import Registry
 
 UnitKey = tuple[int, int]
 """(group, unit index); the index is 0 for a group run as one unit."""
@@ -218,38 +219,26 @@ class Strategy:
         return comp, sync_s, 2 * c.param_bytes[g] + c.opt_bytes[g] + c.act_bytes[g] / n
 
 
-_REGISTRY: dict[str, Strategy] = {}
+_REGISTRY: Registry[Strategy] = Registry("strategy")
 
 
 def register(strategy: Strategy) -> Strategy:
     """Make ``strategy`` available under ``strategy.name`` (plans select it by ``GroupPlan.sync``)."""
-    if not strategy.name:
-        raise ValueError("a strategy needs a name")
-    _REGISTRY[strategy.name] = strategy
-    return strategy
+    return _REGISTRY.register(strategy)
 
 
-def unregister(name: str) -> None:
-    """Remove the strategy registered under ``name`` (no error if there is none)."""
-    _REGISTRY.pop(name, None)
-
-
-def strategy_names() -> tuple[str, ...]:
-    """Registered strategy names, in registration order."""
-    return tuple(_REGISTRY)
+unregister = _REGISTRY.unregister
+strategy_names = _REGISTRY.names
 
 
 def get_strategy(name: str, *, where: str = "sync") -> Strategy:
     """The strategy registered under ``name``; :class:`PlanError` naming ``where`` otherwise."""
-    s = _REGISTRY.get(name)
-    if s is None:
-        raise PlanError(f"{where}: expected one of {list(_REGISTRY)}, got {name!r}")
-    return s
+    return _REGISTRY.get(name, where=where)
 
 
 def strategy_of(gp: GroupPlan) -> Strategy:
     """The strategy of one group's plan (``gp.sync``)."""
-    s = _REGISTRY.get(gp.sync)
+    s = _REGISTRY.find(gp.sync)
     return s if s is not None else get_strategy(gp.sync)
 
 
