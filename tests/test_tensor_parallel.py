@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 
 import pytest
@@ -682,3 +683,27 @@ def test_validate_runs_tensor_parallel_plans(gpt2):
     assert [n for n, _ in select_plans(plans, ["dp-even", "pp2"])] == ["dp-even", "pp2-1f1b-m4", "pp2-gpipe-m4"]
     with pytest.raises(TagError, match=r"^--only: 'tp8' names none of the plans \['dp-even', .*\]; expected a name"):
         select_plans(plans, ["tp8"])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_analysis_attention_propagates_nan_per_head(causal):
+    """The NaN analysis runs fused CPU attention in plain ops: equal values to the kernel (forward
+    and backward), and a NaN feature of one head's query makes that head's outputs, logsumexp and
+    key/value gradients NaN and no other head's (the AVX-512 kernel drops such NaNs)."""
+    from tag.executor.tensor_parallel import NAN_PASS_OPS
+
+    aten = torch.ops.aten
+    fwd, bwd = aten._scaled_dot_product_flash_attention_for_cpu.default, \
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, 4, 12, 8, generator=g) for _ in range(4))
+    out, lse = fwd(q, k, v, 0.0, causal)
+    mine = NAN_PASS_OPS[fwd](q, k, v, 0.0, causal)
+    for a, b in zip((out, lse, *bwd(do, q, k, v, out, lse, 0.0, causal)),
+                    (*mine, *NAN_PASS_OPS[bwd](do, q, k, v, out, lse, 0.0, causal))):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    q[:, 2, :, 3] = math.nan
+    out, lse = NAN_PASS_OPS[fwd](q, k, v, 0.0, causal)
+    gq, gk, gv = NAN_PASS_OPS[bwd](do, q, k, v, out, lse, 0.0, causal)
+    for t in (out, lse[..., None], gk, gv):
+        assert t.isnan().any(-1).any(-1).any(0).tolist() == [False, False, True, False]

@@ -69,6 +69,68 @@ UNINITIALISED = {aten.empty.memory_format, aten.empty_permuted.default, aten.emp
                  aten.new_empty.default, aten.empty_strided.default}
 """Ops returning uninitialised memory (zeroed in the analysis, where garbage could read as NaN)."""
 
+
+def _attention_scores(query, key, is_causal, attn_mask, scale):
+    """``[B, H, L, S]`` fp32 scores of fused attention and the ``[L, S]`` (or mask-shaped) positions
+    the kernel reads (None: all); a ``key`` with fewer heads (grouped queries) is repeated."""
+    if key.shape[-3] != query.shape[-3]:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+    s = (query.float() @ key.float().transpose(-2, -1)) * (scale or 1 / math.sqrt(query.shape[-1]))
+    keep = None
+    if is_causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        keep = attn_mask if keep is None else keep & attn_mask
+    elif attn_mask is not None:
+        s = s + attn_mask
+    return (s if keep is None else s.masked_fill(~keep, -math.inf)), keep
+
+
+def _heads_back(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A gradient over the query's heads summed back to ``like``'s (grouped keys and values)."""
+    if grad.shape[-3] != like.shape[-3]:
+        grad = grad.unflatten(-3, (like.shape[-3], -1)).sum(-3)
+    return grad.to(like.dtype)
+
+
+def _nan_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` in plain ops, for the NaN analysis only.
+
+    The fused CPU kernel's AVX-512 build drops NaNs (its vectorised max skips them: a NaN head of
+    q gives finite outputs and logsumexp with ATEN_CPU_CAPABILITY=avx512, NaN ones with avx2,
+    torch 2.13.0, 2026-11-27), so which elements depend on another shard cannot be read from it.
+    Here NaN spreads as through any matmul; within a head it may spread along the sequence where
+    the kernel's mask would keep it out, which moves no kept set: the analysis puts whole heads'
+    features NaN (parameters), never single positions."""
+    if key.shape[-3] != query.shape[-3]:
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
+    s, _ = _attention_scores(query, key, is_causal, attn_mask, scale)
+    lse = torch.logsumexp(s, -1)
+    return (torch.exp(s - lse[..., None]) @ value.float()).to(query.dtype), lse
+
+
+def _nan_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
+                            attn_mask=None, scale=None):
+    """The backward of :func:`_nan_attention` (``aten._scaled_dot_product_flash_attention_for_cpu_backward``:
+    ``(grad_query, grad_key, grad_value)``), in plain ops for the same reason."""
+    heads = query.shape[-3]
+    k = key.repeat_interleave(heads // key.shape[-3], dim=-3) if key.shape[-3] != heads else key
+    v = value.repeat_interleave(heads // value.shape[-3], dim=-3) if value.shape[-3] != heads else value
+    s, keep = _attention_scores(query, k, is_causal, attn_mask, scale)
+    p = torch.exp(s - logsumexp.float()[..., None])
+    do = grad_out.float()
+    ds = p * (do @ v.float().transpose(-2, -1) - (do * out.float()).sum(-1, keepdim=True))
+    if keep is not None:  # positions the kernel never reads carry no gradient
+        p, ds = p.masked_fill(~keep, 0), ds.masked_fill(~keep, 0)
+    scale = scale or 1 / math.sqrt(query.shape[-1])
+    return ((ds @ k.float() * scale).to(query.dtype), _heads_back(ds.transpose(-2, -1) @ query.float() * scale, key),
+            _heads_back(p.transpose(-2, -1) @ do, value))
+
+
+NAN_PASS_OPS = {aten._scaled_dot_product_flash_attention_for_cpu.default: _nan_attention,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _nan_attention_backward}
+"""Ops the NaN analysis runs in plain ops instead (kernels that do not propagate NaN)."""
+
 _REDUCERS: dict[int, Callable[[torch.Tensor], None]] = {}
 """Key -> in-place sum over the tensor-parallel group (one per rank; several in one process)."""
 _KEYS = itertools.count()
@@ -323,7 +385,11 @@ def _nan_pass(gm: fx.GraphModule, values: dict[str, object], operand: dict[str, 
             elif n.op == "get_attr":
                 env[n.name] = getattr(gm, n.target)
             elif n.op == "call_function":
-                v = n.target(*fx.node.map_arg(n.args, load), **fx.node.map_arg(n.kwargs, load))
+                v = NAN_PASS_OPS.get(n.target, n.target)(*fx.node.map_arg(n.args, load),
+                                                         **fx.node.map_arg(n.kwargs, load))
+                if n.target in NAN_PASS_OPS:  # the captured kernel's strides (later views rely on them)
+                    v = tuple(torch.empty_strided(t.shape, w.stride(), dtype=t.dtype, device=t.device).copy_(t)
+                              for t, w in zip(v, n.meta["val"]))
                 if n.target in UNINITIALISED:
                     v = torch.zeros_like(v)
                 if clean and isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() \
