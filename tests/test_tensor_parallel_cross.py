@@ -191,3 +191,18 @@ def test_scatter_gather_across_two_loopback_machines(setup, two, tmp_path):
         {ab: pytest.approx(n, rel=1e-12) for ab, n in sent.items() if mo(ab[0]) != mo(ab[1])}
     assert gathered == {rk["rank"]: pytest.approx(rk["gathered_bytes"], rel=1e-12) for rk in ranks}
 
+
+def test_the_executable_layout_grid_has_no_sequence_parallelism(captured, two):
+    """``tag plan``'s default (executable) layout grid leaves out the sequence-parallel layouts the
+    executor refuses; the unconstrained grid has them (the MCTS's ``tp`` actions never set
+    ``sequence_parallel``: tests/test_search.py checks its executable plans)."""
+    from tag.parallel.layout import search_layouts
+    from tag.sim import Simulator
+
+    graph = captured(GPT2, batch=8, groups=6).graph
+    topo = load_topology(two)
+    sim = Simulator(graph, topo, CostModel.for_topology(graph, topo))
+    found = {e: search_layouts(graph, topo, sim.costs, lambda p: sim.run(p.groups, pipeline=p.pipeline), executable=e)
+             for e in (True, False)}
+    sp = {e: sum(any(gp.sequence_parallel for gp in p.groups) for p, _ in f.ranked) for e, f in found.items()}
+    assert sp[True] == 0 < sp[False] and found[True].layouts < found[False].layouts
