@@ -249,6 +249,18 @@ class DistComm:
         rt.timer.sync += time.perf_counter() - t0
 
 
+def all_gather_flat(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """The 1-D tensors ``x`` of the ``size`` members of ``group`` concatenated in member order
+    (blocking; :attr:`RankHook.gather <tag.executor.strategies.RankHook.gather>`)."""
+    if x.is_cuda:
+        out = x.new_empty(size * x.numel())
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts)
+
+
 PACK_ALIGN = 16
 """Byte alignment of every piece in a packed message (any dtype's view of it is aligned)."""
 

@@ -4,7 +4,11 @@ The runtime is transport-agnostic: a transfer step is split into :meth:`RankRunt
 (pieces this rank sends), :meth:`RankRuntime.incoming` (buffers it receives into) and
 :meth:`RankRuntime.assemble` (combine pieces into the consumer's input). The distributed
 worker moves the pieces with torch.distributed; :mod:`tag.executor.virtual` moves them inside
-one process (fast semantic tests).
+one process (fast semantic tests). A piece its hook scatters (a tensor-parallel group's, between
+machines: :meth:`RankHook.scattered <tag.executor.strategies.RankHook.scattered>`) goes as this
+member's slice (:func:`scatter_slice`), and :meth:`RankRuntime.assemble` all-gathers the slices
+over the group (:attr:`RankHook.gather <tag.executor.strategies.RankHook.gather>`) before
+combining.
 
 Values live in ``env[(unit, node name)]``: a rank may serve several units with different
 sample ranges, so the same node name can hold different rows for different units. On a pipeline
@@ -47,6 +51,7 @@ gathered factors (the joint graph at the global batch) to get the full gradients
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import time
 import types
@@ -239,6 +244,12 @@ class RankRuntime:
         self.env: dict[Key, torch.Tensor] = {}
         self.timer = Timer(cuda=self.device.type == "cuda")
         self.loss = 0.0
+        self.sent_bytes: dict[int, int] = {}
+        """Bytes this rank handed out to send in the current iteration, per destination (the
+        schedule's device; :meth:`outgoing`)."""
+        self.gathered_bytes = 0
+        """Bytes of the scattered pieces this rank all-gathered in the current iteration (whole
+        pieces, padding included; :meth:`_gather_scattered`)."""
 
     # ---- the rank's program -------------------------------------------------------------
     def _build_program(self) -> None:
@@ -314,6 +325,8 @@ class RankRuntime:
     # ---- values ------------------------------------------------------------------------
     def begin_iteration(self) -> None:
         self.env.clear()
+        self.sent_bytes = {}
+        self.gathered_bytes = 0
         self.timer = Timer(cuda=self.device.type == "cuda")
         self.loss = 0.0
 
@@ -357,18 +370,35 @@ class RankRuntime:
             torch.cuda.synchronize(self.device)
 
     # ---- transfers -----------------------------------------------------------------------
+    def _scattered(self, m: Move) -> bool:
+        """Whether ``m`` goes as this rank's slice, all-gathered by the receiving group
+        (:meth:`RankHook.scattered <tag.executor.strategies.RankHook.scattered>`)."""
+        return self.hook is not None and self.hook.scattered(m.src, m.dst)
+
     def outgoing(self, step: Step) -> list[tuple[int, int, torch.Tensor]]:
-        """(tag, destination rank, piece) for every piece this rank sends in ``step``."""
+        """(tag, destination rank, piece) for every piece this rank sends in ``step``: the piece,
+        or its slice where it is scattered (:func:`scatter_slice`); counted in :attr:`sent_bytes`."""
         out = []
         for k, m in enumerate(step.moves):
             if m.src == self.rank and m.dst != self.rank:
-                out.append((k, m.dst, self.piece(m, micro=step.micro)))
+                piece = self.piece(m, micro=step.micro)
+                if self._scattered(m):
+                    piece = scatter_slice(piece, self.hook.index, self.hook.degree)
+                self.sent_bytes[m.dst] = self.sent_bytes.get(m.dst, 0) + piece.numel() * piece.element_size()
+                out.append((k, m.dst, piece))
         return out
 
     def incoming_specs(self, step: Step) -> list[tuple[int, int, list[int], torch.dtype]]:
-        """(tag, source rank, shape, dtype) of every piece this rank receives in ``step``."""
-        return [(k, m.src, *self.piece_spec(step, m)) for k, m in enumerate(step.moves)
-                if m.dst == self.rank and m.src != self.rank]
+        """(tag, source rank, shape, dtype) of every piece this rank receives in ``step`` (a
+        scattered piece: its 1-D slice)."""
+        out = []
+        for k, m in enumerate(step.moves):
+            if m.dst == self.rank and m.src != self.rank:
+                shape, dtype = self.piece_spec(step, m)
+                if self._scattered(m):
+                    shape = [slice_numel(math.prod(shape), self.hook.degree)]
+                out.append((k, m.src, shape, dtype))
+        return out
 
     def incoming(self, step: Step) -> list[tuple[int, int, torch.Tensor]]:
         """(tag, source rank, empty buffer) for every piece this rank receives in ``step``."""
@@ -400,9 +430,14 @@ class RankRuntime:
         return shape, val.dtype
 
     def assemble(self, step: Step, received: dict[int, torch.Tensor]) -> None:
-        """Combine local and received pieces into ``env[(consumer unit, name)]``."""
+        """Combine local and received pieces into ``env[(consumer unit, name)]`` (the scattered
+        ones all-gathered first, :meth:`_gather_scattered`)."""
         pieces: dict[Key, list[tuple[Move, torch.Tensor | None]]] = {}
         s, mb = self.schedule, step.micro
+        scattered = [k for k, m in enumerate(step.moves) if m.dst == self.rank and m.src != self.rank
+                     and self._scattered(m)]
+        if scattered:
+            received = {**received, **self._gather_scattered(step, scattered, received)}
         for k, m in enumerate(step.moves):
             if m.dst != self.rank:
                 continue
@@ -429,6 +464,23 @@ class RankRuntime:
                 self.env[key] = torch.zeros(shape, dtype=dtype, device=self.device)
             else:
                 self.env[key] = ps[0][1]
+
+    def _gather_scattered(self, step: Step, tags: list[int], received: dict[int, torch.Tensor]
+                          ) -> dict[int, torch.Tensor]:
+        """The whole pieces of the scattered moves ``tags`` of ``step``, from this rank's slices
+        (``received``): one all-gather over the group (:attr:`RankHook.gather`) of their bytes
+        concatenated, each member's slices then side by side; counted in :attr:`gathered_bytes`."""
+        slices = [received[k].reshape(-1).view(torch.uint8) for k in tags]
+        mine = torch.cat(slices) if len(slices) > 1 else slices[0]
+        members = self.hook.gather(mine).view(self.hook.degree, -1)  # row i: member i's slices
+        self.gathered_bytes += members.numel()
+        out, off = {}, 0
+        for k, part in zip(tags, slices):
+            shape, dtype = self.piece_spec(step, step.moves[k])
+            flat = members[:, off:off + part.numel()].contiguous().view(dtype).view(-1)
+            out[k] = flat[:math.prod(shape)].view(shape)
+            off += part.numel()
+        return out
 
     # ---- SFB -------------------------------------------------------------------------------
     def _prepare_sfb(self, sg: SfbGroup) -> None:
@@ -595,6 +647,23 @@ def check_structure(schedule: Schedule, joint: Joint, batch: int, group: int, lo
         fix += " (of a micro-batch: fewer micro-batches give more)"
     raise ExecutionError(f"local batch {batch} of group {group} changes the graph structure of {schedule.model} "
                          f"({where}); {fix}")
+
+
+def slice_numel(numel: int, degree: int) -> int:
+    """Elements of each of ``degree`` slices of a flattened tensor of ``numel`` (the last padded)."""
+    return -(-numel // degree)
+
+
+def scatter_slice(piece: torch.Tensor, index: int, degree: int) -> torch.Tensor:
+    """Slice ``index`` of ``degree`` of contiguous ``piece`` flattened (Megatron-LM's
+    ``split_tensor_into_1d_equal_chunks``), padded with zeros to :func:`slice_numel` where
+    ``degree`` does not divide its size: the receiving group concatenates the slices in member
+    order and drops the padding (:meth:`RankRuntime._gather_scattered`)."""
+    flat = piece.reshape(-1)
+    n = slice_numel(flat.numel(), degree)
+    lo = min(index * n, flat.numel())
+    part = flat[lo:lo + n]
+    return part if part.numel() == n else torch.cat([part, part.new_zeros(n - part.numel())])
 
 
 def _edit_outputs(stage: Stage, add: list[str], drop: set[str]) -> None:

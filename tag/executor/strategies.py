@@ -47,6 +47,16 @@ class RankHook:
         self.reduce: Callable[[torch.Tensor], None] | None = None
         """In-place sum over the rank's group (blocking); set by the runner once the group's
         process group exists, before the first iteration."""
+        self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """All-gather over the rank's group (blocking): a 1-D tensor of one length on every member
+        -> their concatenation in member order; set by the runner as :attr:`reduce`."""
+        self.machine_of: Callable[[int], int] | None = None
+        """Topology device -> its machine (set by the runner; None: one machine)."""
+
+    def scattered(self, src: int, dst: int) -> bool:
+        """Whether a piece the schedule moves from device ``src`` to device ``dst`` goes as one
+        slice per member of the group, all-gathered by the receiving group (this base: never)."""
+        return False
 
     @property
     def reports_loss(self) -> bool:
@@ -137,25 +147,48 @@ def execution_for(plan: Plan, graph: OpGraph) -> Execution:
     return Execution(plan)
 
 
-def thread_reducers(n: int) -> list[Callable[[torch.Tensor], None]]:
-    """In-place sums over ``n`` threads of one process (a group's ranks in the in-process
-    runner): each thread adds the ``n`` tensors in the same order, so all get the same bits."""
+def _thread_collectives(n: int, combine: Callable[[list[torch.Tensor]], torch.Tensor]
+                        ) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """``n`` functions, one per thread of one process, each returning ``combine`` of the ``n``
+    tensors the threads handed in (in thread order, blocking until all did)."""
     barrier = threading.Barrier(n)
-    slots: list[torch.Tensor | None] = [None] * n
+    slots: list[torch.Tensor] = [torch.empty(0)] * n
 
     def make(i: int):
-        def reduce(x: torch.Tensor) -> None:
+        def run(x: torch.Tensor) -> torch.Tensor:
             slots[i] = x.clone()
             barrier.wait()
-            total = slots[0]
-            for s in slots[1:]:
-                total = total + s
+            out = combine(slots)
             barrier.wait()  # everybody read the slots before anybody writes them again
-            x.copy_(total)
-        return reduce
+            return out
+        return run
 
     return [make(i) for i in range(n)]
 
 
-__all__ = ["Execution", "ExecutionFactory", "RankHook", "execution_for", "register_execution", "thread_reducers",
-           "unregister_execution"]
+def _summed(slots: list[torch.Tensor]) -> torch.Tensor:
+    total = slots[0]
+    for s in slots[1:]:
+        total = total + s
+    return total
+
+
+def thread_reducers(n: int) -> list[Callable[[torch.Tensor], None]]:
+    """In-place sums over ``n`` threads of one process (a group's ranks in the in-process
+    runner): each thread adds the ``n`` tensors in the same order, so all get the same bits."""
+    def in_place(run: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], None]:
+        def reduce(x: torch.Tensor) -> None:
+            x.copy_(run(x))
+        return reduce
+
+    return [in_place(run) for run in _thread_collectives(n, _summed)]
+
+
+def thread_gatherers(n: int) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """All-gathers over ``n`` threads of one process (:attr:`RankHook.gather`): the 1-D tensors
+    concatenated in thread order."""
+    return _thread_collectives(n, torch.cat)
+
+
+__all__ = ["Execution", "ExecutionFactory", "RankHook", "execution_for", "register_execution", "thread_gatherers",
+           "thread_reducers", "unregister_execution"]

@@ -11,10 +11,18 @@ joint graphs rewritten for that shard (:meth:`TpRank.joint`), and a blocking all
 embeddings, LM head, loss) run replicated on the group's batch, so their parameters and
 gradients stay identical on the group's devices; the split parameters' gradients are per shard;
 the gradient syncs sum over the replicas holding the same shard. What ``D[0]`` sends to another
-stage's first device ``E[0]``, ``D[i]`` sends to ``E[i]`` (the full activation, replicated
-outside the blocks, as Megatron-LM's pipeline sends each tensor-parallel rank's to the same rank
-of the next stage; :attr:`tag.executor.comm.DistComm.peers`, and per member index in
-:func:`tag.executor.run_virtual`).
+stage's first device ``E[0]``, ``D[i]`` sends to ``E[i]`` (:attr:`tag.executor.comm.DistComm.peers`,
+and per member index in :func:`tag.executor.run_virtual`): on one machine the full activation
+(replicated outside the blocks, as Megatron-LM's pipeline sends each tensor-parallel rank's to
+the same rank of the next stage); between machines Megatron-LM's scatter-gather
+(``scatter_gather_tensors_in_pipeline``, :meth:`TpRank.scattered`): slice ``i`` of the flattened
+tensor (:func:`~tag.executor.runtime.scatter_slice`, padded where ``T`` does not divide it), the
+receiving group all-gathering the whole (:attr:`TpRank.gather`), so one copy crosses the network,
+as the simulator prices it. Flattened, as Megatron-LM's ``split_tensor_into_1d_equal_chunks``:
+any tensor (a tied weight, its partial-sum gradient, rows of a pipeline activation) splits the same
+way, with no dim needing to divide by ``T``. Within a machine the whole tensor still goes ``D[i] ->
+E[i]``: the ``T`` copies share no link but the machine's fabric, and the all-gather would move
+the same bytes again after a latency.
 
 **Why not DTensor's ``ColwiseParallel`` / ``RowwiseParallel``.** ``parallelize_module`` swaps the
 parameters of eager ``nn.Linear`` / ``nn.Embedding`` modules for DTensors and relies on autograd
@@ -172,6 +180,10 @@ class TpRank(RankHook):
     reduce: Callable[[torch.Tensor], None] | None = None
     """In-place sum over the tensor-parallel group (blocking); may be set after construction
     (the process group exists once the rank joined it), before the first iteration."""
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """All-gather over the tensor-parallel group (:attr:`RankHook.gather`); set like :attr:`reduce`."""
+    machine_of: Callable[[int], int] | None = None
+    """Topology device -> machine (set by the runner; None: one machine, nothing scattered)."""
     key: int = -1
     kept: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     """State-dict name of each split parameter -> kept indices per dim (:meth:`shard`)."""
@@ -181,6 +193,13 @@ class TpRank(RankHook):
         self.key = next(_KEYS)
         me = weakref.ref(self)  # the registry keeps no rank alive
         _REDUCERS[self.key] = lambda x: me().reduce(x)
+
+    def scattered(self, src: int, dst: int) -> bool:
+        """A piece between stages on two machines goes as Megatron-LM's scatter-gather: ``1 /
+        degree`` of it from each device of the sending group to the same device of the
+        receiving one, which all-gathers the rest on its machine (:func:`scatter_slice`)."""
+        mo = self.machine_of
+        return mo is not None and mo(src) != mo(dst)
 
     # ---- the joint graph of one local batch ---------------------------------------------------
     def joint(self, joint: Joint, inputs: tuple, param_grad: dict[str, str]) -> Joint:

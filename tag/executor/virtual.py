@@ -17,7 +17,7 @@ from ..parallel.schedule import Schedule, build_schedule
 from ..plan.format import Plan
 from .optim import make_optimizer
 from .runtime import Joint, RankRuntime, export_at
-from .strategies import RankHook, execution_for, thread_reducers
+from .strategies import RankHook, execution_for, thread_gatherers, thread_reducers
 
 
 def local_batch_sizes(schedule: Schedule, rank: int) -> set[int]:
@@ -49,9 +49,9 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
                      | {m for st in sched.steps if st.collective is not None for m in st.collective.members})
     hooks: dict[int, RankHook | None] = {d: ex.hook(d) for d in ranks}
     for devs in ex.groups:  # a group's ranks sum inside their segments: one thread each
-        for d, red in zip(devs, thread_reducers(len(devs))):
+        for d, red, gat in zip(devs, thread_reducers(len(devs)), thread_gatherers(len(devs))):
             if hooks[d] is not None:
-                hooks[d].reduce = red
+                hooks[d].reduce, hooks[d].gather, hooks[d].machine_of = red, gat, machine_of
     shards = ex.shards  # per member index: the schedule's device -> the rank of that index
     joints = {} if joints is None else joints
     runtimes: dict[int, RankRuntime] = {}
@@ -84,11 +84,17 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
                     rt.run_segment(i)
             others = {r: rt for r, rt in runtimes.items() if not rt.covers(i)}
             if st.kind == "transfer":  # between the ranks of one member index (each moves its own copy)
+                got = []
                 for team in ([[others[r] for r in shard.values() if r in others] for shard in shards]
                              if shards else [list(others.values())]):
                     sent = {k: t for rt in team for k, _dst, t in rt.outgoing(st)}
-                    for rt in team:
-                        rt.assemble(st, {k: sent[k].clone() for k, _src, _buf in rt.incoming(st)})
+                    got += [(rt, {k: sent[k].clone() for k, _src, _buf in rt.incoming(st)}) for rt in team]
+                if pool is not None:  # a group's ranks all-gather scattered pieces: one thread each
+                    for f in [pool.submit(rt.assemble, st, pieces) for rt, pieces in got]:
+                        f.result()
+                else:
+                    for rt, pieces in got:
+                        rt.assemble(st, pieces)
             elif st.kind == "sfb":  # all-gather = concatenation in sample (plan device) order
                 sg = sched.sfb[st.group]
                 local = {d: runtimes[d].sfb_local(st.group) for d in sg.devices}

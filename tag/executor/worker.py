@@ -100,7 +100,7 @@ def run_rank(a: WorkerArgs) -> dict:
     from ..plan.format import Plan
     from ..topology import load_topology
     from ..workloads import load_workload
-    from .comm import DistComm
+    from .comm import DistComm, all_gather_flat
 
     tune_malloc()  # the profiles were timed with the same allocator settings
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -155,6 +155,8 @@ def run_rank(a: WorkerArgs) -> dict:
         my_group = pg if rank in devs else my_group
     if hook is not None and members is not None:
         hook.reduce = lambda x: dist.all_reduce(x, group=my_group)
+        hook.gather = lambda x: all_gather_flat(x, my_group, len(members))
+        hook.machine_of = topology.machine_of
     if pinned:
         demote_threads()  # gloo's threads exist now; only for a rank on cores of its own
     fault = _parse_fault(a.fault)
@@ -211,6 +213,9 @@ def run_rank(a: WorkerArgs) -> dict:
                 "peak_memory_bytes": peak, "iterations": iters, "timeline": timeline,
                 "host_peak_growth_bytes": None if rss0 is None else host_memory(peak=True) - rss0,
                 "optimizer_state_bytes": optimizer_state_bytes(rt.optimizer),
+                # the last iteration's bytes handed out to send, per destination rank, and all-gathered
+                "sent_bytes": {str(comm.peers.get(d, d)): n for d, n in sorted(rt.sent_bytes.items())},
+                "gathered_bytes": rt.gathered_bytes,
                 "median_time_s": statistics.median(x["time_s"] for x in iters[a.warmup:])}
         if a.save_params:
             params = rt.named_params()

@@ -18,13 +18,15 @@ unit every replica is a holder set of its own, and the rules below reduce to one
   gradient of its input, equal on its devices after the block's all-reduce) is sent once per
   consumer replica, never once per holder; every device of a consumer holder set receives what
   it computes on.
-* ``shard``: rows (or a copy) entering a consumer holder set of ``size`` devices from another
-  machine are scattered: each of its devices receives ``1 / size`` of them from its aligned
-  producer and the set all-gathers the rest on its machine (Megatron-LM's scatter-gather of
-  pipeline tensors: one copy of the tensor crosses the network, not ``size``; the all-gather
-  over the machine's links is not costed). Not executed (the executor runs no holder sets: it runs a tensor-parallel plan
-  as the data-parallel plan over each group's first device, device ``i`` of a group sending the
-  whole tensor to device ``i`` of the consumer's: ``size`` times these bytes between machines).
+* ``shard``: rows, a copy or a partial sum entering a consumer holder set of ``size`` devices
+  from another machine are scattered: each of its devices receives ``1 / size`` of them from its
+  aligned producer and the set all-gathers the whole on its machine (Megatron-LM's scatter-gather
+  of pipeline tensors: one copy of the tensor crosses the network, not ``size``). The simulator
+  costs the all-gather, one per consumer holder set and stage over all its scattered pieces
+  (:class:`tag.sim.units.PairTemplate`); the executor, which runs a tensor-parallel plan as the
+  data-parallel plan over each group's first device, does the same between machines: device
+  ``i`` of a group sends slice ``i`` of the flattened piece to device ``i`` of the consumer's,
+  which all-gathers (:meth:`tag.executor.tensor_parallel.TpRank.scattered`).
 * ``copy`` (a non-batch forward tensor): every consumer replica receives the whole tensor from
   one producer replica: the one on its device, else on its machine, else the first. With a
   tensor-parallel side (a holder set of several replicas) the producer replicas are taken as one
@@ -37,7 +39,8 @@ unit every replica is a holder set of its own, and the rules below reduce to one
   holder set there (the consumer's sets then hold partials that sum to the whole); else all go to
   the consumer's first set. Every replica of the receiving set gets it (the one on a producer
   holder's device from that holder), as each device of a tensor-parallel group syncs its own
-  copy. Consumer replicas fed nothing get zeros (``zeros``, no data moves).
+  copy; into a set of several devices on another machine as ``shard`` pieces from the aligned
+  holder. Consumer replicas fed nothing get zeros (``zeros``, no data moves).
 """
 
 from __future__ import annotations
@@ -155,7 +158,13 @@ def _sum_pieces(src, dst, machine_of: Callable[[int], int]) -> list[Piece]:
     for (a, b), r in zip(sets_s, reps):
         k = set_of[at[src.devices[r]]] if local else 0
         mine = {src.devices[i]: i for i in range(a, b)}
-        out += [(mine.get(dst.devices[j], r), j, "sum", 0, 0) for j in range(*sets_d[k])]
+        c0, c1 = sets_d[k]
+        for j in range(c0, c1):
+            i = mine.get(dst.devices[j], r)
+            if c1 - c0 > 1 and machine_of(src.devices[i]) != machine_of(dst.devices[j]):
+                out.append((a + j % (b - a), j, "shard", 0, 0))  # from the aligned holder, scattered
+            else:
+                out.append((i, j, "sum", 0, 0))
     fed = {j for _, j, _, _, _ in out}
     return out + [(-1, j, "zeros", 0, 0) for j in range(len(dst.devices)) if j not in fed]
 

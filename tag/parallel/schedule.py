@@ -489,9 +489,10 @@ def _moves(name: str, src: Unit, dst: Unit, batch_dim: int | None, partial_sum: 
             out.append(Move(name, src.key, dst.key, src.replicas[i].device, c, mode, lo, hi, batch_dim))
         elif mode == "sum":  # each partial to the device of its consumer replica
             out.append(Move(name, src.key, dst.key, src.replicas[i].device, c, mode))
-        elif mode == "shard":  # (tensor-parallel units run as data parallel: tensor_parallel.executed_plan)
-            raise PlanError(f"plan: {name}: a scattered move into tensor-parallel unit {dst.key} is simulated, "
-                            "not executed")
+        elif mode == "shard":  # (tensor-parallel units run as data parallel: tensor_parallel.executed_plan,
+            # whose ranks scatter between machines themselves: tag.executor.tensor_parallel.TpRank.scattered)
+            raise PlanError(f"plan: {name}: a scattered move into tensor-parallel unit {dst.key}; schedule the "
+                            "plan tensor_parallel.executed_plan gives")
         else:
             out.append(Move(name, src.key, dst.key, c if mode == "zeros" else src.replicas[i].device, c, mode))
     return out

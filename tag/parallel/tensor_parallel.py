@@ -62,10 +62,10 @@ stage over the stage's devices with the same degree and shares and every stage a
 degree. It runs the data-parallel plan (the pipeline of data-parallel stages) over the
 tensor-parallel groups' first devices (:func:`executed_plan`): every device of a group walks its
 first device's schedule on its shard, sends what the first device sends to another stage's first
-device to the device of its own index there (the full activation: the holder sets above price
-that within a machine; between machines they price Megatron-LM's scatter-gather, ``1 / T`` to
-each device and an uncosted all-gather, which the executor does not do: it sends ``T`` times
-those bytes), and sums its gradients with the devices of its index in the stage's other groups. :meth:`TensorParallel.execution_refusal` names the first field of any
+device to the device of its own index there (within a machine the full activation, as the
+holder sets above price it; between machines Megatron-LM's scatter-gather, as they price it too:
+slice ``i`` of the flattened tensor to device ``i``, then an all-gather inside the receiving
+group, :meth:`tag.executor.tensor_parallel.TpRank.scattered`), and sums its gradients with the devices of its index in the stage's other groups. :meth:`TensorParallel.execution_refusal` names the first field of any
 other plan with ``tp`` groups (sequence parallelism, stages of different degrees), which the
 executor refuses in one line (:func:`tag.parallel.execution_refusal`, raised by
 :func:`tag.parallel.validate_plan` ``tensor_parallel=False``). Sequence parallelism is refused:

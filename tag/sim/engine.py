@@ -16,6 +16,10 @@ ranks pack them; occupy both endpoints' comm streams, and both machines' network
 a flow is a rendezvous, as in the executor, where sender and receiver post their halves at the
 step of the schedule and wait for them: it starts once both endpoints' compute streams reached
 that step, and both compute streams wait for it to finish),
+all-gathers completing the pieces scattered into a tensor-parallel group from another machine
+(Megatron-LM's scatter-gather, :mod:`tag.parallel.moves` ``shard``; one per group and stage after
+the last of its messages, holding the group's comm and compute streams, as the executor's
+blocking all-gather in its transfer step),
 gradient buckets (:meth:`Simulator.sync_jobs`: the groups' syncs bucketed as the executor's
 schedule buckets them, :mod:`tag.parallel.buckets`, about 25 MiB as DDP; each one collective over
 the replica set, or PS push+pull, over its groups' concatenated gradients, see
@@ -297,6 +301,15 @@ class Simulator:
             self._buckets[(key, nbytes)] = t
         return t
 
+    def scatter_gather_time(self, devices: tuple[int, ...], chunks: tuple[float, ...]) -> float:
+        """Seconds of the all-gather of ``chunks[r]`` bytes from each ``devices[r]`` that
+        completes scattered pieces (:attr:`tag.sim.units.PairTemplate.gathers`; cached)."""
+        cache = self.cache("scatter-gather")
+        t = cache.get((devices, chunks))
+        if t is None:
+            t = cache[(devices, chunks)] = self.comm.allgather_time(list(chunks), list(devices))
+        return t
+
     def pair(self, g1: int, gd1: GroupData, g2: int, gd2: GroupData, select: str | None = None) -> _Pair:
         """Flows from group ``g1`` deployed as ``gd1`` to ``g2`` deployed as ``gd2`` (cached, and
         their :class:`PairTemplate` cached by what it depends on: the tensors crossing and the
@@ -379,6 +392,23 @@ class Simulator:
         res.events = rec.events()
         return res
 
+    def moved_bytes(self, groups, *, pipeline=None) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
+        """What one iteration of ``groups`` (and ``pipeline``) moves: bytes per (source device,
+        destination device) of its point-to-point messages, and per device the bytes of the
+        all-gathers completing pieces scattered into its tensor-parallel group (the whole
+        pieces, :attr:`tag.sim.units.PairTemplate.gathers`)."""
+        run = _Run(self, self.deploy(groups), None, None if pipeline is None else self._micro(groups, pipeline))
+        p2p: dict[tuple[int, int], float] = {}
+        for fl in run.incoming.values():
+            for *_, a, b, _ma, _mb, _t, _r, nb in fl:
+                p2p[(a, b)] = p2p.get((a, b), 0.0) + nb
+        gathered: dict[int, float] = {}
+        for sets in run.gathers.values():
+            for _lo, _hi, devs, _t, nb in sets:
+                for d in devs:
+                    gathered[d] = gathered.get(d, 0.0) + nb
+        return p2p, gathered
+
     def _micro(self, groups, pp) -> _Micro:
         """What the event loop needs to run ``groups`` as the pipeline ``pp``
         (:mod:`tag.parallel.pipeline`): every group deployed at each micro-batch size, the tasks
@@ -451,7 +481,7 @@ class _Pair:
     b, source machine, destination machine, seconds, destination replica, bytes)`` for the event
     loop (``fast``), and as :class:`Flow` objects for the recorder (``by_dst``, built on demand)."""
 
-    __slots__ = ("tpl", "g1", "g2", "fast", "_by_dst")
+    __slots__ = ("tpl", "g1", "g2", "fast", "gathers", "_by_dst")
 
     def __init__(self, tpl: PairTemplate, g1: int, g2: int, k: int):
         self.tpl, self.g1, self.g2 = tpl, g1, g2
@@ -462,6 +492,9 @@ class _Pair:
                             tuple([(src_base[sp] + k2 * su if sp != PARAM else -1, ri, a, b, ma, mb, t, rj, nb)
                                    for sp, su, ri, rj, a, b, ma, mb, t, nb in fl]))
                            for (ph, du), fl in tpl.by_dst])
+        self.gathers = tuple((ph * k + g2 + k2 * du, sets) for (ph, du), sets in tpl.gathers)
+        """Per destination stage index: the holder sets all-gathering scattered pieces
+        (:attr:`PairTemplate.gathers`)."""
         self._by_dst = None
 
     @property
@@ -497,13 +530,14 @@ class _Micro(NamedTuple):
 class _Shifted:
     """The flows of a :class:`_Pair` moved to micro-batch ``m`` (chunk ``m`` of both groups)."""
 
-    __slots__ = ("fast", "pr", "m", "_by_dst")
+    __slots__ = ("fast", "gathers", "pr", "m", "_by_dst")
 
     def __init__(self, pr: _Pair, m: int, k: int):
         off = 2 * k * m
         self.pr, self.m, self._by_dst = pr, m, None
         self.fast = tuple((dst + off, tuple((si + off if si >= 0 else si, *rest) for si, *rest in fl))
                           for dst, fl in pr.fast)
+        self.gathers = tuple((dst + off, sets) for dst, sets in pr.gathers)
 
     @property
     def by_dst(self) -> list[tuple[tuple, list[Flow]]]:
@@ -538,11 +572,20 @@ class _Run:
             used = [_Shifted(pr, j, k) for j, mg in enumerate(micro.gds) for pr in sim._pairs_used(mg, "micro")]
             used += [_Shifted(pr, 0, k) for pr in sim._pairs_used(micro.gds[0], "first")]
             used += [_Shifted(pr, last, k) for pr in sim._pairs_used(micro.gds[last], "last")]
+        gathered: dict[int, dict[tuple, list[float]]] = {}  # stage -> (lo, hi, devices) -> bytes per replica
         for pr in used:
             for dst, fl in pr.fast:
                 lst = incoming.get(dst)
                 incoming[dst] = fl if lst is None else lst + fl
+            for dst, sets in pr.gathers:
+                for lo, hi, devs, chunks in sets:
+                    acc = gathered.setdefault(dst, {}).setdefault((lo, hi, devs), [0.0] * (hi - lo))
+                    acc[:] = [x + y for x, y in zip(acc, chunks)]
         self.incoming = incoming
+        self.gathers = {dst: [(lo, hi, devs, sim.scatter_gather_time(devs, tuple(c)), sum(c))
+                              for (lo, hi, devs), c in sets.items()] for dst, sets in gathered.items()}
+        """Stage index -> ``(lo, hi, devices, seconds, bytes)`` of each consumer holder set that
+        all-gathers the pieces scattered into it (:meth:`_scatter_gather`)."""
         self.buf = [0.0] * n
         self.cfree = [0.0] * n
         self.cend = [0.0] * n  # end of each device's last compute (wake penalty)
@@ -613,6 +656,25 @@ class _Run:
                 ready[r] = e
         return ready
 
+    def _scatter_gather(self, idx: int, ready: list[float]) -> None:
+        """The all-gathers of stage ``idx``'s consumer holder sets that received scattered pieces
+        (``ready``: per replica, when its last message arrived; updated in place): each starts
+        once every replica of its set received its slices and its devices' streams are free (a
+        blocking collective in the executor's transfer step) and lasts the all-gather of the
+        received bytes over the set's devices (one machine)."""
+        cf, cfree, busy, buf, rec = self.comm_free, self.cfree, self.comm_busy, self.buf, self.rec
+        for lo, hi, devs, t, nb in self.gathers[idx]:
+            s = max(max(ready[lo:hi]), max(cf[d] for d in devs), max(cfree[d] for d in devs))
+            e = s + t
+            if rec is not None:
+                rec.scatter_gather(idx, lo, hi, devs, s, e, nb)
+            for d in devs:
+                cf[d] = cfree[d] = e
+                busy[d] += t
+                if nb > buf[d]:
+                    buf[d] = nb
+            ready[lo:hi] = [e] * (hi - lo)
+
     # ---- compute segments -------------------------------------------------------------------
     def _phase(self, ph: int, order: list[int], m: int = 0) -> None:
         """The stages of phase ``ph`` of the groups in ``order``: segments of consecutive stages
@@ -661,6 +723,8 @@ class _Run:
             inc = incoming.get(idx)
             if inc:
                 ready = self._transfer(inc, len(devs), idx)
+                if idx in self.gathers:
+                    self._scatter_gather(idx, ready)
                 start = [y if y > cfree[d] else cfree[d] for d, y in zip(devs, ready)]
             else:
                 start = [cfree[d] for d in devs]
@@ -851,7 +915,8 @@ class _Recorder:
     released what it waited for last), for :attr:`SimResult.critical_path` and the timeline.
     Task references: ``("c", segment, row, replica)`` a compute stage, ``("f", i)`` a message,
     ``("s", i)`` a sync, ``("a", i)`` an SFB all-gather, ``("r", i)`` an SFB recompute,
-    ``("b", g)`` the replica of group ``g``'s backward that finished last.
+    ``("b", g)`` the replica of group ``g``'s backward that finished last, ``("g", i)`` the
+    all-gather of pieces scattered into a tensor-parallel group.
 
     The hooks get the times the loop computed and read the loop's resource state before the loop
     updates it; the recorder keeps, per resource, the task that last released it."""
@@ -872,6 +937,7 @@ class _Recorder:
         self.flows: list[tuple] = []  # messages: (first flow, flows, bytes, start, end, pred)
         self.syncs: list[tuple] = []  # (groups, job, start, end, pred)
         self.gathers: list[tuple] = []  # SFB all-gathers: (group, factor index, start, end, pred)
+        self.scatters: list[tuple] = []  # scatter-gathers: (first flow in, devices, bytes, start, end, pred)
         self.recomputes: list[tuple] = []  # SFB recomputes: (group, device, start, end, pred)
         self.sfb_ref: dict[int, tuple] = {}  # group -> (last replica's recompute end, its ref)
         self._msgs: dict = {}  # (a, b) -> [flows, source ready, its ref] of the stage self._idx
@@ -916,6 +982,22 @@ class _Recorder:
         x = self._rsrc.get(r)
         if e > (x[0] if x is not None else 0.0):
             self._rsrc[r] = (e, ref)
+
+    def scatter_gather(self, idx: int, lo: int, hi: int, devs: tuple[int, ...], s: float, e: float,
+                       nb: float) -> None:
+        """The all-gather over ``devs`` (replicas ``lo .. hi - 1`` of stage ``idx``) of the pieces
+        scattered into them: after their last arrivals and their devices' streams."""
+        run, got = self.run, self._rsrc
+        waits = [got.get(r, (0.0, None)) for r in range(lo, hi)]
+        waits = [max(waits, key=lambda w: w[0])]  # (the first maximum, as the loop's max())
+        for d in devs:
+            waits += [(run.comm_free[d], self.last_comm[d]), (run.cfree[d], self.last_task[d])]
+        ref = ("g", len(self.scatters))
+        self.scatters.append((self.incoming[idx][0], devs, nb, s, e, _binding(s, waits)))
+        for d in devs:
+            self.last_comm[d] = self.last_task[d] = ref
+        for r in range(lo, hi):
+            got[r] = (e, ref)
 
     def segment(self, ph: int, stages: list[tuple[int, int]], unit: Unit, start: list[float],
                 ready: list[float] | None) -> None:
@@ -1043,6 +1125,11 @@ class _Recorder:
         if kind == "r":
             g, d, s, e, p = self.recomputes[ref[1]]
             return f"sfb g{g} @d{d}", s, e, p
+        if kind == "g":
+            f, devs, nbytes, s, e, p = self.scatters[ref[1]]
+            name = (f"allgather {PHASE_NAME[f.dst[0]]} g{f.dst[1]} scattered in "
+                    f"@d{'+'.join(map(str, devs))} ({nbytes:.0f} B)")
+            return name, s, e, p
         raise AssertionError(ref)
 
     def _bwd_last(self, g: int):
@@ -1108,6 +1195,10 @@ class _Recorder:
             name, s, e, _ = self._resolve(("a", gid))
             for d in self.gds[self.gathers[gid][0]].sfb.members:
                 ev.append(SimEvent(name, d, "comm", s, e, "allgather"))
+        for sid in range(len(self.scatters)):
+            name, s, e, _ = self._resolve(("g", sid))
+            for d in self.scatters[sid][1]:
+                ev.append(SimEvent(name, d, "comm", s, e, "transfer"))
         for g, d, s, e, _ in self.recomputes:
             if e > s:
                 ev.append(SimEvent(f"sfb g{g} @d{d}", d, "compute", s, e, "sfb"))

@@ -10,8 +10,10 @@
 * **Flows** between two groups' units: the tensors crossing, re-partitioned per the executor's
   rules (``rows`` by sample-range overlap, ``copy`` from the nearest producer replica, ``sum``
   kept on each producer replica's device when a consumer replica is there, else from every
-  producer replica to the first consumer replica), aggregated per (source stage,
-  source replica, destination stage, destination replica); moves within one device are free.
+  producer replica to the first consumer replica; into a tensor-parallel group from another
+  machine scattered, ``1 / T`` to each device, which then all-gather), aggregated per (source
+  stage, source replica, destination stage, destination replica); moves within one device are
+  free.
 """
 
 from __future__ import annotations
@@ -281,7 +283,7 @@ def pair_flows(static: GraphStatic, comm, g1: int, gd1: GroupData, g2: int, gd2:
     mo = comm.machine_of
     for (su, sphase, du, ph, kind), fixed, per_sample in kinds:
         src, dst = gd1.units[su], gd2.units[du]
-        for ri, rj, nbytes in _piece_bytes(_pieces(kind, src, dst, mo), fixed, per_sample, src.batches):
+        for ri, rj, nbytes, _ in _piece_bytes(_pieces(kind, src, dst, mo), fixed, per_sample, src.batches):
             if nbytes <= 0:
                 continue
             key = ((sphase, g1, su), ri, (ph, g2, du), rj)
@@ -329,24 +331,32 @@ class PairTemplate:
     """The flows of one :func:`pair_kinds` bundle between two deployments (``GroupData.ukey``),
     independent of the two groups' indices: :func:`pair_flows` with stages written ``(phase,
     unit)``. ``by_dst``: ``[((ph, du), [(sphase, su, ri, rj, a, b, ma, mb, seconds, bytes)])]``
-    in flow order."""
+    in flow order. ``gathers``: ``[((ph, du), ((lo, hi, devices, chunks), ...))]``, per
+    destination stage the consumer holder sets (replicas ``lo .. hi - 1`` on ``devices``) that
+    received ``shard`` pieces (Megatron-LM's scatter-gather between machines,
+    :mod:`tag.parallel.moves`) and the bytes each of their replicas received so (``chunks``), which
+    the set then all-gathers (:meth:`tag.sim.engine._Run._scatter_gather`)."""
 
-    __slots__ = ("by_dst",)
+    __slots__ = ("by_dst", "gathers")
 
     def __init__(self, kinds: tuple, units1: list[Unit], units2: list[Unit], comm):
         moves: dict[tuple, float] = {}
         mo = comm.machine_of
         pieces: dict[tuple, list] = {}  # (su, du, kind) -> [(ri, rj, samples or -1)]: bundles share them
+        gathered: dict[tuple, dict[tuple[int, int], list[float]]] = {}  # (ph, du) -> set -> bytes per replica
         for (su, sphase, du, ph, kind), fixed, per_sample in kinds:
             src = units1[su]
             pcs = pieces.get((su, du, kind))
             if pcs is None:
                 pcs = pieces[(su, du, kind)] = _pieces(kind, src, units2[du], mo)
-            for ri, rj, nbytes in _piece_bytes(pcs, fixed, per_sample, src.batches):
+            for ri, rj, nbytes, hs in _piece_bytes(pcs, fixed, per_sample, src.batches):
                 if nbytes <= 0:
                     continue
                 key = (ph, du, sphase, su, ri, rj)
                 moves[key] = moves.get(key, 0.0) + nbytes
+                if hs is not None:
+                    acc = gathered.setdefault((ph, du), {}).setdefault(hs, [0.0] * (hs[1] - hs[0]))
+                    acc[rj - hs[0]] += nbytes
         by_dst: dict[tuple, list] = {}
         p2p = comm.p2p_time
         for (ph, du, sphase, su, ri, rj), nbytes in moves.items():
@@ -356,34 +366,39 @@ class PairTemplate:
             by_dst.setdefault((ph, du), []).append(
                 (sphase, su, ri, rj, a, b, mo[a] if cross else -1, mo[b] if cross else -1, p2p(a, b, nbytes), nbytes))
         self.by_dst = list(by_dst.items())
+        self.gathers = [(dst, tuple((lo, hi, tuple(units2[dst[1]].devices[lo:hi]), tuple(c))
+                                    for (lo, hi), c in sets.items())) for dst, sets in gathered.items()]
 
 
-def _pieces(kind: str, src: Unit, dst: Unit, mo) -> list[tuple[int, int, int, float]]:
+def _pieces(kind: str, src: Unit, dst: Unit, mo) -> list[tuple[int, int, int, float, tuple[int, int] | None]]:
     """(producer replica, consumer replica, samples of a ``rows`` piece or -1, fraction moved: 1,
-    or ``1 / size`` of a ``shard`` piece into a consumer holder set of ``size``) of the pieces
-    that cross devices, per the move rules (:func:`tag.parallel.move_pieces`)."""
+    or ``1 / size`` of a ``shard`` piece into a consumer holder set of ``size``, that set's replica
+    range ``(lo, hi)`` for a ``shard`` piece else None) of the pieces that cross devices, per the
+    move rules (:func:`tag.parallel.move_pieces`)."""
     sd, dd = src.devices, dst.devices
     out = []
-    size = None
+    sets = None
     for i, j, mode, lo, hi in move_pieces(kind, src, dst, mo.__getitem__):
         if mode == "zeros" or sd[i] == dd[j]:
             continue
-        frac = 1.0
+        frac, hs = 1.0, None
         if mode == "shard":
-            if size is None:
-                size = [0] * len(dd)
+            if sets is None:
+                sets = [(0, 0)] * len(dd)
                 for a, b in holder_sets(dst):
-                    size[a:b] = [b - a] * (b - a)
-            frac = 1.0 / size[j]
-        out.append((i, j, hi - lo if kind == "rows" else -1, frac))
+                    sets[a:b] = [(a, b)] * (b - a)
+            hs = sets[j]
+            frac = 1.0 / (hs[1] - hs[0])
+        out.append((i, j, hi - lo if kind == "rows" else -1, frac, hs))
     return out
 
 
-def _piece_bytes(pieces: list, fixed: float, per_sample: float, batches) -> list[tuple[int, int, float]]:
-    """(producer replica, consumer replica, bytes) of ``pieces`` of a tensor bundle of ``fixed +
-    per_sample * b`` bytes: rows by overlap, a copy or a partial sum at the producer's batch
-    (times the fraction moved)."""
-    return [(i, j, (per_sample * n if n >= 0 else fixed + per_sample * batches[i]) * f) for i, j, n, f in pieces]
+def _piece_bytes(pieces: list, fixed: float, per_sample: float, batches) -> list[tuple[int, int, float, tuple | None]]:
+    """(producer replica, consumer replica, bytes, scattered into holder set or None) of ``pieces``
+    of a tensor bundle of ``fixed + per_sample * b`` bytes: rows by overlap, a copy or a partial
+    sum at the producer's batch (times the fraction moved)."""
+    return [(i, j, (per_sample * n if n >= 0 else fixed + per_sample * batches[i]) * f, hs)
+            for i, j, n, f, hs in pieces]
 
 
 __all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "SfbData", "Unit", "at_batch", "make_layout", "mp_unit",

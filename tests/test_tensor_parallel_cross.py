@@ -1,0 +1,208 @@
+"""Pipeline stages of tensor-parallel groups on two machines: Megatron-LM's scatter-gather.
+
+Between stages on different machines, device ``i`` of a stage's tensor-parallel group sends slice
+``i`` of each flattened boundary tensor to device ``i`` of the next stage's group, which
+all-gathers the whole (the boundary gradients likewise, backwards); the simulator prices the
+same messages and the all-gather (:mod:`tag.parallel.moves`, ``shard``). A tiny GPT-2 at
+``tp=2,pp=2,micro=2`` with each stage on its own machine trains equal to single-process SGD
+(the executor's tolerance, rtol 1e-4 / atol 1e-6; SGD for the reason tests/test_tensor_parallel.py
+gives), and the bytes the simulator moves between devices and all-gathers are those the executor
+sends and gathers, counted by the executor's runtimes (:attr:`RankRuntime.sent_bytes`,
+:attr:`RankRuntime.gathered_bytes`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from tag.cost.model import CostModel
+from tag.parallel import validate_plan
+from tag.parallel.layout import Layout, layout_plan
+from tag.topology import load_topology
+
+GPT2 = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab=100,seq=16"
+TWO_MACHINES = """name: two-by-two
+machines:
+  - {name: m0, gpu: V100-SXM2-16GB, count: 2, intra_bandwidth: "150 GB/s"}
+  - {name: m1, gpu: V100-SXM2-16GB, count: 2, intra_bandwidth: "150 GB/s"}
+network:
+  bandwidth: "10 Gbit/s"
+  latency: "50 us"
+"""
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    path = tmp_path_factory.mktemp("topo") / "two.yaml"
+    path.write_text(TWO_MACHINES)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def setup(captured, two):
+    """The captured graph and the ``tp=2,pp=2,micro=2`` plan: stage s on machine s."""
+    graph = captured(GPT2, batch=8, groups=6).graph
+    topo = load_topology(two)
+    plan = layout_plan(graph, topo, Layout(tp=2, pp=2, micro=2), CostModel.for_topology(graph, topo))
+    assert [(g.devices, g.tp) for g in plan.groups] == [([0, 1], 2)] * 3 + [([2, 3], 2)] * 3
+    validate_plan(plan, graph, topo)  # the executor's check
+    return graph, topo, plan
+
+
+@pytest.fixture(scope="module")
+def trained(setup):
+    from tag.executor import run_virtual
+    from tag.workloads import load_workload
+
+    graph, topo, plan = setup
+    return run_virtual(graph, plan, load_workload(GPT2, batch=8), "sgd", 2, machine_of=topo.machine_of)
+
+
+def _assert_stage_params(rts, ref, graph):
+    held = set()
+    for pair in ([rts[0], rts[1]], [rts[2], rts[3]]):
+        full = pair[0].hook.full_params([(rt.named_params(), rt.hook.kept) for rt in pair])
+        held |= set(full)
+        for name, value in full.items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert held >= {p.name for p in graph.params}
+
+
+def test_scatter_gather_pipeline_trains_as_one_process(setup, trained):
+    """Every device receives slices and all-gathers (forward activations into stage 1, their
+    gradients into stage 0); after 2 steps each stage's parameters equal single-process SGD."""
+    from tag.executor import reference_training
+    from tag.workloads import load_workload
+
+    graph, _, _ = setup
+    assert all(rt.gathered_bytes > 0 for rt in trained.values())
+    ref, losses = reference_training(load_workload(GPT2, batch=8), "sgd", 2)
+    _assert_stage_params(trained, ref, graph)
+    assert sum(rt.loss for rt in trained.values()) == pytest.approx(losses[-1], rel=1e-5)
+
+
+def test_simulated_bytes_are_the_executed_ones(setup, trained):
+    """Per (sender, receiver) device pair across machines the simulator's message bytes equal what
+    the executor's ranks sent in an iteration (each slice ``1 / 2`` of the boundary tensor), and
+    per device the all-gathered bytes equal the executor's; on one machine nothing is scattered."""
+    from tag.sim import Simulator
+
+    graph, topo, plan = setup
+    sim = Simulator(graph, topo, CostModel.for_topology(graph, topo))
+    p2p, gathered = sim.moved_bytes(plan.groups, pipeline=plan.pipeline)
+    mo = topo.machine_of
+    sent: dict[tuple[int, int], int] = {}
+    for rank, rt in trained.items():  # (a rank sends to the same member index of the destination's group)
+        for dst, nbytes in rt.sent_bytes.items():
+            sent[(rank, dst + rank % 2)] = nbytes
+    far = {ab: nb for ab, nb in p2p.items() if mo(ab[0]) != mo(ab[1])}
+    assert set(far) == {(0, 2), (1, 3), (2, 0), (3, 1)}
+    assert far == {ab: pytest.approx(nb, rel=1e-12) for ab, nb in sent.items() if mo(ab[0]) != mo(ab[1])}
+    assert gathered == {r: pytest.approx(rt.gathered_bytes, rel=1e-12) for r, rt in trained.items()}
+    one = load_topology("topologies/local-cpu4.yaml")
+    local = layout_plan(graph, one, Layout(tp=2, pp=2, micro=2), CostModel.for_topology(graph, one))
+    assert Simulator(graph, one, CostModel.for_topology(graph, one)).moved_bytes(
+        local.groups, pipeline=local.pipeline)[1] == {}
+
+
+@pytest.mark.parametrize("numel,degree", [(6, 2), (7, 2), (7, 3), (5, 4), (1, 2)])
+def test_slices_pad_a_size_the_degree_does_not_divide(numel, degree):
+    """Every member's slice has the same length (the last padded with zeros); concatenated in
+    member order and cut to the size they give the tensor back."""
+    from tag.executor.runtime import scatter_slice, slice_numel
+
+    x = torch.arange(float(numel)).reshape(1, numel)
+    parts = [scatter_slice(x, i, degree) for i in range(degree)]
+    assert {p.numel() for p in parts} == {slice_numel(numel, degree)}
+    assert torch.equal(torch.cat(parts)[:numel].view(1, numel), x)
+
+
+def _spawn_machines(topo, args_path: Path, log_dir: Path, timeout_s: float) -> None:
+    """Run one worker process per device of ``topo`` as its machines would under torchrun (each
+    machine's ranks with their local rank and the machine's rank count), all on this host: the
+    store they share is a loopback one hosted here, the collectives on the loopback interface
+    (nothing listens on another interface). A rank's failure: its log's last lines."""
+    from tag.executor.loopback import LOOPBACK, loopback_env, loopback_store
+
+    store = loopback_store(timeout_s=timeout_s)
+    root = Path(__file__).resolve().parents[1]
+    per_machine = [sum(1 for d in topo.devices if topo.machine_of(d.index) == m) for m in range(topo.num_machines)]
+    procs = []
+    with loopback_env():
+        env = {**os.environ, "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(store.port),
+               "WORLD_SIZE": str(topo.num_devices), "TORCHELASTIC_USE_AGENT_STORE": "True",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+        for dev in topo.devices:
+            m = topo.machine_of(dev.index)
+            rank_env = {**env, "RANK": str(dev.index), "LOCAL_RANK": str(dev.local_index), "GROUP_RANK": str(m),
+                        "LOCAL_WORLD_SIZE": str(per_machine[m])}
+            log = open(log_dir / f"rank{dev.index}.log", "w")  # noqa: SIM115 - closed below
+            procs.append((subprocess.Popen([sys.executable, "-m", "tag.executor.worker", str(args_path)], cwd=root,
+                                           env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        for rank, (p, log) in enumerate(procs):
+            code = p.wait(timeout=timeout_s)
+            log.close()
+            assert code == 0, f"rank {rank}: {(log_dir / f'rank{rank}.log').read_text()[-2000:]}"
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+
+
+@pytest.mark.slow
+def test_scatter_gather_across_two_loopback_machines(setup, two, tmp_path):
+    """The same plan on 4 gloo processes, two per "machine" (tag/executor/README.md's torchrun
+    recipe, on one host): the parameters after 2 steps equal single-process SGD, every rank
+    all-gathered, and the bytes each rank sent across machines are the simulator's."""
+    from tag.executor import reference_training
+    from tag.executor.worker import WorkerArgs
+    from tag.sim import Simulator
+    from tag.workloads import load_workload
+
+    graph, topo, plan = setup
+    plan.save(tmp_path / "plan.json")
+    (tmp_path / "graph.json").write_text(graph.to_json())
+    args = WorkerArgs(model=GPT2, batch=8, optimizer="sgd", seed=0, groups=6, topology=two,
+                      plan=str(tmp_path / "plan.json"), out_dir=str(tmp_path), steps=2, warmup=0, backend="gloo",
+                      timeout_s=60.0, graph=str(tmp_path / "graph.json"), save_params=True)
+    (tmp_path / "args.json").write_text(json.dumps(asdict(args)))
+    _spawn_machines(topo, tmp_path / "args.json", tmp_path, timeout_s=240.0)
+    ranks = json.loads((tmp_path / "ranks.json").read_text())
+    ref, losses = reference_training(load_workload(GPT2, batch=8), "sgd", 2)
+    for r in (0, 2):  # each stage's full parameters (rank 1 and 3 saved the same)
+        for name, value in torch.load(tmp_path / f"params-rank{r}.pt").items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert sum(rk["iterations"][-1]["loss"] for rk in ranks) == pytest.approx(losses[-1], rel=1e-5)
+    p2p, gathered = Simulator(graph, topo, CostModel.for_topology(graph, topo)).moved_bytes(
+        plan.groups, pipeline=plan.pipeline)
+    mo = topo.machine_of
+    sent = {(rk["rank"], int(d)): n for rk in ranks for d, n in rk["sent_bytes"].items()}
+    assert {ab: nb for ab, nb in p2p.items() if mo(ab[0]) != mo(ab[1])} == \
+        {ab: pytest.approx(n, rel=1e-12) for ab, n in sent.items() if mo(ab[0]) != mo(ab[1])}
+    assert gathered == {rk["rank"]: pytest.approx(rk["gathered_bytes"], rel=1e-12) for rk in ranks}
+
+
+def test_the_executable_layout_grid_has_no_sequence_parallelism(captured, two):
+    """``tag plan``'s default (executable) layout grid leaves out the sequence-parallel layouts the
+    executor refuses; the unconstrained grid has them (the MCTS's ``tp`` actions never set
+    ``sequence_parallel``: tests/test_search.py checks its executable plans)."""
+    from tag.parallel.layout import search_layouts
+    from tag.sim import Simulator
+
+    graph = captured(GPT2, batch=8, groups=6).graph
+    topo = load_topology(two)
+    sim = Simulator(graph, topo, CostModel.for_topology(graph, topo))
+    found = {e: search_layouts(graph, topo, sim.costs, lambda p: sim.run(p.groups, pipeline=p.pipeline), executable=e)
+             for e in (True, False)}
+    sp = {e: sum(any(gp.sequence_parallel for gp in p.groups) for p, _ in f.ranked) for e, f in found.items()}
+    assert sp[True] == 0 < sp[False] and found[True].layouts < found[False].layouts
