@@ -21,9 +21,12 @@ the run that may follow), so they hold by construction of the event loop
   its optimizer step; in a pipeline, a stage's devices start no earlier than micro-batch 0 went
   forward through the stages before it, and the iteration ends no earlier than micro-batch
   M - 1 went backward through them after a replica of the stage finished (where the stage
-  boundaries provably carry that tensor: :func:`_pipeline_waits`); a device's gradient
+  boundaries provably carry that tensor: :func:`_pipeline_waits`), and a stage's micro-batch
+  M - 1 backward starts no earlier than the stage after it finished that backward on a replica
+  (the drain: its gradient is sent once the sender finished); a device's gradient
   collectives run one after another on its links (``_Run._syncs``), each after its groups' last
-  backward, which ends no earlier than the device's tasks up to it (:func:`_sync_chain`), and its
+  backward, which ends no earlier than the device's tasks up to it nor than the drain into its
+  stage plus the last backwards from the group on (:func:`_sync_chain`), and its
   optimizer step after the last; a transfer is a rendezvous holding both ends' compute streams
   (``_Run._transfer``), so a device's compute, transfers and optimizer step add up, a transfer
   taking at least its bytes over the link's bandwidth (packed messages pay one latency); and a
@@ -135,28 +138,22 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
     # the optimizer step as the run computes it (a pipeline's: at its first micro-batch's deployment)
     opt, _, _, holds, _ = _holdings(sim, gds if micro is None else micro.gds[0])
     n = sim.num_devices
-    busy = np.zeros(n)
-    for run in (gds,) if micro is None else micro.gds:  # each micro-batch's deployment
-        for gd in run:
-            lay = gd.layout
-            if lay is not None:  # every replica runs the group's forward and backward once
-                np.add.at(busy, lay.dev_arr, lay.dur[FWD, gd.units[0].group] + lay.dur[BWD, gd.units[0].group])
-            else:  # position chunks, one device each
-                for u in gd.units:
-                    busy[u.devices[0]] += u.dur[FWD] + u.dur[BWD]
+    busy = _busy(sim, gds, micro)
     step = np.asarray(opt) + np.where(holds, sim.step_overhead, 0.0)
     low = busy + step
     first = np.zeros(n)  # per device: its first task starts no earlier (seconds)
+    arrive = np.zeros(n)  # per device: its last micro-batch's backward starts no earlier (seconds)
     if micro is not None:  # the pipeline's fill before a stage and drain after it
-        for devs, before, after in _pipeline_waits(sim, micro, pipeline):
+        for devs, before, after, into in _pipeline_waits(sim, micro, pipeline, busy):
             first[devs] = before
+            arrive[devs] = into
             low[devs] += before
             # the stage before runs micro-batch M - 1's backward after a replica of this one ran
             # all its tasks (its last is that backward)
             low[devs] = np.maximum(low[devs], before + busy[devs].min() + after)
     # a device's gradient collectives run one after another on its links (Run._syncs), each after
     # its groups' last backward; the optimizer step after the last
-    comm = _sync_chain(sim, gds, micro, first + busy)
+    comm = _sync_chain(sim, gds, micro, first + busy, arrive)
     low = np.maximum(low, comm + step)
     # a transfer holds both ends' compute streams (a rendezvous, Run._transfer): a device's
     # compute, its transfers and its optimizer step one after another; a machine's network side
@@ -171,6 +168,28 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
     # bound equal to the run's time may differ from it in the last bits
     return PlanBound(max(float(low.max()), float(comm.max()), float(nic.max(initial=0.0))) * (1.0 - 1e-9), peak,
                      any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
+
+
+def _busy(sim, gds, micro) -> np.ndarray:
+    """Per device: the seconds of its compute tasks (every run's forward and backward of every
+    unit on it; a pipeline's micro-batches of one size share one deployment: counted once, times
+    their number)."""
+    busy = np.zeros(sim.num_devices)
+    runs: dict[int, list] = {}
+    for mg in (gds,) if micro is None else micro.gds:
+        runs.setdefault(id(mg), [mg, 0])[1] += 1
+    for run, times in runs.values():
+        alike: dict[int, tuple] = {}  # groups on one layout: summed over them at once
+        for g, gd in enumerate(run):
+            lay = gd.layout
+            if lay is not None:  # every replica runs the group's forward and backward once
+                alike.setdefault(id(lay), (lay, []))[1].append(g)
+            else:  # position chunks, one device each
+                for u in gd.units:
+                    busy[u.devices[0]] += (u.dur[FWD] + u.dur[BWD]) * times
+        for lay, gs in alike.values():
+            np.add.at(busy, lay.dev_arr, (lay.dur[FWD, gs] + lay.dur[BWD, gs]).sum(axis=0) * times)
+    return busy
 
 
 def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -214,15 +233,18 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return load, out, into
 
 
-def _sync_chain(sim, gds, micro, done: np.ndarray) -> np.ndarray:
+def _sync_chain(sim, gds, micro, done: np.ndarray, arrive: np.ndarray | None = None) -> np.ndarray:
     """Per device: its gradient collectives end no earlier than this (seconds). ``done``: per
     device, its compute tasks start no earlier than its ``first`` and last their seconds at least,
     so the tasks up to one of them end no earlier than ``first`` plus their seconds (``done`` is
-    ``first`` plus all of them).
+    ``first`` plus all of them). ``arrive``: per device, its last micro-batch's backward starts no
+    earlier (a pipeline's drain, :func:`_pipeline_waits`; 0 where not counted).
 
     A device runs its groups' last backward (a pipeline's last micro-batch: its stage's sequence
     ends with it) in reverse group order after every other task of its, so group ``g``'s ends no
-    earlier than ``done`` less the last backwards of the device's groups before ``g``; its
+    earlier than ``done`` less the last backwards of the device's groups before ``g``, nor than
+    ``arrive`` plus the last backwards of its groups from ``g`` on (they run one after another on
+    its compute stream once the first started); its
     ``group_finish`` (the latest replica's) no earlier than the latest of its devices'. A sync
     starts after its groups' ``group_finish`` and after the device's previous sync
     (``Run._syncs``: one collective stream per device; a run of syncs over one member set chained)
@@ -238,6 +260,12 @@ def _sync_chain(sim, gds, micro, done: np.ndarray) -> np.ndarray:
             lay = gd.layout
             ready[g] = float((done[lay.dev_arr] - before[lay.dev_arr]).max())
             np.add.at(before, lay.dev_arr, lay.dur[BWD, g])
+        if arrive is not None and arrive.any():
+            since = arrive.copy()  # per device: arrive plus the last backwards of its groups from g on
+            for g in range(k - 1, -1, -1):
+                lay = last[g].layout
+                np.add.at(since, lay.dev_arr, lay.dur[BWD, g])
+                ready[g] = max(ready[g], float(since[lay.dev_arr].max()))
     end = np.zeros(n)
     for gs, job in sim.sync_jobs(gds):
         devs = list(job.sync_devices)
@@ -261,11 +289,15 @@ def _one_stage_each(micro, last, n: int) -> bool:
     return all(x == (BWD, len(micro.gds) - 1) for x in ends.values())
 
 
-def _pipeline_waits(sim, micro, pipeline) -> list[tuple[np.ndarray, float, float]]:
-    """Per stage ``(devices, before, after)``: a device of the stage starts its first task no
+def _pipeline_waits(sim, micro, pipeline, busy: np.ndarray) -> list[tuple[np.ndarray, float, float, float]]:
+    """Per stage ``(devices, before, after, into)``: a device of the stage starts its first task no
     earlier than ``before`` seconds (micro-batch 0's forward of the stages before it, each at its
-    fastest replica), and the iteration ends no earlier than ``after`` seconds (micro-batch
-    M - 1's backward of those stages) after a replica of the stage finished its last. Counted
+    fastest replica), the iteration ends no earlier than ``after`` seconds (micro-batch
+    M - 1's backward of those stages) after a replica of the stage finished its last, and the
+    stage's micro-batch M - 1 backward starts no earlier than ``into`` seconds: the stage after
+    it sends its gradient once the sender finished that backward, which is no earlier than the
+    sender stage's ``into`` plus its backward's seconds (its fastest replica's) nor than its
+    ``before`` plus its fewest compute seconds (``busy``: per device; the backward is its last task). Counted
     across a stage boundary only between disjoint devices where the boundary's groups exchange a per-micro-batch tensor both ways (the last group of the stage before feeds
     the first group of the stage after in the forward, and that group's backward feeds it back),
     every replica of both runs samples of those micro-batches, each stage's groups share one set
@@ -300,17 +332,32 @@ def _pipeline_waits(sim, micro, pipeline) -> list[tuple[np.ndarray, float, float
                    for e in st.edges.get((b, a), ()))
         return there and back
 
-    out = []
+    joined = [False] * S  # stage s's boundary with the stage before it counted
+    befores = [0.0] * S
     before = after = 0.0  # micro-batch 0's forward, M - 1's backward, of the linked stages before
+    out = []
     for s in range(S):
         if s > 0 and fwd[s - 1] is not None and fwd[s] is not None and linked(bounds[s] - 1, bounds[s]) \
                 and not set(devs[s - 1].tolist()) & set(devs[s].tolist()):  # (a transfer between devices)
             before += fwd[s - 1]
             after += bwd[s - 1]
+            joined[s] = True
+        else:
+            before = after = 0.0
+        befores[s] = before
+    into = [0.0] * S
+    for s in range(S - 2, -1, -1):  # the drain, from the last stage back
+        if joined[s + 1]:
+            into[s] = max(into[s + 1] + bwd[s + 1], befores[s + 1] + float(busy[devs[s + 1]].min()))
+    before = after = 0.0
+    for s in range(S):
+        if joined[s]:
+            before += fwd[s - 1]
+            after += bwd[s - 1]
         else:
             before = after = 0.0
         if devs[s] is not None:
-            out.append((devs[s], before, after))
+            out.append((devs[s], before, after, into[s]))
     return out
 
 
