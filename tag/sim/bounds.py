@@ -201,21 +201,21 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     n, m = sim.num_devices, sim.num_machines
     load, out, into = np.zeros(n), np.zeros(m), np.zeros(m)
     if micro is None:
-        pairs = [(pr, 1) for pr in sim._pairs_used(gds)]
+        pairs = [(tpl, 1) for tpl in sim._templates_used(gds)]
     elif len(micro.gds) == 1:
-        pairs = [(pr, 1) for pr in sim._pairs_used(micro.gds[0])]
+        pairs = [(tpl, 1) for tpl in sim._templates_used(micro.gds[0])]
     else:  # micro-batches of one size share one deployment (one list): its pairs once, times their count
         runs: dict[int, list] = {}
         for mg in micro.gds:
             runs.setdefault(id(mg), [mg, 0])[1] += 1
-        pairs = [(pr, c) for mg, c in runs.values() for pr in sim._pairs_used(mg, "micro")]
-        pairs += [(pr, 1) for pr in sim._pairs_used(micro.gds[0], "first")]
-        pairs += [(pr, 1) for pr in sim._pairs_used(micro.gds[-1], "last")]
+        pairs = [(tpl, c) for mg, c in runs.values() for tpl in sim._templates_used(mg, "micro")]
+        pairs += [(tpl, 1) for tpl in sim._templates_used(micro.gds[0], "first")]
+        pairs += [(tpl, 1) for tpl in sim._templates_used(micro.gds[-1], "last")]
     cache = sim.cache("transfer-load")
-    for pr, c in pairs:
-        hit = cache.get(id(pr.tpl))
-        if hit is None or hit[0] is not pr.tpl:
-            flows = [f for _, fl in pr.tpl.by_dst for f in fl]
+    for tpl, c in pairs:
+        hit = cache.get(id(tpl))
+        if hit is None or hit[0] is not tpl:
+            flows = [f for _, fl in tpl.by_dst for f in fl]
             a = np.asarray([f[4] for f in flows], dtype=np.int64)
             b = np.asarray([f[5] for f in flows], dtype=np.int64)
             secs = np.asarray([f[9] for f in flows], dtype=float) / sim.comm.bandwidth[a, b]
@@ -224,7 +224,7 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
             cross = ma >= 0
             if len(cache) > 100_000:
                 cache.clear()
-            hit = cache[id(pr.tpl)] = (pr.tpl, a, b, secs, ma[cross], mb[cross], secs[cross])
+            hit = cache[id(tpl)] = (tpl, a, b, secs, ma[cross], mb[cross], secs[cross])
         _, a, b, secs, ma, mb, xs = hit
         np.add.at(load, a, secs * c)
         np.add.at(load, b, secs * c)
