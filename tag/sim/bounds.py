@@ -134,9 +134,8 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
     :class:`~tag.sim.Simulator`), in the simulator's units."""
     micro = None if pipeline is None else sim._micro(groups, pipeline)
     gds = sim.deploy(groups)  # (a pipeline's gradient syncs: at the full batch's deployment)
-    _, mem, work, _, _ = _holdings(sim, gds, micro)
-    # the optimizer step as the run computes it (a pipeline's: at its first micro-batch's deployment)
-    opt, _, _, holds, _ = _holdings(sim, gds if micro is None else micro.gds[0])
+    # (the optimizer step as the run computes it: a pipeline's at its first micro-batch's deployment)
+    opt, mem, work, holds, _ = _holdings(sim, gds, micro)
     n = sim.num_devices
     busy = _busy(sim, gds, micro)
     step = np.asarray(opt) + np.where(holds, sim.step_overhead, 0.0)
@@ -196,7 +195,7 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     """Per device, per machine's outgoing and incoming network side: seconds of the run's
     transfers at least. The run moves the flows of the pairs :class:`~tag.sim.engine._Run` takes
     (per micro-batch; those moving once at the first and last), a stage's flows from one device to
-    another packed into one message of ``latency + bytes / bandwidth`` (:func:`tag.sim.engine._merge`):
+    another packed into one message of ``latency + bytes / bandwidth`` (:func:`tag.sim.engine._messages`):
     at least each flow's ``bytes / bandwidth``."""
     n, m = sim.num_devices, sim.num_machines
     load, out, into = np.zeros(n), np.zeros(m), np.zeros(m)

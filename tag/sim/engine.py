@@ -130,6 +130,7 @@ class Simulator:
         self._kind_ids: dict[tuple, tuple] = {}  # pair_kinds -> (id, kinds)
         self._templates: dict[tuple, PairTemplate] = {}
         self._msgs: dict[tuple, tuple] = {}  # ids of flow tuples -> (those tuples, their messages)
+        self._pieces: dict[tuple, list] = {}  # the pair templates' pieces (PairTemplate)
         self._serial = 0
         # Pairs without non-batch gradients: no flow when both groups share one layout.
         local = {pr for pr, es in self.static.edges.items() if not any(e.grad for e in es)}
@@ -325,7 +326,10 @@ class Simulator:
         if tpl is None:
             if len(self._templates) > CACHE_LIMIT:
                 self._templates.clear()
-            tpl = self._templates[tkey] = PairTemplate(kid[1], gd1.units, gd2.units, self.comm)
+            if len(self._pieces) > CACHE_LIMIT:
+                self._pieces.clear()
+            tpl = self._templates[tkey] = PairTemplate(kid[1], gd1.units, gd2.units, self.comm, self._pieces,
+                                                       (gd1.ukey, gd2.ukey))
         return tpl
 
     def _messages(self, fls: list[tuple]) -> list[tuple]:

@@ -110,10 +110,15 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
     # per simulator (CommModel.ring_key: groups with equal keys take equal seconds); 0 for a group
     # without blocks
     priced = sim.cache("tp-collectives")
+    rings: dict[tuple, tuple] = {}  # (ring, batch) -> (its seconds, the devices' columns)
     for i in range(0, r, t):
         devs = list(devices[i:i + t])
         b = sum(batches[i:i + t]) if sequence_parallel else batches[i]
         ring = (comm.ring_key(devs), b)
+        hit = rings.get(ring)
+        if hit is not None:
+            hit[1].extend(range(i, i + t))
+            continue
         col = priced.get(ring)
         if col is None:
             fwd, bwd = np.zeros(k), np.zeros(k)
@@ -124,8 +129,10 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
             if len(priced) > 100_000:
                 priced.clear()
             col = priced[ring] = (fwd[:, None], bwd[:, None])
-        dur[FWD, :, i:i + t] += col[0]
-        dur[BWD, :, i:i + t] += col[1]
+        rings[ring] = (col, list(range(i, i + t)))
+    for col, cols in rings.values():
+        dur[FWD][:, cols] += col[0]
+        dur[BWD][:, cols] += col[1]
     for g, sp in enumerate(splits):
         if not sp.blocks:
             continue
