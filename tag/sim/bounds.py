@@ -45,7 +45,9 @@ bytes; less the ``1 - 1/T`` of the split parameters' state a tensor-parallel dev
 its per-sample saved bytes at its first micro-batch's samples times the stage's micro-batches in
 flight, and the largest single-op working set, without what the plain variant holds at the
 group's batch beyond ``1 / T`` of it, the recomputed values' working set and the transfer buffers.
-Groups split into position chunks (``mp``) count nothing.
+Groups split into position chunks (``mp``) count nothing. A pipeline's fill and drain (micro-batch
+0's forward through the stages before a stage, M - 1's backward back through them) at these
+seconds, where :func:`plan_bound` counts them.
 """
 
 from __future__ import annotations
@@ -83,16 +85,22 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
     sizes = [st.batch_size] if prog is None else [hi - lo for lo, hi in prog.ranges]
     runs = {x: sizes.count(x) for x in sizes}  # micro-batch samples -> micro-batches of that size (first size first)
     flight = [1] * len(groups) if prog is None else [prog.flight[s] for s in prog.stage_of]
+    stage_of = [0] * len(groups) if prog is None else prog.stage_of
     busy, held, work = np.zeros(n), np.zeros(n), np.zeros(n)
-    # groups deployed alike (devices, shares, strategy, degree, variant, recomputation): lowered once
+    # per stage: its devices' forward seconds at the first micro-batch, backward (and recomputed
+    # forward) at the last, and whether every group of it was counted on the same replicas
+    fwd0, bwd1 = {}, {}
+    whole = [True] * (1 if prog is None else len(prog.members))
+    # groups deployed alike (devices, shares, strategy, degree, variant, recomputation, stage): lowered once
     alike: dict[tuple, list[int]] = {}
     for g, gp in enumerate(groups):
         alike.setdefault((tuple(gp.devices), tuple(gp.shares), gp.sync, gp.tp, gp.sequence_parallel, gp.recompute,
-                          flight[g]), []).append(g)
-    for (devs, _, _, _, seqp, rc, fl), gs in alike.items():
+                          flight[g], stage_of[g]), []).append(g)
+    for (devs, _, _, _, seqp, rc, fl, stage), gs in alike.items():
         gp = groups[gs[0]]
         strategy = strategy_of(gp)
         if strategy.chunked:
+            whole[stage] = False
             continue
         tp = gp.sync == "tp"
         t = tp_degree(gp) if tp else 1
@@ -118,15 +126,33 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
             c, g2 = ucls[:, None], gi[None, :]
             fwd = (1.0 - f) * sim.tables[c, g2, FWD, lo[:, None]] + f * sim.tables[c, g2, FWD, hi[:, None]]
             bwd = (1.0 - f) * sim.tables[c, g2, BWD, lo[:, None]] + f * sim.tables[c, g2, BWD, hi[:, None]]
-            secs = (fwd.sum(axis=1) * (2.0 if rc else 1.0) + bwd.sum(axis=1))[np.ravel(back)]  # [R]: fwd + bwd (+ fwd again)
+            back = np.ravel(back)
+            fs, bs = fwd.sum(axis=1), bwd.sum(axis=1)
+            secs = (fs * (2.0 if rc else 1.0) + bs)[back]  # [R]: fwd + bwd (+ fwd again)
             np.add.at(busy, dev, secs * times)
+            if prog is not None:
+                unit = strategy.units(gs[0], gp, graph, size)[0]
+                if list(unit.devices) != list(devs) or min(unit.batches) < 1:
+                    whole[stage] = False
+                if size == sizes[0]:
+                    np.add.at(fwd0.setdefault(stage, np.zeros(n)), dev, fs[back])
+                if size == sizes[-1]:
+                    np.add.at(bwd1.setdefault(stage, np.zeros(n)), dev, (bs + fs if rc else bs)[back])
             if m == 0:  # held at the first micro-batch's samples (the simulator's rule)
                 np.add.at(held, dev, fixed + ps * small * fl)
                 w = (st.work_fixed[gi][None, :] + st.work_per_sample[gi][None, :] * big[:, None]).max(axis=1)
                 np.maximum.at(work, dev, w)
     peak = (held + work).tolist()
-    return PlanBound(float(busy.max()) * (1.0 - 1e-9), peak,
-                     any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
+    low = float(busy.max())
+    if prog is not None:  # the fill and drain of the pipeline (_pipeline_waits), at these seconds
+        lows = []  # per stage, per replica: forward, backward seconds, devices (None: not counted)
+        for s, gs in enumerate(prog.members):
+            devs = np.asarray(groups[gs[0]].devices, dtype=np.int64)
+            same = all(groups[g].devices == groups[gs[0]].devices for g in gs)
+            lows.append((fwd0[s][devs], bwd1[s][devs], devs) if whole[s] and same else None)
+        for devs, before, after in _chain(st, pipeline, prog.sequences, lows):
+            low = max(low, before + float(busy[devs].min()) + after)
+    return PlanBound(low * (1.0 - 1e-9), peak, any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
 
 
 def plan_bound(sim, groups, pipeline=None) -> PlanBound:
@@ -305,58 +331,75 @@ def _pipeline_waits(sim, micro, pipeline, busy: np.ndarray) -> list[tuple[np.nda
     from ..parallel.pipeline import iteration_program
 
     st = sim.static
-    S, M = len(pipeline.stages), pipeline.micro_batches
+    S = len(pipeline.stages)
     sequences = iteration_program(pipeline, st.batch_size, st.num_groups).sequences
     bounds = list(pipeline.stages) + [st.num_groups]
     first, last = micro.gds[0], micro.gds[-1]
-    fwd, bwd, devs = [], [], []
+    lows = []
     for s in range(S):
         gs = range(bounds[s], bounds[s + 1])
         lays = [first[g].layout for g in gs] + [last[g].layout for g in gs]
-        seq = sequences[s]
-        if any(x is None or x.devices != lays[0].devices or min(x.batches) < 1 for x in lays) \
-                or seq[0] != ("fwd", 0) or seq[-1] != ("bwd", M - 1):
-            fwd.append(None)
-            bwd.append(None)
-            devs.append(None)
+        if any(x is None or x.devices != lays[0].devices or min(x.batches) < 1 for x in lays):
+            lows.append(None)
             continue
-        fwd.append(float(np.sum([first[g].layout.dur[FWD, g] for g in gs], axis=0).min()))
-        bwd.append(float(np.sum([last[g].layout.dur[BWD, g] for g in gs], axis=0).min()))
-        devs.append(lays[0].dev_arr)
-
-    def linked(a: int, b: int) -> bool:  # group a's forward feeds b's, b's backward feeds a's
-        there = any(e.batch and not e.once and e.src_phase == FWD and any(ph == FWD for _, ph in e.consumers)
-                    for e in st.edges.get((a, b), ()))
-        back = any(e.batch and not e.once and e.src_phase == BWD and any(ph == BWD for _, ph in e.consumers)
-                   for e in st.edges.get((b, a), ()))
-        return there and back
-
-    joined = [False] * S  # stage s's boundary with the stage before it counted
+        lows.append((np.sum([first[g].layout.dur[FWD, g] for g in gs], axis=0),
+                     np.sum([last[g].layout.dur[BWD, g] for g in gs], axis=0), lays[0].dev_arr))
+    fwd = [None if x is None else float(x[0].min()) for x in lows]
+    bwd = [None if x is None else float(x[1].min()) for x in lows]
+    devs = [None if x is None else x[2] for x in lows]
+    joined = _joined(st, pipeline, sequences, lows)
     befores = [0.0] * S
-    before = after = 0.0  # micro-batch 0's forward, M - 1's backward, of the linked stages before
-    out = []
+    before = 0.0
     for s in range(S):
-        if s > 0 and fwd[s - 1] is not None and fwd[s] is not None and linked(bounds[s] - 1, bounds[s]) \
-                and not set(devs[s - 1].tolist()) & set(devs[s].tolist()):  # (a transfer between devices)
-            before += fwd[s - 1]
-            after += bwd[s - 1]
-            joined[s] = True
-        else:
-            before = after = 0.0
+        before = before + fwd[s - 1] if joined[s] else 0.0
         befores[s] = before
     into = [0.0] * S
     for s in range(S - 2, -1, -1):  # the drain, from the last stage back
         if joined[s + 1]:
             into[s] = max(into[s + 1] + bwd[s + 1], befores[s + 1] + float(busy[devs[s + 1]].min()))
-    before = after = 0.0
-    for s in range(S):
+    at = [s for s in range(S) if lows[s] is not None]
+    return [(d, before, after, into[s]) for s, (d, before, after) in zip(at, _chain(st, pipeline, sequences, lows))]
+
+
+def _linked(st, a: int, b: int) -> bool:
+    """Group ``a``'s forward feeds ``b``'s with a per-micro-batch tensor and ``b``'s backward feeds
+    ``a``'s back."""
+    there = any(e.batch and not e.once and e.src_phase == FWD and any(ph == FWD for _, ph in e.consumers)
+                for e in st.edges.get((a, b), ()))
+    back = any(e.batch and not e.once and e.src_phase == BWD and any(ph == BWD for _, ph in e.consumers)
+               for e in st.edges.get((b, a), ()))
+    return there and back
+
+
+def _joined(st, pipeline, sequences, lows: list) -> list[bool]:
+    """Per stage: whether its boundary with the stage before it is counted (:func:`_pipeline_waits`):
+    ``lows[s]`` (None: the stage's groups do not share one set of replicas all running samples, or
+    ``(forward at micro-batch 0, backward at M - 1, devices)`` per replica) set for both, each
+    sequence starting with micro-batch 0's forward and ending with M - 1's backward, the groups
+    on each side linked (:func:`_linked`) and the devices disjoint."""
+    S, M = len(pipeline.stages), pipeline.micro_batches
+    ok = [x is not None and seq[0] == ("fwd", 0) and seq[-1] == ("bwd", M - 1) for x, seq in zip(lows, sequences)]
+    joined = [False] * S
+    for s in range(1, S):
+        b = pipeline.stages[s]
+        joined[s] = ok[s - 1] and ok[s] and _linked(st, b - 1, b) and \
+            not set(lows[s - 1][2].tolist()) & set(lows[s][2].tolist())
+    return joined
+
+
+def _chain(st, pipeline, sequences, lows: list) -> list[tuple[np.ndarray, float, float]]:
+    """Per stage with ``lows`` (:func:`_joined`): ``(devices, before, after)`` of
+    :func:`_pipeline_waits`."""
+    joined = _joined(st, pipeline, sequences, lows)
+    out, before, after = [], 0.0, 0.0
+    for s, x in enumerate(lows):
         if joined[s]:
-            before += fwd[s - 1]
-            after += bwd[s - 1]
+            before += float(lows[s - 1][0].min())
+            after += float(lows[s - 1][1].min())
         else:
             before = after = 0.0
-        if devs[s] is not None:
-            out.append((devs[s], before, after, into[s]))
+        if x is not None:
+            out.append((x[2], before, after))
     return out
 
 
