@@ -149,7 +149,35 @@ def build(args):
     workloads["mcts"] = playout
     workloads["walk"] = walk_step
     workloads["random"] = random_plan
+    workloads["grid"] = grid_plans(graph, topo, sim)
+    workloads["layout"] = grid_plans(graph, topo, sim, repeat=True)
     return head, sim, workloads
+
+
+def grid_plans(graph, topo, sim, repeat: bool = False):
+    """One simulation of the Megatron-style layout grid's plans (:func:`tag.parallel.layout.layout_grid`,
+    built on the first call): the next layout in grid order each call, new deployments as the
+    planner's grid meets them (``grid``), or the middle layout of the grid again and again (``layout``)."""
+    from tag.parallel.layout import layout_grid, layout_plan
+
+    state: dict = {}
+
+    def run():
+        if "plans" not in state:
+            lays = layout_grid(graph, topo)
+            state["plans"] = [lays[len(lays) // 2]] if repeat else lays
+            state["i"] = 0
+        lays = state["plans"]
+        lay = lays[state["i"] % len(lays)]
+        state["i"] += 1
+        p = state.get(lay)
+        if p is None:
+            p = layout_plan(graph, topo, lay, sim.costs)
+            if repeat:
+                state[lay] = p
+        sim.run(p.groups, pipeline=p.pipeline)
+
+    return run
 
 
 def worker(args) -> int:
@@ -194,7 +222,7 @@ def paired(args) -> int:
 
     print(f"A: {trees['A']}  B: {trees['B']}  ({args.rounds} rounds of ~{args.seconds / args.rounds:.2f} s "
           f"per workload and tree, alternating)")
-    for name in ("dp", "dp-prop", "mp", "mcts", "walk", "random"):
+    for name in args.workloads.split(","):
         per = max(ask("A", name, 3), ask("B", name, 3)) / 3  # warm-up and calibration
         count = max(1, round(args.seconds / args.rounds / per))
         rates: dict[str, list[float]] = {"A": [], "B": []}
@@ -311,6 +339,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vs", metavar="TREE", help="compare with the source tree TREE (e.g. a git worktree of the "
                     "previous commit), alternating: see paired()")
     ap.add_argument("--rounds", type=int, default=20, help="with --vs: alternations per workload")
+    ap.add_argument("--workloads", default="dp,dp-prop,mp,mcts,walk,random",
+                    help="with --vs: the workloads to time (also grid: the layout grid's plans in turn, "
+                    "layout: its middle layout again and again)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--scale", action="store_true", help="64-512 GPU topologies and the planner's time at 512 GPUs")
     ap.add_argument("--budgets", default="50,200", help="with --scale: playout budgets of the planner runs")
@@ -330,6 +361,8 @@ def main(argv=None) -> int:
     head, _, workloads = build(args)
     print(head)
     for name, fn in workloads.items():
+        if name in ("grid", "layout"):  # (--vs --workloads grid,layout)
+            continue
         r, count = rate(fn, args.seconds)
         print(f"  {name:<8} {r:8.0f} sims/s  ({count} runs)")
     prof = cProfile.Profile()

@@ -5,6 +5,7 @@ memory-bound pairs."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import yaml
 from test_executor import GPT2
@@ -204,3 +205,41 @@ def test_a_deadline_stops_the_grid_after_one_layout(gpt2):
     assert plan.meta["grid_cut"] and plan.meta["layouts_tried"] == 1
     assert plan.meta["refinements"] in ([], ["stopped at the time limit"])
     assert plan.predicted_iteration_time_s is not None
+
+
+def test_the_pipeline_drain_holds_in_the_event_loop(gpt2):
+    """:func:`tag.sim.bounds._pipeline_waits`'s drain: on every replica of a stage, the last
+    micro-batch's backward starts (traced simulation) no earlier than the stage's ``into``; the
+    gradient syncs it delays (:func:`tag.sim.bounds._sync_chain`) end later than without it on
+    some layout, and the plan bound stays below the simulation. The static bound's fill and drain
+    raise it above every device's compute seconds on some layout."""
+    from tag.parallel.layout import layout_grid, layout_plan
+    from tag.sim.bounds import _busy, _pipeline_waits, _sync_chain
+
+    topo = load_topology("cluster-16gpu-4m")
+    costs = CostModel.for_topology(gpt2, topo)
+    sim = Simulator(gpt2, topo, costs)
+    checked = raised = filled = 0
+    for lay in layout_grid(gpt2, topo):
+        if lay.pp == 1 or lay.cut != "time" or lay.recompute:
+            continue
+        p = layout_plan(gpt2, topo, lay, costs)
+        res = sim.run(p.groups, pipeline=p.pipeline, trace=True)
+        start = {e.name: e.start for e in res.events}
+        gds, micro = sim.deploy(p.groups), sim._micro(p.groups, p.pipeline)
+        busy = _busy(sim, gds, micro)
+        filled += static_bound(sim, p.groups, p.pipeline).time_s > busy.max() * (1 + 1e-9)
+        first, arrive = np.zeros(sim.num_devices), np.zeros(sim.num_devices)
+        ends = list(p.pipeline.stages[1:]) + [gpt2.num_groups]
+        m = p.pipeline.micro_batches - 1
+        for devs, before, _, into in _pipeline_waits(sim, micro, p.pipeline, busy):
+            first[devs], arrive[devs] = before, into
+            g = next(e - 1 for s, e in zip(p.pipeline.stages, ends) if p.groups[s].devices[0] == devs[0])
+            for d in devs.tolist():  # the stage's last group runs first in the backward
+                assert start[f"bwd g{g} mb{m} @d{d}"] >= into * (1 - 1e-9), (p.meta["layout"], d)
+                checked += 1
+        if _sync_chain(sim, gds, micro, first + busy, arrive).max() > \
+                _sync_chain(sim, gds, micro, first + busy).max() * (1 + 1e-9):
+            raised += 1
+        assert plan_bound(sim, p.groups, p.pipeline).time_s <= res.iteration_time_s, p.meta["layout"]
+    assert checked > 50 and raised > 0 and filled > 0

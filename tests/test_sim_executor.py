@@ -29,9 +29,10 @@ def sim_bytes(sim, groups, pipeline=None) -> Counter:
     micro-batch's flows on a pipeline)."""
     out: Counter = Counter()
     micro = None if pipeline is None else sim._micro(groups, pipeline)
-    for flows in _Run(sim, sim.deploy(groups), None, micro).incoming.values():
-        for *_, a, b, _ma, _mb, _t, _r, nbytes in flows:
-            out[(a, b)] += nbytes
+    for _, lists in _Run(sim, sim.deploy(groups), None, micro).incoming.values():  # (offset, flow lists)
+        for flows in lists:
+            for *_, a, b, _ma, _mb, _t, _r, nbytes in flows:
+                out[(a, b)] += nbytes
     return out
 
 

@@ -177,8 +177,15 @@ def _program(schedule: PipelineSchedule, stages: tuple[int, ...], micro_batches:
         if late is not None:
             raise PlanError(f"{where} gives stage {s} of {num_stages} micro-batch {late}'s bwd before its fwd")
         sequences.append(tuple(seq))
-    tasks = pipeline_order(sequences, where=where)
+    tasks = _order(tuple(sequences), where)
     return tuple(sequences), tuple(tasks), tuple(in_flight(q) for q in sequences)
+
+
+@lru_cache(maxsize=512)
+def _order(sequences: tuple, where: str) -> tuple[Task, ...]:
+    """:func:`pipeline_order` of ``sequences`` (cached: pipelines cut elsewhere, or of another
+    schedule giving the same sequences, share it)."""
+    return tuple(pipeline_order(list(sequences), where=where))
 
 
 def pipeline_order(sequences: list[StageSequence], fwd_s: float = 1.0, bwd_s: float = 2.0, *,

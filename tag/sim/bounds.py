@@ -21,9 +21,12 @@ the run that may follow), so they hold by construction of the event loop
   its optimizer step; in a pipeline, a stage's devices start no earlier than micro-batch 0 went
   forward through the stages before it, and the iteration ends no earlier than micro-batch
   M - 1 went backward through them after a replica of the stage finished (where the stage
-  boundaries provably carry that tensor: :func:`_pipeline_waits`); a device's gradient
+  boundaries provably carry that tensor: :func:`_pipeline_waits`), and a stage's micro-batch
+  M - 1 backward starts no earlier than the stage after it finished that backward on a replica
+  (the drain: its gradient is sent once the sender finished); a device's gradient
   collectives run one after another on its links (``_Run._syncs``), each after its groups' last
-  backward, which ends no earlier than the device's tasks up to it (:func:`_sync_chain`), and its
+  backward, which ends no earlier than the device's tasks up to it nor than the drain into its
+  stage plus the last backwards from the group on (:func:`_sync_chain`), and its
   optimizer step after the last; a transfer is a rendezvous holding both ends' compute streams
   (``_Run._transfer``), so a device's compute, transfers and optimizer step add up, a transfer
   taking at least its bytes over the link's bandwidth (packed messages pay one latency); and a
@@ -42,7 +45,9 @@ bytes; less the ``1 - 1/T`` of the split parameters' state a tensor-parallel dev
 its per-sample saved bytes at its first micro-batch's samples times the stage's micro-batches in
 flight, and the largest single-op working set, without what the plain variant holds at the
 group's batch beyond ``1 / T`` of it, the recomputed values' working set and the transfer buffers.
-Groups split into position chunks (``mp``) count nothing.
+Groups split into position chunks (``mp``) count nothing. A pipeline's fill and drain (micro-batch
+0's forward through the stages before a stage, M - 1's backward back through them) at these
+seconds, where :func:`plan_bound` counts them.
 """
 
 from __future__ import annotations
@@ -80,16 +85,22 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
     sizes = [st.batch_size] if prog is None else [hi - lo for lo, hi in prog.ranges]
     runs = {x: sizes.count(x) for x in sizes}  # micro-batch samples -> micro-batches of that size (first size first)
     flight = [1] * len(groups) if prog is None else [prog.flight[s] for s in prog.stage_of]
+    stage_of = [0] * len(groups) if prog is None else prog.stage_of
     busy, held, work = np.zeros(n), np.zeros(n), np.zeros(n)
-    # groups deployed alike (devices, shares, strategy, degree, variant, recomputation): lowered once
+    # per stage: its devices' forward seconds at the first micro-batch, backward (and recomputed
+    # forward) at the last, and whether every group of it was counted on the same replicas
+    fwd0, bwd1 = {}, {}
+    whole = [True] * (1 if prog is None else len(prog.members))
+    # groups deployed alike (devices, shares, strategy, degree, variant, recomputation, stage): lowered once
     alike: dict[tuple, list[int]] = {}
     for g, gp in enumerate(groups):
         alike.setdefault((tuple(gp.devices), tuple(gp.shares), gp.sync, gp.tp, gp.sequence_parallel, gp.recompute,
-                          flight[g]), []).append(g)
-    for (devs, _, _, _, seqp, rc, fl), gs in alike.items():
+                          flight[g], stage_of[g]), []).append(g)
+    for (devs, _, _, _, seqp, rc, fl, stage), gs in alike.items():
         gp = groups[gs[0]]
         strategy = strategy_of(gp)
         if strategy.chunked:
+            whole[stage] = False
             continue
         tp = gp.sync == "tp"
         t = tp_degree(gp) if tp else 1
@@ -115,15 +126,33 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
             c, g2 = ucls[:, None], gi[None, :]
             fwd = (1.0 - f) * sim.tables[c, g2, FWD, lo[:, None]] + f * sim.tables[c, g2, FWD, hi[:, None]]
             bwd = (1.0 - f) * sim.tables[c, g2, BWD, lo[:, None]] + f * sim.tables[c, g2, BWD, hi[:, None]]
-            secs = (fwd.sum(axis=1) * (2.0 if rc else 1.0) + bwd.sum(axis=1))[np.ravel(back)]  # [R]: fwd + bwd (+ fwd again)
+            back = np.ravel(back)
+            fs, bs = fwd.sum(axis=1), bwd.sum(axis=1)
+            secs = (fs * (2.0 if rc else 1.0) + bs)[back]  # [R]: fwd + bwd (+ fwd again)
             np.add.at(busy, dev, secs * times)
+            if prog is not None:
+                unit = strategy.units(gs[0], gp, graph, size)[0]
+                if list(unit.devices) != list(devs) or min(unit.batches) < 1:
+                    whole[stage] = False
+                if size == sizes[0]:
+                    np.add.at(fwd0.setdefault(stage, np.zeros(n)), dev, fs[back])
+                if size == sizes[-1]:
+                    np.add.at(bwd1.setdefault(stage, np.zeros(n)), dev, (bs + fs if rc else bs)[back])
             if m == 0:  # held at the first micro-batch's samples (the simulator's rule)
                 np.add.at(held, dev, fixed + ps * small * fl)
                 w = (st.work_fixed[gi][None, :] + st.work_per_sample[gi][None, :] * big[:, None]).max(axis=1)
                 np.maximum.at(work, dev, w)
     peak = (held + work).tolist()
-    return PlanBound(float(busy.max()) * (1.0 - 1e-9), peak,
-                     any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
+    low = float(busy.max())
+    if prog is not None:  # the fill and drain of the pipeline (_pipeline_waits), at these seconds
+        lows = []  # per stage, per replica: forward, backward seconds, devices (None: not counted)
+        for s, gs in enumerate(prog.members):
+            devs = np.asarray(groups[gs[0]].devices, dtype=np.int64)
+            same = all(groups[g].devices == groups[gs[0]].devices for g in gs)
+            lows.append((fwd0[s][devs], bwd1[s][devs], devs) if whole[s] and same else None)
+        for devs, before, after in _chain(st, pipeline, prog.sequences, lows):
+            low = max(low, before + float(busy[devs].min()) + after)
+    return PlanBound(low * (1.0 - 1e-9), peak, any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
 
 
 def plan_bound(sim, groups, pipeline=None) -> PlanBound:
@@ -131,32 +160,25 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
     :class:`~tag.sim.Simulator`), in the simulator's units."""
     micro = None if pipeline is None else sim._micro(groups, pipeline)
     gds = sim.deploy(groups)  # (a pipeline's gradient syncs: at the full batch's deployment)
-    _, mem, work, _, _ = _holdings(sim, gds, micro)
-    # the optimizer step as the run computes it (a pipeline's: at its first micro-batch's deployment)
-    opt, _, _, holds, _ = _holdings(sim, gds if micro is None else micro.gds[0])
+    # (the optimizer step as the run computes it: a pipeline's at its first micro-batch's deployment)
+    opt, mem, work, holds, _ = _holdings(sim, gds, micro)
     n = sim.num_devices
-    busy = np.zeros(n)
-    for run in (gds,) if micro is None else micro.gds:  # each micro-batch's deployment
-        for gd in run:
-            lay = gd.layout
-            if lay is not None:  # every replica runs the group's forward and backward once
-                np.add.at(busy, lay.dev_arr, lay.dur[FWD, gd.units[0].group] + lay.dur[BWD, gd.units[0].group])
-            else:  # position chunks, one device each
-                for u in gd.units:
-                    busy[u.devices[0]] += u.dur[FWD] + u.dur[BWD]
+    busy = _busy(sim, gds, micro)
     step = np.asarray(opt) + np.where(holds, sim.step_overhead, 0.0)
     low = busy + step
     first = np.zeros(n)  # per device: its first task starts no earlier (seconds)
+    arrive = np.zeros(n)  # per device: its last micro-batch's backward starts no earlier (seconds)
     if micro is not None:  # the pipeline's fill before a stage and drain after it
-        for devs, before, after in _pipeline_waits(sim, micro, pipeline):
+        for devs, before, after, into in _pipeline_waits(sim, micro, pipeline, busy):
             first[devs] = before
+            arrive[devs] = into
             low[devs] += before
             # the stage before runs micro-batch M - 1's backward after a replica of this one ran
             # all its tasks (its last is that backward)
             low[devs] = np.maximum(low[devs], before + busy[devs].min() + after)
     # a device's gradient collectives run one after another on its links (Run._syncs), each after
     # its groups' last backward; the optimizer step after the last
-    comm = _sync_chain(sim, gds, micro, first + busy)
+    comm = _sync_chain(sim, gds, micro, first + busy, arrive)
     low = np.maximum(low, comm + step)
     # a transfer holds both ends' compute streams (a rendezvous, Run._transfer): a device's
     # compute, its transfers and its optimizer step one after another; a machine's network side
@@ -173,30 +195,52 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
                      any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
 
 
+def _busy(sim, gds, micro) -> np.ndarray:
+    """Per device: the seconds of its compute tasks (every run's forward and backward of every
+    unit on it; a pipeline's micro-batches of one size share one deployment: counted once, times
+    their number)."""
+    busy = np.zeros(sim.num_devices)
+    runs: dict[int, list] = {}
+    for mg in (gds,) if micro is None else micro.gds:
+        runs.setdefault(id(mg), [mg, 0])[1] += 1
+    for run, times in runs.values():
+        alike: dict[int, tuple] = {}  # groups on one layout: summed over them at once
+        for g, gd in enumerate(run):
+            lay = gd.layout
+            if lay is not None:  # every replica runs the group's forward and backward once
+                alike.setdefault(id(lay), (lay, []))[1].append(g)
+            else:  # position chunks, one device each
+                for u in gd.units:
+                    busy[u.devices[0]] += (u.dur[FWD] + u.dur[BWD]) * times
+        for lay, gs in alike.values():
+            np.add.at(busy, lay.dev_arr, (lay.dur[FWD, gs] + lay.dur[BWD, gs]).sum(axis=0) * times)
+    return busy
+
+
 def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per device, per machine's outgoing and incoming network side: seconds of the run's
     transfers at least. The run moves the flows of the pairs :class:`~tag.sim.engine._Run` takes
     (per micro-batch; those moving once at the first and last), a stage's flows from one device to
-    another packed into one message of ``latency + bytes / bandwidth`` (:func:`tag.sim.engine._merge`):
+    another packed into one message of ``latency + bytes / bandwidth`` (:func:`tag.sim.engine._messages`):
     at least each flow's ``bytes / bandwidth``."""
     n, m = sim.num_devices, sim.num_machines
     load, out, into = np.zeros(n), np.zeros(m), np.zeros(m)
     if micro is None:
-        pairs = [(pr, 1) for pr in sim._pairs_used(gds)]
+        pairs = [(tpl, 1) for tpl in sim._templates_used(gds)]
     elif len(micro.gds) == 1:
-        pairs = [(pr, 1) for pr in sim._pairs_used(micro.gds[0])]
+        pairs = [(tpl, 1) for tpl in sim._templates_used(micro.gds[0])]
     else:  # micro-batches of one size share one deployment (one list): its pairs once, times their count
         runs: dict[int, list] = {}
         for mg in micro.gds:
             runs.setdefault(id(mg), [mg, 0])[1] += 1
-        pairs = [(pr, c) for mg, c in runs.values() for pr in sim._pairs_used(mg, "micro")]
-        pairs += [(pr, 1) for pr in sim._pairs_used(micro.gds[0], "first")]
-        pairs += [(pr, 1) for pr in sim._pairs_used(micro.gds[-1], "last")]
+        pairs = [(tpl, c) for mg, c in runs.values() for tpl in sim._templates_used(mg, "micro")]
+        pairs += [(tpl, 1) for tpl in sim._templates_used(micro.gds[0], "first")]
+        pairs += [(tpl, 1) for tpl in sim._templates_used(micro.gds[-1], "last")]
     cache = sim.cache("transfer-load")
-    for pr, c in pairs:
-        hit = cache.get(id(pr.tpl))
-        if hit is None or hit[0] is not pr.tpl:
-            flows = [f for _, fl in pr.tpl.by_dst for f in fl]
+    for tpl, c in pairs:
+        hit = cache.get(id(tpl))
+        if hit is None or hit[0] is not tpl:
+            flows = [f for _, fl in tpl.by_dst for f in fl]
             a = np.asarray([f[4] for f in flows], dtype=np.int64)
             b = np.asarray([f[5] for f in flows], dtype=np.int64)
             secs = np.asarray([f[9] for f in flows], dtype=float) / sim.comm.bandwidth[a, b]
@@ -205,7 +249,7 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
             cross = ma >= 0
             if len(cache) > 100_000:
                 cache.clear()
-            hit = cache[id(pr.tpl)] = (pr.tpl, a, b, secs, ma[cross], mb[cross], secs[cross])
+            hit = cache[id(tpl)] = (tpl, a, b, secs, ma[cross], mb[cross], secs[cross])
         _, a, b, secs, ma, mb, xs = hit
         np.add.at(load, a, secs * c)
         np.add.at(load, b, secs * c)
@@ -214,15 +258,18 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return load, out, into
 
 
-def _sync_chain(sim, gds, micro, done: np.ndarray) -> np.ndarray:
+def _sync_chain(sim, gds, micro, done: np.ndarray, arrive: np.ndarray | None = None) -> np.ndarray:
     """Per device: its gradient collectives end no earlier than this (seconds). ``done``: per
     device, its compute tasks start no earlier than its ``first`` and last their seconds at least,
     so the tasks up to one of them end no earlier than ``first`` plus their seconds (``done`` is
-    ``first`` plus all of them).
+    ``first`` plus all of them). ``arrive``: per device, its last micro-batch's backward starts no
+    earlier (a pipeline's drain, :func:`_pipeline_waits`; 0 where not counted).
 
     A device runs its groups' last backward (a pipeline's last micro-batch: its stage's sequence
     ends with it) in reverse group order after every other task of its, so group ``g``'s ends no
-    earlier than ``done`` less the last backwards of the device's groups before ``g``; its
+    earlier than ``done`` less the last backwards of the device's groups before ``g``, nor than
+    ``arrive`` plus the last backwards of its groups from ``g`` on (they run one after another on
+    its compute stream once the first started); its
     ``group_finish`` (the latest replica's) no earlier than the latest of its devices'. A sync
     starts after its groups' ``group_finish`` and after the device's previous sync
     (``Run._syncs``: one collective stream per device; a run of syncs over one member set chained)
@@ -238,6 +285,12 @@ def _sync_chain(sim, gds, micro, done: np.ndarray) -> np.ndarray:
             lay = gd.layout
             ready[g] = float((done[lay.dev_arr] - before[lay.dev_arr]).max())
             np.add.at(before, lay.dev_arr, lay.dur[BWD, g])
+        if arrive is not None and arrive.any():
+            since = arrive.copy()  # per device: arrive plus the last backwards of its groups from g on
+            for g in range(k - 1, -1, -1):
+                lay = last[g].layout
+                np.add.at(since, lay.dev_arr, lay.dur[BWD, g])
+                ready[g] = max(ready[g], float(since[lay.dev_arr].max()))
     end = np.zeros(n)
     for gs, job in sim.sync_jobs(gds):
         devs = list(job.sync_devices)
@@ -261,11 +314,15 @@ def _one_stage_each(micro, last, n: int) -> bool:
     return all(x == (BWD, len(micro.gds) - 1) for x in ends.values())
 
 
-def _pipeline_waits(sim, micro, pipeline) -> list[tuple[np.ndarray, float, float]]:
-    """Per stage ``(devices, before, after)``: a device of the stage starts its first task no
+def _pipeline_waits(sim, micro, pipeline, busy: np.ndarray) -> list[tuple[np.ndarray, float, float, float]]:
+    """Per stage ``(devices, before, after, into)``: a device of the stage starts its first task no
     earlier than ``before`` seconds (micro-batch 0's forward of the stages before it, each at its
-    fastest replica), and the iteration ends no earlier than ``after`` seconds (micro-batch
-    M - 1's backward of those stages) after a replica of the stage finished its last. Counted
+    fastest replica), the iteration ends no earlier than ``after`` seconds (micro-batch
+    M - 1's backward of those stages) after a replica of the stage finished its last, and the
+    stage's micro-batch M - 1 backward starts no earlier than ``into`` seconds: the stage after
+    it sends its gradient once the sender finished that backward, which is no earlier than the
+    sender stage's ``into`` plus its backward's seconds (its fastest replica's) nor than its
+    ``before`` plus its fewest compute seconds (``busy``: per device; the backward is its last task). Counted
     across a stage boundary only between disjoint devices where the boundary's groups exchange a per-micro-batch tensor both ways (the last group of the stage before feeds
     the first group of the stage after in the forward, and that group's backward feeds it back),
     every replica of both runs samples of those micro-batches, each stage's groups share one set
@@ -274,43 +331,75 @@ def _pipeline_waits(sim, micro, pipeline) -> list[tuple[np.ndarray, float, float
     from ..parallel.pipeline import iteration_program
 
     st = sim.static
-    S, M = len(pipeline.stages), pipeline.micro_batches
+    S = len(pipeline.stages)
     sequences = iteration_program(pipeline, st.batch_size, st.num_groups).sequences
     bounds = list(pipeline.stages) + [st.num_groups]
     first, last = micro.gds[0], micro.gds[-1]
-    fwd, bwd, devs = [], [], []
+    lows = []
     for s in range(S):
         gs = range(bounds[s], bounds[s + 1])
         lays = [first[g].layout for g in gs] + [last[g].layout for g in gs]
-        seq = sequences[s]
-        if any(x is None or x.devices != lays[0].devices or min(x.batches) < 1 for x in lays) \
-                or seq[0] != ("fwd", 0) or seq[-1] != ("bwd", M - 1):
-            fwd.append(None)
-            bwd.append(None)
-            devs.append(None)
+        if any(x is None or x.devices != lays[0].devices or min(x.batches) < 1 for x in lays):
+            lows.append(None)
             continue
-        fwd.append(float(np.sum([first[g].layout.dur[FWD, g] for g in gs], axis=0).min()))
-        bwd.append(float(np.sum([last[g].layout.dur[BWD, g] for g in gs], axis=0).min()))
-        devs.append(lays[0].dev_arr)
-
-    def linked(a: int, b: int) -> bool:  # group a's forward feeds b's, b's backward feeds a's
-        there = any(e.batch and not e.once and e.src_phase == FWD and any(ph == FWD for _, ph in e.consumers)
-                    for e in st.edges.get((a, b), ()))
-        back = any(e.batch and not e.once and e.src_phase == BWD and any(ph == BWD for _, ph in e.consumers)
-                   for e in st.edges.get((b, a), ()))
-        return there and back
-
-    out = []
-    before = after = 0.0  # micro-batch 0's forward, M - 1's backward, of the linked stages before
+        lows.append((np.sum([first[g].layout.dur[FWD, g] for g in gs], axis=0),
+                     np.sum([last[g].layout.dur[BWD, g] for g in gs], axis=0), lays[0].dev_arr))
+    fwd = [None if x is None else float(x[0].min()) for x in lows]
+    bwd = [None if x is None else float(x[1].min()) for x in lows]
+    devs = [None if x is None else x[2] for x in lows]
+    joined = _joined(st, pipeline, sequences, lows)
+    befores = [0.0] * S
+    before = 0.0
     for s in range(S):
-        if s > 0 and fwd[s - 1] is not None and fwd[s] is not None and linked(bounds[s] - 1, bounds[s]) \
-                and not set(devs[s - 1].tolist()) & set(devs[s].tolist()):  # (a transfer between devices)
-            before += fwd[s - 1]
-            after += bwd[s - 1]
+        before = before + fwd[s - 1] if joined[s] else 0.0
+        befores[s] = before
+    into = [0.0] * S
+    for s in range(S - 2, -1, -1):  # the drain, from the last stage back
+        if joined[s + 1]:
+            into[s] = max(into[s + 1] + bwd[s + 1], befores[s + 1] + float(busy[devs[s + 1]].min()))
+    at = [s for s in range(S) if lows[s] is not None]
+    return [(d, before, after, into[s]) for s, (d, before, after) in zip(at, _chain(st, pipeline, sequences, lows))]
+
+
+def _linked(st, a: int, b: int) -> bool:
+    """Group ``a``'s forward feeds ``b``'s with a per-micro-batch tensor and ``b``'s backward feeds
+    ``a``'s back."""
+    there = any(e.batch and not e.once and e.src_phase == FWD and any(ph == FWD for _, ph in e.consumers)
+                for e in st.edges.get((a, b), ()))
+    back = any(e.batch and not e.once and e.src_phase == BWD and any(ph == BWD for _, ph in e.consumers)
+               for e in st.edges.get((b, a), ()))
+    return there and back
+
+
+def _joined(st, pipeline, sequences, lows: list) -> list[bool]:
+    """Per stage: whether its boundary with the stage before it is counted (:func:`_pipeline_waits`):
+    ``lows[s]`` (None: the stage's groups do not share one set of replicas all running samples, or
+    ``(forward at micro-batch 0, backward at M - 1, devices)`` per replica) set for both, each
+    sequence starting with micro-batch 0's forward and ending with M - 1's backward, the groups
+    on each side linked (:func:`_linked`) and the devices disjoint."""
+    S, M = len(pipeline.stages), pipeline.micro_batches
+    ok = [x is not None and seq[0] == ("fwd", 0) and seq[-1] == ("bwd", M - 1) for x, seq in zip(lows, sequences)]
+    joined = [False] * S
+    for s in range(1, S):
+        b = pipeline.stages[s]
+        joined[s] = ok[s - 1] and ok[s] and _linked(st, b - 1, b) and \
+            not set(lows[s - 1][2].tolist()) & set(lows[s][2].tolist())
+    return joined
+
+
+def _chain(st, pipeline, sequences, lows: list) -> list[tuple[np.ndarray, float, float]]:
+    """Per stage with ``lows`` (:func:`_joined`): ``(devices, before, after)`` of
+    :func:`_pipeline_waits`."""
+    joined = _joined(st, pipeline, sequences, lows)
+    out, before, after = [], 0.0, 0.0
+    for s, x in enumerate(lows):
+        if joined[s]:
+            before += float(lows[s - 1][0].min())
+            after += float(lows[s - 1][1].min())
         else:
             before = after = 0.0
-        if devs[s] is not None:
-            out.append((devs[s], before, after))
+        if x is not None:
+            out.append((x[2], before, after))
     return out
 
 

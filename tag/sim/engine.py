@@ -133,6 +133,8 @@ class Simulator:
         self._kinds: dict[tuple[int, int], tuple] = {}  # dp -> dp group pair -> (kinds id, kinds)
         self._kind_ids: dict[tuple, tuple] = {}  # pair_kinds -> (id, kinds)
         self._templates: dict[tuple, PairTemplate] = {}
+        self._msgs: dict[tuple, tuple] = {}  # ids of flow tuples -> (those tuples, their messages)
+        self._pieces: dict[tuple, list] = {}  # the pair templates' pieces (PairTemplate)
         self._serial = 0
         # Pairs without non-batch gradients: no flow when both groups share one layout.
         local = {pr for pr, es in self.static.edges.items() if not any(e.grad for e in es)}
@@ -313,26 +315,46 @@ class Simulator:
     def pair(self, g1: int, gd1: GroupData, g2: int, gd2: GroupData, select: str | None = None) -> _Pair:
         """Flows from group ``g1`` deployed as ``gd1`` to ``g2`` deployed as ``gd2`` (cached, and
         their :class:`PairTemplate` cached by what it depends on: the tensors crossing and the
-        two replica sets); ``select``: a pipeline's part of them (:func:`pair_kinds`)."""
+        two replica sets, :meth:`template`); ``select``: a pipeline's part of them (:func:`pair_kinds`)."""
         key = (gd1.serial, gd2.serial) if select is None else (gd1.serial, gd2.serial, select)
         pr = self._pairs.get(key)
         if pr is None:
             if len(self._pairs) > CACHE_LIMIT:
                 self._pairs.clear()
-            kid = self._kinds.get((g1, g2, select)) if not (gd1.mp or gd2.mp) else None
-            if kid is None:
-                kinds = pair_kinds(self.static, g1, gd1, g2, gd2, select)
-                kid = self._kind_ids.setdefault(kinds, (len(self._kind_ids), kinds))
-                if not (gd1.mp or gd2.mp):
-                    self._kinds[(g1, g2, select)] = kid
-            tkey = (kid[0], gd1.ukey, gd2.ukey)
-            tpl = self._templates.get(tkey)
-            if tpl is None:
-                if len(self._templates) > CACHE_LIMIT:
-                    self._templates.clear()
-                tpl = self._templates[tkey] = PairTemplate(kid[1], gd1.units, gd2.units, self.comm)
-            pr = self._pairs[key] = _Pair(tpl, g1, g2, self.static.num_groups)
+            pr = self._pairs[key] = _Pair(self.template(g1, gd1, g2, gd2, select), g1, g2, self.static.num_groups)
         return pr
+
+    def template(self, g1: int, gd1: GroupData, g2: int, gd2: GroupData, select: str | None = None) -> PairTemplate:
+        """The :class:`PairTemplate` of the flows from group ``g1`` deployed as ``gd1`` to ``g2``
+        deployed as ``gd2`` (``select``: :meth:`pair`'s), cached by the tensors crossing and the two
+        replica sets."""
+        kid = self._kinds.get((g1, g2, select)) if not (gd1.mp or gd2.mp) else None
+        if kid is None:
+            kinds = pair_kinds(self.static, g1, gd1, g2, gd2, select)
+            kid = self._kind_ids.setdefault(kinds, (len(self._kind_ids), kinds))
+            if not (gd1.mp or gd2.mp):
+                self._kinds[(g1, g2, select)] = kid
+        tkey = (kid[0], gd1.ukey, gd2.ukey)
+        tpl = self._templates.get(tkey)
+        if tpl is None:
+            if len(self._templates) > CACHE_LIMIT:
+                self._templates.clear()
+            if len(self._pieces) > CACHE_LIMIT:
+                self._pieces.clear()
+            tpl = self._templates[tkey] = PairTemplate(kid[1], gd1.units, gd2.units, self.comm, self._pieces,
+                                                       (gd1.ukey, gd2.ukey))
+        return tpl
+
+    def _messages(self, fls: list[tuple]) -> list[tuple]:
+        """:func:`_messages` of the flows ``fls`` (cached by the flow tuples, which the cached
+        pairs hold: a pipeline's micro-batches of one size, and the runs after, reuse them)."""
+        key = tuple([id(fl) for fl in fls])
+        hit = self._msgs.get(key)
+        if hit is None or any(x is not y for x, y in zip(hit[0], fls)):
+            if len(self._msgs) > CACHE_LIMIT:
+                self._msgs.clear()
+            hit = self._msgs[key] = (tuple(fls), _messages(fls, self.comm.p2p_time))
+        return hit[1]
 
     def _stage_index(self, stage: tuple[int, int, int]) -> int:
         """Flat index of stage (phase, group, chunk) in a run's stage tables: ``ph * K + g + 2K * j``
@@ -347,8 +369,17 @@ class Simulator:
         layout (same replicas and sample ranges: only non-batch gradients move); ``select``: a
         pipeline's part of their flows (:func:`pair_kinds`)."""
         if select is not None:
-            parts = (self.pair(pr.g1, gds[pr.g1], pr.g2, gds[pr.g2], select) for pr in self._pairs_used(gds))
+            parts = (self.pair(g1, gds[g1], g2, gds[g2], select) for g1, g2 in self._groups_used(gds))
             return [pr for pr in parts if pr.fast]
+        return [self.pair(g1, gds[g1], g2, gds[g2]) for g1, g2 in self._groups_used(gds)]
+
+    def _templates_used(self, gds: list[GroupData], select: str | None = None) -> list[PairTemplate]:
+        """The :class:`PairTemplate` of each pair of :meth:`_pairs_used` (no :class:`_Pair` built)."""
+        parts = (self.template(g1, gds[g1], g2, gds[g2], select) for g1, g2 in self._groups_used(gds))
+        return [tpl for tpl in parts if tpl.by_dst]
+
+    def _groups_used(self, gds: list[GroupData]) -> list[tuple[int, int]]:
+        """``(g1, g2)`` of :meth:`_pairs_used` without ``select``: the pairs moving tensors."""
         lid = np.array([gd.lid for gd in gds])
         l1, l2 = lid[self._pair_src], lid[self._pair_dst]
         used = np.where(self._pair_self, l1 < 0, self._pair_nonlocal | (l1 != l2))
@@ -357,10 +388,11 @@ class Simulator:
             g1, g2, _ = plist[p]
             gd1, gd2 = gds[g1], gds[g2]
             pr = pairs.get((gd1.serial, gd2.serial))
-            if pr is None:
-                pr = self.pair(g1, gd1, g2, gd2)
-            if pr.fast:
-                out.append(pr)
+            if pr is not None:
+                if pr.fast:
+                    out.append((g1, g2))
+            elif self.template(g1, gd1, g2, gd2).by_dst:
+                out.append((g1, g2))
         return out
 
     def deploy(self, groups) -> list[GroupData]:
@@ -399,9 +431,10 @@ class Simulator:
         pieces, :attr:`tag.sim.units.PairTemplate.gathers`)."""
         run = _Run(self, self.deploy(groups), None, None if pipeline is None else self._micro(groups, pipeline))
         p2p: dict[tuple[int, int], float] = {}
-        for fl in run.incoming.values():
-            for *_, a, b, _ma, _mb, _t, _r, nb in fl:
-                p2p[(a, b)] = p2p.get((a, b), 0.0) + nb
+        for _off, fls in run.incoming.values():
+            for fl in fls:
+                for *_, a, b, _ma, _mb, _t, _r, nb in fl:
+                    p2p[(a, b)] = p2p.get((a, b), 0.0) + nb
         gathered: dict[int, float] = {}
         for sets in run.gathers.values():
             for _lo, _hi, devs, _t, nb in sets:
@@ -455,24 +488,32 @@ def wake_extra(sim: Simulator, unit: Unit, g: int, ph: int, start: list[float], 
     return out
 
 
-def _merge(inc, sfin, p2p) -> list[tuple]:
-    """The flows into one stage as messages ``(source ready, a, b, ma, mb, seconds, destination
-    replica, bytes)``, one per (a, b): every flow from device a to device b this stage needs (the
-    executor's CPU ranks send a step's pieces to one peer packed), once all are produced; its
-    time is that of the summed bytes."""
-    acc: dict[tuple[int, int], tuple] = {}
-    merged = False
-    for si, sr, a, b, ma, mb, t, r, nb in inc:
-        s = sfin[si][sr] if si >= 0 else 0.0
-        x = acc.get((a, b))
-        if x is None:
-            acc[(a, b)] = (s, a, b, ma, mb, t, r, nb)
-        else:
-            acc[(a, b)] = (s if s > x[0] else x[0], a, b, ma, mb, -1.0, r, x[7] + nb)
-            merged = True
-    if not merged:
-        return list(acc.values())
-    return [m if m[5] >= 0.0 else (*m[:5], p2p(m[1], m[2], m[7]), *m[6:]) for m in acc.values()]
+def _messages(fls: list[tuple], p2p) -> list[tuple]:
+    """The flows ``fls`` (tuples of :attr:`_Pair.fast` entries, in order) into one stage as
+    messages ``(source stage, source replica, more sources, a, b, ma, mb, seconds, destination
+    replica, bytes)``, one per (a, b) in the order of their first flow: every flow from device a
+    to device b this stage needs (the executor's CPU ranks send a step's pieces to one peer
+    packed), ready once all are produced (``more``: the other flows' ``(source stage, source
+    replica)``, or None); a single flow keeps its seconds, several take those of the summed bytes
+    (summed in flow order)."""
+    acc: dict[tuple[int, int], list] = {}
+    for fl in fls:
+        for si, sr, a, b, ma, mb, t, r, nb in fl:
+            x = acc.get((a, b))
+            if x is None:
+                acc[(a, b)] = [si, sr, None, a, b, ma, mb, t, r, nb]
+            else:
+                if x[2] is None:
+                    x[2] = []
+                x[2].append((si, sr))
+                x[5], x[6], x[7], x[8], x[9] = ma, mb, -1.0, r, x[9] + nb
+    out = []
+    for x in acc.values():
+        if x[2] is not None:
+            x[2] = tuple(x[2])
+            x[7] = p2p(x[3], x[4], x[9])
+        out.append(tuple(x))
+    return out
 
 
 class _Pair:
@@ -561,25 +602,36 @@ class _Run:
                  micro: _Micro | None = None):
         self.sim, self.gds, self.rec, self.micro = sim, gds, rec, micro
         n, m = sim.num_devices, sim.num_machines
-        incoming: dict[int, tuple] = {}
+        # stage index -> (offset, flows): the flows of pr.fast lists into it, their source stage
+        # indices less the offset (a pipeline's micro-batch m: 2 K m, the same for all)
+        incoming: dict[int, tuple[int, list]] = {}
         if micro is None:
-            used = sim._pairs_used(gds)
+            placed = [(pr, 0) for pr in sim._pairs_used(gds)]
         elif len(micro.gds) == 1:  # one micro-batch: the flows of the plan without a pipeline
-            used = [_Shifted(pr, 0, len(gds)) for pr in sim._pairs_used(micro.gds[0])]
+            placed = [(pr, 0) for pr in sim._pairs_used(micro.gds[0])]
         else:  # every micro-batch's flows, at its chunk index; what moves once per iteration at
             # the first micro-batch (batch-independent tensors) or the last (deferred partial sums)
             k, last = len(gds), len(micro.gds) - 1
-            used = [_Shifted(pr, j, k) for j, mg in enumerate(micro.gds) for pr in sim._pairs_used(mg, "micro")]
-            used += [_Shifted(pr, 0, k) for pr in sim._pairs_used(micro.gds[0], "first")]
-            used += [_Shifted(pr, last, k) for pr in sim._pairs_used(micro.gds[last], "last")]
+            used: dict[int, list] = {}  # micro-batches of one size share one deployment: its pairs once
+            placed = []
+            for j, mg in enumerate(micro.gds):
+                prs = used.get(id(mg))
+                if prs is None:
+                    prs = used[id(mg)] = sim._pairs_used(mg, "micro")
+                placed += [(pr, 2 * k * j) for pr in prs]
+            placed += [(pr, 0) for pr in sim._pairs_used(micro.gds[0], "first")]
+            placed += [(pr, 2 * k * last) for pr in sim._pairs_used(micro.gds[last], "last")]
         gathered: dict[int, dict[tuple, list[float]]] = {}  # stage -> (lo, hi, devices) -> bytes per replica
-        for pr in used:
+        for pr, off in placed:
             for dst, fl in pr.fast:
-                lst = incoming.get(dst)
-                incoming[dst] = fl if lst is None else lst + fl
+                x = incoming.get(dst + off)
+                if x is None:
+                    incoming[dst + off] = (off, [fl])
+                else:
+                    x[1].append(fl)
             for dst, sets in pr.gathers:
                 for lo, hi, devs, chunks in sets:
-                    acc = gathered.setdefault(dst, {}).setdefault((lo, hi, devs), [0.0] * (hi - lo))
+                    acc = gathered.setdefault(dst + off, {}).setdefault((lo, hi, devs), [0.0] * (hi - lo))
                     acc[:] = [x + y for x, y in zip(acc, chunks)]
         self.incoming = incoming
         self.gathers = {dst: [(lo, hi, devs, sim.scatter_gather_time(devs, tuple(c)), sum(c))
@@ -601,21 +653,25 @@ class _Run:
         self.any_sfb = sfb.count(None) < len(sfb)
         self.sfb_ready: dict[int, float] = {}
         if rec is not None:
-            rec.bind(self, used)
+            rec.bind(self, [pr if micro is None else _Shifted(pr, off // (2 * len(gds)), len(gds))
+                            for pr, off in placed])
 
     # ---- transfers ----------------------------------------------------------------------
-    def _transfer(self, inc: list, nrep: int, idx: int) -> list[float]:
-        """The messages into stage ``idx`` (:func:`_merge`), in order; per replica of the stage,
-        when its last message arrives."""
+    def _transfer(self, inc: tuple[int, list], nrep: int, idx: int) -> list[float]:
+        """The messages into stage ``idx`` (``inc``: the offset and flows of ``incoming``;
+        :func:`_messages`), in order; per replica of the stage, when its last message arrives."""
         ready = [0.0] * nrep
         cf, nout, nin, busy, sfin = self.comm_free, self.nic_out, self.nic_in, self.comm_busy, self.sfin
         cfree, buf, rec = self.cfree, self.buf, self.rec
-        if len(inc) == 1:
-            si, sr, a, b, ma, mb, t, r, nb = inc[0]
-            msgs = ((sfin[si][sr] if si >= 0 else 0.0, a, b, ma, mb, t, r, nb),)
-        else:
-            msgs = _merge(inc, sfin, self.sim.comm.p2p_time)
-        for s, a, b, ma, mb, t, r, nb in msgs:
+        off, fls = inc
+        msgs = self.sim._messages(fls)
+        for si, sr, more, a, b, ma, mb, t, r, nb in msgs:
+            s = sfin[si + off][sr] if si >= 0 else 0.0
+            if more is not None:  # ready once every flow of the message is
+                for si, sr in more:
+                    x = sfin[si + off][sr] if si >= 0 else 0.0
+                    if x > s:
+                        s = x
             if nb > buf[a]:
                 buf[a] = nb
             if nb > buf[b]:

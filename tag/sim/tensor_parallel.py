@@ -108,12 +108,18 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
         work[:, ids] = w_col[:, None]
     splits = [group_split(graph, g) for g in range(k)]
     # the blocking collectives per tensor-parallel group: [K] seconds per (ring, batch), priced once
-    # (CommModel.ring_key: groups with equal keys take equal seconds); 0 for a group without blocks
-    priced: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    # per simulator (CommModel.ring_key: groups with equal keys take equal seconds); 0 for a group
+    # without blocks
+    priced = sim.cache("tp-collectives")
+    rings: dict[tuple, tuple] = {}  # (ring, batch) -> (its seconds, the devices' columns)
     for i in range(0, r, t):
         devs = list(devices[i:i + t])
         b = sum(batches[i:i + t]) if sequence_parallel else batches[i]
         ring = (comm.ring_key(devs), b)
+        hit = rings.get(ring)
+        if hit is not None:
+            hit[1].extend(range(i, i + t))
+            continue
         col = priced.get(ring)
         if col is None:
             fwd, bwd = np.zeros(k), np.zeros(k)
@@ -121,9 +127,13 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
                 if sp.blocks:
                     fwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_fwd])
                     bwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_bwd])
+            if len(priced) > 100_000:
+                priced.clear()
             col = priced[ring] = (fwd[:, None], bwd[:, None])
-        dur[FWD, :, i:i + t] += col[0]
-        dur[BWD, :, i:i + t] += col[1]
+        rings[ring] = (col, list(range(i, i + t)))
+    for col, cols in rings.values():
+        dur[FWD][:, cols] += col[0]
+        dur[BWD][:, cols] += col[1]
     for g, sp in enumerate(splits):
         if not sp.blocks:
             continue
@@ -196,10 +206,38 @@ def _outside_recompute_per_sample(graph, static) -> tuple[np.ndarray, np.ndarray
 
 
 def tp_group(sim, g: int, gp, lowered) -> GroupData:
-    """:class:`GroupData` of group ``g`` deployed tensor parallel as ``gp`` (``lowered``: its units)."""
-    devs, batches = tuple(gp.devices), lowered[0].batches
+    """:class:`GroupData` of group ``g`` deployed tensor parallel as ``gp`` (``lowered``: its units).
+    What does not depend on the group (the layout, the machines, the sync's devices; a stage's
+    groups share them) is costed once per deployment and batch (:func:`_tp_deployment`), the
+    sync once per deployment and bytes."""
+    replicas = lowered[0].replicas
+    batches = tuple([r.stop - r.start for r in replicas])
+    dep = _tp_deployment(sim, gp, batches, replicas)
+    lay, devs, starts, ukey, members, machines, memo = dep
+    unit = Unit(g, -1, devs, batches, starts, lay)
+    split = group_split(sim.graph, g).split_bytes
+    total = float(sim.static.grad_bytes[g])
+    ts = memo.get((split, total))
+    if ts is None:
+        ts = memo[(split, total)] = sim.comm.tensor_parallel_sync_time(tp_groups(gp), split, max(0.0, total - split),
+                                                                     gp.sequence_parallel)
+    if ts <= 0:
+        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=ukey, recompute=gp.recompute)
+    return GroupData([unit], "tp", ts, members, machines, total, layout=lay, ukey=ukey, recompute=gp.recompute)
+
+
+def _tp_deployment(sim, gp, batches: tuple[int, ...], replicas) -> tuple:
+    """``(layout, devices, starts, ukey, sync devices, sync machines, sync seconds by bytes)`` of
+    the tensor-parallel deployment ``gp`` at the unit's ``batches`` (cached per simulator)."""
+    cache = sim.cache("tp-deployments")
+    devs = tuple(gp.devices)
+    key = (devs, batches, tp_degree(gp), gp.sequence_parallel, gp.recompute)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    starts = tuple([r.start for r in replicas])
     t = tp_degree(gp)
-    lay = tp_layout(sim, devs, batches, lowered[0].starts, t, gp.sequence_parallel)
+    lay = tp_layout(sim, devs, batches, starts, t, gp.sequence_parallel)
     if gp.recompute:
         if gp.sequence_parallel:
             lay = sim.recompute_layout(lay)
@@ -209,17 +247,13 @@ def tp_group(sim, g: int, gp, lowered) -> GroupData:
             held, live = _outside_recompute_per_sample(sim.graph, sim.static)
             saved = _outside_saved_per_sample(sim.graph, sim.static.num_groups)
             lay = sim.recompute_layout(lay, held[:, None] * more, live[:, None] * more, saved[:, None] * more)
-    unit = Unit(g, -1, devs, batches, lay.starts, lay)
-    split = group_split(sim.graph, g).split_bytes
-    total = float(sim.static.grad_bytes[g])
-    ts = sim.comm.tensor_parallel_sync_time(tp_groups(gp), split, max(0.0, total - split), gp.sequence_parallel)
-    ukey = ("tp", devs, lowered[0].starts, batches)
-    if ts <= 0:
-        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=ukey, recompute=gp.recompute)
     mo = sim.comm.machine_of
     machines = tuple(sorted({mo[d] for d in devs}))
-    return GroupData([unit], "tp", ts, tuple(sorted(devs)), machines if len(machines) > 1 else (), total,
-                     layout=lay, ukey=ukey, recompute=gp.recompute)
+    if len(cache) > 100_000:
+        cache.clear()
+    hit = cache[key] = (lay, devs, starts, ("tp", devs, starts, batches), tuple(sorted(devs)),
+                        machines if len(machines) > 1 else (), {})
+    return hit
 
 
 register_costing(TensorParallel.name, tp_group)

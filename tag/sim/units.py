@@ -339,16 +339,20 @@ class PairTemplate:
 
     __slots__ = ("by_dst", "gathers")
 
-    def __init__(self, kinds: tuple, units1: list[Unit], units2: list[Unit], comm):
+    def __init__(self, kinds: tuple, units1: list[Unit], units2: list[Unit], comm, pieces: dict | None = None,
+                 ukeys: tuple = ()):
+        """``pieces``: a cache of :func:`_pieces` shared by templates (keyed with ``ukeys``, what
+        the two unit lists depend on: :attr:`GroupData.ukey`)."""
         moves: dict[tuple, float] = {}
         mo = comm.machine_of
-        pieces: dict[tuple, list] = {}  # (su, du, kind) -> [(ri, rj, samples or -1)]: bundles share them
         gathered: dict[tuple, dict[tuple[int, int], list[float]]] = {}  # (ph, du) -> set -> bytes per replica
+        if pieces is None:  # (su, du, kind) -> [(ri, rj, samples or -1)]: bundles share them
+            pieces, ukeys = {}, ()
         for (su, sphase, du, ph, kind), fixed, per_sample in kinds:
             src = units1[su]
-            pcs = pieces.get((su, du, kind))
+            pcs = pieces.get((su, du, kind, ukeys))
             if pcs is None:
-                pcs = pieces[(su, du, kind)] = _pieces(kind, src, units2[du], mo)
+                pcs = pieces[(su, du, kind, ukeys)] = _pieces(kind, src, units2[du], mo)
             for ri, rj, nbytes, hs in _piece_bytes(pcs, fixed, per_sample, src.batches):
                 if nbytes <= 0:
                     continue
