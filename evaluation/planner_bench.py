@@ -62,6 +62,8 @@ SCALE_PAIRS = [
     ("vgg16", 1024, 32, "bf16", "hetero-128gpu"),
     ("resnet50", 1024, 32, "bf16", "cloud-256gpu-3zones"),
     ("gpt2-medium", 256, 64, "bf16", "h100-512gpu"),
+    ("resnet50", 1024, 32, "bf16", "hetero-64gpu"),
+    ("bert-large", 256, 64, "bf16", "hetero-128gpu"),
 ]
 RANDOM_SEED = 7777
 """Seed of the ``--random`` pairs' stream (training uses ``GenConfig.seed``, 0 by default)."""
@@ -282,7 +284,8 @@ def search_row(graph, topo, runs: dict[str, dict], *, seed: int, predictor=None,
         row[name] = {"time_s": p.predicted_iteration_time_s, "first_beat_dp": m["first_beat_dp_playout"],
                      "budget": kw.get("budget"), "searcher": m["searcher"], "prior": m["prior"],
                      "prior_note": m["prior_note"], "checkpoint": checkpoint if m["prior"] == "gnn" else None,
-                     "sim_calls": m["sim_calls"], "search_s": m["search_time_s"],
+                     "sim_calls": m["sim_calls"], "playouts": m["playouts"], "repeats": m["repeats"],
+                     "search_s": m["search_time_s"],
                      "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
                      "source": m["source"], "improvements": m["improvements"]}
         row["dp_even_s"], row["dp_prop_s"] = m["dp_even_time_s"], m["dp_prop_time_s"]
