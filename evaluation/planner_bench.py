@@ -362,7 +362,12 @@ def report_md(res: dict) -> str:
     within 1% of uniform @2000's final plan per pair and method, and per method (median over pairs)."""
     rows, budgets = res["rows"], res["budgets"]
     names = [n for n in LABELS if n in budgets]
-    head = [f"{LABELS[n]} @{budgets[n]}" for n in names]
+
+    def budget(n):  # the method's budget, or its range where pairs ran different ones
+        b = sorted({r[n].get("budget") or 0 for r in rows if n in r}) or [budgets[n]]
+        return f"{b[0]}" if len(b) == 1 else f"{b[0]}-{b[-1]}"
+
+    head = [f"{LABELS[n]} @{budget(n)}" for n in names]
 
     def pair(r):
         return f"{r['model']} {r.get('precision', 'fp32')} b{r['batch']} g{r['groups']} / {r['topology']}"
@@ -370,14 +375,13 @@ def report_md(res: dict) -> str:
     def ms(r, n):
         if n not in r:
             return "not run"
-        return "OOM" if r[n]["time_s"] is None else f"{r[n]['time_s'] * 1e3:.2f}" + (" (r)" if r[n].get("reused") else "")
+        return "OOM" if r[n]["time_s"] is None else f"{r[n]['time_s'] * 1e3:.2f}"
 
     def prior(r):
         g = r.get("gnn50")
         return "-" if g is None else ("GNN" if g.get("prior") == "gnn" else "uniform (> GNN_MAX_DEVICES)")
 
-    out = ["Simulated iteration time, ms ((r): reused from a stored run); best dp: the better data-parallel "
-           "baseline that fits.", "",
+    out = ["Simulated iteration time, ms; best dp: the better data-parallel baseline that fits.", "",
            "| pair | GNN prior ran | best dp | " + " | ".join(head) + " | GNN @50 / uniform @2000 | never worse than dp |",
            "|---|---|---:|" + "---:|" * len(names) + "---:|---|"]
     for r in rows:
@@ -389,7 +393,7 @@ def report_md(res: dict) -> str:
     reach = [n for n in names if n != "uniform50"]
     out += ["", "Playouts to reach within 1% of uniform @2000's final plan (0: data parallel already is; "
             "never: not within the method's budget):", "",
-            "| pair | " + " | ".join(f"{LABELS[n]} @{budgets[n]}" for n in reach) + " |",
+            "| pair | " + " | ".join(f"{LABELS[n]} @{budget(n)}" for n in reach) + " |",
             "|---|" + "---:|" * len(reach)]
     for r in rows:
         cells = []
@@ -397,13 +401,18 @@ def report_md(res: dict) -> str:
             x = _reach(r, n, 1.01) if n in r and "uniform2000" in r else "not run"
             cells.append(x if isinstance(x, str) else ("never" if x is None else f"{x:.0f}"))
         out.append(f"| {pair(r)} | " + " | ".join(cells) + " |")
+    out += ["", "Search seconds, wall (CPU; the machine's load makes wall seconds larger):", "",
+            "| pair | " + " | ".join(head) + " |", "|---|" + "---:|" * len(names)]
+    for r in rows:
+        out.append(f"| {pair(r)} | " + " | ".join(
+            "not run" if n not in r else f"{r[n]['search_s']:.1f} ({r[n]['cpu_s']:.1f})" for n in names) + " |")
     out += ["", "| method | budget | playouts to within 1% (median over pairs) | pairs within 1% | "
             "search s (median) | CPU s (median) |", "|---|---:|---:|---:|---:|---:|"]
     for n in reach:
         have = [r for r in rows if n in r and "uniform2000" in r]
         hits = [_reach(r, n, 1.01) for r in have]
         med = _med(hits)
-        out.append(f"| {LABELS[n]} | {budgets[n]} | {'never' if med is None else f'{med:.0f}'} | "
+        out.append(f"| {LABELS[n]} | {budget(n)} | {'never' if med is None else f'{med:.0f}'} | "
                    f"{sum(h is not None for h in hits)} / {len(have)} | "
                    f"{np.median([r[n]['search_s'] for r in have]):.1f} | {np.median([r[n]['cpu_s'] for r in have]):.1f} |")
     return "\n".join(out) + "\n"
