@@ -59,7 +59,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
               time_limit: float | None = None, seed: int = 0, checkpoint: str | os.PathLike | None = None,
               predictor=None, costs=None, simulator=None, mcts: MCTSConfig | None = None,
               compression: str = "auto", one_shot: bool = True, pipelines: str = "auto",
-              executable: bool = True, progress=None) -> Plan:
+              executable: bool = True, layout_grid: bool = True, progress=None) -> Plan:
     """Search a deployment of ``graph`` on ``topology``.
 
     Both data-parallel baselines (even and speed-proportional shares) are simulated first and
@@ -109,6 +109,9 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
             filtered alike). False searches every plan the simulator costs (``tp`` beside other
             groups, stages of several ``tp`` degrees, sequence-parallel layouts): faster plans, some
             of them simulated only. TAG's own actions (``pipelines="off"``) are all executed.
+        layout_grid: False skips the layout grid after the search (``pipelines="auto"``: the
+            search alone over its space; ``evaluation/planner_bench.py`` compares searchers so,
+            the grid being the same for every searcher).
         progress: called as ``progress(stage)`` when a stage starts (``"baselines"``, ``"search"``,
             ``"layout grid"``, ``"compression"``) and ``progress("search", done, total)`` after each
             plan the search simulates (``total``: the playout budget, None under a time limit alone).
@@ -161,7 +164,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     # both baselines, loading the predictor): where the grid runs, the search gets the first half
     # of it (at least one wave of playouts always runs) and the grid what is left (at least one
     # layout always simulated).
-    grid_runs = pipelines == "grid" or (pipelines == "auto" and bool(space.plan_options))
+    grid_runs = layout_grid and (pipelines == "grid" or (pipelines == "auto" and bool(space.plan_options)))
     t_start = time.perf_counter()
     deadline = t_start + time_limit if time_limit is not None else math.inf
     search_deadline = t_start + time_limit / 2 if time_limit is not None and grid_runs else deadline
