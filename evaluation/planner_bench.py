@@ -90,13 +90,16 @@ def run(args) -> dict:
         keep = {"gnn50", "uniform2000", *(n.strip() for n in args.only.split(","))}  # claim 1 needs both
         runs = {n: kw for n, kw in runs.items() if n in keep}
     budgets = {name: kw["budget"] for name, kw in runs.items()}
+    reference = _reference(args, budgets) if args.reference else {}
     rows = []
     for spec, batch, groups in models:
         graph = _load(spec, batch, groups, cache)
         for tpath in topos:
             topo = load_topology(tpath)
+            reused = _reused(reference, (spec, batch, graph.num_groups, topo.name), args.reference)
             row = {"model": spec, "batch": batch, "groups": graph.num_groups, "topology": topo.name,
-                   **search_row(graph, topo, runs, seed=args.seed, predictor=pred, pipelines=args.pipelines)}
+                   **search_row(graph, topo, {n: kw for n, kw in runs.items() if n not in reused},
+                                seed=args.seed, predictor=pred, pipelines=args.pipelines), **reused}
             best_dp = _best_dp(row)
             row["never_worse_than_dp"] = all(row[n]["time_s"] <= best_dp * (1 + 1e-9) for n in runs)
             row["gnn50_over_uniform2000"] = row["gnn50"]["time_s"] / row["uniform2000"]["time_s"]
@@ -135,7 +138,8 @@ def run(args) -> dict:
         summary["random_pairs"] = {**_claim1([r["gnn50_over_uniform2000"] for r in random_rows]),
                                    "seed": RANDOM_SEED}
     print(json.dumps(summary, indent=1))
-    return {"rows": rows, "random_rows": random_rows, "summary": summary, "budgets": budgets}
+    return {"rows": rows, "random_rows": random_rows, "summary": summary, "budgets": budgets,
+            "options": {"pipelines": args.pipelines, "seed": args.seed, "checkpoint": args.checkpoint}}
 
 
 def search_row(graph, topo, runs: dict[str, dict], *, seed: int, predictor=None, pipelines: str = "off") -> dict:
@@ -224,6 +228,39 @@ def _claim1(ratios: list[float]) -> dict:
             "gnn50_at_least_as_good_pairs": sum(r <= 1 + 1e-9 for r in ratios)}
 
 
+REUSED = ("uniform50", "uniform2000", "sa200", "random200", "tpe")
+"""Searchers whose rows ``--reference`` takes from an earlier run: none of them runs the predictor."""
+
+
+def _reference(args, budgets: dict[str, int]) -> dict[tuple, dict]:
+    """Rows of the earlier results file ``args.reference`` by (model, batch, groups, topology): the
+    runs of the searchers that do not use the predictor, to compare another checkpoint against
+    (the simulator is deterministic). It must have been run with the same pipelines, seed and
+    budgets."""
+    from tag.errors import TagError
+    from tag.io import read_json
+    ref = read_json(args.reference, TagError, "reference results")
+    opts = ref.get("options", {})
+    for key, want in (("pipelines", args.pipelines), ("seed", args.seed)):
+        if opts.get(key) != want:
+            raise TagError(f"{args.reference}: options.{key}: expected {want!r} (this run's), got {opts.get(key)!r}")
+    for name in REUSED:
+        if name in budgets and ref.get("budgets", {}).get(name) != budgets[name]:
+            raise TagError(f"{args.reference}: budgets.{name}: expected {budgets[name]}, got {ref.get('budgets', {}).get(name)!r}")
+    return {(r["model"], r["batch"], r["groups"], r["topology"]): {n: r[n] for n in REUSED if n in budgets}
+            for r in ref["rows"]}
+
+
+def _reused(reference: dict, key: tuple, path) -> dict:
+    """The reference's runs for one pair (empty without ``--reference``)."""
+    if not reference:
+        return {}
+    if key not in reference:
+        from tag.errors import TagError
+        raise TagError(f"{path}: rows: no row for {key} (run the reference with the same pairs)")
+    return reference[key]
+
+
 def _random_pairs(args, pred, cache: Path) -> list[dict]:
     """GNN-MCTS @50 vs uniform-prior MCTS @``args.big`` on ``args.random`` pairs drawn like the
     training pairs (training models, random clusters) from a stream training never labels."""
@@ -276,6 +313,10 @@ def main(argv=None) -> int:
                     help="also compare GNN @50 with uniform @--big on N pairs drawn like the training pairs "
                          f"(training models on random clusters, seed {RANDOM_SEED}, never labelled)")
     ap.add_argument("--graphs", default="runs/predictor/graphs", help="captured-graph cache folder")
+    ap.add_argument("--reference", default=None, metavar="RESULTS.json",
+                    help="take the searchers that do not use the predictor (uniform MCTS, SA, random, TPE) from "
+                         "this earlier run of the same pairs, options and budgets instead of running them "
+                         "(to compare checkpoints: the simulator is deterministic)")
     ap.add_argument("--out", default="runs/planner_bench/results.json")
     args = ap.parse_args(argv)
     res = run(args)

@@ -31,3 +31,28 @@ def test_progress_curve_follows_the_search(captured, tmp_path):
     out = tmp_path / "q.png"
     plot_progress([row, row], {k: kw["budget"] for k, kw in runs.items()}, out)
     assert out.stat().st_size > 10_000
+
+
+def test_reference_run_supplies_the_searchers_without_the_predictor(tmp_path):
+    """``--reference``: an earlier run's uniform / SA / random / TPE rows stand in for running them
+    again, only when its pipelines, seed and budgets are this run's and it holds the pair."""
+    import argparse
+    import json
+
+    from evaluation.planner_bench import _reference, _reused
+    from tag.errors import TagError
+    row = {"model": "m", "batch": 8, "groups": 4, "topology": "t", "gnn50": {"time_s": 2.0},
+           "uniform2000": {"time_s": 1.0}}
+    path = tmp_path / "ref.json"
+    path.write_text(json.dumps({"rows": [row], "budgets": {"gnn50": 50, "uniform2000": 2000},
+                                "options": {"pipelines": "auto", "seed": 0}}))
+    args = argparse.Namespace(reference=str(path), pipelines="auto", seed=0)
+    ref = _reference(args, {"gnn50": 50, "uniform2000": 2000})
+    assert _reused(ref, ("m", 8, 4, "t"), path) == {"uniform2000": {"time_s": 1.0}}  # never gnn50
+    assert _reused({}, ("m", 8, 4, "t"), None) == {}
+    with pytest.raises(TagError, match="no row for"):
+        _reused(ref, ("m", 8, 5, "t"), path)
+    with pytest.raises(TagError, match=r"options\.pipelines: expected 'off'"):
+        _reference(argparse.Namespace(reference=str(path), pipelines="off", seed=0), {"gnn50": 50})
+    with pytest.raises(TagError, match=r"budgets\.uniform2000: expected 500, got 2000"):
+        _reference(args, {"gnn50": 50, "uniform2000": 500})
