@@ -255,3 +255,38 @@ def test_machine_coarse_device_graph(setup):
     assert Predictor(net).context(space, ev.t_ref).coarse is None  # 10 devices: one node each
     with pytest.raises(ValueError, match="coarse"):
         JointContext(space, ev.t_ref, coarse="rack")
+
+
+def test_unit_multiplicities_collate_with_coarse_states_and_change_nothing(setup, tmp_path):
+    """A per-device state given explicit multiplicities of one (as the training data holds it,
+    to collate with machine-graph states) gives the network's outputs without them, and batches
+    with a coarse state; a checkpoint's ``meta["coarse_above"]`` is the encoding its predictor uses."""
+    from torch_geometric.data import Batch
+
+    from tag.gnn.features import with_unit_mult
+    graph, _, space, ev, ctx = setup
+    torch.manual_seed(2)
+    net = TagNet(NetConfig(hidden=16, layers=2, heads=2)).eval()
+    states = _states(space, ev, 3)
+    plain = ctx.encode(states)
+    unit = with_unit_mult(ctx.encode(states))
+    assert "mult" in unit["device"] and "mult" not in plain["device"]
+    (lp, vp), (lu, vu) = _logits_values(net, ctx, states), net(JointNormalize()(unit))
+    assert torch.allclose(lp, lu, atol=1e-6) and torch.allclose(vp, vu, atol=1e-6) and lp.std() > 1e-3
+    multi = _cluster([("V100-SXM2-16GB", 4, 150), ("T4", 2, 10)])
+    mspace = ActionSpace(graph, multi)
+    mev = Evaluator(mspace, ToySimulator(graph, multi, mspace.costs))
+    coarse = JointContext(mspace, mev.t_ref, coarse="machine").encode(_states(mspace, mev, 1))
+    for d in (coarse, unit):
+        for nt in ("group", "device", "action"):
+            del d[nt].batch
+    both = Batch.from_data_list([unit, coarse])
+    assert both["device"].mult.numel() == unit["device"].num_nodes + multi.num_machines
+    save_checkpoint(tmp_path / "c.pt", net, {"coarse_above": 4})
+    assert Predictor.load(tmp_path / "c.pt").coarse_above == 4
+    save_checkpoint(tmp_path / "old.pt", net, {})
+    from tag.gnn.features import COARSE_ABOVE
+    assert Predictor.load(tmp_path / "old.pt").coarse_above == COARSE_ABOVE
+    save_checkpoint(tmp_path / "bad.pt", net, {"coarse_above": 0})
+    with pytest.raises(CheckpointError, match="coarse_above"):
+        Predictor.load(tmp_path / "bad.pt")

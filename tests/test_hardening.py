@@ -442,10 +442,12 @@ def test_dataset_folders_never_run_code(tmp_path, capsys, fmt):
     from types import SimpleNamespace
 
     from tag.data.dataset import PlanDataset, PolicyTarget
+    from tag.gnn.features import COARSE_ABOVE
 
     data, marker = tmp_path / "data", tmp_path / "ran"
     (data / "raw").mkdir(parents=True)
-    name = PlanDataset.processed_file_names.fget(SimpleNamespace(_raw=[], target=PolicyTarget()))[0]
+    ns = SimpleNamespace(_raw=[], target=PolicyTarget(), coarse_above=COARSE_ABOVE)  # what `tag tune` reads
+    name = PlanDataset.processed_file_names.fget(ns)[0]
     for f in (name, name.replace("tensors_", "decisions_"), "pre_transform.pt", "pre_filter.pt"):
         _plant(data / "processed" / f, marker, fmt)
     rc, _, err = run_tag(capsys, "tune", "--data", str(data), "--study-dir", str(tmp_path / "study"))

@@ -10,7 +10,7 @@ import torch
 
 from tag.data.dataset import PlanDataset, split
 from tag.data.generate import GenConfig, generate, pending
-from tag.data.pairs import HELD_OUT_MODELS, TRAIN_MODELS, random_topology, sample_pair
+from tag.data.pairs import HELD_OUT_MODELS, LARGE_MODELS, TRAIN_MODELS, random_topology, sample_pair
 from tag.gnn import NetConfig, TagNet, load_net
 from tag.topology import load_topology
 from tag.training.config import ConfigError, LoopConfig, TrainConfig
@@ -44,6 +44,21 @@ def test_pairs_are_deterministic_and_in_range():
         assert 2 <= topo.num_devices <= 32 and 1 <= topo.num_machines <= 8
         bw = topo.network_bandwidth * 8 / 1e9
         assert 1.0 - 1e-6 <= bw <= 100.0 + 1e-6
+
+
+def test_pairs_at_scale_leave_the_other_pairs_unmoved():
+    """``large_fraction``: that share of the stream is drawn at scale (48-256 GPUs over 4-32
+    machines, models of LARGE_MODELS); every other pair is the one of the small-only stream."""
+    small = [sample_pair(0, i, max_groups=32) for i in range(60)]
+    mixed = [sample_pair(0, i, max_groups=32, large_fraction=0.3) for i in range(60)]
+    large = [m for s, m in zip(small, mixed) if m != s]
+    assert 8 <= len(large) <= 30  # ~18 expected
+    assert {m.model for m in large} <= {m for m, _ in LARGE_MODELS}
+    assert not {m for m, _ in LARGE_MODELS} & set(HELD_OUT_MODELS)
+    for p in large:
+        topo = load_topology(p.topology)
+        assert 48 <= topo.num_devices <= 256 and 4 <= topo.num_machines <= 32 and p.groups <= 32
+    assert sample_pair(0, 3, large_fraction=0.3) == sample_pair(0, 3, large_fraction=0.3)
 
 
 def test_generation_writes_records_and_resumes(dataset_dir):
@@ -113,6 +128,10 @@ def test_config_validation_is_one_line(tmp_path):
         LoopConfig.from_dict({"gen": {"nope": 1}})
     with pytest.raises(ConfigError, match="playouts_per_step"):
         LoopConfig.from_dict({"gen": {"playouts_per_step": 0}})
+    with pytest.raises(ConfigError, match=r"large_fraction: expected in \[0, 1\], got 1.5"):
+        LoopConfig.from_dict({"gen": {"large_fraction": 1.5}})
+    with pytest.raises(ConfigError, match="coarse_above: expected a positive integer, got 0"):
+        LoopConfig(coarse_above=0)
     with pytest.raises(ConfigError, match=r"target\.mix: expected in \[0, 1\], got 2"):
         LoopConfig.from_dict({"target": {"mix": 2}})
     cfg = LoopConfig.from_dict({"target": {"mix": 0.0, "tau": 0.02}})
@@ -130,7 +149,7 @@ def test_tag_train_tiny_end_to_end(tmp_path, capsys):
     """`tag train` with a tiny config: two rounds (uniform bootstrap, then the network's prior)."""
     from tag.cli import main
     run = tmp_path / "run"
-    cfg = {"run_dir": str(run), "rounds": 2, "samples_per_round": [2, 1], "wandb": "disabled",
+    cfg = {"run_dir": str(run), "rounds": 2, "samples_per_round": [2, 1], "wandb": "disabled", "coarse_above": 3,
            "net": {"hidden": 16, "layers": 1, "heads": 2},
            "gen": _gen_cfg(samples=1).__dict__, "train": {"epochs": 1, "batch_size": 4, "max_steps": 3}}
     path = tmp_path / "cfg.json"
@@ -142,10 +161,11 @@ def test_tag_train_tiny_end_to_end(tmp_path, capsys):
     assert out["checkpoint"].endswith("predictor.pt") and export.exists()
     saved = json.loads((run / "config.json").read_text())
     assert saved["net"]["hidden"] == 16 and saved["export"] == str(export)
+    assert saved["coarse_above"] == 3
     assert (run / "round1" / "gen_config.json").exists()
     assert json.loads((run / "round1" / "gen_config.json").read_text())["net"].endswith("round0/predictor.pt")
     net, meta = load_net(export)
-    assert meta["round"] == 1
+    assert meta["round"] == 1 and meta["coarse_above"] == 3  # what the predictor encodes by
     # rerun: everything is finished, nothing is redone
     mtime = export.stat().st_mtime_ns
     assert main(["train", "--config", str(path), "--no-progress"]) == 0

@@ -22,6 +22,10 @@ def register(sub) -> None:
     p.add_argument("--workers", type=int, default=None, help="labelling processes (default 2)")
     p.add_argument("--playouts", type=int, default=None, help="MCTS playouts per labelled decision (default 32)")
     p.add_argument("--seed", type=int, default=None, help="seed of pairs, searches and training (default 0)")
+    p.add_argument("--large-fraction", type=float, default=None, metavar="F",
+                   help="share of the pairs drawn at scale, 48-256 GPUs (default 0)")
+    p.add_argument("--coarse-above", type=int, default=None, metavar="D",
+                   help="encode clusters of more than D devices with one node per machine (default 128)")
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], default=None,
                    help="wandb logging (default offline, files inside the run folder)")
     p.add_argument("--export", default=None, metavar="FILE", help="copy the final checkpoint here")
@@ -46,6 +50,10 @@ def build_config(args):
         cfg.gen.playouts_per_step = args.playouts
     if args.seed is not None:
         cfg.gen.seed = cfg.train.seed = args.seed
+    if args.large_fraction is not None:
+        cfg.gen.large_fraction = args.large_fraction
+    if args.coarse_above is not None:
+        cfg.coarse_above = args.coarse_above
     if args.wandb is not None:
         cfg.wandb = args.wandb
     if args.export is not None:

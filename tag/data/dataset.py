@@ -22,7 +22,7 @@ import torch
 from torch_geometric.data import HeteroData, InMemoryDataset
 
 from ..errors import TagError
-from ..gnn.features import SCHEMA
+from ..gnn.features import COARSE_ABOVE, SCHEMA, coarse_level, with_unit_mult
 from ..gnn.model import VALUE_CLIP, reward_to_value
 from ..gnn.transforms import JointNormalize
 from ..io import load_tensors, save_tensors
@@ -83,8 +83,10 @@ class PolicyTarget:
         return ((1 - self.mix) * visits + self.mix * w / w.sum()).tolist()
 
 
-def records_to_data(root: Path, rec: dict, target: PolicyTarget | None = None) -> list:
-    """Encodings of every decision of one raw episode record."""
+def records_to_data(root: Path, rec: dict, target: PolicyTarget | None = None,
+                    coarse_above: int = COARSE_ABOVE) -> list:
+    """Encodings of every decision of one raw episode record (clusters of more than
+    ``coarse_above`` devices with one device node per machine, as the predictor encodes them)."""
     target = target or PolicyTarget()
     from ..search.evaluate import Feedback
     from ..search.space import ActionSpace
@@ -96,7 +98,7 @@ def records_to_data(root: Path, rec: dict, target: PolicyTarget | None = None) -
     if space.num_actions != rec["num_actions"]:
         return []  # action space changed since labelling; skip the stale record
     from ..gnn.features import JointContext
-    ctx = JointContext(space, rec["t_ref"])
+    ctx = JointContext(space, rec["t_ref"], coarse=coarse_level(space.num_devices, coarse_above))
     out = []
     for d in rec["decisions"]:
         f = d["feedback"]
@@ -104,7 +106,7 @@ def records_to_data(root: Path, rec: dict, target: PolicyTarget | None = None) -
                       np.asarray(f["finish"]))
         st = _State(np.asarray(d["assign"]), d["group"], fb)
         value = reward_to_value(d["best_reward"]) if "best_reward" in d else d["value"]
-        data = ctx.encode([st], targets=[(target(d), value)])
+        data = with_unit_mult(ctx.encode([st], targets=[(target(d), value)]))  # collates with coarse states
         for nt in ("group", "device", "action"):
             del data[nt].batch
         out.append(data)
@@ -131,14 +133,17 @@ class PlanDataset(InMemoryDataset):
         pre_transform: applied once when processing (default: :class:`JointNormalize`).
         force_reload: rebuild the processed file from ``raw/`` even if it exists.
         target: how the policy targets are made (:class:`PolicyTarget`).
+        coarse_above: clusters of more devices are encoded with one node per machine
+            (:func:`tag.gnn.features.coarse_level`).
     """
 
     FORMAT = "tag-dataset"
 
     def __init__(self, root, transform=None, pre_transform=None, force_reload: bool = False,
-                 target: PolicyTarget | None = None):
+                 target: PolicyTarget | None = None, coarse_above: int = COARSE_ABOVE):
         self._raw = sorted((Path(root) / "raw").glob("*.json"))
         self.target = target or PolicyTarget()
+        self.coarse_above = coarse_above
         super().__init__(str(root), transform, pre_transform or JointNormalize(), force_reload=force_reload)
         path = Path(self.processed_paths[0])
         if force_reload or not path.exists():
@@ -152,14 +157,14 @@ class PlanDataset(InMemoryDataset):
     @property
     def processed_file_names(self) -> list[str]:
         # "tensors_": the safe format; files of the pickled format (decisions_*.pt) are never read.
-        return [f"tensors_{len(self._raw)}_{_SCHEMA_TAG}_{self.target.tag}.pt"]
+        return [f"tensors_{len(self._raw)}_{_SCHEMA_TAG}_{self.target.tag}_c{self.coarse_above}.pt"]
 
     def _build(self, path: Path) -> None:
         items = []
         root = Path(self.root)
         for p in self._raw:
             rec = json.loads(p.read_text())
-            for d in records_to_data(root, rec, self.target):
+            for d in records_to_data(root, rec, self.target, self.coarse_above):
                 items.append(self.pre_transform(d) if self.pre_transform is not None else d)
         if not items:
             raise DatasetError(f"{self.root}: no labelled decisions in raw/")

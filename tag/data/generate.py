@@ -53,6 +53,9 @@ class GenConfig:
     """Override the training models: ``["zoo-spec@batch", ...]`` (default: :data:`tag.data.pairs.TRAIN_MODELS`)."""
     simulator: str = "sim"
     """``sim`` (:class:`tag.sim.Simulator`) or ``toy`` (:class:`tag.search.toy.ToySimulator`, tests only)."""
+    large_fraction: float = 0.0
+    """Share of the pairs drawn at scale (:func:`tag.data.pairs.random_large_topology`, 48-256 GPUs,
+    :data:`tag.data.pairs.LARGE_MODELS`); the others are the pairs of ``0``."""
 
     def __post_init__(self):
         if self.samples < 0:
@@ -69,6 +72,8 @@ class GenConfig:
             spec, _, b = m.rpartition("@")
             if not spec or not b.isdigit() or int(b) < 1:
                 raise ValueError(f"models: expected 'zoo-spec@batch', got {m!r}")
+        if not 0 <= self.large_fraction <= 1:
+            raise ValueError(f"large_fraction: expected in [0, 1], got {self.large_fraction}")
         if self.simulator not in ("sim", "toy"):
             raise ValueError(f"simulator: expected 'sim' or 'toy', got {self.simulator!r}")
 
@@ -176,7 +181,8 @@ def _work(index: int) -> tuple[int, float, str | None]:
     out = root / "raw" / f"{index:05d}.json"
     if out.exists():
         return index, 0.0, None
-    spec = sample_pair(cfg.seed, index, max_groups=cfg.max_groups, models=_models(cfg))
+    spec = sample_pair(cfg.seed, index, max_groups=cfg.max_groups, models=_models(cfg),
+                       large_fraction=cfg.large_fraction)
     try:
         rec = label_pair(graphs_dir(root), spec, cfg, _W["prior"])
     except Exception as e:  # noqa: BLE001 - a bad pair must not stop the whole run

@@ -5,7 +5,10 @@ exactly the same pairs. Models are zoo entries at varied depths, widths and batc
 small: each distinct model is captured once, 1-10 s); topologies are random heterogeneous
 clusters: 2-32 GPUs over 1-8 machines of catalog GPU types, PCIe or NVLink inside a machine,
 1-100 Gbit/s between machines, occasionally a slow link between a pair of machines or uneven
-machine sizes.
+machine sizes. With ``large_fraction`` > 0 that share of the pairs is drawn at scale instead
+(:func:`random_large_topology`: 48-256 GPUs over 4-32 machines of 1-4 GPU kinds, often in zones
+with a faster network inside a zone; :data:`LARGE_MODELS` at the batch sizes of data parallelism
+over that many GPUs); the other pairs are exactly those of ``large_fraction = 0``.
 
 Held out for the benchmark (never generated here): the shipped topologies and the benchmark
 models listed in :data:`HELD_OUT_MODELS`.
@@ -36,6 +39,17 @@ HELD_OUT_MODELS: tuple[str, ...] = (
     "resnet:depth=34,width=16,norm=gn", "vit:n_layer=4,n_embd=256",
 )
 GROUP_CHOICES = (8, 16, 24, 32, 48)
+LARGE_MODELS: tuple[tuple[str, tuple[int, ...]], ...] = (
+    ("gpt2:n_layer=4,n_embd=512,n_head=8", (128, 256)),
+    ("gpt2:n_layer=6,n_embd=384,n_head=6", (256, 512)),
+    ("bert:n_layer=4,n_embd=384,n_head=6", (128, 256)),
+    ("vit:n_layer=4,n_embd=384,n_head=6", (128, 256)),
+    ("mlp:layers=12,hidden=2048", (512, 1024)),
+    ("resnet:depth=18,width=32,norm=gn", (256,)),
+    ("vgg:depth=11,width=32", (256,)),
+)
+"""Models of the pairs at scale: the zoo at sizes and batches where 48-256 GPUs each get a few
+samples (none is a held-out model of the planner benchmark)."""
 
 # GPU types drawn for random machines (catalog names).
 GPU_TYPES = ("P100-SXM2-16GB", "V100-SXM2-16GB", "V100-SXM2-32GB", "GTX-1080Ti", "RTX-2080Ti", "T4",
@@ -90,12 +104,55 @@ def random_topology(rng: np.random.Generator, name: str) -> dict:
     return topo
 
 
+def random_large_topology(rng: np.random.Generator, name: str) -> dict:
+    """A random cluster at scale: 48-256 GPUs over 4-32 machines of 2, 4 or 8 GPUs, 1-4 GPU kinds
+    (one per machine), NVLink or PCIe inside a machine, 1-50 Gbit/s between machines; in half of
+    them the machines sit in 2-4 zones with 25-400 Gbit/s inside a zone (as the shipped
+    ``hetero-64gpu`` and ``cloud-256gpu-3zones``)."""
+    while True:
+        n_machines = int(rng.integers(4, 33))
+        per = [int(rng.choice([2, 4, 8, 8])) for _ in range(n_machines)]
+        if 48 <= sum(per) <= 256:
+            break
+    n_types = int(rng.integers(1, 5))
+    types = list(rng.choice(GPU_TYPES, size=n_types, replace=False))
+    n_zones = int(rng.integers(2, 5)) if rng.random() < 0.5 else 0
+    machines = []
+    for m, count in enumerate(per):
+        nvlink = rng.random() < 0.5
+        intra = float(rng.uniform(100, 600)) if nvlink else float(rng.uniform(8, 32))
+        entry = {"name": f"m{m}", "gpu": str(types[m * n_types // n_machines]), "count": count,
+                 "intra_bandwidth": f"{intra:.1f} GB/s"}
+        if n_zones:
+            entry["zone"] = f"z{m * n_zones // n_machines}"
+        machines.append(entry)
+    gbit = float(np.exp(rng.uniform(np.log(1.0), np.log(50.0))))
+    network = {"bandwidth": f"{gbit:.2f} Gbit/s", "latency": f"{rng.uniform(10, 100):.1f} us"}
+    if n_zones:
+        network["zones"] = [{"name": f"z{z}", "bandwidth": f"{float(np.exp(rng.uniform(np.log(25), np.log(400)))):.1f} Gbit/s",
+                             "latency": f"{rng.uniform(5, 20):.1f} us"} for z in range(n_zones)]
+    return {"name": name, "machines": machines, "network": network}
+
+
 def sample_pair(seed: int, index: int, *, max_groups: int | None = None,
-                models: tuple[tuple[str, tuple[int, ...]], ...] = TRAIN_MODELS) -> PairSpec:
-    """The ``index``-th pair of the stream for ``seed``."""
+                models: tuple[tuple[str, tuple[int, ...]], ...] = TRAIN_MODELS,
+                large_fraction: float = 0.0,
+                large_models: tuple[tuple[str, tuple[int, ...]], ...] = LARGE_MODELS) -> PairSpec:
+    """The ``index``-th pair of the stream for ``seed``; with probability ``large_fraction`` (drawn
+    from its own stream, so the other pairs do not move) a pair at scale."""
+    if large_fraction > 0:
+        lrng = np.random.default_rng([seed, index, 3])
+        if lrng.random() < large_fraction:
+            spec, batches = large_models[int(lrng.integers(len(large_models)))]
+            return PairSpec(index, spec, int(lrng.choice(batches)), _groups(lrng, max_groups),
+                            random_large_topology(lrng, f"rand-{seed}-{index}"))
     rng = np.random.default_rng([seed, index])
     spec, batches = models[int(rng.integers(len(models)))]
     batch = int(rng.choice(batches))
-    choices = [g for g in GROUP_CHOICES if max_groups is None or g <= max_groups] or [min(GROUP_CHOICES)]
-    groups = int(rng.choice(choices))
+    groups = _groups(rng, max_groups)
     return PairSpec(index, spec, batch, groups, random_topology(rng, f"rand-{seed}-{index}"))
+
+
+def _groups(rng: np.random.Generator, max_groups: int | None) -> int:
+    choices = [g for g in GROUP_CHOICES if max_groups is None or g <= max_groups] or [min(GROUP_CHOICES)]
+    return int(rng.choice(choices))

@@ -99,7 +99,15 @@ EDGE_SCHEMA = {"feeds": "feeds", "fed_by": "feeds", "link": "link", "on": "on", 
 MESSAGE_RELATIONS = ("feeds", "fed_by", "link", "on", "hosts")
 COARSE_ABOVE = 128
 """The predictor encodes clusters of more devices than this with the coarse device graph (see the
-module docstring); up to it, one node per device, as the shipped predictor was trained."""
+module docstring); up to it, one node per device. A checkpoint that records its own threshold
+(``meta["coarse_above"]``, written by :mod:`tag.training.loop`) is encoded as it was trained;
+this default is for checkpoints that do not (27fed77's, trained on at most 32 GPUs)."""
+
+
+def coarse_level(num_devices: int, coarse_above: int) -> str | None:
+    """The encoding of a cluster of ``num_devices``: ``"machine"`` above ``coarse_above``, else
+    one node per device (None). Training data and the predictor both ask here."""
+    return "machine" if num_devices > coarse_above else None
 
 
 COARSE_LEVELS = ("exact", "machine")
@@ -136,6 +144,18 @@ def device_classes(space: ActionSpace, level: str = "exact") -> np.ndarray:
         key = (topo.machine_of(x), member[x].tobytes(), tuple(mp_roles[x]), tuple(server_of[x]), times[x].tobytes())
         out[x] = keys.setdefault(key, len(keys))
     return out
+
+
+def with_unit_mult(data: HeteroData) -> HeteroData:
+    """``data`` (a state encoded with one node per device) with the coarse graph's multiplicities
+    made explicit (one device per node and edge), so that it collates with coarse states in one
+    training batch; :class:`tag.gnn.TagNet` computes the same on it up to float rounding."""
+    if "mult" not in data["device"]:
+        data["device"].mult = torch.ones(data["device"].num_nodes)
+        for r in ("link", "hosts"):
+            data[REL[r]].log_mult = torch.zeros(data[REL[r]].edge_index.size(1))
+        data[REL["uses"]].mult = torch.ones(data[REL["uses"]].edge_index.size(1))
+    return data
 
 
 def dims() -> dict[str, int]:

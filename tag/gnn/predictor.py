@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import TagError
-from .features import ADDED_COLUMNS, COARSE_ABOVE, JointContext
+from .features import ADDED_COLUMNS, COARSE_ABOVE, JointContext, coarse_level
 from .model import NetConfig, TagNet, value_to_reward
 from .transforms import JointNormalize
 
@@ -48,6 +48,15 @@ def load_net(path: str | os.PathLike | None = None) -> tuple[TagNet, dict]:
     return net, ck.get("meta", {})
 
 
+def checkpoint_coarse_above(meta: dict, path=None) -> int:
+    """The device count above which a checkpoint's network was trained on the machine graph
+    (``meta["coarse_above"]``; :data:`tag.gnn.features.COARSE_ABOVE` where absent)."""
+    v = meta.get("coarse_above", COARSE_ABOVE)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise CheckpointError(f"{path or DEFAULT_CHECKPOINT}: meta.coarse_above: expected a positive integer, got {v!r}")
+    return v
+
+
 def _widened(state: dict, net: TagNet) -> dict:
     """``state`` with the input weights of the feature columns added since it was trained
     (:data:`tag.gnn.features.ADDED_COLUMNS`, appended last) set to zero: the network computes
@@ -80,13 +89,16 @@ class Predictor:
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None) -> Predictor:
-        return cls(load_net(path)[0])
+        """The checkpoint's network, encoding clusters as it was trained (``meta["coarse_above"]``;
+        :data:`tag.gnn.features.COARSE_ABOVE` where the checkpoint does not say)."""
+        net, meta = load_net(path)
+        return cls(net, checkpoint_coarse_above(meta, path))
 
     def context(self, space, t_ref: float) -> JointContext:
         key = id(space)
         ctx = self._ctx.get(key)
         if ctx is None or ctx.space is not space or ctx.t_ref != t_ref:
-            ctx = JointContext(space, t_ref, coarse="machine" if space.num_devices > self.coarse_above else None)
+            ctx = JointContext(space, t_ref, coarse=coarse_level(space.num_devices, self.coarse_above))
             self._ctx = {key: ctx}
         return ctx
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from ..data.dataset import PolicyTarget
 from ..data.generate import GenConfig
 from ..errors import TagError
+from ..gnn.features import COARSE_ABOVE
 from ..gnn.model import NetConfig
 from ..io import output_dir, read_json
 
@@ -75,11 +76,16 @@ class LoopConfig:
     """wandb project."""
     export: str | None = None
     """Copy the final checkpoint here (e.g. ``tag/gnn/predictor.pt``)."""
+    coarse_above: int = COARSE_ABOVE
+    """Clusters of more devices are encoded with one device node per machine in training and, as
+    the checkpoint records it (``meta["coarse_above"]``), by the predictor."""
 
     def __post_init__(self):
         _check(self.rounds >= 1, "rounds", self.rounds, ">= 1")
         _check(bool(self.samples_per_round) and all(s >= 1 for s in self.samples_per_round),
                "samples_per_round", self.samples_per_round, "a non-empty list of positive integers")
+        _check(isinstance(self.coarse_above, int) and self.coarse_above >= 1, "coarse_above", self.coarse_above,
+               "a positive integer")
         _check(self.wandb in ("offline", "online", "disabled"), "wandb", self.wandb,
                "one of offline, online, disabled")
 

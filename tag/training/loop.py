@@ -71,13 +71,13 @@ class Logger:
             self.run.finish()
 
 
-def _datasets(run_dir: Path, rounds: int, target):
+def _datasets(run_dir: Path, rounds: int, target, coarse_above: int):
     from torch.utils.data import ConcatDataset
 
     from ..data.dataset import PlanDataset, split
     trains, vals = [], []
     for r in range(rounds):
-        ds = PlanDataset(run_dir / f"round{r}", target=target)
+        ds = PlanDataset(run_dir / f"round{r}", target=target, coarse_above=coarse_above)
         tr, va = split(ds, 0.1, seed=r)
         trains.append(tr)
         vals.append(va)
@@ -105,7 +105,7 @@ def run_loop(cfg: LoopConfig, *, progress: bool = True) -> Path:
             stats = generate(rdir, gen, str(prev) if prev is not None else None, progress=progress,
                              graphs=run_dir / "graphs")
             log({"round": r, "stage": "generate", **stats, "gen_seconds": time.perf_counter() - t0})
-            train_set, val_set = _datasets(run_dir, r + 1, cfg.target)
+            train_set, val_set = _datasets(run_dir, r + 1, cfg.target, cfg.coarse_above)
             net = load_net(prev)[0] if prev is not None else TagNet(cfg.net)
             if prev is None:
                 torch.manual_seed(cfg.train.seed)
@@ -115,7 +115,7 @@ def run_loop(cfg: LoopConfig, *, progress: bool = True) -> Path:
             best = rdir / "ckpt" / "best.pt"
             if best.exists():
                 net.load_state_dict(load_tensors(best, CheckpointError, "training checkpoint")["net"])
-            meta = {"round": r, "train_decisions": len(train_set), "val": res["best"],
+            meta = {"round": r, "train_decisions": len(train_set), "val": res["best"], "coarse_above": cfg.coarse_above,
                     "wall_seconds": time.perf_counter() - t_start}
             save_checkpoint(done_flag, net, meta)
             save_checkpoint(final, net, meta)
