@@ -265,7 +265,7 @@ def _compress(graph, topology, p: Plan, simulator) -> str:
     The MILP assumes no overlap; the simulator knows that the all-reduce SFB removes may have been
     hidden behind earlier groups' backward, so its verdict decides. Returns a one-line note.
     """
-    from .compress import apply_sfb
+    from .parallel import apply_sfb
 
     if p.predicted_iteration_time_s is None:
         return "compression: skipped (plan does not fit in memory)"

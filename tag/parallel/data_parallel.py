@@ -44,6 +44,11 @@ class DataParallel(Strategy):
             gp.sync, gp.server = DataParallel.name, None
         return gp
 
+    def sfb_op(self) -> str | None:
+        """Replicas of the whole group summing their gradients by :attr:`collective_op`: SFB may
+        replace part of that sync."""
+        return self.collective_op
+
     def collective(self, gp: GroupPlan) -> Collective | None:
         c = Collective(self.collective_op, tuple(gp.devices), self.server(gp))
         return c if len(c.members) > 1 else None

@@ -145,6 +145,16 @@ class Strategy:
         :func:`execution_refusal`. The default: every deployment of the strategy runs."""
         return None
 
+    def sfb_op(self) -> str | None:
+        """The collective op (:data:`tag.cost.comm.SYNC_OPS`: ``allreduce`` or ``ps``) of this
+        strategy's gradient sync when its groups may take Sufficient Factor Broadcasting, None (the
+        default) when they may not. SFB fits replicas each running the whole group on a share of
+        the batch, their weight gradients summed by that collective: the replicas all-gather the
+        gradient's factors instead (:mod:`tag.compress`, which costs the sync by this op; a group
+        also needs two replicas, :func:`tag.compress.eligible`). :func:`tag.parallel.sfb_syncs`
+        hands the registered strategies' answers to :mod:`tag.compress`."""
+        return None
+
     def normalise(self, gp: GroupPlan, has_params: bool) -> GroupPlan:
         """``gp`` (a copy, changed in place) in the canonical form of the deployments that run the
         same (searches count such actions once); ``has_params``: the group owns parameters."""
@@ -234,6 +244,22 @@ strategy_names = _REGISTRY.names
 def get_strategy(name: str, *, where: str = "sync") -> Strategy:
     """The strategy registered under ``name``; :class:`PlanError` naming ``where`` otherwise."""
     return _REGISTRY.get(name, where=where)
+
+
+def sfb_syncs() -> dict[str, str]:
+    """Registered strategy name -> the collective op of its gradient sync, of every strategy whose
+    groups may take SFB (:meth:`Strategy.sfb_op`), in registration order: the ``syncs`` of
+    :mod:`tag.compress` (a layer below this one, which names no strategy)."""
+    return {s.name: op for s in _REGISTRY.values() if (op := s.sfb_op()) is not None}
+
+
+def apply_sfb(graph, topology, plan, compute_rate=None, comm=None):
+    """:func:`tag.compress.apply_sfb` over the registered strategies that take SFB
+    (:func:`sfb_syncs`): a copy of ``plan`` with ``GroupPlan.sfb`` chosen by the MILP for every
+    eligible group (``tag.apply_sfb``)."""
+    from ..compress import apply_sfb as apply
+
+    return apply(graph, topology, plan, compute_rate, comm, syncs=sfb_syncs())
 
 
 def strategy_of(gp: GroupPlan) -> Strategy:
@@ -390,6 +416,6 @@ _REPLICAS: dict[tuple, tuple[Replica, ...]] = {}
 lowers the same batch split for every group (512 replicas each)."""
 
 
-__all__ = ["Collective", "Replica", "Strategy", "Unit", "UnitKey", "execution_refusal", "get_strategy", "group_positions",
-           "register",
+__all__ = ["Collective", "Replica", "Strategy", "Unit", "UnitKey", "apply_sfb", "execution_refusal", "get_strategy",
+           "group_positions", "register", "sfb_syncs",
            "strategy_names", "strategy_of", "unregister", "validate_group", "validate_plan"]
