@@ -18,6 +18,7 @@ from .strategy import Collective, Strategy, Unit, check_shares, no_field, sample
 class DataParallel(Strategy):
     name = "allreduce"
     search_pass = 0
+    feature_sync = "allreduce"
     collective_op = "allreduce"
     """The :class:`Collective` op summing the gradients (``allreduce`` or ``ps``)."""
 

@@ -174,10 +174,21 @@ class Strategy:
     built-in one goes after them too, :meth:`__init_subclass__`), so that existing action indices
     (the shipped GNN predictor's outputs) never move."""
 
+    feature_sync: ClassVar[str | None] = None
+    """Which sync flag of the GNN predictor's features (:data:`tag.gnn.features.SYNC_FLAGS`:
+    ``allreduce``, ``ps``, ``mp``, ``tp``, the columns the shipped predictor was trained on) the
+    search's actions of this strategy and the groups it deploys set. Each built-in strategy sets
+    its own; a strategy registered later sets none (all four flags 0: the predictor reads it by
+    its other features, devices, batch shares, compute, sync and memory estimates) unless its
+    own class names the flag of the built-in one it should be read as. Not inherited
+    (:meth:`__init_subclass__`), as :attr:`search_pass`."""
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "search_pass" not in cls.__dict__:  # each class states its own pass, or goes last
             cls.search_pass = Strategy.search_pass
+        if "feature_sync" not in cls.__dict__:  # each class states its own flag, or none
+            cls.feature_sync = Strategy.feature_sync
 
     def search_options(self, devices: tuple[int, ...], family: str, space) -> list:
         """The options of the search's actions of this strategy over device subset ``devices``

@@ -463,6 +463,7 @@ class TensorParallel(Strategy):
 
     # ---- the search's actions (see Strategy.search_options), after TAG's
     search_pass = 1
+    feature_sync = "tp"
     search_families = ("all", "machines", "machine", "gpu-type")
     """Subset families taking ``tp`` actions: whole machines (a tp group never spans machines),
     and of the families that grow with the machine count only one machine and one GPU kind."""
