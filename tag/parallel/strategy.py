@@ -121,6 +121,13 @@ class Strategy:
         a plain tensor-parallel group's degree)."""
         return 1
 
+    def unheld_state_bytes(self, gp: GroupPlan, graph, groups: list[int]) -> float:
+        """Bytes of the fixed state (parameters, gradients, optimizer state) of op-groups
+        ``groups``, all deployed as ``gp``, that a device of the deployment does not hold (sharded
+        over its devices): what a lower bound of a device's memory may leave out
+        (:func:`tag.sim.bounds.static_bound`). Default 0: every device holds all of it."""
+        return 0.0
+
     def replica_shares(self, gp: GroupPlan) -> list[float]:
         """The batch fraction of each sample replica (plan order): each run of :meth:`width`
         devices' shares summed (the run holds one range)."""

@@ -543,6 +543,11 @@ class TensorParallel(Strategy):
         shard, modelled as its own sample range)."""
         return 1 if gp.sequence_parallel else tp_degree(gp)
 
+    def unheld_state_bytes(self, gp: GroupPlan, graph, groups: list[int]) -> float:
+        """A device holds ``1 / tp`` of the split parameters' state (:func:`group_split`)."""
+        t = tp_degree(gp)
+        return (1.0 - 1.0 / t) * sum(group_split(graph, g).split_state for g in groups)
+
     def units(self, g: int, gp: GroupPlan, graph, batch_size: int) -> list[Unit]:
         # One unit; the devices of a tensor-parallel group hold its one sample range.
         return [Unit((g, 0), gp.sync, sample_replicas(gp.devices, self.replica_shares(gp), batch_size, self.width(gp)))]
