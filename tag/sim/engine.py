@@ -1181,11 +1181,21 @@ def _holdings(sim, gds, micro: _Micro | None = None):
         devs = lay.devices
         if len(gs) >= 4:  # many groups on one layout: numpy over the [groups, replicas] block
             # (the ufuncs' reduce: what .sum() / .max() call, without their Python wrappers)
-            rows = [(add(lay.dur[OPT][gs], axis=0).tolist(), add(lay.mem[gs], axis=0).tolist(),
-                     maximum(lay.work[gs], axis=0).tolist(), add(gb[gs]) > 0)]
-        else:  # a few: each group's row as it is
-            rows = [lay.row(g)[2:] + [gbl[g] > 0] for g in gs]
-        for o, m, w, h in rows:  # per replica: optimizer seconds, held bytes, working set, holds params
+            o = add(lay.dur[OPT][gs], axis=0).tolist()
+            m = add(lay.mem[gs], axis=0).tolist()
+            w = maximum(lay.work[gs], axis=0).tolist()
+            h = add(gb[gs]) > 0
+            for r, d in enumerate(devs):
+                opt[d] += o[r]
+                mem[d] += m[r]
+                if w[r] > work[d]:
+                    work[d] = w[r]
+                if h:
+                    holds[d] = True
+            continue
+        for g in gs:
+            h = gbl[g] > 0
+            _, _, o, m, w = lay.row(g)
             for r, d in enumerate(devs):
                 opt[d] += o[r]
                 mem[d] += m[r]
