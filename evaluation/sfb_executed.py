@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tag.compress import apply_sfb
     from tag.cost.baselines import data_parallel
     from tag.executor import ExecuteConfig, execute
     from tag.graph import capture
     from tag.io import write_atomic, write_json
+    from tag.parallel import apply_sfb
     from tag.sim import simulate
     from tag.topology import load_topology
     from tag.workloads import load_workload

@@ -21,10 +21,11 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tag.compress import allreduce_time, apply_sfb, find_candidates, plan_sfb, sync_time
+from tag.compress import allreduce_time, find_candidates, plan_sfb, sync_time
 from tag.cost.baselines import data_parallel
 from tag.graph import capture
 from tag.io import write_atomic
+from tag.parallel import apply_sfb, sfb_syncs
 from tag.sim import Simulator
 from tag.topology import load_topology
 from tag.workloads import load_workload
@@ -93,7 +94,7 @@ def sweep(models: dict, topos: dict, devices: int = 8) -> list[Row]:
             for tname, topo in topos.items():
                 sim = Simulator(graph, topo)
                 plan = data_parallel(graph, topo)
-                sels = plan_sfb(graph, topo, plan, candidates=cands)
+                sels = plan_sfb(graph, topo, plan, candidates=cands, syncs=sfb_syncs())
                 base = 0.0
                 for s in sels:
                     gp = plan.groups[s.group]

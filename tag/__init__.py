@@ -35,7 +35,7 @@ _EXPORTS = {
     "simulate": ("tag.sim", "simulate"),
     "Simulator": ("tag.sim", "Simulator"),
     "execute": ("tag.executor", "execute"),
-    "apply_sfb": ("tag.compress", "apply_sfb"),
+    "apply_sfb": ("tag.parallel", "apply_sfb"),
     "TagError": ("tag.errors", "TagError"),
 }
 

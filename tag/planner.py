@@ -12,6 +12,7 @@ from dataclasses import replace
 import numpy as np
 
 from .errors import TagError
+from .parallel import get_strategy
 from .plan.format import Plan, new_plan
 from .search.evaluate import Evaluator
 from .search.mcts import MCTSConfig, SearchStats, mcts_search, uniform_prior
@@ -254,7 +255,9 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
         return p
     t_lay = lay.predicted_iteration_time_s
     # a layout the search's own actions can express replaces its plan only when that plan does not fit
-    new_action = lay.pipeline is not None or any(g.sync == "tp" or g.recompute for g in lay.groups)
+    # (TAG's own actions are search pass 0, Strategy.search_pass; tensor parallel is pass 1)
+    new_action = lay.pipeline is not None or any(get_strategy(g.sync).search_pass > 0 or g.recompute
+                                                 for g in lay.groups)
     if t_lay is None or (not p.meta.get("oom") and (not new_action or (t_plan is not None and t_lay >= t_plan))):
         return p  # (a layout that fits replaces a plan that does not)
     lay.meta = {**p.meta, "source": "layout-grid", "layout": lay.meta["layout"], "oom": False,
@@ -268,7 +271,7 @@ def _compress(graph, topology, p: Plan, simulator) -> str:
     The MILP assumes no overlap; the simulator knows that the all-reduce SFB removes may have been
     hidden behind earlier groups' backward, so its verdict decides. Returns a one-line note.
     """
-    from .compress import apply_sfb
+    from .parallel import apply_sfb
 
     if p.predicted_iteration_time_s is None:
         return "compression: skipped (plan does not fit in memory)"

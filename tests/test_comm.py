@@ -205,6 +205,7 @@ def fitted_setup(tmp_path, monkeypatch, captured):
 
 def test_sfb_selection_prices_what_the_simulator_charges(fitted_setup):
     from tag.compress import plan_sfb
+    from tag.parallel import sfb_syncs
     from tag.plan import GroupPlan, new_plan
     from tag.sim import Simulator
 
@@ -216,7 +217,7 @@ def test_sfb_selection_prices_what_the_simulator_charges(fitted_setup):
                                ([0, 1, 2], "ps", 1), ([0, 4], "ps", 0)):
         n = len(devs)
         plan = new_plan(graph, topo, [GroupPlan(devs, [1 / n] * n, sync, server) for _ in range(graph.num_groups)])
-        sels = plan_sfb(graph, topo, plan)
+        sels = plan_sfb(graph, topo, plan, syncs=sfb_syncs())
         assert sels
         for s in sels:
             for d in s.decisions:

@@ -14,6 +14,7 @@ from tag.compress import (
     allgather_time,
     allreduce_time,
     apply_sfb,
+    eligible,
     find_candidates,
     plan_sfb,
     select_sfb,
@@ -25,11 +26,12 @@ from tag.compress import (
 from tag.compress.milp import objective
 from tag.cost.baselines import data_parallel
 from tag.graph.ir import Affine
-from tag.parallel import validate_plan
+from tag.parallel import DataParallel, ParameterServer, register, sfb_syncs, unregister, validate_plan
 from tag.plan.format import GroupPlan
 from tag.topology import load_topology
 
 GB = 1e9
+SYNCS = sfb_syncs()  # the registered strategies taking SFB (Strategy.sfb_op)
 
 
 def topo(machines: int, per: int, intra: str = "100 GB/s", inter: str = "8 Gbit/s", links=(), lat="0 us"):
@@ -127,12 +129,12 @@ def test_selection_depends_on_links_and_batch(captured):
     large = captured("mlp", batch=2048).graph
     slow, fast = topo(4, 1, inter="1 Gbit/s", lat="20 us"), topo(1, 4, intra="300 GB/s", lat="5 us")
     weights = {c.op_name for c in find_candidates(small) if c.kind == "mm" and c.grad_bytes == 256 * 256 * 4}
-    picked = {op for ops in select_sfb(small, slow, data_parallel(small, slow)).values() for op in ops}
+    picked = {op for ops in select_sfb(small, slow, data_parallel(small, slow), syncs=SYNCS).values() for op in ops}
     assert weights <= picked  # few rows, slow network: gather 32 rows instead of 256 KiB
     big = {c.op_name for c in find_candidates(large) if c.kind == "mm" and c.grad_bytes == 256 * 256 * 4}
-    picked = {op for ops in select_sfb(large, fast, data_parallel(large, fast)).values() for op in ops}
+    picked = {op for ops in select_sfb(large, fast, data_parallel(large, fast), syncs=SYNCS).values() for op in ops}
     assert not big & picked  # 2048 rows of X and dY are 8x the weight: all-reduce wins
-    for sel in plan_sfb(large, fast, data_parallel(large, fast)):
+    for sel in plan_sfb(large, fast, data_parallel(large, fast), syncs=SYNCS):
         for d in sel.decisions:
             if d.candidate.op_name in big:
                 assert d.sfb_s > d.sync_s
@@ -143,7 +145,7 @@ def test_apply_sfb_fills_eligible_groups_only(captured):
     t = topo(2, 2, inter="1 Gbit/s")
     plan = data_parallel(g, t)
     plan.groups[0] = GroupPlan(devices=[3], shares=[1.0])  # single replica: left alone
-    new = apply_sfb(g, t, plan, compute_rate=[1e13] * 4)
+    new = apply_sfb(g, t, plan, compute_rate=[1e13] * 4, syncs=SYNCS)
     validate_plan(new, g, t)
     assert new is not plan and plan.groups[1].sfb == []
     assert new.groups[0].sfb == []
@@ -151,19 +153,39 @@ def test_apply_sfb_fills_eligible_groups_only(captured):
     assert chosen and new.meta["sfb_saving_s"] > 0
     cands = {c.op_name: c for c in find_candidates(g)}
     for gi, ops in chosen.items():
-        work = sfb_work(g, new, gi)
+        work = sfb_work(g, new, gi, syncs=SYNCS)
         assert work.saved_grad_bytes == sum(cands[o].grad_bytes for o in ops)
         names = {f.name for o in ops for f in cands[o].factors}
         assert sorted(x.factor.name for x in work.gathers) == sorted(names)  # each factor once
         assert all(math.isclose(sum(x.chunks), 32 * x.factor.bytes_per_sample) for x in work.gathers)
         assert len(work.extra_flops) == 4 and work.extra_flops[0] > 0
-    bad = apply_sfb(g, t, plan)
+    bad = apply_sfb(g, t, plan, syncs=SYNCS)
     gi = next(iter(chosen))
     bad.groups[gi].sfb = ["not_an_op"]
     with pytest.raises(SfbError, match=rf"groups\[{gi}\]\.sfb: op 'not_an_op'"):
-        sfb_work(g, bad, gi)
+        sfb_work(g, bad, gi, syncs=SYNCS)
 
 
 def test_microsecond_costs_are_solved_exactly():
     p = SfbProblem(op_cost=(-6e-8, -6e-8), factor_cost=(0.0,), op_factors=((0,), (0,)))
     assert solve_milp(p).ops == (0, 1) and solve_milp(p).objective == pytest.approx(-1.2e-7)
+
+
+def test_sfb_eligibility_is_declared_by_the_strategies():
+    """Which groups take SFB is each strategy's :meth:`Strategy.sfb_op`: the built-in data-parallel
+    ones (by their own collective) and a strategy registered later that says so; compress names none."""
+    assert SYNCS == {"allreduce": "allreduce", "ps": "ps"}
+    two = GroupPlan([0, 1], [0.5, 0.5], "allreduce")
+    assert eligible(two, SYNCS) and not eligible(GroupPlan([0], [1.0]), SYNCS)
+    assert not eligible(GroupPlan([0, 1], [1.0, 1.0], "mp", mp_splits=[0, 1]), SYNCS)
+
+    class Ps2(ParameterServer):
+        name = "ps2"
+
+    register(Ps2())
+    try:
+        assert sfb_syncs() == {**SYNCS, "ps2": "ps"}
+        assert eligible(GroupPlan([0, 1], [0.5, 0.5], "ps2", server=0), sfb_syncs())
+    finally:
+        unregister("ps2")
+    assert sfb_syncs() == SYNCS and DataParallel().sfb_op() == "allreduce"

@@ -290,3 +290,44 @@ def test_unit_multiplicities_collate_with_coarse_states_and_change_nothing(setup
     save_checkpoint(tmp_path / "bad.pt", net, {"coarse_above": 0})
     with pytest.raises(CheckpointError, match="coarse_above"):
         Predictor.load(tmp_path / "bad.pt")
+
+
+def test_sync_flags_follow_each_strategys_declaration(setup):
+    """The sync one-hot comes from the registry (``Strategy.feature_sync``): the built-in
+    strategies keep their columns; a strategy registered later sets none unless its class names
+    one (never, as before 2026-11-27, the ``tp`` column by default)."""
+    from tag.gnn.features import ACTION_SYNC_COLUMNS, GROUP_SYNC_COLUMNS, SYNC_FLAGS, sync_flags
+    from tag.parallel import DataParallel, register, unregister
+
+    graph, topo, space, ev, _ = setup
+    col = {n: i for i, (n, _) in enumerate(SCHEMA["action"])}
+    gcol = {n: i for i, (n, _) in enumerate(SCHEMA["group"])}
+    assert [col[f"sync_{f}"] for f in SYNC_FLAGS] == ACTION_SYNC_COLUMNS.tolist()
+    assert [gcol[f"sync_{f}"] - gcol["decided"] for f in SYNC_FLAGS] == GROUP_SYNC_COLUMNS.tolist()
+    assert {space.actions[a].sync: SYNC_FLAGS[f] for a, f in enumerate(sync_flags(space))} == \
+        {s: s for s in SYNC_FLAGS}
+
+    class Replicas(DataParallel):
+        name = "replicas"
+
+    register(Replicas())
+    try:
+        for flag in (None, "allreduce"):
+            Replicas.feature_sync = flag
+            sp = ActionSpace(graph, topo)
+            mine = [a for a, act in enumerate(sp.actions) if act.sync == "replicas"]
+            assert mine and mine[0] >= space.num_actions  # after every built-in action
+            assign = np.full(sp.num_groups, -1)
+            assign[sp.order[0]] = mine[0]
+            st = SearchState(assign, sp.order[1], Feedback.neutral(sp.num_devices, sp.num_groups))
+            d = JointContext(sp, ev.t_ref).encode([st])
+            flags = [f"sync_{f}" for f in SYNC_FLAGS]
+            ax = d["action"].x.numpy()[mine][:, [col[f] for f in flags]]
+            gx = d["group"].x.numpy()[sp.order[0], [gcol[f] for f in flags]]
+            want = np.array([float(f == flag) for f in SYNC_FLAGS])
+            assert (ax == want).all() and (gx == want).all()
+        Replicas.feature_sync = "pp"
+        with pytest.raises(ValueError, match="strategy 'replicas': feature_sync: expected one of"):
+            JointContext(ActionSpace(graph, topo), ev.t_ref)
+    finally:
+        unregister("replicas")

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from tag.compress import apply_sfb, find_candidates
+from tag.compress import find_candidates
 from tag.cost.baselines import data_parallel
 from tag.cost.model import CostModel
 from tag.cost.roofline import Roofline, group_phase_table, op_overhead
 from tag.errors import PlanError
 from tag.graph import capture
+from tag.parallel import apply_sfb
 from tag.plan import GroupPlan, new_plan
 from tag.sim import Simulator, simulate
 from tag.topology import load_topology

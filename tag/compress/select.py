@@ -1,15 +1,22 @@
 """Choose SFB ops per op-group of a plan (MILP on the cost model) and describe the work SFB adds.
 
-``plan_sfb`` costs every candidate of every data-parallel group with >= 2 replicas, solves the
+``plan_sfb`` costs every candidate of every eligible group (:func:`eligible`), solves the
 group's MILP and returns the decisions with their numbers; ``select_sfb`` / ``apply_sfb`` are
 thin views of it. ``sfb_work`` turns a plan's ``GroupPlan.sfb`` lists into what the simulator
 has to model (gradient bytes removed from the sync, factor all-gathers, extra FLOPs).
+
+Which strategies take SFB is theirs to say (:meth:`tag.parallel.Strategy.sfb_op`); this layer sits
+below the strategies and names none, so every function here that looks at a group's strategy takes
+``syncs``: the strategy name (``GroupPlan.sync``) -> the collective op its gradients sync by
+(:data:`tag.cost.comm.SYNC_OPS`), of every strategy that takes SFB, as
+:func:`tag.parallel.sfb_syncs` gives it (``{"allreduce": "allreduce", "ps": "ps"}`` with the
+built-in ones).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..cost.comm import CommModel
@@ -39,9 +46,10 @@ def default_comm(topology) -> CommModel:
     return CommModel.for_topology(topology)
 
 
-def eligible(gp: GroupPlan) -> bool:
-    """SFB applies to data-parallel groups (``allreduce``/``ps``) with at least two replicas."""
-    return gp.sync in ("allreduce", "ps") and len(gp.devices) >= 2
+def eligible(gp: GroupPlan, syncs: Mapping[str, str]) -> bool:
+    """SFB applies to groups of a strategy in ``syncs`` (strategy name -> the collective op of its
+    gradient sync, :func:`tag.parallel.sfb_syncs`) with at least two replicas."""
+    return gp.sync in syncs and len(gp.devices) >= 2
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,8 @@ class GroupSelection:
 def plan_sfb(graph, topology, plan: Plan, compute_rate: Sequence[float] | None = None,
              memory_rate: Sequence[float] | None = None,
              candidates: Sequence[Candidate] | None = None, bucketed: bool = True,
-             comm: CommModel | None = None, algorithm: str = SYNC_ALGORITHM) -> list[GroupSelection]:
+             comm: CommModel | None = None, algorithm: str = SYNC_ALGORITHM, *,
+             syncs: Mapping[str, str]) -> list[GroupSelection]:
     """Cost and select SFB ops for every eligible group of ``plan`` (see :func:`eligible`).
 
     With ``bucketed`` (default) a group syncs its gradients in one collective and gathers its
@@ -99,6 +108,7 @@ def plan_sfb(graph, topology, plan: Plan, compute_rate: Sequence[float] | None =
         comm: the communication model pricing syncs and gathers (default
             :func:`default_comm`).
         algorithm: all-reduce algorithm of the gradient syncs (:data:`tag.cost.comm.ALGORITHMS`).
+        syncs: the strategies taking SFB and their gradient collective ops (:func:`eligible`).
     """
     rate = default_compute_rate(topology) if compute_rate is None else list(compute_rate)
     mem = default_memory_rate(topology) if memory_rate is None else list(memory_rate)
@@ -109,26 +119,28 @@ def plan_sfb(graph, topology, plan: Plan, compute_rate: Sequence[float] | None =
         by_group.setdefault(c.group, []).append(c)
     out = []
     for g, gp in enumerate(plan.groups):
-        if eligible(gp) and by_group.get(g):
+        if eligible(gp, syncs) and by_group.get(g):
             keeps_sync = any(p.group == g for p in graph.params if p.name not in {c.param for c in by_group[g]})
-            out.append(_select_group(g, gp, by_group[g], plan.batch_size, links, algorithm, rate, mem,
-                                     bucketed, keeps_sync))
+            out.append(_select_group(g, gp, syncs[gp.sync], by_group[g], plan.batch_size, links, algorithm, rate,
+                                     mem, bucketed, keeps_sync))
     return out
 
 
-def _select_group(g: int, gp: GroupPlan, cands: list[Candidate], batch: int, comm: CommModel, algorithm: str,
-                  rate: list[float], mem: list[float], bucketed: bool, keeps_sync: bool) -> GroupSelection:
+def _select_group(g: int, gp: GroupPlan, op: str, cands: list[Candidate], batch: int, comm: CommModel,
+                  algorithm: str, rate: list[float], mem: list[float], bucketed: bool,
+                  keeps_sync: bool) -> GroupSelection:
+    """The MILP of group ``g`` deployed as ``gp``, its gradients synchronised by collective ``op``."""
     lb = local_batches(batch, gp.shares)
     facs: dict[int, Factor] = {}  # tensor index -> factor, in first-seen order
     for c in cands:
         for f in c.factors:
             facs.setdefault(f.tensor, f)
     fidx = {t: k for k, t in enumerate(facs)}
-    sync = [sync_time(c.grad_bytes, gp.devices, comm, gp.sync, gp.server, algorithm) for c in cands]
+    sync = [sync_time(c.grad_bytes, gp.devices, comm, op, gp.server, algorithm) for c in cands]
     compute = [extra_compute_time(c, gp.devices, lb, rate, mem) for c in cands]
     gather = [factor_gather_time(f.bytes_per_sample, gp.devices, lb, comm) for f in facs.values()]
     # fixed latencies of one collective (1-byte message), paid once per group when bucketed
-    l_sync = sync_time(1.0, gp.devices, comm, gp.sync, gp.server, algorithm) if bucketed else 0.0
+    l_sync = sync_time(1.0, gp.devices, comm, op, gp.server, algorithm) if bucketed else 0.0
     l_gather = factor_gather_time(1.0 / batch, gp.devices, lb, comm) if bucketed else 0.0
     problem = SfbProblem(
         op_cost=tuple(cm - (s - l_sync) for cm, s in zip(compute, sync)),
@@ -149,23 +161,25 @@ def _select_group(g: int, gp: GroupPlan, cands: list[Candidate], batch: int, com
 
 
 def select_sfb(graph, topology, plan: Plan, compute_rate: Sequence[float] | None = None,
-               comm: CommModel | None = None) -> dict[int, list[str]]:
+               comm: CommModel | None = None, *, syncs: Mapping[str, str]) -> dict[int, list[str]]:
     """``group -> gradient op names`` the MILP converts to SFB (groups with a non-empty choice)."""
-    return {s.group: s.ops for s in plan_sfb(graph, topology, plan, compute_rate, comm=comm) if s.ops}
+    return {s.group: s.ops for s in plan_sfb(graph, topology, plan, compute_rate, comm=comm, syncs=syncs) if s.ops}
 
 
 def apply_sfb(graph, topology, plan: Plan, compute_rate: Sequence[float] | None = None,
-              comm: CommModel | None = None) -> Plan:
-    """A copy of ``plan`` with ``GroupPlan.sfb`` set for every eligible group (may be ``[]``).
+              comm: CommModel | None = None, *, syncs: Mapping[str, str]) -> Plan:
+    """A copy of ``plan`` with ``GroupPlan.sfb`` set for every eligible group (may be ``[]``;
+    :func:`tag.parallel.apply_sfb` passes the registered strategies' ``syncs``).
 
-    ``mp`` and single-replica groups keep their ``sfb`` untouched. ``meta["sfb_saving_s"]``
-    records the predicted seconds saved (cost-model sum over groups, no overlap assumed).
+    Groups of a strategy without SFB (``mp``, ``tp``) and single-replica groups keep their ``sfb``
+    untouched. ``meta["sfb_saving_s"]`` records the predicted seconds saved (cost-model sum over
+    groups, no overlap assumed).
     """
     new = copy.deepcopy(plan)
-    sels = plan_sfb(graph, topology, plan, compute_rate, comm=comm)
+    sels = plan_sfb(graph, topology, plan, compute_rate, comm=comm, syncs=syncs)
     chosen = {s.group: s.ops for s in sels}
     for g, gp in enumerate(new.groups):
-        if eligible(gp):
+        if eligible(gp, syncs):
             gp.sfb = list(chosen.get(g, []))
     new.meta["sfb_saving_s"] = sum(s.saving_s for s in sels)
     return new
@@ -202,23 +216,24 @@ class GroupSfbWork:
     """Per replica: memory bytes read+written added likewise."""
 
 
-def sfb_work(graph, plan: Plan, group: int, candidates: Sequence[Candidate] | None = None) -> GroupSfbWork:
+def sfb_work(graph, plan: Plan, group: int, candidates: Sequence[Candidate] | None = None, *,
+             syncs: Mapping[str, str]) -> GroupSfbWork:
     """The work ``plan.groups[group].sfb`` implies; empty when the list is empty.
 
     Raises :class:`SfbError` when a listed op is not an SFB candidate of that group or the
-    group is not eligible (``mp`` or one replica).
+    group is not eligible (:func:`eligible`: a strategy without SFB, or one replica).
     """
-    return group_sfb_work(graph, plan.groups[group], group, plan.batch_size, candidates)
+    return group_sfb_work(graph, plan.groups[group], group, plan.batch_size, candidates, syncs=syncs)
 
 
 def group_sfb_work(graph, gp: GroupPlan, group: int, batch_size: int,
-                   candidates: Sequence[Candidate] | None = None) -> GroupSfbWork:
+                   candidates: Sequence[Candidate] | None = None, *, syncs: Mapping[str, str]) -> GroupSfbWork:
     """:func:`sfb_work` of one :class:`GroupPlan` ``gp`` deployed as op-group ``group``."""
     if not gp.sfb:
         return GroupSfbWork(group, (), (), 0, (), tuple(0.0 for _ in gp.devices), tuple(0.0 for _ in gp.devices))
     where = f"plan: groups[{group}].sfb"
-    if not eligible(gp):
-        raise SfbError(f"{where}: SFB needs sync 'allreduce' or 'ps' with >= 2 devices, got sync "
+    if not eligible(gp, syncs):
+        raise SfbError(f"{where}: SFB needs sync {' or '.join(map(repr, syncs))} with >= 2 devices, got sync "
                        f"{gp.sync!r} on {len(gp.devices)} device(s)")
     cands = find_candidates(graph) if candidates is None else candidates
     by_name = {c.op_name: c for c in cands if c.group == group}

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..parallel.registry import Registry
+
 if TYPE_CHECKING:
     from ..graph.ir import OpGraph
     from ..graph.stages import Stage
@@ -120,27 +122,24 @@ ExecutionFactory = Callable[["Plan", "OpGraph"], "Execution | None"]
 """``factory(plan, graph)``: how the executor runs ``plan`` (a valid plan using the strategy), or
 None for its own schedule."""
 
-_EXECUTIONS: dict[str, ExecutionFactory] = {}
+_EXECUTIONS: Registry[ExecutionFactory] = Registry("execution")
 
 
 def register_execution(name: str, factory: ExecutionFactory) -> ExecutionFactory:
     """Run plans using strategy ``name`` as ``factory`` says (replacing any earlier one)."""
-    if not name:
-        raise ValueError("an execution needs a strategy name")
-    _EXECUTIONS[name] = factory
-    return factory
+    return _EXECUTIONS.register(factory, name)
 
 
-def unregister_execution(name: str) -> None:
-    """Back to the plan's own schedule for strategy ``name`` (no error if it had none)."""
-    _EXECUTIONS.pop(name, None)
+unregister_execution = _EXECUTIONS.unregister
+"""``unregister_execution(name)``: back to the plan's own schedule for strategy ``name`` (no error
+if it had none)."""
 
 
 def execution_for(plan: Plan, graph: OpGraph) -> Execution:
     """How the executor runs ``plan``: the execution of the first strategy the plan uses (in group
     order) that registered one and returns one, else the plan's own schedule."""
     for name in dict.fromkeys(gp.sync for gp in plan.groups):
-        factory = _EXECUTIONS.get(name)
+        factory = _EXECUTIONS.find(name)
         ex = factory(plan, graph) if factory is not None else None
         if ex is not None:
             return ex

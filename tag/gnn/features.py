@@ -83,6 +83,36 @@ SCHEMA: dict[str, list[tuple[str, str]]] = {
     "uses": [("share", "ratio")],
 }
 NODE_TYPES = ("group", "device", "action")
+SYNC_FLAGS = ("allreduce", "ps", "mp", "tp")
+"""The sync one-hot's flags (columns ``sync_<flag>`` of the group and action features in
+:data:`SCHEMA`). An action or a decided group sets the flag its strategy names
+(:attr:`tag.parallel.Strategy.feature_sync`; each built-in strategy its own), or none (a strategy
+registered later that names none: all four 0)."""
+
+
+def _flag_columns(node: str, first: str) -> np.ndarray:
+    """[len(SYNC_FLAGS)] column of each sync flag among ``node``'s columns from ``first`` on (the
+    dynamic ones the encoder fills)."""
+    names = [name for name, _ in SCHEMA[node]]
+    return np.array([names.index(f"sync_{f}") - names.index(first) for f in SYNC_FLAGS], dtype=np.int64)
+
+
+GROUP_SYNC_COLUMNS = _flag_columns("group", "decided")
+"""Columns of the sync flags among the group features' dynamic ones (``gdyn``)."""
+ACTION_SYNC_COLUMNS = _flag_columns("action", "ndev_frac")
+"""Columns of the sync flags among the action features."""
+
+
+def sync_flags(space: ActionSpace) -> np.ndarray:
+    """[A] index in :data:`SYNC_FLAGS` of the flag each action of ``space`` sets, -1 for none
+    (its strategy's :attr:`~tag.parallel.Strategy.feature_sync`, from the registry)."""
+    flag = {}
+    for name in dict.fromkeys(a.sync for a in space.actions):
+        f = get_strategy(name).feature_sync
+        if f is not None and f not in SYNC_FLAGS:
+            raise ValueError(f"strategy {name!r}: feature_sync: expected one of {list(SYNC_FLAGS)} or None, got {f!r}")
+        flag[name] = -1 if f is None else SYNC_FLAGS.index(f)
+    return np.array([flag[a.sync] for a in space.actions], dtype=np.int64)
 ADDED_COLUMNS = {"group": 2, "action": 2}
 """Columns appended to a node type's features after the shipped predictor of 27fed77 was trained
 (tensor-parallel actions): :func:`tag.gnn.predictor.load_net` reads an older checkpoint by giving
@@ -259,7 +289,9 @@ class JointContext:
                 np.add.at(self.place[gi, ai], cls[gp.devices], shares)
                 if gp.server is not None:
                     self.server[gi, ai] = cls[gp.server]
-        self.sync_idx = space.sync_index
+        self.sync_flag = sync_flags(space)
+        """[A] index in :data:`SYNC_FLAGS` of each action's sync flag, -1: none."""
+        self.action_flagged = np.flatnonzero(self.sync_flag >= 0)
         self.ndev = space.membership.sum(axis=1)
         self.tp_frac = np.array([act.tp / len(act.devices) if act.tp else 0.0 for act in space.actions])
         """[A] devices of one tensor-parallel group over the action's devices (0: not ``tp``)."""
@@ -323,12 +355,13 @@ class JointContext:
             cur = int(st.group)
             fb = st.feedback
             decided = (assign >= 0).astype(float)
-            sync = self.sync_idx[res]
+            flag = self.sync_flag[res]
+            flagged = np.flatnonzero(flag >= 0)
             gdyn = np.zeros((k, 10))
             gdyn[:, 0] = decided
             if cur >= 0:
                 gdyn[cur, 1] = 1.0
-            gdyn[np.arange(k), np.where(sync < 3, 2 + sync, 8)] = 1.0  # allreduce, ps, mp | tp
+            gdyn[flagged, GROUP_SYNC_COLUMNS[flag[flagged]]] = 1.0
             gdyn[:, 5] = self.ndev[res] / nd
             gdyn[:, 6] = np.clip(fb.group_finish, 0, 10)
             gdyn[:, 7] = (res == sp.default_action).astype(float)
@@ -358,7 +391,7 @@ class JointContext:
             # actions of the current group
             afe = np.zeros((a, 12))
             afe[:, 0] = self.ndev / nd
-            afe[np.arange(a), np.where(self.sync_idx < 3, 1 + self.sync_idx, 10)] = 1.0  # allreduce, ps, mp | tp
+            afe[self.action_flagged, ACTION_SYNC_COLUMNS[self.sync_flag[self.action_flagged]]] = 1.0
             afe[:, 11] = self.tp_frac
             gi = cur if cur >= 0 else 0
             afe[:, 4:7] = self.action_feats[gi]

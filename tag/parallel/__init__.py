@@ -5,6 +5,8 @@
 * :mod:`~tag.parallel.data_parallel` (``allreduce``), :mod:`~tag.parallel.parameter_server`
   (``ps``), :mod:`~tag.parallel.model_parallel` (``mp``), :mod:`~tag.parallel.tensor_parallel`
   (``tp``; executed as the same groups for the whole plan): the built-in strategies.
+* :func:`sfb_syncs`: the strategies whose groups take SFB (:meth:`Strategy.sfb_op`), for
+  :mod:`tag.compress` (below this layer); :func:`apply_sfb` the MILP's choice over them.
 * :func:`execution_refusal`: the one rule of which plans the executor runs (each strategy judges
   its groups); ``tag execute`` refuses through it, ``find_plan(executable=True)`` searches within it.
 * :mod:`~tag.parallel.moves`: which replica sends what to which when a tensor crosses units.
@@ -27,9 +29,11 @@ from .strategy import (
     Strategy,
     Unit,
     UnitKey,
+    apply_sfb,
     execution_refusal,
     get_strategy,
     register,
+    sfb_syncs,
     strategy_names,
     strategy_of,
     unregister,
@@ -44,7 +48,7 @@ for _s in (DataParallel(), ParameterServer(), ModelParallel(), TensorParallel())
     register(_s)
 
 __all__ = [
-    "Collective", "DataParallel", "ModelParallel", "Move", "ParameterServer", "Replica", "Schedule", "SfbGroup", "Step", "Strategy", "TensorParallel", "Unit", "UnitKey", "build_schedule",
-    "execution_refusal", "get_strategy", "graph_structure", "move_kind", "move_pieces", "register", "strategy_names", "strategy_of",
+    "Collective", "DataParallel", "ModelParallel", "Move", "ParameterServer", "Replica", "Schedule", "SfbGroup", "Step", "Strategy", "TensorParallel", "Unit", "UnitKey", "apply_sfb", "build_schedule",
+    "execution_refusal", "get_strategy", "graph_structure", "move_kind", "move_pieces", "register", "sfb_syncs", "strategy_names", "strategy_of",
     "unregister", "validate_group", "validate_plan",
 ]

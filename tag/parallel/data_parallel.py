@@ -18,6 +18,7 @@ from .strategy import Collective, Strategy, Unit, check_shares, no_field, sample
 class DataParallel(Strategy):
     name = "allreduce"
     search_pass = 0
+    feature_sync = "allreduce"
     collective_op = "allreduce"
     """The :class:`Collective` op summing the gradients (``allreduce`` or ``ps``)."""
 
@@ -43,6 +44,11 @@ class DataParallel(Strategy):
         if len(gp.devices) == 1 or not has_params:
             gp.sync, gp.server = DataParallel.name, None
         return gp
+
+    def sfb_op(self) -> str | None:
+        """Replicas of the whole group summing their gradients by :attr:`collective_op`: SFB may
+        replace part of that sync."""
+        return self.collective_op
 
     def collective(self, gp: GroupPlan) -> Collective | None:
         c = Collective(self.collective_op, tuple(gp.devices), self.server(gp))

@@ -24,6 +24,7 @@ class ModelParallel(Strategy):
     name = "mp"
     chunked = True
     search_pass = 0
+    feature_sync = "mp"
 
     def validate(self, gp: GroupPlan, graph, g: int, num_devices: int, batch_size: int, where: str) -> None:
         no_field(gp, "server", where, "ps")

@@ -18,6 +18,7 @@ class ParameterServer(DataParallel):
     name = "ps"
     collective_op = "ps"
     search_pass = 0
+    feature_sync = "ps"
 
     def check_server(self, gp: GroupPlan, num_devices: int, where: str) -> None:
         s = gp.server

@@ -1,5 +1,7 @@
-"""A name-keyed registry (pure): what :mod:`tag.parallel.strategy` keeps its strategies in and
-:mod:`tag.parallel.pipeline` its pipeline schedules, so that a new one drops in by registration."""
+"""A name-keyed registry (pure): what :mod:`tag.parallel.strategy` keeps its strategies in,
+:mod:`tag.parallel.pipeline` its pipeline schedules, :mod:`tag.sim.strategies` its group costings
+and :mod:`tag.executor.strategies` its executions (the last two keyed by a strategy's name), so
+that a new one drops in by registration."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """Entries of one kind by their ``name`` attribute, in registration order.
+    """Entries of one kind by name (their ``name`` attribute, or the key given at registration),
+    in registration order.
 
     Args:
         kind: what an entry is, for the error of a nameless one (``"strategy"``).
@@ -21,11 +24,13 @@ class Registry(Generic[T]):
         self.kind = kind
         self._items: dict[str, T] = {}
 
-    def register(self, item: T) -> T:
-        """Make ``item`` available under ``item.name`` (replacing one of that name)."""
-        if not item.name:
+    def register(self, item: T, name: str | None = None) -> T:
+        """Make ``item`` available under ``name`` (default: ``item.name``), replacing one of that
+        name."""
+        key = item.name if name is None else name
+        if not key:
             raise ValueError(f"a {self.kind} needs a name")
-        self._items[item.name] = item
+        self._items[key] = item
         return item
 
     def unregister(self, name: str) -> None:

@@ -63,7 +63,7 @@ from ..plan.format import Plan
 from .buckets import assign_buckets
 from .moves import move_kind, move_pieces
 from .pipeline import IterationProgram, iteration_program
-from .strategy import Collective, Replica, Unit, UnitKey, strategy_of  # noqa: F401 (Replica re-exported)
+from .strategy import Collective, Replica, Unit, UnitKey, sfb_syncs, strategy_of  # noqa: F401 (Replica re-exported)
 
 if TYPE_CHECKING:  # tag.compress (scipy) is imported only for plans using SFB
     from ..compress.detect import Candidate, Factor
@@ -464,7 +464,7 @@ def _sfb_groups(graph: OpGraph, plan: Plan, param_owner: dict[str, UnitKey],
         if not gp.sfb:
             continue
         try:
-            work = group_sfb_work(graph, gp, g, plan.batch_size, cands)
+            work = group_sfb_work(graph, gp, g, plan.batch_size, cands, syncs=sfb_syncs())
         except SfbError as e:
             raise PlanError(str(e)) from None
         chosen = tuple(by_op[i] for i in work.ops)

@@ -121,6 +121,13 @@ class Strategy:
         a plain tensor-parallel group's degree)."""
         return 1
 
+    def unheld_state_bytes(self, gp: GroupPlan, graph, groups: list[int]) -> float:
+        """Bytes of the fixed state (parameters, gradients, optimizer state) of op-groups
+        ``groups``, all deployed as ``gp``, that a device of the deployment does not hold (sharded
+        over its devices): what a lower bound of a device's memory may leave out
+        (:func:`tag.sim.bounds.static_bound`). Default 0: every device holds all of it."""
+        return 0.0
+
     def replica_shares(self, gp: GroupPlan) -> list[float]:
         """The batch fraction of each sample replica (plan order): each run of :meth:`width`
         devices' shares summed (the run holds one range)."""
@@ -145,6 +152,16 @@ class Strategy:
         :func:`execution_refusal`. The default: every deployment of the strategy runs."""
         return None
 
+    def sfb_op(self) -> str | None:
+        """The collective op (:data:`tag.cost.comm.SYNC_OPS`: ``allreduce`` or ``ps``) of this
+        strategy's gradient sync when its groups may take Sufficient Factor Broadcasting, None (the
+        default) when they may not. SFB fits replicas each running the whole group on a share of
+        the batch, their weight gradients summed by that collective: the replicas all-gather the
+        gradient's factors instead (:mod:`tag.compress`, which costs the sync by this op; a group
+        also needs two replicas, :func:`tag.compress.eligible`). :func:`tag.parallel.sfb_syncs`
+        hands the registered strategies' answers to :mod:`tag.compress`."""
+        return None
+
     def normalise(self, gp: GroupPlan, has_params: bool) -> GroupPlan:
         """``gp`` (a copy, changed in place) in the canonical form of the deployments that run the
         same (searches count such actions once); ``has_params``: the group owns parameters."""
@@ -164,10 +181,21 @@ class Strategy:
     built-in one goes after them too, :meth:`__init_subclass__`), so that existing action indices
     (the shipped GNN predictor's outputs) never move."""
 
+    feature_sync: ClassVar[str | None] = None
+    """Which sync flag of the GNN predictor's features (:data:`tag.gnn.features.SYNC_FLAGS`:
+    ``allreduce``, ``ps``, ``mp``, ``tp``, the columns the shipped predictor was trained on) the
+    search's actions of this strategy and the groups it deploys set. Each built-in strategy sets
+    its own; a strategy registered later sets none (all four flags 0: the predictor reads it by
+    its other features, devices, batch shares, compute, sync and memory estimates) unless its
+    own class names the flag of the built-in one it should be read as. Not inherited
+    (:meth:`__init_subclass__`), as :attr:`search_pass`."""
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "search_pass" not in cls.__dict__:  # each class states its own pass, or goes last
             cls.search_pass = Strategy.search_pass
+        if "feature_sync" not in cls.__dict__:  # each class states its own flag, or none
+            cls.feature_sync = Strategy.feature_sync
 
     def search_options(self, devices: tuple[int, ...], family: str, space) -> list:
         """The options of the search's actions of this strategy over device subset ``devices``
@@ -234,6 +262,22 @@ strategy_names = _REGISTRY.names
 def get_strategy(name: str, *, where: str = "sync") -> Strategy:
     """The strategy registered under ``name``; :class:`PlanError` naming ``where`` otherwise."""
     return _REGISTRY.get(name, where=where)
+
+
+def sfb_syncs() -> dict[str, str]:
+    """Registered strategy name -> the collective op of its gradient sync, of every strategy whose
+    groups may take SFB (:meth:`Strategy.sfb_op`), in registration order: the ``syncs`` of
+    :mod:`tag.compress` (a layer below this one, which names no strategy)."""
+    return {s.name: op for s in _REGISTRY.values() if (op := s.sfb_op()) is not None}
+
+
+def apply_sfb(graph, topology, plan, compute_rate=None, comm=None):
+    """:func:`tag.compress.apply_sfb` over the registered strategies that take SFB
+    (:func:`sfb_syncs`): a copy of ``plan`` with ``GroupPlan.sfb`` chosen by the MILP for every
+    eligible group (``tag.apply_sfb``)."""
+    from ..compress import apply_sfb as apply
+
+    return apply(graph, topology, plan, compute_rate, comm, syncs=sfb_syncs())
 
 
 def strategy_of(gp: GroupPlan) -> Strategy:
@@ -390,6 +434,6 @@ _REPLICAS: dict[tuple, tuple[Replica, ...]] = {}
 lowers the same batch split for every group (512 replicas each)."""
 
 
-__all__ = ["Collective", "Replica", "Strategy", "Unit", "UnitKey", "execution_refusal", "get_strategy", "group_positions",
-           "register",
+__all__ = ["Collective", "Replica", "Strategy", "Unit", "UnitKey", "apply_sfb", "execution_refusal", "get_strategy",
+           "group_positions", "register", "sfb_syncs",
            "strategy_names", "strategy_of", "unregister", "validate_group", "validate_plan"]

@@ -463,6 +463,7 @@ class TensorParallel(Strategy):
 
     # ---- the search's actions (see Strategy.search_options), after TAG's
     search_pass = 1
+    feature_sync = "tp"
     search_families = ("all", "machines", "machine", "gpu-type")
     """Subset families taking ``tp`` actions: whole machines (a tp group never spans machines),
     and of the families that grow with the machine count only one machine and one GPU kind."""
@@ -541,6 +542,11 @@ class TensorParallel(Strategy):
         computes the same samples); 1 with sequence parallelism (a device holds its own token
         shard, modelled as its own sample range)."""
         return 1 if gp.sequence_parallel else tp_degree(gp)
+
+    def unheld_state_bytes(self, gp: GroupPlan, graph, groups: list[int]) -> float:
+        """A device holds ``1 / tp`` of the split parameters' state (:func:`group_split`)."""
+        t = tp_degree(gp)
+        return (1.0 - 1.0 / t) * sum(group_split(graph, g).split_state for g in groups)
 
     def units(self, g: int, gp: GroupPlan, graph, batch_size: int) -> list[Unit]:
         # One unit; the devices of a tensor-parallel group hold its one sample range.

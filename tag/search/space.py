@@ -118,9 +118,6 @@ from ..parallel.tensor_parallel import aligned_cuts, block_groups, megatron_bloc
 from ..plan.format import GroupPlan, PipelinePlan
 from .costs import GroupCosts, default_cost_model
 
-SYNC_NAMES = ("allreduce", "ps", "mp", "tp")
-"""The built-in strategies, whose index :attr:`ActionSpace.sync_index` gives (the GNN features'
-one-hot of an action's sync; a strategy registered later gets ``len(SYNC_NAMES)``)."""
 TP_FAMILIES = TensorParallel.search_families
 """Subset families that take tensor-parallel actions (32 GPUs over 8 machines: 26 tp actions at
 degrees 2 and 4 next to TAG's 79, not 54; :meth:`tag.parallel.TensorParallel.search_options`)."""
@@ -389,12 +386,6 @@ class ActionSpace:
         for a, act in enumerate(self.actions):
             m[a, list(act.devices)] = 1.0
         return m
-
-    @cached_property
-    def sync_index(self) -> np.ndarray:
-        """[A] index of the action's sync in :data:`SYNC_NAMES` (``len(SYNC_NAMES)`` for another)."""
-        index = {name: i for i, name in enumerate(SYNC_NAMES)}
-        return np.array([index.get(a.sync, len(SYNC_NAMES)) for a in self.actions], dtype=np.int64)
 
     def action_index(self, devices, sync: str, tp: int | None = None) -> int | None:
         key = (tuple(sorted(devices)), sync, tp)

@@ -78,7 +78,6 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
     tables alone (module docstring); at most :func:`plan_bound`'s."""
     from ..parallel.pipeline import iteration_program
     from ..parallel.strategy import strategy_of
-    from ..parallel.tensor_parallel import group_split, tp_degree
 
     st, graph, n = sim.static, sim.graph, sim.num_devices
     prog = None if pipeline is None else iteration_program(pipeline, st.batch_size, len(groups))
@@ -96,25 +95,23 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
     for g, gp in enumerate(groups):
         alike.setdefault((tuple(gp.devices), tuple(gp.shares), gp.sync, gp.tp, gp.sequence_parallel, gp.recompute,
                           flight[g], stage_of[g]), []).append(g)
-    for (devs, _, _, _, seqp, rc, fl, stage), gs in alike.items():
+    for (devs, _, _, _, _, rc, fl, stage), gs in alike.items():
         gp = groups[gs[0]]
         strategy = strategy_of(gp)
         if strategy.chunked:
             whole[stage] = False
             continue
-        tp = gp.sync == "tp"
-        t = tp_degree(gp) if tp else 1
+        w = strategy.width(gp)  # devices computing one sample range (plain tensor parallel: its degree)
         dev = np.asarray(devs, dtype=np.int64)
         cls = np.asarray([sim.dev_class[d] for d in devs], dtype=np.int64)
         gi = np.asarray(gs, dtype=np.int64)
         fixed = (st.rc_fixed if rc else st.mem_fixed)[gi].sum()
-        if tp:
-            fixed -= (1.0 - 1.0 / t) * sum(group_split(graph, g).split_state for g in gs)
+        fixed -= strategy.unheld_state_bytes(gp, graph, gs)  # e.g. tensor parallel's split state
         ps = (st.rc_per_sample if rc else st.mem_per_sample)[gi].sum()
         for m, (size, times) in enumerate(runs.items()):
             b = np.asarray(strategy.units(gs[0], gp, graph, size)[0].batches, dtype=float)  # per device
-            if tp and not seqp:  # plain: a device computes 1 / t of its replica's samples
-                small, big = b / t, b
+            if w > 1:  # a device computes 1 / w of its replica's samples
+                small, big = b / w, b
             else:
                 small = big = b
             # one row per distinct (device class, samples): [U] then back to the devices

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PlanError
+from ..parallel import sfb_syncs
 from ..plan.format import local_batches
 from .units import SfbData
 
@@ -62,7 +63,7 @@ class SfbCosts:
 
         bsz = self.graph.batch_size
         try:
-            w = group_sfb_work(self.graph, gp, g, bsz, self.candidates)
+            w = group_sfb_work(self.graph, gp, g, bsz, self.candidates, syncs=sfb_syncs())
         except SfbError as e:
             raise PlanError(str(e)) from None
         devs = tuple(gp.devices)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..parallel.registry import Registry
+
 if TYPE_CHECKING:
     from ..parallel import Unit
     from ..plan.format import GroupPlan
@@ -27,25 +29,20 @@ strategy's lowering at the batch the simulator runs (the graph's, or a pipeline'
 Its result is cached by the simulator per deployment; its own caches may live in
 :meth:`Simulator.cache <tag.sim.Simulator.cache>`."""
 
-_COSTINGS: dict[str, GroupCosting] = {}
+_COSTINGS: Registry[GroupCosting] = Registry("group costing")
 
 
 def register_costing(name: str, costing: GroupCosting) -> GroupCosting:
     """Cost the groups of strategy ``name`` with ``costing`` (replacing any earlier one)."""
-    if not name:
-        raise ValueError("a group costing needs a strategy name")
-    _COSTINGS[name] = costing
-    return costing
+    return _COSTINGS.register(costing, name)
 
 
-def unregister_costing(name: str) -> None:
-    """Back to the lowering's costing for strategy ``name`` (no error if it had none)."""
-    _COSTINGS.pop(name, None)
-
-
-def costing_of(name: str) -> GroupCosting | None:
-    """The group costing registered for strategy ``name``, or None (the lowering's)."""
-    return _COSTINGS.get(name)
+unregister_costing = _COSTINGS.unregister
+"""``unregister_costing(name)``: back to the lowering's costing for strategy ``name`` (no error if
+it had none)."""
+costing_of = _COSTINGS.find
+"""``costing_of(name)``: the group costing registered for strategy ``name``, or None (the
+lowering's)."""
 
 
 __all__ = ["GroupCosting", "costing_of", "register_costing", "unregister_costing"]
