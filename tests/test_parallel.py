@@ -209,9 +209,11 @@ def test_move_pieces_with_holder_sets():
     # a tensor-parallel consumer: each device of the receiving holder set syncs its own copy
     assert move_pieces("sum", tp, tp, machine) == [(0, 0, "sum", 0, 0), (1, 1, "sum", 0, 0),
                                                    (2, 2, "sum", 0, 0), (3, 3, "sum", 0, 0)]
+    # ... and a partial from another machine scattered over the set (half to each, all-gathered
+    # there: Megatron-LM's scatter-gather, as the executor sends it since 1805f97)
     assert move_pieces("sum", dp, tp, machine) == [(0, 0, "sum", 0, 0), (0, 1, "sum", 0, 0),
-                                                   (1, 0, "sum", 0, 0), (1, 1, "sum", 0, 0),
-                                                   (2, 0, "sum", 0, 0), (2, 1, "sum", 0, 0),
+                                                   (1, 0, "shard", 0, 0), (1, 1, "shard", 0, 0),
+                                                   (2, 0, "shard", 0, 0), (2, 1, "shard", 0, 0),
                                                    (-1, 2, "zeros", 0, 0), (-1, 3, "zeros", 0, 0)]
 
 
