@@ -244,8 +244,6 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
             ma = np.asarray([f[6] for f in flows], dtype=np.int64)
             mb = np.asarray([f[7] for f in flows], dtype=np.int64)
             cross = ma >= 0
-            if len(cache) > 100_000:
-                cache.clear()
             hit = cache[id(tpl)] = (tpl, a, b, secs, ma[cross], mb[cross], secs[cross])
         _, a, b, secs, ma, mb, xs = hit
         np.add.at(load, a, secs * c)

@@ -157,10 +157,13 @@ class Simulator:
     # ---- cached plan-derived data -------------------------------------------------------
     def cache(self, name: str) -> dict:
         """A dict kept as long as this simulator, for a group costing's own derived data
-        (:mod:`tag.sim.strategies`; ``name``: its owner, e.g. ``"tp-shares"``)."""
+        (:mod:`tag.sim.strategies`; ``name``: its owner, e.g. ``"tp-shares"``); emptied when it
+        has grown past :data:`CACHE_LIMIT` entries (its values are derived: only memory is bounded)."""
         c = self._caches.get(name)
         if c is None:
             c = self._caches[name] = {}
+        elif len(c) > CACHE_LIMIT:
+            c.clear()
         return c
 
     def layout(self, devices: tuple[int, ...], batches: tuple[int, ...]) -> Layout:

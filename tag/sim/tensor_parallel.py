@@ -127,8 +127,6 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
                 if sp.blocks:
                     fwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_fwd])
                     bwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_bwd])
-            if len(priced) > 100_000:
-                priced.clear()
             col = priced[ring] = (fwd[:, None], bwd[:, None])
         rings[ring] = (col, list(range(i, i + t)))
     for col, cols in rings.values():
@@ -249,8 +247,6 @@ def _tp_deployment(sim, gp, batches: tuple[int, ...], replicas) -> tuple:
             lay = sim.recompute_layout(lay, held[:, None] * more, live[:, None] * more, saved[:, None] * more)
     mo = sim.comm.machine_of
     machines = tuple(sorted({mo[d] for d in devs}))
-    if len(cache) > 100_000:
-        cache.clear()
     hit = cache[key] = (lay, devs, starts, ("tp", devs, starts, batches), tuple(sorted(devs)),
                         machines if len(machines) > 1 else (), {})
     return hit
