@@ -78,11 +78,15 @@ UNINITIALISED = {aten.empty.memory_format, aten.empty_permuted.default, aten.emp
 """Ops returning uninitialised memory (zeroed in the analysis, where garbage could read as NaN)."""
 
 
+def _query_heads(t: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Keys or values with fewer heads than ``query`` (grouped queries) repeated to its heads."""
+    h = query.shape[-3]
+    return t if t.shape[-3] == h else t.repeat_interleave(h // t.shape[-3], dim=-3)
+
+
 def _attention_scores(query, key, is_causal, attn_mask, scale):
-    """``[B, H, L, S]`` fp32 scores of fused attention and the ``[L, S]`` (or mask-shaped) positions
-    the kernel reads (None: all); a ``key`` with fewer heads (grouped queries) is repeated."""
-    if key.shape[-3] != query.shape[-3]:
-        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+    """``[B, H, L, S]`` fp32 scores of fused attention (``key`` at the query's heads,
+    :func:`_query_heads`) and the ``[L, S]`` (or mask-shaped) positions the kernel reads (None: all)."""
     s = (query.float() @ key.float().transpose(-2, -1)) * (scale or 1 / math.sqrt(query.shape[-1]))
     keep = None
     if is_causal:
@@ -110,20 +114,16 @@ def _nan_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_ma
     Here NaN spreads as through any matmul; within a head it may spread along the sequence where
     the kernel's mask would keep it out, which moves no kept set: the analysis puts whole heads'
     features NaN (parameters), never single positions."""
-    if key.shape[-3] != query.shape[-3]:
-        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
-    s, _ = _attention_scores(query, key, is_causal, attn_mask, scale)
+    s, _ = _attention_scores(query, _query_heads(key, query), is_causal, attn_mask, scale)
     lse = torch.logsumexp(s, -1)
-    return (torch.exp(s - lse[..., None]) @ value.float()).to(query.dtype), lse
+    return (torch.exp(s - lse[..., None]) @ _query_heads(value, query).float()).to(query.dtype), lse
 
 
 def _nan_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
                             attn_mask=None, scale=None):
     """The backward of :func:`_nan_attention` (``aten._scaled_dot_product_flash_attention_for_cpu_backward``:
     ``(grad_query, grad_key, grad_value)``), in plain ops for the same reason."""
-    heads = query.shape[-3]
-    k = key.repeat_interleave(heads // key.shape[-3], dim=-3) if key.shape[-3] != heads else key
-    v = value.repeat_interleave(heads // value.shape[-3], dim=-3) if value.shape[-3] != heads else value
+    k, v = _query_heads(key, query), _query_heads(value, query)
     s, keep = _attention_scores(query, k, is_causal, attn_mask, scale)
     p = torch.exp(s - logsumexp.float()[..., None])
     do = grad_out.float()
