@@ -116,6 +116,28 @@ def test_simulated_bytes_are_the_executed_ones(setup, trained):
         local.groups, pipeline=local.pipeline)[1] == {}
 
 
+def test_the_plan_bound_counts_the_all_gathers(setup):
+    """``plan_bound``'s per-device transfer load (:func:`tag.sim.bounds._transfer_load`) is the
+    seconds of the device's messages at bandwidth plus one all-gather of everything scattered
+    into its group (the run all-gathers per stage and micro-batch, at least that long), and stays
+    below the run's communication time on every device."""
+    from tag.sim import Simulator
+    from tag.sim.bounds import _transfer_load, plan_bound
+
+    graph, topo, plan = setup
+    sim = Simulator(graph, topo, CostModel.for_topology(graph, topo))
+    res = sim.run(plan.groups, pipeline=plan.pipeline)
+    p2p, gathered = sim.moved_bytes(plan.groups, pipeline=plan.pipeline)
+    load = _transfer_load(sim, sim.deploy(plan.groups), sim._micro(plan.groups, plan.pipeline))[0]
+    for d in range(topo.num_devices):
+        links = sum(nb / sim.comm.bandwidth[a, b] for (a, b), nb in p2p.items() if d in (a, b))
+        team = (d - d % 2, d - d % 2 + 1)
+        gather = sim.scatter_gather_time(team, (gathered[d] / 2, gathered[d] / 2))
+        assert gather > 0 and load[d] == pytest.approx(links + gather, rel=1e-9)
+        assert load[d] <= res.comm_time_s[d]
+    assert plan_bound(sim, plan.groups, plan.pipeline).time_s <= res.iteration_time_s
+
+
 @pytest.mark.parametrize("numel,degree,dtype", [(6, 2, torch.float32), (7, 2, torch.float32), (7, 3, torch.float32),
                                                 (5, 8, torch.float32), (1, 3, torch.int64), (3, 2, torch.bfloat16),
                                                 (5, 3, torch.bool)])
