@@ -13,6 +13,7 @@ sends and gathers, counted by the executor's runtimes (:attr:`RankRuntime.sent_b
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -65,10 +66,13 @@ def trained(setup):
     return run_virtual(graph, plan, load_workload(GPT2, batch=8), "sgd", 2, machine_of=topo.machine_of)
 
 
-def _assert_stage_params(rts, ref, graph):
+def _assert_stage_params(rts, ref, graph, degree=2):
+    """Every tensor-parallel group's full parameters (``degree`` consecutive ranks) equal ``ref``."""
     held = set()
-    for pair in ([rts[0], rts[1]], [rts[2], rts[3]]):
-        full = pair[0].hook.full_params([(rt.named_params(), rt.hook.kept) for rt in pair])
+    ranks = sorted(rts)
+    for lo in range(0, len(ranks), degree):
+        team = [rts[r] for r in ranks[lo:lo + degree]]
+        full = team[0].hook.full_params([(rt.named_params(), rt.hook.kept) for rt in team])
         held |= set(full)
         for name, value in full.items():
             torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
@@ -112,16 +116,115 @@ def test_simulated_bytes_are_the_executed_ones(setup, trained):
         local.groups, pipeline=local.pipeline)[1] == {}
 
 
-@pytest.mark.parametrize("numel,degree", [(6, 2), (7, 2), (7, 3), (5, 4), (1, 2)])
-def test_slices_pad_a_size_the_degree_does_not_divide(numel, degree):
-    """Every member's slice has the same length (the last padded with zeros); concatenated in
-    member order and cut to the size they give the tensor back."""
-    from tag.executor.runtime import scatter_slice, slice_numel
+def test_the_plan_bound_counts_the_all_gathers(setup):
+    """``plan_bound``'s per-device transfer load (:func:`tag.sim.bounds._transfer_load`) is the
+    seconds of the device's messages at bandwidth plus one all-gather of everything scattered
+    into its group (the run all-gathers per stage and micro-batch, at least that long), and stays
+    below the run's communication time on every device."""
+    from tag.sim import Simulator
+    from tag.sim.bounds import _transfer_load, plan_bound
 
-    x = torch.arange(float(numel)).reshape(1, numel)
+    graph, topo, plan = setup
+    sim = Simulator(graph, topo, CostModel.for_topology(graph, topo))
+    res = sim.run(plan.groups, pipeline=plan.pipeline)
+    p2p, gathered = sim.moved_bytes(plan.groups, pipeline=plan.pipeline)
+    load = _transfer_load(sim, sim.deploy(plan.groups), sim._micro(plan.groups, plan.pipeline))[0]
+    for d in range(topo.num_devices):
+        links = sum(nb / sim.comm.bandwidth[a, b] for (a, b), nb in p2p.items() if d in (a, b))
+        team = (d - d % 2, d - d % 2 + 1)
+        gather = sim.scatter_gather_time(team, (gathered[d] / 2, gathered[d] / 2))
+        assert gather > 0 and load[d] == pytest.approx(links + gather, rel=1e-9)
+        assert load[d] <= res.comm_time_s[d]
+    assert plan_bound(sim, plan.groups, plan.pipeline).time_s <= res.iteration_time_s
+
+
+@pytest.mark.parametrize("numel,degree,dtype", [(6, 2, torch.float32), (7, 2, torch.float32), (7, 3, torch.float32),
+                                                (5, 8, torch.float32), (1, 3, torch.int64), (3, 2, torch.bfloat16),
+                                                (5, 3, torch.bool)])
+def test_slices_pad_a_size_the_degree_does_not_divide(numel, degree, dtype):
+    """Every member's slice has the same number of bytes (the last padded with zero bytes, as
+    many as the simulator prices: :func:`tag.sim.units.shard_bytes`); concatenated in member
+    order and cut to the size they give the tensor back; where the degree divides the elements,
+    slice ``i`` is Megatron-LM's chunk ``i`` of the elements."""
+    from tag.executor.runtime import scatter_slice, slice_bytes
+    from tag.sim.units import shard_bytes
+
+    x = torch.arange(numel).to(dtype).reshape(1, numel)
+    nbytes = numel * x.element_size()
     parts = [scatter_slice(x, i, degree) for i in range(degree)]
-    assert {p.numel() for p in parts} == {slice_numel(numel, degree)}
-    assert torch.equal(torch.cat(parts)[:numel].view(1, numel), x)
+    assert {(p.dtype, p.numel()) for p in parts} == {(torch.uint8, slice_bytes(nbytes, degree))}
+    assert sum(p.numel() for p in parts) == shard_bytes(nbytes, degree) >= nbytes
+    assert torch.equal(torch.cat(parts)[:nbytes].view(dtype).view(1, numel), x)
+    if numel % degree == 0:
+        assert all(torch.equal(p.view(dtype), c) for p, c in zip(parts, x.reshape(-1).chunk(degree)))
+
+
+TWO_BY_FOUR = TWO_MACHINES.replace("count: 2", "count: 4")
+ONE_BY_EIGHT = """name: one-by-eight
+machines:
+  - {name: m0, gpu: V100-SXM2-16GB, count: 8, intra_bandwidth: "150 GB/s"}
+"""
+TWO_BY_THREE = TWO_MACHINES.replace("count: 2", "count: 3")
+GPT2_3 = "gpt2:n_layer=2,n_embd=48,n_head=6,vocab=100,seq=16"
+"""Heads that 3 divides (``tp=3``)."""
+
+
+def _pairs_equal(captured, tmp_path, text, spec, layout, degree):
+    """``layout`` of ``spec`` (batch 8) on the topology ``text``: trained 2 SGD steps in one
+    process, its parameters equal single-process SGD and per (sender, receiver) device pair, on
+    one machine or across, the simulator's message bytes equal what the executor's ranks sent
+    (each rank's destination: the rank of its own member index in the schedule device's group),
+    per device the all-gathered bytes too. Returns (simulator's pair bytes, runtimes, topology)."""
+    from tag.executor import reference_training, run_virtual
+    from tag.executor.strategies import execution_for
+    from tag.sim import Simulator
+    from tag.workloads import load_workload
+
+    path = tmp_path / "topo.yaml"
+    path.write_text(text)
+    graph = captured(spec, batch=8, groups=6).graph
+    topo = load_topology(str(path))
+    plan = layout_plan(graph, topo, layout, CostModel.for_topology(graph, topo))
+    validate_plan(plan, graph, topo)
+    rts = run_virtual(graph, plan, load_workload(spec, batch=8), "sgd", 2, machine_of=topo.machine_of)
+    ref, _ = reference_training(load_workload(spec, batch=8), "sgd", 2)
+    _assert_stage_params(rts, ref, graph, degree)
+    p2p, gathered = Simulator(graph, topo, CostModel.for_topology(graph, topo)).moved_bytes(
+        plan.groups, pipeline=plan.pipeline)
+    shards = execution_for(plan, graph).shards
+    sent = {(r, shards[rt.hook.index].get(d, d)): n for r, rt in rts.items() for d, n in rt.sent_bytes.items()}
+    assert p2p == {ab: pytest.approx(n, rel=1e-12) for ab, n in sent.items()}
+    assert gathered == {r: pytest.approx(rt.gathered_bytes, rel=1e-12) for r, rt in rts.items() if rt.gathered_bytes}
+    return p2p, rts, topo
+
+
+@pytest.mark.parametrize("text", [TWO_BY_FOUR, ONE_BY_EIGHT], ids=["two-machines", "one-machine"])
+def test_data_parallel_groups_send_the_tied_weight_from_their_own_stage(captured, tmp_path, text):
+    """``dp=2,tp=2,pp=2``: GPT-2's tied embedding crosses from stage 0 to stage 1 (and its summed
+    gradient back). Each tensor-parallel group of stage 1 gets it from the devices of the same
+    ranks of its own data-parallel replica in stage 0 (Megatron-LM's data-parallel pipelines;
+    before 2026-11-27 the executor sent it from the first group to both, the simulator from
+    each), so every device of stage 0 sends the same bytes forward; the executor's and the
+    simulator's bytes agree per device pair, within a machine too (the summed gradient from
+    member ``i`` to member ``i``)."""
+    p2p, _, topo = _pairs_equal(captured, tmp_path, text, GPT2, Layout(dp=2, tp=2, pp=2, micro=2), 2)
+    forward = {a: sum(nb for (x, b), nb in p2p.items() if x == a) for a in range(4)}
+    assert len(set(forward.values())) == 1 and forward[0] > 0
+    assert {ab for ab in p2p if ab[0] < 4} == {(0, 4), (1, 5), (2, 6), (3, 7)}
+    if topo.num_machines == 1:
+        assert {ab for ab in p2p if ab[0] >= 4} == {(4, 0), (5, 1), (6, 0), (7, 1), (6, 2), (7, 3)}
+
+
+def test_padding_where_the_degree_does_not_divide_a_boundary_tensor(captured, tmp_path):
+    """``tp=3,pp=2`` between two machines: some scattered boundary tensor's bytes are not a
+    multiple of 3; the executor pads its slices with zero bytes and the simulator prices them,
+    so the bytes per device pair and all-gathered still agree (and training is exact)."""
+    _, rts, _ = _pairs_equal(captured, tmp_path, TWO_BY_THREE, GPT2_3, Layout(tp=3, pp=2, micro=2), 3)
+    sizes = [math.prod(shape) * dtype.itemsize for rt in rts.values() for st in rt.schedule.steps
+             if st.kind == "transfer" for m in st.moves
+             if m.dst == rt.rank != m.src and rt.hook.scattered(m.src, m.dst)
+             for shape, dtype in [rt.piece_spec(st, m)]]
+    assert sizes and any(n % 3 for n in sizes)
 
 
 def _spawn_machines(topo, args_path: Path, log_dir: Path, timeout_s: float) -> None:

@@ -390,13 +390,13 @@ class RankRuntime:
 
     def incoming_specs(self, step: Step) -> list[tuple[int, int, list[int], torch.dtype]]:
         """(tag, source rank, shape, dtype) of every piece this rank receives in ``step`` (a
-        scattered piece: its 1-D slice)."""
+        scattered piece: its slice, 1-D bytes)."""
         out = []
         for k, m in enumerate(step.moves):
             if m.dst == self.rank and m.src != self.rank:
                 shape, dtype = self.piece_spec(step, m)
                 if self._scattered(m):
-                    shape = [slice_numel(math.prod(shape), self.hook.degree)]
+                    shape, dtype = [slice_bytes(math.prod(shape) * dtype.itemsize, self.hook.degree)], torch.uint8
                 out.append((k, m.src, shape, dtype))
         return out
 
@@ -470,15 +470,15 @@ class RankRuntime:
         """The whole pieces of the scattered moves ``tags`` of ``step``, from this rank's slices
         (``received``): one all-gather over the group (:attr:`RankHook.gather`) of their bytes
         concatenated, each member's slices then side by side; counted in :attr:`gathered_bytes`."""
-        slices = [received[k].reshape(-1).view(torch.uint8) for k in tags]
+        slices = [received[k].reshape(-1) for k in tags]  # bytes (scatter_slice)
         mine = torch.cat(slices) if len(slices) > 1 else slices[0]
         members = self.hook.gather(mine).view(self.hook.degree, -1)  # row i: member i's slices
         self.gathered_bytes += members.numel()
         out, off = {}, 0
         for k, part in zip(tags, slices):
             shape, dtype = self.piece_spec(step, step.moves[k])
-            flat = members[:, off:off + part.numel()].contiguous().view(dtype).view(-1)
-            out[k] = flat[:math.prod(shape)].view(shape)
+            whole = members[:, off:off + part.numel()].reshape(-1)[:math.prod(shape) * dtype.itemsize]
+            out[k] = whole.view(dtype).view(shape)
             off += part.numel()
         return out
 
@@ -649,18 +649,22 @@ def check_structure(schedule: Schedule, joint: Joint, batch: int, group: int, lo
                          f"({where}); {fix}")
 
 
-def slice_numel(numel: int, degree: int) -> int:
-    """Elements of each of ``degree`` slices of a flattened tensor of ``numel`` (the last padded)."""
-    return -(-numel // degree)
+def slice_bytes(nbytes: int, degree: int) -> int:
+    """Bytes of each of ``degree`` slices of a tensor of ``nbytes`` (the last padded with zero
+    bytes); the simulator prices the same (:func:`tag.sim.units.shard_bytes`)."""
+    return -(-nbytes // degree)
 
 
 def scatter_slice(piece: torch.Tensor, index: int, degree: int) -> torch.Tensor:
-    """Slice ``index`` of ``degree`` of contiguous ``piece`` flattened (Megatron-LM's
-    ``split_tensor_into_1d_equal_chunks``), padded with zeros to :func:`slice_numel` where
-    ``degree`` does not divide its size: the receiving group concatenates the slices in member
+    """Slice ``index`` of ``degree`` of ``piece``'s bytes, flattened (1-D ``uint8``): Megatron-LM's
+    ``split_tensor_into_1d_equal_chunks`` where ``degree`` divides its element count (byte slice
+    ``i`` is then element slice ``i``), padded with zero bytes to :func:`slice_bytes` where
+    ``degree`` does not divide its bytes (Megatron-LM asserts it does; padding bytes, not
+    elements, sends less than ``degree`` extra bytes per tensor, a size the simulator knows from
+    the graph's byte sizes, 2026-11-27): the receiving group concatenates the slices in member
     order and drops the padding (:meth:`RankRuntime._gather_scattered`)."""
-    flat = piece.reshape(-1)
-    n = slice_numel(flat.numel(), degree)
+    flat = piece.reshape(-1).view(torch.uint8)
+    n = slice_bytes(flat.numel(), degree)
     lo = min(index * n, flat.numel())
     part = flat[lo:lo + n]
     return part if part.numel() == n else torch.cat([part, part.new_zeros(n - part.numel())])

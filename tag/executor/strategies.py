@@ -31,10 +31,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..parallel.registry import Registry
+from ..parallel.schedule import build_schedule
 
 if TYPE_CHECKING:
     from ..graph.ir import OpGraph
     from ..graph.stages import Stage
+    from ..parallel.schedule import Schedule
     from ..plan.format import Plan
     from .runtime import Joint
 
@@ -93,6 +95,14 @@ class Execution:
         """Ranks running one schedule device together (the device first); equal sizes."""
         self.lead = {d: devs[0] for devs in self.groups for d in devs}
         """Rank -> the schedule's device it runs as (ranks of no group: themselves)."""
+        self.aligned_copies = False
+        """Whether the schedule takes a copied tensor from the aligned producer replica rather than
+        the first (:func:`tag.parallel.moves.move_pieces` ``aligned``)."""
+
+    def schedule(self, graph: OpGraph, machine_of=None, bucket_bytes: int | None = None) -> Schedule:
+        """The schedule every rank walks (:func:`tag.parallel.schedule.build_schedule` of
+        :attr:`plan`)."""
+        return build_schedule(graph, self.plan, machine_of, bucket_bytes, self.aligned_copies)
 
     @property
     def shards(self) -> list[dict[int, int]] | None:

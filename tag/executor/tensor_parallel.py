@@ -16,7 +16,7 @@ and per member index in :func:`tag.executor.run_virtual`): on one machine the fu
 (replicated outside the blocks, as Megatron-LM's pipeline sends each tensor-parallel rank's to
 the same rank of the next stage); between machines Megatron-LM's scatter-gather
 (``scatter_gather_tensors_in_pipeline``, :meth:`TpRank.scattered`): slice ``i`` of the flattened
-tensor (:func:`~tag.executor.runtime.scatter_slice`, padded where ``T`` does not divide it), the
+tensor's bytes (:func:`~tag.executor.runtime.scatter_slice`, padded where ``T`` does not divide them), the
 receiving group all-gathering the whole (:attr:`TpRank.gather`), so one copy crosses the network,
 as the simulator prices it. Flattened, as Megatron-LM's ``split_tensor_into_1d_equal_chunks``:
 any tensor (a tied weight, its partial-sum gradient, rows of a pipeline activation) splits the same
@@ -522,6 +522,9 @@ class TpExecution(Execution):
         groups = dict.fromkeys(tuple(devs) for gp in plan.groups for devs in tp_groups(gp))
         super().__init__(executed_plan(plan), [list(devs) for devs in groups])
         self.spec = tp_spec(graph)
+        # its replicas are tensor-parallel groups: a copy (a tied weight) from the aligned group, as
+        # the simulator's holder sets move it (each data-parallel pipeline from its own stage)
+        self.aligned_copies = True
 
     def hook(self, rank: int) -> TpRank | None:
         devs = self.group_of(rank)

@@ -13,7 +13,7 @@ import torch
 
 from ..graph.ir import OpGraph
 from ..graph.precision import autocast, loss_scale
-from ..parallel.schedule import Schedule, build_schedule
+from ..parallel.schedule import Schedule
 from ..plan.format import Plan
 from .optim import make_optimizer
 from .runtime import Joint, RankRuntime, export_at
@@ -44,7 +44,7 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
     buckets' cap (:func:`tag.parallel.buckets.bucket_caps`).
     """
     ex = execution_for(plan, graph)  # a strategy may run it otherwise (tag.executor.strategies)
-    sched = build_schedule(graph, ex.plan, machine_of, bucket_bytes)
+    sched = ex.schedule(graph, machine_of, bucket_bytes)
     ranks = ex.ranks({r.device for u in sched.units.values() for r in u.replicas}
                      | {m for st in sched.steps if st.collective is not None for m in st.collective.members})
     hooks: dict[int, RankHook | None] = {d: ex.hook(d) for d in ranks}

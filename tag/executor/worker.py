@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..io import write_json
-from ..parallel import build_schedule, validate_plan
+from ..parallel import validate_plan
 from .profiling import op_table, profiled, table_path
 from .runtime import ExecutionError, RankRuntime, export_at
 from .strategies import execution_for
@@ -125,7 +125,7 @@ def run_rank(a: WorkerArgs) -> dict:
     plan = Plan.load(a.plan)
     validate_plan(plan, graph, topology, source=a.plan)
     ex = execution_for(plan, graph)  # a strategy may run it otherwise (tp: a group's devices run its first one's schedule)
-    sched = build_schedule(graph, ex.plan, topology.machine_of, a.bucket_bytes)
+    sched = ex.schedule(graph, topology.machine_of, a.bucket_bytes)
     me = ex.lead.get(rank, rank)  # the schedule's device this rank runs as
     hook, members = ex.hook(rank), ex.group_of(rank)  # (members: this rank's group, None outside one)
     if a.backend == "nccl":

@@ -30,17 +30,22 @@ unit every replica is a holder set of its own, and the rules below reduce to one
 * ``copy`` (a non-batch forward tensor): every consumer replica receives the whole tensor from
   one producer replica: the one on its device, else on its machine, else the first. With a
   tensor-parallel side (a holder set of several replicas) the producer replicas are taken as one
-  set and chosen as for ``rows`` (the aligned one, ``j mod`` their count; ``shard`` pieces, with
-  no sample range, into a set of several devices on another machine), so that consumers on other
-  machines do not all draw from the first replica.
+  set and chosen as for ``rows`` (the aligned one, ``j mod`` their count, else the ``j mod k``-th
+  of the ``k`` on its machine; ``shard`` pieces, with no sample range, into a set of several
+  devices on another machine), so that consumers on other machines do not all draw from the
+  first replica: with data-parallel tensor-parallel groups, each group's devices from the same
+  ranks of its aligned group (Megatron-LM's data-parallel pipelines, each passing a tied weight
+  from its own stage; the executor's schedule of such a plan moves copies so too,
+  :func:`move_pieces` ``aligned``, 2026-11-27).
 * ``sum`` (a non-batch partial sum over a holder set's samples, e.g. a tied weight's gradient):
   one partial per producer holder set (its holders' partials are equal: counted once). When
   every producer set has a holder on a device of the consumer, the partial goes to the consumer
   holder set there (the consumer's sets then hold partials that sum to the whole); else all go to
   the consumer's first set. Every replica of the receiving set gets it (the one on a producer
-  holder's device from that holder), as each device of a tensor-parallel group syncs its own
-  copy; into a set of several devices on another machine as ``shard`` pieces from the aligned
-  holder. Consumer replicas fed nothing get zeros (``zeros``, no data moves).
+  holder's device from that holder, the others from their aligned holder: member ``i`` from
+  member ``i``, as the executor's ranks of one index exchange, 2026-11-27), as each device of a
+  tensor-parallel group syncs its own copy; into a set of several devices on another machine as
+  ``shard`` pieces from the aligned holder. Consumer replicas fed nothing get zeros (``zeros``, no data moves).
 """
 
 from __future__ import annotations
@@ -66,8 +71,16 @@ def holder_sets(unit) -> list[tuple[int, int]]:
     return out
 
 
-def move_pieces(kind: str, src, dst, machine_of: Callable[[int], int]) -> list[Piece]:
-    """The pieces of one tensor of ``kind`` (``rows``, ``copy`` or ``sum``) from ``src`` to ``dst``."""
+def move_pieces(kind: str, src, dst, machine_of: Callable[[int], int], aligned: bool = False) -> list[Piece]:
+    """The pieces of one tensor of ``kind`` (``rows``, ``copy`` or ``sum``) from ``src`` to ``dst``.
+
+    ``aligned``: a ``copy`` between two data-parallel units comes from the aligned producer
+    replica (consumer ``j`` from producer ``j mod`` their count) rather than the first, as between
+    tensor-parallel units: the executor's schedule of a tensor-parallel plan, whose replicas are
+    the tensor-parallel groups run as their first devices
+    (:func:`tag.parallel.tensor_parallel.executed_plan`), so that it moves what the simulator
+    prices for the tensor-parallel plan itself (Megatron-LM's data-parallel pipelines, each
+    passing a tied weight from its own stage to its own next stage; 2026-11-27)."""
     if kind == "rows":  # both partitions into holder sets in order: merge them (pieces in sample order)
         out: list[Piece] = []
         sets_s, sets_d = holder_sets(src), holder_sets(dst)
@@ -95,7 +108,7 @@ def move_pieces(kind: str, src, dst, machine_of: Callable[[int], int]) -> list[P
     run = (0, len(src.devices))
     sets_s, sets_d = holder_sets(src), holder_sets(dst)
     if len(sets_s) == run[1] and len(sets_d) == len(dst.devices):  # data parallel on both sides
-        pick = _holder(src.devices, run, machine_of)
+        pick = _holder(src.devices, run, machine_of, spread=aligned)
         return [(pick(d, j), j, "copy", 0, 0) for j, d in enumerate(dst.devices)]
     # a tensor-parallel side: every producer replica holds the tensor; as rows, from the aligned one
     pick = _holder(src.devices, run, machine_of, spread=True)
@@ -124,13 +137,16 @@ def _holder(devices, run: tuple[int, int], machine_of: Callable[[int], int],
     ``d``, else the *aligned* one if on ``d``'s machine, else the first on that machine, else the
     aligned one; aligned: the run's first, or with ``spread`` its ``j mod len(run)``-th (consumer
     ``j`` of a tensor-parallel group from the same rank of the producer's: each of its devices
-    sends once). One pass over the run: O(n), not O(n^2) on 512 replicas."""
+    sends once), and with ``spread`` "the first on that machine" is the ``j mod k``-th of the
+    ``k`` there (a tensor-parallel consumer's devices from the same ranks of one group there,
+    as the executor's ranks of one index exchange: 2026-11-27). One pass over the run: O(n), not
+    O(n^2) on 512 replicas."""
     on_device: dict[int, int] = {}
-    on_machine: dict[int, int] = {}
+    on_machine: dict[int, list[int]] = {}
     for i in range(*run):
         s = devices[i]
         on_device.setdefault(s, i)
-        on_machine.setdefault(machine_of(s), i)
+        on_machine.setdefault(machine_of(s), []).append(i)
     first, size = run[0], run[1] - run[0]
 
     def pick(d: int, j: int) -> int:
@@ -140,7 +156,10 @@ def _holder(devices, run: tuple[int, int], machine_of: Callable[[int], int],
         m = machine_of(d)
         if machine_of(devices[aligned]) == m:
             return aligned
-        return on_machine.get(m, aligned)
+        there = on_machine.get(m)
+        if there is None:
+            return aligned
+        return there[j % len(there)] if spread else there[0]
     return pick
 
 
@@ -160,9 +179,10 @@ def _sum_pieces(src, dst, machine_of: Callable[[int], int]) -> list[Piece]:
         mine = {src.devices[i]: i for i in range(a, b)}
         c0, c1 = sets_d[k]
         for j in range(c0, c1):
-            i = mine.get(dst.devices[j], r)
+            aligned = a + (j - c0) % (b - a)  # consumer member i from producer member i
+            i = mine.get(dst.devices[j], aligned)
             if c1 - c0 > 1 and machine_of(src.devices[i]) != machine_of(dst.devices[j]):
-                out.append((a + j % (b - a), j, "shard", 0, 0))  # from the aligned holder, scattered
+                out.append((aligned, j, "shard", 0, 0))  # from the aligned holder, scattered
             else:
                 out.append((i, j, "sum", 0, 0))
     fed = {j for _, j, _, _, _ in out}

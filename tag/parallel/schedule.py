@@ -260,7 +260,8 @@ def graph_structure(graph: OpGraph) -> list[tuple[str, str, tuple[str, ...]]]:
     return [(op.name, op.target, tuple(names[t] for t in op.inputs)) for op in graph.ops if op.phase != "opt"]
 
 
-def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: int | None = None) -> Schedule:
+def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: int | None = None,
+                   aligned_copies: bool = False) -> Schedule:
     """The global schedule of ``plan`` on ``graph``.
 
     Args:
@@ -268,6 +269,9 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
             default: all devices on one machine.
         bucket_bytes: cap of the gradient buckets (:func:`tag.parallel.buckets.bucket_caps`;
             default DDP's).
+        aligned_copies: copies from the aligned producer replica, not the first
+            (:func:`tag.parallel.moves.move_pieces` ``aligned``; a tensor-parallel plan's
+            :func:`~tag.parallel.tensor_parallel.executed_plan`).
     """
     machine_of = machine_of or (lambda d: 0)
     B = plan.batch_size
@@ -411,7 +415,7 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
                     moves += [Move(tensor.name, src_unit, u, r.device, r.device, "zeros") for r in dst.replicas]
                     continue
             moves += _moves(tensor.name, micro_units.get((src_unit, m), units[src_unit]),
-                            dst, tensor.batch_dim, t in partial_sums, machine_of)
+                            dst, tensor.batch_dim, t in partial_sums, machine_of, aligned_copies)
         if moves:
             steps.append(Step("transfer", u, ph, moves, micro=m))
         steps.append(Step("compute", u, ph, micro=m))
@@ -480,10 +484,11 @@ def _sfb_groups(graph: OpGraph, plan: Plan, param_owner: dict[str, UnitKey],
     return out
 
 
-def _moves(name: str, src: Unit, dst: Unit, batch_dim: int | None, partial_sum: bool, machine_of) -> list[Move]:
+def _moves(name: str, src: Unit, dst: Unit, batch_dim: int | None, partial_sum: bool, machine_of,
+           aligned: bool = False) -> list[Move]:
     """The moves of tensor ``name`` from ``src`` to ``dst`` (:func:`tag.parallel.moves.move_pieces`)."""
     out = []
-    for i, j, mode, lo, hi in move_pieces(move_kind(batch_dim, partial_sum), src, dst, machine_of):
+    for i, j, mode, lo, hi in move_pieces(move_kind(batch_dim, partial_sum), src, dst, machine_of, aligned):
         c = dst.replicas[j].device
         if mode == "rows":
             out.append(Move(name, src.key, dst.key, src.replicas[i].device, c, mode, lo, hi, batch_dim))

@@ -29,7 +29,9 @@ the run that may follow), so they hold by construction of the event loop
   stage plus the last backwards from the group on (:func:`_sync_chain`), and its
   optimizer step after the last; a transfer is a rendezvous holding both ends' compute streams
   (``_Run._transfer``), so a device's compute, transfers and optimizer step add up, a transfer
-  taking at least its bytes over the link's bandwidth (packed messages pay one latency); and a
+  taking at least its bytes over the link's bandwidth (packed messages pay one latency), as do
+  the all-gathers of pieces scattered into a tensor-parallel group (``_Run._scatter_gather``,
+  at least one all-gather of all of a group's chunks: :func:`_transfer_load`); and a
   machine's outgoing (incoming) network side serves its transfers out (in), then the syncs
   spanning it (:func:`_transfer_load`). Latencies, other waits and the rest of the bubbles are
   left out (>= 0).
@@ -219,9 +221,16 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     transfers at least. The run moves the flows of the pairs :class:`~tag.sim.engine._Run` takes
     (per micro-batch; those moving once at the first and last), a stage's flows from one device to
     another packed into one message of ``latency + bytes / bandwidth`` (:func:`tag.sim.engine._messages`):
-    at least each flow's ``bytes / bandwidth``."""
+    at least each flow's ``bytes / bandwidth``. A device's load also counts the all-gathers
+    completing pieces scattered into its tensor-parallel group (``_Run._scatter_gather``, which
+    holds its compute stream as a transfer does): the run all-gathers a set's chunks once per
+    stage and micro-batch, at least as long as one all-gather of all of them summed (the
+    all-gather time, :meth:`tag.cost.comm.CommModel.allgather_time` on one machine, ring or
+    fitted, is subadditive: a sum of ``max`` or ``sum - min`` of chunks plus a latency term
+    paid once; 2026-11-27)."""
     n, m = sim.num_devices, sim.num_machines
     load, out, into = np.zeros(n), np.zeros(m), np.zeros(m)
+    gathered: dict[tuple[int, ...], np.ndarray] = {}  # a holder set's devices -> its chunks, summed
     if micro is None:
         pairs = [(tpl, 1) for tpl in sim._templates_used(gds)]
     elif len(micro.gds) == 1:
@@ -250,6 +259,12 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         np.add.at(load, b, secs * c)
         np.add.at(out, ma, xs * c)
         np.add.at(into, mb, xs * c)
+        for _, sets in tpl.gathers:
+            for _lo, _hi, devs, chunks in sets:
+                acc = gathered.get(devs)
+                gathered[devs] = np.asarray(chunks) * c if acc is None else acc + np.asarray(chunks) * c
+    for devs, chunks in gathered.items():
+        load[list(devs)] += sim.scatter_gather_time(devs, tuple(chunks.tolist()))
     return load, out, into
 
 

@@ -36,7 +36,8 @@ any ``b``, the split weights are read whole by the cost, which overstates a smal
 Tensors crossing between a ``tp`` group and another unit (mixed plans, simulated only; pipelines
 of ``tp`` stages, executed too) move by :func:`tag.parallel.move_pieces`: out of a plain group
 from one of its devices (the consumer's aligned rank), into it to each device (from another
-machine ``1 / T`` to each, then the group's all-gather of the whole, costed by the event loop:
+machine ``1 / T`` to each, each tensor padded to a multiple of ``T`` bytes as the executor pads
+it (:func:`tag.sim.units.shard_bytes`), then the group's all-gather of the whole, costed by the event loop:
 :meth:`tag.sim.engine._Run._scatter_gather`); per token shard with sequence parallelism. The
 executor does the same (:func:`tag.parallel.tensor_parallel.executed_plan`): device ``i`` to
 device ``i``, the whole tensor within a machine, slice ``i`` of it between machines followed by

@@ -281,9 +281,9 @@ def pair_flows(static: GraphStatic, comm, g1: int, gd1: GroupData, g2: int, gd2:
     kinds = pair_kinds(static, g1, gd1, g2, gd2)
     moves: dict[tuple, float] = {}
     mo = comm.machine_of
-    for (su, sphase, du, ph, kind), fixed, per_sample in kinds:
+    for (su, sphase, du, ph, kind), fixed, per_sample, sizes in kinds:
         src, dst = gd1.units[su], gd2.units[du]
-        for ri, rj, nbytes, _ in _piece_bytes(_pieces(kind, src, dst, mo), fixed, per_sample, src.batches):
+        for ri, rj, nbytes, _ in _piece_bytes(_pieces(kind, src, dst, mo), fixed, per_sample, sizes, src.batches):
             if nbytes <= 0:
                 continue
             key = ((sphase, g1, su), ri, (ph, g2, du), rj)
@@ -302,8 +302,9 @@ def pair_kinds(static: GraphStatic, g1: int, gd1: GroupData, g2: int, gd2: Group
                select: str | None = None) -> tuple:
     """The tensors crossing from group ``g1``'s units to ``g2``'s, summed per (source unit and
     phase, destination unit and first-need phase, move kind): ``((su, sphase, du, ph, kind),
-    fixed, per_sample)`` in :func:`pair_flows` order. Depends on the deployments only through
-    the mp chunks of the two groups.
+    fixed, per_sample, sizes)`` in :func:`pair_flows` order, ``sizes`` each tensor's ``(fixed,
+    per_sample)`` (a scattered piece pads each tensor's slices: :func:`shard_bytes`). Depends on
+    the deployments only through the mp chunks of the two groups.
 
     ``select`` (pipelines, :attr:`TensorEdge.once`): ``"micro"`` only the tensors moved once per
     micro-batch, ``"first"`` only the batch-independent ones moved before the first, ``"last"``
@@ -321,10 +322,11 @@ def pair_kinds(static: GraphStatic, g1: int, gd1: GroupData, g2: int, gd2: Group
         for du, ph in need.items():
             if g1 == g2 and du == su:
                 continue
-            acc = kinds.setdefault((su, e.src_phase, du, ph, kind), [0.0, 0.0])
+            acc = kinds.setdefault((su, e.src_phase, du, ph, kind), [0.0, 0.0, []])
             acc[0] += e.fixed
             acc[1] += e.per_sample
-    return tuple((k, f, p) for k, (f, p) in kinds.items())
+            acc[2].append((e.fixed, e.per_sample))
+    return tuple((k, f, p, tuple(ts)) for k, (f, p, ts) in kinds.items())
 
 
 class PairTemplate:
@@ -348,12 +350,12 @@ class PairTemplate:
         gathered: dict[tuple, dict[tuple[int, int], list[float]]] = {}  # (ph, du) -> set -> bytes per replica
         if pieces is None:  # (su, du, kind) -> [(ri, rj, samples or -1)]: bundles share them
             pieces, ukeys = {}, ()
-        for (su, sphase, du, ph, kind), fixed, per_sample in kinds:
+        for (su, sphase, du, ph, kind), fixed, per_sample, sizes in kinds:
             src = units1[su]
             pcs = pieces.get((su, du, kind, ukeys))
             if pcs is None:
                 pcs = pieces[(su, du, kind, ukeys)] = _pieces(kind, src, units2[du], mo)
-            for ri, rj, nbytes, hs in _piece_bytes(pcs, fixed, per_sample, src.batches):
+            for ri, rj, nbytes, hs in _piece_bytes(pcs, fixed, per_sample, sizes, src.batches):
                 if nbytes <= 0:
                     continue
                 key = (ph, du, sphase, su, ri, rj)
@@ -397,14 +399,33 @@ def _pieces(kind: str, src: Unit, dst: Unit, mo) -> list[tuple[int, int, int, fl
     return out
 
 
-def _piece_bytes(pieces: list, fixed: float, per_sample: float, batches) -> list[tuple[int, int, float, tuple | None]]:
+def shard_bytes(nbytes: float, size: int) -> float:
+    """Bytes a holder set of ``size`` devices receives, all slices together, when a tensor of
+    ``nbytes`` is scattered into it: ``nbytes`` padded to a multiple of ``size`` (each slice
+    :func:`tag.executor.runtime.slice_bytes`, the executor's zero bytes where ``size`` does not
+    divide ``nbytes``; 2026-11-27)."""
+    r = nbytes % size
+    return nbytes if r == 0 else nbytes + (size - r)
+
+
+def _piece_bytes(pieces: list, fixed: float, per_sample: float, sizes: tuple, batches
+                 ) -> list[tuple[int, int, float, tuple | None]]:
     """(producer replica, consumer replica, bytes, scattered into holder set or None) of ``pieces``
-    of a tensor bundle of ``fixed + per_sample * b`` bytes: rows by overlap, a copy or a partial
-    sum at the producer's batch (times the fraction moved)."""
-    return [(i, j, (per_sample * n if n >= 0 else fixed + per_sample * batches[i]) * f, hs)
-            for i, j, n, f, hs in pieces]
+    of a tensor bundle of ``fixed + per_sample * b`` bytes (``sizes``: each tensor's ``(fixed,
+    per_sample)``): rows by overlap, a copy or a partial sum at the producer's batch (times the
+    fraction moved; a ``shard`` piece's tensors each padded to a multiple of the set's size,
+    :func:`shard_bytes`)."""
+    out = []
+    for i, j, n, f, hs in pieces:
+        if hs is None:
+            out.append((i, j, (per_sample * n if n >= 0 else fixed + per_sample * batches[i]) * f, hs))
+            continue
+        size, b = hs[1] - hs[0], batches[i]
+        padded = sum(shard_bytes(p * n if n >= 0 else x + p * b, size) for x, p in sizes)
+        out.append((i, j, padded * f, hs))
+    return out
 
 
 __all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "SfbData", "Unit", "at_batch", "make_layout", "mp_unit",
            "recompute_layout",
-           "pair_flows", "pair_kinds", "PairTemplate"]
+           "pair_flows", "pair_kinds", "PairTemplate", "shard_bytes"]
