@@ -212,6 +212,10 @@ def assumptions(cases: list[dict], fixed: tuple[str, ...], fitted: list[str]) ->
     out = {n: "the microbenchmark's marginal rate (square matmuls n=1024 to 4096), not fitted: the small "
               "GEMMs of the steps run below it, which matmul_call:<mode> charges per call" for n in fixed
            if n.startswith("matmul:")}
+    if "matmul_unaligned:low" in fixed:
+        out["matmul_unaligned:low"] = (
+            "matmul:low / 8 per element of alignment, not fitted: an unaligned GEMM loads a elements (2a bytes) per "
+            "access where an aligned one loads 8 (16 bytes); fitted on the steps it is 104 TFLOP/s (this rule: 97.5)")
     if "attention_eff" in fixed:
         most = max((c.get("by_class_s", {}).get("attention", 0.0) for c in cases), default=0.0)
         out["attention_eff"] = (f"1 (fused attention at the matmul microbenchmark rate of its mode, the prior): the "

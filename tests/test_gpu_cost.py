@@ -14,6 +14,8 @@ from tag.cost.gpu import (
     COLUMNS,
     FIT_PARAMS,
     FIXED_PARAMS,
+    MODES,
+    OP_CLASSES,
     SECONDS,
     Numerics,
     OpFeatures,
@@ -294,3 +296,53 @@ def test_stage_table_is_the_eager_pipeline(graphs):
     assert stage_table(g, feat, dataclasses.replace(rates, host_s=0.0), [B]).sum() == pytest.approx(t.sum())
     slow = dataclasses.replace(rates, host_s=1.0)  # a second per launch: the device's work is hidden
     assert stage_table(g, feat, slow, [B]).sum() == pytest.approx(n.sum(), rel=1e-3)  # kernels: < 1 ms in all
+
+
+def test_unaligned_lm_head_is_seen_in_the_graph_and_costs_more(captured):
+    """The graph keeps no shapes, but a matmul's FLOPs and the sizes of its operands give its
+    dimensions (gemm_dims); a vocabulary of 66 (= 2 x 33) makes the LM head's three bf16 GEMMs
+    (forward, input and weight gradients) 2-element aligned, every other GEMM 8-aligned (the token
+    count, 4 x 16, scales with the batch and is never a leading dimension). fp32 GEMMs are not
+    checked (their FFMA kernels need no 16-byte access)."""
+    from tag.cost.gpu import ALIGN_ELEMENTS, gemm_dims
+
+    g = captured("gpt2:n_layer=1,n_embd=32,n_head=2,vocab=66,seq=16", batch=B, groups=2, precision="bf16").graph
+    feat = OpFeatures.of(g, Numerics())
+    mm = [i for i, o in enumerate(g.ops) if op_class(o.target) == "matmul"]
+    head = [i for i in mm if 66.0 in gemm_dims(g, g.ops[i], B)]
+    assert len(head) == 3 and all(sorted(gemm_dims(g, g.ops[i], B)) == [32.0, 64.0, 66.0] for i in head)
+    assert [int(feat.align[i]) for i in head] == [2, 2, 2]
+    assert all(feat.align[i] == ALIGN_ELEMENTS for i in mm if i not in head)
+    assert set(OpFeatures.of(captured(GPT2, batch=B, groups=2, precision="bf16").graph, Numerics()).align) \
+        == {ALIGN_ELEMENTS}
+    g32 = captured("gpt2:n_layer=1,n_embd=32,n_head=2,vocab=66,seq=16", batch=B, groups=2).graph
+    assert not OpFeatures.of(g32, Numerics()).unaligned().any()
+    # the rule stays linear in its unknowns with unaligned GEMMs in the graph
+    rates = fitted_rates("H200")
+    np.testing.assert_allclose(design(feat, rates, B) @ theta_of(rates), op_seconds(feat, rates, [B])[:, 0],
+                               rtol=1e-9, atol=1e-15)
+
+
+def test_unaligned_bf16_gemm_costs_more_than_an_aligned_one_of_the_same_flops():
+    """Same FLOPs, same per-call floor: aligned to a = 1, 2, 4 elements a bf16 GEMM runs at a/8 of
+    the aligned rate (matmul_unaligned = matmul:low / 8, the width of its loads); fp32 GEMMs
+    ignore alignment. The H200's LM-head kernels (evaluation/results/gpu-check/2026-11-26-h200
+    run1.jsonl) measured 119 TFLOP/s at 1 element (GPT-2's 50257 vocabulary, 3 cutlass align1
+    kernels, 7.94 ms) and 240 at 2 (BERT's 30522, 3 align2 kernels, 2.40 ms): the rule gives
+    97 and 195, the aligned 780."""
+    gpt2, bert = (2.0 * 4096 * 768 * vocab for vocab in (50257, 30522))  # 8 x 512 tokens, width 768
+    rates = fitted_rates("H200")
+
+    def seconds(align: int, mode: str, flops: float = gpt2) -> float:
+        feat = OpFeatures(np.array([OP_CLASSES.index("matmul")]), np.array([MODES.index(mode)]),
+                          np.array([[flops, 0.0]]), np.zeros((1, 2)), 1.0, np.array([True]), np.array([align]))
+        return float(op_seconds(feat, rates, [1])[0, 0])
+
+    t = {a: seconds(a, "low") for a in (1, 2, 4, 8)}
+    assert t[1] > t[2] > t[4] > t[8]
+    floor = rates.matmul_floor("low")
+    assert (t[1] - floor) == pytest.approx(8 * (t[8] - floor)) and (t[2] - floor) == pytest.approx(4 * (t[8] - floor))
+    assert 3 * t[1] == pytest.approx(7.94e-3, rel=0.25) and 3 * seconds(2, "low", bert) == pytest.approx(2.40e-3, rel=0.25)
+    assert seconds(1, "fp32") == seconds(8, "fp32")
+    a100 = gpu_rates(GPU_CATALOG["A100-80GB"])  # derived types keep the ratio to their aligned rate
+    assert float(a100.unaligned_rate(1)) == pytest.approx(a100.matmul["low"] / 8)
