@@ -513,13 +513,19 @@ class OpFeatures:
             & (self.mode == MODES.index("low"))
 
 
+_GEMMS = ("mm", "addmm", "bmm", "baddbmm")
+"""ATen matmuls whose last two inputs are the matrix operands and whose output is their product
+(with ``addmm``'s and ``baddbmm``'s addend first)."""
+
+
 def gemm_dims(graph, op, batch: float) -> tuple[float, float, float] | None:
     """(M, K, N) of a matmul op at ``batch`` from its FLOPs and the sizes of its two matrix
     operands (its last two inputs) and its output: ``FLOPs = 2 B M K N`` and the operands hold
     ``B M K``, ``B K N`` and ``B M N`` elements (``B``: a bmm's batch of matrices), so ``M =
     FLOPs / (2 |B|)``, ``K = FLOPs / (2 |C|)``, ``N = FLOPs / (2 |A|)``. None where the op does
-    not have that form (a vector product, one tensor used twice, no FLOPs counted)."""
-    if len(op.inputs) < 2 or op.inputs[-1] == op.inputs[-2] or not op.outputs:
+    not have that form (not one of :data:`_GEMMS`, one tensor used twice, no FLOPs counted)."""
+    name = op.target.split(".")[1] if op.target.startswith("aten.") else ""
+    if name not in _GEMMS or len(op.inputs) < 2 or op.inputs[-1] == op.inputs[-2] or not op.outputs:
         return None
     size = _ITEMSIZE.get(op.dtype, 4)
     a, b = (graph.tensors[t].nbytes.at(batch) / size for t in op.inputs[-2:])
