@@ -167,6 +167,9 @@ def load_steps(files: list[Path], cache: Path, capture_missing: bool = False) ->
             ops = (r.get("ops") or {}).get("top_ops")
             if ops:  # [name, calls, host seconds, ...] of the profiled step's top-level ATen ops
                 c["op_host_s"] = {row[0]: row[2] / row[1] for row in ops if row[1]}
+                measured = optimizer_host_s(ops, g)
+                if measured is not None:
+                    c["opt_host_s"] = measured
             top = (r.get("ops") or {}).get("top_kernels")
             if top:
                 secs, count = measured_by_class(top)
@@ -195,6 +198,26 @@ def host_speeds(cases: list[dict]) -> None:
             c["host_speed"] = float(np.exp(np.mean(logs)))
 
 
+def optimizer_host_s(top_ops: list, graph) -> float | None:
+    """Host seconds per parameter tensor and multi-tensor kernel of the optimizer step of one
+    profiled step (:attr:`tag.cost.gpu.GpuRates.opt_host_s`): its ``aten::_foreach_*`` calls and
+    Adam's two ``aten::item`` per parameter (the step count read for both bias corrections), over
+    the parameters and :data:`tag.cost.gpu.FOREACH_KERNELS`; None for another optimizer or
+    without ``_foreach_`` calls in the table."""
+    from tag.cost.gpu import FOREACH_KERNELS
+
+    if graph.optimizer != "adam" or not graph.params:
+        return None
+    n = len(graph.params)
+    rows = {row[0]: (row[1], row[2]) for row in top_ops}
+    foreach = sum(s for name, (_, s) in rows.items() if name.startswith("aten::_foreach_"))
+    if not foreach:
+        return None
+    calls, secs = rows.get("aten::item", (0, 0.0))
+    items = secs / calls * min(calls, 2 * n) if calls else 0.0
+    return (foreach + items) / n / FOREACH_KERNELS["adam"]
+
+
 def _at_speed(rates, c: dict, at_host_speed: bool):
     """``rates`` with ``host_s`` scaled by the case's measured host speed (``at_host_speed``; 1
     where the step was not profiled)."""
@@ -209,6 +232,8 @@ def fit(cases: list[dict], at_host_speed: bool = False):
     from tag.cost.gpu import microbenchmark_rates, with_theta
 
     rates = with_theta(microbenchmark_rates(GPU), device_theta(cases, fixed_columns(cases)))
+    measured = [c["opt_host_s"] for c in cases if "opt_host_s" in c]
+    rates = dataclasses.replace(rates, opt_host_s=float(np.median(measured)) if measured else 0.0)
     host, step = fit_host([(c["graph"], c["measured_s"], c.get("host_speed", 1.0) if at_host_speed else 1.0)
                            for c in cases], rates)
     return dataclasses.replace(rates, host_s=host, step_host_s=step)
@@ -306,7 +331,7 @@ def rates_summary(rates) -> dict:
 
     theta = theta_of(rates)
     return {**{n: float(v if n in SECONDS else 1.0 / v) for n, v in zip(COLUMNS, theta)}, "host_s": rates.host_s,
-            "step_host_s": rates.step_host_s}
+            "step_host_s": rates.step_host_s, "opt_host_s": rates.opt_host_s}
 
 
 def run(cache: Path, fit_files: list[Path], held_files: list[Path], capture_missing: bool = False) -> dict:
@@ -498,10 +523,12 @@ def write_report(res: dict, command: str) -> None:
     # the matmul rates stay the microbenchmark's (read from gpu_calib/<type>.jsonl, not stored here)
     stored = [n for n in FIT_PARAMS if n in res["fitted_columns"] or (n in res["assumed"] and n not in res["fixed_columns"])]
     fit = {"gpu": GPU, "params": {n: f[n] for n in stored}, "units": {n: FIT_PARAMS[n][0] for n in stored},
-           "host_s": f["host_s"], "step_host_s": f["step_host_s"], "assumed": res["assumed"],
+           "host_s": f["host_s"], "step_host_s": f["step_host_s"], "opt_host_s": f["opt_host_s"],
+           "assumed": res["assumed"],
            "fitted_on": [f"{c['file']}: {c['spec']} batch {c['batch']} {c['precision']}" for c in res["cases"]],
            "how": "device constants: NNLS on relative error of per-class kernel seconds, the matmul rates held at "
-                  "the microbenchmark's; host_s: grid search, least absolute log error of step times "
+                  "the microbenchmark's; opt_host_s: measured, the median over the steps of their profiled "
+                  "optimizer calls (optimizer_host_s); host_s: grid search, least absolute log error of step times "
                   "(evaluation/gpu_cost_check.py)",
            "command": command}
     write_json(CALIB_DIR / f"{GPU}-fit.json", fit)
@@ -526,6 +553,9 @@ def write_report(res: dict, command: str) -> None:
         lines.append(f"| `{n}` | {f[n] / scale:.3g} | {u} | {'-' if prior is None else f'{prior / scale:.3g}'} | {doc} |")
     lines += ["", "Not fitted (the fit file's `assumed`):", ""]
     lines += [f"- `{n}`: {why}" for n, why in res["assumed"].items()]
+    lines += [f"- `opt_host_s`: {f['opt_host_s'] * 1e6:.2f} us per parameter and multi-tensor kernel (x "
+              "FOREACH_KERNELS = 7 for Adam), measured, not fitted: the median over the steps of their profiled "
+              "`_foreach_*` calls and Adam's two `item` per parameter (`optimizer_host_s`)"]
     lines += [f"- `{n}`: exercised by no step (PyTorch's defaults), kept from the microbenchmarks"
               for n in FIT_PARAMS if n not in res["fitted_columns"] and n not in res["assumed"]]
     lines += ["",

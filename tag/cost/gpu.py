@@ -26,7 +26,8 @@ constants are fitted. An op's seconds on a GPU (:func:`op_seconds`):
 (``matmul_call_s``): small and unaligned GEMMs run below the large-matmul rate, and the seconds they
 lose are charged per call, so a large matmul runs at the microbenchmark's marginal rate
 ``R_mm`` (measured between n=1024 and n=4096 square matmuls) whatever small ones the fit saw. The host issues one launch per op, ``host_s`` each
-(:func:`stage_table`), and spends ``step_host_s`` once per step: eager PyTorch dispatches kernels one by one, so a stream of small kernels
+(:func:`stage_table`), walks every parameter once per multi-tensor kernel of the optimizer step,
+``opt_host_s`` each (measured in the profiled steps' op tables), and spends ``step_host_s`` once per step: eager PyTorch dispatches kernels one by one, so a stream of small kernels
 runs at the host's pace. ``mode`` is the op's dtype as the hardware runs it: ``low`` (bf16/fp16
 tensor cores) for a bf16/fp16 op; for an fp32 op ``tf32`` where PyTorch enables TF32
 (:class:`Numerics`: cuDNN convolutions by default, matmuls only when
@@ -181,6 +182,12 @@ class GpuRates:
     :data:`ALIGN_ELEMENTS` (:func:`gemm_alignment`): such a GEMM runs at ``a * matmul_unaligned``
     (``a`` = 1, 2 or 4 elements); None: ``matmul["low"] / ALIGN_ELEMENTS``, the load-width bound
     (module docstring)."""
+
+    opt_host_s: float = 0.0
+    """Host seconds per parameter tensor and multi-tensor kernel of the optimizer step
+    (:data:`FOREACH_KERNELS` per step): each ``torch._foreach_*`` call walks its list of tensors on
+    the host, and Adam reads each parameter's step count twice; measured, not fitted, from the
+    profiled steps' op tables (``evaluation/gpu_cost_check.py``), 0 where none were profiled."""
 
     def unaligned_rate(self, align) -> np.ndarray:
         """FLOP/s of bf16/fp16 matmuls whose alignment is ``align`` elements (array) below
@@ -429,7 +436,8 @@ def fitted_rates(gpu: str = REFERENCE_GPU) -> GpuRates | None:
             v = float(fit["params"][name])
             theta[i] = v if name in SECONDS else 1.0 / v
     return dataclasses.replace(with_theta(base, theta), host_s=float(fit["host_s"]),
-                               step_host_s=float(fit.get("step_host_s", 0.0)))
+                               step_host_s=float(fit.get("step_host_s", 0.0)),
+                               opt_host_s=float(fit.get("opt_host_s", 0.0)))
 
 
 def gpu_rates(spec) -> GpuRates:
@@ -452,7 +460,7 @@ def gpu_rates(spec) -> GpuRates:
                     (ref.opt_bandwidth or ref.bandwidth) * bw_ratio, ref.attention_eff,
                     {m: (ref.attention_ref or ref.matmul)[m] / rp[m] * sp[m] for m in MODES},
                     None if ref.matmul_call_s is None else dict(ref.matmul_call_s),
-                    float(ref.unaligned_rate(1)) / rp["low"] * sp["low"])
+                    float(ref.unaligned_rate(1)) / rp["low"] * sp["low"], opt_host_s=ref.opt_host_s)
 
 
 # ------------------------------------------------------------------------------ per-op seconds
@@ -720,14 +728,16 @@ def stage_table(graph, feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray
     :func:`op_seconds`, ``T`` its running sum). A stage lasts from the previous stage's last
     finish to its own: the stages add up to the eager step (host-bound stretches cost ``host_s``
     per kernel, GPU-bound ones the sum of their kernels, and a host that ran ahead during a
-    GPU-bound stage shortens the next).
+    GPU-bound stage shortens the next). An optimizer update (one per parameter) costs the host
+    ``FOREACH_KERNELS[optimizer] * opt_host_s`` before its kernels run.
     """
     from ..graph.ir import PHASES
 
     K = graph.num_groups
     t = op_seconds(feat, rates, batches)
-    h = launches(feat, batches) * rates.host_s
     phase = np.array([PHASES.index(o.phase) for o in graph.ops], dtype=np.int64)
+    h = launches(feat, batches) * rates.host_s + ((feat.cls == OP_CLASSES.index("opt"))[:, None]
+                                                  * FOREACH_KERNELS.get(graph.optimizer, 0) * rates.opt_host_s)
     group = np.array([o.group for o in graph.ops], dtype=np.int64)
     rank = np.where(phase == 0, group, np.where(phase == 1, 2 * K - 1 - group, 2 * K + group))  # eager position
     order = np.lexsort((np.arange(len(rank)), rank))  # by stage in eager order, graph order within it
