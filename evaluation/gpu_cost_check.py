@@ -502,12 +502,12 @@ NOTES = """## What the tables show
   --resim-only`, 15 s, against the plans recorded at 3b575e9): with the unaligned GEMMs alone the
   322 stored plans re-simulate identically (rtol 1e-9: the quick suite is fp32, where no GEMM is
   charged for alignment, and the refit moved bf16 constants only, `matmul_call:low` 3.93 -> 3.70 us,
-  `conv:low` by 0.01%); with `opt_host_s` 54 are identical (the CPU topology's) and 268 slower,
-  x1.000-1.141: quick suite `cloud-t4` median 1.024 (1.012-1.066), `tag-testbed` 1.047
-  (1.002-1.117), `homogeneous-8xa100` 1.056 (1.008-1.132); planner benchmark topologies medians
-  1.010-1.099 (up to 1.141). The quick suite's models are tiny (GPT-2 3 layers 192 wide, ResNet-18
-  24 wide: steps of a few ms) and their updates host-bound, so the optimizer's 18 us per parameter
-  shows there and not at 512 H100s. `golden.json` re-recorded with this rule (its README).
+  `conv:low` by 0.01%); with `opt_host_s` 54 are identical (the 28 of the CPU topology among them)
+  and 268 slower, x1.000-1.141: quick suite `cloud-t4` median 1.024 (1.012-1.066), `tag-testbed`
+  1.047 (1.002-1.117), `homogeneous-8xa100` 1.056 (1.008-1.132); planner benchmark topologies
+  medians 1.010-1.099 (up to 1.141). The quick suite's models are tiny (GPT-2 3 layers 192 wide,
+  ResNet-18 24 wide: steps of a few ms) and their updates host-bound, so the optimizer's 18 us per
+  parameter shows there and not at 512 H100s. `golden.json` re-recorded with this rule (its README).
 """
 
 
