@@ -12,7 +12,9 @@ rates (:data:`tag.cost.gpu.FIXED_PARAMS`; ``attention_eff`` only where identifie
 :func:`fixed_columns`) by non-negative least squares on relative error over the **per-class
 kernel seconds** of every step (one row per
 class of each step; cuDNN runs some convolutions as GEMM kernels, so a graph with convolutions
-has one matmul+conv row), then ``host_s`` (host seconds per launch; ``step_host_s`` per step
+has one matmul+conv row), ``opt_host_s`` (the optimizer step's host seconds per parameter and
+multi-tensor kernel) measured from the profiled op tables (:func:`optimizer_host_s`, not fitted), then
+``host_s`` (host seconds per launch; ``step_host_s`` per step
 is held at 0, :data:`STEP_GRID_S`) on the step times by a grid search (least absolute log error: robust to a step measured
 beside other processes). **Leave one workload out**: both fitted on the other workloads (fp32
 and bf16 steps), the held-out workload's device time (its summed kernel seconds) and step time
