@@ -14,6 +14,8 @@ from tag.cost.gpu import (
     COLUMNS,
     FIT_PARAMS,
     FIXED_PARAMS,
+    MODES,
+    OP_CLASSES,
     SECONDS,
     Numerics,
     OpFeatures,
@@ -125,6 +127,7 @@ def test_stored_fit_gives_the_documented_figures():
         assert res["fitted"][name] == pytest.approx(value, rel=1e-12)
     assert rates.host_s == fit["host_s"] == res["fitted"]["host_s"]
     assert rates.step_host_s == fit["step_host_s"] == res["fitted"]["step_host_s"]
+    assert rates.opt_host_s == fit["opt_host_s"] == res["fitted"]["opt_host_s"] > 0
     assert len(fit["params"]) + 2 <= 11  # few constants for 12 steps (6 workloads x fp32/bf16)
     assert all(fit["units"][n] == FIT_PARAMS[n][0] for n in fit["params"])
 
@@ -270,27 +273,104 @@ def test_stage_table_is_the_eager_pipeline(graphs):
     """The stages of an eager step add up to the finish of its last kernel when the host issues
     every kernel in eager order (forward 0..K-1, backward K-1..0, updates) without waiting and
     the GPU runs them in order (checked against a loop over the kernels); with no host cost the
-    step is the kernels' sum, with a slow host it is the host's launches."""
+    step is the kernels' sum, with a slow host it is the host's launches and its walks over the
+    parameters in the optimizer's multi-tensor kernels (7 per Adam step)."""
     import dataclasses
 
-    from tag.cost.gpu import launches, stage_table
+    from tag.cost.gpu import FOREACH_KERNELS, launches, stage_table
     from tag.graph.ir import PHASES
 
     g = graphs["bf16"]
     feat = OpFeatures.of(g, Numerics())
     K = g.num_groups
-    rates = dataclasses.replace(gpu_rates(GPU_CATALOG["H200"]), host_s=7e-6)
+    rates = dataclasses.replace(gpu_rates(GPU_CATALOG["H200"]), host_s=7e-6, opt_host_s=2e-6)
     t = op_seconds(feat, rates, [B])[:, 0]
     n = launches(feat, [B])[:, 0]
+    walks = np.array([o.phase == "opt" for o in g.ops]) * FOREACH_KERNELS["adam"]
+    assert g.optimizer == "adam" and walks.sum() == 7 * len(g.params) > 0
     key = {("fwd", k): k for k in range(K)} | {("bwd", k): 2 * K - 1 - k for k in range(K)} | \
         {("opt", k): 2 * K + k for k in range(K)}
     host = finish = 0.0
     for i in sorted(range(len(g.ops)), key=lambda i: (key[g.ops[i].phase, g.ops[i].group], i)):
-        host += n[i] * rates.host_s
+        host += n[i] * rates.host_s + walks[i] * rates.opt_host_s
         finish = max(finish, host) + t[i]
     tab = stage_table(g, feat, rates, [B])
     assert tab.shape == (K, len(PHASES), 1) and (tab >= 0).all()
     assert tab.sum() == pytest.approx(finish, rel=1e-12)
-    assert stage_table(g, feat, dataclasses.replace(rates, host_s=0.0), [B]).sum() == pytest.approx(t.sum())
-    slow = dataclasses.replace(rates, host_s=1.0)  # a second per launch: the device's work is hidden
-    assert stage_table(g, feat, slow, [B]).sum() == pytest.approx(n.sum(), rel=1e-3)  # kernels: < 1 ms in all
+    no_host = dataclasses.replace(rates, host_s=0.0, opt_host_s=0.0)
+    assert stage_table(g, feat, no_host, [B]).sum() == pytest.approx(t.sum())
+    slow = dataclasses.replace(rates, host_s=1.0, opt_host_s=0.5)  # seconds: the device's work is hidden
+    assert stage_table(g, feat, slow, [B]).sum() == pytest.approx(n.sum() + 0.5 * walks.sum(), rel=1e-3)
+
+
+def test_unaligned_lm_head_is_seen_in_the_graph_and_costs_more(captured):
+    """The graph keeps no shapes, but a matmul's FLOPs and the sizes of its operands give its
+    dimensions (gemm_dims); a vocabulary of 66 (= 2 x 33) makes the LM head's three bf16 GEMMs
+    (forward, input and weight gradients) 2-element aligned, every other GEMM 8-aligned (the token
+    count, 4 x 16, scales with the batch and is never a leading dimension). fp32 GEMMs are not
+    checked (their FFMA kernels need no 16-byte access)."""
+    from tag.cost.gpu import ALIGN_ELEMENTS, gemm_dims
+
+    g = captured("gpt2:n_layer=1,n_embd=32,n_head=2,vocab=66,seq=16", batch=B, groups=2, precision="bf16").graph
+    feat = OpFeatures.of(g, Numerics())
+    mm = [i for i, o in enumerate(g.ops) if op_class(o.target) == "matmul"]
+    head = [i for i in mm if 66.0 in gemm_dims(g, g.ops[i], B)]
+    assert len(head) == 3 and all(sorted(gemm_dims(g, g.ops[i], B)) == [32.0, 64.0, 66.0] for i in head)
+    assert [int(feat.align[i]) for i in head] == [2, 2, 2]
+    assert all(feat.align[i] == ALIGN_ELEMENTS for i in mm if i not in head)
+    assert set(OpFeatures.of(captured(GPT2, batch=B, groups=2, precision="bf16").graph, Numerics()).align) \
+        == {ALIGN_ELEMENTS}
+    g32 = captured("gpt2:n_layer=1,n_embd=32,n_head=2,vocab=66,seq=16", batch=B, groups=2).graph
+    assert not OpFeatures.of(g32, Numerics()).unaligned().any()
+    # the rule stays linear in its unknowns with unaligned GEMMs in the graph
+    rates = fitted_rates("H200")
+    np.testing.assert_allclose(design(feat, rates, B) @ theta_of(rates), op_seconds(feat, rates, [B])[:, 0],
+                               rtol=1e-9, atol=1e-15)
+
+
+def test_unaligned_bf16_gemm_costs_more_than_an_aligned_one_of_the_same_flops():
+    """Same FLOPs, same per-call floor: aligned to a = 1, 2, 4 elements a bf16 GEMM runs at a/8 of
+    the aligned rate (matmul_unaligned = matmul:low / 8, the width of its loads); fp32 GEMMs
+    ignore alignment. The H200's LM-head kernels (evaluation/results/gpu-check/2026-11-26-h200
+    run1.jsonl) measured 119 TFLOP/s at 1 element (GPT-2's 50257 vocabulary, 3 cutlass align1
+    kernels, 7.94 ms) and 240 at 2 (BERT's 30522, 3 align2 kernels, 2.40 ms): the rule gives
+    97 and 195, the aligned 780."""
+    gpt2, bert = (2.0 * 4096 * 768 * vocab for vocab in (50257, 30522))  # 8 x 512 tokens, width 768
+    rates = fitted_rates("H200")
+
+    def seconds(align: int, mode: str, flops: float = gpt2) -> float:
+        feat = OpFeatures(np.array([OP_CLASSES.index("matmul")]), np.array([MODES.index(mode)]),
+                          np.array([[flops, 0.0]]), np.zeros((1, 2)), 1.0, np.array([True]), np.array([align]))
+        return float(op_seconds(feat, rates, [1])[0, 0])
+
+    t = {a: seconds(a, "low") for a in (1, 2, 4, 8)}
+    assert t[1] > t[2] > t[4] > t[8]
+    floor = rates.matmul_floor("low")
+    assert (t[1] - floor) == pytest.approx(8 * (t[8] - floor)) and (t[2] - floor) == pytest.approx(4 * (t[8] - floor))
+    assert 3 * t[1] == pytest.approx(7.94e-3, rel=0.25) and 3 * seconds(2, "low", bert) == pytest.approx(2.40e-3, rel=0.25)
+    assert seconds(1, "fp32") == seconds(8, "fp32")
+    a100 = gpu_rates(GPU_CATALOG["A100-80GB"])  # derived types keep the ratio to their aligned rate
+    assert float(a100.unaligned_rate(1)) == pytest.approx(a100.matmul["low"] / 8)
+
+
+def test_optimizer_host_seconds_are_read_from_the_profiled_op_table(graphs):
+    """opt_host_s of one profiled step: its _foreach_* calls and Adam's two item() per parameter
+    (extra item() calls of the model are not counted), per parameter and multi-tensor kernel; the
+    stored value is the median over the fit steps (GPT-2 6L fp32, run 1 of 2026-11-26: 76
+    parameters, 1.22 ms of _foreach_* calls, 152 of its 153 item() calls: 2.76 us)."""
+    from evaluation.gpu_cost_check import FIT_STEPS, optimizer_host_s
+
+    g = graphs["fp32"]
+    n = len(g.params)
+    rows = [["aten::_foreach_sqrt", 1, 7e-4], ["aten::_foreach_add_", 2, 3e-4], ["aten::item", 2 * n + 3, 1e-6 * (2 * n + 3)],
+            ["aten::mm", 10, 5e-4]]
+    assert optimizer_host_s(rows, g) == pytest.approx((1e-3 + 2e-6 * n) / n / 7)
+    assert optimizer_host_s([["aten::mm", 10, 5e-4]], g) is None
+    rec = next(json.loads(line) for line in (REPO / FIT_STEPS[0]).read_text().splitlines()
+               if '"kind": "step"' in line)
+    assert rec["spec"].startswith("gpt2:n_layer=6") and rec["precision"] == "fp32"
+
+    class Graph:  # the parameter count and optimizer of that step's graph (76 tensors, Adam)
+        optimizer, params = "adam", [None] * 76
+
+    assert optimizer_host_s(rec["ops"]["top_ops"], Graph()) == pytest.approx(2.76e-6, rel=0.01)

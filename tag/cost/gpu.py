@@ -7,7 +7,13 @@ optimizer update of one parameter) or ``memory`` (everything else: elementwise o
 casts). CUDA kernels fall in the same classes by name (:func:`kernel_class`), which is how the
 constants are fitted. An op's seconds on a GPU (:func:`op_seconds`):
 
-* ``matmul``: ``C_mm[mode] + flops / R_mm[mode]``; ``conv``: ``K + flops / R_conv[mode]``
+* ``matmul``: ``C_mm[mode] + flops / R_mm[mode]``; ``conv``: ``K + flops / R_conv[mode]``. A bf16/fp16
+  matmul with a leading dimension that is not a multiple of 8 elements (a vocabulary of 50257 or
+  30522, a sequence of 197) runs on kernels that load ``a`` elements per access instead of 8 (16
+  bytes; ``a`` = 1, 2 or 4, :func:`gemm_alignment`, from the dimensions its FLOPs and operand
+  sizes give): ``C_mm[low] + flops / (a * R_mm[low] / 8)``. Measured on the H200 (eager steps of
+  2026-11-26): GPT-2's LM head (50257, 1 element) 119 TFLOP/s, BERT's (30522, 2) 240, aligned
+  GEMMs 780. fp32 (FFMA) GEMMs need no 16-byte access; TF32 ones would, unmeasured: not modelled
 * ``attention``: ``K + flops / (e_att * R_ref[mode])``
 * ``norm``: ``K + bytes / BW_norm`` (batch norm's extra passes: :data:`NORM_PASSES`);
   ``memory``: ``K + bytes / BW``
@@ -20,7 +26,8 @@ constants are fitted. An op's seconds on a GPU (:func:`op_seconds`):
 (``matmul_call_s``): small and unaligned GEMMs run below the large-matmul rate, and the seconds they
 lose are charged per call, so a large matmul runs at the microbenchmark's marginal rate
 ``R_mm`` (measured between n=1024 and n=4096 square matmuls) whatever small ones the fit saw. The host issues one launch per op, ``host_s`` each
-(:func:`stage_table`), and spends ``step_host_s`` once per step: eager PyTorch dispatches kernels one by one, so a stream of small kernels
+(:func:`stage_table`), walks every parameter once per multi-tensor kernel of the optimizer step,
+``opt_host_s`` each (measured in the profiled steps' op tables), and spends ``step_host_s`` once per step: eager PyTorch dispatches kernels one by one, so a stream of small kernels
 runs at the host's pace. ``mode`` is the op's dtype as the hardware runs it: ``low`` (bf16/fp16
 tensor cores) for a bf16/fp16 op; for an fp32 op ``tf32`` where PyTorch enables TF32
 (:class:`Numerics`: cuDNN convolutions by default, matmuls only when
@@ -48,9 +55,9 @@ Where the constants come from (``GpuRates.source``):
 Not measured anywhere, assumed: an fp32 convolution with TF32 off reaches the same fraction of
 the FP32 matmul rate as the TF32 convolution reaches of the TF32 matmul rate; fp16 runs at the
 bf16 rates (equal in every datasheet of the catalog's tensor-core GPUs); convolution backward
-runs at the forward convolution's rate. Not modelled: a matmul's shape beyond its FLOPs and its
-per-call ``C_mm`` (a vocabulary that is not a multiple of 8 runs on slower unaligned kernels: the
-graph keeps no shapes).
+runs at the forward convolution's rate; an unaligned GEMM's rate scales with its access width
+(``a / 8`` of the aligned rate: the H200's LM heads above ran 1.2x faster than that). Not modelled: a matmul's shape beyond its FLOPs, its
+per-call ``C_mm`` and its alignment.
 """
 
 from __future__ import annotations
@@ -100,6 +107,11 @@ FOREACH_SWEEPS = {"adam": 18, "sgd": 8, "sgd-plain": 3}
 (``foreach``) step, counted from ``torch/optim/adam.py`` ``_multi_tensor_adam`` (lerp_ 2r1w,
 mul_ 1r1w, addcmul_ 2r1w, sqrt 1r1w, div_ 1r1w, add_ 1r1w, addcdiv_ 3r1w) and ``sgd.py``
 ``_multi_tensor_sgd`` (momentum: mul_ 1r1w, add_ 2r1w, add_ 2r1w; plain: add_ 2r1w)."""
+ALIGN_ELEMENTS = 8
+"""Elements of a 16-byte access in bf16/fp16: a GEMM whose dimensions are multiples of it runs on
+the aligned tensor-core kernels (cuBLAS' TMA and vectorised-load paths)."""
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "": 4, "float64": 8}
+
 FOREACH_KERNELS = {"adam": 7, "sgd": 3, "sgd-plain": 1}
 """Multi-tensor kernels of one optimizer step (the same source): launched once per step."""
 
@@ -164,6 +176,24 @@ class GpuRates:
     matmul_call_s: dict | None = field(default=None, hash=False)
     """mode -> device seconds of a matmul kernel beyond ``flops / matmul[mode]`` (its floor in
     place of ``kernel_s``); None: ``kernel_s``."""
+
+    matmul_unaligned: float | None = None
+    """Achieved FLOP/s of a bf16/fp16 matmul per element of its alignment below
+    :data:`ALIGN_ELEMENTS` (:func:`gemm_alignment`): such a GEMM runs at ``a * matmul_unaligned``
+    (``a`` = 1, 2 or 4 elements); None: ``matmul["low"] / ALIGN_ELEMENTS``, the load-width bound
+    (module docstring)."""
+
+    opt_host_s: float = 0.0
+    """Host seconds per parameter tensor and multi-tensor kernel of the optimizer step
+    (:data:`FOREACH_KERNELS` per step): each ``torch._foreach_*`` call walks its list of tensors on
+    the host, and Adam reads each parameter's step count twice; measured, not fitted, from the
+    profiled steps' op tables (``evaluation/gpu_cost_check.py``), 0 where none were profiled."""
+
+    def unaligned_rate(self, align) -> np.ndarray:
+        """FLOP/s of bf16/fp16 matmuls whose alignment is ``align`` elements (array) below
+        :data:`ALIGN_ELEMENTS`."""
+        per = self.matmul_unaligned if self.matmul_unaligned is not None else self.matmul["low"] / ALIGN_ELEMENTS
+        return np.asarray(align, dtype=float) * per
 
     def matmul_floor(self, mode: str) -> float:
         """Device seconds a matmul kernel in ``mode`` costs beyond its FLOPs."""
@@ -296,6 +326,9 @@ FIT_PARAMS = {
     "matmul_call:fp32": ("s", "device seconds per fp32 matmul kernel beyond FLOPs / matmul:fp32"),
     "matmul_call:tf32": ("s", "device seconds per TF32 matmul kernel beyond FLOPs / matmul:tf32"),
     "matmul_call:low": ("s", "device seconds per bf16/fp16 matmul kernel beyond FLOPs / matmul:low"),
+    "matmul_unaligned:low": ("FLOP/s", "bf16/fp16 matmuls with a leading dimension not a multiple of 8, per "
+                                       "element of alignment (a GEMM aligned to a = 1, 2, 4 elements runs at a "
+                                       "times it): matmul:low / 8, not fitted"),
 }
 """The device constants of the GPU rule, fitted per GPU type to the per-class kernel seconds of
 eager training steps (:func:`fit_device`): name -> (unit, what it times). The fit is linear in
@@ -304,10 +337,11 @@ is one column of :func:`design`, except the seconds (``kernel_s``, ``matmul_call
 enter as they are. ``host_s`` (s per launch) and ``step_host_s`` (s per step) are fitted to step
 times afterwards."""
 COLUMNS = tuple(FIT_PARAMS)
-FIXED_PARAMS = ("matmul:fp32", "matmul:tf32", "matmul:low")
+FIXED_PARAMS = ("matmul:fp32", "matmul:tf32", "matmul:low", "matmul_unaligned:low")
 """Columns never fitted: the marginal matmul rate of the microbenchmarks (large square matmuls)
 holds for the large matmuls the planner costs; the small GEMMs of the profiled steps run below it,
-which ``matmul_call:<mode>`` charges per call instead."""
+which ``matmul_call:<mode>`` charges per call instead. The unaligned rate is that rate over
+:data:`ALIGN_ELEMENTS` per element of alignment (:attr:`GpuRates.matmul_unaligned`)."""
 SECONDS = tuple(n for n, (unit, _) in FIT_PARAMS.items() if unit == "s")
 """Columns in seconds (the others are inverse rates in theta)."""
 
@@ -325,7 +359,8 @@ def theta_of(rates: GpuRates) -> np.ndarray:
     inv = [rates.matmul[m] for m in MODES] + [rates.conv[m] for m in MODES] + [
         rates.attention_eff, rates.bandwidth, rates.norm_bandwidth or rates.bandwidth,
         rates.opt_bandwidth or rates.bandwidth]
-    return np.array([rates.kernel_s] + [1.0 / v for v in inv] + [rates.matmul_floor(m) for m in MODES])
+    return np.array([rates.kernel_s] + [1.0 / v for v in inv] + [rates.matmul_floor(m) for m in MODES]
+                    + [1.0 / float(rates.unaligned_rate(1))])
 
 
 def with_theta(rates: GpuRates, theta, source: str | None = None) -> GpuRates:
@@ -337,7 +372,8 @@ def with_theta(rates: GpuRates, theta, source: str | None = None) -> GpuRates:
         rates, source=source or rates.source, kernel_s=t[0],
         matmul={m: 1.0 / t[1 + i] for i, m in enumerate(MODES)}, conv={m: 1.0 / t[4 + i] for i, m in enumerate(MODES)},
         attention_eff=1.0 / t[7], bandwidth=1.0 / t[8], norm_bandwidth=1.0 / t[9], opt_bandwidth=1.0 / t[10],
-        attention_ref=rates.attention_ref or dict(rates.matmul), matmul_call_s={m: t[11 + i] for i, m in enumerate(MODES)})
+        attention_ref=rates.attention_ref or dict(rates.matmul), matmul_call_s={m: t[11 + i] for i, m in enumerate(MODES)},
+        matmul_unaligned=1.0 / t[14])
 
 
 def fit_device(X: np.ndarray, T: np.ndarray, prior: np.ndarray, fixed=()) -> np.ndarray:
@@ -400,7 +436,8 @@ def fitted_rates(gpu: str = REFERENCE_GPU) -> GpuRates | None:
             v = float(fit["params"][name])
             theta[i] = v if name in SECONDS else 1.0 / v
     return dataclasses.replace(with_theta(base, theta), host_s=float(fit["host_s"]),
-                               step_host_s=float(fit.get("step_host_s", 0.0)))
+                               step_host_s=float(fit.get("step_host_s", 0.0)),
+                               opt_host_s=float(fit.get("opt_host_s", 0.0)))
 
 
 def gpu_rates(spec) -> GpuRates:
@@ -422,7 +459,8 @@ def gpu_rates(spec) -> GpuRates:
                     ref.step_host_s, ref.kernel_s, (ref.norm_bandwidth or ref.bandwidth) * bw_ratio,
                     (ref.opt_bandwidth or ref.bandwidth) * bw_ratio, ref.attention_eff,
                     {m: (ref.attention_ref or ref.matmul)[m] / rp[m] * sp[m] for m in MODES},
-                    None if ref.matmul_call_s is None else dict(ref.matmul_call_s))
+                    None if ref.matmul_call_s is None else dict(ref.matmul_call_s),
+                    float(ref.unaligned_rate(1)) / rp["low"] * sp["low"], opt_host_s=ref.opt_host_s)
 
 
 # ------------------------------------------------------------------------------ per-op seconds
@@ -443,6 +481,9 @@ class OpFeatures:
     kernel: np.ndarray
     """[n] bool: the op launches a kernel of its own (False inside a fused backward region but
     its first op, :func:`backward_regions`)."""
+    align: np.ndarray | None = None
+    """[n] elements every leading dimension of a bf16/fp16 matmul is a multiple of, up to
+    :data:`ALIGN_ELEMENTS` (:func:`gemm_alignment`; ``ALIGN_ELEMENTS`` for every other op); None: all aligned."""
 
     @classmethod
     def of(cls, graph, numerics: Numerics) -> OpFeatures:
@@ -467,7 +508,64 @@ class OpFeatures:
             np.array([OP_CLASSES.index(k) for k in klass], dtype=np.int64),
             np.array([MODES.index(op_mode(k, o.dtype, numerics)) for k, o in zip(klass, ops)], dtype=np.int64),
             np.array([(o.flops.fixed, o.flops.per_sample) for o in ops], dtype=float).reshape(-1, 2),
-            nbytes, sweeps, kernel)
+            nbytes, sweeps, kernel,
+            np.array([gemm_alignment(graph, o) if k == "matmul" and o.dtype in ("bfloat16", "float16")
+                      else ALIGN_ELEMENTS for k, o in zip(klass, ops)], dtype=np.int64))
+
+    def unaligned(self) -> np.ndarray:
+        """[n] bool: a bf16/fp16 matmul below :data:`ALIGN_ELEMENTS` (its FLOPs run at
+        :meth:`GpuRates.unaligned_rate`)."""
+        if self.align is None:
+            return np.zeros(len(self.cls), dtype=bool)
+        return (self.align < ALIGN_ELEMENTS) & (self.cls == OP_CLASSES.index("matmul")) \
+            & (self.mode == MODES.index("low"))
+
+
+_GEMMS = ("mm", "addmm", "bmm", "baddbmm")
+"""ATen matmuls whose last two inputs are the matrix operands and whose output is their product
+(with ``addmm``'s and ``baddbmm``'s addend first)."""
+
+
+def gemm_dims(graph, op, batch: float) -> tuple[float, float, float] | None:
+    """(M, K, N) of a matmul op at ``batch`` from its FLOPs and the sizes of its two matrix
+    operands (its last two inputs) and its output: ``FLOPs = 2 B M K N`` and the operands hold
+    ``B M K``, ``B K N`` and ``B M N`` elements (``B``: a bmm's batch of matrices), so ``M =
+    FLOPs / (2 |B|)``, ``K = FLOPs / (2 |C|)``, ``N = FLOPs / (2 |A|)``. None where the op does
+    not have that form (not one of :data:`_GEMMS`, one tensor used twice, no FLOPs counted)."""
+    name = op.target.split(".")[1] if op.target.startswith("aten.") else ""
+    if name not in _GEMMS or len(op.inputs) < 2 or op.inputs[-1] == op.inputs[-2] or not op.outputs:
+        return None
+    size = _ITEMSIZE.get(op.dtype, 4)
+    a, b = (graph.tensors[t].nbytes.at(batch) / size for t in op.inputs[-2:])
+    c = graph.tensors[op.outputs[0]].nbytes.at(batch) / size
+    f = op.flops.at(batch)
+    if min(a, b, c, f) <= 0:
+        return None
+    dims = (f / (2 * b), f / (2 * c), f / (2 * a))
+    if any(abs(d - round(d)) > 1e-6 * max(1.0, d) or round(d) < 1 for d in dims):
+        return None
+    return tuple(float(round(d)) for d in dims)
+
+
+def gemm_alignment(graph, op) -> int:
+    """Elements (1, 2, 4 or :data:`ALIGN_ELEMENTS`) that every leading dimension of matmul ``op``
+    is a multiple of: the largest power of two up to ``ALIGN_ELEMENTS`` dividing each of its
+    dimensions that do not scale with the batch (:func:`gemm_dims` at the graph's batch and one
+    sample more). A linear layer's leading dimensions are its feature widths (input, output;
+    an LM head's vocabulary), an attention product's the sequence and the head width; the
+    token count (batch x sequence) is never one: in ``X W^T``, its input gradient and its
+    weight gradient the rows of ``X`` and of the output gradient are the dimension no stride
+    steps over. Unknown dimensions count as aligned."""
+    b = graph.batch_size
+    d0, d1 = gemm_dims(graph, op, b), gemm_dims(graph, op, b + 1)
+    if d0 is None or d1 is None:
+        return ALIGN_ELEMENTS
+    align = ALIGN_ELEMENTS
+    for x, y in zip(d0, d1):
+        if x == y:
+            while align > 1 and int(x) % align:
+                align //= 2
+    return align
 
 
 def _moves(op) -> bool:
@@ -561,6 +659,7 @@ def op_seconds(feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray:
     att_rate = np.array([rates.attention_rate(x) for x in MODES])[feat.mode][:, None]
     bw = np.array([rates.norm_bandwidth or rates.bandwidth if c == "norm" else rates.bandwidth for c in OP_CLASSES])
     t = m / bw[feat.cls][:, None]
+    mm_rate = np.where(feat.unaligned()[:, None], rates.unaligned_rate(_align(feat))[:, None], mm_rate)
     t = np.where(cls == OP_CLASSES.index("matmul"), f / mm_rate, t)
     t = np.where(cls == OP_CLASSES.index("conv"), f / conv_rate, t)
     t = np.where(cls == OP_CLASSES.index("attention"), f / att_rate, t)
@@ -575,7 +674,8 @@ def design(feat: OpFeatures, rates: GpuRates, batch: float) -> np.ndarray:
     """``[n_ops, len(COLUMNS)]``: each op's seconds at ``batch`` as a linear function of the
     unknowns :func:`theta_of` (a launch counts 1 in ``kernel_s``; FLOPs go to their class and
     mode's rate, bytes to their class's bandwidth; attention FLOPs over ``attention_ref``; a
-    matmul's launch to ``matmul_call:<mode>``)."""
+    matmul's launch to ``matmul_call:<mode>``; an unaligned bf16/fp16 matmul's FLOPs over its
+    alignment to ``matmul_unaligned:low``)."""
     f = feat.flops[:, 0] + feat.flops[:, 1] * batch
     m = feat.nbytes[:, 0] + feat.nbytes[:, 1] * batch
     ref = rates.attention_ref or rates.matmul
@@ -583,12 +683,15 @@ def design(feat: OpFeatures, rates: GpuRates, batch: float) -> np.ndarray:
     rows = np.arange(len(f))
     n_launch = launches(feat, [batch])[:, 0]
     X[:, 0] = n_launch
+    unaligned, align = feat.unaligned(), _align(feat)
     for k, c in enumerate(feat.cls):
         cls = OP_CLASSES[c]
         if cls == "matmul":  # its floor is the per-call constant of its mode, not kernel_s
             X[k, 0] = 0.0
             X[k, COLUMNS.index(f"matmul_call:{MODES[feat.mode[k]]}")] = n_launch[k]
-        if cls in ("matmul", "conv"):
+        if cls == "matmul" and unaligned[k]:  # FLOPs at a times the per-element rate
+            X[k, COLUMNS.index("matmul_unaligned:low")] = f[k] / align[k]
+        elif cls in ("matmul", "conv"):
             X[k, COLUMNS.index(f"{cls}:{MODES[feat.mode[k]]}")] = f[k]
         elif cls == "attention":
             X[k, COLUMNS.index("attention_eff")] = f[k] / ref[MODES[feat.mode[k]]]
@@ -598,6 +701,10 @@ def design(feat: OpFeatures, rates: GpuRates, batch: float) -> np.ndarray:
             X[k, COLUMNS.index(f"{cls}_bw")] = m[k]
     X[rows[~feat.kernel]] = 0.0
     return X
+
+
+def _align(feat: OpFeatures) -> np.ndarray:
+    return np.full(len(feat.cls), ALIGN_ELEMENTS) if feat.align is None else feat.align
 
 
 def launches(feat: OpFeatures, batches) -> np.ndarray:
@@ -621,14 +728,16 @@ def stage_table(graph, feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray
     :func:`op_seconds`, ``T`` its running sum). A stage lasts from the previous stage's last
     finish to its own: the stages add up to the eager step (host-bound stretches cost ``host_s``
     per kernel, GPU-bound ones the sum of their kernels, and a host that ran ahead during a
-    GPU-bound stage shortens the next).
+    GPU-bound stage shortens the next). An optimizer update (one per parameter) costs the host
+    ``FOREACH_KERNELS[optimizer] * opt_host_s`` before its kernels run.
     """
     from ..graph.ir import PHASES
 
     K = graph.num_groups
     t = op_seconds(feat, rates, batches)
-    h = launches(feat, batches) * rates.host_s
     phase = np.array([PHASES.index(o.phase) for o in graph.ops], dtype=np.int64)
+    h = launches(feat, batches) * rates.host_s + ((feat.cls == OP_CLASSES.index("opt"))[:, None]
+                                                  * FOREACH_KERNELS.get(graph.optimizer, 0) * rates.opt_host_s)
     group = np.array([o.group for o in graph.ops], dtype=np.int64)
     rank = np.where(phase == 0, group, np.where(phase == 1, 2 * K - 1 - group, 2 * K + group))  # eager position
     order = np.lexsort((np.arange(len(rank)), rank))  # by stage in eager order, graph order within it
