@@ -24,6 +24,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of pairs, searches and training (default 0)")
     p.add_argument("--large-fraction", type=float, default=None, metavar="F",
                    help="share of the pairs drawn at scale, 48-256 GPUs (default 0)")
+    p.add_argument("--label-children", type=int, default=None, metavar="N",
+                   help="at the first N labelled decisions of each pair simulate every action's own plan once, "
+                        "not only the searched ones (default 0)")
     p.add_argument("--coarse-above", type=int, default=None, metavar="D",
                    help="encode clusters of more than D devices with one node per machine (default 128)")
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], default=None,
@@ -52,6 +55,8 @@ def build_config(args):
         cfg.gen.seed = cfg.train.seed = args.seed
     if args.large_fraction is not None:
         cfg.gen.large_fraction = args.large_fraction
+    if args.label_children is not None:
+        cfg.gen.label_children = args.label_children
     if args.coarse_above is not None:
         cfg.coarse_above = args.coarse_above
     if args.wandb is not None:
