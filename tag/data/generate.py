@@ -63,7 +63,9 @@ class GenConfig:
     target (:class:`tag.data.dataset.PolicyTarget`) ranks every action and not only the few the
     search tried; 0: only the children the search simulated (the records of before 2026-11-27,
     byte for byte); ``max_steps`` or more: every labelled decision. Costs one simulator call per
-    action not yet simulated (records: ``label_sim_calls``, ``label_seconds``)."""
+    action not yet simulated (records: ``label_sim_calls``, ``label_seconds``): on 2026-11-27 a
+    median 89 calls / 0.11 s more per small pair, 1,085 / 4.4 s per pair at scale (2.5x its search).
+    ``tag train`` labels with 8 (:data:`tag.training.config.RECIPE_GEN`)."""
 
     def __post_init__(self):
         if self.samples < 0:
