@@ -64,7 +64,8 @@ class GenConfig:
     search tried; 0: only the children the search simulated (the records of before 2026-11-27,
     byte for byte); ``max_steps`` or more: every labelled decision. Costs one simulator call per
     action not yet simulated (records: ``label_sim_calls``, ``label_seconds``): on 2026-11-27 a
-    median 89 calls / 0.11 s more per small pair, 1,085 / 4.4 s per pair at scale (2.5x its search).
+    median 89 calls / 0.11 s more per small pair, 1,085 / 4.4 s per pair at scale (over round 0's
+    98 pairs at scale 2.5x the seconds of their searches).
     ``tag train`` labels with 8 (:data:`tag.training.config.RECIPE_GEN`)."""
 
     def __post_init__(self):
