@@ -98,6 +98,61 @@ def test_policy_target_sharpens_visits_towards_the_best_child(dataset_dir):
     assert all(r is not None for r, v in zip(rec["child_reward"], rec["visits"]) if v > 0)
 
 
+def _label(tmp_path, i: int, **kw):
+    """Label pair ``i`` of the toy stream; returns (record, its space)."""
+    from tag.data.generate import label_pair, load_graph
+    from tag.search.space import ActionSpace
+    cfg = _gen_cfg(**kw)
+    spec = sample_pair(cfg.seed, i, max_groups=cfg.max_groups, models=(("mlp:layers=2,hidden=64", (16,)),))
+    rec = label_pair(tmp_path, spec, cfg)
+    graph = load_graph(tmp_path, spec.model, spec.batch, spec.groups)
+    return rec, ActionSpace(graph, load_topology(spec.topology))
+
+
+def test_label_children_gives_every_action_its_own_simulated_reward(tmp_path):
+    """``label_children``: at the first N labelled decisions every action the search tells apart
+    has a reward, the one its child's completed plan gets when simulated directly; the search
+    itself (visits, decided groups, feedback) is the unlabelled one."""
+    import numpy as np
+
+    from tag.search.evaluate import Evaluator
+    from tag.search.mcts import search_actions
+    from tag.search.toy import ToySimulator
+    rec0, _ = _label(tmp_path, 2)
+    rec, space = _label(tmp_path, 2, label_children=2)
+    ev = Evaluator(space, ToySimulator(space.graph, space.topology, space.costs))
+    missing = 0
+    for k, (d, d0) in enumerate(zip(rec["decisions"], rec0["decisions"])):
+        assert (d["visits"], d["assign"], d["group"], d["feedback"]) == (d0["visits"], d0["assign"], d0["group"],
+                                                                         d0["feedback"])
+        assign = np.asarray(d["assign"])
+        acts = np.flatnonzero(search_actions(space, assign))
+        missing += sum(d0["child_reward"][a] is None for a in acts)
+        if k >= 2:  # past the first two: the search's own children only
+            assert d["child_reward"] == d0["child_reward"]
+            continue
+        for a in acts:
+            child = assign.copy()
+            child[d["group"]] = a
+            assert d["child_reward"][a] == ev.evaluate(space.resolve(child)).reward
+    assert missing > 0  # the search alone left actions without a reward (the test tests something)
+    assert rec["label_sim_calls"] > 0 and rec["sim_calls"] == rec0["sim_calls"] + rec["label_sim_calls"]
+    assert rec["best_reward"] >= rec0["best_reward"]
+
+
+def test_label_children_off_leaves_the_records_as_they_were(tmp_path):
+    """``label_children = 0`` (default) writes the records of before the option, byte for byte
+    but the wall seconds: sha256 of the sorted JSON of pairs 0-2 of this toy stream, computed at
+    adb79da (before the option) on 2026-11-27."""
+    import hashlib
+    golden = ["ffae16ffbf03bcd0", "41f482a83a991ebd", "627c957fc8f0c2fb"]
+    for i, want in enumerate(golden):
+        rec, _ = _label(tmp_path, i)
+        rec.pop("seconds")
+        assert "label_sim_calls" not in rec
+        assert hashlib.sha256(json.dumps(rec, sort_keys=True).encode()).hexdigest()[:16] == want
+
+
 def test_dataset_and_fit_resume(dataset_dir, tmp_path):
     ds = PlanDataset(dataset_dir)
     assert len(ds) >= 3 and ds[0].normalised
@@ -130,6 +185,8 @@ def test_config_validation_is_one_line(tmp_path):
         LoopConfig.from_dict({"gen": {"playouts_per_step": 0}})
     with pytest.raises(ConfigError, match=r"large_fraction: expected in \[0, 1\], got 1.5"):
         LoopConfig.from_dict({"gen": {"large_fraction": 1.5}})
+    with pytest.raises(ConfigError, match="label_children: expected >= 0, got -1"):
+        LoopConfig.from_dict({"gen": {"label_children": -1}})
     with pytest.raises(ConfigError, match="coarse_above: expected a positive integer, got 0"):
         LoopConfig(coarse_above=0)
     with pytest.raises(ConfigError, match=r"target\.mix: expected in \[0, 1\], got 2"):
@@ -155,13 +212,14 @@ def test_tag_train_tiny_end_to_end(tmp_path, capsys):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
     export = tmp_path / "exported.pt"
-    rc = main(["train", "--config", str(path), "--no-progress", "--export", str(export)])
+    rc = main(["train", "--config", str(path), "--no-progress", "--export", str(export), "--label-children", "1"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["checkpoint"].endswith("predictor.pt") and export.exists()
     saved = json.loads((run / "config.json").read_text())
     assert saved["net"]["hidden"] == 16 and saved["export"] == str(export)
-    assert saved["coarse_above"] == 3
+    assert saved["coarse_above"] == 3 and saved["gen"]["label_children"] == 1
+    assert json.loads(next((run / "round0" / "raw").glob("*.json")).read_text())["label_sim_calls"] >= 0
     assert (run / "round1" / "gen_config.json").exists()
     assert json.loads((run / "round1" / "gen_config.json").read_text())["net"].endswith("round0/predictor.pt")
     net, meta = load_net(export)

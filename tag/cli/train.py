@@ -11,21 +11,24 @@ def register(sub) -> None:
         description="AlphaZero-style loop: label random (model, topology) pairs with MCTS (round 0: uniform "
                     "prior; later rounds: the previous round's network), fit policy (cross-entropy against the "
                     "visit distribution) and value (final plan's log time ratio), repeat. Everything resumes "
-                    "after an interruption. The defaults reproduce the shipped tag/gnn/predictor.pt.")
+                    "after an interruption. The defaults are the recipe of the shipped tag/gnn/predictor.pt (training/README.md).")
     p.add_argument("--config", metavar="FILE.json", default=None,
                    help="LoopConfig JSON (fields as in tag/training/config.py); flags below override it")
     p.add_argument("--run-dir", default=None, help=f"run folder (default: runs/predictor {OUTSIDE})")
     p.add_argument("--rounds", type=int, default=None, help="generate/train rounds (default 4)")
     p.add_argument("--samples", type=int, nargs="+", default=None, metavar="N",
-                   help="pairs labelled per round (last value repeats; default 300 150)")
+                   help="pairs labelled per round (last value repeats; default 360 120)")
     p.add_argument("--epochs", type=int, default=None, help="epochs per round (default 6)")
     p.add_argument("--workers", type=int, default=None, help="labelling processes (default 2)")
     p.add_argument("--playouts", type=int, default=None, help="MCTS playouts per labelled decision (default 32)")
     p.add_argument("--seed", type=int, default=None, help="seed of pairs, searches and training (default 0)")
     p.add_argument("--large-fraction", type=float, default=None, metavar="F",
-                   help="share of the pairs drawn at scale, 48-256 GPUs (default 0)")
+                   help="share of the pairs drawn at scale, 48-256 GPUs (default 0.25)")
+    p.add_argument("--label-children", type=int, default=None, metavar="N",
+                   help="at the first N labelled decisions of each pair simulate every action's own plan once, "
+                        "not only the searched ones (default 8)")
     p.add_argument("--coarse-above", type=int, default=None, metavar="D",
-                   help="encode clusters of more than D devices with one node per machine (default 128)")
+                   help="encode clusters of more than D devices with one node per machine (default 32)")
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], default=None,
                    help="wandb logging (default offline, files inside the run folder)")
     p.add_argument("--export", default=None, metavar="FILE", help="copy the final checkpoint here")
@@ -52,6 +55,8 @@ def build_config(args):
         cfg.gen.seed = cfg.train.seed = args.seed
     if args.large_fraction is not None:
         cfg.gen.large_fraction = args.large_fraction
+    if args.label_children is not None:
+        cfg.gen.label_children = args.label_children
     if args.coarse_above is not None:
         cfg.coarse_above = args.coarse_above
     if args.wandb is not None:

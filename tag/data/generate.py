@@ -56,6 +56,17 @@ class GenConfig:
     large_fraction: float = 0.0
     """Share of the pairs drawn at scale (:func:`tag.data.pairs.random_large_topology`, 48-256 GPUs,
     :data:`tag.data.pairs.LARGE_MODELS`); the others are the pairs of ``0``."""
+    label_children: int = 0
+    """Labelled decisions, the first ones, at which every action the search tells apart
+    (:func:`tag.search.mcts.search_actions`) gets its own completed plan simulated once after the
+    episode (:func:`tag.search.mcts.evaluate_children`), so that the reward half of the policy
+    target (:class:`tag.data.dataset.PolicyTarget`) ranks every action and not only the few the
+    search tried; 0: only the children the search simulated (the records of before 2026-11-27,
+    byte for byte); ``max_steps`` or more: every labelled decision. Costs one simulator call per
+    action not yet simulated (records: ``label_sim_calls``, ``label_seconds``): on 2026-11-27 a
+    median 89 calls / 0.11 s more per small pair, 1,085 / 4.4 s per pair at scale (over round 0's
+    98 pairs at scale 2.5x the seconds of their searches).
+    ``tag train`` labels with 8 (:data:`tag.training.config.RECIPE_GEN`)."""
 
     def __post_init__(self):
         if self.samples < 0:
@@ -74,6 +85,8 @@ class GenConfig:
                 raise ValueError(f"models: expected 'zoo-spec@batch', got {m!r}")
         if not 0 <= self.large_fraction <= 1:
             raise ValueError(f"large_fraction: expected in [0, 1], got {self.large_fraction}")
+        if self.label_children < 0:
+            raise ValueError(f"label_children: expected >= 0, got {self.label_children}")
         if self.simulator not in ("sim", "toy"):
             raise ValueError(f"simulator: expected 'sim' or 'toy', got {self.simulator!r}")
 
@@ -114,7 +127,7 @@ def label_pair(gdir: Path, spec: PairSpec, cfg: GenConfig, prior=None, simulator
     """Run one labelling episode; returns the JSON-able record."""
     from ..gnn.model import reward_to_value
     from ..search.evaluate import Evaluator
-    from ..search.mcts import MCTSConfig, run_episode, uniform_prior
+    from ..search.mcts import MCTSConfig, evaluate_children, run_episode, uniform_prior
     from ..search.space import ActionSpace
     from ..topology import load_topology
 
@@ -136,6 +149,11 @@ def label_pair(gdir: Path, spec: PairSpec, cfg: GenConfig, prior=None, simulator
     decisions, tree, stats = run_episode(space, ev, prior_fn, rng, playouts_per_step=cfg.playouts_per_step,
                                          cfg=mcfg, temperature_steps=cfg.temperature_steps,
                                          max_steps=cfg.max_steps)
+    search_calls, t_label = ev.sim_calls, time.perf_counter()
+    for d in decisions[:cfg.label_children]:  # after the episode: the search is the unlabelled one
+        evaluate_children(tree, d.node, space, ev)
+    label = {"label_sim_calls": ev.sim_calls - search_calls,
+             "label_seconds": time.perf_counter() - t_label} if cfg.label_children else {}
     recs = []
     for d in decisions:
         best = float(tree.best[d.node])
@@ -153,7 +171,7 @@ def label_pair(gdir: Path, spec: PairSpec, cfg: GenConfig, prior=None, simulator
     return {"pair": spec.to_dict(), "graph_signature": graph.signature(), "num_actions": space.num_actions,
             "t_ref": ev.t_ref, "dp_even_s": ev.dp_even_out.time_s, "dp_prop_s": ev.dp_prop_out.time_s,
             "best_time_s": ev.best.time_s, "best_oom": ev.best.oom, "best_reward": ev.best_reward,
-            "sim_calls": ev.sim_calls, "playouts": stats.playouts, "seconds": time.perf_counter() - t0,
+            "sim_calls": ev.sim_calls, "playouts": stats.playouts, **label, "seconds": time.perf_counter() - t0,
             "decisions": recs}
 
 

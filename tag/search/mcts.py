@@ -550,6 +550,49 @@ def mcts_search(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng
                         evaluator.best.oom, evaluator.best_source, stats, tree, proposals)
 
 
+def search_actions(space: ActionSpace, assign: np.ndarray) -> np.ndarray:
+    """[A] bool: the actions the search tells apart at the op-group decision after ``assign`` ([K],
+    -1 undecided): those the space allows there (:meth:`ActionSpace.group_mask`), one per class of
+    equivalent deployments of the group decided next (:attr:`ActionSpace.group_canonical`) and, at
+    the first decision, one per class of root-equivalent actions (:attr:`ActionSpace.root_canonical`):
+    the support of the prior :func:`_evaluate_nodes` gives a node from an everywhere-positive one."""
+    path_len = int((np.asarray(assign) >= 0).sum())
+    g = space.order[path_len]
+    mask = space.group_mask(assign)
+    p = np.ones(space.num_actions) if mask is None else mask.astype(np.float64)
+    p = space.canonical_prior(g, p)
+    if path_len == 0:
+        p = space.canonical_root_prior(p)
+    return p > 0
+
+
+def evaluate_children(tree: Tree, node: int, space: ActionSpace, evaluator: Evaluator) -> int:
+    """Give every action the search tells apart at the op-group decision ``node``
+    (:func:`search_actions`) a child whose own completed plan is simulated, as a playout's leaf
+    is (its state's resolved plan, :meth:`Evaluator.evaluate`, cached), and raise the best
+    simulated reward (:attr:`Tree.best`) of ``node`` and its ancestors to it. Visits and values
+    are untouched: a search continued from the tree is the one it would have been, except that
+    the new children's plans are repeats. Returns the simulator calls spent."""
+    calls = evaluator.sim_calls
+    assign = tree.assign(node, space)
+    for a in np.flatnonzero(search_actions(space, assign)):
+        child = int(tree.children[node, a])
+        if child >= 0 and tree.feedback[child] is not None:
+            continue
+        if child < 0:
+            child = expand(tree, node, int(a))
+        st = tree.state(child, space, tree.nearest_feedback(node) or Feedback.neutral(space.num_devices,
+                                                                                      space.num_groups))
+        tree.terminal[child] = st.group < 0 and st.plan_decision < 0
+        out = evaluator.evaluate(st.resolved)
+        tree.feedback[child] = out.feedback
+        n = child
+        while n >= 0:
+            tree.best[n] = max(tree.best[n], out.reward)
+            n = int(tree.parent[n])
+    return evaluator.sim_calls - calls
+
+
 @dataclass
 class Decision:
     """One labelled decision of an episode (training data)."""

@@ -8,9 +8,15 @@ from pathlib import Path
 from ..data.dataset import PolicyTarget
 from ..data.generate import GenConfig
 from ..errors import TagError
-from ..gnn.features import COARSE_ABOVE
 from ..gnn.model import NetConfig
 from ..io import output_dir, read_json
+
+RECIPE_GEN = {"large_fraction": 0.25, "label_children": 8}
+"""Labelling of the shipped predictor (2026-11-27, evaluation/results/planner-bench-relabel/): a
+quarter of the pairs at scale, every action of the 8 labelled decisions simulated."""
+RECIPE_COARSE_ABOVE = 32
+"""Encoding of the shipped predictor: clusters above 32 devices (every pair at scale) on the machine
+graph (:data:`tag.gnn.features.COARSE_ABOVE` stays the threshold of checkpoints that record none)."""
 
 
 class ConfigError(TagError):
@@ -60,12 +66,15 @@ class LoopConfig:
     the user's data folder for an installed package: :func:`tag.io.output_dir`)."""
     rounds: int = 4
     """Generate/train rounds; round 0 is labelled by uniform-prior MCTS (bootstrap)."""
-    samples_per_round: list[int] = field(default_factory=lambda: [300, 150])
+    samples_per_round: list[int] = field(default_factory=lambda: [360, 120])
     """Pairs labelled in each round (the last value repeats for later rounds)."""
     net: NetConfig = field(default_factory=NetConfig)
     """Network shape."""
-    gen: GenConfig = field(default_factory=GenConfig)
-    """Labelling (``gen.samples`` is overridden per round)."""
+    gen: GenConfig = field(default_factory=lambda: GenConfig(**RECIPE_GEN))
+    """Labelling (``gen.samples`` is overridden per round); default :class:`GenConfig`'s with
+    :data:`RECIPE_GEN`. A ``gen`` object in a config file is a whole :class:`GenConfig`: the fields
+    it leaves out take :class:`GenConfig`'s defaults (so a run folder's ``config.json`` of before a
+    field existed resumes as it was labelled)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Fitting."""
     target: PolicyTarget = field(default_factory=PolicyTarget)
@@ -76,7 +85,7 @@ class LoopConfig:
     """wandb project."""
     export: str | None = None
     """Copy the final checkpoint here (e.g. ``tag/gnn/predictor.pt``)."""
-    coarse_above: int = COARSE_ABOVE
+    coarse_above: int = RECIPE_COARSE_ABOVE
     """Clusters of more devices are encoded with one device node per machine in training and, as
     the checkpoint records it (``meta["coarse_above"]``), by the predictor."""
 
