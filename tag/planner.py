@@ -28,18 +28,19 @@ rest by rule: its one batched call costs ~K x (K x D) cross edges, 4.3 s for all
 an 8-layer gpt2 on 32 GPUs against 1.4 s for the whole 50-playout search. 16 lost a held-out
 pair of the planner benchmark, 32 gives the same plans as all groups there."""
 
-GNN_MAX_DEVICES = 128
-"""Largest cluster the predictor runs on. Its device graph is complete (``D (D - 1)`` link edges
-in every encoded state) and its context holds a ``[K, A, D]`` placement table. With 128 groups
-(one core, a loaded 2-core machine) an 8-state wave took 1.7 s on 64 GPUs, 20 s on 256 and 88 s
-on 512; the one-shot call 11 s, 250 s (4.2 GB) and 313 s (14.5 GB)
-(``evaluation/results/sim-speed/scale.md``). Beyond it :func:`find_plan` searches with the
-uniform prior and says so in ``meta["prior_note"]``. Above 128 devices the predictor can encode
-one device node per machine (:mod:`tag.gnn.features`, ``coarse="machine"``: an 8-state wave 11.6 s
-and 1.8 GB at 512 GPUs), but the shipped network, trained with one node per device on at most 32
-GPUs, was 27% behind uniform MCTS @500 with 50 playouts on ``cloud-256gpu-3zones``
-(``evaluation/results/planner-bench/scale-256gpu-machine-graph/``): raising this limit waits for
-a predictor trained on that graph."""
+GNN_MAX_DEVICES = 512
+"""Largest cluster the predictor runs on. Above :data:`tag.gnn.features.COARSE_ABOVE` devices (or
+the checkpoint's ``meta["coarse_above"]``) it encodes one device node per machine, so its cost
+follows the machines, not the GPUs (an 8-state wave 11.6 s and 1.8 GB at 512 GPUs on the machine
+graph; with one node per device 88 s and, for the one-shot call, 14.5 GB:
+``evaluation/results/sim-speed/scale.md``). Beyond it :func:`find_plan` searches with the uniform
+prior and says so in ``meta["prior_note"]``. 128 until 2026-11-27, when the shipped network was
+27fed77's, trained with one node per device on at most 32 GPUs (27% behind uniform MCTS @500 on
+``cloud-256gpu-3zones``, ``evaluation/results/planner-bench/scale-256gpu-machine-graph/``); the
+network shipped since (e444807) is trained with clusters of 48-256 GPUs on the machine graph, and
+on the planner benchmark's two held-out pairs above 128 GPUs it beats the uniform prior at 50
+playouts (ResNet-50 on ``cloud-256gpu-3zones`` 32.1 against 302.2 ms, GPT-2 medium on
+``h100-512gpu`` 131.7 against 133.9 ms; ``evaluation/results/planner-bench-relabel/``)."""
 
 PIPELINE_MODES = ("auto", "grid", "off")
 """``find_plan(pipelines=...)``: search pipelines and tp then the hand-written layout grid (bounded by
