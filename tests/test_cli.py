@@ -41,6 +41,7 @@ def test_train_help_states_the_config_defaults():
               "workers": cfg.gen.workers, "playouts": cfg.gen.playouts_per_step, "seed": cfg.gen.seed,
               "samples": " ".join(map(str, cfg.samples_per_round)), "wandb": cfg.wandb,
               "large_fraction": cfg.gen.large_fraction, "label_children": cfg.gen.label_children,
+              "large_inputs": cfg.gen.large_inputs,
               "coarse_above": cfg.coarse_above}
     for dest, value in stated.items():
         assert f"default {value}" in helps[dest], (dest, helps[dest])

@@ -61,6 +61,38 @@ def test_pairs_at_scale_leave_the_other_pairs_unmoved():
     assert sample_pair(0, 3, large_fraction=0.3) == sample_pair(0, 3, large_fraction=0.3)
 
 
+def test_full_inputs_change_only_the_models_at_scale():
+    """``large_inputs="full"``: the pairs at scale are the same draws (topology, batch, groups) with
+    their model's inputs at LARGE_INPUTS (the zoo accepts every such spec); every other pair, and
+    the default stream, are unmoved."""
+    from tag.data.pairs import LARGE_INPUTS, full_inputs
+    from tag.workloads.zoo import zoo_entries
+    zoo = [sample_pair(0, i, max_groups=32, large_fraction=0.3) for i in range(60)]
+    full = [sample_pair(0, i, max_groups=32, large_fraction=0.3, large_inputs="full") for i in range(60)]
+    assert zoo == [sample_pair(0, i, max_groups=32, large_fraction=0.3, large_inputs="zoo") for i in range(60)]
+    small = [sample_pair(0, i, max_groups=32) for i in range(60)]
+    moved = 0
+    for s, z, f in zip(small, zoo, full):
+        if z == s:  # a small pair: untouched by the option
+            assert f == s
+            continue
+        assert (f.topology, f.batch, f.groups) == (z.topology, z.batch, z.groups)
+        assert f.model == full_inputs(z.model)
+        family = z.model.partition(":")[0]
+        moved += f.model != z.model
+        assert (f.model != z.model) == (family in LARGE_INPUTS)
+    assert moved >= 5
+    entries = zoo_entries()
+    for spec, _ in LARGE_MODELS:  # every overridden spec names keys its family has
+        family, _, opts = full_inputs(spec).partition(":")
+        assert {kv.split("=")[0] for kv in opts.split(",")} <= set(entries[family].defaults)
+    assert full_inputs("vgg:depth=11,width=32") == "vgg:depth=11,width=32,image=224"
+    with pytest.raises(ValueError, match="large_inputs: expected one of zoo, full, got 'big'"):
+        sample_pair(0, 0, large_inputs="big")
+    with pytest.raises(ConfigError, match="large_inputs: expected one of zoo, full, got 'big'"):
+        LoopConfig.from_dict({"gen": {"large_inputs": "big"}})
+
+
 def test_generation_writes_records_and_resumes(dataset_dir):
     raw = sorted((dataset_dir / "raw").glob("*.json"))
     assert len(raw) == 3

@@ -24,6 +24,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of pairs, searches and training (default 0)")
     p.add_argument("--large-fraction", type=float, default=None, metavar="F",
                    help="share of the pairs drawn at scale, 48-256 GPUs (default 0.25)")
+    p.add_argument("--large-inputs", choices=["zoo", "full"], default=None,
+                   help="inputs of the models at scale: the zoo's small defaults, or 512 tokens / 224x224 "
+                        "images (default zoo)")
     p.add_argument("--label-children", type=int, default=None, metavar="N",
                    help="at the first N labelled decisions of each pair simulate every action's own plan once, "
                         "not only the searched ones (default 8)")
@@ -55,6 +58,8 @@ def build_config(args):
         cfg.gen.seed = cfg.train.seed = args.seed
     if args.large_fraction is not None:
         cfg.gen.large_fraction = args.large_fraction
+    if args.large_inputs is not None:
+        cfg.gen.large_inputs = args.large_inputs
     if args.label_children is not None:
         cfg.gen.label_children = args.label_children
     if args.coarse_above is not None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..io import write_json
-from .pairs import PairSpec, sample_pair
+from .pairs import LARGE_INPUT_CHOICES, PairSpec, sample_pair
 
 
 @dataclass
@@ -67,6 +67,11 @@ class GenConfig:
     median 89 calls / 0.11 s more per small pair, 1,085 / 4.4 s per pair at scale (over round 0's
     98 pairs at scale 2.5x the seconds of their searches).
     ``tag train`` labels with 8 (:data:`tag.training.config.RECIPE_GEN`)."""
+    large_inputs: str = "zoo"
+    """Inputs of the models of the pairs at scale: ``zoo`` (the zoo's defaults, 64 tokens / 32x32
+    images: the pairs of before 2026-11-27) or ``full`` (:data:`tag.data.pairs.LARGE_INPUTS`:
+    512 tokens, 224x224 images, so that compute per sample against parameter bytes is that of
+    models trained at scale); the pairs drawn are the same, their graphs are captured anew."""
 
     def __post_init__(self):
         if self.samples < 0:
@@ -85,6 +90,9 @@ class GenConfig:
                 raise ValueError(f"models: expected 'zoo-spec@batch', got {m!r}")
         if not 0 <= self.large_fraction <= 1:
             raise ValueError(f"large_fraction: expected in [0, 1], got {self.large_fraction}")
+        if self.large_inputs not in LARGE_INPUT_CHOICES:
+            raise ValueError(f"large_inputs: expected one of {', '.join(LARGE_INPUT_CHOICES)}, "
+                             f"got {self.large_inputs!r}")
         if self.label_children < 0:
             raise ValueError(f"label_children: expected >= 0, got {self.label_children}")
         if self.simulator not in ("sim", "toy"):
@@ -200,7 +208,7 @@ def _work(index: int) -> tuple[int, float, str | None]:
     if out.exists():
         return index, 0.0, None
     spec = sample_pair(cfg.seed, index, max_groups=cfg.max_groups, models=_models(cfg),
-                       large_fraction=cfg.large_fraction)
+                       large_fraction=cfg.large_fraction, large_inputs=cfg.large_inputs)
     try:
         rec = label_pair(graphs_dir(root), spec, cfg, _W["prior"])
     except Exception as e:  # noqa: BLE001 - a bad pair must not stop the whole run

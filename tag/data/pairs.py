@@ -8,7 +8,9 @@ clusters: 2-32 GPUs over 1-8 machines of catalog GPU types, PCIe or NVLink insid
 machine sizes. With ``large_fraction`` > 0 that share of the pairs is drawn at scale instead
 (:func:`random_large_topology`: 48-256 GPUs over 4-32 machines of 1-4 GPU kinds, often in zones
 with a faster network inside a zone; :data:`LARGE_MODELS` at the batch sizes of data parallelism
-over that many GPUs); the other pairs are exactly those of ``large_fraction = 0``.
+over that many GPUs); the other pairs are exactly those of ``large_fraction = 0``. With
+``large_inputs="full"`` the models at scale take the inputs of their published settings
+(:data:`LARGE_INPUTS`: 512-token sequences, 224x224 images) instead of the zoo's small defaults.
 
 Held out for the benchmark (never generated here): the shipped topologies and the benchmark
 models listed in :data:`HELD_OUT_MODELS`.
@@ -50,6 +52,18 @@ LARGE_MODELS: tuple[tuple[str, tuple[int, ...]], ...] = (
 )
 """Models of the pairs at scale: the zoo at sizes and batches where 48-256 GPUs each get a few
 samples (none is a held-out model of the planner benchmark)."""
+LARGE_INPUTS: dict[str, str] = {"gpt2": "seq=512", "bert": "seq=512", "vit": "image=224,patch=16",
+                                "resnet": "image=224", "vgg": "image=224"}
+"""Zoo overrides of the models at scale with ``large_inputs="full"``, per family: the input sizes
+of the published settings (BERT's 512-token sequences, GPT-2's 1,024 cut to 512, ImageNet's
+224x224 images, ViT's 16x16 patches) instead of the zoo's defaults (64 tokens, 32x32 images),
+which give a model 8-49x less compute per sample for the same parameter bytes. On 2026-11-27
+(evaluation/results/planner-bench-mix/) the best first action of 20 pairs at scale, every root
+action simulated, spanned several machines in 1 of 20 pairs with the zoo's inputs and in 12 of 20
+with these. ``mlp`` has no input of a published setting: unchanged."""
+LARGE_INPUT_CHOICES = ("zoo", "full")
+"""``large_inputs`` values: ``zoo`` (the zoo's default inputs, the pairs of before 2026-11-27) or
+``full`` (:data:`LARGE_INPUTS`)."""
 
 # GPU types drawn for random machines (catalog names).
 GPU_TYPES = ("P100-SXM2-16GB", "V100-SXM2-16GB", "V100-SXM2-32GB", "GTX-1080Ti", "RTX-2080Ti", "T4",
@@ -137,13 +151,19 @@ def random_large_topology(rng: np.random.Generator, name: str) -> dict:
 def sample_pair(seed: int, index: int, *, max_groups: int | None = None,
                 models: tuple[tuple[str, tuple[int, ...]], ...] = TRAIN_MODELS,
                 large_fraction: float = 0.0,
-                large_models: tuple[tuple[str, tuple[int, ...]], ...] = LARGE_MODELS) -> PairSpec:
+                large_models: tuple[tuple[str, tuple[int, ...]], ...] = LARGE_MODELS,
+                large_inputs: str = "zoo") -> PairSpec:
     """The ``index``-th pair of the stream for ``seed``; with probability ``large_fraction`` (drawn
-    from its own stream, so the other pairs do not move) a pair at scale."""
+    from its own stream, so the other pairs do not move) a pair at scale, its model's inputs those
+    of ``large_inputs`` (:data:`LARGE_INPUT_CHOICES`; the draws are the same for both)."""
+    if large_inputs not in LARGE_INPUT_CHOICES:
+        raise ValueError(f"large_inputs: expected one of {', '.join(LARGE_INPUT_CHOICES)}, got {large_inputs!r}")
     if large_fraction > 0:
         lrng = np.random.default_rng([seed, index, 3])
         if lrng.random() < large_fraction:
             spec, batches = large_models[int(lrng.integers(len(large_models)))]
+            if large_inputs == "full":
+                spec = full_inputs(spec)
             return PairSpec(index, spec, int(lrng.choice(batches)), _groups(lrng, max_groups),
                             random_large_topology(lrng, f"rand-{seed}-{index}"))
     rng = np.random.default_rng([seed, index])
@@ -151,6 +171,15 @@ def sample_pair(seed: int, index: int, *, max_groups: int | None = None,
     batch = int(rng.choice(batches))
     groups = _groups(rng, max_groups)
     return PairSpec(index, spec, batch, groups, random_topology(rng, f"rand-{seed}-{index}"))
+
+
+def full_inputs(spec: str) -> str:
+    """Zoo ``spec`` with its family's :data:`LARGE_INPUTS` overrides appended (unchanged for a
+    family without any)."""
+    extra = LARGE_INPUTS.get(spec.partition(":")[0])
+    if not extra:
+        return spec
+    return f"{spec},{extra}" if ":" in spec else f"{spec}:{extra}"
 
 
 def _groups(rng: np.random.Generator, max_groups: int | None) -> int:
