@@ -174,10 +174,11 @@ def test_label_children_gives_every_action_its_own_simulated_reward(tmp_path):
 
 def test_label_children_off_leaves_the_records_as_they_were(tmp_path):
     """``label_children = 0`` (default) writes the records of before the option, byte for byte
-    but the wall seconds: sha256 of the sorted JSON of pairs 0-2 of this toy stream, computed at
-    adb79da (before the option) on 2026-11-27."""
+    but the wall seconds: sha256 of the sorted JSON of pairs 0-2 of this toy stream. First computed
+    at adb79da (before the option); recomputed at 8a7364c (2026-11-27) because the GPU rule's
+    optimizer host time (2f3649a, merged beside the option) moved the records' simulated times."""
     import hashlib
-    golden = ["ffae16ffbf03bcd0", "41f482a83a991ebd", "627c957fc8f0c2fb"]
+    golden = ["21c94132d3e4d0fc", "305ff830911efc55", "1eb644b66b426208"]
     for i, want in enumerate(golden):
         rec, _ = _label(tmp_path, i)
         rec.pop("seconds")

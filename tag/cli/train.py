@@ -15,9 +15,9 @@ def register(sub) -> None:
     p.add_argument("--config", metavar="FILE.json", default=None,
                    help="LoopConfig JSON (fields as in tag/training/config.py); flags below override it")
     p.add_argument("--run-dir", default=None, help=f"run folder (default: runs/predictor {OUTSIDE})")
-    p.add_argument("--rounds", type=int, default=None, help="generate/train rounds (default 4)")
+    p.add_argument("--rounds", type=int, default=None, help="generate/train rounds (default 3)")
     p.add_argument("--samples", type=int, nargs="+", default=None, metavar="N",
-                   help="pairs labelled per round (last value repeats; default 360 120)")
+                   help="pairs labelled per round (last value repeats; default 240 80)")
     p.add_argument("--epochs", type=int, default=None, help="epochs per round (default 6)")
     p.add_argument("--workers", type=int, default=None, help="labelling processes (default 2)")
     p.add_argument("--playouts", type=int, default=None, help="MCTS playouts per labelled decision (default 32)")
@@ -26,7 +26,7 @@ def register(sub) -> None:
                    help="share of the pairs drawn at scale, 48-256 GPUs (default 0.25)")
     p.add_argument("--large-inputs", choices=["zoo", "full"], default=None,
                    help="inputs of the models at scale: the zoo's small defaults, or 512 tokens / 224x224 "
-                        "images (default zoo)")
+                        "images (default full)")
     p.add_argument("--label-children", type=int, default=None, metavar="N",
                    help="at the first N labelled decisions of each pair simulate every action's own plan once, "
                         "not only the searched ones (default 8)")

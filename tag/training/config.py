@@ -11,9 +11,10 @@ from ..errors import TagError
 from ..gnn.model import NetConfig
 from ..io import output_dir, read_json
 
-RECIPE_GEN = {"large_fraction": 0.25, "label_children": 8}
-"""Labelling of the shipped predictor (2026-11-27, evaluation/results/planner-bench-relabel/): a
-quarter of the pairs at scale, every action of the 8 labelled decisions simulated."""
+RECIPE_GEN = {"large_fraction": 0.25, "label_children": 8, "large_inputs": "full"}
+"""Labelling of the shipped predictor (2026-11-27, evaluation/results/planner-bench-mix/): a
+quarter of the pairs at scale, their models at published input sizes (512 tokens, 224x224 images),
+every action of the 8 labelled decisions simulated."""
 RECIPE_COARSE_ABOVE = 32
 """Encoding of the shipped predictor: clusters above 32 devices (every pair at scale) on the machine
 graph (:data:`tag.gnn.features.COARSE_ABOVE` stays the threshold of checkpoints that record none)."""
@@ -64,9 +65,11 @@ class LoopConfig:
     run_dir: str = field(default_factory=lambda: str(output_dir("runs/predictor")))
     """Run folder: data, checkpoints, config, logs (default ``runs/predictor`` in the checkout, or in
     the user's data folder for an installed package: :func:`tag.io.output_dir`)."""
-    rounds: int = 4
-    """Generate/train rounds; round 0 is labelled by uniform-prior MCTS (bootstrap)."""
-    samples_per_round: list[int] = field(default_factory=lambda: [360, 120])
+    rounds: int = 3
+    """Generate/train rounds; round 0 is labelled by uniform-prior MCTS (bootstrap). The shipped
+    predictor is the third round's network (a fourth, measured 2026-11-27, was worse on the small
+    held-out pairs: evaluation/results/planner-bench-mix/)."""
+    samples_per_round: list[int] = field(default_factory=lambda: [240, 80])
     """Pairs labelled in each round (the last value repeats for later rounds)."""
     net: NetConfig = field(default_factory=NetConfig)
     """Network shape."""
