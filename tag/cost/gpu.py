@@ -110,7 +110,6 @@ mul_ 1r1w, addcmul_ 2r1w, sqrt 1r1w, div_ 1r1w, add_ 1r1w, addcdiv_ 3r1w) and ``
 ALIGN_ELEMENTS = 8
 """Elements of a 16-byte access in bf16/fp16: a GEMM whose dimensions are multiples of it runs on
 the aligned tensor-core kernels (cuBLAS' TMA and vectorised-load paths)."""
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "": 4, "float64": 8}
 
 FOREACH_KERNELS = {"adam": 7, "sgd": 3, "sgd-plain": 1}
 """Multi-tensor kernels of one optimizer step (the same source): launched once per step."""
@@ -535,7 +534,7 @@ def gemm_dims(graph, op, batch: float) -> tuple[float, float, float] | None:
     name = op.target.split(".")[1] if op.target.startswith("aten.") else ""
     if name not in _GEMMS or len(op.inputs) < 2 or op.inputs[-1] == op.inputs[-2] or not op.outputs:
         return None
-    size = _ITEMSIZE.get(op.dtype, 4)
+    size = op.itemsize
     a, b = (graph.tensors[t].nbytes.at(batch) / size for t in op.inputs[-2:])
     c = graph.tensors[op.outputs[0]].nbytes.at(batch) / size
     f = op.flops.at(batch)

@@ -40,6 +40,11 @@ class Affine:
         return Affine(max(0.0, v1 - slope * b1), slope)
 
 
+ITEMSIZE = {"": 4, "float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+"""Bytes per element of the floating dtypes an :class:`Op` records ("": float32, the dtype of a
+graph stored without dtypes)."""
+
+
 @dataclass
 class Op:
     """One node of the joint training graph (or a synthesized optimizer update)."""
@@ -73,6 +78,11 @@ class Op:
     """Whether its non-tensor arguments hold the batch size (they differ between the capture's two
     batches: a ``full`` or ``view`` shape, a scalar); None in graphs captured before it was
     recorded (stored without it, :meth:`OpGraph.to_dict`)."""
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of :attr:`dtype` (:data:`ITEMSIZE`; 4 for a dtype not listed)."""
+        return ITEMSIZE.get(self.dtype, 4)
 
 
 @dataclass

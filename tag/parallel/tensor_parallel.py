@@ -110,8 +110,6 @@ LSE_ITEMSIZE = 4
 """Bytes per element of a fused attention's logsumexp (FP32: the kernels' accumulation dtype,
 also under bf16/fp16 autocast)."""
 
-ITEMSIZE = {"": 4, "float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-
 
 def per_graph(fn):
     """``fn(graph, ...)`` computed once per graph (the extra arguments derive from it), for the
@@ -144,7 +142,7 @@ def _heads(graph: OpGraph, op: int, tokens: float) -> float:
     ``getitem``; the other is ``heads x tokens x head_dim``) is ``heads x tokens`` FP32."""
     o = graph.ops[op]
     if base_name(o.target) in ("_softmax", "softmax"):
-        return graph.tensors[o.outputs[0]].nbytes.per_sample / ITEMSIZE.get(o.dtype, 4) / (tokens * tokens)
+        return graph.tensors[o.outputs[0]].nbytes.per_sample / o.itemsize / (tokens * tokens)
     items = [graph.tensors[graph.ops[c].outputs[0]].nbytes.per_sample for c in graph.tensors[o.outputs[0]].consumers
              if graph.ops[c].target == "getitem"]
     return min(items) / LSE_ITEMSIZE / tokens if items else 0.0
@@ -288,7 +286,7 @@ def _detect(graph: OpGraph) -> list[MegatronBlock]:
         out_feats = w // feats
         heads = None
         if r in softmax_of:
-            tokens = out_ps / (out_feats * ITEMSIZE.get(ro.dtype, 4))  # per sample
+            tokens = out_ps / (out_feats * ro.itemsize)  # per sample
             h = _heads(graph, softmax_of[r], tokens) if tokens >= 1 else 0
             if h >= 1 and abs(h - round(h)) < 1e-6 and feats % round(h) == 0:
                 heads = round(h)
