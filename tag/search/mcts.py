@@ -192,6 +192,14 @@ class Tree:
             n = self.parent[n]
         return None
 
+    def leaf_state(self, node: int, space: ActionSpace) -> SearchState:
+        """:meth:`state` of ``node`` with the feedback nearest above it (neutral where none), and
+        :attr:`terminal` of ``node`` set from it: how a playout's leaf is read."""
+        fb = self.nearest_feedback(node) or Feedback.neutral(space.num_devices, space.num_groups)
+        st = self.state(node, space, fb)
+        self.terminal[node] = st.group < 0 and st.plan_decision < 0
+        return st
+
 
 def new_tree(space: ActionSpace) -> Tree:
     t = Tree(space.num_actions)
@@ -373,12 +381,9 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
                     prior_fn: PriorFn, cfg: MCTSConfig, stats: SearchStats, root: int,
                     rng: np.random.Generator) -> list[tuple[float, float | None]]:
     """Set priors of ``nodes`` and return (backup value, simulated reward or None) per node."""
-    k = space.num_groups
     states, pending = [], []
     for n in nodes:
-        fb = tree.nearest_feedback(n) or Feedback.neutral(space.num_devices, k)
-        st = tree.state(n, space, fb)
-        tree.terminal[n] = st.group < 0 and st.plan_decision < 0
+        st = tree.leaf_state(n, space)
         states.append(st)
         pending.append(not tree.terminal[n] and not tree.expanded[n])
     # The network sees plans without a pipeline (its priors serve op-group decisions; a
@@ -581,10 +586,7 @@ def evaluate_children(tree: Tree, node: int, space: ActionSpace, evaluator: Eval
             continue
         if child < 0:
             child = expand(tree, node, int(a))
-        st = tree.state(child, space, tree.nearest_feedback(node) or Feedback.neutral(space.num_devices,
-                                                                                      space.num_groups))
-        tree.terminal[child] = st.group < 0 and st.plan_decision < 0
-        out = evaluator.evaluate(st.resolved)
+        out = evaluator.evaluate(tree.leaf_state(child, space).resolved)
         tree.feedback[child] = out.feedback
         n = child
         while n >= 0:
