@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..io import write_json
-from .pairs import LARGE_INPUT_CHOICES, PairSpec, sample_pair
+from .pairs import PairSpec, check_large_inputs, sample_pair
 
 
 @dataclass
@@ -90,9 +90,7 @@ class GenConfig:
                 raise ValueError(f"models: expected 'zoo-spec@batch', got {m!r}")
         if not 0 <= self.large_fraction <= 1:
             raise ValueError(f"large_fraction: expected in [0, 1], got {self.large_fraction}")
-        if self.large_inputs not in LARGE_INPUT_CHOICES:
-            raise ValueError(f"large_inputs: expected one of {', '.join(LARGE_INPUT_CHOICES)}, "
-                             f"got {self.large_inputs!r}")
+        check_large_inputs(self.large_inputs)
         if self.label_children < 0:
             raise ValueError(f"label_children: expected >= 0, got {self.label_children}")
         if self.simulator not in ("sim", "toy"):

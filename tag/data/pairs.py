@@ -156,8 +156,7 @@ def sample_pair(seed: int, index: int, *, max_groups: int | None = None,
     """The ``index``-th pair of the stream for ``seed``; with probability ``large_fraction`` (drawn
     from its own stream, so the other pairs do not move) a pair at scale, its model's inputs those
     of ``large_inputs`` (:data:`LARGE_INPUT_CHOICES`; the draws are the same for both)."""
-    if large_inputs not in LARGE_INPUT_CHOICES:
-        raise ValueError(f"large_inputs: expected one of {', '.join(LARGE_INPUT_CHOICES)}, got {large_inputs!r}")
+    check_large_inputs(large_inputs)
     if large_fraction > 0:
         lrng = np.random.default_rng([seed, index, 3])
         if lrng.random() < large_fraction:
@@ -171,6 +170,13 @@ def sample_pair(seed: int, index: int, *, max_groups: int | None = None,
     batch = int(rng.choice(batches))
     groups = _groups(rng, max_groups)
     return PairSpec(index, spec, batch, groups, random_topology(rng, f"rand-{seed}-{index}"))
+
+
+def check_large_inputs(value: str) -> str:
+    """``value`` if it is one of :data:`LARGE_INPUT_CHOICES`, else a one-line ValueError."""
+    if value not in LARGE_INPUT_CHOICES:
+        raise ValueError(f"large_inputs: expected one of {', '.join(LARGE_INPUT_CHOICES)}, got {value!r}")
+    return value
 
 
 def full_inputs(spec: str) -> str:
