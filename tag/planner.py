@@ -152,13 +152,14 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     rng = np.random.default_rng(seed)
     stats, proposals = SearchStats(), []
     prior_fn = uniform_prior
-    propose_fn = None
+    propose_fn = plan_fn = None
     prior_note = None
     if searcher == "mcts" and prior == "gnn" and topology.num_devices > GNN_MAX_DEVICES:
         prior, prior_note = "uniform", f"uniform prior: {topology.num_devices} devices > GNN_MAX_DEVICES ({GNN_MAX_DEVICES})"
     if searcher == "mcts" and prior == "gnn":
         pred = predictor if predictor is not None else _predictor(checkpoint)
         prior_fn = pred.bind(space, ev.t_ref)
+        plan_fn = pred.bind_plan(space, ev.t_ref, ev.simulator)  # None: untrained plan head, no pipelines
         if one_shot:
             def propose_fn(sp, root):  # after the tree: the root's feedback is the simulator's
                 return [pred.one_shot(sp, ev.t_ref, root.feedback, max_groups=ONE_SHOT_GROUPS)]
@@ -173,7 +174,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     if searcher == "mcts":
         res = mcts_search(space, ev, prior_fn, rng, playouts=playouts,
                           time_limit=None if time_limit is None else max(0.0, search_deadline - time.perf_counter()),
-                          cfg=mcts, propose_fn=propose_fn)
+                          cfg=mcts, propose_fn=propose_fn, plan_fn=plan_fn)
         stats, proposals = res.stats, res.proposals
     elif searcher == "sa":
         stats = simulated_annealing(space, ev, rng, playouts=playouts, deadline=search_deadline)

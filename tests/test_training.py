@@ -257,6 +257,9 @@ def test_tag_train_tiny_end_to_end(tmp_path, capsys):
     assert json.loads((run / "round1" / "gen_config.json").read_text())["net"].endswith("round0/predictor.pt")
     net, meta = load_net(export)
     assert meta["round"] == 1 and meta["coarse_above"] == 3  # what the predictor encodes by
+    assert meta["plan_head"]["rounds"] == [0, 1] and meta["plan_head"]["pairs"] >= 1  # fitted after the rounds
+    assert not load_net(run / "round1" / "predictor.pt")[1].get("plan_head")
+    assert sorted(p.name for p in (run / "round0" / "plan").glob("*.npz")) == ["00000.npz", "00001.npz"]
     # rerun: everything is finished, nothing is redone
     mtime = export.stat().st_mtime_ns
     assert main(["train", "--config", str(path), "--no-progress"]) == 0

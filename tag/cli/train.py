@@ -35,6 +35,8 @@ def register(sub) -> None:
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], default=None,
                    help="wandb logging (default offline, files inside the run folder)")
     p.add_argument("--export", default=None, metavar="FILE", help="copy the final checkpoint here")
+    p.add_argument("--no-plan-head", action="store_true",
+                   help="skip fitting the plan head (the prior over pipeline decisions) after the last round")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -44,6 +46,8 @@ def build_config(args):
     cfg = LoopConfig.load(args.config) if args.config else LoopConfig()
     if args.run_dir is not None:
         cfg.run_dir = args.run_dir
+    if args.no_plan_head:
+        cfg.plan_head = False
     if args.rounds is not None:
         cfg.rounds = args.rounds
     if args.samples is not None:

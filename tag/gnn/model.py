@@ -1,4 +1,4 @@
-"""The joint GNN: encoder over op-groups and devices, a policy head and a value head."""
+"""The joint GNN: encoder over op-groups and devices, a policy head, a value head and a plan head."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch_geometric.utils import scatter, softmax
 
 from .features import MESSAGE_RELATIONS, NODE_TYPES, REL, dims
 from .layers import JointConv
+from .plan_head import PLAN_FEATURES
 
 VALUE_CLIP = 5.0
 """Value targets are ``log(t / t_ref)`` clipped to ``[-VALUE_CLIP, VALUE_CLIP]`` (OOM: the top)."""
@@ -58,7 +59,11 @@ class TagNet(nn.Module):
       \max_{d \in a} \mathbf{h}_d \,\|\, \sum_{d \in a} s_{ad} \mathbf{h}_d \,\|\, \mathbf{x}_a \,\|\, \mathbf{z}])`,
       softmax over each state's actions (:math:`s_{ad}` the batch share, :math:`\mathbf{z}` the
       pooled graph embedding);
-    * **value**: :math:`\mathrm{MLP}(\mathbf{z})`, the predicted ``log(t / t_ref)`` of the final plan.
+    * **value**: :math:`\mathrm{MLP}(\mathbf{z})`, the predicted ``log(t / t_ref)`` of the final plan;
+    * **plan** (:meth:`plan_logits`): for each option :math:`o` of a plan-level pipeline decision
+      (stage count, cut, stage deployment, micro-batches, schedule),
+      :math:`\ell_o = \mathrm{MLP}([\mathbf{z} \,\|\, \mathbf{x}_o])` with :math:`\mathbf{x}_o` the
+      option's features (:func:`tag.gnn.plan_head.plan_option_features`), softmax over the options.
 
     Args:
         cfg: :class:`NetConfig`.
@@ -67,6 +72,8 @@ class TagNet(nn.Module):
         - **input:** a (batched) normalised ``HeteroData`` from :meth:`JointContext.encode`.
         - **output:** ``(logits (|V_action|,), value (num_states,))``; logits are normalised
           with :func:`action_log_probs`.
+        - :meth:`embed`: ``z (num_states, 2 * hidden)``; :meth:`plan_logits`: ``z (n, 2 * hidden)``
+          and option features ``(n, O, PLAN_FEATURES)`` -> ``(n, O)``.
     """
 
     def __init__(self, cfg: NetConfig | None = None):
@@ -85,6 +92,7 @@ class TagNet(nn.Module):
         self.uses_in = nn.Linear(dm["uses"], 1)
         self.policy = _mlp(6 * h, h, 1)
         self.value = _mlp(2 * h, h, 1)
+        self.plan = _mlp(2 * h + PLAN_FEATURES, h, 1)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -95,18 +103,9 @@ class TagNet(nn.Module):
             c.reset_parameters()
 
     def forward(self, data: HeteroData) -> tuple[Tensor, Tensor]:
-        x = {t: torch.relu(self.node_in[t](data[t].x)) for t in NODE_TYPES}
-        ei = {REL[r]: data[REL[r]].edge_index for r in MESSAGE_RELATIONS}
-        ea = {REL[r]: torch.cat([self.edge_in[r](data[REL[r]].edge_attr), _edge_log_mult(data[REL[r]])], 1)
-              for r in MESSAGE_RELATIONS}  # features, then log of the edges each stands for
-        hx = {"group": x["group"], "device": x["device"]}
-        for conv in self.convs:
-            hx = conv(hx, ei, ea)
-        hg, hd, ha = hx["group"], hx["device"], x["action"]
-        gb, db, ab = data["group"].batch, data["device"].batch, data["action"].batch
-        n = int(data.t_ref.numel())
-        z = torch.cat([scatter(hg, gb, 0, dim_size=n, reduce="mean"),
-                       _mean(hd, db, n, data["device"].get("mult"))], 1)  # devices per node (coarse)
+        hg, hd, ha, z = self._encode(data)
+        gb, ab = data["group"].batch, data["action"].batch
+        n = z.size(0)
         cur_mask = data["group"].current > 0.5
         h_cur = torch.zeros(n, hg.size(1), dtype=hg.dtype)
         h_cur = h_cur.index_add(0, gb[cur_mask], hg[cur_mask])
@@ -121,6 +120,35 @@ class TagNet(nn.Module):
         logits = self.policy(feats).squeeze(-1)
         value = self.value(z).squeeze(-1)
         return logits, value
+
+    def embed(self, data: HeteroData) -> Tensor:
+        """[num_states, 2 * hidden] pooled graph embedding ``z`` of each encoded state."""
+        return self._encode(data)[3]
+
+    def plan_logits(self, z: Tensor, options: Tensor) -> Tensor:
+        """[n, O] logits of the plan head: ``z`` [n, 2 * hidden] (:meth:`embed`), ``options``
+        [n, O, PLAN_FEATURES] (padded rows are scored too; mask them before the softmax)."""
+        first, rest = self.plan[0], self.plan[1:]  # Linear([z, x_o]) = W_z z + W_x x_o + b, z once per state
+        nz = z.size(1)
+        hz = z @ first.weight[:, :nz].T
+        hx = options.to(z.dtype) @ first.weight[:, nz:].T + first.bias
+        return rest(hz[:, None, :] + hx).squeeze(-1)
+
+    def _encode(self, data: HeteroData) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Group, device and action embeddings after message passing, and ``z`` per state."""
+        x = {t: torch.relu(self.node_in[t](data[t].x)) for t in NODE_TYPES}
+        ei = {REL[r]: data[REL[r]].edge_index for r in MESSAGE_RELATIONS}
+        ea = {REL[r]: torch.cat([self.edge_in[r](data[REL[r]].edge_attr), _edge_log_mult(data[REL[r]])], 1)
+              for r in MESSAGE_RELATIONS}  # features, then log of the edges each stands for
+        hx = {"group": x["group"], "device": x["device"]}
+        for conv in self.convs:
+            hx = conv(hx, ei, ea)
+        hg, hd, ha = hx["group"], hx["device"], x["action"]
+        gb, db = data["group"].batch, data["device"].batch
+        n = int(data.t_ref.numel())
+        z = torch.cat([scatter(hg, gb, 0, dim_size=n, reduce="mean"),
+                       _mean(hd, db, n, data["device"].get("mult"))], 1)  # devices per node (coarse)
+        return hg, hd, ha, z
 
 
 def _mean(x: Tensor, index: Tensor, n: int, weight: Tensor | None) -> Tensor:

@@ -60,10 +60,14 @@ def checkpoint_coarse_above(meta: dict, path=None) -> int:
 def _widened(state: dict, net: TagNet) -> dict:
     """``state`` with the input weights of the feature columns added since it was trained
     (:data:`tag.gnn.features.ADDED_COLUMNS`, appended last) set to zero: the network computes
-    exactly what it did on the columns it knows. Any other shape mismatch is left to
-    ``load_state_dict`` to report."""
+    exactly what it did on the columns it knows; and, for a checkpoint from before the plan head
+    (2026-11-27), the plan head's untrained initial weights (:class:`Predictor` then leaves the
+    plan-level decisions to the search's fixed prior: ``meta["plan_head"]`` is absent). Any other
+    shape mismatch is left to ``load_state_dict`` to report."""
     state = dict(state)
     own = net.state_dict()
+    if not any(k.startswith("plan.") for k in state):
+        state.update({k: v for k, v in own.items() if k.startswith("plan.")})
     for nt, extra in ADDED_COLUMNS.items():
         key = f"node_in.{nt}.weight"
         w = state.get(key)
@@ -79,8 +83,11 @@ class Predictor:
     :func:`tag.search.mcts.run_playouts`.
     """
 
-    def __init__(self, net: TagNet, coarse_above: int = COARSE_ABOVE):
+    def __init__(self, net: TagNet, coarse_above: int = COARSE_ABOVE, plan_head: bool = False):
         self.net = net.eval()
+        self.plan_head = plan_head
+        """Whether the network's plan head was trained (:meth:`bind_plan` gives the search its
+        prior over plan-level decisions; False: the search's fixed prior)."""
         self.coarse_above = coarse_above
         """Clusters of more devices than this are encoded with one device node per machine
         (:mod:`tag.gnn.features`, ``coarse="machine"``)."""
@@ -92,7 +99,7 @@ class Predictor:
         """The checkpoint's network, encoding clusters as it was trained (``meta["coarse_above"]``;
         :data:`tag.gnn.features.COARSE_ABOVE` where the checkpoint does not say)."""
         net, meta = load_net(path)
-        return cls(net, checkpoint_coarse_above(meta, path))
+        return cls(net, checkpoint_coarse_above(meta, path), plan_head=bool(meta.get("plan_head")))
 
     def context(self, space, t_ref: float) -> JointContext:
         key = id(space)
@@ -149,6 +156,45 @@ class Predictor:
         for g, p in zip(chosen, pri):
             assign[g] = int(np.argmax(space.canonical_prior(g, p)))
         return space.resolve(assign)  # groups beyond max_groups: the search's completion rule
+
+    @torch.no_grad()
+    def plan_scores(self, ctx: JointContext, feedback, options: np.ndarray) -> np.ndarray:
+        """[O] softmax of the plan head over ``options`` [O, PLAN_FEATURES] (:mod:`tag.gnn.plan_head`),
+        ``z`` from the space's empty plan with ``feedback`` (the root's: as trained)."""
+        from ..search.mcts import SearchState
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            none = np.full(ctx.space.num_groups, -1, np.int64)
+            z = self.net.embed(self.norm(ctx.encode([SearchState(none, ctx.space.order[0], feedback)])))
+            logits = self.net.plan_logits(z, torch.as_tensor(options, dtype=z.dtype)[None])[0]
+        finally:
+            torch.set_num_threads(threads)
+        return torch.softmax(logits.double(), 0).numpy()
+
+    def bind_plan(self, space, t_ref: float, simulator):
+        """``plan_fn(space, state) -> [A]`` prior over the options of a plan-level decision (option
+        ``i`` at action ``i``) for :func:`tag.search.mcts.mcts_search`, or None where the plan head
+        is untrained, the space has no pipelines or ``simulator`` has no tables for the features'
+        bounds (not a :class:`tag.sim.Simulator`). ``z`` comes from the first state asked (the
+        root's feedback), as in training (:mod:`tag.training.plan_head`)."""
+        if not self.plan_head or not space.plan_options or not hasattr(simulator, "static"):
+            return None
+        from ..sim import lower_bound
+        from .plan_head import plan_option_features, simulator_bound
+        ctx = self.context(space, t_ref)
+        bound = simulator_bound(space, simulator)
+        lb = float(lower_bound(space.graph, space.topology, space.cost_model))
+        root_fb = []
+
+        def plan_fn(sp, state):
+            if not root_fb:
+                root_fb.append(state.feedback)
+            feats = plan_option_features(sp, state.pipeline, state.plan_decision, bound, t_ref, lb)
+            out = np.zeros(sp.num_actions)
+            out[: len(feats)] = self.plan_scores(ctx, root_fb[0], feats)
+            return out
+        return plan_fn
 
     def bind(self, space, t_ref: float):
         ctx = self.context(space, t_ref)

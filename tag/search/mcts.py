@@ -53,6 +53,9 @@ NO_PIPELINE_PRIOR = 0.75
 counts): the per-group decisions below it are most of the space. With 0.5, uniform MCTS @50 on
 gpt2-medium bf16 over ``mixed-a100-v100`` first reached the plan it returned (tensor parallel on
 the A100 machine) at playout 31, with 0.75 at playout 7."""
+PLAN_PRIOR_FLOOR = 0.1
+"""Share of the fixed prior (:func:`plan_prior`) kept under a learned one at a plan-level decision
+(``plan_fn`` of :func:`mcts_search`): every option keeps some mass, whatever the network says."""
 REPEAT_LIMIT = 4.0
 """Default ``repeat_limit`` of every searcher (see :meth:`SearchStats.spent`)."""
 
@@ -78,6 +81,9 @@ class SearchState:
 
 PriorFn = Callable[[ActionSpace, Sequence[SearchState]], tuple[np.ndarray, np.ndarray]]
 """``prior_fn(space, states) -> (priors [n, A], values [n])``; values are predicted rewards."""
+PlanPriorFn = Callable[[ActionSpace, SearchState], np.ndarray]
+"""``plan_fn(space, state) -> [A]`` prior over the options of ``state``'s plan-level decision
+(option ``i`` at action ``i``), e.g. the network's plan head (:meth:`tag.gnn.Predictor.bind_plan`)."""
 
 
 def uniform_prior(space: ActionSpace, states: Sequence[SearchState]) -> tuple[np.ndarray, np.ndarray]:
@@ -379,7 +385,7 @@ def _promising(v: float, best: float, margin: float, bias: float = 0.0) -> bool:
 
 def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator: Evaluator,
                     prior_fn: PriorFn, cfg: MCTSConfig, stats: SearchStats, root: int,
-                    rng: np.random.Generator) -> list[tuple[float, float | None]]:
+                    rng: np.random.Generator, plan_fn: PlanPriorFn | None = None) -> list[tuple[float, float | None]]:
     """Set priors of ``nodes`` and return (backup value, simulated reward or None) per node."""
     states, pending = [], []
     for n in nodes:
@@ -428,6 +434,10 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
             if st.plan_decision >= 0:
                 mask = plan_prior(space, st)
                 p = mask / mask.sum()
+                if plan_fn is not None:  # the learned prior, over the decision's options only
+                    q = np.where(mask > 0, np.nan_to_num(plan_fn(space, st), nan=0.0), 0.0)
+                    if q.sum() > 0:
+                        p = (1.0 - PLAN_PRIOR_FLOOR) * q / q.sum() + PLAN_PRIOR_FLOOR * p
             else:
                 mask = space.group_mask(st.assign)  # None: every action allowed (else: executable ones)
                 p = np.asarray(priors[i], dtype=np.float64) if priors is not None else np.zeros(space.num_actions)
@@ -455,14 +465,16 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
 
 def run_playouts(tree: Tree, root: int, space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn,
                  rng: np.random.Generator, *, playouts: int, deadline: float = math.inf,
-                 cfg: MCTSConfig | None = None, stats: SearchStats | None = None) -> SearchStats:
+                 cfg: MCTSConfig | None = None, stats: SearchStats | None = None,
+                 plan_fn: PlanPriorFn | None = None) -> SearchStats:
     """Run ``playouts`` more playouts from ``root`` (stopping early at ``deadline``, but never
-    before the first wave)."""
+    before the first wave); ``plan_fn``: a learned prior at plan-level decisions (None: the fixed
+    :func:`plan_prior`)."""
     cfg = cfg or MCTSConfig()
     stats = stats or SearchStats()
     start, start_repeats = stats.playouts, stats.repeats
     if not tree.expanded[root]:  # the root's own plan is the first playout
-        res = _evaluate_nodes(tree, [root], space, evaluator, prior_fn, cfg, stats, root, rng)
+        res = _evaluate_nodes(tree, [root], space, evaluator, prior_fn, cfg, stats, root, rng, plan_fn)
         backup(tree, root, res[0][0], root, res[0][1])
     waves = 0
     while True:
@@ -484,7 +496,8 @@ def run_playouts(tree: Tree, root: int, space: ActionSpace, evaluator: Evaluator
             leaves.append(node)
         uniq = list(dict.fromkeys(leaves))
         stats.repeats += len(leaves) - len(uniq)  # a leaf picked twice in one wave
-        results = dict(zip(uniq, _evaluate_nodes(tree, uniq, space, evaluator, prior_fn, cfg, stats, root, rng)))
+        results = dict(zip(uniq, _evaluate_nodes(tree, uniq, space, evaluator, prior_fn, cfg, stats, root, rng,
+                                                 plan_fn)))
         for node in leaves:
             val, sim = results[node]
             backup(tree, node, val, root, sim, virtual=1.0)
@@ -527,8 +540,12 @@ def propose(stats: SearchStats, evaluator: Evaluator, actions: tuple) -> Outcome
 
 def mcts_search(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng: np.random.Generator, *,
                 playouts: int = 200, time_limit: float | None = None, cfg: MCTSConfig | None = None,
-                propose_fn: ProposeFn | None = None, reserve: int = 1) -> SearchResult:
+                propose_fn: ProposeFn | None = None, reserve: int = 1,
+                plan_fn: PlanPriorFn | None = None) -> SearchResult:
     """One search from the empty plan; returns the best plan the evaluator has seen.
+
+    ``plan_fn``: the prior at plan-level decisions (None: the fixed :func:`plan_prior`; see
+    :data:`PLAN_PRIOR_FLOOR`).
 
     ``propose_fn``: called once the tree has used all but ``reserve`` playouts of the budget; at
     most ``reserve`` of the plans it returns are simulated (:func:`propose`), and a plan the tree
@@ -538,7 +555,7 @@ def mcts_search(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng
     tree = new_tree(space)
     reserve = min(reserve, playouts - 1) if propose_fn is not None else 0
     stats = run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=playouts - reserve,
-                         deadline=deadline, cfg=cfg)
+                         deadline=deadline, cfg=cfg, plan_fn=plan_fn)
     proposals: list[tuple] = []
     if reserve > 0:
         fb = tree.feedback[0] or Feedback.neutral(space.num_devices, space.num_groups)
@@ -550,7 +567,7 @@ def mcts_search(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng
         short = reserve - (stats.playouts - before)  # proposals the tree had simulated, or none
         if short > 0 and time.perf_counter() < deadline:
             run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=short, deadline=deadline, cfg=cfg,
-                         stats=stats)
+                         stats=stats, plan_fn=plan_fn)
     return SearchResult(evaluator.best_actions, evaluator.best_plan_groups(), evaluator.best.time_s,
                         evaluator.best.oom, evaluator.best_source, stats, tree, proposals)
 

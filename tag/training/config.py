@@ -91,6 +91,10 @@ class LoopConfig:
     coarse_above: int = RECIPE_COARSE_ABOVE
     """Clusters of more devices are encoded with one device node per machine in training and, as
     the checkpoint records it (``meta["coarse_above"]``), by the predictor."""
+    plan_head: bool = True
+    """After the last round, fit the network's plan head (its prior over plan-level pipeline
+    decisions) on every round's labelled pairs (:mod:`tag.training.plan_head`); False leaves
+    those decisions to the search's fixed prior."""
 
     def __post_init__(self):
         _check(self.rounds >= 1, "rounds", self.rounds, ">= 1")

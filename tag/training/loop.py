@@ -8,7 +8,8 @@ Run folder layout::
                            round 0: uniform prior)
     round<r>/ckpt/         per-epoch checkpoints of round r (last.pt, best.pt)
     round<r>/predictor.pt  the network after round r
-    predictor.pt           the latest network
+    predictor.pt           the latest network (with its plan head fitted on every round's pairs
+                           after the last round: tag.training.plan_head)
     wandb/                 wandb run files (offline unless asked otherwise)
     log.jsonl              every logged record
 
@@ -120,6 +121,13 @@ def run_loop(cfg: LoopConfig, *, progress: bool = True) -> Path:
             save_checkpoint(done_flag, net, meta)
             save_checkpoint(final, net, meta)
             log({"round": r, "stage": "train", "train_seconds": time.perf_counter() - t0, **res["best"]})
+        if cfg.plan_head and not load_net(final)[1].get("plan_head"):
+            from .plan_head import add_plan_head
+            t0 = time.perf_counter()
+            ph = add_plan_head(run_dir, final, list(range(cfg.rounds)), final, progress=progress)
+            log({"stage": "plan head", "plan_head_seconds": time.perf_counter() - t0,
+                 **({f"plan_head/{k}": v for k, v in ph["after"].items()} if ph is not None else
+                    {"plan_head": "no pair with plan-level decisions: left to the search's fixed prior"})})
         if cfg.export and Path(cfg.export).resolve() != final.resolve():
             Path(cfg.export).parent.mkdir(parents=True, exist_ok=True)
             write_atomic(cfg.export, final.read_bytes())  # a killed copy never leaves half a file

@@ -1,0 +1,186 @@
+"""The plan head: features of plan-level options, its targets, its fit, checkpoints and the search."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tag.gnn import NetConfig, TagNet
+from tag.gnn.plan_head import PLAN_FEATURES, plan_option_features, simulator_bound
+from tag.gnn.predictor import Predictor, load_net, save_checkpoint
+from tag.search.evaluate import Evaluator
+from tag.search.mcts import PLAN_PRIOR_FLOOR, mcts_search, plan_prior, uniform_prior
+from tag.search.space import PLAN_DECISIONS, ActionSpace
+from tag.sim import lower_bound
+from tag.training.plan_head import PlanHeadConfig, decision_targets, fit_plan_head, pipeline_keys, plan_loss
+
+
+@pytest.fixture(scope="module")
+def pipe_space(captured, topo4):
+    """A 4-device space with pipelines and every pipeline's simulated reward."""
+    graph = captured("gpt2:n_layer=2,n_embd=64", 16, groups=8).graph
+    space = ActionSpace(graph, topo4, tensor_parallel=True, pipelines=True)
+    ev = Evaluator(space, None)
+    rewards = {}
+    for key in pipeline_keys(space):
+        o = ev.evaluate(key)
+        rewards[key] = ev.reward(o.time_s, o.oom)
+    return space, ev, rewards
+
+
+def _walk(space, nodes, pick):
+    """Follow ``pick(target)`` from the stage count down; returns the choices made."""
+    by = {(d, tuple(sorted(c.items()))): pi for d, c, pi, _ in nodes}
+    chosen = {}
+    for d, name in enumerate(PLAN_DECISIONS):
+        pi = by.get((d, tuple(sorted(chosen.items()))))
+        if pi is None:
+            break
+        chosen[name] = space.options(name, chosen.get("stages", 1))[pick(pi)]
+        if chosen.get("stages", 1) == 1:
+            break
+    return chosen
+
+
+def test_targets_lead_to_the_best_plan(pipe_space):
+    space, _, rewards = pipe_space
+    assert len(rewards) >= 6 and len(set(rewards.values())) > 1
+    best_key = max(rewards, key=rewards.get)
+    # no pipeline worse than every pipeline: the targets' argmax path is the best pipeline
+    nodes = decision_targets(space, rewards, no_pipeline=-1.0)
+    got = _walk(space, nodes, lambda pi: int(np.argmax(pi)))
+    _, p, m, t, s, k, cut = best_key
+    assert got == {"stages": p, "cut": cut, "stage_sync": t, "micro": m, "schedule": (s, k)}
+    for d in range(len(PLAN_DECISIONS)):  # every depth weighs as much as the root
+        w = [wt for dd, _, _, wt in nodes if dd == d]
+        assert not w or math.isclose(sum(w), 1.0)
+    for _, _, pi, _ in nodes:
+        assert math.isclose(pi.sum(), 1.0) and (pi >= 0).all()
+    # no pipeline better than every pipeline: the stage count's target is "no pipeline"
+    high = max(rewards.values()) + 1.0
+    root = [pi for d, _, pi, _ in decision_targets(space, rewards, no_pipeline=high) if d == 0][0]
+    assert int(np.argmax(root)) == 0 and root[0] > 0.99
+
+
+def test_option_features_describe_the_completed_pipelines(pipe_space):
+    space, ev, rewards = pipe_space
+    bound = simulator_bound(space, ev.simulator)
+    lb = float(lower_bound(space.graph, space.topology, space.cost_model))
+    root = plan_option_features(space, None, 0, bound, ev.t_ref, lb)
+    stages = space.options("stages", 1)
+    assert root.shape == (len(stages), PLAN_FEATURES)
+    assert root[0, 0] == 1.0 and (root[1:, 0] == 0).all()  # no pipeline, then pipelines
+    assert (root[:, 10] == 1).all() and (root[:, 11:15] == 0).all()
+    p = stages[1]
+    sched = plan_option_features(space, {"stages": p, "cut": "time", "stage_sync": 1, "micro": 2 * p}, 4, bound,
+                                 ev.t_ref, lb)
+    assert (sched[:, 14] == 1).all() and sched.shape[0] == len(space.options("schedule", p))
+    # the bound column is a lower bound of each completed pipeline's simulated time
+    checked = 0
+    for (s, k), row in zip(space.options("schedule", p), sched):
+        key = ("pp", p, 2 * p, 1, s, k, "time")
+        if key in rewards and rewards[key] > -1 and abs(row[8]) < 1:
+            t_sim = ev.t_ref / (1 + rewards[key])
+            assert ev.t_ref * math.exp(-5 * row[8]) <= t_sim * (1 + 1e-9)
+            checked += 1
+    assert checked >= 2
+
+
+def _examples(space, ev, rewards, net, seeds):
+    """Examples of :func:`tag.training.plan_head.pair_examples`'s form for one space, with the
+    no-pipeline reward varied (the same pair seen with TAG's search doing better or worse)."""
+    from tag.search.mcts import SearchState
+    bound = simulator_bound(space, ev.simulator)
+    lb = float(lower_bound(space.graph, space.topology, space.cost_model))
+    pred = Predictor(net)
+    ctx = pred.context(space, ev.t_ref)
+    none = np.full(space.num_groups, -1, np.int64)
+    root = ev.evaluate(space.resolve_path([]))
+    with torch.no_grad():
+        z = net.embed(pred.norm(ctx.encode([SearchState(none, space.order[0], root.feedback)])))[0].numpy()
+    out = []
+    for no_pipe in seeds:
+        nodes = decision_targets(space, rewards, no_pipe)
+        width = max(len(pi) for _, _, pi, _ in nodes)
+        opts, mask, tgt = np.zeros((len(nodes), width, PLAN_FEATURES)), np.zeros((len(nodes), width), bool), \
+            np.zeros((len(nodes), width))
+        for i, (d, c, pi, _) in enumerate(nodes):
+            f = plan_option_features(space, c, d, bound, ev.t_ref, lb)
+            opts[i, :len(f)], mask[i, :len(f)], tgt[i, :len(pi)] = f, True, pi
+        out.append({"z": z, "options": opts, "mask": mask, "target": tgt,
+                    "weight": np.array([w for *_, w in nodes])})
+    return out
+
+
+def test_fit_learns_the_targets_and_is_deterministic(pipe_space):
+    space, ev, rewards = pipe_space
+    torch.manual_seed(0)
+    net = TagNet(NetConfig(hidden=16, layers=1, heads=2))
+    ex = _examples(space, ev, rewards, net, [-1.0, max(rewards.values()) + 1.0, max(rewards.values()) - 0.01])
+    res = fit_plan_head(net, ex, PlanHeadConfig(epochs=150, val_fraction=0.0))
+    assert res["after"]["train_ce"] < 0.8 * res["before"]["train_ce"]
+    again = TagNet(NetConfig(hidden=16, layers=1, heads=2))
+    again.load_state_dict({k: v for k, v in net.state_dict().items()})
+    res2 = fit_plan_head(again, ex, PlanHeadConfig(epochs=150, val_fraction=0.0))
+    assert res2["after"] == res["after"]
+    from tag.training.plan_head import _stack
+    with torch.no_grad():
+        ce, _ = plan_loss(net, _stack(ex))
+    assert math.isclose(float(ce), res["after"]["train_ce"], rel_tol=1e-6)
+    with pytest.raises(ValueError, match="epochs"):
+        PlanHeadConfig(epochs=0)
+
+
+def test_checkpoints_without_a_plan_head_keep_the_fixed_prior(tmp_path, pipe_space):
+    space, ev, _ = pipe_space
+    net = TagNet(NetConfig(hidden=16, layers=1, heads=2))
+    old = tmp_path / "old.pt"  # a checkpoint from before the plan head: no plan.* weights, no meta
+    save_checkpoint(old, net, {})
+    import tag.io
+    ck = tag.io.load_tensors(old, RuntimeError, "x")
+    ck["state_dict"] = {k: v for k, v in ck["state_dict"].items() if not k.startswith("plan.")}
+    tag.io.save_tensors(old, ck)
+    loaded, meta = load_net(old)
+    assert "plan_head" not in meta
+    assert Predictor.load(old).bind_plan(space, ev.t_ref, ev.simulator) is None
+    new = tmp_path / "new.pt"
+    save_checkpoint(new, net, {"plan_head": {"pairs": 1}})
+    fn = Predictor.load(new).bind_plan(space, ev.t_ref, ev.simulator)
+    assert fn is not None
+
+
+def test_search_takes_the_learned_prior_at_plan_decisions(pipe_space):
+    space, ev, _ = pipe_space
+    n = len(space.options("stages", 1))
+
+    def plan_fn(sp, st):  # all mass on the last option of every plan-level decision
+        opts = sp.options(PLAN_DECISIONS[st.plan_decision], (st.pipeline or {}).get("stages", 1))
+        out = np.zeros(sp.num_actions)
+        out[len(opts) - 1] = 1.0
+        return out
+    fresh = Evaluator(space, None)
+    res = mcts_search(space, fresh, uniform_prior, np.random.default_rng(0), playouts=12, plan_fn=plan_fn)
+    from tag.search.mcts import SearchState
+    fixed = plan_prior(space, SearchState(np.full(space.num_groups, -1), -1, None, plan_decision=0))
+    want = PLAN_PRIOR_FLOOR * fixed / fixed.sum()
+    want[n - 1] += 1 - PLAN_PRIOR_FLOOR
+    assert np.allclose(res.tree.prior[0], want, atol=1e-6)
+    base = mcts_search(space, Evaluator(space, None), uniform_prior, np.random.default_rng(0), playouts=12)
+    assert np.allclose(base.tree.prior[0], fixed / fixed.sum(), atol=1e-6)
+
+
+def test_plan_head_command_refuses_to_overwrite_its_input(tmp_path):
+    from tag.training.plan_head import main
+    ck = tmp_path / "in.pt"
+    save_checkpoint(ck, TagNet(NetConfig(hidden=16, layers=1, heads=2)), {})
+    with pytest.raises(SystemExit, match="--out .*: expected a path other than --checkpoint"):
+        main(["--run-dir", str(tmp_path), "--checkpoint", str(ck), "--rounds", "0", "--out", str(ck)])
+    with pytest.raises(SystemExit, match="--rounds x: expected comma-separated round numbers"):
+        main(["--run-dir", str(tmp_path), "--checkpoint", str(ck), "--rounds", "x", "--out", str(tmp_path / "o.pt")])
+    before = ck.read_bytes()
+    with pytest.raises(SystemExit, match="no labelled pair has plan-level decisions; nothing written"):
+        main(["--run-dir", str(tmp_path), "--checkpoint", str(ck), "--rounds", "0", "--out", str(tmp_path / "o.pt")])
+    assert ck.read_bytes() == before and not (tmp_path / "o.pt").exists()
