@@ -160,6 +160,8 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         pred = predictor if predictor is not None else _predictor(checkpoint)
         prior_fn = pred.bind(space, ev.t_ref)
         plan_fn = pred.bind_plan(space, ev.t_ref, ev.simulator)  # None: untrained plan head, no pipelines
+        if plan_fn is not None:  # pipelines left open are completed as the head would choose
+            space.pipeline_completion = plan_fn.complete
         if one_shot:
             def propose_fn(sp, root):  # after the tree: the root's feedback is the simulator's
                 return [pred.one_shot(sp, ev.t_ref, root.feedback, max_groups=ONE_SHOT_GROUPS)]

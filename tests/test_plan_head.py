@@ -92,15 +92,11 @@ def test_option_features_describe_the_completed_pipelines(pipe_space):
 def _examples(space, ev, rewards, net, seeds):
     """Examples of :func:`tag.training.plan_head.pair_examples`'s form for one space, with the
     no-pipeline reward varied (the same pair seen with TAG's search doing better or worse)."""
-    from tag.search.mcts import SearchState
     bound = simulator_bound(space, ev.simulator)
     lb = float(lower_bound(space.graph, space.topology, space.cost_model))
     pred = Predictor(net)
-    ctx = pred.context(space, ev.t_ref)
-    none = np.full(space.num_groups, -1, np.int64)
     root = ev.evaluate(space.resolve_path([]))
-    with torch.no_grad():
-        z = net.embed(pred.norm(ctx.encode([SearchState(none, space.order[0], root.feedback)])))[0].numpy()
+    z = pred.plan_z(pred.context(space, ev.t_ref), root.feedback)[0].numpy()
     out = []
     for no_pipe in seeds:
         nodes = decision_targets(space, rewards, no_pipe)

@@ -158,18 +158,23 @@ class Predictor:
         return space.resolve(assign)  # groups beyond max_groups: the search's completion rule
 
     @torch.no_grad()
-    def plan_scores(self, ctx: JointContext, feedback, options: np.ndarray) -> np.ndarray:
-        """[O] softmax of the plan head over ``options`` [O, PLAN_FEATURES] (:mod:`tag.gnn.plan_head`),
-        ``z`` from the space's empty plan with ``feedback`` (the root's: as trained)."""
+    def plan_z(self, ctx: JointContext, feedback) -> torch.Tensor:
+        """[1, 2H] ``z`` of the space's empty plan with ``feedback`` (the root plan's: as the plan
+        head is trained, :mod:`tag.training.plan_head`)."""
         from ..search.mcts import SearchState
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             none = np.full(ctx.space.num_groups, -1, np.int64)
-            z = self.net.embed(self.norm(ctx.encode([SearchState(none, ctx.space.order[0], feedback)])))
-            logits = self.net.plan_logits(z, torch.as_tensor(options, dtype=z.dtype)[None])[0]
+            return self.net.embed(self.norm(ctx.encode([SearchState(none, ctx.space.order[0], feedback)])))
         finally:
             torch.set_num_threads(threads)
+
+    @torch.no_grad()
+    def plan_scores(self, z: torch.Tensor, options: np.ndarray) -> np.ndarray:
+        """[O] softmax of the plan head over ``options`` [O, PLAN_FEATURES] (:mod:`tag.gnn.plan_head`)
+        given ``z`` [1, 2H] (:meth:`plan_z`)."""
+        logits = self.net.plan_logits(z, torch.as_tensor(options, dtype=z.dtype)[None])[0]
         return torch.softmax(logits.double(), 0).numpy()
 
     def bind_plan(self, space, t_ref: float, simulator):
@@ -177,23 +182,43 @@ class Predictor:
         ``i`` at action ``i``) for :func:`tag.search.mcts.mcts_search`, or None where the plan head
         is untrained, the space has no pipelines or ``simulator`` has no tables for the features'
         bounds (not a :class:`tag.sim.Simulator`). ``z`` comes from the first state asked (the
-        root's feedback), as in training (:mod:`tag.training.plan_head`)."""
+        root's feedback; neutral before), as in training (:mod:`tag.training.plan_head`).
+        ``plan_fn.complete(chosen) -> chosen``: every undecided plan-level choice made, in
+        decision order, as the head's most likely option (for
+        :attr:`tag.search.space.ActionSpace.pipeline_completion`; memoised)."""
         if not self.plan_head or not space.plan_options or not hasattr(simulator, "static"):
             return None
+        from ..search.evaluate import Feedback
+        from ..search.space import PLAN_DECISIONS
         from ..sim import lower_bound
         from .plan_head import plan_option_features, simulator_bound
         ctx = self.context(space, t_ref)
         bound = simulator_bound(space, simulator)
         lb = float(lower_bound(space.graph, space.topology, space.cost_model))
-        root_fb = []
+        root_z: list = []
+        memo: dict = {}
+
+        def scores(sp, chosen: dict | None, decision: int, feedback) -> np.ndarray:
+            if not root_z:  # the first state asked is the root (or, before it, the neutral feedback)
+                root_z.append(self.plan_z(ctx, feedback or Feedback.neutral(sp.num_devices, sp.num_groups)))
+            return self.plan_scores(root_z[0], plan_option_features(sp, chosen, decision, bound, t_ref, lb))
 
         def plan_fn(sp, state):
-            if not root_fb:
-                root_fb.append(state.feedback)
-            feats = plan_option_features(sp, state.pipeline, state.plan_decision, bound, t_ref, lb)
             out = np.zeros(sp.num_actions)
-            out[: len(feats)] = self.plan_scores(ctx, root_fb[0], feats)
+            p = scores(sp, state.pipeline, state.plan_decision, state.feedback)
+            out[: len(p)] = p
             return out
+
+        def complete(chosen: dict) -> dict:
+            key = tuple(sorted(chosen.items()))
+            if key not in memo:
+                c = dict(chosen)
+                for d, name in enumerate(PLAN_DECISIONS):
+                    if name not in c:
+                        c[name] = space.options(name, c["stages"])[int(np.argmax(scores(space, c, d, None)))]
+                memo[key] = c
+            return dict(memo[key])
+        plan_fn.complete = complete
         return plan_fn
 
     def bind(self, space, t_ref: float):

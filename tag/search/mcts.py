@@ -53,7 +53,7 @@ NO_PIPELINE_PRIOR = 0.75
 counts): the per-group decisions below it are most of the space. With 0.5, uniform MCTS @50 on
 gpt2-medium bf16 over ``mixed-a100-v100`` first reached the plan it returned (tensor parallel on
 the A100 machine) at playout 31, with 0.75 at playout 7."""
-PLAN_PRIOR_FLOOR = 0.1
+PLAN_PRIOR_FLOOR = 0.5
 """Share of the fixed prior (:func:`plan_prior`) kept under a learned one at a plan-level decision
 (``plan_fn`` of :func:`mcts_search`): every option keeps some mass, whatever the network says."""
 REPEAT_LIMIT = 4.0

@@ -281,6 +281,11 @@ class ActionSpace:
         """Options of each plan-level decision (:data:`PLAN_DECISIONS`); empty: no pipelines."""
         self._pipe_plans: dict[tuple, tuple] = {}  # pipeline key -> (groups, PipelinePlan) or None
         self._footprints: dict[int, np.ndarray] = {}  # samples per device -> [K] bytes (group_footprints)
+        self.pipeline_completion = None
+        """None: undecided plan-level choices take the defaults of :meth:`pipeline_key`. Else
+        ``completion(chosen) -> chosen`` with every :data:`PLAN_DECISIONS` choice made (the
+        network's plan head's most likely options: :meth:`tag.gnn.Predictor.bind_plan`), which the
+        search's completed plans then follow; a deterministic function of ``chosen``."""
 
     # ------------------------------------------------------------------ symmetry
     @cached_property
@@ -622,10 +627,12 @@ class ActionSpace:
         return self.resolve(assign) if chosen is None else self.pipeline_key(chosen)
 
     def pipeline_key(self, chosen: dict) -> tuple:
-        """``("pp", stages, micro, tp, schedule, k, cut)`` of plan-level choices, defaults filled
-        (:meth:`default_option`; the undecided of cut, stage deployment and micro-batch count: the
+        """``("pp", stages, micro, tp, schedule, k, cut)`` of plan-level choices, the undecided ones
+        from :attr:`pipeline_completion` where set, else defaults filled (:meth:`default_option`; the undecided of cut, stage deployment and micro-batch count: the
         first candidate whose estimated memory fits, :meth:`_estimated_fit`, else the first;
         micro-batch counts from the default up, then down)."""
+        if self.pipeline_completion is not None and any(n not in chosen for n in PLAN_DECISIONS):
+            chosen = self.pipeline_completion(dict(chosen))
         p = chosen["stages"]
         val = {n: chosen.get(n, self.options(n, p)[self.default_option(n, p)]) for n in PLAN_DECISIONS[1:]}
         sched, k = val["schedule"]

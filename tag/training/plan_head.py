@@ -173,18 +173,13 @@ def pair_examples(record: dict, graphs: Path, predictor, labels: dict | None = N
     embedding of the pair's empty plan with the root plan's feedback (as
     :meth:`tag.gnn.Predictor.bind_plan` computes it in the search)."""
     from ..search.evaluate import Feedback
-    from ..search.mcts import SearchState
     lab = labels if labels is not None else pair_labels(record, graphs)
     if lab is None:
         return None
     space = _pair_space(record, graphs)
     fb = Feedback(float(lab["fb_time_oom"][0]), bool(lab["fb_time_oom"][1]), lab["fb_util"], lab["fb_mem"],
                   lab["fb_comm"], lab["fb_finish"])
-    none = np.full(space.num_groups, -1, np.int64)
-    ctx = predictor.context(space, float(lab["t_ref"]))
-    with torch.no_grad():
-        z = predictor.net.embed(predictor.norm(ctx.encode([SearchState(none, space.order[0], fb)])))[0]
-    return {**lab, "z": z.numpy()}
+    return {**lab, "z": predictor.plan_z(predictor.context(space, float(lab["t_ref"])), fb)[0].numpy()}
 
 
 def _stack(examples: list[dict]) -> dict[str, torch.Tensor]:
