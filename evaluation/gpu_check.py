@@ -277,8 +277,8 @@ def _emitter(records: list[dict], log: Path):
 def write_report(records: list[dict], out: Path, command: str) -> None:
     lines = ["# GPU check", "", f"Command: `{command}`", ""]
     env = next((r for r in records if r["kind"] == "env"), {})
-    lines += [f"Device: {env.get('device')}, torch {env.get('torch')}, catalog type {env.get('gpu')}, "
-              f"{env.get('date')}.", ""]
+    lines += [f"Device: {env.get('device')} ({env.get('gpus', '?')} GPU(s) visible), torch {env.get('torch')}, "
+              f"catalog type {env.get('gpu', '-')}, {env.get('date')}.", ""]
     micro = [r for r in records if r["kind"] in ("matmul", "conv3x3")]
     if micro:
         lines += ["| microbenchmark | TFLOP/s |", "|---|---|"]
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = match_gpu_name(name)
     gpu = spec.name if spec is not None else "H200"
     common = {"device": name, "torch": torch.__version__}
-    records: list[dict] = [{"kind": "env", "gpu": gpu, "catalog_match": spec is not None,
+    records: list[dict] = [{"kind": "env", "gpu": gpu, "catalog_match": spec is not None, "gpus": torch.cuda.device_count(),
                             "date": time.strftime("%Y-%m-%d %H:%M:%S"), **common}]
     emit = _emitter(records, out / "gpu-check.jsonl")
     workloads = WORKLOADS if not a.workloads else [
