@@ -2,7 +2,9 @@
 #   make demo    create .venv if missing, install TAG, plan a real model on a shipped topology
 #   make test    create/update .venv, lint, run the whole test suite
 #   make gpu-check OUT=DIR   on a machine with one NVIDIA GPU and a CUDA torch (no venv needed):
-#                microbenchmarks, eager vs tag execute vs prediction per workload, < 8 minutes
+#                microbenchmarks, eager vs tag execute vs prediction per workload, < 8 minutes; then
+#                with 2+ GPUs NCCL dp/pp/tp training equal to single-process (alone:
+#                GPU_CHECK_ARGS=--only-multi-gpu; fewer GPUs: one 'skipped' record)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -42,5 +44,6 @@ clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
 OUT ?= gpu-check
+GPU_CHECK_ARGS ?=
 gpu-check:
-	PYTHONPATH=. $(PYTHON) -m evaluation.gpu_check --out $(OUT)
+	PYTHONPATH=. $(PYTHON) -m evaluation.gpu_check --out $(OUT) $(GPU_CHECK_ARGS)

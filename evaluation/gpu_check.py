@@ -4,6 +4,8 @@ For a maintainer (or a lent machine) with one NVIDIA GPU and a CUDA build of tor
 
     PYTHONPATH=. python -m evaluation.gpu_check --out DIR [--budget 420] [--workloads "spec@batch;spec@batch"]
     make gpu-check OUT=DIR
+    PYTHONPATH=. python -m evaluation.gpu_check --out DIR --only-multi-gpu   # part 3 alone (2+ GPUs)
+    make gpu-check OUT=DIR GPU_CHECK_ARGS=--only-multi-gpu
 
 writes ``DIR/gpu-check.jsonl`` (one record per measurement, the format of
 ``tag/cost/gpu_calib/<GPU>.jsonl``, so a new GPU type's records can be added there and fitted) and
@@ -16,13 +18,22 @@ writes ``DIR/gpu-check.jsonl`` (one record per measurement, the format of
    (``model(*inputs)``, ``backward``, ``torch.optim.Adam`` with its default foreach update) and
    its peak memory; ``tag execute`` of the single-device plan on a one-GPU topology (NCCL, world
    size 1); the simulator's prediction for that plan (``tag.cost``: the fitted rates of this GPU
-   type, else datasheet-derived) -- so each row gives execute / eager and predicted / eager.
+   type, else datasheet-derived) -- so each row gives execute / eager and predicted / eager;
+3. multi-GPU (``--only-multi-gpu`` runs this part alone): with ``torch.cuda.device_count() >= 2``,
+   :func:`tag.executor.equality.check_layouts` on NCCL -- ``tag execute --save-params`` of
+   ``dp=2``, ``pp=2,micro=2,schedule=1f1b``, ``pp=2,micro=4`` (GPipe and kFkB), ``tp=2`` and with 4+
+   GPUs ``dp=2,tp=2``, ``dp=2,pp=2`` and ``tp=2,pp=2`` (a tiny GPT-2 and the zoo MLP, 2 SGD steps,
+   fp32, one GPU per rank) -- and every rank's parameters against single-process training on the
+   CPU (:func:`tag.executor.reference_training`) with the executor's tolerance (rtol 1e-4, atol
+   1e-6): one ``equality`` record per layout (max abs / rel difference, difference over tolerance,
+   pass, seconds); with fewer GPUs one record ``skipped: N GPU(s); NCCL needs one GPU per rank``.
+   With ``--only-multi-gpu`` the exit status is 1 when a layout fails.
 
 Each eager step and each ``tag execute`` also runs one more, untimed step under
 ``torch.profiler``: its aten-op and kernel counts and kernel time (:mod:`tag.executor.profiling`).
 The captures (CPU) of every row run first, in parallel processes, and are waited for before any
 timing (host-bound steps are slowed by a busy CPU); then every row's eager step (seconds each:
-the cost model's calibration data), then the rows' ``tag execute`` runs in order. Work past
+the cost model's calibration data), then the rows' ``tag execute`` runs in order, then part 3. Work past
 ``--budget`` seconds is skipped and says so; nothing here needs optuna or wandb. The workloads default to :data:`WORKLOADS`.
 Results of 2026-11-26 on an H200: ``evaluation/results/gpu-check/2026-11-26-h200/``.
 """
@@ -160,9 +171,30 @@ def eager_step(spec: str, batch: int, precision: str, common: dict, steps: int =
 
 def one_gpu_topology(folder: Path, gpu: str) -> Path:
     """A topology file of one machine with this one GPU (catalog name ``gpu``)."""
-    path = folder / "one-gpu.yaml"
-    path.write_text(f"name: one-{gpu}\nmachines:\n  - name: local\n    gpu: {gpu}\n    count: 1\n")
-    return path
+    from tag.executor.equality import one_machine_topology
+
+    return one_machine_topology(folder, 1, gpu)
+
+
+MULTI_GPU_MARGIN_S = 30.0
+"""No layout of the multi-GPU part starts later than this before the end of ``--budget`` (one
+2-rank NCCL layout: process spawn, CUDA and NCCL start, export, 2 steps)."""
+
+
+def multi_gpu(deadline: float, emit) -> list[dict]:
+    """Part 3 (module docstring): :func:`tag.executor.equality.check_layouts` on NCCL over the
+    visible GPUs, each record passed to ``emit`` when final; one skip record with fewer than 2."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        rec = {"kind": "equality", "backend": "nccl", "gpus": n, "pass": None,
+               "note": f"skipped: {n} GPU(s); NCCL needs one GPU per rank"}
+        emit(rec)
+        return [rec]
+    from tag.executor.equality import check_layouts
+
+    return check_layouts("nccl", n, deadline=deadline, log_fn=emit)
 
 
 def predicted_and_plan(spec: str, batch: int, precision: str, topo_path: Path, plan_path: Path) -> dict:
@@ -228,11 +260,25 @@ def _capture_pool():
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_one_thread)
 
 
+def _emitter(records: list[dict], log: Path):
+    """``emit(record)``: appended to ``records``, to ``log`` (one JSON line; the file starts anew
+    with ``records``' first) and printed."""
+    log.write_text(json.dumps(records[0]) + "\n")
+
+    def emit(rec: dict) -> None:
+        records.append(rec)
+        with log.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(json.dumps(rec), flush=True)
+
+    return emit
+
+
 def write_report(records: list[dict], out: Path, command: str) -> None:
     lines = ["# GPU check", "", f"Command: `{command}`", ""]
     env = next((r for r in records if r["kind"] == "env"), {})
-    lines += [f"Device: {env.get('device')}, torch {env.get('torch')}, catalog type {env.get('gpu')}, "
-              f"{env.get('date')}.", ""]
+    lines += [f"Device: {env.get('device')} ({env.get('gpus', '?')} GPU(s) visible), torch {env.get('torch')}, "
+              f"catalog type {env.get('gpu', '-')}, {env.get('date')}.", ""]
     micro = [r for r in records if r["kind"] in ("matmul", "conv3x3")]
     if micro:
         lines += ["| microbenchmark | TFLOP/s |", "|---|---|"]
@@ -242,6 +288,10 @@ def write_report(records: list[dict], out: Path, command: str) -> None:
             lines.append(f"| {what} | {r['tflops']:.1f} |")
         lines.append("")
     rows = [r for r in records if r["kind"] == "check"]
+    lines += equality_table([r for r in records if r["kind"] == "equality"])
+    if not rows:
+        (out / "README.md").write_text("\n".join(lines) + "\n")
+        return
     lines += ["| workload | batch | precision | eager ms | execute ms | execute / eager | predicted ms | "
               "predicted / eager | eager peak GB | execute peak GB | above weights + Adam state, eager / execute GB | kernels eager / execute | aten ops eager / execute | "
               "note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -265,15 +315,42 @@ def write_report(records: list[dict], out: Path, command: str) -> None:
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
+def equality_table(records: list[dict]) -> list[str]:
+    """The multi-GPU part's records as Markdown lines (none without records)."""
+    if not records:
+        return []
+
+    def num(x, fmt):
+        return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+    lines = ["Executed parameters after the steps against single-process training (rtol 1e-4, atol 1e-6; "
+             "diff / tolerance at most 1 passes):", "",
+             "| layout | model | backend | ranks | max abs diff | max rel diff | diff / tolerance | loss rel diff | "
+             "pass | s | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        ok = {True: "yes", False: "**no**"}.get(r.get("pass"), "-")
+        lines.append(f"| {r.get('layout', '-')} | {r.get('model', '-')} | {r.get('backend', '-')} | "
+                     f"{r.get('world_size', '-')} | {num(r.get('max_abs_diff'), '.2e')} | "
+                     f"{num(r.get('max_rel_diff'), '.2e')} | {num(r.get('tol_ratio'), '.3f')} | "
+                     f"{num(r.get('loss_rel_diff'), '.1e')} | {ok} | {num(r.get('seconds'), '.1f')} | "
+                     f"{r.get('note', '')} |")
+    return lines + [""]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for gpu-check.jsonl and README.md")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which remaining work is skipped")
     ap.add_argument("--skip-micro", action="store_true", help="no microbenchmarks (workloads only)")
     ap.add_argument("--workloads", default=None, help="semicolon-separated spec@batch list (default: WORKLOADS)")
+    ap.add_argument("--only-multi-gpu", action="store_true",
+                    help="only part 3: NCCL training equality of dp/pp/tp layouts on 2+ GPUs (one 'skipped' "
+                         "record with fewer); exit status 1 when a layout fails")
     a = ap.parse_args(argv)
     import torch
 
+    if a.only_multi_gpu:
+        return only_multi_gpu(a, argv)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device (torch.cuda.is_available() is False); nothing to measure", file=sys.stderr)
         return 2
@@ -286,17 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = match_gpu_name(name)
     gpu = spec.name if spec is not None else "H200"
     common = {"device": name, "torch": torch.__version__}
-    records: list[dict] = [{"kind": "env", "gpu": gpu, "catalog_match": spec is not None,
+    records: list[dict] = [{"kind": "env", "gpu": gpu, "catalog_match": spec is not None, "gpus": torch.cuda.device_count(),
                             "date": time.strftime("%Y-%m-%d %H:%M:%S"), **common}]
-    log = out / "gpu-check.jsonl"
-
-    def emit(rec: dict) -> None:
-        records.append(rec)
-        with log.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
-        print(json.dumps(rec), flush=True)
-
-    log.write_text(json.dumps(records[0]) + "\n")
+    emit = _emitter(records, out / "gpu-check.jsonl")
     workloads = WORKLOADS if not a.workloads else [
         (w.rsplit("@", 1)[0], int(w.rsplit("@", 1)[1])) for w in a.workloads.split(";")]
     pool = _capture_pool()
@@ -349,9 +418,31 @@ def main(argv: list[str] | None = None) -> int:
                     row["note"] = _failure(e)
             emit(row)
         pool.shutdown(wait=False, cancel_futures=True)  # rows skipped by the budget
+    multi_gpu(t_start + a.budget - MULTI_GPU_MARGIN_S, emit)
     write_report(records, out, " ".join(["python -m evaluation.gpu_check", *(argv or sys.argv[1:])]))
     print(f"gpu_check: {len(records)} records in {time.perf_counter() - t_start:.0f} s -> {out}")
     return 0
+
+
+def only_multi_gpu(a, argv) -> int:
+    """``--only-multi-gpu``: part 3 alone, into the same files (also without a GPU: the skip record)."""
+    import torch
+
+    t_start = time.perf_counter()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    env = {"kind": "env", "gpus": n, "device": torch.cuda.get_device_name(0) if n else None,
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    records = [env]
+    emit = _emitter(records, out / "gpu-check.jsonl")
+
+    got = multi_gpu(t_start + a.budget - MULTI_GPU_MARGIN_S, emit)
+    write_report(records, out, " ".join(["python -m evaluation.gpu_check", *(argv or sys.argv[1:])]))
+    failed = [r["layout"] for r in got if r.get("pass") is False]
+    print(f"gpu_check --only-multi-gpu: {len(got)} records in {time.perf_counter() - t_start:.0f} s -> {out}"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 
 from tag.errors import PlanError
 from tag.executor import build_schedule, partial_sum_tensors, reference_training, run_virtual
+from tag.executor.equality import assert_params_equal
 from tag.parallel import validate_plan
 from tag.parallel.tensor_parallel import base_name
 from tag.plan import GroupPlan, group_positions, new_plan
@@ -43,14 +44,8 @@ def assert_matches_reference(graph, plan, spec, optimizer, joints, steps=2, atol
     rts = run_virtual(graph, plan, load_workload(spec, batch=B), optimizer, steps,
                       joints=joints.setdefault(spec, {}), cut_at_sync=cut_at_sync, bucket_bytes=bucket_bytes)
     ref, _ = reference_training(load_workload(spec, batch=B), optimizer, steps)
-    held = set()
-    for rank, rt in rts.items():
-        for name, value in rt.named_params().items():
-            held.add(name)
-            torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=atol,
-                                       msg=lambda m, r=rank, n=name: f"rank {r} {n}: {m}")
-    owned = {p.name for p in graph.params}
-    assert held == owned, f"parameters nobody holds: {sorted(owned - held)}"
+    assert_params_equal({r: rt.named_params() for r, rt in rts.items()}, ref, {p.name for p in graph.params},
+                        atol=atol, exact=True)
 
 
 def mp_groups(graph, devices_of):
@@ -333,15 +328,11 @@ def test_sfb_plan_matches_single_process_training_and_the_plan_without_sfb(wide,
     with_sfb = run_virtual(wide, sfb_plan(wide, topo4, True), load_workload(WIDE, batch=B), "sgd", 2, joints=cache)
     without = run_virtual(wide, sfb_plan(wide, topo4, False), load_workload(WIDE, batch=B), "sgd", 2, joints=cache)
     ref, _ = reference_training(load_workload(WIDE, batch=B), "sgd", 2)
-    held = set()
+    params = {rank: rt.named_params() for rank, rt in with_sfb.items()}
+    assert_params_equal(params, ref, {p.name for p in wide.params}, exact=True)
     for rank, rt in with_sfb.items():
-        plain = without[rank].named_params()
-        for name, value in rt.named_params().items():
-            held.add(name)
-            torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-            torch.testing.assert_close(value, plain[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        assert_params_equal({rank: params[rank]}, without[rank].named_params())
         assert rt.timer.sfb_recompute > 0 and rt.timer.compute >= rt.timer.sfb_recompute
-    assert held == {p.name for p in wide.params}
 
 
 def test_sfb_schedule_gathers_after_the_backward_and_syncs_only_the_rest(wide, topo4):
@@ -485,5 +476,4 @@ def test_zoo_sdpa_is_one_fused_op_per_layer_and_trains_like_eager(topo4, spec, h
     assert_matches_reference(graph, plan, sdpa, "sgd", {})
     fused, _ = reference_training(load_workload(sdpa, batch=B), "sgd", 2)
     ref, _ = reference_training(load_workload(eager, batch=B), "sgd", 2)
-    for name, value in fused.items():
-        torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert_params_equal({0: fused}, ref)

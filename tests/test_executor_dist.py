@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tag.errors import OutOfMemoryError, PlanError
 from tag.executor import ExecuteConfig, ExecutionError, execute, reference_training
+from tag.executor.equality import assert_params_equal, saved_params
 from tag.plan import GroupPlan, group_positions, new_plan
 from tag.topology import load_topology
 from tag.workloads import load_workload
@@ -50,13 +50,7 @@ def run_plan(tmp_path, graph, topo_path, groups, *, fault=None, timeout=60.0, st
 
 def assert_params_match(tmp_path, graph, world, spec=MLP, optimizer="adam"):
     ref, ref_losses = reference_training(load_workload(spec, batch=B), optimizer, 2)
-    held = set()
-    for r in range(world):
-        f = tmp_path / "run" / f"params-rank{r}.pt"
-        for name, value in torch.load(f).items():
-            held.add(name)
-            torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6)
-    assert held == {p.name for p in graph.params}
+    assert_params_equal(saved_params(tmp_path / "run", world), ref, {p.name for p in graph.params}, exact=True)
     return ref_losses
 
 

@@ -68,3 +68,17 @@ def test_every_eager_step_comes_before_the_executes(tmp_path, monkeypatch):
     assert [r["precision"] for r in checks] == ["fp32", "bf16"]
     assert all(r["execute_above_state_bytes"] == 900 - 40 - 80 and r["predicted_s"] > 0 for r in checks)
     assert "| mlp | 8 | fp32 | 10.00 | 9.00 | 0.90 |" in (tmp_path / "README.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the report with fewer than 2 GPUs")
+def test_multi_gpu_part_is_skipped_with_fewer_than_two_gpus(tmp_path, capsys):
+    """``--only-multi-gpu`` on this machine's real GPU count (0 on the development VM): one
+    record saying why, in the JSON lines and the README table, and a zero exit status."""
+    n = torch.cuda.device_count()
+    assert gpu_check.main(["--out", str(tmp_path), "--only-multi-gpu"]) == 0
+    records = [json.loads(x) for x in (tmp_path / "gpu-check.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["env", "equality"] and records[0]["gpus"] == n
+    note = f"skipped: {n} GPU(s); NCCL needs one GPU per rank"
+    assert records[1]["note"] == note and records[1]["pass"] is None
+    assert f"| - | - | nccl | - | - | - | - | - | - | - | {note} |" in (tmp_path / "README.md").read_text()
+    assert note in capsys.readouterr().out

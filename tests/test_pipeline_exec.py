@@ -18,12 +18,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from test_executor import GPT2, MLP
 from test_executor_dist import cpu_topology
 
 from tag.errors import PlanError
 from tag.executor import ExecuteConfig, build_schedule, execute, reference_training, run_virtual
+from tag.executor.equality import assert_params_equal, saved_params
 from tag.executor.fuse import accumulation
 from tag.graph.gradients import batch_independent_tensors
 from tag.parallel import validate_plan
@@ -47,13 +47,7 @@ def two_stages(graph, topo, first, second, micro, schedule="1f1b", k=1):
 
 
 def assert_equal_params(params_by_rank, ref, graph):
-    held = set()
-    for rank, params in params_by_rank.items():
-        for name, value in params.items():
-            held.add(name)
-            torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, r=rank, n=name: f"rank {r} {n}: {m}")
-    assert held == {p.name for p in graph.params}
+    assert_params_equal(params_by_rank, ref, {p.name for p in graph.params}, exact=True)
 
 
 @pytest.fixture(scope="module")
@@ -263,8 +257,7 @@ def _execute(tmp_path: Path, graph, topo_path: str, plan, spec: str, optimizer: 
     cfg = ExecuteConfig(spec, topo_path, str(plan_path), steps=steps, warmup=0, save_params=True, optimizer=optimizer,
                         run_dir=str(tmp_path / "run"), timeout_s=60.0)
     res = execute(cfg, graph=graph)
-    params = {r: torch.load(tmp_path / "run" / f"params-rank{r}.pt") for r in range(res.world_size)}
-    return res, params
+    return res, saved_params(tmp_path / "run", res.world_size)
 
 
 @pytest.mark.slow

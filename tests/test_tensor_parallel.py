@@ -23,6 +23,7 @@ import torch
 from tag.cli import main
 from tag.cost.model import CostModel
 from tag.errors import PlanError
+from tag.executor.equality import assert_params_equal
 from tag.parallel import execution_refusal, validate_plan
 from tag.parallel.layout import Layout, layout_grid, layout_plan, parse_layout
 from tag.parallel.tensor_parallel import (
@@ -519,9 +520,7 @@ def test_the_planner_proposes_tensor_parallelism_where_it_pays(captured, tmp_pat
 # ---- execution ---------------------------------------------------------------------------------
 
 def _assert_full_params(params, ref, graph):
-    assert set(params) >= {p.name for p in graph.params}
-    for name in (p.name for p in graph.params):
-        torch.testing.assert_close(params[name], ref[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert_params_equal({0: params}, ref, {p.name for p in graph.params})
 
 
 @pytest.mark.parametrize("spec,batch,groups,devices", [(GPT2, 8, 6, [0, 1, 2, 3]), (LLAMA, 2, 4, [0, 1]),
@@ -562,12 +561,7 @@ def test_tensor_parallel_training_in_one_process(captured, v100, spec, batch, gr
 
 def _assert_pipeline_params(full_by_group, ref, graph):
     """Each tensor-parallel group's full parameters (its stage's) equal ``ref``; every parameter held."""
-    held = set()
-    for params in full_by_group:
-        held |= set(params)
-        for name, value in params.items():
-            torch.testing.assert_close(value, ref[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-    assert held >= {p.name for p in graph.params}
+    assert_params_equal(dict(enumerate(full_by_group)), ref, {p.name for p in graph.params})
 
 
 def test_pipeline_of_tensor_parallel_stages_in_one_process(captured, topo4):
