@@ -180,3 +180,30 @@ def test_plan_head_command_refuses_to_overwrite_its_input(tmp_path):
     with pytest.raises(SystemExit, match="no labelled pair has plan-level decisions; nothing written"):
         main(["--run-dir", str(tmp_path), "--checkpoint", str(ck), "--rounds", "0", "--out", str(tmp_path / "o.pt")])
     assert ck.read_bytes() == before and not (tmp_path / "o.pt").exists()
+
+
+def test_open_pipeline_choices_follow_the_completion(tmp_path, pipe_space):
+    """A path that stops at the stage count is completed as ``pipeline_completion`` says (the
+    plan head's choices in the search), not by the fixed defaults."""
+    space, ev, _ = pipe_space
+    p = space.options("stages", 1)[1]
+    j = 1  # action index of that stage count
+    micro = space.options("micro", p)
+    default = space.resolve_path([j])
+    assert default[2] == micro[space.default_option("micro", p)]  # (fixed default: 2 x stages where it fits)
+    last = space.options("schedule", p)[-1]
+    space.pipeline_completion = lambda c: {"cut": "memory", "stage_sync": 1, "micro": micro[0], "schedule": last, **c}
+    try:
+        assert space.resolve_path([j]) == ("pp", p, micro[0], 1, last[0], last[1], "memory")
+    finally:
+        space.pipeline_completion = None
+    assert space.resolve_path([j]) == default
+    net = TagNet(NetConfig(hidden=16, layers=1, heads=2))
+    ck = tmp_path / "head.pt"
+    save_checkpoint(ck, net, {"plan_head": {"pairs": 1}})
+    fn = Predictor.load(ck).bind_plan(space, ev.t_ref, ev.simulator)
+    got = fn.complete({"stages": p})
+    assert set(got) == set(PLAN_DECISIONS) and got["stages"] == p
+    assert all(got[n] in space.options(n, p) for n in PLAN_DECISIONS[1:])
+    assert fn.complete({"stages": p}) == got
+    assert fn.complete({"stages": p, "micro": micro[-1]})["micro"] == micro[-1]  # made choices are kept
