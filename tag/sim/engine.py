@@ -85,9 +85,11 @@ from .units import (
 
 PHASE_NAME = {FWD: "fwd", BWD: "bwd", OPT: "opt", PARAM: "param"}
 CACHE_BYTES = 2 * 1024**3
-"""Default :attr:`Simulator.cache_bytes`: 2 GiB of plan-derived data. A 2000-playout random search
-of GPT-2 medium (bf16, 64 groups) on h100-512gpu derives about 8 MB per plan (measured 2026-11-27);
-uniform MCTS's 2000 playouts on that pair stay under it."""
+"""Default :attr:`Simulator.cache_bytes`: 2 GiB of plan-derived data. Measured 2026-11-27 on GPT-2
+medium (bf16, 64 groups) on h100-512gpu: random search derives about 8.5 MB per plan (200 plans:
+1.7 GB accounted, 1.2 GB by recursive ``sys.getsizeof``), so its 2000 playouts peaked at 14.0 GB
+RSS before this limit and 3.1 GB under it (``evaluation.planner_bench --scale --pairs 6``);
+uniform MCTS's 2000 playouts there hold 534 MB and never reach it."""
 
 
 def check_cache_bytes(value) -> int:
