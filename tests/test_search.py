@@ -594,6 +594,94 @@ def test_searchers_reach_pipelines_and_tp_deterministically(graph, topo):
             validate_plan(plan, graph, topo, pipelines=True, tensor_parallel=True)
 
 
+def _deep_bytes(obj, seen: set) -> int:
+    """``sys.getsizeof`` of ``obj`` and of everything it holds (numpy arrays: their buffers), each
+    object once (``seen``)."""
+    import sys
+
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    n = sys.getsizeof(obj)
+    if isinstance(obj, np.ndarray):
+        return n if obj.base is None else n + _deep_bytes(obj.base, seen)
+    if isinstance(obj, dict):
+        return n + sum(_deep_bytes(k, seen) + _deep_bytes(v, seen) for k, v in obj.items())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return n + sum(_deep_bytes(x, seen) for x in obj)
+    if hasattr(obj, "__dict__"):
+        n += _deep_bytes(vars(obj), seen)
+    for name in getattr(type(obj), "__slots__", ()):
+        n += _deep_bytes(getattr(obj, name, None), seen)
+    return n
+
+
+def test_simulator_cache_byte_limit_changes_no_result(graph, topo):
+    """A simulator whose caches may hold a fifth of what a random search derives empties them
+    several times and scores every plan exactly as one that never does (times, feedback arrays,
+    bounds); its accounted bytes before each plan stay within the limit plus what one plan
+    derives, and the accounting is within a factor 1.6 of the caches' measured bytes."""
+    from tag.sim import Simulator
+    from tag.sim.bounds import plan_bound
+
+    def search(sim):
+        sp = ActionSpace(graph, topo, pipelines=True)
+        ev = Evaluator(sp, sim)
+        held = []  # accounted bytes after each plan the search simulated
+        ev.on_simulate = lambda e: held.append(sim.cached_bytes)
+        random_search(sp, ev, np.random.default_rng(5), playouts=40)
+        return sp, ev, held
+
+    def measured(sim) -> int:
+        seen = {id(sim.static), id(sim.tables)}
+        return sum(_deep_bytes(getattr(sim, name), seen) for name in (
+            "_layouts", "_caches", "_groups", "_pieces", "_templates", "_pairs", "_msgs", "_buckets", "_kind_ids",
+            "_kinds", "_sync_jobs"))
+
+    big = Simulator(graph, topo)
+    sp, ev_big, held_big = search(big)
+    assert big.cache_clears == 0 and held_big == sorted(held_big) and big.cached_bytes > 0
+    assert measured(big) / 1.6 < big.cached_bytes < measured(big) * 1.6, (big.cached_bytes, measured(big))
+
+    limit = big.cached_bytes // 5
+    small = Simulator(graph, topo, cache_bytes=limit)
+    _, ev_small, held_small = search(small)
+    assert small.cache_clears >= 3
+    assert list(ev_small.cache) == list(ev_big.cache)
+    for key, a in ev_big.cache.items():
+        b = ev_small.cache[key]
+        assert (a.time_s, a.oom, a.reward, a.groups) == (b.time_s, b.oom, b.reward, b.groups)
+        for name in ("device_util", "device_mem", "device_comm", "group_finish"):
+            assert getattr(a.feedback, name).tobytes() == getattr(b.feedback, name).tobytes()
+    # what one plan derives at most: the most a fresh simulator holds after it (plus the
+    # recomputation variants its evaluation simulated)
+    one = 0
+    for key in ev_big.cache:
+        plan = sp.plan_of(key)
+        if plan is not None:
+            fresh = Simulator(graph, topo)
+            fresh.run(plan[0], pipeline=plan[1])
+            one = max(one, fresh.cached_bytes)
+    assert ev_big.sim_calls - 2 == len(held_big)  # no recomputation ran: one simulation per plan
+    assert max(held_small) <= limit + one and measured(small) < 1.6 * (limit + one)
+    # the bounds (their own cache) and the run after them, once the caches were emptied again
+    keys = [k for k in list(ev_big.cache)[:8] if sp.plan_of(k) is not None]
+    for key in keys:
+        groups, pipe = sp.plan_of(key)
+        assert plan_bound(small, groups, pipe) == plan_bound(big, groups, pipe)
+        assert small.run(groups, pipeline=pipe).iteration_time_s == big.run(groups, pipeline=pipe).iteration_time_s
+
+
+def test_simulator_cache_bytes_is_validated(graph, topo):
+    from tag.sim import Simulator
+    from tag.sim.engine import CACHE_BYTES
+
+    assert Simulator(graph, topo).cache_bytes == CACHE_BYTES
+    for bad in (0, -5, 1.5, "1GB", True):
+        with pytest.raises(ValueError, match=r"cache_bytes: expected a positive whole number of bytes, got"):
+            Simulator(graph, topo, cache_bytes=bad)
+
+
 def test_find_plan_reports_the_space_and_off_keeps_tags(graph, topo):
     off = find_plan(graph, topo, prior="uniform", budget=6, pipelines="off", compression="off")
     auto = find_plan(graph, topo, prior="uniform", budget=6, compression="off")

@@ -60,6 +60,7 @@ import numpy as np
 
 from .engine import _holdings
 from .static import BWD, FWD
+from .units import ENTRY_BYTES
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
 def plan_bound(sim, groups, pipeline=None) -> PlanBound:
     """:class:`PlanBound` of the deployment ``groups`` (and ``pipeline``) on ``sim`` (a
     :class:`~tag.sim.Simulator`), in the simulator's units."""
+    sim.fit_caches()
     micro = None if pipeline is None else sim._micro(groups, pipeline)
     gds = sim.deploy(groups)  # (a pipeline's gradient syncs: at the full batch's deployment)
     # (the optimizer step as the run computes it: a pipeline's at its first micro-batch's deployment)
@@ -254,6 +256,7 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
             mb = np.asarray([f[7] for f in flows], dtype=np.int64)
             cross = ma >= 0
             hit = cache[id(tpl)] = (tpl, a, b, secs, ma[cross], mb[cross], secs[cross])
+            sim.charge(sum(x.nbytes for x in hit[1:]) + 6 * 112 + ENTRY_BYTES)  # the arrays and their headers
         _, a, b, secs, ma, mb, xs = hit
         np.add.at(load, a, secs * c)
         np.add.at(load, b, secs * c)

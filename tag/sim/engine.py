@@ -65,6 +65,9 @@ from .result import SimEvent, SimResult
 from .static import BWD, FWD, OPT, PARAM, build_static
 from .strategies import costing_of
 from .units import (
+    ENTRY_BYTES,
+    FLOW_BYTES,
+    CacheMeter,
     Flow,
     GroupData,
     Layout,
@@ -76,11 +79,27 @@ from .units import (
     mp_unit,
     pair_kinds,
     recompute_layout,
+    ref_bytes,
+    seq_bytes,
 )
 
 PHASE_NAME = {FWD: "fwd", BWD: "bwd", OPT: "opt", PARAM: "param"}
-CACHE_LIMIT = 100_000
-"""Entries per cache before it is cleared (bounds memory over very long searches)."""
+CACHE_BYTES = 2 * 1024**3
+"""Default :attr:`Simulator.cache_bytes`: 2 GiB of plan-derived data. Measured 2026-11-27 on GPT-2
+medium (bf16, 64 groups) on h100-512gpu: random search derives about 8.5 MB per plan (200 plans:
+1.7 GB accounted, 1.2 GB by recursive ``sys.getsizeof``), so its 2000 playouts peaked at 14.0 GB
+RSS before this limit and 3.1 GB under it (``evaluation.planner_bench --scale --pairs 6``);
+uniform MCTS's 2000 playouts there hold 534 MB and never reach it."""
+
+
+def check_cache_bytes(value) -> int:
+    """``value`` as :attr:`Simulator.cache_bytes` (None: :data:`CACHE_BYTES`); anything but a
+    positive whole number of bytes is refused with a :class:`ValueError` naming it."""
+    if value is None:
+        return CACHE_BYTES
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"cache_bytes: expected a positive whole number of bytes, got {value!r}")
+    return int(value)
 
 
 def plan_key(gp) -> tuple:
@@ -94,12 +113,19 @@ def plan_key(gp) -> tuple:
 class Simulator:
     """Simulate plans of one graph on one topology; build once, call :meth:`run` many times."""
 
-    def __init__(self, graph, topology, costs=None, bucket_bytes: int | None = None):
+    def __init__(self, graph, topology, costs=None, bucket_bytes: int | None = None, cache_bytes: int | None = None):
         from ..cost.model import CostModel
 
         self.bucket_bytes = bucket_bytes
         """Cap of the gradient buckets (:func:`tag.parallel.buckets.bucket_caps`; None: DDP's)."""
         bucket_caps(bucket_bytes)  # a bad cap is refused here, not at the first plan
+        self.cache_bytes = check_cache_bytes(cache_bytes)
+        """Bytes (approximate, :attr:`cached_bytes`) the plan-derived caches may hold before a
+        simulation: past it, they are all emptied before the simulation starts (None:
+        :data:`CACHE_BYTES`). They hold derived data only: the results are the same under any
+        limit, a smaller one only re-derives more."""
+        self.cache_clears = 0
+        """How many times the caches were emptied for :attr:`cache_bytes`."""
         self.graph = graph
         self.topology = topology
         self.costs = costs if costs is not None else CostModel.for_topology(graph, topology)
@@ -124,18 +150,8 @@ class Simulator:
         """Per device: communication shares the compute cores (a CPU rank uses every core it has
         for compute, so gloo has no spare core to progress a collective: gradient buckets start
         after the device's compute). GPUs have copy engines: their buckets overlap compute."""
-        self._buckets: dict[tuple, float] = {}  # ((op, devices, server), bytes) -> seconds of a sync
-        self._sync_jobs: dict[tuple[int, ...], list] = {}  # the groups' serials -> sync_jobs (read-only)
-        self._layouts: dict[tuple, Layout] = {}
-        self._caches: dict[str, dict] = {}  # a group costing's own caches (cache())
-        self._groups: dict[tuple, GroupData] = {}
-        self._pairs: dict[tuple, _Pair] = {}
-        self._kinds: dict[tuple[int, int], tuple] = {}  # dp -> dp group pair -> (kinds id, kinds)
-        self._kind_ids: dict[tuple, tuple] = {}  # pair_kinds -> (id, kinds)
-        self._templates: dict[tuple, PairTemplate] = {}
-        self._msgs: dict[tuple, tuple] = {}  # ids of flow tuples -> (those tuples, their messages)
-        self._pieces: dict[tuple, list] = {}  # the pair templates' pieces (PairTemplate)
         self._serial = 0
+        self._empty_caches()
         # Pairs without non-batch gradients: no flow when both groups share one layout.
         local = {pr for pr, es in self.static.edges.items() if not any(e.grad for e in es)}
         self._pair_list = [(g1, g2, (g1, g2) in local) for g1, g2 in self.static.pairs]
@@ -143,7 +159,6 @@ class Simulator:
         self._pair_dst = np.array([g2 for _, g2 in self.static.pairs], dtype=np.int64)
         self._pair_self = self._pair_src == self._pair_dst
         self._pair_nonlocal = np.array([not loc for _, _, loc in self._pair_list], dtype=bool)
-        self._names: dict[tuple, str] = {}
         self._sfb = None  # tag.sim.sfb.SfbCosts, built on the first plan using SFB
         self.wake: list[tuple | None] = []
         """Per device: ``(table [K, 2, B+1], tau_s, 1 / (1 - exp(-gap_s / tau_s)))`` of its wake
@@ -155,27 +170,69 @@ class Simulator:
         self.any_wake = any(w is not None for w in self.wake)
 
     # ---- cached plan-derived data -------------------------------------------------------
+    def _empty_caches(self) -> None:
+        """Start every plan-derived cache afresh (what a new simulator holds)."""
+        self._meter = CacheMeter()
+        self._buckets: dict[tuple, float] = {}  # ((op, devices, server), bytes) -> seconds of a sync
+        self._sync_jobs: dict[tuple[int, ...], list] = {}  # the groups' serials -> sync_jobs (read-only)
+        self._layouts: dict[tuple, Layout] = {}
+        self._caches: dict[str, dict] = {}  # a group costing's own caches (cache())
+        self._groups: dict[tuple, GroupData] = {}
+        self._pairs: dict[tuple, _Pair] = {}
+        self._kinds: dict[tuple[int, int], tuple] = {}  # dp -> dp group pair -> (kinds id, kinds)
+        self._kind_ids: dict[tuple, tuple] = {}  # pair_kinds -> (id, kinds)
+        self._templates: dict[tuple, PairTemplate] = {}
+        self._msgs: dict[tuple, tuple] = {}  # ids of flow tuples -> (those tuples, their messages)
+        self._pieces: dict[tuple, list] = {}  # the pair templates' pieces (PairTemplate)
+
+    @property
+    def cached_bytes(self) -> int:
+        """Approximate bytes the plan-derived caches hold: each entry's estimate (arrays by their
+        ``nbytes``, tuples of numbers by :func:`tag.sim.units.seq_bytes`, flows by
+        :data:`FLOW_BYTES`) added when it is made (:meth:`charge`)."""
+        return self._meter.bytes
+
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` (approximate) more in the caches: whoever stores an entry in them
+        (:meth:`cache`, :meth:`store_layout`) charges its estimate."""
+        self._meter.bytes += nbytes
+
+    def fit_caches(self) -> None:
+        """Empty every cache if they hold more than :attr:`cache_bytes`. Called before a
+        simulation (:meth:`run`, :meth:`moved_bytes`, :func:`tag.sim.bounds.plan_bound`), never
+        within one: the groups of one run share their layouts (one object per replica set, what
+        its vectorised segments and transfers are decided by), and a fresh set of caches gives
+        the same results as a new simulator. All of them at once: a layout dropped while a kept
+        group holds it would give later groups on those replicas another layout object, other
+        segments, and times differing in the last bits (the entry-count limits before 2026-11-27
+        dropped ``_layouts`` alone so)."""
+        if self._meter.bytes > self.cache_bytes:
+            self.cache_clears += 1
+            self._empty_caches()
+
     def cache(self, name: str) -> dict:
-        """A dict kept as long as this simulator, for a group costing's own derived data
-        (:mod:`tag.sim.strategies`; ``name``: its owner, e.g. ``"tp-shares"``); emptied when it
-        has grown past :data:`CACHE_LIMIT` entries (its values are derived: only memory is bounded)."""
+        """A dict for a group costing's own derived data (:mod:`tag.sim.strategies`; ``name``: its
+        owner, e.g. ``"tp-shares"``), emptied with the others (:meth:`fit_caches`); whoever stores
+        an entry in it counts its bytes (:meth:`charge`)."""
         c = self._caches.get(name)
         if c is None:
             c = self._caches[name] = {}
-        elif len(c) > CACHE_LIMIT:
-            c.clear()
         return c
+
+    def store_layout(self, key: tuple, lay: Layout) -> Layout:
+        """Keep ``lay`` as the layout of ``key`` (a unique :attr:`Layout.uid`; its bytes counted)."""
+        self._serial += 1
+        lay.uid = self._serial
+        lay.meter = self._meter
+        self._meter.bytes += lay.nbytes + ENTRY_BYTES
+        self._layouts[key] = lay
+        return lay
 
     def layout(self, devices: tuple[int, ...], batches: tuple[int, ...]) -> Layout:
         key = (devices, batches)
         lay = self._layouts.get(key)
         if lay is None:
-            if len(self._layouts) > CACHE_LIMIT:
-                self._layouts.clear()
-            lay = make_layout(self.static, self.tables, self.dev_class, devices, batches)
-            self._serial += 1
-            lay.uid = self._serial
-            self._layouts[key] = lay
+            lay = self.store_layout(key, make_layout(self.static, self.tables, self.dev_class, devices, batches))
         return lay
 
     def group_data(self, g: int, gp, key=None, batch: int | None = None) -> GroupData:
@@ -184,14 +241,14 @@ class Simulator:
         key = (g, plan_key(gp) if key is None else key) if batch is None else (g, plan_key(gp), batch)
         gd = self._groups.get(key)
         if gd is None:
-            if len(self._groups) > CACHE_LIMIT:
-                self._groups.clear()
-                self._pairs.clear()  # keyed by the serials of the cleared entries
             gd = self._make_group(g, gp, batch)
             self._serial += 1
             gd.serial = self._serial
             gd.lid = gd.layout.uid if gd.layout is not None else -gd.serial
             self._groups[key] = gd
+            # the key's devices and shares; each unit's devices, batches and starts
+            self._meter.bytes += (ref_bytes(len(gp.devices)) + seq_bytes(len(gp.shares)) + ENTRY_BYTES
+                                  + sum(3 * ref_bytes(len(u.devices)) + ENTRY_BYTES for u in gd.units))
         return gd
 
     def _make_group(self, g: int, gp, batch: int | None = None) -> GroupData:
@@ -253,10 +310,7 @@ class Simulator:
         key = ("rc", lay.uid)
         out = self._layouts.get(key)
         if out is None:
-            out = recompute_layout(self.static, lay, held, live, saved)
-            self._serial += 1
-            out.uid = self._serial
-            self._layouts[key] = out
+            out = self.store_layout(key, recompute_layout(self.static, lay, held, live, saved))
         return out
 
     def _sync_seconds(self, op: str, devs: tuple[int, ...], server: int | None, nbytes: float) -> float:
@@ -276,9 +330,8 @@ class Simulator:
         key = tuple(gd.serial for gd in gds)
         jobs = self._sync_jobs.get(key)
         if jobs is None:
-            if len(self._sync_jobs) > CACHE_LIMIT:
-                self._sync_jobs.clear()
             jobs = self._sync_jobs[key] = self._bucketed(gds)
+            self._meter.bytes += seq_bytes(len(key)) + sum(seq_bytes(len(gs)) + ENTRY_BYTES for gs, _ in jobs)
         return jobs
 
     def _bucketed(self, gds: list[GroupData]) -> list[tuple[tuple[int, ...], object]]:
@@ -301,9 +354,8 @@ class Simulator:
         t = self._buckets.get((key, nbytes))
         if t is None:
             t = self._sync_seconds(*key, nbytes)
-            if len(self._buckets) > CACHE_LIMIT:
-                self._buckets.clear()
             self._buckets[(key, nbytes)] = t
+            self._meter.bytes += ENTRY_BYTES
         return t
 
     def scatter_gather_time(self, devices: tuple[int, ...], chunks: tuple[float, ...]) -> float:
@@ -313,6 +365,7 @@ class Simulator:
         t = cache.get((devices, chunks))
         if t is None:
             t = cache[(devices, chunks)] = self.comm.allgather_time(list(chunks), list(devices))
+            self._meter.bytes += seq_bytes(len(devices)) + seq_bytes(len(chunks)) + ENTRY_BYTES
         return t
 
     def pair(self, g1: int, gd1: GroupData, g2: int, gd2: GroupData, select: str | None = None) -> _Pair:
@@ -322,9 +375,8 @@ class Simulator:
         key = (gd1.serial, gd2.serial) if select is None else (gd1.serial, gd2.serial, select)
         pr = self._pairs.get(key)
         if pr is None:
-            if len(self._pairs) > CACHE_LIMIT:
-                self._pairs.clear()
             pr = self._pairs[key] = _Pair(self.template(g1, gd1, g2, gd2, select), g1, g2, self.static.num_groups)
+            self._meter.bytes += pr.nbytes + ENTRY_BYTES
         return pr
 
     def template(self, g1: int, gd1: GroupData, g2: int, gd2: GroupData, select: str | None = None) -> PairTemplate:
@@ -334,18 +386,18 @@ class Simulator:
         kid = self._kinds.get((g1, g2, select)) if not (gd1.mp or gd2.mp) else None
         if kid is None:
             kinds = pair_kinds(self.static, g1, gd1, g2, gd2, select)
-            kid = self._kind_ids.setdefault(kinds, (len(self._kind_ids), kinds))
+            kid = self._kind_ids.get(kinds)
+            if kid is None:
+                kid = self._kind_ids[kinds] = (len(self._kind_ids), kinds)
+                self._meter.bytes += seq_bytes(4 * len(kinds)) + ENTRY_BYTES
             if not (gd1.mp or gd2.mp):
                 self._kinds[(g1, g2, select)] = kid
         tkey = (kid[0], gd1.ukey, gd2.ukey)
         tpl = self._templates.get(tkey)
         if tpl is None:
-            if len(self._templates) > CACHE_LIMIT:
-                self._templates.clear()
-            if len(self._pieces) > CACHE_LIMIT:
-                self._pieces.clear()
             tpl = self._templates[tkey] = PairTemplate(kid[1], gd1.units, gd2.units, self.comm, self._pieces,
                                                        (gd1.ukey, gd2.ukey))
+            self._meter.bytes += tpl.nbytes + ENTRY_BYTES
         return tpl
 
     def _messages(self, fls: list[tuple]) -> list[tuple]:
@@ -354,9 +406,8 @@ class Simulator:
         key = tuple([id(fl) for fl in fls])
         hit = self._msgs.get(key)
         if hit is None or any(x is not y for x, y in zip(hit[0], fls)):
-            if len(self._msgs) > CACHE_LIMIT:
-                self._msgs.clear()
             hit = self._msgs[key] = (tuple(fls), _messages(fls, self.comm.p2p_time))
+            self._meter.bytes += seq_bytes(len(fls)) + ref_bytes(len(fls)) + FLOW_BYTES * len(hit[1]) + ENTRY_BYTES
         return hit[1]
 
     def _stage_index(self, stage: tuple[int, int, int]) -> int:
@@ -418,6 +469,7 @@ class Simulator:
         The event loop (:class:`_Run`) records no task; the critical path is computed on first
         access by replaying the iteration with a :class:`_Recorder`. With ``trace`` the recorder
         runs at once and :attr:`SimResult.events` holds the timeline."""
+        self.fit_caches()
         gds = self.deploy(groups)
         micro = None if pipeline is None else self._micro(groups, pipeline)
         if not trace:
@@ -432,6 +484,7 @@ class Simulator:
         destination device) of its point-to-point messages, and per device the bytes of the
         all-gathers completing pieces scattered into its tensor-parallel group (the whole
         pieces, :attr:`tag.sim.units.PairTemplate.gathers`)."""
+        self.fit_caches()
         run = _Run(self, self.deploy(groups), None, None if pipeline is None else self._micro(groups, pipeline))
         p2p: dict[tuple[int, int], float] = {}
         for _off, fls in run.incoming.values():
@@ -540,6 +593,12 @@ class _Pair:
         """Per destination stage index: the holder sets all-gathering scattered pieces
         (:attr:`PairTemplate.gathers`)."""
         self._by_dst = None
+
+    @property
+    def nbytes(self) -> int:
+        """Approximate bytes of ``fast`` and ``gathers`` (``by_dst``, made for the recorder only, not counted)."""
+        return (sum(ref_bytes(len(fl)) + FLOW_BYTES * len(fl) for _, fl in self.fast) + ref_bytes(len(self.fast))
+                + ref_bytes(len(self.gathers)))
 
     @property
     def by_dst(self) -> list[tuple[tuple, list[Flow]]]:

@@ -27,7 +27,10 @@ GroupCosting = Callable[["Simulator", int, "GroupPlan", "list[Unit]"], "GroupDat
 """``costing(sim, g, gp, units) -> GroupData``: group ``g`` deployed as ``gp``, ``units`` its
 strategy's lowering at the batch the simulator runs (the graph's, or a pipeline's micro-batch).
 Its result is cached by the simulator per deployment; its own caches may live in
-:meth:`Simulator.cache <tag.sim.Simulator.cache>`."""
+:meth:`Simulator.cache <tag.sim.Simulator.cache>` (each entry's approximate bytes counted by
+:meth:`Simulator.charge <tag.sim.Simulator.charge>`, layouts kept by
+:meth:`Simulator.store_layout <tag.sim.Simulator.store_layout>`: they are emptied with the
+simulator's own past :attr:`Simulator.cache_bytes <tag.sim.Simulator.cache_bytes>`)."""
 
 _COSTINGS: Registry[GroupCosting] = Registry("group costing")
 

@@ -58,7 +58,7 @@ from ..parallel.tensor_parallel import (
 )
 from .static import BWD, FWD, OPT
 from .strategies import register_costing
-from .units import GroupData, Layout, Unit, at_batch
+from .units import ENTRY_BYTES, GroupData, Layout, Unit, at_batch, ref_bytes
 
 
 def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: tuple[int, ...], t: int,
@@ -129,6 +129,7 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
                     fwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_fwd])
                     bwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_bwd])
             col = priced[ring] = (fwd[:, None], bwd[:, None])
+            sim.charge(fwd.nbytes + bwd.nbytes + ref_bytes(len(devs)) + ENTRY_BYTES)
         rings[ring] = (col, list(range(i, i + t)))
     for col, cols in rings.values():
         dur[FWD][:, cols] += col[0]
@@ -142,10 +143,7 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
         mem[g, :] -= keep * sp.split_state
     lay = Layout.of(devices, batches, np.array(devices, dtype=np.int64), dur, mem, work, starts, saved=saved,
                     compute=None if sequence_parallel else tuple(compute))
-    sim._serial += 1
-    lay.uid = sim._serial
-    sim._layouts[key] = lay
-    return lay
+    return sim.store_layout(key, lay)
 
 
 def _block_share(sim, device: int, batches: tuple[int, int]) -> np.ndarray:
@@ -168,6 +166,7 @@ def _block_share(sim, device: int, batches: tuple[int, int]) -> np.ndarray:
         part = group_phase_table(graph, roof, batches, overhead, only=inner)[:, :2]
         whole = group_phase_table(graph, roof, batches, overhead)[:, :2]
         share = shares[key] = np.divide(part, whole, out=np.zeros_like(part), where=whole > 0)
+        sim.charge(share.nbytes + ENTRY_BYTES)
     return share
 
 
@@ -220,6 +219,7 @@ def tp_group(sim, g: int, gp, lowered) -> GroupData:
     if ts is None:
         ts = memo[(split, total)] = sim.comm.tensor_parallel_sync_time(tp_groups(gp), split, max(0.0, total - split),
                                                                      gp.sequence_parallel)
+        sim.charge(ENTRY_BYTES)
     if ts <= 0:
         return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=ukey, recompute=gp.recompute)
     return GroupData([unit], "tp", ts, members, machines, total, layout=lay, ukey=ukey, recompute=gp.recompute)
@@ -250,6 +250,7 @@ def _tp_deployment(sim, gp, batches: tuple[int, ...], replicas) -> tuple:
     machines = tuple(sorted({mo[d] for d in devs}))
     hit = cache[key] = (lay, devs, starts, ("tp", devs, starts, batches), tuple(sorted(devs)),
                         machines if len(machines) > 1 else (), {})
+    sim.charge(2 * ref_bytes(len(devs)) + 3 * ref_bytes(len(batches)) + ref_bytes(len(machines)) + 2 * ENTRY_BYTES)
     return hit
 
 

@@ -25,6 +25,41 @@ import numpy as np
 from ..parallel.moves import holder_sets, move_pieces
 from .static import BWD, FWD, PARAM, GraphStatic
 
+NUMBER_BYTES = 32
+"""Approximate bytes of one number in a tuple or list: its 8-byte slot and the float or int object
+(24 or 28 bytes; small ints are shared, so this over-counts them)."""
+
+
+ENTRY_BYTES = 250
+"""Approximate bytes of one cache entry besides what is counted by size: its dict slot, key tuple
+and value object."""
+FLOW_BYTES = 200
+"""Approximate bytes of one flow of a :class:`PairTemplate` or ``_Pair``, one message
+(:meth:`tag.sim.Simulator._messages`), one piece of :func:`_pieces`: a tuple of 5-10 numbers
+(recursive ``sys.getsizeof`` of those caches after random search on GPT-2 medium / h100-512gpu,
+2026-11-27: 196, 126, 158 and 107 bytes each)."""
+
+
+def seq_bytes(n: int) -> int:
+    """Approximate bytes of a tuple or list of ``n`` numbers of its own (:data:`NUMBER_BYTES` each)."""
+    return 56 + NUMBER_BYTES * n
+
+
+def ref_bytes(n: int) -> int:
+    """Approximate bytes of a tuple or list of ``n`` objects held elsewhere too (8-byte slots)."""
+    return 56 + 8 * n
+
+
+class CacheMeter:
+    """Approximate bytes held by a simulator's caches (:attr:`tag.sim.Simulator.cached_bytes`):
+    each entry adds its estimate when it is made, a :class:`Layout` its :meth:`Layout.row` lists
+    when they are made."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self):
+        self.bytes = 0
+
 
 @dataclass
 class Layout:
@@ -63,6 +98,18 @@ class Layout:
     compute: tuple[float, ...] | None = None
     """Per replica, the samples its per-batch cost tables are read at where that is not its batch
     (a tensor-parallel device: ``1 / T`` of its replica's samples, possibly fractional)."""
+    meter: CacheMeter | None = None
+    """The cache this layout is held in: :meth:`row` adds the bytes of the lists it makes."""
+
+    @property
+    def nbytes(self) -> int:
+        """Approximate bytes of this layout as made (its arrays, tuples and lists; the rows
+        :meth:`row` makes later are counted then, in :attr:`meter`)."""
+        arrays = (self.dev_arr, self.dur, self.cum_fwd, self.cum_bwd, self.mem, self.work, self.gsum, self.saved)
+        n = 3 * ref_bytes(len(self.devices)) + seq_bytes(len(self.gsum_l)) + ref_bytes(len(self.rows)) + 600
+        if self.compute is not None:
+            n += seq_bytes(len(self.compute))
+        return n + sum(a.nbytes for a in arrays if a is not None)
 
     @classmethod
     def of(cls, devices, batches, dev_arr: np.ndarray, dur: np.ndarray, mem: np.ndarray, work: np.ndarray,
@@ -82,6 +129,8 @@ class Layout:
         r = self.rows[g]
         if r is None:
             r = self.rows[g] = self.dur[:, g].tolist() + [self.mem[g].tolist(), self.work[g].tolist()]
+            if self.meter is not None:
+                self.meter.bytes += 5 * seq_bytes(len(self.devices)) + 96
         return r
 
 
@@ -339,7 +388,7 @@ class PairTemplate:
     :mod:`tag.parallel.moves`) and the bytes each of their replicas received so (``chunks``), which
     the set then all-gathers (:meth:`tag.sim.engine._Run._scatter_gather`)."""
 
-    __slots__ = ("by_dst", "gathers")
+    __slots__ = ("by_dst", "gathers", "nbytes")
 
     def __init__(self, kinds: tuple, units1: list[Unit], units2: list[Unit], comm, pieces: dict | None = None,
                  ukeys: tuple = ()):
@@ -350,11 +399,13 @@ class PairTemplate:
         gathered: dict[tuple, dict[tuple[int, int], list[float]]] = {}  # (ph, du) -> set -> bytes per replica
         if pieces is None:  # (su, du, kind) -> [(ri, rj, samples or -1)]: bundles share them
             pieces, ukeys = {}, ()
+        made = 0  # bytes of the entries made in pieces
         for (su, sphase, du, ph, kind), fixed, per_sample, sizes in kinds:
             src = units1[su]
             pcs = pieces.get((su, du, kind, ukeys))
             if pcs is None:
                 pcs = pieces[(su, du, kind, ukeys)] = _pieces(kind, src, units2[du], mo)
+                made += ENTRY_BYTES + FLOW_BYTES * len(pcs)
             for ri, rj, nbytes, hs in _piece_bytes(pcs, fixed, per_sample, sizes, src.batches):
                 if nbytes <= 0:
                     continue
@@ -374,6 +425,14 @@ class PairTemplate:
         self.by_dst = list(by_dst.items())
         self.gathers = [(dst, tuple((lo, hi, tuple(units2[dst[1]].devices[lo:hi]), tuple(c))
                                     for (lo, hi), c in sets.items())) for dst, sets in gathered.items()]
+        self.nbytes = made + FLOW_BYTES * len(moves) + ref_bytes(len(self.by_dst)) + gathers_bytes(self.gathers)
+        """Approximate bytes of this template and of the entries its construction made in ``pieces``."""
+
+
+def gathers_bytes(gathers) -> int:
+    """Approximate bytes of :attr:`PairTemplate.gathers` (or a ``_Pair``'s, which shares its sets)."""
+    return sum(ref_bytes(len(sets)) + sum(ENTRY_BYTES + 2 * seq_bytes(hi - lo) for lo, hi, _, _ in sets)
+               for _, sets in gathers)
 
 
 def _pieces(kind: str, src: Unit, dst: Unit, mo) -> list[tuple[int, int, int, float, tuple[int, int] | None]]:
