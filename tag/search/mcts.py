@@ -393,7 +393,7 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
         states.append(st)
         pending.append(not tree.terminal[n] and not tree.expanded[n])
     # The network sees plans without a pipeline (its priors serve op-group decisions; a
-    # plan-level decision has the uniform prior over its options, a pipeline plan no value).
+    # plan-level decision has the fixed prior over its options, or plan_fn's, a pipeline plan no value).
     asked = [i for i, st in enumerate(states) if st.pipeline is None]
     want = any(pending[i] and states[i].plan_decision < 0 for i in asked) or cfg.value_cut
     priors = values = None

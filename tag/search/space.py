@@ -84,7 +84,9 @@ says fits (:meth:`ActionSpace.pipeline_key`): on gpt2-medium over ``tag-testbed`
 the stage count, whose 2 x 2 tensor-parallel stages are the best layout. A plan-level decision's prior is uniform
 over its options (action ``i`` is option ``i``; a larger index is option ``i mod n``, an
 equivalent action), except "no pipeline", which gets
-:data:`tag.search.mcts.NO_PIPELINE_PRIOR` of the stage-count decision. Plans are keyed by their
+:data:`tag.search.mcts.NO_PIPELINE_PRIOR` of the stage-count decision; with a trained plan head
+(:mod:`tag.gnn.plan_head`) the network's prior over the options is mixed in and the choices a
+path leaves open follow the network (:attr:`ActionSpace.pipeline_completion`). Plans are keyed by their
 action tuple, or by a pipeline key ``("pp", stages, micro, tp, schedule, k, cut)``
 (:meth:`ActionSpace.resolve_path`, :meth:`ActionSpace.plan_of`).
 
