@@ -24,9 +24,10 @@ col   meaning
       the same for every row: how far any plan could go below data parallel
 ====  ==========================================================================================
 
-"Completed": an option fixes one decision; the later ones take the defaults the search's
-completion gives them (:meth:`tag.search.space.ActionSpace.pipeline_key`), so a row describes the
-plan a playout ending there would simulate. No simulation is needed: the bound comes from the
+"Completed": an option fixes one decision; the later ones take the search's fixed defaults
+(:meth:`tag.search.space.ActionSpace.default_pipeline_key`), the same in training and in a search
+whose open choices follow the head (features of the head's own completion would make each row a
+chain of head calls, and differ from the rows it was trained on). No simulation is needed: the bound comes from the
 simulator's tables alone (~1-2 ms per option on 2-178 GPUs, 2026-11-27).
 """
 
@@ -74,7 +75,7 @@ def plan_option_features(space: ActionSpace, chosen: dict | None, decision: int,
         if c.get("stages", 1) == 1:
             out[i, 0] = 1.0
             continue
-        _, p, m, t, s, k, cut = space.pipeline_key(c)
+        _, p, m, t, s, k, cut = space.default_pipeline_key(c)
         out[i, 1] = math.log2(p) / math.log2(max(n_dev, 2))
         out[i, 2] = float(cut == "memory")
         out[i, 3] = math.log2(t) / 3.0

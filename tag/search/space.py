@@ -635,6 +635,11 @@ class ActionSpace:
         micro-batch counts from the default up, then down)."""
         if self.pipeline_completion is not None and any(n not in chosen for n in PLAN_DECISIONS):
             chosen = self.pipeline_completion(dict(chosen))
+        return self.default_pipeline_key(chosen)
+
+    def default_pipeline_key(self, chosen: dict) -> tuple:
+        """:meth:`pipeline_key` with the fixed defaults whatever :attr:`pipeline_completion` says
+        (what the plan head's option features describe: :mod:`tag.gnn.plan_head`)."""
         p = chosen["stages"]
         val = {n: chosen.get(n, self.options(n, p)[self.default_option(n, p)]) for n in PLAN_DECISIONS[1:]}
         sched, k = val["schedule"]
