@@ -210,6 +210,9 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         # the network's one-shot plan (None: not simulated, e.g. prior uniform, or out of memory)
         "one_shot_time_s": one_shot_out.time_s if one_shot_out is not None and not one_shot_out.oom else None,
         "actions": space.describe_key(ev.best_actions) if ev.best_actions else None,
+        # who chose at the plan-level pipeline decisions: the network's plan head, or the fixed prior
+        "plan_prior": None if not space.plan_options or searcher != "mcts" else
+                      ("network" if plan_fn is not None else "fixed"),
         "space": {"actions": space.num_actions, "tp_actions": int(space.is_tp.sum()),
                   "stages": space.options("stages", 1) if space.plan_options else None},
     }

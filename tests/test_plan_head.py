@@ -207,3 +207,17 @@ def test_open_pipeline_choices_follow_the_completion(tmp_path, pipe_space):
     assert all(got[n] in space.options(n, p) for n in PLAN_DECISIONS[1:])
     assert fn.complete({"stages": p}) == got
     assert fn.complete({"stages": p, "micro": micro[-1]})["micro"] == micro[-1]  # made choices are kept
+
+
+def test_find_plan_says_who_chose_the_pipeline_decisions(captured, topo4, tmp_path):
+    from tag.planner import find_plan
+    graph = captured("gpt2:n_layer=2,n_embd=64", 16, groups=8).graph
+    net = TagNet(NetConfig(hidden=16, layers=1, heads=2))
+    with_head, without = tmp_path / "with.pt", tmp_path / "without.pt"
+    save_checkpoint(with_head, net, {"plan_head": {"pairs": 1}})
+    save_checkpoint(without, net, {})
+    kw = dict(budget=6, compression="off", layout_grid=False)
+    assert find_plan(graph, topo4, checkpoint=with_head, **kw).meta["plan_prior"] == "network"
+    assert find_plan(graph, topo4, checkpoint=without, **kw).meta["plan_prior"] == "fixed"
+    assert find_plan(graph, topo4, prior="uniform", **kw).meta["plan_prior"] == "fixed"
+    assert find_plan(graph, topo4, pipelines="off", **kw).meta["plan_prior"] is None
