@@ -17,7 +17,9 @@ A configuration is ``key=value`` pairs joined by commas (``base``: the shipped s
   in the node's plan; ``diff``: the difference); plans simulated before are skipped; playouts it
   cannot spend go back to the tree. The node: the one whose plan is the search's best (none when
   that is a pipeline or a data-parallel baseline), or with ``center=1`` the best op-group plan in
-  the tree. ``rounds=N`` re-ranks N times (the node is a tree node, so this repeats round one).
+  the tree. ``rounds=N`` re-ranks N times (the node is a tree node, so this repeats round one);
+  ``climb=1``: each proposal that beats the best plan becomes the centre and the list is re-ranked
+  around it (one more network call per improvement).
 * ``T``: prior temperature, ``p^(1/T)`` renormalised; ``topk=K``: the prior's top K actions only;
   ``eps=E``: ``(1 - E/100) p + E/100`` uniform over the actions.
 * ``budget=N``, ``prior=uniform|gnn``: the search's budget and prior (reference points).
@@ -65,21 +67,24 @@ def centre(tree, space, ev) -> int | None:
     return best
 
 
-def neighbours(tree, space, ev, prior_fn) -> list[tuple]:
-    """Plans one decision away from the centre node's, best-ranked first (see the module docstring)."""
-    if not CFG.get("center") and (ev.best_actions is None or is_pipeline_key(ev.best_actions)):
-        return []
-    n = centre(tree, space, ev)
-    if n is None:
-        return []
-    assign, _ = space.decode(tree.path(n))
+def neighbours(tree, space, ev, prior_fn, at=None) -> tuple[list[tuple], list]:
+    """Plans one decision away from the centre node's (or ``at``: ``(assign, feedback)``), best-ranked
+    first, and the partial assignment of each (see the module docstring)."""
+    if at is None:
+        if not CFG.get("center") and (ev.best_actions is None or is_pipeline_key(ev.best_actions)):
+            return [], []
+        n = centre(tree, space, ev)
+        if n is None:
+            return [], []
+        at = (space.decode(tree.path(n))[0], tree.feedback[n])
+    assign, feedback = at
     full = np.asarray(space.resolve(assign))
     groups = space.order[: CFG.get("groups", 32)]
     states = []
     for g in groups:
         a = assign.copy()
         a[g] = -1
-        states.append(mcts.SearchState(a, g, tree.feedback[n]))
+        states.append(mcts.SearchState(a, g, feedback))
     pri, _ = prior_fn(space, states)
     cands = []
     for g, p, st in zip(groups, pri, states):
@@ -94,12 +99,14 @@ def neighbours(tree, space, ev, prior_fn) -> list[tuple]:
                 moved = assign.copy()
                 moved[g] = a
                 s = {"p": p[a], "diff": p[a] - p[cur], "ratio": p[a] / max(p[cur], 1e-12)}[CFG.get("score", "p")]
-                cands.append((-s, int(space.rank[g]), space.resolve(moved)))
+                cands.append((-s, int(space.rank[g]), space.resolve(moved), moved))
     out: list[tuple] = []
-    for _, _, key in sorted(cands, key=lambda c: c[:2]):
+    moves: list = []
+    for _, _, key, moved in sorted(cands, key=lambda c: c[:2]):
         if key not in out and key not in ev.cache:
             out.append(key)
-    return out
+            moves.append(moved)
+    return out, moves
 
 
 def search_with_refinement(space, evaluator, prior_fn, rng, *, playouts=200, time_limit=None, cfg=None,
@@ -111,11 +118,20 @@ def search_with_refinement(space, evaluator, prior_fn, rng, *, playouts=200, tim
                          cfg=cfg, propose_fn=propose_fn, reserve=reserve, plan_fn=plan_fn)
     stats, tree, left = res.stats, res.tree, refine
     for _ in range(CFG.get("rounds", 1) if refine else 0):
-        before = stats.playouts
-        for key in neighbours(tree, space, evaluator, prior_fn):
-            if stats.playouts - before >= left:
+        before, at = stats.playouts, None
+        while stats.playouts - before < left:
+            keys, moves = neighbours(tree, space, evaluator, prior_fn, at)
+            at = None
+            for key, moved in zip(keys, moves):
+                if stats.playouts - before >= left:
+                    break
+                best = evaluator.best_reward
+                out = mcts.propose(stats, evaluator, key)
+                if CFG.get("climb") and out.reward > best:  # re-centre on the better plan
+                    at = (moved, out.feedback)
+                    break
+            if at is None:
                 break
-            mcts.propose(stats, evaluator, key)
         left -= stats.playouts - before
     if left > 0:
         mcts.run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=left, cfg=cfg, stats=stats,
