@@ -221,3 +221,25 @@ def test_find_plan_says_who_chose_the_pipeline_decisions(captured, topo4, tmp_pa
     assert find_plan(graph, topo4, checkpoint=without, **kw).meta["plan_prior"] == "fixed"
     assert find_plan(graph, topo4, prior="uniform", **kw).meta["plan_prior"] == "fixed"
     assert find_plan(graph, topo4, pipelines="off", **kw).meta["plan_prior"] is None
+
+
+def test_plan_labels_are_cached_and_a_killed_fit_resumes(tmp_path, pipe_space, topo4, monkeypatch):
+    """``cached_labels`` writes each pair's labels once (atomically) and reads them back without
+    pickle; a missing file (a fit killed before it) is the only one computed again."""
+    import tag.training.plan_head as ph
+    space, ev, _ = pipe_space
+    graph = space.graph
+    calls = []
+    real = ph.pair_labels
+    monkeypatch.setattr(ph, "pair_labels", lambda rec, g: calls.append(rec["pair"]["index"]) or real(rec, g))
+    monkeypatch.setattr(ph, "_pair_space", lambda rec, g: ActionSpace(graph, topo4, tensor_parallel=True,
+                                                                      pipelines=True))
+    rec = {"pair": {"index": 3}, "best_oom": False, "best_time_s": ev.t_ref}
+    path = tmp_path / "plan" / "00003.npz"
+    a = ph.cached_labels(rec, tmp_path, path)
+    b = ph.cached_labels(rec, tmp_path, path)
+    assert calls == [3] and path.exists() and not list(path.parent.glob("*.tmp*"))
+    assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    path.unlink()
+    ph.cached_labels(rec, tmp_path, path)
+    assert calls == [3, 3]
