@@ -177,8 +177,15 @@ def test_plan_head_command_refuses_to_overwrite_its_input(tmp_path):
     with pytest.raises(SystemExit, match="--rounds x: expected comma-separated round numbers"):
         main(["--run-dir", str(tmp_path), "--checkpoint", str(ck), "--rounds", "x", "--out", str(tmp_path / "o.pt")])
     before = ck.read_bytes()
+    with pytest.raises(SystemExit, match="round0/raw not found"):
+        main(["--run-dir", str(tmp_path), "--checkpoint", str(ck), "--rounds", "0", "--out", str(tmp_path / "o.pt")])
+    (tmp_path / "round0" / "raw").mkdir(parents=True)
     with pytest.raises(SystemExit, match="no labelled pair has plan-level decisions; nothing written"):
         main(["--run-dir", str(tmp_path), "--checkpoint", str(ck), "--rounds", "0", "--out", str(tmp_path / "o.pt")])
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(SystemExit, match=f"^{bad}: .*predictor checkpoint"):
+        main(["--run-dir", str(tmp_path), "--checkpoint", str(bad), "--rounds", "0", "--out", str(tmp_path / "o.pt")])
     assert ck.read_bytes() == before and not (tmp_path / "o.pt").exists()
 
 

@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", required=True, help="comma-separated rounds whose labelled pairs are used")
     ap.add_argument("--out", required=True, help="checkpoint written (never the input)")
     ap.add_argument("--epochs", type=int, default=PlanHeadConfig.epochs)
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
     a = ap.parse_args(argv)
     if Path(a.out).resolve() == Path(a.checkpoint).resolve():
         raise SystemExit(f"--out {a.out}: expected a path other than --checkpoint")
@@ -285,7 +286,17 @@ def main(argv: list[str] | None = None) -> int:
         rounds = [int(r) for r in a.rounds.split(",") if r.strip()]
     except ValueError:
         raise SystemExit(f"--rounds {a.rounds}: expected comma-separated round numbers") from None
-    res = add_plan_head(a.run_dir, a.checkpoint, rounds, a.out, PlanHeadConfig(epochs=a.epochs))
+    for r in rounds:
+        if not (Path(a.run_dir) / f"round{r}" / "raw").is_dir():
+            raise SystemExit(f"--run-dir {a.run_dir}: round{r}/raw not found (expected a `tag train` run folder "
+                             "with that round labelled)")
+    from ..errors import TagError
+    try:
+        res = add_plan_head(a.run_dir, a.checkpoint, rounds, a.out, PlanHeadConfig(epochs=a.epochs))
+    except (TagError, ValueError) as e:
+        if a.debug:
+            raise
+        raise SystemExit(str(e).splitlines()[0]) from None
     if res is None:
         raise SystemExit(f"{a.run_dir}: rounds {a.rounds}: no labelled pair has plan-level decisions; nothing written")
     print(json.dumps(res, indent=1))
