@@ -5,12 +5,16 @@ pairs, never labelled: the set the floor was chosen on) and on its 25 small held
     PYTHONPATH=. OMP_NUM_THREADS=1 python evaluation/results/planner-bench-planhead/floor_sweep.py \
         CHECKPOINT runs/predictor/graphs 0.1 0.3 0.5 0.75 0.9 1.0
 
+``RANDOM_PAIRS=100`` (environment) takes the first 100 pairs of the stream instead of 30;
+``SETS=random`` skips the held-out pairs.
+
 Uniform @2000's plans: held-out pairs from ../planner-bench-relabel/final-97c315f/pb-old-auto/;
 random pairs computed once into ``runs/tune/ref.json`` (same space: pipelines auto, search alone).
 """
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,7 +46,7 @@ def main(checkpoint: str, graphs: str, *floors: str) -> None:
     ref_path = Path("runs/tune/ref.json")
     refs = json.loads(ref_path.read_text()) if ref_path.exists() else {}
     sets = {"random": [], "held-out": []}
-    for i in range(30):
+    for i in range(int(os.environ.get("RANDOM_PAIRS", 30))):
         s = sample_pair(pb.RANDOM_SEED, i, max_groups=32)
         graph, topo = load_graph(gdir, s.model, s.batch, s.groups), load_topology(s.topology)
         if str(i) not in refs:
@@ -50,13 +54,15 @@ def main(checkpoint: str, graphs: str, *floors: str) -> None:
             ref_path.parent.mkdir(parents=True, exist_ok=True)
             ref_path.write_text(json.dumps(refs, indent=1))
         sets["random"].append((graph, topo, refs[str(i)]["u2000"]))
-    for spec, batch, groups in pb.MODELS:
+    for spec, batch, groups in pb.MODELS if os.environ.get("SETS", "random,held-out") != "random" else []:
         for t in pb.TOPOLOGIES:
             topo = load_topology(t)
             sets["held-out"].append((load_graph(gdir, spec, batch, groups), topo, held_ref[(spec, topo.name)]))
     for floor in map(float, floors):
         mcts.PLAN_PRIOR_FLOOR = floor
         for name, pairs in sets.items():
+            if not pairs:
+                continue
             t0 = time.perf_counter()
             r = np.array([search(g, t, prior="gnn", predictor=pred, budget=50) / u for g, t, u in pairs])
             print(f"floor {floor}: {name:8s} geomean {math.exp(np.log(r).mean()):.4f}, at least as good "
