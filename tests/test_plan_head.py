@@ -238,15 +238,14 @@ def test_plan_labels_are_cached_and_a_killed_fit_resumes(tmp_path, pipe_space, t
     graph = space.graph
     calls = []
     real = ph.pair_labels
-    monkeypatch.setattr(ph, "pair_labels", lambda rec, g: calls.append(rec["pair"]["index"]) or real(rec, g))
-    monkeypatch.setattr(ph, "_pair_space", lambda rec, g: ActionSpace(graph, topo4, tensor_parallel=True,
-                                                                      pipelines=True))
+    monkeypatch.setattr(ph, "pair_labels", lambda rec, sp: calls.append(rec["pair"]["index"]) or real(rec, sp))
+    fresh = ActionSpace(graph, topo4, tensor_parallel=True, pipelines=True)
     rec = {"pair": {"index": 3}, "best_oom": False, "best_time_s": ev.t_ref}
     path = tmp_path / "plan" / "00003.npz"
-    a = ph.cached_labels(rec, tmp_path, path)
-    b = ph.cached_labels(rec, tmp_path, path)
+    a = ph.cached_labels(rec, fresh, path)
+    b = ph.cached_labels(rec, fresh, path)
     assert calls == [3] and path.exists() and not list(path.parent.glob("*.tmp*"))
     assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
     path.unlink()
-    ph.cached_labels(rec, tmp_path, path)
+    ph.cached_labels(rec, fresh, path)
     assert calls == [3, 3]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,20 @@ from .transforms import JointNormalize
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "predictor.pt"
 """The shipped predictor (``tag train`` reproduces it)."""
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block on one torch thread, restoring the thread count after: the predictor's graphs
+    are small (intra-op threads cost more in synchronisation, and in contention with the
+    simulator, than they save), and fitting on one thread makes ``tag train`` reproducible
+    (:func:`tag.training.train.fit`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class CheckpointError(TagError):
@@ -115,13 +130,9 @@ class Predictor:
 
         Runs single-threaded: these graphs are small, and intra-op threads cost more in
         synchronisation (and in contention with the simulator) than they save."""
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_thread():
             data = self.norm(ctx.encode(states))
             logits, value = self.net(data)
-        finally:
-            torch.set_num_threads(threads)
         logits = logits.view(len(states), ctx.a)
         pri = torch.softmax(logits.double(), dim=1).numpy()
         return pri, value_to_reward(value).double().numpy()
@@ -162,13 +173,9 @@ class Predictor:
         """[1, 2H] ``z`` of the space's empty plan with ``feedback`` (the root plan's: as the plan
         head is trained, :mod:`tag.training.plan_head`)."""
         from ..search.mcts import SearchState
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            none = np.full(ctx.space.num_groups, -1, np.int64)
+        none = np.full(ctx.space.num_groups, -1, np.int64)
+        with one_thread():
             return self.net.embed(self.norm(ctx.encode([SearchState(none, ctx.space.order[0], feedback)])))
-        finally:
-            torch.set_num_threads(threads)
 
     @torch.no_grad()
     def plan_scores(self, z: torch.Tensor, options: np.ndarray) -> np.ndarray:

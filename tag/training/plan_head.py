@@ -102,7 +102,7 @@ def decision_targets(space, rewards: dict[tuple, float], no_pipeline: float,
     return [(d, c, pi, 1.0 / depth_count[d]) for d, c, pi, _ in out]
 
 
-def _pair_space(record: dict, graphs: Path):
+def pair_space(record: dict, graphs: Path):
     """The search space of a labelled pair, with the plan-level decisions."""
     from ..data.generate import load_graph
     from ..search.space import ActionSpace
@@ -112,15 +112,15 @@ def _pair_space(record: dict, graphs: Path):
     return ActionSpace(graph, load_topology(pr["topology"]), tensor_parallel=True, pipelines=True)
 
 
-def pair_labels(record: dict, graphs: Path) -> dict | None:
-    """The network-independent part of a pair's plan-head examples (None: the space has no
-    plan-level decisions): ``options`` [N, O, F], ``mask`` [N, O], ``target`` [N, O], ``weight``
-    [N] of its N decision nodes, the simulator's ``feedback`` on the search's root plan (what
-    ``z`` is computed from), ``pipeline_best`` / ``no_pipeline`` rewards; numpy arrays only."""
+def pair_labels(record: dict, space) -> dict | None:
+    """The network-independent part of a pair's plan-head examples (None: the pair's ``space``,
+    :func:`pair_space`, has no plan-level decisions): ``options`` [N, O, F], ``mask`` [N, O],
+    ``target`` [N, O], ``weight`` [N] of its N decision nodes, the simulator's ``feedback`` on the
+    search's root plan (what ``z`` is computed from), ``pipeline_best`` / ``no_pipeline`` rewards;
+    numpy arrays only."""
     from ..gnn.plan_head import PLAN_FEATURES, plan_option_features, simulator_bound
     from ..search.evaluate import Evaluator
     from ..sim import lower_bound
-    space = _pair_space(record, graphs)
     if not space.plan_options:
         return None
     ev = Evaluator(space, None)
@@ -147,7 +147,7 @@ def pair_labels(record: dict, graphs: Path) -> dict | None:
             "pipeline_best": np.array(max(rewards.values(), default=-1.0)), "no_pipeline": np.array(no_pipe)}
 
 
-def cached_labels(record: dict, graphs: Path, path: Path) -> dict | None:
+def cached_labels(record: dict, space, path: Path) -> dict | None:
     """:func:`pair_labels`, kept in ``path`` (``.npz``, written atomically; read without pickle), so
     a killed or repeated fit labels each pair once. A pair without plan-level decisions is kept
     as an empty file."""
@@ -159,7 +159,7 @@ def cached_labels(record: dict, graphs: Path, path: Path) -> dict | None:
             return None
         with np.load(path, allow_pickle=False) as f:
             return {k: f[k] for k in f.files}
-    lab = pair_labels(record, graphs)
+    lab = pair_labels(record, space)
     buf = io.BytesIO()
     if lab is not None:
         np.savez(buf, **lab)
@@ -167,16 +167,15 @@ def cached_labels(record: dict, graphs: Path, path: Path) -> dict | None:
     return lab
 
 
-def pair_examples(record: dict, graphs: Path, predictor, labels: dict | None = None) -> dict | None:
-    """The plan head's examples of one labelled pair (None: the space has no plan-level
+def pair_examples(record: dict, space, predictor, labels: dict | None = None) -> dict | None:
+    """The plan head's examples of one labelled pair (None: its ``space`` has no plan-level
     decisions): :func:`pair_labels` (given, or computed) with ``z`` [2H], the network's pooled
     embedding of the pair's empty plan with the root plan's feedback (as
     :meth:`tag.gnn.Predictor.bind_plan` computes it in the search)."""
     from ..search.evaluate import Feedback
-    lab = labels if labels is not None else pair_labels(record, graphs)
+    lab = labels if labels is not None else pair_labels(record, space)
     if lab is None:
         return None
-    space = _pair_space(record, graphs)
     fb = Feedback(float(lab["fb_time_oom"][0]), bool(lab["fb_time_oom"][1]), lab["fb_util"], lab["fb_mem"],
                   lab["fb_comm"], lab["fb_finish"])
     return {**lab, "z": predictor.plan_z(predictor.context(space, float(lab["t_ref"])), fb)[0].numpy()}
@@ -204,8 +203,10 @@ def plan_loss(net, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.
 
 
 def fit_plan_head(net, examples: list[dict], cfg: PlanHeadConfig | None = None, log=None) -> dict:
-    """Train ``net.plan`` alone on ``examples`` (:func:`pair_examples`), in place; returns the
-    train / validation cross-entropy and top-1 agreement before and after."""
+    """Train ``net.plan`` alone on ``examples`` (:func:`pair_examples`), in place, on one thread
+    (reproducible, as :func:`tag.training.train.fit`); returns the train / validation
+    cross-entropy and top-1 agreement before and after."""
+    from ..gnn.predictor import one_thread
     cfg = cfg or PlanHeadConfig()
     rng = np.random.default_rng(cfg.seed)
     order = rng.permutation(len(examples))
@@ -216,17 +217,16 @@ def fit_plan_head(net, examples: list[dict], cfg: PlanHeadConfig | None = None, 
     for m in net.plan.modules():  # the head starts afresh: the fit depends on the examples and seed alone
         if isinstance(m, torch.nn.Linear):
             m.reset_parameters()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         opt = torch.optim.Adam(net.plan.parameters(), lr=cfg.lr)
 
         def report() -> dict:
+            out = {}
             with torch.no_grad():
-                out = {"train_ce": float(plan_loss(net, train)[0]), "train_top1": float(plan_loss(net, train)[1])}
-                if val is not None:
-                    ce, top1 = plan_loss(net, val)
-                    out.update(val_ce=float(ce), val_top1=float(top1))
+                for name, batch in (("train", train), ("val", val)):
+                    if batch is not None:
+                        ce, top1 = plan_loss(net, batch)
+                        out.update({f"{name}_ce": float(ce), f"{name}_top1": float(top1)})
             return out
         before = report()
         for epoch in range(cfg.epochs):
@@ -237,8 +237,6 @@ def fit_plan_head(net, examples: list[dict], cfg: PlanHeadConfig | None = None, 
             if log is not None and (epoch + 1) % 100 == 0:
                 log({"stage": "plan head", "epoch": epoch + 1, **report()})
         after = report()
-    finally:
-        torch.set_num_threads(threads)
     return {"before": before, "after": after, "pairs": len(examples), "val_pairs": n_val,
             "decisions": int(train["weight"].numel()) + (int(val["weight"].numel()) if val is not None else 0)}
 
@@ -256,8 +254,9 @@ def add_plan_head(run_dir: str | Path, checkpoint: str | Path, rounds: list[int]
     examples, t0 = [], time.perf_counter()
     records = [(r, rec) for r in rounds for rec in read_records(run_dir / f"round{r}")]
     for i, (r, rec) in enumerate(records):
-        lab = cached_labels(rec, run_dir / "graphs", run_dir / f"round{r}" / "plan" / f"{rec['pair']['index']:05d}.npz")
-        ex = pair_examples(rec, run_dir / "graphs", pred, lab) if lab is not None else None
+        space = pair_space(rec, run_dir / "graphs")  # one per pair: the labels' and z's
+        lab = cached_labels(rec, space, run_dir / f"round{r}" / "plan" / f"{rec['pair']['index']:05d}.npz")
+        ex = pair_examples(rec, space, pred, lab) if lab is not None else None
         if ex is not None:
             examples.append(ex)
         if progress and ((i + 1) % 25 == 0 or i + 1 == len(records)):
@@ -307,4 +306,4 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 __all__ = ["PLAN_TARGET_TAU", "PlanHeadConfig", "add_plan_head", "cached_labels", "decision_targets",
-           "fit_plan_head", "pair_examples", "pair_labels", "pipeline_keys", "plan_loss"]
+           "fit_plan_head", "pair_examples", "pair_labels", "pair_space", "pipeline_keys", "plan_loss"]

@@ -18,7 +18,7 @@ from torch_geometric.loader import DataLoader
 from torch_geometric.utils import scatter
 
 from ..gnn.model import TagNet, action_log_probs
-from ..gnn.predictor import CheckpointError
+from ..gnn.predictor import CheckpointError, one_thread
 from ..io import load_tensors, save_tensors
 from .config import TrainConfig
 
@@ -68,12 +68,8 @@ def fit(net: TagNet, train_set, val_set, cfg: TrainConfig, ckpt_dir: str | Path,
     ``tag train`` was not reproducible. The price, two one-epoch fits on 1,200 decisions on this
     2-core VM: 12.1 s on one thread against 10.3 s on two when idle (17.2 s against 23.2 s with
     the other core busy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return _fit(net, train_set, val_set, cfg, ckpt_dir, log=log, tag=tag)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _fit(net: TagNet, train_set, val_set, cfg: TrainConfig, ckpt_dir: str | Path, *,
