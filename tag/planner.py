@@ -191,7 +191,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     except ImportError:  # pragma: no cover - simulator absent
         lb = math.nan
     one_shot_out = ev.cache.get(proposals[0]) if proposals else None
-    groups = ev.best_plan_groups()
+    groups = space.normalised(ev.best_plan_groups())  # as simulated: normalising changes no time (tested)
     best = ev.best
     p = new_plan(graph, topology, groups)
     p.pipeline = ev.best_pipeline()

@@ -470,12 +470,23 @@ def test_equivalent_actions_are_one_action(graph, topo):
         {"tp"} if sp.tp_degrees else set())
     sim = Simulator(graph, topo, sp.cost_model)
     base = [sp.default_action] * sp.num_groups
+    respelt = 0
     for g in range(sp.num_groups):
         for a in np.flatnonzero(canon[g] != np.arange(sp.num_actions)):
             x, y = list(base), list(base)
             x[g], y[g] = int(a), int(canon[g, a])
             rx, ry = sim.run(sp.group_plans(x)), sim.run(sp.group_plans(y))
             assert rx.iteration_time_s == ry.iteration_time_s and rx.peak_memory_bytes == ry.peak_memory_bytes
+            # the plan find_plan writes: canonical spelling, same simulation
+            px = sp.group_plans(x)
+            nx = sp.normalised(px)
+            respelt += [p.sync for p in px] != [p.sync for p in nx]
+            assert not any(p.sync == "mp" and len(p.devices) == 1 for p in nx)
+            assert not any(p.sync == "ps" and (len(p.devices) == 1 or sp.costs.param_bytes[i] == 0)
+                           for i, p in enumerate(nx))
+            rn = sim.run(nx)
+            assert rn.iteration_time_s == rx.iteration_time_s and rn.peak_memory_bytes == rx.peak_memory_bytes
+    assert respelt > 0  # some one-chunk mp or needless ps plans were respelt
     # plans are keyed by representatives: searchers see an equivalent plan as a repeat
     x = list(base)
     g = int(free[0])

@@ -105,7 +105,7 @@ that convolution back: a dip no 50-playout search crossed.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -366,6 +366,13 @@ class ActionSpace:
         strategy's normalisation (the reference :meth:`_fast_deployment_key` is tested against)."""
         gp = self.group_plan(g, a)  # a copy: normalised by its strategy, then keyed as the caches key it
         return strategy_of(gp).normalise(gp, self.costs.param_bytes[g] != 0).key()
+
+    def normalised(self, groups: list[GroupPlan]) -> list[GroupPlan]:
+        """Copies of a plan's ``groups`` in their strategies' canonical forms (``mp`` in one chunk
+        -> one replica, ``ps`` with nothing to synchronise -> ``allreduce``): the deployments the
+        search simulates as one (:attr:`group_canonical`), spelled as a user reads them."""
+        return [strategy_of(gp).normalise(replace(gp), self.costs.param_bytes[g] != 0)
+                for g, gp in enumerate(groups)]
 
     def _fast_deployment_key(self, g: int, a: int) -> tuple:
         """A key with the classes of :meth:`_deployment_key`, from what the plan depends on
