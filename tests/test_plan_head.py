@@ -249,3 +249,29 @@ def test_plan_labels_are_cached_and_a_killed_fit_resumes(tmp_path, pipe_space, t
     path.unlink()
     ph.cached_labels(rec, fresh, path)
     assert calls == [3, 3]
+
+
+def test_a_plan_head_changes_no_label_of_tag_train(tmp_path):
+    """``tag train`` labels op-group decisions in a space without plan-level decisions
+    (:func:`tag.data.generate.label_pair`; ``run_episode`` refuses a space with them), so a plan
+    head changes none of its labels, although the same pair searched with pipelines gives the head
+    decisions to act on: fitting the head after every round, not only after the last, cannot change
+    the next round's targets (``evaluation/results/planner-bench-planhead/README.md``, 2026-11-27)."""
+    import json
+
+    from tag.data.generate import GenConfig, label_pair, load_graph
+    from tag.data.pairs import sample_pair
+    from tag.topology import load_topology
+    model = ("mlp:layers=2,hidden=64", (16,))
+    cfg = GenConfig(samples=1, workers=1, playouts_per_step=4, max_steps=2, max_groups=8, models=["mlp:layers=2,hidden=64@16"])
+    spec = sample_pair(cfg.seed, 0, max_groups=8, models=(model,))
+    torch.manual_seed(0)
+    net = TagNet(NetConfig(hidden=16, layers=1, heads=2))
+    strip = lambda r: json.dumps({k: v for k, v in r.items() if k not in ("seconds", "label_seconds")})  # noqa: E731
+    without = label_pair(tmp_path, spec, cfg, Predictor(net))
+    with_head = label_pair(tmp_path, spec, cfg, Predictor(net, plan_head=True))
+    assert strip(with_head) == strip(without)
+    space = ActionSpace(load_graph(tmp_path, spec.model, spec.batch, spec.groups), load_topology(spec.topology),
+                        pipelines=True)
+    ev = Evaluator(space, None)
+    assert space.plan_options and Predictor(net, plan_head=True).bind_plan(space, ev.t_ref, ev.simulator) is not None

@@ -94,7 +94,10 @@ class LoopConfig:
     plan_head: bool = True
     """After the last round, fit the network's plan head (its prior over plan-level pipeline
     decisions) on every round's labelled pairs (:mod:`tag.training.plan_head`); False leaves
-    those decisions to the search's fixed prior."""
+    those decisions to the search's fixed prior. Once, not after every round: the labelling
+    searches have no plan-level decisions (:func:`tag.data.generate.label_pair`), so a head fitted
+    after round r would change none of round r+1's labels nor its training (measured 2026-11-27:
+    ``evaluation/results/planner-bench-planhead/README.md``)."""
 
     def __post_init__(self):
         _check(self.rounds >= 1, "rounds", self.rounds, ">= 1")
