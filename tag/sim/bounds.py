@@ -60,7 +60,7 @@ import numpy as np
 
 from .engine import _holdings
 from .static import BWD, FWD
-from .units import ENTRY_BYTES
+from .units import ARRAY_BYTES, ENTRY_BYTES
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
             mb = np.asarray([f[7] for f in flows], dtype=np.int64)
             cross = ma >= 0
             hit = cache[id(tpl)] = (tpl, a, b, secs, ma[cross], mb[cross], secs[cross])
-            sim.charge(sum(x.nbytes for x in hit[1:]) + 6 * 112 + ENTRY_BYTES)  # the arrays and their headers
+            sim.charge(sum(x.nbytes + ARRAY_BYTES for x in hit[1:]) + ENTRY_BYTES)  # the arrays and their headers
         _, a, b, secs, ma, mb, xs = hit
         np.add.at(load, a, secs * c)
         np.add.at(load, b, secs * c)

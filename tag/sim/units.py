@@ -33,6 +33,12 @@ NUMBER_BYTES = 32
 ENTRY_BYTES = 250
 """Approximate bytes of one cache entry besides what is counted by size: its dict slot, key tuple
 and value object."""
+INSTANCE_BYTES = 352
+"""Bytes of a dataclass instance of about 16 fields besides what they hold: the object and its
+``__dict__`` (``sys.getsizeof``: 56 + 296 on a :class:`Layout`, 2026-11-27)."""
+ARRAY_BYTES = 112
+"""Bytes of a numpy array object besides its data (``sys.getsizeof`` of an array that owns its data
+minus ``nbytes``, and of a view: 112 on numpy 2.4, 2026-11-27)."""
 FLOW_BYTES = 200
 """Approximate bytes of one flow of a :class:`PairTemplate` or ``_Pair``, one message
 (:meth:`tag.sim.Simulator._messages`), one piece of :func:`_pieces`: a tuple of 5-10 numbers
@@ -106,10 +112,11 @@ class Layout:
         """Approximate bytes of this layout as made (its arrays, tuples and lists; the rows
         :meth:`row` makes later are counted then, in :attr:`meter`)."""
         arrays = (self.dev_arr, self.dur, self.cum_fwd, self.cum_bwd, self.mem, self.work, self.gsum, self.saved)
-        n = 3 * ref_bytes(len(self.devices)) + seq_bytes(len(self.gsum_l)) + ref_bytes(len(self.rows)) + 600
+        n = 3 * ref_bytes(len(self.devices)) + seq_bytes(len(self.gsum_l)) + ref_bytes(len(self.rows))
+        n += INSTANCE_BYTES
         if self.compute is not None:
             n += seq_bytes(len(self.compute))
-        return n + sum(a.nbytes for a in arrays if a is not None)
+        return n + sum(a.nbytes + ARRAY_BYTES for a in arrays if a is not None)  # data and header
 
     @classmethod
     def of(cls, devices, batches, dev_arr: np.ndarray, dur: np.ndarray, mem: np.ndarray, work: np.ndarray,
