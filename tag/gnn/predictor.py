@@ -184,49 +184,14 @@ class Predictor:
         logits = self.net.plan_logits(z, torch.as_tensor(options, dtype=z.dtype)[None])[0]
         return torch.softmax(logits.double(), 0).numpy()
 
-    def bind_plan(self, space, t_ref: float, simulator):
-        """``plan_fn(space, state) -> [A]`` prior over the options of a plan-level decision (option
-        ``i`` at action ``i``) for :func:`tag.search.mcts.mcts_search`, or None where the plan head
-        is untrained, the space has no pipelines or ``simulator`` has no tables for the features'
-        bounds (not a :class:`tag.sim.Simulator`). ``z`` comes from the first state asked (the
-        root's feedback; neutral before), as in training (:mod:`tag.training.plan_head`).
-        ``plan_fn.complete(chosen) -> chosen``: every undecided plan-level choice made, in
-        decision order, as the head's most likely option (for
-        :attr:`tag.search.space.ActionSpace.pipeline_completion`; memoised)."""
+    def bind_plan(self, space, t_ref: float, simulator) -> PlanHeadPrior | None:
+        """The plan head's :class:`PlanHeadPrior` for ``space`` (the ``plan_fn`` of
+        :func:`tag.search.mcts.mcts_search`), or None where the plan head is untrained, the space
+        has no pipelines or ``simulator`` has no tables for the features' bounds (not a
+        :class:`tag.sim.Simulator`)."""
         if not self.plan_head or not space.plan_options or not hasattr(simulator, "static"):
             return None
-        from ..search.evaluate import Feedback
-        from ..search.space import PLAN_DECISIONS
-        from ..sim import lower_bound
-        from .plan_head import plan_option_features, simulator_bound
-        ctx = self.context(space, t_ref)
-        bound = simulator_bound(space, simulator)
-        lb = float(lower_bound(space.graph, space.topology, space.cost_model))
-        root_z: list = []
-        memo: dict = {}
-
-        def scores(sp, chosen: dict | None, decision: int, feedback) -> np.ndarray:
-            if not root_z:  # the first state asked is the root (or, before it, the neutral feedback)
-                root_z.append(self.plan_z(ctx, feedback or Feedback.neutral(sp.num_devices, sp.num_groups)))
-            return self.plan_scores(root_z[0], plan_option_features(sp, chosen, decision, bound, t_ref, lb))
-
-        def plan_fn(sp, state):
-            out = np.zeros(sp.num_actions)
-            p = scores(sp, state.pipeline, state.plan_decision, state.feedback)
-            out[: len(p)] = p
-            return out
-
-        def complete(chosen: dict) -> dict:
-            key = tuple(sorted(chosen.items()))
-            if key not in memo:
-                c = dict(chosen)
-                for d, name in enumerate(PLAN_DECISIONS):
-                    if name not in c:
-                        c[name] = space.options(name, c["stages"])[int(np.argmax(scores(space, c, d, None)))]
-                memo[key] = c
-            return dict(memo[key])
-        plan_fn.complete = complete
-        return plan_fn
+        return PlanHeadPrior(self, space, t_ref, simulator)
 
     def bind(self, space, t_ref: float):
         ctx = self.context(space, t_ref)
@@ -234,3 +199,57 @@ class Predictor:
         def prior_fn(sp, states):
             return self.predict(ctx, states)
         return prior_fn
+
+
+class PlanHeadPrior:
+    """The plan head bound to one search: ``prior(space, state) -> [A]``, the prior over the options
+    of ``state``'s plan-level decision (option ``i`` at action ``i``), and :meth:`complete`.
+
+    ``z`` comes from the first state asked (the root's feedback; neutral before), as in training
+    (:mod:`tag.training.plan_head`).
+
+    Args:
+        predictor: a :class:`Predictor` with a trained plan head.
+        space: the search's :class:`tag.search.space.ActionSpace` (with pipelines).
+        t_ref: the data-parallel reference time, seconds.
+        simulator: the search's :class:`tag.sim.Simulator` (its tables bound the options).
+    """
+
+    def __init__(self, predictor: Predictor, space, t_ref: float, simulator):
+        from ..sim import lower_bound
+        from .plan_head import simulator_bound
+        self.predictor, self.space, self.t_ref = predictor, space, t_ref
+        self.ctx = predictor.context(space, t_ref)
+        self.bound = simulator_bound(space, simulator)
+        self.lower_bound_s = float(lower_bound(space.graph, space.topology, space.cost_model))
+        self._z: torch.Tensor | None = None
+        self._completed: dict = {}
+
+    def scores(self, sp, chosen: dict | None, decision: int, feedback) -> np.ndarray:
+        """[O] the head's softmax over the options of plan-level decision ``decision`` given the
+        choices ``chosen`` so far."""
+        from ..search.evaluate import Feedback
+        from .plan_head import plan_option_features
+        if self._z is None:  # the first state asked is the root (or, before it, the neutral feedback)
+            self._z = self.predictor.plan_z(self.ctx, feedback or Feedback.neutral(sp.num_devices, sp.num_groups))
+        x = plan_option_features(sp, chosen, decision, self.bound, self.t_ref, self.lower_bound_s)
+        return self.predictor.plan_scores(self._z, x)
+
+    def __call__(self, sp, state) -> np.ndarray:
+        out = np.zeros(sp.num_actions)
+        p = self.scores(sp, state.pipeline, state.plan_decision, state.feedback)
+        out[: len(p)] = p
+        return out
+
+    def complete(self, chosen: dict) -> dict:
+        """``chosen`` with every undecided plan-level choice made, in decision order, as the head's
+        most likely option (for :attr:`tag.search.space.ActionSpace.pipeline_completion`; memoised)."""
+        from ..search.space import PLAN_DECISIONS
+        key = tuple(sorted(chosen.items()))
+        if key not in self._completed:
+            c = dict(chosen)
+            for d, name in enumerate(PLAN_DECISIONS):
+                if name not in c:
+                    c[name] = self.space.options(name, c["stages"])[int(np.argmax(self.scores(self.space, c, d, None)))]
+            self._completed[key] = c
+        return dict(self._completed[key])
