@@ -803,6 +803,7 @@ def test_sweep_output_folders_that_are_files(tmp_path, capsys, topo_copy):
         (["validate", "--model", "mlp", "--topology", str(topo_copy), "--out", str(keep)], "--out"),
         (["profile", "--model", "mlp", "--no-comm", "--out", str(keep)], "--out"),
         (["train", "--run-dir", str(keep)], "run_dir"),
+        (["bench", "--out", str(keep)], "--out"),
     ]
     for argv, flag in cases:  # each used to raise FileExistsError / NotADirectoryError, some after the work
         line = one_line_error(capsys, *argv)
