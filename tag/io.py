@@ -40,6 +40,19 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
         raise
 
 
+def check_folder(path: str | os.PathLike, error: type[Exception], what: str) -> None:
+    """``error`` (one line naming ``what`` and the path) unless ``path`` is a folder or can be
+    made one: neither it nor the nearest existing path above it is a file. Checked before any
+    work, so that a command does not fail at its end on the folder it writes into."""
+    p = Path(path)
+    for q in (p, *p.absolute().parents):
+        if q.exists():
+            if not q.is_dir():
+                at = "" if q == p else f" ({q} is a file)"
+                raise error(f"{what}: {p} is not a folder{at}; expected a folder, new or existing")
+            return
+
+
 def _umask() -> int:
     """The process umask (read by setting it, then restoring it at once)."""
     mask = os.umask(0o022)
@@ -57,13 +70,17 @@ def read_json(path: str | os.PathLike, error: type[Exception], what: str) -> Any
     read <what>: <reason>`` or ``<path>: line N: not valid JSON: <reason>``)."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise error(f"{p}: cannot read {what}: {e.strerror}") from e
+    except UnicodeDecodeError as e:  # a binary file
+        raise error(f"{p}: cannot read {what}: not UTF-8 text (byte {e.start}); expected a JSON file") from e
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise error(f"{p}: line {e.lineno}: not valid JSON: {e.msg}") from e
+    except RecursionError as e:  # '[' * 100000: deeper than the parser's recursion
+        raise error(f"{p}: not valid JSON: nested too deeply; expected a {what} file") from e
 
 
 def save_tensors(path: str | os.PathLike, obj: Any) -> None:

@@ -56,11 +56,13 @@ def test_a_resumed_run_reuses_the_captured_graph(tmp_path, monkeypatch):
     assert [c.predicted_time_s for c in again] == [c.predicted_time_s for c in first]
 
 
-def test_bench_budget_must_be_positive(capsys):
+def test_bench_budget_must_be_positive_and_bounded(capsys):
     from tag.cli import main
 
     assert main(["bench", "--suite", "quick", "--budget", "0"]) == 2
-    assert "--budget: 0 playouts; expected a positive integer" in capsys.readouterr().err
+    assert "argument --budget: expected an integer between 1 and 1000000, got 0" in capsys.readouterr().err
+    assert main(["bench", "--suite", "quick", "--budget", str(10**30)]) == 2
+    assert "argument --budget: expected an integer between 1 and 1000000" in capsys.readouterr().err
 
 
 def test_bench_model_must_be_in_the_suite(capsys, tmp_path):

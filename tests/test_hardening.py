@@ -731,3 +731,104 @@ def test_topology_show_at_512_devices(capsys):
     rows = [line.split()[0] for line in out.splitlines()[4:7]]
     assert rc == 0 and rows == ["a100-00..a100-01", "v100-00..v100-03", "t4-00..t4-03"], out
     assert "Inter-machine bandwidth:\n" in out  # not uniform (100 and 25 Gbit/s): the matrix
+
+
+# ------------------------------------------------------------ bad-input sweep (2026-11-27)
+# Each case used to end in a traceback, a hang or a silent acceptance; now one line and exit 2,
+# before any capture or search.
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["plan", "--model", "mlp", "--topology", "local-cpu2", "--seed", "-1"],
+     "argument --seed: expected an integer between 0 and 4294967295, got -1"),  # numpy's ValueError
+    (["plan", "--model", "mlp", "--topology", "local-cpu2", "--seed", str(2**70)], "argument --seed"),  # torch int64
+    (["plan", "--model", "mlp", "--topology", "local-cpu2", "--budget", str(10**30)],
+     "argument --budget: expected an integer between 1 and 1000000"),  # searched forever
+    (["train", "--seed", "-1"], "argument --seed"),
+    (["tune", "--data", "d", "--timeout", "-1"], "argument --timeout: expected a positive, finite"),
+    (["profile", "--model", "mlp", "--batches", str(10**12)], "--batches: expected comma-separated integers between "
+     "1 and 65536"),  # allocated 256 TB
+    (["simulate", "--model", "mlp", "--topology", "local-cpu2", "--layout", ""],
+     "layout: '': expected key=value"),  # used to blame --baseline
+    (["plan", "--model", "mlp", "--topology", "local-cpu2", "--profiles", "no/such/folder"],
+     "argument --profiles: expected an existing folder, got 'no/such/folder' (no such folder)"),  # roofline silently
+])
+def test_sweep_arguments_are_one_line(capsys, argv, needle):
+    t0 = time.perf_counter()
+    assert needle in one_line_error(capsys, *argv)
+    assert time.perf_counter() - t0 < 10
+
+
+SLOW_LINK = "name: x\nmachines: [{name: a, gpu: T4, count: 2, intra_bandwidth: 1e-300 GB/s}]\n"
+
+
+@pytest.mark.parametrize("text, field, detail", [
+    ("[" * 100_000 + "]" * 100_000, "deep.json: ", "nested too deeply"),  # RecursionError
+    (SLOW_LINK, "machines[0].intra_bandwidth", "at least 1 B/s"),  # overflowed the predictor's float32 features
+    (SLOW_LINK.replace("1e-300 GB/s", "1 GB/s, intra_latency: 1e300 s"), "machines[0].intra_latency",
+     "at most 3600 s"),
+])
+def test_sweep_topology_files(tmp_path, capsys, text, field, detail):
+    path = tmp_path / ("deep.json" if text.startswith("[") else "t.yaml")
+    path.write_text(text)
+    line = one_line_error(capsys, "topology", "show", str(path))
+    assert str(path) in line and field in line and detail in line, line
+
+
+def test_sweep_plan_files(tmp_path, capsys):
+    plan = {"model": "mlp", "graph_signature": "x", "topology": "local-cpu2", "topology_signature": "y",
+            "batch_size": 8, "groups": [{"devices": [0, 1], "shares": [0.5, 0.5]}]}
+    cases = [({**plan, "groups": []}, "groups: expected 1 to 4096 op-groups, got 0"),  # ValueError in grouping
+             ({**plan, "batch_size": 10**12}, "batch_size: expected at most 65536 samples"),  # allocated 256 TB
+             (None, "cannot read plan: not UTF-8 text")]  # UnicodeDecodeError
+    for i, (d, message) in enumerate(cases):
+        path = tmp_path / f"p{i}.json"
+        path.write_bytes(bytes(range(256)) if d is None else json.dumps(d).encode())
+        line = one_line_error(capsys, "simulate", "--model", "mlp", "--topology", "local-cpu2", "--plan", str(path))
+        assert f"{path}: {message}" in line, line
+
+
+def test_sweep_huge_model_sizes_are_one_line(capsys):
+    line = one_line_error(capsys, "inspect", "--model", "mlp:hidden=100000000000")
+    assert "workload 'mlp:hidden=100000000000': building the model failed (RuntimeError" in line, line
+
+
+def test_sweep_output_folders_that_are_files(tmp_path, capsys, topo_copy):
+    keep = tmp_path / "keep.json"
+    keep.write_text("keep")
+    cases = [
+        (["plan", "--model", "mlp", "--topology", str(topo_copy), "--out", f"{keep}/p.json"], "--out"),
+        (["execute", "--model", "mlp", "--topology", str(topo_copy), "--plan", "p.json", "--run-dir", str(keep)],
+         "--run-dir"),
+        (["validate", "--model", "mlp", "--topology", str(topo_copy), "--out", str(keep)], "--out"),
+        (["profile", "--model", "mlp", "--no-comm", "--out", str(keep)], "--out"),
+        (["train", "--run-dir", str(keep)], "run_dir"),
+        (["bench", "--out", str(keep)], "--out"),
+    ]
+    for argv, flag in cases:  # each used to raise FileExistsError / NotADirectoryError, some after the work
+        line = one_line_error(capsys, *argv)
+        assert f"{flag}: " in line and "is not a folder" in line and str(keep) in line, line
+    assert keep.read_text() == "keep"
+
+
+def test_sweep_train_configs(tmp_path, capsys):
+    run = tmp_path / "run"
+    cases = [("[]", "expected a JSON object of LoopConfig fields, got list"),  # ran the defaults
+             ('{"rounds": "three"}', "rounds: expected an integer, got string 'three'"),  # TypeError
+             ('{"rounds": true}', "rounds: expected an integer, got boolean True"),  # ran one round
+             ('{"train": null}', "train: expected a JSON object of TrainConfig fields, got null"),
+             ('{"train": {"lr": "fast"}}', "train.lr: expected a number, got string 'fast'"),  # TypeError
+             ('{"samples_per_round": "x"}', "samples_per_round: expected a list of integers"),
+             ('{"gen": {"workers": 1000000000}}', "workers: expected 1..256 processes")]  # a process bomb
+    for i, (text, message) in enumerate(cases):
+        cfg = tmp_path / f"c{i}.json"
+        cfg.write_text(text)
+        assert f"{cfg}: {message}" in one_line_error(capsys, "train", "--config", str(cfg), "--run-dir", str(run))
+    assert not run.exists()
+    assert "workers: expected 1..256" in one_line_error(capsys, "train", "--workers", str(10**9), "--run-dir",
+                                                        str(run))
+    run.mkdir()
+    (run / "config.json").write_text("{ damaged")
+    line = one_line_error(capsys, "train", "--run-dir", str(run))  # used to overwrite it blind and resume
+    assert f"{run / 'config.json'}: line 1: not valid JSON" in line and "repair or remove it" in line, line
+    assert (run / "config.json").read_text() == "{ damaged"

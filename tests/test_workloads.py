@@ -291,8 +291,13 @@ def test_bad_specs_raise_one_line(user_module: str, spec: str, needle: str) -> N
 
 
 def test_bad_batch() -> None:
-    with pytest.raises(WorkloadError, match="positive integer"):
+    with pytest.raises(WorkloadError, match="an integer between 1 and 65536, got 0"):
         load_workload("mlp", batch=0)
+    with pytest.raises(WorkloadError, match="an integer between 1 and 65536, got 1000000000000"):
+        load_workload("mlp", batch=10**12)  # (every input is materialised: 256 TB, 2026-11-27)
+    wl = load_workload("mlp", batch=2)
+    with pytest.raises(WorkloadError, match="got 65537"):
+        wl.make_inputs(2**16 + 1)
 
 
 def test_resample() -> None:

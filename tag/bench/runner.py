@@ -20,7 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..io import write_atomic, write_json
+from ..errors import TagError
+from ..io import check_folder, write_atomic, write_json
 from ..parallel import execution_refusal
 from .suites import SuiteConfig
 
@@ -117,6 +118,7 @@ class _Case:
 
 def run_suite(cfg: SuiteConfig, out: Path) -> list[Cell]:
     """Run (or resume) every cell of ``cfg``; results go under ``out``."""
+    check_folder(out, TagError, "--out")
     out.mkdir(parents=True, exist_ok=True)
     log = out / "cells.jsonl"
     done: dict[tuple, Cell] = {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import OUTSIDE
+from .common import MAX_BUDGET, OUTSIDE, int_in
 
 
 def register(sub) -> None:
@@ -18,7 +18,7 @@ def register(sub) -> None:
                         "cells.jsonl; a final run without filters writes the whole report)")
     p.add_argument("--model", dest="models", action="append", default=None, metavar="SPEC",
                    help="run only this model of the suite (its spec as the report names it; repeatable)")
-    p.add_argument("--budget", type=int, default=None, metavar="N",
+    p.add_argument("--budget", type=int_in(1, MAX_BUDGET), default=None, metavar="N",
                    help="playouts of random / sa / tpe / mcts-uniform (default: the suite's; TAG's budget is in "
                         "its method name)")
     p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
@@ -37,9 +37,7 @@ def run(args) -> int:
     cfg = SUITES[args.suite]()
     if args.precision:
         cfg.precision = args.precision
-    if args.budget is not None:
-        if args.budget < 1:
-            raise TagError(f"--budget: {args.budget} playouts; expected a positive integer")
+    if args.budget is not None:  # (1..MAX_BUDGET: argparse)
         cfg.search_budget = args.budget
     if args.methods:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]

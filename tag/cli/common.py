@@ -8,12 +8,8 @@ import math
 import os
 import sys
 
-# Stated bounds of numeric arguments, checked by argparse before any work (capture, search).
-# MAX_BATCH: the global batch is materialised as real example inputs on capture (and by every
-# rank of `tag execute`); 2**16 samples of a GPT-2 sequence are already 512 MiB of token ids.
-# MAX_GROUPS: op-groups are at most the graph's costly ops; 4096 is beyond any zoo model's.
-MAX_BATCH = 2**16
-MAX_GROUPS = 4096
+# Stated bounds of numeric arguments (tag.limits), checked by argparse before any work (capture, search).
+from ..limits import MAX_BATCH, MAX_BUDGET, MAX_GROUPS, MAX_SEED  # noqa: F401 (MAX_BUDGET: for the commands)
 
 # Where a command's default output folder lies (tag.io.output_dir), for --help.
 OUTSIDE = "in the checkout; for an installed package, under $XDG_DATA_HOME/tag (~/.local/share/tag)"
@@ -65,6 +61,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def folder(text: str) -> str:
+    """argparse ``type``: an existing folder (``--profiles DIR``: a typo would silently mean no profiles)."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected an existing folder, got {text!r}"
+                                         + (" (a file)" if os.path.exists(text) else " (no such folder)"))
+    return text
+
+
 def add_model_args(p: argparse.ArgumentParser, *, groups: bool = True, required: bool = True) -> None:
     p.add_argument("--model", required=required,
                    help="zoo name with overrides (e.g. gpt2:n_layer=4) or package.module:function factory")
@@ -72,7 +76,7 @@ def add_model_args(p: argparse.ArgumentParser, *, groups: bool = True, required:
                    help=f"global batch size (samples, 1..{MAX_BATCH})")
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"],
                    help="optimizer of the captured training step")
-    p.add_argument("--seed", type=int, default=0, help="random seed for weights and inputs")
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="random seed for weights and inputs")
     add_precision_arg(p)
     if groups:
         p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=48,
@@ -127,6 +131,7 @@ def check_outputs(args, **outputs: str | None) -> None:
     is one of the command's inputs (even with --force), that two outputs share, or that exists
     without ``--force``. The one convention of every command that writes files (README)."""
     from ..errors import TagError
+    from ..io import check_folder
 
     given = {f"--{k.replace('_', '-')}": v for k, v in outputs.items() if v}
     inputs = _input_files(args)
@@ -143,6 +148,7 @@ def check_outputs(args, **outputs: str | None) -> None:
             raise TagError(f"{flag}: {path} is a folder; expected a file name")
         if os.path.lexists(path) and not getattr(args, "force", False):
             raise TagError(f"{flag}: {path} exists; pass --force to replace it")
+        check_folder(os.path.dirname(path) or ".", TagError, flag)  # where it goes: a folder, or one to make
 
 
 def add_cache_arg(p: argparse.ArgumentParser) -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from .common import (
+    MAX_BUDGET,
     PROFILES_HELP,
     add_cache_arg,
     add_force_arg,
     add_model_args,
     add_numerics_args,
     check_outputs,
+    folder,
     int_in,
     numerics_of,
     print_json,
@@ -29,8 +31,9 @@ def register(sub) -> None:
     add_model_args(p)
     add_cache_arg(p)
     p.add_argument("--topology", required=True, help="topology YAML/JSON file or shipped topology name")
-    p.add_argument("--budget", type=int_in(1), default=None, metavar="N",
-                   help="search budget in playouts: plans proposed and not simulated before (default 200 unless --time is given)")
+    p.add_argument("--budget", type=int_in(1, MAX_BUDGET), default=None, metavar="N",
+                   help=f"search budget in playouts: plans proposed and not simulated before (1..{MAX_BUDGET}; "
+                        "default 200 unless --time is given)")
     p.add_argument("--time", type=seconds, default=None, metavar="S", help="time limit in seconds for the search and the layout grid after set-up (the search "
                         "half of it where the grid runs; at least one wave of playouts and one layout run)")
     p.add_argument("--prior", choices=["gnn", "uniform"], default="gnn", help="MCTS prior (default gnn)")
@@ -54,7 +57,7 @@ def register(sub) -> None:
                         "output then says when the plan is simulated only (default: only plans tag execute runs)")
     p.add_argument("--no-one-shot", dest="one_shot", action="store_false",
                    help="with --prior gnn: do not spend the last playout on the network's one-shot plan")
-    p.add_argument("--profiles", metavar="DIR", default=None, help=PROFILES_HELP)
+    p.add_argument("--profiles", metavar="DIR", type=folder, default=None, help=PROFILES_HELP)
     p.add_argument("--out", metavar="PLAN.json", default=None, help="write the plan JSON here")
     p.add_argument("--trace", metavar="OUT.json", default=None,
                    help="write the simulated timeline of the plan (Chrome/Perfetto trace)")

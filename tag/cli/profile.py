@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import PROFILES_HELP, add_model_args, int_in
+from .common import MAX_BATCH, PROFILES_HELP, add_model_args, int_in
 
 
 def register(sub) -> None:
@@ -43,8 +43,8 @@ def _batches(text: str | None) -> list[int] | None:
         out = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
         out = []
-    if not out or out[0] < 1:
-        raise TagError(f"--batches: expected comma-separated positive integers, got {text!r}")
+    if not out or out[0] < 1 or out[-1] > MAX_BATCH:
+        raise TagError(f"--batches: expected comma-separated integers between 1 and {MAX_BATCH}, got {text!r}")
     return out
 
 
@@ -53,6 +53,7 @@ def run(args) -> int:
 
     from ..cost.profile import cpu_device_type, default_profile_dir
     from ..errors import TagError
+    from ..io import check_folder
 
     if args.threads is not None and args.threads < 1:
         raise TagError(f"--threads: expected a positive integer, got {args.threads}")
@@ -65,6 +66,7 @@ def run(args) -> int:
         raise TagError(f"--batch: expected a positive integer, got {args.batch}")
     batches = _batches(args.batches)
     root = args.out or default_profile_dir()
+    check_folder(root, TagError, "--out")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = cpu_device_type(torch.get_num_threads())

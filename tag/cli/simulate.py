@@ -9,6 +9,7 @@ from .common import (
     add_model_args,
     add_numerics_args,
     check_outputs,
+    folder,
     numerics_of,
     print_json,
 )
@@ -43,7 +44,7 @@ def register(sub) -> None:
                           "op-group recomputes its activations in its backward); D*T*P must equal the "
                           "topology's device count")
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline in Chrome/Perfetto trace format")
-    p.add_argument("--profiles", metavar="DIR", default=None, help=PROFILES_HELP)
+    p.add_argument("--profiles", metavar="DIR", type=folder, default=None, help=PROFILES_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--all-devices", action="store_true",
                    help=f"print one table row per device (default: above {FOLD_ABOVE} devices, devices with "
@@ -67,11 +68,11 @@ def run(args) -> int:
     if args.baseline is not None and args.baseline not in BASELINES:
         raise TagError(f"--baseline: unknown baseline {args.baseline!r}; expected one of {', '.join(BASELINES)}")
     check_outputs(args, trace=args.trace)
-    layout = parse_layout(args.layout) if args.layout else None  # a typo fails before any capture
+    layout = parse_layout(args.layout) if args.layout is not None else None  # a typo fails before any capture
     topo = load_topology(args.topology)
     if layout is not None:
         check_devices(layout, topo)
-    plan = Plan.load(args.plan) if args.plan else None
+    plan = Plan.load(args.plan) if args.plan is not None else None
     if plan is not None:
         if args.batch is None:
             args.batch = plan.batch_size

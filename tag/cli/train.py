@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import OUTSIDE, print_json
+from .common import MAX_SEED, OUTSIDE, int_in, print_json
 
 
 def register(sub) -> None:
@@ -21,7 +21,7 @@ def register(sub) -> None:
     p.add_argument("--epochs", type=int, default=None, help="epochs per round (default 6)")
     p.add_argument("--workers", type=int, default=None, help="labelling processes (default 2)")
     p.add_argument("--playouts", type=int, default=None, help="MCTS playouts per labelled decision (default 32)")
-    p.add_argument("--seed", type=int, default=None, help="seed of pairs, searches and training (default 0)")
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=None, help=f"seed of pairs, searches and training (0..{MAX_SEED}; default 0)")
     p.add_argument("--large-fraction", type=float, default=None, metavar="F",
                    help="share of the pairs drawn at scale, 48-256 GPUs (default 0.25)")
     p.add_argument("--large-inputs", choices=["zoo", "full"], default=None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import OUTSIDE, print_json
+from .common import MAX_SEED, OUTSIDE, int_in, print_json, seconds
 
 
 def register(sub) -> None:
@@ -16,8 +16,8 @@ def register(sub) -> None:
                    help=f"study folder (default: runs/tune {OUTSIDE})")
     p.add_argument("--trials", type=int, default=20, help="total trials to reach (default 20)")
     p.add_argument("--epochs", type=int, default=6, help="epochs per trial (default 6)")
-    p.add_argument("--timeout", type=float, default=None, help="stop starting trials after S seconds")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampler and of training")
+    p.add_argument("--timeout", type=seconds, default=None, help="stop starting trials after S seconds (positive, finite)")
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help=f"seed of the sampler and of training (0..{MAX_SEED})")
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], default="offline",
                    help="wandb logging of the trials")
     p.set_defaults(func=run)

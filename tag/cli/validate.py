@@ -6,7 +6,15 @@ percentage error, the Spearman rank correlation, and a scatter plot (PNG) in ``-
 
 from __future__ import annotations
 
-from .common import MAX_BATCH, MAX_GROUPS, OUTSIDE, RawDescriptionHelpFormatter, add_precision_arg, int_in
+from .common import (
+    MAX_BATCH,
+    MAX_GROUPS,
+    MAX_SEED,
+    OUTSIDE,
+    RawDescriptionHelpFormatter,
+    add_precision_arg,
+    int_in,
+)
 
 
 def register(sub) -> None:
@@ -26,7 +34,7 @@ def register(sub) -> None:
     add_precision_arg(p)
     p.add_argument("--steps", type=int_in(1), default=10, help="timed iterations per plan (default 10)")
     p.add_argument("--warmup", type=int_in(0), default=3, help="warm-up iterations per plan (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the varied plans")
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help=f"seed of the varied plans (0..{MAX_SEED})")
     p.add_argument("--rounds", type=int_in(1), default=1,
                    help="execute every plan this many times, interleaved, and report the median (default 1; "
                         "use 5+ on a shared machine whose speed drifts: the report gives the rounds' own "

@@ -26,6 +26,10 @@ import numpy as np
 from ..io import write_json
 from .pairs import PairSpec, check_large_inputs, sample_pair
 
+MAX_WORKERS = 256
+"""Most labelling processes: each imports torch and captures graphs (hundreds of MiB apiece), so
+a larger count would exhaust any single machine before it labels a pair."""
+
 
 @dataclass
 class GenConfig:
@@ -80,8 +84,10 @@ class GenConfig:
             raise ValueError(f"playouts_per_step: expected >= 1, got {self.playouts_per_step}")
         if self.max_steps < 1:
             raise ValueError(f"max_steps: expected >= 1, got {self.max_steps}")
-        if self.workers < 1:
-            raise ValueError(f"workers: expected >= 1, got {self.workers}")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"workers: expected 1..{MAX_WORKERS} processes, got {self.workers}")
+        if self.seed < 0:
+            raise ValueError(f"seed: expected >= 0, got {self.seed}")
         if not 0 <= self.dirichlet < 1:
             raise ValueError(f"dirichlet: expected in [0, 1), got {self.dirichlet}")
         for m in self.models or []:

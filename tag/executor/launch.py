@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import OutOfMemoryError, PlanError, TagError
-from ..io import write_json
+from ..io import check_folder, write_json
 from ..parallel import validate_plan
 from .profiling import ENV as PROFILE_ENV
 from .runtime import ExecutionError
@@ -112,6 +112,8 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
         raise TagError(f"--timeout: expected a positive, finite number of seconds, got {cfg.timeout_s!r}")
     if cfg.steps < 1 or cfg.warmup < 0:
         raise TagError(f"--steps/--warmup: expected steps >= 1 and warmup >= 0, got {cfg.steps}/{cfg.warmup}")
+    if cfg.run_dir is not None:
+        check_folder(cfg.run_dir, TagError, "--run-dir")
     topology = load_topology(cfg.topology)
     plan = Plan.load(cfg.plan)
     if plan.model != cfg.model.strip() and load_workload(cfg.model, batch=1).name != plan.model:

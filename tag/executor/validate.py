@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..cost.baselines import data_parallel
-from ..io import write_json
+from ..errors import TagError
+from ..io import check_folder, write_json
 from ..plan import GroupPlan, PipelinePlan, Plan, group_positions, new_plan
 from .launch import ExecuteConfig, execute
 
@@ -254,6 +255,7 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     from ..workloads import load_workload
 
     out = Path(out_dir)
+    check_folder(out, TagError, "--out")
     out.mkdir(parents=True, exist_ok=True)
     topology = load_topology(topology_path)
     cap = capture(load_workload(model, batch=batch), optimizer=optimizer, num_groups=groups, precision=precision)

@@ -40,6 +40,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..io import read_json, write_atomic
+from ..limits import MAX_BATCH, MAX_GROUPS
 
 PLAN_VERSION = 1
 Sync = str
@@ -196,6 +197,10 @@ class Plan:
             raise PlanError(f"{source}: precision: expected fp32, bf16 or fp16, got {d['precision']!r}")
         if d["batch_size"] < 1:
             raise PlanError(f"{source}: batch_size: expected a positive integer, got {d['batch_size']}")
+        if d["batch_size"] > MAX_BATCH:
+            raise PlanError(f"{source}: batch_size: expected at most {MAX_BATCH} samples, got {d['batch_size']}")
+        if not 1 <= len(d["groups"]) <= MAX_GROUPS:
+            raise PlanError(f"{source}: groups: expected 1 to {MAX_GROUPS} op-groups, got {len(d['groups'])}")
         groups = []
         for i, g in enumerate(d["groups"]):
             if not isinstance(g, dict):

@@ -84,6 +84,12 @@ _ZONE_KEYS = ("name", "bandwidth", "latency")
 _LINK_KEYS = ("between", "bandwidth", "latency")
 
 
+# Physical bounds of a link, beyond "positive and finite": 1e-300 GB/s or a latency of 1e300 s
+# made every time 1e300 s and beyond and overflowed the predictor's float32 features (`tag plan`,
+# 2026-11-27). The slowest link of any cluster is far above 1 B/s, the longest latency far below an hour.
+MIN_BANDWIDTH = 1.0  # bytes/s
+MAX_LATENCY = 3600.0  # seconds
+
 # What is read is bounded: a topology file of 1024 machines is ~100 KB, and a YAML alias names a
 # node already built (an inline GPU spec reused by several machines); a file past either limit
 # is refused before it is walked. The "billion laughs" bomb (aliases of lists of aliases) is
@@ -139,9 +145,14 @@ class _Context:
 
     def quantity(self, parser, value: Any, path: str, *, positive: bool = True):
         try:
-            return parser(value, positive=positive)
+            result = parser(value, positive=positive)
         except ValueError as exc:
             raise self.error(path, str(exc)) from None
+        if parser is parse_bandwidth and result < MIN_BANDWIDTH:
+            raise self.error(path, f"expected a bandwidth of at least {MIN_BANDWIDTH:g} B/s, got {_show(value)}")
+        if parser is parse_time and result > MAX_LATENCY:
+            raise self.error(path, f"expected a latency of at most {MAX_LATENCY:g} s, got {_show(value)}")
+        return result
 
 
 def _parse_gpu(ctx: _Context, value: Any, path: str) -> GPUSpec:
@@ -386,8 +397,12 @@ def _read_file(ctx: _Context, path: Path) -> Any:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise ctx.error(f"line {exc.lineno}", f"invalid JSON: {exc.msg}") from None
+        except RecursionError:  # '[' * 100000: deeper than the parser's recursion
+            raise ctx.error("", "invalid JSON: nested too deeply; expected a topology file") from None
     try:
         return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+    except RecursionError:
+        raise ctx.error("", "invalid YAML: nested too deeply; expected a topology file") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark is not None else ""

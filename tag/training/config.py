@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import types
+import typing
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..data.dataset import PolicyTarget
@@ -55,6 +57,7 @@ class TrainConfig:
         _check(self.value_weight >= 0, "train.value_weight", self.value_weight, ">= 0")
         _check(0 <= self.val_fraction < 1, "train.val_fraction", self.val_fraction, "in [0, 1)")
         _check(self.grad_clip > 0, "train.grad_clip", self.grad_clip, "> 0")
+        _check(self.seed >= 0, "train.seed", self.seed, ">= 0")
         _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", self.max_steps, ">= 1 or null")
 
 
@@ -117,22 +120,24 @@ class LoopConfig:
 
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "config") -> LoopConfig:
-        known = {f.name for f in fields(cls)}
-        for k in d:
-            if k not in known:
-                raise ConfigError(f"{source}: {k}: unknown field; expected one of {sorted(known)}")
+        """The config of ``d`` (a ``config.json``'s object); :class:`ConfigError`, one line
+        starting with ``source``, for an unknown field, a value of the wrong JSON type or out of
+        range."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: expected a JSON object of LoopConfig fields, got {_json_kind(d)}")
         kw = dict(d)
         try:
+            _check_fields(cls, d, "")
             for key, typ in (("net", NetConfig), ("gen", GenConfig), ("train", TrainConfig),
                              ("target", PolicyTarget)):
-                if key in kw and isinstance(kw[key], dict):
-                    sub = {f.name for f in fields(typ)}
-                    bad = sorted(set(kw[key]) - sub)
-                    if bad:
-                        raise ConfigError(f"{source}: {key}.{bad[0]}: unknown field; expected one of {sorted(sub)}")
+                if key in kw:
+                    if not isinstance(kw[key], dict):
+                        raise ConfigError(f"{key}: expected a JSON object of {typ.__name__} fields, "
+                                          f"got {_json_kind(kw[key])}")
+                    _check_fields(typ, kw[key], f"{key}.")
                     kw[key] = typ(**kw[key])
             return cls(**kw)
-        except ValueError as e:
+        except (ValueError, ConfigError) as e:
             raise ConfigError(f"{source}: {e}") from None
 
     def save(self, path) -> None:
@@ -149,3 +154,45 @@ class LoopConfig:
 def _check(ok: bool, name: str, value, expected: str) -> None:
     if not ok:
         raise ConfigError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _check_fields(cls, d: dict, prefix: str) -> None:
+    """ConfigError unless every key of ``d`` is a field of dataclass ``cls`` whose value has the
+    field's JSON type (an integer for ``int``, a number for ``float``, never ``true``/``false``
+    for either; a nested config is checked by its own class)."""
+    hints = typing.get_type_hints(cls)
+    for k, v in d.items():
+        if k not in hints:
+            raise ConfigError(f"{prefix}{k}: unknown field; expected one of {sorted(hints)}")
+        hint = hints[k]
+        if isinstance(hint, type) and hasattr(hint, "__dataclass_fields__"):
+            continue
+        if not _conforms(v, hint):
+            raise ConfigError(f"{prefix}{k}: expected {_spell(hint)}, got {_json_kind(v)} {v!r}"[:300])
+
+
+def _conforms(value, hint) -> bool:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_conforms(value, h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return isinstance(value, list) and all(_conforms(v, typing.get_args(hint)[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float) if hint is float else hint)
+
+
+def _spell(hint) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_spell(h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return f"a list of {_spell(typing.get_args(hint)[0]).split(' ', 1)[1]}s"
+    return {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(hint, str(hint))
+
+
+def _json_kind(value) -> str:
+    """The JSON name of ``value``'s type (``null``, ``boolean``, ``string``, ``list``, ...)."""
+    return {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
+            list: "list", dict: "object"}.get(type(value), type(value).__name__)

@@ -30,8 +30,8 @@ import torch
 from ..data.generate import GenConfig, generate
 from ..gnn.model import TagNet
 from ..gnn.predictor import CheckpointError, load_net, save_checkpoint
-from ..io import load_tensors, write_atomic
-from .config import LoopConfig
+from ..io import check_folder, load_tensors, read_json, write_atomic
+from .config import ConfigError, LoopConfig
 from .train import fit
 
 
@@ -88,6 +88,13 @@ def _datasets(run_dir: Path, rounds: int, target, coarse_above: int):
 def run_loop(cfg: LoopConfig, *, progress: bool = True) -> Path:
     """Run (or resume) the whole loop; returns the path of the final checkpoint."""
     run_dir = Path(cfg.run_dir)
+    check_folder(run_dir, ConfigError, "run_dir")
+    if (run_dir / "config.json").exists():  # a run to resume: its config must be readable, not overwritten blind
+        try:
+            read_json(run_dir / "config.json", ConfigError, "config")
+        except ConfigError as e:
+            raise ConfigError(f"{e}; the run folder's config is damaged: repair or remove it to resume, "
+                              "or give another run folder") from None
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.save(run_dir / "config.json")
     log = Logger(run_dir, cfg)

@@ -9,6 +9,7 @@ epoch (``RetryHeartbeatStaleTrialCallback``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,10 @@ class TuneConfig:
             raise ConfigError(f"trials: expected >= 1, got {self.trials}")
         if self.epochs < 1:
             raise ConfigError(f"epochs: expected >= 1, got {self.epochs}")
+        if self.timeout is not None and not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise ConfigError(f"timeout: expected a positive, finite number of seconds or None, got {self.timeout}")
+        if self.seed < 0:
+            raise ConfigError(f"seed: expected >= 0, got {self.seed}")
         if self.wandb not in ("offline", "online", "disabled"):
             raise ConfigError(f"wandb: expected offline, online or disabled, got {self.wandb!r}")
 

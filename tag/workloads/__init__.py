@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tag.errors import WorkloadError
+from tag.limits import MAX_BATCH
 from tag.workloads.factory import LossWrapper, extract_loss, load_factory, resample
 from tag.workloads.zoo import list_zoo, load_zoo, suggest, zoo_entries
 
@@ -52,10 +53,16 @@ class Workload:
 def _checked(spec: str, fn: Callable[[int], tuple]) -> Callable[[int], tuple]:
     """Wrap an input builder so a non-positive batch raises WorkloadError."""
     def make_inputs(b: int) -> tuple:
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise WorkloadError(f"workload {spec!r}: batch size must be a positive integer, got {b!r}")
+        _check_batch(spec, b)
         return fn(b)
     return make_inputs
+
+
+def _check_batch(spec: str, batch) -> None:
+    """WorkloadError (one line) unless ``batch`` is an integer in 1..:data:`tag.limits.MAX_BATCH`."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
+        raise WorkloadError(f"workload {spec!r}: batch size must be an integer between 1 and {MAX_BATCH}, "
+                            f"got {batch!r}")
 
 
 def is_zoo(spec: str) -> bool:
@@ -75,8 +82,8 @@ def load_workload(spec: str, batch: int | None = None, seed: int = 0, *, abstrac
             returns a meta-device model is never run eagerly either.
     """
     spec = spec.strip()
-    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-        raise WorkloadError(f"workload {spec!r}: batch size must be a positive integer, got {batch!r}")
+    if batch is not None:
+        _check_batch(spec, batch)
     head, colon, tail = spec.partition(":")
     if is_zoo(spec):  # zoo names shadow same-named modules; use file.py:function for those
         z = load_zoo(spec, head, tail, batch, seed, abstract=abstract)

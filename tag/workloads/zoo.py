@@ -380,6 +380,9 @@ def load_zoo(spec: str, name: str, overrides: str, batch: int | None, seed: int,
             model, sample = entry.build(cfg)
         except ValueError as e:
             raise WorkloadError(f"workload {spec!r}: {e}") from e
+        except (RuntimeError, MemoryError) as e:  # sizes torch cannot hold, e.g. mlp:hidden=100000000000
+            raise WorkloadError(f"workload {spec!r}: building the model failed ({type(e).__name__}: "
+                                f"{' '.join(str(e).split())[:200]}); expected smaller sizes") from e
     model.train()
 
     def make_inputs(b: int) -> tuple:
