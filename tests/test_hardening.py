@@ -832,3 +832,47 @@ def test_sweep_train_configs(tmp_path, capsys):
     line = one_line_error(capsys, "train", "--run-dir", str(run))  # used to overwrite it blind and resume
     assert f"{run / 'config.json'}: line 1: not valid JSON" in line and "repair or remove it" in line, line
     assert (run / "config.json").read_text() == "{ damaged"
+
+
+def test_a_run_resumes_only_under_the_config_it_was_started_with(tmp_path, capsys, monkeypatch):
+    """`tag train --run-dir R` alone resumes R as it was started (it used to take the defaults, so
+    later rounds were labelled and fitted otherwise); a config that changes what the run computes is
+    refused with one line naming the fields, config.json untouched; --force continues under it."""
+    import tag.training.loop as loop_mod
+    from tag.cli import main
+    from tag.training.config import LoopConfig
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def stop(run_dir, cfg):  # the run's logger: made after the checks and the saved config, before round 0
+        seen.append(cfg)
+        raise Stop
+    monkeypatch.setattr(loop_mod, "Logger", stop)
+    real = loop_mod.run_loop
+
+    def run_loop(cfg, **kw):
+        with pytest.raises(Stop):
+            real(cfg, **kw)
+        return tmp_path / "none.pt"
+    monkeypatch.setattr(loop_mod, "run_loop", run_loop)
+    run = tmp_path / "run"
+    run.mkdir()
+    started = LoopConfig(run_dir=str(tmp_path / "elsewhere"), samples_per_round=[360, 120], wandb="disabled")
+    started.train.lr = 1e-3
+    started.save(run / "config.json")
+    assert main(["train", "--run-dir", str(run), "--no-progress", "--rounds", "4", "--workers", "1"]) == 0
+    assert seen[-1].samples_per_round == [360, 120] and seen[-1].train.lr == 1e-3 and seen[-1].rounds == 4
+    assert seen[-1].run_dir == str(run)  # where the folder is now, not where it was started
+    before = (run / "config.json").read_text()
+    line = one_line_error(capsys, "train", "--run-dir", str(run), "--samples", "240", "80", "--epochs", "2")
+    assert f"{run / 'config.json'}: the run was started with another config" in line, line
+    assert "samples_per_round [360, 120] -> [240, 80]" in line and "train.epochs 6 -> 2" in line, line
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"train": {"lr": 0.002}}))
+    line = one_line_error(capsys, "train", "--run-dir", str(run), "--config", str(cfg))
+    assert "train.lr 0.001 -> 0.002" in line and "samples_per_round" in line, line
+    assert (run / "config.json").read_text() == before
+    assert main(["train", "--run-dir", str(run), "--config", str(cfg), "--force", "--no-progress"]) == 0
+    assert seen[-1].train.lr == 0.002

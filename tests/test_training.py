@@ -262,12 +262,13 @@ def test_tag_train_tiny_end_to_end(tmp_path, capsys):
     assert sorted(p.name for p in (run / "round0" / "plan").glob("*.npz")) == ["00000.npz", "00001.npz"]
     # rerun: everything is finished, nothing is redone
     mtime = export.stat().st_mtime_ns
-    assert main(["train", "--config", str(path), "--no-progress"]) == 0
+    assert main(["train", "--config", str(path), "--no-progress", "--label-children", "1"]) == 0
     assert (run / "round1" / "predictor.pt").exists() and export.stat().st_mtime_ns == mtime
+    assert main(["train", "--run-dir", str(run), "--no-progress"]) == 0  # resumed under its own config
     # exporting onto the run's own final checkpoint leaves it as it is
     final = run / "predictor.pt"
     before = final.read_bytes()
-    assert main(["train", "--config", str(path), "--no-progress", "--export", str(final)]) == 0
+    assert main(["train", "--run-dir", str(run), "--no-progress", "--export", str(final)]) == 0
     assert final.read_bytes() == before
 
 

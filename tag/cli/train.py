@@ -37,13 +37,22 @@ def register(sub) -> None:
     p.add_argument("--export", default=None, metavar="FILE", help="copy the final checkpoint here")
     p.add_argument("--no-plan-head", action="store_true",
                    help="skip fitting the plan head (the prior over pipeline decisions) after the last round")
+    p.add_argument("--force", action="store_true",
+                   help="resume a run folder under a config other than the one it was started with (rounds "
+                        "made under both are then mixed; without it such a resume is refused)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
 
 def build_config(args):
+    """The run's config: ``--config``'s, else the config the run folder was started with (resuming
+    it), else the defaults; then the flags."""
     from ..training.config import LoopConfig
-    cfg = LoopConfig.load(args.config) if args.config else LoopConfig()
+    from ..training.loop import started_config
+    cfg = LoopConfig.load(args.config) if args.config else None
+    if cfg is None:
+        run_dir = args.run_dir if args.run_dir is not None else LoopConfig().run_dir
+        cfg = started_config(run_dir) or LoopConfig()
     if args.run_dir is not None:
         cfg.run_dir = args.run_dir
     if args.no_plan_head:
@@ -82,6 +91,6 @@ def run(args) -> int:
     from ..training.loop import run_loop
     cfg = build_config(args)
     t0 = time.perf_counter()
-    final = run_loop(cfg, progress=not args.no_progress)
+    final = run_loop(cfg, progress=not args.no_progress, allow_changed=args.force)
     print_json({"checkpoint": str(final), "run_dir": cfg.run_dir, "wall_seconds": time.perf_counter() - t0})
     return 0

@@ -144,11 +144,38 @@ class LoopConfig:
         from ..io import write_json
         write_json(path, self.to_dict())
 
+    def changed_from(self, started: LoopConfig) -> list[tuple[str, object, object]]:
+        """``(dotted field name, started's value, this one's)`` where this config differs from
+        ``started`` (the config a run folder was started with) in what the run computes: every
+        field but :data:`RESUME_FREE`."""
+        old, new = _flat(started.to_dict()), _flat(self.to_dict())
+        return [(k, old.get(k), v) for k, v in new.items() if k not in RESUME_FREE and old.get(k, _MISSING) != v]
+
     @classmethod
     def load(cls, path) -> LoopConfig:
         p = Path(path)
         d = read_json(p, ConfigError, "config")
         return cls.from_dict(d, source=str(p))
+
+
+RESUME_FREE = frozenset({"run_dir", "rounds", "wandb", "project", "export", "plan_head", "gen.workers"})
+"""Fields a run may be resumed under changed: where the run folder is, how many rounds it goes to,
+logging, the copy of the final checkpoint, whether the plan head is fitted after the last round,
+and the number of labelling processes (each pair is labelled by its own seed, whoever labels it).
+Any other change would mix rounds made under different settings in one run."""
+
+_MISSING = object()
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """``{"gen": {"seed": 0}} -> {"gen.seed": 0}``."""
+    out: dict = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _check(ok: bool, name: str, value, expected: str) -> None:

@@ -30,7 +30,7 @@ import torch
 from ..data.generate import GenConfig, generate
 from ..gnn.model import TagNet
 from ..gnn.predictor import CheckpointError, load_net, save_checkpoint
-from ..io import check_folder, load_tensors, read_json, write_atomic
+from ..io import check_folder, load_tensors, write_atomic
 from .config import ConfigError, LoopConfig
 from .train import fit
 
@@ -85,16 +85,37 @@ def _datasets(run_dir: Path, rounds: int, target, coarse_above: int):
     return ConcatDataset(trains), ConcatDataset(vals)
 
 
-def run_loop(cfg: LoopConfig, *, progress: bool = True) -> Path:
-    """Run (or resume) the whole loop; returns the path of the final checkpoint."""
+def started_config(run_dir: str | os.PathLike) -> LoopConfig | None:
+    """The config a run folder was started with (its ``config.json``; None: a new run folder), its
+    ``run_dir`` the folder where it is now; :class:`ConfigError` (one line) when it is damaged."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        return None
+    try:
+        started = LoopConfig.load(path)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; the run folder's config is damaged: repair or remove it to resume, "
+                          "or give another run folder") from None
+    started.run_dir = str(run_dir)
+    return started
+
+
+def run_loop(cfg: LoopConfig, *, progress: bool = True, allow_changed: bool = False) -> Path:
+    """Run (or resume) the whole loop; returns the path of the final checkpoint.
+
+    A run folder is resumed under the config it was started with: a ``cfg`` that differs from it
+    in what the run computes (:meth:`LoopConfig.changed_from`) is refused with a
+    :class:`ConfigError` naming the fields, unless ``allow_changed``."""
     run_dir = Path(cfg.run_dir)
     check_folder(run_dir, ConfigError, "run_dir")
-    if (run_dir / "config.json").exists():  # a run to resume: its config must be readable, not overwritten blind
-        try:
-            read_json(run_dir / "config.json", ConfigError, "config")
-        except ConfigError as e:
-            raise ConfigError(f"{e}; the run folder's config is damaged: repair or remove it to resume, "
-                              "or give another run folder") from None
+    started = started_config(run_dir)  # a run to resume: its config must be readable, not overwritten blind
+    changed = [] if started is None or allow_changed else cfg.changed_from(started)
+    if changed:
+        shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed[:3])
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise ConfigError(f"{run_dir / 'config.json'}: the run was started with another config ({shown}{more}); "
+                          "expected the same to resume it (tag train --run-dir alone resumes as started; "
+                          "--force continues under the new one, mixing rounds made under both)")
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.save(run_dir / "config.json")
     log = Logger(run_dir, cfg)

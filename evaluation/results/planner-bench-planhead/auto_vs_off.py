@@ -1,8 +1,10 @@
-import math, json
+import math
+
 import evaluation.planner_bench as pb
 from tag.data.generate import load_graph
 from tag.planner import find_plan
 from tag.topology import load_topology
+
 rows = []
 for spec, batch, groups in pb.MODELS:
     g = load_graph("runs/predictor/graphs", spec, batch, groups)

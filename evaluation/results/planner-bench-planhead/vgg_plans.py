@@ -1,8 +1,10 @@
 import sys
+
 from tag.data.generate import load_graph
+from tag.plan.format import device_ranges
 from tag.planner import find_plan
 from tag.topology import load_topology
-from tag.plan.format import device_ranges
+
 g = load_graph("runs/predictor/graphs", "vgg:depth=16,width=32", 64, 32)
 topo = load_topology("topologies/" + sys.argv[1] + ".yaml")
 for pipes, prior, budget in [("off", "uniform", 2000), ("off", "gnn", 50), ("auto", "gnn", 50), ("auto", "uniform", 2000)]:
