@@ -300,6 +300,26 @@ def test_bad_batch() -> None:
         wl.make_inputs(2**16 + 1)
 
 
+def test_inputs_beyond_the_machine_are_refused_before_they_are_made(monkeypatch) -> None:
+    """Example inputs are sized on the meta device first: a batch larger than half the machine's
+    memory is one WorkloadError naming the spec and the sizes, nothing allocated; abstract inputs
+    are never made for real and have the real ones' shapes and dtypes."""
+    import tag.workloads.zoo as zoo
+    monkeypatch.setattr(zoo, "_physical_memory_bytes", lambda: 2**30)  # a 1 GiB machine
+    with pytest.raises(WorkloadError, match=r"'mlp:in_dim=4096': a batch of 65536 is 1\.0 GiB of example inputs; "
+                                            r"expected at most 0\.5 of this machine's 1\.0 GiB"):
+        load_workload("mlp:in_dim=4096", batch=65536)
+    wl = load_workload("mlp:in_dim=4096", batch=8)  # 128 KiB: made
+    with pytest.raises(WorkloadError, match="GiB of example inputs"):
+        wl.make_inputs(65536)
+    for spec in ("gpt2", "vit", "resnet"):
+        real, meta = load_workload(spec, batch=3).inputs, load_workload(spec, batch=3, abstract=True).inputs
+        assert [(t.shape, t.dtype) for t in real] == [(t.shape, t.dtype) for t in meta]
+        assert all(t.device.type == "meta" for t in meta)
+    huge = load_workload("gpt2:seq=100000000", batch=8, abstract=True).inputs  # 12 GiB if made for real
+    assert huge[0].shape == (8, 100000000) and huge[0].device.type == "meta"
+
+
 def test_resample() -> None:
     x = torch.arange(3)
     y, c = resample((x, "const"), 5)

@@ -359,6 +359,20 @@ class ZooResult:
     """Identical transformer layers (``n_layer``) of a model built from them, else None."""
 
 
+INPUT_MEMORY_FRACTION = 0.5
+"""Largest share of the machine's memory that a batch of example inputs, made for real (capture
+without ``abstract``, profiling, every rank of ``tag execute``), may take: beyond it the batch is
+refused before it is made (`gpt2:seq=100000000` used to be sampled until the machine ran out)."""
+
+
+def _physical_memory_bytes() -> int:
+    """This machine's memory, bytes (``sysconf``; 2**62 where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2**62
+
+
 def load_zoo(spec: str, name: str, overrides: str, batch: int | None, seed: int, *,
              abstract: bool = False, blocks: int | None = None) -> ZooResult:
     """Build zoo model ``name`` with ``overrides`` (``"k=v,..."``) under ``seed``.
@@ -386,9 +400,16 @@ def load_zoo(spec: str, name: str, overrides: str, batch: int | None, seed: int,
     model.train()
 
     def make_inputs(b: int) -> tuple:
-        # Abstract inputs keep the sampled shapes and dtypes only (token ids and labels are small).
-        inputs = sample(b, torch.Generator().manual_seed(seed))
-        return tuple(t.to("meta") for t in inputs) if abstract else inputs
+        with torch.device("meta"):  # shapes and dtypes first: nothing allocated
+            shapes = tuple(sample(b, torch.Generator().manual_seed(seed)))
+        if abstract:
+            return shapes
+        nbytes = sum(t.numel() * t.element_size() for t in shapes)
+        if nbytes > INPUT_MEMORY_FRACTION * _physical_memory_bytes():
+            raise WorkloadError(f"workload {spec!r}: a batch of {b} is {nbytes / 2**30:.1f} GiB of example inputs; "
+                                f"expected at most {INPUT_MEMORY_FRACTION:g} of this machine's "
+                                f"{_physical_memory_bytes() / 2**30:.1f} GiB (a smaller batch, seq or image)")
+        return sample(b, torch.Generator().manual_seed(seed))
 
     b = entry.batch if batch is None else batch
     return ZooResult(canonical_name(entry, cfg), model, make_inputs(b), b, make_inputs,
