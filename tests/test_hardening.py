@@ -825,8 +825,12 @@ def test_sweep_train_configs(tmp_path, capsys):
         cfg.write_text(text)
         assert f"{cfg}: {message}" in one_line_error(capsys, "train", "--config", str(cfg), "--run-dir", str(run))
     assert not run.exists()
-    assert "workers: expected 1..256" in one_line_error(capsys, "train", "--workers", str(10**9), "--run-dir",
-                                                        str(run))
+    # a flag's error names the flag, once (it read "tag train: error: tag train: workers: ...")
+    for argv, message in ((["--workers", str(10**9)], "--workers: expected 1..256 processes"),
+                          (["--samples", "0"], "--samples: expected a non-empty list of positive integers"),
+                          (["--epochs", "0"], "--epochs: expected >= 1, got 0")):
+        line = one_line_error(capsys, "train", *argv, "--run-dir", str(run))
+        assert message in line and line.count("tag train") == 1, line
     run.mkdir()
     (run / "config.json").write_text("{ damaged")
     line = one_line_error(capsys, "train", "--run-dir", str(run))  # used to overwrite it blind and resume

@@ -81,8 +81,20 @@ def build_config(args):
         cfg.wandb = args.wandb
     if args.export is not None:
         cfg.export = args.export
-    # re-validate after the overrides (one-line errors)
-    return LoopConfig.from_dict(cfg.to_dict(), source=args.config or "tag train")
+    # re-validate after the overrides (one-line errors): the file was valid, so a flag is at fault
+    from ..training.config import ConfigError
+    try:
+        return LoopConfig.from_dict(cfg.to_dict(), source="")
+    except ConfigError as e:
+        field, _, rest = str(e).removeprefix(": ").partition(": ")
+        flag = FLAG_OF.get(field)
+        raise ConfigError(f"{flag}: {rest}" if flag else f"{args.config or 'tag train'}: {field}: {rest}") from None
+
+
+FLAG_OF = {"rounds": "--rounds", "samples_per_round": "--samples", "train.epochs": "--epochs", "workers": "--workers",
+           "playouts_per_step": "--playouts", "large_fraction": "--large-fraction", "large_inputs": "--large-inputs",
+           "label_children": "--label-children", "coarse_above": "--coarse-above", "wandb": "--wandb"}
+"""The flag that sets each field (as :class:`tag.training.config.ConfigError` names it), to name it in errors."""
 
 
 def run(args) -> int:
