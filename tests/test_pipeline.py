@@ -209,7 +209,8 @@ def test_stages_need_their_own_devices_and_data_parallel_groups(mlp, topo4):
 
 def test_plan_file_type_errors(tmp_path):
     d = {"model": "m", "graph_signature": "s", "topology": "t", "topology_signature": "x", "batch_size": 8,
-         "groups": [], "pipeline": {"stages": [0], "micro_batches": "4"}}
+         "groups": [{"devices": [0], "shares": [1.0], "sync": "allreduce"}],
+         "pipeline": {"stages": [0], "micro_batches": "4"}}
     with pytest.raises(PlanError, match=r"^p: pipeline\.micro_batches: expected an integer, got \"4\"$"):
         Plan.from_dict(d, source="p")
     d["pipeline"] = {"stages": [0], "micro_batches": 4, "depth": 2}
