@@ -1,8 +1,9 @@
 """``tag execute``: run a plan for real, one process per topology device, and time it.
 
 On one machine without GPUs: one gloo process per device; with a GPU per device: NCCL.
-Across machines: run ``python -m tag.executor.worker ARGS.json`` under torchrun on each
-machine (tag/executor/README.md). Prints the measured median iteration time next to the
+Across machines: ``--run-dir DIR --torchrun HOST:PORT`` writes the run folder and prints the
+torchrun command of each machine; ``--run-dir DIR --report`` reports the finished run
+(tag/executor/README.md). Prints the measured median iteration time next to the
 simulator's prediction (``--json``: the whole result; ``--out``: also written to a file).
 """
 
@@ -36,6 +37,13 @@ def register(sub) -> None:
     p.add_argument("--bucket-bytes", type=int_in(1), default=None,
                    help="cap of the gradient buckets in bytes (default: DDP's, a first bucket of 1 MiB, "
                         "then 25 MiB); the prediction uses the same")
+    p.add_argument("--torchrun", metavar="HOST:PORT", default=None,
+                   help="a topology of several machines: check and predict the plan, write the run folder "
+                        "(--run-dir, needed on every machine at the same path) and print each machine's torchrun "
+                        "command, rendezvous at HOST:PORT of the first machine; run them, then this command "
+                        "again with --report in place of --torchrun")
+    p.add_argument("--report", action="store_true",
+                   help="report a finished --torchrun run of --run-dir (measured vs predicted, trace.json)")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # testing: RANK:ITER:raise|exit|hang
     p.set_defaults(func=run)
 
@@ -65,7 +73,10 @@ def add_execute_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from ..executor import ExecuteConfig, execute
+    from dataclasses import asdict
+
+    from ..errors import TagError
+    from ..executor import ExecuteConfig, execute, prepare_torchrun, report_torchrun
     from ..io import write_json
 
     check_outputs(args, out=args.out)
@@ -74,7 +85,20 @@ def run(args) -> int:
                         warmup=args.warmup, backend=args.backend, emulate_speed=args.emulate_speed,
                         timeout_s=args.timeout, run_dir=args.run_dir, save_params=args.save_params,
                         fault=args.inject_fault, precision=args.precision, bucket_bytes=args.bucket_bytes)
-    res = execute(cfg)
+    if args.torchrun is not None and args.report:
+        raise TagError("--torchrun prepares a run, --report reads a finished one: expected one of them")
+    if args.torchrun is not None:
+        launch = prepare_torchrun(cfg, args.torchrun)
+        if args.json:
+            print_json(asdict(launch))
+            return 0
+        print(f"run folder {launch.run_dir} ({launch.backend}): copy it to every machine at the same path "
+              "(or share it), then run in order of the topology's machines:")
+        for name, cmd in launch.commands:
+            print(f"  on {name}:  {cmd}")
+        print("then this command with --report in place of --torchrun on the first machine")
+        return 0
+    res = report_torchrun(cfg) if args.report else execute(cfg)
     d = res.to_dict()
     if args.out:
         write_json(args.out, d)

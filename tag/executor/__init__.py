@@ -2,6 +2,8 @@
 
 * :func:`execute` / :class:`ExecuteConfig` -- launch one rank per topology device on this
   machine and measure iteration times next to the simulator's prediction;
+* :func:`prepare_torchrun` / :func:`report_torchrun` -- the same across machines: the run folder
+  and each machine's ``torchrun`` command of :mod:`tag.executor.worker`, then the result;
 * :mod:`tag.executor.worker` -- one rank (also the ``torchrun`` entry point across machines);
 * :func:`build_schedule` -- the global, deadlock-free order of compute and communication;
 * :func:`run_virtual` / :func:`reference_training` -- all ranks in one process, and the
@@ -22,7 +24,7 @@ from ..parallel.schedule import (
     partial_sum_tensors,
 )
 from . import tensor_parallel  # noqa: F401 - registers tp's execution (tag.executor.strategies)
-from .launch import ExecuteConfig, ExecuteResult, execute
+from .launch import ExecuteConfig, ExecuteResult, TorchrunLaunch, execute, prepare_torchrun, report_torchrun
 from .runtime import ExecutionError, RankRuntime
 from .strategies import Execution, RankHook, execution_for, register_execution, unregister_execution
 from .virtual import reference_training, run_virtual
@@ -30,5 +32,6 @@ from .virtual import reference_training, run_virtual
 __all__ = [
     "ExecuteConfig", "ExecuteResult", "Execution", "ExecutionError", "Move", "RankHook", "RankRuntime", "Schedule",
     "SfbGroup", "Step", "Unit", "build_schedule", "execute", "execution_for", "gradient_tensors", "graph_structure",
-    "partial_sum_tensors", "reference_training", "register_execution", "run_virtual", "unregister_execution",
+    "TorchrunLaunch", "partial_sum_tensors", "prepare_torchrun", "reference_training", "register_execution",
+    "report_torchrun", "run_virtual", "unregister_execution",
 ]

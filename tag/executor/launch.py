@@ -24,6 +24,7 @@ from pathlib import Path
 from ..errors import OutOfMemoryError, PlanError, TagError
 from ..io import check_folder, write_json
 from ..parallel import validate_plan
+from ..topology.catalog import CPU_NAME
 from .profiling import ENV as PROFILE_ENV
 from .runtime import ExecutionError
 from .worker import WorkerArgs, worker_entry
@@ -98,11 +99,23 @@ class ExecuteResult:
         return asdict(self)
 
 
-def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
-    """Run ``cfg.plan`` for real; raises a one-line :class:`TagError` on bad input or failure.
+@dataclass
+class _Prepared:
+    """A checked plan, its graph, topology and prediction, and the run folder's worker files."""
 
-    ``graph``: the captured :class:`OpGraph` of ``cfg.model`` if the caller has it (saves a capture).
-    """
+    topology: object
+    graph: object
+    backend: str
+    sim_res: object
+    run_dir: Path
+    args_path: Path
+
+
+def _prepare(cfg: ExecuteConfig, graph, *, machines: bool) -> _Prepared:
+    """Check ``cfg`` (plan against model, topology and memory), capture the graph (unless given),
+    predict, and write the workers' files into the run folder (``graph.json``, ``topology.json``,
+    ``args.json``; with ``machines``, for ranks on several machines, also ``plan.json``, so that
+    the run folder alone is what every machine needs)."""
     from ..graph import capture
     from ..plan.format import Plan
     from ..topology import load_topology
@@ -122,17 +135,16 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
         raise PlanError(f"{cfg.plan}: topology: plan is for topology {plan.topology!r} "
                         f"({plan.topology_signature}), not {cfg.topology} ({topology.name!r}, "
                         f"{topology.num_devices} devices)")
+    backend = _machines_backend(cfg.backend, topology) if machines else _backend(cfg.backend, topology)
     batch = cfg.batch or plan.batch_size
     groups = cfg.groups or len(plan.groups)
     if graph is None:
         wl = load_workload(cfg.model, batch=batch, seed=cfg.seed)
         graph = capture(wl, optimizer=cfg.optimizer, num_groups=groups, precision=cfg.precision or plan.precision).graph
     validate_plan(plan, graph, topology, source=cfg.plan)
-    world = topology.num_devices
-    backend = _backend(cfg.backend, topology)
     sim_res = _predict(graph, topology, plan, cfg.check_memory, cfg.profile_dir, cfg.bucket_bytes)
 
-    run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="tag-execute-"))
+    run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="tag-execute-")).absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "ranks.json").unlink(missing_ok=True)
     graph_path, args_path = run_dir / "graph.json", run_dir / "args.json"
@@ -140,22 +152,102 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     # Ranks read the resolved topology (shipped names work; a measured CPU spec stays identical).
     topo_path = run_dir / "topology.json"
     write_json(topo_path, topology.to_dict())
+    plan_path = Path(cfg.plan).resolve()
+    if machines:
+        plan_path = run_dir / "plan.json"
+        plan.save(plan_path)
     wargs = WorkerArgs(model=cfg.model, batch=batch, optimizer=cfg.optimizer, seed=cfg.seed, groups=groups,
-                       topology=str(topo_path), plan=str(Path(cfg.plan).resolve()),
+                       topology=str(topo_path), plan=str(plan_path),
                        out_dir=str(run_dir), steps=cfg.steps, warmup=cfg.warmup, backend=backend,
                        emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
                        save_params=cfg.save_params, fault=cfg.fault, threads=cfg.threads,
-                       launcher_pid=os.getpid(), precision=graph.precision, bucket_bytes=cfg.bucket_bytes,
-                       profile_ops=os.environ.get(PROFILE_ENV))
+                       launcher_pid=None if machines else os.getpid(), precision=graph.precision,
+                       bucket_bytes=cfg.bucket_bytes, profile_ops=os.environ.get(PROFILE_ENV))
     write_json(args_path, asdict(wargs))
-    _launch(world, args_path, run_dir, cfg.timeout_s, "spawn" if backend == "nccl" else "forkserver")
-    ranks = _read_ranks(run_dir)
-    write_json(run_dir / "trace.json", chrome_trace(sim_res, ranks), indent=None)
-    res = summarize(cfg, backend, ranks, float(sim_res.iteration_time_s), run_dir)
+    return _Prepared(topology, graph, backend, sim_res, run_dir, args_path)
+
+
+def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
+    """Run ``cfg.plan`` for real; raises a one-line :class:`TagError` on bad input or failure.
+
+    ``graph``: the captured :class:`OpGraph` of ``cfg.model`` if the caller has it (saves a capture).
+    """
+    pre = _prepare(cfg, graph, machines=False)
+    _launch(pre.topology.num_devices, pre.args_path, pre.run_dir, cfg.timeout_s,
+            "spawn" if pre.backend == "nccl" else "forkserver")
+    res = _result(cfg, pre.backend, pre.sim_res, pre.run_dir)
     if cfg.run_dir is None:  # our temporary folder: removed after success (kept on failure: its logs)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(pre.run_dir, ignore_errors=True)
         res.run_dir = ""
     return res
+
+
+def _result(cfg: ExecuteConfig, backend: str, sim_res, run_dir: Path) -> ExecuteResult:
+    """The finished run's result (``ranks.json``), and its trace beside it."""
+    ranks = _read_ranks(run_dir)
+    write_json(run_dir / "trace.json", chrome_trace(sim_res, ranks), indent=None)
+    return summarize(cfg, backend, ranks, float(sim_res.iteration_time_s), run_dir)
+
+
+@dataclass
+class TorchrunLaunch:
+    """A run prepared for ``torchrun`` on every machine of a topology (:func:`prepare_torchrun`)."""
+
+    run_dir: str
+    """The run folder: every machine needs a copy at this same path (or a shared file system)."""
+    backend: str
+    commands: list[tuple[str, str]]
+    """``(machine name, command)`` in topology order: machine ``k`` is torchrun's node ``k``."""
+
+
+def prepare_torchrun(cfg: ExecuteConfig, endpoint: str, graph=None) -> TorchrunLaunch:
+    """Check and predict ``cfg`` as :func:`execute` does, write the run folder ``cfg.run_dir``
+    (required) for ranks on the topology's machines, and return the ``torchrun`` command of each
+    machine: static rendezvous at ``endpoint`` (``HOST:PORT`` of machine 0, reachable from every
+    machine), node rank = the machine's place in the topology, one process per device. After the
+    run, :func:`report_torchrun` (``tag execute ... --report``) reads its results."""
+    import shlex
+
+    if cfg.run_dir is None:
+        raise TagError("--torchrun: expected --run-dir too (the folder every machine runs from)")
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TagError(f"--torchrun: expected HOST:PORT of the first machine, got {endpoint!r}")
+    pre = _prepare(cfg, graph, machines=True)
+    topo = pre.topology
+    cmds = [(m.name,
+             f"torchrun --nnodes={topo.num_machines} --node-rank={k} --nproc-per-node={m.count} "
+             f"--master-addr={shlex.quote(host)} --master-port={port} --max-restarts=0 "
+             f"-m tag.executor.worker {shlex.quote(str(pre.args_path))}")
+            for k, m in enumerate(topo.machines)]
+    return TorchrunLaunch(str(pre.run_dir), pre.backend, cmds)
+
+
+def report_torchrun(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
+    """The result of a finished ``torchrun`` run prepared by :func:`prepare_torchrun` with the
+    same ``cfg`` (its run folder's ``ranks.json``, written by rank 0), with the prediction and
+    ``trace.json`` of a local run."""
+    import json
+
+    if cfg.run_dir is None:
+        raise TagError("--report: expected --run-dir (the folder of the torchrun run)")
+    run_dir = Path(cfg.run_dir).absolute()
+    args_path = run_dir / "args.json"
+    if not args_path.exists():
+        raise TagError(f"--report: {args_path} does not exist; expected the folder of a run prepared with --torchrun")
+    ran = json.loads(args_path.read_text())
+    from ..graph.ir import OpGraph
+    from ..plan.format import Plan
+    from ..topology import load_topology
+    topology = load_topology(cfg.topology)
+    plan = Plan.load(cfg.plan)
+    if plan.to_dict() != Plan.load(ran["plan"]).to_dict() or topology.to_dict() != load_topology(ran["topology"]).to_dict():
+        raise TagError(f"--report: {run_dir} ran another plan or topology than --plan {cfg.plan} "
+                       f"--topology {cfg.topology}")
+    graph = graph or OpGraph.from_json(Path(ran["graph"]).read_text())
+    sim_res = _predict(graph, topology, plan, False, cfg.profile_dir, ran.get("bucket_bytes"))
+    cfg = ExecuteConfig(**{**asdict(cfg), "steps": ran["steps"], "warmup": ran["warmup"]})
+    return _result(cfg, ran["backend"], sim_res, run_dir)
 
 
 def summarize(cfg: ExecuteConfig, backend: str, ranks: list[dict], predicted: float | None,
@@ -172,13 +264,23 @@ def summarize(cfg: ExecuteConfig, backend: str, ranks: list[dict], predicted: fl
                          ranks=ranks, run_dir=str(run_dir))
 
 
+def _machines_backend(choice: str, topology) -> str:
+    """The backend of ranks on the topology's machines: ``auto`` is NCCL when every device is a GPU
+    (one per rank), else gloo."""
+    if choice == "auto":
+        return "gloo" if any(d.gpu.name == CPU_NAME for d in topology.devices) else "nccl"
+    if choice not in ("gloo", "nccl"):
+        raise TagError(f"--backend: expected gloo, nccl or auto, got {choice!r}")
+    return choice
+
+
 def _backend(choice: str, topology) -> str:
     import torch
 
     if topology.num_machines > 1:
         raise ExecutionError(f"topology {topology.name!r} spans {topology.num_machines} machines; "
-                             "`tag execute` launches one machine -- run tag.executor.worker under torchrun "
-                             "on each machine (see tag/executor/README.md)")
+                             "`tag execute` launches one machine -- give --run-dir DIR --torchrun HOST:PORT "
+                             "for the torchrun command of each machine (tag/executor/README.md)")
     gpus = torch.cuda.device_count()
     if choice == "auto":
         choice = "nccl" if gpus >= topology.num_devices else "gloo"
