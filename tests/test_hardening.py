@@ -841,7 +841,7 @@ def test_sweep_train_configs(tmp_path, capsys):
 def test_a_run_resumes_only_under_the_config_it_was_started_with(tmp_path, capsys, monkeypatch):
     """`tag train --run-dir R` alone resumes R as it was started (it used to take the defaults, so
     later rounds were labelled and fitted otherwise); a config that changes what the run computes is
-    refused with one line naming the fields, config.json untouched; --force continues under it."""
+    refused with one line naming the fields, config.json untouched; --allow-config-change continues under it."""
     import tag.training.loop as loop_mod
     from tag.cli import main
     from tag.training.config import LoopConfig
@@ -878,5 +878,5 @@ def test_a_run_resumes_only_under_the_config_it_was_started_with(tmp_path, capsy
     line = one_line_error(capsys, "train", "--run-dir", str(run), "--config", str(cfg))
     assert "train.lr 0.001 -> 0.002" in line and "samples_per_round" in line, line
     assert (run / "config.json").read_text() == before
-    assert main(["train", "--run-dir", str(run), "--config", str(cfg), "--force", "--no-progress"]) == 0
+    assert main(["train", "--run-dir", str(run), "--config", str(cfg), "--allow-config-change", "--no-progress"]) == 0
     assert seen[-1].train.lr == 0.002

@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--export", default=None, metavar="FILE", help="copy the final checkpoint here")
     p.add_argument("--no-plan-head", action="store_true",
                    help="skip fitting the plan head (the prior over pipeline decisions) after the last round")
-    p.add_argument("--force", action="store_true",
+    p.add_argument("--allow-config-change", action="store_true",
                    help="resume a run folder under a config other than the one it was started with (rounds "
                         "made under both are then mixed; without it such a resume is refused)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -103,6 +103,6 @@ def run(args) -> int:
     from ..training.loop import run_loop
     cfg = build_config(args)
     t0 = time.perf_counter()
-    final = run_loop(cfg, progress=not args.no_progress, allow_changed=args.force)
+    final = run_loop(cfg, progress=not args.no_progress, allow_changed=args.allow_config_change)
     print_json({"checkpoint": str(final), "run_dir": cfg.run_dir, "wall_seconds": time.perf_counter() - t0})
     return 0

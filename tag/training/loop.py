@@ -115,7 +115,7 @@ def run_loop(cfg: LoopConfig, *, progress: bool = True, allow_changed: bool = Fa
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         raise ConfigError(f"{run_dir / 'config.json'}: the run was started with another config ({shown}{more}); "
                           "expected the same to resume it (tag train --run-dir alone resumes as started; "
-                          "--force continues under the new one, mixing rounds made under both)")
+                          "--allow-config-change continues under the new one, mixing rounds made under both)")
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.save(run_dir / "config.json")
     log = Logger(run_dir, cfg)
