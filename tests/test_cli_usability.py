@@ -69,6 +69,13 @@ def test_unknown_topology_names_the_shipped_ones(capsys):
     assert "\n" not in line and "'local-cpu2'" in line and "'local-cpu4'" in line
     assert main(["topology", "show", "tag-testbd"]) == 2
     assert "did you mean 'tag-testbed'?" in capsys.readouterr().err
+    # a shipped name is shown as its file is (README.md's `tag topology show tag-testbed`), and the
+    # help says so
+    assert main(["topology", "show", "tag-testbed"]) == 0
+    assert capsys.readouterr().out.startswith("Topology 'tag-testbed': 7 machines, 16 devices")
+    topology = _subparsers()["topology"]
+    show = next(a for a in topology._actions if isinstance(a, argparse._SubParsersAction)).choices["show"]
+    assert "shipped topology name" in show.format_help()
 
 
 @pytest.fixture(scope="module")

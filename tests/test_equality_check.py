@@ -10,8 +10,27 @@ import math
 import pytest
 import torch
 
-from tag.executor.equality import ATOL, GPT2, MLP, RTOL, assert_params_equal, check_layouts, compare_params
+from tag.errors import TagError
+from tag.executor.equality import (
+    ATOL,
+    GPT2,
+    MLP,
+    RTOL,
+    assert_params_equal,
+    check_layouts,
+    compare_params,
+    saved_params,
+)
 
+
+def test_saved_params_reads_tensors_only(tmp_path):
+    """A rank's parameter file is read as every .pt file (tag.io.load_tensors, SECURITY.md): tensors
+    come back; a file naming any other Python object is refused in one line before it runs."""
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "params-rank0.pt")
+    assert torch.equal(saved_params(tmp_path, 1)[0]["w"], torch.arange(3.0))
+    torch.save({"w": math.sqrt}, tmp_path / "params-rank1.pt")
+    with pytest.raises(TagError, match=r"params-rank1\.pt: not a parameter file: it holds Python objects"):
+        saved_params(tmp_path, 2)
 
 def test_compare_params_measures_against_the_tolerance():
     ref = {"a": torch.tensor([1.0, -2.0, 0.0]), "b": torch.tensor([[0.5]])}

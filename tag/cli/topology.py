@@ -9,8 +9,8 @@ def register(sub) -> None:
     p = sub.add_parser("topology", help="show a topology file or detect the local one",
                        description="Inspect cluster topologies (machines, GPUs, links).")
     tsub = p.add_subparsers(dest="topology_command", metavar="ACTION", required=True)
-    show = tsub.add_parser("show", help="print a topology YAML/JSON file as a table")
-    show.add_argument("file", help="topology YAML or JSON file")
+    show = tsub.add_parser("show", help="print a topology (YAML/JSON file or shipped name) as a table")
+    show.add_argument("file", help="topology YAML/JSON file or shipped topology name (e.g. tag-testbed)")
     show.add_argument("--json", action="store_true", help="print the parsed topology as JSON (base units)")
     show.set_defaults(func=run_show)
     det = tsub.add_parser("detect", help="describe this machine (CUDA GPUs, else the CPU) as a topology")

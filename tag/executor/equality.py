@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+from ..errors import TagError
+from ..io import load_tensors
+
 RTOL = 1e-4
 """Relative tolerance of executed against single-process parameters (fp32; tests/test_executor.py)."""
 ATOL = 1e-6
@@ -141,8 +144,11 @@ def assert_params_equal(params_by_rank: dict[int, dict[str, torch.Tensor]], ref:
 
 
 def saved_params(run_dir: str | Path, world_size: int) -> dict[int, dict[str, torch.Tensor]]:
-    """Each rank's ``params-rank<R>.pt`` of a ``tag execute --save-params`` run folder (on the CPU)."""
-    return {r: torch.load(Path(run_dir) / f"params-rank{r}.pt", map_location="cpu") for r in range(world_size)}
+    """Each rank's ``params-rank<R>.pt`` of a ``tag execute --save-params`` run folder (on the CPU),
+    read as every ``.pt`` file is (:func:`tag.io.load_tensors`: tensors and plain containers only;
+    anything else is a one-line :class:`~tag.errors.TagError` naming the file)."""
+    return {r: load_tensors(Path(run_dir) / f"params-rank{r}.pt", TagError, "parameter file")
+            for r in range(world_size)}
 
 
 def one_machine_topology(folder: Path, devices: int, device: str) -> Path:
