@@ -39,6 +39,17 @@ def test_help_loads_no_torch():
     assert r.stdout.strip() == "[]"
 
 
+def test_output_into_a_closed_pipe_is_quiet():
+    """`tag topology show X | head -1`: the reader has gone before the output is written; the
+    program stops with 128 + SIGPIPE and no traceback (it printed BrokenPipeError's)."""
+    for argv in (["topology", "show", "tag-testbed"], ["inspect", "--list"]):
+        p = subprocess.Popen([sys.executable, "-m", "tag", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        p.stdout.close()  # the reader is gone before anything is written
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == 141 and err == "", (argv, err)
+
+
 def test_version(capsys):
     import tomllib
 

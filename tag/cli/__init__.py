@@ -76,6 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"tag {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`tag topology show X | head -1`): stop, as cat does
+        return _closed_stdout()
+
+
+def _closed_stdout() -> int:
+    """Exit status after a write to a closed pipe: 128 + SIGPIPE, stdout pointed at /dev/null so
+    that the interpreter's flush at exit does not fail on it again (Python's documented recipe)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
 
 
 def entry() -> int:
@@ -90,6 +99,10 @@ def entry() -> int:
     writes them whole); only ``__del__`` of objects in such cycles does not run, as Python does not
     promise it at exit. Tests call :func:`main`, which leaves the collector as it was."""
     code = main()
+    try:
+        sys.stdout.flush()  # what is still buffered, here rather than in the interpreter's exit
+    except BrokenPipeError:
+        code = _closed_stdout()
     gc.freeze()
     return code
 
