@@ -7,6 +7,7 @@ Public API (imported lazily so ``import tag`` stays cheap)::
     topo = tag.load_topology("tag-testbed")     # a shipped topology, or a YAML/JSON path
     plan = tag.find_plan(cap.graph, topo)       # GNN-guided MCTS -> tag.Plan
     result = tag.simulate(cap.graph, topo, plan)
+    measured = tag.execute(tag.ExecuteConfig(spec, topology_path, plan_path))  # one machine
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ _EXPORTS = {
     "simulate": ("tag.sim", "simulate"),
     "Simulator": ("tag.sim", "Simulator"),
     "execute": ("tag.executor", "execute"),
+    "ExecuteConfig": ("tag.executor", "ExecuteConfig"),
+    "prepare_torchrun": ("tag.executor", "prepare_torchrun"),
+    "report_torchrun": ("tag.executor", "report_torchrun"),
     "apply_sfb": ("tag.parallel", "apply_sfb"),
     "TagError": ("tag.errors", "TagError"),
 }
