@@ -7,6 +7,7 @@ Public API (imported lazily so ``import tag`` stays cheap)::
     topo = tag.load_topology("tag-testbed")     # a shipped topology, or a YAML/JSON path
     plan = tag.find_plan(cap.graph, topo)       # GNN-guided MCTS -> tag.Plan
     result = tag.simulate(cap.graph, topo, plan)
+    hand = tag.simulate(cap.graph, topo, tag.layout_plan(cap.graph, topo, "dp=8,pp=2,micro=2"))
     measured = tag.execute(tag.ExecuteConfig(spec, topology_path, plan_path))  # one machine
 """
 
@@ -28,6 +29,7 @@ _EXPORTS = {
     "GroupPlan": ("tag.plan", "GroupPlan"),
     "data_parallel": ("tag.cost.baselines", "data_parallel"),
     "find_plan": ("tag.planner", "find_plan"),
+    "layout_plan": ("tag.planner", "layout_plan"),
     "validate_plan": ("tag.parallel", "validate_plan"),
     "execution_refusal": ("tag.parallel", "execution_refusal"),
     "build_schedule": ("tag.parallel", "build_schedule"),

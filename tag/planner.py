@@ -228,6 +228,21 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     return p
 
 
+def layout_plan(graph, topology, layout, costs=None) -> Plan:
+    """The plan of a Megatron-style layout, as ``tag simulate --layout`` costs it: ``layout`` a
+    string ``"dp=D,tp=T,pp=P,micro=M[,schedule=1f1b|gpipe|kfkb,k=K]"`` or a parsed
+    :class:`tag.parallel.layout.Layout`; even layer cuts balanced by ``costs`` (default: the
+    topology's :class:`~tag.cost.CostModel`), stages placed machine-major in the topology's device
+    order. A layout the topology or the batch cannot hold is one :class:`~tag.errors.PlanError`
+    line; whether it fits in memory is the simulation's ``oom``."""
+    from .cost.model import CostModel
+    from .parallel.layout import layout_plan as _layout_plan
+    from .parallel.layout import parse_layout
+
+    lay = parse_layout(layout) if isinstance(layout, str) else layout
+    return _layout_plan(graph, topology, lay, costs if costs is not None else CostModel.for_topology(graph, topology))
+
+
 def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, against_search: bool = False,
                deadline: float = math.inf) -> Plan:
     """``p``, or the best hand-written layout (:func:`tag.search.layouts.grid_search`, pruned by

@@ -43,3 +43,22 @@ def test_pipeline_end_to_end(tmp_path):
     # same seed, same plan
     again = tag.find_plan(graph, topo, searcher="mcts", prior="uniform", budget=20, seed=3)
     assert [g.key() for g in again.groups] == [g.key() for g in plan.groups]
+
+
+def test_layout_plan_from_a_string():
+    """`tag.layout_plan(graph, topo, "dp=..,pp=..")`: what `tag simulate --layout` costs, from Python;
+    a layout the topology cannot hold is one PlanError line."""
+    from tag.cost.model import CostModel
+    from tag.errors import PlanError
+    from tag.parallel.layout import layout_plan, parse_layout
+
+    graph = tag.capture(tag.load_workload("mlp", batch=16), num_groups=4).graph
+    topo = tag.load_topology("cloud-t4")  # 8 T4s on 4 machines
+    plan = tag.layout_plan(graph, topo, "dp=4,pp=2,micro=2")
+    ref = layout_plan(graph, topo, parse_layout("dp=4,pp=2,micro=2"), CostModel.for_topology(graph, topo))
+    assert plan.to_dict() == ref.to_dict() and plan.pipeline is not None and len(plan.pipeline.stages) == 2
+    assert tag.simulate(graph, topo, plan).iteration_time_s > 0
+    with pytest.raises(PlanError, match=r"dp\*tp\*pp = 3\*1\*1 = 3 devices, but topology 'cloud-t4' has 8"):
+        tag.layout_plan(graph, topo, "dp=3")
+    with pytest.raises(PlanError, match="layout: foo: unknown key"):
+        tag.layout_plan(graph, topo, "foo=2")
