@@ -202,3 +202,22 @@ def test_validation_table_aligns_long_plan_names():
     assert text[0].index("predicted ms") > len("a-very-long-plan-name-indeed")
     assert text[2].split() == ["dp-even", "10.50", "11.00", "4.5"] and text[3].endswith(" 5.3")
     assert len({len(line) for line in text[:4]}) == 1  # every row as wide as the header
+
+
+def test_plan_says_how_to_run_it(tmp_path, capsys):
+    """After `plan written to X`: the `tag execute` command that runs it (with the optimizer the
+    plan was made for), and for a topology of several machines the --torchrun form."""
+    import shlex
+
+    out = tmp_path / "p.json"
+    assert main([*PLAN, "--optimizer", "sgd", "--out", str(out)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("run it: tag execute ") and "--torchrun" not in line, line
+    argv = shlex.split(line.removeprefix("run it: tag "))
+    assert argv[argv.index("--plan") + 1] == str(out) and argv[argv.index("--optimizer") + 1] == "sgd"
+    two = tmp_path / "two.yaml"
+    two.write_text("name: two\nmachines:\n  - {name: a, gpu: T4, count: 1}\n  - {name: b, gpu: T4, count: 1}\n"
+                   "network: {bandwidth: 10 Gbit/s}\n")
+    assert main(["plan", "--model", "mlp", "--batch", "8", "--groups", "2", "--topology", str(two), "--prior",
+                 "uniform", "--budget", "6", "--out", str(tmp_path / "p2.json")]) == 0
+    assert "--run-dir DIR --torchrun HOST0:29500" in capsys.readouterr().out.strip().splitlines()[-1]
