@@ -98,6 +98,11 @@ def test_torchrun_bad_input_is_one_line(setup, tmp_path, capsys):
     assert not (tmp_path / "r").exists()  # nothing written for a refused endpoint
     assert "expected the folder of a run prepared with --torchrun" in error("--run-dir", str(tmp_path), "--report")
     assert "expected one of them" in error("--run-dir", str(tmp_path), "--report", "--torchrun", "h:1")
+    (tmp_path / "args.json").write_text("{ damaged")
+    assert "args.json: line 1: not valid JSON" in error("--run-dir", str(tmp_path), "--report")
+    (tmp_path / "args.json").write_text("[]")
+    assert "expected the run arguments --torchrun writes" in error("--run-dir", str(tmp_path), "--report")
+    (tmp_path / "args.json").unlink()
     assert main([*base, "--run-dir", str(tmp_path / "r"), "--torchrun", "10.0.0.1:29500"]) == 0
     out = capsys.readouterr().out
     assert "--node-rank=0" in out and "--node-rank=1" in out and "--master-addr=10.0.0.1" in out

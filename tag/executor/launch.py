@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import OutOfMemoryError, PlanError, TagError
-from ..io import check_folder, write_json
+from ..io import check_folder, read_json, write_json
 from ..parallel import validate_plan
 from ..topology.catalog import CPU_NAME
 from .profiling import ENV as PROFILE_ENV
@@ -227,15 +227,15 @@ def report_torchrun(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     """The result of a finished ``torchrun`` run prepared by :func:`prepare_torchrun` with the
     same ``cfg`` (its run folder's ``ranks.json``, written by rank 0), with the prediction and
     ``trace.json`` of a local run."""
-    import json
-
     if cfg.run_dir is None:
         raise TagError("--report: expected --run-dir (the folder of the torchrun run)")
     run_dir = Path(cfg.run_dir).absolute()
     args_path = run_dir / "args.json"
     if not args_path.exists():
         raise TagError(f"--report: {args_path} does not exist; expected the folder of a run prepared with --torchrun")
-    ran = json.loads(args_path.read_text())
+    ran = read_json(args_path, TagError, "run arguments")
+    if not isinstance(ran, dict) or not {"plan", "topology", "graph", "steps", "warmup", "backend"} <= set(ran):
+        raise TagError(f"--report: {args_path}: expected the run arguments --torchrun writes")
     from ..graph.ir import OpGraph
     from ..plan.format import Plan
     from ..topology import load_topology
