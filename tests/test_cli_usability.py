@@ -221,3 +221,25 @@ def test_plan_says_how_to_run_it(tmp_path, capsys):
     assert main(["plan", "--model", "mlp", "--batch", "8", "--groups", "2", "--topology", str(two), "--prior",
                  "uniform", "--budget", "6", "--out", str(tmp_path / "p2.json")]) == 0
     assert "--run-dir DIR --torchrun HOST0:29500" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_simulate_saves_the_layout_it_costs(tmp_path, capsys):
+    """`tag simulate --layout ... --save-plan P`: the plan file `tag execute` runs (a hand-written
+    layout could only be costed before, not run); the output rules hold for it."""
+    import tag
+    from tag.parallel import execution_refusal
+
+    out = tmp_path / "lay.json"
+    argv = ["simulate", "--model", "mlp", "--batch", "8", "--groups", "4", "--topology", "local-cpu2",
+            "--layout", "pp=2,micro=2", "--save-plan", str(out)]
+    assert main(argv) == 0
+    assert f"plan written to {out}" in capsys.readouterr().out
+    plan = tag.Plan.load(out)
+    graph = tag.capture(tag.load_workload("mlp", batch=8), num_groups=4).graph
+    topo = tag.load_topology("local-cpu2")
+    assert plan.to_dict()["pipeline"] == tag.layout_plan(graph, topo, "pp=2,micro=2").to_dict()["pipeline"]
+    assert execution_refusal(plan) is None and plan.predicted_iteration_time_s > 0
+    assert main(argv) == 2 and "exists; pass --force" in capsys.readouterr().err
+    assert main(["simulate", "--model", "mlp", "--batch", "8", "--groups", "4", "--topology", "local-cpu2",
+                 "--plan", str(out), "--save-plan", str(out)]) == 2
+    assert "is an input of this command" in capsys.readouterr().err

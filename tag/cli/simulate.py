@@ -44,6 +44,8 @@ def register(sub) -> None:
                           "op-group recomputes its activations in its backward); D*T*P must equal the "
                           "topology's device count")
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline in Chrome/Perfetto trace format")
+    p.add_argument("--save-plan", metavar="PLAN.json",
+                   help="write the simulated plan (the layout's or baseline's) as a plan file, for `tag execute`")
     p.add_argument("--profiles", metavar="DIR", type=folder, default=None, help=PROFILES_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--all-devices", action="store_true",
@@ -67,7 +69,7 @@ def run(args) -> int:
 
     if args.baseline is not None and args.baseline not in BASELINES:
         raise TagError(f"--baseline: unknown baseline {args.baseline!r}; expected one of {', '.join(BASELINES)}")
-    check_outputs(args, trace=args.trace)
+    check_outputs(args, trace=args.trace, save_plan=args.save_plan)
     layout = parse_layout(args.layout) if args.layout is not None else None  # a typo fails before any capture
     topo = load_topology(args.topology)
     if layout is not None:
@@ -98,6 +100,9 @@ def run(args) -> int:
     lb = lower_bound(graph, topo, costs)
     if args.trace:
         write_json(args.trace, res.chrome_trace(), indent=None)
+    if args.save_plan:
+        plan.predicted_iteration_time_s = None if res.oom else float(res.iteration_time_s)
+        plan.save(args.save_plan)
     sources = _sources(costs, topo)
     if args.json:
         out = {"model": graph.model, "batch_size": graph.batch_size, "topology": topo.name,
@@ -150,6 +155,8 @@ def _print_summary(graph, topo, args, res, lb, sources) -> None:
     print("critical path: " + " -> ".join(shown))
     if args.trace:
         print(f"trace written to {args.trace}")
+    if args.save_plan:
+        print(f"plan written to {args.save_plan}")
 
 
 def _what(args) -> str:
