@@ -14,6 +14,18 @@ def cache_dir() -> Path:
     return user_dir("cache")
 
 
+def total_ram_bytes() -> int:
+    """This machine's memory, bytes (``MemTotal`` of ``/proc/meminfo``, else ``sysconf``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024  # /proc/meminfo reports kB (KiB)
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     """Write ``data`` to ``path`` via a temp file in the same folder and ``os.replace``.
 

@@ -305,7 +305,7 @@ def test_inputs_beyond_the_machine_are_refused_before_they_are_made(monkeypatch)
     memory is one WorkloadError naming the spec and the sizes, nothing allocated; abstract inputs
     are never made for real and have the real ones' shapes and dtypes."""
     import tag.workloads.zoo as zoo
-    monkeypatch.setattr(zoo, "_physical_memory_bytes", lambda: 2**30)  # a 1 GiB machine
+    monkeypatch.setattr(zoo, "total_ram_bytes", lambda: 2**30)  # a 1 GiB machine
     with pytest.raises(WorkloadError, match=r"'mlp:in_dim=4096': a batch of 65536 is 1\.0 GiB of example inputs; "
                                             r"expected at most 0\.5 of this machine's 1\.0 GiB"):
         load_workload("mlp:in_dim=4096", batch=65536)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
-import os
 import platform
 import re
 import time
@@ -20,7 +19,7 @@ from types import MappingProxyType
 
 from tag.errors import TopologyError
 
-from ..io import cache_dir, write_atomic
+from ..io import cache_dir, total_ram_bytes, write_atomic
 
 __all__ = ["GPUSpec", "GPU_CATALOG", "get_gpu", "match_gpu_name", "local_cpu_spec", "cache_dir"]
 
@@ -167,17 +166,6 @@ def get_gpu(name: str) -> GPUSpec:
 # ------------------------------------------------------------------------------------- local CPU
 
 
-def _total_ram_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024  # /proc/meminfo reports kB (KiB)
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def _round_sig(value: float, digits: int = 3) -> float:
     """Round a measurement to a few significant digits (noise is larger than that anyway)."""
     return float(f"{value:.{digits - 1}e}")
@@ -209,7 +197,7 @@ def _measure_cpu() -> GPUSpec:
     bandwidth = _best_rate(lambda: dst.copy_(src), 2.0 * elements * 4, budget_s=0.35)
     flops = _round_sig(flops)
     # CPU autocast matmuls are not faster than FP32 on typical CPUs: use the FP32 rate for both.
-    return GPUSpec(CPU_NAME, flops, flops, _total_ram_bytes(), _round_sig(bandwidth))
+    return GPUSpec(CPU_NAME, flops, flops, total_ram_bytes(), _round_sig(bandwidth))
 
 
 def local_cpu_spec(*, refresh: bool = False) -> GPUSpec:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tag.errors import WorkloadError
+from tag.io import total_ram_bytes
 from tag.workloads.factory import LossWrapper
 from tag.workloads.vision import MLP, NORMS, RESNET_LAYOUTS, VGG, VGG_LAYOUTS, ResNet
 
@@ -365,14 +366,6 @@ without ``abstract``, profiling, every rank of ``tag execute``), may take: beyon
 refused before it is made (`gpt2:seq=100000000` used to be sampled until the machine ran out)."""
 
 
-def _physical_memory_bytes() -> int:
-    """This machine's memory, bytes (``sysconf``; 2**62 where it cannot be read)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 2**62
-
-
 def load_zoo(spec: str, name: str, overrides: str, batch: int | None, seed: int, *,
              abstract: bool = False, blocks: int | None = None) -> ZooResult:
     """Build zoo model ``name`` with ``overrides`` (``"k=v,..."``) under ``seed``.
@@ -404,11 +397,11 @@ def load_zoo(spec: str, name: str, overrides: str, batch: int | None, seed: int,
             shapes = tuple(sample(b, torch.Generator().manual_seed(seed)))
         if abstract:
             return shapes
-        nbytes = sum(t.numel() * t.element_size() for t in shapes)
-        if nbytes > INPUT_MEMORY_FRACTION * _physical_memory_bytes():
+        nbytes, ram = sum(t.numel() * t.element_size() for t in shapes), total_ram_bytes()
+        if nbytes > INPUT_MEMORY_FRACTION * ram:
             raise WorkloadError(f"workload {spec!r}: a batch of {b} is {nbytes / 2**30:.1f} GiB of example inputs; "
                                 f"expected at most {INPUT_MEMORY_FRACTION:g} of this machine's "
-                                f"{_physical_memory_bytes() / 2**30:.1f} GiB (a smaller batch, seq or image)")
+                                f"{ram / 2**30:.1f} GiB (a smaller batch, seq or image)")
         return sample(b, torch.Generator().manual_seed(seed))
 
     b = entry.batch if batch is None else batch
