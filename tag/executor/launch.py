@@ -101,10 +101,9 @@ class ExecuteResult:
 
 @dataclass
 class _Prepared:
-    """A checked plan, its graph, topology and prediction, and the run folder's worker files."""
+    """A checked plan's topology, backend and prediction, and the run folder's worker files."""
 
     topology: object
-    graph: object
     backend: str
     sim_res: object
     run_dir: Path
@@ -164,7 +163,7 @@ def _prepare(cfg: ExecuteConfig, graph, *, machines: bool) -> _Prepared:
                        launcher_pid=None if machines else os.getpid(), precision=graph.precision,
                        bucket_bytes=cfg.bucket_bytes, profile_ops=os.environ.get(PROFILE_ENV))
     write_json(args_path, asdict(wargs))
-    return _Prepared(topology, graph, backend, sim_res, run_dir, args_path)
+    return _Prepared(topology, backend, sim_res, run_dir, args_path)
 
 
 def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
