@@ -36,6 +36,15 @@ def topo4():
     return load_topology("topologies/local-cpu4.yaml")
 
 
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a test's own process group or torchrun rendezvous)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(autouse=True)
 def _tag_cache(tmp_path_factory, monkeypatch):
     """Keep TAG's user cache (measured CPU spec, ...) inside the test session."""

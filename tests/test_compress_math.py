@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -73,12 +71,6 @@ def test_sfb_kernel_recomputes_real_gradients_and_splits_sum_up(captured):
 
 
 # ------------------------------------------------------------------------------ 2-rank gloo
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, counts: list[int]) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(counts))
     try:
@@ -105,5 +97,5 @@ def _worker(rank: int, port: int, counts: list[int]) -> None:
         dist.destroy_process_group()
 
 
-def test_two_rank_gloo_allgather_matches_allreduce():
-    mp.spawn(_worker, args=(_free_port(), [3, 5]), nprocs=2, join=True)
+def test_two_rank_gloo_allgather_matches_allreduce(free_port):
+    mp.spawn(_worker, args=(free_port, [3, 5]), nprocs=2, join=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import subprocess
 import sys
 
@@ -30,12 +29,6 @@ network: {bandwidth: "5 GB/s"}
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("torchrun")
@@ -48,20 +41,19 @@ def setup(tmp_path_factory):
     return tmp, topo_path, plan_path, graph
 
 
-def test_two_torchrun_machines_train_as_one_process(setup, capsys):
+def test_two_torchrun_machines_train_as_one_process(setup, capsys, free_port):
     tmp, topo_path, plan_path, graph = setup
     run_dir = tmp / "run"
     cfg = ExecuteConfig("mlp", str(topo_path), str(plan_path), optimizer=OPTIMIZER, groups=4, steps=2, warmup=0,
                         save_params=True, run_dir=str(run_dir), timeout_s=60)
-    port = _free_port()
-    launch = prepare_torchrun(cfg, f"127.0.0.1:{port}", graph=graph)
+    launch = prepare_torchrun(cfg, f"127.0.0.1:{free_port}", graph=graph)
     assert launch.backend == "gloo" and [m for m, _ in launch.commands] == ["m0", "m1"]
     assert {"args.json", "graph.json", "plan.json", "topology.json"} <= {p.name for p in run_dir.iterdir()}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     procs = []
     for k, (_, cmd) in enumerate(launch.commands):
         argv = shlex.split(cmd)
-        assert argv[0] == "torchrun" and f"--node-rank={k}" in argv and f"--master-port={port}" in argv
+        assert argv[0] == "torchrun" and f"--node-rank={k}" in argv and f"--master-port={free_port}" in argv
         procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv[1:]], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:
