@@ -211,7 +211,7 @@ def test_open_pipeline_choices_follow_the_completion(tmp_path, pipe_space):
     fn = Predictor.load(ck).bind_plan(space, ev.t_ref, ev.simulator)
     got = fn.complete({"stages": p})
     assert set(got) == set(PLAN_DECISIONS) and got["stages"] == p
-    assert all(got[n] in space.options(n, p) for n in PLAN_DECISIONS[1:])
+    assert all(got[n] in space.options_at(n, got) for n in PLAN_DECISIONS[1:])
     assert fn.complete({"stages": p}) == got
     assert fn.complete({"stages": p, "micro": micro[-1]})["micro"] == micro[-1]  # made choices are kept
 
@@ -275,3 +275,70 @@ def test_a_plan_head_changes_no_label_of_tag_train(tmp_path):
                         pipelines=True)
     ev = Evaluator(space, None)
     assert space.plan_options and Predictor(net, plan_head=True).bind_plan(space, ev.t_ref, ev.simulator) is not None
+
+
+def _small_gpus(memory_bytes: float, n: int = 4):
+    from tag.topology import load_topology
+    gpu = {"name": "small", "tflops": 10, "memory": f"{int(memory_bytes)} B", "memory_bandwidth": "500 GB/s"}
+    return load_topology({"name": "small", "machines": [{"name": "m0", "gpu": gpu, "count": n,
+                                                          "intra_bandwidth": "100 GB/s"}]})
+
+
+def test_completion_skips_options_the_bound_puts_out_of_memory(captured):
+    """The head's most likely option is taken unless the simulator's static bound puts its pipeline
+    out of memory: on devices that hold a 2-stage pipeline's 1F1B activations but not GPipe's,
+    a head that prefers GPipe completes with a schedule that fits (the network stands in here by
+    fixed scores: the completion rule is under test)."""
+    from tag.gnn.predictor import PlanHeadPrior
+    from tag.sim import Simulator
+
+    graph = captured("gpt2:n_layer=2,n_embd=64", 16, groups=8).graph
+
+    def peak(topo, key):
+        sp = ActionSpace(graph, topo, pipelines=True)
+        groups, pipe = sp.pipeline_plan(key)
+        return max(Simulator(graph, topo, sp.cost_model).run(groups, pipeline=pipe).peak_memory_bytes)
+
+    big = _small_gpus(1e12)
+    key = ("pp", 2, 8, 1, "1f1b", 1, "time")
+    gpipe = ("pp", 2, 8, 1, "gpipe", 1, "time")
+    low, high = peak(big, key), peak(big, gpipe)
+    assert high > 1.2 * low  # GPipe keeps all 8 micro-batches' activations alive, 1F1B at most 2
+    topo = _small_gpus((low + high) / 2)
+    space = ActionSpace(graph, topo, pipelines=True)
+    ev = Evaluator(space, None)
+    cap = topo.devices[0].gpu.memory_bytes
+    assert peak(topo, key) <= cap < peak(topo, gpipe)  # (as built; the search would recompute to fit)
+
+    class PrefersGPipe(PlanHeadPrior):
+        def scores(self, sp, chosen, decision, feedback):
+            opts = sp.options_at(PLAN_DECISIONS[decision], chosen)
+            return np.array([2.0 if o == ("gpipe", 1) else 1.0 for o in opts]) / len(opts)
+
+    net = TagNet(NetConfig(hidden=16, layers=1, heads=2))
+    head = PrefersGPipe(Predictor(net), space, ev.t_ref, ev.simulator)
+    chosen = {"stages": 2, "cut": "time", "stage_sync": 1, "micro": 8}
+    assert head.complete(chosen)["schedule"] != ("gpipe", 1)
+    assert peak(topo, space.default_pipeline_key(head.complete(chosen))) <= cap
+    roomy = ActionSpace(graph, big, pipelines=True)  # where GPipe fits, the head's choice stands
+    ev_big = Evaluator(roomy, None)
+    assert PrefersGPipe(Predictor(net), roomy, ev_big.t_ref, ev_big.simulator).complete(chosen)["schedule"] == ("gpipe", 1)
+
+
+def test_micro_batch_options_count_a_tensor_parallel_replica_once(pipe_space):
+    """A tensor-parallel stage's replica is ``tp`` devices sharing its samples, so more micro-batches
+    fit the batch than with data-parallel stages (as in the layout grid); a path that picks one
+    decodes to a plan the layouts build."""
+    space, ev, _ = pipe_space
+    p = 2
+    t = max(space.options("stage_sync", p))
+    assert t > 1
+    dp_micro, tp_micro = space.options("micro", p), space.options("micro", p, t)
+    w = space.num_devices // p
+    assert max(dp_micro) * w <= space.graph.batch_size < 2 * max(dp_micro) * w
+    assert tp_micro[: len(dp_micro)] == dp_micro and max(tp_micro) * (w // t) <= space.graph.batch_size
+    assert len(tp_micro) > len(dp_micro)
+    path = [space.options("stages", 1).index(p), 0, space.options("stage_sync", p).index(t), len(tp_micro) - 1, 0]
+    key = space.resolve_path(path)
+    assert key[1:4] == (p, max(tp_micro), t) and space.plan_of(key) is not None
+    assert space.options_at("micro", space.decode(path)[1]) == tp_micro

@@ -62,8 +62,7 @@ def plan_option_features(space: ActionSpace, chosen: dict | None, decision: int,
         lower_bound_s: the whole cluster's compute bound (s)."""
     name = PLAN_DECISIONS[decision]
     base = dict(chosen or {})
-    stages = base.get("stages", 1)
-    opts = space.options(name, stages)
+    opts = space.options_at(name, base)
     sched = [s for s in space.options("schedule", 2)][:SCHEDULE_COLUMNS] if space.plan_options else []
     n_dev = space.num_devices
     out = np.zeros((len(opts), PLAN_FEATURES))

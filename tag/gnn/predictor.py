@@ -243,13 +243,22 @@ class PlanHeadPrior:
 
     def complete(self, chosen: dict) -> dict:
         """``chosen`` with every undecided plan-level choice made, in decision order, as the head's
-        most likely option (for :attr:`tag.search.space.ActionSpace.pipeline_completion`; memoised)."""
+        most likely option whose pipeline (completed by the fixed defaults, as the head's option
+        features describe it) the simulator's static bound does not put out of memory, else the
+        most likely one (for :attr:`tag.search.space.ActionSpace.pipeline_completion`; memoised).
+        The bound's out-of-memory is sound (its peak memory is at most the simulator's), so a
+        pipeline that fits is never passed over: on llama-7b (bf16, batch 64) over
+        ``hetero-64gpu`` the head's most likely schedule, GPipe, runs every pipeline out of
+        memory; 1F1B fits (2026-11-27)."""
         from ..search.space import PLAN_DECISIONS
         key = tuple(sorted(chosen.items()))
         if key not in self._completed:
-            c = dict(chosen)
+            c, sp = dict(chosen), self.space
             for d, name in enumerate(PLAN_DECISIONS):
                 if name not in c:
-                    c[name] = self.space.options(name, c["stages"])[int(np.argmax(self.scores(self.space, c, d, None)))]
+                    opts = sp.options_at(name, c)
+                    order = np.argsort(-self.scores(sp, c, d, None), kind="stable")
+                    fits = (i for i in order if not self.bound(sp.default_pipeline_key({**c, name: opts[i]}))[1])
+                    c[name] = opts[int(next(fits, order[0]))]
             self._completed[key] = c
         return dict(self._completed[key])

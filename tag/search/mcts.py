@@ -100,8 +100,7 @@ def uniform_prior(space: ActionSpace, states: Sequence[SearchState]) -> tuple[np
 def plan_prior(space: ActionSpace, state: SearchState) -> np.ndarray:
     """[A] uniform over the options of the state's plan-level decision (action ``i`` is option
     ``i``; a larger index means option ``i mod n``, as an equivalent action does)."""
-    stages = (state.pipeline or {}).get("stages", 1)
-    n = len(space.options(PLAN_DECISIONS[state.plan_decision], stages))
+    n = len(space.options_at(PLAN_DECISIONS[state.plan_decision], state.pipeline))
     p = (np.arange(space.num_actions) < n).astype(np.float64)
     if state.plan_decision == 0 and n > 1:  # no pipeline: TAG's whole space below it
         p[1:n] = (1.0 - NO_PIPELINE_PRIOR) / (n - 1)

@@ -68,8 +68,10 @@ def simulated_annealing(space: ActionSpace, evaluator: Evaluator, rng: np.random
         if space.plan_options and rng.random() < plan_prob:  # re-decide one plan-level choice
             stages = new_plan.get("stages", 1)  # without a pipeline only its stage count means anything
             name = PLAN_DECISIONS[int(rng.integers(len(PLAN_DECISIONS)))] if stages > 1 else "stages"
-            opts = space.options(name, stages)
+            opts = space.options_at(name, new_plan)
             new_plan[name] = opts[int(rng.integers(len(opts)))]
+            if name == "stage_sync" and new_plan.get("micro") not in space.options_at("micro", new_plan):
+                del new_plan["micro"]  # a tp stage's replica shares its samples: fewer micro-batches fit data parallel
             if name == "stages":  # the other choices' options depend on the stage count
                 new_plan = {"stages": new_plan["stages"]}
         else:
@@ -111,8 +113,10 @@ def tpe_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generato
         if stages > 1:
             chosen = {"stages": stages}
             for name in PLAN_DECISIONS[1:]:
-                opts = space.options(name, stages)
-                chosen[name] = opts[trial.suggest_categorical(f"{name}@{stages}", list(range(len(opts))))]
+                opts = space.options_at(name, chosen)
+                # (the micro-batch counts depend on the stages' deployment: one parameter per deployment)
+                at = f"{name}@{stages}" + (f"/{chosen['stage_sync']}" if name == "micro" else "")
+                chosen[name] = opts[trial.suggest_categorical(at, list(range(len(opts))))]
             acts = space.pipeline_key(chosen)
         else:
             acts = tuple(trial.suggest_categorical(f"g{g}", choices) for g in range(space.num_groups))

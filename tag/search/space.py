@@ -115,7 +115,7 @@ from ..cost.comm import CommModel
 from ..errors import PlanError
 from ..parallel import DataParallel, TensorParallel, get_strategy, strategy_names, strategy_of
 from ..parallel.layout import MICRO_BATCHES, Layout, layout_plan, tp_degrees
-from ..parallel.pipeline import searched_schedules, spell_schedule
+from ..parallel.pipeline import iteration_program, searched_schedules, spell_schedule
 from ..parallel.tensor_parallel import aligned_cuts, block_groups, megatron_blocks
 from ..plan.format import GroupPlan, PipelinePlan
 from .costs import GroupCosts, default_cost_model
@@ -507,11 +507,14 @@ class ActionSpace:
         stages = [1] + [p for p in range(2, min(n, k) + 1) if n % p == 0 and n // p <= b]
         return {"stages": stages[: self.num_actions]} if len(stages) > 1 else {}
 
-    def options(self, name: str, stages: int) -> list:
+    def options(self, name: str, stages: int, stage_sync: int = 1) -> list:
         """Options of plan-level decision ``name`` for a pipeline of ``stages`` stages (placed
         machine-major, ``D / stages`` devices each, as :func:`tag.parallel.layout.layout_plan`
-        places them). ``micro``: counts of :data:`~tag.parallel.layout.MICRO_BATCHES` giving every
-        device a sample; ``stage_sync``: 1 (data parallel) or a tensor-parallel degree dividing a
+        places them) whose stages are deployed as ``stage_sync`` (1: data parallel, else the
+        tensor-parallel degree; decided before the micro-batch count). ``micro``: counts of
+        :data:`~tag.parallel.layout.MICRO_BATCHES` giving every replica a sample (a replica of a
+        tensor-parallel stage is ``stage_sync`` devices sharing its samples, as in the layout grid:
+        ``dp=4,tp=4,pp=4,micro=16`` on 64 devices with a batch of 64); ``stage_sync``: 1 (data parallel) or a tensor-parallel degree dividing a
         stage's devices, where enough stage cuts fall between Megatron blocks; ``schedule``:
         every registered schedule's searched ``(schedule, k)``
         (:func:`~tag.parallel.pipeline.searched_schedules`); ``cut``: ``time`` or ``memory``. At most :attr:`num_actions`
@@ -520,7 +523,7 @@ class ActionSpace:
             return self.plan_options.get("stages", [1])
         w = self.num_devices // stages
         if name == "micro":
-            out = [m for m in MICRO_BATCHES if m * w <= self.graph.batch_size]
+            out = [m for m in MICRO_BATCHES if m * (w // stage_sync) <= self.graph.batch_size]
         elif name == "stage_sync":  # (every stage at one degree: executed too, tag.parallel.execution_refusal)
             out = [1] + [t for t in self.tp_degrees if w % t == 0 and len(self._aligned) >= stages]
         elif name == "schedule":
@@ -531,11 +534,16 @@ class ActionSpace:
             raise ValueError(f"plan decision: expected one of {PLAN_DECISIONS}, got {name!r}")
         return out[: self.num_actions]
 
+    def options_at(self, name: str, chosen: dict | None) -> list:
+        """:meth:`options` of decision ``name`` after the plan-level ``chosen`` so far."""
+        chosen = chosen or {}
+        return self.options(name, chosen.get("stages", 1), chosen.get("stage_sync", 1))
+
     @cached_property
     def _aligned(self) -> set[int]:
         return aligned_cuts(self.graph)
 
-    def default_option(self, name: str, stages: int) -> int:
+    def default_option(self, name: str, stages: int, stage_sync: int = 1) -> int:
         """Index of a plan-level decision's default where nothing else decides it: no pipeline;
         ``2 x stages`` micro-batches (or the most that fit); 1F1B; the cut and each stage's
         deployment are chosen together by :meth:`pipeline_key` (the first of time-cut data parallel,
@@ -543,14 +551,15 @@ class ActionSpace:
         memory fits), index 0 here."""
         if name != "micro":
             return 0
-        opts = self.options("micro", stages)
+        opts = self.options("micro", stages, stage_sync)
         fit = [i for i, m in enumerate(opts) if m <= 2 * stages]
         return fit[-1] if fit else 0
 
     def _estimated_fit(self, key: tuple) -> bool:
         """Whether every device of a pipeline key's plan holds its stage's state and in-flight
         activations by a static estimate (:func:`tag.cost.baselines.group_footprints` at a
-        device's samples per micro-batch, times the micro-batches 1F1B keeps alive on the stage;
+        device's samples per micro-batch, times the micro-batches the schedule keeps alive on the
+        stage, :func:`tag.parallel.pipeline.iteration_program`'s ``flight``: GPipe all of them;
         the state of tensor-parallel stages divided by the degree): a guess for the defaults, the
         simulator decides."""
         plan = self.pipeline_plan(key)
@@ -564,9 +573,10 @@ class ActionSpace:
         total = self._footprints[b]
         held = self._held
         bounds = list(pipe.stages) + [self.num_groups]
+        flight = iteration_program(pipe, self.graph.batch_size, self.num_groups).flight
         for s, lo in enumerate(pipe.stages):
             hi = bounds[s + 1]
-            need = held[lo:hi].sum() / t + min(p - s, m) * (total[lo:hi] - held[lo:hi]).sum()
+            need = held[lo:hi].sum() / t + flight[s] * (total[lo:hi] - held[lo:hi]).sum()
             if need > min(self.topology.devices[d].gpu.memory_bytes for d in groups[lo].devices):
                 return False
         return True
@@ -625,7 +635,7 @@ class ActionSpace:
             return assign, None
         chosen = {"stages": p}
         for i, a in enumerate(path[1:len(PLAN_DECISIONS)], start=1):
-            opts = self.options(PLAN_DECISIONS[i], p)
+            opts = self.options_at(PLAN_DECISIONS[i], chosen)
             chosen[PLAN_DECISIONS[i]] = opts[int(a) % len(opts)]
         return assign, chosen
 
@@ -648,15 +658,18 @@ class ActionSpace:
         """:meth:`pipeline_key` with the fixed defaults whatever :attr:`pipeline_completion` says
         (what the plan head's option features describe: :mod:`tag.gnn.plan_head`)."""
         p = chosen["stages"]
-        val = {n: chosen.get(n, self.options(n, p)[self.default_option(n, p)]) for n in PLAN_DECISIONS[1:]}
-        sched, k = val["schedule"]
+        sched, k = chosen.get("schedule", self.options("schedule", p)[self.default_option("schedule", p)])
         cuts = [chosen["cut"]] if "cut" in chosen else self.options("cut", p)
         syncs = [chosen["stage_sync"]] if "stage_sync" in chosen else self.options("stage_sync", p)
-        micros = [val["micro"]]
-        if "micro" not in chosen:  # more micro-batches hold fewer activations at once, then fewer
-            opts = self.options("micro", p)
-            micros += [m for m in opts if m > val["micro"]] + [m for m in opts[::-1] if m < val["micro"]]
-        cands = [("pp", p, m, t, sched, k, c) for c in cuts for t in syncs for m in micros]
+
+        def micros(t: int) -> list[int]:  # the default, then more (fewer activations at once), then fewer
+            if "micro" in chosen:
+                return [chosen["micro"]]
+            opts = self.options("micro", p, t)
+            m0 = opts[self.default_option("micro", p, t)]
+            return [m0] + [m for m in opts if m > m0] + [m for m in opts[::-1] if m < m0]
+
+        cands = [("pp", p, m, t, sched, k, c) for c in cuts for t in syncs for m in micros(t)]
         return next((key for key in cands if self._estimated_fit(key)), cands[0])
 
     def pipeline_plan(self, key: tuple) -> tuple[list[GroupPlan], PipelinePlan | None] | None:
@@ -702,7 +715,7 @@ class ActionSpace:
                 break
             kind, i = nxt
             if kind == "plan":
-                n = len(self.options(PLAN_DECISIONS[i], self.stages_of(path)))
+                n = len(self.options_at(PLAN_DECISIONS[i], self.decode(path)[1]))
                 path.append(int(rng.integers(n)))
             else:  # equivalent actions collapse in resolve
                 mask = self.group_mask(self.decode(path)[0]) if self.executable else None

@@ -61,7 +61,7 @@ def pipeline_keys(space) -> list[tuple]:
     for p in space.options("stages", 1)[1:]:
         for cut in space.options("cut", p):
             for t in space.options("stage_sync", p):
-                for m in space.options("micro", p):
+                for m in space.options("micro", p, t):
                     for s, k in space.options("schedule", p):
                         out.append(("pp", p, m, t, s, k, cut))
     return out
@@ -86,7 +86,7 @@ def decision_targets(space, rewards: dict[tuple, float], no_pipeline: float,
     while nodes:
         d, chosen = nodes.pop(0)
         name = PLAN_DECISIONS[d]
-        opts = space.options(name, chosen.get("stages", 1))
+        opts = space.options_at(name, chosen)
         vals = np.array([value({**chosen, name: o}) for o in opts])
         ok = vals > -1.0
         if ok.any():
