@@ -93,10 +93,12 @@ def check_fits(graph, topology) -> None:
     if need <= sum(caps):
         return
     state = sum(2 * p.nbytes + p.opt_state_bytes for p in graph.params)
+    # enough digits that the need reads larger than the total (not "at least 128 GiB, more than the 128 GiB")
+    digits = next((d for d in range(3, 8) if format_bytes(need, digits=d) != format_bytes(sum(caps), digits=d)), 8)
     raise OutOfMemoryError(
-        f"model {graph.model} (batch {graph.batch_size}) needs at least {format_bytes(need, digits=3)} "
+        f"model {graph.model} (batch {graph.batch_size}) needs at least {format_bytes(need, digits=digits)} "
         f"({format_bytes(state, digits=3)} of parameters, gradients and {graph.optimizer} state, the rest the saved "
-        f"activations of one sample), more than the {format_bytes(sum(caps), digits=3)} of all {len(caps)} devices of "
+        f"activations of one sample), more than the {format_bytes(sum(caps), digits=digits)} of all {len(caps)} devices of "
         f"{topology.name} together (largest device {format_bytes(max(caps), digits=3)}); no plan fits: "
         f"use more or larger devices")
 

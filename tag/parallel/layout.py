@@ -264,12 +264,12 @@ def _spell(layout: Layout) -> str:
         (",prop=1" if layout.prop else "")
 
 
-MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-"""Micro-batch counts the searches' pipeline decision offers (as Megatron users do: powers of two)."""
-
-GRID_MICRO_BATCHES = MICRO_BATCHES + (64,)
-"""Micro-batch counts the layout grid tries: also 64, Megatron-LM's micro-batch of one sample on
-``dp=8,tp=8`` over a batch of 512 (a tensor-parallel replica needs one sample, not ``tp``)."""
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+"""Micro-batch counts the layout grid and the searches' pipeline decision offer (as Megatron users
+do: powers of two), where every replica gets a sample: 64 is Megatron-LM's micro-batch of one
+sample on ``dp=8,tp=8`` over a batch of 512, and the only way llama-7b (bf16, batch 64) fits
+``mixed-a100-v100`` (``dp=1,tp=2,pp=4,micro=64``; before 2026-11-27 the search stopped at 32 and
+found no plan that fits, only the grid did)."""
 
 
 def tp_degrees(graph, topology) -> list[int]:
@@ -286,7 +286,7 @@ def layout_grid(graph, topology) -> list[Layout]:
     """Every layout a Megatron/AMP user would search by hand on ``topology``: ``dp * tp * pp`` =
     the device count, ``tp`` of :func:`tp_degrees`, ``pp`` up to the op-group count (stage cuts
     between Megatron blocks when ``tp > 1``), 1F1B with each micro-batch count of
-    :data:`GRID_MICRO_BATCHES` that gives every replica a sample (one micro-batch without a pipeline),
+    :data:`MICRO_BATCHES` that gives every replica a sample (one micro-batch without a pipeline),
     stages cut by time and by memory, tensor parallelism with and without sequence parallelism,
     each without and with full activation recomputation."""
     n, out = topology.num_devices, []
@@ -296,7 +296,7 @@ def layout_grid(graph, topology) -> list[Layout]:
             if n % (pp * tp):
                 continue
             dp = n // (pp * tp)
-            for micro in GRID_MICRO_BATCHES if pp > 1 else (1,):
+            for micro in MICRO_BATCHES if pp > 1 else (1,):
                 for sp in (0, 1) if tp > 1 else (0,):
                     lay = [Layout(dp=dp, tp=tp, pp=pp, micro=micro, cut=c, sp=sp, recompute=rc)
                            for c in (CUTS if pp > 1 else CUTS[:1]) for rc in (0, 1)]
