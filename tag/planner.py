@@ -251,10 +251,13 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
     faster (and fits); the outcome goes into ``meta``. ``against_search``: prune the grid against
     ``p``'s time too (only layouts faster than the searched plan matter; ``best_layout`` is then
     None when none is); ``deadline``: a :func:`time.perf_counter` time after which no layout or
-    refinement is started (``meta["grid_cut"]``)."""
+    refinement is started (``meta["grid_cut"]``). Then the same on sub-clusters without the
+    slowest device kinds (:func:`tag.search.layouts.subcluster_search`, pruned by the best plan so
+    far; ``meta["subclusters"]`` says what each gave, ``meta["machines"]`` the machines a winning
+    layout runs on, ``meta["idle_kinds"]`` the GPU kinds it leaves idle)."""
     import inspect
 
-    from .search.layouts import grid_search, refine
+    from .search.layouts import grid_search, refine, subcluster_search
 
     if "pipeline" not in inspect.signature(simulator.run).parameters:
         p.meta["pipelines"] = "skipped (the simulator runs no pipelines)"
@@ -273,6 +276,14 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
     if better.plan is not None and (lay is None or lay.predicted_iteration_time_s is None
                                     or better.plan.predicted_iteration_time_s < lay.predicted_iteration_time_s):
         lay = better.plan
+    # the grid again without the slowest device kinds (their devices left idle), pruned by the best so far
+    times = [t for t in (t_plan if against_search and not p.meta.get("oom") else None,
+                         None if lay is None else lay.predicted_iteration_time_s) if t is not None]
+    sub, p.meta["subclusters"] = subcluster_search(graph, topology, costs, simulator, executable=executable,
+                                                   incumbent=min(times, default=None), deadline=deadline)
+    if sub is not None:
+        lay = sub
+    p.meta["grid_time_s"] = time.perf_counter() - t0
     if lay is None:
         return p
     t_lay = lay.predicted_iteration_time_s
@@ -283,7 +294,8 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
     if t_lay is None or (not p.meta.get("oom") and (not new_action or (t_plan is not None and t_lay >= t_plan))):
         return p  # (a layout that fits replaces a plan that does not)
     lay.meta = {**p.meta, "source": "layout-grid", "layout": lay.meta["layout"], "oom": False,
-                "refinement": lay.meta.get("refinement")}
+                "refinement": lay.meta.get("refinement"), "machines": lay.meta.get("machines"),
+                "idle_kinds": lay.meta.get("idle_kinds")}
     return lay
 
 

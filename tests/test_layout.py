@@ -205,3 +205,54 @@ def test_the_planner_falls_back_to_the_grid_when_nothing_searched_fits(captured,
     assert not res.oom and res.iteration_time_s == pytest.approx(plan.predicted_iteration_time_s)
     off = find_plan(graph, topo, prior="uniform", budget=1, compression="off", pipelines="off")
     assert off.meta["oom"] and "grid_because" not in off.meta  # TAG's action space alone: no fallback
+
+
+def test_layouts_on_a_sub_cluster_leave_the_slowest_kind_idle(captured, tmp_path, capsys):
+    """Four single-GPU machines too small for the model, two of them 200x slower: every layout over
+    all four has a stage on a slow GPU, so the grid runs again without them
+    (:func:`tag.search.layouts.subcluster_search`); its plan keeps the slow machines idle, is what
+    it costs on the whole cluster, beats the grid over all four (4.5 against 8.7 ms), and the planner returns a plan at
+    least that fast. The restricted cost model is the whole one's on the kept devices."""
+    import yaml
+
+    from tag.planner import find_plan
+    from tag.search.layouts import grid_search, subcluster_search, subclusters
+    from tag.sim import Simulator
+    from tag.topology import load_topology
+
+    graph = captured("mlp:layers=8,hidden=512,in_dim=256", batch=128, groups=8).graph
+    state = sum(p.nbytes for p in graph.params) * 4  # weights, gradients, two Adam moments
+
+    def gpu(name, tflops):
+        return {"name": name, "tflops": tflops, "memory": f"{int(state * 0.9)} B", "memory_bandwidth": "900 GB/s"}
+
+    kinds = [gpu("fast", 14), gpu("slow", 0.07), gpu("fast", 14), gpu("slow", 0.07)]
+    path = tmp_path / "mixed-small.yaml"
+    path.write_text(yaml.safe_dump({"name": "mixed-small", "network": {"bandwidth": "10 Gbit/s"},
+                                    "machines": [{"name": f"m{i}", "gpu": g, "count": 1} for i, g in enumerate(kinds)]}))
+    topo = load_topology(path)
+    costs = CostModel.for_topology(graph, topo)
+    sim = Simulator(graph, topo, costs)
+    assert subclusters(topo, costs) == [[0, 2]]
+    sub, devices = topo.restricted([0, 2])
+    assert devices == [0, 2] and sub.num_devices == 2 and [m.name for m in sub.machines] == ["m0", "m2"]
+    sub_costs = costs.restricted(sub, devices)
+    assert sub_costs.table(1) is costs.table(2) and sub_costs.comm.bandwidth[0, 1] == costs.comm.bandwidth[0, 2]
+    whole = grid_search(graph, topo, costs, sim, executable=True).best
+    plan, notes = subcluster_search(graph, topo, costs, sim, executable=True)
+    assert plan is not None and len(notes) == 1 and notes[0].startswith("without slow: ")
+    assert {d for g in plan.groups for d in g.devices} <= {0, 2} and plan.meta["machines"] == ["m0", "m2"]
+    validate_plan(plan, graph, topo, pipelines=True)
+    res = sim.run(plan.groups, pipeline=plan.pipeline)
+    assert not res.oom and res.iteration_time_s == plan.predicted_iteration_time_s
+    assert whole is None or whole.predicted_iteration_time_s is None or \
+        plan.predicted_iteration_time_s < 0.75 * whole.predicted_iteration_time_s
+    # pruned against a plan it cannot beat: nothing
+    assert subcluster_search(graph, topo, costs, sim, incumbent=plan.predicted_iteration_time_s / 10)[0] is None
+    best = find_plan(graph, topo, prior="uniform", budget=50, compression="off")
+    assert best.predicted_iteration_time_s <= plan.predicted_iteration_time_s and best.meta["subclusters"]
+    rc = main(["plan", "--model", "mlp:layers=8,hidden=512,in_dim=256", "--batch", "128", "--groups", "8",
+               "--topology", str(path), "--prior", "uniform", "--budget", "50"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "sub-cluster without slow: dp=1,tp=1,pp=2" in out, out

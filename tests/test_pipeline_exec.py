@@ -290,6 +290,20 @@ def test_three_gloo_ranks_with_a_data_parallel_stage(tmp_path, captured):
     assert res.losses == pytest.approx(losses, rel=1e-5)
 
 
+@pytest.mark.slow
+def test_a_pipeline_on_a_sub_cluster_leaves_a_rank_idle(tmp_path, captured):
+    """A plan of the grid on a sub-cluster (tag.search.layouts.subcluster_search) keeps the dropped
+    devices idle: 2 stages on ranks 0 and 2 of three, rank 1 with no op-group, runs on gloo and
+    trains as one process does."""
+    graph = captured(MLP, batch=6, groups=4).graph
+    topo_path = cpu_topology(tmp_path, 3)
+    plan = two_stages(graph, load_topology(topo_path), [0], [2], 2, "1f1b")
+    res, params = _execute(tmp_path, graph, topo_path, plan, MLP, "sgd")
+    ref, losses = reference_training(load_workload(MLP, batch=6), "sgd", 2)
+    assert_equal_params(params, ref, graph)
+    assert res.losses == pytest.approx(losses, rel=1e-5)
+
+
 def test_validation_plans_include_pipelines(tmp_path, captured, topo4):
     """``tag validate`` executes two pipelined plans (2 stages x 4 micro-batches, 1F1B and GPipe)
     beside the inter-op model-parallel one; none where a replica would get < 2 samples."""

@@ -85,10 +85,10 @@ def summary(plan) -> dict:
         "improvements": m.get("improvements"), "one_shot_time_s": m.get("one_shot_time_s"),
         "source": m.get("source"), "compression": m.get("compression"),
         "pipeline": None if plan.pipeline is None else asdict(plan.pipeline), "layout": m.get("layout"),
-        "best_layout": m.get("best_layout"), "best_layout_time_s": m.get("best_layout_time_s"),
+        "machines": m.get("machines"), "idle_kinds": m.get("idle_kinds"), "best_layout": m.get("best_layout"), "best_layout_time_s": m.get("best_layout_time_s"),
         "layouts": m.get("layouts"), "layouts_tried": m.get("layouts_tried"), "layouts_pruned": m.get("layouts_pruned"),
         "grid_time_s": m.get("grid_time_s"), "grid_cut": m.get("grid_cut"), "refinement": m.get("refinement"),
-        "refinements": m.get("refinements"),
+        "refinements": m.get("refinements"), "subclusters": m.get("subclusters"),
         "speedup_vs_dp_even": _ratio(m.get("dp_even_time_s"), plan.predicted_iteration_time_s),
         "speedup_vs_dp_prop": _ratio(m.get("dp_prop_time_s"), plan.predicted_iteration_time_s),
         # None: tag execute runs the plan; else why not (only with --allow-unexecutable)
@@ -237,6 +237,8 @@ def _print(graph, topo, p, args) -> None:
               f"{s['layouts_pruned']} {skipped}, {s['grid_time_s']:.2f} s; {best}")
         for line in s.get("refinements") or []:
             print(f"  refinement: {line}")
+        for line in s.get("subclusters") or []:
+            print(f"  sub-cluster {line}")
     rows = []
     start = 0
     descs = [_describe(topo, gp) for gp in p.groups]
@@ -269,7 +271,8 @@ def _print(graph, topo, p, args) -> None:
         why_grid = ("fits where every searched plan runs out of memory" if p.meta.get("grid_because")
                     else "beats the searched plan")
         how = f", {s['refinement']}" if s.get("refinement") else ""
-        print(f"  a Megatron-style layout {why_grid}: {s['layout']}{shape}{how}")
+        where = f" with the {s['idle_kinds']} GPUs idle" if s.get("idle_kinds") else ""
+        print(f"  a Megatron-style layout {why_grid}: {s['layout']}{shape}{where}{how}")
     elif s["source"] != "search":
         print(f"  search found nothing better than the baselines; returning {s['source']}")
     why = s["execution_refusal"]  # (--allow-unexecutable) e.g. tp beside data parallel: simulated only

@@ -276,6 +276,14 @@ class CommModel:
             ps_fit = prof.fits.get("ps", ps_fit)
         return cls(topology, bw, lat, ar_fit, frozenset(fitted), ag_fit, rd_fit, bc_fit, ps_fit)
 
+    def restricted(self, topology, devices: list[int]) -> CommModel:
+        """This model's links among ``devices`` (measured fits kept) as the model of ``topology``,
+        whose device ``i`` is device ``devices[i]`` here (:meth:`tag.topology.Topology.restricted`)."""
+        ix = np.ix_(devices, devices)
+        fitted = frozenset(i for i, d in enumerate(devices) if d in self._fitted)
+        return CommModel(topology, self.bandwidth[ix], self.latency[ix], self.allreduce_fit, fitted,
+                         self.allgather_fit, self.reduce_fit, self.broadcast_fit, self.ps_fit)
+
     @classmethod
     def for_topology(cls, topology, profile_dir=None) -> CommModel:
         """With the communication profiles found under ``profile_dir`` (default

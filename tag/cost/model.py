@@ -118,6 +118,13 @@ class CostModel:
         """Datasheet roofline for every device, nominal links (no profiles)."""
         return cls.for_topology(graph, topology, profile_dir=os.devnull)
 
+    def restricted(self, topology, devices: list[int]) -> CostModel:
+        """This model's costs of ``devices`` (the same device costs, links among them) as the model
+        of ``topology``, whose device ``i`` is device ``devices[i]`` here
+        (:meth:`tag.topology.Topology.restricted`): plans of a sub-cluster cost what they cost on
+        the whole one."""
+        return CostModel(self.graph, topology, [self._dev[d] for d in devices], self.comm.restricted(topology, devices))
+
     # ---- queries ------------------------------------------------------------------------
     def group_time(self, group: int, phase: str, device: int, batch: float) -> float:
         """Seconds of ``phase`` of op-group ``group`` on ``device`` at per-replica ``batch``."""

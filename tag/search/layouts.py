@@ -15,6 +15,15 @@ the grid's best layouts, kept only where the simulator says the plan fits and is
 Each refinement of a layout costs one simulation (proportional shares) or ``2 + ceil(log2 n)``
 (selective recomputation over ``n`` candidate groups); :data:`REFINED_LAYOUTS` layouts are
 refined.
+
+**Sub-clusters** (:func:`subcluster_search`): a layout occupies every device, so on a mixed
+cluster a device kind far slower than the rest slows every stage it holds. The grid runs again on
+the machines left after dropping the slowest device kind, then the two slowest, ... (kinds ranked
+by :meth:`tag.cost.CostModel.device_speeds`), each pruned against the best plan so far, with the
+whole cluster's costs restricted to those machines (:meth:`tag.cost.CostModel.restricted`); the
+plan keeps the dropped devices idle. On gpt2-xl (bf16, batch 64) over ``tag-testbed`` the GTX
+1080 Ti, with no bf16 tensor rate, made every layout over all 16 GPUs 420.5 s or more; over the
+V100 and P100 machines alone ``dp=2,pp=4,micro=32`` takes 17.15 s (2026-11-27).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from dataclasses import dataclass, replace
 
 from ..parallel import execution_refusal
 from ..parallel.layout import GridSearch, layout_plan, parse_layout, search_layouts
+from ..plan import new_plan
 from .recompute import fit_by_recompute
 
 REFINED_LAYOUTS = 2
@@ -125,4 +135,59 @@ def refine(graph, topology, costs, simulator, found: GridSearch, *, executable: 
     return Refined(best, sims, notes)
 
 
-__all__ = ["REFINED_LAYOUTS", "Refined", "grid_search", "refine"]
+def subclusters(topology, costs) -> list[list[int]]:
+    """Machine indices of each sub-cluster :func:`subcluster_search` tries: the machines left after
+    dropping the slowest device kind, then the two slowest, ... (a kind: a GPU type, ranked by its
+    devices' speed on the whole iteration, :meth:`tag.cost.CostModel.device_speeds`); none on a
+    cluster of one kind."""
+    speed = costs.device_speeds()
+    kind_speed: dict[str, float] = {}
+    for d, dev in enumerate(topology.devices):
+        kind_speed[dev.gpu.name] = max(kind_speed.get(dev.gpu.name, 0.0), speed[d])
+    slow_first = sorted(kind_speed, key=lambda k: kind_speed[k])
+    return [[m for m, mach in enumerate(topology.machines) if mach.gpu.name not in slow_first[:n]]
+            for n in range(1, len(slow_first))]
+
+
+def subcluster_search(graph, topology, costs, simulator, *, executable: bool = False,
+                      incumbent: float | None = None, deadline: float = math.inf) -> tuple[object | None, list[str]]:
+    """``(plan, notes)``: the fastest layout (grid, then :func:`refine`) on any of
+    :func:`subclusters`, its devices mapped back onto ``topology`` and simulated on ``simulator``,
+    when it fits and beats ``incumbent`` (seconds; None: any that fits); else None. ``notes``: one
+    line per sub-cluster tried."""
+    from ..sim import Simulator
+
+    best, best_t, notes = None, incumbent, []
+    for machines in subclusters(topology, costs):
+        if time.perf_counter() >= deadline:
+            notes.append("stopped at the time limit")
+            break
+        sub, devices = topology.restricted(machines)
+        sub_costs = costs.restricted(sub, devices)
+        found = grid_search(graph, sub, sub_costs, Simulator(graph, sub, sub_costs), executable=executable,
+                            incumbent=best_t, deadline=deadline)
+        better = refine(graph, sub, sub_costs, Simulator(graph, sub, sub_costs), found, executable=executable,
+                        deadline=deadline)
+        cands = [q for q in (better.plan, found.best) if q is not None and q.predicted_iteration_time_s is not None]
+        idle = ", ".join(sorted({d.gpu.name for d in topology.devices} - {topology.machines[m].gpu.name for m in machines}))
+        names = f"without {idle}"
+        if not cands:
+            notes.append(f"{names}: no layout fits and beats {'nothing' if best_t is None else f'{best_t:.6g} s'} "
+                         f"({found.simulated} of {found.layouts} simulated)")
+            continue
+        q = min(cands, key=lambda c: c.predicted_iteration_time_s)
+        plan = new_plan(graph, topology, [replace(g, devices=[devices[d] for d in g.devices],
+                                                  server=None if g.server is None else devices[g.server])
+                                          for g in q.groups])
+        plan.pipeline = q.pipeline
+        res = simulator.run(plan.groups, pipeline=plan.pipeline)  # on the whole cluster: the same time
+        notes.append(f"{names}: {q.meta['layout']} {'out of memory' if res.oom else f'{res.iteration_time_s:.6g} s'}")
+        if res.oom or (best_t is not None and res.iteration_time_s >= best_t):
+            continue
+        plan.predicted_iteration_time_s = res.iteration_time_s
+        plan.meta = {**q.meta, "machines": [topology.machines[m].name for m in machines], "idle_kinds": idle}
+        best, best_t = plan, res.iteration_time_s
+    return best, notes
+
+
+__all__ = ["REFINED_LAYOUTS", "Refined", "grid_search", "refine", "subcluster_search", "subclusters"]

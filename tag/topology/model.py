@@ -223,6 +223,20 @@ class Topology:
         """Index of the machine called ``name`` (KeyError if unknown)."""
         return self._machine_index[name]
 
+    def restricted(self, machines) -> tuple[Topology, list[int]]:
+        """``(sub-topology, devices)``: the machines of indices ``machines`` (kept in this
+        topology's order) with the links between them, and the global device index here of each
+        device of the sub-topology (its device ``i`` is device ``devices[i]`` of this one)."""
+        keep = sorted(set(int(m) for m in machines))
+        if not keep or keep[0] < 0 or keep[-1] >= self.num_machines:
+            raise TopologyError(f"topology {self.name!r}: restricted: expected machine indices in "
+                                f"0..{self.num_machines - 1}, got {list(machines)!r}")
+        names = {self.machines[m].name for m in keep}
+        sub = Topology(f"{self.name}[{','.join(self.machines[m].name for m in keep)}]",
+                       tuple(self.machines[m] for m in keep), self.network_bandwidth, self.network_latency,
+                       {pair: v for pair, v in self.links.items() if pair <= names})
+        return sub, [d for m in keep for d in self._per_machine[m]]
+
     def bandwidth(self, i: int, j: int) -> float:
         """Bandwidth between devices ``i`` and ``j``, bytes/s (inf when i == j)."""
         if i == j:
