@@ -206,7 +206,8 @@ def test_validation_table_aligns_long_plan_names():
 
 def test_plan_says_how_to_run_it(tmp_path, capsys):
     """After `plan written to X`: the `tag execute` command that runs it (with the optimizer the
-    plan was made for), and for a topology of several machines the --torchrun form."""
+    plan was made for), and for a plan over several machines the --torchrun form (devices too small
+    for the model on one: a two-stage pipeline); a plan on one machine of several runs locally."""
     import shlex
 
     out = tmp_path / "p.json"
@@ -216,11 +217,14 @@ def test_plan_says_how_to_run_it(tmp_path, capsys):
     argv = shlex.split(line.removeprefix("run it: tag "))
     assert argv[argv.index("--plan") + 1] == str(out) and argv[argv.index("--optimizer") + 1] == "sgd"
     two = tmp_path / "two.yaml"
-    two.write_text("name: two\nmachines:\n  - {name: a, gpu: T4, count: 1}\n  - {name: b, gpu: T4, count: 1}\n"
-                   "network: {bandwidth: 10 Gbit/s}\n")
-    assert main(["plan", "--model", "mlp", "--batch", "8", "--groups", "2", "--topology", str(two), "--prior",
-                 "uniform", "--budget", "6", "--out", str(tmp_path / "p2.json")]) == 0
-    assert "--run-dir DIR --torchrun HOST0:29500" in capsys.readouterr().out.strip().splitlines()[-1]
+    for memory, many in [("2.5 MiB", True), ("1 GiB", False)]:
+        gpu = f"{{name: small, tflops: 8, memory: '{memory}', memory_bandwidth: '300 GB/s'}}"
+        two.write_text(f"name: two\nmachines:\n  - {{name: a, gpu: {gpu}, count: 1}}\n"
+                       f"  - {{name: b, gpu: {gpu}, count: 1}}\nnetwork: {{bandwidth: 10 Gbit/s}}\n")
+        assert main(["plan", "--model", "mlp", "--batch", "8", "--groups", "2", "--topology", str(two), "--prior",
+                     "uniform", "--budget", "6", "--out", str(tmp_path / "p2.json"), "--force"]) == 0
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert line.startswith("run it: ") and ("--run-dir DIR --torchrun HOST0:29500" in line) == many, line
 
 
 def test_simulate_saves_the_layout_it_costs(tmp_path, capsys):

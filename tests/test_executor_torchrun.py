@@ -104,3 +104,34 @@ def test_torchrun_bad_input_is_one_line(setup, tmp_path, capsys):
         topo = load_topology(str(topo_path))
         layout_plan(graph, topo, parse_layout("pp=2,micro=2"), CostModel.for_topology(graph, topo)).save(other)
         report_torchrun(ExecuteConfig("mlp", str(topo_path), str(other), run_dir=str(tmp_path / "r")))
+
+
+def test_a_plan_on_one_machine_runs_there_alone(setup, tmp_path, capsys, free_port):
+    """A plan whose devices are all on machine m1 (a sub-cluster's layout leaves m0 idle) runs on
+    m1 alone: `tag execute` launches it locally (a two-machine topology otherwise needs torchrun),
+    trains as one process does and names m0 as idle; --torchrun prints m1's command alone, as node
+    0 of one; the prediction is the whole cluster's."""
+    from tag.executor import execute
+    from tag.plan import GroupPlan, Plan, new_plan
+    from tag.sim import simulate
+
+    _, topo_path, _, graph = setup
+    topo = load_topology(str(topo_path))
+    plan = new_plan(graph, topo, [GroupPlan([1], [1.0]) for _ in range(graph.num_groups)])
+    path = tmp_path / "on-m1.json"
+    plan.save(path)
+    cfg = ExecuteConfig("mlp", str(topo_path), str(path), optimizer=OPTIMIZER, groups=4, steps=2, warmup=0,
+                        save_params=True, run_dir=str(tmp_path / "run"), timeout_s=60)
+    res = execute(cfg, graph=graph)
+    assert res.world_size == 1 and res.idle_machines == ["m0"] and [r["device"] for r in res.ranks] == ["m1:0"]
+    assert res.predicted_iteration_time_s == pytest.approx(simulate(graph, topo, plan).iteration_time_s, rel=1e-12)
+    ref, _ = reference_training(load_workload("mlp", batch=8), OPTIMIZER, 2)
+    assert_params_equal(saved_params(tmp_path / "run", 1), ref, {p.name for p in graph.params})
+    assert Plan.load(path).to_dict() == plan.to_dict()  # the user's file is left as it was
+    cfg = ExecuteConfig("mlp", str(topo_path), str(path), optimizer=OPTIMIZER, groups=4, run_dir=str(tmp_path / "tr"))
+    launch = prepare_torchrun(cfg, f"127.0.0.1:{free_port}", graph=graph)
+    assert [m for m, _ in launch.commands] == ["m1"] and launch.idle_machines == ["m0"]
+    assert "--nnodes=1 --node-rank=0 --nproc-per-node=1" in launch.commands[0][1]
+    assert main(["execute", "--model", "mlp", "--topology", str(topo_path), "--plan", str(path), "--optimizer",
+                 OPTIMIZER, "--groups", "4", "--steps", "1", "--warmup", "0"]) == 0
+    assert "not launched on m0: the plan leaves them idle" in capsys.readouterr().out

@@ -710,3 +710,23 @@ def test_local_cpu_signature_does_not_depend_on_the_measurement(tmp_path, monkey
                                                    "intra_bandwidth": "5 GB/s"}]}
     changed = load_topology(three)
     assert changed.signature() != sigs[0]  # the declared shape still counts
+
+
+def test_restricted_keeps_machines_links_and_device_order():
+    """A sub-topology of whole machines: their devices in this topology's order, the links between
+    them (a per-pair override included), the device map back; out-of-range machines are one line."""
+    from tag.errors import TopologyError
+
+    topo = load_topology("topologies/cloud-256gpu-3zones.yaml")
+    a, b, c = 0, 1, topo.num_machines - 1  # a, b: one zone (a per-pair link), c: another zone
+    assert topo.machine_bandwidth(a, b) != topo.network_bandwidth
+    sub, devices = topo.restricted([c, b, a])
+    assert [m.name for m in sub.machines] == [topo.machines[k].name for k in (a, b, c)]
+    assert devices == topo.devices_of_machine(a) + topo.devices_of_machine(b) + topo.devices_of_machine(c)
+    for i, j in [(0, 1), (0, 2), (1, 2)]:
+        x, y = (a, b, c)[i], (a, b, c)[j]
+        assert sub.machine_bandwidth(i, j) == topo.machine_bandwidth(x, y)
+        assert sub.machine_latency(i, j) == topo.machine_latency(x, y)
+    assert all(sub.devices[i].gpu == topo.devices[d].gpu for i, d in enumerate(devices))
+    with pytest.raises(TopologyError, match=r"restricted: expected machine indices in 0\.\."):
+        topo.restricted([topo.num_machines])

@@ -96,6 +96,8 @@ def run(args) -> int:
               "(or share it), then run in order of the topology's machines:")
         for name, cmd in launch.commands:
             print(f"  on {name}:  {cmd}")
+        if launch.idle_machines:
+            print(f"  (nothing on {', '.join(launch.idle_machines)}: the plan leaves them idle)")
         print("then this command with --report in place of --torchrun on the first machine")
         return 0
     res = report_torchrun(cfg) if args.report else execute(cfg)
@@ -114,5 +116,7 @@ def run(args) -> int:
              if pred else ""))
     for r in res.ranks:
         print(f"  rank {r['rank']} ({r['device']}): {r['median_time_s'] * 1e3:.2f} ms")
+    if res.idle_machines:
+        print(f"  not launched on {', '.join(res.idle_machines)}: the plan leaves them idle")
     print(f"  losses: {', '.join(f'{x:.4f}' for x in res.losses)}")
     return 0

@@ -286,7 +286,8 @@ def _print(graph, topo, p, args) -> None:
             run = (f"tag execute --model {shlex.quote(args.model)} --topology {shlex.quote(args.topology)} "
                    f"--plan {shlex.quote(args.out)}" + ("" if args.optimizer == "adam" else f" --optimizer {args.optimizer}")
                    + ("" if args.seed == 0 else f" --seed {args.seed}"))
-            many = " --run-dir DIR --torchrun HOST0:29500" if topo.num_machines > 1 else ""
+            # (machines the plan leaves idle launch nothing: tag.executor.launch.on_used_machines)
+            many = " --run-dir DIR --torchrun HOST0:29500" if len(p.used_machines(topo)) > 1 else ""
             print(f"run it: {run}{many}" + ("  (prints each machine's torchrun command)" if many else ""))
     if args.trace:
         print(f"trace written to {args.trace}")

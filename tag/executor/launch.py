@@ -94,6 +94,9 @@ class ExecuteResult:
     ranks: list[dict] = field(repr=False, default_factory=list)
     run_dir: str = ""
     """The run folder; empty when it was a temporary one, removed after success."""
+    idle_machines: list[str] = field(default_factory=list)
+    """Machines of the topology holding no device of the plan: no rank ran there
+    (:func:`on_used_machines`)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -104,10 +107,33 @@ class _Prepared:
     """A checked plan's topology, backend and prediction, and the run folder's worker files."""
 
     topology: object
+    """The machines the plan uses (:func:`on_used_machines`)."""
     backend: str
     sim_res: object
     run_dir: Path
     args_path: Path
+    idle: list[str]
+    """Names of the topology's machines the plan leaves idle."""
+
+
+def on_used_machines(plan, topology):
+    """``(plan, topology, idle machine names)``: where the plan leaves whole machines without a
+    device (a sub-cluster's layout, :func:`tag.search.layouts.subcluster_search`; a search's plan on
+    some machines), the plan moved onto the machines it uses
+    (:meth:`tag.topology.Topology.restricted`, :meth:`tag.plan.Plan.on_topology`), so that ranks are
+    launched there only: one machine runs locally, no torchrun command for the idle ones. The
+    simulated iteration is the same. A plan naming a device the topology lacks is returned as it is
+    (its validation says so)."""
+    n = topology.num_devices
+    if any(not (isinstance(d, int) and 0 <= d < n) for g in plan.groups
+           for d in [*g.devices, *([] if g.server is None else [g.server])]):
+        return plan, topology, []
+    used = plan.used_machines(topology)
+    if len(used) == topology.num_machines:
+        return plan, topology, []
+    sub, devices = topology.restricted(used)
+    idle = [m.name for k, m in enumerate(topology.machines) if k not in used]
+    return plan.on_topology(sub, {d: i for i, d in enumerate(devices)}), sub, idle
 
 
 def _prepare(cfg: ExecuteConfig, graph, *, machines: bool) -> _Prepared:
@@ -134,6 +160,7 @@ def _prepare(cfg: ExecuteConfig, graph, *, machines: bool) -> _Prepared:
         raise PlanError(f"{cfg.plan}: topology: plan is for topology {plan.topology!r} "
                         f"({plan.topology_signature}), not {cfg.topology} ({topology.name!r}, "
                         f"{topology.num_devices} devices)")
+    plan, topology, idle = on_used_machines(plan, topology)
     backend = _machines_backend(cfg.backend, topology) if machines else _backend(cfg.backend, topology)
     batch = cfg.batch or plan.batch_size
     groups = cfg.groups or len(plan.groups)
@@ -152,7 +179,7 @@ def _prepare(cfg: ExecuteConfig, graph, *, machines: bool) -> _Prepared:
     topo_path = run_dir / "topology.json"
     write_json(topo_path, topology.to_dict())
     plan_path = Path(cfg.plan).resolve()
-    if machines:
+    if machines or idle:  # (on the machines it uses: not the file given)
         plan_path = run_dir / "plan.json"
         plan.save(plan_path)
     wargs = WorkerArgs(model=cfg.model, batch=batch, optimizer=cfg.optimizer, seed=cfg.seed, groups=groups,
@@ -163,7 +190,7 @@ def _prepare(cfg: ExecuteConfig, graph, *, machines: bool) -> _Prepared:
                        launcher_pid=None if machines else os.getpid(), precision=graph.precision,
                        bucket_bytes=cfg.bucket_bytes, profile_ops=os.environ.get(PROFILE_ENV))
     write_json(args_path, asdict(wargs))
-    return _Prepared(topology, backend, sim_res, run_dir, args_path)
+    return _Prepared(topology, backend, sim_res, run_dir, args_path, idle)
 
 
 def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
@@ -175,6 +202,7 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     _launch(pre.topology.num_devices, pre.args_path, pre.run_dir, cfg.timeout_s,
             "spawn" if pre.backend == "nccl" else "forkserver")
     res = _result(cfg, pre.backend, pre.sim_res, pre.run_dir)
+    res.idle_machines = pre.idle
     if cfg.run_dir is None:  # our temporary folder: removed after success (kept on failure: its logs)
         shutil.rmtree(pre.run_dir, ignore_errors=True)
         res.run_dir = ""
@@ -196,7 +224,10 @@ class TorchrunLaunch:
     """The run folder: every machine needs a copy at this same path (or a shared file system)."""
     backend: str
     commands: list[tuple[str, str]]
-    """``(machine name, command)`` in topology order: machine ``k`` is torchrun's node ``k``."""
+    """``(machine name, command)`` in topology order of the machines the plan uses: the ``k``-th
+    is torchrun's node ``k``."""
+    idle_machines: list[str] = field(default_factory=list)
+    """Machines holding no device of the plan: nothing to run there (:func:`on_used_machines`)."""
 
 
 def prepare_torchrun(cfg: ExecuteConfig, endpoint: str, graph=None) -> TorchrunLaunch:
@@ -219,7 +250,7 @@ def prepare_torchrun(cfg: ExecuteConfig, endpoint: str, graph=None) -> TorchrunL
              f"--master-addr={shlex.quote(host)} --master-port={port} --max-restarts=0 "
              f"-m tag.executor.worker {shlex.quote(str(pre.args_path))}")
             for k, m in enumerate(topo.machines)]
-    return TorchrunLaunch(str(pre.run_dir), pre.backend, cmds)
+    return TorchrunLaunch(str(pre.run_dir), pre.backend, cmds, pre.idle)
 
 
 def report_torchrun(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
@@ -238,15 +269,16 @@ def report_torchrun(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     from ..graph.ir import OpGraph
     from ..plan.format import Plan
     from ..topology import load_topology
-    topology = load_topology(cfg.topology)
-    plan = Plan.load(cfg.plan)
+    plan, topology, idle = on_used_machines(Plan.load(cfg.plan), load_topology(cfg.topology))
     if plan.to_dict() != Plan.load(ran["plan"]).to_dict() or topology.to_dict() != load_topology(ran["topology"]).to_dict():
         raise TagError(f"--report: {run_dir} ran another plan or topology than --plan {cfg.plan} "
                        f"--topology {cfg.topology}")
     graph = graph or OpGraph.from_json(Path(ran["graph"]).read_text())
     sim_res = _predict(graph, topology, plan, False, cfg.profile_dir, ran.get("bucket_bytes"))
     cfg = ExecuteConfig(**{**asdict(cfg), "steps": ran["steps"], "warmup": ran["warmup"]})
-    return _result(cfg, ran["backend"], sim_res, run_dir)
+    res = _result(cfg, ran["backend"], sim_res, run_dir)
+    res.idle_machines = idle
+    return res
 
 
 def summarize(cfg: ExecuteConfig, backend: str, ranks: list[dict], predicted: float | None,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +126,21 @@ class Plan:
     """Training precision of the graph (``fp32``, ``bf16``, ``fp16``; files without it: fp32)."""
     pipeline: PipelinePlan | None = None
     """Pipeline stages and micro-batches; ``None``: every unit runs the whole batch at once."""
+
+    def on_topology(self, topology, device_of) -> Plan:
+        """This plan moved onto ``topology``: every device index ``d`` (replicas and parameter
+        servers) becomes ``device_of[d]`` (a list or a dict), the topology's name and signature
+        replace this one's; the rest is shared. For a cluster and a sub-cluster of it
+        (:meth:`tag.topology.Topology.restricted`): a sub-cluster's layout onto the cluster, a
+        plan that leaves machines idle onto the machines it uses."""
+        groups = [replace(g, devices=[device_of[d] for d in g.devices],
+                          server=None if g.server is None else device_of[g.server]) for g in self.groups]
+        return replace(self, topology=topology.name, topology_signature=topology.signature(), groups=groups)
+
+    def used_machines(self, topology) -> list[int]:
+        """Indices of the machines of ``topology`` holding a device of the plan, ascending."""
+        return sorted({topology.machine_of(d) for g in self.groups
+                       for d in [*g.devices, *([] if g.server is None else [g.server])]})
 
     # ---- validation ------------------------------------------------------------------
     def validate(self, graph, topology, *, source: str = "plan") -> None:

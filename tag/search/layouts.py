@@ -34,7 +34,6 @@ from dataclasses import dataclass, replace
 
 from ..parallel import execution_refusal
 from ..parallel.layout import GridSearch, layout_plan, parse_layout, search_layouts
-from ..plan import new_plan
 from .recompute import fit_by_recompute
 
 REFINED_LAYOUTS = 2
@@ -176,10 +175,7 @@ def subcluster_search(graph, topology, costs, simulator, *, executable: bool = F
                          f"({found.simulated} of {found.layouts} simulated)")
             continue
         q = min(cands, key=lambda c: c.predicted_iteration_time_s)
-        plan = new_plan(graph, topology, [replace(g, devices=[devices[d] for d in g.devices],
-                                                  server=None if g.server is None else devices[g.server])
-                                          for g in q.groups])
-        plan.pipeline = q.pipeline
+        plan = q.on_topology(topology, devices)
         res = simulator.run(plan.groups, pipeline=plan.pipeline)  # on the whole cluster: the same time
         notes.append(f"{names}: {q.meta['layout']} {'out of memory' if res.oom else f'{res.iteration_time_s:.6g} s'}")
         if res.oom or (best_t is not None and res.iteration_time_s >= best_t):
