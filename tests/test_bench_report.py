@@ -72,3 +72,18 @@ def test_bench_model_must_be_in_the_suite(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "--model: 'llama-13b' is not in suite 'scale'; expected one of ['llama-7b', 'gpt2-xl']" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_resumed_report_says_which_cells_it_ran(tmp_path, capsys):
+    """The report's wall time is that of the invocation: a second run into the same folder runs no
+    cell, and says so (not a wall time of 0.0 min for the whole table)."""
+    from tag.cli import main
+
+    argv = ["bench", "--suite", "quick", "--model", "resnet:depth=18,width=24,norm=gn", "--topologies", "cloud-t4",
+            "--methods", "dp,lower-bound", "--out", str(tmp_path / "o")]
+    assert main(argv) == 0
+    first = (tmp_path / "o" / "report.md").read_text()
+    assert "Wall time of this run: " in first and "cells run in it" not in first
+    assert main(argv) == 0
+    again = (tmp_path / "o" / "report.md").read_text()
+    assert "(0 of 2 cells run in it, the others read back from cells.jsonl" in again, again[:400]

@@ -65,13 +65,15 @@ def executed_losses(cells: list[Cell]) -> list[str]:
     return out
 
 
-def markdown(cells: list[Cell], suite: str, env: dict, wall_s: float | None) -> str:
+def markdown(cells: list[Cell], suite: str, env: dict, wall_s: float | None, resumed: int = 0) -> str:
     methods = [m for m in METHODS if any(c.method == m for c in cells)]
     topos = list(dict.fromkeys(c.topology for c in cells))
     lines = [f"# TAG benchmark — suite `{suite}`", ""]
     lines += [f"Date {env.get('date')}, torch {env.get('torch')}, {env.get('cpus')} CPUs, {env.get('platform')}."]
     if wall_s is not None:
-        lines += [f"Wall time of this run: {wall_s / 60:.1f} min."]
+        lines += [f"Wall time of this run: {wall_s / 60:.1f} min" +
+                  (f" ({len(cells) - resumed} of {len(cells)} cells run in it, the others read back from "
+                   "cells.jsonl; their search seconds are in the tables)." if resumed else ".")]
     lines += ["", "All predicted times come from the same simulator and cost model; every search method gets the "
               "same seed and the same playout budget (TAG's budget is in its name). Speedup is data parallel "
               "(even shares) time over the method's time: higher is better.", ""]
@@ -164,8 +166,9 @@ def plots(cells: list[Cell], out: Path) -> None:
         plt.close(fig)
 
 
-def write_report(cells: list[Cell], out: Path, suite: str, env: dict, wall_s: float | None = None) -> Path:
+def write_report(cells: list[Cell], out: Path, suite: str, env: dict, wall_s: float | None = None,
+                 resumed: int = 0) -> Path:
     plots(cells, out)
     path = out / "report.md"
-    write_atomic(path, markdown(cells, suite, env, wall_s))
+    write_atomic(path, markdown(cells, suite, env, wall_s, resumed))
     return path
