@@ -28,6 +28,15 @@ TOPOLOGIES = ["tag-testbed", "mixed-a100-v100", "cloud-t4"]
 METHODS = ["dp", "tag-50", "dp-tp-pp-grid", "tag-50+pipelines", "uniform-50+pipelines", "lower-bound"]
 
 
+def describe(plan) -> str:
+    """The plan in a few words: the grid's layout (and the GPU kinds a sub-cluster's layout leaves
+    idle) where the layout grid gave it, else the searched plan's first action or pipeline."""
+    m = plan.meta
+    if m.get("source") == "layout-grid":
+        return m["layout"] + (f", {m['idle_kinds']} idle" if m.get("idle_kinds") else "")
+    return (m.get("actions") or ["dp"])[0]
+
+
 def cell(graph, topo, costs, sim, predictor) -> dict:
     """Every method's simulated iteration time (seconds; None: out of memory) on one pair."""
     from tag.cost.baselines import data_parallel
@@ -51,10 +60,10 @@ def cell(graph, topo, costs, sim, predictor) -> dict:
     q = find_plan(graph, topo, pipelines="auto", executable=False, **kw)  # as recorded: simulated plans
     out["tag-50+pipelines"] = q.predicted_iteration_time_s
     out["tag_source"] = q.meta["source"]
-    out["tag_plan"] = (q.meta.get("actions") or ["dp"])[0]
+    out["tag_plan"] = describe(q)
     u = find_plan(graph, topo, pipelines="auto", executable=False, **{**kw, "prior": "uniform", "predictor": None})
     out["uniform-50+pipelines"] = u.predicted_iteration_time_s
-    out["uniform_plan"] = (u.meta.get("actions") or ["dp"])[0]
+    out["uniform_plan"] = describe(u)
     out["lower-bound"] = lower_bound(graph, topo, costs)
     out["seconds"] = time.perf_counter() - t0
     return out
@@ -125,7 +134,7 @@ def write_report(rows: list[dict], out: Path, command: str) -> None:
              "GNN-guided MCTS, 50 playouts, over TAG's per-group actions; `grid`: the best by-hand dp x pp layout "
              "(`dp-tp-pp-grid`); `tag-50+pipelines` / `uniform-50+pipelines`: MCTS (GNN prior / uniform prior, "
              "50 playouts) over the space with tensor-parallel actions and pipeline decisions "
-             "(`find_plan(pipelines='auto')`), with the plan's first action or layout; last column: the "
+             "(`find_plan(pipelines='auto')`), with the plan's first action or layout (a layout of the grid on a sub-cluster: the GPU kinds it leaves idle); last column: the "
              "GNN-guided plan over the compute lower bound. "
              "OOM: every plan of the method runs out of memory.", "",
              "| model | topology | dp | tag-50 | grid (layout) | tag-50+pipelines (plan) | uniform-50+pipelines (plan) "
