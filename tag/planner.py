@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .errors import TagError
+from .errors import PlanError, TagError
 from .parallel import get_strategy
 from .plan.format import Plan, new_plan
 from .search.evaluate import Evaluator
@@ -228,19 +228,42 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     return p
 
 
-def layout_plan(graph, topology, layout, costs=None) -> Plan:
+def layout_plan(graph, topology, layout, costs=None, machines=None) -> Plan:
     """The plan of a Megatron-style layout, as ``tag simulate --layout`` costs it: ``layout`` a
     string ``"dp=D,tp=T,pp=P,micro=M[,schedule=1f1b|gpipe|kfkb,k=K]"`` or a parsed
     :class:`tag.parallel.layout.Layout`; even layer cuts balanced by ``costs`` (default: the
     topology's :class:`~tag.cost.CostModel`), stages placed machine-major in the topology's device
-    order. A layout the topology or the batch cannot hold is one :class:`~tag.errors.PlanError`
-    line; whether it fits in memory is the simulation's ``oom``."""
+    order. ``machines``: names of the machines the layout occupies (``dp*tp*pp`` their device
+    count), the others idle, as the planner's sub-cluster layouts
+    (:func:`tag.search.layouts.subcluster_search`; ``tag simulate --machines``); default all. A
+    layout the topology or the batch cannot hold, or an unknown machine, is one
+    :class:`~tag.errors.PlanError` line; whether it fits in memory is the simulation's ``oom``."""
     from .cost.model import CostModel
     from .parallel.layout import layout_plan as _layout_plan
     from .parallel.layout import parse_layout
 
     lay = parse_layout(layout) if isinstance(layout, str) else layout
-    return _layout_plan(graph, topology, lay, costs if costs is not None else CostModel.for_topology(graph, topology))
+    costs = costs if costs is not None else CostModel.for_topology(graph, topology)
+    if machines is None:
+        return _layout_plan(graph, topology, lay, costs)
+    sub, devices = layout_machines(topology, lay, machines)
+    return _layout_plan(graph, sub, lay, costs.restricted(sub, devices)).on_topology(topology, devices)
+
+
+def layout_machines(topology, layout, machines) -> tuple:
+    """``(sub-topology, device map)`` of the machines named ``machines`` (in the topology's order)
+    for ``layout`` (a :class:`tag.parallel.layout.Layout`): one :class:`~tag.errors.PlanError`
+    line for an unknown name or a device count the layout does not occupy exactly."""
+    from .parallel.layout import check_devices
+
+    names = [m.name for m in topology.machines]
+    unknown = [m for m in machines if m not in names]
+    if unknown or not machines:
+        raise PlanError(f"machines: no machine {unknown[0] if unknown else ''!r} in topology {topology.name!r}; "
+                        f"expected some of {', '.join(names)}")
+    sub, devices = topology.restricted([names.index(m) for m in machines])
+    check_devices(layout, sub)
+    return sub, devices
 
 
 def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, against_search: bool = False,

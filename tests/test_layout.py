@@ -256,3 +256,15 @@ def test_layouts_on_a_sub_cluster_leave_the_slowest_kind_idle(captured, tmp_path
     assert rc == 0
     out = capsys.readouterr().out
     assert "sub-cluster without slow: dp=1,tp=1,pp=2" in out, out
+    # the same layout by hand: tag.layout_plan / tag simulate --layout ... --machines m0,m2
+    from tag.planner import layout_plan as api_layout_plan
+    by_hand = api_layout_plan(graph, topo, plan.meta["layout"], costs, machines=["m0", "m2"])
+    assert [g.key() for g in by_hand.groups] == [g.key() for g in plan.groups] and by_hand.pipeline == plan.pipeline
+    sim_argv = ["simulate", "--model", "mlp:layers=8,hidden=512,in_dim=256", "--batch", "128", "--groups", "8",
+                "--topology", str(path), "--layout", plan.meta["layout"]]
+    assert main([*sim_argv, "--machines", "m0,m2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["iteration_time_s"] == pytest.approx(plan.predicted_iteration_time_s)
+    assert main([*sim_argv, "--machines", "m0,m9"]) == 2
+    assert "machines: no machine 'm9' in topology 'mixed-small'; expected some of m0, m1, m2, m3" in capsys.readouterr().err
+    assert main([*sim_argv, "--machines", "m0"]) == 2  # dp*tp*pp = 2 devices on one
+    assert "but topology 'mixed-small[m0]' has 1" in capsys.readouterr().err

@@ -43,6 +43,9 @@ def register(sub) -> None:
                           "cut=time|memory, sp=1 (tensor parallelism with sequence parallelism), recompute=1 (every "
                           "op-group recomputes its activations in its backward); D*T*P must equal the "
                           "topology's device count")
+    p.add_argument("--machines", metavar="NAME,NAME", default=None,
+                   help="with --layout: the machines it occupies (their device count = D*T*P), the others idle, "
+                        "as tag plan's sub-cluster layouts (default: every machine)")
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline in Chrome/Perfetto trace format")
     p.add_argument("--save-plan", metavar="PLAN.json",
                    help="write the simulated plan (the layout's or baseline's) as a plan file, for `tag execute`")
@@ -62,8 +65,9 @@ def run(args) -> int:
     from ..errors import TagError
     from ..io import write_json
     from ..parallel import validate_plan
-    from ..parallel.layout import check_devices, layout_plan, parse_layout
+    from ..parallel.layout import check_devices, parse_layout
     from ..plan import Plan
+    from ..planner import layout_machines, layout_plan
     from ..sim import Simulator, lower_bound
     from ..topology import load_topology
 
@@ -71,9 +75,14 @@ def run(args) -> int:
         raise TagError(f"--baseline: unknown baseline {args.baseline!r}; expected one of {', '.join(BASELINES)}")
     check_outputs(args, trace=args.trace, save_plan=args.save_plan)
     layout = parse_layout(args.layout) if args.layout is not None else None  # a typo fails before any capture
+    if args.machines is not None and layout is None:
+        raise TagError("--machines: expected --layout too (the machines a layout occupies)")
+    machines = None if args.machines is None else [m.strip() for m in args.machines.split(",") if m.strip()]
     topo = load_topology(args.topology)
-    if layout is not None:
+    if layout is not None and machines is None:
         check_devices(layout, topo)
+    elif layout is not None:  # (names and device count, before any capture)
+        layout_machines(topo, layout, machines)
     plan = Plan.load(args.plan) if args.plan is not None else None
     if plan is not None:
         if args.batch is None:
@@ -91,7 +100,7 @@ def run(args) -> int:
     check_fits(graph, topo)
     costs = CostModel.for_topology(graph, topo, args.profiles, numerics=numerics_of(args))
     if layout is not None:
-        plan = layout_plan(graph, topo, layout, costs)
+        plan = layout_plan(graph, topo, layout, costs, machines=machines)
     elif plan is None:
         plan = baseline_plan(args.baseline, graph, topo, costs)
     where = _what(args)
