@@ -405,7 +405,7 @@ class Simulator:
         pairs hold: a pipeline's micro-batches of one size, and the runs after, reuse them)."""
         key = tuple([id(fl) for fl in fls])
         hit = self._msgs.get(key)
-        if hit is None or any(x is not y for x, y in zip(hit[0], fls)):
+        if hit is None:  # (an entry holds its flow tuples: while it lives, no other object has their ids)
             hit = self._msgs[key] = (tuple(fls), _messages(fls, self.comm.p2p_time))
             self._meter.bytes += seq_bytes(len(fls)) + ref_bytes(len(fls)) + FLOW_BYTES * len(hit[1]) + ENTRY_BYTES
         return hit[1]
@@ -578,7 +578,7 @@ class _Pair:
     b, source machine, destination machine, seconds, destination replica, bytes)`` for the event
     loop (``fast``), and as :class:`Flow` objects for the recorder (``by_dst``, built on demand)."""
 
-    __slots__ = ("tpl", "g1", "g2", "fast", "gathers", "_by_dst")
+    __slots__ = ("tpl", "g1", "g2", "fast", "gathers", "_timed", "_by_dst")
 
     def __init__(self, tpl: PairTemplate, g1: int, g2: int, k: int):
         self.tpl, self.g1, self.g2 = tpl, g1, g2
@@ -592,7 +592,19 @@ class _Pair:
         self.gathers = tuple((ph * k + g2 + k2 * du, sets) for (ph, du), sets in tpl.gathers)
         """Per destination stage index: the holder sets all-gathering scattered pieces
         (:attr:`PairTemplate.gathers`)."""
+        self._timed = None
         self._by_dst = None
+
+    def timed(self, sim: Simulator) -> tuple:
+        """:attr:`gathers` with each set's all-gather seconds and total bytes: ``(dst, ((lo, hi,
+        devices, chunks, seconds, bytes), ...))`` (:meth:`Simulator.scatter_gather_time`), made on
+        first use: what a run takes as it is where no other pair scatters into the same set."""
+        if self._timed is None:
+            self._timed = tuple((dst, tuple((lo, hi, devs, c, sim.scatter_gather_time(devs, c), sum(c))
+                                            for lo, hi, devs, c in sets)) for dst, sets in self.gathers)
+            sim._meter.bytes += ref_bytes(len(self._timed)) + sum(ref_bytes(len(sets)) + ENTRY_BYTES * len(sets)
+                                                                for _, sets in self._timed)
+        return self._timed
 
     @property
     def nbytes(self) -> int:
@@ -683,7 +695,10 @@ class _Run:
                 placed += [(pr, 2 * k * j) for pr in prs]
             placed += [(pr, 0) for pr in sim._pairs_used(micro.gds[0], "first")]
             placed += [(pr, 2 * k * last) for pr in sim._pairs_used(micro.gds[last], "last")]
-        gathered: dict[int, dict[tuple, list[float]]] = {}  # stage -> (lo, hi, devices) -> bytes per replica
+        # stage -> (lo, hi, devices) -> the one pair's timed set that scattered into it (its
+        # seconds and bytes computed once per pair, _Pair.timed_gathers), or bytes per replica
+        # summed over the several pairs that did (a list)
+        gathered: dict[int, dict[tuple, tuple | list[float]]] = {}
         for pr, off in placed:
             for dst, fl in pr.fast:
                 x = incoming.get(dst + off)
@@ -691,13 +706,22 @@ class _Run:
                     incoming[dst + off] = (off, [fl])
                 else:
                     x[1].append(fl)
-            for dst, sets in pr.gathers:
-                for lo, hi, devs, chunks in sets:
-                    acc = gathered.setdefault(dst + off, {}).setdefault((lo, hi, devs), [0.0] * (hi - lo))
-                    acc[:] = [x + y for x, y in zip(acc, chunks)]
+            if pr.gathers:
+                for dst, sets in pr.timed(sim):
+                    acc = gathered.get(dst + off)
+                    if acc is None:
+                        acc = gathered[dst + off] = {}
+                    for st in sets:
+                        key = st[:3]
+                        x = acc.get(key)
+                        if x is None:
+                            acc[key] = st
+                        else:  # summed in placement order: (0 + first) + second + ... as one list
+                            acc[key] = [y + z for y, z in zip(x[3] if type(x) is tuple else x, st[3])]
         self.incoming = incoming
-        self.gathers = {dst: [(lo, hi, devs, sim.scatter_gather_time(devs, tuple(c)), sum(c))
-                              for (lo, hi, devs), c in sets.items()] for dst, sets in gathered.items()}
+        self.gathers = {dst: [x[:3] + x[4:] if type(x) is tuple else
+                              (*key, sim.scatter_gather_time(key[2], tuple(x)), sum(x)) for key, x in sets.items()]
+                        for dst, sets in gathered.items()}
         """Stage index -> ``(lo, hi, devices, seconds, bytes)`` of each consumer holder set that
         all-gathers the pieces scattered into it (:meth:`_scatter_gather`)."""
         self.buf = [0.0] * n
@@ -782,7 +806,18 @@ class _Run:
         received bytes over the set's devices (one machine)."""
         cf, cfree, busy, buf, rec = self.comm_free, self.cfree, self.comm_busy, self.buf, self.rec
         for lo, hi, devs, t, nb in self.gathers[idx]:
-            s = max(max(ready[lo:hi]), max(cf[d] for d in devs), max(cfree[d] for d in devs))
+            s = ready[lo]  # the latest of the set's arrivals and its devices' streams
+            for x in ready[lo + 1:hi]:
+                if x > s:
+                    s = x
+            for d in devs:
+                x = cf[d]
+                if x > s:
+                    s = x
+            for d in devs:
+                x = cfree[d]
+                if x > s:
+                    s = x
             e = s + t
             if rec is not None:
                 rec.scatter_gather(idx, lo, hi, devs, s, e, nb)
