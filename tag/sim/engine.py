@@ -597,13 +597,14 @@ class _Pair:
 
     def timed(self, sim: Simulator) -> tuple:
         """:attr:`gathers` with each set's all-gather seconds and total bytes: ``(dst, ((lo, hi,
-        devices, chunks, seconds, bytes), ...))`` (:meth:`Simulator.scatter_gather_time`), made on
-        first use: what a run takes as it is where no other pair scatters into the same set."""
+        devices, seconds, bytes), ...), (chunks, ...))`` (:meth:`Simulator.scatter_gather_time`),
+        made on first use: what a run takes as it is where no other pair scatters into the stage."""
         if self._timed is None:
-            self._timed = tuple((dst, tuple((lo, hi, devs, c, sim.scatter_gather_time(devs, c), sum(c))
-                                            for lo, hi, devs, c in sets)) for dst, sets in self.gathers)
-            sim._meter.bytes += ref_bytes(len(self._timed)) + sum(ref_bytes(len(sets)) + ENTRY_BYTES * len(sets)
-                                                                for _, sets in self._timed)
+            self._timed = tuple((dst, tuple((lo, hi, devs, sim.scatter_gather_time(devs, c), sum(c))
+                                            for lo, hi, devs, c in sets), tuple(c for *_, c in sets))
+                                for dst, sets in self.gathers)
+            sim._meter.bytes += ref_bytes(len(self._timed)) + sum(2 * ref_bytes(len(sets)) + ENTRY_BYTES * len(sets)
+                                                                for _, sets, _ in self._timed)
         return self._timed
 
     @property
@@ -695,10 +696,11 @@ class _Run:
                 placed += [(pr, 2 * k * j) for pr in prs]
             placed += [(pr, 0) for pr in sim._pairs_used(micro.gds[0], "first")]
             placed += [(pr, 2 * k * last) for pr in sim._pairs_used(micro.gds[last], "last")]
-        # stage -> (lo, hi, devices) -> the one pair's timed set that scattered into it (its
-        # seconds and bytes computed once per pair, _Pair.timed_gathers), or bytes per replica
-        # summed over the several pairs that did (a list)
-        gathered: dict[int, dict[tuple, tuple | list[float]]] = {}
+        # stage -> [its holder sets (lo, hi, devices, seconds, bytes), their chunks, None] as the one
+        # pair scattering into it timed them (_Pair.timed); where several pairs do: the sets in
+        # order of first appearance, each set's chunks summed over the pairs in placement order,
+        # (lo, hi, devices) -> index, and the indices summed (timed at the end)
+        gathered: dict[int, list] = {}
         for pr, off in placed:
             for dst, fl in pr.fast:
                 x = incoming.get(dst + off)
@@ -707,21 +709,33 @@ class _Run:
                 else:
                     x[1].append(fl)
             if pr.gathers:
-                for dst, sets in pr.timed(sim):
+                for dst, sets, chunks in pr.timed(sim):
                     acc = gathered.get(dst + off)
                     if acc is None:
-                        acc = gathered[dst + off] = {}
-                    for st in sets:
-                        key = st[:3]
-                        x = acc.get(key)
-                        if x is None:
-                            acc[key] = st
-                        else:  # summed in placement order: (0 + first) + second + ... as one list
-                            acc[key] = [y + z for y, z in zip(x[3] if type(x) is tuple else x, st[3])]
+                        gathered[dst + off] = [sets, chunks, None]
+                        continue
+                    if acc[2] is None:  # a second pair scatters into this stage
+                        acc[0], acc[1] = list(acc[0]), list(acc[1])
+                        acc[2] = {st[:3]: i for i, st in enumerate(acc[0])}
+                        acc.append(set())
+                    where = acc[2]
+                    for st, c in zip(sets, chunks):
+                        i = where.get(st[:3])
+                        if i is None:
+                            where[st[:3]] = len(acc[0])
+                            acc[0].append(st)
+                            acc[1].append(c)
+                        else:  # (0 + first) + second + ...: the first pair's chunks, then the sums
+                            acc[1][i] = [y + z for y, z in zip(acc[1][i], c)]
+                            acc[3].add(i)
         self.incoming = incoming
-        self.gathers = {dst: [x[:3] + x[4:] if type(x) is tuple else
-                              (*key, sim.scatter_gather_time(key[2], tuple(x)), sum(x)) for key, x in sets.items()]
-                        for dst, sets in gathered.items()}
+        for acc in gathered.values():
+            if acc[2] is not None:
+                for i in acc[3]:
+                    lo, hi, devs = acc[0][i][:3]
+                    c = acc[1][i]
+                    acc[0][i] = (lo, hi, devs, sim.scatter_gather_time(devs, tuple(c)), sum(c))
+        self.gathers = {dst: acc[0] for dst, acc in gathered.items()}
         """Stage index -> ``(lo, hi, devices, seconds, bytes)`` of each consumer holder set that
         all-gathers the pieces scattered into it (:meth:`_scatter_gather`)."""
         self.buf = [0.0] * n
