@@ -628,6 +628,30 @@ class _Pair:
         return [f for _, fl in self.by_dst for f in fl]
 
 
+def _merge_gathers(sim: Simulator, ents: list[tuple]) -> list[tuple]:
+    """The holder sets of one stage into which several pairs scatter (``ents``: their
+    :meth:`_Pair.timed` entries, in placement order): in order of first appearance, each set's
+    chunks summed over the pairs in that order (``(0 + first) + second + ...``: the first pair's
+    chunks, then the sums) and timed where more than one pair sent to it."""
+    sets, chunks = list(ents[0][1]), list(ents[0][2])
+    where = {st[:3]: i for i, st in enumerate(sets)}
+    summed = set()
+    for _, more, more_chunks in ents[1:]:
+        for st, c in zip(more, more_chunks):
+            i = where.get(st[:3])
+            if i is None:
+                where[st[:3]] = len(sets)
+                sets.append(st)
+                chunks.append(c)
+            else:
+                chunks[i] = [y + z for y, z in zip(chunks[i], c)]
+                summed.add(i)
+    for i in summed:
+        lo, hi, devs = sets[i][:3]
+        sets[i] = (lo, hi, devs, sim.scatter_gather_time(devs, tuple(chunks[i])), sum(chunks[i]))
+    return sets
+
+
 class _Micro(NamedTuple):
     """A pipeline run (:meth:`Simulator._micro`). Micro-batch ``m`` of a stage is addressed as
     chunk ``m`` of its groups (pipeline groups are data parallel: they have no position chunks),
@@ -696,11 +720,7 @@ class _Run:
                 placed += [(pr, 2 * k * j) for pr in prs]
             placed += [(pr, 0) for pr in sim._pairs_used(micro.gds[0], "first")]
             placed += [(pr, 2 * k * last) for pr in sim._pairs_used(micro.gds[last], "last")]
-        # stage -> [its holder sets (lo, hi, devices, seconds, bytes), their chunks, None] as the one
-        # pair scattering into it timed them (_Pair.timed); where several pairs do: the sets in
-        # order of first appearance, each set's chunks summed over the pairs in placement order,
-        # (lo, hi, devices) -> index, and the indices summed (timed at the end)
-        gathered: dict[int, list] = {}
+        scattered: dict[int, list] = {}  # stage -> the timed gathers (_Pair.timed) of the pairs scattering into it
         for pr, off in placed:
             for dst, fl in pr.fast:
                 x = incoming.get(dst + off)
@@ -709,33 +729,27 @@ class _Run:
                 else:
                     x[1].append(fl)
             if pr.gathers:
-                for dst, sets, chunks in pr.timed(sim):
-                    acc = gathered.get(dst + off)
-                    if acc is None:
-                        gathered[dst + off] = [sets, chunks, None]
-                        continue
-                    if acc[2] is None:  # a second pair scatters into this stage
-                        acc[0], acc[1] = list(acc[0]), list(acc[1])
-                        acc[2] = {st[:3]: i for i, st in enumerate(acc[0])}
-                        acc.append(set())
-                    where = acc[2]
-                    for st, c in zip(sets, chunks):
-                        i = where.get(st[:3])
-                        if i is None:
-                            where[st[:3]] = len(acc[0])
-                            acc[0].append(st)
-                            acc[1].append(c)
-                        else:  # (0 + first) + second + ...: the first pair's chunks, then the sums
-                            acc[1][i] = [y + z for y, z in zip(acc[1][i], c)]
-                            acc[3].add(i)
+                for ent in pr.timed(sim):
+                    x = scattered.get(ent[0] + off)
+                    if x is None:
+                        scattered[ent[0] + off] = [ent]
+                    else:
+                        x.append(ent)
         self.incoming = incoming
-        for acc in gathered.values():
-            if acc[2] is not None:
-                for i in acc[3]:
-                    lo, hi, devs = acc[0][i][:3]
-                    c = acc[1][i]
-                    acc[0][i] = (lo, hi, devs, sim.scatter_gather_time(devs, tuple(c)), sum(c))
-        self.gathers = {dst: acc[0] for dst, acc in gathered.items()}
+        # one pair's sets as it timed them; several pairs' merged (a pipeline's micro-batches merge
+        # the same pairs' sets at every offset: once per run, keyed by the entries, which the pairs hold)
+        merged: dict[tuple, list] = {}
+        gathers = {}
+        for dst, ents in scattered.items():
+            if len(ents) == 1:
+                gathers[dst] = ents[0][1]
+                continue
+            key = tuple([id(e) for e in ents])
+            out = merged.get(key)
+            if out is None:
+                out = merged[key] = _merge_gathers(sim, ents)
+            gathers[dst] = out
+        self.gathers = gathers
         """Stage index -> ``(lo, hi, devices, seconds, bytes)`` of each consumer holder set that
         all-gathers the pieces scattered into it (:meth:`_scatter_gather`)."""
         self.buf = [0.0] * n
