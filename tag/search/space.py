@@ -283,6 +283,7 @@ class ActionSpace:
         """Options of each plan-level decision (:data:`PLAN_DECISIONS`); empty: no pipelines."""
         self._pipe_plans: dict[tuple, tuple] = {}  # pipeline key -> (groups, PipelinePlan) or None
         self._plan_template = None  # a Plan of this graph and topology (layout_plan copies its identity)
+        self._fits: dict[tuple, bool] = {}  # pipeline key -> _estimated_fit
         self._footprints: dict[int, np.ndarray] = {}  # samples per device -> [K] bytes (group_footprints)
         self.pipeline_completion = None
         """None: undecided plan-level choices take the defaults of :meth:`pipeline_key`. Else
@@ -562,7 +563,14 @@ class ActionSpace:
         device's samples per micro-batch, times the micro-batches the schedule keeps alive on the
         stage, :func:`tag.parallel.pipeline.iteration_program`'s ``flight``: GPipe all of them;
         the state of tensor-parallel stages divided by the degree): a guess for the defaults, the
-        simulator decides."""
+        simulator decides. A function of the key (cached: the plan head's option features ask
+        again for the keys the search's paths complete to)."""
+        fit = self._fits.get(key)
+        if fit is None:
+            fit = self._fits[key] = self._estimate_fit(key)
+        return fit
+
+    def _estimate_fit(self, key: tuple) -> bool:
         plan = self.pipeline_plan(key, copy=False)
         if plan is None:
             return False
