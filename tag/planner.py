@@ -4,8 +4,11 @@ where the simulator confirms it pays."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import math
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -46,6 +49,39 @@ PIPELINE_MODES = ("auto", "grid", "off")
 """``find_plan(pipelines=...)``: search pipelines and tp then the hand-written layout grid (bounded by
 the searched plan, or not), or neither."""
 
+GC_YOUNG_OBJECTS = 50_000
+"""While :func:`find_plan` runs, the cyclic garbage collector's youngest generation is collected
+after this many net allocations of container objects (Python's default: 700; the older
+generations' thresholds are kept). The planner allocates millions of small containers that live
+until it returns (simulator caches, the tree, plans); at the default the collector ran ~5,900
+times in one 512-GPU plan (llama-7b, 128 groups, ``h100-512gpu``, 50 playouts) and took 3.5 s of
+its 23 s, at 50,000 ~700 times and 1.2 s, peak memory the same (2026-11-27). Changes no number."""
+
+_GC_STATE = {"depth": 0, "saved": None}
+_GC_LOCK = threading.Lock()
+
+
+def _young_gc(f):
+    """``f`` run with :data:`GC_YOUNG_OBJECTS` as the youngest generation's threshold (the
+    outermost of nested or concurrent calls sets it and puts the previous one back)."""
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        with _GC_LOCK:
+            if _GC_STATE["depth"] == 0:
+                old = _GC_STATE["saved"] = gc.get_threshold()
+                gc.set_threshold(max(old[0], GC_YOUNG_OBJECTS), *old[1:])
+            _GC_STATE["depth"] += 1
+        try:
+            return f(*args, **kwargs)
+        finally:
+            with _GC_LOCK:
+                _GC_STATE["depth"] -= 1
+                if _GC_STATE["depth"] == 0:
+                    gc.set_threshold(*_GC_STATE["saved"])
+
+    return run
+
+
 _PREDICTORS: dict = {}
 
 
@@ -57,6 +93,7 @@ def _predictor(checkpoint):
     return _PREDICTORS[key]
 
 
+@_young_gc
 def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget: int | None = None,
               time_limit: float | None = None, seed: int = 0, checkpoint: str | os.PathLike | None = None,
               predictor=None, costs=None, simulator=None, mcts: MCTSConfig | None = None,

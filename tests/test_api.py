@@ -62,3 +62,30 @@ def test_layout_plan_from_a_string():
         tag.layout_plan(graph, topo, "dp=3")
     with pytest.raises(PlanError, match="layout: foo: unknown key"):
         tag.layout_plan(graph, topo, "foo=2")
+
+
+def test_find_plan_collects_young_objects_less_often_and_puts_the_threshold_back():
+    """While the search runs the collector's youngest generation waits for GC_YOUNG_OBJECTS
+    allocations (the planner's objects live until it returns); after it, and after a refused call,
+    the caller's thresholds are back."""
+    import gc
+
+    from tag.errors import TagError
+    from tag.planner import GC_YOUNG_OBJECTS, find_plan
+
+    wl = tag.load_workload("mlp:layers=2,hidden=64", batch=16)
+    graph = tag.capture(wl, num_groups=3).graph
+    topo = tag.load_topology("cloud-t4")
+    old = gc.get_threshold()
+    seen = []
+    try:
+        gc.set_threshold(700, 11, 12)
+        find_plan(graph, topo, prior="uniform", budget=3, compression="off",
+                  progress=lambda stage, *_: seen.append(gc.get_threshold()))
+        assert seen and all(t == (GC_YOUNG_OBJECTS, 11, 12) for t in seen)
+        assert gc.get_threshold() == (700, 11, 12)
+        with pytest.raises(TagError, match="budget"):
+            find_plan(graph, topo, prior="uniform", budget=0)
+        assert gc.get_threshold() == (700, 11, 12)
+    finally:
+        gc.set_threshold(*old)

@@ -19,6 +19,7 @@ from tag.gnn import (
 from tag.gnn.features import REL, SCHEMA, dims
 from tag.gnn.model import action_log_probs, reward_to_value, value_to_reward
 from tag.gnn.predictor import CheckpointError
+from tag.parallel import DataParallel
 from tag.search import ActionSpace, Evaluator, SearchState
 from tag.search.evaluate import Feedback
 from tag.search.toy import ToySimulator
@@ -331,3 +332,69 @@ def test_sync_flags_follow_each_strategys_declaration(setup):
             JointContext(ActionSpace(graph, topo), ev.t_ref)
     finally:
         unregister("replicas")
+
+
+def _reference_tables(space, cls):
+    """``(place, server, action_feats)`` of :class:`JointContext` as written before 2026-11-27: every
+    group's plan built (``ActionSpace.group_plan``), its shares added with ``np.add.at`` and its
+    ``search_estimate`` asked, one (group, action) at a time."""
+    import math
+
+    from tag.parallel import get_strategy
+    k, a, d = space.num_groups, space.num_actions, int(cls.max()) + 1
+    bw, lat = space.comm.bandwidth, space.comm.latency
+    cap = np.array([dv.gpu.memory_bytes for dv in space.topology.devices], dtype=np.float64)
+    place, server, feats = np.zeros((k, a, d)), np.full((k, a), -1, np.int64), np.zeros((k, a, 3))
+    for ai, act in enumerate(space.actions):
+        devs, s = list(act.devices), get_strategy(act.sync)
+        if len(devs) > 1:
+            bmin = float(bw[np.ix_(devs, devs)][~np.eye(len(devs), dtype=bool)].min())
+            lmax = float(lat[np.ix_(devs, devs)].max())
+        else:
+            bmin, lmax = math.inf, 0.0
+        for g in range(k):
+            gp = space.group_plan(g, ai)
+            shares = np.full(len(gp.devices), 1.0 / len(gp.devices)) if s.chunked else gp.shares
+            np.add.at(place[g, ai], cls[gp.devices], shares)
+            if gp.server is not None:
+                server[g, ai] = cls[gp.server]
+            comp, sync, need = s.search_estimate(space, g, act.devices, act.tp, gp, bmin, lmax)
+            feats[g, ai] = (comp, sync, need / float(cap[devs].min()))
+    return place, server, feats
+
+
+class _EvenShares(DataParallel):
+    """Data parallel with even shares, written as a user would: its own ``search_plan``, so its
+    actions' tables come from :meth:`tag.parallel.Strategy.search_table`'s loop over its plans."""
+
+    name = "even-test"
+
+    def search_plan(self, space, g, devices, option):
+        from tag.plan import GroupPlan
+        return GroupPlan(list(devices), [1.0 / len(devices)] * len(devices), self.name)
+
+
+@pytest.mark.parametrize("coarse", [None, "exact", "machine"])
+@pytest.mark.parametrize("executable", [False, True])
+def test_context_tables_equal_the_per_group_plans_bit_for_bit(setup, coarse, executable):
+    """The placement, server and action-estimate tables, computed one action at a time for every
+    group (:meth:`tag.parallel.Strategy.search_table`), are the per-(group, action) plans' numbers
+    exactly: on mixed GPUs (speed-proportional shares of 2-8 devices, parameter servers, mp chunks
+    on each group's fastest devices, tp at degrees 2 and 4), and for a registered strategy that
+    builds its own plans."""
+    from tag.gnn.features import device_classes
+    from tag.parallel import register, unregister
+    graph = setup[0]
+    topo = _cluster([("V100-SXM2-16GB", 4, 150), ("A100-40GB", 4, 300), ("T4", 2, 10), ("T4", 2, 10)])
+    register(_EvenShares())
+    try:
+        space = ActionSpace(graph, topo, executable=executable)
+        assert {"allreduce", "ps", "mp", "tp", "even-test"} <= {act.sync for act in space.actions}
+        ctx = JointContext(space, 1.0, coarse=coarse)
+        place, server, feats = _reference_tables(space, device_classes(space, coarse) if coarse
+                                                 else np.arange(topo.num_devices))
+    finally:
+        unregister(_EvenShares.name)
+    assert np.array_equal(ctx.place, place) and np.array_equal(ctx.server, server)
+    assert np.array_equal(ctx.action_feats, feats)
+    assert (server >= 0).any() and len(np.unique(place)) > 10  # parameter servers, uneven shares

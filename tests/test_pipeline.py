@@ -72,6 +72,52 @@ def test_global_order_is_consistent(S, M, k, f, b):
                 assert at[Task(s, "bwd", m)] < at[Task(s - 1, "bwd", m)]
 
 
+def _sweep_order(sequences, fwd_s, bwd_s):
+    """A reference for :func:`pipeline_order` (2026-11-27): sweep over the stages, one task per
+    stage and sweep, until none can run; its tasks by start time, or where each unfinished stage is
+    stuck."""
+    n, pos, ends, starts = len(sequences), [0] * len(sequences), {}, {}
+    changed = True
+    while changed:
+        changed = False
+        for s, q in enumerate(sequences):
+            if pos[s] == len(q):
+                continue
+            phase, m = q[pos[s]]
+            need = [(s - 1, "fwd", m)] if phase == "fwd" and s > 0 else []
+            if phase == "bwd":
+                need = [(s, "fwd", m)] + ([(s + 1, "bwd", m)] if s + 1 < n else [])
+            if all(x in ends for x in need):
+                t0 = max([ends[(s, *q[pos[s] - 1])] if pos[s] else 0.0] + [ends[x] for x in need])
+                starts[Task(s, phase, m)] = t0
+                ends[(s, phase, m)] = t0 + (fwd_s if phase == "fwd" else bwd_s)
+                pos[s] += 1
+                changed = True
+    if any(pos[s] < len(q) for s, q in enumerate(sequences)):
+        return {s: q[pos[s]] for s, q in enumerate(sequences) if pos[s] < len(q)}
+    return sorted(starts, key=lambda t: (starts[t], -t.stage, t.phase == "bwd", t.micro))
+
+
+@settings(max_examples=80, deadline=None)
+@given(S=st.integers(1, 7), M=st.integers(1, 10), k=st.integers(1, 10), f=st.floats(0.1, 5), b=st.floats(0.1, 5),
+       swaps=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 19), st.integers(0, 19)), max_size=3))
+def test_global_order_equals_the_sweeping_reference(S, M, k, f, b, swaps):
+    """The order (and, for sequences whose tasks wait on each other, the deadlock and where each
+    stage is stuck) is the sweep's exactly: kFkB sequences, some with two tasks swapped."""
+    seqs = [stage_sequence(s, S, M, k) for s in range(S)]
+    for s, i, j in swaps:
+        q = seqs[s % S]
+        i, j = i % len(q), j % len(q)
+        q[i], q[j] = q[j], q[i]
+    want = _sweep_order(seqs, f, b)
+    if isinstance(want, dict):
+        with pytest.raises(PlanError, match="deadlock") as err:
+            pipeline_order(seqs, f, b)
+        assert str(want) in str(err.value)
+    else:
+        assert pipeline_order(seqs, f, b) == want
+
+
 def test_pipelining_overlaps_stages():
     """With unit forward and backward times the 1F1B order keeps the stages busy as the textbook
     says: the makespan is (M + S - 1) (f + b), i.e. the bubble fraction (S - 1) / (M + S - 1)."""

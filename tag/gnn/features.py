@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from torch_geometric.data import HeteroData
 
-from ..parallel import get_strategy, strategy_of
+from ..parallel import get_strategy
 from ..search.space import ActionSpace
 
 # (column name, kind). Kinds: time [s], bytes [B], bw [B/s], lat [s], mem [B], flops [FLOP/s],
@@ -279,16 +279,21 @@ class JointContext:
         gg, dd = np.meshgrid(np.arange(k), np.arange(d), indexing="ij")
         self.on_src, self.on_dst = gg.reshape(-1), dd.reshape(-1)
         self.on_tfull = gt[:, reps, 0].reshape(-1)
-        # ---- per (group, action) materialisation tables
-        self.plans = [[space.group_plan(gi, ai) for ai in range(a)] for gi in range(k)]
+        # ---- per (group, action) tables, one action at a time for every group (no GroupPlan built:
+        # each strategy's Strategy.search_table, the numbers of its search_plan / search_estimate)
         self.place = np.zeros((k, a, d))  # summed batch share of each node's devices (mp: 1/n each)
         self.server = np.full((k, a), -1, np.int64)  # node of the parameter server
-        for gi in range(k):
-            for ai, gp in enumerate(self.plans[gi]):
-                shares = np.full(len(gp.devices), 1.0 / len(gp.devices)) if strategy_of(gp).chunked else gp.shares
-                np.add.at(self.place[gi, ai], cls[gp.devices], shares)
-                if gp.server is not None:
-                    self.server[gi, ai] = cls[gp.server]
+        self.action_feats = np.zeros((k, a, 3))
+        """[K, A, 3]: compute, sync time and memory need of every action for every group (see
+        :meth:`_action_table`)."""
+        for ai, act in enumerate(space.actions):
+            tab = self._action_table(ai, act)
+            w = tab.shares
+            if get_strategy(act.sync).chunked:  # a chunk's node holds 1/n of the group, n its chunks
+                w = np.where(tab.devices >= 0, 1.0 / (tab.devices >= 0).sum(axis=1, keepdims=True), 0.0)
+            _add_in_order(self.place[:, ai], cls, tab.devices, w)
+            has = tab.server >= 0
+            self.server[has, ai] = cls[tab.server[has]]
         self.sync_flag = sync_flags(space)
         """[A] index in :data:`SYNC_FLAGS` of each action's sync flag, -1: none."""
         self.action_flagged = np.flatnonzero(self.sync_flag >= 0)
@@ -297,7 +302,6 @@ class JointContext:
         """[A] devices of one tensor-parallel group over the action's devices (0: not ``tp``)."""
         self.machines_frac = np.array([len({topo.machine_of(x) for x in act.devices}) / topo.num_machines
                                        for act in space.actions])
-        self.action_feats = self._action_static()
         members = np.zeros((a, d))  # [A, d] devices of each node in each action's subset
         np.add.at(members.T, cls, space.membership.T)
         self.uses_src, self.uses_dst = np.nonzero(members)
@@ -308,8 +312,10 @@ class JointContext:
         x = np.asarray(x, dtype=np.float64)
         return x if self.coarse is None else np.bincount(self.cls, weights=x, minlength=self.d) / self.mult
 
-    def _action_static(self) -> np.ndarray:
-        """[K, A, 3]: compute, sync time and memory need of every action for every group.
+    def _action_table(self, ai: int, act):
+        """The :class:`tag.parallel.SearchTable` of action ``act`` for every group, its estimates
+        (compute s, sync s, memory need over the subset's smallest device memory) written into
+        :attr:`action_feats`.
 
         Each strategy's :meth:`~tag.parallel.Strategy.search_estimate`: slowest-link bounds
         (:mod:`tag.cost.comm`), the subset's smallest bandwidth and largest latency over all its
@@ -317,25 +323,19 @@ class JointContext:
         workers), two latency-free transfers of the activations per model-parallel chunk, ...:
         what the shipped predictor was trained on."""
         sp = self.space
-        k, a = self.k, self.a
-        bw = sp.comm.bandwidth
-        lat = sp.comm.latency
-        out = np.zeros((k, a, 3))
-        for ai, act in enumerate(sp.actions):
-            devs = list(act.devices)
-            n = len(devs)
-            if n > 1:
-                sub = bw[np.ix_(devs, devs)][~np.eye(n, dtype=bool)]
-                bmin = float(sub.min())
-                lmax = float(lat[np.ix_(devs, devs)].max())
-            else:
-                bmin, lmax = math.inf, 0.0
-            strategy = get_strategy(act.sync)
-            for gi in range(k):
-                comp, sync, need = strategy.search_estimate(sp, gi, act.devices, act.tp, self.plans[gi][ai], bmin, lmax)
-                cap = float(self.mem_cap[devs].min())
-                out[gi, ai] = (comp, sync, need / cap)
-        return out
+        devs = list(act.devices)
+        n = len(devs)
+        if n > 1:
+            sub = np.array(sp.comm.bandwidth[np.ix_(devs, devs)])
+            np.fill_diagonal(sub, np.inf)  # every pair but a device with itself
+            bmin = float(sub.min())
+            lmax = float(sp.comm.latency[np.ix_(devs, devs)].max())
+        else:
+            bmin, lmax = math.inf, 0.0
+        tab = get_strategy(act.sync).search_table(sp, act.devices, act.tp, bmin, lmax)
+        self.action_feats[:, ai, :2] = tab.estimate[:, :2]
+        self.action_feats[:, ai, 2] = tab.estimate[:, 2] / float(self.mem_cap[devs].min())
+        return tab
 
     # ------------------------------------------------------------------ states
     def encode(self, states: Sequence, targets: Sequence | None = None) -> HeteroData:
@@ -456,3 +456,27 @@ def _previous_decided(assign: np.ndarray, order: list[int]) -> int | None:
 
 def _t(a: np.ndarray) -> torch.Tensor:
     return torch.as_tensor(np.asarray(a, dtype=np.float32))
+
+
+def _add_in_order(out: np.ndarray, cls: np.ndarray, devices: np.ndarray, w: np.ndarray) -> None:
+    """``out[g, cls[devices[g, j]]] += w[g, j]`` for every ``j`` of row ``g`` in ascending order
+    (``np.add.at`` row by row, the same sums bit for bit), ``devices`` -1 skipped. A node's
+    ``r``-th device of a row is added in pass ``r``: a pass adds to each (row, node) once."""
+    node = np.where(devices >= 0, cls[np.maximum(devices, 0)], -1)
+    same = node.shape[0] > 0 and bool((node == node[0]).all())
+    rows_node = node[:1] if same else node
+    order = np.argsort(rows_node, axis=1, kind="stable")
+    srt = np.take_along_axis(rows_node, order, 1)
+    pos = np.arange(srt.shape[1])
+    first = np.where(np.concatenate([np.ones((srt.shape[0], 1), bool), srt[:, 1:] != srt[:, :-1]], 1), pos, 0)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, pos - np.maximum.accumulate(first, axis=1), 1)
+    rank[rows_node < 0] = -1
+    for r in range(int(rank.max()) + 1 if rank.size else 0):
+        if same:
+            cols = np.flatnonzero(rank[0] == r)
+            out[:, node[0, cols]] += w[:, cols]
+        else:
+            rows, cols = np.nonzero(rank == r)
+            out[rows, node[rows, cols]] += w[rows, cols]
+

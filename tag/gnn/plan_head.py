@@ -103,7 +103,7 @@ def simulator_bound(space: ActionSpace, simulator) -> Callable[[tuple], tuple[fl
     def bound_s(key: tuple) -> tuple[float, bool]:
         got = memo.get(key)
         if got is None:
-            plan = space.pipeline_plan(key)
+            plan = space.pipeline_plan(key, copy=False)  # (static_bound only reads it)
             if plan is None:
                 got = (math.inf, True)
             else:

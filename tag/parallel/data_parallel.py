@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cost.comm import ring_allreduce_time
+from ..cost.comm import ring_allreduce_time, uniform_ps_time
 from ..plan.format import GroupPlan
-from .strategy import Collective, Strategy, Unit, check_shares, no_field, sample_replicas
+from .strategy import Collective, SearchTable, Strategy, Unit, check_shares, no_field, sample_replicas
 
 
 class DataParallel(Strategy):
@@ -86,3 +86,28 @@ class DataParallel(Strategy):
             return super().search_estimate(space, g, devices, option, plan, bmin, lmax)
         sync = 0.0 if len(devices) == 1 else ring_allreduce_time(len(devices), space.costs.param_bytes[g], bmin, lmax)
         return self.replicated_estimate(space, g, devices, sync)
+
+    def search_table(self, space, devices: tuple[int, ...], option, bmin: float, lmax: float) -> SearchTable:
+        """:meth:`search_plan` and :meth:`search_estimate` of every group at once (the same
+        operations per row: shares over each row's summed rates, the last closing the row's running
+        sum to 1)."""
+        if not self._search_inherited(DataParallel, ("search_plan", "search_estimate", "replicated_estimate")):
+            return super().search_table(space, devices, option, bmin, lmax)
+        c, k, n = space.costs, space.num_groups, len(devices)
+        devs = np.broadcast_to(np.asarray(devices, dtype=np.int64), (k, n))
+        if n == 1:
+            shares, server = np.ones((k, 1)), np.full(k, -1, dtype=np.int64)
+        else:
+            rate = 1.0 / np.maximum(np.ascontiguousarray(c.group_time_full[:, list(devices)]), 1e-15)  # [K, n]
+            shares = rate / rate.sum(axis=1, keepdims=True)
+            shares[:, -1] = 1.0 - np.cumsum(shares[:, :-1], axis=1)[:, -1]  # (the plan's left-to-right sum)
+            srv = self.search_server(space, devices, option)
+            server = np.full(k, -1 if srv is None else srv, dtype=np.int64)
+        if n == 1:
+            sync = 0.0
+        elif self.collective_op == "allreduce":
+            sync = ring_allreduce_time(n, c.param_bytes, bmin, lmax)
+        else:
+            sync = uniform_ps_time(n, c.param_bytes, bmin, lmax)
+        return SearchTable(devs, shares, server, self.replicated_estimates(space, devices, sync))
+

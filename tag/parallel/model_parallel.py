@@ -14,7 +14,7 @@ from ..cost.comm import LinkFit
 from ..errors import PlanError
 from ..plan.format import GroupPlan, group_positions
 from .data_parallel import DataParallel
-from .strategy import Replica, Strategy, Unit, no_field
+from .strategy import Replica, SearchTable, Strategy, Unit, no_field
 
 SEARCH_MAX_DEVICES = 4
 """Most devices the search's model-parallel actions split a group over."""
@@ -97,6 +97,26 @@ class ModelParallel(Strategy):
         comp = float(c.group_time[g, list(devices), 0].min())
         sync = 0.0 if n == 1 else 2 * LinkFit(0.0, bmin).time(c.act_bytes[g] / n)
         return comp, sync, (2 * c.param_bytes[g] + c.opt_bytes[g] + c.act_bytes[g]) / n
+
+    def search_table(self, space, devices: tuple[int, ...], option, bmin: float, lmax: float) -> SearchTable:
+        """:meth:`search_plan` and :meth:`search_estimate` of every group at once: a plan's devices
+        are the chosen ones (:meth:`search_devices`; :func:`balanced_splits` cuts one chunk per
+        chosen device, no more than the group's positions, which bound the choice), each on the
+        full batch."""
+        if not self._search_inherited(ModelParallel, ("search_plan", "search_estimate", "search_devices")):
+            return super().search_table(space, devices, option, bmin, lmax)
+        c, k = space.costs, space.num_groups
+        chosen = [self.search_devices(space, g, devices, option) for g in range(k)]
+        n = np.array([len(x) for x in chosen])
+        devs = np.full((k, int(n.max())), -1, dtype=np.int64)
+        for g, x in enumerate(chosen):
+            devs[g, :len(x)] = x
+        shares = np.where(devs >= 0, 1.0, 0.0)
+        est = np.empty((k, 3))
+        est[:, 0] = c.group_time[:, list(devices), 0].min(axis=1)
+        est[:, 1] = np.where(n == 1, 0.0, 2 * (0.0 + c.act_bytes / n / bmin))  # LinkFit(0, bmin).time
+        est[:, 2] = (2 * c.param_bytes + c.opt_bytes + c.act_bytes) / n
+        return SearchTable(devs, shares, np.full(k, -1, dtype=np.int64), est)
 
 
 def _speed_order(space) -> list[int]:

@@ -204,27 +204,35 @@ def pipeline_order(sequences: list[StageSequence], fwd_s: float = 1.0, bwd_s: fl
     pos = [0] * num_stages
     free = [0.0] * num_stages
     remaining = sum(len(q) for q in seqs)
-    while remaining:
-        progressed = False
-        for s in range(num_stages):
-            while pos[s] < len(seqs[s]):
-                phase, m = seqs[s][pos[s]]
-                if phase == "fwd":
-                    deps = [Task(s - 1, "fwd", m)] if s > 0 else []
-                else:
-                    deps = [Task(s, "fwd", m)] + ([Task(s + 1, "bwd", m)] if s + 1 < num_stages else [])
-                if any(d not in end for d in deps):
-                    break
-                t = Task(s, phase, m)
-                start[t] = max([free[s]] + [end[d] for d in deps])
-                end[t] = free[s] = start[t] + (fwd_s if phase == "fwd" else bwd_s)
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {s: seqs[s][pos[s]] for s in range(num_stages) if pos[s] < len(seqs[s])}
-            raise PlanError(f"{where}: the stage sequences deadlock ({num_stages} stages; the next task "
-                            f"of each unfinished stage waits on another: {stuck})")
+    # A task's start is a function of the tasks it needs (the stage's previous one, its inputs),
+    # not of the order stages are visited in: each stage runs on until it waits, and a stage is
+    # visited again only when a neighbour ran a task it may wait on (not all stages per sweep).
+    todo, queued = list(range(num_stages - 1, -1, -1)), [True] * num_stages
+    while todo:
+        s = todo.pop()
+        queued[s] = False
+        q = seqs[s]
+        while pos[s] < len(q):
+            phase, m = q[pos[s]]
+            if phase == "fwd":
+                deps = [Task(s - 1, "fwd", m)] if s > 0 else []
+            else:
+                deps = [Task(s, "fwd", m)] + ([Task(s + 1, "bwd", m)] if s + 1 < num_stages else [])
+            if any(d not in end for d in deps):
+                break
+            t = Task(s, phase, m)
+            start[t] = max([free[s]] + [end[d] for d in deps])
+            end[t] = free[s] = start[t] + (fwd_s if phase == "fwd" else bwd_s)
+            pos[s] += 1
+            remaining -= 1
+            nxt = s + 1 if phase == "fwd" else s - 1  # the neighbour that may wait on this task
+            if 0 <= nxt < num_stages and not queued[nxt]:
+                queued[nxt] = True
+                todo.append(nxt)
+    if remaining:
+        stuck = {s: seqs[s][pos[s]] for s in range(num_stages) if pos[s] < len(seqs[s])}
+        raise PlanError(f"{where}: the stage sequences deadlock ({num_stages} stages; the next task "
+                        f"of each unfinished stage waits on another: {stuck})")
     # Ties go to the later stage first: a stage's input then moves as soon as it was computed,
     # before its producer goes on with its next task (any tie order respects the dependencies:
     # a task starts strictly after the tasks it needs).

@@ -246,6 +246,57 @@ class Strategy:
         comp = 1.0 / float(np.sum(1.0 / np.maximum(tg, 1e-15)))
         return comp, sync_s, 2 * c.param_bytes[g] + c.opt_bytes[g] + c.act_bytes[g] / n
 
+    @staticmethod
+    def replicated_estimates(space, devices: tuple[int, ...], sync_s) -> np.ndarray:
+        """[K, 3] :meth:`replicated_estimate` of every op-group at once (``sync_s``: [K] seconds or
+        one number), the same floating-point operations row by row."""
+        c, n = space.costs, len(devices)
+        tg = np.ascontiguousarray(c.group_time[:, list(devices), 0])  # [K, n]: each row summed as one vector
+        out = np.empty((space.num_groups, 3))
+        out[:, 0] = 1.0 / np.sum(1.0 / np.maximum(tg, 1e-15), axis=1)
+        out[:, 1] = sync_s
+        out[:, 2] = 2 * c.param_bytes + c.opt_bytes + c.act_bytes / n
+        return out
+
+    def search_table(self, space, devices: tuple[int, ...], option, bmin: float, lmax: float) -> SearchTable:
+        """:class:`SearchTable` of the search's action over ``devices`` with ``option`` for every
+        op-group of ``space``: what the GNN predictor's features read of it (placement, batch shares,
+        parameter server and :meth:`search_estimate`; ``bmin``, ``lmax`` as there). The default
+        builds each group's plan (:meth:`search_plan`) and asks :meth:`search_estimate`; the built-in
+        strategies compute the same numbers for all groups at once (on 512 GPUs, 128 groups x 786
+        actions: no 100,000 plans of up to 512 shares), where their class's search methods are
+        their own (:meth:`_search_inherited`), else through this loop."""
+        plans = [self.search_plan(space, g, devices, option) for g in range(space.num_groups)]
+        k, n = len(plans), max((len(gp.devices) for gp in plans), default=0)
+        devs = np.full((k, n), -1, dtype=np.int64)
+        shares = np.zeros((k, n))
+        for g, gp in enumerate(plans):
+            devs[g, :len(gp.devices)] = gp.devices
+            shares[g, :len(gp.shares)] = gp.shares
+        server = np.array([-1 if gp.server is None else gp.server for gp in plans], dtype=np.int64)
+        est = np.array([self.search_estimate(space, g, devices, option, gp, bmin, lmax) for g, gp in enumerate(plans)],
+                       dtype=np.float64).reshape(k, 3)
+        return SearchTable(devs, shares, server, est)
+
+    def _search_inherited(self, owner: type, names: tuple[str, ...]) -> bool:
+        """Whether this strategy's class takes each method of ``names`` from ``owner`` (a subclass
+        redefining one gets :meth:`Strategy.search_table`'s loop over its own methods)."""
+        return all(getattr(type(self), name) is getattr(owner, name) for name in names)
+
+
+class SearchTable(NamedTuple):
+    """What the GNN predictor's features read of one search action for every op-group
+    (:meth:`Strategy.search_table`; rows: op-groups)."""
+
+    devices: np.ndarray
+    """[K, n] int64: each group's ``GroupPlan.devices`` (plan order), -1 after its last."""
+    shares: np.ndarray
+    """[K, n] float64: each group's ``GroupPlan.shares``, 0 after its last."""
+    server: np.ndarray
+    """[K] int64: each group's ``GroupPlan.server``, -1 for none."""
+    estimate: np.ndarray
+    """[K, 3]: :meth:`Strategy.search_estimate` of each group (compute s, sync s, memory bytes)."""
+
 
 _REGISTRY: Registry[Strategy] = Registry("strategy")
 
@@ -434,6 +485,6 @@ _REPLICAS: dict[tuple, tuple[Replica, ...]] = {}
 lowers the same batch split for every group (512 replicas each)."""
 
 
-__all__ = ["Collective", "Replica", "Strategy", "Unit", "UnitKey", "apply_sfb", "execution_refusal", "get_strategy",
+__all__ = ["Collective", "Replica", "SearchTable", "Strategy", "Unit", "UnitKey", "apply_sfb", "execution_refusal", "get_strategy",
            "group_positions", "register", "sfb_syncs",
            "strategy_names", "strategy_of", "unregister", "validate_group", "validate_plan"]

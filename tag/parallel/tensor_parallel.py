@@ -87,7 +87,16 @@ from ..graph.capture import FUSED_ATTENTION
 from ..graph.ir import Affine, OpGraph
 from ..plan.format import GroupPlan, device_ranges
 from .pipeline import stage_of_group
-from .strategy import Collective, Strategy, Unit, check_shares, execution_refusal, no_field, sample_replicas
+from .strategy import (
+    Collective,
+    SearchTable,
+    Strategy,
+    Unit,
+    check_shares,
+    execution_refusal,
+    no_field,
+    sample_replicas,
+)
 
 MAX_DEGREE = 8
 """Largest tensor-parallel degree (devices of one machine, as Megatron-LM advises)."""
@@ -508,6 +517,44 @@ class TensorParallel(Strategy):
         sync = ring_allreduce_time(n, p / t, bmin, lmax) + sum(
             ring_allreduce_time(t, r.at(per_replica), float(inner.min()), lmax) for r in x.reduce_fwd + x.reduce_bwd)
         return comp, sync, (2 * p + c.opt_bytes[g]) / t + c.act_bytes[g] / n
+
+    def search_table(self, space, devices: tuple[int, ...], option, bmin: float, lmax: float) -> SearchTable:
+        """:meth:`search_plan` and :meth:`search_estimate` of every group at once (the same operations
+        row by row; the tensor-parallel all-reduces' seconds summed left to right as there)."""
+        if not self._search_inherited(TensorParallel, ("search_plan", "search_estimate")):
+            return super().search_table(space, devices, option, bmin, lmax)
+        import numpy as np
+
+        from ..cost.comm import ring_allreduce_time
+
+        c, t, n, devs, k = space.costs, option, len(devices), list(devices), space.num_groups
+        if space.executable:  # the whole model's pace: one row of shares for every group
+            tm = space.model_time[devs].reshape(-1, t).max(axis=1)
+            rate = np.repeat(1.0 / np.maximum(tm, 1e-15), t)
+            shares = np.broadcast_to(rate / rate.sum(), (k, n))
+        else:
+            tm = np.ascontiguousarray(c.group_time_full[:, devs]).reshape(k, -1, t).max(axis=2)
+            rate = np.repeat(1.0 / np.maximum(tm, 1e-15), t, axis=1)  # [K, n]
+            shares = rate / rate.sum(axis=1, keepdims=True)
+        est = np.empty((k, 3))
+        est[:, 0] = t / np.sum(1.0 / np.maximum(np.ascontiguousarray(c.group_time[:, devs, 0]), 1e-15), axis=1)
+        inner = float(space.comm.bandwidth[np.ix_(devs[:t], devs[:t])][~np.eye(t, dtype=bool)].min())
+        per_replica = space.graph.batch_size * t / n
+        memo = space.memo.setdefault("tp-reduce", {})  # per_replica -> [K, R] bytes of each group's all-reduces
+        red = memo.get(per_replica)
+        if red is None:
+            xs = [group_split(space.graph, g) for g in range(k)]
+            red = np.full((k, max((len(x.reduce_fwd) + len(x.reduce_bwd) for x in xs), default=0)), np.nan)
+            for g, x in enumerate(xs):
+                for j, r in enumerate(x.reduce_fwd + x.reduce_bwd):
+                    red[g, j] = r.at(per_replica)
+            memo[per_replica] = red
+        terms = np.where(np.isnan(red), 0.0, ring_allreduce_time(t, red, inner, lmax))
+        inside = np.cumsum(terms, axis=1)[:, -1] if terms.shape[1] else 0.0  # (sum(): left to right)
+        est[:, 1] = ring_allreduce_time(n, c.param_bytes / t, bmin, lmax) + inside
+        est[:, 2] = (2 * c.param_bytes + c.opt_bytes) / t + c.act_bytes / n
+        return SearchTable(np.broadcast_to(np.asarray(devs, dtype=np.int64), (k, n)), shares,
+                           np.full(k, -1, dtype=np.int64), est)
 
     def validate(self, gp: GroupPlan, graph, g: int, num_devices: int, batch_size: int, where: str) -> None:
         no_field(gp, "mp_splits", where, "mp")

@@ -117,7 +117,7 @@ from ..parallel import DataParallel, TensorParallel, get_strategy, strategy_name
 from ..parallel.layout import MICRO_BATCHES, Layout, layout_plan, tp_degrees
 from ..parallel.pipeline import iteration_program, searched_schedules, spell_schedule
 from ..parallel.tensor_parallel import aligned_cuts, block_groups, megatron_blocks
-from ..plan.format import GroupPlan, PipelinePlan
+from ..plan.format import GroupPlan, PipelinePlan, new_plan
 from .costs import GroupCosts, default_cost_model
 
 TP_FAMILIES = TensorParallel.search_families
@@ -282,6 +282,8 @@ class ActionSpace:
         self.plan_options: dict[str, list] = self._plan_options() if pipelines else {}
         """Options of each plan-level decision (:data:`PLAN_DECISIONS`); empty: no pipelines."""
         self._pipe_plans: dict[tuple, tuple] = {}  # pipeline key -> (groups, PipelinePlan) or None
+        self._plan_template = None  # a Plan of this graph and topology (layout_plan copies its identity)
+        self._fits: dict[tuple, bool] = {}  # pipeline key -> _estimated_fit
         self._footprints: dict[int, np.ndarray] = {}  # samples per device -> [K] bytes (group_footprints)
         self.pipeline_completion = None
         """None: undecided plan-level choices take the defaults of :meth:`pipeline_key`. Else
@@ -561,8 +563,15 @@ class ActionSpace:
         device's samples per micro-batch, times the micro-batches the schedule keeps alive on the
         stage, :func:`tag.parallel.pipeline.iteration_program`'s ``flight``: GPipe all of them;
         the state of tensor-parallel stages divided by the degree): a guess for the defaults, the
-        simulator decides."""
-        plan = self.pipeline_plan(key)
+        simulator decides. A function of the key (cached: the plan head's option features ask
+        again for the keys the search's paths complete to)."""
+        fit = self._fits.get(key)
+        if fit is None:
+            fit = self._fits[key] = self._estimate_fit(key)
+        return fit
+
+    def _estimate_fit(self, key: tuple) -> bool:
+        plan = self.pipeline_plan(key, copy=False)
         if plan is None:
             return False
         groups, pipe = plan
@@ -672,23 +681,28 @@ class ActionSpace:
         cands = [("pp", p, m, t, sched, k, c) for c in cuts for t in syncs for m in micros(t)]
         return next((key for key in cands if self._estimated_fit(key)), cands[0])
 
-    def pipeline_plan(self, key: tuple) -> tuple[list[GroupPlan], PipelinePlan | None] | None:
+    def pipeline_plan(self, key: tuple, copy: bool = True) -> tuple[list[GroupPlan], PipelinePlan | None] | None:
         """Group plans and pipeline of a pipeline key (:func:`tag.parallel.layout.layout_plan`:
-        stages machine-major, cut to balance the slowest stage), None if no such plan exists."""
+        stages machine-major, cut to balance the slowest stage), None if no such plan exists.
+        ``copy=False``: the cached group plans themselves, for a caller that only reads them (on
+        512 GPUs a copy is 128 plans of 512 devices and shares)."""
         out = self._pipe_plans.get(key, False)
         if out is False:
             _, p, m, t, sched, k, cut = key
             w = self.num_devices // p
+            if self._plan_template is None:  # the identity fields (graph and topology signatures) once
+                self._plan_template = new_plan(self.graph, self.topology, [])
             try:
                 plan = layout_plan(self.graph, self.topology,
                                    Layout(dp=w // t, tp=t, pp=p, micro=m, schedule=sched, k=min(k, m), cut=cut),
-                                   self.cost_model)
+                                   self.cost_model, template=self._plan_template)
                 out = (plan.groups, plan.pipeline)
             except PlanError:
                 out = None
             self._pipe_plans[key] = out
-        return None if out is None else ([GroupPlan(list(g.devices), list(g.shares), g.sync, tp=g.tp)
-                                          for g in out[0]], out[1])
+        if out is None or not copy:
+            return out
+        return [GroupPlan(list(g.devices), list(g.shares), g.sync, tp=g.tp) for g in out[0]], out[1]
 
     def plan_of(self, key: tuple) -> tuple[list[GroupPlan], PipelinePlan | None] | None:
         """Group plans and pipeline (None: no pipeline) of a key; None if it names no plan."""

@@ -95,6 +95,7 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
     whole = [True] * (1 if prog is None else len(prog.members))
     # groups deployed alike (devices, shares, strategy, degree, variant, recomputation, stage): lowered once
     alike: dict[tuple, list[int]] = {}
+    kinds = sim.cache("bound-kinds")  # (devices, samples per device) -> np.unique's rows of them
     for g, gp in enumerate(groups):
         alike.setdefault((tuple(gp.devices), tuple(gp.shares), gp.sync, gp.tp, gp.sequence_parallel, gp.recompute,
                           flight[g], stage_of[g]), []).append(g)
@@ -117,16 +118,21 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
                 small, big = b / w, b
             else:
                 small = big = b
-            # one row per distinct (device class, samples): [U] then back to the devices
-            pairs, back = np.unique(np.stack([cls.astype(float), small]), axis=1, return_inverse=True)
-            ucls, ux = pairs[0].astype(np.int64), pairs[1]
+            # one row per distinct (device class, samples): [U] then back to the devices (a function
+            # of the devices and their samples: cached, the grid and the plan head ask for few)
+            ukey = (devs, small.tobytes())
+            hit = kinds.get(ukey)
+            if hit is None:
+                pairs, back = np.unique(np.stack([cls.astype(float), small]), axis=1, return_inverse=True)
+                hit = kinds[ukey] = (pairs[0].astype(np.int64), pairs[1], np.ravel(back))
+                sim.charge(sum(x.nbytes + ARRAY_BYTES for x in hit) + small.nbytes + 8 * len(devs) + ENTRY_BYTES)
+            ucls, ux, back = hit
             lo = np.floor(ux).astype(np.int64)
             f = (ux - lo)[:, None]
             hi = np.minimum(lo + 1, sim.tables.shape[3] - 1)
             c, g2 = ucls[:, None], gi[None, :]
             fwd = (1.0 - f) * sim.tables[c, g2, FWD, lo[:, None]] + f * sim.tables[c, g2, FWD, hi[:, None]]
             bwd = (1.0 - f) * sim.tables[c, g2, BWD, lo[:, None]] + f * sim.tables[c, g2, BWD, hi[:, None]]
-            back = np.ravel(back)
             fs, bs = fwd.sum(axis=1), bwd.sum(axis=1)
             secs = (fs * (2.0 if rc else 1.0) + bs)[back]  # [R]: fwd + bwd (+ fwd again)
             np.add.at(busy, dev, secs * times)

@@ -405,7 +405,7 @@ class Simulator:
         pairs hold: a pipeline's micro-batches of one size, and the runs after, reuse them)."""
         key = tuple([id(fl) for fl in fls])
         hit = self._msgs.get(key)
-        if hit is None or any(x is not y for x, y in zip(hit[0], fls)):
+        if hit is None:  # (an entry holds its flow tuples: while it lives, no other object has their ids)
             hit = self._msgs[key] = (tuple(fls), _messages(fls, self.comm.p2p_time))
             self._meter.bytes += seq_bytes(len(fls)) + ref_bytes(len(fls)) + FLOW_BYTES * len(hit[1]) + ENTRY_BYTES
         return hit[1]
@@ -578,7 +578,7 @@ class _Pair:
     b, source machine, destination machine, seconds, destination replica, bytes)`` for the event
     loop (``fast``), and as :class:`Flow` objects for the recorder (``by_dst``, built on demand)."""
 
-    __slots__ = ("tpl", "g1", "g2", "fast", "gathers", "_by_dst")
+    __slots__ = ("tpl", "g1", "g2", "fast", "gathers", "_timed", "_by_dst")
 
     def __init__(self, tpl: PairTemplate, g1: int, g2: int, k: int):
         self.tpl, self.g1, self.g2 = tpl, g1, g2
@@ -592,7 +592,20 @@ class _Pair:
         self.gathers = tuple((ph * k + g2 + k2 * du, sets) for (ph, du), sets in tpl.gathers)
         """Per destination stage index: the holder sets all-gathering scattered pieces
         (:attr:`PairTemplate.gathers`)."""
+        self._timed = None
         self._by_dst = None
+
+    def timed(self, sim: Simulator) -> tuple:
+        """:attr:`gathers` with each set's all-gather seconds and total bytes: ``(dst, ((lo, hi,
+        devices, seconds, bytes), ...), (chunks, ...))`` (:meth:`Simulator.scatter_gather_time`),
+        made on first use: what a run takes as it is where no other pair scatters into the stage."""
+        if self._timed is None:
+            self._timed = tuple((dst, tuple((lo, hi, devs, sim.scatter_gather_time(devs, c), sum(c))
+                                            for lo, hi, devs, c in sets), tuple(c for *_, c in sets))
+                                for dst, sets in self.gathers)
+            sim._meter.bytes += ref_bytes(len(self._timed)) + sum(2 * ref_bytes(len(sets)) + ENTRY_BYTES * len(sets)
+                                                                for _, sets, _ in self._timed)
+        return self._timed
 
     @property
     def nbytes(self) -> int:
@@ -613,6 +626,30 @@ class _Pair:
     @property
     def flows(self) -> list[Flow]:
         return [f for _, fl in self.by_dst for f in fl]
+
+
+def _merge_gathers(sim: Simulator, ents: list[tuple]) -> list[tuple]:
+    """The holder sets of one stage into which several pairs scatter (``ents``: their
+    :meth:`_Pair.timed` entries, in placement order): in order of first appearance, each set's
+    chunks summed over the pairs in that order (``(0 + first) + second + ...``: the first pair's
+    chunks, then the sums) and timed where more than one pair sent to it."""
+    sets, chunks = list(ents[0][1]), list(ents[0][2])
+    where = {st[:3]: i for i, st in enumerate(sets)}
+    summed = set()
+    for _, more, more_chunks in ents[1:]:
+        for st, c in zip(more, more_chunks):
+            i = where.get(st[:3])
+            if i is None:
+                where[st[:3]] = len(sets)
+                sets.append(st)
+                chunks.append(c)
+            else:
+                chunks[i] = [y + z for y, z in zip(chunks[i], c)]
+                summed.add(i)
+    for i in summed:
+        lo, hi, devs = sets[i][:3]
+        sets[i] = (lo, hi, devs, sim.scatter_gather_time(devs, tuple(chunks[i])), sum(chunks[i]))
+    return sets
 
 
 class _Micro(NamedTuple):
@@ -683,7 +720,7 @@ class _Run:
                 placed += [(pr, 2 * k * j) for pr in prs]
             placed += [(pr, 0) for pr in sim._pairs_used(micro.gds[0], "first")]
             placed += [(pr, 2 * k * last) for pr in sim._pairs_used(micro.gds[last], "last")]
-        gathered: dict[int, dict[tuple, list[float]]] = {}  # stage -> (lo, hi, devices) -> bytes per replica
+        scattered: dict[int, list] = {}  # stage -> the timed gathers (_Pair.timed) of the pairs scattering into it
         for pr, off in placed:
             for dst, fl in pr.fast:
                 x = incoming.get(dst + off)
@@ -691,13 +728,28 @@ class _Run:
                     incoming[dst + off] = (off, [fl])
                 else:
                     x[1].append(fl)
-            for dst, sets in pr.gathers:
-                for lo, hi, devs, chunks in sets:
-                    acc = gathered.setdefault(dst + off, {}).setdefault((lo, hi, devs), [0.0] * (hi - lo))
-                    acc[:] = [x + y for x, y in zip(acc, chunks)]
+            if pr.gathers:
+                for ent in pr.timed(sim):
+                    x = scattered.get(ent[0] + off)
+                    if x is None:
+                        scattered[ent[0] + off] = [ent]
+                    else:
+                        x.append(ent)
         self.incoming = incoming
-        self.gathers = {dst: [(lo, hi, devs, sim.scatter_gather_time(devs, tuple(c)), sum(c))
-                              for (lo, hi, devs), c in sets.items()] for dst, sets in gathered.items()}
+        # one pair's sets as it timed them; several pairs' merged (a pipeline's micro-batches merge
+        # the same pairs' sets at every offset: once per run, keyed by the entries, which the pairs hold)
+        merged: dict[tuple, list] = {}
+        gathers = {}
+        for dst, ents in scattered.items():
+            if len(ents) == 1:
+                gathers[dst] = ents[0][1]
+                continue
+            key = tuple([id(e) for e in ents])
+            out = merged.get(key)
+            if out is None:
+                out = merged[key] = _merge_gathers(sim, ents)
+            gathers[dst] = out
+        self.gathers = gathers
         """Stage index -> ``(lo, hi, devices, seconds, bytes)`` of each consumer holder set that
         all-gathers the pieces scattered into it (:meth:`_scatter_gather`)."""
         self.buf = [0.0] * n
@@ -782,7 +834,18 @@ class _Run:
         received bytes over the set's devices (one machine)."""
         cf, cfree, busy, buf, rec = self.comm_free, self.cfree, self.comm_busy, self.buf, self.rec
         for lo, hi, devs, t, nb in self.gathers[idx]:
-            s = max(max(ready[lo:hi]), max(cf[d] for d in devs), max(cfree[d] for d in devs))
+            s = ready[lo]  # the latest of the set's arrivals and its devices' streams
+            for x in ready[lo + 1:hi]:
+                if x > s:
+                    s = x
+            for d in devs:
+                x = cf[d]
+                if x > s:
+                    s = x
+            for d in devs:
+                x = cfree[d]
+                if x > s:
+                    s = x
             e = s + t
             if rec is not None:
                 rec.scatter_gather(idx, lo, hi, devs, s, e, nb)
