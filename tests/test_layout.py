@@ -256,6 +256,8 @@ def test_layouts_on_a_sub_cluster_leave_the_slowest_kind_idle(captured, tmp_path
     assert rc == 0
     out = capsys.readouterr().out
     assert "sub-cluster without slow: dp=1,tp=1,pp=2" in out, out
+    # data parallel does not fit on these devices: the progress line does not measure against it
+    assert "(data parallel does not)" in out or "(nor does data parallel)" in out, out
     # the same layout by hand: tag.layout_plan / tag simulate --layout ... --machines m0,m2
     from tag.planner import layout_plan as api_layout_plan
     by_hand = api_layout_plan(graph, topo, plan.meta["layout"], costs, machines=["m0", "m2"])

@@ -222,11 +222,14 @@ def _print(graph, topo, p, args) -> None:
           f"{format_count(s['sim_calls'], 'simulator call')}, "
           f"{s['search_time_s']:.2f} s (seed {s['seed']})")
     imp = s.get("improvements") or []
+    dp_fits = s.get("dp_even_time_s") is not None or s.get("dp_prop_time_s") is not None
+    first = "first beat data parallel" if dp_fits else "first plan that fits (data parallel does not)"
     if imp:
-        print(f"progress: first beat data parallel at playout {imp[0][0]}, best plan at playout {imp[-1][0]} "
+        print(f"progress: {first} at playout {imp[0][0]}, best plan at playout {imp[-1][0]} "
               f"({format_count(len(imp), 'improvement')})")
     else:
-        print("progress: no plan beat data parallel")
+        print("progress: " + ("no plan beat data parallel" if dp_fits else
+                              "no searched plan fits in memory (nor does data parallel)"))
     if s.get("one_shot_time_s") is not None:
         print(f"network's one-shot plan (simulated after the tree): {ms(s['one_shot_time_s'])}")
     if s.get("layouts") is not None:
