@@ -23,7 +23,8 @@ by :meth:`tag.cost.CostModel.device_speeds`), each pruned against the best plan 
 whole cluster's costs restricted to those machines (:meth:`tag.cost.CostModel.restricted`); the
 plan keeps the dropped devices idle. On gpt2-xl (bf16, batch 64) over ``tag-testbed`` the GTX
 1080 Ti, with no bf16 tensor rate, made every layout over all 16 GPUs 420.5 s or more; over the
-V100 and P100 machines alone ``dp=2,pp=4,micro=32`` takes 17.15 s (2026-11-27).
+V100 and P100 machines alone ``dp=2,pp=4,micro=32`` takes 17.15 s, over the four V100s
+``dp=1,pp=4,micro=32,cut=memory`` 6.20 s (2026-11-27).
 """
 
 from __future__ import annotations
@@ -163,10 +164,9 @@ def subcluster_search(graph, topology, costs, simulator, *, executable: bool = F
             break
         sub, devices = topology.restricted(machines)
         sub_costs = costs.restricted(sub, devices)
-        found = grid_search(graph, sub, sub_costs, Simulator(graph, sub, sub_costs), executable=executable,
-                            incumbent=best_t, deadline=deadline)
-        better = refine(graph, sub, sub_costs, Simulator(graph, sub, sub_costs), found, executable=executable,
-                        deadline=deadline)
+        sub_sim = Simulator(graph, sub, sub_costs)  # (one for the grid and the refinements: its caches shared)
+        found = grid_search(graph, sub, sub_costs, sub_sim, executable=executable, incumbent=best_t, deadline=deadline)
+        better = refine(graph, sub, sub_costs, sub_sim, found, executable=executable, deadline=deadline)
         cands = [q for q in (better.plan, found.best) if q is not None and q.predicted_iteration_time_s is not None]
         idle = ", ".join(sorted({d.gpu.name for d in topology.devices} - {topology.machines[m].gpu.name for m in machines}))
         names = f"without {idle}"
