@@ -40,7 +40,8 @@ def register(sub) -> None:
     p.add_argument("--torchrun", metavar="HOST:PORT", default=None,
                    help="a topology of several machines: check and predict the plan, write the run folder "
                         "(--run-dir, needed on every machine at the same path) and print each machine's torchrun "
-                        "command, rendezvous at HOST:PORT of the first machine; run them, then this command "
+                        "command, rendezvous at HOST:PORT of the first machine (the first the plan uses: machines it "
+                        "leaves idle get no command); run them, then this command "
                         "again with --report in place of --torchrun")
     p.add_argument("--report", action="store_true",
                    help="report a finished --torchrun run of --run-dir (measured vs predicted, trace.json)")
@@ -97,7 +98,8 @@ def run(args) -> int:
         for name, cmd in launch.commands:
             print(f"  on {name}:  {cmd}")
         if launch.idle_machines:
-            print(f"  (nothing on {', '.join(launch.idle_machines)}: the plan leaves them idle)")
+            print(f"  (nothing on {', '.join(launch.idle_machines)}: the plan leaves them idle; "
+                  f"{args.torchrun} must be {launch.commands[0][0]}'s address, node 0)")
         print("then this command with --report in place of --torchrun on the first machine")
         return 0
     res = report_torchrun(cfg) if args.report else execute(cfg)
