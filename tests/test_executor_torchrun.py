@@ -138,5 +138,5 @@ def test_a_plan_on_one_machine_runs_there_alone(setup, tmp_path, capsys, free_po
     assert main(["execute", "--model", "mlp", "--topology", str(topo_path), "--plan", str(path), "--optimizer",
                  OPTIMIZER, "--groups", "4", "--run-dir", str(tmp_path / "tr2"), "--torchrun", f"127.0.0.1:{free_port}"]) == 0
     out = capsys.readouterr().out
-    assert "on m1:  torchrun --nnodes=1" in out and "on m0:" not in out
+    assert "on m1:  torchrun --nnodes=1" in out and "on m0:  " not in out
     assert f"nothing on m0: the plan leaves them idle; 127.0.0.1:{free_port} must be m1's address" in out, out
