@@ -344,6 +344,12 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
     if sub is not None:
         lay = sub
     p.meta["grid_time_s"] = time.perf_counter() - t0
+    if p.meta.get("oom") and (lay is None or lay.predicted_iteration_time_s is None) and found.ranked:
+        # nothing fits: the plan closest to fitting, the searched one or a layout the grid simulated
+        grid_p, grid_r = min(found.ranked, key=lambda x: x[1].overflow)
+        if grid_r.overflow < simulator.run(p.groups, pipeline=p.pipeline).overflow:
+            grid_p.meta = {**p.meta, "source": "layout-grid", "layout": grid_p.meta["layout"], "oom": True}
+            return grid_p
     if lay is None:
         return p
     t_lay = lay.predicted_iteration_time_s

@@ -692,8 +692,20 @@ def test_plan_out_of_memory_on_64_devices_is_one_line(tmp_path, capsys):
     assert line.startswith("tag plan: error: every plan searched runs out of memory, also with activation "
                            "recomputation where the search may use it, so do the 64 Megatron-style layouts of the "
                            "grid ("), line
-    assert " simulated, the others bounded out of memory or slower); the best: device 8 (b:0) needs " in line, line
+    assert " simulated, the others bounded out of memory or slower); the closest to fitting: device 8 (b:0) needs " in line, line
     assert "of 58.6 KiB, and 63 more devices over capacity; no plan written" in line, line
+    # the plan reported (and written with --allow-oom) is the one closest to fitting, not data parallel
+    from tag.cost.baselines import data_parallel
+    from tag.planner import find_plan, model_graph
+    from tag.sim import Simulator
+    from tag.topology import load_topology
+
+    graph = model_graph("mlp", 64, num_groups=2)[0]
+    t64 = load_topology(str(topo))
+    sim = Simulator(graph, t64)
+    p = find_plan(graph, t64, searcher="random", budget=2, compression="off", simulator=sim)
+    got = sim.run(p.groups, pipeline=p.pipeline).overflow
+    assert p.meta["oom"] and 1 < got < sim.run(data_parallel(graph, t64).groups).overflow / 2
 
 
 def test_plan_op_group_lines_at_512_devices():

@@ -138,7 +138,7 @@ def run(args) -> int:
         grid = (f", so do the {p.meta['layouts']} Megatron-style layouts of the grid ({p.meta['layouts_tried']} "
                 "simulated, the others bounded out of memory or slower)") if "layouts" in p.meta else ""
         raise OutOfMemoryError(f"every plan searched runs out of memory, also with activation recomputation where the "
-                               f"search may use it{grid}; the best: {res.memory_report(topo)}; "
+                               f"search may use it{grid}; the closest to fitting: {res.memory_report(topo)}; "
                                "no plan written (--allow-oom writes it anyway)")
     if args.out:
         p.save(args.out)

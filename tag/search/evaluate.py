@@ -40,6 +40,14 @@ def _dp_prop(space):
                          speeds=list(space.costs.device_speed))
 
 
+def _closer_to_fit(out: Outcome, best: Outcome) -> bool:
+    """Both out of memory and ``out``'s most overfull device less so than ``best``'s (peak over
+    capacity): while nothing fits, the best plan is the one closest to fitting (what ``tag plan``
+    reports and ``--allow-oom`` writes), not the first data-parallel baseline."""
+    return (out.oom and best.oom and math.isfinite(out.time_s)
+            and float(np.max(out.feedback.device_mem, initial=0.0)) < float(np.max(best.feedback.device_mem, initial=0.0)))
+
+
 class _Plan(NamedTuple):
     """What :func:`tag.parallel.execution_refusal` reads of a plan."""
 
@@ -203,7 +211,7 @@ class Evaluator:
         out = self._run_groups(*plan)
         out.reward = self.reward(out.time_s, out.oom)
         self.cache[actions] = out
-        if out.reward > self.best.reward or (self.best.oom and not out.oom):
+        if out.reward > self.best.reward or (self.best.oom and not out.oom) or _closer_to_fit(out, self.best):
             self.best, self.best_actions = out, actions
             self.best_groups = out.groups  # None: the action tuple's own plan
             self.best_source = "search"

@@ -60,6 +60,11 @@ class SimResult:
             self.path_fn = None  # releases the simulation state it holds
         return self._path
 
+    @property
+    def overflow(self) -> float:
+        """The most overfull device's peak over its capacity (above 1: out of memory)."""
+        return max((n / max(c, 1.0) for n, c in zip(self.peak_memory_bytes, self.memory_capacity_bytes)), default=0.0)
+
     def memory_report(self, topology, listed: int = 3) -> str:
         """The devices over capacity (of ``topology``, the one simulated) in one line. Up to
         ``listed`` of them each by name, ``device 1 (local:1) needs 3.20 GiB of 2.00 GiB; ...``; more than that, the worst (largest
