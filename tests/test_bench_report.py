@@ -87,3 +87,25 @@ def test_a_resumed_report_says_which_cells_it_ran(tmp_path, capsys):
     assert main(argv) == 0
     again = (tmp_path / "o" / "report.md").read_text()
     assert "(0 of 2 cells run in it, the others read back from cells.jsonl" in again, again[:400]
+
+
+def test_a_cell_says_when_tag_execute_would_refuse_its_plan(tmp_path, monkeypatch):
+    """A cell whose plan the executor refuses (here a layout with sequence parallelism: simulated
+    only) says so in its note on every topology, not only where the suite executes plans."""
+    from tag.bench.runner import _Case, _run_cell
+    from tag.bench.suites import ModelCase, SuiteConfig
+    from tag.parallel import execution_refusal
+    from tag.planner import layout_plan
+
+    monkeypatch.setenv("TAG_CACHE_DIR", str(tmp_path / "cache"))
+    model = ModelCase("gpt2:n_layer=2,n_embd=64,n_head=4,seq=64", 32)
+    cfg = SuiteConfig(name="t", models=[model], topologies=["homogeneous-8xa100"], methods=["dp-tp-pp-grid"], groups=8)
+    case = _Case(model, "homogeneous-8xa100", cfg, {})
+    sp = layout_plan(case.graph, case.topology, "dp=4,tp=2,sp=1", case.costs)
+    refusal = execution_refusal(sp, case.graph)
+    assert refusal is not None
+    monkeypatch.setattr(case, "make_plan", lambda method, cfg: (sp, 0))  # the planner stands aside: the note is tested
+    cell = _run_cell(case, model, "homogeneous-8xa100", "dp-tp-pp-grid", cfg)
+    assert cell.note == f"simulated only: {refusal}" and cell.executed_time_s is None
+    monkeypatch.setattr(case, "make_plan", lambda method, cfg: (layout_plan(case.graph, case.topology, "dp=8", case.costs), 0))
+    assert _run_cell(case, model, "homogeneous-8xa100", "dp-tp-pp-grid", cfg).note == ""

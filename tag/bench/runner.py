@@ -166,9 +166,12 @@ def _run_cell(case: _Case, model, topo_name: str, method: str, cfg: SuiteConfig)
     cell = Cell(model.spec, topo_name, method, t, bool(res.oom), case.dp_time / t if t > 0 else 0.0,
                 t / case.lower_bound if case.lower_bound > 0 else math.inf, search_s, playouts,
                 note=plan.meta.get("prior_note") or "")  # e.g. the gnn prior skipped on 512 GPUs
-    refusal = execution_refusal(plan) if topo_name in cfg.execute_topologies else None
-    if refusal is not None:  # a tensor-parallel form the executor does not run
-        cell.note = f"not executed: {refusal}"
+    # every cell says when tag execute would refuse its plan (tag-* search executable=False: e.g.
+    # recomputation of groups with dropout, tp beside other groups): simulated only
+    refusal = execution_refusal(plan, case.graph)
+    if refusal is not None:
+        where = "not executed" if topo_name in cfg.execute_topologies else "simulated only"
+        cell.note = "; ".join(filter(None, [cell.note, f"{where}: {refusal}"]))
     elif topo_name in cfg.execute_topologies and not res.oom:
         pp = plan.pipeline
         key = (tuple(g.key() for g in plan.groups),
