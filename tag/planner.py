@@ -298,7 +298,7 @@ def layout_machines(topology, layout, machines) -> tuple:
     if unknown or not machines:
         raise PlanError(f"machines: no machine {unknown[0] if unknown else ''!r} in topology {topology.name!r}; "
                         f"expected some of {', '.join(names)}")
-    sub, devices = topology.restricted([names.index(m) for m in machines])
+    sub, devices = topology.restricted([topology.machine_index(m) for m in machines])
     check_devices(layout, sub)
     return sub, devices
 
@@ -331,8 +331,7 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
     p.meta.update(layouts=found.layouts, layouts_tried=found.simulated, layouts_pruned=found.layouts - found.simulated,
                   best_layout=None if lay is None else lay.meta["layout"],
                   best_layout_time_s=None if lay is None else lay.predicted_iteration_time_s,
-                  refinements=better.notes, refinement_simulations=better.simulations,
-                  grid_time_s=time.perf_counter() - t0, grid_cut=found.cut)
+                  refinements=better.notes, refinement_simulations=better.simulations, grid_cut=found.cut)
     if better.plan is not None and (lay is None or lay.predicted_iteration_time_s is None
                                     or better.plan.predicted_iteration_time_s < lay.predicted_iteration_time_s):
         lay = better.plan
@@ -343,7 +342,7 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
                                                    incumbent=min(times, default=None), deadline=deadline)
     if sub is not None:
         lay = sub
-    p.meta["grid_time_s"] = time.perf_counter() - t0
+    p.meta["grid_time_s"] = time.perf_counter() - t0  # the grid, its refinements and the sub-clusters
     if p.meta.get("oom") and (lay is None or lay.predicted_iteration_time_s is None) and found.ranked:
         # nothing fits: the plan closest to fitting, the searched one or a layout the grid simulated
         grid_p, grid_r = min(found.ranked, key=lambda x: x[1].overflow)

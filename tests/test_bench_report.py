@@ -44,7 +44,8 @@ def test_a_resumed_run_reuses_the_captured_graph(tmp_path, monkeypatch):
     monkeypatch.setenv("TAG_CACHE_DIR", str(tmp_path / "cache"))  # this test's own graph cache
     cfg = SuiteConfig(name="t", models=[ModelCase("mlp:layers=2,hidden=32,in_dim=16", 8)], topologies=["tag-testbed"],
                       methods=["dp", "lower-bound"], groups=4)
-    first = run_suite(cfg, tmp_path / "out")
+    first, resumed = run_suite(cfg, tmp_path / "out")
+    assert resumed == 0
     assert len(list((tmp_path / "cache" / "graphs").glob("*.json"))) == 1
     (tmp_path / "out" / "cells.jsonl").unlink()
 
@@ -52,7 +53,7 @@ def test_a_resumed_run_reuses_the_captured_graph(tmp_path, monkeypatch):
         raise AssertionError("captured again")
 
     monkeypatch.setattr(tag.graph, "capture_graph", no_capture)
-    again = run_suite(cfg, tmp_path / "out")
+    again, _ = run_suite(cfg, tmp_path / "out")
     assert [c.predicted_time_s for c in again] == [c.predicted_time_s for c in first]
 
 

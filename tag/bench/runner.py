@@ -116,8 +116,9 @@ class _Case:
         return p, int(p.meta.get("playouts", 0))
 
 
-def run_suite(cfg: SuiteConfig, out: Path) -> list[Cell]:
-    """Run (or resume) every cell of ``cfg``; results go under ``out``."""
+def run_suite(cfg: SuiteConfig, out: Path) -> tuple[list[Cell], int]:
+    """Run (or resume) every cell of ``cfg``; results go under ``out``. Returns the cells and how
+    many of them were read back from ``out/cells.jsonl`` (an earlier run's) rather than run."""
     check_folder(out, TagError, "--out")
     out.mkdir(parents=True, exist_ok=True)
     log = out / "cells.jsonl"
@@ -130,6 +131,7 @@ def run_suite(cfg: SuiteConfig, out: Path) -> list[Cell]:
     write_json(out / "config.json", {"suite": asdict(cfg), "environment": environment()})
     graphs: dict = {}
     cells: list[Cell] = []
+    resumed = 0
     cases = [(m, t) for m in cfg.models for t in cfg.topologies + cfg.execute_topologies]
     total = len(cases) * len(cfg.methods)
     n = 0
@@ -141,6 +143,7 @@ def run_suite(cfg: SuiteConfig, out: Path) -> list[Cell]:
             key = (model.spec, topo_name, method)
             if key in done:
                 cells.append(done[key])
+                resumed += 1
                 continue
             if case is None:
                 case = _Case(model, topo_name, cfg, graphs)
@@ -151,7 +154,7 @@ def run_suite(cfg: SuiteConfig, out: Path) -> list[Cell]:
             _progress(f"[{n}/{total} {time.perf_counter() - t_start:6.0f}s] {model.spec} on {topo_name}: "
                       f"{method:12s} {cell.predicted_time_s * 1e3:9.2f} ms  x{cell.speedup_vs_dp:.2f} vs dp"
                       f"{'  OOM' if cell.oom else ''}")
-    return cells
+    return cells, resumed
 
 
 def _run_cell(case: _Case, model, topo_name: str, method: str, cfg: SuiteConfig) -> Cell:

@@ -27,9 +27,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import json
     import time
-    from dataclasses import asdict
     from pathlib import Path
 
     from ..bench import METHODS, SUITES, environment, run_suite, save_results, write_report
@@ -64,11 +62,8 @@ def run(args) -> int:
         cfg.models = [m for m in cfg.models if m.spec in want]
     out = Path(args.out or output_dir(f"evaluation/results/{cfg.name}-{time.strftime('%Y-%m-%d')}"))
     t0 = time.perf_counter()
-    log = out / "cells.jsonl"
-    before = set(log.read_text().splitlines()) if log.exists() else set()
-    cells = run_suite(cfg, out)
+    cells, resumed = run_suite(cfg, out)
     save_results(cells, out)
-    resumed = sum(json.dumps(asdict(c)) in before for c in cells)  # cells read back, not run now
     report = write_report(cells, out, cfg.name, environment(), time.perf_counter() - t0, resumed=resumed)
     print(f"wrote {report}")
     return 0

@@ -125,8 +125,7 @@ def on_used_machines(plan, topology):
     simulated iteration is the same. A plan naming a device the topology lacks is returned as it is
     (its validation says so)."""
     n = topology.num_devices
-    if any(not (isinstance(d, int) and 0 <= d < n) for g in plan.groups
-           for d in [*g.devices, *([] if g.server is None else [g.server])]):
+    if any(not (isinstance(d, int) and 0 <= d < n) for g in plan.groups for d in g.named_devices()):
         return plan, topology, []
     used = plan.used_machines(topology)
     if len(used) == topology.num_machines:

@@ -84,6 +84,10 @@ class GroupPlan:
                 tuple(self.mp_splits or ()), tuple(self.sfb), self.tp, self.sequence_parallel,
                 self.recompute)
 
+    def named_devices(self) -> list:
+        """Every device index the group names: its replicas, then its parameter server if any."""
+        return [*self.devices, *([] if self.server is None else [self.server])]
+
 
 @dataclass
 class PipelinePlan:
@@ -139,8 +143,7 @@ class Plan:
 
     def used_machines(self, topology) -> list[int]:
         """Indices of the machines of ``topology`` holding a device of the plan, ascending."""
-        return sorted({topology.machine_of(d) for g in self.groups
-                       for d in [*g.devices, *([] if g.server is None else [g.server])]})
+        return sorted({topology.machine_of(d) for g in self.groups for d in g.named_devices()})
 
     # ---- validation ------------------------------------------------------------------
     def validate(self, graph, topology, *, source: str = "plan") -> None:
