@@ -31,11 +31,12 @@ writes ``DIR/gpu-check.jsonl`` (one record per measurement, the format of
 
 Each eager step and each ``tag execute`` also runs one more, untimed step under
 ``torch.profiler``: its aten-op and kernel counts and kernel time (:mod:`tag.executor.profiling`).
-The captures (CPU) of every row run first, in parallel processes, and are waited for before any
-timing (host-bound steps are slowed by a busy CPU); then every row's eager step (seconds each:
-the cost model's calibration data), then the rows' ``tag execute`` runs in order, then part 3. Work past
-``--budget`` seconds is skipped and says so; nothing here needs optuna or wandb. The workloads default to :data:`WORKLOADS`.
-Results of 2026-11-26 on an H200: ``evaluation/results/gpu-check/2026-11-26-h200/``.
+Every row's eager step runs first, with nothing else on the CPU (host-bound steps are slowed by a
+busy one); then the rows' captures, plans and predictions (CPU, meta-device models, parallel
+processes) and, in row order, their ``tag execute`` runs; then part 3. Work past ``--budget``
+seconds is skipped and says so (``--skip-execute``: eager steps only); nothing here needs optuna
+or wandb. The workloads default to the real-size zoo, :data:`WORKLOADS`.
+Results on an H200: ``evaluation/results/gpu-check/``.
 """
 
 from __future__ import annotations
@@ -53,19 +54,27 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = [
+    ("gpt2-small", 8), ("bert-base", 8), ("resnet50", 32), ("vit-b16", 32), ("llama-1b", 4),
+    ("gpt2-medium", 8), ("bert-large", 8), ("vgg16", 32), ("vit-l16", 32), ("resnet101", 32),
+    ("gpt2-large", 8), ("resnet152", 32), ("vgg19", 32), ("gpt2-xl", 8),
+]
+"""The real-size zoo (``tag inspect --list``) at its preset batches, in order of priority (the
+budget skips the last): one model of each family first, then the larger sizes. Llama-7B/13B are
+left out: fp32 weights, gradients and Adam state alone (16 bytes per parameter: 108 / 208 GB) leave
+no room for a step's activations on one 141 GB H200."""
+SMALL_WORKLOADS = [
     ("gpt2:n_layer=6,n_embd=512,n_head=8,vocab=8192,seq=256", 16),
     ("resnet:depth=50,width=64,image=64", 64),
     ("gpt2:n_layer=12,n_embd=768,n_head=12,vocab=50257,seq=512", 8),
     ("evaluation/models/unseen.py:encoder", 64),
     ("llama:n_layer=8,n_embd=1024,n_head=16,seq=512", 8),
     ("bert:n_layer=12,n_embd=768,n_head=12,vocab=30522,seq=512", 8),
-    # eager attention, as in the 2026-11-26 H200 runs (the preset itself uses fused attention since;
-    # the unseen encoder above holds fused attention on the GPU)
     ("vit-b16:attn=eager", 32),
 ]
-"""In order of priority (the budget skips the last): the three workloads of
-``../shared/gpu-measurements/``'s execute-vs-eager table first, GPT-2 small at sequence 512, then
-models outside the calibration (an SDPA encoder from a user factory, a Llama shape, ViT-B/16)."""
+"""The workloads of the 2026-11-26 H200 runs (``--workloads`` takes them as
+``"spec@batch;..."``): the three of ``../shared/gpu-measurements/``'s execute-vs-eager table,
+GPT-2 small at sequence 512, an SDPA encoder from a user factory, a Llama shape, ViT-B/16 with
+eager attention."""
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -130,8 +139,15 @@ def microbenchmarks(common: dict) -> list[dict]:
     return out
 
 
+STEP_SECONDS = 2.0
+"""Seconds of timed steps per row at most (between 5 and 20 steps): a GPT-2 XL fp32 step takes
+over a second, a ResNet-50 bf16 one tens of milliseconds."""
+
+
 def eager_step(spec: str, batch: int, precision: str, common: dict, steps: int = 20) -> dict:
-    """One eager training step: median seconds over ``steps`` (after 5 warm-up) and peak bytes."""
+    """One eager training step: median seconds over at most ``steps`` (after 3 warm-up; fewer
+    where ``STEP_SECONDS`` would be exceeded, at least 5) and peak bytes. The model is built on
+    the CPU (the zoo's own initialisation) and moved to the GPU."""
     import torch
 
     from tag.workloads import load_workload
@@ -154,9 +170,11 @@ def eager_step(spec: str, batch: int, precision: str, common: dict, steps: int =
         opt.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
-    s = _timed(step, reps=steps, warmup=5)
+    first = _timed(step, reps=1, warmup=2)  # warm-up and a first estimate of one step
+    reps = max(5, min(steps, int(STEP_SECONDS / max(first, 1e-6))))
+    s = _timed(step, reps=reps, warmup=1)
     rec = {"kind": "step", "spec": spec, "batch": batch, "precision": precision,
-           "params": sum(p.numel() for p in model.parameters()), "s": s,
+           "params": sum(p.numel() for p in model.parameters()), "s": s, "reps": reps,
            "peak_bytes": torch.cuda.max_memory_allocated(), **common}
     try:  # one more step under torch.profiler: its ops and kernels (see tag.executor.profiling)
         from tag.executor.profiling import op_table, profiled
@@ -167,6 +185,17 @@ def eager_step(spec: str, batch: int, precision: str, common: dict, steps: int =
     except Exception as e:  # noqa: BLE001 - a diagnostic; the step's figures stand without it
         rec["ops_error"] = f"{type(e).__name__}: {e}"[:200]
     return rec
+
+
+def _release_gpu() -> None:
+    """Give the last row's model, optimizer state and activations back (also after an OOM,
+    whose traceback held them until its handler ended)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def one_gpu_topology(folder: Path, gpu: str) -> Path:
@@ -207,7 +236,7 @@ def predicted_and_plan(spec: str, batch: int, precision: str, topo_path: Path, p
     from tag.workloads import load_workload
 
     t0 = time.perf_counter()
-    graph = capture(load_workload(spec, batch=batch), num_groups=16, precision=precision).graph
+    graph = capture(load_workload(spec, batch=batch, abstract=True), num_groups=16, precision=precision).graph
     capture_s = time.perf_counter() - t0
     topo = load_topology(topo_path)
     costs = CostModel.for_topology(graph, topo)
@@ -342,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="folder for gpu-check.jsonl and README.md")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which remaining work is skipped")
     ap.add_argument("--skip-micro", action="store_true", help="no microbenchmarks (workloads only)")
+    ap.add_argument("--skip-execute", action="store_true",
+                    help="eager steps only: no capture, prediction or `tag execute` (the cost model's "
+                         "calibration data; predictions are made afterwards by evaluation/gpu_cost_check.py)")
     ap.add_argument("--workloads", default=None, help="semicolon-separated spec@batch list (default: WORKLOADS)")
     ap.add_argument("--only-multi-gpu", action="store_true",
                     help="only part 3: NCCL training equality of dp/pp/tp layouts on 2+ GPUs (one 'skipped' "
@@ -368,22 +400,16 @@ def main(argv: list[str] | None = None) -> int:
     emit = _emitter(records, out / "gpu-check.jsonl")
     workloads = WORKLOADS if not a.workloads else [
         (w.rsplit("@", 1)[0], int(w.rsplit("@", 1)[1])) for w in a.workloads.split(";")]
-    pool = _capture_pool()
     with tempfile.TemporaryDirectory() as tmp:
         topo_path = one_gpu_topology(Path(tmp), gpu)
-        # Every row's capture, plan and prediction (CPU work), in parallel processes.
         rows = [(spec_, batch, precision) for spec_, batch in workloads for precision in PRECISIONS]
-        planned = {row: pool.submit(predicted_and_plan, *row, topo_path, Path(tmp) / f"plan-{i}.json")
-                   for i, row in enumerate(rows)}
-        # Wait for them before timing anything: a host-bound eager step (bf16 autocast) measured
-        # beside six capturing processes took 31.9 ms on the H200 (gpt2 6L, 2026-11-26; 16.6 ms
-        # in the calibration run).
-        concurrent.futures.wait(planned.values())
         if not a.skip_micro:
             for rec in microbenchmarks(common):
                 emit(rec)
-        # Pass 1, every row's eager step (seconds each: the calibration data of the cost model);
-        # pass 2, the rows' `tag execute` runs in order, while the budget lasts.
+        # Pass 1, every row's eager step (seconds each: the calibration data of the cost model),
+        # with nothing else running: a host-bound eager step (bf16 autocast) measured beside six
+        # capturing processes took 31.9 ms on the H200 (gpt2 6L, 2026-11-26; 16.6 ms in the
+        # calibration run).
         checks = []
         for spec_, batch, precision in rows:
             row = {"kind": "check", "spec": spec_, "batch": batch, "precision": precision, **common}
@@ -393,19 +419,28 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             try:
                 step = eager_step(spec_, batch, precision, common)
-                torch.cuda.empty_cache()  # the step's model and optimizer are gone with its frame
                 emit(step)
                 row.update(s=step["s"], peak_bytes=step["peak_bytes"], params=step["params"])
                 row["eager_above_state_bytes"] = step["peak_bytes"] - 12 * step["params"]  # fp32 weights + Adam m, v
                 if "ops" in step:
                     row.update(eager_kernels=step["ops"]["kernels"], eager_aten_ops=step["ops"]["aten_ops"])
-                row.update(planned[(spec_, batch, precision)].result())
             except Exception as e:  # noqa: BLE001 - one failed row is a result, the others still run
                 row["note"] = _failure(e)
+            _release_gpu()
+        # Pass 2: each measured row's capture, plan and prediction (CPU, in parallel processes),
+        # then its `tag execute` in order, while the budget lasts.
+        pool = _capture_pool()
+        todo = [i for i, row in enumerate(checks) if "note" not in row]
+        planned = {i: pool.submit(predicted_and_plan, *rows[i], topo_path, Path(tmp) / f"plan-{i}.json")
+                   for i in ([] if a.skip_execute else todo)}
         for i, row in enumerate(checks):
-            if "note" not in row:
+            if i in planned:
                 left = a.budget - (time.perf_counter() - t_start)
                 try:
+                    if left <= 30:
+                        raise TimeoutError
+                    row.update(planned[i].result(timeout=left - 30))
+                    left = a.budget - (time.perf_counter() - t_start)
                     if left > 30:
                         row.update(tag_execute(row["spec"], row["batch"], row["precision"], topo_path,
                                                Path(tmp) / f"plan-{i}.json", timeout=min(240, left)))
@@ -414,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                 - row["execute_optimizer_state_bytes"])
                     else:
                         row["note"] = "execute skipped: time budget"
+                except (TimeoutError, concurrent.futures.TimeoutError):
+                    row["note"] = "prediction and execute skipped: time budget"
                 except Exception as e:  # noqa: BLE001
                     row["note"] = _failure(e)
             emit(row)

@@ -69,7 +69,7 @@ def load_graph(spec: str, batch: int, precision: str, cache: Path, capture_missi
     if not capture_missing:
         return None
     t0 = time.perf_counter()
-    g = capture(load_workload(spec, batch=batch, seed=0), optimizer="adam", num_groups=GROUPS,
+    g = capture(load_workload(spec, batch=batch, seed=0, abstract=True), optimizer="adam", num_groups=GROUPS,
                 precision=precision).graph
     print(f"captured {spec} {precision} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     write_atomic(path, g.to_json())
