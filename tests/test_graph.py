@@ -335,3 +335,24 @@ def test_joint_graph_code_is_generated_when_first_run():
     assert not gm._needs_recompile() and gm.code == plain.code
     assert torch.equal(loss, plain(*args)[0])
     assert torch.allclose(loss, wl.model(*wl.inputs))
+
+
+@pytest.mark.parametrize("length", [197, 1024])
+def test_attention_bias_is_what_the_memory_efficient_kernel_checks(length):
+    """The captured ``[B, 1, L, S]`` mask of the HF zoo becomes the bias the memory-efficient CUDA
+    kernel accepts (what ``F.scaled_dot_product_attention`` prepares): ``[B, H, L, S]`` of the
+    query's dtype, rows contiguous and 16-element aligned, values those of the broadcast mask;
+    a boolean mask becomes 0 / -inf."""
+    from tag.graph.stages import _attention_bias
+
+    q = torch.zeros(2, 3, length, 8, dtype=torch.bfloat16)
+    k = torch.zeros(2, 3, length, 8, dtype=torch.bfloat16)
+    mask = torch.randn(2, 1, length, length).to(torch.bfloat16)
+    bias = _attention_bias(mask, q, k)
+    assert bias.shape == (2, 3, length, length) and bias.dtype == torch.bfloat16
+    assert bias.stride(-1) == 1 and all(st % 16 == 0 and st > 0 for st in bias.stride()[:3])
+    assert torch.equal(bias, mask.expand(2, 3, length, length))
+    keep = torch.rand(length, length) > 0.5
+    b = _attention_bias(keep, q, k)
+    assert torch.equal(b[1, 2], torch.where(keep, 0.0, float("-inf")).to(torch.bfloat16))
+    assert _attention_bias(None, q, k) is None

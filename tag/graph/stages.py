@@ -143,6 +143,30 @@ def retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
 # them (``strides``: each result's captured strides, set by retarget_devices).
 _LSE_ALIGN = 32
 """Alignment of memory-efficient attention's logsumexp length (PyTorch's ``kAlignLSE``)."""
+_BIAS_ALIGN = 16
+"""Alignment (elements) of memory-efficient attention's bias rows (PyTorch's ``mem_eff_alignment``)."""
+
+
+def _attention_bias(attn_mask, query, key):
+    """``attn_mask`` as the memory-efficient kernel takes it, which
+    ``F.scaled_dot_product_attention`` prepares before dispatching to it
+    (``preprocess_mask`` in ``aten/src/ATen/native/transformers/attention.cpp``): an additive
+    mask of the query's dtype, expanded to ``[B, H, L, S]`` (the kernel checks every dimension:
+    "attn_bias: wrong shape (head dimension)" from the captured ``[B, 1, L, S]`` masks of the
+    HF zoo, H200, 2026-11-27) with rows 16-element aligned (padded, then sliced back to ``S``).
+    None stays None."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=attn_mask.device).masked_fill_(
+            ~attn_mask, float("-inf"))
+    bias = attn_mask.to(query.dtype).expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    length = bias.shape[-1]
+    if bias.stride(-1) != 1 or length % _BIAS_ALIGN:
+        return torch.nn.functional.pad(bias, (0, _BIAS_ALIGN - length % _BIAS_ALIGN))[..., :length]
+    if any(st % _BIAS_ALIGN or st == 0 for st in bias.stride()[:3]):
+        return bias.contiguous()
+    return bias
 
 
 def _no_dropout(dropout_p: float) -> None:
@@ -170,7 +194,7 @@ def efficient_attention(query, key, value, dropout_p=0.0, is_causal=False, *, at
     ``(output [B, H, L, Dv], logsumexp [B, H, L] fp32)``) by the memory-efficient CUDA kernel."""
     _no_dropout(dropout_p)
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)
+        query, key, value, _attention_bias(attn_mask, query, key), True, dropout_p, is_causal, scale=scale)
     return _restrided((out, lse[..., :query.shape[-2]]), strides)
 
 
@@ -186,6 +210,7 @@ def efficient_attention_backward(grad_out, query, key, value, out, logsumexp, dr
     lse[..., :length] = logsumexp
     seed = offset = torch.empty((), dtype=torch.int64, device=query.device)  # read only with dropout
     gq, gk, gv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad_out, query, key, value, attn_mask, out, lse, seed, offset, dropout_p, [True, True, True, False],
+        grad_out, query, key, value, _attention_bias(attn_mask, query, key), out, lse, seed, offset, dropout_p,
+        [True, True, True, False],
         is_causal, scale=scale)
     return _restrided((gq, gk, gv), strides)
