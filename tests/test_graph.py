@@ -356,3 +356,23 @@ def test_attention_bias_is_what_the_memory_efficient_kernel_checks(length):
     b = _attention_bias(keep, q, k)
     assert torch.equal(b[1, 2], torch.where(keep, 0.0, float("-inf")).to(torch.bfloat16))
     assert _attention_bias(None, q, k) is None
+
+
+def test_mixed_precision_follows_cuda_autocasts_lists():
+    """bf16 capture (and the single-process reference) run CUDA autocast's FP32 ops in FP32 on the
+    CPU too: ``pow`` (GPT-2's tanh GELU), softmax, sums; autocast's own low-precision ops stay
+    bf16, ops on neither list keep their input's dtype, and nothing changes outside the context."""
+    from tag.graph.capture import capture
+    from tag.graph.precision import autocast
+
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    with autocast("bf16"):
+        assert torch.pow(x, 3.0).dtype == torch.float32 and (x**2).dtype == torch.float32
+        assert torch.nn.functional.softmax(x, -1).dtype == torch.float32 and x.sum().dtype == torch.float32
+        assert torch.tanh(x).dtype == torch.bfloat16
+        assert torch.mm(x.float(), x.float().T).dtype == torch.bfloat16
+    assert torch.pow(x, 3.0).dtype == torch.bfloat16
+    graph = capture(load_workload("gpt2", batch=2), num_groups=2, precision="bf16").graph
+    pows = [o for o in graph.ops if o.target.startswith("aten.pow") and o.phase == "fwd"]
+    assert pows and all(o.dtype == "float32" for o in pows)
+    assert any(o.target == "aten.addmm.default" and o.dtype == "bfloat16" for o in graph.ops)
