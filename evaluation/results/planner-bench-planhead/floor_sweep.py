@@ -6,7 +6,9 @@ pairs, never labelled: the set the floor was chosen on) and on its 25 small held
         CHECKPOINT runs/predictor/graphs 0.1 0.3 0.5 0.75 0.9 1.0
 
 ``RANDOM_PAIRS=100`` (environment) takes the first 100 pairs of the stream instead of 30;
-``SETS=random`` skips the held-out pairs.
+``SETS=random`` skips the held-out pairs. ``REFS=FILE`` computes uniform @2000 on both sets with
+the current cost model (cached in FILE, resumable) instead of reading the stored times: after a
+change of the costs, the stored times are of another simulator.
 
 Uniform @2000's plans: held-out pairs from ../planner-bench-relabel/final-97c315f/pb-old-auto/;
 random pairs computed once into ``runs/tune/ref.json`` (same space: pipelines auto, search alone).
@@ -43,21 +45,27 @@ def main(checkpoint: str, graphs: str, *floors: str) -> None:
     pred, gdir = Predictor.load(checkpoint), Path(graphs)
     rows = json.loads((HERE.parent / "planner-bench-relabel/final-97c315f/pb-old-auto/results.json").read_text())["rows"]
     held_ref = {(r["model"], r["topology"]): r["uniform2000"]["time_s"] for r in rows}
-    ref_path = Path("runs/tune/ref.json")
+    ref_path = Path(os.environ.get("REFS", "runs/tune/ref.json"))
     refs = json.loads(ref_path.read_text()) if ref_path.exists() else {}
+
+    def uniform(key: str, graph, topo) -> float:  # uniform @2000, cached in ref_path
+        if key not in refs:
+            refs[key] = {"u2000": search(graph, topo, prior="uniform", budget=2000)}
+            ref_path.parent.mkdir(parents=True, exist_ok=True)
+            ref_path.write_text(json.dumps(refs, indent=1))
+        return refs[key]["u2000"]
+
     sets = {"random": [], "held-out": []}
     for i in range(int(os.environ.get("RANDOM_PAIRS", 30))):
         s = sample_pair(pb.RANDOM_SEED, i, max_groups=32)
         graph, topo = load_graph(gdir, s.model, s.batch, s.groups), load_topology(s.topology)
-        if str(i) not in refs:
-            refs[str(i)] = {"u2000": search(graph, topo, prior="uniform", budget=2000)}
-            ref_path.parent.mkdir(parents=True, exist_ok=True)
-            ref_path.write_text(json.dumps(refs, indent=1))
-        sets["random"].append((graph, topo, refs[str(i)]["u2000"]))
+        sets["random"].append((graph, topo, uniform(str(i), graph, topo)))
     for spec, batch, groups in pb.MODELS if os.environ.get("SETS", "random,held-out") != "random" else []:
         for t in pb.TOPOLOGIES:
             topo = load_topology(t)
-            sets["held-out"].append((load_graph(gdir, spec, batch, groups), topo, held_ref[(spec, topo.name)]))
+            graph = load_graph(gdir, spec, batch, groups)
+            ref = uniform(f"{spec}@{topo.name}", graph, topo) if "REFS" in os.environ else held_ref[(spec, topo.name)]
+            sets["held-out"].append((graph, topo, ref))
     for floor in map(float, floors):
         mcts.PLAN_PRIOR_FLOOR = floor
         for name, pairs in sets.items():
