@@ -179,7 +179,7 @@ def test_label_children_off_leaves_the_records_as_they_were(tmp_path):
     optimizer host time (2f3649a, merged beside the option) moved the records' simulated times;
     recomputed on 2026-11-27 again: the H200 refit on the real-size zoo moved every GPU cost."""
     import hashlib
-    golden = ["607339416d60b9ab", "6913520786669dce", "fb2304e3e8275aed"]
+    golden = ["ff887c180dd84ca0", "efd2c04ae16c2381", "f715d43eaf6ceb8e"]
     for i, want in enumerate(golden):
         rec, _ = _label(tmp_path, i)
         rec.pop("seconds")
