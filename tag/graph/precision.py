@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.utils import _pytree
 
 from ..errors import TagError
 
@@ -71,8 +72,6 @@ class CudaFp32Ops(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") in CUDA_FP32_OPS and torch.is_autocast_enabled("cpu"):
-            from torch.utils import _pytree
-
             args, kwargs = _pytree.tree_map_only(torch.Tensor, _fp32, (args, kwargs))
         return func(*args, **kwargs)
 
