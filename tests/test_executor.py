@@ -430,8 +430,9 @@ def test_fused_attention_is_one_op_and_trains_like_eager(topo4, kind):
     assert targets.count("aten._scaled_dot_product_flash_attention_for_cpu_backward.default") == 1
     assert not [t for t in targets if base_name(t) in ("bmm", "_softmax", "any", "_safe_softmax")]
     op = next(o for o in graph.ops if o.target == fwd)
-    # FLOPs: two bmm of [B * heads, 12, 8] x [.., 8, 12] (torch's SDPA formula), counted per sample
-    assert op.flops.at(B) == 2 * (2 * B * 4 * 12 * 12 * 8)
+    # FLOPs: two bmm of [B * heads, 12, 8] x [.., 8, 12] (torch's SDPA formula), counted per
+    # sample, over the 78 of 144 query-key pairs a causal attention computes
+    assert op.flops.at(B) == pytest.approx(2 * (2 * B * 4 * 12 * 12 * 8) * 78 / 144)
     bwd = next(o for o in graph.ops if o.target.endswith("for_cpu_backward.default"))
 
     def reaches(t: int) -> set[int]:  # t and the aliases of it
@@ -455,9 +456,11 @@ def test_fused_attention_is_one_op_and_trains_like_eager(topo4, kind):
 ])
 def test_zoo_sdpa_is_one_fused_op_per_layer_and_trains_like_eager(topo4, spec, heads, head_dim):
     """``attn=sdpa`` (Hugging Face's default attention): one fused attention forward and one
-    backward per layer; the forward FLOPs are the eager attention's (its two bmm), the backward
-    one score product more per layer (the fused backward recomputes the scores); a data-parallel
-    plan of it trains as single-process autograd, which trains as the eager attention does."""
+    backward per layer, causal (the constant mask folded into ``is_causal``, :mod:`tag.graph.masks`);
+    the forward FLOPs are the eager attention's (its two bmm) less the masked half of the score
+    matrix the fused kernel skips, the backward one score product more per layer (the fused
+    backward recomputes the scores); a data-parallel plan of it trains as single-process
+    autograd, which trains as the eager attention does."""
     from tag.executor import reference_training
     from tag.graph import capture
 
@@ -468,9 +471,12 @@ def test_zoo_sdpa_is_one_fused_op_per_layer_and_trains_like_eager(topo4, spec, h
     assert targets.count("_scaled_dot_product_flash_attention_for_cpu") == 2
     assert targets.count("_scaled_dot_product_flash_attention_for_cpu_backward") == 2
     assert not [t for t in targets if t in ("bmm", "_softmax", "_safe_softmax")]
-    assert graph.flops(("fwd",)) == ref_graph.flops(("fwd",))
+    attention = [o for o in graph.ops if base_name(o.target).startswith("_scaled_dot_product")]
+    assert sorted(len(o.inputs) for o in attention) == [3, 3, 6, 6]  # q, k, v (+ grad, out, lse): no mask
     scores = 2 * B * heads * 16 * 16 * head_dim  # one [16, head_dim] x [head_dim, 16] product per head
-    assert graph.flops(("bwd",)) == ref_graph.flops(("bwd",)) + 2 * scores
+    skipped = (1 - 17 / 32) * scores  # per product: the causal 16 x 16 triangle keeps 136 of 256 pairs
+    assert graph.flops(("fwd",)) == ref_graph.flops(("fwd",)) - 2 * 2 * skipped  # 2 layers x 2 products
+    assert graph.flops(("bwd",)) == ref_graph.flops(("bwd",)) + 2 * scores - 2 * 5 * skipped  # 5 products
     plan = new_plan(graph, topo4, [GroupPlan([0, 1], [0.75, 0.25])] * graph.num_groups)
     validate_plan(plan, graph, topo4)
     assert_matches_reference(graph, plan, sdpa, "sgd", {})

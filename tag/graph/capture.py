@@ -36,6 +36,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..errors import WorkloadError
 from .ir import Affine, Op, OpGraph, Param, Tensor
+from .masks import fold_attention_masks
 from .precision import autocast, check_precision, dtype_name
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ def export_joint(model: torch.nn.Module, inputs: tuple, name: str = "the model",
     specs = list(out_specs)
     specs[li] = type(specs[li])(kind=OutputKind.LOSS_OUTPUT, arg=specs[li].arg, target=None)
     ep = ep._update(ep.graph_module, ExportGraphSignature(ep.graph_signature.input_specs, specs))
-    ep = _prune_params(_views_to_reshapes(_drop_noop_dropout(ep)))
+    ep = _prune_params(_views_to_reshapes(_drop_noop_dropout(fold_attention_masks(ep))))
     try:
         # its decomposition re-traces the autocast regions
         with _quiet(), autocast(precision), _fx_config(do_not_emit_stack_traces=True):
@@ -537,10 +538,25 @@ def _node_flops(node: torch.fx.Node) -> float:
     args = torch.fx.node.map_aggregate(node.args, meta)
     kwargs = torch.fx.node.map_aggregate(node.kwargs, meta)
     try:
-        return float(fn(*args, **kwargs, out_val=node.meta.get("val")))
+        flops = float(fn(*args, **kwargs, out_val=node.meta.get("val")))
     except Exception:  # noqa: BLE001 - a formula that cannot read these args counts 0, logged
         log.debug("no FLOP formula applied to %s", node.name)
         return 0.0
+    bound = {**dict(zip((a.name for a in node.target._schema.arguments), args)), **kwargs}
+    if bound.get("is_causal") and isinstance(bound.get("query"), torch.Tensor):
+        flops *= causal_fraction(bound["query"].shape[-2], bound["key"].shape[-2])
+    return flops
+
+
+def causal_fraction(length: int, source_length: int) -> float:
+    """Fraction of the ``[length, source_length]`` query-key pairs a causal (top-left aligned)
+    attention computes: the fused kernels skip the masked ones, so a causal attention's FLOPs are
+    those of the full score products times this (``(L + 1) / 2L`` for a square one).
+    ``torch.utils.flop_counter`` counts every pair."""
+    if length <= 0 or source_length <= 0:
+        return 1.0
+    n = min(length, source_length)  # rows i < n see i + 1 keys, the rest all of them
+    return (n * (n + 1) / 2 + (length - n) * source_length) / (length * source_length)
 
 
 @dataclass
