@@ -14,7 +14,10 @@ constants are fitted. An op's seconds on a GPU (:func:`op_seconds`):
   sizes give): ``C_mm[low] + flops / (a * R_mm[low] / 8)``. Measured on the H200 (eager steps of
   2026-11-26): GPT-2's LM head (50257, 1 element) 119 TFLOP/s, BERT's (30522, 2) 240, aligned
   GEMMs 780. fp32 (FFMA) GEMMs need no 16-byte access; TF32 ones would, unmeasured: not modelled
-* ``attention``: ``K + flops / (e_att * R_ref[mode])``
+* ``attention``: ``K + flops / (e_att[mode] * R_ref[mode])``, ``flops`` those of the query-key
+  pairs the kernel computes (a causal attention skips the masked half:
+  :func:`tag.graph.capture.causal_fraction`); fp32 attention is ``fp32`` mode whatever the TF32
+  flag says (:func:`op_mode`)
 * ``norm``: ``K + bytes / BW_norm`` (batch norm's extra passes: :data:`NORM_PASSES`);
   ``memory``: ``K + bytes / BW``
 * ``opt``: ``bytes * sweeps / BW_opt`` (PyTorch's multi-tensor Adam/SGD passes over its tensors
@@ -42,7 +45,7 @@ Where the constants come from (``GpuRates.source``):
   kernels; ``R_ref`` = ``R_mm`` of the microbenchmarks. Where eager training steps were
   profiled (``gpu_calib/<type>-fit.json``, written by ``evaluation/gpu_cost_check.py``) the
   constants of :data:`FIT_PARAMS` (``K``, ``C_mm``, ``R_conv``, ``BW``, ``BW_norm``, ``BW_opt``;
-  ``e_att`` only where the steps' attention kernels take long enough to identify it) are fitted to
+  ``e_att[mode]`` only where the steps' attention kernels in that mode take long enough to identify it) are fitted to
   the per-class kernel seconds of those steps (:func:`fit_device`) and ``host_s`` (``step_host_s``
   where the fit file sets it) to their step times; ``R_mm`` stays the microbenchmark's (:data:`FIXED_PARAMS`),
   and a constant no profiled step identifies keeps the microbenchmark's (``e_att`` = 1: fused
@@ -167,9 +170,9 @@ class GpuRates:
     opt_bandwidth: float | None = None
     """Achieved bytes/s of the multi-tensor optimizer update over its :data:`FOREACH_SWEEPS`
     passes (class ``opt``); None: ``bandwidth``."""
-    attention_eff: float = 1.0
-    """Fused attention's achieved FLOP/s as a fraction of ``attention_ref`` (the matmul
-    microbenchmark rate of its mode)."""
+    attention_eff: dict | None = field(default=None, hash=False)
+    """mode -> fused attention's achieved FLOP/s as a fraction of ``attention_ref`` (the matmul
+    microbenchmark rate of its mode); None or a mode not given: 1."""
     attention_ref: dict | None = field(default=None, hash=False)
     """mode -> FLOP/s that ``attention_eff`` scales; None: ``matmul``."""
     matmul_call_s: dict | None = field(default=None, hash=False)
@@ -204,7 +207,7 @@ class GpuRates:
 
     def attention_rate(self, mode: str) -> float:
         """Achieved FLOP/s of a fused attention kernel in ``mode``."""
-        return (self.attention_ref or self.matmul)[mode] * self.attention_eff
+        return (self.attention_ref or self.matmul)[mode] * (self.attention_eff or {}).get(mode, 1.0)
 
 
 def op_class(target: str) -> str:
@@ -250,11 +253,15 @@ def kernel_class(name: str) -> str | None:
 
 
 def op_mode(cls: str, dtype: str, numerics: Numerics) -> str:
-    """The hardware mode an op of class ``cls`` and output ``dtype`` runs in."""
+    """The hardware mode an op of class ``cls`` and output ``dtype`` runs in. Fused attention in
+    fp32 is ``fp32`` whatever ``allow_tf32`` says: the flag is cuBLAS's, and the fused kernels
+    (PyTorch's own) are not cuBLAS calls; not measured with TF32 on."""
     if dtype in ("bfloat16", "float16"):
         return "low"
     if cls == "conv":
         return "tf32" if numerics.conv_tf32 else "fp32"
+    if cls == "attention":
+        return "fp32"
     return "tf32" if numerics.matmul_tf32 else "fp32"
 
 
@@ -318,7 +325,8 @@ FIT_PARAMS = {
     "conv:fp32": ("FLOP/s", "convolutions with TF32 off"),
     "conv:tf32": ("FLOP/s", "fp32 convolutions (cuDNN runs them on TF32 by default), layout transforms included"),
     "conv:low": ("FLOP/s", "bf16/fp16 convolutions, layout transforms included"),
-    "attention_eff": ("1", "fused attention's FLOP/s over the matmul microbenchmark rate of its mode"),
+    "attention_eff:fp32": ("1", "fp32 fused attention's FLOP/s over the fp32 matmul microbenchmark rate"),
+    "attention_eff:low": ("1", "bf16/fp16 fused attention's FLOP/s over the bf16 matmul microbenchmark rate"),
     "memory_bw": ("B/s", "elementwise, copy and cast kernels (bytes read + written)"),
     "norm_bw": ("B/s", "normalisation, softmax and reduction kernels (bytes read + written)"),
     "opt_bw": ("B/s", "the multi-tensor optimizer update (bytes of its FOREACH_SWEEPS passes)"),
@@ -352,27 +360,36 @@ def load_fit(gpu: str, root: Path = CALIB_DIR) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+ATTENTION_MODES = ("fp32", "low")
+"""Modes fused attention runs in (:func:`op_mode`), one ``attention_eff:<mode>`` each."""
+
+
 def theta_of(rates: GpuRates) -> np.ndarray:
-    """The fit's unknowns for ``rates`` (:data:`COLUMNS` order): ``kernel_s`` in seconds, every
-    other one the inverse of its rate (s/FLOP, s/B, or 1 / ``attention_eff``)."""
-    inv = [rates.matmul[m] for m in MODES] + [rates.conv[m] for m in MODES] + [
-        rates.attention_eff, rates.bandwidth, rates.norm_bandwidth or rates.bandwidth,
-        rates.opt_bandwidth or rates.bandwidth]
-    return np.array([rates.kernel_s] + [1.0 / v for v in inv] + [rates.matmul_floor(m) for m in MODES]
-                    + [1.0 / float(rates.unaligned_rate(1))])
+    """The fit's unknowns for ``rates`` (:data:`COLUMNS` order): the seconds (:data:`SECONDS`) as
+    they are, every other one the inverse of its rate (s/FLOP, s/B, or 1 / ``attention_eff``)."""
+    value = {"kernel_s": rates.kernel_s, "memory_bw": rates.bandwidth,
+             "norm_bw": rates.norm_bandwidth or rates.bandwidth, "opt_bw": rates.opt_bandwidth or rates.bandwidth,
+             "matmul_unaligned:low": float(rates.unaligned_rate(1))}
+    for m in MODES:
+        value[f"matmul:{m}"], value[f"conv:{m}"] = rates.matmul[m], rates.conv[m]
+        value[f"matmul_call:{m}"] = rates.matmul_floor(m)
+    for m in ATTENTION_MODES:
+        value[f"attention_eff:{m}"] = (rates.attention_eff or {}).get(m, 1.0)
+    return np.array([value[n] if n in SECONDS else 1.0 / value[n] for n in COLUMNS])
 
 
 def with_theta(rates: GpuRates, theta, source: str | None = None) -> GpuRates:
     """``rates`` with the constants of ``theta`` (:func:`theta_of`'s layout)."""
     import dataclasses
 
-    t = [float(x) for x in theta]
+    v = {n: float(x) if n in SECONDS else 1.0 / float(x) for n, x in zip(COLUMNS, theta)}
     return dataclasses.replace(
-        rates, source=source or rates.source, kernel_s=t[0],
-        matmul={m: 1.0 / t[1 + i] for i, m in enumerate(MODES)}, conv={m: 1.0 / t[4 + i] for i, m in enumerate(MODES)},
-        attention_eff=1.0 / t[7], bandwidth=1.0 / t[8], norm_bandwidth=1.0 / t[9], opt_bandwidth=1.0 / t[10],
-        attention_ref=rates.attention_ref or dict(rates.matmul), matmul_call_s={m: t[11 + i] for i, m in enumerate(MODES)},
-        matmul_unaligned=1.0 / t[14])
+        rates, source=source or rates.source, kernel_s=v["kernel_s"],
+        matmul={m: v[f"matmul:{m}"] for m in MODES}, conv={m: v[f"conv:{m}"] for m in MODES},
+        attention_eff={m: v[f"attention_eff:{m}"] for m in ATTENTION_MODES}, bandwidth=v["memory_bw"],
+        norm_bandwidth=v["norm_bw"], opt_bandwidth=v["opt_bw"],
+        attention_ref=rates.attention_ref or dict(rates.matmul),
+        matmul_call_s={m: v[f"matmul_call:{m}"] for m in MODES}, matmul_unaligned=v["matmul_unaligned:low"])
 
 
 def fit_device(X: np.ndarray, T: np.ndarray, prior: np.ndarray, fixed=()) -> np.ndarray:
@@ -456,7 +473,7 @@ def gpu_rates(spec) -> GpuRates:
     bw_ratio = spec.memory_bandwidth / ref_spec.memory_bandwidth
     return GpuRates(spec.name, f"datasheet:{spec.name}", mm, conv, ref.bandwidth * bw_ratio, ref.launch_s, ref.host_s,
                     ref.step_host_s, ref.kernel_s, (ref.norm_bandwidth or ref.bandwidth) * bw_ratio,
-                    (ref.opt_bandwidth or ref.bandwidth) * bw_ratio, ref.attention_eff,
+                    (ref.opt_bandwidth or ref.bandwidth) * bw_ratio, ref.attention_eff and dict(ref.attention_eff),
                     {m: (ref.attention_ref or ref.matmul)[m] / rp[m] * sp[m] for m in MODES},
                     None if ref.matmul_call_s is None else dict(ref.matmul_call_s),
                     float(ref.unaligned_rate(1)) / rp["low"] * sp["low"], opt_host_s=ref.opt_host_s)
@@ -693,7 +710,7 @@ def design(feat: OpFeatures, rates: GpuRates, batch: float) -> np.ndarray:
         elif cls in ("matmul", "conv"):
             X[k, COLUMNS.index(f"{cls}:{MODES[feat.mode[k]]}")] = f[k]
         elif cls == "attention":
-            X[k, COLUMNS.index("attention_eff")] = f[k] / ref[MODES[feat.mode[k]]]
+            X[k, COLUMNS.index(f"attention_eff:{MODES[feat.mode[k]]}")] = f[k] / ref[MODES[feat.mode[k]]]
         elif cls == "opt":
             X[k, COLUMNS.index("opt_bw")] = m[k] * feat.sweeps
         else:
