@@ -426,6 +426,13 @@ NOTES = """## What the tables show
     (ResNet-50 / 101 / 152), the 2026-11-26 ResNet's -30.8% -> +1.1%; over the 42 steps 40 device
     times are within 20% (36 before) and the mean absolute log error of the held-out steps goes
     0.126 -> 0.122 (their step times are host-bound: ResNet-101 bf16 stays +19.1%).
+  - **Convolutions by shape**, tried and not kept: ResNets' convolutions (many small and 1x1 ones)
+    run below the rate VGG's large 3x3 ones reach, and one rate per mode leaves the ResNets' device
+    time under and VGG's over. A per-call constant (`conv_call:<mode>`, as `matmul_call`) fitted 31
+    us TF32 / 26 us bf16 with rates of 184 / 361 TFLOP/s: ResNet-50 / 101 fp32 device time held out
+    -19.0% / -11.0% -> -8.9% / +3.9%, but VGG-16 bf16's step -5.5% -> -21.5% (VGG-19 in the fit
+    alone cannot pin the rate of large convolutions), and the mean absolute log error of the 42
+    held-out steps 0.122 -> 0.132.
   - **Fused attention**, fixed: the graphs of GPT-2 and Llama had carried Hugging Face's
     explicit causal mask into the fused kernel, so their attention FLOPs counted every query-key
     pair, where eager runs `is_causal=True` and the kernels skip the masked half. With one fraction
