@@ -420,8 +420,8 @@ NOTES = """## What the tables show
     autocast runs its batch norms on PyTorch's native kernels, two per direction
     (`aten::native_batch_norm_backward`), where fp32 runs cuDNN's one (`cudnn_batch_norm_backward`),
     and they took 12.6 ms, 2.3x the rule's 5.5 ms, with one norm bandwidth shared with the
-    transformers' layer norms. Since 2026-11-27 a bf16/fp16 batch norm costs two per-kernel floors
-    and its bytes at its own fitted bandwidth (`bn_low_bw`, 1.03 TB/s; `tag.cost.gpu.BN_LOW_KERNELS`):
+    transformers' layer norms. Since 2026-11-27 a bf16 batch norm costs two per-kernel floors
+    and its bytes at its own fitted bandwidth (`bn_bf16_bw`, 1.03 TB/s; `tag.cost.gpu.BN_BF16_KERNELS`):
     the ResNets' bf16 device time held out -38.5% / -31.4% / -27.5% -> -14.0% / -6.5% / -1.2%
     (ResNet-50 / 101 / 152), the 2026-11-26 ResNet's -30.8% -> +1.1%; over the 42 steps 40 device
     times are within 20% (36 before) and the mean absolute log error of the held-out steps goes

@@ -385,24 +385,25 @@ def test_optimizer_host_seconds_are_read_from_the_profiled_op_table(graphs):
 
 def test_bf16_batch_norm_runs_two_kernels_at_its_own_rate(captured):
     """A batch norm in bf16 (PyTorch's native kernels, two per direction on the H200; cuDNN's one
-    in fp32) is marked in the features, costs ``BN_LOW_KERNELS`` per-kernel floors and its bytes
-    at ``bn_low_bw``; the rule stays linear in the fitted unknowns; fp32 batch norms are untouched."""
+    in fp32) is marked in the features, costs ``BN_BF16_KERNELS`` per-kernel floors and its bytes
+    at ``bn_bf16_bw``; the rule stays linear in the fitted unknowns; fp32 and fp16 batch norms
+    (cuDNN's: PyTorch takes no bf16 there) are untouched."""
     import dataclasses
 
     rates = fitted_rates("H200")
     feats = {}
-    for p in ("fp32", "bf16"):
+    for p in ("fp32", "fp16", "bf16"):
         g = captured("resnet:depth=18,width=8,image=16", batch=B, groups=2, precision=p).graph
         feat = feats[p] = OpFeatures.of(g, Numerics())
         bn = np.array(["batch_norm" in o.target for o in g.ops])
         assert bn.sum() >= 2 * 20  # forward and backward of every batch norm of ResNet-18
-        np.testing.assert_array_equal(feat.bn_low_mask(), bn if p == "bf16" else np.zeros_like(bn))
+        np.testing.assert_array_equal(feat.bn_bf16_mask(), bn if p == "bf16" else np.zeros_like(bn))
         np.testing.assert_allclose(design(feat, rates, B) @ theta_of(rates), op_seconds(feat, rates, [B])[:, 0],
                                    rtol=1e-9, atol=1e-15)
     feat = feats["bf16"]
-    k = np.flatnonzero(feat.bn_low_mask() & feat.kernel)[0]
-    slow = dataclasses.replace(rates, bn_low_bandwidth=rates.bn_low_bandwidth / 2)
+    k = np.flatnonzero(feat.bn_bf16_mask() & feat.kernel)[0]
+    slow = dataclasses.replace(rates, bn_bf16_bandwidth=rates.bn_bf16_bandwidth / 2)
     extra = op_seconds(feat, slow, [B])[k, 0] - op_seconds(feat, rates, [B])[k, 0]
-    assert extra == pytest.approx((feat.nbytes[k, 0] + feat.nbytes[k, 1] * B) / rates.bn_low_bandwidth)
+    assert extra == pytest.approx((feat.nbytes[k, 0] + feat.nbytes[k, 1] * B) / rates.bn_bf16_bandwidth)
     floor = dataclasses.replace(rates, kernel_s=rates.kernel_s + 1e-3)
     assert op_seconds(feat, floor, [B])[k, 0] - op_seconds(feat, rates, [B])[k, 0] == pytest.approx(2e-3)

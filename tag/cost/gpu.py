@@ -19,7 +19,7 @@ constants are fitted. An op's seconds on a GPU (:func:`op_seconds`):
   :func:`tag.graph.capture.causal_fraction`); fp32 attention is ``fp32`` mode whatever the TF32
   flag says (:func:`op_mode`)
 * ``norm``: ``K + bytes / BW_norm`` (batch norm's extra passes: :data:`NORM_PASSES`); a batch
-  norm in bf16/fp16 ``2 K + bytes / BW_bn_low`` (:data:`BN_LOW_KERNELS`);
+  norm in bf16 ``2 K + bytes / BW_bn_bf16`` (:data:`BN_BF16_KERNELS`);
   ``memory``: ``K + bytes / BW``
 * ``opt``: ``bytes * sweeps / BW_opt`` (PyTorch's multi-tensor Adam/SGD passes over its tensors
   more often than the capture's single-kernel count, :data:`FOREACH_SWEEPS`); its launches are
@@ -106,14 +106,16 @@ twice (reduction, then the elementwise pass: 5 for 3), as PyTorch's and cuDNN's 
 do (``batch_norm_collect_statistics`` + ``batch_norm_transform_input``; ``batch_norm_backward_reduce``
 + ``batch_norm_backward_elemt``). Layer norm and softmax keep a row on chip: counted once."""
 
-BN_LOW_KERNELS = 2
-"""Kernels of one batch norm (forward or backward) in bf16/fp16. Measured on the H200
+BN_BF16_KERNELS = 2
+"""Kernels of one batch norm (forward or backward) in bf16. Measured on the H200
 (2026-11-27, eager ResNet-50/101/152 at 224): in bf16 autocast the batch norms run on PyTorch's
 native kernels (``aten::native_batch_norm_backward``; ``batch_norm_collect_statistics`` +
 ``batch_norm_transform_input`` forward, ``batch_norm_backward_reduce`` + ``batch_norm_backward_elemt``
 backward: ResNet-152 launches 626 norm kernels per step) where fp32 runs cuDNN's one kernel per
 direction (``cudnn_batch_norm_backward``: 316), and they took 2.3-2.7x the time of the norm rule.
-fp16 is not measured: assumed as bf16."""
+An fp16 batch norm is costed as an fp32 one: PyTorch sends a half input with fp32 weights (autocast's)
+to cuDNN and only bf16 to its native kernels (``use_cudnn`` in ``_batch_norm_impl_index``,
+``aten/src/ATen/native/Normalization.cpp``); not measured."""
 
 FOREACH_SWEEPS = {"adam": 18, "sgd": 8, "sgd-plain": 3}
 """Tensor passes (reads + writes, each one parameter's size) of ``torch.optim``'s multi-tensor
@@ -200,9 +202,9 @@ class GpuRates:
     (:data:`FOREACH_KERNELS` per step): each ``torch._foreach_*`` call walks its list of tensors on
     the host, and Adam reads each parameter's step count twice; measured, not fitted, from the
     profiled steps' op tables (``evaluation/gpu_cost_check.py``), 0 where none were profiled."""
-    bn_low_bandwidth: float | None = None
-    """Achieved bytes/s of a batch norm in bf16/fp16 (its :data:`NORM_PASSES` included, over
-    :data:`BN_LOW_KERNELS` kernels); None: ``norm_bandwidth``."""
+    bn_bf16_bandwidth: float | None = None
+    """Achieved bytes/s of a batch norm in bf16 (its :data:`NORM_PASSES` included, over
+    :data:`BN_BF16_KERNELS` kernels); None: ``norm_bandwidth``."""
 
     def unaligned_rate(self, align) -> np.ndarray:
         """FLOP/s of bf16/fp16 matmuls whose alignment is ``align`` elements (array) below
@@ -343,7 +345,7 @@ FIT_PARAMS = {
     "memory_bw": ("B/s", "elementwise, copy and cast kernels (bytes read + written)"),
     "norm_bw": ("B/s", "normalisation, softmax and reduction kernels (bytes read + written)"),
     "opt_bw": ("B/s", "the multi-tensor optimizer update (bytes of its FOREACH_SWEEPS passes)"),
-    "bn_low_bw": ("B/s", "batch norm in bf16/fp16 (PyTorch's native kernels, BN_LOW_KERNELS per direction; bytes "
+    "bn_bf16_bw": ("B/s", "batch norm in bf16 (PyTorch's native kernels, BN_BF16_KERNELS per direction; bytes "
                          "with NORM_PASSES)"),
     "matmul_call:fp32": ("s", "device seconds per fp32 matmul kernel beyond FLOPs / matmul:fp32"),
     "matmul_call:tf32": ("s", "device seconds per TF32 matmul kernel beyond FLOPs / matmul:tf32"),
@@ -384,7 +386,7 @@ def theta_of(rates: GpuRates) -> np.ndarray:
     they are, every other one the inverse of its rate (s/FLOP, s/B, or 1 / ``attention_eff``)."""
     value = {"kernel_s": rates.kernel_s, "memory_bw": rates.bandwidth,
              "norm_bw": rates.norm_bandwidth or rates.bandwidth, "opt_bw": rates.opt_bandwidth or rates.bandwidth,
-             "bn_low_bw": rates.bn_low_bandwidth or rates.norm_bandwidth or rates.bandwidth,
+             "bn_bf16_bw": rates.bn_bf16_bandwidth or rates.norm_bandwidth or rates.bandwidth,
              "matmul_unaligned:low": float(rates.unaligned_rate(1))}
     for m in MODES:
         value[f"matmul:{m}"], value[f"conv:{m}"] = rates.matmul[m], rates.conv[m]
@@ -403,7 +405,7 @@ def with_theta(rates: GpuRates, theta, source: str | None = None) -> GpuRates:
         rates, source=source or rates.source, kernel_s=v["kernel_s"],
         matmul={m: v[f"matmul:{m}"] for m in MODES}, conv={m: v[f"conv:{m}"] for m in MODES},
         attention_eff={m: v[f"attention_eff:{m}"] for m in ATTENTION_MODES}, bandwidth=v["memory_bw"],
-        norm_bandwidth=v["norm_bw"], opt_bandwidth=v["opt_bw"], bn_low_bandwidth=v["bn_low_bw"],
+        norm_bandwidth=v["norm_bw"], opt_bandwidth=v["opt_bw"], bn_bf16_bandwidth=v["bn_bf16_bw"],
         attention_ref=rates.attention_ref or dict(rates.matmul),
         matmul_call_s={m: v[f"matmul_call:{m}"] for m in MODES}, matmul_unaligned=v["matmul_unaligned:low"])
 
@@ -493,7 +495,7 @@ def gpu_rates(spec) -> GpuRates:
                     {m: (ref.attention_ref or ref.matmul)[m] / rp[m] * sp[m] for m in MODES},
                     None if ref.matmul_call_s is None else dict(ref.matmul_call_s),
                     float(ref.unaligned_rate(1)) / rp["low"] * sp["low"], opt_host_s=ref.opt_host_s,
-                    bn_low_bandwidth=(ref.bn_low_bandwidth or ref.norm_bandwidth or ref.bandwidth) * bw_ratio)
+                    bn_bf16_bandwidth=(ref.bn_bf16_bandwidth or ref.norm_bandwidth or ref.bandwidth) * bw_ratio)
 
 
 # ------------------------------------------------------------------------------ per-op seconds
@@ -517,9 +519,9 @@ class OpFeatures:
     align: np.ndarray | None = None
     """[n] elements every leading dimension of a bf16/fp16 matmul is a multiple of, up to
     :data:`ALIGN_ELEMENTS` (:func:`gemm_alignment`; ``ALIGN_ELEMENTS`` for every other op); None: all aligned."""
-    bn_low: np.ndarray | None = None
-    """[n] bool: a batch norm (forward or backward) in bf16/fp16 (``bn_low_bw``,
-    :data:`BN_LOW_KERNELS`); None: none."""
+    bn_bf16: np.ndarray | None = None
+    """[n] bool: a batch norm (forward or backward) in bf16 (``bn_bf16_bw``,
+    :data:`BN_BF16_KERNELS`); None: none."""
 
     @classmethod
     def of(cls, graph, numerics: Numerics) -> OpFeatures:
@@ -547,7 +549,7 @@ class OpFeatures:
             nbytes, sweeps, kernel,
             np.array([gemm_alignment(graph, o) if k == "matmul" and o.dtype in ("bfloat16", "float16")
                       else ALIGN_ELEMENTS for k, o in zip(klass, ops)], dtype=np.int64),
-            np.array([n in NORM_PASSES and o.dtype in ("bfloat16", "float16") for n, o in zip(names, ops)]))
+            np.array([n in NORM_PASSES and o.dtype == "bfloat16" for n, o in zip(names, ops)]))
 
     def unaligned(self) -> np.ndarray:
         """[n] bool: a bf16/fp16 matmul below :data:`ALIGN_ELEMENTS` (its FLOPs run at
@@ -557,13 +559,13 @@ class OpFeatures:
         return (self.align < ALIGN_ELEMENTS) & (self.cls == OP_CLASSES.index("matmul")) \
             & (self.mode == MODES.index("low"))
 
-    def bn_low_mask(self) -> np.ndarray:
-        """[n] bool: :attr:`bn_low` (all False where not given)."""
-        return np.zeros(len(self.cls), dtype=bool) if self.bn_low is None else self.bn_low
+    def bn_bf16_mask(self) -> np.ndarray:
+        """[n] bool: :attr:`bn_bf16` (all False where not given)."""
+        return np.zeros(len(self.cls), dtype=bool) if self.bn_bf16 is None else self.bn_bf16
 
     def kernels(self) -> np.ndarray:
-        """[n] device kernels per launch: :data:`BN_LOW_KERNELS` for a bf16/fp16 batch norm, else 1."""
-        return np.where(self.bn_low_mask(), BN_LOW_KERNELS, 1)
+        """[n] device kernels per launch: :data:`BN_BF16_KERNELS` for a bf16 batch norm, else 1."""
+        return np.where(self.bn_bf16_mask(), BN_BF16_KERNELS, 1)
 
 
 _GEMMS = ("mm", "addmm", "bmm", "baddbmm")
@@ -704,7 +706,7 @@ def op_seconds(feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray:
     att_rate = np.array([rates.attention_rate(x) for x in MODES])[feat.mode][:, None]
     bw = np.array([rates.norm_bandwidth or rates.bandwidth if c == "norm" else rates.bandwidth for c in OP_CLASSES])
     t = m / bw[feat.cls][:, None]
-    t = np.where(feat.bn_low_mask()[:, None], m / (rates.bn_low_bandwidth or rates.norm_bandwidth or rates.bandwidth), t)
+    t = np.where(feat.bn_bf16_mask()[:, None], m / (rates.bn_bf16_bandwidth or rates.norm_bandwidth or rates.bandwidth), t)
     mm_rate = np.where(feat.unaligned()[:, None], rates.unaligned_rate(_align(feat))[:, None], mm_rate)
     t = np.where(cls == OP_CLASSES.index("matmul"), f / mm_rate, t)
     t = np.where(cls == OP_CLASSES.index("conv"), f / conv_rate, t)
@@ -729,7 +731,7 @@ def design(feat: OpFeatures, rates: GpuRates, batch: float) -> np.ndarray:
     rows = np.arange(len(f))
     n_launch = launches(feat, [batch])[:, 0]
     X[:, 0] = n_launch * feat.kernels()
-    unaligned, align, bn_low = feat.unaligned(), _align(feat), feat.bn_low_mask()
+    unaligned, align, bn_bf16 = feat.unaligned(), _align(feat), feat.bn_bf16_mask()
     for k, c in enumerate(feat.cls):
         cls = OP_CLASSES[c]
         if cls == "matmul":  # its floor is the per-call constant of its mode, not kernel_s
@@ -743,8 +745,8 @@ def design(feat: OpFeatures, rates: GpuRates, batch: float) -> np.ndarray:
             X[k, COLUMNS.index(f"attention_eff:{MODES[feat.mode[k]]}")] = f[k] / ref[MODES[feat.mode[k]]]
         elif cls == "opt":
             X[k, COLUMNS.index("opt_bw")] = m[k] * feat.sweeps
-        elif bn_low[k]:
-            X[k, COLUMNS.index("bn_low_bw")] = m[k]
+        elif bn_bf16[k]:
+            X[k, COLUMNS.index("bn_bf16_bw")] = m[k]
         else:
             X[k, COLUMNS.index(f"{cls}_bw")] = m[k]
     X[rows[~feat.kernel]] = 0.0
