@@ -282,7 +282,9 @@ def fixed_columns(cases: list[dict]) -> tuple[str, ...]:
 
 
 def _mode(case: dict) -> str:
-    return "low" if case["precision"] in ("bf16", "fp16") else "fp32"
+    from tag.graph.precision import LOW_DTYPE
+
+    return "low" if case["precision"] in LOW_DTYPE else "fp32"
 
 
 def assumptions(cases: list[dict], fixed: tuple[str, ...], fitted: list[str], rule, free) -> dict[str, str]:

@@ -36,7 +36,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..errors import WorkloadError
 from .ir import Affine, Op, OpGraph, Param, Tensor
-from .masks import fold_attention_masks
+from .masks import arg_names, bind, fold_attention_masks
 from .precision import autocast, check_precision, dtype_name
 
 log = logging.getLogger(__name__)
@@ -542,9 +542,10 @@ def _node_flops(node: torch.fx.Node) -> float:
     except Exception:  # noqa: BLE001 - a formula that cannot read these args counts 0, logged
         log.debug("no FLOP formula applied to %s", node.name)
         return 0.0
-    bound = {**dict(zip((a.name for a in node.target._schema.arguments), args)), **kwargs}
-    if bound.get("is_causal") and isinstance(bound.get("query"), torch.Tensor):
-        flops *= causal_fraction(bound["query"].shape[-2], bound["key"].shape[-2])
+    if "is_causal" in arg_names(node.target):  # the attention kernels only
+        bound = bind(node.target, args, kwargs)
+        if bound.get("is_causal") and isinstance(bound.get("query"), torch.Tensor):
+            flops *= causal_fraction(bound["query"].shape[-2], bound["key"].shape[-2])
     return flops
 
 

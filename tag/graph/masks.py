@@ -28,6 +28,7 @@ input) stays as it is. The rewrite is exact: same outputs, same gradients.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 
@@ -95,13 +96,23 @@ def mask_kind(mask: torch.Tensor, length: int, source_length: int) -> str | None
     return "causal" if bool((allowed == causal).all()) else None
 
 
-_NAMES = [a.name for a in SDPA._schema.arguments]
 _POSITIONAL = [a.name for a in SDPA._schema.arguments if not a.kwarg_only]
+
+
+@functools.cache
+def arg_names(target: torch._ops.OpOverload) -> tuple[str, ...]:
+    """The argument names of an ATen overload's schema, in order (read once per overload)."""
+    return tuple(a.name for a in target._schema.arguments)
+
+
+def bind(target: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
+    """A call of ``target`` as ``{argument name: value}`` (the arguments given)."""
+    return {**dict(zip(arg_names(target), args)), **kwargs}
 
 
 def _bound(node: torch.fx.Node) -> dict:
     """The attention call's arguments by name (those given)."""
-    return {**dict(zip(_NAMES, node.args)), **node.kwargs}
+    return bind(SDPA, node.args, node.kwargs)
 
 
 def _rewritten(node: torch.fx.Node, causal: bool) -> tuple[tuple, dict]:
@@ -151,15 +162,15 @@ def _constant(node: torch.fx.Node, values: dict, index: dict) -> torch.Tensor | 
             return None
         order.append(n)
         stack.extend(n.all_input_nodes)
-    for n in sorted(order, key=index.__getitem__):
-        def real(a):
-            return values[a] if isinstance(a, torch.fx.Node) else a
+    def real(a):
+        return values[a] if isinstance(a, torch.fx.Node) else a
 
-        args = torch.fx.node.map_aggregate(n.args, real)
-        kwargs = torch.fx.node.map_aggregate(n.kwargs, real)
-        if any(isinstance(a, torch.fx.Node) and values.get(a) is None for a in n.all_input_nodes):
+    for n in sorted(order, key=index.__getitem__):
+        if any(values.get(a) is None for a in n.all_input_nodes):
             values[n] = None
             continue
+        args = torch.fx.node.map_aggregate(n.args, real)
+        kwargs = torch.fx.node.map_aggregate(n.kwargs, real)
         if "device" in kwargs:
             kwargs = {**kwargs, "device": torch.device("cpu")}  # the capture may trace on the meta device
         try:

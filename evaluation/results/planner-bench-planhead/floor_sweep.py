@@ -29,6 +29,7 @@ import tag.search.mcts as mcts
 from tag.data.generate import load_graph
 from tag.data.pairs import sample_pair
 from tag.gnn.predictor import Predictor
+from tag.io import write_atomic
 from tag.planner import find_plan
 from tag.topology import load_topology
 
@@ -52,7 +53,7 @@ def main(checkpoint: str, graphs: str, *floors: str) -> None:
         if key not in refs:
             refs[key] = {"u2000": search(graph, topo, prior="uniform", budget=2000)}
             ref_path.parent.mkdir(parents=True, exist_ok=True)
-            ref_path.write_text(json.dumps(refs, indent=1))
+            write_atomic(ref_path, json.dumps(refs, indent=1))  # a kill mid-write keeps the references so far
         return refs[key]["u2000"]
 
     sets = {"random": [], "held-out": []}
