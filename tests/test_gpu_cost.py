@@ -407,3 +407,42 @@ def test_bf16_batch_norm_runs_two_kernels_at_its_own_rate(captured):
     assert extra == pytest.approx((feat.nbytes[k, 0] + feat.nbytes[k, 1] * B) / rates.bn_bf16_bandwidth)
     floor = dataclasses.replace(rates, kernel_s=rates.kernel_s + 1e-3)
     assert op_seconds(feat, floor, [B])[k, 0] - op_seconds(feat, rates, [B])[k, 0] == pytest.approx(2e-3)
+
+
+def test_fused_attention_is_costed_in_whole_tiles():
+    """A fused attention kernel computes whole tiles of query-key pairs (:data:`ATTENTION_TILES`,
+    the H200's kernels): lengths that are multiples of the tile cost their FLOPs, ViT's 197 tokens
+    cost 256's, a causal attention the tiles on and below the diagonal; the features carry the
+    factor and nothing else moves."""
+    import dataclasses
+
+    from tag.cost.gpu import ATTENTION_TILES, attention_tile_fraction, tile_pairs
+
+    assert tile_pairs(197, 197, False, (64, 64)) == 256 * 256
+    assert tile_pairs(128, 128, True, (64, 128)) == 64 * 128 + 64 * 128  # both row tiles need the one key tile
+    assert tile_pairs(256, 256, True, (64, 64)) == 64 * 64 * (1 + 2 + 3 + 4)
+    assert tile_pairs(64, 256, True, (64, 64)) == 64 * 64  # top-left aligned: 64 rows see 64 keys
+    assert attention_tile_fraction((512, 512, False), "low", "fwd") == 1.0
+    assert attention_tile_fraction((197, 197, False), "fp32", "bwd") == pytest.approx((256 / 197) ** 2)
+    assert attention_tile_fraction((1024, 1024, True), "low", "fwd") == pytest.approx(
+        64 * 128 * sum(-(-(r + 64) // 128) for r in range(0, 1024, 64)) / (1024 * 1025 / 2))
+    assert attention_tile_fraction(None, "low", "fwd") == 1.0
+    assert set(ATTENTION_TILES) == set(ATTENTION_MODES)
+
+    g = _gpt2_sdpa_graph()
+    feat = OpFeatures.of(g, Numerics())
+    att = np.array([op_class(o.target) == "attention" for o in g.ops])
+    assert att.sum() == 4 and all(o.attention == (20, 20, True) for o, a in zip(g.ops, att) if a)
+    untiled = dataclasses.replace(g, ops=[dataclasses.replace(o, attention=None) for o in g.ops])
+    plain = OpFeatures.of(untiled, Numerics())
+    want = np.array([attention_tile_fraction(o.attention, "fp32", o.phase) if a else 1.0 for o, a in zip(g.ops, att)])
+    assert (want[att] > 1).all()
+    np.testing.assert_allclose(feat.flops, plain.flops * want[:, None])
+    np.testing.assert_array_equal(feat.nbytes, plain.nbytes)
+
+
+def _gpt2_sdpa_graph():
+    from tag.graph import capture
+
+    spec = "gpt2:n_layer=2,n_embd=32,n_head=2,seq=20,vocab=64,attn=sdpa"
+    return capture(load_workload(spec, batch=2, abstract=True), num_groups=2).graph

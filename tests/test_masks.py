@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tag.graph.capture import capture, causal_fraction
+from tag.graph.ir import OpGraph
 from tag.graph.masks import SDPA, fold_attention_masks, mask_kind
 from tag.parallel.tensor_parallel import base_name
 from tag.workloads import load_workload
@@ -87,6 +88,12 @@ def test_zoo_masks_folded_on_the_meta_device():
         products = sum(o.flops.at(2) for o in eager.ops if base_name(o.target) == "bmm" and o.phase == "fwd")
         ratio = sum(o.flops.at(2) for o in fwd) / products
         assert ratio == pytest.approx(causal_fraction(16, 16) if causal else 1.0)
+        att = [o for o in graph.ops if o.attention is not None]  # forward and backward kernels, lengths recorded
+        assert sorted(base_name(o.target) for o in att) == sorted(
+            ["_scaled_dot_product_flash_attention_for_cpu"] * 2 + ["_scaled_dot_product_flash_attention_for_cpu_backward"] * 2)
+        assert {o.attention for o in att} == {(16, 16, causal)}
+        assert [o.attention for o in OpGraph.from_json(graph.to_json()).ops] == [o.attention for o in graph.ops]
+        assert not any(o.attention for o in eager.ops)
 
 
 def test_causal_fraction():

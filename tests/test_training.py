@@ -178,9 +178,10 @@ def test_label_children_off_leaves_the_records_as_they_were(tmp_path):
     at adb79da (before the option); recomputed at 8a7364c (2026-11-27) because the GPU rule's
     optimizer host time (2f3649a, merged beside the option) moved the records' simulated times;
     recomputed on 2026-11-27 again: the H200 refit on the real-size zoo moved every GPU cost; and
-    again when the refits on causal attention FLOPs (tag.graph.masks) and bf16 batch norm moved them."""
+    again when the refits on causal attention FLOPs (tag.graph.masks) and bf16 batch norm moved them;
+    and when the refit on attention costed in whole tiles (tag.cost.gpu.ATTENTION_TILES) did."""
     import hashlib
-    golden = ["38693170a51c7737", "4821c2810ad806e5", "17fde9e20a7b546b"]
+    golden = ["11945b922e064b06", "ccd47178b4831674", "cc223b37368c5cf3"]
     for i, want in enumerate(golden):
         rec, _ = _label(tmp_path, i)
         rec.pop("seconds")

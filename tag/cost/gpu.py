@@ -15,9 +15,10 @@ constants are fitted. An op's seconds on a GPU (:func:`op_seconds`):
   2026-11-26): GPT-2's LM head (50257, 1 element) 119 TFLOP/s, BERT's (30522, 2) 240, aligned
   GEMMs 780. fp32 (FFMA) GEMMs need no 16-byte access; TF32 ones would, unmeasured: not modelled
 * ``attention``: ``K + flops / (e_att[mode] * R_ref[mode])``, ``flops`` those of the query-key
-  pairs the kernel computes (a causal attention skips the masked half:
-  :func:`tag.graph.capture.causal_fraction`); fp32 attention is ``fp32`` mode whatever the TF32
-  flag says (:func:`op_mode`)
+  pairs the kernel computes: whole tiles of :data:`ATTENTION_TILES` pairs, so a sequence of 197
+  runs as 256 and a causal attention skips the tiles above the diagonal only
+  (:func:`attention_tile_fraction`); fp32 attention is ``fp32`` mode whatever the TF32 flag says
+  (:func:`op_mode`)
 * ``norm``: ``K + bytes / BW_norm`` (batch norm's extra passes: :data:`NORM_PASSES`); a batch
   norm in bf16 ``2 K + bytes / BW_bn_bf16`` (:data:`BN_BF16_KERNELS`);
   ``memory``: ``K + bytes / BW``
@@ -116,6 +117,14 @@ direction (``cudnn_batch_norm_backward``: 316), and they took 2.3-2.7x the time 
 An fp16 batch norm is costed as an fp32 one: PyTorch sends a half input with fp32 weights (autocast's)
 to cuDNN and only bf16 to its native kernels (``use_cudnn`` in ``_batch_norm_impl_index``,
 ``aten/src/ATen/native/Normalization.cpp``); not measured."""
+
+ATTENTION_TILES = {"fp32": {"fwd": (64, 64), "bwd": (64, 64)}, "low": {"fwd": (64, 128), "bwd": (64, 64)}}
+"""mode -> phase -> (query rows, key columns) of the tile a fused attention kernel computes at
+once, read from the kernels eager PyTorch 2.11 launched on the H200 (2026-11-27,
+``evaluation/results/gpu-check/2026-11-27-h200/run1.jsonl``): fp32 runs the memory-efficient
+kernels ``fmha_cutlassF_f32_aligned_64x64_rf_sm80`` / ``fmha_cutlassB_f32_aligned_64x64_k64_sm80``,
+bf16 cuDNN's ``..._flash_fprop_wgmma_f16_knob_7_64x128x64_...`` / ``..._flash_bprop_..._64x64x64_...``
+(every SDPA preset, head width 64). Other GPU types are assumed to tile as these do."""
 
 FOREACH_SWEEPS = {"adam": 18, "sgd": 8, "sgd-plain": 3}
 """Tensor passes (reads + writes, each one parameter's size) of ``torch.optim``'s multi-tensor
@@ -220,9 +229,29 @@ class GpuRates:
         """Seconds paid once per step: the optimizer's multi-tensor launches and ``step_host_s``."""
         return FOREACH_KERNELS.get(optimizer, 0) * self.launch_s + self.step_host_s
 
+    @property
+    def norm_bw(self) -> float:
+        """Bytes/s of class ``norm``: ``norm_bandwidth``, else ``bandwidth``."""
+        return self.norm_bandwidth or self.bandwidth
+
+    @property
+    def opt_bw(self) -> float:
+        """Bytes/s of the optimizer update: ``opt_bandwidth``, else ``bandwidth``."""
+        return self.opt_bandwidth or self.bandwidth
+
+    @property
+    def bn_bf16_bw(self) -> float:
+        """Bytes/s of a bf16 batch norm: ``bn_bf16_bandwidth``, else :attr:`norm_bw`."""
+        return self.bn_bf16_bandwidth or self.norm_bw
+
+    @property
+    def attention_base(self) -> dict:
+        """mode -> FLOP/s that ``attention_eff`` scales: ``attention_ref``, else ``matmul``."""
+        return self.attention_ref or self.matmul
+
     def attention_rate(self, mode: str) -> float:
         """Achieved FLOP/s of a fused attention kernel in ``mode``."""
-        return (self.attention_ref or self.matmul)[mode] * (self.attention_eff or {}).get(mode, 1.0)
+        return self.attention_base[mode] * (self.attention_eff or {}).get(mode, 1.0)
 
 
 def op_class(target: str) -> str:
@@ -385,8 +414,7 @@ def theta_of(rates: GpuRates) -> np.ndarray:
     """The fit's unknowns for ``rates`` (:data:`COLUMNS` order): the seconds (:data:`SECONDS`) as
     they are, every other one the inverse of its rate (s/FLOP, s/B, or 1 / ``attention_eff``)."""
     value = {"kernel_s": rates.kernel_s, "memory_bw": rates.bandwidth,
-             "norm_bw": rates.norm_bandwidth or rates.bandwidth, "opt_bw": rates.opt_bandwidth or rates.bandwidth,
-             "bn_bf16_bw": rates.bn_bf16_bandwidth or rates.norm_bandwidth or rates.bandwidth,
+             "norm_bw": rates.norm_bw, "opt_bw": rates.opt_bw, "bn_bf16_bw": rates.bn_bf16_bw,
              "matmul_unaligned:low": float(rates.unaligned_rate(1))}
     for m in MODES:
         value[f"matmul:{m}"], value[f"conv:{m}"] = rates.matmul[m], rates.conv[m]
@@ -406,7 +434,7 @@ def with_theta(rates: GpuRates, theta, source: str | None = None) -> GpuRates:
         matmul={m: v[f"matmul:{m}"] for m in MODES}, conv={m: v[f"conv:{m}"] for m in MODES},
         attention_eff={m: v[f"attention_eff:{m}"] for m in ATTENTION_MODES}, bandwidth=v["memory_bw"],
         norm_bandwidth=v["norm_bw"], opt_bandwidth=v["opt_bw"], bn_bf16_bandwidth=v["bn_bf16_bw"],
-        attention_ref=rates.attention_ref or dict(rates.matmul),
+        attention_ref=dict(rates.attention_base),
         matmul_call_s={m: v[f"matmul_call:{m}"] for m in MODES}, matmul_unaligned=v["matmul_unaligned:low"])
 
 
@@ -490,15 +518,45 @@ def gpu_rates(spec) -> GpuRates:
         mm["tf32"], conv["tf32"] = mm["fp32"], conv["fp32"]
     bw_ratio = spec.memory_bandwidth / ref_spec.memory_bandwidth
     return GpuRates(spec.name, f"datasheet:{spec.name}", mm, conv, ref.bandwidth * bw_ratio, ref.launch_s, ref.host_s,
-                    ref.step_host_s, ref.kernel_s, (ref.norm_bandwidth or ref.bandwidth) * bw_ratio,
-                    (ref.opt_bandwidth or ref.bandwidth) * bw_ratio, ref.attention_eff and dict(ref.attention_eff),
-                    {m: (ref.attention_ref or ref.matmul)[m] / rp[m] * sp[m] for m in MODES},
+                    ref.step_host_s, ref.kernel_s, ref.norm_bw * bw_ratio, ref.opt_bw * bw_ratio,
+                    ref.attention_eff and dict(ref.attention_eff),
+                    {m: ref.attention_base[m] / rp[m] * sp[m] for m in MODES},
                     None if ref.matmul_call_s is None else dict(ref.matmul_call_s),
                     float(ref.unaligned_rate(1)) / rp["low"] * sp["low"], opt_host_s=ref.opt_host_s,
-                    bn_bf16_bandwidth=(ref.bn_bf16_bandwidth or ref.norm_bandwidth or ref.bandwidth) * bw_ratio)
+                    bn_bf16_bandwidth=ref.bn_bf16_bw * bw_ratio)
 
 
 # ------------------------------------------------------------------------------ per-op seconds
+def tile_pairs(length: int, source_length: int, causal: bool, tile: tuple[int, int]) -> int:
+    """Query-key pairs a fused attention over ``[length, source_length]`` computes in whole
+    ``(rows, columns)`` tiles: every tile of query rows, padded, against the key tiles it needs
+    (all of them; causal, top-left aligned: those up to its last row's key)."""
+    rows, cols = tile
+    pairs = 0
+    for first in range(0, length, rows):
+        keys = min(first + rows, length, source_length) if causal else source_length
+        pairs += rows * -(-keys // cols) * cols
+    return pairs
+
+
+def attention_tile_fraction(attention: tuple[int, int, bool] | None, mode: str, phase: str) -> float:
+    """Pairs a fused attention (``(L, S, causal)``, :attr:`tag.graph.ir.Op.attention`) computes in
+    the tiles of :data:`ATTENTION_TILES` over the pairs its captured FLOPs count (``L S``, times
+    :func:`tag.graph.capture.causal_fraction` if causal): 1 where the lengths are multiples of
+    the tile and not causal; ``(256 / 197)^2`` = 1.69 for ViT's 197 tokens; 1.06 for a causal
+    1024. 1 where ``attention`` is None (not recorded)."""
+    from ..graph.capture import causal_fraction
+
+    if attention is None:
+        return 1.0
+    length, source, causal = attention
+    if length <= 0 or source <= 0:
+        return 1.0
+    tile = ATTENTION_TILES["low" if mode == "low" else "fp32"]["bwd" if phase == "bwd" else "fwd"]
+    counted = length * source * (causal_fraction(length, source) if causal else 1.0)
+    return tile_pairs(length, source, causal, tile) / counted
+
+
 @dataclass
 class OpFeatures:
     """Per-op arrays of a graph that the GPU rule needs (batch-affine FLOPs and bytes)."""
@@ -508,7 +566,8 @@ class OpFeatures:
     mode: np.ndarray
     """[n] mode index into :data:`MODES`."""
     flops: np.ndarray
-    """[n, 2] (fixed, per-sample) FLOPs."""
+    """[n, 2] (fixed, per-sample) FLOPs the kernels compute (a fused attention's in whole tiles,
+    :func:`attention_tile_fraction`)."""
     nbytes: np.ndarray
     """[n, 2] (fixed, per-sample) bytes read + written."""
     sweeps: float
@@ -542,10 +601,13 @@ class OpFeatures:
             kernel[region] = False
             nbytes[region[0]] = rb
             kernel[region[0]] = True
+        modes = [op_mode(k, o.dtype, numerics) for k, o in zip(klass, ops)]
+        tiles = np.array([attention_tile_fraction(o.attention, m, o.phase) if k == "attention" else 1.0
+                          for k, o, m in zip(klass, ops, modes)])
         return cls(
             np.array([OP_CLASSES.index(k) for k in klass], dtype=np.int64),
-            np.array([MODES.index(op_mode(k, o.dtype, numerics)) for k, o in zip(klass, ops)], dtype=np.int64),
-            np.array([(o.flops.fixed, o.flops.per_sample) for o in ops], dtype=float).reshape(-1, 2),
+            np.array([MODES.index(m) for m in modes], dtype=np.int64),
+            np.array([(o.flops.fixed, o.flops.per_sample) for o in ops], dtype=float).reshape(-1, 2) * tiles[:, None],
             nbytes, sweeps, kernel,
             np.array([gemm_alignment(graph, o) if k == "matmul" and o.dtype in ("bfloat16", "float16")
                       else ALIGN_ELEMENTS for k, o in zip(klass, ops)], dtype=np.int64),
@@ -704,14 +766,14 @@ def op_seconds(feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray:
     mm_rate = np.array([rates.matmul[x] for x in MODES])[feat.mode][:, None]
     conv_rate = np.array([rates.conv[x] for x in MODES])[feat.mode][:, None]
     att_rate = np.array([rates.attention_rate(x) for x in MODES])[feat.mode][:, None]
-    bw = np.array([rates.norm_bandwidth or rates.bandwidth if c == "norm" else rates.bandwidth for c in OP_CLASSES])
+    bw = np.array([rates.norm_bw if c == "norm" else rates.bandwidth for c in OP_CLASSES])
     t = m / bw[feat.cls][:, None]
-    t = np.where(feat.bn_bf16_mask()[:, None], m / (rates.bn_bf16_bandwidth or rates.norm_bandwidth or rates.bandwidth), t)
+    t = np.where(feat.bn_bf16_mask()[:, None], m / rates.bn_bf16_bw, t)
     mm_rate = np.where(feat.unaligned()[:, None], rates.unaligned_rate(_align(feat))[:, None], mm_rate)
     t = np.where(cls == OP_CLASSES.index("matmul"), f / mm_rate, t)
     t = np.where(cls == OP_CLASSES.index("conv"), f / conv_rate, t)
     t = np.where(cls == OP_CLASSES.index("attention"), f / att_rate, t)
-    t = np.where(cls == OP_CLASSES.index("opt"), m * feat.sweeps / (rates.opt_bandwidth or rates.bandwidth), t)
+    t = np.where(cls == OP_CLASSES.index("opt"), m * feat.sweeps / rates.opt_bw, t)
     floor = np.where(feat.cls == OP_CLASSES.index("matmul"),
                      np.array([rates.matmul_floor(x) for x in MODES])[feat.mode], rates.kernel_s)
     t = t + (floor * feat.kernels())[:, None] * launches(feat, batches)
@@ -726,7 +788,7 @@ def design(feat: OpFeatures, rates: GpuRates, batch: float) -> np.ndarray:
     alignment to ``matmul_unaligned:low``)."""
     f = feat.flops[:, 0] + feat.flops[:, 1] * batch
     m = feat.nbytes[:, 0] + feat.nbytes[:, 1] * batch
-    ref = rates.attention_ref or rates.matmul
+    ref = rates.attention_base
     X = np.zeros((len(f), len(COLUMNS)))
     rows = np.arange(len(f))
     n_launch = launches(feat, [batch])[:, 0]

@@ -526,26 +526,42 @@ def _is_alias(node: torch.fx.Node) -> bool:
     return bool(getattr(node.target, "is_view", False))
 
 
-def _node_flops(node: torch.fx.Node) -> float:
+def _meta_args(node: torch.fx.Node) -> tuple[tuple, dict]:
+    """The node's ``(args, kwargs)`` with each input node replaced by its traced value."""
+    def meta(a):
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+    return torch.fx.node.map_aggregate(node.args, meta), torch.fx.node.map_aggregate(node.kwargs, meta)
+
+
+def _attention_dims(node: torch.fx.Node) -> tuple[int, int, bool] | None:
+    """``(query length, key length, causal)`` of a fused attention call (forward or backward: the
+    ATen overloads that take ``is_causal``), else None."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or "is_causal" not in arg_names(target):
+        return None
+    bound = bind(target, *_meta_args(node))
+    q, k = bound.get("query"), bound.get("key")
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
+        return None
+    return int(q.shape[-2]), int(k.shape[-2]), bool(bound.get("is_causal"))
+
+
+def _node_flops(node: torch.fx.Node, attention: tuple[int, int, bool] | None = None) -> float:
+    """FLOPs of ``node`` by ``torch.utils.flop_counter``'s formulas; a causal fused attention
+    (``attention``: :func:`_attention_dims`) counts the pairs it computes."""
     packet = getattr(node.target, "overloadpacket", None)
     fn = flop_registry.get(packet) if packet is not None else None
     if fn is None:
         return 0.0
-
-    def meta(a):
-        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
-
-    args = torch.fx.node.map_aggregate(node.args, meta)
-    kwargs = torch.fx.node.map_aggregate(node.kwargs, meta)
+    args, kwargs = _meta_args(node)
     try:
         flops = float(fn(*args, **kwargs, out_val=node.meta.get("val")))
     except Exception:  # noqa: BLE001 - a formula that cannot read these args counts 0, logged
         log.debug("no FLOP formula applied to %s", node.name)
         return 0.0
-    if "is_causal" in arg_names(node.target):  # the attention kernels only
-        bound = bind(node.target, args, kwargs)
-        if bound.get("is_causal") and isinstance(bound.get("query"), torch.Tensor):
-            flops *= causal_fraction(bound["query"].shape[-2], bound["key"].shape[-2])
+    if attention is not None and attention[2]:
+        flops *= causal_fraction(attention[0], attention[1])
     return flops
 
 
@@ -568,6 +584,7 @@ class _NodeInfo:
     out_bytes: int
     shape: tuple | None
     dtype: str = ""
+    attention: tuple[int, int, bool] | None = None
 
 
 def _analyse(gm: torch.fx.GraphModule) -> dict[str, _NodeInfo]:
@@ -584,7 +601,8 @@ def _analyse(gm: torch.fx.GraphModule) -> dict[str, _NodeInfo]:
             info[n.name] = _NodeInfo(0.0, 0, 0, out_b, shape, dtype)
             continue
         read = sum(_nbytes(a.meta.get("val")) for a in n.all_input_nodes)
-        info[n.name] = _NodeInfo(_node_flops(n), read, out_b, out_b, shape, dtype)
+        attention = _attention_dims(n)
+        info[n.name] = _NodeInfo(_node_flops(n, attention), read, out_b, out_b, shape, dtype, attention)
     return info
 
 
@@ -800,7 +818,7 @@ def _build_graph(name, ep1, ep2, b1, b2, optimizer) -> tuple[OpGraph, dict[str, 
         batch = bdim is not None or _any_batch(info1[n.name], info2.get(n.name))
         ops.append(Op(n.name, str(n.target) if n.target is not operator.getitem else "getitem", phase,
                       aff("flops", n.name), aff("read", n.name), aff("written", n.name), ins, [t_idx], batch,
-                      dtype=info1[n.name].dtype, reads_batch=reads_batch(n)))
+                      dtype=info1[n.name].dtype, reads_batch=reads_batch(n), attention=info1[n.name].attention))
 
     # optimizer updates, one per parameter
     flops_el, n_read, n_written, n_state = OPTIMIZER_COSTS[optimizer]

@@ -78,6 +78,11 @@ class Op:
     """Whether its non-tensor arguments hold the batch size (they differ between the capture's two
     batches: a ``full`` or ``view`` shape, a scalar); None in graphs captured before it was
     recorded (stored without it, :meth:`OpGraph.to_dict`)."""
+    attention: tuple[int, int, bool] | None = None
+    """``(query length, key length, causal)`` of a fused attention op (forward or backward): the
+    fused kernels work in tiles of query-key pairs, so what they compute depends on the lengths,
+    not on the FLOPs alone (:func:`tag.cost.gpu.attention_tile_fraction`). None for every other op
+    and in graphs captured before it was recorded (stored without it)."""
 
     @property
     def itemsize(self) -> int:
@@ -192,11 +197,13 @@ class OpGraph:
     def to_dict(self) -> dict:
         """JSON-able dict. An fp32 graph is written without ``precision`` and per-op ``dtype``
         (as before precisions existed: a cached graph stays readable by older versions; a missing
-        dtype reads as "", i.e. float32); an op's ``reads_batch`` only where it was recorded."""
+        dtype reads as "", i.e. float32); an op's ``reads_batch`` and ``attention`` only where
+        they were recorded."""
         d = asdict(self)
         for o in d["ops"]:
-            if o["reads_batch"] is None:
-                del o["reads_batch"]
+            for optional in ("reads_batch", "attention"):
+                if o[optional] is None:
+                    del o[optional]
         if self.precision == "fp32":
             del d["precision"]
             for o in d["ops"]:
@@ -210,7 +217,8 @@ class OpGraph:
 
         ops = [
             Op(**{**o, "flops": aff(o["flops"]), "bytes_read": aff(o["bytes_read"]),
-                  "bytes_written": aff(o["bytes_written"])})
+                  "bytes_written": aff(o["bytes_written"]),
+                  "attention": tuple(o["attention"]) if o.get("attention") is not None else None})
             for o in d["ops"]
         ]
         tensors = [Tensor(**{**t, "nbytes": aff(t["nbytes"])}) for t in d["tensors"]]
