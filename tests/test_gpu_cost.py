@@ -432,7 +432,7 @@ def test_fused_attention_is_costed_in_whole_tiles():
     g = _gpt2_sdpa_graph()
     feat = OpFeatures.of(g, Numerics())
     att = np.array([op_class(o.target) == "attention" for o in g.ops])
-    assert att.sum() == 4 and all(o.attention == (20, 20, True) for o, a in zip(g.ops, att) if a)
+    assert att.sum() == 4 and all(o.attention == (20, 20, True, 0.0) for o, a in zip(g.ops, att) if a)
     untiled = dataclasses.replace(g, ops=[dataclasses.replace(o, attention=None) for o in g.ops])
     plain = OpFeatures.of(untiled, Numerics())
     want = np.array([attention_tile_fraction(o.attention, "fp32", o.phase) if a else 1.0 for o, a in zip(g.ops, att)])

@@ -91,7 +91,7 @@ def test_zoo_masks_folded_on_the_meta_device():
         att = [o for o in graph.ops if o.attention is not None]  # forward and backward kernels, lengths recorded
         assert sorted(base_name(o.target) for o in att) == sorted(
             ["_scaled_dot_product_flash_attention_for_cpu"] * 2 + ["_scaled_dot_product_flash_attention_for_cpu_backward"] * 2)
-        assert {o.attention for o in att} == {(16, 16, causal)}
+        assert {o.attention for o in att} == {(16, 16, causal, 0.0)}
         assert [o.attention for o in OpGraph.from_json(graph.to_json()).ops] == [o.attention for o in graph.ops]
         assert not any(o.attention for o in eager.ops)
 

@@ -539,8 +539,8 @@ def tile_pairs(length: int, source_length: int, causal: bool, tile: tuple[int, i
     return pairs
 
 
-def attention_tile_fraction(attention: tuple[int, int, bool] | None, mode: str, phase: str) -> float:
-    """Pairs a fused attention (``(L, S, causal)``, :attr:`tag.graph.ir.Op.attention`) computes in
+def attention_tile_fraction(attention: tuple | None, mode: str, phase: str) -> float:
+    """Pairs a fused attention (``(L, S, causal, ...)``, :attr:`tag.graph.ir.Op.attention`) computes in
     the tiles of :data:`ATTENTION_TILES` over the pairs its captured FLOPs count (``L S``, times
     :func:`tag.graph.capture.causal_fraction` if causal): 1 where the lengths are multiples of
     the tile and not causal; ``(256 / 197)^2`` = 1.69 for ViT's 197 tokens; 1.06 for a causal
@@ -549,7 +549,7 @@ def attention_tile_fraction(attention: tuple[int, int, bool] | None, mode: str, 
 
     if attention is None:
         return 1.0
-    length, source, causal = attention
+    length, source, causal = attention[:3]
     if length <= 0 or source <= 0:
         return 1.0
     tile = ATTENTION_TILES["low" if mode == "low" else "fp32"]["bwd" if phase == "bwd" else "fwd"]

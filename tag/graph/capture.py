@@ -534,9 +534,9 @@ def _meta_args(node: torch.fx.Node) -> tuple[tuple, dict]:
     return torch.fx.node.map_aggregate(node.args, meta), torch.fx.node.map_aggregate(node.kwargs, meta)
 
 
-def _attention_dims(node: torch.fx.Node) -> tuple[int, int, bool] | None:
-    """``(query length, key length, causal)`` of a fused attention call (forward or backward: the
-    ATen overloads that take ``is_causal``), else None."""
+def _attention_dims(node: torch.fx.Node) -> tuple[int, int, bool, float] | None:
+    """``(query length, key length, causal, dropout probability)`` of a fused attention call
+    (forward or backward: the ATen overloads that take ``is_causal``), else None."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or "is_causal" not in arg_names(target):
         return None
@@ -544,10 +544,10 @@ def _attention_dims(node: torch.fx.Node) -> tuple[int, int, bool] | None:
     q, k = bound.get("query"), bound.get("key")
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
         return None
-    return int(q.shape[-2]), int(k.shape[-2]), bool(bound.get("is_causal"))
+    return int(q.shape[-2]), int(k.shape[-2]), bool(bound.get("is_causal")), float(bound.get("dropout_p") or 0.0)
 
 
-def _node_flops(node: torch.fx.Node, attention: tuple[int, int, bool] | None = None) -> float:
+def _node_flops(node: torch.fx.Node, attention: tuple | None = None) -> float:
     """FLOPs of ``node`` by ``torch.utils.flop_counter``'s formulas; a causal fused attention
     (``attention``: :func:`_attention_dims`) counts the pairs it computes."""
     packet = getattr(node.target, "overloadpacket", None)
@@ -584,7 +584,7 @@ class _NodeInfo:
     out_bytes: int
     shape: tuple | None
     dtype: str = ""
-    attention: tuple[int, int, bool] | None = None
+    attention: tuple[int, int, bool, float] | None = None
 
 
 def _analyse(gm: torch.fx.GraphModule) -> dict[str, _NodeInfo]:

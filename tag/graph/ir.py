@@ -78,11 +78,13 @@ class Op:
     """Whether its non-tensor arguments hold the batch size (they differ between the capture's two
     batches: a ``full`` or ``view`` shape, a scalar); None in graphs captured before it was
     recorded (stored without it, :meth:`OpGraph.to_dict`)."""
-    attention: tuple[int, int, bool] | None = None
-    """``(query length, key length, causal)`` of a fused attention op (forward or backward): the
-    fused kernels work in tiles of query-key pairs, so what they compute depends on the lengths,
-    not on the FLOPs alone (:func:`tag.cost.gpu.attention_tile_fraction`). None for every other op
-    and in graphs captured before it was recorded (stored without it)."""
+    attention: tuple[int, int, bool, float] | None = None
+    """``(query length, key length, causal, dropout probability)`` of a fused attention op (forward
+    or backward): the fused kernels work in tiles of query-key pairs, so what they compute depends
+    on the lengths, not on the FLOPs alone (:func:`tag.cost.gpu.attention_tile_fraction`); and
+    such an op draws random numbers only with a dropout probability above 0, though PyTorch tags
+    every fused attention overload ``nondeterministic_seeded``. None for every other op and in
+    graphs captured before it was recorded (stored without it)."""
 
     @property
     def itemsize(self) -> int:

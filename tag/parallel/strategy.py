@@ -421,13 +421,19 @@ def execution_refusal(plan, graph=None) -> str | None:
 
 
 def _random_op(graph, g: int) -> str | None:
-    """Name of the first forward op of group ``g`` whose ATen overload is tagged
-    ``nondeterministic_seeded`` (draws from the random generator), or None."""
+    """Name of the first forward op of group ``g`` that draws from the random generator, or None:
+    a fused attention whose dropout probability is above 0 (:attr:`tag.graph.ir.Op.attention`;
+    PyTorch tags every fused attention overload ``nondeterministic_seeded``, dropout or not), any
+    other op whose ATen overload carries that tag."""
     import torch
 
     for i in graph.groups[g].ops:
         op = graph.ops[i]
         if op.phase != "fwd" or not op.target.startswith("aten."):
+            continue
+        if op.attention is not None and len(op.attention) > 3:  # recorded: its own dropout decides
+            if op.attention[3] > 0:
+                return op.name
             continue
         parts = op.target.split(".")
         try:
