@@ -253,6 +253,27 @@ def test_plan_where_everything_runs_out_of_memory(tmp_path, capsys):
     assert rc == 0 and "OUT OF MEMORY" in stdout and out.exists()
 
 
+def test_simulate_a_layout_that_runs_out_of_memory(tmp_path, capsys):
+    """``tag simulate --layout``: a layout that does not fit is a one-line error naming the device
+    over its memory, nothing written; ``--allow-oom`` reports it (and writes the plan); a layout
+    that fits, and a plan file that does not, are reported as before."""
+    topo = tmp_path / "small.yaml"
+    topo.write_text("name: small\nmachines:\n  - {name: a, gpu: {name: small, tflops: 1, memory: 2 MB, "
+                    "memory_bandwidth: 1 GB/s}, count: 2, intra_bandwidth: 1 GB/s}\n")
+    saved, trace = tmp_path / "lay.json", tmp_path / "trace.json"
+    base = ["simulate", "--model", "mlp", "--batch", "8", "--groups", "4", "--topology", str(topo)]
+    line = one_line_error(capsys, *base, "--layout", "dp=2", "--save-plan", str(saved), "--trace", str(trace))
+    assert line.startswith("tag simulate: error: layout dp=2 runs out of memory (recompute=1, more pipeline stages") \
+        and "device 0 (a:0) needs 3.66 MiB of 1.91 MiB" in line and "nothing written" in line, line
+    assert not saved.exists() and not trace.exists()
+    rc, out, _ = run_tag(capsys, *base, "--layout", "dp=2", "--save-plan", str(saved), "--allow-oom")
+    assert rc == 0 and "OOM: yes" in out and saved.exists()
+    rc, out, _ = run_tag(capsys, *base, "--plan", str(saved))  # a plan file is costed, fitting or not
+    assert rc == 0 and "OOM: yes" in out
+    rc, out, _ = run_tag(capsys, *base, "--layout", "pp=2,micro=2")
+    assert rc == 0 and "OOM: no" in out
+
+
 # ------------------------------------------------------------------------------------- data safety
 
 

@@ -54,6 +54,10 @@ def register(sub) -> None:
     p.add_argument("--all-devices", action="store_true",
                    help=f"print one table row per device (default: above {FOLD_ABOVE} devices, devices with "
                         "identical rows share one row with their device range and count)")
+    p.add_argument("--allow-oom", action="store_true",
+                   help="with --layout or --save-plan: a plan that runs out of memory is still reported (and "
+                        "written) with exit status 0 (default: one line naming the devices over their memory, "
+                        "nothing written, exit 2); a plan file or baseline alone is always reported")
     add_numerics_args(p)
     add_force_arg(p)
     p.set_defaults(func=run)
@@ -106,6 +110,12 @@ def run(args) -> int:
     where = _what(args)
     validate_plan(plan, graph, topo, source=where, pipelines=True, tensor_parallel=True)
     res = Simulator(graph, topo, costs).run(plan.groups, trace=bool(args.trace), pipeline=plan.pipeline)
+    if res.oom and (layout is not None or args.save_plan) and not args.allow_oom:
+        # a layout is a configuration to run: one that does not fit is an error, as tag plan's
+        from ..errors import OutOfMemoryError
+        hint = " (recompute=1, more pipeline stages or tensor parallelism may fit)" if layout is not None else ""
+        raise OutOfMemoryError(f"{where} runs out of memory{hint}: {res.memory_report(topo)}; nothing written "
+                               "(--allow-oom reports and writes it anyway)")
     lb = lower_bound(graph, topo, costs)
     if args.trace:
         write_json(args.trace, res.chrome_trace(), indent=None)
