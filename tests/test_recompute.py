@@ -351,3 +351,34 @@ def test_tensor_parallel_group_costs(captured):
         fwd = sim.deploy(plain)[0].layout.dur[FWD].sum(axis=0)  # [replicas] forward seconds of all groups
         assert b.compute_time_s[:2] == pytest.approx([x + f for x, f in zip(a.compute_time_s[:2], fwd)])
         assert max(b.peak_memory_bytes) < max(a.peak_memory_bytes)
+
+
+def test_executable_search_recomputes_fused_attention(tmp_path):
+    """In the executable space (``tag plan``'s default) a plan of the zoo's fused attention out of
+    memory is fitted by recomputation (the baselines too), as in the simulated-only space: before
+    the rule read the captured dropout, every SDPA group was refused and the baseline stayed out
+    of memory (gpt2-large bf16 on mixed-a100-v100: 781.4 ms searched, 681.4 ms since)."""
+    from tag.cost.baselines import data_parallel
+    from tag.graph import capture
+    from tag.search.evaluate import Evaluator
+    from tag.search.space import ActionSpace
+    from tag.workloads import load_workload
+
+    graph = capture(load_workload("gpt2:n_layer=2,n_embd=64,n_head=4,vocab=100,seq=32,attn=sdpa", batch=8),
+                    num_groups=4).graph
+    sized = tmp_path / "two.yaml"
+
+    def topo(mib: float):
+        sized.write_text("name: two\nmachines:\n  - {name: a, gpu: {name: g, tflops: 10, memory: "
+                         f"{mib:.4f} MiB, memory_bandwidth: 100 GB/s}}, count: 2, intra_bandwidth: 10 GB/s}}\n")
+        return load_topology(sized)
+
+    big = topo(1024)
+    dp = data_parallel(graph, big).groups
+    peak = [max(Simulator(graph, big).run([GroupPlan(g.devices, g.shares, recompute=r) for g in dp]).peak_memory_bytes)
+            for r in (False, True)]
+    assert peak[1] < peak[0]
+    t = topo((peak[0] + peak[1]) / 2 / 2 ** 20)  # fits with recomputation only
+    for executable in (True, False):
+        ev = Evaluator(ActionSpace(graph, t, executable=executable))
+        assert not ev.dp_even_out.oom and any(g.recompute for g in ev.dp_even_out.groups), executable
