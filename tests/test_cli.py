@@ -52,7 +52,9 @@ def test_inspect_json():
     s = json.loads(r.stdout)
     for key in ("num_ops", "num_groups", "flops_fwd_bwd", "param_bytes"):
         assert key in s
-    assert s["num_groups"] == 3 and s["batch_size"] == 16 and s["flops_fwd_bwd"] > 0
+    assert s["num_groups"] == 3 and s["batch_size"] == 16 and s["flops_fwd_bwd"] > 0 and s["precision"] == "fp32"
+    r = tag("inspect", "--model", "mlp", "--batch", "16", "--groups", "3", "--precision", "bf16", check=True)
+    assert "(batch 16, bf16, optimizer adam)" in r.stdout.splitlines()[0]  # the header says what was captured
 
 
 def test_topology_show():

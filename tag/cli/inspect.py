@@ -77,7 +77,7 @@ def run(args) -> int:
         print_json(s)
         return 0
     ph = s["num_ops_by_phase"]
-    print(f"model        {s['model']}  (batch {s['batch_size']}, optimizer {s['optimizer']})")
+    print(f"model        {s['model']}  (batch {s['batch_size']}, {s['precision']}, optimizer {s['optimizer']})")
     print(f"ops          {s['num_ops']}  (fwd {ph.get('fwd', 0)}, bwd {ph.get('bwd', 0)}, opt {ph.get('opt', 0)})")
     print(f"op-groups    {s['num_groups']}")
     print(f"parameters   {s['num_params']:,}  ({format_bytes(s['param_bytes'], digits=3)}; "

@@ -33,6 +33,7 @@ def graph_summary(graph: OpGraph, *, top: int = 5) -> dict:
     return {
         "model": graph.model,
         "batch_size": graph.batch_size,
+        "precision": graph.precision,
         "optimizer": graph.optimizer,
         "num_ops": len(graph.ops),
         "num_ops_by_phase": dict(Counter(op.phase for op in graph.ops)),
