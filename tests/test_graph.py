@@ -376,3 +376,31 @@ def test_mixed_precision_follows_cuda_autocasts_lists():
     pows = [o for o in graph.ops if o.target.startswith("aten.pow") and o.phase == "fwd"]
     assert pows and all(o.dtype == "float32" for o in pows)
     assert any(o.target == "aten.addmm.default" and o.dtype == "bfloat16" for o in graph.ops)
+
+
+def test_attention_bias_is_prepared_once_per_mask():
+    """A mask every layer reads (forward and backward) is prepared into a bias once: the same
+    tensor comes back while the mask lives unwritten, for the same query and key shapes; a write
+    to the mask, another shape or another mask prepares anew; a bias that is only a view of its
+    mask is not kept, and nothing is left behind once a mask is gone."""
+    import gc
+
+    from tag.graph import stages
+
+    q = torch.zeros(2, 3, 197, 8, dtype=torch.bfloat16)
+    mask = torch.rand(2, 1, 197, 197) > 0.5  # padding-like: converted, expanded, padded: a new tensor
+    first = stages._attention_bias(mask, q, q)
+    assert stages._attention_bias(mask, q, q) is first
+    assert stages._attention_bias(mask, q[:, :2], q[:, :2]) is not first  # other heads
+    again = stages._attention_bias(mask, q, q)
+    mask[0, 0, 0, 0] = True  # written: its version moves
+    fresh = stages._attention_bias(mask, q, q)
+    assert fresh is not again and torch.equal(fresh[0, 0, 0, 0], torch.tensor(0.0, dtype=torch.bfloat16))
+    q16 = torch.zeros(2, 3, 208, 8, dtype=torch.bfloat16)
+    ready = torch.zeros(2, 3, 208, 208, dtype=torch.bfloat16)  # already the kernel's layout
+    assert stages._attention_bias(ready, q16, q16)._base is ready  # handed back as a view, not kept
+    assert id(ready) not in stages._BIASES
+    n = len(stages._BIASES)
+    del mask, first, again, fresh
+    gc.collect()
+    assert len(stages._BIASES) == n - 1

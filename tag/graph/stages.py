@@ -7,6 +7,7 @@ name) and returns the values other stages, the loss or the gradients need (by no
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
@@ -147,16 +148,45 @@ _BIAS_ALIGN = 16
 """Alignment (elements) of memory-efficient attention's bias rows (PyTorch's ``mem_eff_alignment``)."""
 
 
+_BIASES: dict = {}
+"""``id(attn_mask)`` -> ``(version, key, bias)``: the bias last prepared from a mask that is still
+alive (dropped with it, :func:`_attention_bias`)."""
+
+
 def _attention_bias(attn_mask, query, key):
+    """:func:`_prepare_bias`, once per mask: a captured mask that cannot be folded (padding, read
+    from the inputs) is one tensor every layer's attention reads, forward and backward (Hugging
+    Face passes the same mask to each layer); its bias is prepared on the first call and handed
+    to the others while the mask lives and is not written (its version), for queries of the same
+    batch, heads, length, dtype and device and the same key length. Eager autograd instead keeps
+    one bias per layer, from the forward to the backward."""
+    if attn_mask is None:
+        return None
+    sig = (tuple(query.shape[:3]), key.shape[2], query.dtype, query.device)
+    hit = _BIASES.get(id(attn_mask))
+    if hit is not None and hit[0] == attn_mask._version and hit[1] == sig:
+        return hit[2]
+    bias = _prepare_bias(attn_mask, query, key)
+    if _root(bias) is _root(attn_mask):  # a view of the mask: free to make, and kept it would keep the mask
+        return bias
+    if id(attn_mask) not in _BIASES:
+        weakref.finalize(attn_mask, _BIASES.pop, id(attn_mask), None)
+    _BIASES[id(attn_mask)] = (attn_mask._version, sig, bias)
+    return bias
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor owning ``t``'s storage (``t`` itself unless it is a view)."""
+    return t._base if t._base is not None else t
+
+
+def _prepare_bias(attn_mask, query, key):
     """``attn_mask`` as the memory-efficient kernel takes it, which
     ``F.scaled_dot_product_attention`` prepares before dispatching to it
     (``preprocess_mask`` in ``aten/src/ATen/native/transformers/attention.cpp``): an additive
     mask of the query's dtype, expanded to ``[B, H, L, S]`` (the kernel checks every dimension:
     "attn_bias: wrong shape (head dimension)" from the captured ``[B, 1, L, S]`` masks of the
-    HF zoo, H200, 2026-11-27) with rows 16-element aligned (padded, then sliced back to ``S``).
-    None stays None."""
-    if attn_mask is None:
-        return None
+    HF zoo, H200, 2026-11-27) with rows 16-element aligned (padded, then sliced back to ``S``)."""
     if attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=attn_mask.device).masked_fill_(
             ~attn_mask, float("-inf"))
