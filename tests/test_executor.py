@@ -483,3 +483,23 @@ def test_zoo_sdpa_is_one_fused_op_per_layer_and_trains_like_eager(topo4, spec, h
     fused, _ = reference_training(load_workload(sdpa, batch=B), "sgd", 2)
     ref, _ = reference_training(load_workload(eager, batch=B), "sgd", 2)
     assert_params_equal({0: fused}, ref)
+
+
+def test_values_received_keep_the_layout_they_were_traced_with(captured, topo4, joints):
+    """A fused attention's output is ``[B, H, L, D]`` laid out as ``[B, L, H, D]``; sent to another
+    device it arrives contiguous, and GPT-2's ``transpose`` + ``view`` after it were traced on the
+    producer's layout. Every group split in halves over two devices (``tag validate``'s
+    ``mp-halves``, which failed there with "view size is not compatible") and data parallel with
+    uneven rows train like one process; the layout helper copies only where the orders differ."""
+    from tag.executor.runtime import in_layout
+
+    spec = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab=100,seq=32,attn=sdpa"
+    graph = captured(spec, batch=B, groups=8).graph
+    for groups in (mp_groups(graph, lambda g: [0, 1]),
+                   [GroupPlan([0, 1], [0.25, 0.75]) if g % 2 else GroupPlan([1], [1.0]) for g in range(8)]):
+        assert_matches_reference(graph, new_plan(graph, topo4, groups), spec, "sgd", joints)
+    like = torch.empty(2, 5, 3, 4).transpose(1, 2)  # [2, 3, 5, 4] laid out as [2, 5, 3, 4]
+    t = torch.randn(2, 3, 5, 4)
+    out = in_layout(t, like)
+    assert torch.equal(out, t) and out.stride() == like.stride()
+    assert in_layout(out, like) is out and in_layout(t, torch.empty(2, 3, 5, 4)) is t

@@ -416,12 +416,17 @@ class RankRuntime:
         v = v.detach() if v.requires_grad else v
         return v.contiguous() if send or m.batch_dim else v
 
-    def piece_spec(self, step: Step, m: Move) -> tuple[list[int], torch.dtype]:
-        """Shape and dtype of the piece ``m`` delivers to this rank (from the stage's metadata)."""
+    def _captured(self, step: Step, m: Move):
+        """The traced value (``meta["val"]``) of the consumer stage's placeholder ``m`` fills."""
         s = self.schedule
         stage = self.stages[(m.dst_unit, step.phase, step.micro) if s.micro_units else (m.dst_unit, step.phase)]
         ph = next(n for n in stage.module.graph.nodes if n.op == "placeholder" and n.name == m.name)
-        val = ph.meta["val"]
+        return ph.meta["val"]
+
+    def piece_spec(self, step: Step, m: Move) -> tuple[list[int], torch.dtype]:
+        """Shape and dtype of the piece ``m`` delivers to this rank (from the stage's metadata)."""
+        s = self.schedule
+        val = self._captured(step, m)
         shape = list(val.shape)
         if m.mode == "rows":
             rep = s.unit_at(m.dst_unit, step.micro).replica_on(self.rank)
@@ -464,6 +469,8 @@ class RankRuntime:
                 self.env[key] = torch.zeros(shape, dtype=dtype, device=self.device)
             else:
                 self.env[key] = ps[0][1]
+            if m0.mode != "zeros" and any(m.src != self.rank or m.mode == "rows" for m, _ in ps):
+                self.env[key] = in_layout(self.env[key], self._captured(step, m0))
 
     def _gather_scattered(self, step: Step, tags: list[int], received: dict[int, torch.Tensor]
                           ) -> dict[int, torch.Tensor]:
@@ -653,6 +660,26 @@ def slice_bytes(nbytes: int, degree: int) -> int:
     """Bytes of each of ``degree`` slices of a tensor of ``nbytes`` (the last padded with zero
     bytes); the simulator prices the same (:func:`tag.sim.units.shard_bytes`)."""
     return -(-nbytes // degree)
+
+
+def in_layout(t: torch.Tensor, like) -> torch.Tensor:
+    """``t`` with the dim order in memory of ``like`` (a traced value; ``t`` as is when ``like``
+    is contiguous or the orders agree), copied where they differ. A value sent between ranks (or
+    concatenated from rows) arrives contiguous, but the ops after it were traced on the
+    producer's layout: a fused attention's output is ``[B, H, L, D]`` laid out as
+    ``[B, L, H, D]``, and GPT-2's ``transpose(1, 2)`` then ``view(B, L, H * D)`` after it fail on
+    a contiguous copy ("view size is not compatible with input tensor's size and stride": the
+    ``mp-halves`` plan of ``tag validate`` on an SDPA GPT-2, 2026-11-28)."""
+    if not isinstance(like, torch.Tensor) or like.dim() != t.dim() or like.is_contiguous():
+        return t
+    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))  # outermost first
+    strides, step = [0] * t.dim(), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= t.shape[d]
+    if all(a == b for a, b, n in zip(t.stride(), strides, t.shape) if n > 1):
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def scatter_slice(piece: torch.Tensor, index: int, degree: int) -> torch.Tensor:
