@@ -417,11 +417,14 @@ class RankRuntime:
         return v.contiguous() if send or m.batch_dim else v
 
     def _captured(self, step: Step, m: Move):
-        """The traced value (``meta["val"]``) of the consumer stage's placeholder ``m`` fills."""
+        """The traced value (``meta["val"]``) of the consumer stage's placeholder ``m`` fills
+        (looked up once per stage and name: the graphs of real models have thousands of nodes)."""
         s = self.schedule
-        stage = self.stages[(m.dst_unit, step.phase, step.micro) if s.micro_units else (m.dst_unit, step.phase)]
-        ph = next(n for n in stage.module.graph.nodes if n.op == "placeholder" and n.name == m.name)
-        return ph.meta["val"]
+        key = (m.dst_unit, step.phase, step.micro) if s.micro_units else (m.dst_unit, step.phase)
+        vals = self.__dict__.setdefault("_placeholder_vals", {})
+        if key not in vals:
+            vals[key] = {n.name: n.meta.get("val") for n in self.stages[key].module.graph.nodes if n.op == "placeholder"}
+        return vals[key][m.name]
 
     def piece_spec(self, step: Step, m: Move) -> tuple[list[int], torch.dtype]:
         """Shape and dtype of the piece ``m`` delivers to this rank (from the stage's metadata)."""
