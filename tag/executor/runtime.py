@@ -373,7 +373,7 @@ class RankRuntime:
     def _scattered(self, m: Move) -> bool:
         """Whether ``m`` goes as this rank's slice, all-gathered by the receiving group
         (:meth:`RankHook.scattered <tag.executor.strategies.RankHook.scattered>`)."""
-        return self.hook is not None and self.hook.scattered(m.src, m.dst)
+        return self.hook is not None and self.hook.scattered(m.src, m.dst, m.name)
 
     def outgoing(self, step: Step) -> list[tuple[int, int, torch.Tensor]]:
         """(tag, destination rank, piece) for every piece this rank sends in ``step``: the piece,

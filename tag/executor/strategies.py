@@ -57,9 +57,10 @@ class RankHook:
         self.machine_of: Callable[[int], int] | None = None
         """Topology device -> its machine (set by the runner; None: one machine)."""
 
-    def scattered(self, src: int, dst: int) -> bool:
-        """Whether a piece the schedule moves from device ``src`` to device ``dst`` goes as one
-        slice per member of the group, all-gathered by the receiving group (this base: never)."""
+    def scattered(self, src: int, dst: int, name: str | None = None) -> bool:
+        """Whether the piece ``name`` the schedule moves from device ``src`` to device ``dst``
+        goes as one slice per member of the group, all-gathered by the receiving group (this
+        base: never)."""
         return False
 
     @property

@@ -188,18 +188,25 @@ class TpRank(RankHook):
     kept: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     """State-dict name of each split parameter -> kept indices per dim (:meth:`shard`)."""
     boundaries: set[str] = field(default_factory=set)
+    sharded: set[str] = field(default_factory=set)
+    """Values of the joint graph that differ between the group's devices (each holds its shard:
+    the split parameters, their gradients and what the blocks compute from them)."""
 
     def __post_init__(self) -> None:
         self.key = next(_KEYS)
         me = weakref.ref(self)  # the registry keeps no rank alive
         _REDUCERS[self.key] = lambda x: me().reduce(x)
 
-    def scattered(self, src: int, dst: int) -> bool:
+    def scattered(self, src: int, dst: int, name: str | None = None) -> bool:
         """A piece between stages on two machines goes as Megatron-LM's scatter-gather: ``1 /
         degree`` of it from each device of the sending group to the same device of the
-        receiving one, which all-gathers the rest on its machine (:func:`scatter_slice`)."""
+        receiving one, which all-gathers the rest on its machine (:func:`scatter_slice`). Not a
+        sharded value (:attr:`sharded`): its devices hold different shards, so device ``i``
+        sends its own whole to device ``i`` (a split parameter whose gradient is computed in an
+        earlier stage than it is read: the SDPA GPT-2's ``c_attn`` weight at ``tp=2,pp=2`` over
+        two machines trained wrong with its shards' slices mixed, 2026-11-28)."""
         mo = self.machine_of
-        return mo is not None and mo(src) != mo(dst)
+        return mo is not None and mo(src) != mo(dst) and name not in self.sharded
 
     # ---- the joint graph of one local batch ---------------------------------------------------
     def joint(self, joint: Joint, inputs: tuple, param_grad: dict[str, str]) -> Joint:
@@ -257,6 +264,7 @@ class TpRank(RankHook):
                     grids[(name, k)] = grid
         _constants_follow(gm, grids)
         self.boundaries |= boundaries  # (one joint per local batch size: a pipeline's micro-batches may differ)
+        self.sharded |= {name for name, _ in grids}
         self.kept.update({joint.state[ph]: grids[(ph, None)] for ph in split_ph})
         out = _rewrite(gm, grids)
         state_values = dict(joint.state_values)
