@@ -189,6 +189,7 @@ class RankRuntime:
         # Stages by (unit, phase), on a pipeline (unit, phase, micro) (fuse.stage_key): one cut of
         # the joint graph per local batch, shared by the micro-batches of that size.
         self.stages: dict[tuple, Stage] = {}
+        self._placeholder_vals: dict[tuple, dict] = {}  # stage key -> placeholder name -> traced value (_captured)
         for b, joint in self.joints.items():
             if b not in runs:
                 continue
@@ -421,7 +422,7 @@ class RankRuntime:
         (looked up once per stage and name: the graphs of real models have thousands of nodes)."""
         s = self.schedule
         key = (m.dst_unit, step.phase, step.micro) if s.micro_units else (m.dst_unit, step.phase)
-        vals = self.__dict__.setdefault("_placeholder_vals", {})
+        vals = self._placeholder_vals
         if key not in vals:
             vals[key] = {n.name: n.meta.get("val") for n in self.stages[key].module.graph.nodes if n.op == "placeholder"}
         return vals[key][m.name]

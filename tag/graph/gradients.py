@@ -75,6 +75,16 @@ def is_random(target: str) -> bool:
     return torch.Tag.nondeterministic_seeded in op.tags
 
 
+def draws_random(op) -> bool:
+    """Whether :class:`~tag.graph.ir.Op` ``op`` draws random numbers: a fused attention by its
+    recorded dropout probability (:attr:`~tag.graph.ir.Op.attention`; PyTorch tags every fused
+    attention overload ``nondeterministic_seeded``, dropout or not), any other op by
+    :func:`is_random`."""
+    if op.attention is not None:
+        return op.attention[3] > 0
+    return is_random(op.target)
+
+
 def deferrable_sums(graph: OpGraph) -> set[int]:
     """Partial sums (:func:`partial_sum_tensors`) that a pipeline may sum over its micro-batches
     at their producer and move once, after the last micro-batch, the consumer getting zeros at

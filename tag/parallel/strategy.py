@@ -421,28 +421,13 @@ def execution_refusal(plan, graph=None) -> str | None:
 
 
 def _random_op(graph, g: int) -> str | None:
-    """Name of the first forward op of group ``g`` that draws from the random generator, or None:
-    a fused attention whose dropout probability is above 0 (:attr:`tag.graph.ir.Op.attention`;
-    PyTorch tags every fused attention overload ``nondeterministic_seeded``, dropout or not), any
-    other op whose ATen overload carries that tag."""
-    import torch
+    """Name of the first forward ATen op of group ``g`` that draws from the random generator
+    (:func:`tag.graph.gradients.draws_random`), or None."""
+    from ..graph.gradients import draws_random
 
-    for i in graph.groups[g].ops:
-        op = graph.ops[i]
-        if op.phase != "fwd" or not op.target.startswith("aten."):
-            continue
-        if op.attention is not None and len(op.attention) > 3:  # recorded: its own dropout decides
-            if op.attention[3] > 0:
-                return op.name
-            continue
-        parts = op.target.split(".")
-        try:
-            overload = getattr(getattr(torch.ops.aten, parts[1]), parts[2] if len(parts) > 2 else "default")
-        except (AttributeError, IndexError, RuntimeError):
-            continue
-        if torch.Tag.nondeterministic_seeded in overload.tags:
-            return op.name
-    return None
+    ops = (graph.ops[i] for i in graph.groups[g].ops)
+    return next((op.name for op in ops if op.phase == "fwd" and op.target.startswith("aten.") and draws_random(op)),
+                None)
 
 
 # ---- helpers shared by the built-in strategies ---------------------------------------------------
