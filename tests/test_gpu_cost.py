@@ -127,9 +127,11 @@ def test_stored_fit_gives_the_documented_figures():
         assert (got[name] if name in SECONDS else 1.0 / got[name]) == pytest.approx(value, rel=1e-12)
         assert res["fitted"][name] == pytest.approx(value, rel=1e-12)
     assert rates.host_s == fit["host_s"] == res["fitted"]["host_s"]
+    # the backward's ops are issued by autograd's C++ engine: fewer host seconds per launch
+    assert 0 < rates.host_backward_s == fit["host_backward_s"] == res["fitted"]["host_backward_s"] < rates.host_s
     assert rates.step_host_s == fit["step_host_s"] == res["fitted"]["step_host_s"]
     assert rates.opt_host_s == fit["opt_host_s"] == res["fitted"]["opt_host_s"] > 0
-    assert len(fit["params"]) + 2 <= 14  # few constants for 42 steps (21 workloads x fp32/bf16)
+    assert len(fit["params"]) + 3 <= 15  # few constants for 42 steps (21 workloads x fp32/bf16)
     assert all(fit["units"][n] == FIT_PARAMS[n][0] for n in fit["params"])
 
 
@@ -164,6 +166,8 @@ def test_unmeasured_gpu_types_derive_from_their_datasheet():
     assert a100.matmul["tf32"] == pytest.approx(h200.matmul["tf32"] / 494.5 * 156.0)
     assert a100.bandwidth == pytest.approx(h200.bandwidth / 4800 * 2039)
     assert v100.matmul["tf32"] == v100.matmul["fp32"] and v100.conv["tf32"] == v100.conv["fp32"]  # no TF32
+    # the host's seconds are the host's, whatever GPU it drives
+    assert (a100.host_s, a100.host_bwd, a100.opt_host_s) == (h200.host_s, h200.host_bwd, h200.opt_host_s)
 
 
 def test_op_classes_and_pytorch_tf32_defaults():
@@ -281,7 +285,8 @@ def test_stage_table_is_the_eager_pipeline(graphs):
     every kernel in eager order (forward 0..K-1, backward K-1..0, updates) without waiting and
     the GPU runs them in order (checked against a loop over the kernels); with no host cost the
     step is the kernels' sum, with a slow host it is the host's launches and its walks over the
-    parameters in the optimizer's multi-tensor kernels (7 per Adam step)."""
+    parameters in the optimizer's multi-tensor kernels (7 per Adam step). The backward's
+    launches cost ``host_backward_s``, the forward's ``host_s``."""
     import dataclasses
 
     from tag.cost.gpu import FOREACH_KERNELS, launches, stage_table
@@ -290,7 +295,7 @@ def test_stage_table_is_the_eager_pipeline(graphs):
     g = graphs["bf16"]
     feat = OpFeatures.of(g, Numerics())
     K = g.num_groups
-    rates = dataclasses.replace(gpu_rates(GPU_CATALOG["H200"]), host_s=7e-6, opt_host_s=2e-6)
+    rates = dataclasses.replace(gpu_rates(GPU_CATALOG["H200"]), host_s=7e-6, host_backward_s=3e-6, opt_host_s=2e-6)
     t = op_seconds(feat, rates, [B])[:, 0]
     n = launches(feat, [B])[:, 0]
     walks = np.array([o.phase == "opt" for o in g.ops]) * FOREACH_KERNELS["adam"]
@@ -299,15 +304,41 @@ def test_stage_table_is_the_eager_pipeline(graphs):
         {("opt", k): 2 * K + k for k in range(K)}
     host = finish = 0.0
     for i in sorted(range(len(g.ops)), key=lambda i: (key[g.ops[i].phase, g.ops[i].group], i)):
-        host += n[i] * rates.host_s + walks[i] * rates.opt_host_s
+        host += n[i] * (rates.host_backward_s if g.ops[i].phase == "bwd" else rates.host_s) \
+            + walks[i] * rates.opt_host_s
         finish = max(finish, host) + t[i]
     tab = stage_table(g, feat, rates, [B])
     assert tab.shape == (K, len(PHASES), 1) and (tab >= 0).all()
     assert tab.sum() == pytest.approx(finish, rel=1e-12)
-    no_host = dataclasses.replace(rates, host_s=0.0, opt_host_s=0.0)
+    no_host = dataclasses.replace(rates, host_s=0.0, host_backward_s=0.0, opt_host_s=0.0)
     assert stage_table(g, feat, no_host, [B]).sum() == pytest.approx(t.sum())
-    slow = dataclasses.replace(rates, host_s=1.0, opt_host_s=0.5)  # seconds: the device's work is hidden
-    assert stage_table(g, feat, slow, [B]).sum() == pytest.approx(n.sum() + 0.5 * walks.sum(), rel=1e-3)
+    bwd = np.array([o.phase == "bwd" for o in g.ops])
+    slow = dataclasses.replace(rates, host_s=1.0, host_backward_s=0.25, opt_host_s=0.5)  # the device's work is hidden
+    assert stage_table(g, feat, slow, [B]).sum() == \
+        pytest.approx(n[~bwd].sum() + 0.25 * n[bwd].sum() + 0.5 * walks.sum(), rel=1e-3)
+    one = dataclasses.replace(slow, host_backward_s=None)  # unset: the forward's
+    assert stage_table(g, feat, one, [B]).sum() == pytest.approx(n.sum() + 0.5 * walks.sum(), rel=1e-3)
+
+
+def test_host_constants_are_fitted_on_one_table_per_step(graphs):
+    """The fit's grid prediction (one stage table with a column per (host_s, host_backward_s)
+    pair) is the simulated step at each pair, and the grid search finds the pair a step was
+    made with: steps simulated at 30 us forward / 12 us backward per launch are fitted back to it
+    (both host-bound at those constants, so neither is free)."""
+    import dataclasses
+
+    from evaluation.gpu_cost_check import fit_host, predict, predict_grid
+
+    rates = gpu_rates(GPU_CATALOG["H200"])
+    pairs = np.array([(0.0, 0.0), (30e-6, 12e-6), (12e-6, 30e-6), (1e-4, 1e-4)])
+    for g in graphs.values():
+        grid = predict_grid(g, rates, pairs)
+        direct = [predict(g, dataclasses.replace(rates, host_s=a, host_backward_s=b)) for a, b in pairs]
+        np.testing.assert_allclose(grid, direct, rtol=1e-12)
+    made = dataclasses.replace(rates, host_s=30e-6, host_backward_s=12e-6)
+    cases = [(g, predict(g, made), 1.0) for g in graphs.values()]
+    host, bwd, step = fit_host(cases, rates)
+    assert (round(host * 1e6), round(bwd * 1e6), step) == (30, 12, 0.0)
 
 
 def test_unaligned_lm_head_is_seen_in_the_graph_and_costs_more(captured):

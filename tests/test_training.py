@@ -179,9 +179,10 @@ def test_label_children_off_leaves_the_records_as_they_were(tmp_path):
     optimizer host time (2f3649a, merged beside the option) moved the records' simulated times;
     recomputed on 2026-11-27 again: the H200 refit on the real-size zoo moved every GPU cost; and
     again when the refits on causal attention FLOPs (tag.graph.masks) and bf16 batch norm moved them;
-    and when the refit on attention costed in whole tiles (tag.cost.gpu.ATTENTION_TILES) did."""
+    and when the refit on attention costed in whole tiles (tag.cost.gpu.ATTENTION_TILES) did, and
+    the backward's own host seconds per launch (GpuRates.host_backward_s)."""
     import hashlib
-    golden = ["11945b922e064b06", "ccd47178b4831674", "cc223b37368c5cf3"]
+    golden = ["f7519b9aeef97ed4", "ef0b2bd436c239a8", "f2d4740b8888f2ac"]
     for i, want in enumerate(golden):
         rec, _ = _label(tmp_path, i)
         rec.pop("seconds")

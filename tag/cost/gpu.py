@@ -31,7 +31,8 @@ constants are fitted. An op's seconds on a GPU (:func:`op_seconds`):
 (``matmul_call_s``): small and unaligned GEMMs run below the large-matmul rate, and the seconds they
 lose are charged per call, so a large matmul runs at the microbenchmark's marginal rate
 ``R_mm`` (measured between n=1024 and n=4096 square matmuls) whatever small ones the fit saw. The host issues one launch per op, ``host_s`` each
-(:func:`stage_table`), walks every parameter once per multi-tensor kernel of the optimizer step,
+in the forward and ``host_backward_s`` in the backward (autograd's C++ engine, no Python:
+:func:`host_seconds`), walks every parameter once per multi-tensor kernel of the optimizer step,
 ``opt_host_s`` each (measured in the profiled steps' op tables), and spends ``step_host_s`` once per step: eager PyTorch dispatches kernels one by one, so a stream of small kernels
 runs at the host's pace. ``mode`` is the op's dtype as the hardware runs it: ``low`` (bf16/fp16
 tensor cores) for a bf16/fp16 op; for an fp32 op ``tf32`` where PyTorch enables TF32
@@ -214,6 +215,10 @@ class GpuRates:
     bn_bf16_bandwidth: float | None = None
     """Achieved bytes/s of a batch norm in bf16 (its :data:`NORM_PASSES` included, over
     :data:`BN_BF16_KERNELS` kernels); None: ``norm_bandwidth``."""
+    host_backward_s: float | None = None
+    """Host seconds per kernel launch of the backward pass: autograd's C++ engine issues those ops
+    with no Python frame or module call around them, where ``host_s`` (the forward's) pays both;
+    fitted with ``host_s`` where eager steps were measured; None: ``host_s``."""
 
     def unaligned_rate(self, align) -> np.ndarray:
         """FLOP/s of bf16/fp16 matmuls whose alignment is ``align`` elements (array) below
@@ -228,6 +233,11 @@ class GpuRates:
     def step_overhead(self, optimizer: str) -> float:
         """Seconds paid once per step: the optimizer's multi-tensor launches and ``step_host_s``."""
         return FOREACH_KERNELS.get(optimizer, 0) * self.launch_s + self.step_host_s
+
+    @property
+    def host_bwd(self) -> float:
+        """Host seconds per backward launch: ``host_backward_s``, else ``host_s``."""
+        return self.host_s if self.host_backward_s is None else self.host_backward_s
 
     @property
     def norm_bw(self) -> float:
@@ -497,7 +507,9 @@ def fitted_rates(gpu: str = REFERENCE_GPU) -> GpuRates | None:
         if name in fit["params"]:
             v = float(fit["params"][name])
             theta[i] = v if name in SECONDS else 1.0 / v
+    bwd = fit.get("host_backward_s")
     return dataclasses.replace(with_theta(base, theta), host_s=float(fit["host_s"]),
+                               host_backward_s=None if bwd is None else float(bwd),
                                step_host_s=float(fit.get("step_host_s", 0.0)),
                                opt_host_s=float(fit.get("opt_host_s", 0.0)))
 
@@ -523,7 +535,7 @@ def gpu_rates(spec) -> GpuRates:
                     {m: ref.attention_base[m] / rp[m] * sp[m] for m in MODES},
                     None if ref.matmul_call_s is None else dict(ref.matmul_call_s),
                     float(ref.unaligned_rate(1)) / rp["low"] * sp["low"], opt_host_s=ref.opt_host_s,
-                    bn_bf16_bandwidth=ref.bn_bf16_bw * bw_ratio)
+                    bn_bf16_bandwidth=ref.bn_bf16_bw * bw_ratio, host_backward_s=ref.host_backward_s)
 
 
 # ------------------------------------------------------------------------------ per-op seconds
@@ -829,6 +841,19 @@ def launches(feat: OpFeatures, batches) -> np.ndarray:
     return ((work > 0) & own[:, None]).astype(float)
 
 
+def host_seconds(graph, feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray:
+    """Host seconds ``[n_ops, len(batches)]`` to issue each op of an eager step: ``host_s`` per
+    launch (:func:`launches`) in the forward, ``host_bwd`` per launch in the backward, and an
+    optimizer update (one per parameter) ``FOREACH_KERNELS[optimizer] * opt_host_s``. Linear in
+    (``host_s``, ``host_backward_s``, ``opt_host_s``)."""
+    from ..graph.ir import PHASES
+
+    bwd = np.array([o.phase == PHASES[1] for o in graph.ops], dtype=bool)
+    per_launch = np.where(bwd, rates.host_bwd, rates.host_s)[:, None]
+    opt = (feat.cls == OP_CLASSES.index("opt"))[:, None] * FOREACH_KERNELS.get(graph.optimizer, 0) * rates.opt_host_s
+    return launches(feat, batches) * per_launch + opt
+
+
 def stage_table(graph, feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray:
     """Seconds ``[K, 3, len(batches)]`` of every (group, phase) stage of an eager step on the GPU.
 
@@ -840,16 +865,18 @@ def stage_table(graph, feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray
     :func:`op_seconds`, ``T`` its running sum). A stage lasts from the previous stage's last
     finish to its own: the stages add up to the eager step (host-bound stretches cost ``host_s``
     per kernel, GPU-bound ones the sum of their kernels, and a host that ran ahead during a
-    GPU-bound stage shortens the next). An optimizer update (one per parameter) costs the host
-    ``FOREACH_KERNELS[optimizer] * opt_host_s`` before its kernels run.
+    GPU-bound stage shortens the next). The host's seconds per op: :func:`host_seconds`.
     """
+    return eager_stages(graph, op_seconds(feat, rates, batches), host_seconds(graph, feat, rates, batches))
+
+
+def eager_stages(graph, t: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """:func:`stage_table` from per-op device seconds ``t`` and host seconds ``h`` (both
+    ``[n_ops, n]``, any ``n`` columns: batches, or host constants being fitted)."""
     from ..graph.ir import PHASES
 
     K = graph.num_groups
-    t = op_seconds(feat, rates, batches)
     phase = np.array([PHASES.index(o.phase) for o in graph.ops], dtype=np.int64)
-    h = launches(feat, batches) * rates.host_s + ((feat.cls == OP_CLASSES.index("opt"))[:, None]
-                                                  * FOREACH_KERNELS.get(graph.optimizer, 0) * rates.opt_host_s)
     group = np.array([o.group for o in graph.ops], dtype=np.int64)
     rank = np.where(phase == 0, group, np.where(phase == 1, 2 * K - 1 - group, 2 * K + group))  # eager position
     order = np.lexsort((np.arange(len(rank)), rank))  # by stage in eager order, graph order within it
