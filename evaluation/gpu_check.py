@@ -32,7 +32,8 @@ writes ``DIR/gpu-check.jsonl`` (one record per measurement, the format of
 Each eager step and each ``tag execute`` also runs one more, untimed step under
 ``torch.profiler``: its aten-op and kernel counts and kernel time (:mod:`tag.executor.profiling`).
 Every row's eager step runs first, with nothing else on the CPU (host-bound steps are slowed by a
-busy one); then the rows' captures, plans and predictions (CPU, meta-device models, parallel
+busy one; ``--passes N`` measures them N times, in passes over all rows, the row taking the median:
+the spread between passes is the host's); then the rows' captures, plans and predictions (CPU, meta-device models, parallel
 processes) and, in row order, their ``tag execute`` runs; then part 3. Work past ``--budget``
 seconds is skipped and says so (``--skip-execute``: eager steps only); nothing here needs optuna
 or wandb. The workloads default to the real-size zoo, :data:`WORKLOADS`.
@@ -80,6 +81,11 @@ PRECISIONS = ("fp32", "bf16")
 
 def _timed(fn, reps: int, warmup: int = 3) -> float:
     """Median seconds of ``fn()`` on the GPU (CUDA events around each call)."""
+    return statistics.median(_times(fn, reps, warmup))
+
+
+def _times(fn, reps: int, warmup: int = 3) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn()`` on the GPU (CUDA events around each call)."""
     import torch
 
     for _ in range(warmup):
@@ -93,7 +99,7 @@ def _timed(fn, reps: int, warmup: int = 3) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    return times
 
 
 def microbenchmarks(common: dict) -> list[dict]:
@@ -144,10 +150,11 @@ STEP_SECONDS = 2.0
 over a second, a ResNet-50 bf16 one tens of milliseconds."""
 
 
-def eager_step(spec: str, batch: int, precision: str, common: dict, steps: int = 20) -> dict:
+def eager_step(spec: str, batch: int, precision: str, common: dict, steps: int = 20, profile: bool = True) -> dict:
     """One eager training step: median seconds over at most ``steps`` (after 3 warm-up; fewer
-    where ``STEP_SECONDS`` would be exceeded, at least 5) and peak bytes. The model is built on
-    the CPU (the zoo's own initialisation) and moved to the GPU."""
+    where ``STEP_SECONDS`` would be exceeded, at least 5; each in ``times_s``) and peak bytes, and
+    with ``profile`` the op and kernel tables of one more step. The model is built on the CPU (the
+    zoo's own initialisation) and moved to the GPU."""
     import torch
 
     from tag.workloads import load_workload
@@ -172,10 +179,12 @@ def eager_step(spec: str, batch: int, precision: str, common: dict, steps: int =
     torch.cuda.reset_peak_memory_stats()
     first = _timed(step, reps=1, warmup=2)  # warm-up and a first estimate of one step
     reps = max(5, min(steps, int(STEP_SECONDS / max(first, 1e-6))))
-    s = _timed(step, reps=reps, warmup=1)
+    times = _times(step, reps=reps, warmup=1)
     rec = {"kind": "step", "spec": spec, "batch": batch, "precision": precision,
-           "params": sum(p.numel() for p in model.parameters()), "s": s, "reps": reps,
-           "peak_bytes": torch.cuda.max_memory_allocated(), **common}
+           "params": sum(p.numel() for p in model.parameters()), "s": statistics.median(times), "reps": reps,
+           "times_s": [round(t, 7) for t in times], "peak_bytes": torch.cuda.max_memory_allocated(), **common}
+    if not profile:
+        return rec
     try:  # one more step under torch.profiler: its ops and kernels (see tag.executor.profiling)
         from tag.executor.profiling import op_table, profiled
 
@@ -340,8 +349,15 @@ def write_report(records: list[dict], out: Path, command: str) -> None:
                      f"{ratio(r.get('predicted_s'), r.get('s'))} | {gb(r.get('peak_bytes'))} | "
                      f"{gb(r.get('execute_peak_bytes'))} | {gb(r.get('eager_above_state_bytes'))} / "
                      f"{gb(r.get('execute_above_state_bytes'))} | {r.get('eager_kernels', '-')} / {r.get('execute_kernels', '-')} | "
-                     f"{r.get('eager_aten_ops', '-')} / {r.get('execute_aten_ops', '-')} | {r.get('note', '')} |")
+                     f"{r.get('eager_aten_ops', '-')} / {r.get('execute_aten_ops', '-')} | {_row_note(r)} |")
     (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def _row_note(row: dict) -> str:
+    """A check row's note, and its eager step's seconds per pass where it was measured in several."""
+    passes = row.get("passes_s")
+    spread = "eager passes " + " / ".join(f"{x * 1e3:.2f}" for x in passes) + " ms" if passes else ""
+    return "; ".join(x for x in (row.get("note", ""), spread) if x)
 
 
 def equality_table(records: list[dict]) -> list[str]:
@@ -375,10 +391,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="eager steps only: no capture, prediction or `tag execute` (the cost model's "
                          "calibration data; predictions are made afterwards by evaluation/gpu_cost_check.py)")
     ap.add_argument("--workloads", default=None, help="semicolon-separated spec@batch list (default: WORKLOADS)")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="measure every row's eager step this many times, in passes over all rows (1..10; the "
+                         "spread between passes is the host's, which a host-bound step shows: "
+                         "evaluation/results/gpu-cost/README.md); the row takes the median pass, the "
+                         "profiled op tables come from the first")
     ap.add_argument("--only-multi-gpu", action="store_true",
                     help="only part 3: NCCL training equality of dp/pp/tp layouts on 2+ GPUs (one 'skipped' "
                          "record with fewer); exit status 1 when a layout fails")
     a = ap.parse_args(argv)
+    if not 1 <= a.passes <= 10:
+        ap.error(f"--passes: expected 1..10, got {a.passes}")
     import torch
 
     if a.only_multi_gpu:
@@ -410,27 +433,37 @@ def main(argv: list[str] | None = None) -> int:
         # with nothing else running: a host-bound eager step (bf16 autocast) measured beside six
         # capturing processes took 31.9 ms on the H200 (gpt2 6L, 2026-11-26; 16.6 ms in the
         # calibration run).
-        checks = []
-        for spec_, batch, precision in rows:
-            row = {"kind": "check", "spec": spec_, "batch": batch, "precision": precision, **common}
-            checks.append(row)
-            if a.budget - (time.perf_counter() - t_start) < 20:
-                row["note"] = "skipped: time budget"
-                continue
-            try:
-                step = eager_step(spec_, batch, precision, common)
-                emit(step)
-                row.update(s=step["s"], peak_bytes=step["peak_bytes"], params=step["params"])
-                row["eager_above_state_bytes"] = step["peak_bytes"] - 12 * step["params"]  # fp32 weights + Adam m, v
-                if "ops" in step:
-                    row.update(eager_kernels=step["ops"]["kernels"], eager_aten_ops=step["ops"]["aten_ops"])
-            except Exception as e:  # noqa: BLE001 - one failed row is a result, the others still run
-                row["note"] = _failure(e)
-            _release_gpu()
+        checks = [{"kind": "check", "spec": spec_, "batch": batch, "precision": precision, **common}
+                  for spec_, batch, precision in rows]
+        passes: list[list[float]] = [[] for _ in rows]  # each row's step seconds, one per pass
+        for p in range(a.passes):
+            for (spec_, batch, precision), row, mine in zip(rows, checks, passes):
+                if "note" in row and not mine:  # failed, or skipped by the budget, in an earlier pass
+                    continue
+                if a.budget - (time.perf_counter() - t_start) < 20:
+                    row.setdefault("note", "skipped: time budget")
+                    continue
+                try:
+                    step = eager_step(spec_, batch, precision, common, profile=p == 0)
+                    emit({**step, "pass": p} if a.passes > 1 else step)
+                    mine.append(step["s"])
+                    if p == 0:
+                        row.update(peak_bytes=step["peak_bytes"], params=step["params"])
+                        row["eager_above_state_bytes"] = step["peak_bytes"] - 12 * step["params"]  # weights, Adam m, v
+                        if "ops" in step:
+                            row.update(eager_kernels=step["ops"]["kernels"], eager_aten_ops=step["ops"]["aten_ops"])
+                except Exception as e:  # noqa: BLE001 - one failed row is a result, the others still run
+                    row["note"] = _failure(e)
+                _release_gpu()
+        for row, mine in zip(checks, passes):
+            if mine:
+                row["s"] = statistics.median(mine)
+                if a.passes > 1:
+                    row["passes_s"] = mine
         # Pass 2: each measured row's capture, plan and prediction (CPU, in parallel processes),
         # then its `tag execute` in order, while the budget lasts.
         pool = _capture_pool()
-        todo = [i for i, row in enumerate(checks) if "note" not in row]
+        todo = [i for i, row in enumerate(checks) if "note" not in row and "s" in row]
         planned = {i: pool.submit(predicted_and_plan, *rows[i], topo_path, Path(tmp) / f"plan-{i}.json")
                    for i in ([] if a.skip_execute else todo)}
         for i, row in enumerate(checks):

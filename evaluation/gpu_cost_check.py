@@ -161,10 +161,7 @@ def load_steps(files: list[Path], cache: Path, capture_missing: bool = False) ->
     prior = microbenchmark_rates(GPU)
     cases = []
     for f in files:
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            if r.get("kind") != "step":
-                continue
+        for r in merged_passes([json.loads(line) for line in f.read_text().splitlines()]):
             spec = SPEC_AS_MEASURED.get((f.parent.name, r["spec"]), r["spec"])
             g = load_graph(spec, r["batch"], r["precision"], cache, capture_missing)
             if g is None:
@@ -173,6 +170,8 @@ def load_steps(files: list[Path], cache: Path, capture_missing: bool = False) ->
                 continue
             c = {"file": f"{f.parent.name}/{f.name}", "spec": spec, "batch": r["batch"], "precision": r["precision"],
                  "measured_s": r["s"], "graph": g, "signature_here": g.signature()}
+            if "passes_s" in r:
+                c["passes_s"] = r["passes_s"]
             ops = (r.get("ops") or {}).get("top_ops")
             if ops:  # [name, calls, host seconds, ...] of the profiled step's top-level ATen ops
                 c["op_host_s"] = {row[0]: row[2] / row[1] for row in ops if row[1]}
@@ -187,6 +186,23 @@ def load_steps(files: list[Path], cache: Path, capture_missing: bool = False) ->
                 c["rows"] = class_rows(g, secs, prior)
             cases.append(c)
     return cases
+
+
+def merged_passes(records: list[dict]) -> list[dict]:
+    """The ``kind: step`` records of one result file, one per (spec, batch, precision): a step
+    measured in several passes (``gpu_check --passes``) is the first pass's record (its profiled
+    op and kernel tables) with the median of the passes' seconds (``passes_s`` each)."""
+    by: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r.get("kind") == "step":
+            by.setdefault((r["spec"], r["batch"], r["precision"]), []).append(r)
+    out = []
+    for recs in by.values():
+        first = next((r for r in recs if "ops" in r), recs[0])
+        if len(recs) > 1:
+            first = {**first, "s": float(np.median([r["s"] for r in recs])), "passes_s": [r["s"] for r in recs]}
+        out.append(first)
+    return out
 
 
 HOST_SPEED_OPS = ("aten::view", "aten::t", "aten::transpose", "aten::reshape", "aten::detach", "aten::item",

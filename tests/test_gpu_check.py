@@ -49,7 +49,7 @@ def test_every_eager_step_comes_before_the_executes(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
-    def eager(spec, batch, precision, common, steps=20):
+    def eager(spec, batch, precision, common, steps=20, profile=True):
         calls.append(("eager", precision))
         return {"kind": "step", "spec": spec, "batch": batch, "precision": precision, "params": 10, "s": 0.01,
                 "peak_bytes": 1000, **common}
@@ -82,3 +82,43 @@ def test_multi_gpu_part_is_skipped_with_fewer_than_two_gpus(tmp_path, capsys):
     assert records[1]["note"] == note and records[1]["pass"] is None
     assert f"| - | - | nccl | - | - | - | - | - | - | - | {note} |" in (tmp_path / "README.md").read_text()
     assert note in capsys.readouterr().out
+
+
+def test_passes_measure_every_eager_step_again_and_take_the_median(tmp_path, monkeypatch):
+    """--passes 3: every row's eager step three times, in passes over all rows (the host's speed
+    drifts between them, not within one row), only the first profiled; the row's seconds are the
+    median pass, each pass listed in the row and the report; gpu_cost_check reads the file's
+    steps back as one per row, the first pass's record with the median seconds."""
+    from evaluation.gpu_cost_check import merged_passes
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    seconds = iter([0.010, 0.020, 0.014, 0.024, 0.012, 0.022])
+
+    def eager(spec, batch, precision, common, steps=20, profile=True):
+        calls.append((precision, profile))
+        rec = {"kind": "step", "spec": spec, "batch": batch, "precision": precision, "params": 10,
+               "s": next(seconds), "peak_bytes": 1000, **common}
+        return {**rec, "ops": {"kernels": 3, "aten_ops": 5}} if profile else rec
+
+    monkeypatch.setattr(gpu_check, "eager_step", eager)
+    assert gpu_check.main(["--out", str(tmp_path), "--skip-micro", "--skip-execute", "--workloads", "mlp@8",
+                           "--passes", "3"]) == 0
+    assert calls == [("fp32", True), ("bf16", True), ("fp32", False), ("bf16", False), ("fp32", False),
+                     ("bf16", False)]
+    recs = [json.loads(x) for x in (tmp_path / "gpu-check.jsonl").read_text().splitlines()]
+    checks = {r["precision"]: r for r in recs if r["kind"] == "check"}
+    assert checks["fp32"]["s"] == 0.012 and checks["fp32"]["passes_s"] == [0.010, 0.014, 0.012]
+    assert checks["bf16"]["s"] == 0.022 and checks["bf16"]["eager_kernels"] == 3
+    assert [r["pass"] for r in recs if r["kind"] == "step"] == [0, 0, 1, 1, 2, 2]
+    assert "eager passes 10.00 / 14.00 / 12.00 ms" in (tmp_path / "README.md").read_text()
+    steps = merged_passes(recs)
+    assert [(r["precision"], r["s"], r["ops"]["kernels"]) for r in steps] == [("fp32", 0.012, 3), ("bf16", 0.022, 3)]
+
+
+def test_passes_out_of_range_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--out", str(tmp_path), "--passes", "0"])
+    assert e.value.code == 2 and "--passes: expected 1..10, got 0" in capsys.readouterr().err
