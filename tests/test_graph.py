@@ -124,6 +124,51 @@ def test_batch_independent_tensors(tmp_path):
     assert "reads_batch" not in g2.to_dict()["ops"][0]
 
 
+FIXED_ATTENTION = textwrap.dedent('''
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class FixedAttention(nn.Module):
+        """Fused attention over parameters only (the same in every micro-batch without dropout)."""
+        def __init__(self, dropout_p):
+            super().__init__()
+            self.q = nn.Parameter(torch.randn(1, 2, 4, 8))
+            self.k = nn.Parameter(torch.randn(1, 2, 4, 8))
+            self.dropout_p = dropout_p
+
+        def forward(self, x):
+            table = F.scaled_dot_product_attention(self.q, self.k, self.k, dropout_p=self.dropout_p)
+            return ((x * table.flatten()) ** 2).sum()
+
+    def make(batch_size=4, dropout_p=0.0):
+        return FixedAttention(dropout_p), (torch.randn(batch_size, 64, generator=torch.Generator().manual_seed(1)),)
+
+    def make_dropout(batch_size=4):
+        return make(batch_size, 0.5)
+''')
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.5])
+def test_fused_attention_is_batch_independent_unless_it_drops_out(tmp_path, dropout_p):
+    """PyTorch tags every fused attention overload ``nondeterministic_seeded``; the capture's
+    record of its dropout (``Op.attention``) decides instead: over parameters only, its output is
+    moved once per pipeline iteration without dropout, never with (each micro-batch draws its own
+    mask)."""
+    from tag.graph.gradients import batch_independent_tensors, draws_random
+
+    path = tmp_path / "fixed_attention.py"
+    path.write_text(FIXED_ATTENTION)
+    g = capture(load_workload(f"{path}:{'make' if dropout_p == 0.0 else 'make_dropout'}", batch=4), num_groups=2).graph
+    fixed = batch_independent_tensors(g)
+    if dropout_p == 0.0:  # the fused kernel, recorded without dropout: its output is fixed
+        att = [op for op in g.ops if op.attention is not None and op.phase == "fwd"]
+        assert len(att) == 1 and att[0].attention[3] == 0.0 and att[0].outputs[0] in fixed
+    else:  # whatever kernel the CPU runs it on, what draws the mask and what follows it are not
+        drawing = [op for op in g.ops if op.phase == "fwd" and draws_random(op)]
+        assert drawing and not any(t in fixed for op in drawing for t in op.outputs)
+
+
 def test_batch_probe_and_affine_costs(captured):
     cap = captured("gpt2:n_layer=1,n_embd=64,n_head=2,seq=16", batch=4)
     g = cap.graph

@@ -56,7 +56,7 @@ def batch_independent_tensors(graph: OpGraph) -> set[int]:
     tensors = graph.tensors
     fixed = {i for i, t in enumerate(tensors) if t.producer < 0 and t.kind in ("param", "buffer", "const")}
     for op in graph.ops:  # topological order
-        if (op.phase != "opt" and all(t in fixed for t in op.inputs) and not is_random(op.target)
+        if (op.phase != "opt" and all(t in fixed for t in op.inputs) and not draws_random(op)
                 and (not op.reads_batch if op.reads_batch is not None else bool(op.inputs))):
             fixed.update(op.outputs)
     return {t for t in fixed if tensors[t].batch_dim is None}
