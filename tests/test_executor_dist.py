@@ -171,3 +171,32 @@ def test_plan_for_another_topology_is_refused(tmp_path, mlp):
     cfg = ExecuteConfig(MLP, cpu_topology(tmp_path, 3), str(tmp_path / "plan.json"))
     with pytest.raises(PlanError, match=r"plan.json: topology: plan is for topology 'test-cpu2'"):
         execute(cfg, graph=mlp)
+
+
+def test_dropout_recomputed_on_gloo_ranks_draws_the_forward_masks(tmp_path):
+    """Two gloo processes, data parallel, a model with dropout: every rank seeds its random stream
+    (``--seed``), so the run is the same twice and the same as ``run_virtual``'s; recomputing
+    every group (the forward's masks replayed) leaves the parameters after 3 steps bitwise equal."""
+    import torch
+    from test_recompute import DROPOUT
+
+    from tag.executor import run_virtual
+    from tag.graph import capture
+
+    f = tmp_path / "drop.py"
+    f.write_text(DROPOUT)
+    spec = f"{f}:make"
+    graph = capture(load_workload(spec, batch=B), num_groups=4).graph
+    topo_path = cpu_topology(tmp_path, 2)
+    runs = {}
+    for rc in (False, True):
+        d = tmp_path / f"rc{int(rc)}"
+        d.mkdir()
+        res = run_plan(d, graph, topo_path, [GroupPlan([0, 1], [0.25, 0.75], recompute=rc) for _ in range(4)],
+                       steps=3, spec=spec)
+        runs[rc] = (res.losses, saved_params(d / "run", 2))
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(runs[True][1][r][k], v) for r, p in runs[False][1].items() for k, v in p.items())
+    plan = new_plan(graph, load_topology(topo_path), [GroupPlan([0, 1], [0.25, 0.75]) for _ in range(4)])
+    virtual = {r: rt.named_params() for r, rt in run_virtual(graph, plan, load_workload(spec, batch=B), "adam", 3).items()}
+    assert_params_equal(virtual, {k: v for p in runs[False][1].values() for k, v in p.items()}, rtol=1e-6, atol=1e-7)

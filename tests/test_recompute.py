@@ -10,9 +10,11 @@ seeds it). So group 0's backward reads x (the batch) and a0 (its own); group 1's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+import torch
 from test_sim_tools import chain_graph, hand_costs, topology
 
 from tag.errors import PlanError
@@ -244,54 +246,102 @@ def test_execution_refusal_of_recompute():
     assert execution_refusal(plan).startswith("groups[0].recompute: recomputation with SFB is simulated only")
 
 
-def test_execution_refusal_of_recompute_with_dropout(tmp_path):
-    """A group drawing random numbers in its forward (dropout, p > 0) is refused in one line."""
+DROPOUT = """import torch
+def make(batch_size=8):
+    g = torch.Generator().manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                              torch.nn.Dropout(0.3), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+        def forward(self, x):
+            return self.net(x).pow(2).mean()
+    return M(), (torch.randn(batch_size, 8, generator=g),)
+"""
+
+
+def _dropout_plans(graph):
+    k = graph.num_groups
+    odd = [g % 2 == 1 for g in range(k)]
+    return [
+        ("single, all", [GroupPlan([0], [1.0], recompute=True) for _ in range(k)], None),
+        ("dp uneven, odd", [GroupPlan([0, 1], [0.25, 0.75], recompute=r) for r in odd], None),
+        ("dp uneven, even", [GroupPlan([0, 1], [0.25, 0.75], recompute=not r) for r in odd], None),
+        ("pipeline 1f1b", [GroupPlan([0 if g < k // 2 else 1], [1.0], recompute=True) for g in range(k)],
+         PipelinePlan([0, k // 2], 4, "1f1b")),
+    ]
+
+
+def test_executor_recompute_replays_dropout(tmp_path, monkeypatch):
+    """A group whose forward draws random numbers (dropout, p > 0) recomputes from the random
+    state its forward started from: the same masks, so the parameters after 3 Adam steps equal
+    those of the same plan without recomputation (single device, data parallel over two virtual
+    ranks, a 1F1B pipeline of 4 micro-batches), and the search and executor accept it. Without
+    the replay (the recomputation drawing on from the stream) they do not."""
+    from tag.executor import run_virtual
+    from tag.executor.equality import compare_params
+    from tag.executor.runtime import RankRuntime
     from tag.graph import capture
     from tag.parallel import execution_refusal
     from tag.workloads import load_workload
 
     f = tmp_path / "drop.py"
-    f.write_text("import torch\n"
-                 "def make(batch_size=4):\n"
-                 "    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))\n"
-                 "    class M(torch.nn.Module):\n"
-                 "        def __init__(self):\n"
-                 "            super().__init__()\n"
-                 "            self.net = net\n"
-                 "        def forward(self, x):\n"
-                 "            return self.net(x).pow(2).mean()\n"
-                 "    return M(), (torch.randn(batch_size, 8),)\n")
-    graph = capture(load_workload(f"{f}:make", batch=4), num_groups=1).graph
+    f.write_text(DROPOUT)
+    graph = capture(load_workload(f"{f}:make", batch=8), num_groups=4).graph
     topo = load_topology("topologies/local-cpu4.yaml")
-    plan = new_plan(graph, topo, [GroupPlan([0], [1.0], recompute=True)])
-    why = execution_refusal(plan, graph)
-    assert why is not None and why.startswith("groups[0].recompute: op ") and "draws random numbers" in why
-    assert execution_refusal(plan) is None  # without the graph the rule cannot see the op
-    with pytest.raises(PlanError, match=r"groups\[0\]\.recompute: op .* draws random numbers"):
+    joints: dict = {}
+
+    def trained(groups, pipeline, recompute):
+        plan = new_plan(graph, topo, [dataclasses.replace(gp, recompute=gp.recompute and recompute) for gp in groups])
+        plan.pipeline = pipeline
         validate_plan(plan, graph, topo)
+        assert execution_refusal(plan, graph) is None
+        torch.manual_seed(0)
+        rts = run_virtual(graph, plan, load_workload(f"{f}:make", batch=8), "adam", 3, joints=joints)
+        return {r: rt.named_params() for r, rt in rts.items()}, rts
+
+    replayed = set()
+    for name, groups, pipeline in _dropout_plans(graph):
+        plain, _ = trained(groups, pipeline, False)
+        again, rts = trained(groups, pipeline, True)
+        replayed |= {name for rt in rts.values() if rt._rng_modes}
+        assert_params_equal(again, plain[0] if pipeline is None else {k: v for p in plain.values() for k, v in p.items()},
+                            rtol=1e-6, atol=1e-7)
+    assert replayed >= {"single, all", "pipeline 1f1b"} and len(replayed) >= 3  # a replayed unit on some rank
+    monkeypatch.setattr(RankRuntime, "_replayed", lambda self: frozenset())
+    name, groups, pipeline = _dropout_plans(graph)[0]
+    plain, _ = trained(groups, pipeline, False)
+    fresh, _ = trained(groups, pipeline, True)
+    assert not compare_params(fresh, plain[0], None, 1e-4, 1e-6, False).ok  # new masks: other gradients
 
 
-def test_execution_refusal_of_recompute_reads_fused_attention_dropout():
-    """PyTorch tags every fused attention overload ``nondeterministic_seeded``; the rule reads the
-    captured dropout probability instead (``Op.attention``): recomputing the zoo's fused attention
-    (dropout 0) runs; with a dropout probability above 0 recorded it is refused naming the op.
-    (The CPU capture runs an attention with dropout on the math path, ``native_dropout``, which
-    the tag refuses: ``test_execution_refusal_of_recompute_with_dropout``.)"""
+def test_fused_attention_draws_random_numbers_only_with_dropout():
+    """PyTorch tags every fused attention overload ``nondeterministic_seeded``; what draws is read
+    from the call's dropout probability instead, in the captured graph (``Op.attention``) and in
+    the exported joint graph the executor replays (``node_draws_random``): the zoo's fused
+    attention (dropout 0) draws nothing, the same call with 0.1 does; either way recomputing it runs."""
     import dataclasses
 
+    from tag.executor.runtime import export_at
     from tag.graph import capture
+    from tag.graph.gradients import draws_random, node_draws_random
     from tag.parallel import execution_refusal
     from tag.workloads import load_workload
 
     topo = load_topology("topologies/local-cpu4.yaml")
-    graph = capture(load_workload("gpt2:n_layer=1,n_embd=32,n_head=2,seq=16,attn=sdpa", batch=4), num_groups=1).graph
+    wl = load_workload("gpt2:n_layer=1,n_embd=32,n_head=2,seq=16,attn=sdpa", batch=4)
+    graph = capture(wl, num_groups=1).graph
     plan = new_plan(graph, topo, [GroupPlan([0], [1.0], recompute=True)])
-    assert execution_refusal(plan, graph) is None
     i = next(i for i, o in enumerate(graph.ops) if o.attention is not None and o.phase == "fwd")
-    assert graph.ops[i].attention == (16, 16, True, 0.0)
-    graph.ops[i] = dataclasses.replace(graph.ops[i], attention=(16, 16, True, 0.1))
-    why = execution_refusal(plan, graph)
-    assert why is not None and why.startswith(f"groups[0].recompute: op {graph.ops[i].name!r} draws random numbers")
+    assert graph.ops[i].attention == (16, 16, True, 0.0) and not draws_random(graph.ops[i])
+    assert draws_random(dataclasses.replace(graph.ops[i], attention=(16, 16, True, 0.1)))
+    assert execution_refusal(plan, graph) is None
+    joint = export_at(wl.model, wl.make_inputs, 4)
+    node = next(n for n in joint.module.graph.nodes if n.name == graph.ops[i].name)
+    assert torch.Tag.nondeterministic_seeded in node.target.tags and not node_draws_random(node)
+    node.args = (*node.args[:3], 0.1, *node.args[4:])  # (query, key, value, dropout_p, is_causal, ...)
+    assert node_draws_random(node)
 
 
 # ---- the search ---------------------------------------------------------------------------------

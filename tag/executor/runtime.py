@@ -176,6 +176,10 @@ class RankRuntime:
     """A gradient bucket's launch ends a fused segment (a rank that issues its buckets as their
     gradients become final, on GPUs); otherwise segments run on across the syncs, which are only
     queued (CPU ranks)."""
+    seed: int | None = None
+    """Seed of this rank's random stream (dropout masks; every rank alike, as Megatron-LM seeds
+    its data-parallel ranks, and as the replicated ops of a tensor-parallel group need); None:
+    the generators' state when the runtime is made."""
 
     def __post_init__(self) -> None:
         s = self.schedule
@@ -190,6 +194,10 @@ class RankRuntime:
         # the joint graph per local batch, shared by the micro-batches of that size.
         self.stages: dict[tuple, Stage] = {}
         self._placeholder_vals: dict[tuple, dict] = {}  # stage key -> placeholder name -> traced value (_captured)
+        self._rng = _seeded_rng(self.seed, self.device)  # this rank's random stream between segments
+        self._rng_saved: dict[tuple, tuple] = {}  # (unit, micro) -> state before its forward (replayed units)
+        self._rng_modes: dict[int, tuple] = {}  # segment start -> ("save" | "replay", (unit, micro))
+        self._draws = False  # some stage of this rank draws random numbers (_build_program)
         for b, joint in self.joints.items():
             if b not in runs:
                 continue
@@ -261,10 +269,20 @@ class RankRuntime:
         final = [(s.param_owner[ph], s.param_grad[ph]) for ph in self.params]
         if s.loss_unit in self.my_units:
             final += [(env_unit(s, s.loss_unit, m), s.loss) for m in self.micros]
+        from ..graph.gradients import node_draws_random
+
+        self._draws = any(node_draws_random(n) for st in self.stages.values() for n in st.module.graph.nodes
+                          if n.op == "call_function")
+        replayed = self._replayed()
         self.program = plan_program(
             s, self.rank, self.stages, static=lambda k: k not in written and self._static(k) is not None,
             synced=self._synced_keys, sfb_writes=self._sfb_writes, final_reads=final,
-            cut_at_sync=self.cut_at_sync)
+            cut_at_sync=self.cut_at_sync, replayed=replayed)
+        self._rng_modes = {}
+        for start, seg in self.program.segments.items():
+            unit, phase, *micro = seg.stages[0] if seg.stages else (None, None)
+            if unit is not None and unit[0] in replayed:
+                self._rng_modes[start] = ("save" if phase == "fwd" else "replay", (unit, tuple(micro)))
         metas = {b: {n.name: n.meta.get("val") for n in j.module.graph.nodes} for b, j in self.joints.items()}
 
         def meta(key: Key):
@@ -274,6 +292,32 @@ class RankRuntime:
             build_module(seg, s, self.rank, self.stages,
                          static_value=lambda k: None if k in written else self._static(k),
                          meta=meta, local_rows=self._row_range, device=self.device)
+
+    def _replayed(self) -> frozenset[int]:
+        """Recomputed op-groups of this rank whose forward draws random numbers (dropout): their
+        recomputation replays the forward's draws (:meth:`run_segment`). Each recomputing stage
+        must draw exactly where its forward did, in the same order (one line naming the stage
+        otherwise)."""
+        from ..graph.gradients import node_draws_random
+
+        def draws(stage: Stage) -> list[str]:
+            return [n.name for n in stage.module.graph.nodes if n.op == "call_function" and node_draws_random(n)]
+
+        out = set()
+        for key, stage in self.stages.items():
+            unit, phase, *micro = key
+            if phase != "fwd" or unit[0] not in self.schedule.recompute:
+                continue
+            mine = draws(stage)
+            if not mine:
+                continue
+            again = draws(self.stages[(unit, "bwd", *micro)])
+            if again != mine:
+                raise ExecutionError(f"rank {self.rank}: the recomputation of unit {unit} draws random numbers at "
+                                     f"{again}, its forward at {mine}; expected the same ops in the same order "
+                                     f"(set groups[{unit[0]}].recompute to false)")
+            out.add(unit[0])
+        return frozenset(out)
 
     def _replica(self, unit: tuple):
         """This rank's replica of the unit part of an ``env`` key: on a pipeline, the unit at the
@@ -326,6 +370,7 @@ class RankRuntime:
     # ---- values ------------------------------------------------------------------------
     def begin_iteration(self) -> None:
         self.env.clear()
+        self._rng_saved.clear()
         self.sent_bytes = {}
         self.gathered_bytes = 0
         self.timer = Timer(cuda=self.device.type == "cuda")
@@ -351,8 +396,38 @@ class RankRuntime:
         seg = self.program.segments.get(index)
         if seg is None:
             return
-        with self.timer.span("compute"), self._emulated(), torch.no_grad():
+        with self.timer.span("compute"), self._emulated(), torch.no_grad(), self._random_stream(index):
             seg(self.env)
+
+    @contextlib.contextmanager
+    def _random_stream(self, index: int):
+        """Run a segment on this rank's own random stream (from :attr:`seed`, carried from
+        segment to segment: ranks sharing a process,
+        :func:`tag.executor.run_virtual`, draw as separate processes would, whatever the order
+        they run in; not the threads of a tensor-parallel group there, which run at once and share
+        the generator). Only a rank whose stages draw random numbers does this. At the forward of a unit whose
+        recomputation draws random numbers (:meth:`_replayed`), the state is saved; its
+        recomputing backward runs from that state, so it draws the forward's dropout masks again
+        (as ``torch.utils.checkpoint`` with ``preserve_rng_state``), and the stream goes on after
+        it as if nothing had been recomputed."""
+        if not self._draws:  # nothing to keep apart (and no state copied per segment)
+            yield
+            return
+        dev = self.device
+        _set_rng(self._rng, dev)
+        mode, key = self._rng_modes.get(index, (None, None))
+        here = None
+        if mode == "save":
+            self._rng_saved[key] = _get_rng(dev)
+        elif mode == "replay":
+            here = _get_rng(dev)
+            _set_rng(self._rng_saved.pop(key), dev)
+        try:
+            yield
+        finally:
+            if here is not None:
+                _set_rng(here, dev)
+            self._rng = _get_rng(dev)
 
     @contextlib.contextmanager
     def _emulated(self):
@@ -612,6 +687,28 @@ class RankRuntime:
     def named_params(self) -> dict[str, torch.Tensor]:
         """State-dict name -> current value of the parameters this rank holds."""
         return {self.schedule.param_target[ph]: p.detach().cpu() for ph, p in self.params.items()}
+
+
+def _get_rng(device: torch.device) -> tuple:
+    """The random generators' state a rank on ``device`` draws from (the CPU's, and the GPU's)."""
+    cpu = torch.get_rng_state()
+    return (cpu, torch.cuda.get_rng_state(device)) if device.type == "cuda" else (cpu,)
+
+
+def _seeded_rng(seed: int | None, device: torch.device) -> tuple:
+    """The generators' state after ``torch.manual_seed(seed)`` (the current one where ``seed`` is
+    None), leaving the current state as it was."""
+    if seed is None:
+        return _get_rng(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        return _get_rng(device)
+
+
+def _set_rng(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def joint_structure(gm: torch.fx.GraphModule) -> list[tuple[str, str, tuple[str, ...]]]:

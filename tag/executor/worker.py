@@ -147,7 +147,7 @@ def run_rank(a: WorkerArgs) -> dict:
     # A CPU rank queues its gradient buckets until its compute is done (DistComm.defer_syncs): its
     # segments run on across them; a GPU rank issues each as soon as its gradients exist.
     rt = RankRuntime(me, sched, inputs, joints, a.optimizer, device, slow, global_joint=full,
-                     loss_scale=loss_scale(a.precision), cut_at_sync=device.type != "cpu", hook=hook)
+                     loss_scale=loss_scale(a.precision), cut_at_sync=device.type != "cpu", hook=hook, seed=a.seed)
     comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device, ex.shards, me)
     my_group = None
     for devs in ex.groups:  # every rank creates every process group, in the same order

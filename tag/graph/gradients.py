@@ -85,6 +85,20 @@ def draws_random(op) -> bool:
     return is_random(op.target)
 
 
+def node_draws_random(node) -> bool:
+    """:func:`draws_random` for a node of an exported joint graph (``torch.fx.Node``): an ATen
+    overload tagged ``nondeterministic_seeded``, a fused attention only with ``dropout_p`` above 0
+    (every fused attention overload carries the tag)."""
+    from .masks import arg_names, bind
+
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    if "dropout_p" in arg_names(target):
+        return float(bind(target, node.args, node.kwargs).get("dropout_p") or 0.0) > 0
+    return True
+
+
 def deferrable_sums(graph: OpGraph) -> set[int]:
     """Partial sums (:func:`partial_sum_tensors`) that a pipeline may sum over its micro-batches
     at their producer and move once, after the last micro-batch, the consumer getting zeros at

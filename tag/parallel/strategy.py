@@ -401,8 +401,10 @@ def execution_refusal(plan, graph=None) -> str | None:
     "simulated only" line call it too.
 
     Activation recomputation (``GroupPlan.recompute``) runs on every strategy (on ``tp`` the
-    recomputed forward all-reduces again, as Megatron-LM's), without SFB; with ``graph`` (the plan's :class:`~tag.graph.ir.OpGraph`), also not on a group
-    with an op drawing random numbers (dropout with p > 0: the recompute would draw others)."""
+    recomputed forward all-reduces again, as Megatron-LM's), without SFB; a group whose forward
+    draws random numbers (dropout) recomputes from the random state its forward started from, so
+    it draws the same masks (:meth:`tag.executor.runtime.RankRuntime.run_segment`). ``graph`` is
+    not read by the built-in rules (kept for strategies that judge a plan by its graph)."""
     for name in dict.fromkeys(gp.sync for gp in plan.groups):
         why = get_strategy(name).execution_refusal(plan)
         if why is not None:
@@ -413,21 +415,7 @@ def execution_refusal(plan, graph=None) -> str | None:
         if gp.sfb:
             return (f"groups[{g}].recompute: recomputation with SFB is simulated only (the SFB factors are "
                     "forward values the recomputation drops); expected false or no sfb")
-        op = _random_op(graph, g) if graph is not None else None
-        if op is not None:
-            return (f"groups[{g}].recompute: op {op!r} draws random numbers (dropout with p > 0), which the "
-                    "recomputed forward would draw again differently; expected false for this group")
     return None
-
-
-def _random_op(graph, g: int) -> str | None:
-    """Name of the first forward ATen op of group ``g`` that draws from the random generator
-    (:func:`tag.graph.gradients.draws_random`), or None."""
-    from ..graph.gradients import draws_random
-
-    ops = (graph.ops[i] for i in graph.groups[g].ops)
-    return next((op.name for op in ops if op.phase == "fwd" and op.target.startswith("aten.") and draws_random(op)),
-                None)
 
 
 # ---- helpers shared by the built-in strategies ---------------------------------------------------
