@@ -701,3 +701,59 @@ def test_nan_analysis_attention_propagates_nan_per_head(causal):
     gq, gk, gv = NAN_PASS_OPS[bwd](do, q, k, v, out, lse, 0.0, causal)
     for t in (out, lse[..., None], gk, gv):
         assert t.isnan().any(-1).any(-1).any(0).tolist() == [False, False, True, False]
+
+
+GPT2_DROPOUT = f'''
+import torch
+from tag.workloads import load_workload
+
+def make(batch_size=8):
+    wl = load_workload("{GPT2}", batch=batch_size)
+    for m in wl.model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.1
+    return wl.model, tuple(wl.inputs)
+'''
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_dropout_on_two_gloo_ranks(tmp_path):
+    """GPT-2 with dropout 0.1 on 2 gloo ranks, 2-way tensor parallel. Outside the blocks both ranks
+    run the same ops on the same samples and must draw the same masks, or their replicated
+    parameters drift apart: the ranks assembling the full parameters to save check that they
+    agree (``TpRank.full_params``). The attention-probability dropout inside the blocks keeps its
+    bool mask sharded with its output (``_integers_follow``; before, the shard's shape check
+    refused the plan). After 2 steps every parameter moved."""
+    from test_executor_dist import cpu_topology
+
+    from tag.executor import ExecuteConfig, execute, reference_training
+    from tag.graph import capture
+    from tag.workloads import load_workload
+
+    f = tmp_path / "gpt2_dropout.py"
+    f.write_text(GPT2_DROPOUT)
+    spec = f"{f}:make"
+    graph = capture(load_workload(spec, batch=8), num_groups=4).graph
+    assert any(o.target == "aten.native_dropout.default" for o in graph.ops)
+    topo_path = cpu_topology(tmp_path, 2)
+    _tp_plan(graph, load_topology(topo_path), [0, 1]).save(tmp_path / "plan.json")
+    cfg = ExecuteConfig(spec, topo_path, str(tmp_path / "plan.json"), steps=2, warmup=0, save_params=True,
+                        optimizer="sgd", groups=4, run_dir=str(tmp_path / "run"), timeout_s=60.0)
+    execute(cfg, graph=graph)
+    p0, p1 = (torch.load(tmp_path / "run" / f"params-rank{r}.pt") for r in range(2))
+    start, _ = reference_training(load_workload(spec, batch=8), "sgd", 0)  # the initial parameters
+    assert set(p0) == set(p1) == {p.name for p in graph.params}  # each rank saves the full parameters
+    assert all(torch.equal(p0[n], p1[n]) and not torch.equal(p0[n], start[n]) for n in p0)
+
+
+def test_full_params_refuse_a_diverged_replica():
+    """A replicated parameter that differs between the members of a tensor-parallel group (beyond
+    the executor's equality tolerance) is one line naming it, not a silently chosen copy."""
+    from tag.executor import ExecutionError
+    from tag.executor.tensor_parallel import TpRank, TpSpec
+
+    rank = TpRank(0, 2, TpSpec((), frozenset()))
+    w = torch.ones(3)
+    assert torch.equal(rank.full_params([({"ln.weight": w}, {}), ({"ln.weight": w + 1e-8}, {})])["ln.weight"], w)
+    with pytest.raises(ExecutionError, match=r"replicated parameter 'ln.weight' differs between members 0 and 1"):
+        rank.full_params([({"ln.weight": w}, {}), ({"ln.weight": w * 1.01}, {})])

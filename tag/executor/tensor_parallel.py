@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ from torch import fx
 
 from ..graph.stages import Stage
 from ..parallel.tensor_parallel import TensorParallel, executed_plan, tp_groups
+from .equality import ATOL, RTOL
 from .runtime import ExecutionError, Joint
 from .strategies import Execution, RankHook, register_execution
 
@@ -263,6 +265,7 @@ class TpRank(RankHook):
                                              "are not one index set per dim")
                     grids[(name, k)] = grid
         _constants_follow(gm, grids)
+        _integers_follow(gm, grids)
         self.boundaries |= boundaries  # (one joint per local batch size: a pipeline's micro-batches may differ)
         self.sharded |= {name for name, _ in grids}
         self.kept.update({joint.state[ph]: grids[(ph, None)] for ph in split_ph})
@@ -309,6 +312,18 @@ class TpRank(RankHook):
         """Full parameters from every shard's ``(named_params, kept)`` (in shard order): those the
         rank holds (a pipeline stage's)."""
         full = dict(gathered[0][0])
+        # replicated: the same on every member (within the executor's equality tolerance: GPU kernels
+        # with atomics, an embedding's backward, need not agree to the bit), or the group diverged
+        for name, value in full.items():
+            if name in self.kept:
+                continue
+            for i, (params, _) in enumerate(gathered[1:], 1):
+                other = params[name]
+                if not torch.allclose(other, value, rtol=RTOL, atol=ATOL):
+                    raise ExecutionError(
+                        f"tensor parallel: replicated parameter {name!r} differs between members 0 and {i} of the "
+                        f"group (max |diff| {float((other - value).abs().max()):.3g}); expected equal: its ops ran "
+                        "on the same samples (a random op drawing differently on the members?)")
         for name in (n for n in self.kept if n in full):
             shape = [int(max(int(ix[-1]) for ix in (kept[name][d] for _, kept in gathered)) + 1)
                      for d in range(len(self.kept[name]))]
@@ -450,6 +465,39 @@ def _constants_follow(gm: fx.GraphModule, grids: dict[tuple[str, int | None], li
         for a in n.all_input_nodes:
             if a.name not in varying and (a.name, None) not in grids and shape(a) == shape(n):
                 grids[(a.name, None)] = grid
+
+
+def _integers_follow(gm: fx.GraphModule, grids: dict[tuple[str, int | None], list[torch.Tensor]]) -> None:
+    """NaN cannot show in a bool or integer tensor (a dropout's mask, a comparison, max-pool
+    indices): give such an output the grid of a sharded tensor of its shape among the op's inputs
+    or its other outputs (``native_dropout``'s mask that of its output), and a ``getitem`` of a
+    tuple element the element's grid. Without it, attention-probability dropout inside a block
+    failed the shard's shape check (GPT-2 with dropout 0.1, 2026-11-28)."""
+    def val_of(n: fx.Node):
+        return n.meta.get("val")
+
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        val = val_of(n)
+        if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            grid = grids.get((n.args[0].name, n.args[1]))
+            if grid is not None and (n.name, None) not in grids:
+                grids[(n.name, None)] = grid
+            continue
+        outs = [(None, val)] if isinstance(val, torch.Tensor) else \
+            list(enumerate(val)) if isinstance(val, (list, tuple)) else []
+        by_shape = {}
+        for a in n.all_input_nodes:
+            if isinstance(val_of(a), torch.Tensor) and (a.name, None) in grids:
+                by_shape.setdefault(tuple(val_of(a).shape), grids[(a.name, None)])
+        for k, v in outs:
+            if isinstance(v, torch.Tensor) and (n.name, k) in grids:
+                by_shape.setdefault(tuple(v.shape), grids[(n.name, k)])
+        for k, v in outs:
+            if (isinstance(v, torch.Tensor) and not v.is_floating_point() and (n.name, k) not in grids
+                    and tuple(v.shape) in by_shape):
+                grids[(n.name, k)] = by_shape[tuple(v.shape)]
 
 
 def _rewrite(gm: fx.GraphModule, grids: dict[tuple[str, int | None], list[torch.Tensor]]) -> fx.GraphModule:
