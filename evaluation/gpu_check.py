@@ -18,7 +18,9 @@ writes ``DIR/gpu-check.jsonl`` (one record per measurement, the format of
    (``model(*inputs)``, ``backward``, ``torch.optim.Adam`` with its default foreach update) and
    its peak memory; ``tag execute`` of the single-device plan on a one-GPU topology (NCCL, world
    size 1); the simulator's prediction for that plan (``tag.cost``: the fitted rates of this GPU
-   type, else datasheet-derived) -- so each row gives execute / eager and predicted / eager;
+   type, else datasheet-derived) -- so each row gives execute / eager and predicted / eager; then
+   ``tag execute`` of an MLP with dropout with every group recomputed and with none, whose losses
+   must agree to the bit (the recomputation replays the CUDA generator's draws: ``dropout_replay``);
 3. multi-GPU (``--only-multi-gpu`` runs this part alone): with ``torch.cuda.device_count() >= 2``,
    :func:`tag.executor.equality.check_layouts` on NCCL -- ``tag execute --save-params`` of
    ``dp=2``, ``pp=2,micro=2,schedule=1f1b``, ``pp=2,micro=4`` (GPipe and kFkB), ``tp=2`` and with 4+
@@ -279,6 +281,39 @@ def tag_execute(spec: str, batch: int, precision: str, topo_path: Path, plan_pat
     return rec
 
 
+DROPOUT_MODEL = "evaluation/models/dropout.py:make"
+"""The model of :func:`dropout_replay` (an MLP with two dropouts), batch 8, 4 op-groups."""
+
+
+def dropout_replay(topo_path: Path, folder: Path, timeout: float) -> dict:
+    """``tag execute`` (3 Adam steps, no warm-up) of :data:`DROPOUT_MODEL` on the topology's first
+    device with every group recomputed and with none: the executor replays a recomputed group's
+    random draws (``RankRuntime._random_stream``, the CUDA generator on a GPU), so the losses
+    agree to the bit. One ``dropout_replay`` record (both loss lists, ``pass``)."""
+    from tag.graph import capture
+    from tag.plan import GroupPlan, new_plan
+    from tag.topology import load_topology
+    from tag.workloads import load_workload
+
+    spec = str(REPO / DROPOUT_MODEL)
+    graph = capture(load_workload(spec, batch=8), num_groups=4).graph
+    topo = load_topology(str(topo_path))
+    rec: dict = {"kind": "dropout_replay", "model": DROPOUT_MODEL, "batch": 8, "steps": 3}
+    for name, recompute in (("plain", False), ("recompute", True)):
+        plan_path = folder / f"dropout-{name}.json"
+        new_plan(graph, topo, [GroupPlan([0], [1.0], recompute=recompute) for _ in range(4)]).save(plan_path)
+        cmd = [sys.executable, "-m", "tag", "execute", "--plan", str(plan_path), "--model", spec, "--batch", "8",
+               "--groups", "4", "--topology", str(topo_path), "--steps", "3", "--warmup", "0", "--json",
+               "--timeout", str(timeout)]
+        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout + 60)
+        if p.returncode != 0:
+            return {**rec, "pass": False, "note": (p.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+        rec[f"losses_{name}"] = json.loads(p.stdout)["losses"]
+    rec["pass"] = len(rec["losses_plain"]) == 3 and rec["losses_plain"] == rec["losses_recompute"]
+    return rec
+
+
 def _failure(e: Exception) -> str:
     return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
@@ -327,6 +362,10 @@ def write_report(records: list[dict], out: Path, command: str) -> None:
         lines.append("")
     rows = [r for r in records if r["kind"] == "check"]
     lines += equality_table([r for r in records if r["kind"] == "equality"])
+    for r in (r for r in records if r["kind"] == "dropout_replay"):
+        lines += [f"Dropout replay ({r.get('model', DROPOUT_MODEL)}, every group recomputed against none): "
+                  f"{'pass' if r.get('pass') else 'FAIL'}; losses {r.get('losses_recompute', '-')} / "
+                  f"{r.get('losses_plain', '-')}{'; ' + r['note'] if r.get('note') else ''}", ""]
     if not rows:
         (out / "README.md").write_text("\n".join(lines) + "\n")
         return
@@ -488,6 +527,11 @@ def main(argv: list[str] | None = None) -> int:
                     row["note"] = _failure(e)
             emit(row)
         pool.shutdown(wait=False, cancel_futures=True)  # rows skipped by the budget
+        if not a.skip_execute and a.budget - (time.perf_counter() - t_start) > MULTI_GPU_MARGIN_S + 60:
+            try:
+                emit(dropout_replay(topo_path, Path(tmp), timeout=60))
+            except Exception as e:  # noqa: BLE001 - a diagnostic; the rows stand without it
+                emit({"kind": "dropout_replay", "pass": False, "note": _failure(e)})
     multi_gpu(t_start + a.budget - MULTI_GPU_MARGIN_S, emit)
     write_report(records, out, " ".join(["python -m evaluation.gpu_check", *(argv or sys.argv[1:])]))
     print(f"gpu_check: {len(records)} records in {time.perf_counter() - t_start:.0f} s -> {out}")

@@ -70,7 +70,8 @@ def test_every_option_with_a_default_shows_it():
                 missing.append(f"{name} {a.option_strings[0]}")
     assert not missing
     text = _subparsers()["execute"].format_help()
-    assert re.search(r"--seed SEED\s+random seed for weights and inputs \(default: 0\)", text)
+    assert re.search(r"--seed SEED\s+random seed for weights, inputs and every rank's\s+random stream "
+                     r"\(dropout masks\) \(default: 0\)", text)
     assert "(default: True)" not in _subparsers()["plan"].format_help()  # flags state no value
 
 

@@ -178,14 +178,11 @@ def test_dropout_recomputed_on_gloo_ranks_draws_the_forward_masks(tmp_path):
     (``--seed``), so the run is the same twice and the same as ``run_virtual``'s; recomputing
     every group (the forward's masks replayed) leaves the parameters after 3 steps bitwise equal."""
     import torch
-    from test_recompute import DROPOUT
 
     from tag.executor import run_virtual
     from tag.graph import capture
 
-    f = tmp_path / "drop.py"
-    f.write_text(DROPOUT)
-    spec = f"{f}:make"
+    spec = f"{REPO / 'evaluation/models/dropout.py'}:make"
     graph = capture(load_workload(spec, batch=B), num_groups=4).graph
     topo_path = cpu_topology(tmp_path, 2)
     runs = {}
@@ -211,13 +208,9 @@ def test_tag_execute_with_dropout_is_the_same_run_twice(tmp_path):
     import subprocess
     import sys
 
-    from test_recompute import DROPOUT
-
     from tag.graph import capture
 
-    f = tmp_path / "drop.py"
-    f.write_text(DROPOUT)
-    spec = f"{f}:make"
+    spec = f"{REPO / 'evaluation/models/dropout.py'}:make"
     graph = capture(load_workload(spec, batch=B), num_groups=4).graph
     topo_path = cpu_topology(tmp_path, 2)
     new_plan(graph, load_topology(topo_path), [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(4)]).save(tmp_path / "p.json")

@@ -4,6 +4,7 @@ the report, and a clear refusal without a GPU (the measurements themselves need 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,8 +62,10 @@ def test_every_eager_step_comes_before_the_executes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpu_check, "eager_step", eager)
     monkeypatch.setattr(gpu_check, "tag_execute", execute)
+    monkeypatch.setattr(gpu_check, "dropout_replay", lambda *a, **k: calls.append(("dropout", None)) or
+                        {"kind": "dropout_replay", "pass": True, "losses_plain": [1.0], "losses_recompute": [1.0]})
     assert gpu_check.main(["--out", str(tmp_path), "--skip-micro", "--workloads", "mlp@8"]) == 0
-    assert calls == [("eager", "fp32"), ("eager", "bf16"), ("execute", "fp32"), ("execute", "bf16")]
+    assert calls == [("eager", "fp32"), ("eager", "bf16"), ("execute", "fp32"), ("execute", "bf16"), ("dropout", None)]
     checks = [json.loads(x) for x in (tmp_path / "gpu-check.jsonl").read_text().splitlines()]
     checks = [r for r in checks if r["kind"] == "check"]
     assert [r["precision"] for r in checks] == ["fp32", "bf16"]
@@ -122,3 +125,16 @@ def test_passes_out_of_range_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         gpu_check.main(["--out", str(tmp_path), "--passes", "0"])
     assert e.value.code == 2 and "--passes: expected 1..10, got 0" in capsys.readouterr().err
+
+
+def test_dropout_replay_on_a_cpu_rank(tmp_path):
+    """The GPU check's dropout replay, run for real on one gloo rank: `tag execute` of the MLP
+    with dropout, every group recomputed and none, gives the same losses to the bit; the report
+    says so."""
+    from test_executor_dist import cpu_topology
+
+    rec = gpu_check.dropout_replay(Path(cpu_topology(tmp_path, 1)), tmp_path, timeout=60)
+    assert rec["pass"] is True and len(rec["losses_plain"]) == 3 and rec["losses_plain"] == rec["losses_recompute"]
+    gpu_check.write_report([{"kind": "env"}, rec], tmp_path, "cmd")
+    assert "Dropout replay (evaluation/models/dropout.py:make, every group recomputed against none): pass" in \
+        (tmp_path / "README.md").read_text()

@@ -246,19 +246,8 @@ def test_execution_refusal_of_recompute():
     assert execution_refusal(plan).startswith("groups[0].recompute: recomputation with SFB is simulated only")
 
 
-DROPOUT = """import torch
-def make(batch_size=8):
-    g = torch.Generator().manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(16, 16),
-                              torch.nn.Dropout(0.3), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-        def forward(self, x):
-            return self.net(x).pow(2).mean()
-    return M(), (torch.randn(batch_size, 8, generator=g),)
-"""
+DROPOUT = "evaluation/models/dropout.py:make"
+"""An MLP with two dropouts (the factory's docstring)."""
 
 
 def _dropout_plans(graph):
@@ -273,7 +262,7 @@ def _dropout_plans(graph):
     ]
 
 
-def test_executor_recompute_replays_dropout(tmp_path, monkeypatch):
+def test_executor_recompute_replays_dropout(monkeypatch):
     """A group whose forward draws random numbers (dropout, p > 0) recomputes from the random
     state its forward started from: the same masks, so the parameters after 3 Adam steps equal
     those of the same plan without recomputation (single device, data parallel over two virtual
@@ -286,9 +275,7 @@ def test_executor_recompute_replays_dropout(tmp_path, monkeypatch):
     from tag.parallel import execution_refusal
     from tag.workloads import load_workload
 
-    f = tmp_path / "drop.py"
-    f.write_text(DROPOUT)
-    graph = capture(load_workload(f"{f}:make", batch=8), num_groups=4).graph
+    graph = capture(load_workload(DROPOUT, batch=8), num_groups=4).graph
     topo = load_topology("topologies/local-cpu4.yaml")
     joints: dict = {}
 
@@ -298,7 +285,7 @@ def test_executor_recompute_replays_dropout(tmp_path, monkeypatch):
         validate_plan(plan, graph, topo)
         assert execution_refusal(plan, graph) is None
         torch.manual_seed(0)
-        rts = run_virtual(graph, plan, load_workload(f"{f}:make", batch=8), "adam", 3, joints=joints)
+        rts = run_virtual(graph, plan, load_workload(DROPOUT, batch=8), "adam", 3, joints=joints)
         return {r: rt.named_params() for r, rt in rts.items()}, rts
 
     replayed = set()

@@ -58,7 +58,8 @@ def add_execute_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"],
                    help="optimizer the plan was made for")
     add_precision_arg(p, default=None)
-    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="random seed for weights and inputs")
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
+                   help="random seed for weights, inputs and every rank's random stream (dropout masks)")
     p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=None, help="op-groups (default: the plan's)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
                    help="auto: NCCL when every rank has a GPU on this machine, else gloo")
