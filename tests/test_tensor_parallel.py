@@ -757,3 +757,44 @@ def test_full_params_refuse_a_diverged_replica():
     assert torch.equal(rank.full_params([({"ln.weight": w}, {}), ({"ln.weight": w + 1e-8}, {})])["ln.weight"], w)
     with pytest.raises(ExecutionError, match=r"replicated parameter 'ln.weight' differs between members 0 and 1"):
         rank.full_params([({"ln.weight": w}, {}), ({"ln.weight": w * 1.01}, {})])
+
+
+def test_random_ops_on_shards_draw_their_own_masks(tmp_path):
+    """A dropout inside a Megatron block (attention probabilities, sharded by head) runs on its
+    shard's own stream (tp_shard_random, Megatron-LM's model-parallel RNG tracker): from one
+    common state the two shards draw different masks, a shard drawing again from that state the
+    same (what a replayed recomputation does), and both leave the common stream in the same
+    state (the replicated ops' masks stay equal). In GPT-2 with dropout under 2-way tensor
+    parallelism every such op is wrapped, and only those."""
+    from tag.executor import run_virtual
+    from tag.executor.tensor_parallel import tp_shard_random
+    from tag.graph import capture
+    from tag.graph.gradients import node_draws_random
+    from tag.workloads import load_workload
+
+    x = torch.ones(4, 64)
+    drop = torch.ops.aten.native_dropout.default
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    masks, after = [], []
+    for shard in (0, 1, 0):
+        torch.set_rng_state(state)
+        masks.append(tp_shard_random(drop, shard, x, 0.5, True)[1])
+        after.append(torch.get_rng_state())
+    assert not torch.equal(masks[0], masks[1]) and torch.equal(masks[0], masks[2])
+    assert torch.equal(after[0], after[1]) and torch.equal(after[0], after[2]) and not torch.equal(after[0], state)
+
+    f = tmp_path / "gpt2_dropout.py"
+    f.write_text(GPT2_DROPOUT)
+    spec = f"{f}:make"
+    graph = capture(load_workload(spec, batch=8), num_groups=4).graph
+    from test_executor_dist import cpu_topology
+
+    rts = run_virtual(graph, _tp_plan(graph, load_topology(cpu_topology(tmp_path, 2)), [0, 1]),
+                      load_workload(spec, batch=8), "sgd", 0)
+    for rt in rts.values():
+        nodes = [n for st in rt.stages.values() for n in st.module.graph.nodes if n.op == "call_function"]
+        wrapped = [n for n in nodes if n.target is tp_shard_random]
+        assert wrapped and all(n.name in rt.hook.sharded for n in wrapped)
+        assert all(n.target is tp_shard_random or n.name not in rt.hook.sharded for n in nodes if node_draws_random(n))
+        assert any(node_draws_random(n) and n.target is not tp_shard_random for n in nodes)  # replicated dropouts

@@ -152,6 +152,28 @@ def tp_all_reduce(x: torch.Tensor, key: int) -> torch.Tensor:
     return x
 
 
+def tp_shard_random(op, shard: int, *args, **kwargs):
+    """``op(*args, **kwargs)``, a random op inside a Megatron block (a dropout of sharded attention
+    probabilities), on shard ``shard``'s own random stream, as Megatron-LM's model-parallel RNG
+    tracker: each shard holds other heads or features, which single-process training masks
+    independently. The stream is seeded by a number drawn from the rank's common stream (every
+    member of the group draws the same, so the members' common streams stay in step for the
+    replicated ops, and a replayed recomputation draws the same number) plus the shard index; the
+    common stream is left as after that one draw."""
+    base = int(torch.randint(0, 2**62, (1,)).item())  # the CPU generator: no device sync
+    dev = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    cuda = dev.type == "cuda"
+    with torch.random.fork_rng(devices=[dev.index if dev.index is not None else torch.cuda.current_device()]
+                               if cuda else []):
+        torch.random.default_generator.manual_seed(base + shard)
+        if cuda:
+            torch.cuda.manual_seed(base + shard)  # the rank's device (current)
+        return op(*args, **kwargs)
+
+
+tp_shard_random.draws_random = True  # (tag.graph.gradients.node_draws_random)
+
+
 @dataclass
 class TpSpec:
     """What the rewriting needs from the captured graph (the same on every rank)."""
@@ -280,9 +302,15 @@ class TpRank(RankHook):
 
     # ---- stages --------------------------------------------------------------------------
     def stage(self, stage: Stage) -> None:
-        """All-reduce every boundary of ``stage`` right after it (``addmm``: its bias added after)."""
+        """All-reduce every boundary of ``stage`` right after it (``addmm``: its bias added after);
+        run every random op on sharded values on this shard's own stream (:func:`tp_shard_random`)."""
+        from ..graph.gradients import node_draws_random
+
         g = stage.module.graph
         for n in list(g.nodes):
+            if n.op == "call_function" and n.name in self.sharded and node_draws_random(n):
+                n.target, n.args = tp_shard_random, (n.target, self.index, *n.args)
+                continue
             if n.op != "call_function" or n.name not in self.boundaries:
                 continue
             if n.target is aten.addmm.default:

@@ -88,10 +88,13 @@ def draws_random(op) -> bool:
 def node_draws_random(node) -> bool:
     """:func:`draws_random` for a node of an exported joint graph (``torch.fx.Node``): an ATen
     overload tagged ``nondeterministic_seeded``, a fused attention only with ``dropout_p`` above 0
-    (every fused attention overload carries the tag)."""
+    (every fused attention overload carries the tag), or a target with a true ``draws_random``
+    attribute (a wrapper around such an op)."""
     from .masks import arg_names, bind
 
     target = node.target
+    if getattr(target, "draws_random", False):  # a wrapper that says so (tag.executor.tensor_parallel)
+        return True
     if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
         return False
     if "dropout_p" in arg_names(target):
