@@ -131,19 +131,21 @@ def test_stored_fit_gives_the_documented_figures():
     assert 0 < rates.host_backward_s == fit["host_backward_s"] == res["fitted"]["host_backward_s"] < rates.host_s
     assert rates.step_host_s == fit["step_host_s"] == res["fitted"]["step_host_s"]
     assert rates.opt_host_s == fit["opt_host_s"] == res["fitted"]["opt_host_s"] > 0
-    assert len(fit["params"]) + 3 <= 15  # few constants for 42 steps (21 workloads x fp32/bf16)
+    assert len(fit["params"]) + 3 <= 17  # few constants for 42 steps (21 workloads x fp32/bf16)
     assert all(fit["units"][n] == FIT_PARAMS[n][0] for n in fit["params"])
 
 
 def test_stored_rule_keeps_the_microbenchmark_regime_for_large_ops():
-    """The fitted rule times a large matmul as the microbenchmark measured it (its marginal rate
-    plus the fitted per-call seconds): the n=4096 square matmuls of gpu_calib/H200.jsonl within
-    12% (the isolated calls there also hold 28-40 us of per-call harness time, which an eager
+    """The fitted rule times a large matmul as the microbenchmark measured it (the rate the steps'
+    large GEMMs reach, within 15% of the microbenchmark's marginal rate, plus the fitted per-call
+    seconds): the n=4096 square matmuls of gpu_calib/H200.jsonl within 12% (the isolated calls there also hold 28-40 us of per-call harness time, which an eager
     stream hides). Fused attention is fitted per mode where the steps identify it (the real-size
     zoo's attention kernels, 2026-11-27): a fraction of the matmul rate of its mode, below 1; in
     fp32 whatever the TF32 flag says (the fused kernels are not cuBLAS calls)."""
     rates, micro = fitted_rates("H200"), microbenchmark_rates("H200")
-    assert rates.matmul == micro.matmul
+    assert rates.matmul["tf32"] == micro.matmul["tf32"]  # no step runs a TF32 matmul
+    for mode in ("fp32", "low"):  # fitted on the steps' large GEMMs: near the microbenchmark's marginal rate
+        assert 0.85 < rates.matmul[mode] / micro.matmul[mode] <= 1.0
     fit = json.loads((REPO / "tag/cost/gpu_calib/H200-fit.json").read_text())
     for mode in ATTENTION_MODES:
         assert f"attention_eff:{mode}" in fit["params"] and f"attention_eff:{mode}" not in fit["assumed"]
@@ -372,7 +374,9 @@ def test_unaligned_bf16_gemm_costs_more_than_an_aligned_one_of_the_same_flops():
     ignore alignment. The H200's LM-head kernels (evaluation/results/gpu-check/2026-11-26-h200
     run1.jsonl) measured 119 TFLOP/s at 1 element (GPT-2's 50257 vocabulary, 3 cutlass align1
     kernels, 7.94 ms) and 240 at 2 (BERT's 30522, 3 align2 kernels, 2.40 ms): the rule gives
-    97 and 195, the aligned 780."""
+    96 and 191, an eighth and a quarter of the aligned 765 it fits (since 2026-11-28; 97 and 195
+    of the microbenchmark's 780 before): the load-width bound is 20-25% pessimistic for these
+    kernels, which the 30% band below states."""
     gpt2, bert = (2.0 * 4096 * 768 * vocab for vocab in (50257, 30522))  # 8 x 512 tokens, width 768
     rates = fitted_rates("H200")
 
@@ -385,7 +389,8 @@ def test_unaligned_bf16_gemm_costs_more_than_an_aligned_one_of_the_same_flops():
     assert t[1] > t[2] > t[4] > t[8]
     floor = rates.matmul_floor("low")
     assert (t[1] - floor) == pytest.approx(8 * (t[8] - floor)) and (t[2] - floor) == pytest.approx(4 * (t[8] - floor))
-    assert 3 * t[1] == pytest.approx(7.94e-3, rel=0.25) and 3 * seconds(2, "low", bert) == pytest.approx(2.40e-3, rel=0.25)
+    assert 3 * t[1] == pytest.approx(7.94e-3, rel=0.3) and 3 * seconds(2, "low", bert) == pytest.approx(2.40e-3, rel=0.3)
+    assert 3 * t[1] > 7.94e-3 and 3 * seconds(2, "low", bert) > 2.40e-3  # the bound: never faster than measured
     assert seconds(1, "fp32") == seconds(8, "fp32")
     a100 = gpu_rates(GPU_CATALOG["A100-80GB"])  # derived types keep the ratio to their aligned rate
     assert float(a100.unaligned_rate(1)) == pytest.approx(a100.matmul["low"] / 8)

@@ -180,9 +180,10 @@ def test_label_children_off_leaves_the_records_as_they_were(tmp_path):
     recomputed on 2026-11-27 again: the H200 refit on the real-size zoo moved every GPU cost; and
     again when the refits on causal attention FLOPs (tag.graph.masks) and bf16 batch norm moved them;
     and when the refit on attention costed in whole tiles (tag.cost.gpu.ATTENTION_TILES) did, and
-    the backward's own host seconds per launch (GpuRates.host_backward_s)."""
+    the backward's own host seconds per launch (GpuRates.host_backward_s), and the fitted matmul
+    rates."""
     import hashlib
-    golden = ["f7519b9aeef97ed4", "ef0b2bd436c239a8", "f2d4740b8888f2ac"]
+    golden = ["d9ff5ff34dcf26c0", "dffa406abfc887e7", "5b41273153273064"]
     for i, want in enumerate(golden):
         rec, _ = _label(tmp_path, i)
         rec.pop("seconds")

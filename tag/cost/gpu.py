@@ -29,8 +29,9 @@ constants are fitted. An op's seconds on a GPU (:func:`op_seconds`):
 ``K`` (``kernel_s``) is the per-kernel floor: the device seconds a kernel costs beyond its work
 (small kernels do not fill the GPU). A matmul's floor is its own, ``C_mm[mode]``
 (``matmul_call_s``): small and unaligned GEMMs run below the large-matmul rate, and the seconds they
-lose are charged per call, so a large matmul runs at the microbenchmark's marginal rate
-``R_mm`` (measured between n=1024 and n=4096 square matmuls) whatever small ones the fit saw. The host issues one launch per op, ``host_s`` each
+lose are charged per call, so a large matmul runs at ``R_mm``, the rate the steps' large GEMMs
+reach (fitted since 2026-11-28; the microbenchmark's marginal rate between n=1024 and n=4096
+square matmuls before, and for TF32, which no step runs) whatever small ones the fit saw. The host issues one launch per op, ``host_s`` each
 in the forward and ``host_backward_s`` in the backward (autograd's C++ engine, no Python:
 :func:`host_seconds`), walks every parameter once per multi-tensor kernel of the optimizer step,
 ``opt_host_s`` each (measured in the profiled steps' op tables), and spends ``step_host_s`` once per step: eager PyTorch dispatches kernels one by one, so a stream of small kernels
@@ -50,7 +51,7 @@ Where the constants come from (``GpuRates.source``):
   constants of :data:`FIT_PARAMS` (``K``, ``C_mm``, ``R_conv``, ``BW``, ``BW_norm``, ``BW_opt``;
   ``e_att[mode]`` only where the steps' attention kernels in that mode take long enough to identify it) are fitted to
   the per-class kernel seconds of those steps (:func:`fit_device`) and ``host_s`` (``step_host_s``
-  where the fit file sets it) to their step times; ``R_mm`` stays the microbenchmark's (:data:`FIXED_PARAMS`),
+  where the fit file sets it) to their step times; ``R_mm[tf32]`` stays the microbenchmark's (:data:`FIXED_PARAMS`),
   and a constant no profiled step identifies keeps the microbenchmark's (``e_att`` = 1: fused
   attention at the matmul rate of its mode, an assumption).
 * ``datasheet:<type>``: any other catalog GPU. The achieved-to-datasheet ratios of the fitted
@@ -372,10 +373,11 @@ def fit_microbenchmarks(records: list[dict]) -> dict:
 
 FIT_PARAMS = {
     "kernel_s": ("s", "device seconds every launched kernel costs beyond its work (the per-kernel floor)"),
-    "matmul:fp32": ("FLOP/s", "matmuls on fp32 (FFMA) kernels: the microbenchmark's marginal rate, not fitted"),
+    "matmul:fp32": ("FLOP/s", "matmuls on fp32 (FFMA) kernels beyond their per-call seconds (the steps' "
+                              "large GEMMs identify it: GPT-2 XL, Llama 1.1B)"),
     "matmul:tf32": ("FLOP/s", "matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32): the "
-                              "microbenchmark's marginal rate, not fitted"),
-    "matmul:low": ("FLOP/s", "matmuls on bf16/fp16 tensor cores: the microbenchmark's marginal rate, not fitted"),
+                              "microbenchmark's marginal rate, not fitted (no step runs one)"),
+    "matmul:low": ("FLOP/s", "matmuls on bf16/fp16 tensor cores beyond their per-call seconds"),
     "conv:fp32": ("FLOP/s", "convolutions with TF32 off"),
     "conv:tf32": ("FLOP/s", "fp32 convolutions (cuDNN runs them on TF32 by default), layout transforms included"),
     "conv:low": ("FLOP/s", "bf16/fp16 convolutions, layout transforms included"),
@@ -400,11 +402,14 @@ is one column of :func:`design`, except the seconds (``kernel_s``, ``matmul_call
 enter as they are. ``host_s`` (s per launch) and ``step_host_s`` (s per step) are fitted to step
 times afterwards."""
 COLUMNS = tuple(FIT_PARAMS)
-FIXED_PARAMS = ("matmul:fp32", "matmul:tf32", "matmul:low", "matmul_unaligned:low")
-"""Columns never fitted: the marginal matmul rate of the microbenchmarks (large square matmuls)
-holds for the large matmuls the planner costs; the small GEMMs of the profiled steps run below it,
-which ``matmul_call:<mode>`` charges per call instead. The unaligned rate is that rate over
-:data:`ALIGN_ELEMENTS` per element of alignment (:attr:`GpuRates.matmul_unaligned`)."""
+FIXED_PARAMS = ("matmul:tf32", "matmul_unaligned:low")
+"""Columns never fitted: the TF32 matmul rate (TF32 matmuls are off by default, so no profiled
+step runs one: the microbenchmark's marginal rate) and the unaligned bf16 rate (the fitted bf16
+rate over :data:`ALIGN_ELEMENTS` per element of alignment, :attr:`GpuRates.matmul_unaligned`). The fp32 and bf16 rates were held at the microbenchmark's
+until 2026-11-28, when the steps were small and a flat fitted rate charged their small GEMMs'
+shortfall to every FLOP; with ``matmul_call:<mode>`` per call and the real-size zoo's large GEMMs
+in the fit they are fitted: 46.9 fp32 and 765 bf16 TFLOP/s on the H200 against the
+microbenchmark's 50.6 and 780."""
 SECONDS = tuple(n for n, (unit, _) in FIT_PARAMS.items() if unit == "s")
 """Columns in seconds (the others are inverse rates in theta)."""
 
@@ -508,7 +513,9 @@ def fitted_rates(gpu: str = REFERENCE_GPU) -> GpuRates | None:
             v = float(fit["params"][name])
             theta[i] = v if name in SECONDS else 1.0 / v
     bwd = fit.get("host_backward_s")
-    return dataclasses.replace(with_theta(base, theta), host_s=float(fit["host_s"]),
+    # the unaligned bf16 rate is the (fitted) aligned one over ALIGN_ELEMENTS, unless the fit stored its own
+    unaligned = float(fit["params"]["matmul_unaligned:low"]) if "matmul_unaligned:low" in fit["params"] else None
+    return dataclasses.replace(with_theta(base, theta), matmul_unaligned=unaligned, host_s=float(fit["host_s"]),
                                host_backward_s=None if bwd is None else float(bwd),
                                step_host_s=float(fit.get("step_host_s", 0.0)),
                                opt_host_s=float(fit.get("opt_host_s", 0.0)))
