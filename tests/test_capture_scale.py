@@ -156,10 +156,11 @@ def test_presets_are_listed_and_built_without_weights(capsys):
     table = zoo_entries()
     for name in ("gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "bert-base", "bert-large", "vit-b16",
                  "vit-l16", "resnet50", "resnet101", "resnet152", "vgg16", "vgg19", "llama-1b", "llama-7b",
-                 "llama-13b"):
+                 "llama-13b", "llama-70b"):
         assert name in table
     assert zoo_params("gpt2-small") == 124_439_808  # the published GPT-2 small count (tied LM head)
     assert zoo_params("resnet50") == 25_557_032  # torchvision's resnet50
+    assert zoo_params("llama-70b") == 68_976_648_192  # Llama-2 70B (grouped-query attention, untied head)
     wl = load_workload("llama-7b", abstract=True)  # 6.7e9 parameters, none allocated
     assert sum(p.numel() for p in wl.model.parameters()) == 6_738_415_616
     assert all(p.is_meta for p in wl.model.parameters()) and wl.inputs[0].shape == (4, 2048)

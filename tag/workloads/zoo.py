@@ -237,8 +237,8 @@ def zoo_entries() -> dict[str, ZooEntry]:
 #: The transformers use fused attention (``attn=sdpa``, :data:`SDPA`), as Hugging Face builds them
 #: by default; ``<preset>:attn=eager`` gives the materialised [B, heads, L, L] probabilities.
 #: Shapes follow the published configurations (GPT-2: Radford et al. 2019; BERT: Devlin et al. 2019;
-#: ViT: Dosovitskiy et al. 2021; ResNet: He et al. 2016; VGG: Simonyan & Zisserman 2015; Llama-2 7B
-#: and 13B: Touvron et al. 2023, and TinyLlama-1.1B for the 1B shape). Build them with
+#: ViT: Dosovitskiy et al. 2021; ResNet: He et al. 2016; VGG: Simonyan & Zisserman 2015; Llama-2 7B,
+#: 13B and 70B: Touvron et al. 2023, and TinyLlama-1.1B for the 1B shape). Build them with
 #: ``load_workload(..., abstract=True)`` to capture without allocating their weights.
 SDPA = {"attn": "sdpa"}
 PRESETS: tuple[tuple[str, str, str, dict[str, Value], int], ...] = (
@@ -271,6 +271,9 @@ PRESETS: tuple[tuple[str, str, str, dict[str, Value], int], ...] = (
       "vocab": 32000, "seq": 2048, **SDPA}, 4),
     ("llama-13b", "llama", "Llama-2 13B shape",
      {"n_layer": 40, "n_embd": 5120, "n_head": 40, "n_kv_head": 40, "ffn": 13824,
+      "vocab": 32000, "seq": 2048, **SDPA}, 4),
+    ("llama-70b", "llama", "Llama-2 70B shape (grouped-query attention, 8 key-value heads)",
+     {"n_layer": 80, "n_embd": 8192, "n_head": 64, "n_kv_head": 8, "ffn": 28672,
       "vocab": 32000, "seq": 2048, **SDPA}, 4),
 )
 
