@@ -7,8 +7,8 @@ The measurements: the ``kind: step`` records of ``evaluation/gpu_check.py`` resu
 name (:func:`tag.cost.gpu.kernel_class`); the graphs are captured here (torch 2.13, CPU) from the
 same zoo specs and batches and matched by spec, batch and precision, never by signature.
 
-What is fitted, and how (:data:`tag.cost.gpu.FIT_PARAMS`): the device constants but the matmul
-rates (:data:`tag.cost.gpu.FIXED_PARAMS`; ``attention_eff`` only where identified,
+What is fitted, and how (:data:`tag.cost.gpu.FIT_PARAMS`): the device constants but the TF32 and
+unaligned bf16 matmul rates (:data:`tag.cost.gpu.FIXED_PARAMS`; ``attention_eff`` only where identified,
 :func:`fixed_columns`) by non-negative least squares on relative error over the **per-class
 kernel seconds** of every step (one row per
 class of each step; cuDNN runs some convolutions as GEMM kernels, so a graph with convolutions
@@ -296,7 +296,7 @@ at long sequences."""
 
 
 def fixed_columns(cases: list[dict]) -> tuple[str, ...]:
-    """The device columns kept at the microbenchmark prior: the matmul rates
+    """The device columns not fitted: the TF32 and unaligned bf16 matmul rates
     (:data:`tag.cost.gpu.FIXED_PARAMS`) always, ``attention_eff:<mode>`` unless some step of
     ``cases`` in that mode (fp32, or bf16/fp16: ``low``) has more than :data:`ATTENTION_MIN_S` of
     attention kernels."""
@@ -727,15 +727,15 @@ def write_report(res: dict, command: str) -> None:
     from tag.io import write_atomic, write_json
 
     f = res["fitted"]
-    # the matmul rates stay the microbenchmark's (read from gpu_calib/<type>.jsonl, not stored here)
+    # the fixed columns (TF32 matmuls: the microbenchmark's, read from gpu_calib/<type>.jsonl) are not stored here
     stored = [n for n in FIT_PARAMS if n in res["fitted_columns"] or (n in res["assumed"] and n not in res["fixed_columns"])]
     fit = {"gpu": GPU, "params": {n: f[n] for n in stored}, "units": {n: FIT_PARAMS[n][0] for n in stored},
            "host_s": f["host_s"], "host_backward_s": f["host_backward_s"], "step_host_s": f["step_host_s"],
            "opt_host_s": f["opt_host_s"],
            "assumed": res["assumed"],
            "fitted_on": [f"{c['file']}: {c['spec']} batch {c['batch']} {c['precision']}" for c in res["cases"]],
-           "how": "device constants: NNLS on relative error of per-class kernel seconds, the matmul rates held at "
-                  "the microbenchmark's; opt_host_s: measured, the median over the steps of their profiled "
+           "how": "device constants: NNLS on relative error of per-class kernel seconds, the TF32 matmul rate held at "
+                  "the microbenchmark's and the unaligned bf16 one at a / 8 of the fitted bf16 rate (alignment a); opt_host_s: measured, the median over the steps of their profiled "
                   "optimizer calls (optimizer_host_s); host_s and host_backward_s: grid search, least absolute log "
                   "error of step times "
                   "(evaluation/gpu_cost_check.py)",
