@@ -103,7 +103,7 @@ def test_a_cell_says_when_tag_execute_would_refuse_its_plan(tmp_path, monkeypatc
     cfg = SuiteConfig(name="t", models=[model], topologies=["homogeneous-8xa100"], methods=["dp-tp-pp-grid"], groups=8)
     case = _Case(model, "homogeneous-8xa100", cfg, {})
     sp = layout_plan(case.graph, case.topology, "dp=4,tp=2,sp=1", case.costs)
-    refusal = execution_refusal(sp, case.graph)
+    refusal = execution_refusal(sp)
     assert refusal is not None
     monkeypatch.setattr(case, "make_plan", lambda method, cfg: (sp, 0))  # the planner stands aside: the note is tested
     cell = _run_cell(case, model, "homogeneous-8xa100", "dp-tp-pp-grid", cfg)

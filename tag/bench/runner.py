@@ -171,7 +171,7 @@ def _run_cell(case: _Case, model, topo_name: str, method: str, cfg: SuiteConfig)
                 note=plan.meta.get("prior_note") or "")  # e.g. the gnn prior skipped on 512 GPUs
     # every cell says when tag execute would refuse its plan (tag-* search executable=False: e.g.
     # recomputation of groups with dropout, tp beside other groups): simulated only
-    refusal = execution_refusal(plan, case.graph)
+    refusal = execution_refusal(plan)
     if refusal is not None:
         where = "not executed" if topo_name in cfg.execute_topologies else "simulated only"
         cell.note = "; ".join(filter(None, [cell.note, f"{where}: {refusal}"]))

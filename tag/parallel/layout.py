@@ -355,7 +355,7 @@ def search_layouts(graph, topology, costs, simulate, *, executable: bool = False
     for lay in layout_grid(graph, topology):
         plan = layout_plan(graph, topology, lay, costs, template=template)
         template = template or plan
-        if executable and execution_refusal(plan, graph) is not None:
+        if executable and execution_refusal(plan) is not None:
             continue
         i = first_of.setdefault((replace(lay, cut=CUTS[0]), plan.pipeline and tuple(plan.pipeline.stages)), len(plans))
         if i != len(plans):

@@ -380,7 +380,7 @@ def validate_plan(plan, graph, topology, *, source: str = "plan", pipelines: boo
     for name in dict.fromkeys(gp.sync for gp in plan.groups):
         get_strategy(name).check_plan(plan, graph, topology, source)
     if not tensor_parallel:
-        why = execution_refusal(plan, graph)
+        why = execution_refusal(plan)
         if why is not None:
             raise PlanError(f"{source}: {why}")
     validate_pipeline(plan, graph, topology.num_devices, source=source)
@@ -388,7 +388,7 @@ def validate_plan(plan, graph, topology, *, source: str = "plan", pipelines: boo
         raise PlanError(f"{source}: pipeline: this caller runs no micro-batches; expected no pipeline field")
 
 
-def execution_refusal(plan, graph=None) -> str | None:
+def execution_refusal(plan) -> str | None:
     """The one rule of what the executor runs: None when ``tag execute`` runs ``plan`` (anything
     with ``groups`` and ``pipeline``, already valid for the simulator), else one line naming the
     first field it does not run. Each strategy the plan uses judges its groups
@@ -403,8 +403,7 @@ def execution_refusal(plan, graph=None) -> str | None:
     Activation recomputation (``GroupPlan.recompute``) runs on every strategy (on ``tp`` the
     recomputed forward all-reduces again, as Megatron-LM's), without SFB; a group whose forward
     draws random numbers (dropout) recomputes from the random state its forward started from, so
-    it draws the same masks (:meth:`tag.executor.runtime.RankRuntime.run_segment`). ``graph`` is
-    not read by the built-in rules (kept for strategies that judge a plan by its graph)."""
+    it draws the same masks (:meth:`tag.executor.runtime.RankRuntime.run_segment`)."""
     for name in dict.fromkeys(gp.sync for gp in plan.groups):
         why = get_strategy(name).execution_refusal(plan)
         if why is not None:

@@ -186,7 +186,7 @@ class Evaluator:
             accept = None
             if self.space.executable:
                 def accept(gs):
-                    return execution_refusal(_Plan(gs, pipeline), self.space.graph) is None
+                    return execution_refusal(_Plan(gs, pipeline)) is None
             fitted = fit_by_recompute(self.simulator, groups, pipeline, res, accept)
             if fitted is not None:
                 res = fitted[1]

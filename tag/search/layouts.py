@@ -79,7 +79,7 @@ def refine(graph, topology, costs, simulator, found: GridSearch, *, executable: 
         return simulator.run(q.groups, pipeline=q.pipeline)
 
     def runs(q) -> bool:
-        return not executable or execution_refusal(q, graph) is None
+        return not executable or execution_refusal(q) is None
 
     def offer(q, t: float, note: str) -> None:
         nonlocal best, best_t
