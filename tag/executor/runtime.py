@@ -271,9 +271,10 @@ class RankRuntime:
             final += [(env_unit(s, s.loss_unit, m), s.loss) for m in self.micros]
         from ..graph.gradients import node_draws_random
 
-        self._draws = any(node_draws_random(n) for st in self.stages.values() for n in st.module.graph.nodes
-                          if n.op == "call_function")
-        replayed = self._replayed()
+        draws = {key: [n.name for n in st.module.graph.nodes if n.op == "call_function" and node_draws_random(n)]
+                 for key, st in self.stages.items()}  # stage key -> its ops drawing random numbers, in order
+        self._draws = any(draws.values())
+        replayed = self._replayed(draws)
         self.program = plan_program(
             s, self.rank, self.stages, static=lambda k: k not in written and self._static(k) is not None,
             synced=self._synced_keys, sfb_writes=self._sfb_writes, final_reads=final,
@@ -293,25 +294,17 @@ class RankRuntime:
                          static_value=lambda k: None if k in written else self._static(k),
                          meta=meta, local_rows=self._row_range, device=self.device)
 
-    def _replayed(self) -> frozenset[int]:
+    def _replayed(self, draws: dict[tuple, list[str]]) -> frozenset[int]:
         """Recomputed op-groups of this rank whose forward draws random numbers (dropout): their
         recomputation replays the forward's draws (:meth:`run_segment`). Each recomputing stage
         must draw exactly where its forward did, in the same order (one line naming the stage
-        otherwise)."""
-        from ..graph.gradients import node_draws_random
-
-        def draws(stage: Stage) -> list[str]:
-            return [n.name for n in stage.module.graph.nodes if n.op == "call_function" and node_draws_random(n)]
-
+        otherwise). ``draws``: stage key -> the names of its ops drawing random numbers, in order."""
         out = set()
-        for key, stage in self.stages.items():
+        for key, mine in draws.items():
             unit, phase, *micro = key
-            if phase != "fwd" or unit[0] not in self.schedule.recompute:
+            if phase != "fwd" or unit[0] not in self.schedule.recompute or not mine:
                 continue
-            mine = draws(stage)
-            if not mine:
-                continue
-            again = draws(self.stages[(unit, "bwd", *micro)])
+            again = draws[(unit, "bwd", *micro)]
             if again != mine:
                 raise ExecutionError(f"rank {self.rank}: the recomputation of unit {unit} draws random numbers at "
                                      f"{again}, its forward at {mine}; expected the same ops in the same order "
@@ -774,10 +767,7 @@ def in_layout(t: torch.Tensor, like) -> torch.Tensor:
     if not isinstance(like, torch.Tensor) or like.dim() != t.dim() or like.is_contiguous():
         return t
     order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))  # outermost first
-    strides, step = [0] * t.dim(), 1
-    for d in reversed(order):
-        strides[d] = step
-        step *= t.shape[d]
+    strides = torch.empty_permuted(t.shape, order, device="meta").stride()  # t's shape in like's dim order
     if all(a == b for a, b, n in zip(t.stride(), strides, t.shape) if n > 1):
         return t
     return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
