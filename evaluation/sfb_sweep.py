@@ -8,7 +8,7 @@ chosen SFB ops (factor all-gathers + recompute), from the SFB cost model
 (:mod:`tag.compress.cost`; one bucketed sync and one bucketed gather per group, no overlap with
 compute). The last two columns are whole-iteration times of both plans from ``tag.sim``,
 which runs SFB as the executor does: after each group's backward, the factor all-gathers, then
-every replica's recompute, then the remaining gradients' sync (docs/DESIGN.md).
+every replica's recompute, then the remaining gradients' sync (docs/design.md).
 
     python -m evaluation.sfb_sweep [--out runs/sfb_sweep] [--quick]
 """

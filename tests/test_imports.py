@@ -1,4 +1,4 @@
-"""Import direction (docs/DESIGN.md, "Package layout"): the import-linter contracts of pyproject.toml
+"""Import direction (docs/design.md, "Package layout"): the import-linter contracts of pyproject.toml
 hold for ``tag``, and they do catch a layer importing upwards or a repository script folder."""
 
 from __future__ import annotations

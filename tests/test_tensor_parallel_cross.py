@@ -260,7 +260,7 @@ def _spawn_machines(topo, args_path: Path, log_dir: Path, timeout_s: float) -> N
 
 @pytest.mark.slow
 def test_scatter_gather_across_two_loopback_machines(setup, two, tmp_path):
-    """The same plan on 4 gloo processes, two per "machine" (tag/executor/README.md's torchrun
+    """The same plan on 4 gloo processes, two per "machine" (docs/executor.md's torchrun
     recipe, on one host): the parameters after 2 steps equal single-process SGD, every rank
     all-gathered, and the bytes each rank sent across machines are the simulator's."""
     from tag.executor import reference_training

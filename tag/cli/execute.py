@@ -3,7 +3,7 @@
 On one machine without GPUs: one gloo process per device; with a GPU per device: NCCL.
 Across machines: ``--run-dir DIR --torchrun HOST:PORT`` writes the run folder and prints the
 torchrun command of each machine; ``--run-dir DIR --report`` reports the finished run
-(tag/executor/README.md). Prints the measured median iteration time next to the
+(docs/executor.md). Prints the measured median iteration time next to the
 simulator's prediction (``--json``: the whole result; ``--out``: also written to a file).
 """
 

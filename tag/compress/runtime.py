@@ -12,7 +12,7 @@ Per SFB op of a group, every replica
 
 Units: the gathered rows must be in "full-batch units" (summing the replicas' local products
 gives the full-batch gradient). The executor scales the loss-gradient seed by ``b_r / B`` inside
-the loss unit's backward (docs/DESIGN.md "Loss scaling"), so every backward factor row already
+the loss unit's backward (docs/design.md "Loss scaling"), so every backward factor row already
 is; an implementation that scaled gradients only after the backward would have to scale the
 backward factor rows it contributes by ``b_r / B`` before gathering (dW is linear in dY).
 """

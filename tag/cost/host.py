@@ -94,7 +94,7 @@ def demote_threads(name: str = GLOO_EVENT_THREAD) -> int:
     threads slept), in a third to half of vit's and vgg's ``mixed`` iterations. Under
     ``SCHED_IDLE`` it runs only when the main thread waits: ``tag execute`` of vit ``mixed`` took
     8.4 ms at the median instead of 11.6-13.4, vgg ``mixed`` 7.8-8.0 instead of 10.2-11.5, the
-    plans without those stalls the same (tag/executor/README.md). gloo's collective worker threads
+    plans without those stalls the same (docs/executor.md). gloo's collective worker threads
     keep their priority (demoted too, at nice 19 in f2f4fbb, they starved behind a rank polling
     for its all-reduce: a 4 KiB all-reduce profiled at 1.1 ms instead of 0.15).
     """

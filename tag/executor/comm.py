@@ -66,7 +66,7 @@ class DistComm:
         another thread holds and is handed the same event again at once, so a rank posting a
         receive (or a send) on the connection its peer is writing to made that thread spin,
         on the development microVM for milliseconds at a time; one connection per direction
-        keeps a rank's posts and its peer's data apart (tag/executor/README.md has the
+        keeps a rank's posts and its peer's data apart (docs/executor.md has the
         measurements).
         """
         kwargs = {"device_id": device} if backend == "nccl" else {}
@@ -120,7 +120,7 @@ class DistComm:
         alone 3.4 ms at the 90th percentile), one packed message 0.45 ms; a 100 KB message between
         two ranks that both just computed 0.6 ms, with the receive posted only then, 0.52-0.61 ms
         on average (90th percentile 1.4-2.3 ms), with the receive posted before the compute
-        0.10-0.13 ms (tag/executor/README.md). The simulator prices a step's pieces between two
+        0.10-0.13 ms (docs/executor.md). The simulator prices a step's pieces between two
         devices as one message too (:meth:`tag.sim.engine._Run._transfer`)."""
         t0 = time.perf_counter()
         received: dict[int, torch.Tensor] = {}
@@ -212,7 +212,7 @@ class DistComm:
         of one process group in the same order and no rank blocks mid-backward on a peer's reduce.
 
         On a CPU rank the collective is only queued here and issued by :meth:`finish_syncs`, after
-        the rank's last compute (docs/DESIGN.md: a CPU rank computes on every core it has; gloo's
+        the rank's last compute (docs/design.md: a CPU rank computes on every core it has; gloo's
         threads would otherwise time-slice with the compute and stretch both), bucket after
         bucket in launch order (the simulator's :meth:`tag.sim.Simulator.sync_jobs`).
         """

@@ -23,7 +23,7 @@ hands over from a stage).
   (:func:`_bucketed`): per-group flattening into one bucket, the collective, the sums copied back
   (a parameter server's reduce carries the first copies, its broadcast back the last; ``ps`` times
   the two as one sync, the way the executor runs it), one call after a barrier (the executor
-  coalesces a CPU rank's syncs into one bucket per replica set, docs/DESIGN.md).
+  coalesces a CPU rank's syncs into one bucket per replica set, docs/design.md).
 * ``all_gather`` (SFB factors, gathered one after the other): a burst of :data:`BURST` calls on
   distinct buffers back to back, per call.
 

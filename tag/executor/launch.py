@@ -6,7 +6,7 @@ workers' arguments as JSON into a run folder, and starts one rank per device wit
 When a rank raises or dies, the elastic agent stops the others and raises ``ChildFailedError``;
 it becomes ONE line naming the rank and the cause (:class:`ExecutionError`).
 
-Across machines, run the same worker under ``torchrun`` on every machine (tag/executor/README.md).
+Across machines, run the same worker under ``torchrun`` on every machine (docs/executor.md).
 """
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ def _backend(choice: str, topology) -> str:
     if topology.num_machines > 1:
         raise ExecutionError(f"topology {topology.name!r} spans {topology.num_machines} machines; "
                              "`tag execute` launches one machine -- give --run-dir DIR --torchrun HOST:PORT "
-                             "for the torchrun command of each machine (tag/executor/README.md)")
+                             "for the torchrun command of each machine (docs/executor.md)")
     gpus = torch.cuda.device_count()
     if choice == "auto":
         choice = "nccl" if gpus >= topology.num_devices else "gloo"

@@ -818,7 +818,7 @@ def _unscale(params, scale: float) -> bool:
 def _scale_seed(stage: Stage, loss: str, scale: float) -> None:
     """Multiply the loss-gradient seed by ``scale`` (= b_i / B) inside the loss unit's backward.
 
-    Every gradient leaving that backward is linear in the seed, so this is DESIGN.md's
+    Every gradient leaving that backward is linear in the seed, so this is docs/design.md's
     "scale every gradient leaving the loss unit by b_i / B", done once at the source.
     """
     g = stage.module.graph

@@ -19,7 +19,7 @@ The distributed worker (:mod:`tag.executor.worker`) and the in-process runner
 (:mod:`tag.executor.virtual`) ask :func:`execution_for` and name no strategy. The built-in one is
 ``tp`` (:mod:`tag.executor.tensor_parallel`, registered when :mod:`tag.executor` is imported: a
 tensor-parallel group's devices run its first device's schedule, each on its shard).
-docs/DESIGN.md "Adding a strategy".
+docs/design.md "Adding a strategy".
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
 * :mod:`~tag.parallel.schedule`: the global schedule of one iteration that every executor rank
   walks; the simulator costs the same lowering (:mod:`tag.sim`).
 
-docs/DESIGN.md "Adding a strategy" says what a new strategy touches.
+docs/design.md "Adding a strategy" says what a new strategy touches.
 """
 
 from __future__ import annotations

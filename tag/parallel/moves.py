@@ -1,6 +1,6 @@
 """Which replica sends what to which when a tensor crosses from one unit to another.
 
-One implementation of docs/DESIGN.md's rules, used by the executor (per tensor,
+One implementation of docs/design.md's rules, used by the executor (per tensor,
 :func:`tag.parallel.schedule.build_schedule`) and by the simulator (per bundle of tensors of one
 kind, :class:`tag.sim.units.PairTemplate`). Units are anything with ``devices``, ``starts`` and
 ``batches`` (replicas in plan order; sample ranges contiguous and non-decreasing). Consecutive

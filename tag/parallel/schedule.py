@@ -5,7 +5,7 @@ steps in order, doing only the parts it takes part in. Because every rank follow
 global order, the earliest unfinished communication always has all of its participants
 waiting on it, so the schedule cannot deadlock (p2p batches and collectives alike).
 
-Order of one iteration (see docs/DESIGN.md, "How a plan runs"):
+Order of one iteration (see docs/design.md, "How a plan runs"):
 
 1. for each unit in forward order (group 0..K-1, chunk 0..): the transfers into its forward
    stage, then its forward stage on every replica;
@@ -17,14 +17,14 @@ Order of one iteration (see docs/DESIGN.md, "How a plan runs"):
    concatenated gradients, asynchronously: it overlaps the backward of the earlier groups;
 3. the optimizer update of every parameter on its owner unit's replicas (local, no comm).
 
-Sufficient Factor Broadcasting (``GroupPlan.sfb``, docs/DESIGN.md): right after an SFB group's
+Sufficient Factor Broadcasting (``GroupPlan.sfb``, docs/design.md): right after an SFB group's
 backward stage comes its ``sfb`` step -- one all-gather per distinct factor of its SFB ops over
 the replicas (on a process group of their own, so it does not queue behind earlier groups'
 asynchronous syncs), then every replica recomputes the full gradient of each SFB op from the
 gathered factors -- and only then the ``sync`` step of the group's remaining gradients (none
 when every gradient of the group is SFB).
 
-Tensors crossing units follow DESIGN.md: batch tensors are re-partitioned by sample ranges
+Tensors crossing units follow docs/design.md: batch tensors are re-partitioned by sample ranges
 (``rows``); non-batch forward tensors are copied from one producer replica (``copy``);
 non-batch backward *gradients* are partial sums: each stays on its device when every producer
 replica's device also holds a consumer replica (``sum`` in place; consumer replicas without a

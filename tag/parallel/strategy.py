@@ -11,7 +11,7 @@ A strategy *lowers* a group's plan into the pieces every consumer of a plan shar
 The executor's global schedule (:func:`tag.parallel.schedule.build_schedule`) and the
 simulator's per-group deployment (:meth:`tag.sim.Simulator.group_data`) are both built from
 this lowering, so what runs and what is costed are one thing. A strategy is registered under the
-name a plan writes in ``GroupPlan.sync`` (:func:`register`); docs/DESIGN.md "Adding a strategy"
+name a plan writes in ``GroupPlan.sync`` (:func:`register`); docs/design.md "Adding a strategy"
 lists the files a new one touches.
 """
 

@@ -75,7 +75,7 @@ class GroupPlan:
     the blocks); omitted from the file when false (:mod:`tag.parallel.tensor_parallel`)."""
     recompute: bool = False
     """Activation recomputation of the group's units: the forward keeps only each unit's inputs,
-    the backward first re-runs the unit's forward (docs/DESIGN.md, "Activation recomputation");
+    the backward first re-runs the unit's forward (docs/design.md, "Activation recomputation");
     omitted from the file when false."""
 
     def key(self) -> tuple:

@@ -1,7 +1,7 @@
 """Activation recomputation as a post-pass of the search: make a plan that runs out of memory fit.
 
 The search's actions say where each op-group runs; whether a group recomputes its activations
-(``GroupPlan.recompute``, docs/DESIGN.md "Activation recomputation") is not one of them (the
+(``GroupPlan.recompute``, docs/design.md "Activation recomputation") is not one of them (the
 GNN's action features have no such field, and a second variant of every action would double the
 space for a choice that only matters when memory binds). Instead the evaluator
 (:class:`tag.search.evaluate.Evaluator`) hands every plan the simulator finds out of memory to

@@ -36,7 +36,7 @@ after the other over the replicas (comm streams and network sides, served like p
 transfers: before the gradient syncs); then every replica recomputes the SFB gradients on the
 global batch on its compute stream (before its next stage); then the group's remaining
 gradients are synchronised (the sync waits for the last replica's recompute). The executor's
-order, docs/DESIGN.md "Sufficient Factor Broadcasting".
+order, docs/design.md "Sufficient Factor Broadcasting".
 
 Wake penalty (CPU devices with a profiled one, :mod:`tag.cost.profiler`): the first stage of a
 segment on a device that idled ``gap`` seconds since its last compute (blocked on transfers)

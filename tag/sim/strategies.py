@@ -7,7 +7,7 @@ that (tensor parallelism: split blocks with blocking all-reduces inside its stag
 of its own) registers a **group costing** here under its name (``GroupPlan.sync``), and
 :meth:`tag.sim.Simulator.group_data` calls it instead; nothing in the engine names the strategy.
 The built-in one is ``tp`` (:mod:`tag.sim.tensor_parallel`, registered when :mod:`tag.sim` is
-imported). docs/DESIGN.md "Adding a strategy".
+imported). docs/design.md "Adding a strategy".
 """
 
 from __future__ import annotations
