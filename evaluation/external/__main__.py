@@ -1,0 +1,147 @@
+"""``python -m evaluation.external``: cost every published point, write the table, scores and plot."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import POINTS, RESULTS, ROOT, DataError, Row, load_points, machine_line, score, simulate_point
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "tag"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "" if x is None or x != x else format(x, spec)
+
+
+def write_results(out: Path, rows: list[Row], command: str) -> dict:
+    """``points.csv``, ``summary.json``, ``sim_vs_measured.png`` and ``README.md`` under ``out``."""
+    from tag.io import write_atomic, write_json
+
+    groups, overall = score(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    header = {"command": command, "commit": _commit(), "machine": machine_line(),
+              "date": datetime.date.today().isoformat()}
+    fields = ["group", "id", "source", "runtime", "model", "precision", "global_batch", "layout", "stages",
+              "ran", "measured_s", "simulated_s", "ratio", "oom", "peak_gib", "memory_gib", "error"]
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(fields)
+    for r in rows:
+        p = r.point
+        w.writerow([p.group, p.id, p.source, p.runtime, p.model, p.precision, p.global_batch, p.layout_text(),
+                    "+".join(map(str, p.stages)) if p.stages else "", p.ran, _fmt(p.measured_s, ".4f"),
+                    _fmt(r.simulated_s, ".4f"), _fmt(r.ratio), r.oom, _fmt(r.peak_gib, ".2f"),
+                    _fmt(p.memory_gib, ".2f"), r.error or ""])
+    write_atomic(out / "points.csv", buf.getvalue())
+    summary = {**header, "overall": overall, "groups": [g.__dict__ | {"passes": g.passes()} for g in groups]}
+    write_json(out / "summary.json", summary)
+    _plot(out / "sim_vs_measured.png", rows)
+    lines = [f"# Simulator against published multi-GPU measurements ({header['date']})", "",
+             f"Command: `{command}`  ", f"Commit: {header['commit']}  ", f"Machine: {header['machine']}", "",
+             "Each point is a published, measured training iteration (sources: `evaluation/external/points/`), "
+             "costed by `tag simulate --layout` on its cluster's topology file. Error = simulated / measured - 1. "
+             "Nothing is fitted to these iteration times.", "",
+             "| group | het. | sources | points | Spearman | median \\|err\\| | worst \\|err\\| | best in sim top 3 | "
+             "ran, predicted OOM | failed runs predicted OOM | passes (>= 8 points) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for g in groups:
+        lines.append(f"| {g.group} | {'yes' if g.heterogeneous else 'no'} | {', '.join(g.sources)} | {g.points} | "
+                     f"{_fmt(g.spearman, '.2f')} | {_fmt(g.median_abs_error, '.1%')} | {_fmt(g.worst_abs_error, '.1%')} | "
+                     f"{'' if g.best_in_top3 is None else ('yes' if g.best_in_top3 else 'no')} | {g.ran_predicted_oom} | "
+                     f"{g.failed_predicted_oom} of {g.failed} | "
+                     f"{'' if g.passes() is None else ('yes' if g.passes() else 'no')} |")
+    o = overall
+    lines += ["", f"Overall: {o['points']} points ({o['costed_ran']} ran and costed), {o['groups']} groups "
+              f"({o['heterogeneous_groups']} heterogeneous), {o['sources']} sources; median |error| "
+              f"{_fmt(o['median_abs_error'], '.1%')}; runs that ran predicted out of memory: {o['ran_predicted_oom']}; "
+              f"groups of 8+ points passing (Spearman >= 0.8, best in top 3): {o['groups_passing']} of {o['groups_scored']}.",
+              "", "![simulated vs measured](sim_vs_measured.png)", "", "Per point: `points.csv`."]
+    write_atomic(out / "README.md", "\n".join(lines) + "\n")
+    return summary
+
+
+def _plot(path: Path, rows: list[Row]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 6))
+    by: dict[str, list[Row]] = {}
+    for r in rows:
+        if r.ratio is not None and r.point.ran:
+            by.setdefault(r.point.group, []).append(r)
+    lo, hi = float("inf"), 0.0
+    for g, rs in by.items():
+        x = [r.point.measured_s for r in rs]
+        y = [r.simulated_s for r in rs]
+        lo, hi = min(lo, *x, *y), max(hi, *x, *y)
+        ax.scatter(x, y, label=f"{g} ({len(rs)})", s=18, marker="x" if rs[0].point.heterogeneous else "o")
+        oom = [(r.point.measured_s, r.simulated_s) for r in rs if r.oom]
+        if oom:
+            ax.scatter(*zip(*oom), s=80, facecolors="none", edgecolors="red")
+    if hi > 0:
+        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+        for f in (0.8, 1.25):
+            ax.plot([lo, hi], [lo * f, hi * f], "k:", lw=0.6)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured s / iteration")
+    ax.set_ylabel("simulated s / iteration")
+    ax.set_title("TAG simulator vs published measurements (x: heterogeneous; red ring: predicted OOM)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    ap = argparse.ArgumentParser(prog="python -m evaluation.external", description=__doc__)
+    ap.add_argument("--points", type=Path, default=POINTS, help="folder of points files (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder (default: %(default)s)")
+    ap.add_argument("--only", default=None, help="comma-separated group names")
+    ap.add_argument("--groups", type=int, default=48, help="op-groups per captured model")
+    a = ap.parse_args(argv)
+    try:
+        points = load_points(a.points)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.only:
+        keep = set(a.only.split(","))
+        points = [p for p in points if p.group in keep]
+    rows: list[Row] = []
+    topologies: dict = {}
+    t0 = time.perf_counter()
+    for i, p in enumerate(points):
+        r = simulate_point(p, groups=a.groups, topologies=topologies)
+        rows.append(r)
+        what = (f"error: {r.error}" if r.error else
+                f"sim {r.simulated_s:.3f} s" + (f" / meas {p.measured_s:.3f} s = {r.ratio:.2f}" if r.ratio else "")
+                + (" OOM" if r.oom else ""))
+        print(f"[{i + 1}/{len(points)} {time.perf_counter() - t0:.0f}s] {p.group} {p.id} {p.layout_text()}: {what}",
+              file=sys.stderr, flush=True)
+    command = "python -m evaluation.external" + ("" if argv is None and len(sys.argv) <= 1 else
+                                                 " " + " ".join(argv if argv is not None else sys.argv[1:]))
+    summary = write_results(a.out, rows, command)
+    print((a.out / "README.md").read_text())
+    return 0 if summary else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
