@@ -35,7 +35,7 @@ shuffled per round (seed 0), ROUNDS times; the ratio is the median of the per-ro
 and thread CPU time). Alternating blocks of a few iterations cancels what moves the separate
 processes' figures (another job's burst, the VM's speed between blocks of seconds): on the 2-core
 development VM the per-round ``tag-1 / eager`` ratio of separate 20-step processes ranged over
-0.54-1.39 for the 2-4 ms mlp step (``results/executor-overhead/mlp-7-rounds-2026-11-26``).
+0.54-1.39 for the 2-4 ms mlp step (``evaluation/results/executor-overhead/mlp-7-rounds-2026-11-26`` at 2ba6bfb).
 
     PYTHONPATH=. python -m evaluation.executor_overhead [--models mlp gpt2] [--rounds 5] [--steps 20]
         [--configs eager tag-1] [--interleaved 100 --block 10]

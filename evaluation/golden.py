@@ -10,8 +10,8 @@ figures equal to ``--rtol`` (default 1e-9, relative). It also re-simulates FILE'
 with the current simulator, so a difference in the simulator shows apart from a difference in
 what the searches found.
 
-    .venv/bin/python -m evaluation.golden --out evaluation/results/golden/golden.json
-    .venv/bin/python -m evaluation.golden --check evaluation/results/golden/golden.json
+    .venv/bin/python -m evaluation.golden --out evaluation/golden.json
+    .venv/bin/python -m evaluation.golden --check evaluation/golden.json
 """
 
 from __future__ import annotations

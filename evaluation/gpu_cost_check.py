@@ -685,7 +685,7 @@ NOTES = """## What the tables show
   align1 kernels, 3.7 ms of its bf16 step, where the graph has 24 fused attention ops). Both are
   limits of this data (one convolutional workload, one small attention workload), not of the rule's
   form.
-- **Golden figures** (2026-11-27, `evaluation.golden --check evaluation/results/golden/golden.json
+- **Golden figures** (2026-11-27, `evaluation.golden --check evaluation/golden.json
   --resim-only`, 15 s, against the plans recorded at 3b575e9): with the unaligned GEMMs alone the
   322 stored plans re-simulate identically (rtol 1e-9: the quick suite is fp32, where no GEMM is
   charged for alignment, and the refit moved bf16 constants only, `matmul_call:low` 3.93 -> 3.70 us,

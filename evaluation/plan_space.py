@@ -9,7 +9,7 @@ machine's load.
 
     PYTHONPATH=. python -m evaluation.plan_space --model gpt2-medium --topologies cloud-t4 mixed-a100-v100
 
-writes ``evaluation/results/pipeline-gain-search/plan-space-<model>.{json,md}``.
+writes ``evaluation/results/pipeline-gain/plan-space-<model>.{json,md}``.
 """
 
 from __future__ import annotations

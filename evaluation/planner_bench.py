@@ -1,7 +1,7 @@
 """Planner benchmark on models and topologies kept out of training.
 
 ``--scale`` runs the held-out pairs at 64-512 GPUs (``SCALE_PAIRS``: GPT-2 small / medium,
-BERT-large, VGG-16 and ResNet-50 in bf16; evaluation/results/planner-bench-scale/README.md).
+BERT-large, VGG-16 and ResNet-50 in bf16; evaluation/results/planner-bench-scale/README.md at 095e355).
 
 Claims checked (see the module's output table):
 
@@ -53,7 +53,7 @@ TOPOLOGIES = ["topologies/cluster-16gpu-4m.yaml", "topologies/tag-testbed.yaml",
 # ``--scale``: held-out pairs at 64-512 GPUs, (model spec, batch, groups, precision, topology); bf16
 # captures come from ``tag plan``'s graph cache ($TAG_CACHE_DIR). None of these models or clusters
 # is a training one (training: <= 32 GPUs, small models, fp32). Group counts and batches are sized
-# so that uniform MCTS @2000 fits a loaded 2-core machine (evaluation/results/planner-bench-scale/).
+# so that uniform MCTS @2000 fits a loaded 2-core machine (evaluation/results/planner-bench-scale/ at 095e355).
 SCALE_PAIRS = [
     ("gpt2-medium", 256, 64, "bf16", "hetero-64gpu"),
     ("bert-large", 256, 64, "bf16", "hetero-64gpu"),

@@ -39,11 +39,11 @@ graph; with one node per device 88 s and, for the one-shot call, 14.5 GB:
 ``evaluation/results/sim-speed/scale.md``). Beyond it :func:`find_plan` searches with the uniform
 prior and says so in ``meta["prior_note"]``. 128 until 2026-11-27, when the shipped network was
 27fed77's, trained with one node per device on at most 32 GPUs (27% behind uniform MCTS @500 on
-``cloud-256gpu-3zones``, ``evaluation/results/planner-bench/scale-256gpu-machine-graph/``); the
+``cloud-256gpu-3zones``, ``evaluation/results/planner-bench/scale-256gpu-machine-graph/`` at d54a868); the
 network shipped since (e444807) is trained with clusters of 48-256 GPUs on the machine graph, and
 on the planner benchmark's two held-out pairs above 128 GPUs it beats the uniform prior at 50
 playouts (ResNet-50 on ``cloud-256gpu-3zones`` 32.1 against 302.2 ms, GPT-2 medium on
-``h100-512gpu`` 131.7 against 133.9 ms; ``evaluation/results/planner-bench-relabel/``)."""
+``h100-512gpu`` 131.7 against 133.9 ms; ``evaluation/results/planner-bench-relabel/`` at d43ad12)."""
 
 PIPELINE_MODES = ("auto", "grid", "off")
 """``find_plan(pipelines=...)``: search pipelines and tp then the hand-written layout grid (bounded by

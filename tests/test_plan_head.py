@@ -256,7 +256,7 @@ def test_a_plan_head_changes_no_label_of_tag_train(tmp_path):
     (:func:`tag.data.generate.label_pair`; ``run_episode`` refuses a space with them), so a plan
     head changes none of its labels, although the same pair searched with pipelines gives the head
     decisions to act on: fitting the head after every round, not only after the last, cannot change
-    the next round's targets (``evaluation/results/planner-bench-planhead/README.md``, 2026-11-27)."""
+    the next round's targets (``evaluation/results/planner-bench-planhead/README.md at 6262d00``, 2026-11-27)."""
     import json
 
     from tag.data.generate import GenConfig, label_pair, load_graph

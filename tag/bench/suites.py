@@ -122,7 +122,7 @@ def scale_suite() -> SuiteConfig:
     ``tag-*`` methods search with the uniform prior (the cell's note says so). Hours on a 2-core
     machine (a simulation of a 512-GPU plan costs ~0.1-0.5 s): run it by topology or model with
     ``--topologies`` / ``--models`` into one ``--out``. The suite until 2026-11-26 (a 12-layer
-    GPT-2 of width 768 at sequence 128, fp32) is ``evaluation/results/scale-2026-11-26``."""
+    GPT-2 of width 768 at sequence 128, fp32) is ``evaluation/results/scale-2026-11-26`` at a818f3a."""
     return SuiteConfig(
         name="scale",
         models=[ModelCase("llama-7b", 512), ModelCase("gpt2-xl", 512)],

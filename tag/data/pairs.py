@@ -58,7 +58,7 @@ LARGE_INPUTS: dict[str, str] = {"gpt2": "seq=512", "bert": "seq=512", "vit": "im
 of the published settings (BERT's 512-token sequences, GPT-2's 1,024 cut to 512, ImageNet's
 224x224 images, ViT's 16x16 patches) instead of the zoo's defaults (64 tokens, 32x32 images),
 which give a model 8-49x less compute per sample for the same parameter bytes. On 2026-11-27
-(evaluation/results/planner-bench-mix/) the best first action of 20 pairs at scale, every root
+(evaluation/results/planner-bench-mix/ at 167c2e8) the best first action of 20 pairs at scale, every root
 action simulated, spanned several machines in 1 of 20 pairs with the zoo's inputs and in 12 of 20
 with these. ``mlp`` has no input of a published setting: unchanged."""
 LARGE_INPUT_CHOICES = ("zoo", "full")

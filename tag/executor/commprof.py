@@ -32,7 +32,7 @@ hands over from a stage).
 core each, gloo's event threads under ``SCHED_IDLE`` (:func:`tag.cost.host.pin_cores`,
 :func:`tag.cost.host.demote_threads`).
 
-History (2-core development VM, evaluation/results/validate-zoo-local-cpu2/README.md): a clean
+History (2-core development VM, evaluation/results/validate-zoo-local-cpu2/README.md at 3367cc6): a clean
 ping (receive posted when the call starts) fitted 45-58 us + 5.5-5.9 GB/s, far less than an
 executor transfer step costs (~0.1 ms for a few KiB, ~0.2 ms for 130 KiB measured in the
 executor's timelines; packing, posting the next receive and assembling, and the receiver's

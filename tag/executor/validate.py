@@ -373,7 +373,7 @@ def ensure_profiles(model: str, cap, topology, log_fn, root: Path, fresh: bool =
     A validation's own database must be ``fresh``: on 2026-11-26 a three-round run into a folder
     an earlier run had used costed its first two rounds with stage profiles measured an hour
     before under load 8.5 (1.38x the stage times of its own third round, which it did measure),
-    and missed both targets (validate-tp-local-cpu2/README.md)."""
+    and missed both targets (evaluation/results/validate-tp-local-cpu2/README.md at ee4430b)."""
     from ..cost.comm import find_comm_profile
     from ..cost.model import device_type
     from ..cost.profile import profile_files

@@ -14,7 +14,7 @@ from ..gnn.model import NetConfig
 from ..io import output_dir, read_json
 
 RECIPE_GEN = {"large_fraction": 0.25, "label_children": 8, "large_inputs": "full"}
-"""Labelling of the shipped predictor (2026-11-27, evaluation/results/planner-bench-mix/): a
+"""Labelling of the shipped predictor (2026-11-27, evaluation/results/planner-bench-mix/ at 167c2e8): a
 quarter of the pairs at scale, their models at published input sizes (512 tokens, 224x224 images),
 every action of the 8 labelled decisions simulated."""
 RECIPE_COARSE_ABOVE = 32
@@ -71,7 +71,7 @@ class LoopConfig:
     rounds: int = 3
     """Generate/train rounds; round 0 is labelled by uniform-prior MCTS (bootstrap). The shipped
     predictor is the third round's network (a fourth, measured 2026-11-27, was worse on the small
-    held-out pairs: evaluation/results/planner-bench-mix/)."""
+    held-out pairs: evaluation/results/planner-bench-mix/ at 167c2e8)."""
     samples_per_round: list[int] = field(default_factory=lambda: [240, 80])
     """Pairs labelled in each round (the last value repeats for later rounds)."""
     net: NetConfig = field(default_factory=NetConfig)
@@ -100,7 +100,7 @@ class LoopConfig:
     those decisions to the search's fixed prior. Once, not after every round: the labelling
     searches have no plan-level decisions (:func:`tag.data.generate.label_pair`), so a head fitted
     after round r would change none of round r+1's labels nor its training (measured 2026-11-27:
-    ``evaluation/results/planner-bench-planhead/README.md``)."""
+    ``evaluation/results/planner-bench-planhead/README.md at 6262d00``)."""
 
     def __post_init__(self):
         _check(self.rounds >= 1, "rounds", self.rounds, ">= 1")
