@@ -108,6 +108,14 @@ GPU_CATALOG: MappingProxyType[str, GPUSpec] = MappingProxyType({
         # NVIDIA H200 datasheet: SXM 67 TFLOPS FP32, 1,979 TFLOPS BF16 with sparsity (989.5 dense),
         # 141 GB HBM3e at 4.8 TB/s.
         _spec("H200", 67.0, 989.5, 141, 4800),
+        # NVIDIA GH200 Grace Hopper Superchip datasheet (2023), its Hopper GPU: 67 TFLOPS FP32, 1,979
+        # TFLOPS BF16/FP16 with sparsity (989.5 dense), 96 GB HBM3 at 4 TB/s (the 144 GB HBM3e part: 4.9
+        # TB/s). The Alps (CSCS) GH200 nodes hold four of the 96 GB parts.
+        _spec("GH200-96GB", 67.0, 989.5, 96, 4000),
+        # NVIDIA TITAN RTX specifications (TU102, 2018): 4608 CUDA cores x 1770 MHz boost x 2 = 16.3 TFLOPS
+        # FP32, 130 TFLOPS FP16 tensor (full-rate FP32 accumulate, unlike the GeForce RTX 2080 Ti's
+        # half rate), 24 GB GDDR6, 14 Gbps x 384 bit = 672 GB/s.
+        _spec("Titan-RTX", 16.3, 130.0, 24, 672),
     )
 })
 
