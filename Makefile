@@ -1,6 +1,7 @@
 # TAG — set-up, demo and tests. Two commands do everything on a fresh machine:
 #   make demo    create .venv if missing, install TAG, plan a real model on a shipped topology
 #   make test    create/update .venv, lint, run the whole test suite
+#   make docs    regenerate the tables of README.md and docs/benchmarks.md from evaluation/results
 #   make gpu-check OUT=DIR   on a machine with one NVIDIA GPU and a CUDA torch (no venv needed):
 #                microbenchmarks, eager vs tag execute vs prediction per workload, < 8 minutes; then
 #                with 2+ GPUs NCCL dp/pp/tp training equal to single-process (alone:
@@ -18,7 +19,7 @@ DEMO_TOPOLOGY ?= topologies/tag-testbed.yaml
 export HF_HUB_OFFLINE := 1
 export WANDB_MODE ?= disabled
 
-.PHONY: demo test lint install clean gpu-check
+.PHONY: demo test lint install clean gpu-check docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +40,9 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+docs: $(STAMP)
+	$(PY) -m evaluation.report
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,61 @@
+"""The generated tables of README.md and docs/benchmarks.md (evaluation/report.py) against the
+committed results files."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from evaluation import report
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_docs_regenerate_byte_identical():
+    """`make docs` on the committed results changes nothing: every figure in the generated blocks
+    comes from a results file as committed."""
+    assert report.stale(REPO) == []
+
+
+def _copy(tmp_path: Path) -> Path:
+    for doc in report.DOCS:
+        (tmp_path / doc).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / doc, tmp_path / doc)
+    shutil.copytree(REPO / report.RESULTS, tmp_path / report.RESULTS)
+    return tmp_path
+
+
+def test_a_changed_result_makes_the_docs_stale(tmp_path):
+    """A new figure in a results file shows in the headline table, and --check fails until regenerated."""
+    root = _copy(tmp_path)
+    path = root / report.RESULTS / "planner-bench/scale.json"
+    res = json.loads(path.read_text())
+    res["summary"]["gnn50_at_least_as_good_pairs"] = 3
+    path.write_text(json.dumps(res))
+    assert report.main(["--check", "--root", str(root)]) == 1
+    assert report.main(["--root", str(root)]) == 0
+    assert "| 3 of 9 at least as good" in (root / "README.md").read_text()
+    assert report.main(["--check", "--root", str(root)]) == 0
+
+
+def test_a_results_folder_without_header_is_one_line_error(tmp_path, capsys):
+    root = _copy(tmp_path)
+    readme = root / report.RESULTS / "sfb-sweep/README.md"
+    readme.write_text("# SFB sweep\n\nno header\n")
+    assert report.main(["--root", str(root)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "sfb-sweep/README.md: no header table" in err
+
+
+@pytest.mark.parametrize("doc", report.DOCS)
+def test_every_block_links_its_results(doc):
+    """Each generated block names at least one file under evaluation/results, and each such link
+    resolves to a committed file or folder."""
+    text = (REPO / doc).read_text()
+    for m in report.MARK.finditer(text):
+        links = [t for t in re.findall(r"\]\(([^)]+)\)", m["body"]) if "evaluation/results" in t]
+        assert links or m["name"] == "external", f"block {m['name']} of {doc} names no results file"
+        for target in links:
+            assert ((REPO / doc).parent / target).resolve().exists(), f"{doc}: {target} does not exist"
