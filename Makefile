@@ -36,7 +36,7 @@ demo: $(STAMP)
 	$(VENV)/bin/tag plan --model $(DEMO_MODEL) --batch 32 --topology $(DEMO_TOPOLOGY) --out $(VENV)/demo-plan.json --force
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tag data training evaluation tests
+	$(VENV)/bin/ruff check tag data evaluation tests
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile tests

@@ -1,5 +1,5 @@
 """The wheel installs one import name, ``tag``, with the data it reads at run time (the shipped
-predictor and topologies); data/, training/ and evaluation/ stay in the repository."""
+predictor and topologies); data/, docs/ and evaluation/ stay in the repository."""
 
 from __future__ import annotations
 

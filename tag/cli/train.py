@@ -11,7 +11,7 @@ def register(sub) -> None:
         description="AlphaZero-style loop: label random (model, topology) pairs with MCTS (round 0: uniform "
                     "prior; later rounds: the previous round's network), fit policy (cross-entropy against the "
                     "visit distribution) and value (final plan's log time ratio), repeat. Everything resumes "
-                    "after an interruption. The defaults are the recipe of the shipped tag/gnn/predictor.pt (training/README.md).")
+                    "after an interruption. The defaults are the recipe of the shipped tag/gnn/predictor.pt (docs/training.md).")
     p.add_argument("--config", metavar="FILE.json", default=None,
                    help="LoopConfig JSON (fields as in tag/training/config.py); flags below override it")
     p.add_argument("--run-dir", default=None, help=f"run folder (default: runs/predictor {OUTSIDE})")

@@ -1,3 +1,3 @@
 """Training the planner's predictor: AlphaZero-style rounds (label with MCTS, fit), the fitting
 loop, the run configuration and the optuna hyperparameter search. Recipes and results:
-``training/README.md`` in the repository."""
+``docs/training.md`` in the repository."""
