@@ -249,7 +249,9 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         "actions": space.describe_key(ev.best_actions) if ev.best_actions else None,
         # who chose at the plan-level pipeline decisions: the network's plan head, or the fixed prior
         "plan_prior": None if not space.plan_options or searcher != "mcts" else
-                      ("network" if plan_fn is not None else "fixed"),
+                      ("network" if plan_fn is not None and plan_fn.fallback is None else "fixed"),
+        # why the plan head stopped (a case it cannot handle: the fixed prior took over), else None
+        "plan_head_fallback": getattr(plan_fn, "fallback", None),
         "space": {"actions": space.num_actions, "tp_actions": int(space.is_tp.sum()),
                   "stages": space.options("stages", 1) if space.plan_options else None},
     }
@@ -324,8 +326,10 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
         return p
     t_plan = p.predicted_iteration_time_s
     t0 = time.perf_counter()
+    failures: list[str] = []  # a bound that meets a case it cannot handle: the grid simulated whole
     found = grid_search(graph, topology, costs, simulator, executable=executable,
-                        incumbent=t_plan if against_search and t_plan is not None else None, deadline=deadline)
+                        incumbent=t_plan if against_search and t_plan is not None else None, deadline=deadline,
+                        failures=failures)
     better = refine(graph, topology, costs, simulator, found, executable=executable, deadline=deadline)
     lay = found.best
     p.meta.update(layouts=found.layouts, layouts_tried=found.simulated, layouts_pruned=found.layouts - found.simulated,
@@ -339,7 +343,9 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
     times = [t for t in (t_plan if against_search and not p.meta.get("oom") else None,
                          None if lay is None else lay.predicted_iteration_time_s) if t is not None]
     sub, p.meta["subclusters"] = subcluster_search(graph, topology, costs, simulator, executable=executable,
-                                                   incumbent=min(times, default=None), deadline=deadline)
+                                                   incumbent=min(times, default=None), deadline=deadline,
+                                                   failures=failures)
+    p.meta["bounds_fallback"] = failures[0] if failures else None
     if sub is not None:
         lay = sub
     p.meta["grid_time_s"] = time.perf_counter() - t0  # the grid, its refinements and the sub-clusters

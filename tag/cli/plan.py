@@ -89,6 +89,8 @@ def summary(plan) -> dict:
         "layouts": m.get("layouts"), "layouts_tried": m.get("layouts_tried"), "layouts_pruned": m.get("layouts_pruned"),
         "grid_time_s": m.get("grid_time_s"), "grid_cut": m.get("grid_cut"), "refinement": m.get("refinement"),
         "refinements": m.get("refinements"), "subclusters": m.get("subclusters"),
+        # a plan head or bound that met a case it cannot handle: the rule it replaces took over
+        "plan_head_fallback": m.get("plan_head_fallback"), "bounds_fallback": m.get("bounds_fallback"),
         "speedup_vs_dp_even": _ratio(m.get("dp_even_time_s"), plan.predicted_iteration_time_s),
         "speedup_vs_dp_prop": _ratio(m.get("dp_prop_time_s"), plan.predicted_iteration_time_s),
         # None: tag execute runs the plan; else why not (only with --allow-unexecutable)
@@ -230,6 +232,9 @@ def _print(graph, topo, p, args) -> None:
     else:
         print("progress: " + ("no plan beat data parallel" if dp_fits else
                               "no searched plan fits in memory (nor does data parallel)"))
+    for key in ("plan_head_fallback", "bounds_fallback"):
+        if s.get(key):
+            print(f"note: {s[key]}")
     if s.get("one_shot_time_s") is not None:
         print(f"network's one-shot plan (simulated after the tree): {ms(s['one_shot_time_s'])}")
     if s.get("layouts") is not None:

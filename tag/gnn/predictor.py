@@ -224,6 +224,11 @@ class PlanHeadPrior:
         self.lower_bound_s = float(lower_bound(space.graph, space.topology, space.cost_model))
         self._z: torch.Tensor | None = None
         self._completed: dict = {}
+        self.fallback: str | None = None
+        """None while the head scores; else why it stopped (one line, for the plan's ``meta``): a
+        case its features cannot handle. From then on the rule it replaces decides: the fixed
+        plan-level prior (:func:`tag.search.mcts.plan_prior`) and the default completion
+        (:meth:`tag.search.space.ActionSpace.default_pipeline_key`)."""
 
     def scores(self, sp, chosen: dict | None, decision: int, feedback) -> np.ndarray:
         """[O] the head's softmax over the options of plan-level decision ``decision`` given the
@@ -235,10 +240,26 @@ class PlanHeadPrior:
         x = plan_option_features(sp, chosen, decision, self.bound, self.t_ref, self.lower_bound_s)
         return self.predictor.plan_scores(self._z, x)
 
+    def _guarded(self, run):
+        """``run()``, or None once the head has met a case it cannot handle (:attr:`fallback`)."""
+        if self.fallback is not None:
+            return None
+        try:
+            return run()
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any case the head's features cannot handle: the fixed rule
+            what = " ".join(str(exc).split())[:200]
+            self.fallback = (f"plan head failed ({type(exc).__name__}: {what}); the fixed plan-level prior and "
+                             "default completion used instead")
+            return None
+
     def __call__(self, sp, state) -> np.ndarray:
+        """[A] the head's prior (all zeros after a :attr:`fallback`: the search's fixed prior)."""
         out = np.zeros(sp.num_actions)
-        p = self.scores(sp, state.pipeline, state.plan_decision, state.feedback)
-        out[: len(p)] = p
+        p = self._guarded(lambda: self.scores(sp, state.pipeline, state.plan_decision, state.feedback))
+        if p is not None:
+            out[: len(p)] = p
         return out
 
     def complete(self, chosen: dict) -> dict:
@@ -253,12 +274,17 @@ class PlanHeadPrior:
         from ..search.space import PLAN_DECISIONS
         key = tuple(sorted(chosen.items()))
         if key not in self._completed:
-            c, sp = dict(chosen), self.space
-            for d, name in enumerate(PLAN_DECISIONS):
-                if name not in c:
-                    opts = sp.options_at(name, c)
-                    order = np.argsort(-self.scores(sp, c, d, None), kind="stable")
-                    fits = (i for i in order if not self.bound(sp.default_pipeline_key({**c, name: opts[i]}))[1])
-                    c[name] = opts[int(next(fits, order[0]))]
+            def run() -> dict:
+                c, sp = dict(chosen), self.space
+                for d, name in enumerate(PLAN_DECISIONS):
+                    if name not in c:
+                        opts = sp.options_at(name, c)
+                        order = np.argsort(-self.scores(sp, c, d, None), kind="stable")
+                        fits = (i for i in order if not self.bound(sp.default_pipeline_key({**c, name: opts[i]}))[1])
+                        c[name] = opts[int(next(fits, order[0]))]
+                return c
+            c = self._guarded(run)
+            if c is None:  # (after a fallback: left to the default completion)
+                return dict(chosen)
             self._completed[key] = c
         return dict(self._completed[key])

@@ -53,15 +53,17 @@ class Refined:
 
 
 def grid_search(graph, topology, costs, simulator, *, executable: bool = False,
-                incumbent: float | None = None, deadline: float = math.inf) -> GridSearch:
+                incumbent: float | None = None, deadline: float = math.inf,
+                failures: list[str] | None = None) -> GridSearch:
     """:func:`tag.parallel.layout.search_layouts` on ``simulator``, pruned by its bounds where it
     is a :class:`tag.sim.Simulator` (the full grid otherwise), stopped at ``deadline``
-    (:func:`time.perf_counter` seconds)."""
+    (:func:`time.perf_counter` seconds). ``failures``: where a bound that meets a case it cannot
+    handle says why (one line; the grid is then simulated whole, :func:`tag.sim.bounds.fallible`)."""
     bounds = ()
     if hasattr(simulator, "static") and hasattr(simulator, "deploy"):
         from ..sim.bounds import layout_bounds
 
-        bounds = layout_bounds(simulator)
+        bounds = layout_bounds(simulator, failures)
     return search_layouts(graph, topology, costs, lambda q: simulator.run(q.groups, pipeline=q.pipeline),
                           executable=executable, bounds=bounds, incumbent=incumbent, deadline=deadline)
 
@@ -150,11 +152,12 @@ def subclusters(topology, costs) -> list[list[int]]:
 
 
 def subcluster_search(graph, topology, costs, simulator, *, executable: bool = False,
-                      incumbent: float | None = None, deadline: float = math.inf) -> tuple[object | None, list[str]]:
+                      incumbent: float | None = None, deadline: float = math.inf,
+                      failures: list[str] | None = None) -> tuple[object | None, list[str]]:
     """``(plan, notes)``: the fastest layout (grid, then :func:`refine`) on any of
     :func:`subclusters`, its devices mapped back onto ``topology`` and simulated on ``simulator``,
     when it fits and beats ``incumbent`` (seconds; None: any that fits); else None. ``notes``: one
-    line per sub-cluster tried."""
+    line per sub-cluster tried; ``failures``: :func:`grid_search`'s."""
     from ..sim import Simulator
 
     best, best_t, notes = None, incumbent, []
@@ -165,7 +168,8 @@ def subcluster_search(graph, topology, costs, simulator, *, executable: bool = F
         sub, devices = topology.restricted(machines)
         sub_costs = costs.restricted(sub, devices)
         sub_sim = Simulator(graph, sub, sub_costs)  # (one for the grid and the refinements: its caches shared)
-        found = grid_search(graph, sub, sub_costs, sub_sim, executable=executable, incumbent=best_t, deadline=deadline)
+        found = grid_search(graph, sub, sub_costs, sub_sim, executable=executable, incumbent=best_t, deadline=deadline,
+                            failures=failures)
         better = refine(graph, sub, sub_costs, sub_sim, found, executable=executable, deadline=deadline)
         cands = [q for q in (better.plan, found.best) if q is not None and q.predicted_iteration_time_s is not None]
         idle = ", ".join(sorted({d.gpu.name for d in topology.devices} - {topology.machines[m].gpu.name for m in machines}))

@@ -146,8 +146,8 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
                     np.add.at(bwd1.setdefault(stage, np.zeros(n)), dev, (bs + fs if rc else bs)[back])
             if m == 0:  # held at the first micro-batch's samples (the simulator's rule)
                 np.add.at(held, dev, fixed + ps * small * fl)
-                w = (st.work_fixed[gi][None, :] + st.work_per_sample[gi][None, :] * big[:, None]).max(axis=1)
-                np.maximum.at(work, dev, w)
+                ws = (st.work_fixed[gi][None, :] + st.work_per_sample[gi][None, :] * big[:, None]).max(axis=1)
+                np.maximum.at(work, dev, ws)  # (not w: the width the later micro-batch sizes read)
     peak = (held + work).tolist()
     low = float(busy.max())
     if prog is not None:  # the fill and drain of the pipeline (_pipeline_waits), at these seconds
@@ -422,10 +422,37 @@ def _chain(st, pipeline, sequences, lows: list) -> list[tuple[np.ndarray, float,
     return out
 
 
-def layout_bounds(sim) -> tuple:
+def layout_bounds(sim, failures: list[str] | None = None) -> tuple:
     """The bounds :func:`tag.parallel.layout.search_layouts` prunes with on ``sim``, cheapest
-    first: :func:`static_bound`, then :func:`plan_bound` (whose deployment a simulation reuses)."""
-    return (lambda p: static_bound(sim, p.groups, p.pipeline), lambda p: plan_bound(sim, p.groups, p.pipeline))
+    first: :func:`static_bound`, then :func:`plan_bound` (whose deployment a simulation reuses),
+    each :func:`fallible` (``failures``: where a bound that fails says why)."""
+    n = sim.num_devices
+    failures = [] if failures is None else failures
+    return (fallible(lambda p: static_bound(sim, p.groups, p.pipeline), n, failures),
+            fallible(lambda p: plan_bound(sim, p.groups, p.pipeline), n, failures))
 
 
-__all__ = ["PlanBound", "layout_bounds", "plan_bound", "static_bound"]
+def fallible(bound, num_devices: int, failures: list[str]):
+    """``bound`` (a function of a plan returning a :class:`PlanBound`), or, once any bound of
+    ``failures`` raised, the bound that prunes nothing (0 s, 0 bytes, fits): the rule the bounds
+    replace, every layout simulated. A failure appends one line to ``failures`` (the planner puts
+    it in the plan's ``meta``); the branch and bound stays exact, 0 being a lower bound of
+    everything. Out of memory (MemoryError) is not a case a bound meets: it propagates."""
+    nothing = PlanBound(0.0, [0.0] * num_devices, False)
+
+    def run(plan) -> PlanBound:
+        if failures:
+            return nothing
+        try:
+            return bound(plan)
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any case a bound cannot handle: the full grid instead
+            what = " ".join(str(exc).split())[:200]
+            failures.append(f"bounds failed on {plan.meta.get('layout', 'a layout')} ({type(exc).__name__}: {what}); "
+                            "every layout simulated instead")
+            return nothing
+    return run
+
+
+__all__ = ["PlanBound", "fallible", "layout_bounds", "plan_bound", "static_bound"]
