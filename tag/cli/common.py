@@ -129,7 +129,8 @@ def _input_files(args) -> list[str]:
 def check_outputs(args, **outputs: str | None) -> None:
     """Refuse before any work (one-line TagError) an output file, e.g. ``out=args.out``, that
     is one of the command's inputs (even with --force), that two outputs share, or that exists
-    without ``--force``. The one convention of every command that writes files (README)."""
+    without ``--force``. The one convention of every command that writes files (docs/user-guide.md,
+    "Errors and output files")."""
     from ..errors import TagError
     from ..io import check_folder
 

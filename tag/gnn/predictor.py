@@ -155,7 +155,7 @@ class Predictor:
         Not a plan the tree search reaches: MCTS completes undecided groups by a rule
         (:meth:`tag.search.space.ActionSpace.resolve`), and with 50 playouts it refines only its
         first few decisions. :func:`tag.planner.find_plan` simulates this plan as one playout of the
-        budget (``training/README.md``, *The network's one-shot plan*, has what it gains)."""
+        budget (what it gains: "The network's one-shot plan" in ``training/README.md`` at 589f1db)."""
         from ..search.evaluate import Feedback
         from ..search.mcts import SearchState
         k = space.num_groups
