@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,13 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
 
     A crash or kill mid-write leaves either the old file or the new one, never a torn file.
     The file keeps the mode of the file it replaces; a new file gets the mode ``open()`` would
-    give it (0o666 less the umask), not mkstemp's private 0o600.
+    give it (0o666 less the umask), not mkstemp's private 0o600. A device node, FIFO or socket at
+    ``path`` is refused (ValueError): the rename would replace it (``/dev/full`` became a file).
     """
     p = Path(path)
+    kind = special_kind(p)
+    if kind is not None:  # os.replace would put a regular file where the node was
+        raise ValueError(f"{p}: not a regular file ({kind}); refusing to replace it")
     p.parent.mkdir(parents=True, exist_ok=True)
     try:
         mode = p.stat().st_mode & 0o7777
@@ -63,6 +68,49 @@ def check_folder(path: str | os.PathLike, error: type[Exception], what: str) -> 
                 at = "" if q == p else f" ({q} is a file)"
                 raise error(f"{what}: {p} is not a folder{at}; expected a folder, new or existing")
             return
+
+
+def special_kind(path: str | os.PathLike) -> str | None:
+    """What ``path`` is when it exists and is neither a regular file nor a folder (links
+    followed): ``"a character device"``, ``"a block device"``, ``"a FIFO"``, ``"a socket"``; else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # absent (or a dangling link): written as a new file
+        return None
+    for test, kind in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return None
+
+
+def check_output_file(path: str | os.PathLike, error: type[Exception], what: str) -> None:
+    """``error`` (one line naming ``what`` and the path) unless an atomic write
+    (:func:`write_atomic`) can put a file at ``path``: not a device node, FIFO or socket, and its
+    folder is one (:func:`check_folder`) that this process can create files in (tried: a file
+    made and removed in the nearest folder that exists; access rights alone say nothing of a
+    read-only file system, nor for root). Checked before any work, so that a command does not
+    fail at its end on what it writes."""
+    p = Path(path)
+    kind = special_kind(p)
+    if kind is not None:
+        raise error(f"{what}: {p} is not a regular file ({kind}); refusing to replace it; expected a file name")
+    check_folder(p.parent, error, what)
+    check_writable(p.parent, error, what)
+
+
+def check_writable(folder: str | os.PathLike, error: type[Exception], what: str) -> None:
+    """``error`` (one line) unless this process can create files in ``folder`` or, where it does
+    not exist yet, in the nearest folder above it that does (where it would be made)."""
+    q = Path(folder).absolute()
+    while not q.exists() and q != q.parent:
+        q = q.parent
+    try:
+        fd, probe = tempfile.mkstemp(dir=q, prefix=".tag-probe-")
+    except OSError as e:
+        raise error(f"{what}: cannot write into {q}: {e.strerror}; expected a folder this user can write") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _umask() -> int:

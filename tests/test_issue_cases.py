@@ -4,6 +4,7 @@ correct result, or one line and a non-zero exit; never a traceback, never a file
 from __future__ import annotations
 
 import pytest
+from test_hardening import one_line_error
 
 from tag.cost.model import CostModel
 from tag.parallel.layout import search_layouts
@@ -104,3 +105,76 @@ def test_a_failing_plan_head_falls_back_to_the_fixed_prior_and_says_so(captured)
     # the search the fixed rule makes, to the plan
     assert a.predicted_iteration_time_s == b.predicted_iteration_time_s
     assert [g.key() for g in a.groups] == [g.key() for g in b.groups] and a.pipeline == b.pipeline
+
+
+# ----------------------------------------------------------------------------- nothing clobbered
+
+
+def test_outputs_onto_a_fifo_are_refused_even_with_force(tmp_path, capsys):
+    import os
+    import stat
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    for argv, flag in [(["plan", "--model", "mlp", "--topology", "local-cpu2", "--out", str(fifo)], "--out"),
+                       (["plan", "--model", "mlp", "--topology", "local-cpu2", "--trace", str(fifo)], "--trace"),
+                       (["simulate", "--model", "mlp", "--topology", "local-cpu2", "--layout", "dp=2,tp=1,pp=1,micro=1",
+                         "--save-plan", str(fifo)], "--save-plan"),
+                       (["execute", "--model", "mlp", "--topology", "local-cpu2", "--plan", str(plan), "--out",
+                         str(fifo)], "--out"),
+                       (["inspect", "--model", "mlp", "--save", str(fifo)], "--save")]:
+        for force in ([], ["--force"]):  # (--force replaced the node with a regular file by the atomic rename)
+            line = one_line_error(capsys, *argv, *force)
+            assert line.endswith(f"{flag}: {fifo} is not a regular file (a FIFO); refusing to replace it; expected a "
+                                 "file name"), line
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    from tag.io import write_atomic  # the API too
+    with pytest.raises(ValueError, match="not a regular file"):
+        write_atomic(fifo, "x")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_an_unwritable_output_folder_is_refused_before_the_work(capsys):
+    # /proc/self takes no new files, not even root's: found only after the whole search before
+    line = one_line_error(capsys, "plan", "--model", "mlp", "--topology", "local-cpu2", "--out", "/proc/self/p.json")
+    assert line.startswith("tag plan: error: --out: cannot write into /proc/self: "), line
+    line = one_line_error(capsys, "validate", "--model", "mlp", "--topology", "local-cpu2", "--out", "/proc/self/v")
+    assert "--out: cannot write into /proc/self" in line, line
+
+
+def test_validate_writes_into_a_folder_holding_files_only_with_force(tmp_path, capsys):
+    from tag.io import checkout_root
+
+    out = tmp_path / "v"
+    out.mkdir()
+    (out / "validation.json").write_text("keep")
+    line = one_line_error(capsys, "validate", "--model", "mlp", "--topology", "local-cpu2", "--out", str(out))
+    assert f"--out: {out} holds 1 entries (validation.json); pass --force" in line, line
+    assert (out / "validation.json").read_text() == "keep"
+    root = checkout_root()
+    if root is not None:  # in a checkout, the default folder is the committed results' (when they are there)
+        committed = root / "evaluation/results/validate-local-cpu2"
+        if committed.is_dir() and any(committed.iterdir()):
+            before = sorted((p.name, p.stat().st_mtime_ns) for p in committed.rglob("*"))
+            line = one_line_error(capsys, "validate", "--model", "mlp", "--topology", "local-cpu2")
+            assert f"--out: {committed} holds" in line and "pass --force" in line, line
+            assert sorted((p.name, p.stat().st_mtime_ns) for p in committed.rglob("*")) == before
+
+
+def test_train_export_replaces_a_file_only_with_force(tmp_path, capsys):
+    keep = tmp_path / "predictor.pt"
+    keep.write_bytes(b"keep")
+    for argv in (["--export", str(keep)], ["--config", str(_config(tmp_path, keep))]):
+        line = one_line_error(capsys, "train", "--run-dir", str(tmp_path / "run"), *argv)
+        assert f"--export: {keep} exists; pass --force to replace it" in line, line
+    assert keep.read_bytes() == b"keep" and not (tmp_path / "run").exists()
+
+
+def _config(tmp_path, export) -> object:
+    import json
+
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"export": str(export)}))
+    return path

@@ -128,11 +128,12 @@ def _input_files(args) -> list[str]:
 
 def check_outputs(args, **outputs: str | None) -> None:
     """Refuse before any work (one-line TagError) an output file, e.g. ``out=args.out``, that
-    is one of the command's inputs (even with --force), that two outputs share, or that exists
-    without ``--force``. The one convention of every command that writes files (docs/user-guide.md,
+    is one of the command's inputs (even with --force), that two outputs share, that is a device
+    node, FIFO or socket (even with --force), whose folder this process cannot write, or that
+    exists without ``--force``. The one convention of every command that writes files (docs/user-guide.md,
     "Errors and output files")."""
     from ..errors import TagError
-    from ..io import check_folder
+    from ..io import check_output_file
 
     given = {f"--{k.replace('_', '-')}": v for k, v in outputs.items() if v}
     inputs = _input_files(args)
@@ -147,9 +148,9 @@ def check_outputs(args, **outputs: str | None) -> None:
         seen[real] = flag
         if os.path.isdir(path):
             raise TagError(f"{flag}: {path} is a folder; expected a file name")
+        check_output_file(path, TagError, flag)  # a regular file (or none) in a folder, or one to make, we can write
         if os.path.lexists(path) and not getattr(args, "force", False):
             raise TagError(f"{flag}: {path} exists; pass --force to replace it")
-        check_folder(os.path.dirname(path) or ".", TagError, flag)  # where it goes: a folder, or one to make
 
 
 def add_cache_arg(p: argparse.ArgumentParser) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import MAX_SEED, OUTSIDE, int_in, print_json
+from .common import MAX_SEED, OUTSIDE, add_force_arg, check_outputs, int_in, print_json
 
 
 def register(sub) -> None:
@@ -34,13 +34,15 @@ def register(sub) -> None:
                    help="encode clusters of more than D devices with one node per machine (default 32)")
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], default=None,
                    help="wandb logging (default offline, files inside the run folder)")
-    p.add_argument("--export", default=None, metavar="FILE", help="copy the final checkpoint here")
+    p.add_argument("--export", default=None, metavar="FILE",
+                   help="copy the final checkpoint here (a file that exists only with --force)")
     p.add_argument("--no-plan-head", action="store_true",
                    help="skip fitting the plan head (the prior over pipeline decisions) after the last round")
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume a run folder under a config other than the one it was started with (rounds "
                         "made under both are then mixed; without it such a resume is refused)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_force_arg(p)
     p.set_defaults(func=run)
 
 
@@ -97,11 +99,27 @@ FLAG_OF = {"rounds": "--rounds", "samples_per_round": "--samples", "train.epochs
 """The flag that sets each field (as :class:`tag.training.config.ConfigError` names it), to name it in errors."""
 
 
+def new_export(args, cfg) -> str | None:
+    """The file ``--export`` (or ``--config``'s export) asks for, to be checked as a new output
+    (one that exists only with --force: the shipped tag/gnn/predictor.pt was overwritten so), or
+    None: none asked, the run's own export resumed with it (written by the run before), or the
+    run's own final checkpoint (left as it is)."""
+    from pathlib import Path
+
+    from ..training.config import LoopConfig
+
+    asked = args.export if args.export is not None else (LoopConfig.load(args.config).export if args.config else None)
+    if not asked or Path(asked).resolve() == (Path(cfg.run_dir) / "predictor.pt").resolve():
+        return None
+    return asked
+
+
 def run(args) -> int:
     import time
 
     from ..training.loop import run_loop
     cfg = build_config(args)
+    check_outputs(args, export=new_export(args, cfg))
     t0 = time.perf_counter()
     final = run_loop(cfg, progress=not args.no_progress, allow_changed=args.allow_config_change)
     print_json({"checkpoint": str(final), "run_dir": cfg.run_dir, "wall_seconds": time.perf_counter() - t0})

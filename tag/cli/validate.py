@@ -6,12 +6,15 @@ percentage error, the Spearman rank correlation, and a scatter plot (PNG) in ``-
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .common import (
     MAX_BATCH,
     MAX_GROUPS,
     MAX_SEED,
     OUTSIDE,
     RawDescriptionHelpFormatter,
+    add_force_arg,
     add_precision_arg,
     int_in,
 )
@@ -44,13 +47,13 @@ def register(sub) -> None:
     p.add_argument("--profile-dir", default=None,
                    help="profile database to predict with (default: OUT/profiles, measured afresh "
                         "first: CPU costs are only valid on the machine, and in the state, that measured them)")
-    p.add_argument("--out", default=None, help=f"output folder (default: evaluation/results/validate-<topology> {OUTSIDE})")
+    p.add_argument("--out", default=None, help=f"output folder (default: evaluation/results/validate-<topology> {OUTSIDE}); "
+                                               "one that holds files only with --force")
+    add_force_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from pathlib import Path
-
     from ..errors import TagError
     from ..executor.validate import validate
     from ..io import output_dir
@@ -60,6 +63,7 @@ def run(args) -> int:
     if args.rounds < 1:
         raise TagError(f"--rounds: expected a positive integer, got {args.rounds}")
     out = args.out or str(output_dir(f"evaluation/results/validate-{Path(args.topology).stem}"))
+    check_out_folder(out, args.force)
     report = validate(args.model, args.topology, out, n_plans=args.plans, batch=args.batch, groups=args.groups,
                       optimizer=args.optimizer, steps=args.steps, warmup=args.warmup, seed=args.seed,
                       profile=not args.no_profile, profile_dir=args.profile_dir, rounds=args.rounds,
@@ -68,3 +72,18 @@ def run(args) -> int:
     print(report.table())
     print(f"results: {out}/validation.json, plot: {out}/scatter.png")
     return 0
+
+
+def check_out_folder(out: str, force: bool) -> None:
+    """One-line TagError before any work where ``out`` is a file, cannot be written, or holds
+    files and ``force`` is off: a checkout's default folder holds the committed results
+    (evaluation/results/validate-local-cpu2), which a run would mix with its own."""
+    from ..errors import TagError
+    from ..io import check_folder, check_writable
+
+    check_folder(out, TagError, "--out")
+    check_writable(out, TagError, "--out")
+    held = sorted(p.name for p in Path(out).iterdir()) if Path(out).is_dir() else []
+    if held and not force:
+        raise TagError(f"--out: {out} holds {len(held)} entries ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); "
+                       "pass --force to write into it, or give --out a new folder")
