@@ -29,7 +29,7 @@ set-up + search + compression, capture excluded) per ``--budgets``. Results:
 alternating short rounds, so the load of a shared machine falls on both alike.
 
 Simulated iterations/s, best of 3 alternating rounds on a shared 2-core machine (details and where
-the time goes: ``evaluation/results/sim-speed/sim_speed.md``); results bit-identical:
+the time goes: ``evaluation/results/sim-speed/sim_speed.md`` at 6f39a32); results bit-identical:
 
     workload   before (84a59ac)   after (fast loop, pair templates)
     dp                    2,084   3,063
