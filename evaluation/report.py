@@ -197,18 +197,42 @@ def gpu_within(ctx: Ctx, precision: str) -> tuple[int, int]:
 
 # --- planner benchmark ----------------------------------------------------------------------------
 
+PLANNER = ("results.json", "scale.json")  # small held-out pairs; held-out pairs at scale
+
+
+def planner_title(ctx: Ctx, name: str) -> str:
+    devices = [r["devices"] for r in ctx.json(f"planner-bench/{name}")["rows"]]
+    return f"{len(devices)} held-out pairs, {min(devices)}-{max(devices)} GPUs"
+
+
+def planner_summary(ctx: Ctx, name: str) -> str:
+    s = ctx.json(f"planner-bench/{name}")["summary"]
+    return (f"{s['gnn50_at_least_as_good_pairs']} of {s['pairs']} at least as good, "
+            f"geomean {s['gnn50_vs_uniform2000_geomean']:.4f}")
+
+
+def _best_dp_ms(row: dict) -> str:
+    """The faster of even and proportional data parallel; a missing time is a plan that does not fit."""
+    fits = [x for x in (row["dp_even_s"], row["dp_prop_s"]) if x is not None]
+    return f"{min(fits) * 1e3:.4g}" if fits else "OOM"
+
+
 def block_planner(ctx: Ctx) -> str:
-    res = ctx.json("planner-bench/scale.json")
-    rows = [[f"`{r['model']}` b{r['batch']} {r['precision']}", r["topology"], f"{r['gnn50']['time_s']:.4g}",
-             f"{r['uniform2000']['time_s']:.4g}", f"{r['gnn50']['time_s'] / r['uniform2000']['time_s']:.3f}",
-             f"{r['dp_prop_s']:.4g}", f"{r['lower_bound_s']:.4g}"] for r in res["rows"]]
-    s = res["summary"]
-    return "\n".join([provenance(ctx, "planner-bench"), "",
-                      _table(["model", "topology", "GNN-MCTS @50 s", "uniform MCTS @2000 s", "ratio",
-                              "dp (proportional) s", "lower bound s"], rows), "",
-                      f"GNN @50 at least as good on {s['gnn50_at_least_as_good_pairs']} of {s['pairs']} pairs, "
-                      f"geomean ratio {s['gnn50_vs_uniform2000_geomean']:.4f}; never worse than data parallel: "
-                      f"{'yes' if s['never_worse_than_dp'] else 'no'}."])
+    out = [provenance(ctx, "planner-bench"), ""]
+    for name in PLANNER:
+        res, title = ctx.json(f"planner-bench/{name}"), planner_title(ctx, name)
+        rows = [[f"`{r['model']}`", r["topology"], f"{r['gnn50']['time_s'] * 1e3:.4g}",
+                 f"{r['uniform2000']['time_s'] * 1e3:.4g}", f"{r['gnn50_over_uniform2000']:.3f}",
+                 _best_dp_ms(r)] for r in res["rows"]]
+        s = res["summary"]
+        out += [f"#### {title} ({ctx.link('planner-bench/' + name, name)})", "",
+                _table(["model", "topology", "GNN-MCTS @50 ms", "uniform MCTS @2000 ms", "ratio",
+                        "best data parallel ms"], rows), "",
+                f"GNN @50 {planner_summary(ctx, name)}; never worse than data parallel: "
+                f"{'yes' if s['never_worse_than_dp'] else 'no'}.", ""]
+    out.append(f"Search progress: {ctx.link('planner-bench/quality_vs_playouts.png', 'quality against playouts')} "
+               "(held-out pairs).")
+    return "\n".join(out)
 
 
 # --- executor overhead, pipelines, capture, SFB ---------------------------------------------------
@@ -298,7 +322,6 @@ def block_external(ctx: Ctx) -> str:
 def block_headline(ctx: Ctx) -> str:
     scale, quick = bench_gains(ctx, "bench-scale", "tag-50", 3), bench_gains(ctx, "bench-quick", "tag-200", 3)
     searched = bench_gains(ctx, "bench-quick", "tag-200", 4)
-    planner = ctx.json("planner-bench/scale.json")["summary"]
     runs = validate_runs(ctx)
     errs, rhos = [v["mape_median_pct"] for _, v in runs], [v["spearman"] for _, v in runs]
     plans = [len(v["rows"]) for _, v in runs]
@@ -321,9 +344,8 @@ def block_headline(ctx: Ctx) -> str:
          f"{min(errs):.1f}-{max(errs):.1f}% (median {statistics.median(errs):.1f}%); "
          f"{min(rhos):.3f}-{max(rhos):.3f}",
          ctx.link(f"{VALIDATE}/")],
-        ["GNN-MCTS @50 against uniform MCTS @2000 at 64-512 GPUs",
-         f"{planner['gnn50_at_least_as_good_pairs']} of {planner['pairs']} at least as good, "
-         f"geomean {planner['gnn50_vs_uniform2000_geomean']:.3f}", ctx.link("planner-bench/scale.json")],
+        *([f"GNN-guided MCTS @50 playouts against uniform MCTS @2000 (iteration time), {planner_title(ctx, name)}",
+           planner_summary(ctx, name), ctx.link(f"planner-bench/{name}")] for name in PLANNER),
         [f"`tag execute`'s step time against eager PyTorch (one device) and DDP (two ranks), CPU, {len(eo)} models",
          f"{min(t1):.3f}-{max(t1):.3f}x eager; {min(tdp):.3f}-{max(tdp):.3f}x DDP", ctx.link("executor-overhead/results.json")],
         ["Capture of Llama-2 7B (6.7B parameters), no weights allocated",
