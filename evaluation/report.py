@@ -310,11 +310,28 @@ def block_speed(ctx: Ctx) -> str:
                       _table(["topology", "search", "`find_plan` wall s", "search s"], plans)])
 
 
+EXTERNAL = "external/summary.json"  # written by python -m evaluation.external
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x * 100:.1f}%"
+
+
 def block_external(ctx: Ctx) -> str:
-    """The external benchmark's header, when its results folder exists; nothing otherwise."""
-    if not (ctx.root / RESULTS / "external" / "README.md").exists():
-        return "(no results yet: `evaluation/results/external/` is absent)"
-    return provenance(ctx, "external")
+    """The simulator against published measurements, from ``evaluation/results/external/summary.json``
+    when it exists (its header fields, overall figures and groups); a note otherwise."""
+    if not (ctx.root / RESULTS / EXTERNAL).exists():
+        return "(no results yet: `evaluation/results/external/summary.json` is absent)"
+    s = ctx.json(EXTERNAL)
+    head = " | ".join(["all"] + [f"`{s['command']}`" if k == "command" else str(s[k])
+                                  for k in ("command", "commit", "machine", "date")])
+    rows = [[g["group"], str(g["points"]), "-" if g.get("spearman") is None else f"{g['spearman']:.2f}",
+             _pct(g.get("median_abs_error")), _pct(g.get("worst_abs_error"))] for g in s["groups"]]
+    o = s["overall"]
+    return "\n".join([f"Results: {ctx.link('external/')}", "", HEADER, "|---|---|---|---|---|", f"| {head} |", "",
+                      _table(["group", "points", "Spearman", "median abs. error", "worst abs. error"], rows), "",
+                      f"{o['points']} points in {o['groups']} groups; median abs. error {_pct(o['median_abs_error'])} "
+                      f"({ctx.link(EXTERNAL, 'summary.json')}; per point: {ctx.link('external/points.csv', 'points.csv')})."])
 
 
 # --- the README's headline table ------------------------------------------------------------------
@@ -351,8 +368,10 @@ def block_headline(ctx: Ctx) -> str:
         ["Capture of Llama-2 7B (6.7B parameters), no weights allocated",
          f"{cap['llama-7b']['cpu_s']:.1f} CPU s, {cap['llama-7b']['rss_mb']:.0f} MB", ctx.link(CAPTURE)],
     ]
-    if (ctx.root / RESULTS / "external" / "README.md").exists():
-        rows.append(["External benchmark", "see its results", ctx.link("external/")])
+    if (ctx.root / RESULTS / EXTERNAL).exists():
+        o = ctx.json(EXTERNAL)["overall"]
+        rows.append([f"Simulator against published multi-GPU measurements, {o['points']} points in {o['groups']} groups "
+                     "(median abs. error)", _pct(o["median_abs_error"]), ctx.link(EXTERNAL)])
     return _table(["claim", "figure", "results file"], rows)
 
 

@@ -59,3 +59,20 @@ def test_every_block_links_its_results(doc):
         assert links or m["name"] == "external", f"block {m['name']} of {doc} names no results file"
         for target in links:
             assert ((REPO / doc).parent / target).resolve().exists(), f"{doc}: {target} does not exist"
+
+
+def test_external_results_appear_when_their_summary_exists(tmp_path):
+    """The external benchmark's row and section come from its summary.json alone, once it exists."""
+    root = _copy(tmp_path)
+    ext = root / report.RESULTS / "external"
+    ext.mkdir(exist_ok=True)
+    (ext / "summary.json").write_text(json.dumps({
+        "command": "python -m evaluation.external", "commit": "abc1234", "machine": "test VM", "date": "2026-11-29",
+        "overall": {"points": 12, "groups": 2, "median_abs_error": 0.125},
+        "groups": [{"group": "g1", "points": 8, "spearman": 0.9, "median_abs_error": 0.1, "worst_abs_error": 0.3},
+                   {"group": "g2", "points": 4, "spearman": None, "median_abs_error": 0.2, "worst_abs_error": 0.4}]}))
+    assert report.main(["--root", str(root)]) == 0
+    assert "12 points in 2 groups (median abs. error) | 12.5% |" in (root / "README.md").read_text()
+    bench = (root / "docs/benchmarks.md").read_text()
+    assert "| all | `python -m evaluation.external` | abc1234 | test VM | 2026-11-29 |" in bench
+    assert "| g2 | 4 | - | 20.0% | 40.0% |" in bench
