@@ -32,13 +32,10 @@ hands over from a stage).
 core each, gloo's event threads under ``SCHED_IDLE`` (:func:`tag.cost.host.pin_cores`,
 :func:`tag.cost.host.demote_threads`).
 
-History (2-core development VM, evaluation/results/validate-zoo-local-cpu2/README.md at 3367cc6): a clean
-ping (receive posted when the call starts) fitted 45-58 us + 5.5-5.9 GB/s, far less than an
-executor transfer step costs (~0.1 ms for a few KiB, ~0.2 ms for 130 KiB measured in the
-executor's timelines; packing, posting the next receive and assembling, and the receiver's
-event thread reading only once the rank waits); a gradient all-reduce timed without the
-executor's flattening and copying back, 0.9 ms for vgg's gradients where the executor's sync
-step took 1.6 ms.
+Why as the executor performs them: a clean ping (the receive posted when the call starts) costs a
+fraction of an executor transfer step, which packs, posts the next receive and assembles, and
+whose receiver's event thread reads only once the rank waits; a collective timed without the
+executor's flattening and copying back costs less than its sync step.
 """
 
 from __future__ import annotations
