@@ -139,8 +139,21 @@ def read_json(path: str | os.PathLike, error: type[Exception], what: str) -> Any
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise error(f"{p}: line {e.lineno}: not valid JSON: {e.msg}") from e
+    except ValueError as e:  # an integer of 5,000 digits: beyond int()'s limit on decimal digits
+        raise error(f"{p}: not valid JSON: {huge_integer(e)}; expected a {what} file") from None
     except RecursionError as e:  # '[' * 100000: deeper than the parser's recursion
         raise error(f"{p}: not valid JSON: nested too deeply; expected a {what} file") from e
+
+
+def huge_integer(exc: ValueError) -> str:
+    """What a ValueError of int() on a huge decimal string says, in one line without its advice
+    to raise the limit (Python's 4,300 digits, ``sys.get_int_max_str_digits``)."""
+    import re
+    import sys
+
+    m = re.search(r"value has (\d+) digits", str(exc))
+    digits = f"of {m.group(1)} digits" if m else "too long"
+    return f"an integer {digits} (at most {sys.get_int_max_str_digits()} digits are read)"
 
 
 def save_tensors(path: str | os.PathLike, obj: Any) -> None:

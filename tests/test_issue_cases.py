@@ -178,3 +178,43 @@ def _config(tmp_path, export) -> object:
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({"export": str(export)}))
     return path
+
+
+# ----------------------------------------------------------------------------- topology and plan files
+
+
+def test_an_inline_gpu_cannot_reuse_a_gpu_name_with_other_figures(tmp_path, capsys):
+    inline = "{name: %s, tflops: %s, memory: 16 GB, memory_bandwidth: 300 GB/s}"
+    cases = [  # (machine a's gpu, machine b's gpu, field, what the line says)
+        (inline % ("T4", 999), "T4", "machines[1].gpu.name",  # re-costed b's real T4s (one cost table per name)
+         "GPU 'T4' has other figures than machines[0]'s (8.1 TFLOP/s fp32, 65 TFLOP/s fp16, 16 GiB, 320 GB/s vs "
+         "999 TFLOP/s fp32"),
+        ("T4", inline % ("T4", 999), "machines[1].gpu.name", "GPU 'T4' has other figures than machines[0]'s (999"),
+        (inline % ("mine", 999), inline % ("mine", 9), "machines[1].gpu.name",
+         "GPU 'mine' has other figures than machines[0]'s (9 TFLOP/s fp32"),
+    ]
+    for i, (a, b, field, what) in enumerate(cases):
+        path = tmp_path / f"t{i}.yaml"
+        path.write_text(f"name: t\nmachines:\n  - {{name: a, gpu: {a}, count: 1}}\n  - {{name: b, gpu: {b}, count: 1}}\n"
+                        "network: {bandwidth: 10 Gbit/s}\n")
+        line = one_line_error(capsys, "topology", "show", str(path))
+        assert f"{path}: {field}: {what}" in line and "costs are kept per GPU name" in line, line
+    same = tmp_path / "same.yaml"  # one name, one set of figures: loads
+    same.write_text(f"name: t\nmachines:\n  - {{name: a, gpu: {inline % ('mine', 9)}, count: 1}}\n"
+                    f"  - {{name: b, gpu: {inline % ('mine', 9)}, count: 1}}\nnetwork: {{bandwidth: 10 Gbit/s}}\n")
+    assert [d.gpu.fp32_flops for d in load_topology(same).devices] == [9e12, 9e12]
+
+
+def test_a_5000_digit_integer_is_one_line(tmp_path, capsys):
+    n = "9" * 5000
+    yml = tmp_path / "t.yaml"
+    yml.write_text(f"name: t\nmachines:\n  - {{name: a, gpu: T4, count: {n}}}\n")
+    js = tmp_path / "t.json"
+    js.write_text('{"name": "t", "machines": [{"name": "a", "gpu": "T4", "count": N}]}'.replace("N", n))
+    plan = tmp_path / "p.json"
+    plan.write_text('{"model": "mlp", "batch_size": N, "groups": []}'.replace("N", n))
+    digits = "an integer of 5000 digits (at most 4300 digits are read)"
+    assert f"{yml}: line 3: invalid YAML: {digits}" in one_line_error(capsys, "topology", "show", str(yml))
+    assert f"{js}: invalid JSON: {digits}; expected a topology file" in one_line_error(capsys, "topology", "show", str(js))
+    line = one_line_error(capsys, "simulate", "--model", "mlp", "--topology", "local-cpu2", "--plan", str(plan))
+    assert f"{plan}: not valid JSON: {digits}; expected a plan file" in line, line

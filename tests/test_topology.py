@@ -634,7 +634,8 @@ _bw_text = st.builds(
 _gpu = st.one_of(
     st.sampled_from(sorted(GPU_CATALOG)),
     st.builds(
-        lambda t, m, b: {"name": "custom", "tflops": t, "memory": f"{m} GiB", "memory_bandwidth": f"{b} GB/s"},
+        # (one name per set of figures: costs are kept per GPU name, the loader refuses a clash)
+        lambda t, m, b: {"name": f"custom-{t!r}-{m}-{b}", "tflops": t, "memory": f"{m} GiB", "memory_bandwidth": f"{b} GB/s"},
         st.floats(min_value=0.1, max_value=1000),
         st.integers(min_value=1, max_value=256),
         st.integers(min_value=1, max_value=5000),

@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 
 from tag.errors import TopologyError
-from tag.io import write_atomic
+from tag.io import huge_integer, write_atomic
 from tag.topology.catalog import GPU_CATALOG, GPUSpec, get_gpu
 from tag.topology.model import MAX_DEVICES, MAX_DEVICES_PER_MACHINE, Machine, Topology
 from tag.topology.units import (
@@ -319,6 +319,24 @@ def _parse_network(ctx: _Context, raw: Mapping, machines: list[Machine],
     return bandwidth, latency, links
 
 
+def _check_gpu_name(ctx: _Context, gpu: GPUSpec, k: int, before: list[Machine]) -> None:
+    """One GPU name, one set of figures in a topology: costs are kept per GPU name (the cost
+    model's device type), so an inline ``gpu: {name: T4, tflops: 999, ...}`` on one machine
+    silently re-costed another machine's catalog ``gpu: T4``. A GPU named like an earlier
+    machine's with other figures is refused (:meth:`Topology.to_dict` writes every GPU inline
+    under its own name: equal figures load)."""
+    for j, m in enumerate(before):
+        if m.gpu.name == gpu.name and m.gpu != gpu:
+            raise ctx.error(f"machines[{k}].gpu.name", f"GPU {gpu.name!r} has other figures than machines[{j}]'s "
+                            f"({_figures(gpu)} vs {_figures(m.gpu)}); expected one name per set of figures (costs "
+                            "are kept per GPU name)")
+
+
+def _figures(gpu: GPUSpec) -> str:
+    return (f"{format_flops(gpu.fp32_flops)} fp32, {format_flops(gpu.fp16_flops)} fp16, "
+            f"{format_bytes(gpu.memory_bytes)}, {format_bandwidth(gpu.memory_bandwidth)}")
+
+
 def _from_dict(ctx: _Context, raw: Any) -> Topology:
     raw = ctx.mapping(raw, "", _TOP_KEYS, "a topology with name, machines, network")
     name = ctx.require(raw, "name", "", "a topology name")
@@ -346,6 +364,7 @@ def _from_dict(ctx: _Context, raw: Any) -> Topology:
                 f"machines[{k}].name", f"duplicate machine name {machine.name!r} (also machines[{seen[machine.name]}])"
             )
         seen[machine.name] = k
+        _check_gpu_name(ctx, machine.gpu, k, machines)
         machines.append(machine)
     bandwidth, latency, links = _parse_network(ctx, raw, machines, zone_of)
     try:
@@ -380,6 +399,15 @@ class _StrictLoader(yaml.SafeLoader):
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError as exc:  # an integer of 5,000 digits (beyond int()'s limit): a YAML error at its line
+            raise yaml.constructor.ConstructorError(None, None, huge_integer(exc), node.start_mark) from None
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+
 
 def _read_file(ctx: _Context, path: Path) -> Any:
     try:
@@ -399,6 +427,8 @@ def _read_file(ctx: _Context, path: Path) -> Any:
             raise ctx.error(f"line {exc.lineno}", f"invalid JSON: {exc.msg}") from None
         except RecursionError:  # '[' * 100000: deeper than the parser's recursion
             raise ctx.error("", "invalid JSON: nested too deeply; expected a topology file") from None
+        except ValueError as exc:  # an integer of 5,000 digits (beyond int()'s limit)
+            raise ctx.error("", f"invalid JSON: {huge_integer(exc)}; expected a topology file") from None
     try:
         return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
     except RecursionError:
