@@ -56,6 +56,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from evaluation.report import header_lines, machine_line
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "evaluation" / "results" / "executor-overhead"
 MODELS = ["mlp", "gpt2", "bert", "vit", "llama", "resnet", "vgg", "mixer", "encoder"]
@@ -302,7 +304,7 @@ def write(results: dict, meta: dict, out: Path) -> None:
     write_json(out / "results.json", {"meta": meta, "models": results})
     lines = [
         "# `tag execute` against eager PyTorch and DDP (CPU)", "",
-        f"Command: `{meta['command']}`", "",
+        *header_lines(meta["command"], machine_line()), "",
         f"{meta['date']}, commit {meta['commit']}, torch {meta['torch']}, {meta['cpus']} CPUs (shared with "
         "other jobs: interleaved rounds, medians). Eager and `tag-1` run one process, one thread pinned to "
         "core 0; DDP and `tag-dp` two gloo ranks with one core each. Module docstring of `evaluation/executor_overhead.py`: "

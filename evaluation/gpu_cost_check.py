@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from evaluation.report import header_lines, machine_line
+
 GPU = "H200"
 GROUPS = 48
 HOST_GRID_S = [x * 1e-6 for x in range(0, 101)]  # host seconds per launch: 0 .. 100 us in 1 us steps
@@ -746,7 +748,8 @@ def write_report(res: dict, command: str) -> None:
     n_par = len(res["fitted_columns"])
     lines = [
         "# GPU cost model against eager H200 training steps", "",
-        f"Command: `{command}` (about 2 minutes on cached graphs; `--capture` captures missing ones).", "",
+        *header_lines(command, machine_line() + " (fit); steps measured on one H200", run="fit"), "",
+        "About 2 minutes on cached graphs; `--capture` captures missing ones.", "",
         f"Fitted on the eager steps of {', '.join('`' + x + '`' for x in res['fit_files'])} (one H200, torch "
         "2.11.0+cu130; kernel tables of `torch.profiler`, kernels classed by name with `tag.cost.gpu.kernel_class`). "
         "Graphs captured here (torch 2.13, CPU) from the same specs and batches. vit-b16 is left out (its graph "

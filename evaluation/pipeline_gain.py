@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from evaluation.report import header_lines, machine_line
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "evaluation" / "results" / "pipeline-gain"
 MODELS = [("gpt2:n_layer=24,n_embd=1024,n_head=16,seq=1024", 32),   # GPT-2 medium (355M)
@@ -129,7 +131,7 @@ def write_report(rows: list[dict], out: Path, command: str) -> None:
         sp = _speedup(r, m)
         return f"{t * 1e3:.1f}" + (f" ({sp:.2f}x)" if sp else "")
 
-    lines = ["# Pipelines in TAG's action space", "", f"Command: `{command}`", "",
+    lines = ["# Pipelines in TAG's action space", "", *header_lines(command, machine_line()), "",
              "Simulated iteration time in ms (speedup over even data parallel when that fits): `tag-50`: "
              "GNN-guided MCTS, 50 playouts, over TAG's per-group actions; `grid`: the best by-hand dp x pp layout "
              "(`dp-tp-pp-grid`); `tag-50+pipelines` / `uniform-50+pipelines`: MCTS (GNN prior / uniform prior, "

@@ -14,9 +14,12 @@ opens with one header table (``| run | command | commit | machine | date |``), c
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
+import os
 import re
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +66,27 @@ def _spread(gains: list[float]) -> str:
 def _table(head: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def header_lines(command: str, machine: str, run: str = "run") -> list[str]:
+    """The header table a script writes at the top of its results folder's README: ``command``, the
+    checkout's commit (``+changes`` when ``tag/`` differs from it), ``machine`` and today's UTC date."""
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    commit += "+changes" if git("status", "--porcelain", "--", "tag") else ""
+    date = datetime.datetime.now(datetime.UTC).date().isoformat()
+    return [HEADER, "|---|---|---|---|---|", f"| {run} | `{command}` | {commit} | {machine} | {date} |"]
+
+
+def machine_line() -> str:
+    """This machine in a few words: CPU count and torch version (a GPU's name when one is visible)."""
+    import torch
+
+    gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return f"{os.cpu_count()} CPUs{gpu}, torch {torch.__version__}"
 
 
 def header_rows(ctx: Ctx, folder: str) -> list[str]:

@@ -1,6 +1,7 @@
 """The generated tables of README.md and docs/benchmarks.md (evaluation/report.py) against the
 committed results files."""
 
+import datetime
 import json
 import re
 import shutil
@@ -76,3 +77,15 @@ def test_external_results_appear_when_their_summary_exists(tmp_path):
     bench = (root / "docs/benchmarks.md").read_text()
     assert "| all | `python -m evaluation.external` | abc1234 | test VM | 2026-11-29 |" in bench
     assert "| g2 | 4 | - | 20.0% | 40.0% |" in bench
+
+
+def test_a_scripts_header_is_what_the_report_reads(tmp_path):
+    """The header a benchmark script writes (header_lines) is the one header_rows parses: the run's
+    command, this checkout's commit and today's date."""
+    folder = tmp_path / report.RESULTS / "x"
+    folder.mkdir(parents=True)
+    lines = report.header_lines("python -m evaluation.x --out DIR", "test VM")
+    (folder / "README.md").write_text("\n".join(["# X", "", *lines, "", "Figures."]) + "\n")
+    rows = report.header_rows(report.Ctx(tmp_path, Path("docs/benchmarks.md")), "x")
+    assert len(rows) == 1 and rows[0].startswith("| run | `python -m evaluation.x --out DIR` | ")
+    assert rows[0].endswith(f" | test VM | {datetime.datetime.now(datetime.UTC).date().isoformat()} |")
