@@ -103,6 +103,12 @@ def header_rows(ctx: Ctx, folder: str) -> list[str]:
     return rows
 
 
+def run_dates(ctx: Ctx, folder: str) -> str:
+    """The dates of the folder's runs, from its header: one date, or the first and the last."""
+    dates = sorted({row.rstrip(" |").rsplit("|", 1)[-1].strip() for row in header_rows(ctx, folder)})
+    return dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+
+
 def provenance(ctx: Ctx, folder: str) -> str:
     """The folder's header, linked: what ran, at which commit, on what, when."""
     return "\n".join([f"Results: {ctx.link(folder + '/')}", "", HEADER, "|---|---|---|---|---|",
@@ -241,6 +247,12 @@ def _best_dp_ms(row: dict) -> str:
     return f"{min(fits) * 1e3:.4g}" if fits else "OOM"
 
 
+def planner_date(ctx: Ctx, name: str) -> str:
+    """The date of the header row that wrote ``name`` (the row whose command names the file)."""
+    row = next(r for r in header_rows(ctx, "planner-bench") if f"planner-bench/{name}" in r)
+    return row.rstrip(" |").rsplit("|", 1)[-1].strip()
+
+
 def block_planner(ctx: Ctx) -> str:
     out = [provenance(ctx, "planner-bench"), ""]
     for name in PLANNER:
@@ -373,30 +385,35 @@ def block_headline(ctx: Ctx) -> str:
     (f32, n32), (b16, n16) = gpu_within(ctx, "fp32"), gpu_within(ctx, "bf16")
     rows = [
         ["TAG's plan against the best by-hand plan (data parallel, dp x tp x pp grid), 64-512 GPUs, "
-         "Llama-2 7B and GPT-2 XL in bf16", _spread(scale), ctx.link("bench-scale/results.json")],
-        ["The same, small models on 2-16 devices (quick suite)", _spread(quick), ctx.link("bench-quick/results.json")],
+         "Llama-2 7B and GPT-2 XL in bf16", _spread(scale), ctx.link("bench-scale/results.json"),
+         run_dates(ctx, "bench-scale")],
+        ["The same, small models on 2-16 devices (quick suite)", _spread(quick), ctx.link("bench-quick/results.json"),
+         run_dates(ctx, "bench-quick")],
         ["TAG's plan against the best of random search, annealing, TPE and uniform MCTS at "
          f"{ctx.json('bench-quick/config.json')['suite']['search_budget']} playouts (quick suite)",
-         _spread(searched), ctx.link("bench-quick/results.json")],
+         _spread(searched), ctx.link("bench-quick/results.json"), run_dates(ctx, "bench-quick")],
         ["Simulated H200 step within 20% of the eager one, real-size zoo, workload held out of the fit",
-         f"fp32 {f32} of {n32}, bf16 {b16} of {n16}", ctx.link("gpu-cost/results.json")],
+         f"fp32 {f32} of {n32}, bf16 {b16} of {n16}", ctx.link("gpu-cost/results.json"),
+         run_dates(ctx, "gpu-check/2026-11-27-h200")],
         [f"Simulator against real execution on 2 CPU ranks, {len(runs)} runs of {min(plans)}-{max(plans)} plans "
          "(median abs. error; Spearman)",
          f"{min(errs):.1f}-{max(errs):.1f}% (median {statistics.median(errs):.1f}%); "
          f"{min(rhos):.3f}-{max(rhos):.3f}",
-         ctx.link(f"{VALIDATE}/")],
+         ctx.link(f"{VALIDATE}/"), run_dates(ctx, VALIDATE)],
         *([f"GNN-guided MCTS @50 playouts against uniform MCTS @2000 (iteration time), {planner_title(ctx, name)}",
-           planner_summary(ctx, name), ctx.link(f"planner-bench/{name}")] for name in PLANNER),
+           planner_summary(ctx, name), ctx.link(f"planner-bench/{name}"), planner_date(ctx, name)]
+          for name in PLANNER),
         [f"`tag execute`'s step time against eager PyTorch (one device) and DDP (two ranks), CPU, {len(eo)} models",
-         f"{min(t1):.3f}-{max(t1):.3f}x eager; {min(tdp):.3f}-{max(tdp):.3f}x DDP", ctx.link("executor-overhead/results.json")],
+         f"{min(t1):.3f}-{max(t1):.3f}x eager; {min(tdp):.3f}-{max(tdp):.3f}x DDP", ctx.link("executor-overhead/results.json"),
+         run_dates(ctx, "executor-overhead")],
         ["Capture of Llama-2 7B (6.7B parameters), no weights allocated",
-         f"{cap['llama-7b']['cpu_s']:.1f} CPU s, {cap['llama-7b']['rss_mb']:.0f} MB", ctx.link(CAPTURE)],
+         f"{cap['llama-7b']['cpu_s']:.1f} CPU s, {cap['llama-7b']['rss_mb']:.0f} MB", ctx.link(CAPTURE), run_dates(ctx, "capture-scale")],
     ]
     if (ctx.root / RESULTS / EXTERNAL).exists():
         o = ctx.json(EXTERNAL)["overall"]
         rows.append([f"Simulator against published multi-GPU measurements, {o['points']} points in {o['groups']} groups "
-                     "(median abs. error)", _pct(o["median_abs_error"]), ctx.link(EXTERNAL)])
-    return _table(["claim", "figure", "results file"], rows)
+                     "(median abs. error)", _pct(o["median_abs_error"]), ctx.link(EXTERNAL), str(ctx.json(EXTERNAL)["date"])])
+    return _table(["claim", "figure", "results file", "measured"], rows)
 
 
 BLOCKS: dict[str, Callable[[Ctx], str]] = {
