@@ -36,6 +36,9 @@ POINTS = HERE / "points"
 TOPOLOGIES = HERE / "topologies"
 RESULTS = ROOT / "evaluation" / "results" / "external"
 PRECISIONS = ("fp32", "fp16", "bf16")
+EAGER_RUNTIMES = ("tag", "eager")
+"""Runtimes that run the captured eager kernels (TAG's executor); any other runtime's activations
+are held as a fused trainer holds them (:mod:`tag.cost.fused_memory`)."""
 
 
 class DataError(ValueError):
@@ -195,6 +198,7 @@ class Row:
 
 def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None) -> Row:
     """Cost one point (:class:`Row`; a point TAG refuses gives a row with ``error``)."""
+    from tag.cost.fused_memory import fused_activation_graph
     from tag.cost.model import CostModel
     from tag.errors import TagError
     from tag.planner import layout_plan, model_graph
@@ -207,13 +211,24 @@ def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None
         if topo is None:
             topo = topologies[p.topology] = load_topology(str(p.topology))
         graph, _, _ = model_graph(p.model, p.global_batch, precision=p.precision, num_groups=groups)
+        if p.runtime not in EAGER_RUNTIMES:
+            graph = fused_activation_graph(graph)
         costs = CostModel.for_topology(graph, topo)
-        plan = layout_plan(graph, topo, p.layout_text(), costs)
+        plan = layout_plan(graph, topo, p.layout_text(), costs, machines=point_machines(p, topo))
         res = Simulator(graph, topo, costs).run(plan.groups, pipeline=plan.pipeline)
     except TagError as e:
         return Row(p, None, False, None, str(e).splitlines()[0])
     peak = max(res.peak_memory_bytes) / 2**30
     return Row(p, float(res.iteration_time_s), bool(res.oom), float(peak))
+
+
+def point_machines(p: Point, topo) -> list[str] | None:
+    """The machines a point ran on, in order of first use (from its ``devices``), where its
+    topology holds more devices than the layout occupies; else None (every machine)."""
+    need = p.layout["dp"] * p.layout["tp"] * p.layout["pp"]
+    if topo.num_devices == need or not p.devices:
+        return None
+    return list(dict.fromkeys(d.split(":")[0] for d in p.devices))
 
 
 # --------------------------------------------------------------------------------------- scores
