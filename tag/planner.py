@@ -269,14 +269,19 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
 
 def layout_plan(graph, topology, layout, costs=None, machines=None) -> Plan:
     """The plan of a Megatron-style layout, as ``tag simulate --layout`` costs it: ``layout`` a
-    string ``"dp=D,tp=T,pp=P,micro=M[,schedule=1f1b|gpipe|kfkb,k=K]"`` or a parsed
-    :class:`tag.parallel.layout.Layout`; even layer cuts balanced by ``costs`` (default: the
-    topology's :class:`~tag.cost.CostModel`), stages placed machine-major in the topology's device
-    order. ``machines``: names of the machines the layout occupies (``dp*tp*pp`` their device
-    count), the others idle, as the planner's sub-cluster layouts
-    (:func:`tag.search.layouts.subcluster_search`; ``tag simulate --machines``); default all. A
-    layout the topology or the batch cannot hold, or an unknown machine, is one
-    :class:`~tag.errors.PlanError` line; whether it fits in memory is the simulation's ``oom``."""
+    string ``"dp=D,tp=T,pp=P,micro=M[,schedule=1f1b|gpipe|kfkb,k=K][,stages=7+6+6+5][,order=m1:0-3+m0:0-3]"``
+    or a parsed :class:`tag.parallel.layout.Layout`; even layer cuts balanced by ``costs``
+    (default: the topology's :class:`~tag.cost.CostModel`), or with ``stages`` the layers stated
+    per stage (the graph's op-groups must start at each stage's first layer:
+    :func:`tag.parallel.layout.align_groups` regroups a graph so that they do); stages placed
+    machine-major in the topology's device order, or on the devices ``order`` states.
+    ``machines``: names of the machines the layout occupies (``dp*tp*pp`` their device count),
+    the others idle, as the planner's sub-cluster layouts
+    (:func:`tag.search.layouts.subcluster_search`; ``tag simulate --machines``); default all.
+    ``order`` subsumes ``machines``: given both, the order must name exactly the machines'
+    devices (:func:`layout_machines`). A layout the topology, the graph or the batch cannot
+    hold, or an unknown machine or device, is one :class:`~tag.errors.PlanError` line; whether it
+    fits in memory is the simulation's ``oom``."""
     from .cost.model import CostModel
     from .parallel.layout import layout_plan as _layout_plan
     from .parallel.layout import parse_layout
@@ -286,14 +291,17 @@ def layout_plan(graph, topology, layout, costs=None, machines=None) -> Plan:
     if machines is None:
         return _layout_plan(graph, topology, lay, costs)
     sub, devices = layout_machines(topology, lay, machines)
+    if lay.order is not None:  # (the order names the devices on the whole topology)
+        return _layout_plan(graph, topology, lay, costs)
     return _layout_plan(graph, sub, lay, costs.restricted(sub, devices)).on_topology(topology, devices)
 
 
 def layout_machines(topology, layout, machines) -> tuple:
     """``(sub-topology, device map)`` of the machines named ``machines`` (in the topology's order)
     for ``layout`` (a :class:`tag.parallel.layout.Layout`): one :class:`~tag.errors.PlanError`
-    line for an unknown name or a device count the layout does not occupy exactly."""
-    from .parallel.layout import check_devices
+    line for an unknown name, a device count the layout does not occupy exactly, or a device of
+    the layout's ``order`` on another machine."""
+    from .parallel.layout import check_devices, layout_devices
 
     names = [m.name for m in topology.machines]
     unknown = [m for m in machines if m not in names]
@@ -302,6 +310,13 @@ def layout_machines(topology, layout, machines) -> tuple:
                         f"expected some of {', '.join(names)}")
     sub, devices = topology.restricted([topology.machine_index(m) for m in machines])
     check_devices(layout, sub)
+    if layout.order is not None:
+        kept = set(devices)
+        stray = [d for d in layout_devices(layout, topology) if d not in kept]
+        if stray:
+            raise PlanError(f"layout: order: device {topology.devices[stray[0]].name} is not on machines "
+                            f"{','.join(machines)}; expected their devices only (or no machines: the order "
+                            "names the devices)")
     return sub, devices
 
 

@@ -270,3 +270,260 @@ def test_layouts_on_a_sub_cluster_leave_the_slowest_kind_idle(captured, tmp_path
     assert "machines: no machine 'm9' in topology 'mixed-small'; expected some of m0, m1, m2, m3" in capsys.readouterr().err
     assert main([*sim_argv, "--machines", "m0"]) == 2  # dp*tp*pp = 2 devices on one
     assert "but topology 'mixed-small[m0]' has 1" in capsys.readouterr().err
+
+
+# ---- published plans: stated layers per stage and a device order ------------------------------
+
+TINY_GPT2 = "gpt2:n_layer=4,n_embd=64,n_head=2,vocab=100,seq=16"
+
+
+@pytest.fixture(scope="module")
+def gpt2_16():
+    """A 4-layer GPT-2 at batch 8 in 16 op-groups, its own (tests regroup it in place)."""
+    from tag.graph import capture
+    from tag.workloads import load_workload
+
+    return capture(load_workload(TINY_GPT2, batch=8), num_groups=16).graph
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    """Two machines ``m0``, ``m1`` of two CPU devices each."""
+    from tag.topology import load_topology
+
+    path = tmp_path_factory.mktemp("topo") / "two-by-two.yaml"
+    path.write_text("name: two-by-two\nnetwork: {bandwidth: 10 Gbit/s}\nmachines:\n"
+                    + "".join(f"  - {{name: m{i}, gpu: cpu, count: 2, intra_bandwidth: 5 GB/s}}\n" for i in range(2)))
+    return load_topology(path)
+
+
+def _stage_of_layer_ops(graph, plan) -> dict[int, set[int]]:
+    """Layer -> the stages holding its forward ops that read its parameters (by the parameters'
+    names, ``transformer.h.<layer>.``), independent of :mod:`tag.parallel.layers`."""
+    from tag.parallel.pipeline import stage_of_group
+
+    stage = stage_of_group(plan.pipeline, graph.num_groups)
+    out: dict[int, set[int]] = {}
+    for p in graph.params:
+        if ".h." in p.name:
+            layer = int(p.name.split(".h.")[1].split(".")[0])
+            for c in graph.tensors[p.tensor].consumers:
+                if graph.ops[c].phase == "fwd":
+                    out.setdefault(layer, set()).add(stage[graph.ops[c].group])
+    return out
+
+
+def test_parse_stages_and_order():
+    lay = parse_layout("pp=4,micro=4,stages=7+6+6+5,order=m1:0-3+m0:0-3")
+    assert lay.stages == (7, 6, 6, 5) and lay.order == ("m1:0-3", "m0:0-3")
+    assert Layout(pp=2, stages=[3, 1], order=[2, 3]) == Layout(pp=2, stages=(3, 1), order=(2, 3))  # lists: tuples
+    for text, message in [("pp=2,stages=3+x", r"stages: expected layer counts joined by '\+'"),
+                          ("pp=2,stages=4", r"stages: 4 is 1 stages, pp is 2; expected 2 layer counts"),
+                          ("pp=2,stages=4+0", r"stages: expected positive layer counts"),
+                          ("pp=2,stages=3+1,cut=memory", r"cut: stages=3\+1 fixes the cut; expected no cut=memory"),
+                          ("dp=2,order=m0:0+", r"order: '': expected a device index")]:
+        with pytest.raises(PlanError, match="^layout: " + message):
+            parse_layout(text)
+
+
+def test_uneven_stages_hold_exactly_the_stated_layers(gpt2_16, topo4):
+    """``stages=3+1``: layers 0-2 (and the embedding) on stage 0, layer 3 (and the head and loss)
+    on stage 1; ``1+2+1`` on three stages; every forward op reading a layer's parameters lies in
+    its stage, with tensor parallelism too (the cut between Megatron blocks)."""
+    from tag.parallel.layout import align_groups, stage_table
+    from tag.parallel.pipeline import stage_of_group
+
+    graph = gpt2_16
+    k = align_groups(graph, Layout(pp=2, stages=(3, 1)))
+    assert graph.num_groups == k and abs(k - 16) <= 16
+    plan = layout_plan(graph, topo4, Layout(dp=2, pp=2, micro=2, stages=(3, 1)), CostModel.for_topology(graph, topo4))
+    validate_plan(plan, graph, topo4, pipelines=True)
+    assert _stage_of_layer_ops(graph, plan) == {0: {0}, 1: {0}, 2: {0}, 3: {1}}
+    stage = stage_of_group(plan.pipeline, graph.num_groups)
+
+    def reads(name):  # stages of the forward ops reading parameter ``name``
+        p = next(p for p in graph.params if p.name.endswith(name))
+        return sorted(stage[graph.ops[c].group] for c in graph.tensors[p.tensor].consumers if graph.ops[c].phase == "fwd")
+
+    # the embeddings on the first stage, the final norm and the head (tied to the token embedding) on the last
+    assert reads("wpe.weight") == [0] and reads("lm_head.weight") == [0, 1] and set(reads("ln_f.weight")) == {1}
+    assert stage[graph.ops[graph.tensors[graph.loss].producer].group] == 1
+    assert [r["layers"] for r in stage_table(graph, plan)] == [[0, 2], [3, 3]]
+    assert plan.meta["layout"] == "dp=2,tp=1,pp=2,micro=2,schedule=1f1b,stages=3+1"
+    assert simulate(graph, topo4, plan).iteration_time_s > 0
+    # three stages on three of the four devices (order): 1+2+1
+    three = Layout(pp=3, micro=3, stages=(1, 2, 1), order=(3, 1, 0))
+    align_groups(graph, three)
+    plan = layout_plan(graph, topo4, three, CostModel.for_topology(graph, topo4))
+    validate_plan(plan, graph, topo4, pipelines=True)
+    assert _stage_of_layer_ops(graph, plan) == {0: {0}, 1: {1}, 2: {1}, 3: {2}}
+    assert [r["devices"] for r in stage_table(graph, plan)] == [[3], [1], [0]]
+    # tensor parallel: dp=1,tp=2,pp=2, each stage's cut between Megatron blocks
+    tp = Layout(tp=2, pp=2, micro=2, stages=(1, 3))
+    align_groups(graph, tp)
+    plan = layout_plan(graph, topo4, tp, CostModel.for_topology(graph, topo4))
+    validate_plan(plan, graph, topo4, pipelines=True, tensor_parallel=True)
+    assert _stage_of_layer_ops(graph, plan) == {0: {0}, 1: {1}, 2: {1}, 3: {1}}
+    assert all(g.sync == "tp" and g.tp == 2 for g in plan.groups)
+
+
+def test_stated_stages_agree_with_a_cut_that_falls_on_layers(gpt2_16, topo4):
+    """A default cut that falls between layers, stated as layer counts, gives the same plan."""
+    from tag.parallel.layout import stage_table
+
+    graph = gpt2_16
+    costs = CostModel.for_topology(graph, topo4)
+    for pp in (2, 4):
+        cut = layout_plan(graph, topo4, Layout(dp=4 // pp, pp=pp, micro=2), costs)
+        rows = stage_table(graph, cut)
+        layers = [r["layers"] for r in rows]
+        if None in layers or any(b[0] != a[1] + 1 for a, b in zip(layers, layers[1:])):
+            continue  # (this grouping's cut splits a layer)
+        stated = layout_plan(graph, topo4, Layout(dp=4 // pp, pp=pp, micro=2,
+                                                  stages=tuple(b - a + 1 for a, b in layers)), costs)
+        assert stated.pipeline == cut.pipeline and [g.key() for g in stated.groups] == [g.key() for g in cut.groups]
+
+
+def test_an_order_places_the_ranks(gpt2_16, two_by_two):
+    """``order=m1:0-1+m0:0-1``: stage 0 on machine m1, stage 1 on m0 (replicas in the stated
+    order); the identity order is the default plan; device names, ranges, machines and indices
+    spell the same order."""
+    graph = gpt2_16
+    costs = CostModel.for_topology(graph, two_by_two)
+    default = layout_plan(graph, two_by_two, Layout(dp=2, pp=2, micro=2), costs)
+    same = layout_plan(graph, two_by_two, Layout(dp=2, pp=2, micro=2, order=(0, 1, 2, 3)), costs)
+    assert [g.key() for g in same.groups] == [g.key() for g in default.groups] and same.pipeline == default.pipeline
+    assert "order" not in default.meta["layout"] and same.meta["layout"].endswith(",order=m0:0-1+m1:0-1")
+    swapped = [layout_plan(graph, two_by_two, parse_layout(f"dp=2,pp=2,micro=2,order={o}"), costs)
+               for o in ("m1:0-1+m0:0-1", "m1+m0", "m1:0+m1:1+0-1", "2+3+0+1")]
+    for plan in swapped:
+        validate_plan(plan, graph, two_by_two, pipelines=True)
+        s1 = plan.pipeline.stages[1]
+        assert all(g.devices == [2, 3] for g in plan.groups[:s1]) and all(g.devices == [0, 1] for g in plan.groups[s1:])
+        assert plan.meta["layout"].endswith(",order=m1:0-1+m0:0-1")
+    reversed_ = layout_plan(graph, two_by_two, Layout(dp=2, pp=2, micro=2, order=("m1:1", "m1:0", "m0:1", "m0:0")), costs)
+    assert reversed_.groups[0].devices == [3, 2] and reversed_.groups[-1].devices == [1, 0]
+    assert simulate(graph, two_by_two, swapped[0]).iteration_time_s > 0
+
+
+@pytest.mark.parametrize("order, message", [
+    ("m0:0-1+m1:0", r"order: names 3 devices, dp\*tp\*pp = 2\*1\*2 = 4; expected 4"),
+    ("m0+m0:1+m1:0", r"order: device m0:1 \(index 1\) given twice; expected distinct devices"),
+    ("m0+m2", r"order: 'm2': no machine 'm2' in topology 'two-by-two'; expected one of m0, m1"),
+    ("m0+m7:0-1", r"order: 'm7:0-1': no machine 'm7' in topology"),
+    ("m0+m1:1-2", r"order: 'm1:1-2': expected a device index, .*machine 'm1' has 2 devices"),
+    ("0-4", r"order: '0-4': expected .*topology 'two-by-two' has 4"),
+])
+def test_a_bad_order_is_one_line(two_by_two, order, message):
+    from tag.parallel.layout import layout_devices
+
+    with pytest.raises(PlanError, match=f"^layout: {message}") as e:
+        layout_devices(parse_layout(f"dp=2,pp=2,order={order}"), two_by_two)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_stages_name_the_value_and_a_grouping_that_works(gpt2_16, mlp):
+    from tag.graph.grouping import group_ops
+    from tag.parallel.layout import align_groups, stage_starts
+
+    graph = gpt2_16
+    with pytest.raises(PlanError, match=r"^layout: stages: 3\+2 = 5 layers, model 'gpt2:n_layer=4,.*' has 4 "
+                                        r"\(model\.transformer\.h\.0 \.\. model\.transformer\.h\.3\); expected counts summing to 4$"):
+        stage_starts(graph, Layout(pp=2, stages=(3, 2)))
+    # an MLP's layers: its Sequential's numbered modules (Linear layers; the ReLUs hold no parameters)
+    with pytest.raises(PlanError, match=r"^layout: stages: 1\+1 = 2 layers, model 'mlp' has \d+ \(model\.net\.0 \.\. "
+                                        r"model\.net\.\d+\); expected counts summing to \d+$"):
+        stage_starts(mlp, Layout(pp=2, stages=(1, 1)))
+    # 5 groups: layer 3 begins inside one; the count suggested works
+    group_ops(graph, 5)
+    with pytest.raises(PlanError, match=r"^layout: stages: stage 1's first layer \(model\.transformer\.h\.3\) begins "
+                                        r"inside one of the 5 op-groups; expected --groups (\d+) ") as e:
+        stage_starts(graph, Layout(pp=2, stages=(3, 1)))
+    assert graph.num_groups == 5  # (the suggestion regrouped a copy)
+    k = int(str(e.value).split("--groups ")[1].split()[0])
+    assert align_groups(graph, Layout(pp=2, stages=(3, 1)), 5) == k == graph.num_groups
+    assert len(stage_starts(graph, Layout(pp=2, stages=(3, 1)))) == 2
+
+
+def test_simulate_a_published_layout(tmp_path, capsys):
+    """``tag simulate --layout ...,stages=3+1,order=...``: the op-group count aligned without
+    ``--groups``, the layout that ran printed and in the JSON, ``--save-plan`` writes it;
+    ``--machines`` with an order of other machines' devices is refused in one line."""
+    from tag.topology import load_topology
+
+    topo = tmp_path / "two.yaml"
+    topo.write_text("name: two-by-two\nnetwork: {bandwidth: 10 Gbit/s}\nmachines:\n"
+                    + "".join(f"  - {{name: m{i}, gpu: cpu, count: 2, intra_bandwidth: 5 GB/s}}\n" for i in range(2)))
+    argv = ["simulate", "--model", TINY_GPT2, "--batch", "8", "--topology", str(topo),
+            "--layout", "dp=2,pp=2,micro=2,stages=3+1,order=m1+m0"]
+    assert main([*argv, "--save-plan", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "layout ran: dp=2,tp=1,pp=2,micro=2,schedule=1f1b,stages=3+1,order=m1:0-1+m0:0-1" in out
+    assert "  stage 0: layers 0-2, op-groups 0-" in out and ", devices m1:0-1" in out
+    assert "  stage 1: layer 3, op-groups " in out and ", devices m0:0-1" in out
+    plan = Plan.load(tmp_path / "p.json")
+    assert plan.meta["layout"].endswith("stages=3+1,order=m1:0-1+m0:0-1") and plan.groups[0].devices == [2, 3]
+    assert main([*argv, "--groups", str(len(plan.groups)), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["layout"] == plan.meta["layout"] and [s["layers"] for s in got["stages"]] == [[0, 2], [3, 3]]
+    assert got["iteration_time_s"] == pytest.approx(plan.predicted_iteration_time_s)
+    assert main([*argv, "--machines", "m0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "but topology 'two-by-two[m0]' has 2" in err[0]
+    assert main([*argv[:-1], "dp=1,pp=2,micro=2,stages=3+1,order=m1:0+m0:0", "--machines", "m0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "layout: order: device m1:0 is not on machines m0; expected their devices only" in err[0]
+    assert main([*argv[:-1], "dp=1,pp=2,micro=2,stages=3+1,order=m1:1+m1:0", "--machines", "m1"]) == 0
+    assert "devices m1:1" in capsys.readouterr().out
+    assert load_topology(topo).num_devices == 4
+
+
+def test_an_uneven_published_layout_trains_as_one_process(topo4):
+    """The plan of ``dp=2,pp=2,micro=2,stages=2+1,order=2+3+0+1`` (stage 0 on devices 2 and 3)
+    on a 3-layer GPT-2 trains, in one process with every rank's runtime, to the parameters of
+    single-process training."""
+    from tag.executor import reference_training, run_virtual
+    from tag.executor.equality import assert_params_equal
+    from tag.graph import capture
+    from tag.parallel.layout import align_groups
+    from tag.workloads import load_workload
+
+    spec = "gpt2:n_layer=3,n_embd=32,n_head=2,seq=16,vocab=64"
+    graph = capture(load_workload(spec, batch=8), num_groups=8).graph
+    lay = Layout(dp=2, pp=2, micro=2, stages=(2, 1), order=(2, 3, 0, 1))
+    align_groups(graph, lay)
+    plan = layout_plan(graph, topo4, lay, CostModel.for_topology(graph, topo4))
+    validate_plan(plan, graph, topo4, pipelines=True)
+    assert _stage_of_layer_ops(graph, plan) == {0: {0}, 1: {0}, 2: {1}} and plan.groups[0].devices == [2, 3]
+    rts = run_virtual(graph, plan, load_workload(spec, batch=8), "adam", 2)
+    ref, losses = reference_training(load_workload(spec, batch=8), "adam", 2)
+    assert_params_equal({r: rt.named_params() for r, rt in rts.items()}, ref, {p.name for p in graph.params}, exact=True)
+    assert sum(rt.loss for rt in rts.values()) == pytest.approx(losses[-1], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_saved_published_layout_runs_on_gloo_ranks(tmp_path, capsys):
+    """``tag simulate --layout pp=2,micro=2,stages=2+1,order=1+0 --save-plan``: the executor
+    captures the graph again from the plan's op-group count alone (the count aligned to the
+    stated layers), runs it on two gloo ranks, stage 0 on rank 1, and trains as one process does."""
+    from tag.executor import ExecuteConfig, execute, reference_training
+    from tag.executor.equality import assert_params_equal, saved_params
+    from tag.planner import model_graph
+    from tag.workloads import load_workload
+
+    spec = "gpt2:n_layer=3,n_embd=32,n_head=2,seq=16,vocab=64"
+    topo = tmp_path / "cpu2.yaml"
+    topo.write_text("name: cpu2\nmachines:\n  - {name: local, gpu: cpu, count: 2, intra_bandwidth: 5 GB/s}\n")
+    plan_path = tmp_path / "plan.json"
+    assert main(["simulate", "--model", spec, "--batch", "4", "--topology", str(topo), "--layout",
+                 "pp=2,micro=2,stages=2+1,order=1+0", "--save-plan", str(plan_path)]) == 0
+    assert "  stage 0: layers 0-1, op-groups 0-" in capsys.readouterr().out
+    plan = Plan.load(plan_path)
+    assert plan.groups[0].devices == [1] and plan.groups[-1].devices == [0]
+    cfg = ExecuteConfig(spec, str(topo), str(plan_path), steps=2, warmup=0, save_params=True, optimizer="adam",
+                        run_dir=str(tmp_path / "run"), timeout_s=120.0)
+    res = execute(cfg)
+    ref, losses = reference_training(load_workload(spec, batch=4), "adam", 2)
+    names = {p.name for p in model_graph(spec, 4, num_groups=len(plan.groups))[0].params}  # (tied: one name)
+    assert_params_equal(saved_params(tmp_path / "run", res.world_size), ref, names, exact=True)
+    assert res.losses == pytest.approx(losses, rel=1e-5)

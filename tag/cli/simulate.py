@@ -41,11 +41,17 @@ def register(sub) -> None:
                           "machine-major, M micro-batches; optional schedule=1f1b|gpipe|kfkb (or a schedule "
                           "registered in tag.parallel.pipeline), k=K (kfkb block), "
                           "cut=time|memory, sp=1 (tensor parallelism with sequence parallelism), recompute=1 (every "
-                          "op-group recomputes its activations in its backward); D*T*P must equal the "
-                          "topology's device count")
+                          "op-group recomputes its activations in its backward), stages=7+6+6+5 (transformer layers "
+                          "per stage, as a published plan cuts them: the first stage also the embedding, the last "
+                          "the head and loss; without --groups the op-group count nearest 48 whose groups start at "
+                          "those layers), order=m1:0-3+m0:0-3 (the device of each rank, stage-major, then replica, "
+                          "tensor parallel innermost: machine:first-last, machine:index, a machine name or global "
+                          "first-last, joined by +; the others idle); D*T*P must equal the topology's device count "
+                          "(with order: the devices it names)")
     p.add_argument("--machines", metavar="NAME,NAME", default=None,
                    help="with --layout: the machines it occupies (their device count = D*T*P), the others idle, "
-                        "as tag plan's sub-cluster layouts (default: every machine)")
+                        "as tag plan's sub-cluster layouts (default: every machine); with the layout's order=, "
+                        "the machines of exactly its devices")
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline in Chrome/Perfetto trace format")
     p.add_argument("--save-plan", metavar="PLAN.json",
                    help="write the simulated plan (the layout's or baseline's) as a plan file, for `tag execute`")
@@ -69,7 +75,7 @@ def run(args) -> int:
     from ..errors import TagError
     from ..io import write_json
     from ..parallel import validate_plan
-    from ..parallel.layout import check_devices, parse_layout
+    from ..parallel.layout import align_groups, layout_devices, parse_layout, stage_table
     from ..plan import Plan
     from ..planner import layout_machines, layout_plan
     from ..sim import Simulator, lower_bound
@@ -84,7 +90,7 @@ def run(args) -> int:
     machines = None if args.machines is None else [m.strip() for m in args.machines.split(",") if m.strip()]
     topo = load_topology(args.topology)
     if layout is not None and machines is None:
-        check_devices(layout, topo)
+        layout_devices(layout, topo)
     elif layout is not None:  # (names and device count, before any capture)
         layout_machines(topo, layout, machines)
     plan = Plan.load(args.plan) if args.plan is not None else None
@@ -95,11 +101,14 @@ def run(args) -> int:
             args.groups = len(plan.groups)
         if args.precision == "fp32" and plan.precision != "fp32":  # the plan says what it was made for
             args.precision = plan.precision
+    stated_groups = args.groups is not None
     if args.groups is None:
         args.groups = 48
     from .common import load_graph
 
     graph, _, _ = load_graph(args)
+    if layout is not None and layout.stages is not None and not stated_groups:
+        args.groups = align_groups(graph, layout, args.groups)  # (before anything costs the groups)
     from ..cost.baselines import check_fits
     check_fits(graph, topo)
     costs = CostModel.for_topology(graph, topo, args.profiles, numerics=numerics_of(args))
@@ -127,10 +136,26 @@ def run(args) -> int:
         out = {"model": graph.model, "batch_size": graph.batch_size, "topology": topo.name,
                "plan": args.plan or (f"layout:{args.layout}" if args.layout else f"baseline:{args.baseline}"), "lower_bound_s": lb, "cost_sources": sources,
                **res.to_dict()}
+        if layout is not None:  # what ran: the layout spelled out (order resolved), each stage's groups, layers, devices
+            out.update(layout=plan.meta["layout"], stages=stage_table(graph, plan))
         print_json(out)
         return 0
     _print_summary(graph, topo, args, res, lb, sources)
+    if layout is not None and (layout.stages is not None or layout.order is not None):
+        _print_stages(graph, topo, plan)
     return 0
+
+
+def _print_stages(graph, topo, plan) -> None:
+    """The layout that ran, one line per stage: its op-groups, layers and devices."""
+    from ..parallel.layout import spell_order, stage_table
+
+    print(f"layout ran: {plan.meta['layout']}")
+    for s, row in enumerate(stage_table(graph, plan)):
+        a, b = row["layers"] or (None, None)
+        layers = "no whole layer" if a is None else f"layer {a}" if a == b else f"layers {a}-{b}"
+        print(f"  stage {s}: {layers}, op-groups {row['groups'][0]}-{row['groups'][1]}, "
+              f"devices {spell_order(row['devices'], topo)}")
 
 
 def _sources(costs, topo) -> list[str]:

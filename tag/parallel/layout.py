@@ -20,10 +20,17 @@ builds that plan so it can be simulated and compared with TAG's:
   devices computing the same samples (Megatron-LM runs ``tp=8`` on micro-batches of one sample);
   with ``sp=1`` every device needs one (``M * D * T <= B``: token shards modelled as samples);
 * ``cut=memory`` balances the stages' parameters, gradients and optimizer state instead;
+  ``stages=7+6+6+5`` states the transformer layers of each stage instead, as a published
+  Megatron-LM or DeepSpeed plan cuts them (:func:`stage_starts`; :func:`align_groups` finds an
+  op-group count whose groups start at those layers);
+* ``order=m1:0-3+m0:0-3`` states the device of each rank (stage-major, then replica, tensor
+  parallel innermost) instead of the machine-major default, as a published plan placed them,
+  ``dp * tp * pp`` devices of the topology, the others idle (:func:`layout_devices`);
 * ``recompute=1``: Megatron-LM's ``--recompute-granularity full`` (every op-group recomputes its
   activations, ``GroupPlan.recompute``).
 
-``D * T * P`` must equal the topology's device count, as in Megatron.
+``D * T * P`` must equal the topology's device count, as in Megatron (with ``order``: the
+devices it names).
 """
 
 from __future__ import annotations
@@ -36,7 +43,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import PlanError
+from ..graph.grouping import group_ops
+from ..limits import MAX_GROUPS
 from ..plan.format import GroupPlan, PipelinePlan, Plan, new_plan
+from .layers import layer_starts, model_layers
 from .pipeline import get_schedule, spell_schedule
 from .strategy import execution_refusal
 from .tensor_parallel import MAX_DEGREE, aligned_cuts, megatron_blocks
@@ -73,8 +83,24 @@ class Layout:
     """1: a stage's replicas get batch shares proportional to their devices' speed (the cost
     model's, :meth:`~tag.cost.CostModel.device_speeds`; a tensor-parallel replica at its slowest
     device's), as ``dp-prop`` does over all devices; 0: even shares (Megatron's)."""
+    stages: tuple[int, ...] | None = None
+    """Transformer layers per pipeline stage, as Megatron-LM and DeepSpeed cut by hand (text
+    ``stages=7+6+6+5``): stage ``s`` holds layers ``sum(stages[:s]) .. sum(stages[:s+1]) - 1``,
+    the first stage also the embedding, the last the final norm, the LM head and the loss
+    (:func:`stage_starts`); ``pp`` counts, summing to the model's layer count. None: the cut of
+    :attr:`cut`."""
+    order: tuple[int | str, ...] | None = None
+    """Topology device of each rank of the layout, in TAG's rank order (stage-major, then
+    replica, tensor parallel innermost): entries a global device index, a device name
+    ``machine:index``, a run ``machine:first-last`` or ``first-last`` (global indices), or a
+    machine name (its devices in order); text ``order=m1:0-3+m0:0-3``. ``dp * tp * pp``
+    distinct devices of the topology, the others idle (:func:`layout_devices`). None: devices
+    ``0 .. dp*tp*pp - 1``, machine-major (all of the topology's)."""
 
     def __post_init__(self):
+        for name in ("stages", "order"):  # (a list from the API: the layout is hashed)
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("dp", "tp", "pp", "micro", "k"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -90,6 +116,10 @@ class Layout:
             raise PlanError("layout: sp: sequence parallelism needs tensor parallelism; expected tp > 1 or sp=0")
         if self.tp > MAX_DEGREE:
             raise PlanError(f"layout: tp: expected a tensor-parallel degree of 1..{MAX_DEGREE}, got {self.tp}")
+        if self.stages is not None:
+            _check_stages(self)
+        if self.order is not None:
+            _check_order(self.order)
 
     @property
     def devices(self) -> int:
@@ -102,6 +132,36 @@ class Layout:
         replica's ``tp`` devices compute the same samples), or with sequence parallelism every
         device (its token shard modelled as its own samples, :mod:`tag.parallel.tensor_parallel`)."""
         return self.dp * self.tp if self.sp else self.dp
+
+
+def _check_stages(layout: Layout) -> None:
+    """One-line :class:`PlanError` unless :attr:`Layout.stages` is ``pp`` positive layer counts
+    (their sum is checked against the model's layers where the graph is known)."""
+    st = layout.stages
+    if not isinstance(st, tuple) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in st):
+        raise PlanError(f"layout: stages: expected positive layer counts (e.g. stages=7+6+6+5), got {st!r}")
+    if len(st) != layout.pp:
+        raise PlanError(f"layout: stages: {spell_stages(st)} is {len(st)} stages, pp is {layout.pp}; "
+                        f"expected {layout.pp} layer counts")
+    if layout.cut != "time":
+        raise PlanError(f"layout: cut: stages={spell_stages(st)} fixes the cut; expected no cut={layout.cut}")
+
+
+def _check_order(order) -> None:
+    """One-line :class:`PlanError` unless :attr:`Layout.order` is a non-empty tuple of device
+    indices and non-empty names (resolved against a topology by :func:`layout_devices`)."""
+    if not isinstance(order, tuple) or not order:
+        raise PlanError(f"layout: order: expected device indices or names (e.g. order=m1:0-3+m0:0-3), got {order!r}")
+    for e in order:
+        if isinstance(e, bool) or not isinstance(e, (int, str)) or (isinstance(e, int) and e < 0) or \
+                (isinstance(e, str) and (not e.strip() or any(c in e for c in "+, "))):
+            raise PlanError(f"layout: order: {e!r}: expected a device index, machine:index, machine:first-last, "
+                            "first-last or a machine name")
+
+
+def spell_stages(stages) -> str:
+    """``(7, 6, 6, 5)`` -> ``"7+6+6+5"`` (the layout text's spelling)."""
+    return "+".join(map(str, stages))
 
 
 def parse_layout(text: str) -> Layout:
@@ -118,6 +178,14 @@ def parse_layout(text: str) -> Layout:
             raise PlanError(f"layout: {key}: given twice")
         if key in ("schedule", "cut"):
             fields[key] = value
+        elif key == "order":
+            fields[key] = tuple(e.strip() for e in value.split("+"))
+        elif key == "stages":
+            try:
+                fields[key] = tuple(int(n) for n in value.split("+"))
+            except ValueError:
+                raise PlanError(f"layout: stages: expected layer counts joined by '+' (e.g. stages=7+6+6+5), "
+                                f"got {value!r}") from None
         else:
             try:
                 fields[key] = int(value)
@@ -177,11 +245,150 @@ def check_devices(layout: Layout, topology) -> None:
                         f"but topology {topology.name!r} has {n}; expected a product of {n}")
 
 
+def layout_devices(layout: Layout, topology) -> list[int]:
+    """Topology device of each rank of ``layout`` (TAG's rank order: stage-major, then replica,
+    tensor parallel innermost): :attr:`Layout.order` resolved, or without it devices
+    ``0 .. n - 1`` of a topology of exactly ``n = dp*tp*pp`` devices. One-line
+    :class:`PlanError` naming an unknown machine or device, a device given twice, or a count
+    other than ``dp*tp*pp``."""
+    if layout.order is None:
+        check_devices(layout, topology)
+        return list(range(layout.devices))
+    devs = [d for entry in layout.order for d in _order_entry(entry, topology)]
+    seen: set[int] = set()
+    for d in devs:
+        if d in seen:
+            raise PlanError(f"layout: order: device {topology.devices[d].name} (index {d}) given twice; "
+                            "expected distinct devices")
+        seen.add(d)
+    if len(devs) != layout.devices:
+        raise PlanError(f"layout: order: names {len(devs)} devices, dp*tp*pp = {layout.dp}*{layout.tp}*{layout.pp} "
+                        f"= {layout.devices}; expected {layout.devices}")
+    return devs
+
+
+def _order_entry(entry: int | str, topology) -> list[int]:
+    """Devices of one entry of :attr:`Layout.order` (a machine name before a number: a machine
+    may be called ``0``)."""
+    machines = [m.name for m in topology.machines]
+    if isinstance(entry, str) and entry in machines:
+        return topology.devices_of_machine(topology.machine_index(entry))
+    name, sep, run = entry.rpartition(":") if isinstance(entry, str) else ("", "", str(entry))
+    if (sep and name not in machines) or not (sep or run[:1].isdigit()):
+        raise PlanError(f"layout: order: {entry!r}: no machine {name or run!r} in topology {topology.name!r}; "
+                        f"expected one of {', '.join(machines[:8])}{', ...' if len(machines) > 8 else ''}")
+    pool = topology.devices_of_machine(topology.machine_index(name)) if sep else list(range(topology.num_devices))
+    first, dash, last = run.partition("-")
+    try:
+        a, b = int(first), int(last if dash else first)
+    except ValueError:
+        a, b = -1, -1
+    if not 0 <= a <= b < len(pool):
+        where = f"machine {name!r} has {len(pool)} devices" if sep else f"topology {topology.name!r} has {len(pool)}"
+        raise PlanError(f"layout: order: {entry!r}: expected a device index, machine:index, machine:first-last, "
+                        f"first-last or a machine name, indices from 0 ({where})")
+    return pool[a:b + 1]
+
+
+def spell_order(devices: list[int], topology) -> str:
+    """Devices as the layout text spells them: runs of consecutive devices of one machine,
+    ``m1:0-3+m0:0-3`` (:func:`parse_layout` reads it back)."""
+    runs: list[list] = []  # [machine name, first local index, last local index]
+    for d in devices:
+        dev = topology.devices[d]
+        if runs and runs[-1][0] == dev.machine and dev.local_index == runs[-1][2] + 1:
+            runs[-1][2] = dev.local_index
+        else:
+            runs.append([dev.machine, dev.local_index, dev.local_index])
+    return "+".join(f"{m}:{a}" if a == b else f"{m}:{a}-{b}" for m, a, b in runs)
+
+
+def stage_starts(graph, layout: Layout) -> list[int]:
+    """First op-group of each stage of :attr:`Layout.stages`: where its first layer begins
+    (:mod:`tag.parallel.layers`). One-line :class:`PlanError` when the counts do not sum to the
+    model's layers, or a stage's first layer begins inside an op-group (with ``tp > 1``: inside
+    a Megatron block's groups), naming a group count whose groups start there.
+
+    Why a group count and not a grouping cut at the layers: a plan names op-groups, and
+    ``tag execute`` (like ``tag simulate --plan``) rebuilds the graph's grouping from the plan's
+    group count alone (:func:`tag.graph.grouping.group_ops`, checked by the graph signature).
+    :func:`align_groups` finds the count whose grouping starts a group at every stage's first
+    layer, so the stages hold exactly the stated layers, and the plan saved from it runs as it
+    was costed."""
+    layers = model_layers(graph)
+    n, st = len(layers), layout.stages
+    if not n:
+        raise PlanError(f"layout: stages: model {graph.model!r} has no numbered layers (parameter paths like "
+                        "h.0.); expected no stages")
+    if sum(st) != n:
+        raise PlanError(f"layout: stages: {spell_stages(st)} = {sum(st)} layers, model {graph.model!r} has {n} "
+                        f"({layers.name(0)} .. {layers.name(n - 1)}); expected counts summing to {n}")
+    starts = _stage_groups(graph, layout, layers)
+    bad = next((s for s, g in enumerate(starts) if g is None), None)
+    if bad is None:
+        return starts
+    first = sum(st[:bad])
+    trial = copy.deepcopy(graph)
+    try:
+        hint = f"expected --groups {align_groups(trial, layout)} (its op-groups start at every stage's first layer)"
+    except PlanError:
+        hint = "expected other stages (no op-group count up to twice this one starts at all of them)"
+    raise PlanError(f"layout: stages: stage {bad}'s first layer ({layers.name(first)}) begins inside one of "
+                    f"the {graph.num_groups} op-groups{' (or splits a Megatron block)' if layout.tp > 1 else ''}; {hint}")
+
+
+def _stage_groups(graph, layout: Layout, layers) -> list[int | None]:
+    """First op-group of each stage of :attr:`Layout.stages`, None where it falls inside a group
+    (or, ``tp > 1``, inside a Megatron block's groups)."""
+    starts = layer_starts(graph, layers)
+    allowed = aligned_cuts(graph) if layout.tp > 1 else None
+    out: list[int | None] = [0]
+    for first in np.cumsum(layout.stages)[:-1].tolist():
+        g = starts[first]
+        out.append(g if g is not None and (allowed is None or g in allowed) else None)
+    return out
+
+
+def align_groups(graph, layout: Layout, near: int | None = None) -> int:
+    """Regroup ``graph`` in place (:func:`tag.graph.grouping.group_ops`) into the op-group count
+    nearest ``near`` (default its own; from 1 to ``2 * near``, the smaller on a tie) whose groups
+    start at every stage's first layer of :attr:`Layout.stages` (:func:`stage_starts`); return
+    that count. Call it before anything costs or simulates the graph (they keep per-group
+    figures). One-line :class:`PlanError` when no count does (the graph then regrouped into
+    ``near``) or the counts do not sum to the model's layers."""
+    near = graph.num_groups if near is None else near
+    layers = model_layers(graph)
+    if not layers or sum(layout.stages) != len(layers):
+        return len(stage_starts(graph, layout))  # (raises the error that names why)
+    for k in sorted(range(max(1, layout.pp), min(2 * near, MAX_GROUPS) + 1), key=lambda k: (abs(k - near), k)):
+        group_ops(graph, k)
+        if graph.num_groups == k and None not in _stage_groups(graph, layout, layers):
+            return k
+    group_ops(graph, near)
+    raise PlanError(f"layout: stages: no grouping of 1..{min(2 * near, MAX_GROUPS)} op-groups starts a group at "
+                    f"every stage's first layer of {spell_stages(layout.stages)}; expected other stages")
+
+
+def stage_table(graph, plan: Plan) -> list[dict]:
+    """What each pipeline stage of ``plan`` holds (one stage without a pipeline): ``groups``
+    (first and last op-group), ``layers`` (first and last of the layers whose forward ops all
+    lie in the stage, :mod:`tag.parallel.layers`; None if none does) and ``devices`` (its
+    first group's)."""
+    bounds = (plan.pipeline.stages if plan.pipeline else [0]) + [len(plan.groups)]
+    layers = model_layers(graph)
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        inside = [i for i, ops in enumerate(layers.ops) if all(a <= graph.ops[o].group < b for o in ops)]
+        out.append({"groups": [a, b - 1], "layers": [inside[0], inside[-1]] if inside else None,
+                    "devices": list(plan.groups[a].devices)})
+    return out
+
+
 def layout_plan(graph, topology, layout: Layout, costs, *, template: Plan | None = None) -> Plan:
     """The plan of ``layout`` for ``graph`` on ``topology`` (module docstring); ``costs``: the
     :class:`~tag.cost.CostModel` that balances the stages. ``template``: a plan of this layer for
     the same graph and topology whose identity fields are copied (the grid builds hundreds)."""
-    check_devices(layout, topology)
+    ranks = layout_devices(layout, topology)
     width = layout.dp * layout.tp
     replicas = layout.replicas
     if layout.micro > graph.batch_size or replicas > graph.batch_size // layout.micro:
@@ -192,8 +399,9 @@ def layout_plan(graph, topology, layout: Layout, costs, *, template: Plan | None
         raise PlanError(f"layout: tp: model {graph.model!r} has no Megatron block (column- then row-parallel "
                         "matmuls) to split; expected tp=1")
     k = graph.num_groups
-    stage_devices = [list(range(s * width, (s + 1) * width)) for s in range(layout.pp)]
-    stages = _stage_cuts(graph, layout, costs, stage_devices)
+    stage_devices = [ranks[s * width:(s + 1) * width] for s in range(layout.pp)]
+    stages = stage_starts(graph, layout) if layout.stages is not None else \
+        _stage_cuts(graph, layout, costs, stage_devices)
     bounds = stages + [k]
     groups: list[GroupPlan] = []
     tp = dict(sync="tp", tp=layout.tp, sequence_parallel=bool(layout.sp)) if layout.tp > 1 else {}
@@ -203,10 +411,11 @@ def layout_plan(graph, topology, layout: Layout, costs, *, template: Plan | None
         groups += [GroupPlan(devs, list(shares), recompute=bool(layout.recompute), **tp)
                    for _ in range(bounds[s], bounds[s + 1])]
     if template is None:
-        plan = new_plan(graph, topology, groups, searcher="layout", layout=_spell(layout))
+        plan = new_plan(graph, topology, groups, searcher="layout", layout=_spell(layout, ranks, topology))
     else:
         plan = copy.copy(template)
-        plan.groups, plan.meta, plan.predicted_iteration_time_s = groups, {"searcher": "layout", "layout": _spell(layout)}, None
+        plan.groups, plan.predicted_iteration_time_s = groups, None
+        plan.meta = {"searcher": "layout", "layout": _spell(layout, ranks, topology)}
     plan.pipeline = PipelinePlan(stages, layout.micro, layout.schedule, layout.k) \
         if layout.pp > 1 or layout.micro > 1 else None
     return plan
@@ -257,11 +466,14 @@ def _stage_cuts(graph, layout: Layout, costs, stage_devices: list[list[int]]) ->
     return list(stages)
 
 
-def _spell(layout: Layout) -> str:
+def _spell(layout: Layout, ranks: list[int], topology) -> str:
+    """The layout's text (:func:`parse_layout` reads it back), its order resolved to device names."""
     text = f"dp={layout.dp},tp={layout.tp},pp={layout.pp},micro={layout.micro},schedule="
     return text + spell_schedule(layout.schedule, layout.k) + (",sp=1" if layout.sp else "") + \
         (f",cut={layout.cut}" if layout.cut != "time" else "") + (",recompute=1" if layout.recompute else "") + \
-        (",prop=1" if layout.prop else "")
+        (",prop=1" if layout.prop else "") + \
+        (f",stages={spell_stages(layout.stages)}" if layout.stages is not None else "") + \
+        (f",order={spell_order(ranks, topology)}" if layout.order is not None else "")
 
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)

@@ -1,0 +1,96 @@
+"""Transformer layers of a captured graph, and the op-groups where each begins.
+
+A published pipeline plan is stated in layers: Megatron-LM's and DeepSpeed's stage ``s`` holds
+layers ``sum(stages[:s]) .. sum(stages[:s+1]) - 1``, the first stage also the embedding, the last
+the final norm, the LM head and the loss. TAG's plans are stated in op-groups (contiguous runs of
+forward program order, :mod:`tag.graph.grouping`), so costing such a plan needs the op-group
+where each of its stages' first layers begins.
+
+**Layers.** The captured graph keeps no module tree, but its parameters keep their paths
+(``model.transformer.h.3.attn.c_attn.weight``): the layers are the numbered modules of the
+module list that holds the most of them (GPT-2's ``transformer.h``, Llama's ``model.layers``,
+BERT's and ViT's ``encoder.layer``), in the order of their numbers. A layer's *forward ops* are
+those reading one of its parameters, directly or through ops without a batch dimension (a
+transpose or an autocast copy of a weight): its norms and matmuls.
+
+**Where a layer begins.** The cut before layer ``L`` may fall at op-group ``g`` when every
+forward op of layers ``< L`` is in a group before ``g`` and every forward op of layers ``>= L``
+in ``g`` or after. Of those groups it is the one holding layer ``L``'s first forward op: the ops
+between the two layers' parameter reads (the previous layer's last bias add, dropout and residual
+add) stay with the previous layer, as in Megatron-LM, and only the residual stream crosses the
+cut. Where no group qualifies, layer ``L`` begins inside an op-group and no plan of this grouping
+cuts there (:func:`layer_starts` says None).
+
+The embedding's and the head's ops (their parameters are not in the list) fall before the first
+layer and after the last by program order. A parameter is held by the group computing its
+gradient (:mod:`tag.graph.grouping`): a bias whose gradient only sums the output gradient (GPT-2's
+``mlp.c_proj.bias``) is held by the next layer's first group, and so by the next stage when a cut
+falls there; its bytes, not its layer's compute, move.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..graph.ir import OpGraph
+
+NUMBERED = re.compile(r"^(.*?)\.(\d+)\.")
+"""A parameter path's first numbered module: ``(list path, number)``."""
+
+
+@dataclass(frozen=True)
+class Layers:
+    """The numbered layers of a graph (module docstring)."""
+
+    path: str
+    """Module path of the list holding them, e.g. ``model.transformer.h``; "" when none."""
+    numbers: tuple[int, ...]
+    """Each layer's number in its path (``h.3.``: 3), ascending."""
+    ops: tuple[tuple[int, ...], ...]
+    """Forward op indices of each layer, in layer order."""
+
+    def name(self, layer: int) -> str:
+        """Module path of layer ``layer`` (its position, from 0), e.g. ``model.transformer.h.3``."""
+        return f"{self.path}.{self.numbers[layer]}"
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+def model_layers(graph: OpGraph) -> Layers:
+    """:class:`Layers` of ``graph`` (no layers, ``path`` "", when no parameter path is numbered)."""
+    lists: dict[str, dict[int, list[int]]] = {}
+    for p in graph.params:
+        m = NUMBERED.match(p.name)
+        if m:
+            lists.setdefault(m.group(1), {}).setdefault(int(m.group(2)), []).append(p.tensor)
+    if not lists:
+        return Layers("", (), ())
+    path = max(lists, key=lambda k: (len(lists[k]), -list(lists).index(k)))  # most layers; ties: the first
+    numbers = sorted(lists[path])
+    layer_of = {t: i for i, n in enumerate(numbers) for t in lists[path][n]}
+    ops: list[list[int]] = [[] for _ in lists[path]]
+    for i, o in enumerate(graph.ops):  # program order: a tensor's producer before its readers
+        if o.phase != "fwd":
+            continue
+        read = {layer_of[t] for t in o.inputs if t in layer_of}
+        for layer in read:
+            ops[layer].append(i)
+        if read and not o.batch:  # a weight's view or cast: still the layer's parameter
+            layer_of.update((t, min(read)) for t in o.outputs)
+    return Layers(path, tuple(numbers), tuple(tuple(x) for x in ops))
+
+
+def layer_starts(graph: OpGraph, layers: Layers) -> list[int | None]:
+    """Op-group where each layer begins (module docstring; layer 0: its first forward op's
+    group), None where the layer begins inside an op-group."""
+    first = [min(graph.ops[i].group for i in x) for x in layers.ops]
+    last = [max(graph.ops[i].group for i in x) for x in layers.ops]
+    out: list[int | None] = [first[0]] if first else []
+    before = last[0] if last else -1  # the last group of the layers so far
+    for layer in range(1, len(layers)):
+        after = min(first[layer:])
+        out.append(after if before < after else None)
+        before = max(before, last[layer])
+    return out
