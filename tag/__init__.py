@@ -8,6 +8,10 @@ Public API (imported lazily so ``import tag`` stays cheap)::
     plan = tag.find_plan(cap.graph, topo)       # GNN-guided MCTS -> tag.Plan
     result = tag.simulate(cap.graph, topo, plan)
     hand = tag.simulate(cap.graph, topo, tag.layout_plan(cap.graph, topo, "dp=8,pp=2,micro=2"))
+    published = tag.Layout(dp=8, pp=2, micro=2, stages=(3, 1), order=("gtx0", "gtx1", "gtx2", "gtx3", "v100",
+                                                                      "p100-0", "p100-1"))  # layers 0-2 on GTXs
+    tag.align_groups(cap.graph, published)      # op-groups starting at each stage's first layer (in place)
+    costed = tag.simulate(cap.graph, topo, tag.layout_plan(cap.graph, topo, published))
     measured = tag.execute(tag.ExecuteConfig(spec, topology_path, plan_path))  # one machine
 """
 
@@ -30,6 +34,8 @@ _EXPORTS = {
     "data_parallel": ("tag.cost.baselines", "data_parallel"),
     "find_plan": ("tag.planner", "find_plan"),
     "layout_plan": ("tag.planner", "layout_plan"),
+    "Layout": ("tag.parallel.layout", "Layout"),
+    "align_groups": ("tag.parallel.layout", "align_groups"),
     "validate_plan": ("tag.parallel", "validate_plan"),
     "execution_refusal": ("tag.parallel", "execution_refusal"),
     "build_schedule": ("tag.parallel", "build_schedule"),

@@ -330,7 +330,8 @@ def stage_starts(graph, layout: Layout) -> list[int]:
     first = sum(st[:bad])
     trial = copy.deepcopy(graph)
     try:
-        hint = f"expected --groups {align_groups(trial, layout)} (its op-groups start at every stage's first layer)"
+        hint = f"expected --groups {align_groups(trial, layout)} (or tag.align_groups: op-groups that start at " \
+            "every stage's first layer)"
     except PlanError:
         hint = "expected other stages (no op-group count up to twice this one starts at all of them)"
     raise PlanError(f"layout: stages: stage {bad}'s first layer ({layers.name(first)}) begins inside one of "
