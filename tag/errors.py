@@ -20,3 +20,8 @@ class PlanError(TagError):
 
 class OutOfMemoryError(TagError):
     """A plan does not fit the devices' memory."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A command stopped by Ctrl-C or SIGTERM; its message (one line) says what was kept, e.g. the
+    run folder of ``tag execute``. The CLI prints it and exits 130."""

@@ -218,3 +218,76 @@ def test_a_5000_digit_integer_is_one_line(tmp_path, capsys):
     assert f"{js}: invalid JSON: {digits}; expected a topology file" in one_line_error(capsys, "topology", "show", str(js))
     line = one_line_error(capsys, "simulate", "--model", "mlp", "--topology", "local-cpu2", "--plan", str(plan))
     assert f"{plan}: not valid JSON: {digits}; expected a plan file" in line, line
+
+
+# ----------------------------------------------------------------------------- tag execute
+
+
+def test_a_plan_for_gpus_is_refused_on_a_machine_without_them(tmp_path, capsys, captured):
+    import torch
+
+    from tag.plan import GroupPlan, new_plan
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the two GPUs the plan needs")
+    topo = tmp_path / "t4x2.yaml"
+    topo.write_text("name: t4x2\nmachines:\n  - {name: box, gpu: T4, count: 2, intra_bandwidth: 10 GB/s}\n")
+    graph = captured("mlp", batch=8, groups=2).graph
+    new_plan(graph, load_topology(topo), [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(2)]).save(tmp_path / "p.json")
+    # it ran two gloo CPU ranks labelled box:0-1 and set their time against the T4s' prediction ("-99.3%"), exit 0
+    line = one_line_error(capsys, "execute", "--model", "mlp", "--batch", "8", "--groups", "2", "--topology",
+                          str(topo), "--plan", str(tmp_path / "p.json"), "--run-dir", str(tmp_path / "run"))
+    have = torch.cuda.device_count()
+    assert line == (f"tag execute: error: topology 't4x2': the plan needs 2 GPUs (T4), one per rank; this machine has "
+                    f"{have} GPU{'s' if have != 1 else ''} (its ranks would be CPUs labelled as the GPUs); run it on the "
+                    "machine the topology describes, plan for this one (`tag topology detect`, or local-cpu2), or pass "
+                    "--emulate-speed to run CPU ranks slowed to the GPUs' relative speeds"), line
+    assert not (tmp_path / "run" / "args.json").exists()  # refused before anything was launched
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_with_ranks_running_is_one_line_and_exit_130(tmp_path, captured, sig):
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_executor_cli import _alive, _descendants
+    from test_executor_dist import MLP, REPO, B, cpu_topology
+
+    from tag.plan import GroupPlan, new_plan
+
+    graph = captured(MLP, batch=B, groups=4).graph
+    topo = cpu_topology(tmp_path, 2)
+    new_plan(graph, load_topology(topo), [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(4)]).save(tmp_path / "p.json")
+    run = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "tag", "execute", "--model", MLP, "--topology", topo, "--plan",
+                                 str(tmp_path / "p.json"), "--steps", "100000", "--run-dir", str(run)],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    helpers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(list(run.glob("logs/**/*.log"))) < 2:
+            time.sleep(0.2)  # both ranks started
+        time.sleep(1.0)
+        assert launcher.poll() is None, "the run ended before the signal"
+        helpers = _descendants(launcher.pid)
+        launcher.send_signal(getattr(signal, sig))  # (the launcher alone: Ctrl-C in a terminal reaches the ranks too)
+        err = launcher.communicate(timeout=60)[1]
+        # it was exit 1 and a 35-line torch elastic traceback, the kept run folder not named
+        assert launcher.returncode == 130, err
+        assert err.strip().splitlines() == [f"tag execute: interrupted: {sig} with ranks running; they were stopped; "
+                                            f"run folder kept: {run}"], err
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(map(_alive, helpers)):
+            time.sleep(0.1)
+        assert not [p for p in helpers if _alive(p)], "processes outlived the launcher"
+        assert (run / "args.json").is_file()
+    finally:
+        for p in helpers | _descendants(launcher.pid) | {launcher.pid}:
+            with contextlib.suppress(OSError):
+                os.kill(p, 9)

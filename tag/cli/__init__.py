@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tag {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"tag {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # (Interrupted: with what was kept, e.g. tag execute's run folder)
+        print(f"tag {args.command}: interrupted" + (f": {e}" if str(e) else ""), file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`tag topology show X | head -1`): stop, as cat does
         return _closed_stdout()

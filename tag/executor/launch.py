@@ -15,13 +15,14 @@ import logging
 import math
 import os
 import shutil
+import signal
 import statistics
 import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import OutOfMemoryError, PlanError, TagError
+from ..errors import Interrupted, OutOfMemoryError, PlanError, TagError
 from ..io import check_folder, read_json, write_json
 from ..parallel import validate_plan
 from ..topology.catalog import CPU_NAME
@@ -168,6 +169,8 @@ def _prepare(cfg: ExecuteConfig, graph, *, machines: bool) -> _Prepared:
         graph = capture(wl, optimizer=cfg.optimizer, num_groups=groups, precision=cfg.precision or plan.precision).graph
     validate_plan(plan, graph, topology, source=cfg.plan)
     sim_res = _predict(graph, topology, plan, cfg.check_memory, cfg.profile_dir, cfg.bucket_bytes)
+    if not machines:
+        _check_devices_here(topology, backend, cfg.emulate_speed)
 
     run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="tag-execute-")).absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -322,6 +325,25 @@ def _backend(choice: str, topology) -> str:
     return choice
 
 
+def _check_devices_here(topology, backend: str, emulate: bool) -> None:
+    """ExecutionError (one line: what the plan needs, what this machine has) for a plan over GPUs
+    run as gloo CPU ranks without ``--emulate-speed``: its ranks would be this machine's CPUs
+    labelled as the GPUs, and their time set against the GPUs' prediction (`make demo`'s "run it:"
+    line on a CPU-only machine: four CPU ranks as v100:0-3, "-99.3%", exit 0)."""
+    gpus = [d for d in topology.devices if d.gpu.name != CPU_NAME]
+    if backend != "gloo" or not gpus or emulate:
+        return
+    import torch
+
+    kinds = ", ".join(sorted({d.gpu.name for d in gpus}))
+    have = torch.cuda.device_count()
+    raise ExecutionError(f"topology {topology.name!r}: the plan needs {len(gpus)} GPUs ({kinds}), one per rank; "
+                         f"this machine has {have} GPU{'s' if have != 1 else ''} (its ranks would be CPUs labelled as "
+                         "the GPUs); run it on the machine the topology describes, plan for this one "
+                         "(`tag topology detect`, or local-cpu2), or pass --emulate-speed to run CPU ranks slowed to "
+                         "the GPUs' relative speeds")
+
+
 def _predict(graph, topology, plan, check_memory: bool, profile_dir: str | None = None,
              bucket_bytes: int | None = None):
     """The simulated iteration (with its timeline); refuses (OutOfMemoryError) a plan it says
@@ -365,6 +387,7 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
     if start_method == "forkserver":
         multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -375,7 +398,10 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
     debug = logging.getLogger().getEffectiveLevel() <= logging.DEBUG
     quiet = logging.ERROR if debug else logging.CRITICAL
     # torch.multiprocessing: "Terminating process N via signal SIGTERM" when the agent stops the others.
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+    # (their children too where torch set a level of their own: the agent's "Received 15 death
+    # signal, shutting down workers" is a WARNING of torch.distributed.elastic.agent.server.api)
+    noisy = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    for name in [*noisy, *(n for n in list(logging.root.manager.loggerDict) if n.startswith(noisy))]:
         logging.getLogger(name).setLevel(quiet)
     # multiprocessing's resource tracker (a process of its own, started during the launch with this
     # environment) warns of the semaphores a killed rank could not release, then releases them.
@@ -390,12 +416,20 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
         max_restarts=0, monitor_interval=0.1, start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL),
     ), optional={"shutdown_timeout": 5}))
+    # the agent turns SIGINT and SIGTERM into SignalException (and stops the ranks) from its start
+    # on, and leaves its handlers installed: put back after the launch
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with loopback_env():
             elastic_launch(config, worker_entry)(str(args_path))
     except ChildFailedError as e:
         raise ExecutionError(failure_line(e, run_dir, run_id)) from None
+    except (SignalException, KeyboardInterrupt) as e:  # Ctrl-C or SIGTERM with ranks running: one line, exit 130
+        what = e.sigval.name if isinstance(e, SignalException) else "SIGINT"
+        raise Interrupted(f"{what} with ranks running; they were stopped; run folder kept: {run_dir}") from None
     finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
         if warn_env is None:
             os.environ.pop("PYTHONWARNINGS", None)
         else:
