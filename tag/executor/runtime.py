@@ -229,12 +229,12 @@ class RankRuntime:
                 if ph not in s.param_owner:
                     self.state[ph] = any_joint.state_values[target].detach().to(self.device)
         self.params: dict[str, torch.nn.Parameter] = {}
-        for ph, owner in s.param_owner.items():
-            if owner in self.my_units:
+        for ph in s.param_owner:  # (a tied weight's second copy too: the same initial value on every rank)
+            if s.grad_key(ph, self.my_units) is not None:
                 value = any_joint.state_values[s.param_target[ph]]
                 self.params[ph] = torch.nn.Parameter(value.detach().clone().to(self.device))
         self.optimizer = make_optimizer(self.optimizer_name, self.params.values(), self.device)
-        self._grad_keys = [(p, (s.param_owner[ph], s.param_grad[ph])) for ph, p in self.params.items()]
+        self._grad_keys = [(p, s.grad_key(ph, self.my_units)) for ph, p in self.params.items()]
         """(parameter, ``env`` key of its gradient), for :meth:`update`."""
         self.kernels: dict[int, list] = {}
         """Op-group -> its SFB kernels (:class:`tag.compress.SfbKernel`), for my SFB units."""
@@ -266,7 +266,7 @@ class RankRuntime:
         s = self.schedule
         written = {value_key(s, m.dst_unit, m.name, st.micro) for st in s.steps if st.kind == "transfer"
                    for m in st.moves if m.dst == self.rank}
-        final = [(s.param_owner[ph], s.param_grad[ph]) for ph in self.params]
+        final = [s.grad_key(ph, self.my_units) for ph in self.params]
         if s.loss_unit in self.my_units:
             final += [(env_unit(s, s.loss_unit, m), s.loss) for m in self.micros]
         from ..graph.gradients import node_draws_random
@@ -323,7 +323,7 @@ class RankRuntime:
         v = self.input_rows.get(key)
         if v is not None:
             return v
-        if name in self.params and self.schedule.param_owner[name] == unit[:2]:
+        if name in self.params and self.schedule.holds(name, unit[:2]):
             return self.params[name]
         return self.state.get(name)
 
@@ -334,8 +334,8 @@ class RankRuntime:
         b = s.buckets[s.bucket_of[group]]
         if b.groups[-1] != group:
             return []
-        return [(s.param_owner[ph], s.param_grad[ph]) for g in b.groups for ph in self._synced(g)
-                if s.param_owner[ph] in self.my_units]
+        keys = (s.grad_key(ph, self.my_units) for g in b.groups for ph in self._synced(g))
+        return [k for k in keys if k is not None]
 
     def _sfb_writes(self, group: int) -> list[Key]:
         sg = self.schedule.sfb[group]
@@ -620,7 +620,7 @@ class RankRuntime:
     # ---- gradients and update --------------------------------------------------------------
     def _synced(self, group: int) -> list[str]:
         s = self.schedule
-        return s.sync_params.get(group, s.group_params[group])
+        return s.sync_params[group] if group in s.sync_params else s.group_params[group]
 
     def bucket_flat(self, bucket: Bucket) -> torch.Tensor:
         """This rank's gradients of ``bucket``'s groups, concatenated in its order into one new
@@ -631,9 +631,10 @@ class RankRuntime:
         parts = []
         for g in bucket.groups:
             for ph in self._synced(g):
-                owner = s.param_owner[ph]
-                if owner in self.my_units:
-                    parts.append(self.env[(owner, s.param_grad[ph])].reshape(-1))
+                key = s.grad_key(ph, self.my_units)
+                if key is not None:  # (a tied copy's partial sum may be fp16 / bf16: as its parameter)
+                    flat = self.env[key].reshape(-1)
+                    parts.append(flat if g >= 0 else flat.to(self.params[ph].dtype))
                 else:
                     parts.append(torch.zeros(s.param_numel[ph], device=self.device))
         return torch.cat(parts) if parts else torch.zeros(0, device=self.device)
@@ -644,10 +645,10 @@ class RankRuntime:
         off = 0
         for g in bucket.groups:
             for ph in self._synced(g):
-                owner = s.param_owner[ph]
+                key = s.grad_key(ph, self.my_units)
                 n = self.params[ph].numel() if ph in self.params else s.param_numel[ph]  # (a hook's rank may hold part: a tp shard 1/T)
-                if owner in self.my_units:  # (a PS server outside the replica set keeps nothing)
-                    self.env[(owner, s.param_grad[ph])] = flat[off:off + n]
+                if key is not None:  # (a PS server outside the replica set keeps nothing)
+                    self.env[key] = flat[off:off + n]
                 off += n
 
     def update(self) -> None:

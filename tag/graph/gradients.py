@@ -126,3 +126,48 @@ def deferrable_sums(graph: OpGraph) -> set[int]:
         ok_op[i] = all(t in linear for t in op.inputs) and all(
             tensors[t].batch_dim is None and all(ok_op[c] for c in tensors[t].consumers) for t in op.outputs)
     return {t for t in partial_sum_tensors(graph) if all(ok_op[c] for c in tensors[t].consumers)}
+
+
+def tied_weights(graph: OpGraph) -> dict[int, tuple[int, frozenset[int]]]:
+    """Parameters read by the forward of op-groups other than the one finishing their gradient,
+    whose contribution from there is one partial sum added into the gradient: parameter tensor ->
+    (that partial sum, the other groups reading the parameter or making the partial sum). GPT-2's
+    input embedding and LM head: the LM head's weight gradient (in fp16 its cast back to fp32),
+    summed into the embedding's by the final ``add``.
+
+    On a pipeline where those groups are in one stage and the owner in another, each of the two
+    stages holds its own copy of the weight (Megatron-LM's and DeepSpeed's tied embeddings): the
+    reading stage keeps its partial sum, summed over its micro-batches, and the two copies'
+    gradients are all-reduced over both stages' replicas (:func:`tag.parallel.schedule.build_schedule`,
+    :mod:`tag.sim.engine`).
+
+    The conditions: the parameter's gradient is made by ``aten.add.Tensor`` of two distinct
+    tensors, one made in its owner group, the other (the partial sum) a deferrable sum
+    (:func:`deferrable_sums`) of the parameter's bytes, made in another group and read by that
+    ``add`` only; no backward op outside those groups reads the parameter.
+    """
+    tensors, ops = graph.tensors, graph.ops
+    deferred = None
+    out: dict[int, tuple[int, frozenset[int]]] = {}
+    for p in graph.params:
+        fin = tensors[p.grad].producer
+        if fin < 0 or ops[fin].target != "aten.add.Tensor" or len(set(ops[fin].inputs)) != 2:
+            continue
+        owner = ops[fin].group
+        far = [t for t in ops[fin].inputs if tensors[t].producer >= 0 and ops[tensors[t].producer].group != owner]
+        if len(far) != 1:
+            continue
+        x = far[0]
+        xt = tensors[x]
+        if xt.consumers != [fin] or xt.nbytes.fixed != p.nbytes or xt.nbytes.per_sample:
+            continue
+        readers = {ops[c].group for c in tensors[p.tensor].consumers if ops[c].phase == "fwd"} - {owner}
+        holders = frozenset(readers | {ops[xt.producer].group})
+        if not readers or any(ops[c].phase == "bwd" and ops[c].group not in holders | {owner}
+                              for c in tensors[p.tensor].consumers):
+            continue
+        if deferred is None:
+            deferred = deferrable_sums(graph)
+        if x in deferred:
+            out[p.tensor] = (x, holders)
+    return out

@@ -44,6 +44,13 @@ micro-batch, and
 a deferrable partial sum (that weight's gradient) summed over the micro-batches at its producer
 and moved in the transfer before its consumer's last micro-batch (zeros before: the consumer is
 linear in it). The simulator moves the same (:func:`tag.sim.units.pair_kinds`).
+
+A tied weight read by a stage other than its owner's (:func:`tag.graph.gradients.tied_weights`:
+GPT-2's embedding and LM head) is not moved at all on a pipeline (:attr:`Schedule.tied`): both
+stages hold a copy, the reading stage's partial sum of its gradient stays there, and one
+all-reduce over both stages' replicas (a bucket of its own) sums the copies' gradients, as
+Megatron-LM and DeepSpeed do; a tensor-parallel plan's schedule (``aligned_copies``) moves them
+as above.
 """
 
 from __future__ import annotations
@@ -57,12 +64,13 @@ from ..graph.gradients import (  # noqa: F401 (gradient_tensors, partial_sum_ten
     deferrable_sums,
     gradient_tensors,
     partial_sum_tensors,
+    tied_weights,
 )
 from ..graph.ir import OpGraph
 from ..plan.format import Plan
 from .buckets import assign_buckets
 from .moves import move_kind, move_pieces
-from .pipeline import IterationProgram, iteration_program
+from .pipeline import IterationProgram, iteration_program, stage_of_group
 from .strategy import Collective, Replica, Unit, UnitKey, sfb_syncs, strategy_of  # noqa: F401 (Replica re-exported)
 
 if TYPE_CHECKING:  # tag.compress (scipy) is imported only for plans using SFB
@@ -148,6 +156,31 @@ class SfbGroup:
 
 
 @dataclass(frozen=True)
+class Tied:
+    """A weight held by two pipeline stages (:func:`tag.graph.gradients.tied_weights`: GPT-2's
+    input embedding and LM head), as Megatron-LM and DeepSpeed hold it: its owner's stage and the
+    stage reading it each hold a copy (equal at start-up: every rank loads the same initial
+    weights), the reading stage's partial sum of its gradient stays there (summed over its
+    micro-batches; the owner's ``add`` gets zeros in its place), and one all-reduce over both
+    stages' replicas (:attr:`collective`, its own gradient bucket, launched once both stages'
+    last backward ran) gives every copy the whole gradient, which both update alike."""
+
+    param: str
+    """Param placeholder name."""
+    owner: UnitKey
+    holders: frozenset[UnitKey]
+    """Units of the other stage reading the weight (or making its partial sum): they read their copy."""
+    grad_unit: UnitKey
+    """The unit making the partial sum."""
+    grad: str
+    """The partial sum's node name: on ``grad_unit``'s replicas the gradient of their copy."""
+    collective: Collective
+    """``allreduce`` over the owner's replicas and the holders' (plan order)."""
+    group: int
+    """The (negative) group number of its ``sync`` step: ``-1 - i`` for the ``i``-th tied weight."""
+
+
+@dataclass(frozen=True)
 class Bucket:
     """Groups whose gradients one collective sums (:mod:`tag.parallel.buckets`)."""
 
@@ -212,6 +245,27 @@ class Schedule:
     recompute: frozenset[int] = frozenset()
     """Op-groups that recompute their activations (``GroupPlan.recompute``): each of their units'
     backward stages runs the unit's forward again first (:func:`tag.graph.stages.build_stages`)."""
+    tied: dict[str, Tied] = field(default_factory=dict)
+    """Pipeline plans: param placeholder name -> the weight's :class:`Tied` copies (a weight two
+    stages read, held by both); its ``sync`` step has group :attr:`Tied.group`, whose
+    :attr:`sync_params` entry is the weight alone."""
+
+    def grad_key(self, ph: str, units) -> tuple[UnitKey, str] | None:
+        """The ``env`` key of the gradient of param ``ph`` a rank computing ``units`` holds: the
+        owner's, or a tied copy's partial sum (:attr:`tied`); None: it holds no copy."""
+        owner = self.param_owner[ph]
+        if owner in units:
+            return owner, self.param_grad[ph]
+        t = self.tied.get(ph)
+        if t is not None and t.grad_unit in units:
+            return t.grad_unit, t.grad
+        return None
+
+    def holds(self, ph: str, unit: UnitKey) -> bool:
+        """Whether ``unit`` reads param ``ph`` from its own replicas' copy (its owner, or a
+        holder of a tied copy)."""
+        t = self.tied.get(ph)
+        return self.param_owner[ph] == unit or (t is not None and unit in t.holders)
 
     def launched_at(self, step: Step) -> Bucket | None:
         """The bucket whose collective starts at ``step`` (the ``sync`` of its last group), else None."""
@@ -322,8 +376,12 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
     loss_unit = unit_of_op[loss_t.producer]
     partial_sums = partial_sum_tensors(graph)
     sfb = _sfb_groups(graph, plan, param_owner, param_target)
-    sync_params = {g: [ph for ph in phs if g not in sfb or ph not in sfb[g].params]
+    tied = _tied(graph, plan, units, unit_of_op, param_owner) if not aligned_copies else {}
+    untied = {t.param for t in tied.values()}
+    sync_params = {g: [ph for ph in phs if (g not in sfb or ph not in sfb[g].params) and ph not in untied]
                    for g, phs in group_params.items()}
+    sync_params.update({t.group: [t.param] for t in tied.values()})
+    tied_of = {tn: t for t in tied.values() for tn in (t.param, t.grad)}  # weight / partial sum name -> Tied
 
     # ---- order of steps and which tensors cross into each (unit, phase) -------------------
     order = list(units)
@@ -405,6 +463,15 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
             tensor = graph.tensors[t]
             src_unit = owner_of_tensor[t] if tensor.producer < 0 else unit_of_op[tensor.producer]
             dst = micro_units.get((u, m), units[u])
+            tie = tied_of.get(tensor.name)
+            if tie is not None and u in tie.holders | {tie.owner}:
+                if tensor.producer < 0:
+                    continue  # the weight: the holder's stage reads its own copy
+                # the partial sum stays with its maker, summed over its micro-batches, for the
+                # tied all-reduce; the owner's add gets zeros in its place
+                summed.setdefault(src_unit, set()).add(tensor.name)
+                moves += [Move(tensor.name, src_unit, u, r.device, r.device, "zeros") for r in dst.replicas]
+                continue
             if t in once:
                 if m != first_task[(u, ph)]:
                     continue
@@ -426,18 +493,60 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
             # (contributions from later groups arrived before it): start its sync now, overlapping
             # the earlier groups' backward (as the simulator does); the update waits for it.
             steps.append(Step("sync", u, group=u[0], collective=collective_of[u[0]]))
-    comm = sorted({c.members for c in collective_of.values()})
+    steps = _with_tied_syncs(steps, tied)
+    comm = sorted({c.members for c in collective_of.values()} | {t.collective.members for t in tied.values()})
     gathers = sorted({sg.members for sg in sfb.values()})
-    syncs = [(st.group, st.collective, sum(param_bytes[ph] for ph in sync_params[st.group]))
-             for st in steps if st.kind == "sync"]
-    buckets = [Bucket(tuple(syncs[i][0] for i in b), syncs[b[0]][1], sum(syncs[i][2] for i in b))
-               for b in assign_buckets([(c, n) for _, c, n in syncs], bucket_bytes)]
+    syncs = [(st.group, st.collective, sum(param_bytes[ph] for ph in sync_params[st.group]), i)
+             for i, st in enumerate(steps) if st.kind == "sync" and st.group >= 0]
+    launch = [(syncs[b[-1]][3], Bucket(tuple(syncs[i][0] for i in b), syncs[b[0]][1], sum(syncs[i][2] for i in b)))
+              for b in assign_buckets([(c, n) for _, c, n, _ in syncs], bucket_bytes)]
+    # a tied weight's all-reduce is a bucket of its own, launched at its sync step
+    launch += [(i, Bucket((st.group,), st.collective, param_bytes[sync_params[st.group][0]]))
+               for i, st in enumerate(steps) if st.kind == "sync" and st.group < 0]
+    buckets = [b for _, b in sorted(launch, key=lambda x: x[0])]
     return Schedule(B, units, assign, param_owner, param_target, param_grad, group_params, param_numel,
                     loss_t.name, loss_unit, steps, comm, sync_params, sfb, gathers, graph.model,
                     graph_structure(graph), ranges, micro_units, buckets,
                     {g: k for k, b in enumerate(buckets) for g in b.groups},
                     {u: frozenset(n) for u, n in shared.items()}, {u: frozenset(n) for u, n in summed.items()},
-                    frozenset(g for g, gp in enumerate(plan.groups) if gp.recompute))
+                    frozenset(g for g, gp in enumerate(plan.groups) if gp.recompute), tied)
+
+
+def _tied(graph: OpGraph, plan: Plan, units: dict[UnitKey, Unit], unit_of_op: dict[int, UnitKey],
+          param_owner: dict[str, UnitKey]) -> dict[str, Tied]:
+    """The tied weights of a pipeline plan (:func:`tag.graph.gradients.tied_weights`) whose
+    reading groups are in one stage and whose owner is in another: param name -> :class:`Tied`."""
+    if plan.pipeline is None:
+        return {}
+    stage_of = stage_of_group(plan.pipeline, len(plan.groups))
+    out: dict[str, Tied] = {}
+    for t, (x, groups) in tied_weights(graph).items():
+        ph = graph.tensors[t].name
+        owner = param_owner[ph]
+        stages = {stage_of[g] for g in groups}
+        if len(stages) != 1 or stage_of[owner[0]] in stages:
+            continue
+        holders = frozenset(u for u in units if u[0] in groups)  # (pipeline groups are one unit each)
+        grad_unit = unit_of_op[graph.tensors[x].producer]
+        devices = tuple(units[owner].devices) + tuple(units[grad_unit].devices)
+        out[ph] = Tied(ph, owner, holders, grad_unit, graph.tensors[x].name, Collective("allreduce", devices),
+                       -1 - len(out))
+    return out
+
+
+def _with_tied_syncs(steps: list[Step], tied: dict[str, Tied]) -> list[Step]:
+    """``steps`` with each tied weight's ``sync`` step after the later of its owner's and its
+    partial sum's maker's last backward (and the syncs and SFB right after that backward)."""
+    if not tied:
+        return steps
+    at: dict[int, list[Step]] = {}
+    for t in tied.values():
+        i = max(k for k, st in enumerate(steps)
+                if st.kind == "compute" and st.phase == "bwd" and st.unit in (t.owner, t.grad_unit))
+        while i + 1 < len(steps) and steps[i + 1].kind in ("sync", "sfb") and steps[i + 1].unit == steps[i].unit:
+            i += 1
+        at.setdefault(i, []).append(Step("sync", t.owner, group=t.group, collective=t.collective))
+    return [x for k, st in enumerate(steps) for x in [st, *at.get(k, [])]]
 
 
 def _pipeline_tasks(program: IterationProgram, order: list[UnitKey]) -> list[tuple[UnitKey, str, int]]:

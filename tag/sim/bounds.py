@@ -192,7 +192,7 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
     # serves its transfers, then the syncs spanning it (Run._syncs starts them after it is free)
     load, out, into = _transfer_load(sim, gds, micro)
     nic = np.maximum(out, into)
-    for _, job in sim.sync_jobs(gds):
+    for _, job in sim.sync_jobs(gds, frozenset() if micro is None else micro.tied):
         nic[list(job.sync_machines)] += job.sync_time
     low = np.maximum(low, busy + load + step)
     peak = [m + w for m, w in zip(mem, work)]
@@ -242,14 +242,14 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     if micro is None:
         pairs = [(tpl, 1) for tpl in sim._templates_used(gds)]
     elif len(micro.gds) == 1:
-        pairs = [(tpl, 1) for tpl in sim._templates_used(micro.gds[0])]
+        pairs = [(tpl, 1) for tpl in sim._templates_used(micro.gds[0], micro.select("all"))]
     else:  # micro-batches of one size share one deployment (one list): its pairs once, times their count
         runs: dict[int, list] = {}
         for mg in micro.gds:
             runs.setdefault(id(mg), [mg, 0])[1] += 1
         pairs = [(tpl, c) for mg, c in runs.values() for tpl in sim._templates_used(mg, "micro")]
-        pairs += [(tpl, 1) for tpl in sim._templates_used(micro.gds[0], "first")]
-        pairs += [(tpl, 1) for tpl in sim._templates_used(micro.gds[-1], "last")]
+        pairs += [(tpl, 1) for tpl in sim._templates_used(micro.gds[0], micro.select("first"))]
+        pairs += [(tpl, 1) for tpl in sim._templates_used(micro.gds[-1], micro.select("last"))]
     cache = sim.cache("transfer-load")
     for tpl, c in pairs:
         hit = cache.get(id(tpl))
@@ -311,7 +311,7 @@ def _sync_chain(sim, gds, micro, done: np.ndarray, arrive: np.ndarray | None = N
                 np.add.at(since, lay.dev_arr, lay.dur[BWD, g])
                 ready[g] = max(ready[g], float(since[lay.dev_arr].max()))
     end = np.zeros(n)
-    for gs, job in sim.sync_jobs(gds):
+    for gs, job in sim.sync_jobs(gds, frozenset() if micro is None else micro.tied):
         devs = list(job.sync_devices)
         end[devs] = np.maximum(end[devs], max(ready[g] for g in gs)) + job.sync_time
     return end

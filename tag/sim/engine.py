@@ -321,33 +321,57 @@ class Simulator:
         except ValueError as e:
             raise PlanError(f"simulator: {e}") from None
 
-    def sync_jobs(self, gds: list[GroupData]) -> list[tuple[tuple[int, ...], object]]:
+    def sync_jobs(self, gds: list[GroupData], tied: frozenset[int] = frozenset()) -> list[tuple[tuple[int, ...], object]]:
         """The iteration's gradient collectives in launch order, one per bucket
         (:func:`tag.parallel.buckets.assign_buckets` over the syncs in reverse group order, as the
         executor's schedule buckets them): ``(groups, job)``, ``groups`` in the bucket's order,
         ``job`` the group's :class:`GroupData` for a bucket of one group, else a :class:`SyncJob`
-        over the concatenated gradients. Cached by the groups' deployments (a serial is never reused)."""
-        key = tuple(gd.serial for gd in gds)
+        over the concatenated gradients. ``tied``: the tied weights (parameter tensors,
+        :attr:`_Micro.tied`) a pipeline holds on two stages: each leaves its owner's sync and is
+        all-reduced over both stages' replicas, a bucket of its own launched once both groups' last
+        backward ran (:meth:`_tied_jobs`). Cached by the groups' deployments (a serial is never reused)."""
+        key = (tuple(gd.serial for gd in gds), tied)
         jobs = self._sync_jobs.get(key)
         if jobs is None:
-            jobs = self._sync_jobs[key] = self._bucketed(gds)
-            self._meter.bytes += seq_bytes(len(key)) + sum(seq_bytes(len(gs)) + ENTRY_BYTES for gs, _ in jobs)
+            jobs = self._sync_jobs[key] = self._bucketed(gds, tied)
+            self._meter.bytes += seq_bytes(len(key[0])) + sum(seq_bytes(len(gs)) + ENTRY_BYTES for gs, _ in jobs)
         return jobs
 
-    def _bucketed(self, gds: list[GroupData]) -> list[tuple[tuple[int, ...], object]]:
-        order = [g for g in range(len(gds) - 1, -1, -1) if gds[g].sync != "none"]
+    def _bucketed(self, gds: list[GroupData], tied: frozenset[int] = frozenset()) -> list[tuple[tuple[int, ...], object]]:
+        ties = [tw for tw in self.static.tied if tw.tensor in tied]
+        less: dict[int, float] = {}  # owner group -> bytes of its tied weights (synced apart)
+        for tw in ties:
+            less[tw.owner] = less.get(tw.owner, 0.0) + tw.nbytes
+        sbytes = [gd.sync_bytes - less.get(g, 0.0) for g, gd in enumerate(gds)]
+        order = [g for g in range(len(gds) - 1, -1, -1) if gds[g].sync != "none" and sbytes[g] > 0]
         jobs: list = []
         # A group without a bucket key (a tensor-parallel group's own sync) is a bucket of its own.
         keys = [gds[g].bucket if gds[g].bucket is not None else ("alone", g) for g in order]
-        for b in assign_buckets([(k, gds[g].sync_bytes) for k, g in zip(keys, order)], self.bucket_bytes):
+        for b in assign_buckets([(k, sbytes[g]) for k, g in zip(keys, order)], self.bucket_bytes):
             gs = tuple(order[i] for i in b)
             gd = gds[gs[0]]
-            if len(gs) == 1:
+            if len(gs) == 1 and gs[0] not in less:
                 jobs.append((gs, gd))
                 continue
-            nbytes = sum(gds[g].sync_bytes for g in gs)
+            nbytes = sum(sbytes[g] for g in gs)
             jobs.append((gs, SyncJob(gs, gd.sync, self._bucket_time(gd.bucket, nbytes), gd.sync_devices,
                                      gd.sync_machines, nbytes)))
+        return self._tied_jobs(gds, ties, jobs)
+
+    def _tied_jobs(self, gds: list[GroupData], ties: list, jobs: list) -> list:
+        """``jobs`` with the all-reduce of each tied weight of ``ties`` over its owner's replicas and
+        its partial sum's maker's, at the executor's launch: after the buckets launched at or
+        before the later of the two groups' last backward (the earlier group: its stage ends
+        later; :func:`tag.parallel.schedule.build_schedule`)."""
+        for tw in ties:
+            g_o, g_x = tw.owner, tw.grad_group
+            devs = tuple(gds[g_o].units[0].devices) + tuple(gds[g_x].units[0].devices)
+            members = tuple(sorted(set(devs)))
+            machines = tuple(sorted({self.comm.machine_of[d] for d in members}))
+            job = SyncJob((g_x, g_o), "allreduce", self._bucket_time(("allreduce", devs, None), tw.nbytes), members,
+                          machines if len(machines) > 1 else (), tw.nbytes)
+            at = sum(1 for gs, _ in jobs if gs[-1] >= min(g_o, g_x))
+            jobs = jobs[:at] + [(job.groups, job)] + jobs[at:]
         return jobs
 
     def _bucket_time(self, key: tuple, nbytes: float) -> float:
@@ -514,7 +538,18 @@ class Simulator:
         members = [list(r) for r in prog.members]
         tasks = [(t.stage, FWD if t.phase == "fwd" else BWD, t.micro) for t in prog.tasks]
         flight = list(prog.flight)
-        return _Micro(mgds, tasks, members, flight)
+        return _Micro(mgds, tasks, members, flight, self._tied(groups, pp))
+
+    def _tied(self, groups, pp) -> frozenset[int]:
+        """The tied weights of :attr:`_Micro.tied`: readers in one stage, owner in another (the
+        executor's :func:`tag.parallel.schedule.build_schedule`)."""
+        if not self.static.tied or any(costing_of(gp.sync) is not None for gp in groups):
+            return frozenset()
+        from ..parallel.pipeline import stage_of_group
+
+        stage = stage_of_group(pp, len(groups))
+        return frozenset(tw.tensor for tw in self.static.tied
+                         if len({stage[g] for g in tw.groups}) == 1 and stage[tw.owner] != stage[tw.grad_group])
 
 
 def wake_extra(sim: Simulator, unit: Unit, g: int, ph: int, start: list[float], cend: list[float]) -> list[float] | None:
@@ -665,6 +700,16 @@ class _Micro(NamedTuple):
     """Per stage: its groups, in order."""
     flight: list[int]
     """Per stage: the most micro-batches whose activations are alive at once."""
+    tied: frozenset[int] = frozenset()
+    """Tied weights (parameter tensors, :attr:`tag.sim.static.GraphStatic.tied`) both of whose
+    stages hold a copy: they do not move, their gradients are all-reduced over both stages
+    (:meth:`Simulator.sync_jobs`); not under a strategy costed its own way (tensor parallelism),
+    whose executor moves them as before."""
+
+    def select(self, part: str):
+        """:func:`tag.sim.units.pair_kinds`'s ``select`` of ``part`` (``micro``, ``first``,
+        ``last``, ``all``) leaving out :attr:`tied`."""
+        return (part, self.tied) if self.tied else (None if part == "all" else part)
 
 
 class _Shifted:
@@ -707,7 +752,9 @@ class _Run:
         if micro is None:
             placed = [(pr, 0) for pr in sim._pairs_used(gds)]
         elif len(micro.gds) == 1:  # one micro-batch: the flows of the plan without a pipeline
-            placed = [(pr, 0) for pr in sim._pairs_used(micro.gds[0])]
+            sel = micro.select("all")
+            placed = [(pr, 0) for pr in (sim._pairs_used(micro.gds[0]) if sel is None
+                                         else sim._pairs_used(micro.gds[0], sel))]
         else:  # every micro-batch's flows, at its chunk index; what moves once per iteration at
             # the first micro-batch (batch-independent tensors) or the last (deferred partial sums)
             k, last = len(gds), len(micro.gds) - 1
@@ -718,8 +765,8 @@ class _Run:
                 if prs is None:
                     prs = used[id(mg)] = sim._pairs_used(mg, "micro")
                 placed += [(pr, 2 * k * j) for pr in prs]
-            placed += [(pr, 0) for pr in sim._pairs_used(micro.gds[0], "first")]
-            placed += [(pr, 2 * k * last) for pr in sim._pairs_used(micro.gds[last], "last")]
+            placed += [(pr, 0) for pr in sim._pairs_used(micro.gds[0], micro.select("first"))]
+            placed += [(pr, 2 * k * last) for pr in sim._pairs_used(micro.gds[last], micro.select("last"))]
         scattered: dict[int, list] = {}  # stage -> the timed gathers (_Pair.timed) of the pairs scattering into it
         for pr, off in placed:
             for dst, fl in pr.fast:
@@ -1027,7 +1074,7 @@ class _Run:
 
         cur = None  # GroupData starting the current run of syncs over one member set
         run_end, run_busy, run_bytes = 0.0, 0.0, 0.0
-        for gs, gd in self.sim.sync_jobs(gds):
+        for gs, gd in self.sim.sync_jobs(gds, frozenset() if self.micro is None else self.micro.tied):
             s = -math.inf
             for g in gs:
                 sg = sfb_ready[g] if gds[g].sfb is not None else gf[g]
@@ -1421,6 +1468,7 @@ def _holdings(sim, gds, micro: _Micro | None = None):
                 ps = float(rc_per_sample[g] if gd.recompute else per_sample[g])
                 for d, b in zip(lay.devices, lay.batches):
                     mem[d] += extra * ps * b
+        _hold_tied(sim, micro, opt, mem, holds)
         return opt, mem, work, holds, gcomp
     n = sim.num_devices
     opt, mem, work = [0.0] * n, [0.0] * n, [0.0] * n
@@ -1476,6 +1524,22 @@ def _holdings(sim, gds, micro: _Micro | None = None):
                 if h:
                     holds[d] = True
     return opt, mem, work, holds, gcomp
+
+
+def _hold_tied(sim, micro: _Micro, opt: list[float], mem: list[float], holds: list[bool]) -> None:
+    """The second copy of each tied weight (:attr:`_Micro.tied`) on the replicas of its partial
+    sum's group: the weight, its gradient and its optimizer state held, and its update, the
+    owner group's update seconds on that device per parameter byte (in place)."""
+    gds = micro.gds[0]
+    for tw in sim.static.tied:
+        if tw.tensor not in micro.tied:
+            continue
+        g = tw.owner
+        per_byte = tw.nbytes / float(sim.static.grad_bytes[g])
+        for d in gds[tw.grad_group].units[0].devices:
+            mem[d] += 2.0 * tw.nbytes + tw.opt_state_bytes
+            opt[d] += float(sim.tables[sim.dev_class[d], g, OPT, 1]) * per_byte
+            holds[d] = True
 
 
 def _result(sim, run, sync_end: list[float], holdings):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..graph.gradients import batch_independent_tensors, deferrable_sums, partial_sum_tensors
+from ..graph.gradients import batch_independent_tensors, deferrable_sums, partial_sum_tensors, tied_weights
 from ..plan.format import group_positions
 
 FWD, BWD, OPT = 0, 1, 2
@@ -50,6 +50,26 @@ class TensorEdge:
     :mod:`tag.parallel.schedule`): a batch-independent tensor (a tied weight) before its
     consumer's first micro-batch, a deferrable partial sum (its gradient) after the last
     (:func:`tag.graph.gradients.batch_independent_tensors`, :func:`~tag.graph.gradients.deferrable_sums`)."""
+    tied: int = -1
+    """The parameter tensor of a tied weight (:attr:`GraphStatic.tied`) this edge moves (the weight
+    itself, or its partial-sum gradient), else -1: on a pipeline holding both copies, it does not move."""
+
+
+@dataclass(frozen=True)
+class TiedWeight:
+    """A weight two pipeline stages may each hold (:func:`tag.graph.gradients.tied_weights`)."""
+
+    tensor: int
+    """The parameter tensor."""
+    owner: int
+    """The group finishing its gradient."""
+    groups: frozenset[int]
+    """The other groups reading it or making its partial-sum gradient (the holders)."""
+    grad_group: int
+    """The group making the partial sum."""
+    nbytes: float
+    """Bytes of the weight (= of its gradient)."""
+    opt_state_bytes: float
 
 
 @dataclass
@@ -99,6 +119,8 @@ class GraphStatic:
     """[K] the recomputed values live at the group's backward (added to its working set):
     ``rc_work_fixed + rc_work_per_sample * b``."""
     rc_work_per_sample: np.ndarray = None
+    tied: tuple[TiedWeight, ...] = ()
+    """The tied weights a pipeline may hold on two stages."""
 
     def __post_init__(self):
         k = self.num_groups
@@ -177,6 +199,11 @@ def build_static(graph) -> GraphStatic:
         static_pos[g][slot(g, ps)] += 2 * p.nbytes + p.opt_state_bytes
     partial_sums = partial_sum_tensors(graph)
     once = batch_independent_tensors(graph) | deferrable_sums(graph)
+    by_tensor = {p.tensor: p for p in graph.params}
+    ties = tied_weights(graph)
+    tied = tuple(TiedWeight(w, owner[w][0], groups, eff[tensors[x].producer][0], float(by_tensor[w].nbytes),
+                            float(by_tensor[w].opt_state_bytes)) for w, (x, groups) in ties.items())
+    tied_of = {t: w for w, (x, _) in ties.items() for t in (w, x)}  # weight or partial sum -> the weight
 
     cons: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (tensor, dst group) -> consumers
     buffer_pos = [np.zeros(h - lo_) for lo_, h in pos]
@@ -213,7 +240,8 @@ def build_static(graph) -> GraphStatic:
         if g_src == g_dst and len({slot(g_dst, p) for p, _ in cs} | {slot(g_src, p_src)}) == 1:
             continue  # never crosses a unit, whatever the plan
         e = TensorEdge(t, g_src, p_src, ph_src, g_dst, cs, tt.batch_dim is not None,
-                       tt.batch_dim is None and t in partial_sums, tt.nbytes.fixed, tt.nbytes.per_sample, t in once)
+                       tt.batch_dim is None and t in partial_sums, tt.nbytes.fixed, tt.nbytes.per_sample, t in once,
+                       tied_of.get(t, -1))
         edges.setdefault((g_src, g_dst), []).append(e)
     saved: list[list[tuple[float, float, list[int]]]] = [[] for _ in range(k)]
     for (t, g), ps in saved_map.items():
@@ -226,4 +254,4 @@ def build_static(graph) -> GraphStatic:
         reads[g].append((tt.nbytes.fixed, tt.nbytes.per_sample, src[1] if src is not None and src[0] == g else None,
                          sorted(set(fwd)), sorted(set(bwd)), t))
     return GraphStatic(k, graph.batch_size, lo, hi, edges, sorted(edges), grad_bytes, grad_bytes.tolist(), static_pos,
-                       buffer_pos, saved, work_pos, reads=reads)
+                       buffer_pos, saved, work_pos, reads=reads, tied=tied)

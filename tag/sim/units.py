@@ -355,7 +355,7 @@ def pair_flows(static: GraphStatic, comm, g1: int, gd1: GroupData, g2: int, gd2:
 
 
 def pair_kinds(static: GraphStatic, g1: int, gd1: GroupData, g2: int, gd2: GroupData,
-               select: str | None = None) -> tuple:
+               select: str | tuple | None = None) -> tuple:
     """The tensors crossing from group ``g1``'s units to ``g2``'s, summed per (source unit and
     phase, destination unit and first-need phase, move kind): ``((su, sphase, du, ph, kind),
     fixed, per_sample, sizes)`` in :func:`pair_flows` order, ``sizes`` each tensor's ``(fixed,
@@ -364,10 +364,17 @@ def pair_kinds(static: GraphStatic, g1: int, gd1: GroupData, g2: int, gd2: Group
 
     ``select`` (pipelines, :attr:`TensorEdge.once`): ``"micro"`` only the tensors moved once per
     micro-batch, ``"first"`` only the batch-independent ones moved before the first, ``"last"``
-    only the partial sums moved after the last; None: all of them."""
+    only the partial sums moved after the last, ``"all"`` all of them; None: all of them. A pair
+    ``(select, tied)`` leaves out the edges of the tied weights ``tied`` (parameter tensors,
+    :attr:`TensorEdge.tied`), which a pipeline holding both copies does not move."""
     kinds: dict[tuple, list[float]] = {}
+    tied: frozenset = frozenset()
+    if isinstance(select, tuple):
+        select, tied = select
     for e in static.edges.get((g1, g2), ()):
-        if select is not None and select != ("micro" if not e.once else "last" if e.grad else "first"):
+        if select not in (None, "all") and select != ("micro" if not e.once else "last" if e.grad else "first"):
+            continue
+        if e.tied in tied:
             continue
         su = gd1.chunk_of.get(e.src_pos, 0) if gd1.mp else 0
         need: dict[int, int] = {}  # dst unit -> first phase needing it
