@@ -60,7 +60,7 @@ def _geomean(xs: list[float]) -> float:
 
 
 def _spread(gains: list[float]) -> str:
-    return f"{min(gains):.2f}x-{max(gains):.2f}x, geomean {_geomean(gains):.2f}x over {len(gains)} cases"
+    return f"{min(gains):#.3g}x-{max(gains):#.3g}x, geomean {_geomean(gains):#.3g}x over {len(gains)} cases"
 
 
 def _table(head: list[str], rows: list[list[str]]) -> str:
@@ -387,7 +387,8 @@ def block_headline(ctx: Ctx) -> str:
         ["TAG's plan against the best by-hand plan (data parallel, dp x tp x pp grid), 64-512 GPUs, "
          "Llama-2 7B and GPT-2 XL in bf16", _spread(scale), ctx.link("bench-scale/results.json"),
          run_dates(ctx, "bench-scale")],
-        ["The same, small models on 2-16 devices (quick suite)", _spread(quick), ctx.link("bench-quick/results.json"),
+        [f"The same, small models on {len(ctx.json('bench-quick/config.json')['suite']['topologies'])} clusters "
+         "(quick suite)", _spread(quick), ctx.link("bench-quick/results.json"),
          run_dates(ctx, "bench-quick")],
         ["TAG's plan against the best of random search, annealing, TPE and uniform MCTS at "
          f"{ctx.json('bench-quick/config.json')['suite']['search_budget']} playouts (quick suite)",
