@@ -384,7 +384,8 @@ def block_headline(ctx: Ctx) -> str:
     cap = {r["preset"]: r for r in capture_rows(ctx)}
     (f32, n32), (b16, n16) = gpu_within(ctx, "fp32"), gpu_within(ctx, "bf16")
     rows = [
-        ["TAG's plan against the best by-hand plan (data parallel, dp x tp x pp grid), 64-512 GPUs, "
+        ["TAG's plan against the best by-hand plan (data parallel, one device, greedy model parallel, "
+         "the dp x tp x pp grid), 64-512 GPUs, "
          "Llama-2 7B and GPT-2 XL in bf16", _spread(scale), ctx.link("bench-scale/results.json"),
          run_dates(ctx, "bench-scale")],
         [f"The same, small models on {len(ctx.json('bench-quick/config.json')['suite']['topologies'])} clusters "
