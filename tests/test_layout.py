@@ -298,18 +298,20 @@ def two_by_two(tmp_path_factory):
 
 
 def _stage_of_layer_ops(graph, plan) -> dict[int, set[int]]:
-    """Layer -> the stages holding its forward ops that read its parameters (by the parameters'
-    names, ``transformer.h.<layer>.``), independent of :mod:`tag.parallel.layers`."""
+    """Layer -> the stages holding the forward ops computing on the batch with its parameters
+    (read directly; by the parameters' names, ``transformer.h.<layer>.``, ``layers.<layer>.``,
+    ``layer.<layer>.``), independent of :mod:`tag.parallel.layers`."""
+    import re
+
     from tag.parallel.pipeline import stage_of_group
 
     stage = stage_of_group(plan.pipeline, graph.num_groups)
     out: dict[int, set[int]] = {}
     for p in graph.params:
-        if ".h." in p.name:
-            layer = int(p.name.split(".h.")[1].split(".")[0])
+        if m := re.search(r"\.(?:h|layers|layer)\.(\d+)\.", p.name):
             for c in graph.tensors[p.tensor].consumers:
-                if graph.ops[c].phase == "fwd":
-                    out.setdefault(layer, set()).add(stage[graph.ops[c].group])
+                if graph.ops[c].phase == "fwd" and graph.ops[c].batch:
+                    out.setdefault(int(m.group(1)), set()).add(stage[graph.ops[c].group])
     return out
 
 
@@ -365,6 +367,25 @@ def test_uneven_stages_hold_exactly_the_stated_layers(gpt2_16, topo4):
     validate_plan(plan, graph, topo4, pipelines=True, tensor_parallel=True)
     assert _stage_of_layer_ops(graph, plan) == {0: {0}, 1: {1}, 2: {1}, 3: {1}}
     assert all(g.sync == "tp" and g.tp == 2 for g in plan.groups)
+
+
+@pytest.mark.parametrize("spec", ["llama:n_layer=4,n_embd=64,n_head=4,vocab=100,seq=16",
+                                  "bert:n_layer=4,n_embd=64,n_head=2,vocab=100,seq=16"])
+def test_stated_stages_in_other_zoo_transformers(spec, topo4):
+    """Llama (pre-norm, weights transposed by ``t`` ops) and BERT (post-norm: a layer begins with
+    its query weight's transpose, which no group starts at) hold the stated layers too, plain and
+    tensor parallel."""
+    from tag.graph import capture
+    from tag.parallel.layout import align_groups
+    from tag.workloads import load_workload
+
+    graph = capture(load_workload(spec, batch=8), num_groups=16).graph
+    for lay, want in [(Layout(dp=2, pp=2, micro=2, stages=(3, 1)), {0: {0}, 1: {0}, 2: {0}, 3: {1}}),
+                      (Layout(tp=2, pp=2, micro=2, stages=(1, 3)), {0: {0}, 1: {1}, 2: {1}, 3: {1}})]:
+        align_groups(graph, lay)
+        plan = layout_plan(graph, topo4, lay, CostModel.for_topology(graph, topo4))
+        validate_plan(plan, graph, topo4, pipelines=True, tensor_parallel=True)
+        assert _stage_of_layer_ops(graph, plan) == want, lay
 
 
 def test_stated_stages_agree_with_a_cut_that_falls_on_layers(gpt2_16, topo4):

@@ -9,9 +9,14 @@ where each of its stages' first layers begins.
 **Layers.** The captured graph keeps no module tree, but its parameters keep their paths
 (``model.transformer.h.3.attn.c_attn.weight``): the layers are the numbered modules of the
 module list that holds the most of them (GPT-2's ``transformer.h``, Llama's ``model.layers``,
-BERT's and ViT's ``encoder.layer``), in the order of their numbers. A layer's *forward ops* are
-those reading one of its parameters, directly or through ops without a batch dimension (a
-transpose or an autocast copy of a weight): its norms and matmuls.
+BERT's ``encoder.layer``, ViT's ``layers``), in the order of their numbers. A layer's *forward
+ops* are those computing on the batch with one of its parameters, read directly or through ops
+without a batch dimension: its norms and matmuls. Those weight-only ops (a transpose or an
+autocast copy of a weight) run where program order puts them, and a group never starts at one
+(:func:`tag.graph.grouping.group_ops` cuts only before an op that costs time): BERT's layer
+begins with its query weight's transpose, which thus stays with the previous layer's last norm,
+and a stage cut there sends that transposed weight along with the activation, as any TAG cut
+before that matmul does.
 
 **Where a layer begins.** The cut before layer ``L`` may fall at op-group ``g`` when every
 forward op of layers ``< L`` is in a group before ``g`` and every forward op of layers ``>= L``
@@ -48,7 +53,7 @@ class Layers:
     numbers: tuple[int, ...]
     """Each layer's number in its path (``h.3.``: 3), ascending."""
     ops: tuple[tuple[int, ...], ...]
-    """Forward op indices of each layer, in layer order."""
+    """Forward op indices of each layer (those computing on the batch), in layer order."""
 
     def name(self, layer: int) -> str:
         """Module path of layer ``layer`` (its position, from 0), e.g. ``model.transformer.h.3``."""
@@ -75,10 +80,11 @@ def model_layers(graph: OpGraph) -> Layers:
         if o.phase != "fwd":
             continue
         read = {layer_of[t] for t in o.inputs if t in layer_of}
-        for layer in read:
-            ops[layer].append(i)
         if read and not o.batch:  # a weight's view or cast: still the layer's parameter
             layer_of.update((t, min(read)) for t in o.outputs)
+            continue
+        for layer in read:
+            ops[layer].append(i)
     return Layers(path, tuple(numbers), tuple(tuple(x) for x in ops))
 
 
