@@ -125,6 +125,16 @@ HAND = ("dp", "dp-prop", "single", "mp", "dp-tp-pp-grid")  # plans a user writes
 SEARCH = ("random", "sa", "tpe", "mcts-uniform")  # other searchers over TAG's space, the suite's budget
 
 
+HAND_NAMES = {"dp": "data parallel", "dp-prop": "proportional data parallel", "single": "one device",
+              "mp": "greedy model parallel", "dp-tp-pp-grid": "the dp x tp x pp grid"}
+
+
+def hand_names(ctx: Ctx, folder: str) -> str:
+    """The by-hand methods a suite's run holds, in words."""
+    ran = {c["method"] for c in _cells(ctx, folder)}
+    return ", ".join(HAND_NAMES[m] for m in HAND if m in ran)
+
+
 def _best(cells: list[dict], model: str, topo: str, methods: tuple[str, ...]) -> dict | None:
     """The fastest plan that fits among ``methods``, for one (model, topology)."""
     fit = [c for c in cells if c["model"] == model and c["topology"] == topo and c["method"] in methods
@@ -384,12 +394,11 @@ def block_headline(ctx: Ctx) -> str:
     cap = {r["preset"]: r for r in capture_rows(ctx)}
     (f32, n32), (b16, n16) = gpu_within(ctx, "fp32"), gpu_within(ctx, "bf16")
     rows = [
-        ["TAG's plan against the best by-hand plan (data parallel, one device, greedy model parallel, "
-         "the dp x tp x pp grid), 64-512 GPUs, "
+        [f"TAG's plan against the best by-hand plan ({hand_names(ctx, 'bench-scale')}), 64-512 GPUs, "
          "Llama-2 7B and GPT-2 XL in bf16", _spread(scale), ctx.link("bench-scale/results.json"),
          run_dates(ctx, "bench-scale")],
-        [f"The same, small models on {len(ctx.json('bench-quick/config.json')['suite']['topologies'])} clusters "
-         "(quick suite)", _spread(quick), ctx.link("bench-quick/results.json"),
+        [f"The same ({hand_names(ctx, 'bench-quick')}), small models on "
+         f"{len(ctx.json('bench-quick/config.json')['suite']['topologies'])} clusters (quick suite)", _spread(quick), ctx.link("bench-quick/results.json"),
          run_dates(ctx, "bench-quick")],
         ["TAG's plan against the best of random search, annealing, TPE and uniform MCTS at "
          f"{ctx.json('bench-quick/config.json')['suite']['search_budget']} playouts (quick suite)",
