@@ -5,6 +5,7 @@ import datetime
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,21 @@ def test_a_scripts_header_is_what_the_report_reads(tmp_path):
     rows = report.header_rows(report.Ctx(tmp_path, Path("docs/benchmarks.md")), "x")
     assert len(rows) == 1 and rows[0].startswith("| run | `python -m evaluation.x --out DIR` | ")
     assert rows[0].endswith(f" | test VM | {datetime.datetime.now(datetime.UTC).date().isoformat()} |")
+
+
+def test_results_tree_holds_current_results_only():
+    """evaluation/results/ is one current folder per benchmark: at most 150 files and 5 MB committed,
+    no scripts (they live in evaluation/), and a header in every folder the docs read."""
+    out = subprocess.run(["git", "ls-files", "-z", str(report.RESULTS)], cwd=REPO, capture_output=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = [f for f in out.stdout.decode().split("\0") if f]
+    assert len(files) <= 150
+    assert sum((REPO / f).stat().st_size for f in files if (REPO / f).exists()) <= 5_000_000
+    assert not [f for f in files if f.endswith((".py", ".sh"))]
+    ctx = report.Ctx(REPO, Path("docs/benchmarks.md"))
+    # gpu-check holds one folder per machine, each with its header; external's header is its summary.json
+    folders = {Path(f).relative_to(report.RESULTS).parts[0] for f in files} - {"gpu-check", "external"}
+    folders |= {str(Path(f).parent.relative_to(report.RESULTS)) for f in files if f.startswith(f"{report.RESULTS}/gpu-check/")}
+    for folder in folders:
+        assert report.header_rows(ctx, folder), folder
