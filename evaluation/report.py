@@ -205,10 +205,13 @@ def validate_runs(ctx: Ctx) -> list[tuple[str, dict]]:
 
 
 def block_validate(ctx: Ctx) -> str:
+    def plot(rel: str) -> str:
+        return ctx.link(f"{VALIDATE}/{rel}/scatter.png", "scatter") if (ctx.root / RESULTS / VALIDATE / rel / "scatter.png").exists() else "-"
+
     rows = [[ctx.link(f"{VALIDATE}/{rel}/validation.json", rel), f"`{v['model']}`", str(len(v["rows"])),
-             f"{v['mape_median_pct']:.1f}%", f"{v['spearman']:.3f}"] for rel, v in validate_runs(ctx)]
+             f"{v['mape_median_pct']:.1f}%", f"{v['spearman']:.3f}", plot(rel)] for rel, v in validate_runs(ctx)]
     return "\n".join([provenance(ctx, VALIDATE), "",
-                      _table(["run", "model", "plans", "median abs. error", "Spearman"], rows)])
+                      _table(["run", "model", "plans", "median abs. error", "Spearman", "plot"], rows)])
 
 
 def gpu_cases(ctx: Ctx, precision: str) -> list[dict]:
