@@ -350,13 +350,14 @@ def block_speed(ctx: Ctx) -> str:
     res = ctx.json("sim-speed/scale.json")
     rows = [[name, str(x["devices"]), str(x["actions"]), f"{x['load_topology_s']:.2f}",
              f"{x['sims_per_s']['dp']:.0f}", f"{x['sims_per_s']['search']:.0f}"] for name, x in res["topologies"].items()]
-    plans = [[p["topology"], f"{p['prior']} @{p['budget']}", f"{p['wall_s']:.1f}", f"{p['search_time_s']:.1f}"]
-             for p in res["plan"]]
+    plans = [[p["topology"], f"{p['prior']} @{p['budget']}", f"{p['wall_s']:.1f}", f"{p['search_time_s']:.1f}",
+              f"{p['iteration_s'] * 1e3:.2f}", f"{p['dp_even_s'] * 1e3:.2f}"] for p in res["plan"]]
     return "\n".join([provenance(ctx, "sim-speed"), "",
                       f"`{res['model']}`, batch {res['batch']}, {res['groups']} op-groups ({res['ops']} ops):", "",
                       _table(["topology", "devices", "actions", "load s", "simulations / s, data parallel",
                               "simulations / s, search plans"], rows), "",
-                      _table(["topology", "search", "`find_plan` wall s", "search s"], plans)])
+                      _table(["topology", "search", "`find_plan` wall s", "set-up + search s", "plan ms (simulated)",
+                              "even data parallel ms"], plans)])
 
 
 EXTERNAL = "external/summary.json"  # written by python -m evaluation.external
