@@ -179,11 +179,18 @@ def bench_gains(ctx: Ctx, folder: str, method: str, against: int) -> list[float]
     return [g for g in gains if g is not None]
 
 
+def suite_title(ctx: Ctx, folder: str) -> str:
+    """The suite's name, models and clusters, from the run's config.json."""
+    s = ctx.json(f"{folder}/config.json")["suite"]
+    models = ", ".join(f"`{m['spec']}`" for m in s["models"])
+    return (f"Suite `{s['name']}`: {models} at global batch {'/'.join(str(m['batch']) for m in s['models'])}, "
+            f"{s.get('precision', 'fp32')}, on {', '.join(s['topologies'])}")
+
+
 def block_bench(ctx: Ctx) -> str:
     out = []
-    for folder, method, title in (("bench-scale", "tag-50", "Scale suite (64-512 GPUs, bf16)"),
-                                  ("bench-quick", "tag-200", "Quick suite (small models, 8-16 GPUs)")):
-        out += [f"#### {title}", "", provenance(ctx, folder), "",
+    for folder, method in (("bench-scale", "tag-50"), ("bench-quick", "tag-200")):
+        out += [f"#### {suite_title(ctx, folder)}", "", provenance(ctx, folder), "",
                 _table(["model", "topology", method, "best by-hand plan", "speedup", "best other search", "speedup"],
                        bench_rows(ctx, folder, method)), "",
                 f"Plots: {ctx.link(folder + '/speedup.png', 'speedup')}, "
