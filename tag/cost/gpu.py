@@ -54,10 +54,31 @@ Where the constants come from (``GpuRates.source``):
   where the fit file sets it) to their step times; ``R_mm[tf32]`` stays the microbenchmark's (:data:`FIXED_PARAMS`),
   and a constant no profiled step identifies keeps the microbenchmark's (``e_att`` = 1: fused
   attention at the matmul rate of its mode, an assumption).
+* ``published:<type>``: a catalog GPU with published achieved rates in ``gpu_calib/published.json``
+  (:data:`PUBLISHED`, each rate with its source: Aceso's per-op profiles of a Megatron-LM OPT-350M
+  layer in eth-easl/sailor for V100, RTX 2080 Ti, Titan RTX, RTX 3090, A100-40GB and GH200; the
+  maximum achievable matmul table of stas00/ml-engineering for A100-80GB, A100 PCIe and H100 SXM;
+  a cuBLAS run and a bandwidthTest for the T4). The ``datasheet:<type>`` rates with the published
+  ones in place (:func:`with_published`): ``R_mm[mode]`` and ``BW``; the rates derived from them
+  keep their H200 ratios (``R_conv``, fused attention, the unaligned bf16 rate per mode; ``BW_norm``,
+  ``BW_opt``, ``BW_bn_bf16``); every constant in seconds stays the H200's.
 * ``datasheet:<type>``: any other catalog GPU. The achieved-to-datasheet ratios of the fitted
   type (H200) are applied to this type's datasheet peaks (FP32, TF32 :data:`TF32_TFLOPS`,
   FP16/BF16 tensor, memory bandwidth); ``K``, ``C_mm``, ``host_s``, ``step_host_s`` and ``launch_s`` are kept in seconds,
   ``e_att`` as a ratio. Without TF32 (before Ampere) a tf32 op runs at the FP32 rate.
+
+Checked against published per-layer times (``published.json`` ``layers``, :func:`layer_check`,
+``gpu_calib/published-check.md``): against Sailor's Megatron-DeepSpeed OPT-350M layers (fp32, TF32
+on Ampere and Hopper; micro-batches 1-32) on seven GPU types TAG's forward is 0.87-1.35x the
+published (median error 19.5%) as TAG's executor runs the layer and 0.63-1.10x (10%) with the
+``megatron`` runtime (:data:`RUNTIMES`); the published backward is 1.3-2.4x TAG's (timed by module
+hooks, not used). Micro-batch: the rule's per-sample seconds fall as the per-kernel floors and host
+launches spread over more samples (non-increasing, to the large-batch rate), which reproduces a
+host-bound small micro-batch (GH200: per-sample forward at 1 over 8: 1.35 predicted, 1.40
+published) and the flat V100, RTX 3090 and Titan RTX series, not the A100s' (1.04 predicted, 1.14
+and 1.61 published; whether host or device fill is not identified: the A100-80GB's micro-batch 1
+is slower than the A100-40GB's). A GEMM's rate below the large-matmul rate by its shape (tile waves
+over the SMs) is not modelled.
 
 Not measured anywhere, assumed: an fp32 convolution with TF32 off reaches the same fraction of
 the FP32 matmul rate as the TF32 convolution reaches of the TF32 matmul rate; fp16 runs at the
@@ -150,6 +171,7 @@ TF32_TFLOPS = {
     "RTX-3090": 35.6,  # GA102 whitepaper: 35.6 TF32 tensor (71 with sparsity)
     "H100-SXM": 494.5, "H100-PCIe": 378.0,  # H100 datasheet: 989 / 756 TF32 with sparsity
     "H200": 494.5,  # H200 datasheet: 989 TF32 with sparsity
+    "GH200-96GB": 494.5,  # GH200 datasheet: 989 TF32 with sparsity
 }
 
 
@@ -521,11 +543,57 @@ def fitted_rates(gpu: str = REFERENCE_GPU) -> GpuRates | None:
                                opt_host_s=float(fit.get("opt_host_s", 0.0)))
 
 
-def gpu_rates(spec) -> GpuRates:
-    """Rates of the catalog GPU ``spec``: fitted where measured, else derived from its datasheet."""
-    own = fitted_rates(spec.name)
-    if own is not None:
-        return own
+PUBLISHED = CALIB_DIR / "published.json"
+"""Published achieved rates per GPU type and published per-layer times, each with its source."""
+PUBLISHED_RATES = ("matmul:fp32", "matmul:tf32", "matmul:low", "memory_bw")
+"""The constants a published rate replaces (:func:`published_rates`); every other one of a
+published type comes from :func:`datasheet_rates` (module docstring)."""
+
+
+@functools.cache
+def load_published(path: Path = PUBLISHED) -> dict:
+    """``published.json``: ``{"sources": {id: {...}}, "rates": {type: {name: entry}}, "layers": [...]}``;
+    an entry holds ``source`` (a key of ``sources``) and either ``value`` (FLOP/s or B/s) or
+    ``points`` (``[label, work, seconds]``: FLOPs or bytes of one measured kernel and its seconds);
+    a type given as ``{"same_as": other, "why": ...}`` has ``other``'s rates (the same chip and clocks)."""
+    from ..errors import TopologyError
+
+    data = json.loads(Path(path).read_text())
+    for gpu, entry in data["rates"].items():
+        if "same_as" in entry:  # another part of the same chip at the same clocks
+            if not isinstance(data["rates"].get(entry["same_as"]), dict) or "same_as" in data["rates"][entry["same_as"]]:
+                raise TopologyError(f"{path}: rates.{gpu}.same_as: expected a type with rates of its own, "
+                                    f"got {entry['same_as']!r}")
+            continue
+        for name, e in entry.items():
+            where = f"{path}: rates.{gpu}.{name}"
+            if e.get("source") not in data["sources"]:
+                raise TopologyError(f"{where}.source: expected one of {sorted(data['sources'])}, got {e.get('source')!r}")
+            if not ("value" in e or e.get("points")) or published_value(e) <= 0:
+                raise TopologyError(f"{where}: expected a positive 'value' or non-empty 'points' [label, work, seconds]")
+    return data
+
+
+def published_value(entry: dict) -> float:
+    """An entry's rate: its ``value``, else the best ``work / seconds`` among its ``points`` (an
+    achieved rate of a real kernel, its per-call seconds included: a lower bound on the large-op rate)."""
+    if "value" in entry:
+        return float(entry["value"])
+    return max(work / s for _, work, s in entry["points"])
+
+
+def published_rates(gpu: str) -> dict[str, tuple[float, str]]:
+    """``name -> (rate, source id)`` of the published rates of GPU type ``gpu`` among
+    :data:`PUBLISHED_RATES` (empty where none are published)."""
+    rates = load_published()["rates"]
+    entry = rates.get(gpu, {})
+    entry = rates[entry["same_as"]] if "same_as" in entry else entry
+    return {n: (published_value(e), e["source"]) for n, e in entry.items() if n in PUBLISHED_RATES}
+
+
+def datasheet_rates(spec) -> GpuRates:
+    """The fitted type's (:data:`REFERENCE_GPU`) rates carried to catalog GPU ``spec`` by datasheet
+    ratios (module docstring, ``datasheet:<type>``)."""
     ref = fitted_rates(REFERENCE_GPU)
     from ..topology.catalog import match_gpu_name
 
@@ -543,6 +611,101 @@ def gpu_rates(spec) -> GpuRates:
                     None if ref.matmul_call_s is None else dict(ref.matmul_call_s),
                     float(ref.unaligned_rate(1)) / rp["low"] * sp["low"], opt_host_s=ref.opt_host_s,
                     bn_bf16_bandwidth=ref.bn_bf16_bw * bw_ratio, host_backward_s=ref.host_backward_s)
+
+
+def with_published(base: GpuRates, pub: dict[str, tuple[float, str]]) -> GpuRates:
+    """``base`` (:func:`datasheet_rates`) with the published rates ``pub`` (:func:`published_rates`):
+    a published matmul rate replaces its mode's, and the rates derived from it move with it
+    (the convolution and fused-attention rates of that mode keep their ratio to the matmul rate,
+    the unaligned bf16 rate follows ``matmul:low``); without TF32 a tf32 op runs at the fp32 rate;
+    a published ``memory_bw`` replaces the elementwise bandwidth and scales the norm, optimizer and
+    bf16 batch-norm bandwidths by the same factor. Seconds (host, per-kernel floors) stay."""
+    import dataclasses
+
+    mm, conv, att = dict(base.matmul), dict(base.conv), dict(base.attention_base)
+    for m in MODES:
+        if f"matmul:{m}" in pub:
+            f = pub[f"matmul:{m}"][0] / base.matmul[m]
+            mm[m], conv[m], att[m] = mm[m] * f, conv[m] * f, att[m] * f
+    if base.gpu not in TF32_TFLOPS:
+        mm["tf32"], conv["tf32"], att["tf32"] = mm["fp32"], conv["fp32"], att["fp32"]
+    bw = pub["memory_bw"][0] / base.bandwidth if "memory_bw" in pub else 1.0
+    return dataclasses.replace(
+        base, source=f"published:{base.gpu}", matmul=mm, conv=conv, attention_ref=att,
+        matmul_unaligned=float(base.unaligned_rate(1)) * mm["low"] / base.matmul["low"],
+        bandwidth=base.bandwidth * bw, norm_bandwidth=base.norm_bw * bw, opt_bandwidth=base.opt_bw * bw,
+        bn_bf16_bandwidth=base.bn_bf16_bw * bw)
+
+
+def gpu_rates(spec) -> GpuRates:
+    """Rates of the catalog GPU ``spec``: fitted where measured (``fitted:<type>``), else its
+    datasheet's (``datasheet:<type>``) with the published rates of :data:`PUBLISHED` in place of
+    theirs where any are published (``published:<type>``)."""
+    own = fitted_rates(spec.name)
+    if own is not None:
+        return own
+    base = datasheet_rates(spec)
+    pub = published_rates(spec.name)
+    return with_published(base, pub) if pub else base
+
+
+@functools.cache
+def _layer_graphs(spec: str, precision: str) -> tuple:
+    """The graphs of ``spec`` (``{L}`` in it: the layer count) with 1 and 2 layers, one group each."""
+    from ..graph import capture
+    from ..workloads import load_workload
+
+    return tuple(capture(load_workload(spec.format(L=n), batch=2, abstract=True), optimizer="adam", num_groups=1,
+                         precision="bf16" if precision == "fp16" else precision).graph for n in (1, 2))
+
+
+def layer_seconds(spec: str, precision: str, rates: GpuRates, numerics: Numerics, batches,
+                  runtime: str = "eager") -> np.ndarray:
+    """``[2, len(batches)]`` (forward, backward) seconds of one layer of zoo ``spec`` (``{L}``: its
+    layer count) at micro-batches ``batches`` under ``rates`` as ``runtime`` (:data:`RUNTIMES`) runs
+    it, host launches included (:func:`stage_table`): the step of two layers less that of one."""
+    t = [stage_table(g, OpFeatures.of(g, numerics, runtime), rates, batches)[0, :2]
+         for g in _layer_graphs(spec, precision)]
+    return t[1] - t[0]
+
+
+def layer_check(gpus=None, runtime: str = "eager") -> list[dict]:
+    """TAG's per-layer seconds against every published per-layer time of :data:`PUBLISHED`
+    (``layers``) on GPU types in ``gpus`` (None: all), as ``runtime`` runs the layer: one row per
+    (GPU, model, micro-batch) with the published and predicted forward / backward seconds and the
+    rates' source."""
+    from ..topology.catalog import match_gpu_name
+
+    rows = []
+    for r in load_published()["layers"]:
+        spec = match_gpu_name(r["gpu"])
+        if spec is None or (gpus is not None and r["gpu"] not in gpus):
+            continue
+        rates = gpu_rates(spec)
+        pred = layer_seconds(r["spec"], r["precision"], rates, Numerics(matmul_tf32=r["tf32"]), [r["micro_batch"]],
+                             runtime)
+        rows.append({**r, "source_rates": rates.source, "pred_forward_s": float(pred[0, 0]),
+                     "pred_backward_s": float(pred[1, 0])})
+    return rows
+
+
+def layer_table() -> str:
+    """:func:`layer_check` under every runtime as a markdown table, milliseconds and predicted /
+    published (committed as ``gpu_calib/published-check.md``)."""
+    checks = {rt: layer_check(runtime=rt) for rt in RUNTIMES}
+    head = "| GPU | source | micro-batch | forward published | " + " | ".join(
+        f"{rt} | ratio" for rt in RUNTIMES) + " | backward published | eager | ratio |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for i, r in enumerate(checks["eager"]):
+        cells = [r["gpu"], r["source"], str(r["micro_batch"]), f"{r['forward_s'] * 1e3:.2f}"]
+        for rt in RUNTIMES:
+            p = checks[rt][i]["pred_forward_s"]
+            cells += [f"{p * 1e3:.2f}", f"{p / r['forward_s']:.2f}"]
+        b = r["backward_s"]
+        cells += [f"{b * 1e3:.2f}", f"{r['pred_backward_s'] * 1e3:.2f}", f"{r['pred_backward_s'] / b:.2f}"] if b \
+            else ["-", "-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------ per-op seconds
@@ -576,6 +739,24 @@ def attention_tile_fraction(attention: tuple | None, mode: str, phase: str) -> f
     return tile_pairs(length, source, causal, tile) / counted
 
 
+RUNTIMES = {
+    "eager": ("TAG's executor and eager PyTorch: one kernel per op of the joint graph, except the "
+              "backward formulas eager runs as one kernel (backward_regions)"),
+    "megatron": ("Megatron-LM's fused kernels: besides eager's backward regions, every run of consecutive "
+                 "forward elementwise ops between two other kernels is one kernel that reads the run's "
+                 "inputs once and writes its outputs once, one launch, in every dtype (bias-GeLU: "
+                 "megatron/model/fused_bias_gelu.py; bias-dropout-add: megatron/model/transformer.py "
+                 "bias_dropout_add_fused_train; both TorchScript-fused); in a bf16/fp16 graph the run takes in "
+                 "normalisations and softmaxes too (scale-mask-softmax, megatron/model/fused_softmax.py, whose "
+                 "CUDA kernel is_kernel_available only for fp16/bf16 inputs; apex's fused layer norm). A run "
+                 "holding a layer norm and the residual add before it is one kernel here where Megatron-LM "
+                 "runs two (an assumption: it saves one pass over the residual). Matmul, attention and "
+                 "optimizer kernels and every rate are eager's"),
+}
+"""Runtimes the GPU rule costs (:meth:`OpFeatures.of`, ``CostModel.for_topology(runtime=)``): name ->
+what it fuses. ``eager`` is TAG's own executor; a published run says which runtime it used."""
+
+
 @dataclass
 class OpFeatures:
     """Per-op arrays of a graph that the GPU rule needs (batch-affine FLOPs and bytes)."""
@@ -602,8 +783,14 @@ class OpFeatures:
     :data:`BN_BF16_KERNELS`); None: none."""
 
     @classmethod
-    def of(cls, graph, numerics: Numerics) -> OpFeatures:
+    def of(cls, graph, numerics: Numerics, runtime: str = "eager") -> OpFeatures:
+        """The features of ``graph`` as ``runtime`` (:data:`RUNTIMES`) runs it."""
         from ..graph.capture import OPTIMIZER_COSTS
+
+        if runtime not in RUNTIMES:
+            from ..errors import TagError
+
+            raise TagError(f"runtime: expected one of {sorted(RUNTIMES)}, got {runtime!r}")
 
         ops = graph.ops
         klass = [op_class(o.target) for o in ops]
@@ -615,7 +802,7 @@ class OpFeatures:
         passes = np.array([NORM_PASSES.get(n, 1.0) for n in names])
         nbytes = nbytes * passes[:, None]
         kernel = np.ones(len(ops), dtype=bool)
-        for region, rb in backward_regions(graph, klass):
+        for region, rb in backward_regions(graph, klass, forward=runtime == "megatron"):
             nbytes[region] = 0.0
             kernel[region] = False
             nbytes[region[0]] = rb
@@ -704,7 +891,7 @@ def _moves(op) -> bool:
 _FUSABLE = ("memory", "norm")
 
 
-def backward_regions(graph, klass: list[str]) -> list[tuple[list[int], tuple[float, float]]]:
+def backward_regions(graph, klass: list[str], forward: bool = False) -> list[tuple[list[int], tuple[float, float]]]:
     """The fused kernels eager PyTorch runs where the joint graph has a decomposition.
 
     The export decomposes backward formulas eager runs as one kernel (batch norm, layer norm,
@@ -713,9 +900,12 @@ def backward_regions(graph, klass: list[str]) -> list[tuple[list[int], tuple[flo
     the same forward anchor (:attr:`tag.graph.ir.Op.anchor`: the forward position whose backward
     they compute); a region of two or more costly ops is costed as one kernel that reads each
     tensor entering it once and writes each tensor leaving it once (its intermediates stay on
-    chip). Returns ``(op indices, (fixed, per-sample) bytes)`` per region.
+    chip). With ``forward`` (a fused runtime, :data:`RUNTIMES`) a maximal run of consecutive
+    forward ``memory`` ops, and ``norm`` ops in a bf16/fp16 graph (autocast runs the softmax itself
+    in fp32), whatever their anchors, is a region too. Returns ``(op indices, (fixed, per-sample) bytes)`` per region.
     """
     ops, tensors = graph.ops, graph.tensors
+    low = getattr(graph, "precision", "fp32") in ("bf16", "fp16")  # mixed precision: fused softmax / norms
     out = []
     run: list[int] = []
 
@@ -726,16 +916,19 @@ def backward_regions(graph, klass: list[str]) -> list[tuple[list[int], tuple[flo
         run.clear()
 
     for i, op in enumerate(ops):
-        if op.phase != "bwd":
+        fwd = op.phase == "fwd"
+        if not (op.phase == "bwd" or (forward and fwd)) or (run and ops[run[0]].phase != op.phase):
             close()
-            continue
+            if not (op.phase == "bwd" or (forward and fwd)):
+                continue
         if not _moves(op):  # a view / projection: part of whatever run surrounds it
             if run:
                 run.append(i)
             continue
-        if klass[i] not in _FUSABLE or (run and ops[run[0]].anchor != op.anchor):
+        fusable = klass[i] == "memory" or (klass[i] == "norm" and (not fwd or low))
+        if not fusable or (run and not fwd and ops[run[0]].anchor != op.anchor):
             close()
-            if klass[i] not in _FUSABLE:
+            if not fusable:
                 continue
         run.append(i)
     close()

@@ -15,7 +15,8 @@ Where a device's time comes from (``CostModel.source(d)``), best first:
 
 A GPU's ``R`` is not the datasheet roofline but the measured GPU rule of :mod:`tag.cost.gpu`
 (rates per op class and dtype, eager launch cost), and its source names where its rates come
-from: ``fitted:<type>`` (microbenchmarks and eager steps of that type) or ``datasheet:<type>``
+from: ``fitted:<type>`` (microbenchmarks and eager steps of that type), ``published:<type>``
+(published achieved rates of that type, ``tag/cost/gpu_calib/published.json``) or ``datasheet:<type>``
 (the measured type's efficiencies on this type's datasheet); ``scaled:<type>`` scales a GPU
 profile with the same rule. ``numerics`` (:class:`tag.cost.gpu.Numerics`) says whether fp32
 matmuls / convolutions run on TF32 (PyTorch's defaults: matmuls no, cuDNN convolutions yes).
@@ -90,9 +91,12 @@ class CostModel:
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
-    def for_topology(cls, graph, topology, profile_dir=None, numerics: Numerics | None = None) -> CostModel:
+    def for_topology(cls, graph, topology, profile_dir=None, numerics: Numerics | None = None,
+                     runtime: str = "eager") -> CostModel:
         """Profile where one exists for a device type, else scaled profile, else the roofline rule
-        (CPU) or the GPU rule (:mod:`tag.cost.gpu`)."""
+        (CPU) or the GPU rule (:mod:`tag.cost.gpu`) for the kernels ``runtime`` runs
+        (:data:`tag.cost.gpu.RUNTIMES`: ``eager``, TAG's executor, or ``megatron``, Megatron-LM's
+        fused kernels; a rule's source then ends in ``+megatron``)."""
         root = default_profile_dir() if profile_dir is None else profile_dir
         sig = graph.signature()
         available = profiled_device_types(root, sig)
@@ -103,13 +107,13 @@ class CostModel:
 
         def features() -> OpFeatures:
             if not feat:
-                feat.append(OpFeatures.of(graph, numerics or Numerics()))
+                feat.append(OpFeatures.of(graph, numerics or Numerics(), runtime))
             return feat[0]
 
         for d in range(topology.num_devices):
             dt = device_type(topology, d)
             if dt not in by_type:
-                by_type[dt] = _device_cost(graph, topology, d, dt, root, sig, available, grid, features)
+                by_type[dt] = _device_cost(graph, topology, d, dt, root, sig, available, grid, features, runtime)
             devices.append(by_type[dt])
         return cls(graph, topology, devices, CommModel.for_topology(topology, root))
 
@@ -210,7 +214,7 @@ def _position_weights(graph, g: int, phase: str) -> np.ndarray:
     return w
 
 
-def _rule(graph, dt: str, spec, features):
+def _rule(graph, dt: str, spec, features, runtime: str = "eager"):
     """(``R(batches) -> [K, 3, n]``, source name, step overhead s) of a device type's rule: the
     roofline for a CPU, the GPU rule of :mod:`tag.cost.gpu` for a GPU."""
     if _is_cpu(dt):
@@ -218,14 +222,15 @@ def _rule(graph, dt: str, spec, features):
         return ((lambda batches: group_phase_table(graph, roof, batches, overhead)), "roofline",
                 optimizer_step_overhead(graph.optimizer, overhead))
     rates = gpu_rates(spec)
-    return ((lambda batches: stage_table(graph, features(), rates, batches)), rates.source,
+    source = rates.source if runtime == "eager" else f"{rates.source}+{runtime}"
+    return ((lambda batches: stage_table(graph, features(), rates, batches)), source,
             rates.step_overhead(graph.optimizer))
 
 
 def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: list[str],
-                 grid: np.ndarray, features) -> DeviceCost:
+                 grid: np.ndarray, features, runtime: str = "eager") -> DeviceCost:
     spec = topology.devices[d].gpu
-    rtab, rule_source, rule_overhead = _rule(graph, dt, spec, features)
+    rtab, rule_source, rule_overhead = _rule(graph, dt, spec, features, runtime)
 
     prof = find_profile(root, dt, sig) if dt in available else None
     if prof is not None and prof.num_groups == graph.num_groups:
@@ -235,7 +240,7 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
     prof = find_profile(root, ref, sig) if ref is not None else None
     if prof is not None and prof.num_groups == graph.num_groups:
         ref_spec = spec if _is_cpu(ref) else _catalog(ref)
-        ref_tab = _rule(graph, ref, ref_spec, features)[0]
+        ref_tab = _rule(graph, ref, ref_spec, features, runtime)[0]
 
         def scaled(batches, prof=prof, ref_tab=ref_tab):
             return prof.table(batches) * _ratio(rtab(batches), ref_tab(batches))
