@@ -168,8 +168,15 @@ def bench_rows(ctx: Ctx, folder: str, method: str) -> list[list[str]]:
     def x(g: float | None) -> str:
         return "-" if g is None else f"{g:.2f}x"
 
-    return [[f"`{m}`", t, _secs(tag), _secs(hand), x(_gain(tag, hand)), _secs(search), x(_gain(tag, search))]
+    searched = searchers_ran(ctx, folder)
+    return [[f"`{m}`", t, _secs(tag), _secs(hand), x(_gain(tag, hand))]
+            + ([_secs(search), x(_gain(tag, search))] if searched else [])
             for m, t, tag, hand, search in bench_cases(ctx, folder, method)]
+
+
+def searchers_ran(ctx: Ctx, folder: str) -> bool:
+    """Whether the run holds any of the other searchers (a run may take a subset of the methods)."""
+    return any(c["method"] in SEARCH for c in _cells(ctx, folder))
 
 
 def bench_gains(ctx: Ctx, folder: str, method: str, against: int) -> list[float]:
@@ -191,7 +198,8 @@ def block_bench(ctx: Ctx) -> str:
     out = []
     for folder, method in (("bench-scale", "tag-50"), ("bench-quick", "tag-200")):
         out += [f"#### {suite_title(ctx, folder)}", "", provenance(ctx, folder), "",
-                _table(["model", "topology", method, "best by-hand plan", "speedup", "best other search", "speedup"],
+                _table(["model", "topology", method, "best by-hand plan", "speedup"]
+                       + (["best other search", "speedup"] if searchers_ran(ctx, folder) else []),
                        bench_rows(ctx, folder, method)), "",
                 f"Plots: {ctx.link(folder + '/speedup.png', 'speedup')}, "
                 f"{ctx.link(folder + '/quality_vs_time.png', 'quality against search time')}; "
