@@ -291,3 +291,117 @@ def test_a_signal_with_ranks_running_is_one_line_and_exit_130(tmp_path, captured
         for p in helpers | _descendants(launcher.pid) | {launcher.pid}:
             with contextlib.suppress(OSError):
                 os.kill(p, 9)
+
+
+# ----------------------------------------------------------------------------- user models
+
+
+FACTORIES = '''
+import sys
+
+import torch
+
+
+class Lin(torch.nn.Module):
+    def __init__(self, nonzero=False, talk=False):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.nonzero, self.talk = nonzero, talk
+
+    def forward(self, x, mask=None):
+        if self.talk:
+            print("forward says hello")
+        y = self.lin(x)
+        if mask is not None:
+            y = y * mask
+        if self.nonzero:  # a data-dependent shape
+            y = y[torch.nonzero(y > 0)[:, 0]]
+        return y.sum()
+
+
+def leaves(batch_size=4):
+    sys.exit(0)
+
+
+def sparse(batch_size=4):
+    return Lin(nonzero=True), (torch.randn(batch_size, 4),)
+
+
+def talks(batch_size=4):
+    print("factory says hello")
+    return Lin(talk=True), (torch.randn(batch_size, 4),)
+
+
+def none_mask(batch_size=4):
+    return Lin(), (torch.randn(batch_size, 4), None)
+'''
+
+
+@pytest.fixture
+def factories(tmp_path):
+    path = tmp_path / "factories.py"
+    path.write_text(FACTORIES)
+    return path
+
+
+def test_user_model_failures_are_one_line(factories, capsys):
+    cases = [  # each was a traceback, a silent exit 0, or a line that named no input
+        ("leaves", "the factory called sys.exit(0); expected it to return (model, inputs)"),
+        ("sparse", "data-dependent shape: op aten.nonzero.default in Lin gives a tensor of shape (u0, 2), whose "
+                   "size depends on tensor values"),  # 73 lines of GuardOnDataDependentSymNode
+        ("none_mask", "inputs[1] (mask of Lin.forward) is None; expected a tensor at every position"),
+    ]
+    for fn, what in cases:
+        line = one_line_error(capsys, "inspect", "--model", f"{factories}:{fn}", "--no-cache")
+        assert what in line and str(factories) in line, line
+
+
+def test_json_output_survives_a_factory_that_prints(factories, capsys):
+    import json
+
+    from test_hardening import run_tag
+
+    rc, out, err = run_tag(capsys, "inspect", "--model", f"{factories}:talks", "--json", "--no-cache")
+    assert rc == 0, err
+    assert json.loads(out)["model"].endswith("factories.py:talks")  # stdout is the JSON alone
+    assert "factory says hello" in err and "forward says hello" in err
+
+
+def test_model_size_overrides_are_bounded_by_their_memory(capsys):
+    import time
+
+    from tag.io import total_ram_bytes
+
+    t0 = time.perf_counter()
+    for spec, key in (("gpt2:n_layer=100000", "n_layer=100000"), ("mlp:layers=10000000", "layers=10000000")):
+        line = one_line_error(capsys, "inspect", "--model", spec, "--batch", "1")
+        assert f"workload '{spec}': {key} needs about " in line and "GiB of this machine's memory to build and capture" in line
+        assert f"expected at most 0.5 of its {total_ram_bytes() / 2**30:.1f} GiB (fewer layers)" in line, line
+    assert time.perf_counter() - t0 < 60  # refused before it is built (it grew without bound)
+
+
+def test_topology_detect_prints_a_loadable_file(tmp_path, capsys):
+    from test_hardening import run_tag
+
+    rc, out, err = run_tag(capsys, "topology", "detect")
+    assert rc == 0, err
+    path = tmp_path / "local.yaml"
+    path.write_text(out)  # `tag topology detect > local.yaml` (a table followed the YAML)
+    assert load_topology(path).num_devices >= 1 and "machine" in err
+
+
+def test_plan_and_simulate_agree_on_the_data_parallel_baseline_at_batch_1(capsys):
+    import json
+
+    from test_hardening import run_tag
+
+    rc, out, err = run_tag(capsys, "plan", "--model", "mlp", "--batch", "1", "--topology", "local-cpu2", "--budget",
+                           "4", "--json")
+    assert rc == 0, err
+    planned = json.loads(out)
+    for name, key in (("dp", "dp_even_time_s"), ("dp-prop", "dp_prop_time_s")):
+        # simulate refused it ("2 replicas but batch 1") where plan reported one over both devices
+        rc, out, err = run_tag(capsys, "simulate", "--model", "mlp", "--batch", "1", "--topology", "local-cpu2",
+                               "--baseline", name, "--json")
+        assert rc == 0, err
+        assert json.loads(out)["iteration_time_s"] == pytest.approx(planned[key], rel=1e-9)

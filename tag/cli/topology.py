@@ -14,7 +14,9 @@ def register(sub) -> None:
     show.add_argument("--json", action="store_true", help="print the parsed topology as JSON (base units)")
     show.set_defaults(func=run_show)
     det = tsub.add_parser("detect", help="describe this machine (CUDA GPUs, else the CPU) as a topology")
-    det.add_argument("--out", metavar="FILE", help="write the topology YAML here (default: print it)")
+    det.add_argument("--out", metavar="FILE",
+                     help="write the topology YAML here (default: print it, and the table to stderr: "
+                          "`tag topology detect > local.yaml` is a topology file)")
     det.add_argument("--name", default=None, help="topology name (default: the host name)")
     add_force_arg(det)
     det.set_defaults(func=run_detect)
@@ -33,6 +35,7 @@ def run_show(args) -> int:
 
 def run_detect(args) -> int:
     import os
+    import sys
     import tempfile
 
     from ..topology import detect_topology, dump_topology, format_topology
@@ -47,5 +50,6 @@ def run_detect(args) -> int:
             path = os.path.join(d, "topology.yaml")
             dump_topology(topo, path)
             print(open(path).read(), end="")
-    print(format_topology(topo))
+    # (without --out stdout is the YAML alone; the table goes beside it, for a person)
+    print(format_topology(topo), file=sys.stdout if args.out else sys.stderr)
     return 0

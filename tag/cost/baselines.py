@@ -23,16 +23,24 @@ def proportional_shares(speeds: Sequence[float]) -> list[float]:
 
 def data_parallel(graph, topology, *, proportional: bool = False, speeds: Sequence[float] | None = None,
                   devices: Sequence[int] | None = None) -> Plan:
-    """Every group replicated on ``devices`` (default all), gradients all-reduced.
+    """Every group replicated on ``devices`` (default all; with fewer samples than devices, the
+    fastest by ``speeds`` one per sample, in device order: a replica needs a sample, and the plan
+    ``tag plan`` reports as its baseline is the one ``tag simulate --baseline dp`` costs),
+    gradients all-reduced.
 
     Args:
         proportional: shares proportional to ``speeds`` (default: :func:`roofline_speeds`)
             instead of even (Horovod-like).
         speeds: per-device speed (any unit; only ratios matter), indexed by global device.
     """
-    devs = list(range(topology.num_devices)) if devices is None else list(devices)
-    if proportional:
+    n = topology.num_devices
+    devs = list(range(n)) if devices is None else list(devices)
+    sp = None
+    if devices is None and graph.batch_size < n:
         sp = roofline_speeds(graph, topology) if speeds is None else list(speeds)
+        devs = sorted(sorted(devs, key=lambda d: (-sp[d], d))[:graph.batch_size])
+    if proportional:
+        sp = sp or (roofline_speeds(graph, topology) if speeds is None else list(speeds))
         shares = proportional_shares([sp[d] for d in devs])
         name = "dp-prop"
     else:

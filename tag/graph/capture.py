@@ -208,6 +208,7 @@ def export_joint(model: torch.nn.Module, inputs: tuple, name: str = "the model",
             ep = torch.export.export(model, tuple(inputs), strict=False)
     except Exception as e:  # noqa: BLE001 - any export failure is a model the user must fix
         raise WorkloadError(_export_failure(name, e)) from e
+    _check_static_shapes(ep, name)
     out_specs = ep.graph_signature.output_specs
     # Buffer mutations (e.g. BatchNorm's running statistics) come before the model's own outputs.
     li = next((i for i, s in enumerate(out_specs) if s.kind == OutputKind.USER_OUTPUT), None)
@@ -227,6 +228,25 @@ def export_joint(model: torch.nn.Module, inputs: tuple, name: str = "the model",
             return _forward_backward(ep)
     except Exception as e:  # noqa: BLE001
         raise WorkloadError(f"could not build the backward graph: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def _check_static_shapes(ep: torch.export.ExportedProgram, name: str) -> None:
+    """One-line WorkloadError where an op of ``ep`` gives a tensor whose size depends on tensor
+    values (``torch.nonzero``, indexing by a boolean mask: a symbolic size in an export at static
+    input shapes), instead of the 73 lines of GuardOnDataDependentSymNode its costing raised."""
+    for node in ep.graph.nodes:
+        for t in _tensors_of(node.meta.get("val")):
+            if any(isinstance(d, torch.SymInt) for d in t.shape):
+                entry = next(reversed((node.meta.get("nn_module_stack") or {"": ("", "")}).values()))
+                path, kind = str(entry[0]), entry[1]  # (module path, its class or the class's dotted name)
+                kind = getattr(kind, "__qualname__", str(kind)).rsplit(".", 1)[-1]
+                where = f" in {kind}" + (f" ({path.removeprefix('model.')})" if path not in ("", "model") else "") \
+                    if kind else ""
+                raise WorkloadError(f"{name}: data-dependent shape: op {node.target}{where} gives a tensor of shape "
+                                    f"{tuple(t.shape)}, whose size depends on tensor values, which a capture (and "
+                                    "a meta-device model) does not have; use operations of fixed output size "
+                                    "(torch.where, masked arithmetic) instead of torch.nonzero or boolean-mask "
+                                    "indexing")
 
 
 def _base_name(op) -> str:
@@ -475,7 +495,8 @@ def _export_failure(name: str, e: BaseException) -> str:
 def _quiet():
     """Silence torch.export's chatty loggers and warnings for the duration, and what it prints
     to stderr itself (the partial graph dump of a failed export: shown under ``--debug`` only,
-    i.e. when the ``tag`` logger is at DEBUG)."""
+    i.e. when the ``tag`` logger is at DEBUG). What the model prints while traced goes to stderr
+    (stdout carries ``--json`` output, which a model's print() broke)."""
     import io
     import warnings
 
@@ -483,9 +504,9 @@ def _quiet():
         warnings.simplefilter("ignore")
         prev = logging.getLogger("torch").level
         logging.getLogger("torch").setLevel(logging.ERROR)
-        printed = io.StringIO()
+        printed, err = io.StringIO(), sys.stderr
         try:
-            with contextlib.redirect_stderr(printed):
+            with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(err):
                 yield
         finally:
             logging.getLogger("torch").setLevel(prev)

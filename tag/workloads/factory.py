@@ -7,6 +7,7 @@ The model is wrapped in :class:`LossWrapper` so that the workload's forward retu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -139,14 +140,20 @@ def _import_target(spec: str, target: str) -> Any:
         module = importlib.util.module_from_spec(mspec)
         sys.modules[name] = module
         try:
-            mspec.loader.exec_module(module)
+            with _user_code(spec, f"executing {str(path)!r}"):
+                mspec.loader.exec_module(module)
         except Exception as e:
             del sys.modules[name]
+            if isinstance(e, WorkloadError):
+                raise
             raise WorkloadError(f"workload {spec!r}: executing {str(path)!r} raised "
                                 f"{type(e).__name__}: {_one_line(e)}") from e
         return module
     try:
-        return importlib.import_module(target)
+        with _user_code(spec, f"importing module {target!r}"):
+            return importlib.import_module(target)
+    except WorkloadError:
+        raise
     except ModuleNotFoundError as e:
         raise WorkloadError(f"workload {spec!r}: cannot import module {target!r} ({_one_line(e)}); "
                             "expected an importable package.module:function") from e
@@ -173,12 +180,26 @@ def resolve_factory(spec: str) -> Callable[..., Any]:
     return obj
 
 
+@contextlib.contextmanager
+def _user_code(spec: str, what: str):
+    """Run a user's factory, module or model: what it prints goes to stderr (stdout carries
+    ``--json`` output, which a factory's print() broke), and ``sys.exit()`` in it is a
+    WorkloadError (one line, exit 2; ``sys.exit(0)`` ended ``tag plan`` silently with 0)."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    except SystemExit as e:
+        raise WorkloadError(f"workload {spec!r}: {what} called sys.exit({e.code!r}); expected it to return "
+                            + ("(model, inputs)" if what == "the factory" else "normally")) from None
+
+
 def _call(spec: str, fn: Callable[..., Any], batch: int | None, seed: int) -> tuple[nn.Module, tuple]:
     """Call the factory under ``torch.manual_seed(seed)`` and validate ``(model, inputs)``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            out = fn() if batch is None else fn(batch_size=batch)
+            with _user_code(spec, "the factory"):
+                out = fn() if batch is None else fn(batch_size=batch)
         except WorkloadError:
             raise
         except Exception as e:
@@ -192,6 +213,7 @@ def _call(spec: str, fn: Callable[..., Any], batch: int | None, seed: int) -> tu
         inputs = (inputs,)
     if not isinstance(model, nn.Module) or not isinstance(inputs, (tuple, list)):
         raise WorkloadError(f"workload {spec!r}: {expected}, got ({_describe(model)}, {_describe(inputs)})")
+    _check_no_none(spec, model, inputs)
     try:
         n = batch_of(tuple(inputs))
     except ValueError as e:
@@ -200,6 +222,23 @@ def _call(spec: str, fn: Callable[..., Any], batch: int | None, seed: int) -> tu
         raise WorkloadError(f"workload {spec!r}: factory called with batch_size={batch} returned inputs "
                             f"with batch {n}; expected dim 0 of every tensor input to be the batch")
     return model, tuple(inputs)
+
+
+def _check_no_none(spec: str, model: nn.Module, inputs) -> None:
+    """WorkloadError naming the first input that is None, and the parameter of ``model.forward``
+    it lands on: the capture exports tensors, and a None one failed building the backward graph
+    ("'NoneType' object has no attribute 'requires_grad'", with no word of which input)."""
+    at = next((i for i, t in enumerate(inputs) if t is None), None)
+    if at is None:
+        return
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    name = f" ({params[at].name} of {type(model).__name__}.forward)" if at < len(params) else ""
+    raise WorkloadError(f"workload {spec!r}: inputs[{at}]{name} is None; expected a tensor at every position "
+                        "(leave optional arguments out, or pass them by keyword from a wrapper module's forward)")
 
 
 def _has_no_data(model: nn.Module, inputs: tuple) -> bool:
@@ -214,9 +253,11 @@ def check_loss(spec: str, model: nn.Module, inputs: tuple) -> None:
     buffers = list(model.buffers())
     saved = [b.detach().clone() for b in buffers]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), _user_code(spec, "model(*inputs)"):
             model(*inputs)
     except WorkloadError as e:
+        if str(e).startswith(f"workload {spec!r}: "):  # (_user_code's own line)
+            raise
         raise WorkloadError(f"workload {spec!r}: {e}") from e
     except Exception as e:
         raise WorkloadError(f"workload {spec!r}: model(*inputs) raised {type(e).__name__}: "

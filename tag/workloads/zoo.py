@@ -369,6 +369,49 @@ without ``abstract``, profiling, every rank of ``tag execute``), may take: beyon
 refused before it is made (`gpt2:seq=100000000` used to be sampled until the machine ran out)."""
 
 
+DEPTH_KEYS = ("n_layer", "layers")
+"""Overrides that multiply a zoo model's modules (its layers); bounded by :func:`check_build_memory`."""
+BUILD_BYTES_PER_OBJECT = 64 * 2**10
+"""Host memory per module, parameter or buffer of a zoo model, built on the meta device, captured,
+grouped and unrolled, rounded up: `/usr/bin/time tag inspect --model M:n_layer=N --no-cache` peaks
+at 536 / 821 MB for gpt2 at N = 50 / 400 (0.82 MB a layer of 25 objects) and 561 / 1012 MB for
+llama (1.29 MB a layer of 22: 59 KiB each; 2026-11-29)."""
+MODEL_MEMORY_FRACTION = 0.5
+"""Largest share of the machine's memory a zoo model's layers may take by that estimate: beyond it
+the model is refused before it is built (`gpt2:n_layer=100000` grew until the machine ran out)."""
+CHECKED_DEPTH = 64
+"""Layers up to which no estimate is made (two small builds saved; far below any bound)."""
+
+
+def check_build_memory(spec: str, entry: ZooEntry, cfg: Mapping[str, Value]) -> None:
+    """One-line WorkloadError where the model's layers (:data:`DEPTH_KEYS`) would take more than
+    :data:`MODEL_MEMORY_FRACTION` of this machine's memory to build and capture: its modules,
+    parameters and buffers per layer, counted on two small builds on the meta device, times the
+    layers, times :data:`BUILD_BYTES_PER_OBJECT`; checked before it is built."""
+    key = next((k for k in DEPTH_KEYS if k in cfg), None)
+    depth = cfg.get(key) if key is not None else None
+    if not isinstance(depth, int) or depth <= CHECKED_DEPTH:
+        return
+
+    def objects(n: int) -> int:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model, _ = entry.build({**cfg, key: n})
+        return sum(1 for _ in model.modules()) + sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
+
+    try:
+        two, three = objects(2), objects(3)
+    except (ValueError, RuntimeError, MemoryError):
+        return  # (the build itself then says what is wrong)
+    per = max(three - two, 1)
+    need = (two - 2 * per + per * depth) * BUILD_BYTES_PER_OBJECT
+    ram = total_ram_bytes()
+    if need > MODEL_MEMORY_FRACTION * ram:
+        raise WorkloadError(f"workload {spec!r}: {key}={depth} needs about {need / 2**30:.1f} GiB of this machine's "
+                            f"memory to build and capture ({per} modules, parameters and buffers a layer, about "
+                            f"{BUILD_BYTES_PER_OBJECT // 2**10} KiB each); expected at most {MODEL_MEMORY_FRACTION:g} "
+                            f"of its {ram / 2**30:.1f} GiB (fewer layers)")
+
+
 def load_zoo(spec: str, name: str, overrides: str, batch: int | None, seed: int, *,
              abstract: bool = False, blocks: int | None = None) -> ZooResult:
     """Build zoo model ``name`` with ``overrides`` (``"k=v,..."``) under ``seed``.
@@ -384,6 +427,7 @@ def load_zoo(spec: str, name: str, overrides: str, batch: int | None, seed: int,
     cfg = parse_overrides(spec, entry, overrides)
     if blocks is not None:
         cfg["n_layer"] = blocks
+    check_build_memory(spec, entry, cfg)
     with torch.random.fork_rng(devices=[]), (torch.device("meta") if abstract else contextlib.nullcontext()):
         torch.manual_seed(seed)
         try:
