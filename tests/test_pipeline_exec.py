@@ -265,6 +265,63 @@ def test_rotary_tables_move_once_per_iteration(captured, topo4):
                 assert schedule_bytes(graph, sched, names)[(0, d)] == sum(graph.tensors[t].nbytes.fixed for t in tables)
 
 
+def test_a_tensor_crosses_into_a_stage_once_per_micro_batch(captured, topo4, joints):
+    """A tensor made by one stage and read by several groups of a later one (Llama's causal mask
+    and rotary-rotated values, made in the first layers, read by every layer) crosses once per
+    (tensor, destination device, micro-batch), before the stage's first group reading it, and the
+    stage's later groups take that copy over on their device (no transfer); the simulator moves the
+    schedule's bytes, and training equals single-process training."""
+    from test_sim_executor import schedule_bytes, sim_bytes
+
+    spec = "llama:n_layer=4,n_embd=32,n_head=4,n_kv_head=2,ffn=48,seq=16,vocab=64"
+    graph = captured(spec, batch=8, groups=8).graph
+    plan = two_stages(graph, topo4, [0], [1, 2], 2)
+    sched = build_schedule(graph, plan, topo4.machine_of)
+    remote = [(st.micro, mv.name, mv.src, mv.dst, mv.start) for st in sched.steps if st.kind == "transfer"
+              for mv in st.moves if mv.src != mv.dst and mv.mode != "zeros"]
+    assert len(remote) == len(set(remote))  # once per (micro-batch, tensor, piece, destination device)
+    half = graph.num_groups // 2
+    names = [t.name for t in graph.tensors]
+    shared = {names[t] for t, tt in enumerate(graph.tensors)  # made by stage 0, read by 2+ groups of stage 1
+              if tt.producer >= 0 and graph.ops[tt.producer].group < half
+              and len({graph.ops[c].group for c in tt.consumers if graph.ops[c].group >= half
+                       and graph.ops[c].phase != "opt"}) >= 2}
+    assert shared
+    relayed = set()
+    for st in sched.steps:
+        for mv in st.moves:
+            if st.kind == "transfer" and mv.name in shared and mv.src == mv.dst and mv.dst_unit[0] >= half:
+                assert mv.src_unit[0] >= half and mv.src_unit != mv.dst_unit  # from the stage's first reader
+                relayed.add(mv.name)
+    assert relayed == shared
+    for name in shared:  # from device 0 to each of stage 1's, once per micro-batch, or once if it does not change
+        for d in (1, 2):
+            micros = [x[0] for x in remote if x[1:4] == (name, 0, d)]
+            assert micros in ([0, 1], [0]), (name, d, micros)
+    got = sim_bytes(Simulator(graph, topo4), plan.groups, plan.pipeline)
+    want = schedule_bytes(graph, sched)
+    assert set(got) == set(want) and all(got[k] == pytest.approx(v, rel=1e-12) for k, v in want.items())
+    rts = run_virtual(graph, plan, load_workload(spec, batch=8), "sgd", 2, joints=joints.setdefault(spec, {}))
+    ref, losses = reference_training(load_workload(spec, batch=8), "sgd", 2)
+    assert_equal_params({r: rt.named_params() for r, rt in rts.items()}, ref, graph)
+
+
+def test_a_gpu_rank_computes_on_while_its_sends_go(captured, topo4):
+    """A GPU rank posts the sends of a step in which it receives nothing and computes on (the
+    executor does not wait for them, tag.executor.comm.DistComm._exchange): in the simulated
+    timeline its sends overlap its compute; a CPU rank (gloo, packed, blocking) waits for them."""
+    graph = captured(GPT2, batch=8, groups=4).graph
+    overlaps = {}
+    for topo in (topo4, load_topology("homogeneous-8xa100")):
+        plan = two_stages(graph, topo, [0], [1], 4)
+        events = Simulator(graph, topo).run(plan.groups, pipeline=plan.pipeline, trace=True).events
+        sends = [e for e in events if e.cat == "transfer" and "d0->d1" in e.name]
+        computes = [e for e in events if e.device == 0 and e.cat in ("fwd", "bwd")]
+        assert sends and computes
+        overlaps[topo.name] = sum(min(s.end, c.end) > max(s.start, c.start) for s in sends for c in computes)
+    assert overlaps[topo4.name] == 0 and overlaps["homogeneous-8xa100"] > 0, overlaps
+
+
 def _execute(tmp_path: Path, graph, topo_path: str, plan, spec: str, optimizer: str, steps: int = 2):
     plan_path = tmp_path / "plan.json"
     plan.save(plan_path)

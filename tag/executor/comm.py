@@ -35,6 +35,9 @@ class DistComm:
     """Schedule indices of the transfer steps in which this rank receives."""
     posted: dict[int, tuple] = field(default_factory=dict)
     """Receives posted ahead: schedule index -> (works, pieces by move tag)."""
+    sends: list = field(default_factory=list)
+    """Works of sends in flight (GPU ranks: a step in which the rank only sends is not waited
+    for, its compute goes on; waited for before the iteration's update, :meth:`finish_syncs`)."""
     remote_steps: frozenset[int] = frozenset()
     """Schedule indices of the transfer steps in which this rank sends or receives (the others
     only assemble local pieces: no process-group call)."""
@@ -131,7 +134,10 @@ class DistComm:
 
     def _exchange(self, rt: RankRuntime, step: Step) -> dict[int, torch.Tensor]:
         """One message per piece, posted as one ``batch_isend_irecv`` (GPU ranks); the received
-        pieces by move tag."""
+        pieces by move tag. A step in which this rank only sends is not waited for (NCCL orders the
+        compute stream after a work only when it is waited for): the rank computes on while its
+        sends go (:attr:`sends`, as the simulator's :meth:`tag.sim.engine._Run._transfer`); one in
+        which it receives is (NCCL runs the step's sends and receives as one group)."""
         ops, received = [], {}
         for tag, dst, piece in rt.outgoing(step):
             ops.append(dist.P2POp(dist.isend, piece, self.peers.get(dst, dst), tag=tag))
@@ -139,7 +145,11 @@ class DistComm:
             ops.append(dist.P2POp(dist.irecv, buf, self.peers.get(src, src), tag=tag))
             received[tag] = buf
         if ops:
-            for req in dist.batch_isend_irecv(ops):
+            works = dist.batch_isend_irecv(ops)
+            if not received:  # (the works hold the pieces until they are waited for)
+                self.sends += works
+                return received
+            for req in works:
                 req.wait()
         return received
 
@@ -238,6 +248,9 @@ class DistComm:
     def finish_syncs(self, rt: RankRuntime) -> None:
         """Wait for every gradient bucket of the iteration and hand the sums to the runtime."""
         t0 = time.perf_counter()
+        for w in self.sends:
+            w.wait()
+        self.sends.clear()
         for p in self.pending:
             if p.work is None:
                 p.start()

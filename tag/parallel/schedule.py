@@ -456,12 +456,13 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
         last_task[(u, ph)] = m
     shared: dict[UnitKey, set[str]] = {}
     summed: dict[UnitKey, set[str]] = {}
+    relay = _relays(graph, program, first_need, owner_of_tensor, unit_of_op, partial_sums, tied_of)
     steps: list[Step] = []
     for u, ph, m in tasks:
         moves: list[Move] = []
         for t in needed[(u, ph)]:
             tensor = graph.tensors[t]
-            src_unit = owner_of_tensor[t] if tensor.producer < 0 else unit_of_op[tensor.producer]
+            src_unit = relay.get((t, u)) or (owner_of_tensor[t] if tensor.producer < 0 else unit_of_op[tensor.producer])
             dst = micro_units.get((u, m), units[u])
             tie = tied_of.get(tensor.name)
             if tie is not None and u in tie.holders | {tie.owner}:
@@ -510,6 +511,37 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
                     {g: k for k, b in enumerate(buckets) for g in b.groups},
                     {u: frozenset(n) for u, n in shared.items()}, {u: frozenset(n) for u, n in summed.items()},
                     frozenset(g for g, gp in enumerate(plan.groups) if gp.recompute), tied)
+
+
+def _relays(graph: OpGraph, program: IterationProgram | None, first_need: dict[tuple[int, UnitKey], int],
+            owner_of_tensor: dict[int, UnitKey], unit_of_op: dict[int, UnitKey], partial_sums: set[int],
+            tied_of: dict[str, Tied]) -> dict[tuple[int, UnitKey], UnitKey]:
+    """Pipeline plans: (tensor, consumer unit) -> the unit of the consumer's stage that receives the
+    tensor from another stage first (its first need, :func:`build_schedule`'s ``first_need``, is the
+    earliest of the stage's units), for every other unit of that stage reading it: the tensor
+    crosses to a stage's devices once per micro-batch (or iteration), before its first consumer
+    there, and the later ones take that copy over locally (a stage's units share its devices and
+    sample ranges). Partial sums and tied weights move by their own rules."""
+    if program is None:
+        return {}
+    stage_of = program.stage_of
+    lead: dict[tuple[int, int], tuple[int, UnitKey]] = {}  # (tensor, stage) -> (first need, unit)
+    for (t, u), pos in first_need.items():
+        tensor = graph.tensors[t]
+        if t in partial_sums or tensor.name in tied_of:
+            continue
+        src = owner_of_tensor[t] if tensor.producer < 0 else unit_of_op[tensor.producer]
+        if stage_of[src[0]] == stage_of[u[0]]:
+            continue
+        key = (t, stage_of[u[0]])
+        if key not in lead or pos < lead[key][0]:
+            lead[key] = (pos, u)
+    out = {}
+    for t, u in first_need:
+        x = lead.get((t, stage_of[u[0]]))
+        if x is not None and x[1] != u:
+            out[(t, u)] = x[1]
+    return out
 
 
 def _tied(graph: OpGraph, plan: Plan, units: dict[UnitKey, Unit], unit_of_op: dict[int, UnitKey],

@@ -229,7 +229,8 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     transfers at least. The run moves the flows of the pairs :class:`~tag.sim.engine._Run` takes
     (per micro-batch; those moving once at the first and last), a stage's flows from one device to
     another packed into one message of ``latency + bytes / bandwidth`` (:func:`tag.sim.engine._messages`):
-    at least each flow's ``bytes / bandwidth``. A device's load also counts the all-gathers
+    at least each flow's ``bytes / bandwidth``, on its receiver and on a CPU sender (a GPU rank
+    sending in a step where it receives nothing computes on). A device's load also counts the all-gathers
     completing pieces scattered into its tensor-parallel group (``_Run._scatter_gather``, which
     holds its compute stream as a transfer does): the run all-gathers a set's chunks once per
     stage and micro-batch, at least as long as one all-gather of all of them summed (the
@@ -247,10 +248,11 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         runs: dict[int, list] = {}
         for mg in micro.gds:
             runs.setdefault(id(mg), [mg, 0])[1] += 1
-        pairs = [(tpl, c) for mg, c in runs.values() for tpl in sim._templates_used(mg, "micro")]
+        pairs = [(tpl, c) for mg, c in runs.values() for tpl in sim._templates_used(mg, micro.select("micro"))]
         pairs += [(tpl, 1) for tpl in sim._templates_used(micro.gds[0], micro.select("first"))]
         pairs += [(tpl, 1) for tpl in sim._templates_used(micro.gds[-1], micro.select("last"))]
     cache = sim.cache("transfer-load")
+    shared = np.asarray(sim.shared_stream, dtype=float)
     for tpl, c in pairs:
         hit = cache.get(id(tpl))
         if hit is None or hit[0] is not tpl:
@@ -264,7 +266,8 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
             hit = cache[id(tpl)] = (tpl, a, b, secs, ma[cross], mb[cross], secs[cross])
             sim.charge(sum(x.nbytes + ARRAY_BYTES for x in hit[1:]) + ENTRY_BYTES)  # the arrays and their headers
         _, a, b, secs, ma, mb, xs = hit
-        np.add.at(load, a, secs * c)
+        # (a GPU sender may compute on while its sends go: only a CPU sender's stream is held)
+        np.add.at(load, a, secs * c * shared[a])
         np.add.at(load, b, secs * c)
         np.add.at(out, ma, xs * c)
         np.add.at(into, mb, xs * c)

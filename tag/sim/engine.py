@@ -15,7 +15,9 @@ the flows from one device to another that one stage needs are one message, as th
 ranks pack them; occupy both endpoints' comm streams, and both machines' network sides when crossing machines;
 a flow is a rendezvous, as in the executor, where sender and receiver post their halves at the
 step of the schedule and wait for them: it starts once both endpoints' compute streams reached
-that step, and both compute streams wait for it to finish),
+that step, and the receiver's compute stream waits for it to finish, the sender's too on a CPU
+device or in a step where it also receives: a GPU rank posting only sends computes on, as the
+executor's :meth:`tag.executor.comm.DistComm._exchange`),
 all-gathers completing the pieces scattered into a tensor-parallel group from another machine
 (Megatron-LM's scatter-gather, :mod:`tag.parallel.moves` ``shard``; one per group and stage after
 the last of its messages, holding the group's comm and compute streams, as the executor's
@@ -430,7 +432,11 @@ class Simulator:
         key = tuple([id(fl) for fl in fls])
         hit = self._msgs.get(key)
         if hit is None:  # (an entry holds its flow tuples: while it lives, no other object has their ids)
-            hit = self._msgs[key] = (tuple(fls), _messages(fls, self.comm.p2p_time))
+            msgs = _messages(fls, self.comm.p2p_time)
+            into = {m[4] for m in msgs}  # devices receiving in this step
+            shared = self.shared_stream
+            # (a GPU sender that receives nothing in the step posts its sends and computes on)
+            hit = self._msgs[key] = (tuple(fls), [(*m, shared[m[3]] or m[3] in into) for m in msgs])
             self._meter.bytes += seq_bytes(len(fls)) + ref_bytes(len(fls)) + FLOW_BYTES * len(hit[1]) + ENTRY_BYTES
         return hit[1]
 
@@ -538,7 +544,7 @@ class Simulator:
         members = [list(r) for r in prog.members]
         tasks = [(t.stage, FWD if t.phase == "fwd" else BWD, t.micro) for t in prog.tasks]
         flight = list(prog.flight)
-        return _Micro(mgds, tasks, members, flight, self._tied(groups, pp))
+        return _Micro(mgds, tasks, members, flight, self._tied(groups, pp), self.static.relayed(tuple(pp.stages)))
 
     def _tied(self, groups, pp) -> frozenset[int]:
         """The tied weights of :attr:`_Micro.tied`: readers in one stage, owner in another (the
@@ -706,10 +712,14 @@ class _Micro(NamedTuple):
     (:meth:`Simulator.sync_jobs`); not under a strategy costed its own way (tensor parallelism),
     whose executor moves them as before."""
 
-    def select(self, part: str):
+    relayed: frozenset[tuple[int, int]] = frozenset()
+    """(tensor, consumer group) edges another group of the consumer's stage receives for it
+    (:meth:`tag.sim.static.GraphStatic.relayed`)."""
+
+    def select(self, part: str) -> tuple:
         """:func:`tag.sim.units.pair_kinds`'s ``select`` of ``part`` (``micro``, ``first``,
-        ``last``, ``all``) leaving out :attr:`tied`."""
-        return (part, self.tied) if self.tied else (None if part == "all" else part)
+        ``last``, ``all``) leaving out :attr:`tied` and :attr:`relayed`."""
+        return part, self.tied, self.relayed
 
 
 class _Shifted:
@@ -752,9 +762,7 @@ class _Run:
         if micro is None:
             placed = [(pr, 0) for pr in sim._pairs_used(gds)]
         elif len(micro.gds) == 1:  # one micro-batch: the flows of the plan without a pipeline
-            sel = micro.select("all")
-            placed = [(pr, 0) for pr in (sim._pairs_used(micro.gds[0]) if sel is None
-                                         else sim._pairs_used(micro.gds[0], sel))]
+            placed = [(pr, 0) for pr in sim._pairs_used(micro.gds[0], micro.select("all"))]
         else:  # every micro-batch's flows, at its chunk index; what moves once per iteration at
             # the first micro-batch (batch-independent tensors) or the last (deferred partial sums)
             k, last = len(gds), len(micro.gds) - 1
@@ -763,7 +771,7 @@ class _Run:
             for j, mg in enumerate(micro.gds):
                 prs = used.get(id(mg))
                 if prs is None:
-                    prs = used[id(mg)] = sim._pairs_used(mg, "micro")
+                    prs = used[id(mg)] = sim._pairs_used(mg, micro.select("micro"))
                 placed += [(pr, 2 * k * j) for pr in prs]
             placed += [(pr, 0) for pr in sim._pairs_used(micro.gds[0], micro.select("first"))]
             placed += [(pr, 2 * k * last) for pr in sim._pairs_used(micro.gds[last], micro.select("last"))]
@@ -826,7 +834,7 @@ class _Run:
         cfree, buf, rec = self.cfree, self.buf, self.rec
         off, fls = inc
         msgs = self.sim._messages(fls)
-        for si, sr, more, a, b, ma, mb, t, r, nb in msgs:
+        for si, sr, more, a, b, ma, mb, t, r, nb, waits in msgs:
             s = sfin[si + off][sr] if si >= 0 else 0.0
             if more is not None:  # ready once every flow of the message is
                 for si, sr in more:
@@ -860,13 +868,15 @@ class _Run:
                     s = x
                 e = s + t
                 if rec is not None:
-                    rec.flow(idx, a, b, ma, mb, s, e, r, nb)
+                    rec.flow(idx, a, b, ma, mb, s, e, r, nb, waits)
                 nout[ma] = nin[mb] = e
             else:
                 e = s + t
                 if rec is not None:
-                    rec.flow(idx, a, b, ma, mb, s, e, r, nb)
-            cf[a] = cf[b] = cfree[a] = cfree[b] = e  # both ends wait for the transfer
+                    rec.flow(idx, a, b, ma, mb, s, e, r, nb, waits)
+            cf[a] = cf[b] = cfree[b] = e  # the receiver waits for the transfer
+            if waits:  # and the sender, unless it is a GPU rank receiving nothing in the step
+                cfree[a] = e
             busy[a] += t
             busy[b] += t
             if e > ready[r]:
@@ -1178,7 +1188,8 @@ class _Recorder:
                 inc.setdefault(sim._stage_index(dst), []).extend(fl)
 
     # ---- hooks ----------------------------------------------------------------------------
-    def flow(self, idx: int, a: int, b: int, ma: int, mb: int, s: float, e: float, r: int, nb: float) -> None:
+    def flow(self, idx: int, a: int, b: int, ma: int, mb: int, s: float, e: float, r: int, nb: float,
+             waits: bool = True) -> None:
         if idx != self._idx:  # the first message into stage idx: its flows grouped as the loop's
             self._idx, self._rsrc, msgs = idx, {}, {}
             loc, segs = self.stage_loc, self.segs
@@ -1204,7 +1215,9 @@ class _Recorder:
             waits += [(run.nic_out[ma], self.last_nout[ma]), (run.nic_in[mb], self.last_nin[mb])]
         ref = ("f", len(self.flows))
         self.flows.append((parts[0], len(parts), nb, s, e, _binding(s, waits)))
-        lc[a] = lc[b] = lt[a] = lt[b] = ref
+        lc[a] = lc[b] = lt[b] = ref
+        if waits:
+            lt[a] = ref
         if ma >= 0:
             self.last_nout[ma] = self.last_nin[mb] = ref
         x = self._rsrc.get(r)

@@ -121,6 +121,38 @@ class GraphStatic:
     rc_work_per_sample: np.ndarray = None
     tied: tuple[TiedWeight, ...] = ()
     """The tied weights a pipeline may hold on two stages."""
+    _relayed: dict = None
+
+    def relayed(self, stages: tuple[int, ...]) -> frozenset[tuple[int, int]]:
+        """(tensor, consumer group) of the edges a pipeline cut at ``stages`` (first groups) does
+        not move: a tensor crosses into a stage once, to the group of the stage needing it first
+        (forward before backward, the forward in group order, the backward in reverse), and the
+        stage's later groups take that copy over on their devices (the executor's
+        :func:`tag.parallel.schedule._relays`); partial sums and tied weights aside. Cached per cut."""
+        if self._relayed is None:
+            self._relayed = {}
+        out = self._relayed.get(stages)
+        if out is not None:
+            return out
+        import bisect
+
+        def stage(g: int) -> int:
+            return bisect.bisect_right(stages, g) - 1
+
+        lead: dict[tuple[int, int], tuple[tuple[int, int], int]] = {}  # (tensor, stage) -> (need, group)
+        cands = []
+        for es in self.edges.values():
+            for e in es:
+                if e.grad or e.tied >= 0 or stage(e.src_group) == stage(e.dst_group):
+                    continue
+                ph = min(p for _, p in e.consumers)
+                need = (ph, e.dst_group if ph == FWD else -e.dst_group)
+                key = (e.tensor, stage(e.dst_group))
+                cands.append((key, e.dst_group))
+                if key not in lead or need < lead[key][0]:
+                    lead[key] = (need, e.dst_group)
+        out = self._relayed[stages] = frozenset((key[0], g) for key, g in cands if lead[key][1] != g)
+        return out
 
     def __post_init__(self):
         k = self.num_groups

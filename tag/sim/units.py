@@ -364,17 +364,20 @@ def pair_kinds(static: GraphStatic, g1: int, gd1: GroupData, g2: int, gd2: Group
 
     ``select`` (pipelines, :attr:`TensorEdge.once`): ``"micro"`` only the tensors moved once per
     micro-batch, ``"first"`` only the batch-independent ones moved before the first, ``"last"``
-    only the partial sums moved after the last, ``"all"`` all of them; None: all of them. A pair
-    ``(select, tied)`` leaves out the edges of the tied weights ``tied`` (parameter tensors,
-    :attr:`TensorEdge.tied`), which a pipeline holding both copies does not move."""
+    only the partial sums moved after the last, ``"all"`` all of them; None: all of them. A triple
+    ``(select, tied, relayed)`` (a pipeline's, :meth:`tag.sim.engine._Micro.select`) leaves out the
+    edges of the tied weights ``tied`` (parameter tensors, :attr:`TensorEdge.tied`), which a
+    pipeline holding both copies does not move, and the ``(tensor, consumer group)`` edges of
+    ``relayed`` (:meth:`GraphStatic.relayed`: another group of the stage received the tensor)."""
     kinds: dict[tuple, list[float]] = {}
     tied: frozenset = frozenset()
+    relayed: frozenset = frozenset()
     if isinstance(select, tuple):
-        select, tied = select
+        select, tied, relayed = select
     for e in static.edges.get((g1, g2), ()):
         if select not in (None, "all") and select != ("micro" if not e.once else "last" if e.grad else "first"):
             continue
-        if e.tied in tied:
+        if e.tied in tied or (e.tensor, g2) in relayed:
             continue
         su = gd1.chunk_of.get(e.src_pos, 0) if gd1.mp else 0
         need: dict[int, int] = {}  # dst unit -> first phase needing it
