@@ -100,3 +100,24 @@ def test_causal_fraction():
     assert causal_fraction(4, 4) == 10 / 16
     assert causal_fraction(2, 4) == 3 / 8  # rows see 1 and 2 of 4 keys
     assert causal_fraction(4, 2) == 7 / 8  # rows see 1, 2, 2, 2 of 2 keys
+
+
+def test_mask_above_the_limit_at_the_batch_is_folded_from_one_row(monkeypatch, caplog):
+    """A constant mask reads no input, so each of its batch rows is the same: it is evaluated for
+    one row, and a mask whose whole [B, 1, L, S] is over the limit (GPT-2 at seq 2048 from batch 65
+    on) is folded all the same. Before, batch 64 fitted and 65 did not: the two captures differed
+    and the graph cost 47x its batch-63 one."""
+    import tag.graph.masks as masks
+
+    spec = "gpt2:n_layer=1,n_embd=32,n_head=2,seq=16,vocab=64,attn=sdpa"
+    monkeypatch.setattr(masks, "MAX_MASK_ELEMENTS", 16 * 16 * 3)  # 3 rows fit, not 4 or 5
+    graphs = {}
+    with caplog.at_level("WARNING", logger="tag.graph.capture"):
+        for b in (3, 4, 5):
+            graphs[b] = capture(load_workload(spec, batch=b, abstract=True), num_groups=2).graph
+    assert "differ" not in caplog.text
+    for g in graphs.values():
+        att = [o for o in g.ops if o.attention is not None and o.phase == "fwd"]
+        assert att and all(o.attention[2] for o in att) and all(len(o.inputs) == 3 for o in att)  # causal, no mask
+    per_sample = [graphs[b].flops(batch=b) / b for b in (3, 4, 5)]
+    assert per_sample[1] == pytest.approx(per_sample[0], rel=1e-6) and per_sample[2] == pytest.approx(per_sample[0], rel=1e-6)

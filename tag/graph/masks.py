@@ -59,7 +59,7 @@ def fold_attention_masks(ep: torch.export.ExportedProgram) -> torch.export.Expor
         if not isinstance(mask, torch.fx.Node) or bound.get("is_causal"):
             continue
         query, key = node.args[0].meta.get("val"), node.args[1].meta.get("val")
-        value = _constant(mask, values, index)
+        value = _constant(mask, values, index, _row_batch(query, key))
         kind = None if value is None or query is None or key is None else mask_kind(
             value, query.shape[-2], key.shape[-2])
         if kind is None:
@@ -142,14 +142,74 @@ def _pure(node: torch.fx.Node) -> bool:
             and all(not (a.alias_info and a.alias_info.is_write) for a in schema.arguments))
 
 
-def _too_large(node: torch.fx.Node) -> bool:
+def _row_batch(query, key) -> int | None:
+    """The attention's batch size where a constant mask can be evaluated for one batch row
+    (:func:`_one_row`): a 4-d query whose batch differs from 1 and from every other size of the
+    query and key (so a size equal to it is the batch, not a length, head count or width)."""
+    if query is None or key is None or query.dim() != 4:
+        return None
+    b = int(query.shape[0])
+    others = {int(x) for x in (*query.shape[1:], *key.shape[1:])}
+    return b if b > 1 and b not in others else None
+
+
+SIZE_ARGS = {**{f"aten.{n}.default": 1 for n in ("expand", "view", "reshape", "_unsafe_view", "new_ones",
+                                                   "new_zeros", "new_full", "new_empty")},
+             **{f"aten.{n}.default": 0 for n in ("ones", "zeros", "full", "empty")},
+             "aten.arange.default": 0, "aten.arange.start": 1, "aten.arange.start_step": 1}
+"""Ops whose argument at this position is a size (or an ``arange`` end): where it starts with (or
+is) the batch, a one-row evaluation makes it 1 (:func:`_one_row`)."""
+
+
+def _one_row(target, args: tuple, batch: int | None) -> tuple:
+    """``args`` of an op with the batch made 1 in its size argument (:data:`SIZE_ARGS`): a mask
+    made from constants reads no input, so every batch row of it is the same and one row is
+    evaluated in place of ``B`` (Hugging Face's ``index(mask, [arange(B), ...])``,
+    ``expand(B, 1, L, S)``), at a memory that does not grow with the batch."""
+    i = SIZE_ARGS.get(str(target))
+    if not batch or i is None or i >= len(args):
+        return args
+    a = args[i]
+    if isinstance(a, int) and not isinstance(a, bool) and a == batch:
+        a = 1
+    elif isinstance(a, (list, tuple)) and a and a[0] == batch:
+        a = type(a)([1, *a[1:]])
+    return (*args[:i], a, *args[i + 1:])
+
+
+def _too_large(node: torch.fx.Node, batch: int | None = None) -> bool:
+    """The node's tensor holds more than :data:`MAX_MASK_ELEMENTS` elements (per batch row where
+    ``batch`` is given and leads its shape: :func:`_one_row`)."""
     val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.numel() > MAX_MASK_ELEMENTS
+    if not isinstance(val, torch.Tensor):
+        return False
+    n = val.numel()
+    if batch and val.dim() and val.shape[0] == batch:
+        n //= batch
+    return n > MAX_MASK_ELEMENTS
 
 
-def _constant(node: torch.fx.Node, values: dict, index: dict) -> torch.Tensor | None:
+def _constant(node: torch.fx.Node, values: dict, index: dict, batch: int | None = None) -> torch.Tensor | None:
     """The value of ``node`` computed on the CPU from constants alone, or None when it reads a
-    placeholder, an impure op or a tensor above :data:`MAX_MASK_ELEMENTS` (memoised in ``values``)."""
+    placeholder, an impure op or a tensor above :data:`MAX_MASK_ELEMENTS` (memoised in ``values``).
+    ``batch``: evaluate one batch row (:func:`_one_row`); a result whose shape is not the traced
+    one with its batch made 1 is not used (None)."""
+    val = node.meta.get("val")
+    if batch and isinstance(val, torch.Tensor) and val.numel() <= MAX_MASK_ELEMENTS:
+        batch = None  # the whole mask fits: evaluated as traced
+    if batch:
+        rows = values.setdefault("rows", {})  # one-row values are kept apart from full ones
+        out = _evaluate(node, rows, index, batch)
+        if out is None or not isinstance(val, torch.Tensor):
+            return None
+        want = tuple(val.shape)
+        want = (1, *want[1:]) if want and want[0] == batch else want
+        return out if tuple(out.shape) == want else None
+    return _evaluate(node, values, index, None)
+
+
+def _evaluate(node: torch.fx.Node, values: dict, index: dict, batch: int | None) -> torch.Tensor | None:
+    """:func:`_constant`'s evaluation (``batch``: of one row)."""
     order: list[torch.fx.Node] = []
     stack, seen = [node], set()
     while stack:  # the mask's ancestors, each checked once
@@ -157,7 +217,7 @@ def _constant(node: torch.fx.Node, values: dict, index: dict) -> torch.Tensor | 
         if n in seen or n in values:
             continue
         seen.add(n)
-        if not _pure(n) or _too_large(n):
+        if not _pure(n) or _too_large(n, batch):
             values[node] = None
             return None
         order.append(n)
@@ -169,7 +229,7 @@ def _constant(node: torch.fx.Node, values: dict, index: dict) -> torch.Tensor | 
         if any(values.get(a) is None for a in n.all_input_nodes):
             values[n] = None
             continue
-        args = torch.fx.node.map_aggregate(n.args, real)
+        args = _one_row(n.target, tuple(torch.fx.node.map_aggregate(n.args, real)), batch)
         kwargs = torch.fx.node.map_aggregate(n.kwargs, real)
         if "device" in kwargs:
             kwargs = {**kwargs, "device": torch.device("cpu")}  # the capture may trace on the meta device
