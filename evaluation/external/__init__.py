@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -75,6 +75,9 @@ class Point:
     devices: tuple[str, ...] | None = None
     """Device order of the layout's ranks (``machine:index``), as published."""
     memory_gib: float | None = None
+    matmul_tf32: bool = False
+    """fp32 matmuls ran as TF32 (NVIDIA's NGC PyTorch containers set
+    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``); set per file, group or point."""
     raw: str = ""
     """The published figure, verbatim."""
     extra: dict = field(default_factory=dict, hash=False, compare=False)
@@ -94,7 +97,7 @@ def _positive_int(v, where: str) -> int:
     return v
 
 
-def _point(doc: dict, src: str, group: dict, runtime: str, where: str) -> Point:
+def _point(doc: dict, src: str, group: dict, runtime: str, where: str, tf32: bool = False) -> Point:
     _need(isinstance(doc, dict), where, "expected a mapping")
     pid = doc.get("id")
     _need(isinstance(pid, str) and pid, where, "id: expected a non-empty string")
@@ -137,11 +140,13 @@ def _point(doc: dict, src: str, group: dict, runtime: str, where: str) -> Point:
     mem = meas.get("memory_gib")
     topo = group.get("topology")
     _need(isinstance(topo, str) and topo, where, "group topology: expected a file name")
-    known = {"id", "model", "precision", "global_batch", "micro_batch", "layout", "stages", "devices",
+    tf32 = doc.get("matmul_tf32", group.get("matmul_tf32", tf32))
+    _need(isinstance(tf32, bool), where, f"matmul_tf32: expected true or false, got {tf32!r}")
+    known = {"matmul_tf32", "id", "model", "precision", "global_batch", "micro_batch", "layout", "stages", "devices",
              "schedule", "recompute", "measured", "ran", "expressible", "note", "notes"}
     return Point(pid, src, group["name"], bool(group.get("heterogeneous", False)), TOPOLOGIES / topo, model, prec,
                  gb, layout, float(t) if t is not None else None, ran, runtime, stages, devices,
-                 float(mem) if isinstance(mem, (int, float)) else None, str(meas.get("from", "")),
+                 float(mem) if isinstance(mem, (int, float)) else None, tf32, str(meas.get("from", "")),
                  {k: v for k, v in doc.items() if k not in known})
 
 
@@ -168,7 +173,7 @@ def load_points(root: Path = POINTS, *, expressible_only: bool = True) -> list[P
                 if expressible_only and not (doc_p or {}).get("expressible", True):
                     continue
                 p = _point(doc_p, path.stem, group, group.get("runtime", runtime),
-                           f"{gw}.points[{pi}]")
+                           f"{gw}.points[{pi}]", doc.get("matmul_tf32", False))
                 _need((p.group, p.id) not in seen, gw, f"point id {p.id!r} given twice")
                 seen.add((p.group, p.id))
                 out.append(p)
@@ -199,8 +204,10 @@ class Row:
 def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None) -> Row:
     """Cost one point (:class:`Row`; a point TAG refuses gives a row with ``error``)."""
     from tag.cost.fused_memory import fused_activation_graph
+    from tag.cost.gpu import Numerics
     from tag.cost.model import CostModel
     from tag.errors import TagError
+    from tag.parallel.layout import align_groups, parse_layout
     from tag.planner import layout_plan, model_graph
     from tag.sim import Simulator
     from tag.topology import load_topology
@@ -211,24 +218,19 @@ def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None
         if topo is None:
             topo = topologies[p.topology] = load_topology(str(p.topology))
         graph, _, _ = model_graph(p.model, p.global_batch, precision=p.precision, num_groups=groups)
+        lay = replace(parse_layout(p.layout_text()), stages=p.stages, order=p.devices)
+        if lay.stages is not None:
+            align_groups(graph, lay)  # op-groups that start at every stage's first layer
         if p.runtime not in EAGER_RUNTIMES:
             graph = fused_activation_graph(graph)
-        costs = CostModel.for_topology(graph, topo)
-        plan = layout_plan(graph, topo, p.layout_text(), costs, machines=point_machines(p, topo))
+        costs = CostModel.for_topology(graph, topo, numerics=Numerics(matmul_tf32=p.matmul_tf32),
+                                       runtime="eager" if p.runtime in EAGER_RUNTIMES else "megatron")
+        plan = layout_plan(graph, topo, lay, costs)
         res = Simulator(graph, topo, costs).run(plan.groups, pipeline=plan.pipeline)
     except TagError as e:
         return Row(p, None, False, None, str(e).splitlines()[0])
     peak = max(res.peak_memory_bytes) / 2**30
     return Row(p, float(res.iteration_time_s), bool(res.oom), float(peak))
-
-
-def point_machines(p: Point, topo) -> list[str] | None:
-    """The machines a point ran on, in order of first use (from its ``devices``), where its
-    topology holds more devices than the layout occupies; else None (every machine)."""
-    need = p.layout["dp"] * p.layout["tp"] * p.layout["pp"]
-    if topo.num_devices == need or not p.devices:
-        return None
-    return list(dict.fromkeys(d.split(":")[0] for d in p.devices))
 
 
 # --------------------------------------------------------------------------------------- scores

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import io
 import os
 import subprocess
@@ -109,6 +110,13 @@ def _plot(path: Path, rows: list[Row]) -> None:
     os.replace(tmp, path)
 
 
+_TOPOLOGIES: dict = {}  # per process: topology file -> Topology
+
+
+def _cost(p, groups: int) -> Row:
+    return simulate_point(p, groups=groups, topologies=_TOPOLOGIES)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = argparse.ArgumentParser(prog="python -m evaluation.external", description=__doc__)
@@ -116,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder (default: %(default)s)")
     ap.add_argument("--only", default=None, help="comma-separated group names")
     ap.add_argument("--groups", type=int, default=48, help="op-groups per captured model")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes (points in order, results identical)")
     a = ap.parse_args(argv)
     try:
         points = load_points(a.points)
@@ -126,16 +135,23 @@ def main(argv: list[str] | None = None) -> int:
         keep = set(a.only.split(","))
         points = [p for p in points if p.group in keep]
     rows: list[Row] = []
-    topologies: dict = {}
     t0 = time.perf_counter()
-    for i, p in enumerate(points):
-        r = simulate_point(p, groups=a.groups, topologies=topologies)
+    if a.jobs > 1:
+        import multiprocessing as mp
+
+        pool = mp.get_context("fork").Pool(a.jobs)
+        results = pool.imap(functools.partial(_cost, groups=a.groups), points)
+    else:
+        pool, results = None, (_cost(p, groups=a.groups) for p in points)
+    for i, (p, r) in enumerate(zip(points, results)):
         rows.append(r)
         what = (f"error: {r.error}" if r.error else
                 f"sim {r.simulated_s:.3f} s" + (f" / meas {p.measured_s:.3f} s = {r.ratio:.2f}" if r.ratio else "")
                 + (" OOM" if r.oom else ""))
         print(f"[{i + 1}/{len(points)} {time.perf_counter() - t0:.0f}s] {p.group} {p.id} {p.layout_text()}: {what}",
               file=sys.stderr, flush=True)
+    if pool is not None:
+        pool.close()
     command = "python -m evaluation.external" + ("" if argv is None and len(sys.argv) <= 1 else
                                                  " " + " ".join(argv if argv is not None else sys.argv[1:]))
     summary = write_results(a.out, rows, command)
