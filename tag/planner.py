@@ -420,7 +420,8 @@ def model_graph(spec: str, batch: int | None = None, *, optimizer: str = "adam",
     ``tag inspect`` / ``plan`` / ``simulate`` and ``tag bench`` capture.
 
     The model is built without weights (meta device: a model larger than this machine's memory is
-    captured all the same), a zoo transformer is captured by layer folding (:mod:`tag.graph.fold`),
+    captured all the same), a model of identical blocks (a zoo transformer, a factory's list of
+    blocks) is captured by layer folding (:mod:`tag.graph.fold`),
     and the graph is read from / written to the graph cache
     (:mod:`tag.graph.cache`, keyed by spec, batch, optimizer, precision and library versions)
     unless ``use_cache`` is False.

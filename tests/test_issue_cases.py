@@ -405,3 +405,76 @@ def test_plan_and_simulate_agree_on_the_data_parallel_baseline_at_batch_1(capsys
                                "--baseline", name, "--json")
         assert rc == 0, err
         assert json.loads(out)["iteration_time_s"] == pytest.approx(planned[key], rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- layer folding of user models
+
+
+BLOCKS = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Body(nn.Module):
+    def __init__(self, n, d, widths):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(d, w) for w in widths)
+
+
+class Net(nn.Module):  # the blocks two levels down (transformers: model.model.layers)
+    def __init__(self, n=6, d=16, widths=None):
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.body = Body(n, d, widths or [32] * n)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.body.layers:
+            h = block(h)
+        return self.head(h).pow(2).mean()
+
+
+def six(batch_size=4):
+    return Net(6), (torch.randn(batch_size, 5, 8),)
+
+
+def four(batch_size=4):
+    return Net(4), (torch.randn(batch_size, 5, 8),)
+
+
+def mixed(batch_size=4):
+    return Net(6, widths=[32, 32, 64, 32, 32, 32]), (torch.randn(batch_size, 5, 8),)
+'''
+
+
+def test_a_user_model_of_identical_blocks_is_captured_by_folding(tmp_path):
+    from tag.graph.capture import capture_graph
+    from tag.workloads import load_workload
+
+    path = tmp_path / "blocks.py"
+    path.write_text(BLOCKS)
+    six = load_workload(f"{path}:six", batch=4)
+    assert six.blocks == 6 and six.with_blocks is not None
+    three = six.with_blocks(3)
+    assert len(three.model.model.body.layers) == 3 and len(six.model.model.body.layers) == 6  # the original kept
+    assert three.model.model.body.layers[0] is six.model.model.body.layers[0]  # shared, not copied
+    from tag.graph.fold import fold_capture
+    proven, _ = fold_capture(six, 6, "adam", "fp32")  # the fold's proof holds (NoFold otherwise)
+    folded, full = capture_graph(six, num_groups=8), capture_graph(six, num_groups=8, fold=False)
+    assert len(proven.ops) == len(full.ops)
+    assert folded.signature() == full.signature() and len(folded.ops) == len(full.ops)
+    assert [(o.name, o.target, o.flops) for o in folded.ops] == [(o.name, o.target, o.flops) for o in full.ops]
+    four = load_workload(f"{path}:four", batch=4)  # below tag.graph.fold.MIN_BLOCKS: captured whole
+    assert four.blocks == 4 and capture_graph(four, num_groups=8).signature() == \
+        capture_graph(four, num_groups=8, fold=False).signature()
+    assert load_workload(f"{path}:mixed", batch=4).blocks is None  # one block wider: not identical

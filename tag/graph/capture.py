@@ -751,9 +751,10 @@ def capture_graph(workload: Any, *, optimizer: str = "adam", num_groups: int = 4
     runnable joint graph of :func:`capture` is not kept).
 
     A workload of identical blocks (``workload.blocks``, ``workload.with_blocks(k)``: the zoo's
-    transformers) is captured by layer folding (:mod:`tag.graph.fold`): the same graph from a
-    3-block and a 2-block capture, proven against each other; anything else, a fold that fails its
-    checks or ``fold=False``, by the full :func:`capture`.
+    transformers, a factory's model with a list of identical blocks) is captured by layer folding
+    (:mod:`tag.graph.fold`): the same graph from a 3-block and a 2-block capture, proven against
+    each other; anything else, a fold that fails its checks (or whose smaller captures fail: the
+    full one then says why) or ``fold=False``, by the full :func:`capture`.
     """
     from .fold import MIN_BLOCKS, NoFold, fold_capture
     from .grouping import group_ops
@@ -765,7 +766,7 @@ def capture_graph(workload: Any, *, optimizer: str = "adam", num_groups: int = 4
         check_precision(precision)
         try:
             graph, _ = fold_capture(workload, blocks, optimizer, precision)
-        except NoFold as e:
+        except (NoFold, WorkloadError) as e:  # (a user's model with fewer blocks may not run: the full capture says)
             log.info("%s: layer folding not used (%s); capturing all %d blocks", workload.name, e, blocks)
         else:
             graph.precision = precision

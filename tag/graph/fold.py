@@ -24,8 +24,11 @@ the template's (``h.1.`` -> ``h.7.``); other nodes are renamed by ``torch.fx``'s
 in graph order, as tracing names them.
 
 When it is not used (the full capture runs instead, :func:`capture_graph`): a workload that
-does not declare a block count (factories, CNNs, MLPs: only the zoo's GPT-2, BERT, ViT and Llama
-do, by rebuilding themselves with another ``n_layer``), fewer than :data:`MIN_BLOCKS` blocks,
+does not declare a block count (CNNs, MLPs: the zoo's GPT-2, BERT, ViT and Llama do, by
+rebuilding themselves with another ``n_layer``, and a factory's model holding an ``nn.ModuleList``
+or ``nn.Sequential`` of identical blocks, by a copy with the list cut,
+:func:`tag.workloads.factory.find_blocks`), fewer than :data:`MIN_BLOCKS` blocks, captures of
+the cut model that fail,
 or any check failing: an edit other than insertions, a region whose three runs differ, an
 argument that cannot be mapped (a shared node reading the middle block, a reference more than
 one block away), the graphs at ``B`` and ``B + 1`` named differently, and above all *the proof*:

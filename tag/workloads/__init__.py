@@ -19,7 +19,7 @@ import torch
 
 from tag.errors import WorkloadError
 from tag.limits import MAX_BATCH
-from tag.workloads.factory import LossWrapper, extract_loss, load_factory, resample
+from tag.workloads.factory import LossWrapper, cut_blocks, extract_loss, find_blocks, load_factory, resample
 from tag.workloads.zoo import list_zoo, load_zoo, suggest, zoo_entries
 
 __all__ = ["LossWrapper", "Workload", "extract_loss", "is_zoo", "list_zoo", "load_workload", "resample"]
@@ -45,7 +45,8 @@ class Workload:
     batch_size: int
     make_inputs: Callable[[int], tuple]
     blocks: int | None = None
-    """Identical transformer layers the model stacks (zoo GPT-2, BERT, ViT, Llama), else None."""
+    """Identical transformer layers the model stacks (zoo GPT-2, BERT, ViT, Llama; a factory's
+    model with a list of identical blocks, :func:`tag.workloads.factory.find_blocks`), else None."""
     with_blocks: Callable[[int], Workload] | None = None
     """``with_blocks(k)``: the same workload (batch, seed, device) with ``k`` such layers."""
 
@@ -97,4 +98,12 @@ def load_workload(spec: str, batch: int | None = None, seed: int = 0, *, abstrac
     if not colon or not all(part.isidentifier() for part in tail.split(".")):
         raise WorkloadError(suggest(spec, head))  # e.g. "gtp2" or "resnett:depth=50"
     f = load_factory(spec, batch, seed)
-    return Workload(spec, f.model, f.inputs, f.batch_size, _checked(spec, f.make_inputs))
+    found = find_blocks(f.model)  # identical blocks: captured by layer folding (tag.graph.fold)
+    if found is None:
+        return Workload(spec, f.model, f.inputs, f.batch_size, _checked(spec, f.make_inputs))
+    path, n = found
+
+    def shortened(k: int) -> Workload:
+        return Workload(spec, cut_blocks(f.model, path, k), f.inputs, f.batch_size, _checked(spec, f.make_inputs), k)
+
+    return Workload(spec, f.model, f.inputs, f.batch_size, _checked(spec, f.make_inputs), n, shortened)

@@ -8,6 +8,7 @@ The model is wrapped in :class:`LossWrapper` so that the workload's forward retu
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import importlib
 import importlib.util
@@ -266,6 +267,44 @@ def check_loss(spec: str, model: nn.Module, inputs: tuple) -> None:
         with torch.no_grad():
             for b, v in zip(buffers, saved):
                 b.copy_(v)
+
+
+def _shape_of(block: nn.Module) -> tuple:
+    """What makes two blocks identical for layer folding: their submodules' types in order and
+    their parameters' and buffers' names, shapes and dtypes."""
+    return (tuple(type(m).__name__ for m in block.modules()),
+            tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_parameters()),
+            tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_buffers()))
+
+
+def find_blocks(model: nn.Module) -> tuple[str, int] | None:
+    """``(path, count)`` of the longest ``nn.ModuleList`` or ``nn.Sequential`` in ``model`` whose
+    children (at least two) are identical blocks (:func:`_shape_of`: transformers' ``model.layers``,
+    ``transformer.h``, ``encoder.layer``, timm-style ``blocks``), the first of equal length in
+    module order; None if there is none."""
+    best: tuple[str, int] | None = None
+    for path, m in model.named_modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2 or (best and len(m) <= best[1]):
+            continue
+        first = _shape_of(m[0])
+        if all(type(b) is type(m[0]) and _shape_of(b) == first for b in list(m)[1:]):
+            best = (path, len(m))
+    return best
+
+
+def cut_blocks(model: nn.Module, path: str, k: int) -> nn.Module:
+    """``model`` with its block list at ``path`` (:func:`find_blocks`) cut to its first ``k``
+    blocks: the modules on the way shallow-copied, everything else (the blocks, their parameters
+    on whatever device they are) shared, so that it costs nothing on a 7B model."""
+    def cut(m: nn.Module, parts: list[str]) -> nn.Module:
+        if not parts:
+            blocks = list(m)[:k]
+            return type(m)(blocks) if isinstance(m, nn.ModuleList) else type(m)(*blocks)
+        c = copy.copy(m)
+        c._modules = dict(m._modules)  # (copy.copy shares the dict: the original keeps its blocks)
+        c._modules[parts[0]] = cut(m._modules[parts[0]], parts[1:])
+        return c
+    return cut(model, path.split(".") if path else [])
 
 
 def load_factory(spec: str, batch: int | None, seed: int) -> FactoryResult:
