@@ -28,6 +28,7 @@ def _fmt(x, spec: str = ".3f") -> str:
 
 def write_results(out: Path, rows: list[Row], command: str) -> dict:
     """``points.csv``, ``summary.json``, ``sim_vs_measured.png`` and ``README.md`` under ``out``."""
+    from evaluation.report import header_lines
     from tag.io import write_atomic, write_json
 
     groups, overall = score(rows)
@@ -46,11 +47,11 @@ def write_results(out: Path, rows: list[Row], command: str) -> dict:
                     _fmt(r.simulated_s, ".4f"), _fmt(r.ratio), r.oom, _fmt(r.peak_gib, ".2f"),
                     _fmt(p.memory_gib, ".2f"), r.error or ""])
     write_atomic(out / "points.csv", buf.getvalue())
-    summary = {**header, "overall": overall, "groups": [g.__dict__ | {"passes": g.passes()} for g in groups]}
+    summary = _finite({**header, "overall": overall, "groups": [g.__dict__ | {"passes": g.passes()} for g in groups]})
     write_json(out / "summary.json", summary)
     _plot(out / "sim_vs_measured.png", rows)
-    lines = [f"# Simulator against published multi-GPU measurements ({header['date']})", "",
-             f"Command: `{command}`  ", f"Commit: {header['commit']}  ", f"Machine: {header['machine']}", "",
+    lines = [*header_lines(command, header["machine"]), "",
+             "# Simulator against published multi-GPU measurements", "",
              "Each point is a published, measured training iteration (sources: `evaluation/external/points/`), "
              "costed by `tag simulate --layout` on its cluster's topology file. Error = simulated / measured - 1. "
              "Nothing is fitted to these iteration times.", "",
@@ -71,6 +72,17 @@ def write_results(out: Path, rows: list[Row], command: str) -> dict:
               "", "![simulated vs measured](sim_vs_measured.png)", "", "Per point: `points.csv`."]
     write_atomic(out / "README.md", "\n".join(lines) + "\n")
     return summary
+
+
+def _finite(x):
+    """``x`` with NaN floats as None (JSON has no NaN)."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _plot(path: Path, rows: list[Row]) -> None:
