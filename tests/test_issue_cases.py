@@ -4,6 +4,8 @@ correct result, or one line and a non-zero exit; never a traceback, never a file
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_hardening import one_line_error
 
 from tag.cost.model import CostModel
@@ -478,3 +480,20 @@ def test_a_user_model_of_identical_blocks_is_captured_by_folding(tmp_path):
     assert four.blocks == 4 and capture_graph(four, num_groups=8).signature() == \
         capture_graph(four, num_groups=8, fold=False).signature()
     assert load_workload(f"{path}:mixed", batch=4).blocks is None  # one block wider: not identical
+
+
+# ----------------------------------------------------------------------------- fuzz sample
+
+
+@settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_random_plan_or_layout_case_ends_in_a_plan_or_one_line(seed):
+    """A few cases of evaluation/fuzz_plan.py's campaign (model x batch x cluster x precision,
+    tag plan or tag simulate --layout): exit 0, or exit 2 and one line."""
+    import numpy as np
+
+    from evaluation.fuzz_plan import failure, random_case, run_case
+
+    case = random_case(np.random.default_rng(seed))
+    rc, err = run_case(case)
+    assert failure(rc, err) is None, (case, rc, err)
