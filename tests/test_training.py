@@ -181,9 +181,11 @@ def test_label_children_off_leaves_the_records_as_they_were(tmp_path):
     again when the refits on causal attention FLOPs (tag.graph.masks) and bf16 batch norm moved them;
     and when the refit on attention costed in whole tiles (tag.cost.gpu.ATTENTION_TILES) did, and
     the backward's own host seconds per launch (GpuRates.host_backward_s), and the fitted matmul
-    rates; and on 2026-11-29 when the A100-40GB took its published rates (gpu_calib/published.json)."""
+    rates; and on 2026-11-29 when the A100-40GB took its published rates (gpu_calib/published.json),
+    and again when a published type's matmuls were floored by their bytes (matmul_bytes_floor), with
+    the simulator changes committed since 7e33a57 (which had left them stale)."""
     import hashlib
-    golden = ["159d9a645afa8103", "4c8dc96896c15f0a", "5b41273153273064"]
+    golden = ["51e154ef993d8723", "0d2e695718ebedcd", "9baf3f0bf7e6dd26"]
     for i, want in enumerate(golden):
         rec, _ = _label(tmp_path, i)
         rec.pop("seconds")

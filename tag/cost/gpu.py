@@ -59,7 +59,8 @@ Where the constants come from (``GpuRates.source``):
   layer in eth-easl/sailor for V100, RTX 2080 Ti, Titan RTX, RTX 3090, A100-40GB and GH200; the
   maximum achievable matmul table of stas00/ml-engineering for A100-80GB, A100 PCIe and H100 SXM;
   a cuBLAS run and a bandwidthTest for the T4). The ``datasheet:<type>`` rates with the published
-  ones in place (:func:`with_published`): ``R_mm[mode]`` and ``BW``; the rates derived from them
+  ones in place (:func:`with_published`): ``R_mm[mode]`` and ``BW`` (a large-GEMM rate: a matmul
+  costs ``C_mm + max(F / R_mm, bytes / BW)``, :attr:`GpuRates.matmul_bytes_floor`); the rates derived from them
   keep their H200 ratios (``R_conv``, fused attention, the unaligned bf16 rate per mode; ``BW_norm``,
   ``BW_opt``, ``BW_bn_bf16``); every constant in seconds stays the H200's.
 * ``datasheet:<type>``: any other catalog GPU. The achieved-to-datasheet ratios of the fitted
@@ -69,16 +70,17 @@ Where the constants come from (``GpuRates.source``):
 
 Checked against published per-layer times (``published.json`` ``layers``, :func:`layer_check`,
 ``gpu_calib/published-check.md``): against Sailor's Megatron-DeepSpeed OPT-350M layers (fp32, TF32
-on Ampere and Hopper; micro-batches 1-32) on seven GPU types TAG's forward is 0.87-1.35x the
-published (median error 19.5%) as TAG's executor runs the layer and 0.63-1.10x (10%) with the
-``megatron`` runtime (:data:`RUNTIMES`); the published backward is 1.3-2.4x TAG's (timed by module
-hooks, not used). Micro-batch: the rule's per-sample seconds fall as the per-kernel floors and host
-launches spread over more samples (non-increasing, to the large-batch rate), which reproduces a
-host-bound small micro-batch (GH200: per-sample forward at 1 over 8: 1.35 predicted, 1.40
-published) and the flat V100, RTX 3090 and Titan RTX series, not the A100s' (1.04 predicted, 1.14
-and 1.61 published; whether host or device fill is not identified: the A100-80GB's micro-batch 1
-is slower than the A100-40GB's). A GEMM's rate below the large-matmul rate by its shape (tile waves
-over the SMs) is not modelled.
+on Ampere and Hopper; micro-batches 1-32) on seven GPU types TAG's forward is 0.73-1.14x the
+published (median error 6.0%) with the ``megatron`` runtime (:data:`RUNTIMES`), which those runs
+used, and 0.97-1.51x (30%) as TAG's executor runs the layer; the published backward is 1.3-2.0x
+TAG's (timed by module hooks, not used). Micro-batch: the rule's per-sample seconds fall as the
+per-kernel floors and host launches spread over more samples (non-increasing, to the large-batch
+rate): flat where the GPU bounds micro-batch 1, as published (V100, RTX 2080 Ti, Titan RTX, RTX
+3090: 1.01 predicted, 0.98-1.02 published at 1 over the largest), falling where the host does
+(GH200: 1.19 eager / 1.08 megatron against 1.40 published at 1 over 8: the host's share is
+under-predicted), and not the A100s' fall (1.03 predicted, 1.14 and 1.57 published; whether host
+or device fill is not identified: the A100-80GB's micro-batch 1 is slower than the A100-40GB's). A
+GEMM's rate below the large-matmul rate by its shape (tile waves over the SMs) is not modelled.
 
 Not measured anywhere, assumed: an fp32 convolution with TF32 off reaches the same fraction of
 the FP32 matmul rate as the TF32 convolution reaches of the TF32 matmul rate; fp16 runs at the
@@ -242,6 +244,14 @@ class GpuRates:
     """Host seconds per kernel launch of the backward pass: autograd's C++ engine issues those ops
     with no Python frame or module call around them, where ``host_s`` (the forward's) pays both;
     fitted with ``host_s`` where eager steps were measured; None: ``host_s``."""
+    matmul_bytes_floor: bool = False
+    """A matmul costs at least its bytes at ``bandwidth`` (the roofline: ``C_mm + max(F / R_mm,
+    bytes / BW)``). Set for published rates (:func:`with_published`), which are large-GEMM rates:
+    an attention score or context product (inner dimension 64, an s x s operand) is memory-bound
+    (Aceso's OPT-350M profiles: A100 TF32 36 TFLOP/s against 131 for the large GEMMs, the floor
+    gives 37; GH200 fp16 218 against 669, floor 185). False for the fitted type, whose ``R_mm`` and
+    ``C_mm`` were fitted to its steps' matmul kernels, memory-bound ones included (a rule linear in
+    the constants, :func:`design`), and for the datasheet types derived from it."""
 
     def unaligned_rate(self, align) -> np.ndarray:
         """FLOP/s of bf16/fp16 matmuls whose alignment is ``align`` elements (array) below
@@ -619,7 +629,9 @@ def with_published(base: GpuRates, pub: dict[str, tuple[float, str]]) -> GpuRate
     (the convolution and fused-attention rates of that mode keep their ratio to the matmul rate,
     the unaligned bf16 rate follows ``matmul:low``); without TF32 a tf32 op runs at the fp32 rate;
     a published ``memory_bw`` replaces the elementwise bandwidth and scales the norm, optimizer and
-    bf16 batch-norm bandwidths by the same factor. Seconds (host, per-kernel floors) stay."""
+    bf16 batch-norm bandwidths by the same factor. Seconds (host, per-kernel floors) stay. A
+    published matmul rate is a large-GEMM rate: matmuls are floored by their bytes
+    (:attr:`GpuRates.matmul_bytes_floor`)."""
     import dataclasses
 
     mm, conv, att = dict(base.matmul), dict(base.conv), dict(base.attention_base)
@@ -631,7 +643,7 @@ def with_published(base: GpuRates, pub: dict[str, tuple[float, str]]) -> GpuRate
         mm["tf32"], conv["tf32"], att["tf32"] = mm["fp32"], conv["fp32"], att["fp32"]
     bw = pub["memory_bw"][0] / base.bandwidth if "memory_bw" in pub else 1.0
     return dataclasses.replace(
-        base, source=f"published:{base.gpu}", matmul=mm, conv=conv, attention_ref=att,
+        base, source=f"published:{base.gpu}", matmul=mm, conv=conv, attention_ref=att, matmul_bytes_floor=True,
         matmul_unaligned=float(base.unaligned_rate(1)) * mm["low"] / base.matmul["low"],
         bandwidth=base.bandwidth * bw, norm_bandwidth=base.norm_bw * bw, opt_bandwidth=base.opt_bw * bw,
         bn_bf16_bandwidth=base.bn_bf16_bw * bw)
@@ -970,7 +982,8 @@ def _escapes(ops, tensors, t: int, region: set[int]) -> bool:
 def op_seconds(feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray:
     """GPU seconds ``[n_ops, len(batches)]`` of every op at the per-replica ``batches`` (module
     rule, without the host's launch cost: :func:`stage_table` adds it); equal to
-    ``design(feat, rates, b) @ theta_of(rates)`` at every batch ``b``."""
+    ``design(feat, rates, b) @ theta_of(rates)`` at every batch ``b`` where
+    :attr:`GpuRates.matmul_bytes_floor` is off (the fitted types)."""
     b = np.asarray(batches, dtype=float)[None, :]
     f = feat.flops[:, :1] + feat.flops[:, 1:] * b
     m = feat.nbytes[:, :1] + feat.nbytes[:, 1:] * b
@@ -982,7 +995,8 @@ def op_seconds(feat: OpFeatures, rates: GpuRates, batches) -> np.ndarray:
     t = m / bw[feat.cls][:, None]
     t = np.where(feat.bn_bf16_mask()[:, None], m / rates.bn_bf16_bw, t)
     mm_rate = np.where(feat.unaligned()[:, None], rates.unaligned_rate(_align(feat))[:, None], mm_rate)
-    t = np.where(cls == OP_CLASSES.index("matmul"), f / mm_rate, t)
+    mm_t = np.maximum(f / mm_rate, m / rates.bandwidth) if rates.matmul_bytes_floor else f / mm_rate
+    t = np.where(cls == OP_CLASSES.index("matmul"), mm_t, t)
     t = np.where(cls == OP_CLASSES.index("conv"), f / conv_rate, t)
     t = np.where(cls == OP_CLASSES.index("attention"), f / att_rate, t)
     t = np.where(cls == OP_CLASSES.index("opt"), m * feat.sweeps / rates.opt_bw, t)

@@ -71,7 +71,7 @@ def simulated_annealing(space: ActionSpace, evaluator: Evaluator, rng: np.random
             opts = space.options_at(name, new_plan)
             new_plan[name] = opts[int(rng.integers(len(opts)))]
             if name == "stage_sync" and new_plan.get("micro") not in space.options_at("micro", new_plan):
-                del new_plan["micro"]  # a tp stage's replica shares its samples: fewer micro-batches fit data parallel
+                new_plan.pop("micro", None)  # a tp stage's replica shares its samples: fewer micro-batches fit data parallel
             if name == "stages":  # the other choices' options depend on the stage count
                 new_plan = {"stages": new_plan["stages"]}
         else:
