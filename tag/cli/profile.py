@@ -79,6 +79,11 @@ def run(args) -> int:
         path = prof.save(root)
         dtype = prof.device_type
         print(f"profile {prof.model} ({prof.graph_signature}) on {dtype}: batches {prof.batches} -> {path}")
+        from ..cost.profiler import host_launch_report
+
+        host = host_launch_report(prof.meta, dtype)  # a CUDA profile times the host's launches
+        if host is not None:
+            print(host)
     if not args.no_comm:
         from ..executor.commprof import profile_comm
         from ..topology.units import format_bandwidth, format_time

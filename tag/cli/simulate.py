@@ -132,15 +132,17 @@ def run(args) -> int:
         plan.predicted_iteration_time_s = None if res.oom else float(res.iteration_time_s)
         plan.save(args.save_plan)
     sources = _sources(costs, topo)
+    hosts = _hosts(costs, topo)
     if args.json:
         out = {"model": graph.model, "batch_size": graph.batch_size, "topology": topo.name,
                "plan": args.plan or (f"layout:{args.layout}" if args.layout else f"baseline:{args.baseline}"), "lower_bound_s": lb, "cost_sources": sources,
+               "host_sources": hosts,
                **res.to_dict()}
         if layout is not None:  # what ran: the layout spelled out (order resolved), each stage's groups, layers, devices
             out.update(layout=plan.meta["layout"], stages=stage_table(graph, plan))
         print_json(out)
         return 0
-    _print_summary(graph, topo, args, res, lb, sources)
+    _print_summary(graph, topo, args, res, lb, sources, hosts)
     if layout is not None and (layout.stages is not None or layout.order is not None):
         _print_stages(graph, topo, plan)
     return 0
@@ -166,7 +168,32 @@ def _sources(costs, topo) -> list[str]:
     return [f"{src} ({dt})" if not src.endswith(dt) else src for dt, src in out.items()]
 
 
-def _print_summary(graph, topo, args, res, lb, sources) -> None:
+def _hosts(costs, topo) -> list[dict]:
+    """Where each GPU device type's host seconds come from, per host: ``{"device_type", "machines",
+    "host_launch_s" (seconds per forward kernel launch), "source"}`` (``topology``: the machines'
+    ``host_launch``; ``assumed: ...``: the host the rule was fitted on), in device order."""
+    out: dict[tuple, dict] = {}
+    for d in range(topo.num_devices):
+        host = costs.host_launch(d)
+        if host is not None:
+            entry = out.setdefault((costs.device_type(d), *host), {
+                "device_type": costs.device_type(d), "machines": [], "host_launch_s": host[0], "source": host[1]})
+            name = topo.devices[d].machine
+            if name not in entry["machines"]:
+                entry["machines"].append(name)
+    return list(out.values())
+
+
+def _host_text(h: dict, hosts: list[dict]) -> str:
+    """``55 us (assumed: ...) on H200``; the machines too where the type runs on several hosts."""
+    where = h["device_type"]
+    if sum(o["device_type"] == where for o in hosts) > 1:
+        names = h["machines"]
+        where += f" of {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{h['host_launch_s'] * 1e6:.3g} us ({h['source']}) on {where}"
+
+
+def _print_summary(graph, topo, args, res, lb, sources, hosts=()) -> None:
     from ..topology.table import render_table
     from ..topology.units import format_bytes, format_count
 
@@ -178,6 +205,8 @@ def _print_summary(graph, topo, args, res, lb, sources) -> None:
           f"{graph.precision}) on "
           f"{topo.name}: {what}")
     print(f"costs from {', '.join(sources)}")
+    if hosts:
+        print("host launch " + "; ".join(_host_text(h, hosts) for h in hosts))
     print(f"iteration time {res.iteration_time_s * 1e3:.3f} ms  (ideal lower bound {lb * 1e3:.3f} ms)  "
           f"OOM: {'yes' if res.oom else 'no'}")
     rows = [[str(d), f"{dev.name} ({dev.gpu.name})", ms(res.compute_time_s[d]), ms(res.comm_time_s[d]),

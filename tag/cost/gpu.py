@@ -35,7 +35,8 @@ square matmuls before, and for TF32, which no step runs) whatever small ones the
 in the forward and ``host_backward_s`` in the backward (autograd's C++ engine, no Python:
 :func:`host_seconds`), walks every parameter once per multi-tensor kernel of the optimizer step,
 ``opt_host_s`` each (measured in the profiled steps' op tables), and spends ``step_host_s`` once per step: eager PyTorch dispatches kernels one by one, so a stream of small kernels
-runs at the host's pace. ``mode`` is the op's dtype as the hardware runs it: ``low`` (bf16/fp16
+runs at the host's pace. Those seconds are the host's the rates were fitted on; a machine whose topology
+entry states ``host_launch`` has them scaled to it (:func:`on_host`). ``mode`` is the op's dtype as the hardware runs it: ``low`` (bf16/fp16
 tensor cores) for a bf16/fp16 op; for an fp32 op ``tf32`` where PyTorch enables TF32
 (:class:`Numerics`: cuDNN convolutions by default, matmuls only when
 ``torch.backends.cuda.matmul.allow_tf32`` is set), else ``fp32``.
@@ -659,6 +660,41 @@ def gpu_rates(spec) -> GpuRates:
     base = datasheet_rates(spec)
     pub = published_rates(spec.name)
     return with_published(base, pub) if pub else base
+
+
+def on_host(rates: GpuRates, host_launch_s: float | None) -> GpuRates:
+    """``rates`` on a host whose forward kernel launch costs ``host_launch_s`` seconds (a
+    topology machine's ``host_launch``); None: ``rates`` as they are.
+
+    Rule: every host second scales by one factor ``f = host_launch_s / rates.host_s``, the stated
+    launch over the host the rates were fitted on (the H200 host's 55 us, ``H200-fit.json``, for
+    every type without a step fit of its own): ``host_s := host_launch_s``, and ``host_backward_s``,
+    ``opt_host_s``, ``step_host_s`` and ``launch_s`` (the optimizer's multi-tensor launches) are
+    multiplied by ``f``. The device seconds (rates, per-kernel floors) stay: a slower host slows
+    host-bound steps (small kernels, :func:`eager_stages`) and leaves GPU-bound ones nearly as they
+    were. One factor, because the host constants were fitted on one host only: how a CPU's speed
+    splits between the forward's Python and the backward's C++ engine is not measured."""
+    if host_launch_s is None:
+        return rates
+    import dataclasses
+
+    f = host_launch_s / rates.host_s
+    return dataclasses.replace(rates, host_s=float(host_launch_s), host_backward_s=rates.host_bwd * f,
+                               opt_host_s=rates.opt_host_s * f, step_host_s=rates.step_host_s * f,
+                               launch_s=rates.launch_s * f)
+
+
+def host_origin(gpu: str) -> str:
+    """Where the host constants of GPU type ``gpu``'s rule come from when no topology states them:
+    ``assumed: fitted to eager steps on an H200 host, 2026-11-26..2026-11-27`` (the type's own
+    step fit, else the reference type's; the dates of the steps its fit file names)."""
+    own = gpu if load_fit(gpu) or microbenchmark_rates(gpu) is not None else REFERENCE_GPU
+    fit = load_fit(own)
+    if not fit:
+        return f"assumed: tiny-kernel launches measured on a {own} host"
+    dates = sorted({d for entry in fit.get("fitted_on", []) for d in re.findall(r"\d{4}-\d{2}-\d{2}", entry)})
+    when = "" if not dates else f", {dates[0]}" if len(dates) == 1 else f", {dates[0]}..{dates[-1]}"
+    return f"assumed: fitted to eager steps on an {own} host{when}"
 
 
 @functools.cache

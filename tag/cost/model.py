@@ -18,7 +18,9 @@ A GPU's ``R`` is not the datasheet roofline but the measured GPU rule of :mod:`t
 from: ``fitted:<type>`` (microbenchmarks and eager steps of that type), ``published:<type>``
 (published achieved rates of that type, ``tag/cost/gpu_calib/published.json``) or ``datasheet:<type>``
 (the measured type's efficiencies on this type's datasheet); ``scaled:<type>`` scales a GPU
-profile with the same rule. ``numerics`` (:class:`tag.cost.gpu.Numerics`) says whether fp32
+profile with the same rule. The rule's host seconds (per kernel launch, eager PyTorch issuing kernels
+one by one) are those of the host its rates were fitted on, unless the device's machine states its
+own ``host_launch`` (:func:`tag.cost.gpu.on_host`; :meth:`CostModel.host_launch` says which). ``numerics`` (:class:`tag.cost.gpu.Numerics`) says whether fp32
 matmuls / convolutions run on TF32 (PyTorch's defaults: matmuls no, cuDNN convolutions yes).
 
 A CPU device is typed ``cpu-<threads>t``: a topology with ``n`` CPU devices on a machine runs one
@@ -34,7 +36,7 @@ import numpy as np
 
 from ..graph.ir import PHASES
 from .comm import CommModel
-from .gpu import Numerics, OpFeatures, gpu_rates, stage_table
+from .gpu import Numerics, OpFeatures, gpu_rates, host_origin, on_host, stage_table
 from .profile import cpu_device_type, default_profile_dir, find_profile, profiled_device_types
 from .roofline import Roofline, group_phase_table, op_overhead, optimizer_step_overhead, roofline_for
 
@@ -76,6 +78,9 @@ class DeviceCost:
     profile's wake penalty, :mod:`tag.cost.profiler`); None: no penalty (GPUs, roofline)."""
     wake_gap_s: float = 0.0
     wake_tau_s: float = 0.0
+    host: tuple[float, str] | None = None
+    """(host seconds per forward launch, where it comes from: ``topology`` or ``assumed: ...``)
+    of a GPU rule's costs (:func:`tag.cost.gpu.on_host`); None: a CPU or a GPU profile's own host."""
 
 
 class CostModel:
@@ -112,9 +117,10 @@ class CostModel:
 
         for d in range(topology.num_devices):
             dt = device_type(topology, d)
-            if dt not in by_type:
-                by_type[dt] = _device_cost(graph, topology, d, dt, root, sig, available, grid, features, runtime)
-            devices.append(by_type[dt])
+            key = (dt, topology.machines[topology.machine_of(d)].host_launch_s)  # a machine's host, if stated
+            if key not in by_type:
+                by_type[key] = _device_cost(graph, topology, d, dt, root, sig, available, grid, features, runtime)
+            devices.append(by_type[key])
         return cls(graph, topology, devices, CommModel.for_topology(topology, root))
 
     @classmethod
@@ -163,6 +169,12 @@ class CostModel:
 
     def device_type(self, device: int) -> str:
         return self._dev[device].device_type
+
+    def host_launch(self, device: int) -> tuple[float, str] | None:
+        """(host seconds per forward kernel launch, its origin: ``topology`` where ``device``'s
+        machine states ``host_launch``, else ``assumed: ...``) of ``device``'s GPU rule; None where
+        its costs launch nothing from a modelled host (a CPU, a GPU profile)."""
+        return self._dev[device].host
 
     def roofline(self, device: int) -> Roofline:
         """Effective roofs of topology device ``device`` (:func:`device_roofline`)."""
@@ -214,23 +226,27 @@ def _position_weights(graph, g: int, phase: str) -> np.ndarray:
     return w
 
 
-def _rule(graph, dt: str, spec, features, runtime: str = "eager"):
-    """(``R(batches) -> [K, 3, n]``, source name, step overhead s) of a device type's rule: the
-    roofline for a CPU, the GPU rule of :mod:`tag.cost.gpu` for a GPU."""
+def _rule(graph, dt: str, spec, features, runtime: str = "eager", host_launch_s: float | None = None):
+    """(``R(batches) -> [K, 3, n]``, source name, step overhead s, host) of a device type's rule:
+    the roofline for a CPU (host None), the GPU rule of :mod:`tag.cost.gpu` for a GPU on a host of
+    ``host_launch_s`` seconds per forward launch (None: the rule's fitted host), host ``(seconds,
+    origin)``."""
     if _is_cpu(dt):
         roof, overhead = device_roofline(dt, spec), op_overhead(spec)
         return ((lambda batches: group_phase_table(graph, roof, batches, overhead)), "roofline",
-                optimizer_step_overhead(graph.optimizer, overhead))
-    rates = gpu_rates(spec)
+                optimizer_step_overhead(graph.optimizer, overhead), None)
+    rates = on_host(gpu_rates(spec), host_launch_s)
     source = rates.source if runtime == "eager" else f"{rates.source}+{runtime}"
+    host = (rates.host_s, "topology" if host_launch_s is not None else host_origin(rates.gpu))
     return ((lambda batches: stage_table(graph, features(), rates, batches)), source,
-            rates.step_overhead(graph.optimizer))
+            rates.step_overhead(graph.optimizer), host)
 
 
 def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: list[str],
                  grid: np.ndarray, features, runtime: str = "eager") -> DeviceCost:
     spec = topology.devices[d].gpu
-    rtab, rule_source, rule_overhead = _rule(graph, dt, spec, features, runtime)
+    stated = topology.machines[topology.machine_of(d)].host_launch_s
+    rtab, rule_source, rule_overhead, host = _rule(graph, dt, spec, features, runtime, stated)
 
     prof = find_profile(root, dt, sig) if dt in available else None
     if prof is not None and prof.num_groups == graph.num_groups:
@@ -250,8 +266,8 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
         wake, gap, tau = _wake_of(prof, grid)
         if wake is not None:  # scaled like the stages it delays
             wake = wake * _ratio(table[:, :2], prof.table(grid)[:, :2])
-        return DeviceCost(dt, f"scaled:{ref}", table, over, scaled, wake, gap, tau)
-    return DeviceCost(dt, rule_source, rtab(grid), rule_overhead, rtab)
+        return DeviceCost(dt, f"scaled:{ref}", table, over, scaled, wake, gap, tau, host)
+    return DeviceCost(dt, rule_source, rtab(grid), rule_overhead, rtab, host=host)
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:

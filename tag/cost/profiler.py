@@ -31,6 +31,13 @@ timed after sleeping ``wake_gap_s`` (default 50 ms, near saturation) and the ext
 back-to-back are stored (``fwd_wake``/``bwd_wake``); the time constant is fitted from a second
 pass at ``wake_gap_s / 5`` (:func:`fit_wake_tau`). The simulator charges a stage
 ``wake * (1 - exp(-gap / tau)) / (1 - exp(-wake_gap_s / tau))`` for the idle ``gap`` before it.
+
+**Host launch cost (CUDA).** A GPU profile also times the host's stream of tiny kernels
+(:func:`time_launches`, the launch microbenchmark of ``evaluation/gpu_check.py``) and states the
+machine's ``host_launch`` for a topology (:func:`host_launch_of`): the GPU rule's forward host
+seconds per launch scaled by the measured launch over the rule's (``meta.launch_s``,
+``meta.host_launch_s``), so a topology of this machine costs its host as measured
+(:func:`tag.cost.gpu.on_host`).
 """
 
 from __future__ import annotations
@@ -436,11 +443,14 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
         opt, overhead = _time_all(graph, its, bs, fwd, bwd, scales, sync, clock, repeats, warmup, load, log,
                                   gap, wake)
     log(f"  optimizer {graph.optimizer}: {sum(opt) * 1e3:.2f} ms + {overhead * 1e3:.3f} ms per step")
+    host: dict = {}
     if dev.type == "cuda":
         dtype = cuda_device_type(dev)
+        launch = time_launches(dev)
+        host = {"launch_s": launch, "host_launch_s": host_launch_of(launch, dtype)[0]}
     else:
         dtype = cpu_device_type(torch.get_num_threads())
-    meta = {"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
+    meta = {**host, "repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "host": platform.node(), "date": time.strftime("%Y-%m-%d"),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "num_groups_requested": num_groups,
             "stage_scale": scales, "corun": n_bg, "precision": graph.precision,
@@ -452,6 +462,55 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
     return Profile(dtype, graph.model, graph.signature(), graph.batch_size, graph.optimizer, bs, fwd, bwd, opt,
                    overhead, meta, fwd_wake=wake.get("fwd", []), bwd_wake=wake.get("bwd", []),
                    wake_gap_s=gap if wake else 0.0, wake_tau_s=wake.get("tau", 0.0))
+
+
+LAUNCH_KERNELS = 1000
+"""Tiny kernels per timed stream of :func:`time_launches` (``evaluation/gpu_check.py``'s count)."""
+
+
+def time_launches(dev: torch.device, kernels: int = LAUNCH_KERNELS, repeats: int = 5, warmup: int = 3) -> float:
+    """Seconds per kernel of ``kernels`` tiny kernels issued back to back (an in-place add on a
+    one-element tensor: no work, so the host's issue rate bounds the stream), the median of
+    ``repeats`` timed streams, synchronised before and after each; the microbenchmark behind the
+    GPU rule's ``launch_s`` (``gpu_calib/<type>.jsonl``, kind ``launch``: 9.05 us on the H200 host)."""
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    tiny = torch.zeros(1, device=dev)
+    times = []
+    for k in range(warmup + repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(kernels):
+            tiny.add_(1.0)
+        sync()
+        if k >= warmup:
+            times.append((time.perf_counter() - t0) / kernels)
+    return statistics.median(times)
+
+
+def host_launch_of(launch_s: float, gpu: str) -> tuple[float, str]:
+    """(``host_launch`` seconds, the topology line ``host_launch: "NN us"``) of a host whose tiny
+    kernels launch in ``launch_s`` seconds each, for GPU type ``gpu`` (a catalog name; the
+    reference type's rule otherwise): the rule's ``host_s`` times ``launch_s`` over the rule's
+    ``launch_s`` (the ratio of the host it was fitted on: 55 us / 9.05 us on the H200's), so
+    :func:`tag.cost.gpu.on_host` sets the rule's ``launch_s`` to the measured one."""
+    from ..topology.catalog import match_gpu_name
+    from .gpu import REFERENCE_GPU, gpu_rates
+
+    spec = match_gpu_name(gpu) or match_gpu_name(REFERENCE_GPU)
+    rates = gpu_rates(spec)
+    host = launch_s * rates.host_s / rates.launch_s
+    return host, f'host_launch: "{host * 1e6:.3g} us"'
+
+
+def host_launch_report(meta: dict, gpu: str) -> str | None:
+    """The line ``tag profile`` prints for a profile's ``meta`` measured on GPU type ``gpu``:
+    the measured tiny-kernel launch and the topology line of this machine; None without
+    ``meta.launch_s`` (a CPU profile, or one made before the launch was timed)."""
+    if meta.get("launch_s") is None:
+        return None
+    launch = float(meta["launch_s"])
+    return (f"host of {gpu}: tiny kernels {launch * 1e6:.3g} us per launch (measured); add to its machine in a "
+            f"topology: {host_launch_of(launch, gpu)[1]}")
 
 
 WAKE_GAP_S = 0.05

@@ -10,6 +10,8 @@ Schema (quantities are strings with units or plain numbers in base units)::
         intra_bandwidth: "150 GB/s"  # may be omitted only when count == 1
         intra_latency: "5 us"        # optional
         zone: rack-1                 # optional: a network domain named in network.zones
+        host_launch: "103 us"        # optional (GPU machines): host seconds per forward kernel launch,
+                                     # as `tag profile --device cuda` prints it (tag.cost.gpu.on_host)
     network:                         # may be omitted only for a single machine
       bandwidth: "25 Gbit/s"         # between machines of different (or no) zones
       latency: "20 us"               # optional
@@ -42,8 +44,15 @@ import yaml
 
 from tag.errors import TopologyError
 from tag.io import huge_integer, write_atomic
-from tag.topology.catalog import GPU_CATALOG, GPUSpec, get_gpu
-from tag.topology.model import MAX_DEVICES, MAX_DEVICES_PER_MACHINE, Machine, Topology
+from tag.topology.catalog import CPU_NAME, GPU_CATALOG, GPUSpec, get_gpu
+from tag.topology.model import (
+    MAX_DEVICES,
+    MAX_DEVICES_PER_MACHINE,
+    MAX_HOST_LAUNCH_S,
+    MIN_HOST_LAUNCH_S,
+    Machine,
+    Topology,
+)
 from tag.topology.units import (
     format_bandwidth,
     format_bytes,
@@ -77,7 +86,7 @@ DEFAULT_NETWORK_LATENCY = 20e-6  # seconds
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 
 _TOP_KEYS = ("name", "description", "machines", "network")
-_MACHINE_KEYS = ("name", "gpu", "count", "intra_bandwidth", "intra_latency", "zone")
+_MACHINE_KEYS = ("name", "gpu", "count", "intra_bandwidth", "intra_latency", "zone", "host_launch")
 _INLINE_GPU_KEYS = ("name", "tflops", "fp32_flops", "fp16_tflops", "fp16_flops", "memory", "memory_bandwidth")
 _NETWORK_KEYS = ("bandwidth", "latency", "zones", "links")
 _ZONE_KEYS = ("name", "bandwidth", "latency")
@@ -214,7 +223,24 @@ def _parse_machine(ctx: _Context, value: Any, path: str) -> tuple[Machine, str |
     if raw.get("intra_latency") is not None:
         intra_lat = ctx.quantity(parse_time, raw["intra_latency"], f"{path}.intra_latency", positive=False)
     zone = None if raw.get("zone") is None else ctx.name(raw["zone"], f"{path}.zone")
-    return Machine(name, gpu, count, intra_bw, intra_lat), zone
+    host = None if raw.get("host_launch") is None else _host_launch(ctx, raw["host_launch"], f"{path}.host_launch", gpu)
+    return Machine(name, gpu, count, intra_bw, intra_lat, host), zone
+
+
+def _host_launch(ctx: _Context, value: Any, path: str, gpu: GPUSpec) -> float:
+    """Seconds per forward launch of a machine's ``host_launch`` (a time like ``"103 us"``),
+    within :data:`MIN_HOST_LAUNCH_S` .. :data:`MAX_HOST_LAUNCH_S`, on a GPU machine."""
+    try:
+        seconds = parse_time(value, positive=True)
+    except ValueError as exc:
+        raise ctx.error(path, f"{exc} (seconds per kernel launch)") from None
+    if not MIN_HOST_LAUNCH_S <= seconds <= MAX_HOST_LAUNCH_S:
+        raise ctx.error(path, f"expected a time per kernel launch between {MIN_HOST_LAUNCH_S * 1e6:g} us and "
+                        f"{MAX_HOST_LAUNCH_S * 1e3:g} ms, got {_show(value)}")
+    if gpu.name == CPU_NAME:
+        raise ctx.error(path, f"expected on a GPU machine only (the CPU rule launches no kernels), got {_show(value)} "
+                        f"on gpu {CPU_NAME!r}")
+    return seconds
 
 
 def _parse_zones(ctx: _Context, net: Mapping, zone_of: list[str | None], machines: list[Machine],
@@ -504,6 +530,8 @@ def topology_to_yaml(topo: Topology) -> str:
         if m.intra_bandwidth is not None:
             entry["intra_bandwidth"] = format_bandwidth(m.intra_bandwidth)
         entry["intra_latency"] = format_time(m.intra_latency)
+        if m.host_launch_s is not None:
+            entry["host_launch"] = format_time(m.host_launch_s)
         machines.append(entry)
     network: dict[str, Any] = {
         "bandwidth": format_bandwidth(topo.network_bandwidth, bits=True),

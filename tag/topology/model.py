@@ -26,13 +26,21 @@ import numpy as np
 from tag.errors import TopologyError
 from tag.topology.catalog import CPU_NAME, GPUSpec
 
-__all__ = ["Device", "Machine", "Topology", "LinkKey", "MAX_DEVICES", "MAX_DEVICES_PER_MACHINE"]
+__all__ = ["Device", "Machine", "Topology", "LinkKey", "MAX_DEVICES", "MAX_DEVICES_PER_MACHINE", "MIN_HOST_LAUNCH_S",
+           "MAX_HOST_LAUNCH_S"]
 
 # Stated limits. A machine of 256 devices is beyond any NVLink/NVSwitch domain sold today (NVL72:
 # 72 GPUs); 1024 devices in all keeps the [D, D] matrices the cost model builds at 8 MB each.
 # Past them a topology is refused with a one-line error instead of allocating without bound.
 MAX_DEVICES_PER_MACHINE = 256
 MAX_DEVICES = 1024
+
+# Bounds of a machine's host launch cost (seconds per forward kernel launch of an eager step): a
+# CUDA launch alone costs the driver a few microseconds (the H200 host's stream of tiny kernels ran
+# at 9.1 us each, tag/cost/gpu_calib/H200.jsonl), and 10 ms is 180x the fitted H200 host's 55 us:
+# past either bound the value is a misplaced unit ("103 ms" for "103 us").
+MIN_HOST_LAUNCH_S = 1e-6
+MAX_HOST_LAUNCH_S = 1e-2
 
 LinkKey = frozenset  # frozenset({machine_name_1, machine_name_2})
 
@@ -78,6 +86,10 @@ class Machine:
     """Bandwidth between two devices of this machine, bytes/s (None only when count == 1)."""
     intra_latency: float
     """Latency between two devices of this machine, seconds."""
+    host_launch_s: float | None = None
+    """Host seconds per forward kernel launch of an eager step on this machine (the topology's
+    ``host_launch``: its CPU's speed at issuing kernels, :func:`tag.cost.gpu.on_host`); None: the
+    GPU rule's fitted host. GPU machines only."""
 
     def __post_init__(self) -> None:
         where = f"machine {self.name!r}"
@@ -102,6 +114,13 @@ class Machine:
             raise TopologyError(
                 f"{where}: intra_latency: expected a non-negative time in seconds, got {self.intra_latency!r}"
             )
+        if self.host_launch_s is not None:
+            if not (_positive(self.host_launch_s) and MIN_HOST_LAUNCH_S <= self.host_launch_s <= MAX_HOST_LAUNCH_S):
+                raise TopologyError(f"{where}: host_launch: expected seconds per launch between {MIN_HOST_LAUNCH_S:g} "
+                                    f"and {MAX_HOST_LAUNCH_S:g}, got {self.host_launch_s!r}")
+            if self.gpu.name == CPU_NAME:
+                raise TopologyError(f"{where}: host_launch: expected on a GPU machine only (the CPU rule launches "
+                                    f"no kernels), got {self.host_launch_s!r} on gpu {CPU_NAME!r}")
 
 
 @dataclass(frozen=True)
@@ -334,6 +353,8 @@ class Topology:
             if m.intra_bandwidth is not None:
                 entry["intra_bandwidth"] = m.intra_bandwidth
             entry["intra_latency"] = m.intra_latency
+            if m.host_launch_s is not None:  # (absent otherwise: older topologies keep their signature)
+                entry["host_launch"] = m.host_launch_s
             machines.append(entry)
         network: dict[str, Any] = {"bandwidth": self.network_bandwidth, "latency": self.network_latency}
         order = self._machine_index

@@ -70,6 +70,10 @@ def _to_float(number: Fraction | int | float, original: object, kind: str) -> fl
         raise ValueError(f"expected a finite {kind}, got {_fmt_value(original)} (too large)") from None
 
 
+_EXAMPLE = {"bandwidth": "10 GB/s", "size": "16 GB", "time": "20 us", "compute rate": "15.7 TFLOP/s"}
+"""An example string of each kind of quantity, for error messages."""
+
+
 def _split(value: object, kind: str) -> tuple[Fraction, str] | float:
     """Return (number, unit) for a string, or the float for a plain number (base units)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -79,10 +83,10 @@ def _split(value: object, kind: str) -> tuple[Fraction, str] | float:
     if not value.strip():
         raise ValueError(f"expected a {kind}, got an empty string")
     if len(value) > _MAX_TEXT:
-        raise ValueError(f"expected a {kind} like '10 GB/s' (at most {_MAX_TEXT} characters), got {_fmt_value(value)}")
+        raise ValueError(f"expected a {kind} like {_EXAMPLE[kind]!r} (at most {_MAX_TEXT} characters), got {_fmt_value(value)}")
     match = _NUMBER_RE.match(value)
     if match is None:
-        raise ValueError(f"expected a {kind} like '10 GB/s', got {_fmt_value(value)}")
+        raise ValueError(f"expected a {kind} like {_EXAMPLE[kind]!r}, got {_fmt_value(value)}")
     exponent = re.search(r"[eE]([+-]?\d+)$", match.group(1))
     if exponent is not None and abs(int(exponent.group(1))) > _MAX_EXPONENT:
         raise ValueError(f"expected a finite {kind}, got {_fmt_value(value)} (exponent out of range)")
