@@ -171,3 +171,76 @@ def tied_weights(graph: OpGraph) -> dict[int, tuple[int, frozenset[int]]]:
         if x in deferred:
             out[p.tensor] = (x, holders)
     return out
+
+
+def backward_homes(graph: OpGraph) -> dict[int, tuple[int, int]]:
+    """Backward ops that run in a later op-group than the one they were grouped with: op index ->
+    (group, forward position).
+
+    The grouping anchors a backward op at ``min(max forward input, min backward input)``, and one
+    reading forward values only (``3 x**2`` of the backward of ``x**3`` in GPT-2's tanh GELU) at
+    its latest forward input: when a group boundary falls between a forward tensor ``x`` and the
+    ops reading it, the ops summing the partial terms of ``x``'s gradient (and that ``3 x**2``)
+    land in ``x``'s group, and each term crossed the boundary backwards where ``x``'s gradient
+    alone should (GPT-2's GELU: three terms, 3x the forward bytes). Here, in graph order, a
+    backward op of group ``A`` moves to a later group ``B`` when it makes a batch-carrying tensor
+    no larger than the inputs it reads from ``B``'s backward that nothing else outside ``B``
+    reads (which then stop crossing), and every other input is there already: made by ``B``, a forward value ``B``'s forward reads, a graph input or buffer, or the
+    output of an op of ``A`` reading such values only, which moves with it (when it feeds nothing
+    else). The executor's placement (:func:`tag.parallel.schedule.build_schedule`) and the
+    simulator's (:func:`tag.sim.static.build_static`) read it; the ops' costs stay with their groups."""
+    ops, tensors = graph.ops, graph.tensors
+    home = [op.group for op in ops]
+    where = [op.anchor for op in ops]
+    fwd_reads: dict[int, set[int]] = {}  # group -> forward tensors its forward ops read
+    for op in ops:
+        if op.phase == "fwd":
+            fwd_reads.setdefault(op.group, set()).update(op.inputs)
+    out: dict[int, tuple[int, int]] = {}
+
+    def there(t: int, b: int) -> bool:  # tensor t is on group b's devices in its backward
+        p = tensors[t].producer
+        if p < 0:  # a graph input, buffer or constant is everywhere; a parameter where it is read
+            return tensors[t].kind != "param" or t in fwd_reads.get(b, ())
+        return home[p] == b or (ops[p].phase == "fwd" and t in fwd_reads.get(b, ()))
+
+    for i, op in enumerate(ops):
+        if op.phase != "bwd" or not op.outputs or any(tensors[t].batch_dim is None for t in op.outputs):
+            continue
+        a = home[i]
+        later = {home[tensors[t].producer] for t in op.inputs if tensors[t].producer >= 0
+                 and ops[tensors[t].producer].phase == "bwd" and home[tensors[t].producer] > a}
+        if len(later) != 1:
+            continue
+        (b,) = later
+        # the inputs from b's backward that stop crossing (no other reader outside b)
+        freed = sum(tensors[t].nbytes.per_sample for t in set(op.inputs) if tensors[t].producer >= 0
+                    and ops[tensors[t].producer].phase == "bwd" and home[tensors[t].producer] == b
+                    and all(c == i or home[c] == b or ops[c].phase == "opt" for c in tensors[t].consumers))
+        if not freed or sum(tensors[t].nbytes.per_sample for t in op.outputs) > freed:
+            continue
+        pulled: list[int] = []
+        if not all(there(t, b) or _pull(t, i, a, b, ops, tensors, home, there, pulled) for t in op.inputs):
+            continue
+        # at its earliest backward input of b (backward data flows to the same or an earlier position)
+        anchor = min(where[tensors[t].producer] for t in op.inputs if tensors[t].producer >= 0
+                     and ops[tensors[t].producer].phase == "bwd" and home[tensors[t].producer] == b)
+        for j in [*pulled, i]:
+            home[j], where[j] = b, anchor
+            out[j] = (b, anchor)
+    return out
+
+
+def _pull(t: int, reader: int, a: int, b: int, ops, tensors, home, there, pulled: list[int], depth: int = 8) -> bool:
+    """Whether tensor ``t``, read by op ``reader`` only, is made by a backward op of group ``a``
+    that can move to group ``b`` with it (its inputs there, or made so in turn, up to ``depth``
+    ops deep); the ops that move are appended to ``pulled`` (inputs first)."""
+    p = tensors[t].producer
+    if depth == 0 or p < 0 or ops[p].phase != "bwd" or home[p] != a or tensors[t].consumers != [reader]:
+        return False
+    if len(ops[p].outputs) != 1:
+        return False
+    if all(there(x, b) or _pull(x, p, a, b, ops, tensors, home, there, pulled, depth - 1) for x in ops[p].inputs):
+        pulled.append(p)
+        return True
+    return False

@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Literal
 
 from ..errors import PlanError
 from ..graph.gradients import (  # noqa: F401 (gradient_tensors, partial_sum_tensors re-exported by tag.executor)
+    backward_homes,
     batch_independent_tensors,
     deferrable_sums,
     gradient_tensors,
@@ -342,10 +343,12 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
     assign: dict[str, tuple[UnitKey, str]] = {}
     unit_of_op: dict[int, UnitKey] = {}
     phase_of_op: dict[int, str] = {}
+    homes = backward_homes(graph)
     for i, op in enumerate(graph.ops):
         if op.phase == "opt":
             continue
-        key = (op.group, strategies[op.group].unit_of(plan.groups[op.group], op.anchor))
+        group, anchor = homes.get(i, (op.group, op.anchor))
+        key = (group, strategies[group].unit_of(plan.groups[group], anchor))
         phase = op.phase
         if op.target == "getitem" and op.inputs:
             # A tuple projection stays with its tuple (so tuples never cross units).

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..graph.gradients import batch_independent_tensors, deferrable_sums, partial_sum_tensors, tied_weights
+from ..graph.gradients import (
+    backward_homes,
+    batch_independent_tensors,
+    deferrable_sums,
+    partial_sum_tensors,
+    tied_weights,
+)
 from ..plan.format import group_positions
 
 FWD, BWD, OPT = 0, 1, 2
@@ -205,10 +211,11 @@ def build_static(graph) -> GraphStatic:
     k = graph.num_groups
     phase_of = {"fwd": FWD, "bwd": BWD, "opt": OPT}
     eff: dict[int, tuple[int, int, int]] = {}  # op -> (group, pos, phase) where it runs
+    homes = backward_homes(graph)
     for i, op in enumerate(ops):
         if op.phase == "opt":
             continue
-        loc = (op.group, op.anchor, phase_of[op.phase])
+        loc = (*homes.get(i, (op.group, op.anchor)), phase_of[op.phase])
         if op.target == "getitem" and op.inputs:
             p = tensors[op.inputs[0]].producer
             if p in eff:
