@@ -35,7 +35,7 @@ MODELS = ["gpt2:n_layer=2,n_embd=64,n_head=2,vocab=100,seq=16",
           "bert:n_layer=2,n_embd=32,n_head=2,vocab=64,seq=16",
           "llama:n_layer=2,n_embd=32,n_head=2,n_kv_head=1,ffn=64,vocab=64,seq=16",
           "vit:n_layer=2,n_embd=32,n_head=2,image=16,patch=8", "mlp", "mlp:layers=5,hidden=64",
-          "resnet:depth=18,width=8,image=16", "vgg:depth=11,width=8,image=16,hidden=32"]
+          "resnet:depth=18,width=8,image=16", "vgg:depth=11,width=8,image=32,hidden=32"]
 SHIPPED = ["local-cpu2", "local-cpu4", "homogeneous-2x4-v100", "homogeneous-8xa100", "mixed-a100-v100",
            "cluster-16gpu-4m", "tag-testbed", "cloud-t4"]
 KINDS = ["V100-SXM2-16GB", "A100-40GB", "A100-80GB", "T4", "H100-SXM", "L4", "P100-PCIe-16GB", "GTX-1080Ti"]

@@ -48,6 +48,27 @@ def test_static_bound_holds_where_the_micro_batches_are_uneven(odd):
     assert pruned.best.meta["layout"] == full.best.meta["layout"]
 
 
+def test_a_sub_cluster_no_layout_fits_leaves_the_plan_standing(tmp_path, capsys):
+    # found by evaluation/fuzz_plan.py (seed 0): without the L4s, 11 devices hold no layout at
+    # batch 7 (11 is prime, more than 6 op-groups' stages), and "layout: no layout of 11 devices
+    # fits batch 7" ended the whole `tag plan`
+    from test_hardening import run_tag
+
+    topo = tmp_path / "fuzz15.yaml"
+    topo.write_text("name: fuzz15\nmachines:\n"
+                    "  - {name: m0, gpu: T4, count: 3, intra_bandwidth: 300 GB/s}\n"
+                    "  - {name: m1, gpu: L4, count: 4, intra_bandwidth: 150 GB/s}\n"
+                    "  - {name: m2, gpu: A100-80GB, count: 4, intra_bandwidth: 300 GB/s}\n"
+                    "  - {name: m3, gpu: H100-SXM, count: 1}\n"
+                    "  - {name: m4, gpu: T4, count: 3, intra_bandwidth: 150 GB/s}\n"
+                    "network: {bandwidth: 400 Gbit/s}\n")
+    rc, out, err = run_tag(capsys, "plan", "--model", "llama:n_layer=2,n_embd=32,n_head=2,n_kv_head=1,ffn=64,vocab=64,seq=16",
+                           "--batch", "7", "--topology", str(topo), "--budget", "4", "--groups", "6")
+    assert rc == 0, err
+    assert "  sub-cluster without L4: no layout fits and beats" in out and "(0 of 0 simulated)" in out, out
+    assert "predicted iteration time: " in out
+
+
 def test_a_failing_bound_falls_back_to_the_full_grid(odd):
     topo = load_topology("mixed-a100-v100")
     sim = Simulator(odd, topo, CostModel.for_topology(odd, topo))

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, replace
 
 from ..parallel import execution_refusal
-from ..parallel.layout import GridSearch, layout_plan, parse_layout, search_layouts
+from ..parallel.layout import GridSearch, layout_grid, layout_plan, parse_layout, search_layouts
 from .recompute import fit_by_recompute
 
 REFINED_LAYOUTS = 2
@@ -64,6 +64,8 @@ def grid_search(graph, topology, costs, simulator, *, executable: bool = False,
         from ..sim.bounds import layout_bounds
 
         bounds = layout_bounds(simulator, failures)
+    if not layout_grid(graph, topology):  # fewer samples than any layout's replicas (batch 3 on 16
+        return GridSearch(None, [], 0, 0, 0)  # devices): nothing to search; the searched plan stands
     return search_layouts(graph, topology, costs, lambda q: simulator.run(q.groups, pipeline=q.pipeline),
                           executable=executable, bounds=bounds, incumbent=incumbent, deadline=deadline)
 
