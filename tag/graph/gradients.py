@@ -183,8 +183,8 @@ def backward_homes(graph: OpGraph) -> dict[int, tuple[int, int]]:
     ops reading it, the ops summing the partial terms of ``x``'s gradient (and that ``3 x**2``)
     land in ``x``'s group, and each term crossed the boundary backwards where ``x``'s gradient
     alone should (GPT-2's GELU: three terms, 3x the forward bytes). Here, in graph order, a
-    backward op of group ``A`` moves to a later group ``B`` when it makes a batch-carrying tensor
-    no larger than the inputs it reads from ``B``'s backward that nothing else outside ``B``
+    backward op of group ``A`` moves to a later group ``B`` when it makes a batch-carrying tensor,
+    read in ``A`` only, no larger than the inputs it reads from ``B``'s backward that nothing else outside ``B``
     reads (which then stop crossing), and every other input is there already: made by ``B``, a forward value ``B``'s forward reads, a graph input or buffer, or the
     output of an op of ``A`` reading such values only, which moves with it (when it feeds nothing
     else). The executor's placement (:func:`tag.parallel.schedule.build_schedule`) and the
@@ -217,8 +217,9 @@ def backward_homes(graph: OpGraph) -> dict[int, tuple[int, int]]:
         freed = sum(tensors[t].nbytes.per_sample for t in set(op.inputs) if tensors[t].producer >= 0
                     and ops[tensors[t].producer].phase == "bwd" and home[tensors[t].producer] == b
                     and all(c == i or home[c] == b or ops[c].phase == "opt" for c in tensors[t].consumers))
-        if not freed or sum(tensors[t].nbytes.per_sample for t in op.outputs) > freed:
-            continue
+        if not freed or sum(tensors[t].nbytes.per_sample for t in op.outputs) > freed or any(
+                home[c] != a for t in op.outputs for c in tensors[t].consumers):
+            continue  # (its result crosses back to a, and to a alone)
         pulled: list[int] = []
         if not all(there(t, b) or _pull(t, i, a, b, ops, tensors, home, there, pulled) for t in op.inputs):
             continue
