@@ -4,6 +4,7 @@ placement, and ``tag simulate --layout``."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -15,7 +16,7 @@ from tag.cost.baselines import data_parallel
 from tag.cost.model import CostModel
 from tag.errors import PlanError
 from tag.parallel import validate_plan
-from tag.parallel.layout import Layout, balanced_cuts, layout_plan, parse_layout
+from tag.parallel.layout import Layout, balanced_cuts, layout_plan, outside_blocks, parse_layout
 from tag.plan import Plan
 from tag.sim import simulate
 
@@ -367,6 +368,15 @@ def test_uneven_stages_hold_exactly_the_stated_layers(gpt2_16, topo4):
     validate_plan(plan, graph, topo4, pipelines=True, tensor_parallel=True)
     assert _stage_of_layer_ops(graph, plan) == {0: {0}, 1: {1}, 2: {1}, 3: {1}}
     assert all(g.sync == "tp" and g.tp == 2 for g in plan.groups)
+    # vocab=1: the groups before the first block and after the last run data parallel over the stage
+    # (each device half the samples, as Megatron-LM's vocabulary-parallel head halves their work);
+    # costed for Megatron-LM's runs
+    plan = layout_plan(graph, topo4, replace(tp, vocab=1), CostModel.for_topology(graph, topo4))
+    outer = outside_blocks(graph)
+    assert len(plan.groups) - 1 in outer  # (the embedding shares group 0 with the first block here)
+    assert all((g.sync == "tp" and g.tp == 2) == (i not in outer) for i, g in enumerate(plan.groups))
+    assert all(g.shares == plan.groups[1].shares for g in plan.groups)  # each device its half of the samples
+    assert simulate(graph, topo4, plan).iteration_time_s > 0
 
 
 @pytest.mark.parametrize("spec", ["llama:n_layer=4,n_embd=64,n_head=4,vocab=100,seq=16",

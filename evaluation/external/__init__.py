@@ -37,8 +37,10 @@ TOPOLOGIES = HERE / "topologies"
 RESULTS = ROOT / "evaluation" / "results" / "external"
 PRECISIONS = ("fp32", "fp16", "bf16")
 EAGER_RUNTIMES = ("tag", "eager")
-"""Runtimes that run the captured eager kernels (TAG's executor); any other runtime's activations
-are held as a fused trainer holds them (:mod:`tag.cost.fused_memory`)."""
+"""Runtimes that run the captured eager kernels (TAG's executor); any other runtime is costed as
+Megatron-LM runs: its fused kernels (``CostModel`` ``runtime="megatron"``), activations as a fused
+trainer holds them (:mod:`tag.cost.fused_memory`) and, with tensor parallelism, the embedding and
+head split over the tensor-parallel ranks (``Layout.vocab``)."""
 
 
 class DataError(ValueError):
@@ -218,7 +220,8 @@ def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None
         if topo is None:
             topo = topologies[p.topology] = load_topology(str(p.topology))
         graph, _, _ = model_graph(p.model, p.global_batch, precision=p.precision, num_groups=groups)
-        lay = replace(parse_layout(p.layout_text()), stages=p.stages, order=p.devices)
+        lay = replace(parse_layout(p.layout_text()), stages=p.stages, order=p.devices,
+                      vocab=int(p.runtime not in EAGER_RUNTIMES and p.layout["tp"] > 1))
         if lay.stages is not None:
             align_groups(graph, lay)  # op-groups that start at every stage's first layer
         if p.runtime not in EAGER_RUNTIMES:

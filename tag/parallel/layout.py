@@ -49,7 +49,7 @@ from ..plan.format import GroupPlan, PipelinePlan, Plan, new_plan
 from .layers import layer_starts, model_layers
 from .pipeline import get_schedule, spell_schedule
 from .strategy import execution_refusal
-from .tensor_parallel import MAX_DEGREE, aligned_cuts, megatron_blocks
+from .tensor_parallel import MAX_DEGREE, aligned_cuts, block_groups, megatron_blocks
 
 CUTS = ("time", "memory")
 """Stage cuts a layout may ask for (:attr:`Layout.cut`)."""
@@ -79,6 +79,14 @@ class Layout:
     for its devices needs)."""
     recompute: int = 0
     """1: every op-group recomputes its activations (Megatron-LM's full recompute); 0: none."""
+    vocab: int = 0
+    """1: with ``tp > 1``, the op-groups before the first Megatron block and after the last
+    (:func:`outside_blocks`: embedding, LM head, loss) run data parallel over the stage's devices,
+    each ``1 / (dp * tp)`` of the samples, as Megatron-LM's vocabulary-parallel head and
+    cross-entropy split their work over the tensor-parallel ranks (costed for runs of Megatron-LM:
+    TAG's executor refuses tensor parallelism mixed with other groups where group 0 is ``tp``,
+    :func:`~tag.parallel.strategy.execution_refusal`); 0: those groups are replicated on every
+    tensor-parallel rank, as TAG executes them."""
     prop: int = 0
     """1: a stage's replicas get batch shares proportional to their devices' speed (the cost
     model's, :meth:`~tag.cost.CostModel.device_speeds`; a tensor-parallel replica at its slowest
@@ -108,7 +116,7 @@ class Layout:
         get_schedule(self.schedule, where="layout: schedule")
         if self.cut not in CUTS:
             raise PlanError(f"layout: cut: expected one of {list(CUTS)}, got {self.cut!r}")
-        for name in ("sp", "recompute", "prop"):
+        for name in ("sp", "recompute", "prop", "vocab"):
             v = getattr(self, name)
             if v not in (0, 1) or isinstance(v, bool):
                 raise PlanError(f"layout: {name}: expected 0 or 1, got {v!r}")
@@ -190,7 +198,7 @@ def parse_layout(text: str) -> Layout:
             try:
                 fields[key] = int(value)
             except ValueError:
-                what = "0 or 1" if key in ("sp", "recompute", "prop") else "a positive integer"
+                what = "0 or 1" if key in ("sp", "recompute", "prop", "vocab") else "a positive integer"
                 raise PlanError(f"layout: {key}: expected {what}, got {value!r}") from None
     return Layout(**fields)
 
@@ -407,10 +415,11 @@ def layout_plan(graph, topology, layout: Layout, costs, *, template: Plan | None
     groups: list[GroupPlan] = []
     tp = dict(sync="tp", tp=layout.tp, sequence_parallel=bool(layout.sp)) if layout.tp > 1 else {}
     speeds = costs.device_speeds() if layout.prop else None
+    outer = outside_blocks(graph) if layout.tp > 1 and layout.vocab and not layout.sp else frozenset()
     for s, devs in enumerate(stage_devices):
         shares = _shares(devs, layout.tp if layout.tp > 1 and not layout.sp else 1, speeds)
-        groups += [GroupPlan(devs, list(shares), recompute=bool(layout.recompute), **tp)
-                   for _ in range(bounds[s], bounds[s + 1])]
+        groups += [GroupPlan(devs, list(shares), recompute=bool(layout.recompute), **({} if g in outer else tp))
+                   for g in range(bounds[s], bounds[s + 1])]
     if template is None:
         plan = new_plan(graph, topology, groups, searcher="layout", layout=_spell(layout, ranks, topology))
     else:
@@ -420,6 +429,23 @@ def layout_plan(graph, topology, layout: Layout, costs, *, template: Plan | None
     plan.pipeline = PipelinePlan(stages, layout.micro, layout.schedule, layout.k) \
         if layout.pp > 1 or layout.micro > 1 else None
     return plan
+
+
+def outside_blocks(graph) -> frozenset[int]:
+    """Op-groups before the first Megatron block's and after the last one's (the embedding; the
+    final norm, LM head and loss): in a tensor-parallel layout they run data parallel over the
+    stage's devices, each device ``1 / (dp * tp)`` of the samples with the whole weight, as
+    Megatron-LM splits their work over the tensor-parallel ranks (a vocabulary-parallel head and
+    cross-entropy: ``1 / tp`` of the vocabulary each), where a replicated group would compute the
+    whole replica's head on every rank (``tp`` times the work; GPT-2 with 50257 tokens at hidden
+    1536: 40% of a 4-layer model's FLOPs). The weight is held whole on every device and its
+    gradient all-reduced with the stage's data-parallel gradients."""
+    blocks = megatron_blocks(graph)
+    if not blocks:
+        return frozenset()
+    spans = [block_groups(graph, b) for b in blocks]
+    first, last = min(s[0] for s in spans), max(s[-1] for s in spans)
+    return frozenset(g for g in range(graph.num_groups) if g < first or g > last)
 
 
 def _shares(devs: list[int], width: int, speeds) -> list[float]:
@@ -472,7 +498,7 @@ def _spell(layout: Layout, ranks: list[int], topology) -> str:
     text = f"dp={layout.dp},tp={layout.tp},pp={layout.pp},micro={layout.micro},schedule="
     return text + spell_schedule(layout.schedule, layout.k) + (",sp=1" if layout.sp else "") + \
         (f",cut={layout.cut}" if layout.cut != "time" else "") + (",recompute=1" if layout.recompute else "") + \
-        (",prop=1" if layout.prop else "") + \
+        (",prop=1" if layout.prop else "") + (",vocab=1" if layout.vocab else "") + \
         (f",stages={spell_stages(layout.stages)}" if layout.stages is not None else "") + \
         (f",order={spell_order(ranks, topology)}" if layout.order is not None else "")
 
