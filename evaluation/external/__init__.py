@@ -222,8 +222,11 @@ def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None
         graph, _, _ = model_graph(p.model, p.global_batch, precision=p.precision, num_groups=groups)
         lay = replace(parse_layout(p.layout_text()), stages=p.stages, order=p.devices,
                       vocab=int(p.runtime not in EAGER_RUNTIMES and p.layout["tp"] > 1))
-        if lay.stages is not None:
-            align_groups(graph, lay)  # op-groups that start at every stage's first layer
+        if lay.stages is not None:  # op-groups that start at every stage's first layer
+            try:
+                align_groups(graph, lay)
+            except TagError:  # (many layers, e.g. 96 cut 6 by 6: about two groups a layer)
+                align_groups(graph, lay, near=2 * sum(lay.stages))
         if p.runtime not in EAGER_RUNTIMES:
             graph = fused_activation_graph(graph)
         costs = CostModel.for_topology(graph, topo, numerics=Numerics(matmul_tf32=p.matmul_tf32),
