@@ -365,6 +365,35 @@ def test_a_boundary_carries_back_the_gradient_of_what_crossed_it(captured, topo4
     assert set(got) == set(want) and all(got[k] == pytest.approx(v, rel=1e-12) for k, v in want.items())
 
 
+@pytest.mark.parametrize("spec, groups", [
+    ("gpt2:n_layer=4,n_embd=32,n_head=2,seq=16", 8),
+    ("llama:n_layer=2,n_embd=32,n_head=2,n_kv_head=1,ffn=64,vocab=64,seq=16", 6),
+    (LLAMA, 4)])
+def test_moved_backward_ops_keep_backward_data_flowing_to_earlier_positions(captured, spec, groups):
+    """After tag.graph.gradients.backward_homes every backward op is at or before the position of
+    every backward op it reads (an mp group's chunks run their backward in reverse order; a moved
+    op at a later position than an input's maker read it before it was made: the simulator failed
+    on `tag plan --model llama:n_layer=2,... --batch 3 --topology local-cpu4 --seed 112 --groups 6`),
+    and a moved op reads from one later group and is read in its own group only."""
+    from tag.graph.gradients import backward_homes
+
+    graph = captured(spec, batch=3, groups=groups).graph
+    homes = backward_homes(graph)
+    assert homes
+    where = {i: homes.get(i, (op.group, op.anchor)) for i, op in enumerate(graph.ops)}
+    for i, op in enumerate(graph.ops):
+        if op.phase != "bwd":
+            continue
+        for t in op.inputs:
+            p = graph.tensors[t].producer
+            if p >= 0 and graph.ops[p].phase == "bwd":
+                assert where[i][1] <= where[p][1] and where[i][0] <= where[p][0], (op.name, graph.ops[p].name)
+    for i, (g, _) in homes.items():
+        assert g > graph.ops[i].group
+        assert all(where[c][0] in (g, graph.ops[i].group) for t in graph.ops[i].outputs
+                   for c in graph.tensors[t].consumers if graph.ops[c].phase != "opt")
+
+
 def _execute(tmp_path: Path, graph, topo_path: str, plan, spec: str, optimizer: str, steps: int = 2):
     plan_path = tmp_path / "plan.json"
     plan.save(plan_path)

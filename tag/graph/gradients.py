@@ -223,9 +223,11 @@ def backward_homes(graph: OpGraph) -> dict[int, tuple[int, int]]:
         pulled: list[int] = []
         if not all(there(t, b) or _pull(t, i, a, b, ops, tensors, home, there, pulled) for t in op.inputs):
             continue
-        # at its earliest backward input of b (backward data flows to the same or an earlier position)
-        anchor = min(where[tensors[t].producer] for t in op.inputs if tensors[t].producer >= 0
-                     and ops[tensors[t].producer].phase == "bwd" and home[tensors[t].producer] == b)
+        # at the earliest backward input of b of the ops that move (backward data flows to the same
+        # or an earlier position: an mp group's chunks run their backward in reverse order)
+        anchor = min(where[tensors[t].producer] for j in [*pulled, i] for t in ops[j].inputs
+                     if tensors[t].producer >= 0 and ops[tensors[t].producer].phase == "bwd"
+                     and home[tensors[t].producer] == b)
         for j in [*pulled, i]:
             home[j], where[j] = b, anchor
             out[j] = (b, anchor)
