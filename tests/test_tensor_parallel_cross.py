@@ -114,7 +114,7 @@ def test_simulated_bytes_are_the_executed_ones(setup, trained):
 
 def test_the_plan_bound_counts_the_all_gathers(setup):
     """``plan_bound``'s per-device transfer load (:func:`tag.sim.bounds._transfer_load`) is the
-    seconds of the device's messages at bandwidth plus one all-gather of everything scattered
+    seconds at bandwidth of the messages the device receives (and sends, on a CPU rank) plus one all-gather of everything scattered
     into its group (the run all-gathers per stage and micro-batch, at least that long), and stays
     below the run's communication time on every device."""
     from tag.sim import Simulator
@@ -126,7 +126,9 @@ def test_the_plan_bound_counts_the_all_gathers(setup):
     p2p, gathered = sim.moved_bytes(plan.groups, pipeline=plan.pipeline)
     load = _transfer_load(sim, sim.deploy(plan.groups), sim._micro(plan.groups, plan.pipeline))[0]
     for d in range(topo.num_devices):
-        links = sum(nb / sim.comm.bandwidth[a, b] for (a, b), nb in p2p.items() if d in (a, b))
+        # on its receiver, and on a sender that waits for its sends (a CPU rank; a GPU rank computes on)
+        links = sum(nb / sim.comm.bandwidth[a, b] for (a, b), nb in p2p.items()
+                    if d == b or (d == a and sim.shared_stream[a]))
         team = (d - d % 2, d - d % 2 + 1)
         gather = sim.scatter_gather_time(team, (gathered[d] / 2, gathered[d] / 2))
         assert gather > 0 and load[d] == pytest.approx(links + gather, rel=1e-9)
