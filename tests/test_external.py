@@ -87,6 +87,9 @@ def test_runner_costs_points_and_writes_results(tmp_path):
     assert by["dp8"].split(",")[11] and by["pp2"].split(",")[11]  # simulated seconds written
     assert "expected" in by["bad"] or "device" in by["bad"]  # dp=3 on 8 devices: the planner's one line
     assert (out / "sim_vs_measured.png").stat().st_size > 1000
+    (out / "sim_vs_measured.png").unlink()
+    assert main(["--points", str(root), "--out", str(out), "--replot"]) == 0  # from points.csv alone
+    assert (out / "sim_vs_measured.png").stat().st_size > 1000
     assert (out / "README.md").read_text().startswith("| run | command | commit | machine | date |")
     import json
     assert json.loads((out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))

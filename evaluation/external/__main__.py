@@ -91,17 +91,19 @@ def _plot(path: Path, rows: list[Row]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 6))
+    fig, ax = plt.subplots(figsize=(11, 7))
+    colours = plt.get_cmap("tab20").colors + plt.get_cmap("tab20b").colors  # one per group (up to 40)
     by: dict[str, list[Row]] = {}
     for r in rows:
         if r.ratio is not None and r.point.ran:
             by.setdefault(r.point.group, []).append(r)
     lo, hi = float("inf"), 0.0
-    for g, rs in by.items():
+    for i, (g, rs) in enumerate(by.items()):
         x = [r.point.measured_s for r in rs]
         y = [r.simulated_s for r in rs]
         lo, hi = min(lo, *x, *y), max(hi, *x, *y)
-        ax.scatter(x, y, label=f"{g} ({len(rs)})", s=18, marker="x" if rs[0].point.heterogeneous else "o")
+        ax.scatter(x, y, label=f"{g} ({len(rs)})", s=18, color=colours[i % len(colours)],
+                   marker="x" if rs[0].point.heterogeneous else "o")
         oom = [(r.point.measured_s, r.simulated_s) for r in rs if r.oom]
         if oom:
             ax.scatter(*zip(*oom), s=80, facecolors="none", edgecolors="red")
@@ -114,12 +116,26 @@ def _plot(path: Path, rows: list[Row]) -> None:
     ax.set_xlabel("measured s / iteration")
     ax.set_ylabel("simulated s / iteration")
     ax.set_title("TAG simulator vs published measurements (x: heterogeneous; red ring: predicted OOM)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def _rows_of(path: Path, points: Path) -> list[Row]:
+    """The rows of a written ``points.csv`` (simulated seconds and OOM) on the points they name."""
+    by = {(p.group, p.id): p for p in load_points(points)}
+    out = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            p = by.get((r["group"], r["id"]))
+            if p is not None:
+                sim = float(r["simulated_s"]) if r["simulated_s"] else None
+                out.append(Row(p, sim, r["oom"] == "True", float(r["peak_gib"]) if r["peak_gib"] else None,
+                               r["error"] or None))
+    return out
 
 
 _TOPOLOGIES: dict = {}  # per process: topology file -> Topology
@@ -137,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated group names")
     ap.add_argument("--groups", type=int, default=48, help="op-groups per captured model")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (points in order, results identical)")
+    ap.add_argument("--replot", action="store_true", help="redraw --out's plot from its points.csv, simulate nothing")
     a = ap.parse_args(argv)
+    if a.replot:
+        _plot(a.out / "sim_vs_measured.png", _rows_of(a.out / "points.csv", a.points))
+        return 0
     try:
         points = load_points(a.points)
     except DataError as e:
