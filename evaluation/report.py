@@ -68,9 +68,9 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def header_lines(command: str, machine: str, run: str = "run") -> list[str]:
-    """The header table a script writes at the top of its results folder's README: ``command``, the
-    checkout's commit (``+changes`` when ``tag/`` differs from it), ``machine`` and today's UTC date."""
+def run_fields(command: str, machine: str) -> dict[str, str]:
+    """``command``, the checkout's ``commit`` (``+changes`` when ``tag/`` differs from it),
+    ``machine`` and today's UTC ``date``: what a results folder's header states of its run."""
     def git(*args: str) -> str:
         out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
         return out.stdout.strip() if out.returncode == 0 else ""
@@ -78,7 +78,18 @@ def header_lines(command: str, machine: str, run: str = "run") -> list[str]:
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     commit += "+changes" if git("status", "--porcelain", "--", "tag") else ""
     date = datetime.datetime.now(datetime.UTC).date().isoformat()
-    return [HEADER, "|---|---|---|---|---|", f"| {run} | `{command}` | {commit} | {machine} | {date} |"]
+    return {"command": command, "commit": commit, "machine": machine, "date": date}
+
+
+def header_table(fields: dict[str, str], run: str = "run") -> list[str]:
+    """The header table of :func:`run_fields` a script writes at the top of its results folder's README."""
+    f = fields
+    return [HEADER, "|---|---|---|---|---|", f"| {run} | `{f['command']}` | {f['commit']} | {f['machine']} | {f['date']} |"]
+
+
+def header_lines(command: str, machine: str, run: str = "run") -> list[str]:
+    """:func:`header_table` of this checkout's run of ``command`` on ``machine``."""
+    return header_table(run_fields(command, machine), run)
 
 
 def machine_line() -> str:

@@ -24,8 +24,8 @@ any fit).
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, field, replace
+import statistics
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -82,7 +82,6 @@ class Point:
     ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``); set per file, group or point."""
     raw: str = ""
     """The published figure, verbatim."""
-    extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def layout_text(self) -> str:
         """``dp=..,tp=..,pp=..,micro=..[,...]`` (:func:`tag.parallel.layout.parse_layout`)."""
@@ -144,12 +143,9 @@ def _point(doc: dict, src: str, group: dict, runtime: str, where: str, tf32: boo
     _need(isinstance(topo, str) and topo, where, "group topology: expected a file name")
     tf32 = doc.get("matmul_tf32", group.get("matmul_tf32", tf32))
     _need(isinstance(tf32, bool), where, f"matmul_tf32: expected true or false, got {tf32!r}")
-    known = {"matmul_tf32", "id", "model", "precision", "global_batch", "micro_batch", "layout", "stages", "devices",
-             "schedule", "recompute", "measured", "ran", "expressible", "note", "notes"}
     return Point(pid, src, group["name"], bool(group.get("heterogeneous", False)), TOPOLOGIES / topo, model, prec,
                  gb, layout, float(t) if t is not None else None, ran, runtime, stages, devices,
-                 float(mem) if isinstance(mem, (int, float)) else None, tf32, str(meas.get("from", "")),
-                 {k: v for k, v in doc.items() if k not in known})
+                 float(mem) if isinstance(mem, (int, float)) else None, tf32, str(meas.get("from", "")))
 
 
 def load_points(root: Path = POINTS, *, expressible_only: bool = True) -> list[Point]:
@@ -287,17 +283,14 @@ def score_group(rows: list[Row]) -> GroupScore:
         top3 = best in sorted(range(len(ok)), key=lambda i: sim[i])[:3]
     failed = [r for r in rows if not r.point.ran]
     return GroupScore(rows[0].point.group, rows[0].point.heterogeneous, sorted({r.point.source for r in rows}), len(ok),
-                      spearman(sim, meas), float(median(errs)) if errs else float("nan"),
+                      spearman(sim, meas), median(errs),
                       errs[-1] if errs else float("nan"), top3, sum(r.oom for r in ok),
                       sum(r.oom for r in failed), len(failed), sum(r.error is not None for r in rows))
 
 
 def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    if n == 0:
-        return float("nan")
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+    """:func:`statistics.median`, NaN for no values."""
+    return statistics.median(xs) if xs else float("nan")
 
 
 def score(rows: list[Row]) -> tuple[list[GroupScore], dict]:
@@ -317,9 +310,3 @@ def score(rows: list[Row]) -> tuple[list[GroupScore], dict]:
         "groups_scored": sum(g.passes() is not None for g in groups),
     }
     return groups, overall
-
-
-def machine_line() -> str:
-    import platform
-
-    return f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()})"

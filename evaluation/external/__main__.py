@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import functools
 import io
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from . import POINTS, RESULTS, ROOT, DataError, Row, load_points, machine_line, score, simulate_point
-
-
-def _commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "tag"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+from . import POINTS, RESULTS, DataError, Row, load_points, score, simulate_point
 
 
 def _fmt(x, spec: str = ".3f") -> str:
@@ -28,13 +20,12 @@ def _fmt(x, spec: str = ".3f") -> str:
 
 def write_results(out: Path, rows: list[Row], command: str) -> dict:
     """``points.csv``, ``summary.json``, ``sim_vs_measured.png`` and ``README.md`` under ``out``."""
-    from evaluation.report import header_lines
+    from evaluation.report import header_table, machine_line, run_fields
     from tag.io import write_atomic, write_json
 
     groups, overall = score(rows)
     out.mkdir(parents=True, exist_ok=True)
-    header = {"command": command, "commit": _commit(), "machine": machine_line(),
-              "date": datetime.date.today().isoformat()}
+    header = run_fields(command, machine_line())
     fields = ["group", "id", "source", "runtime", "model", "precision", "global_batch", "layout", "stages",
               "ran", "measured_s", "simulated_s", "ratio", "oom", "peak_gib", "memory_gib", "error"]
     buf = io.StringIO()
@@ -50,7 +41,7 @@ def write_results(out: Path, rows: list[Row], command: str) -> dict:
     summary = _finite({**header, "overall": overall, "groups": [g.__dict__ | {"passes": g.passes()} for g in groups]})
     write_json(out / "summary.json", summary)
     _plot(out / "sim_vs_measured.png", rows)
-    lines = [*header_lines(command, header["machine"]), "",
+    lines = [*header_table(header), "",
              "# Simulator against published multi-GPU measurements", "",
              "Each point is a published, measured training iteration (sources: `evaluation/external/points/`), "
              "costed by `tag simulate --layout` on its cluster's topology file. Error = simulated / measured - 1. "

@@ -86,11 +86,14 @@ def fused_activation_graph(graph: OpGraph) -> OpGraph:
     for i in inner:
         if saved(tensors[i]):
             dropped.setdefault(find(tensors[i].producer), []).append(i)
+    members: dict[int, list[int]] = {}  # chain -> its ops
+    for o in list(root):
+        members.setdefault(find(o), []).append(o)
     scale: dict[int, Affine] = {}
     for chain, ts in dropped.items():
         keep = Affine()
         seen: set[int] = set()
-        for o in (o for o in root if find(o) == chain):
+        for o in members[chain]:
             for t_idx in ops[o].inputs:
                 t = tensors[t_idx]
                 if t_idx in inner or t_idx in seen or t.kind != "activation" or t.batch_dim is None or saved(t):

@@ -49,6 +49,7 @@ def fold_attention_masks(ep: torch.export.ExportedProgram) -> torch.export.Expor
     and erase the ops that computed those masks. Returns ``ep``."""
     graph = ep.graph
     values: dict[torch.fx.Node, torch.Tensor | None] = {}
+    rows: dict[torch.fx.Node, torch.Tensor | None] = {}  # one-row values (_one_row), apart from full ones
     folded: list[torch.fx.Node] = []
     index = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
@@ -59,7 +60,7 @@ def fold_attention_masks(ep: torch.export.ExportedProgram) -> torch.export.Expor
         if not isinstance(mask, torch.fx.Node) or bound.get("is_causal"):
             continue
         query, key = node.args[0].meta.get("val"), node.args[1].meta.get("val")
-        value = _constant(mask, values, index, _row_batch(query, key))
+        value = _constant(mask, values, rows, index, _row_batch(query, key))
         kind = None if value is None or query is None or key is None else mask_kind(
             value, query.shape[-2], key.shape[-2])
         if kind is None:
@@ -189,16 +190,16 @@ def _too_large(node: torch.fx.Node, batch: int | None = None) -> bool:
     return n > MAX_MASK_ELEMENTS
 
 
-def _constant(node: torch.fx.Node, values: dict, index: dict, batch: int | None = None) -> torch.Tensor | None:
+def _constant(node: torch.fx.Node, values: dict, rows: dict, index: dict, batch: int | None) -> torch.Tensor | None:
     """The value of ``node`` computed on the CPU from constants alone, or None when it reads a
     placeholder, an impure op or a tensor above :data:`MAX_MASK_ELEMENTS` (memoised in ``values``).
-    ``batch``: evaluate one batch row (:func:`_one_row`); a result whose shape is not the traced
-    one with its batch made 1 is not used (None)."""
+    ``batch``: where the whole mask is over the limit, evaluate one batch row (:func:`_one_row`,
+    memoised in ``rows``); a result whose shape is not the traced one with its batch made 1 is not
+    used (None)."""
     val = node.meta.get("val")
     if batch and isinstance(val, torch.Tensor) and val.numel() <= MAX_MASK_ELEMENTS:
         batch = None  # the whole mask fits: evaluated as traced
     if batch:
-        rows = values.setdefault("rows", {})  # one-row values are kept apart from full ones
         out = _evaluate(node, rows, index, batch)
         if out is None or not isinstance(val, torch.Tensor):
             return None
