@@ -26,7 +26,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install $(PIP_FLAGS) --upgrade pip
-	$(PIP) install $(PIP_FLAGS) -e '.[test]'
+	$(PIP) install $(PIP_FLAGS) -e '.[test,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)

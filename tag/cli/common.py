@@ -112,6 +112,20 @@ def add_force_arg(p: argparse.ArgumentParser) -> None:
                    help="replace output files that exist (never one of this command's own inputs)")
 
 
+def add_ray_arg(p: argparse.ArgumentParser, items: str) -> None:
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help=f"run the {items} as Ray tasks: on the cluster at ADDRESS (auto, HOST:6379, "
+                        "ray://HOST:10001; tag installed on every node), or, without ADDRESS, on a Ray cluster "
+                        "started on this machine (needs `pip install 'tag-planner[ray]'`; default: this "
+                        "machine's process pool)")
+
+
+def backend_of(args, workers: int = 1):
+    """The :class:`tag.dispatch.Backend` of ``--ray`` (a local pool of ``workers`` without it)."""
+    from ..dispatch import Backend
+    return Backend(workers=workers, ray=args.ray)
+
+
 def _input_files(args) -> list[str]:
     """Files the command reads: --topology (a path or a shipped name), --plan, --checkpoint and a
     ``path/to/file.py:function`` model factory."""

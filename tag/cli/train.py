@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from .common import MAX_SEED, OUTSIDE, add_force_arg, check_outputs, int_in, print_json
+from .common import (
+    MAX_SEED,
+    OUTSIDE,
+    add_force_arg,
+    add_ray_arg,
+    backend_of,
+    check_outputs,
+    int_in,
+    print_json,
+)
 
 
 def register(sub) -> None:
@@ -41,6 +50,7 @@ def register(sub) -> None:
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume a run folder under a config other than the one it was started with (rounds "
                         "made under both are then mixed; without it such a resume is refused)")
+    add_ray_arg(p, "pairs to label")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_force_arg(p)
     p.set_defaults(func=run)
@@ -121,6 +131,7 @@ def run(args) -> int:
     cfg = build_config(args)
     check_outputs(args, export=new_export(args, cfg))
     t0 = time.perf_counter()
-    final = run_loop(cfg, progress=not args.no_progress, allow_changed=args.allow_config_change)
+    final = run_loop(cfg, progress=not args.no_progress, allow_changed=args.allow_config_change,
+                     backend=backend_of(args, cfg.gen.workers))
     print_json({"checkpoint": str(final), "run_dir": cfg.run_dir, "wall_seconds": time.perf_counter() - t0})
     return 0

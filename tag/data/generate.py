@@ -1,4 +1,5 @@
-"""Label (model, topology) pairs with MCTS, in parallel processes, resumably.
+"""Label (model, topology) pairs with MCTS, in parallel processes or on a Ray cluster
+(:mod:`tag.dispatch`), resumably.
 
 Layout of a dataset folder::
 
@@ -7,23 +8,25 @@ Layout of a dataset folder::
                           simulator feedback, the MCTS visit distribution and the value target
     processed/...         the PyG dataset built from raw/ (see tag.data.dataset.PlanDataset)
 
-A sample is written atomically when its episode ends, so a killed generation resumes by skipping
-the samples whose file exists: nothing finished is redone.
+A sample is written atomically (by the process that started the generation, whichever worker
+labelled it) when its episode ends, so a killed generation resumes by skipping the samples whose
+file exists: nothing finished is redone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..io import write_json
+from ..dispatch import Backend, run_tasks
+from ..io import write_atomic, write_json
 from .pairs import PairSpec, check_large_inputs, sample_pair
 
 MAX_WORKERS = 256
@@ -118,10 +121,17 @@ def graphs_dir(root: str | os.PathLike) -> Path:
     return root / "graphs"
 
 
-def load_graph(gdir: str | os.PathLike, model: str, batch: int, groups: int, optimizer: str = "adam"):
+def load_graph(gdir: str | os.PathLike | Mapping[str, str], model: str, batch: int, groups: int,
+               optimizer: str = "adam"):
     """The captured graph of ``model`` at ``batch``, regrouped into ``groups`` (cached as JSON in
-    ``gdir``)."""
+    ``gdir``; or ``gdir`` maps :func:`graph_key` to that JSON, as labelling workers hold it)."""
     from ..graph import OpGraph, group_ops
+    if isinstance(gdir, Mapping) and graph_key(model, batch, optimizer) in gdir:
+        g = OpGraph.from_json(gdir[graph_key(model, batch, optimizer)])
+        group_ops(g, groups)
+        return g
+    if isinstance(gdir, Mapping):
+        raise KeyError(f"graph of {model} at batch {batch} was not captured")
     path = Path(gdir) / f"{graph_key(model, batch, optimizer)}.json"
     if path.exists():
         g = OpGraph.from_json(path.read_text())
@@ -135,7 +145,7 @@ def load_graph(gdir: str | os.PathLike, model: str, batch: int, groups: int, opt
     return g
 
 
-def label_pair(gdir: Path, spec: PairSpec, cfg: GenConfig, prior=None, simulator_factory=None) -> dict:
+def label_pair(gdir: Path | Mapping[str, str], spec: PairSpec, cfg: GenConfig, prior=None, simulator_factory=None) -> dict:
     """Run one labelling episode; returns the JSON-able record."""
     from ..gnn.model import reward_to_value
     from ..search.evaluate import Evaluator
@@ -188,38 +198,40 @@ def label_pair(gdir: Path, spec: PairSpec, cfg: GenConfig, prior=None, simulator
 
 
 # ---------------------------------------------------------------------------------- workers
-_W: dict = {}
-
-
-def _init_worker(root: str, cfg: dict, net_path: str | None) -> None:
+def label_setup(shared: dict) -> dict:
+    """A labelling worker's context (once per worker): the config, the prior's network, the graphs."""
     import torch
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    _W["root"] = Path(root)
-    _W["ppid"] = os.getppid()
-    _W["cfg"] = GenConfig(**cfg)
-    _W["prior"] = None
-    if net_path:
-        from ..gnn.predictor import Predictor
-        _W["prior"] = Predictor.load(net_path)
+    return {**shared, "cfg": GenConfig(**shared["cfg"])}
 
 
-def _work(index: int) -> tuple[int, float, str | None]:
-    root, cfg = _W["root"], _W["cfg"]
-    if _W.get("ppid") not in (None, os.getppid()):  # the parent was killed: do not linger
-        os._exit(0)
-    out = root / "raw" / f"{index:05d}.json"
-    if out.exists():
-        return index, 0.0, None
-    spec = sample_pair(cfg.seed, index, max_groups=cfg.max_groups, models=_models(cfg),
-                       large_fraction=cfg.large_fraction, large_inputs=cfg.large_inputs)
+def label_task(ctx: dict, index: int) -> dict:
+    """Label pair ``index``: ``{"record": ...}``, or ``{"failed": ...}`` for a pair whose search
+    raised (written to ``failed/``, never retried: it would raise again)."""
+    cfg = ctx["cfg"]
+    spec = _spec(cfg, index)
+    lost = ctx["capture_errors"].get(graph_key(spec.model, spec.batch, cfg.optimizer))
+    if lost is not None:  # its graph's capture raised: so would the pair's
+        return {"failed": {"pair": spec.to_dict(), "error": lost[:500]}}
     try:
-        rec = label_pair(graphs_dir(root), spec, cfg, _W["prior"])
+        return {"record": label_pair(ctx["graphs"], spec, cfg, ctx["prior"])}
     except Exception as e:  # noqa: BLE001 - a bad pair must not stop the whole run
-        write_json(root / "failed" / f"{index:05d}.json", {"pair": spec.to_dict(), "error": repr(e)[:500]})
-        return index, 0.0, repr(e)[:200]
-    write_json(out, rec, indent=None)
-    return index, rec["seconds"], None
+        return {"failed": {"pair": spec.to_dict(), "error": repr(e)[:500]}}
+
+
+def capture_task(ctx: dict, key: tuple[str, int, int]) -> str:
+    """The captured graph of ``(model, batch, groups)`` as JSON (written to the cache by the caller)."""
+    from ..graph import capture
+    from ..workloads import load_workload
+    model, batch, groups = key
+    return capture(load_workload(model, batch=batch, seed=0), optimizer=ctx["cfg"].optimizer,
+                   num_groups=groups).graph.to_json()
+
+
+def _spec(cfg: GenConfig, index: int) -> PairSpec:
+    return sample_pair(cfg.seed, index, max_groups=cfg.max_groups, models=_models(cfg),
+                       large_fraction=cfg.large_fraction, large_inputs=cfg.large_inputs)
 
 
 def _models(cfg: GenConfig):
@@ -237,44 +249,62 @@ def pending(root: Path, cfg: GenConfig) -> list[int]:
 
 
 def generate(root: str | os.PathLike, cfg: GenConfig, net_path: str | None = None, *,
-             progress: bool = True, graphs: str | os.PathLike | None = None) -> dict:
-    """Label ``cfg.samples`` pairs into ``root`` (resuming), in ``cfg.workers`` processes.
+             progress: bool = True, graphs: str | os.PathLike | None = None, backend: Backend | None = None,
+             log: Callable[[dict], None] | None = None) -> dict:
+    """Label ``cfg.samples`` pairs into ``root`` (resuming) on ``backend`` (default: a local pool
+    of ``cfg.workers`` processes).
 
-    ``graphs``: folder of cached captured graphs (default ``root/graphs``), shareable by datasets."""
+    Two jobs: the graphs no pair to label finds in the cache are captured (one item per model and
+    batch), then the pairs are labelled, every worker given the network and the graphs once.
+    ``graphs``: folder of cached captured graphs (default ``root/graphs``), shareable by datasets;
+    ``log``: receives the progress records."""
     root = Path(root)
+    backend = backend or Backend(workers=cfg.workers)
     (root / "raw").mkdir(parents=True, exist_ok=True)
     gdir = os.path.relpath(Path(graphs).resolve(), root.resolve()) if graphs is not None else "graphs"
     write_json(root / "gen_config.json", {**asdict(cfg), "net": net_path, "graphs_dir": gdir})
     todo = pending(root, cfg)
     t0 = time.perf_counter()
+    texts, lost = _graph_texts(root, cfg, todo, backend, progress, log)
+    shared = {"cfg": asdict(cfg), "graphs": texts, "capture_errors": lost, "prior": None}
+    if todo and net_path:
+        from ..gnn.predictor import Predictor
+        shared["prior"] = Predictor.load(net_path)
     errors = 0
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.samples, initial=cfg.samples - len(todo), desc=f"label {root.name}",
-                   unit="pair", dynamic_ncols=True)
-    if not todo:
-        pass
-    elif cfg.workers == 1:
-        _init_worker(str(root), asdict(cfg), net_path)
-        for i in todo:
-            _, _, err = _work(i)
-            errors += err is not None
-            if bar:
-                bar.update(1)
-    else:
-        ctx = mp.get_context("spawn")
-        with ctx.Pool(cfg.workers, initializer=_init_worker, initargs=(str(root), asdict(cfg), net_path)) as pool:
-            for _, _, err in pool.imap_unordered(_work, todo):
-                errors += err is not None
-                if bar:
-                    bar.update(1)
-            pool.close()  # let the workers exit: the context manager alone terminates them, and a
-            pool.join()   # worker killed that way leaks a semaphore (a warning at shutdown)
-    if bar:
-        bar.close()
+    for out in run_tasks(label_task, todo, setup=label_setup, shared=shared, backend=backend,
+                         desc=f"label {root.name}", progress=progress, log=log,
+                         done_before=cfg.samples - len(todo), total=cfg.samples):
+        if out.error is not None:  # its worker lost (more than Ray's retries): labelled by the next run
+            errors += 1
+        elif "failed" in out.result:
+            errors += 1
+            write_json(root / "failed" / f"{out.item:05d}.json", out.result["failed"])
+        else:
+            write_json(root / "raw" / f"{out.item:05d}.json", out.result["record"], indent=None)
     done = len(list((root / "raw").glob("*.json")))
     return {"samples": done, "errors": errors, "seconds": time.perf_counter() - t0}
+
+
+def _graph_texts(root: Path, cfg: GenConfig, todo: list[int], backend: Backend, progress: bool,
+                 log) -> tuple[dict[str, str], dict[str, str]]:
+    """``{graph_key: OpGraph JSON}`` of the pairs ``todo`` and ``{graph_key: error}`` of those
+    whose capture failed; those not in the cache are captured first, each at the op-group count of
+    its first pair (:func:`load_graph` regroups every pair's graph to its own count)."""
+    gdir = graphs_dir(root)
+    first: dict[str, tuple[str, int, int]] = {}
+    for i in todo:
+        spec = _spec(cfg, i)
+        first.setdefault(graph_key(spec.model, spec.batch, cfg.optimizer), (spec.model, spec.batch, spec.groups))
+    missing = {k: v for k, v in first.items() if not (gdir / f"{k}.json").exists()}
+    lost = {}
+    for out in run_tasks(capture_task, list(missing.values()), setup=label_setup, shared={"cfg": asdict(cfg)},
+                         backend=backend, desc=f"capture {root.name}", progress=progress, log=log):
+        model, batch, _ = out.item
+        if out.error is not None:
+            lost[graph_key(model, batch, cfg.optimizer)] = out.error
+        else:
+            write_atomic(gdir / f"{graph_key(model, batch, cfg.optimizer)}.json", out.result)
+    return {k: (gdir / f"{k}.json").read_text() for k in first if k not in lost}, lost
 
 
 def read_records(root: str | os.PathLike) -> list[dict]:

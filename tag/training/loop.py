@@ -13,7 +13,7 @@ Run folder layout::
     wandb/                 wandb run files (offline unless asked otherwise)
     log.jsonl              every logged record
 
-Everything resumes: generation skips finished samples, training restarts after the last
+Everything resumes (under either labelling backend, :mod:`tag.dispatch`): generation skips finished samples, training restarts after the last
 finished epoch, finished rounds are skipped.
 """
 
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..data.generate import GenConfig, generate
+from ..dispatch import Backend
 from ..gnn.model import TagNet
 from ..gnn.predictor import CheckpointError, load_net, save_checkpoint
 from ..io import check_folder, load_tensors, write_atomic
@@ -100,8 +101,11 @@ def started_config(run_dir: str | os.PathLike) -> LoopConfig | None:
     return started
 
 
-def run_loop(cfg: LoopConfig, *, progress: bool = True, allow_changed: bool = False) -> Path:
-    """Run (or resume) the whole loop; returns the path of the final checkpoint.
+def run_loop(cfg: LoopConfig, *, progress: bool = True, allow_changed: bool = False,
+             backend: Backend | None = None) -> Path:
+    """Run (or resume) the whole loop; returns the path of the final checkpoint. The pairs are
+    labelled on ``backend`` (default: a local pool of ``cfg.gen.workers`` processes; the labels
+    are the same on any), its progress records logged.
 
     A run folder is resumed under the config it was started with: a ``cfg`` that differs from it
     in what the run computes (:meth:`LoopConfig.changed_from`) is refused with a
@@ -131,9 +135,11 @@ def run_loop(cfg: LoopConfig, *, progress: bool = True, allow_changed: bool = Fa
             gen = GenConfig(**{**cfg.gen.__dict__, "samples": cfg.samples(r), "seed": cfg.gen.seed + 1000 * r})
             prev = run_dir / f"round{r - 1}" / "predictor.pt" if r > 0 else None
             t0 = time.perf_counter()
+            on = backend or Backend(workers=gen.workers)
             stats = generate(rdir, gen, str(prev) if prev is not None else None, progress=progress,
-                             graphs=run_dir / "graphs")
-            log({"round": r, "stage": "generate", **stats, "gen_seconds": time.perf_counter() - t0})
+                             graphs=run_dir / "graphs", backend=on, log=lambda rec, r=r: log({"round": r, **rec}))
+            log({"round": r, "stage": "generate", **stats, "gen_seconds": time.perf_counter() - t0,
+                 "backend": on.describe()})
             train_set, val_set = _datasets(run_dir, r + 1, cfg.target, cfg.coarse_above)
             net = load_net(prev)[0] if prev is not None else TagNet(cfg.net)
             if prev is None:
