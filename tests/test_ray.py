@@ -137,3 +137,39 @@ def test_nothing_listens_beyond_the_loopback_interface(cluster):
                  if c.status == psutil.CONN_LISTEN and c.pid in ours]
     assert len(listening) >= 3  # GCS, raylet, workers: the test looks at Ray's sockets
     assert [s for s in listening if not _loopback(s[0])] == []
+
+
+def test_bench_cells_on_ray_equal_the_local_ones_and_resume(cluster, tmp_path, monkeypatch):
+    from tag.bench.runner import run_suite
+    from tag.bench.suites import ModelCase, SuiteConfig
+
+    monkeypatch.setenv("TAG_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = SuiteConfig(name="t", models=[ModelCase("mlp:layers=2,hidden=32,in_dim=16", 8)],
+                      topologies=["tag-testbed"], methods=["dp", "lower-bound", "random"], groups=4,
+                      search_budget=4)
+    local, _ = run_suite(cfg, tmp_path / "local")
+    lines = (tmp_path / "local" / "cells.jsonl").read_text().splitlines()
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "cells.jsonl").write_text(lines[1] + "\n")  # a run killed after one cell
+    on_ray, resumed = run_suite(cfg, tmp_path / "ray", RAY)
+    assert resumed == 1 and len(on_ray) == len(local) == 3
+    key = lambda c: (c.key(), c.predicted_time_s, c.oom, c.speedup_vs_dp, c.playouts)  # noqa: E731
+    assert [key(c) for c in on_ray] == [key(c) for c in local]  # the suite's order, the same results
+
+
+def test_a_tuning_study_on_ray_is_the_local_one(cluster, tmp_path, monkeypatch):
+    from tag.gnn import NetConfig
+    from tag.training import tune as tune_mod
+
+    data = tmp_path / "data"
+    generate(data, _gen_cfg(), progress=False)
+    monkeypatch.setattr(tune_mod, "suggest", lambda trial: (  # called where the trials are asked
+        NetConfig(hidden=8, layers=1, heads=2), {"lr": trial.suggest_float("lr", 1e-3, 1e-2, log=True)}))
+
+    def study(name: str, backend: Backend) -> dict:
+        cfg = tune_mod.TuneConfig(data=[str(data)], study_dir=str(tmp_path / name), trials=2, epochs=1,
+                                  wandb="disabled", parallel=2)
+        return tune_mod.tune(cfg, backend, log=lambda rec: None)
+
+    here, there = study("here", Backend()), study("ray", RAY)  # two trials asked together
+    assert here == there and here["trials"] == 2

@@ -292,3 +292,24 @@ def test_tune_resumes_its_study(dataset_dir, tmp_path, monkeypatch):
     assert r2["trials"] == 2
     with pytest.raises(ConfigError, match="raw"):
         tune_mod.TuneConfig(data=[str(tmp_path)])
+
+
+def test_tune_runs_a_trial_left_running_again_in_its_folder(dataset_dir, tmp_path, monkeypatch):
+    """A trial a killed ``tag tune`` left running is failed and its parameters asked again first;
+    the new trial trains in the old one's folder."""
+    import optuna
+
+    from tag.training import tune as tune_mod
+    monkeypatch.setattr(tune_mod, "suggest", lambda trial: (
+        NetConfig(hidden=8, layers=1, heads=2), {"lr": trial.suggest_float("lr", 1e-3, 1e-2, log=True)}))
+    cfg = tune_mod.TuneConfig(data=[str(dataset_dir)], study_dir=str(tmp_path / "study"), trials=1, epochs=1,
+                              wandb="disabled")
+    (tmp_path / "study").mkdir()
+    study = optuna.create_study(study_name=cfg.study_name, storage=f"sqlite:///{tmp_path / 'study' / 'optuna.db'}")
+    killed = study.ask()
+    lr = killed.suggest_float("lr", 1e-3, 1e-2, log=True)  # then the run was killed: the trial stays RUNNING
+    out = tune_mod.tune(cfg, log=lambda rec: None)
+    trials = optuna.load_study(study_name=cfg.study_name, storage=f"sqlite:///{tmp_path / 'study' / 'optuna.db'}").trials
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"] and out["best_trial"] == 1
+    assert trials[1].params == {"lr": lr} and trials[1].user_attrs["folder"] == 0
+    assert (tmp_path / "study" / "trial_0" / "ckpt" / "last.pt").exists() and not (tmp_path / "study" / "trial_1").exists()

@@ -4,8 +4,9 @@ Each (model, topology, method) cell records the predicted iteration time, the sp
 parallel with even shares, the ratio to the ideal lower bound, out-of-memory, search wall time and
 playouts. On the suite's local CPU topologies the plans are also executed for real.
 
-Cells are appended to ``cells.jsonl`` as they finish; a rerun with the same ``--out`` skips the
-cells already there, so a killed benchmark resumes. Graphs come from the graph cache
+Cells run in this process, in a local process pool or as Ray tasks (:mod:`tag.dispatch`) and are
+appended to ``cells.jsonl`` as they finish; a rerun with the same ``--out`` skips the cells already
+there, so a killed benchmark resumes (under any of them). Graphs come from the graph cache
 (:func:`tag.planner.model_graph`), so a resumed run does not capture again (minutes for a
 real-size model).
 """
@@ -20,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..dispatch import Backend, Progress, run_tasks
 from ..errors import TagError
 from ..io import check_folder, write_atomic, write_json
 from ..parallel import execution_refusal
@@ -56,25 +58,35 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def case_graph(model, cfg: SuiteConfig, graph_cache: dict):
+    """``model``'s graph at the suite's precision, from ``graph_cache`` or captured into it."""
+    from ..planner import model_graph
+
+    key = (model.spec, model.batch, cfg.precision)
+    if key not in graph_cache:
+        _progress(f"{cfg.name} {model.spec} b{model.batch} {cfg.precision}: capturing")
+        graph, secs, hit = model_graph(model.spec, model.batch, precision=cfg.precision, seed=cfg.seed,
+                                       num_groups=cfg.groups)
+        _progress(f"{cfg.name} {model.spec}: {len(graph.ops)} ops, {secs:.1f} s{' (graph cache)' if hit else ''}")
+        graph_cache[key] = graph
+    return graph_cache[key]
+
+
 class _Case:
     """One (model, topology): captured graph, simulator and the two reference times."""
 
-    def __init__(self, model, topology_name: str, cfg: SuiteConfig, graph_cache: dict):
+    def __init__(self, model, topology, cfg: SuiteConfig, graph_cache: dict, predictor=None):
+        """``topology``: a name or a loaded topology; ``graph_cache``: ``{(spec, batch,
+        precision): graph}``, filled by :func:`case_graph` where the model is missing;
+        ``predictor``: the tag-* methods' (default: the shipped one)."""
         from ..cost import CostModel
         from ..cost.baselines import data_parallel
-        from ..planner import model_graph
         from ..sim import Simulator, lower_bound
         from ..topology import load_topology
 
-        key = (model.spec, model.batch, cfg.precision)
-        if key not in graph_cache:
-            _progress(f"{cfg.name} {model.spec} b{model.batch} {cfg.precision}: capturing")
-            graph, secs, hit = model_graph(model.spec, model.batch, precision=cfg.precision, seed=cfg.seed,
-                                           num_groups=cfg.groups)
-            _progress(f"{cfg.name} {model.spec}: {len(graph.ops)} ops, {secs:.1f} s{' (graph cache)' if hit else ''}")
-            graph_cache[key] = graph
-        self.graph = graph_cache[key]
-        self.topology = load_topology(topology_name)
+        self.graph = case_graph(model, cfg, graph_cache)
+        self.topology = load_topology(topology) if isinstance(topology, str) else topology
+        self.predictor = predictor
         self.costs = CostModel.for_topology(self.graph, self.topology)
         self.sim = Simulator(self.graph, self.topology, self.costs)
         self.lower_bound = lower_bound(self.graph, self.topology, self.costs)
@@ -111,14 +123,18 @@ class _Case:
             # executable=False: the simulated plans the benchmark's claims were made on (pipelines
             # and tp unconstrained); a plan the executor refuses says so in the cell's note
             p = find_plan(g, topo, searcher="mcts", prior="gnn", budget=budget, seed=cfg.seed,
-                            costs=self.costs, simulator=self.sim, executable=False,
+                            predictor=self.predictor, costs=self.costs, simulator=self.sim, executable=False,
                             compression="auto" if method.endswith("+sfb") else "off")
         return p, int(p.meta.get("playouts", 0))
 
 
-def run_suite(cfg: SuiteConfig, out: Path) -> tuple[list[Cell], int]:
-    """Run (or resume) every cell of ``cfg``; results go under ``out``. Returns the cells and how
-    many of them were read back from ``out/cells.jsonl`` (an earlier run's) rather than run."""
+def run_suite(cfg: SuiteConfig, out: Path, backend: Backend | None = None) -> tuple[list[Cell], int]:
+    """Run (or resume) every cell of ``cfg`` on ``backend`` (default: one after the other in this
+    process); results go under ``out``. Returns the cells, in the suite's order, and how many of
+    them were read back from ``out/cells.jsonl`` (an earlier run's) rather than run.
+
+    The graphs are captured here (graph cache); each worker gets them, the topologies and the
+    predictor once and builds a model's simulator once per topology for the cells it runs."""
     check_folder(out, TagError, "--out")
     out.mkdir(parents=True, exist_ok=True)
     log = out / "cells.jsonl"
@@ -129,32 +145,62 @@ def run_suite(cfg: SuiteConfig, out: Path) -> tuple[list[Cell], int]:
                 c = Cell(**json.loads(line))
                 done[c.key()] = c
     write_json(out / "config.json", {"suite": asdict(cfg), "environment": environment()})
-    graphs: dict = {}
-    cells: list[Cell] = []
-    resumed = 0
-    cases = [(m, t) for m in cfg.models for t in cfg.topologies + cfg.execute_topologies]
-    total = len(cases) * len(cfg.methods)
-    n = 0
+    keys = [(m, t, method) for m in cfg.models for t in cfg.topologies + cfg.execute_topologies
+            for method in cfg.methods]
+    todo = [k for k in keys if (k[0].spec, k[1], k[2]) not in done]
+    resumed = len(keys) - len(todo)
+    shared = _shared(cfg, todo)
     t_start = time.perf_counter()
-    for model, topo_name in cases:
-        case = None
-        for method in cfg.methods:
-            n += 1
-            key = (model.spec, topo_name, method)
-            if key in done:
-                cells.append(done[key])
-                resumed += 1
-                continue
-            if case is None:
-                case = _Case(model, topo_name, cfg, graphs)
-            cell = _run_cell(case, model, topo_name, method, cfg)
-            cells.append(cell)
-            with log.open("a") as f:  # one line per finished cell: resumable
-                f.write(json.dumps(asdict(cell)) + "\n")
-            _progress(f"[{n}/{total} {time.perf_counter() - t_start:6.0f}s] {model.spec} on {topo_name}: "
-                      f"{method:12s} {cell.predicted_time_s * 1e3:9.2f} ms  x{cell.speedup_vs_dp:.2f} vs dp"
-                      f"{'  OOM' if cell.oom else ''}")
+    n = resumed
+    for res in run_tasks(cell_task, todo, setup=cell_setup, shared=shared,
+                         backend=backend or Backend(), desc=f"bench {cfg.name}", progress=False,
+                         log=lambda rec: _progress(Progress.line(rec)), done_before=resumed, total=len(keys)):
+        model, topo_name, method = res.item
+        n += 1
+        if res.error is not None:  # its worker lost (more than Ray's retries): run by the next run
+            _progress(f"[{n}/{len(keys)}] {model.spec} on {topo_name}: {method}: not run: {res.error}")
+            continue
+        cell = Cell(**res.result)
+        done[cell.key()] = cell
+        with log.open("a") as f:  # one line per finished cell: resumable
+            f.write(json.dumps(asdict(cell)) + "\n")
+        _progress(f"[{n}/{len(keys)} {time.perf_counter() - t_start:6.0f}s] {model.spec} on {topo_name}: "
+                  f"{method:12s} {cell.predicted_time_s * 1e3:9.2f} ms  x{cell.speedup_vs_dp:.2f} vs dp"
+                  f"{'  OOM' if cell.oom else ''}")
+    cells = [done[(m.spec, t, method)] for m, t, method in keys if (m.spec, t, method) in done]
     return cells, resumed
+
+
+def _shared(cfg: SuiteConfig, todo: list[tuple]) -> dict:
+    """What every worker needs once: the suite, the graphs and topologies of the cells ``todo``,
+    the predictor of the tag-* methods."""
+    from ..topology import load_topology
+
+    graphs: dict = {}
+    for model in dict.fromkeys(m for m, _, _ in todo):
+        case_graph(model, cfg, graphs)
+    topologies = {t: load_topology(t) for t in dict.fromkeys(t for _, t, _ in todo)}
+    predictor = None
+    if any(method.startswith("tag-") for _, _, method in todo):
+        from ..gnn.predictor import Predictor
+        predictor = Predictor.load()
+    return {"cfg": cfg, "graphs": graphs, "topologies": topologies, "predictor": predictor}
+
+
+def cell_setup(shared: dict) -> dict:
+    """A benchmark worker's context: the shared data and its cases (one per model and topology)."""
+    return {**shared, "cases": {}}
+
+
+def cell_task(ctx: dict, key: tuple) -> dict:
+    """Run cell ``(model, topology name, method)``; the :class:`Cell` as a dict."""
+    model, topo_name, method = key
+    case_key = (model.spec, model.batch, topo_name)
+    if case_key not in ctx["cases"]:
+        ctx["cases"].clear()  # the cells of a case come one after the other: keep one case's simulator
+        ctx["cases"][case_key] = _Case(model, ctx["topologies"][topo_name], ctx["cfg"], ctx["graphs"],
+                                       ctx["predictor"])
+    return asdict(_run_cell(ctx["cases"][case_key], model, topo_name, method, ctx["cfg"]))
 
 
 def _run_cell(case: _Case, model, topo_name: str, method: str, cfg: SuiteConfig) -> Cell:

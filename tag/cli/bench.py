@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import MAX_BUDGET, OUTSIDE, int_in
+from .common import MAX_BUDGET, OUTSIDE, add_ray_arg, backend_of, int_in
 
 
 def register(sub) -> None:
@@ -23,6 +23,9 @@ def register(sub) -> None:
                         "its method name)")
     p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
                    help="training precision of every model (default: the suite's)")
+    p.add_argument("--workers", type=int_in(1, 256), default=1, metavar="N",
+                   help="cells run at once in local processes (default 1: one after the other in this process)")
+    add_ray_arg(p, "cells")
     p.set_defaults(func=run)
 
 
@@ -62,7 +65,7 @@ def run(args) -> int:
         cfg.models = [m for m in cfg.models if m.spec in want]
     out = Path(args.out or output_dir(f"evaluation/results/{cfg.name}-{time.strftime('%Y-%m-%d')}"))
     t0 = time.perf_counter()
-    cells, resumed = run_suite(cfg, out)
+    cells, resumed = run_suite(cfg, out, backend_of(args, args.workers))
     save_results(cells, out)
     report = write_report(cells, out, cfg.name, environment(), time.perf_counter() - t0, resumed=resumed)
     print(f"wrote {report}")

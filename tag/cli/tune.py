@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import MAX_SEED, OUTSIDE, int_in, print_json, seconds
+from .common import MAX_SEED, OUTSIDE, add_ray_arg, backend_of, int_in, print_json, seconds
 
 
 def register(sub) -> None:
@@ -20,6 +20,10 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help=f"seed of the sampler and of training (0..{MAX_SEED})")
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], default="offline",
                    help="wandb logging of the trials")
+    p.add_argument("--parallel", type=int_in(1, 256), default=1, metavar="N",
+                   help="trials asked at once and trained side by side, in N local processes or as Ray tasks "
+                        "(default 1; the study depends on N, not on where its trials run)")
+    add_ray_arg(p, "trials")
     p.set_defaults(func=run)
 
 
@@ -27,6 +31,6 @@ def run(args) -> int:
     from ..training.tune import TuneConfig, tune
     where = {"study_dir": args.study_dir} if args.study_dir else {}
     cfg = TuneConfig(data=list(args.data), trials=args.trials, epochs=args.epochs, timeout=args.timeout,
-                     seed=args.seed, wandb=args.wandb, **where)
-    print_json(tune(cfg))
+                     seed=args.seed, wandb=args.wandb, parallel=args.parallel, **where)
+    print_json(tune(cfg, backend_of(args, args.parallel)))
     return 0

@@ -2,19 +2,24 @@
 
 Trials live in an SQLite study (``<study_dir>/optuna.db``) so an interrupted ``tag tune`` resumes:
 finished trials are kept and the study continues up to the requested total. Each trial has a run
-folder (``<study_dir>/trial_<n>``) with its resolved config and checkpoints; a trial interrupted
-mid-training (killed: its heartbeat goes stale) is re-run by optuna and resumes from its last
-epoch (``RetryHeartbeatStaleTrialCallback``).
+folder (``<study_dir>/trial_<n>``) with its resolved config and checkpoints; a trial a killed run
+left running is asked again first with its parameters and resumes its folder's last finished epoch.
+Trials are asked ``parallel`` at a time and trained in this process, a local process pool or as
+Ray tasks (:mod:`tag.dispatch`; a trial's worker writes its folder at the study folder's path, so
+on several machines a shared folder lets a retried trial resume, else it starts again).
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..dispatch import Backend, Progress, run_tasks
 from ..gnn.model import NetConfig, TagNet
 from ..io import output_dir, write_json
 from .config import ConfigError, TrainConfig
@@ -40,6 +45,9 @@ class TuneConfig:
     """Name of the study inside the database."""
     wandb: str = "offline"
     """``offline`` / ``online`` / ``disabled`` logging of every trial."""
+    parallel: int = 1
+    """Trials asked of the sampler at once and trained side by side (1: one after the other, each
+    asked knowing every earlier result). The study depends on it, not on where trials run."""
 
     def __post_init__(self):
         if not self.data:
@@ -55,6 +63,8 @@ class TuneConfig:
             raise ConfigError(f"timeout: expected a positive, finite number of seconds or None, got {self.timeout}")
         if self.seed < 0:
             raise ConfigError(f"seed: expected >= 0, got {self.seed}")
+        if not 1 <= self.parallel <= 256:
+            raise ConfigError(f"parallel: expected 1..256 trials at once, got {self.parallel}")
         if self.wandb not in ("offline", "online", "disabled"):
             raise ConfigError(f"wandb: expected offline, online or disabled, got {self.wandb!r}")
 
@@ -71,54 +81,108 @@ def suggest(trial) -> tuple[NetConfig, dict]:
     return net, train
 
 
-def tune(cfg: TuneConfig) -> dict:
+def tune(cfg: TuneConfig, backend: Backend | None = None, log: Callable[[dict], None] | None = None) -> dict:
+    """Run (or continue) the study to ``cfg.trials`` trials; the best trial. Trials are asked of
+    the sampler ``cfg.parallel`` at a time and trained on ``backend`` (default: a local pool of
+    ``cfg.parallel`` processes); the study is the same on any backend."""
     import optuna
-    from torch.utils.data import ConcatDataset
 
     from ..data.dataset import PlanDataset, split
-    from .loop import Logger
-    from .train import fit
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     root = Path(cfg.study_dir)
     root.mkdir(parents=True, exist_ok=True)
     write_json(root / "tune_config.json", asdict(cfg))
-    storage = optuna.storages.RDBStorage(
-        f"sqlite:///{(root / 'optuna.db').resolve()}", heartbeat_interval=30, grace_period=120,
-        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=2))
+    storage = optuna.storages.RDBStorage(f"sqlite:///{(root / 'optuna.db').resolve()}")
     study = optuna.create_study(study_name=cfg.study_name, storage=storage, direction="minimize",
                                 load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=cfg.seed))
+    _rerun_interrupted(study)
     trs, vas = [], []
     for i, d in enumerate(cfg.data):
         tr, va = split(PlanDataset(d), 0.15, seed=i)
         trs.append(tr)
         vas.append(va)
-    train_set, val_set = ConcatDataset(trs), ConcatDataset(vas)
-
-    def objective(trial) -> float:
-        net_cfg, tr = suggest(trial)
-        frozen = study.get_trials(deepcopy=False)[trial.number]
-        retried = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
-        number = trial.number if retried is None else retried  # a retried trial resumes its folder
-        tdir = root / f"trial_{number}"
-        tcfg = TrainConfig(epochs=cfg.epochs, seed=cfg.seed, **tr)
-        write_json(tdir / "config.json", {"net": net_cfg.to_dict(), "train": asdict(tcfg), "data": cfg.data})
-        from .config import LoopConfig
-        log = Logger(tdir, LoopConfig(run_dir=str(tdir), net=net_cfg, train=tcfg, wandb=cfg.wandb,
-                                      project="tag-tune"), name=f"trial_{number}")
-        try:
-            torch.manual_seed(cfg.seed)
-            res = fit(TagNet(net_cfg), train_set, val_set, tcfg, tdir / "ckpt", log=log, tag=f"trial{number}")
-        finally:
-            log.close()
-        hist = res["history"]
-        return min(h.get("val/policy", h["val_loss"]) for h in hist)
-
-    done = len([t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE])
-    left = max(0, cfg.trials - done)
-    if left:
-        study.optimize(objective, n_trials=left, timeout=cfg.timeout)
+    from torch.utils.data import ConcatDataset
+    shared = {"cfg": cfg, "train": ConcatDataset(trs), "val": ConcatDataset(vas)}
+    backend = backend or Backend(workers=cfg.parallel)
+    log = log or (lambda rec: _log_progress(root / "log.jsonl", rec))
+    t0 = time.perf_counter()
+    while True:
+        done = len([t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE])
+        left = cfg.trials - done
+        if left <= 0 or (cfg.timeout is not None and time.perf_counter() - t0 > cfg.timeout):
+            break
+        asked = [study.ask() for _ in range(min(cfg.parallel, left))]
+        specs = [_trial_spec(study, t, root) for t in asked]
+        values: dict[int, float | None] = {}
+        for out in run_tasks(trial_task, specs, setup=_tune_setup, shared=shared, backend=backend,
+                             desc="tune", progress=False, log=log, done_before=done, total=cfg.trials):
+            values[out.item["number"]] = out.result
+            if out.error is not None:
+                print(f"trial {out.item['number']}: {out.error}")
+        for t in asked:  # in the order asked: the sampler sees the same history on any backend
+            v = values.get(t.number)
+            study.tell(t, v, state=None if v is not None else optuna.trial.TrialState.FAIL)
     best = study.best_trial
     out = {"best_value": best.value, "best_params": best.params, "best_trial": best.number,
            "trials": len(study.trials)}
     write_json(root / "best.json", out)
     return out
+
+
+def _log_progress(path: Path, rec: dict) -> None:
+    """A progress record to stderr (one line) and to the study's ``log.jsonl``."""
+    import json
+    import sys
+    print(Progress.line(rec), file=sys.stderr, flush=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _rerun_interrupted(study) -> None:
+    """Trials left running by a killed ``tag tune``: failed, and their parameters asked again
+    first, the new trial resuming the old one's folder (its last finished epoch)."""
+    import optuna
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+        study.enqueue_trial(t.params, user_attrs={"folder": _folder(t)})
+
+
+def _folder(trial) -> int:
+    """The trial folder's number: the trial's own, or that of the trial it runs again."""
+    if "folder" in trial.user_attrs:
+        return int(trial.user_attrs["folder"])
+    retried = trial.system_attrs.get("failed_trial")  # a trial optuna's heartbeat callback retried
+    return trial.number if retried is None else int(retried)
+
+
+def _trial_spec(study, trial, root: Path) -> dict:
+    net_cfg, tr = suggest(trial)
+    frozen = study.get_trials(deepcopy=False)[trial.number]
+    number = _folder(frozen)
+    return {"number": trial.number, "dir": str(root / f"trial_{number}"), "tag": f"trial{number}",
+            "net": net_cfg.to_dict(), "train": tr}
+
+
+def _tune_setup(shared: dict) -> dict:
+    torch.set_num_threads(1)
+    return shared
+
+
+def trial_task(ctx: dict, spec: dict) -> float:
+    """Train one trial in its folder (resuming its last finished epoch); its validation policy loss."""
+    from .config import LoopConfig
+    from .loop import Logger
+    from .train import fit
+    cfg: TuneConfig = ctx["cfg"]
+    tdir = Path(spec["dir"])
+    net_cfg = NetConfig(**spec["net"])
+    tcfg = TrainConfig(epochs=cfg.epochs, seed=cfg.seed, **spec["train"])
+    write_json(tdir / "config.json", {"net": net_cfg.to_dict(), "train": asdict(tcfg), "data": cfg.data})
+    log = Logger(tdir, LoopConfig(run_dir=str(tdir), net=net_cfg, train=tcfg, wandb=cfg.wandb,
+                                  project="tag-tune"), name=tdir.name)
+    try:
+        torch.manual_seed(cfg.seed)
+        res = fit(TagNet(net_cfg), ctx["train"], ctx["val"], tcfg, tdir / "ckpt", log=log, tag=spec["tag"])
+    finally:
+        log.close()
+    return min(h.get("val/policy", h["val_loss"]) for h in res["history"])
