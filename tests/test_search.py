@@ -466,7 +466,7 @@ def test_equivalent_actions_are_one_action(graph, topo):
             if act.sync == "ps":
                 assert sp.actions[canon[g, a]].devices == act.devices and sp.actions[canon[g, a]].sync == "allreduce"
     weighted = int(np.argmax(sp.costs.param_bytes))
-    assert {sp.actions[a].sync for a in set(canon[weighted].tolist())} == {"allreduce", "ps", "mp"} | (
+    assert {sp.actions[a].sync for a in set(canon[weighted].tolist())} == {"allreduce", "ps", "mp", "zero3"} | (
         {"tp"} if sp.tp_degrees else set())
     sim = Simulator(graph, topo, sp.cost_model)
     base = [sp.default_action] * sp.num_groups
@@ -531,15 +531,17 @@ def test_new_actions_leave_tags_actions_and_defaults_as_they_were(graph, topo, p
     TAG's actions below it resolve as in TAG's space."""
     old = ActionSpace(graph, topo, tensor_parallel=False)
     sp = pipe_space
-    assert sp.actions[:old.num_actions] == old.actions and sp.num_base_actions == old.num_actions
-    extra = sp.actions[old.num_actions:]
-    assert extra and {a.sync for a in extra} == {"tp"} and {a.tp for a in extra} <= set(sp.tp_degrees)
+    base = old.num_base_actions  # (old's later actions: ZeRO-3's, pass 2, after sp's tp)
+    assert sp.actions[:base] == old.actions[:base] and sp.num_base_actions == base
+    assert sp.actions[-(old.num_actions - base):] == old.actions[base:]
+    extra = [a for a in sp.actions[base:] if a.sync == "tp"]
+    assert extra and {a.sync for a in sp.actions[base:]} == {"tp", "zero3"} and {a.tp for a in extra} <= set(sp.tp_degrees)
     assert old.plan_options == {} and sp.options("stages", 1)[0] == 1
     k = graph.num_groups
     assert sp.resolve_path([]) == sp.resolve_path([0]) == old.resolve_path([]) == (sp.default_action,) * k
     rng = np.random.default_rng(3)
     for _ in range(20):
-        path = [int(a) for a in rng.integers(0, old.num_actions, size=int(rng.integers(1, k + 1)))]
+        path = [int(a) for a in rng.integers(0, base, size=int(rng.integers(1, k + 1)))]
         assert sp.resolve_path([0] + path) == old.resolve_path(path)
         assert sp.decode([0] + path)[1] is None
 

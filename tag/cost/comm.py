@@ -73,8 +73,9 @@ from ..io import read_json, write_json
 from .profile import ProfileError
 
 COMM_OPS = ("p2p", "all_reduce", "broadcast", "reduce", "all_gather", "ps")
-SYNC_OPS = ("allreduce", "ps")
-"""Gradient collectives :meth:`CommModel.sync_time` prices (:class:`tag.parallel.Collective`'s ``op``)."""
+SYNC_OPS = ("allreduce", "ps", "reducescatter")
+"""Gradient collectives :meth:`CommModel.sync_time` prices (:class:`tag.parallel.Collective`'s ``op``);
+``reducescatter`` may carry a shard size, ``reducescatter/S`` (hybrid sharding, :func:`shard_of_op`)."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,33 @@ def ring_allreduce_time(n: int, nbytes: float, bw_min: float, lat_max: float) ->
     if n <= 1:
         return 0.0
     return 2.0 * (n - 1) / n * nbytes / bw_min + 2.0 * (n - 1) * lat_max
+
+
+def ring_allgather_time(n: int, nbytes: float, bw_min: float, lat_max: float) -> float:
+    """Ring all-gather of ``nbytes`` (the gathered tensor; each of the ``n`` members holds
+    ``nbytes / n``): ``(n-1)/n * S / bw_min + (n-1) lat_max``; 0 for ``n <= 1``."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / bw_min + (n - 1) * lat_max
+
+
+def ring_reducescatter_time(n: int, nbytes: float, bw_min: float, lat_max: float) -> float:
+    """Ring reduce-scatter of ``nbytes`` (each member's input; each ends with the sum of its
+    ``nbytes / n``): the all-gather's traffic in reverse, ``(n-1)/n * S / bw_min + (n-1) lat_max``
+    (with it, :func:`ring_allreduce_time`)."""
+    return ring_allgather_time(n, nbytes, bw_min, lat_max)
+
+
+def shard_of_op(op: str, n: int) -> int | None:
+    """Devices per shard group of a ``reducescatter`` collective over ``n`` replicas: ``n`` for
+    ``reducescatter``, ``S`` for ``reducescatter/S`` (hybrid sharding: ``n / S`` groups of ``S``
+    consecutive replicas); None for another op."""
+    if op == "reducescatter":
+        return n
+    head, sep, tail = op.partition("/")
+    if head != "reducescatter" or not sep or not tail.isdigit() or int(tail) < 1 or n % int(tail):
+        return None
+    return int(tail)
 
 
 def hierarchical_allreduce_time(per_machine: list[tuple[int, float, float]], nbytes: float,
@@ -438,7 +466,44 @@ class CommModel:
             if server is None:
                 raise ValueError("server: expected a device index for collective 'ps', got None")
             return self.ps_time(devices, server, nbytes)
-        raise ValueError(f"collective {op!r}: expected one of {list(SYNC_OPS)}")
+        shard = shard_of_op(op, len(devices))
+        if shard is not None:
+            return self.sharded_sync_time(devices, shard, nbytes)
+        raise ValueError(f"collective {op!r}: expected one of {list(SYNC_OPS)} (reducescatter/S: S dividing "
+                         f"the {len(devices)} replicas)")
+
+    def shard_groups(self, devices, shard: int) -> list[list[int]]:
+        """``devices`` (plan order) cut into groups of ``shard`` consecutive ones."""
+        devs = list(devices)
+        return [devs[i:i + shard] for i in range(0, len(devs), shard)]
+
+    def reducescatter_time(self, devices, nbytes: float) -> float:
+        """Seconds of a reduce-scatter of ``nbytes`` per member over ``devices`` (each keeps the
+        sum of its ``1 / n``): priced as the all-gather of ``n`` chunks of ``nbytes / n``
+        (:meth:`allgather_time`, ring or hierarchical, the faster; a ring reduce-scatter moves the
+        same bytes over the same links in reverse)."""
+        n = len(devices)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return self.allgather_time([nbytes / n] * n, list(devices))
+
+    def shard_gather_time(self, devices, shard: int, nbytes: float) -> float:
+        """Seconds of the all-gather of ``nbytes`` sharded over each group of ``shard`` consecutive
+        ``devices`` (the groups at once, on disjoint devices: the slowest)."""
+        if shard <= 1 or nbytes <= 0:
+            return 0.0
+        return max(self.allgather_time([nbytes / shard] * shard, grp) for grp in self.shard_groups(devices, shard))
+
+    def sharded_sync_time(self, devices, shard: int, nbytes: float) -> float:
+        """Sharded data parallelism's gradient sync of ``nbytes``: a reduce-scatter inside each group
+        of ``shard`` consecutive ``devices`` (at once, the slowest), then, hybrid sharding
+        (``shard < n``), an all-reduce of each ``nbytes / shard`` shard across the groups (the
+        ``shard`` rings at once: priced as the one over the groups' first devices)."""
+        groups = self.shard_groups(devices, shard)
+        t = max(self.reducescatter_time(grp, nbytes) for grp in groups)
+        if len(groups) > 1:
+            t += self.allreduce_time([grp[0] for grp in groups], nbytes / shard)
+        return t
 
     def ps_time(self, devices, server: int, nbytes: float) -> float:
         """Parameter-server sync: reduce to ``server`` then broadcast the sum back (what the

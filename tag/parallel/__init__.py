@@ -40,15 +40,16 @@ from .strategy import (
     validate_group,
     validate_plan,
 )
+from .sharded import SHARDED, Sharded
 from .tensor_parallel import TensorParallel
 
 # The built-in strategies (a new one is a module plus a line here; error messages list them in
 # this order).
-for _s in (DataParallel(), ParameterServer(), ModelParallel(), TensorParallel()):
+for _s in (DataParallel(), ParameterServer(), ModelParallel(), TensorParallel(), *SHARDED):
     register(_s)
 
 __all__ = [
-    "Collective", "DataParallel", "ModelParallel", "Move", "ParameterServer", "Replica", "Schedule", "SfbGroup", "Step", "Strategy", "TensorParallel", "Unit", "UnitKey", "apply_sfb", "build_schedule",
+    "Collective", "DataParallel", "ModelParallel", "Move", "ParameterServer", "Replica", "Schedule", "SfbGroup", "Sharded", "Step", "Strategy", "TensorParallel", "Unit", "UnitKey", "apply_sfb", "build_schedule",
     "execution_refusal", "get_strategy", "graph_structure", "move_kind", "move_pieces", "register", "sfb_syncs", "strategy_names", "strategy_of",
     "unregister", "validate_group", "validate_plan",
 ]

@@ -105,6 +105,15 @@ class Layout:
     distinct devices of the topology, the others idle (:func:`layout_devices`). None: devices
     ``0 .. dp*tp*pp - 1``, machine-major (all of the topology's)."""
 
+    zero: int = 0
+    """ZeRO stage of every op-group's data parallelism (:mod:`tag.parallel.sharded`, ``sync``
+    ``zero1`` .. ``zero3``): 1 optimizer state, 2 + gradients, 3 + parameters sharded over a
+    stage's ``dp`` replicas; 0: plain all-reduce. Not with ``tp > 1``."""
+    shard: int = 0
+    """Replicas per shard group (``GroupPlan.shard``, dividing ``dp``): fewer than ``dp`` is
+    hybrid sharding (sharded within, replicated across); 0: all ``dp``. Text ``hsdp=SxR``: ZeRO-3
+    with ``S``-way shard groups and ``R`` of them (``dp = S * R``)."""
+
     def __post_init__(self):
         for name in ("stages", "order"):  # (a list from the API: the layout is hashed)
             if isinstance(getattr(self, name), list):
@@ -124,6 +133,16 @@ class Layout:
             raise PlanError("layout: sp: sequence parallelism needs tensor parallelism; expected tp > 1 or sp=0")
         if self.tp > MAX_DEGREE:
             raise PlanError(f"layout: tp: expected a tensor-parallel degree of 1..{MAX_DEGREE}, got {self.tp}")
+        if not (isinstance(self.zero, int) and not isinstance(self.zero, bool) and 0 <= self.zero <= 3):
+            raise PlanError(f"layout: zero: expected a ZeRO stage 0..3, got {self.zero!r}")
+        if isinstance(self.shard, bool) or not isinstance(self.shard, int) or self.shard < 0 or \
+                (self.shard and self.dp % self.shard):
+            raise PlanError(f"layout: shard: expected a divisor of dp={self.dp}, got {self.shard!r}")
+        if self.shard and not self.zero:
+            raise PlanError("layout: shard: shard groups need sharding; expected zero=1..3 (or hsdp=SxR)")
+        if self.zero and self.tp > 1:
+            raise PlanError(f"layout: zero: sharded data parallelism does not compose with tensor parallelism; "
+                            f"expected tp=1 or zero=0, got tp={self.tp}")
         if self.stages is not None:
             _check_stages(self)
         if self.order is not None:
@@ -180,11 +199,14 @@ def parse_layout(text: str) -> Layout:
         key, sep, value = part.strip().partition("=")
         if not sep or not key:
             raise PlanError(f"layout: {part.strip()!r}: expected key=value (e.g. dp=4,pp=2,micro=8)")
-        if key not in known:
-            raise PlanError(f"layout: {key}: unknown key; expected one of {list(known)}")
+        if key not in known and key != "hsdp":
+            raise PlanError(f"layout: {key}: unknown key; expected one of {[*known, 'hsdp']}")
         if key in fields:
             raise PlanError(f"layout: {key}: given twice")
-        if key in ("schedule", "cut"):
+        if key == "hsdp":
+            fields.update(_hsdp(value, fields))
+            fields[key] = value
+        elif key in ("schedule", "cut"):
             fields[key] = value
         elif key == "order":
             fields[key] = tuple(e.strip() for e in value.split("+"))
@@ -200,7 +222,21 @@ def parse_layout(text: str) -> Layout:
             except ValueError:
                 what = "0 or 1" if key in ("sp", "recompute", "prop", "vocab") else "a positive integer"
                 raise PlanError(f"layout: {key}: expected {what}, got {value!r}") from None
+    fields.pop("hsdp", None)
     return Layout(**fields)
+
+
+def _hsdp(value: str, fields: dict) -> dict:
+    """The fields of ``hsdp=SxR`` (ZeRO-3, shard groups of ``S``, ``dp = S * R``); one line naming
+    the value, or a ``dp`` / ``zero`` / ``shard`` given before that disagrees."""
+    s, sep, r = value.partition("x")
+    if not sep or not s.isdigit() or not r.isdigit() or int(s) < 1 or int(r) < 1:
+        raise PlanError(f"layout: hsdp: expected SxR (shard group size x replica groups, e.g. hsdp=8x2), got {value!r}")
+    out = {"dp": int(s) * int(r), "zero": 3, "shard": int(s)}
+    for k, v in out.items():
+        if k in fields and fields[k] != v:
+            raise PlanError(f"layout: hsdp: hsdp={value} means {k}={v}, but {k}={fields[k]} is given")
+    return out
 
 
 def balanced_cuts(seconds, parts: int | None = None, allowed: set[int] | None = None) -> list[int]:
@@ -414,6 +450,8 @@ def layout_plan(graph, topology, layout: Layout, costs, *, template: Plan | None
     bounds = stages + [k]
     groups: list[GroupPlan] = []
     tp = dict(sync="tp", tp=layout.tp, sequence_parallel=bool(layout.sp)) if layout.tp > 1 else {}
+    if layout.zero and layout.dp > 1:  # (one replica per stage: nothing to shard)
+        tp = dict(sync=f"zero{layout.zero}", shard=layout.shard if layout.shard not in (0, layout.dp) else None)
     speeds = costs.device_speeds() if layout.prop else None
     outer = outside_blocks(graph) if layout.tp > 1 and layout.vocab and not layout.sp else frozenset()
     for s, devs in enumerate(stage_devices):
@@ -500,7 +538,8 @@ def _spell(layout: Layout, ranks: list[int], topology) -> str:
         (f",cut={layout.cut}" if layout.cut != "time" else "") + (",recompute=1" if layout.recompute else "") + \
         (",prop=1" if layout.prop else "") + (",vocab=1" if layout.vocab else "") + \
         (f",stages={spell_stages(layout.stages)}" if layout.stages is not None else "") + \
-        (f",order={spell_order(ranks, topology)}" if layout.order is not None else "")
+        (f",order={spell_order(ranks, topology)}" if layout.order is not None else "") + \
+        (f",zero={layout.zero}" if layout.zero else "") + (f",shard={layout.shard}" if layout.shard else "")
 
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)

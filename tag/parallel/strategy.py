@@ -173,11 +173,11 @@ class Strategy:
     # ``tp_degrees``, ``memo`` (a dict strategies may cache in), ``server_of(devices)``,
     # ``model_time``.
 
-    search_pass: ClassVar[int] = 2
+    search_pass: ClassVar[int] = 3
     """Where the search's action list puts this strategy's actions: every action of pass 0 over
     every device subset (within a subset, the strategies in registration order), then pass 1's,
-    and so on. TAG's (``allreduce``, ``ps``, ``mp``) are pass 0, ``tp``'s pass 1, a strategy
-    registered later pass 2 unless its own class says otherwise (not inherited: a subclass of a
+    and so on. TAG's (``allreduce``, ``ps``, ``mp``) are pass 0, ``tp``'s pass 1, ZeRO-3's
+    (:mod:`tag.parallel.sharded`) pass 2, a strategy registered later pass 3 unless its own class says otherwise (not inherited: a subclass of a
     built-in one goes after them too, :meth:`__init_subclass__`), so that existing action indices
     (the shipped GNN predictor's outputs) never move."""
 

@@ -77,12 +77,17 @@ class GroupPlan:
     """Activation recomputation of the group's units: the forward keeps only each unit's inputs,
     the backward first re-runs the unit's forward (docs/design.md, "Activation recomputation");
     omitted from the file when false."""
+    shard: int | None = None
+    """``zero1`` / ``zero2`` / ``zero3`` only: devices per shard group (consecutive devices,
+    dividing ``len(devices)``; default all of them); fewer is hybrid sharding, the state sharded
+    within each group and replicated across (:mod:`tag.parallel.sharded`); omitted from the file
+    when unset."""
 
     def key(self) -> tuple:
         """Hashable identity (used by caches)."""
         return (tuple(self.devices), tuple(round(s, 9) for s in self.shares), self.sync, self.server,
                 tuple(self.mp_splits or ()), tuple(self.sfb), self.tp, self.sequence_parallel,
-                self.recompute)
+                self.recompute, self.shard)
 
     def named_devices(self) -> list:
         """Every device index the group names: its replicas, then its parameter server if any."""
@@ -194,6 +199,8 @@ class Plan:
                 del g["sequence_parallel"]
             if not g["recompute"]:
                 del g["recompute"]
+            if g["shard"] is None:
+                del g["shard"]
         return d
 
     @classmethod
@@ -254,7 +261,7 @@ _PLAN_TYPES = {"model": "str", "graph_signature": "str", "topology": "str", "top
                "version": "int", "pipeline": "dict?", "precision": "str"}
 _GROUP_TYPES = {"devices": "list[int]", "shares": "list[number]", "sync": "str", "server": "int?",
                 "mp_splits": "list[int]?", "sfb": "list[str]", "tp": "int?",
-                "sequence_parallel": "bool", "recompute": "bool"}
+                "sequence_parallel": "bool", "recompute": "bool", "shard": "int?"}
 _PIPELINE_TYPES = {"stages": "list[int]", "micro_batches": "int", "schedule": "str", "k": "int"}
 _JSON_TYPES = {"bool": "true or false", "int": "an integer", "number": "a number", "str": "a string", "list": "a list",
                "dict": "an object"}

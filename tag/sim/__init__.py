@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..parallel import validate_plan
-from . import tensor_parallel  # noqa: F401 - registers tp's group costing (tag.sim.strategies)
+from . import sharded, tensor_parallel  # noqa: F401 - register zero*'s and tp's group costings (tag.sim.strategies)
 from .engine import Simulator
 from .result import SimEvent, SimResult
 from .strategies import costing_of, register_costing, unregister_costing

@@ -109,7 +109,7 @@ def plan_key(gp) -> tuple:
     shares that differ by float noise merely miss the cache, the derived data is the same)."""
     sp = gp.mp_splits
     return (tuple(gp.devices), tuple(gp.shares), gp.sync, gp.server, tuple(sp) if sp else (), tuple(gp.sfb), gp.tp,
-            gp.sequence_parallel, gp.recompute)
+            gp.sequence_parallel, gp.recompute, gp.shard)
 
 
 class Simulator:

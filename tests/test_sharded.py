@@ -1,0 +1,145 @@
+"""Sharded data parallelism (ZeRO-1/2/3, hybrid sharding; :mod:`tag.parallel.sharded`): layouts,
+the simulator's memory and gathers, and the executor's equality with single-process training."""
+
+from __future__ import annotations
+
+import pytest
+
+from tag.cost.comm import CommModel, ring_allgather_time, ring_reducescatter_time
+from tag.cost.model import CostModel
+from tag.errors import PlanError
+from tag.parallel import validate_plan
+from tag.parallel.layout import Layout, layout_plan, parse_layout
+from tag.parallel.sharded import sharded_bytes
+from tag.sim import Simulator, simulate
+from tag.topology import load_topology
+
+GPT = "gpt2:n_layer=4,n_embd=256,n_head=4,seq=64"
+
+
+@pytest.fixture(scope="module")
+def gpt(captured):
+    return captured(GPT, batch=16, groups=8).graph
+
+
+@pytest.fixture(scope="module")
+def a100():
+    return load_topology("homogeneous-8xa100")
+
+
+def test_parse_layout_round_trip_and_refusals():
+    assert parse_layout("dp=8,zero=3") == Layout(dp=8, zero=3)
+    assert parse_layout("hsdp=4x2") == Layout(dp=8, zero=3, shard=4)
+    assert parse_layout("dp=8,hsdp=4x2,pp=2") == Layout(dp=8, pp=2, zero=3, shard=4)
+    for text, message in [("dp=8,zero=4", r"zero: expected a ZeRO stage 0\.\.3, got 4"),
+                          ("dp=8,zero=3,shard=3", r"shard: expected a divisor of dp=8, got 3"),
+                          ("dp=8,shard=4", r"shard: shard groups need sharding"),
+                          ("dp=4,tp=2,zero=3", r"zero: sharded data parallelism does not compose with tensor"),
+                          ("hsdp=4", r"hsdp: expected SxR"), ("hsdp=4xtwo", r"hsdp: expected SxR"),
+                          ("dp=4,hsdp=4x2", r"hsdp: hsdp=4x2 means dp=8, but dp=4 is given"),
+                          ("zero=three", r"zero: expected a positive integer")]:
+        with pytest.raises(PlanError, match="^layout: " + message) as e:
+            parse_layout(text)
+        assert "\n" not in str(e.value)
+
+
+def test_layout_text_round_trips(gpt, a100):
+    costs = CostModel.for_topology(gpt, a100)
+    for text in ("dp=8,zero=3", "dp=8,zero=1", "hsdp=4x2", "dp=4,pp=2,micro=2,zero=2"):
+        plan = layout_plan(gpt, a100, parse_layout(text), costs)
+        validate_plan(plan, gpt, a100, pipelines=True)
+        assert parse_layout(plan.meta["layout"]) == parse_layout(text)
+    hsdp = layout_plan(gpt, a100, parse_layout("hsdp=4x2"), costs)
+    assert {(g.sync, g.shard) for g in hsdp.groups} == {("zero3", 4)}
+
+
+def test_ring_collective_formulas():
+    assert ring_allgather_time(1, 1e9, 1e9, 1e-5) == 0.0
+    assert ring_allgather_time(4, 4e9, 1e9, 1e-5) == pytest.approx(3.0 + 3e-5)
+    assert ring_reducescatter_time(8, 8e9, 1e9, 0.0) == pytest.approx(7.0)
+
+
+def test_sharded_sync_prices_hybrid_as_reduce_scatter_plus_allreduce(a100):
+    comm = CommModel.for_topology(a100)
+    devs, n = list(range(8)), 2 ** 28
+    full = comm.sync_time("reducescatter", devs, n)
+    assert full == pytest.approx(comm.reducescatter_time(devs, n)) and 0 < full < comm.allreduce_time(devs, n)
+    hybrid = comm.sync_time("reducescatter/4", devs, n)
+    assert hybrid == pytest.approx(comm.reducescatter_time(devs[:4], n) + comm.allreduce_time([0, 4], n / 4))
+    with pytest.raises(ValueError, match="reducescatter/3"):
+        comm.sync_time("reducescatter/3", devs, n)
+
+
+def _state(graph) -> tuple[float, float]:
+    p = float(sum(q.nbytes for q in graph.params))
+    o = float(sum(q.opt_state_bytes for q in graph.params))
+    return p, o
+
+
+def test_memory_per_device_drops_as_sharded(gpt, a100):
+    """ZeRO-3 on 8 devices holds ~1/8 of parameters, gradients and optimizer state plus the largest
+    gathered group; each stage frees what it shards."""
+    costs = CostModel.for_topology(gpt, a100)
+    sim = Simulator(gpt, a100, costs)
+    peak = {}
+    for z in (0, 1, 2, 3):
+        plan = layout_plan(gpt, a100, Layout(dp=8, zero=z), costs)
+        peak[z] = sim.run(plan.groups).peak_memory_bytes[0]
+    p, o = _state(gpt)
+    assert peak[0] > peak[1] > peak[2] > peak[3]
+    assert peak[0] - peak[1] == pytest.approx(o * 7 / 8, rel=0.02)
+    # zero2 frees 7/8 of the gradients but holds its largest group's unsharded gradient while it is reduced
+    largest = max(float(sum(q.nbytes for q in gpt.params if q.group == g)) for g in range(gpt.num_groups))
+    assert peak[1] - peak[2] == pytest.approx(p * 7 / 8 - largest, rel=0.05, abs=largest)
+    held = 2 * p + o - sharded_bytes(3, 8, p, o)
+    assert peak[0] - peak[3] == pytest.approx(held, rel=0.05, abs=4 * largest)
+    assert peak[0] - peak[3] > 0.6 * (2 * p + o)
+
+
+def test_simulated_time_includes_the_gathers(gpt, a100):
+    """The first group's forward gather and the last group's backward gather have nothing to hide
+    behind: their whole time is in the stage; on slow links (communication-bound) ZeRO-3's three
+    passes over the parameters (reduce-scatter, two all-gathers) take longer than data
+    parallelism's all-reduce (two) and ZeRO-2's reduce-scatter plus one gather after the step."""
+    import dataclasses
+
+    costs = CostModel.for_topology(gpt, a100)
+    sim = Simulator(gpt, a100, costs)
+    plain, z3 = (layout_plan(gpt, a100, Layout(dp=8, zero=z), costs) for z in (0, 3))
+    k = gpt.num_groups
+    gather = [sim.comm.shard_gather_time(list(range(8)), 8, float(sum(q.nbytes for q in gpt.params if q.group == g)))
+              for g in range(k)]
+    d0, d3 = sim.group_data(0, plain.groups[0]).layout.dur, sim.group_data(0, z3.groups[0]).layout.dur
+    assert d3[0, 0, 0] - d0[0, 0, 0] == pytest.approx(gather[0])
+    assert d3[1, k - 1, 0] - d0[1, k - 1, 0] == pytest.approx(gather[k - 1])
+    assert d3[2, 0, 0] == pytest.approx(d0[2, 0, 0] / 8)  # the step updates 1/8 of the parameters
+    m = a100.machines[0]
+    slow = dataclasses.replace(a100, machines=(dataclasses.replace(m, intra_bandwidth=m.intra_bandwidth / 1000),))
+    t = {z: simulate(gpt, slow, layout_plan(gpt, slow, Layout(dp=8, zero=z), CostModel.for_topology(gpt, slow)))
+         .iteration_time_s for z in (0, 2, 3)}
+    assert t[3] > 1.2 * t[0] and t[3] > 1.2 * t[2]
+
+
+def test_cpu_devices_expose_every_gather(captured, topo4):
+    """On CPU ranks (gloo shares the compute cores) each gather adds its whole time: ZeRO-3's
+    forward and backward stages grow by twice the group's gather."""
+    mlp = captured("mlp", batch=8, groups=4).graph
+    costs = CostModel.for_topology(mlp, topo4)
+    sim = Simulator(mlp, topo4, costs)
+    plain = layout_plan(mlp, topo4, Layout(dp=4), costs)
+    z3 = layout_plan(mlp, topo4, Layout(dp=4, zero=3), costs)
+    gd0, gd3 = sim.group_data(1, plain.groups[1]), sim.group_data(1, z3.groups[1])
+    pbytes = float(sum(q.nbytes for q in mlp.params if q.group == 1))
+    a = sim.comm.shard_gather_time([0, 1, 2, 3], 4, pbytes)
+    assert a > 0
+    grow = gd3.layout.dur[:2, 1, 0] - gd0.layout.dur[:2, 1, 0]
+    assert grow == pytest.approx([a, a])
+    assert gd3.sync == "reducescatter" and gd0.sync == "allreduce"
+
+
+def test_bad_shard_in_a_plan_is_one_line(gpt, a100):
+    costs = CostModel.for_topology(gpt, a100)
+    plan = layout_plan(gpt, a100, Layout(dp=8, zero=3), costs)
+    plan.groups[2].shard = 3
+    with pytest.raises(PlanError, match=r"groups\[2\]\.shard: expected a divisor of the group's 8 devices, got 3$"):
+        validate_plan(plan, gpt, a100)
