@@ -13,6 +13,7 @@ Public API (imported lazily so ``import tag`` stays cheap)::
     tag.align_groups(cap.graph, published)      # op-groups starting at each stage's first layer (in place)
     costed = tag.simulate(cap.graph, topo, tag.layout_plan(cap.graph, topo, published))
     measured = tag.execute(tag.ExecuteConfig(spec, topology_path, plan_path))  # one machine
+    tag.export_plan(plan, cap.graph, topo, "megatron").write("megatron-args.txt")  # or torchtitan, deepspeed
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _EXPORTS = {
     "data_parallel": ("tag.cost.baselines", "data_parallel"),
     "find_plan": ("tag.planner", "find_plan"),
     "layout_plan": ("tag.planner", "layout_plan"),
+    "export_plan": ("tag.planner", "export_plan"),
     "Layout": ("tag.parallel.layout", "Layout"),
     "align_groups": ("tag.parallel.layout", "align_groups"),
     "validate_plan": ("tag.parallel", "validate_plan"),

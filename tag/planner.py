@@ -437,3 +437,108 @@ def model_graph(spec: str, batch: int | None = None, *, optimizer: str = "adam",
         return capture_graph(wl, optimizer=optimizer, num_groups=1, precision=precision)
 
     return cached_graph(key, fresh, num_groups, use_cache=use_cache)
+
+
+def export_plan(plan, graph, topology, trainer: str, *, costs=None, profiles=None, numerics=None):
+    """``plan`` as ``trainer``'s configuration (``torchtitan``, ``megatron``, ``deepspeed``;
+    :mod:`tag.parallel.export`): a :class:`~tag.parallel.export.Export` whose ``text`` is the file,
+    ``layout`` the layout the trainer runs, ``problems`` what of the plan it cannot express (the
+    layout is then the nearest it can: the plan's degrees with even shares, uniform actions,
+    stages cut between layers and a schedule it runs; or, where the plan has no such shape, the
+    fastest layout of the grid it runs), ``layout_time_s`` that layout simulated beside the
+    plan's ``plan_time_s``. ``costs`` (default the topology's :class:`~tag.cost.CostModel`, with
+    ``profiles`` and ``numerics``) balances and costs the layouts."""
+    from .cost.model import CostModel
+    from .parallel.export import Export, for_trainer, order_note, plan_layout, spell, write_config
+    from .parallel.layers import model_layers
+    from .sim import Simulator
+
+    plan.validate(graph, topology)
+    costs = costs if costs is not None else CostModel.for_topology(graph, topology, profiles, numerics=numerics)
+    sim = Simulator(graph, topology, costs)
+    plan_t = plan.predicted_iteration_time_s
+    if plan_t is None:
+        res = sim.run(plan.groups, pipeline=plan.pipeline)
+        plan_t = None if res.oom else res.iteration_time_s
+    lay, problems = plan_layout(plan, graph, topology, costs)
+    run, more, notes = for_trainer(lay, trainer, graph.batch_size, plan.precision) if lay else (None, [], [])
+    problems += more
+    where = lay and order_note(lay, topology)
+    notes += [where] if where else []
+    n = len(model_layers(graph))
+    if run is not None and run.pp > 1 and run.stages is None and n:  # no layer cut holds the stages
+        run = None
+    if run is not None:
+        run_t = plan_t if not problems and run == replace(lay, order=None) else \
+            _layout_time(graph, topology, replace(run, order=lay.order), sim, profiles, numerics)
+    if run is None or run_t is False:
+        run, run_t = _fastest_layout(graph, topology, costs, sim, trainer, plan.precision)
+        notes = for_trainer(run, trainer, graph.batch_size, plan.precision)[2]
+        problems.append(f"no layout of the plan's own degrees runs on {trainer}")
+    header = (f"tag plan --export {trainer}: {graph.model}, batch {graph.batch_size}, {plan.precision}, on "
+              f"{topology.name}: layout {spell(run)}",) + tuple(f"not expressed: {p}" for p in problems) + \
+        tuple(f"note: {x}" for x in notes)
+    text = write_config(trainer, run, graph.batch_size, plan.precision, n or None, header)
+    return Export(trainer, text, run, problems, notes, plan_t, None if run_t is None else run_t)
+
+
+def _layout_time(graph, topology, layout, sim, profiles, numerics):
+    """Simulated seconds of ``layout`` (None: out of memory; False: it has no plan on this
+    topology). A layout stating stages whose first layers begin inside op-groups is costed on a
+    regrouped copy of the graph (:func:`tag.parallel.layout.align_groups`)."""
+    import copy
+
+    from .cost.model import CostModel
+    from .parallel.layout import align_groups
+    from .parallel.layout import layout_plan as _layout_plan
+    from .sim import Simulator
+
+    try:
+        p = _layout_plan(graph, topology, layout, sim.costs)
+    except PlanError:
+        if layout.stages is None:
+            return False
+        g = copy.deepcopy(graph)
+        try:
+            align_groups(g, layout)
+            costs = CostModel.for_topology(g, topology, profiles, numerics=numerics)
+            p, sim = _layout_plan(g, topology, layout, costs), Simulator(g, topology, costs)
+        except PlanError:
+            return False
+    res = sim.run(p.groups, pipeline=p.pipeline)
+    return None if res.oom else res.iteration_time_s
+
+
+def _fastest_layout(graph, topology, costs, sim, trainer: str, precision: str):
+    """``(layout, seconds or None)``: the fastest layout of the grid (one that fits if any does)
+    that ``trainer`` runs as it is, stages by time cut where they fall between layers; branch
+    and bound on :func:`tag.sim.bounds.static_bound`."""
+    from .parallel.export import for_trainer, plan_layout
+    from .parallel.layout import layout_grid
+    from .parallel.layout import layout_plan as _layout_plan
+    from .sim.bounds import static_bound
+
+    cands = {}
+    for lay in layout_grid(graph, topology):
+        run, problems, _ = for_trainer(lay, trainer, graph.batch_size, precision)
+        if problems or run is None or run in cands:
+            continue
+        try:
+            p = _layout_plan(graph, topology, run, costs)
+        except PlanError:
+            continue
+        seen, dropped = plan_layout(p, graph, topology, costs)
+        if seen is not None and not dropped:
+            cands[seen] = p
+    if not cands:
+        raise PlanError(f"export: no layout of {topology.num_devices} devices at batch {graph.batch_size} runs on "
+                        f"{trainer}")
+    lows = {lay: static_bound(sim, p.groups, p.pipeline) for lay, p in cands.items()}
+    best, key = None, None
+    for lay in sorted(cands, key=lambda x: (bool(lows[x].oom), lows[x].time_s)):
+        if key is not None and (bool(lows[lay].oom), lows[lay].time_s) > key:
+            break
+        res = sim.run(cands[lay].groups, pipeline=cands[lay].pipeline)
+        if key is None or (bool(res.oom), res.iteration_time_s) < key:
+            best, key = lay, (bool(res.oom), res.iteration_time_s)
+    return best, None if key[0] else key[1]

@@ -62,6 +62,10 @@ def register(sub) -> None:
     p.add_argument("--trace", metavar="OUT.json", default=None,
                    help="write the simulated timeline of the plan (Chrome/Perfetto trace)")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of the table")
+    p.add_argument("--export", nargs=2, metavar=("TRAINER", "FILE"), default=None,
+                   help="also write the plan as a trainer's configuration: torchtitan (TOML job config), megatron "
+                        "(Megatron-LM arguments) or deepspeed (JSON); a plan the trainer cannot express gets a line "
+                        "naming why and the nearest layout it can, simulated beside the plan, in FILE")
     add_numerics_args(p)
     add_force_arg(p)
     p.add_argument("--allow-oom", action="store_true",
@@ -109,7 +113,11 @@ def run(args) -> int:
     from ..topology import load_topology
     from .common import StageProgress, load_graph
 
-    check_outputs(args, out=args.out, trace=args.trace)
+    check_outputs(args, out=args.out, trace=args.trace, export=args.export and args.export[1])
+    from ..parallel.export import TRAINERS
+    if args.export and args.export[0] not in TRAINERS:
+        from ..errors import TagError
+        raise TagError(f"--export: {args.export[0]!r}: expected a trainer, one of {', '.join(TRAINERS)}")
     topo = load_topology(args.topology)
     progress = StageProgress(quiet=args.json)
     t0 = time.perf_counter()
@@ -149,11 +157,34 @@ def run(args) -> int:
         from ..sim import Simulator
         res = Simulator(graph, topo, costs).run(p.groups, trace=True, pipeline=p.pipeline)
         write_json(args.trace, res.chrome_trace(), indent=None)
+    exported = _export(graph, topo, p, args, costs) if args.export else None
     if args.json:
-        print_json(summary(p))
+        print_json(summary(p) | ({} if exported is None else {"export": _export_summary(exported, args)}))
         return 0
     _print(graph, topo, p, args)
+    for line in exported.lines() if exported else ():
+        print(line)
+    if exported:
+        print(f"{exported.trainer} configuration written to {args.export[1]}")
     return 0
+
+
+def _export(graph, topo, plan, args, costs):
+    """The plan as ``--export TRAINER FILE``'s configuration, written to FILE."""
+    from ..planner import export_plan
+
+    exported = export_plan(plan, graph, topo, args.export[0], costs=costs, profiles=args.profiles,
+                           numerics=numerics_of(args))
+    exported.write(args.export[1])
+    return exported
+
+
+def _export_summary(exported, args) -> dict:
+    from ..parallel.export import spell
+
+    return {"trainer": exported.trainer, "file": args.export[1], "layout": spell(exported.layout),
+            "exact": exported.exact, "problems": exported.problems, "notes": exported.notes,
+            "plan_time_s": exported.plan_time_s, "layout_time_s": exported.layout_time_s}
 
 
 FOLD_MACHINES = 4
