@@ -49,6 +49,9 @@ class Workload:
     model with a list of identical blocks, :func:`tag.workloads.factory.find_blocks`), else None."""
     with_blocks: Callable[[int], Workload] | None = None
     """``with_blocks(k)``: the same workload (batch, seed, device) with ``k`` such layers."""
+    data: object = None
+    """Training data a factory returned (:func:`tag.workloads.factory.check_data`; ``tag run``
+    reads it, :mod:`tag.executor.data`); None: the zoo, or a factory returning none."""
 
 
 def _checked(spec: str, fn: Callable[[int], tuple]) -> Callable[[int], tuple]:
@@ -100,10 +103,11 @@ def load_workload(spec: str, batch: int | None = None, seed: int = 0, *, abstrac
     f = load_factory(spec, batch, seed)
     found = find_blocks(f.model)  # identical blocks: captured by layer folding (tag.graph.fold)
     if found is None:
-        return Workload(spec, f.model, f.inputs, f.batch_size, _checked(spec, f.make_inputs))
+        return Workload(spec, f.model, f.inputs, f.batch_size, _checked(spec, f.make_inputs), data=f.data)
     path, n = found
 
     def shortened(k: int) -> Workload:
-        return Workload(spec, cut_blocks(f.model, path, k), f.inputs, f.batch_size, _checked(spec, f.make_inputs), k)
+        return Workload(spec, cut_blocks(f.model, path, k), f.inputs, f.batch_size, _checked(spec, f.make_inputs), k,
+                        data=f.data)
 
-    return Workload(spec, f.model, f.inputs, f.batch_size, _checked(spec, f.make_inputs), n, shortened)
+    return Workload(spec, f.model, f.inputs, f.batch_size, _checked(spec, f.make_inputs), n, shortened, data=f.data)

@@ -3,6 +3,13 @@
 The factory is called as ``function()``, or ``function(batch_size=B)`` when it has a parameter
 named ``batch_size``, and must return ``(model, inputs)`` with ``model(*inputs)`` producing a loss.
 The model is wrapped in :class:`LossWrapper` so that the workload's forward returns a scalar.
+
+It may return ``(model, inputs, data)``: the training data ``tag run`` reads
+(:mod:`tag.executor.data`), either a map-style dataset (``len(data)`` samples, ``data[i]`` one
+sample: a tensor or a tuple of tensors shaped as one row of each input, without the batch dim;
+``torch.utils.data.Dataset`` is one), or a callable ``data(step, start, stop)`` returning rows
+``start..stop-1`` of global batch ``step`` (a tuple of tensors, dim 0 = ``stop - start``).
+Planning and ``tag execute`` use ``inputs`` only.
 """
 
 from __future__ import annotations
@@ -122,6 +129,8 @@ class FactoryResult:
     inputs: tuple
     batch_size: int
     make_inputs: Callable[[int], tuple]
+    data: Any = None
+    """The training data the factory returned third (:func:`check_data`), or None."""
 
 
 def _import_target(spec: str, target: str) -> Any:
@@ -194,8 +203,17 @@ def _user_code(spec: str, what: str):
                             + ("(model, inputs)" if what == "the factory" else "normally")) from None
 
 
-def _call(spec: str, fn: Callable[..., Any], batch: int | None, seed: int) -> tuple[nn.Module, tuple]:
-    """Call the factory under ``torch.manual_seed(seed)`` and validate ``(model, inputs)``."""
+def check_data(spec: str, data: Any) -> Any:
+    """``data`` if it is a training data source (a map-style dataset: ``__len__`` and
+    ``__getitem__``; or a callable ``data(step, start, stop)``), else WorkloadError (one line)."""
+    if data is None or callable(data) or (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        return data
+    raise WorkloadError(f"workload {spec!r}: the factory's third value is a {type(data).__name__}; expected training "
+                        "data: a dataset (len(data), data[i] -> one sample) or a callable data(step, start, stop)")
+
+
+def _call(spec: str, fn: Callable[..., Any], batch: int | None, seed: int) -> tuple[nn.Module, tuple, Any]:
+    """Call the factory under ``torch.manual_seed(seed)`` and validate ``(model, inputs[, data])``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
@@ -206,10 +224,11 @@ def _call(spec: str, fn: Callable[..., Any], batch: int | None, seed: int) -> tu
         except Exception as e:
             raise WorkloadError(f"workload {spec!r}: factory raised {type(e).__name__}: "
                                 f"{_one_line(e)}") from e
-    expected = "expected the factory to return (model: torch.nn.Module, inputs: tuple of tensors)"
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    expected = "expected the factory to return (model: torch.nn.Module, inputs: tuple of tensors[, data])"
+    if not (isinstance(out, (tuple, list)) and len(out) in (2, 3)):
         raise WorkloadError(f"workload {spec!r}: {expected}, got {_describe(out)}")
-    model, inputs = out
+    model, inputs, data = (*out, None) if len(out) == 2 else out
+    data = check_data(spec, data)
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     if not isinstance(model, nn.Module) or not isinstance(inputs, (tuple, list)):
@@ -222,7 +241,7 @@ def _call(spec: str, fn: Callable[..., Any], batch: int | None, seed: int) -> tu
     if batch is not None and n != batch:
         raise WorkloadError(f"workload {spec!r}: factory called with batch_size={batch} returned inputs "
                             f"with batch {n}; expected dim 0 of every tensor input to be the batch")
-    return model, tuple(inputs)
+    return model, tuple(inputs), data
 
 
 def _check_no_none(spec: str, model: nn.Module, inputs) -> None:
@@ -324,12 +343,12 @@ def load_factory(spec: str, batch: int | None, seed: int) -> FactoryResult:
     if takes_batch:
         if batch is None and param.default is inspect.Parameter.empty:
             batch = DEFAULT_FACTORY_BATCH
-        model, inputs = _call(spec, fn, batch, seed)
+        model, inputs, data = _call(spec, fn, batch, seed)
 
         def make_inputs(b: int) -> tuple:
             return _call(spec, fn, b, seed)[1]
     else:
-        model, base = _call(spec, fn, None, seed)
+        model, base, data = _call(spec, fn, None, seed)
         inputs = base if batch is None else resample(base, batch)
 
         def make_inputs(b: int) -> tuple:
@@ -338,4 +357,4 @@ def load_factory(spec: str, batch: int | None, seed: int) -> FactoryResult:
     wrapped = LossWrapper(model)
     if not _has_no_data(wrapped, inputs):  # a meta model is checked by its capture instead
         check_loss(spec, wrapped, inputs)
-    return FactoryResult(wrapped, inputs, batch_of(inputs), make_inputs)
+    return FactoryResult(wrapped, inputs, batch_of(inputs), make_inputs, data)
