@@ -19,7 +19,8 @@ from ..errors import TagError
 from .common import HelpFormatter
 
 # Command modules, in --help order. Each defines register(subparsers).
-COMMANDS = ["inspect", "topology", "profile", "simulate", "plan", "execute", "validate", "train", "tune", "bench"]
+COMMANDS = ["inspect", "topology", "profile", "simulate", "plan", "execute", "run", "validate", "train", "tune",
+            "bench"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -55,6 +55,7 @@ import math
 import operator
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -180,6 +181,14 @@ class RankRuntime:
     """Seed of this rank's random stream (dropout masks; every rank alike, as Megatron-LM seeds
     its data-parallel ranks, and as the replicated ops of a tensor-parallel group need); None:
     the generators' state when the runtime is made."""
+    before_step: Callable[[bool], bool] | None = None
+    """Called by :meth:`update` with the parameters' gradients set (unscaled) and whether they are
+    finite, on every rank; returns whether to step (``tag run``'s clipping and gradient
+    accumulation, :mod:`tag.executor.train`)."""
+    compiled: bool = False
+    """Each fused segment (a stage's forward or backward with the local steps around it) runs
+    through ``torch.compile`` (Inductor), compiled at its first call (``tag execute --compile``;
+    :func:`compile_segment`)."""
 
     def __post_init__(self) -> None:
         s = self.schedule
@@ -293,6 +302,8 @@ class RankRuntime:
             build_module(seg, s, self.rank, self.stages,
                          static_value=lambda k: None if k in written else self._static(k),
                          meta=meta, local_rows=self._row_range, device=self.device)
+            if self.compiled:
+                compile_segment(seg)
 
     def _replayed(self, draws: dict[tuple, list[str]]) -> frozenset[int]:
         """Recomputed op-groups of this rank whose forward draws random numbers (dropout): their
@@ -363,6 +374,7 @@ class RankRuntime:
     # ---- values ------------------------------------------------------------------------
     def begin_iteration(self) -> None:
         self.env.clear()
+        self.made: dict[Key, object] = {}  # env key -> CUDA event recorded after the segment making it
         self._rng_saved.clear()
         self.sent_bytes = {}
         self.gathered_bytes = 0
@@ -391,6 +403,23 @@ class RankRuntime:
             return
         with self.timer.span("compute"), self._emulated(), torch.no_grad(), self._random_stream(index):
             seg(self.env)
+        if self.device.type == "cuda":  # when its values are made: a send waits for that alone
+            made = torch.cuda.Event()
+            made.record()
+            self.made.update((k, made) for k in seg.outputs)
+
+    def made_events(self, step: Step) -> list | None:
+        """The CUDA events after which every piece this rank sends in ``step`` is made (recorded
+        after the segments making them, :meth:`run_segment`), or None if one was not made by a
+        segment of this iteration (a parameter, a received value) or the rank sends nothing."""
+        out = []
+        for m in step.moves:
+            if m.src == self.rank and m.dst != self.rank:
+                ev = self.made.get(value_key(self.schedule, m.src_unit, m.name, step.micro))
+                if ev is None:
+                    return None
+                out.append(ev)
+        return out or None
 
     @contextlib.contextmanager
     def _random_stream(self, index: int):
@@ -667,10 +696,15 @@ class RankRuntime:
                     if g.requires_grad:
                         g = g.detach()
                     p.grad = g if g.shape == p.shape else g.reshape(p.shape)
-                if self.loss_scale == 1.0 or _unscale(self.params.values(), self.loss_scale):
+                ok = self.loss_scale == 1.0 or _unscale(self.params.values(), self.loss_scale)
+                if self.before_step is not None:
+                    ok = self.before_step(ok)
+                if ok:
                     self.optimizer.step()
                 for p in self.params.values():
                     p.grad = None
+        elif self.before_step is not None:  # (a rank holding no parameter still takes part in its collectives)
+            self.before_step(True)
         if s.loss_unit in self.my_units and (self.hook is None or self.hook.reports_loss):  # each micro-batch's mean over its b samples, weighted b / B
             self.loss = sum(float(self.env[(env_unit(s, s.loss_unit, m), s.loss)])
                             * s.unit_at(s.loss_unit, m).replica_on(self.rank).batch for m in self.micros) / s.batch_size
@@ -681,6 +715,19 @@ class RankRuntime:
     def named_params(self) -> dict[str, torch.Tensor]:
         """State-dict name -> current value of the parameters this rank holds."""
         return {self.schedule.param_target[ph]: p.detach().cpu() for ph, p in self.params.items()}
+
+
+def compile_segment(seg) -> None:
+    """Have ``seg`` (a :class:`tag.executor.fuse.Segment`) run its generated module through
+    ``torch.compile`` (Inductor, static shapes: a segment always sees the same shapes), called
+    with its arguments unpacked (the boxed convention clears its argument list inside, which
+    compiled code would replay as a side effect)."""
+    gm = seg.module
+    if seg.boxed:
+        gm.graph.set_codegen(torch.fx.graph.CodeGen())
+        gm.recompile()
+        seg.boxed = False
+    seg.module = torch.compile(gm, backend="inductor", dynamic=False)
 
 
 def _get_rng(device: torch.device) -> tuple:

@@ -68,6 +68,9 @@ class WorkerArgs:
     profile_ops: str | None = None
     """Path prefix of the op tables of one extra iteration (:mod:`tag.executor.profiling`; the
     launcher's ``$TAG_PROFILE_KERNELS``); None: the rank's own environment decides."""
+    train: dict | None = None
+    """``tag run``: the training run's settings (:class:`tag.executor.train.TrainSpec` as a dict);
+    None: ``tag execute``'s timed iterations."""
 
     @classmethod
     def load(cls, path: str) -> WorkerArgs:
@@ -160,6 +163,11 @@ def run_rank(a: WorkerArgs) -> dict:
     if pinned:
         demote_threads()  # gloo's threads exist now; only for a rank on cores of its own
     fault = _parse_fault(a.fault)
+    if a.train is not None:  # tag run (tag.executor.train)
+        from .train import RankContext, train_rank
+
+        return train_rank(a, RankContext(rank, world, topology, graph, plan, sched, rt, comm, device, wl, hook,
+                                         members, my_group, fault))
     rss0 = host_memory(reset_peak=True) if device.type == "cpu" else None
     iters: list[dict] = []
     timeline: list[list] = []  # [name, category, start s, end s] of the last iteration's steps
@@ -173,25 +181,9 @@ def run_rank(a: WorkerArgs) -> dict:
         if fault and fault[0] == rank and fault[1] == it:
             _inject(fault[2])
         rt.begin_iteration()
-        if comm.pack_p2p:
-            comm.prepost(rt)
         last = it == n_iters - 1
-        for i, st in enumerate(sched.steps):
-            t0 = time.perf_counter()
-            if rt.covers(i):  # a fused segment of local steps (runs at its first step)
-                rt.run_segment(i)
-            elif st.kind == "compute":
-                continue  # not this rank's
-            elif st.kind == "transfer":
-                comm.transfer(rt, st, i)
-            elif st.kind == "sfb":
-                comm.sfb(rt, st)
-            else:
-                comm.sync(rt, st)
-            if not rt.covers(i):
-                rt.release(i)
-            if last:
-                _record(timeline, rt, plan, st, i, t0 - t_start, time.perf_counter() - t_start)
+        walk_schedule(rt, comm, sched, (lambda st, i, t0: _record(timeline, rt, plan, st, i, t0 - t_start,
+                                                                  time.perf_counter() - t_start)) if last else None)
         t0 = time.perf_counter()
         comm.finish_syncs(rt)
         t1 = time.perf_counter()
@@ -218,14 +210,7 @@ def run_rank(a: WorkerArgs) -> dict:
                 "gathered_bytes": rt.gathered_bytes,
                 "median_time_s": statistics.median(x["time_s"] for x in iters[a.warmup:])}
         if a.save_params:
-            params = rt.named_params()
-            if hook is not None:  # the full parameters, from every member of the rank's group
-                parts: list = [(params, hook.param_state())]
-                if members is not None:
-                    parts = [None] * len(members)
-                    dist.all_gather_object(parts, (params, hook.param_state()), group=my_group)
-                params = hook.full_params(parts)
-            torch.save(params, Path(a.out_dir) / f"params-rank{rank}.pt")
+            save_rank_params(a, rt, hook, members, my_group, rank)
         table = table_path(rank, a.profile_ops)
         if table is not None:  # diagnostics: one more iteration, after every figure and the saved parameters
             with profiled() as probe:
@@ -241,6 +226,45 @@ def run_rank(a: WorkerArgs) -> dict:
         raise
     comm.close()
     return mine
+
+
+def save_rank_params(a: WorkerArgs, rt, hook, members, my_group, rank: int) -> None:
+    """``out_dir/params-rank{rank}.pt``: the parameters this rank holds (a tensor-parallel rank:
+    gathered from its group, in full)."""
+    import torch.distributed as dist
+
+    params = rt.named_params()
+    if hook is not None:  # the full parameters, from every member of the rank's group
+        parts: list = [(params, hook.param_state())]
+        if members is not None:
+            parts = [None] * len(members)
+            dist.all_gather_object(parts, (params, hook.param_state()), group=my_group)
+        params = hook.full_params(parts)
+    torch.save(params, Path(a.out_dir) / f"params-rank{rank}.pt")
+
+
+def walk_schedule(rt, comm, sched, done=None) -> None:
+    """Run this rank's part of one iteration's schedule steps (after ``rt.begin_iteration()``;
+    the queued syncs and the update are the caller's). ``done(step, index, start perf_counter
+    second)`` after each step this rank walks."""
+    if comm.pack_p2p:
+        comm.prepost(rt)
+    for i, st in enumerate(sched.steps):
+        t0 = time.perf_counter()
+        if rt.covers(i):  # a fused segment of local steps (runs at its first step)
+            rt.run_segment(i)
+        elif st.kind == "compute":
+            continue  # not this rank's
+        elif st.kind == "transfer":
+            comm.transfer(rt, st, i)
+        elif st.kind == "sfb":
+            comm.sfb(rt, st)
+        else:
+            comm.sync(rt, st)
+        if not rt.covers(i):
+            rt.release(i)
+        if done is not None:
+            done(st, i, t0)
 
 
 def host_memory(peak: bool = False, reset_peak: bool = False) -> int:

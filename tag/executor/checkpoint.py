@@ -1,0 +1,281 @@
+"""``tag run``'s checkpoints: ``torch.distributed.checkpoint`` (DCP), complete or never read.
+
+A checkpoint of step ``N`` is the folder ``DIR/step-0000000N``::
+
+    __R_0.distcp        rank R's part (DCP: each rank writes the tensors the save plan gives it;
+                        a tensor replicated on several ranks is written by one of them)
+    .metadata           DCP's index of every tensor (written by rank 0 once every rank's part is)
+    train_state.json    step, samples and batches read, LR schedule, losses, plan and topology
+    manifest.json       every other file's bytes and SHA-256: written last
+
+The ranks write into ``DIR/step-0000000N.partial``; after DCP's save returns on every rank (its
+metadata written), each rank hashes its own files, rank 0 writes ``train_state.json`` and then
+``manifest.json`` and renames the folder to its final name (one ``rename``: atomic), and every
+rank waits for that before training on. A folder without the final name or without
+``manifest.json`` is never read: a run killed while writing leaves a ``.partial`` folder, which
+:func:`latest` skips and the next save of that step replaces.
+
+The state, keyed by parameter FQN (state-dict name) so that a run can resume under another plan
+(DCP reshards: each rank asks for the FQNs it holds, wherever they were written):
+``param/FQN``, ``optim/FQN/KEY`` (the optimizer's per-parameter state: Adam's ``step``,
+``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``) and ``rng/rankR/I`` (rank ``R``'s random
+stream, read back only under the same plan and world size; elsewhere the streams restart from
+the seed). Reading: DCP reads tensors with ``torch.load(weights_only=True)``, and its
+``.metadata``, a pickle, is read by :class:`SafeReader` with an unpickler allowing DCP's
+metadata classes and torch's dtypes only (DCP's own reader unpickles anything).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..errors import TagError
+from ..io import read_json, write_json
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+MANIFEST = "manifest.json"
+STATE = "train_state.json"
+
+
+class CheckpointError(TagError):
+    """A checkpoint that cannot be read (missing, partial, corrupted, another model's)."""
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def partial_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}.partial"
+
+
+def complete_steps(root: str | os.PathLike) -> list[Path]:
+    """Committed checkpoint folders of ``root`` (final name and a manifest), oldest first."""
+    p = Path(root)
+    if not p.is_dir():
+        return []
+    found = [(int(m.group(1)), d) for d in p.iterdir() if (m := STEP_DIR.match(d.name)) and (d / MANIFEST).is_file()]
+    return [d for _, d in sorted(found)]
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    """The latest committed checkpoint of ``root`` (None if there is none)."""
+    steps = complete_steps(root)
+    return steps[-1] if steps else None
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_digests(folder: Path, names) -> dict[str, list]:
+    """name -> [bytes, SHA-256] of the files ``names`` of ``folder``."""
+    return {n: [(folder / n).stat().st_size, sha256(folder / n)] for n in names}
+
+
+def verify(path: str | os.PathLike) -> dict:
+    """The ``train_state.json`` of the checkpoint folder ``path`` once every file its manifest
+    names has the bytes and SHA-256 written there; CheckpointError (one line naming the file)
+    otherwise: a partial folder (no manifest), a missing, truncated or altered file."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: no such checkpoint folder; expected DIR/step-NNNNNNNN written by tag run")
+    if not (p / MANIFEST).is_file():
+        raise CheckpointError(f"{p}: partial checkpoint (no {MANIFEST}: its writing was interrupted); "
+                              "expected a complete one")
+    files = read_json(p / MANIFEST, CheckpointError, "checkpoint manifest")
+    if not isinstance(files, dict) or not isinstance(files.get("files"), dict) or STATE not in files["files"]:
+        raise CheckpointError(f"{p / MANIFEST}: expected {{\"files\": {{name: [bytes, sha256]}}}} naming {STATE}")
+    for name, (size, digest) in files["files"].items():
+        f = p / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing from the checkpoint (its manifest lists it)")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{f}: corrupted checkpoint: {f.stat().st_size} bytes, its manifest says {size}")
+        if sha256(f) != digest:
+            raise CheckpointError(f"{f}: corrupted checkpoint: its SHA-256 differs from its manifest's")
+    state = read_json(p / STATE, CheckpointError, "checkpoint training state")
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{p / STATE}: expected the training state tag run writes (an integer step)")
+    return state
+
+
+def resolve_resume(root: str | None, resume: str | None) -> Path | None:
+    """The checkpoint to resume from: ``resume`` ``"latest"`` is the latest committed one of
+    ``root`` (None: the run starts afresh), else a checkpoint folder; verified (:func:`verify`)."""
+    if resume is None:
+        return None
+    if resume == "latest":
+        if root is None:
+            raise CheckpointError("--resume: expected --checkpoint-dir (where to find the latest checkpoint) "
+                                  "or a checkpoint folder")
+        path = latest(root)
+        if path is None:
+            return None
+    else:
+        path = Path(resume)
+    verify(path)
+    return path.absolute()
+
+
+# ---- the ranks' state --------------------------------------------------------------------
+def rank_state(rt, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's part of the checkpoint: its parameters and their optimizer state by FQN, and
+    its random stream (:attr:`RankRuntime._rng`)."""
+    s = rt.schedule
+    out: dict[str, torch.Tensor] = {}
+    opt_state = rt.optimizer.state if rt.optimizer is not None else {}
+    for ph, p in rt.params.items():
+        fqn = s.param_target[ph]
+        out[f"param/{fqn}"] = p.detach()
+        for k, v in opt_state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim/{fqn}/{k}"] = v
+    for i, t in enumerate(rt._rng):
+        out[f"rng/rank{rank}/{i}"] = t
+    return out
+
+
+def save(root: Path, step: int, rt, rank: int, world: int, train_state: dict, before_commit=None) -> Path:
+    """Write step ``step``'s checkpoint (every rank calls it; collective), then commit it (see the
+    module docstring); returns the committed folder. ``before_commit()``: called once this rank's
+    part is written, before the manifest (testing: a rank killed there leaves a partial folder)."""
+    import torch.distributed as dist
+
+    tmp, final = partial_dir(root, step), step_dir(root, step)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftover of this step
+        shutil.rmtree(final, ignore_errors=True)  # (resumed before this step: replaced)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(rank_state(rt, rank), storage_writer=dcp.FileSystemWriter(tmp, thread_count=1))
+    mine = file_digests(tmp, sorted(f.name for f in tmp.glob(f"__{rank}_*.distcp")))
+    if before_commit is not None:
+        before_commit()
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        write_json(tmp / STATE, train_state)
+        files = {k: v for d in every for k, v in d.items()}
+        files.update(file_digests(tmp, [".metadata", STATE]))
+        write_json(tmp / MANIFEST, {"step": step, "files": files})
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(Path(root))
+    dist.barrier()  # committed before anyone trains on (or is stopped)
+    return final
+
+
+def prune(root: Path, keep: int) -> None:
+    """Remove all but the ``keep`` latest committed checkpoints (rank 0, after a commit)."""
+    for old in complete_steps(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load(path: Path, rt, rank: int, same_plan: bool) -> None:
+    """Load a verified checkpoint into runtime ``rt``: the parameters it holds and their optimizer
+    state (whichever ranks wrote them), and, with ``same_plan``, its random stream. Collective."""
+    reader = SafeReader(path)
+    meta = reader.read_metadata().state_dict_metadata
+    s = rt.schedule
+    want: dict[str, torch.Tensor] = {}
+    order = list(rt.params.items())
+    opt_keys: list[tuple[int, str, str]] = []  # (parameter index, optimizer state key, checkpoint key)
+    for i, (ph, p) in enumerate(order):
+        fqn = s.param_target[ph]
+        if f"param/{fqn}" not in meta:
+            raise CheckpointError(f"{path}: holds no parameter {fqn!r}; expected a checkpoint of the same model")
+        want[f"param/{fqn}"] = p.detach()
+        for key in meta:
+            if key.startswith(f"optim/{fqn}/"):
+                m = meta[key]
+                want[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                opt_keys.append((i, key.rsplit("/", 1)[1], key))
+    rng_keys = [f"rng/rank{rank}/{i}" for i in range(len(rt._rng))]
+    if same_plan and all(k in meta for k in rng_keys):
+        for k, t in zip(rng_keys, rt._rng):
+            want[k] = t.clone()
+    try:
+        with torch.no_grad():
+            dcp.load(want, storage_reader=reader)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DCP wraps a reader's failure per rank
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise CheckpointError(f"{path}: cannot read the checkpoint: {first[:300]}") from None
+    if rt.optimizer is not None and opt_keys:
+        sd = rt.optimizer.state_dict()
+        state: dict[int, dict] = {}
+        for i, k, key in opt_keys:
+            state.setdefault(i, {})[k] = want[key]
+        rt.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+    if same_plan and rng_keys[0] in want:
+        rt._rng = tuple(want[k] for k in rng_keys)
+
+
+# ---- reading DCP's metadata without running code ------------------------------------------
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": None,  # every class of the module
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"WriteItemType", "LoadItemType"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},  # a layout by name ("torch.strided")
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata``: its dataclasses, ``torch.Size``, torch's dtype, layout and
+    memory-format constants and paths (the globals DCP's metadata of torch 2.13 names, 2026-11-29);
+    any other global is refused."""
+
+    def find_class(self, module: str, name: str):
+        allowed = _ALLOWED.get(module, set())
+        if module in _ALLOWED and (allowed is None or name in allowed):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not DCP metadata")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file-system reader whose ``.metadata`` is read by :class:`_MetadataUnpickler`."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        path = Path(self.path) / ".metadata"
+        try:
+            meta = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"{path}: not DCP metadata: {why}") from None
+        if not isinstance(meta, Metadata):
+            raise CheckpointError(f"{path}: not DCP metadata: a {type(meta).__name__}")
+        if getattr(meta, "storage_meta", None) is None:
+            meta.storage_meta = StorageMeta()
+        meta.storage_meta.load_id = self.load_id
+        return meta

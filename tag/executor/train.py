@@ -1,0 +1,508 @@
+"""``tag run``: train a model with a plan on TAG's executor, on the factory's data, with
+checkpoints, resumption, the usual training controls and metrics.
+
+The launcher (:func:`train`) checks the plan as ``tag execute`` does, resolves ``--resume`` to a
+verified checkpoint (:mod:`tag.executor.checkpoint`) before anything starts, and launches one
+rank per device (:func:`tag.executor.launch._launch`); each rank (:func:`train_rank`, from
+:func:`tag.executor.worker.run_rank`) runs the plan's schedule once per global batch:
+
+* data: its own rows of every global batch (:mod:`tag.executor.data`); without a data source, the
+  factory's example inputs every step (said in the first progress line);
+* an optimizer step every ``accumulate`` global batches: the gradients of the batches are summed
+  after their syncs and divided by ``accumulate`` (each batch's gradient is its mean's; the
+  syncs run every batch, as DDP outside ``no_sync``);
+* learning rate of optimizer step ``n`` (0-based, :func:`lr_at`): linear warm-up
+  ``lr * (n + 1) / W`` over ``W`` steps, then constant or cosine to ``min_lr`` at ``--steps``;
+* gradient clipping by the global norm: every rank sums the squares of the gradients it is
+  responsible for (:func:`responsible`: each parameter, or tensor-parallel shard, once, whatever
+  the replicas, stages and tied copies holding it), one all-reduce sums them, and every rank
+  multiplies its gradients by ``min(1, max_norm / (norm + 1e-6))`` (``clip_grad_norm_``'s rule);
+  the norm is reported whether or not ``--clip`` is given;
+* after each step one all-gather of (loss, stop, memory) per rank: rank 0 writes the step's
+  record to ``metrics.jsonl`` (and TensorBoard / wandb when asked) and stops everyone at
+  ``--time``; checkpoints every ``--checkpoint-every`` steps and at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import TagError
+from ..io import write_atomic, write_json
+from . import checkpoint as ckpt
+from .data import RankFeeder, rank_rows, rows_reader
+
+METRICS = "metrics.jsonl"
+SCHEDULES = ("cosine", "constant")
+
+
+@dataclass
+class TrainSpec:
+    """A training run's settings as every rank reads them (``WorkerArgs.train``)."""
+
+    steps: int | None = None
+    """Optimizer steps the run ends at (counted from the first run, not from the resumed step);
+    None: until ``time_s``."""
+    time_s: float | None = None
+    """Wall-clock seconds of this launch after which the run stops (at the end of a step)."""
+    accumulate: int = 1
+    """Global batches per optimizer step."""
+    lr: float | None = None
+    """Peak learning rate (None: the optimizer's, :data:`tag.cost.optim.ADAM_LR` / ``SGD_LR``)."""
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    """The cosine ends at ``lr * min_lr_ratio``."""
+    clip: float | None = None
+    """Max global gradient norm (None: no clipping)."""
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    keep: int = 3
+    """Committed checkpoints kept (the latest)."""
+    resume: str | None = None
+    """A verified checkpoint folder to start from."""
+    log_every: int = 1
+    metrics: str = ""
+    """The JSONL file of the step records."""
+    tensorboard: str | None = None
+    wandb: str | None = None
+    """wandb project (offline unless ``WANDB_MODE`` says otherwise)."""
+    plan_id: str = ""
+    """SHA-256 of the plan and topology: a checkpoint's random streams are read back under the same."""
+
+    def __post_init__(self) -> None:
+        if self.steps is None and self.time_s is None:
+            raise TagError("tag run: expected --steps N, --time SECONDS or both (when to stop)")
+        if self.schedule not in SCHEDULES:
+            raise TagError(f"--lr-schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule == "cosine" and self.steps is None:
+            raise TagError("--lr-schedule cosine: expected --steps (the step the cosine ends at); "
+                           "with --time alone use --lr-schedule constant")
+        if self.clip is not None and not (0 < self.clip < math.inf):
+            raise TagError(f"--clip: expected a positive, finite global norm, got {self.clip!r}")
+        if self.lr is not None and not (0 < self.lr < math.inf):
+            raise TagError(f"--lr: expected a positive, finite learning rate, got {self.lr!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise TagError(f"--min-lr-ratio: expected a ratio in [0, 1], got {self.min_lr_ratio!r}")
+        if self.time_s is not None and not (0 < self.time_s < math.inf):
+            raise TagError(f"--time: expected a positive, finite number of seconds, got {self.time_s!r}")
+        if (self.checkpoint_every is not None) != (self.checkpoint_dir is not None):
+            raise TagError("--checkpoint-every and --checkpoint-dir: expected both or neither")
+
+
+def lr_at(step: int, base: float, spec: TrainSpec) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up over
+    ``spec.warmup_steps`` steps, then ``base`` (constant) or a cosine from ``base`` to
+    ``base * min_lr_ratio`` at step ``spec.steps``."""
+    w = spec.warmup_steps
+    if step < w:
+        return base * (step + 1) / w
+    if spec.schedule == "constant" or spec.steps is None or spec.steps <= w:
+        return base
+    t = min(1.0, (step - w) / (spec.steps - w))
+    low = base * spec.min_lr_ratio
+    return low + 0.5 * (base - low) * (1.0 + math.cos(math.pi * t))
+
+
+# ---- the ranks ----------------------------------------------------------------------------
+@dataclass
+class RankContext:
+    """What :func:`tag.executor.worker.run_rank` set up for this rank."""
+
+    rank: int
+    world: int
+    topology: object
+    graph: object
+    plan: object
+    sched: object
+    rt: object
+    comm: object
+    device: torch.device
+    wl: object
+    hook: object
+    members: list | None
+    my_group: object
+    fault: tuple | None
+
+
+def responsible(ctx: RankContext) -> list[torch.Tensor]:
+    """The parameters whose gradients this rank counts in the global norm: of the ranks holding
+    the same gradient (a parameter's replicas, pipeline stages holding a tied copy, a
+    tensor-parallel group's members for a replicated parameter), the lowest; a tensor-parallel
+    shard is its own tensor. Collective (one all-gather of names)."""
+    import torch.distributed as dist
+
+    rt = ctx.rt
+    split = ctx.hook.param_state() if ctx.hook is not None else None
+    split = split if isinstance(split, dict) else {}
+    index = getattr(ctx.hook, "index", 0)
+    mine = {}
+    for ph, p in rt.params.items():
+        fqn = rt.schedule.param_target[ph]
+        mine[f"{fqn}#{index if fqn in split else 0}"] = p
+    everyone: list = [None] * ctx.world
+    dist.all_gather_object(everyone, sorted(mine))
+    owner: dict[str, int] = {}
+    for r, names in enumerate(everyone):
+        for n in names:
+            owner.setdefault(n, r)
+    return [p for n, p in mine.items() if owner[n] == ctx.rank]
+
+
+@dataclass
+class StepControl:
+    """:attr:`RankRuntime.before_step`: gradient accumulation, the global norm and clipping."""
+
+    params: list[torch.nn.Parameter]
+    counted: list[torch.Tensor]
+    """Parameters whose gradients this rank counts in the norm (:func:`responsible`)."""
+    accumulate: int
+    clip: float | None
+    device: torch.device
+    k: int = 0
+    """Batches accumulated so far towards the next step."""
+    acc: list[torch.Tensor] = field(default_factory=list)
+    finite: bool = True
+    norm: float = float("nan")
+    """The last step's global gradient norm (before clipping)."""
+
+    def __call__(self, ok: bool) -> bool:
+        import torch.distributed as dist
+
+        self.finite = self.finite and ok
+        grads = [p.grad for p in self.params]
+        if self.k < self.accumulate - 1:  # not the step's last batch: keep the sum
+            if self.k == 0:
+                self.acc = [g.clone() for g in grads]
+            else:
+                torch._foreach_add_(self.acc, grads)
+            self.k += 1
+            return False
+        if self.accumulate > 1:
+            torch._foreach_add_(self.acc, grads)
+            torch._foreach_div_(self.acc, float(self.accumulate))
+            for p, g in zip(self.params, self.acc):
+                p.grad = g
+        self.k, self.acc = 0, []
+        counted = [p.grad for p in self.counted]
+        sq = (torch.stack(torch._foreach_norm(counted)).double().square().sum() if counted
+              else torch.zeros((), dtype=torch.float64, device=self.device))
+        sq = sq.to(self.device)
+        dist.all_reduce(sq)
+        self.norm = float(sq.sqrt())
+        ok, self.finite = self.finite and math.isfinite(self.norm), True
+        if ok and self.clip is not None and self.params:
+            coef = self.clip / (self.norm + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_([p.grad for p in self.params], coef)
+        return ok
+
+
+def _memory_bytes(device: torch.device) -> int:
+    """Peak allocated bytes on a GPU, resident bytes of the process on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    from .worker import host_memory
+
+    return host_memory()
+
+
+def _peak_flops(ctx: RankContext) -> float:
+    """FLOP/s of every device of the plan at its precision (fp32's or the 16-bit rate)."""
+    fp32 = ctx.graph.precision == "fp32"
+    return sum(d.gpu.fp32_flops if fp32 else d.gpu.fp16_flops for d in ctx.topology.devices)
+
+
+def _tokens(inputs: tuple) -> int | None:
+    """Tokens per global batch: the first input's elements when it is integer token ids ``[B, L]``."""
+    x = inputs[0] if inputs else None
+    if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point():
+        return int(x.numel())
+    return None
+
+
+def train_rank(a, ctx: RankContext) -> dict:
+    """This rank's training run (see the module docstring); rank 0 returns the run's summary."""
+    import torch.distributed as dist
+
+    from .worker import _inject, walk_schedule
+
+    spec = TrainSpec(**a.train)
+    rt, sched, rank = ctx.rt, ctx.sched, ctx.rank
+    B = sched.batch_size
+    feeder = None
+    if ctx.wl.data is not None:
+        feeder = RankFeeder(rows_reader(ctx.wl.data, a.seed, a.model), rt.inputs, rank_rows(rt), a.model)
+    control = StepControl(list(rt.params.values()), responsible(ctx), spec.accumulate, spec.clip, ctx.device)
+    rt.before_step = control
+    base_lr = spec.lr or (rt.optimizer.defaults["lr"] if rt.optimizer is not None else 0.0)
+    step, batches, samples = 0, 0, 0
+    if spec.resume:
+        state = json.loads((Path(spec.resume) / ckpt.STATE).read_text())
+        ckpt.load(Path(spec.resume), rt, rank, same_plan=state.get("plan_id") == spec.plan_id)
+        step, batches, samples = state["step"], state["batches"], state["samples"]
+    log = Metrics(spec, a, ctx, step) if rank == 0 else None
+    flops = ctx.graph.flops() * spec.accumulate
+    peak = _peak_flops(ctx)
+    tokens = _tokens(rt.inputs)
+    t_launch = time.perf_counter()
+    first, stop = step, False
+    summary: dict = {"start_step": step}
+    while not stop and (spec.steps is None or step < spec.steps):
+        f = ctx.fault
+        if f and f[0] == rank and f[1] == step and f[2] != "exit-in-checkpoint":
+            _inject(f[2])
+        lr = lr_at(step, base_lr, spec)
+        if rt.optimizer is not None:
+            for g in rt.optimizer.param_groups:
+                g["lr"] = lr
+        t0 = time.perf_counter()
+        loss = 0.0
+        for _ in range(spec.accumulate):
+            if feeder is not None:
+                feeder.feed(batches, samples)
+            rt.begin_iteration()
+            walk_schedule(rt, ctx.comm, sched)
+            ctx.comm.finish_syncs(rt)
+            rt.update()
+            loss += rt.loss / spec.accumulate
+            batches, samples = batches + 1, samples + B
+        step += 1
+        late = spec.time_s is not None and time.perf_counter() - t_launch >= spec.time_s
+        stats = torch.tensor([loss, float(late), float(_memory_bytes(ctx.device))], dtype=torch.float64,
+                             device=ctx.device)
+        parts = [torch.empty_like(stats) for _ in range(ctx.world)]
+        dist.all_gather(parts, stats)
+        stop = bool(parts[0][1])  # rank 0's clock decides
+        dt = time.perf_counter() - t0
+        record = {"step": step, "loss": sum(float(p[0]) for p in parts), "lr": lr, "grad_norm": control.norm,
+                  "step_time_s": dt, "samples_per_s": B * spec.accumulate / dt,
+                  "tokens_per_s": tokens * spec.accumulate / dt if tokens else None,
+                  "mfu": flops / dt / peak if peak else None,
+                  "memory_bytes": [int(p[2]) for p in parts], "samples": samples,
+                  "elapsed_s": time.perf_counter() - t_launch}
+        record["eta_s"] = _eta(spec, step, first, record["elapsed_s"])
+        if log is not None:
+            log.write(record)
+        last = stop or step == spec.steps
+        if spec.checkpoint_dir and (step % spec.checkpoint_every == 0 or last):
+            state = {"step": step, "batches": batches, "samples": samples, "plan_id": spec.plan_id,
+                     "model": a.model, "seed": a.seed, "world": ctx.world, "global_batch": B,
+                     "lr_schedule": {"lr": base_lr, "warmup_steps": spec.warmup_steps, "schedule": spec.schedule,
+                                     "min_lr_ratio": spec.min_lr_ratio, "steps": spec.steps},
+                     "accumulate": spec.accumulate, "loss": record["loss"]}
+            kill = f is not None and f[0] == rank and f[1] == step and f[2] == "exit-in-checkpoint"
+            ckpt.save(Path(spec.checkpoint_dir), step, rt, rank, ctx.world, state,
+                      before_commit=(lambda: _inject("exit")) if kill else None)
+            if rank == 0:
+                ckpt.prune(Path(spec.checkpoint_dir), spec.keep)
+    if log is not None:
+        log.close()
+    summary.update(rank=rank, step=step, batches=batches, samples=samples, rows_read=feeder.read if feeder else 0,
+                   data_rows=feeder.ranges if feeder else [])
+    if a.save_params:
+        from .worker import save_rank_params
+
+        save_rank_params(a, rt, ctx.hook, ctx.members, ctx.my_group, rank)
+    everyone: list = [None] * ctx.world
+    dist.all_gather_object(everyone, summary)
+    if rank == 0:
+        write_json(Path(a.out_dir) / "train.json", everyone)
+    ctx.comm.close()
+    return summary
+
+
+def _eta(spec: TrainSpec, step: int, first: int, elapsed: float) -> float | None:
+    """Seconds to the end: the steps left at this launch's mean step time, or the time left."""
+    left = []
+    if spec.steps is not None:
+        left.append((spec.steps - step) * elapsed / max(1, step - first))
+    if spec.time_s is not None:
+        left.append(max(0.0, spec.time_s - elapsed))
+    return min(left) if left else None
+
+
+def keep_records(path: Path, upto: int) -> None:
+    """Keep the records of steps ``<= upto`` of the JSONL ``path`` (a resumed run drops the killed
+    run's records after its checkpoint's step; a fresh run, ``upto`` 0, starts it empty)."""
+    lines = path.read_text().splitlines() if upto and path.exists() else []
+    kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= upto]
+    if not path.exists() or len(kept) != len(lines) or not upto:
+        write_atomic(path, "".join(ln + "\n" for ln in kept))
+
+
+class Metrics:
+    """Rank 0's step records: ``metrics.jsonl`` (:func:`keep_records` first), one progress line
+    every ``log_every`` steps on stdout, TensorBoard and wandb when asked."""
+
+    def __init__(self, spec: TrainSpec, a, ctx: RankContext, start: int) -> None:
+        self.spec, self.path = spec, Path(spec.metrics)
+        keep_records(self.path, start)
+        self.file = open(self.path, "a")  # noqa: SIM115 - open for the run
+        self.tb = self.wandb = None
+        if spec.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(spec.tensorboard)
+        if spec.wandb:
+            import wandb
+
+            self.wandb = wandb.init(project=spec.wandb, mode=os.environ.get("WANDB_MODE", "offline"),
+                                    dir=str(self.path.parent), resume="allow",
+                                    config={"model": a.model, "plan": a.plan, **asdict(spec)})
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        step = record["step"]
+        if self.tb is not None:
+            for k in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "mfu"):
+                if record[k] is not None:
+                    self.tb.add_scalar(k, record[k], step)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "memory_bytes"}, step=step)
+        if shown(step, self.spec):
+            print(progress_line(record, self.spec.steps), flush=True)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def shown(step: int, spec: TrainSpec) -> bool:
+    """Whether step ``step``'s record gets a progress line: every ``log_every`` steps and the last."""
+    return step % spec.log_every == 0 or step == spec.steps
+
+
+def progress_line(r: dict, steps: int | None) -> str:
+    """``step 30/60  loss 2.1234  lr 1.0e-03  |g| 0.52  812 samples/s  MFU 3.1%  mem 0.31-0.32 GiB  ETA 0:00:12``."""
+    parts = [f"step {r['step']}" + (f"/{steps}" if steps else ""), f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
+             f"|g| {r['grad_norm']:.3g}", f"{r['samples_per_s']:.1f} samples/s"]
+    if r.get("tokens_per_s"):
+        parts.append(f"{r['tokens_per_s']:.0f} tokens/s")
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {r['mfu'] * 100:.3g}%")
+    mem = [m / 2**30 for m in r["memory_bytes"]]
+    parts.append(f"mem {min(mem):.2f}-{max(mem):.2f} GiB" if len(mem) > 1 else f"mem {mem[0]:.2f} GiB")
+    if r.get("eta_s") is not None:
+        s = int(r["eta_s"])
+        parts.append(f"ETA {s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}")
+    return "  ".join(parts)
+
+
+# ---- the launcher -------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    """A finished (or stopped) training run."""
+
+    run_dir: str
+    metrics: str
+    start_step: int
+    """The step the run started from (a resumed checkpoint's, else 0)."""
+    step: int
+    """The last step done."""
+    losses: list[float]
+    """Loss of every step of the run from step 1 (``metrics.jsonl``; a resumed run's too)."""
+    checkpoint: str | None
+    """The latest committed checkpoint (None without ``--checkpoint-dir``)."""
+    ranks: list[dict] = field(default_factory=list, repr=False)
+
+
+def _plan_id(plan_path: Path, topology_path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(plan_path.read_bytes() + b"\0" + topology_path.read_bytes()).hexdigest()
+
+
+def train(cfg, spec: TrainSpec, echo=None, graph=None) -> TrainResult:
+    """Launch ``cfg`` (an :class:`tag.executor.ExecuteConfig`: model, topology, plan, seed, run
+    folder...) as a training run of ``spec`` on this machine; ``echo(line)`` gets each progress
+    line as rank 0 writes it (``tag run`` prints them). A one-line TagError on bad input, a
+    checkpoint it cannot resume from, or a failed rank. ``graph``: the captured graph of
+    ``cfg.model``, if the caller has it (saves a capture)."""
+    from .launch import _launch, _prepare
+
+    if spec.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise TagError("--tensorboard: the tensorboard package is not installed (pip install tensorboard)")
+    resume = ckpt.resolve_resume(spec.checkpoint_dir, spec.resume)
+    if resume is not None:
+        state = ckpt.verify(resume)
+        if state.get("model") != cfg.model:
+            raise ckpt.CheckpointError(f"{resume}: a checkpoint of {state.get('model')!r}, not --model {cfg.model!r}")
+    if cfg.run_dir is None:
+        raise TagError("tag run: expected --run-dir (where metrics.jsonl and the logs go)")
+    pre = _prepare(cfg, graph, machines=False)
+    args = json.loads(pre.args_path.read_text())
+    metrics = pre.run_dir / METRICS
+    spec = TrainSpec(**{**asdict(spec), "resume": str(resume) if resume else None, "metrics": str(metrics),
+                        "checkpoint_dir": str(Path(spec.checkpoint_dir).absolute()) if spec.checkpoint_dir else None,
+                        "plan_id": _plan_id(Path(args["plan"]), Path(args["topology"]))})
+    write_json(pre.args_path, {**args, "train": asdict(spec)})
+    start = state["step"] if resume else 0
+    keep_records(metrics, start)
+    tail = _Tail(metrics, spec, echo) if echo else None
+    try:
+        _launch(pre.topology.num_devices, pre.args_path, pre.run_dir, cfg.timeout_s,
+                "spawn" if pre.backend == "nccl" else "forkserver")
+    finally:
+        if tail is not None:
+            tail.stop()
+    records = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    last = ckpt.latest(spec.checkpoint_dir) if spec.checkpoint_dir else None
+    ranks = json.loads((pre.run_dir / "train.json").read_text())
+    return TrainResult(str(pre.run_dir), str(metrics), start, records[-1]["step"] if records else 0,
+                       [r["loss"] for r in records], str(last) if last else None, ranks)
+
+
+class _Tail:
+    """Follows ``metrics.jsonl`` while the ranks run, passing each new record's progress line to
+    ``echo`` (the ranks' own output goes to their log files)."""
+
+    def __init__(self, path: Path, spec: TrainSpec, echo) -> None:
+        self.path, self.spec, self.echo = path, spec, echo
+        self.pos = path.stat().st_size if path.exists() else 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.5):
+            self._read()
+        self._read()
+
+    def _read(self) -> None:
+        try:
+            with open(self.path) as f:
+                f.seek(self.pos)
+                chunk = f.read()
+        except OSError:
+            return
+        lines = chunk.split("\n")
+        for ln in lines[:-1]:  # (a line without its newline is still being written)
+            r = json.loads(ln) if ln.strip() else None
+            if r is not None and shown(r["step"], self.spec):
+                self.echo(progress_line(r, self.spec.steps))
+        self.pos += len(chunk) - len(lines[-1])
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def print_line(line: str) -> None:
+    print(line, file=sys.stdout, flush=True)
