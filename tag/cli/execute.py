@@ -34,6 +34,9 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, help="also write the result JSON here")
     add_force_arg(p)
     p.add_argument("--save-params", action="store_true", help="each rank saves its final parameters in the run dir")
+    p.add_argument("--compile", action="store_true",
+                   help="run each rank's fused stage segments (forward, backward) through torch.compile (Inductor; "
+                        "compiled during the warm-up iterations; CPU needs a C++ compiler)")
     p.add_argument("--bucket-bytes", type=int_in(1), default=None,
                    help="cap of the gradient buckets in bytes (default: DDP's, a first bucket of 1 MiB, "
                         "then 25 MiB); the prediction uses the same")
@@ -86,7 +89,8 @@ def run(args) -> int:
                         optimizer=args.optimizer, seed=args.seed, groups=args.groups, steps=args.steps,
                         warmup=args.warmup, backend=args.backend, emulate_speed=args.emulate_speed,
                         timeout_s=args.timeout, run_dir=args.run_dir, save_params=args.save_params,
-                        fault=args.inject_fault, precision=args.precision, bucket_bytes=args.bucket_bytes)
+                        fault=args.inject_fault, precision=args.precision, bucket_bytes=args.bucket_bytes,
+                        compile=args.compile)
     if args.torchrun is not None and args.report:
         raise TagError("--torchrun prepares a run, --report reads a finished one: expected one of them")
     if args.torchrun is not None:

@@ -58,6 +58,8 @@ class ExecuteConfig:
     after a successful run and kept after a failure, for its logs)."""
     save_params: bool = False
     check_memory: bool = True
+    compile: bool = False
+    """Every rank runs its fused segments through ``torch.compile`` (Inductor; ``--compile``)."""
     profile_dir: str | None = None
     """Profile database the prediction is costed with (default: ``$TAG_PROFILE_DIR`` or
     ``data/profiles``). CPU profiles are only valid on the machine that measured them."""
@@ -190,7 +192,7 @@ def _prepare(cfg: ExecuteConfig, graph, *, machines: bool) -> _Prepared:
                        emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
                        save_params=cfg.save_params, fault=cfg.fault, threads=cfg.threads,
                        launcher_pid=None if machines else os.getpid(), precision=graph.precision,
-                       bucket_bytes=cfg.bucket_bytes, profile_ops=os.environ.get(PROFILE_ENV))
+                       bucket_bytes=cfg.bucket_bytes, profile_ops=os.environ.get(PROFILE_ENV), compile=cfg.compile)
     write_json(args_path, asdict(wargs))
     return _Prepared(topology, backend, sim_res, run_dir, args_path, idle)
 

@@ -34,7 +34,8 @@ def needs_global_joint(schedule: Schedule, rank: int) -> bool:
 
 def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int,
                 machine_of=None, joints: dict[int, Joint] | None = None,
-                cut_at_sync: bool = False, bucket_bytes: int | None = None, seed: int = 0) -> dict[int, RankRuntime]:
+                cut_at_sync: bool = False, bucket_bytes: int | None = None, seed: int = 0,
+                compiled: bool = False) -> dict[int, RankRuntime]:
     # the joints are exported in ``graph.precision`` (a ``joints`` cache must hold that precision's)
     """Train ``steps`` iterations of ``plan`` with all ranks in this process; returns the runtimes.
 
@@ -43,7 +44,8 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
     is launched, as on a GPU rank (:attr:`RankRuntime.cut_at_sync`). ``bucket_bytes``: the gradient
     buckets' cap (:func:`tag.parallel.buckets.bucket_caps`). ``seed``: every rank's random stream
     (:attr:`RankRuntime.seed`; ``tag execute``'s ``--seed``, so a virtual run draws the dropout
-    masks of a real one).
+    masks of a real one). ``compiled``: segments run through ``torch.compile``
+    (:attr:`RankRuntime.compiled`).
     """
     ex = execution_for(plan, graph)  # a strategy may run it otherwise (tag.executor.strategies)
     sched = ex.schedule(graph, machine_of, bucket_bytes)
@@ -71,7 +73,7 @@ def run_virtual(graph: OpGraph, plan: Plan, workload, optimizer: str, steps: int
             full = joints[sched.batch_size]
         runtimes[actual] = RankRuntime(r, sched, tuple(workload.inputs), mine, optimizer, global_joint=full,
                                        loss_scale=loss_scale(graph.precision), cut_at_sync=cut_at_sync,
-                                       hook=hooks[actual], seed=seed)
+                                       hook=hooks[actual], seed=seed, compiled=compiled)
     pool = ThreadPoolExecutor(len(ranks)) if ex.groups else None  # a group's ranks sum inside their segments
     for _ in range(steps):
         for rt in runtimes.values():

@@ -54,6 +54,8 @@ class WorkerArgs:
     graph: str | None = None
     """Optional pre-captured graph JSON (saves two exports per rank on one machine)."""
     save_params: bool = False
+    compile: bool = False
+    """Fused segments through ``torch.compile`` (:attr:`tag.executor.runtime.RankRuntime.compiled`)."""
     fault: str | None = None
     """Testing only: ``"RANK:ITER:raise|exit|hang"`` makes that rank fail at that iteration."""
     precision: str = "fp32"
@@ -150,7 +152,8 @@ def run_rank(a: WorkerArgs) -> dict:
     # A CPU rank queues its gradient buckets until its compute is done (DistComm.defer_syncs): its
     # segments run on across them; a GPU rank issues each as soon as its gradients exist.
     rt = RankRuntime(me, sched, inputs, joints, a.optimizer, device, slow, global_joint=full,
-                     loss_scale=loss_scale(a.precision), cut_at_sync=device.type != "cpu", hook=hook, seed=a.seed)
+                     loss_scale=loss_scale(a.precision), cut_at_sync=device.type != "cpu", hook=hook, seed=a.seed,
+                     compiled=a.compile)
     comm = DistComm.init(rank, world, a.backend, a.timeout_s, sched, device, ex.shards, me)
     my_group = None
     for devs in ex.groups:  # every rank creates every process group, in the same order
