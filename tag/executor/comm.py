@@ -38,6 +38,8 @@ class DistComm:
     sends: list = field(default_factory=list)
     """Works of sends in flight (GPU ranks: a step in which the rank only sends is not waited
     for, its compute goes on; waited for before the iteration's update, :meth:`finish_syncs`)."""
+    send_stream: object = None
+    """CUDA ranks: the stream the sends of a step without receives go on (:meth:`_send_when_made`)."""
     remote_steps: frozenset[int] = frozenset()
     """Schedule indices of the transfer steps in which this rank sends or receives (the others
     only assemble local pieces: no process-group call)."""
@@ -139,6 +141,8 @@ class DistComm:
         sends go (:attr:`sends`, as the simulator's :meth:`tag.sim.engine._Run._transfer`); one in
         which it receives is (NCCL runs the step's sends and receives as one group)."""
         ops, received = [], {}
+        if rt.device.type == "cuda" and self._send_when_made(rt, step):
+            return received
         for tag, dst, piece in rt.outgoing(step):
             ops.append(dist.P2POp(dist.isend, piece, self.peers.get(dst, dst), tag=tag))
         for tag, src, buf in rt.incoming(step):
@@ -152,6 +156,27 @@ class DistComm:
             for req in works:
                 req.wait()
         return received
+
+    def _send_when_made(self, rt: RankRuntime, step: Step) -> bool:
+        """Post the sends of a step in which this CUDA rank only sends on a stream of their own
+        that waits for the segments making their pieces alone, not for the compute enqueued since
+        (the next stage's forward, say): NCCL orders a work after the stream current when it is
+        posted. False (nothing posted) if the rank receives in the step or a piece was not made by
+        a segment of this iteration (:meth:`RankRuntime.made_events`)."""
+        if any(m.dst == rt.rank and m.src != rt.rank for m in step.moves):
+            return False
+        made = rt.made_events(step)
+        if made is None:
+            return False
+        if self.send_stream is None:
+            self.send_stream = torch.cuda.Stream(rt.device)
+        for ev in made:
+            self.send_stream.wait_event(ev)
+        with torch.cuda.stream(self.send_stream):  # (a scattered piece's slice is copied there too)
+            ops = [dist.P2POp(dist.isend, piece, self.peers.get(dst, dst), tag=tag)
+                   for tag, dst, piece in rt.outgoing(step)]
+            self.sends += dist.batch_isend_irecv(ops)
+        return True
 
     def _exchange_packed(self, rt: RankRuntime, step: Step, index: int) -> dict[int, torch.Tensor]:
         """One packed message per peer (CPU ranks), receives posted ahead (:meth:`prepost`); the

@@ -16,8 +16,9 @@ ranks pack them; occupy both endpoints' comm streams, and both machines' network
 a flow is a rendezvous, as in the executor, where sender and receiver post their halves at the
 step of the schedule and wait for them: it starts once both endpoints' compute streams reached
 that step, and the receiver's compute stream waits for it to finish, the sender's too on a CPU
-device or in a step where it also receives: a GPU rank posting only sends computes on, as the
-executor's :meth:`tag.executor.comm.DistComm._exchange`),
+device or in a step where it also receives: a GPU rank posting only sends computes on, its sends
+waiting for their data alone (the sender's compute need not reach the step), as the executor's
+:meth:`tag.executor.comm.DistComm._exchange`),
 all-gathers completing the pieces scattered into a tensor-parallel group from another machine
 (Megatron-LM's scatter-gather, :mod:`tag.parallel.moves` ``shard``; one per group and stage after
 the last of its messages, holding the group's comm and compute streams, as the executor's
@@ -846,16 +847,20 @@ class _Run:
             if nb > buf[b]:
                 buf[b] = nb
             # A rendezvous, as in the executor: it starts once the data is ready, both comm
-            # streams are free and both compute streams reached this step of the schedule.
+            # streams are free and the receiver's compute stream reached this step of the
+            # schedule, the sender's too where it waits (a GPU sender that receives nothing in
+            # the step posts its sends on a stream waiting for their data alone,
+            # DistComm._send_when_made)
             x = cf[a]
             if x > s:
                 s = x
             x = cf[b]
             if x > s:
                 s = x
-            x = cfree[a]
-            if x > s:
-                s = x
+            if waits:
+                x = cfree[a]
+                if x > s:
+                    s = x
             x = cfree[b]
             if x > s:
                 s = x
@@ -1209,12 +1214,12 @@ class _Recorder:
             self._msgs = msgs
         parts, s0, p0 = self._msgs[(a, b)]
         run, lc, lt = self.run, self.last_comm, self.last_task
-        waits = [(s0, p0), (run.comm_free[a], lc[a]), (run.comm_free[b], lc[b]), (run.cfree[a], lt[a]),
-                 (run.cfree[b], lt[b])]
+        held = [(s0, p0), (run.comm_free[a], lc[a]), (run.comm_free[b], lc[b])]
+        held += [(run.cfree[a], lt[a]), (run.cfree[b], lt[b])] if waits else [(run.cfree[b], lt[b])]
         if ma >= 0:
-            waits += [(run.nic_out[ma], self.last_nout[ma]), (run.nic_in[mb], self.last_nin[mb])]
+            held += [(run.nic_out[ma], self.last_nout[ma]), (run.nic_in[mb], self.last_nin[mb])]
         ref = ("f", len(self.flows))
-        self.flows.append((parts[0], len(parts), nb, s, e, _binding(s, waits)))
+        self.flows.append((parts[0], len(parts), nb, s, e, _binding(s, held)))
         lc[a] = lc[b] = lt[b] = ref
         if waits:
             lt[a] = ref
