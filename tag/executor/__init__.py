@@ -23,7 +23,7 @@ from ..parallel.schedule import (
     graph_structure,
     partial_sum_tensors,
 )
-from . import tensor_parallel  # noqa: F401 - registers tp's execution (tag.executor.strategies)
+from . import sharded, tensor_parallel  # noqa: F401 - register zero*'s and tp's executions (tag.executor.strategies)
 from .launch import ExecuteConfig, ExecuteResult, TorchrunLaunch, execute, prepare_torchrun, report_torchrun
 from .runtime import ExecutionError, RankRuntime
 from .strategies import Execution, RankHook, execution_for, register_execution, unregister_execution

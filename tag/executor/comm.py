@@ -256,7 +256,8 @@ class DistComm:
             return
         t0 = time.perf_counter()
         c = b.collective
-        p = _Pending(b, rt.bucket_flat(b), None, self.groups[c.members], c.server)
+        own = rt.hook.bucket_sync(rt, rt.schedule.buckets.index(b)) if rt.hook is not None else None
+        p = _Pending(b, rt.bucket_flat(b), None, self.groups[c.members], c.server, own=own)
         if not self.defer_syncs:
             p.start()
         self.pending.append(p)
@@ -282,8 +283,11 @@ class DistComm:
         self._broadcast_reduced()
         for p in self.pending:
             p.work.wait()
-            rt.set_bucket_flat(p.bucket, p.flat)
+            if p.own is None:  # (a hook's own collective leaves the runtime's gradients as they are)
+                rt.set_bucket_flat(p.bucket, p.flat)
         self.pending.clear()
+        if rt.hook is not None:
+            rt.hook.synced(rt)
         rt.timer.sync += time.perf_counter() - t0
 
 
@@ -349,10 +353,15 @@ class _Pending:
     pg: object
     server: int | None
     broadcast: bool = False
+    own: object = None
+    """The rank hook's own collective of the bucket (:meth:`RankHook.bucket_sync
+    <tag.executor.strategies.RankHook.bucket_sync>`: a reduce-scatter), None for the schedule's."""
 
     def start(self) -> None:
-        """Issue the all-reduce, or the PS reduce to the server (async)."""
-        if self.server is not None:
+        """Issue the all-reduce, or the PS reduce to the server, or the hook's own (async)."""
+        if self.own is not None:
+            self.work = self.own(self.flat)
+        elif self.server is not None:
             self.work = dist.reduce(self.flat, dst=self.server, group=self.pg, async_op=True)
         else:
             self.work = dist.all_reduce(self.flat, group=self.pg, async_op=True)

@@ -401,8 +401,11 @@ class RankRuntime:
         seg = self.program.segments.get(index)
         if seg is None:
             return
+        token = self.hook.before_segment(self, seg) if self.hook is not None else None  # (ZeRO-3's gathers)
         with self.timer.span("compute"), self._emulated(), torch.no_grad(), self._random_stream(index):
             seg(self.env)
+        if self.hook is not None:
+            self.hook.after_segment(self, token)
         if self.device.type == "cuda":  # when its values are made: a send waits for that alone
             made = torch.cuda.Event()
             made.record()

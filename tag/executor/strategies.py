@@ -85,6 +85,25 @@ class RankHook:
         member order."""
         return dict(gathered[0][0])
 
+    # ---- gradient buckets and segments run another way (sharded data parallelism) ----------
+    def bucket_sync(self, rt, index: int):
+        """How schedule bucket ``index``'s collective runs on this rank
+        (:class:`tag.executor.comm.DistComm`): a function of the bucket's flat gradients starting
+        its own collective (returning a work handle; the runtime's gradients are then left as
+        they are), or None (this base) for the schedule's all-reduce / PS."""
+        return None
+
+    def synced(self, rt) -> None:
+        """Called once every bucket's collective of the iteration completed, before the update."""
+
+    def before_segment(self, rt, seg) -> object:
+        """Called before a fused segment runs (outside its timed compute); its result is handed to
+        :meth:`after_segment`."""
+        return None
+
+    def after_segment(self, rt, token: object) -> None:
+        """Called after the segment :meth:`before_segment` prepared ran."""
+
 
 class Execution:
     """How the ranks run ``plan``; this base: its own schedule, one rank per device, no hook."""

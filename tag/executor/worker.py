@@ -208,6 +208,7 @@ def run_rank(a: WorkerArgs) -> dict:
                 "peak_memory_bytes": peak, "iterations": iters, "timeline": timeline,
                 "host_peak_growth_bytes": None if rss0 is None else host_memory(peak=True) - rss0,
                 "optimizer_state_bytes": optimizer_state_bytes(rt.optimizer),
+                "held_state_bytes": held_state_bytes(rt),
                 # the last iteration's bytes handed out to send, per destination rank, and all-gathered
                 "sent_bytes": {str(comm.peers.get(d, d)): n for d, n in sorted(rt.sent_bytes.items())},
                 "gathered_bytes": rt.gathered_bytes,
@@ -295,6 +296,21 @@ def optimizer_state_bytes(opt) -> int:
         return 0
     return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
                if isinstance(v, torch.Tensor))
+
+
+def held_state_bytes(rt) -> int:
+    """Bytes of parameters and gradients a rank holds between iterations: its parameters (a ZeRO-3
+    rank's are freed after use: none) and the tensors its optimizer steps besides them (a sharded
+    rank's shards, :mod:`tag.executor.sharded`) with their gradients; the optimizer state apart
+    (:func:`optimizer_state_bytes`)."""
+    held = {id(p) for p in rt.params.values()}
+    n = sum(p.numel() * p.element_size() for p in rt.params.values())
+    if rt.optimizer is not None:
+        for group in rt.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in held:
+                    n += p.numel() * p.element_size() * (1 if p.grad is None else 2)
+    return n
 
 
 def _record(timeline: list, rt, plan, st, index: int, start: float, end: float) -> None:

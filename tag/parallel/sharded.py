@@ -27,7 +27,8 @@ gradient buckets (:mod:`tag.parallel.buckets`) and padded to a multiple of ``S``
   ``zero1`` the gradients are all-reduced over all devices, as without hybrid sharding.
 
 Costed by :mod:`tag.sim.sharded` (gathers inside the compute stream, overlapped by prefetch on
-GPUs; sharded bytes). Composes with pipelines (each stage's groups sharded over the stage's replicas);
+GPUs; sharded bytes), run by :mod:`tag.executor.sharded` (flat buckets sharded as FSDP2's, on
+torch.distributed's ``reduce_scatter_tensor`` / ``all_gather_into_tensor``). Composes with pipelines (each stage's groups sharded over the stage's replicas);
 not with tensor parallelism (a group is ``tp`` or sharded; ``zero`` and ``tp > 1`` in one layout
 are refused) nor with SFB (``GroupPlan.sfb`` is refused: the gradients are reduce-scattered).
 """
@@ -94,6 +95,15 @@ class Sharded(DataParallel):
         s = gp.shard
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1 or len(gp.devices) % s):
             raise PlanError(f"{where}.shard: expected a divisor of the group's {len(gp.devices)} devices, got {s!r}")
+
+    def execution_refusal(self, plan) -> str | None:
+        """Sharded groups beside ``tp`` groups are simulated only (each runs by an execution of its
+        own, :mod:`tag.executor.strategies`)."""
+        g = next((g for g, gp in enumerate(plan.groups) if gp.sync == "tp"), None)
+        if g is not None:
+            return (f"groups[{g}].sync: tensor parallelism beside sharded data parallelism ({self.name}) is "
+                    "simulated only; expected one of them")
+        return None
 
     def normalise(self, gp: GroupPlan, has_params: bool) -> GroupPlan:
         """One replica or no parameters: a plain all-reduce plan (nothing to shard); a shard group

@@ -1,0 +1,283 @@
+"""How the executor runs sharded data parallelism (``zero1`` / ``zero2`` / ``zero3``,
+:mod:`tag.parallel.sharded`): the plan's own data-parallel schedule, each rank with a
+:class:`ShardedRank` hook that shards the training state of its gradient buckets.
+
+Per gradient bucket of a sharded group (:attr:`Schedule.buckets <tag.parallel.Schedule.buckets>`:
+its groups' parameters in the order :meth:`RankRuntime.bucket_flat
+<tag.executor.runtime.RankRuntime.bucket_flat>` concatenates their gradients), the parameters are
+one flat buffer padded to a multiple of the shard group's size ``S``; the rank of index ``i`` in
+its shard group owns elements ``[i L/S, (i+1) L/S)`` of it, as FSDP2 shards a ``fully_shard``
+unit's flat parameter (``FSDPParamGroup``: one ``all_gather_into_tensor`` of the concatenated
+shards before use, one ``reduce_scatter_tensor`` of the concatenated gradients after the backward):
+
+* the optimizer (:func:`tag.executor.optim.make_optimizer`, the runtime's own, made over the shard
+  parameters instead: ``RankRuntime.optimizer``, so ``ranks.json``'s ``optimizer_state_bytes`` is
+  the shard's) steps the rank's shard of every bucket; Adam and SGD are element-wise, so the
+  shards' steps are the whole parameter's step cut in pieces;
+* gradients: ``zero1`` all-reduces the bucket (the schedule's collective) and takes its shard;
+  ``zero2`` / ``zero3`` ``reduce_scatter_tensor`` it over the shard group
+  (:meth:`bucket_sync`), then, hybrid sharding, ``all_reduce`` the shard across the shard groups;
+* parameters: ``zero1`` / ``zero2`` all-gather the updated shards into the full parameters
+  before the next segment runs (or before they are saved); ``zero3`` holds the shards only: before
+  a fused segment of the rank's program (:mod:`tag.executor.fuse`) it all-gathers the buckets of
+  the parameters the segment reads, and frees them after it. The gathers are blocking; the
+  granularity is the segment (a CPU rank fuses its forward and backward into one: its parameters
+  are gathered for all of it), not FSDP's per-module prefetch that the simulator prices on GPUs.
+
+Collectives run on process groups the shard groups create themselves
+(``use_local_synchronization``: only members take part), on gloo as on NCCL: torch 2.13's gloo
+has ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (checked 2026-11-29).
+
+Why not FSDP2's ``fully_shard`` directly: it wraps ``nn.Module``s and shards their parameters
+as ``DTensor``s, gathering them in module pre-forward / pre-backward hooks of autograd. The executor
+replays cuts of the captured *joint* graph (forward and explicit gradient ops, no autograd, no
+modules: :mod:`tag.executor.runtime`), so there is no module to wrap and no hook to fire; it uses
+the same collectives on the same flat layout instead. torchtitan's SimpleFSDP (FSDP on a traced
+graph) inserts the gathers into the graph; here they sit between the fused segments.
+
+The in-process runner (:func:`tag.executor.run_virtual`) sums buckets itself and never calls
+:meth:`ShardedRank.bucket_sync`: there the hook stays inactive and the ranks train as plain data
+parallelism (the same numbers). fp16 (static loss scaling) is refused in one line.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.sharded import shard_size
+from .optim import make_optimizer
+from .runtime import ExecutionError
+from .strategies import Execution, RankHook, register_execution
+
+EMPTY = torch.empty(0)
+"""What a ZeRO-3 parameter holds between uses (its storage freed)."""
+
+
+class _Bucket:
+    """One sharded gradient bucket on one rank: its parameters' flat layout and shard."""
+
+    def __init__(self, index: int, bucket, level: int, devices: list[int], shard: int, rank: int, params: dict,
+                 names: list[str], numel: dict[str, int]):
+        self.index, self.bucket, self.level = index, bucket, level
+        self.names = names
+        """Parameter placeholders, in the order of the bucket's flat gradient."""
+        self.numel = [numel[n] for n in names]
+        self.total = sum(self.numel)
+        self.size = shard
+        self.padded = -(-self.total // shard) * shard
+        self.chunk = self.padded // shard
+        groups = [devices[i:i + shard] for i in range(0, len(devices), shard)]
+        mine = next(grp for grp in groups if rank in grp)
+        self.index_in_group = mine.index(rank)
+        self.shard_members = mine
+        self.cross_members = [grp[self.index_in_group] for grp in groups] if len(groups) > 1 else None
+        self.shard_pg = None
+        self.cross_pg = None
+        self.params = [params[n] for n in names]
+        self.dtype = self.params[0].dtype
+        flat = self._flat_params()
+        lo = self.index_in_group * self.chunk
+        self.shard = torch.nn.Parameter(flat[lo:lo + self.chunk].clone())
+        """This rank's shard of the flat parameters (the optimizer steps it)."""
+        self.shapes = [p.shape for p in self.params]
+
+    def _flat_params(self) -> torch.Tensor:
+        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.params[0].device)
+        off = 0
+        for p, n in zip(self.params, self.numel):
+            flat[off:off + n].copy_(p.detach().reshape(-1))
+            off += n
+        return flat
+
+    def gather(self) -> torch.Tensor:
+        """The full flat parameters: the shards all-gathered over the shard group (blocking)."""
+        out = torch.empty(self.padded, dtype=self.dtype, device=self.shard.device)
+        dist.all_gather_into_tensor(out, self.shard.detach(), group=self.shard_pg)
+        return out
+
+    def write(self, flat: torch.Tensor, views: bool) -> None:
+        """The full parameters from ``flat``: copied in (``views`` False), or views of it (ZeRO-3's
+        gathered buffer, freed with them)."""
+        off = 0
+        for p, n, shape in zip(self.params, self.numel, self.shapes):
+            part = flat[off:off + n].view(shape)
+            if views:
+                p.data = part
+            else:
+                p.data.copy_(part)
+            off += n
+
+    def free(self) -> None:
+        for p in self.params:
+            p.data = EMPTY.to(p.device, p.dtype)
+
+    def padded_flat(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.numel() == self.padded:
+            return flat
+        out = flat.new_zeros(self.padded)
+        out[:flat.numel()] = flat
+        return out
+
+
+class ShardedRank(RankHook):
+    """One rank's sharded state (module docstring); active once the distributed comm's first
+    bucket sync calls :meth:`bucket_sync`."""
+
+    def __init__(self, plan, rank: int):
+        super().__init__(0)
+        self.plan = plan
+        self.rank = rank
+        self.buckets: dict[int, _Bucket] = {}
+        """Schedule bucket index -> its sharded state on this rank (sharded groups' buckets)."""
+        self.active = False
+        self.stale = False
+        """ZeRO-1/2: the shards were stepped, the full parameters not yet gathered."""
+        self._of_param: dict[int, _Bucket] = {}  # id(parameter) -> its ZeRO-3 bucket
+        self._target: dict[str, str] = {}  # parameter placeholder -> state-dict name
+
+    # ---- activation ----------------------------------------------------------------------
+    def _activate(self, rt) -> None:
+        if rt.loss_scale != 1.0:
+            raise ExecutionError(f"rank {self.rank}: sharded data parallelism runs fp32 and bf16; fp16's loss "
+                                 "scaling is not run sharded (expected --precision fp32 or bf16)")
+        s = rt.schedule
+        self._target = dict(s.param_target)
+        for i, b in enumerate(s.buckets):
+            gp = self.plan.groups[b.groups[0]] if b.groups[0] >= 0 else None
+            if gp is None or not gp.sync.startswith("zero") or rt.rank not in gp.devices:
+                continue
+            names = [ph for g in b.groups for ph in rt._synced(g)]
+            if any(ph not in rt.params for ph in names):
+                raise ExecutionError(f"rank {self.rank}: bucket of groups {list(b.groups)} holds parameters this "
+                                     "rank does not (a tied copy); expected no sharded group beside them")
+            self.buckets[i] = _Bucket(i, b, int(gp.sync[4:]), list(gp.devices), shard_size(gp), rt.rank, rt.params,
+                                      names, s.param_numel)
+        made: dict[tuple[int, ...], object] = {}
+        for bk in self.buckets.values():  # process groups of the members only, in bucket order
+            for attr, members in (("shard_pg", bk.shard_members), ("cross_pg", bk.cross_members)):
+                if members is None or len(members) < 2:
+                    continue
+                key = tuple(members)
+                if key not in made:
+                    made[key] = dist.new_group(list(members), use_local_synchronization=True)
+                setattr(bk, attr, made[key])
+        held = {id(p) for bk in self.buckets.values() for p in bk.params}
+        rest = [p for p in rt.params.values() if id(p) not in held]  # (parameters of unsharded groups)
+        shards = [bk.shard for bk in self.buckets.values()]
+        rt.optimizer = make_optimizer(rt.optimizer_name, [*rest, *shards], rt.device)
+        rt._grad_keys = [(p, k) for p, k in rt._grad_keys if id(p) not in held]
+        for bk in self.buckets.values():
+            if bk.level == 3:
+                for p in bk.params:
+                    self._of_param[id(p)] = bk
+                bk.free()
+        self.active = True
+
+    # ---- gradient sync (tag.executor.comm.DistComm) --------------------------------------
+    def bucket_sync(self, rt, index: int):
+        """How bucket ``index``'s collective runs on this rank: a function starting it on the flat
+        gradients (a work handle), or None for the schedule's own (all-reduce)."""
+        if not self.active:
+            self._activate(rt)
+        bk = self.buckets.get(index)
+        if bk is None or bk.level == 1:
+            return None
+
+        def start(flat: torch.Tensor):
+            bk.grad = torch.empty(bk.chunk, dtype=flat.dtype, device=flat.device)
+            return dist.reduce_scatter_tensor(bk.grad, bk.padded_flat(flat), group=bk.shard_pg, async_op=True)
+
+        return start
+
+    def synced(self, rt) -> None:
+        """Every bucket's collective of the iteration completed: the shards' gradients (hybrid:
+        all-reduced across the shard groups), for the runtime's optimizer step."""
+        if not self.active:
+            return
+        for bk in self.buckets.values():
+            if bk.level == 1:  # all-reduced by the schedule's collective: take the shard
+                flat = bk.padded_flat(rt.bucket_flat(bk.bucket))
+                bk.grad = flat[bk.index_in_group * bk.chunk:(bk.index_in_group + 1) * bk.chunk].clone()
+            elif bk.cross_pg is not None:
+                dist.all_reduce(bk.grad, group=bk.cross_pg)
+            bk.shard.grad = bk.grad.to(bk.shard.dtype)
+            bk.grad = None
+        self.stale = True
+
+    # ---- parameters around segments (tag.executor.runtime.RankRuntime.run_segment) ----------
+    def before_segment(self, rt, seg) -> list:
+        """Gather what the segment reads; returns what :meth:`after_segment` frees."""
+        if not self.active:
+            return []
+        self._refresh()
+        need = sorted({self._of_param[id(t)].index for t in seg.static if id(t) in self._of_param})
+        for i in need:
+            bk = self.buckets[i]
+            bk.write(bk.gather(), views=True)
+        return need
+
+    def after_segment(self, rt, gathered: list) -> None:
+        for i in gathered:
+            self.buckets[i].free()
+
+    def _refresh(self) -> None:
+        """ZeRO-1/2 after a step: the full parameters from the updated shards."""
+        if not self.stale:
+            return
+        for bk in self.buckets.values():
+            if bk.level < 3:
+                bk.write(bk.gather(), views=False)
+        self.stale = False
+
+    # ---- saving -------------------------------------------------------------------------
+    def param_state(self) -> object:
+        """Gathers the full parameters (every rank saving calls it, in the same order)."""
+        if not self.active:
+            return None
+        self._refresh()
+        return {bk.names[j]: t for bk in self.buckets.values() if bk.level == 3
+                for j, t in enumerate(_split(bk.gather(), bk.numel, bk.shapes))}
+
+    def full_params(self, gathered: list) -> dict[str, torch.Tensor]:
+        params, state = gathered[0]
+        if not state:
+            return dict(params)
+        target = {ph: name for ph, name in zip(self._names(), self._targets())}
+        return {**params, **{target[ph]: t.cpu() for ph, t in state.items()}}
+
+    def _names(self) -> list[str]:
+        return [n for bk in self.buckets.values() for n in bk.names]
+
+    def _targets(self) -> list[str]:
+        return [self._target[n] for n in self._names()]
+
+
+
+def _split(flat: torch.Tensor, numel: list[int], shapes: list) -> list[torch.Tensor]:
+    out, off = [], 0
+    for n, shape in zip(numel, shapes):
+        out.append(flat[off:off + n].view(shape).clone())
+        off += n
+    return out
+
+
+class ShardedExecution(Execution):
+    """The plan's own schedule, one rank per device; ranks of sharded groups get a :class:`ShardedRank`."""
+
+    def __init__(self, plan) -> None:
+        super().__init__(plan)
+        self._ranks = {d for gp in plan.groups if gp.sync.startswith("zero") for d in gp.devices}
+
+    def hook(self, rank: int) -> RankHook | None:
+        return ShardedRank(self.plan, rank) if rank in self._ranks else None
+
+
+def _factory(plan, graph) -> Execution:
+    return ShardedExecution(plan)
+
+
+for _name in ("zero1", "zero2", "zero3"):
+    register_execution(_name, _factory)
+
+__all__ = ["ShardedExecution", "ShardedRank"]
