@@ -257,15 +257,20 @@ def test_simulated_costs(gpt2, v100):
     tp = _tp_plan(gpt2, v100, devs, sequence_parallel=True)
     costs = CostModel.for_topology(gpt2, v100)
     # One bucket per group (bucket_bytes=1): a tensor-parallel group's sync is never bucketed, so
-    # both plans hold the same largest sync buffer and differ only in the split parameters' state.
+    # the plans differ in the split parameters' state and in their largest sync buffer: a group's
+    # gradients, a tensor-parallel device's its shard of the split ones.
     rd = simulate(gpt2, v100, dp, costs=costs, bucket_bytes=1)
     rt = simulate(gpt2, v100, tp, costs=costs, bucket_bytes=1)
     split = sum(group_split(gpt2, g).split_state for g in range(gpt2.num_groups))
     assert split > 0
-    saved = rd.peak_memory_bytes[0] - rt.peak_memory_bytes[0]
-    assert saved == pytest.approx(0.75 * split, rel=1e-6)
     sim = Simulator(gpt2, v100, costs)
     gd_dp, gd_tp = sim.deploy(dp.groups), sim.deploy(tp.groups)
+    grads = sim.static.grad_bytes
+    shard = [grads[g] - 0.75 * group_split(gpt2, g).split_bytes for g in range(gpt2.num_groups)]
+    assert [gd.sync_bytes for gd in gd_tp if gd.sync == "tp"] == pytest.approx(
+        [b for gd, b in zip(gd_tp, shard) if gd.sync == "tp"])
+    saved = rd.peak_memory_bytes[0] - rt.peak_memory_bytes[0]
+    assert saved == pytest.approx(0.75 * split + max(grads) - max(gd.sync_bytes for gd in gd_tp), rel=1e-6)
     comm = costs.comm
     for g in range(gpt2.num_groups):
         s = group_split(gpt2, g)

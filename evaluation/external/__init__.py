@@ -39,8 +39,10 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 EAGER_RUNTIMES = ("tag", "eager")
 """Runtimes that run the captured eager kernels (TAG's executor); any other runtime is costed as
 Megatron-LM runs: its fused kernels (``CostModel`` ``runtime="megatron"``), activations as a fused
-trainer holds them (:mod:`tag.cost.fused_memory`) and, with tensor parallelism, the embedding and
-head split over the tensor-parallel ranks (``Layout.vocab``)."""
+trainer holds them (:mod:`tag.cost.fused_memory`), one op-group a layer (Megatron-LM's unit of
+activation recomputation and of tensor parallelism: :func:`tag.parallel.layers.group_by_layers`)
+and, with tensor parallelism, the embedding and head split over the tensor-parallel ranks, their
+work (``Layout.vocab``) and their weights (:func:`tag.parallel.layers.vocab_parallel_graph`)."""
 
 
 class DataError(ValueError):
@@ -205,7 +207,8 @@ def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None
     from tag.cost.gpu import Numerics
     from tag.cost.model import CostModel
     from tag.errors import TagError
-    from tag.parallel.layout import align_groups, parse_layout
+    from tag.parallel.layers import group_by_layers, vocab_parallel_graph
+    from tag.parallel.layout import align_groups, outside_blocks, parse_layout
     from tag.planner import layout_plan, model_graph
     from tag.sim import Simulator
     from tag.topology import load_topology
@@ -218,21 +221,40 @@ def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None
         graph, _, _ = model_graph(p.model, p.global_batch, precision=p.precision, num_groups=groups)
         lay = replace(parse_layout(p.layout_text()), stages=p.stages, order=p.devices,
                       vocab=int(p.runtime not in EAGER_RUNTIMES and p.layout["tp"] > 1))
-        if lay.stages is not None:  # op-groups that start at every stage's first layer
+        if p.runtime not in EAGER_RUNTIMES:  # one op-group a layer: Megatron-LM's recompute and tp unit
+            group_by_layers(graph)
+        elif lay.stages is not None:  # op-groups that start at every stage's first layer
             try:
                 align_groups(graph, lay)
             except TagError:  # (many layers, e.g. 96 cut 6 by 6: about two groups a layer)
                 align_groups(graph, lay, near=2 * sum(lay.stages))
         if p.runtime not in EAGER_RUNTIMES:
-            graph = fused_activation_graph(graph)
+            graph = vocab_parallel_graph(fused_activation_graph(graph), lay.tp if lay.vocab else 1)
         costs = CostModel.for_topology(graph, topo, numerics=Numerics(matmul_tf32=p.matmul_tf32),
                                        runtime="eager" if p.runtime in EAGER_RUNTIMES else "megatron")
         plan = layout_plan(graph, topo, lay, costs)
+        if lay.vocab:
+            for g in outside_blocks(graph):
+                plan.groups[g].shares = vocab_shares(len(plan.groups[g].devices), lay.tp)
         res = Simulator(graph, topo, costs).run(plan.groups, pipeline=plan.pipeline)
     except TagError as e:
         return Row(p, None, False, None, str(e).splitlines()[0])
     peak = max(res.peak_memory_bytes) / 2**30
     return Row(p, float(res.iteration_time_s), bool(res.oom), float(peak))
+
+
+def vocab_shares(devices: int, tp: int) -> list[float]:
+    """Sample shares of a stage's ``devices`` (``tp`` a tensor-parallel group, in layout order)
+    in a group outside the Megatron blocks under ``Layout.vocab``: even, each device's ``1e-6``
+    more the lower its rank in its group, so that a micro-batch with fewer samples than devices
+    (largest-remainder rounding, :func:`tag.plan.format.local_batches`) gives each group's
+    samples to its own first ranks, as Megatron-LM's vocabulary-parallel head keeps a replica's
+    samples on its tensor-parallel group (equal shares gave them all to the first devices of the
+    stage: vTrain's GPT 39.1B at ``tp=8, dp=4, pp=16``, 8 samples a micro-batch, sent the head's
+    rows and gradients of three replicas' samples between machines, 2026-11-29)."""
+    raw = [1.0 + 1e-6 * (tp - i % tp) for i in range(devices)]
+    total = sum(raw)
+    return [x / total for x in raw]
 
 
 # --------------------------------------------------------------------------------------- scores

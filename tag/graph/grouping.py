@@ -141,6 +141,24 @@ def group_ops(graph: OpGraph, num_groups: int, *, balance_weight: float = 2.0) -
         c = int(ok[int(np.argmin(score))])
         cuts.append(c)
         prev = c
+    _assign(graph, anchor, cuts, n_fwd)
+
+
+def group_at(graph: OpGraph, cuts: list[int]) -> None:
+    """Assign groups in place as :func:`group_ops` does, cut at the given forward positions
+    (ascending, each in ``1 .. forward ops - 1``: where every group after the first begins)
+    instead of compute-balanced ones. ``ValueError`` naming the first cut out of order."""
+    anchor = _anchors(graph)
+    n_fwd = sum(op.phase == "fwd" for op in graph.ops)
+    for a, b in zip([0, *cuts], [*cuts, n_fwd]):
+        if not a < b:
+            raise ValueError(f"group cuts: expected ascending forward positions in 1..{n_fwd - 1}, got {cuts}")
+    _assign(graph, anchor, list(cuts), n_fwd)
+
+
+def _assign(graph: OpGraph, anchor: np.ndarray, cuts: list[int], n_fwd: int) -> None:
+    """``op.group``, ``op.anchor``, ``param.group`` and ``graph.groups`` of the groups cut
+    before forward positions ``cuts``."""
     group_of_pos = np.searchsorted(np.array(cuts, dtype=np.int64), np.arange(n_fwd), side="right")
     for i, op in enumerate(graph.ops):
         if op.phase != "opt":

@@ -35,10 +35,11 @@ falls there; its bytes, not its layer's compute, move.
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 
-from ..graph.ir import OpGraph
+from ..graph.ir import Affine, OpGraph, Param
 
 NUMBERED = re.compile(r"^(.*?)\.(\d+)\.")
 """A parameter path's first numbered module: ``(list path, number)``."""
@@ -99,4 +100,70 @@ def layer_starts(graph: OpGraph, layers: Layers) -> list[int | None]:
         after = min(first[layer:])
         out.append(after if before < after else None)
         before = max(before, last[layer])
+    return out
+
+
+def outside_params(graph: OpGraph, layers: Layers) -> list[Param]:
+    """The parameters of ``graph`` outside its numbered ``layers`` (embeddings, final norm, head)."""
+    return [p for p in graph.params if not ((m := NUMBERED.match(p.name)) and m.group(1) == layers.path)]
+
+
+def group_by_layers(graph: OpGraph) -> int:
+    """Regroup ``graph`` in place (:func:`tag.graph.grouping.group_at`) into one op-group per
+    layer, the embedding's ops before the first and the head's (from the first op after the last
+    layer reading a parameter of none: GPT-2's final norm) after the last; return the count.
+    Megatron-LM's full activation recomputation checkpoints each layer's input
+    (``--recompute-granularity full --recompute-method uniform``, one layer a chunk; Megatron-
+    DeepSpeed's ``--checkpoint-activations``, ``--checkpoint-num-layers 1``), and its tensor
+    parallelism splits the blocks inside a layer: a TAG op-group recomputes and splits as a
+    unit, so this grouping costs a layer as Megatron-LM runs it. Not a plan's grouping (``tag
+    execute`` rebuilds a plan's by its count, :func:`tag.graph.grouping.group_ops`). A graph
+    without numbered layers keeps its grouping (returns its count)."""
+    from ..graph.grouping import group_at
+
+    layers = model_layers(graph)
+    if not len(layers):
+        return graph.num_groups
+    pos: dict[int, int] = {}  # forward op index -> forward position
+    for i, o in enumerate(graph.ops):
+        if o.phase == "fwd":
+            pos[i] = len(pos)
+    cuts = [pos[min(ops)] for ops in layers.ops]
+    params = {p.tensor for p in outside_params(graph, layers)}
+    last = max(layers.ops[-1])
+    head = next((pos[i] for i in range(last + 1, len(graph.ops))
+                 if graph.ops[i].phase == "fwd" and graph.ops[i].batch and params & set(graph.ops[i].inputs)), None)
+    if head is not None:
+        cuts.append(head)
+    cuts = [c for c in cuts if c > 0]
+    group_at(graph, cuts)
+    return graph.num_groups
+
+
+def vocab_parallel_graph(graph: OpGraph, tp: int) -> OpGraph:
+    """A copy of ``graph`` whose vocabulary parameters are held ``1 / tp`` a device, as
+    Megatron-LM's vocabulary-parallel embedding and head hold them (each tensor-parallel rank
+    ``1 / tp`` of the rows, its gradient and optimizer state; ``Layout.vocab=1`` costs their
+    work so, :func:`tag.parallel.layout.outside_blocks`). The vocabulary parameters: those
+    outside the numbered layers (:func:`tag.parallel.layers.model_layers`) of at least half the
+    largest such one's elements (GPT-2's token embedding, tied to its head, but not its 2048-row
+    position embedding or final norm; Llama's embedding and head). Their bytes, their gradient
+    tensors' and optimizer state scale by ``1 / tp``; ops and their costs are unchanged."""
+    if tp <= 1:
+        return graph
+    outside = outside_params(graph, model_layers(graph))
+    if not outside:
+        return graph
+    big = max(p.numel for p in outside)
+    vocab = [i for i, p in enumerate(graph.params) if p in outside and 2 * p.numel >= big]
+    out = copy.copy(graph)
+    out.params, out.tensors = list(graph.params), list(graph.tensors)
+    for i in vocab:
+        p = copy.copy(graph.params[i])
+        p.nbytes, p.opt_state_bytes = p.nbytes // tp, p.opt_state_bytes // tp
+        out.params[i] = p
+        for t_idx in (p.tensor, p.grad):
+            t = copy.copy(graph.tensors[t_idx])
+            t.nbytes = Affine(t.nbytes.fixed / tp, t.nbytes.per_sample / tp)
+            out.tensors[t_idx] = t
     return out

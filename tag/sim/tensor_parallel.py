@@ -29,7 +29,8 @@ any ``b``, the split weights are read whole by the cost, which overstates a smal
   Megatron holds the activations saved for the backward outside the blocks at ``B`` samples
   (those inside at ``b``) and its largest op's working set at ``B``;
 * the gradient sync (:meth:`CommModel.tensor_parallel_sync_time`, per variant) is issued like a
-  data-parallel one, not coalesced with other groups';
+  data-parallel one, not coalesced with other groups'; the buffer it holds on a device is that
+  device's gradients (``1 / T`` of the split ones, the others whole);
 * a pipeline holds, per micro-batch in flight, a device's saved activations at ``b`` inside the
   blocks and (plain) at ``B`` outside (:attr:`Layout.saved <tag.sim.units.Layout.saved>`).
 
@@ -222,7 +223,9 @@ def tp_group(sim, g: int, gp, lowered) -> GroupData:
         sim.charge(ENTRY_BYTES)
     if ts <= 0:
         return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=ukey, recompute=gp.recompute)
-    return GroupData([unit], "tp", ts, members, machines, total, layout=lay, ukey=ukey, recompute=gp.recompute)
+    # the buffer a device's sync holds: its shard of the split gradients and the others whole
+    own = total - (1.0 - 1.0 / tp_degree(gp)) * split
+    return GroupData([unit], "tp", ts, members, machines, own, layout=lay, ukey=ukey, recompute=gp.recompute)
 
 
 def _tp_deployment(sim, gp, batches: tuple[int, ...], replicas) -> tuple:

@@ -1,0 +1,112 @@
+"""How another runtime's Megatron-LM run is costed (docs/design.md, "Costing another runtime's
+run"): one op-group a layer (tag.parallel.layers.group_by_layers), the vocabulary parameters
+split over the tensor-parallel ranks (vocab_parallel_graph), a tensor-parallel group's gradient
+buffer its device's shard. Figures against Korthikanti et al. 2022 (arXiv 2205.05198): full
+recomputation keeps each layer's input, ``2 s b h`` bytes in fp16, and a tensor-parallel rank
+holds ``1 / t`` of a layer's matmul weights."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tag.cost.fused_memory import fused_activation_graph
+from tag.cost.model import CostModel
+from tag.graph.grouping import group_at, group_ops
+from tag.parallel.layers import group_by_layers, model_layers, vocab_parallel_graph
+from tag.parallel.layout import layout_plan, parse_layout
+from tag.parallel.tensor_parallel import block_groups, group_split, megatron_blocks
+from tag.planner import model_graph
+from tag.sim.static import build_static
+from tag.topology import load_topology
+
+S, H, A, L, V = 32, 64, 4, 4, 1000
+SPEC = f"gpt2:n_layer={L},n_embd={H},n_head={A},vocab={V},seq={S},attn=sdpa"
+A100X8 = Path(__file__).resolve().parents[1] / "evaluation" / "external" / "topologies" / "vtrain-a100-1x8.yaml"
+
+
+def _graph(groups: int = 6):
+    g, _, _ = model_graph(SPEC, 8, precision="fp16", num_groups=groups)
+    return g
+
+
+def test_one_group_a_layer_between_embedding_and_head():
+    g = _graph(5)
+    assert group_by_layers(g) == L + 2
+    layers = model_layers(g)
+    for i, ops in enumerate(layers.ops):  # layer i's forward ops all in group i + 1
+        assert {g.ops[o].group for o in ops} == {i + 1}
+    first = [g.ops[o].group for o in range(len(g.ops)) if g.ops[o].phase == "fwd"]
+    assert first[0] == 0 and first[-1] == L + 1  # embedding first, head (and loss) last
+    blocks = megatron_blocks(g)
+    assert len(blocks) == 2 * L and all(len(block_groups(g, b)) == 1 for b in blocks)
+
+
+def test_layer_groups_recompute_hold_one_layer_input():
+    """Recomputed, a layer group holds its input only: 2 s h bytes a sample in fp16, Megatron-LM's
+    full recomputation (the residual stream at the layer boundary), besides 8 bytes a token its
+    backward reads from the next layer's (4 / h of it); a grouping cut inside the layers holds
+    more (a residual and a branch at a cut inside a layer)."""
+    g = _graph()
+    group_by_layers(g)
+    st = build_static(fused_activation_graph(g))
+    for layer in range(1, L + 1):
+        assert st.rc_per_sample[layer] == 2 * S * H + 8 * S
+    g2 = _graph()
+    group_ops(g2, 2 * L + 2)
+    st2 = build_static(fused_activation_graph(g2))
+    assert sum(st2.rc_per_sample) > 1.2 * sum(st.rc_per_sample)
+
+
+def test_group_at_refuses_cuts_out_of_order():
+    g = _graph()
+    with pytest.raises(ValueError, match="ascending"):
+        group_at(g, [5, 3])
+    group_at(g, [3, 5])
+    assert g.num_groups == 3
+
+
+def test_vocab_parallel_graph_splits_the_token_embedding_only():
+    g = _graph()
+    v = vocab_parallel_graph(g, 4)
+    changed = {p.name: (a.nbytes, p.nbytes) for a, p in zip(g.params, v.params) if a.nbytes != p.nbytes}
+    assert list(changed) == ["model.lm_head.weight"]  # GPT-2's tied token embedding
+    before, after = changed["model.lm_head.weight"]
+    assert before == V * H * 4 and after == before // 4
+    p = next(p for p in v.params if p.name == "model.lm_head.weight")
+    assert v.tensors[p.tensor].nbytes.fixed == after and v.tensors[p.grad].nbytes.fixed == after
+    assert vocab_parallel_graph(g, 1) is g
+    assert all(a.nbytes == b.nbytes for a, b in zip(g.params, _graph().params))  # input unchanged
+
+
+def test_tensor_parallel_sync_buffer_is_the_devices_shard():
+    g = _graph()
+    group_by_layers(g)
+    topo = load_topology(str(A100X8))
+    costs = CostModel.for_topology(g, topo)
+    lay = replace(parse_layout("dp=2,tp=4,pp=1,micro=1"))
+    plan = layout_plan(g, topo, lay, costs)
+    from tag.sim import Simulator
+
+    sim = Simulator(g, topo, costs)
+    gds = sim.deploy(plan.groups)
+    layer = 2
+    sp = group_split(g, layer)
+    total = float(sim.static.grad_bytes[layer])
+    assert sp.split_bytes > 0.9 * total  # a layer's matmul weights: nearly all its bytes
+    assert gds[layer].sync_bytes == pytest.approx(total - 0.75 * sp.split_bytes)
+
+
+def test_vocab_shares_keep_each_replicas_samples_on_its_group():
+    """A vocabulary-parallel head's rows stay on their tensor-parallel group: 8 samples over
+    4 groups of 8 devices land on each group's first two ranks (the replica's own two samples),
+    as many samples as devices one each."""
+    from evaluation.external import vocab_shares
+    from tag.plan.format import local_batches
+
+    shares = vocab_shares(32, 8)
+    assert sum(shares) == pytest.approx(1.0)
+    assert local_batches(8, shares) == [1, 1, 0, 0, 0, 0, 0, 0] * 4
+    assert local_batches(32, shares) == [1] * 32 and local_batches(256, shares) == [8] * 32
