@@ -132,12 +132,13 @@ def _cells(ctx: Ctx, folder: str) -> list[dict]:
     return [c for c in ctx.json(f"{folder}/results.json") if c["method"] != "lower-bound"]
 
 
-HAND = ("dp", "dp-prop", "single", "mp", "dp-tp-pp-grid")  # plans a user writes without a search
+HAND = ("dp", "dp-prop", "single", "mp", "fsdp", "dp-tp-pp-grid")  # plans a user writes without a search
 SEARCH = ("random", "sa", "tpe", "mcts-uniform")  # other searchers over TAG's space, the suite's budget
 
 
 HAND_NAMES = {"dp": "data parallel", "dp-prop": "proportional data parallel", "single": "one device",
-              "mp": "greedy model parallel", "dp-tp-pp-grid": "the dp x tp x pp grid"}
+              "mp": "greedy model parallel", "fsdp": "FSDP (ZeRO-3 over every device)",
+              "dp-tp-pp-grid": "the dp x tp x pp grid"}
 
 
 def hand_names(ctx: Ctx, folder: str) -> str:

@@ -199,3 +199,22 @@ def test_sharded_ranks_train_as_one_process(tmp_path, captured, sync, n, shard):
         if level == 3:  # the simulator's held state: parameter, gradient and optimizer-state shards
             assert r["held_state_bytes"] + r["optimizer_state_bytes"] == \
                 pytest.approx(sharded_bytes(3, s, p, 2 * p), rel=0.02)
+
+
+def test_fsdp_baseline_and_the_search_offer_zero3(gpt, a100):
+    from tag.cost.baselines import BASELINES, baseline_plan
+    from tag.search.space import ActionSpace
+
+    assert "fsdp" in BASELINES
+    costs = CostModel.for_topology(gpt, a100)
+    fsdp = baseline_plan("fsdp", gpt, a100, costs)
+    assert {(tuple(g.devices), g.sync) for g in fsdp.groups} == {(tuple(range(8)), "zero3")}
+    assert fsdp.meta["baseline"] == "fsdp"
+    dp = baseline_plan("dp", gpt, a100, costs)
+    assert simulate(gpt, a100, fsdp).peak_memory_bytes[0] < 0.6 * simulate(gpt, a100, dp).peak_memory_bytes[0]
+    sp = ActionSpace(gpt, a100)
+    mine = [a for a, act in enumerate(sp.actions) if act.sync == "zero3"]
+    assert mine and min(mine) >= sp.num_base_actions
+    plan_groups = sp.group_plans([mine[0]] * sp.num_groups)
+    assert {g.sync for g in plan_groups} <= {"zero3", "allreduce"} and any(g.sync == "zero3" for g in plan_groups)
+    assert Simulator(gpt, a100, costs).run(plan_groups).iteration_time_s > 0

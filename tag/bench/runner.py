@@ -103,7 +103,7 @@ class _Case:
         from ..cost import baselines
 
         g, topo = self.graph, self.topology
-        if method in ("dp", "dp-prop", "single", "mp"):
+        if method in baselines.BASELINES:
             return baselines.baseline_plan(method, g, topo, self.costs), 0
         if method == "dp-tp-pp-grid":
             from ..parallel.layout import best_layout

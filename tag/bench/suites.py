@@ -17,6 +17,7 @@ METHODS: dict[str, str] = {
     "dp-prop": "data parallel, shares proportional to device speed",
     "single": "best single device",
     "mp": "greedy model parallel (fill devices in topological order by memory)",
+    "fsdp": "FSDP: ZeRO-3 over every device, even shares (parameters, gradients, optimizer state sharded)",
     "dp-tp-pp-grid": "best Megatron-style layout by hand: dp x tp x pp = devices (tp 2-8 within a machine "
                      "where the model's blocks divide), balanced stages, 1F1B with 1-64 micro-batches, "
                      "sequence parallelism and full recomputation on or off",

@@ -34,7 +34,7 @@ def register(sub) -> None:
     # every `tag` start-up, --help included.
     src.add_argument("--baseline", metavar="NAME",
                      help="dp: even data parallel; dp-prop: shares proportional to device speed; single: best "
-                          "single device; mp: greedy model parallel by memory")
+                          "single device; mp: greedy model parallel by memory; fsdp: ZeRO-3 over every device")
     src.add_argument("--layout", metavar="dp=D,tp=T,pp=P,micro=M",
                      help="a Megatron-style layout: D data-parallel replicas per stage, each T-way tensor parallel "
                           "on one machine (default 1), P pipeline stages of about equal compute placed "
@@ -46,7 +46,9 @@ def register(sub) -> None:
                           "the head and loss; without --groups the op-group count nearest 48 whose groups start at "
                           "those layers), order=m1:0-3+m0:0-3 (the device of each rank, stage-major, then replica, "
                           "tensor parallel innermost: machine:first-last, machine:index, a machine name or global "
-                          "first-last, joined by +; the others idle); D*T*P must equal the topology's device count "
+                          "first-last, joined by +; the others idle), zero=1|2|3 (ZeRO stage of the data parallelism: optimizer "
+                          "state, + gradients, + parameters sharded over the D replicas; not with T > 1), shard=S "
+                          "(replicas per shard group: hybrid sharding), hsdp=SxR (zero=3,shard=S,dp=S*R); D*T*P must equal the topology's device count "
                           "(with order: the devices it names)")
     p.add_argument("--machines", metavar="NAME,NAME", default=None,
                    help="with --layout: the machines it occupies (their device count = D*T*P), the others idle, "

@@ -53,7 +53,7 @@ def data_parallel(graph, topology, *, proportional: bool = False, speeds: Sequen
 # ---------------------------------------------------------------------------------------------
 # Baselines built on the cost model's device speeds.
 # ---------------------------------------------------------------------------------------------
-BASELINES = ("dp", "dp-prop", "single", "mp")
+BASELINES = ("dp", "dp-prop", "single", "mp", "fsdp")
 
 
 def _costs(graph, topology, costs):
@@ -154,8 +154,20 @@ def greedy_model_parallel(graph, topology, costs=None) -> Plan:
     return new_plan(graph, topology, groups, baseline="mp")
 
 
+def fully_sharded(graph, topology) -> Plan:
+    """FSDP over every device: :func:`data_parallel`'s replicas and even shares, every group ZeRO-3
+    (``sync`` ``zero3``, :mod:`tag.parallel.sharded`: parameters, gradients and optimizer state
+    sharded over all devices), the recipe most users of PyTorch FSDP2 start from."""
+    plan = data_parallel(graph, topology)
+    if len(plan.groups[0].devices) > 1:
+        for gp in plan.groups:
+            gp.sync = "zero3"
+    plan.meta["baseline"] = "fsdp"
+    return plan
+
+
 def baseline_plan(name: str, graph, topology, costs=None) -> Plan:
-    """``dp`` (even shares), ``dp-prop`` (cost-model speeds), ``single`` or ``mp``."""
+    """``dp`` (even shares), ``dp-prop`` (cost-model speeds), ``single``, ``mp`` or ``fsdp``."""
     if name == "dp":
         return data_parallel(graph, topology)
     if name == "dp-prop":
@@ -164,6 +176,8 @@ def baseline_plan(name: str, graph, topology, costs=None) -> Plan:
         return best_single_device(graph, topology, costs)
     if name == "mp":
         return greedy_model_parallel(graph, topology, costs)
+    if name == "fsdp":
+        return fully_sharded(graph, topology)
     from ..errors import PlanError
 
     raise PlanError(f"--baseline: expected one of {', '.join(BASELINES)}, got {name!r}")
