@@ -125,15 +125,19 @@ def two(tmp_path_factory):
     return s
 
 
-def reference(spec: str, steps: int) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
-    """Eager single-process training on the factory's global batches: (parameters, losses, norms)."""
+def reference(spec: str, steps: int, horizon: dict[int, int] | None = None
+              ) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    """Eager single-process training on the factory's global batches: (parameters, losses, norms).
+    ``horizon``: the step the cosine ends at, from step ``n`` on (default ``steps`` throughout)."""
     wl = load_workload(spec, batch=B)
     params = dict(wl.model.named_parameters())
     opt = torch.optim.Adam(params.values(), lr=LR, foreach=True)
     losses, norms = [], []
+    end = steps
     for n in range(steps):
+        end = (horizon or {}).get(n, end)
         lr = LR * (n + 1) / WARMUP if n < WARMUP else \
-            LR * (MIN_RATIO + (1 - MIN_RATIO) * 0.5 * (1 + math.cos(math.pi * (n - WARMUP) / (steps - WARMUP))))
+            LR * (MIN_RATIO + (1 - MIN_RATIO) * 0.5 * (1 + math.cos(math.pi * (n - WARMUP) / (end - WARMUP))))
         for g in opt.param_groups:
             g["lr"] = lr
         loss = 0.0
@@ -177,6 +181,25 @@ def test_rank_killed_while_checkpointing_resumes_to_the_same_run(two):
     assert [r["loss"] for r in metrics(resumed)] == pytest.approx([r["loss"] for r in metrics(two.whole)], rel=1e-6)
     assert [r["step"] for r in metrics(resumed)] == list(range(1, STEPS + 1))
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000040", "step-00000050", "step-00000060"]
+
+
+def test_resumed_under_another_plan_reads_every_parameter_and_its_optimizer_state(two):
+    """The data-parallel run's step-60 checkpoint read by a plan holding group 0 on rank 0 and group
+    1 on rank 1 (DCP reshards by parameter name), one more step: equal to eager training of 61 steps."""
+    plan = new_plan(two.graph, load_topology(two.topology), [GroupPlan([0], [1.0]), GroupPlan([1], [1.0])])
+    other = two.folder / "inter-op.json"
+    plan.save(other)
+    cfg = ExecuteConfig(two.spec, two.topology, str(other), steps=1, warmup=0, save_params=True,
+                        run_dir=str(two.folder / "moved"), timeout_s=60.0)
+    spec = TrainSpec(steps=STEPS + 1, accumulate=ACC, lr=LR, warmup_steps=WARMUP, clip=CLIP, min_lr_ratio=MIN_RATIO,
+                     resume=two.whole.checkpoint)
+    res = train(cfg, spec, graph=two.graph)
+    assert res.start_step == STEPS and res.step == STEPS + 1
+    held = saved_params(two.folder / "moved", 2)
+    assert held[0] and held[1] and not held[0].keys() & held[1].keys()  # each rank its part, read from both files
+    ref, losses, _ = reference(two.spec, STEPS + 1, {0: STEPS, STEPS: STEPS + 1})
+    assert_params_equal(held, ref, {p.name for p in two.graph.params}, exact=True)
+    assert metrics(res)[-1]["loss"] == pytest.approx(losses[-1], rel=1e-4)
 
 
 def test_one_rank_killed_resumes_bitwise(tmp_path):
@@ -247,6 +270,12 @@ def test_damaged_checkpoints_are_refused_in_one_line(two, complete, capsys):
     part.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
     with pytest.raises(ckpt.CheckpointError, match=r"SHA-256 differs"):
         ckpt.verify(complete)
+    tp = json.loads(two.plan.read_text())
+    tp["groups"][1]["sync"] = "tp"  # a plan whose ranks would hold shards: not checkpointed
+    (two.folder / "tp.json").write_text(json.dumps(tp))
+    err = tag_run(two, capsys, "--plan", str(two.folder / "tp.json"), "--checkpoint-dir", str(complete.parent),
+                  "--checkpoint-every", "10")
+    assert "tp.json: groups[1].sync: 'tp' ranks hold parts of parameters" in err
 
 
 def test_metadata_holding_code_is_not_unpickled(complete):

@@ -101,6 +101,10 @@ def register(sub) -> None:
                    "says otherwise)")
     c.add_argument("--save-params", action="store_true", help="each rank saves its final parameters in the run dir")
     c.add_argument("--json", action="store_true", help="print the result as JSON instead of progress lines")
+    p.add_argument("--torchrun", metavar="HOST:PORT", default=None,
+                   help="a topology of several machines: write the run folder (--run-dir, the same path on every "
+                        "machine) and print each machine's torchrun command, rendezvous at HOST:PORT of the first; "
+                        "--checkpoint-dir must be shared by every machine")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # testing: RANK:STEP:exit|exit-in-checkpoint
     p.set_defaults(func=run)
 
@@ -109,7 +113,7 @@ def run(args) -> int:
     from dataclasses import asdict
 
     from ..executor import ExecuteConfig
-    from ..executor.train import TrainSpec, print_line, train
+    from ..executor.train import TrainSpec, prepare_train_torchrun, print_line, train
 
     spec = TrainSpec(steps=args.steps, time_s=args.time, accumulate=args.accumulate, lr=args.lr,
                      warmup_steps=args.warmup_steps, schedule=args.lr_schedule, min_lr_ratio=args.min_lr_ratio,
@@ -120,6 +124,16 @@ def run(args) -> int:
                         optimizer=args.optimizer, seed=args.seed, groups=args.groups, steps=1, warmup=0,
                         backend=args.backend, timeout_s=args.timeout, run_dir=args.run_dir,
                         save_params=args.save_params, fault=args.inject_fault, precision=args.precision)
+    if args.torchrun is not None:
+        launch = prepare_train_torchrun(cfg, spec, args.torchrun)
+        if args.json:
+            print_json(asdict(launch))
+            return 0
+        print(f"run folder {launch.run_dir} ({launch.backend}): the same path on every machine; run in order "
+              "of the topology's machines (rank 0 prints the progress lines):")
+        for name, cmd in launch.commands:
+            print(f"  on {name}:  {cmd}")
+        return 0
     res = train(cfg, spec, echo=None if args.json else print_line)
     if args.json:
         print_json({k: v for k, v in asdict(res).items() if k != "ranks"})

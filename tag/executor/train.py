@@ -238,6 +238,8 @@ def train_rank(a, ctx: RankContext) -> dict:
 
     spec = TrainSpec(**a.train)
     rt, sched, rank = ctx.rt, ctx.sched, ctx.rank
+    if ctx.hook is not None and (spec.checkpoint_dir or spec.resume):  # (the launcher refuses such plans first)
+        raise TagError(f"rank {rank} holds parts of parameters (a {type(ctx.hook).__name__}); not checkpointed")
     B = sched.batch_size
     feeder = None
     if ctx.wl.data is not None:
@@ -291,9 +293,9 @@ def train_rank(a, ctx: RankContext) -> dict:
                   "memory_bytes": [int(p[2]) for p in parts], "samples": samples,
                   "elapsed_s": time.perf_counter() - t_launch}
         record["eta_s"] = _eta(spec, step, first, record["elapsed_s"])
+        last = record["last"] = stop or step == spec.steps
         if log is not None:
             log.write(record)
-        last = stop or step == spec.steps
         if spec.checkpoint_dir and (step % spec.checkpoint_every == 0 or last):
             state = {"step": step, "batches": batches, "samples": samples, "plan_id": spec.plan_id,
                      "model": a.model, "seed": a.seed, "world": ctx.world, "global_batch": B,
@@ -370,7 +372,7 @@ class Metrics:
                     self.tb.add_scalar(k, record[k], step)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "memory_bytes"}, step=step)
-        if shown(step, self.spec):
+        if shown(record, self.spec):
             print(progress_line(record, self.spec.steps), flush=True)
 
     def close(self) -> None:
@@ -381,9 +383,9 @@ class Metrics:
             self.wandb.finish()
 
 
-def shown(step: int, spec: TrainSpec) -> bool:
-    """Whether step ``step``'s record gets a progress line: every ``log_every`` steps and the last."""
-    return step % spec.log_every == 0 or step == spec.steps
+def shown(record: dict, spec: TrainSpec) -> bool:
+    """Whether a step's record gets a progress line: every ``log_every`` steps and the run's last."""
+    return record["step"] % spec.log_every == 0 or record["last"]
 
 
 def progress_line(r: dict, steps: int | None) -> str:
@@ -434,27 +436,10 @@ def train(cfg, spec: TrainSpec, echo=None, graph=None) -> TrainResult:
     ``cfg.model``, if the caller has it (saves a capture)."""
     from .launch import _launch, _prepare
 
-    if spec.tensorboard:
-        import importlib.util
-
-        if importlib.util.find_spec("tensorboard") is None:
-            raise TagError("--tensorboard: the tensorboard package is not installed (pip install tensorboard)")
-    resume = ckpt.resolve_resume(spec.checkpoint_dir, spec.resume)
-    if resume is not None:
-        state = ckpt.verify(resume)
-        if state.get("model") != cfg.model:
-            raise ckpt.CheckpointError(f"{resume}: a checkpoint of {state.get('model')!r}, not --model {cfg.model!r}")
-    if cfg.run_dir is None:
-        raise TagError("tag run: expected --run-dir (where metrics.jsonl and the logs go)")
+    resume, start = _resumed(cfg, spec)
     pre = _prepare(cfg, graph, machines=False)
-    args = json.loads(pre.args_path.read_text())
-    metrics = pre.run_dir / METRICS
-    spec = TrainSpec(**{**asdict(spec), "resume": str(resume) if resume else None, "metrics": str(metrics),
-                        "checkpoint_dir": str(Path(spec.checkpoint_dir).absolute()) if spec.checkpoint_dir else None,
-                        "plan_id": _plan_id(Path(args["plan"]), Path(args["topology"]))})
-    write_json(pre.args_path, {**args, "train": asdict(spec)})
-    start = state["step"] if resume else 0
-    keep_records(metrics, start)
+    spec = _write_run(pre.run_dir, spec, resume, start)
+    metrics = Path(spec.metrics)
     tail = _Tail(metrics, spec, echo) if echo else None
     try:
         _launch(pre.topology.num_devices, pre.args_path, pre.run_dir, cfg.timeout_s,
@@ -467,6 +452,72 @@ def train(cfg, spec: TrainSpec, echo=None, graph=None) -> TrainResult:
     ranks = json.loads((pre.run_dir / "train.json").read_text())
     return TrainResult(str(pre.run_dir), str(metrics), start, records[-1]["step"] if records else 0,
                        [r["loss"] for r in records], str(last) if last else None, ranks)
+
+
+def prepare_train_torchrun(cfg, spec: TrainSpec, endpoint: str, graph=None):
+    """:func:`tag.executor.prepare_torchrun` for a training run: the run folder (``cfg.run_dir``,
+    the same path on every machine) and each machine's ``torchrun`` command
+    (:class:`tag.executor.TorchrunLaunch`); rank 0 prints the progress lines and writes
+    ``metrics.jsonl`` there. ``--checkpoint-dir`` must be one folder every machine writes (a shared
+    file system: each rank writes its part, rank 0 the metadata and the commit)."""
+    from .launch import prepare_torchrun
+
+    resume, start = _resumed(cfg, spec)
+    launch = prepare_torchrun(cfg, endpoint, graph)
+    _write_run(Path(launch.run_dir), spec, resume, start)
+    return launch
+
+
+def _resumed(cfg, spec: TrainSpec) -> tuple[Path | None, int]:
+    """The verified checkpoint ``spec.resume`` names (None: a fresh run) and its step; refuses
+    in one line what the run cannot do (TensorBoard without its package, another model's checkpoint)."""
+    if spec.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise TagError("--tensorboard: the tensorboard package is not installed (pip install tensorboard)")
+    if cfg.run_dir is None:
+        raise TagError("tag run: expected --run-dir (where metrics.jsonl and the logs go)")
+    if spec.checkpoint_dir or spec.resume:
+        _check_checkpointable(cfg.plan)
+    resume = ckpt.resolve_resume(spec.checkpoint_dir, spec.resume)
+    if resume is None:
+        return None, 0
+    state = ckpt.verify(resume)
+    if state.get("model") != cfg.model:
+        raise ckpt.CheckpointError(f"{resume}: a checkpoint of {state.get('model')!r}, not --model {cfg.model!r}")
+    return resume, state["step"]
+
+
+CHECKPOINTED = ("allreduce", "ps", "mp")
+"""Strategies whose ranks hold whole parameters: their checkpoints are keyed by parameter FQN."""
+
+
+def _check_checkpointable(plan_path: str) -> None:
+    """TagError (one line naming the group) for a plan with a group whose ranks hold parts of
+    parameters (``tp``: a shard's elements are not one block of its parameter, GPT-2's fused
+    ``c_attn`` keeps each head's q, k and v; DCP's resharding takes blocks): not checkpointed."""
+    from ..plan.format import Plan
+
+    plan = Plan.load(plan_path)
+    g = next((g for g, gp in enumerate(plan.groups) if gp.sync not in CHECKPOINTED), None)
+    if g is not None:
+        raise TagError(f"{plan_path}: groups[{g}].sync: {plan.groups[g].sync!r} ranks hold parts of parameters, which "
+                       f"tag run does not checkpoint; expected --checkpoint-dir with groups of {', '.join(CHECKPOINTED)}")
+
+
+def _write_run(run_dir: Path, spec: TrainSpec, resume: Path | None, start: int) -> TrainSpec:
+    """The run's spec with its paths resolved, added to the ranks' ``args.json``; ``metrics.jsonl``
+    cut to the resumed step's records (:func:`keep_records`)."""
+    args_path = run_dir / "args.json"
+    args = json.loads(args_path.read_text())
+    metrics = run_dir / METRICS
+    spec = TrainSpec(**{**asdict(spec), "resume": str(resume) if resume else None, "metrics": str(metrics),
+                        "checkpoint_dir": str(Path(spec.checkpoint_dir).absolute()) if spec.checkpoint_dir else None,
+                        "plan_id": _plan_id(Path(args["plan"]), Path(args["topology"]))})
+    write_json(args_path, {**args, "train": asdict(spec)})
+    keep_records(metrics, start)
+    return spec
 
 
 class _Tail:
@@ -495,7 +546,7 @@ class _Tail:
         lines = chunk.split("\n")
         for ln in lines[:-1]:  # (a line without its newline is still being written)
             r = json.loads(ln) if ln.strip() else None
-            if r is not None and shown(r["step"], self.spec):
+            if r is not None and shown(r, self.spec):
                 self.echo(progress_line(r, self.spec.steps))
         self.pos += len(chunk) - len(lines[-1])
 
