@@ -57,6 +57,12 @@ class Backend:
         if self.ray is not None and not self.ray.strip():
             raise DispatchError("--ray: expected a cluster address (auto, HOST:PORT, ray://HOST:PORT) or none")
 
+    def connect(self) -> None:
+        """Connect to the Ray cluster now (a one-line :class:`DispatchError` before any work if it
+        cannot be reached); nothing for the local pool."""
+        if self.ray is not None:
+            ray_connect(self.ray)
+
     def describe(self) -> str:
         if self.ray is None:
             return f"local pool of {self.workers} process{'es' if self.workers > 1 else ''}"
@@ -233,6 +239,7 @@ def ray_connect(address: str):
     ray = ray_module()
     if ray.is_initialized():
         return ray
+    check_reachable(address)
     try:
         if address == LOCAL_RAY:
             ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
@@ -243,6 +250,20 @@ def ray_connect(address: str):
         raise DispatchError(f"--ray {address}: cannot connect to the cluster: {_one_line(e)}; expected the "
                             "address `ray start --head` printed (HOST:6379, or ray://HOST:10001)") from None
     return ray
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A ``HOST:PORT`` address that takes no TCP connection within ``timeout_s`` seconds: a one-line
+    :class:`DispatchError` now (``ray.init`` retries such an address for minutes)."""
+    import socket
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", "local": Ray finds the cluster itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError, OverflowError) as e:
+        raise DispatchError(f"--ray {address}: no Ray cluster answers there ({_one_line(e)}); expected the "
+                            "address `ray start --head` printed (HOST:6379, or ray://HOST:10001)") from None
 
 
 def ray_slots(ray) -> int:

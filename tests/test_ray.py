@@ -173,3 +173,13 @@ def test_a_tuning_study_on_ray_is_the_local_one(cluster, tmp_path, monkeypatch):
 
     here, there = study("here", Backend()), study("ray", RAY)  # two trials asked together
     assert here == there and here["trials"] == 2
+
+
+def test_an_address_without_a_cluster_is_one_line_at_once():
+    import time
+    t0 = time.perf_counter()
+    with pytest.raises(dispatch.DispatchError) as e:
+        dispatch.check_reachable("127.0.0.1:1")
+    assert str(e.value).startswith("--ray 127.0.0.1:1: no Ray cluster answers there") and "\n" not in str(e.value)
+    assert time.perf_counter() - t0 < 10
+    dispatch.check_reachable("auto")  # Ray finds that cluster itself

@@ -121,9 +121,12 @@ def add_ray_arg(p: argparse.ArgumentParser, items: str) -> None:
 
 
 def backend_of(args, workers: int = 1):
-    """The :class:`tag.dispatch.Backend` of ``--ray`` (a local pool of ``workers`` without it)."""
+    """The :class:`tag.dispatch.Backend` of ``--ray`` (a local pool of ``workers`` without it),
+    connected: a cluster that cannot be reached is a one-line error before any work."""
     from ..dispatch import Backend
-    return Backend(workers=workers, ray=args.ray)
+    backend = Backend(workers=workers, ray=args.ray)
+    backend.connect()
+    return backend
 
 
 def _input_files(args) -> list[str]:
