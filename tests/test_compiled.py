@@ -33,3 +33,40 @@ def test_compiled_segments_train_as_the_reference(captured):
     ref, _ = reference_training(load_workload(MLP, batch=B), "adam", 2)
     assert_params_equal({r: rt.named_params() for r, rt in rts.items()}, ref, {p.name for p in graph.params},
                         rtol=RTOL, atol=ATOL, exact=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="Inductor on CPU needs a C++ compiler")
+def test_a_compiled_profile_costs_compiled_runs(captured, tmp_path):
+    """``tag profile --compile`` times every stage compiled and stores it beside the eager
+    profile (device type ``cpu-1t-compiled``); ``CostModel.for_topology(compiled=True)``, which
+    ``tag execute --compile`` predicts with, takes it, the eager costing does not."""
+    import os
+
+    import numpy as np
+    import torch
+
+    from tag.cost.model import CostModel
+    from tag.cost.profiler import profile_model
+
+    cap = captured(MLP, groups=2)
+    threads = torch.get_num_threads()
+    try:
+        prof = profile_model(MLP, batches=[4], repeats=1, warmup=1, num_groups=2, threads=1, corun=0,
+                             wake_gap_s=0.0, captured=cap, compiled=True, log=lambda m: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert prof.device_type == "cpu-1t-compiled" and prof.meta["compiled"] is True
+    prof.save(tmp_path)
+    n = os.cpu_count() or 1  # one device per core: device type cpu-1t
+    topo = tmp_path / "one.yaml"
+    topo.write_text(f"name: one\nmachines:\n  - {{name: m, gpu: cpu, count: {n}, intra_bandwidth: \"5 GB/s\"}}\n")
+    from tag.topology import load_topology
+
+    t = load_topology(str(topo))
+    compiled = CostModel.for_topology(cap.graph, t, profile_dir=tmp_path, compiled=True)
+    eager = CostModel.for_topology(cap.graph, t, profile_dir=tmp_path)
+    assert compiled.source(0) == "profile:cpu-1t-compiled" and eager.source(0) != compiled.source(0)
+    grid = np.arange(cap.graph.batch_size + 1, dtype=float)
+    assert np.allclose([compiled.group_time(g, "fwd", 0, 4) for g in range(2)], prof.table(grid)[:, 0, 4], rtol=1e-3)  # (saved to 5 digits)

@@ -28,6 +28,9 @@ def register(sub) -> None:
                    help="timed calls per communication operation and size (mean; default: the profiler's "
                         "DEFAULT_REPEATS, tag/executor/commprof.py)")
     p.add_argument("--out", default=None, metavar="DIR", help=PROFILES_HELP)
+    p.add_argument("--compile", action="store_true",
+                   help="time every op-group's stages compiled by torch.compile (Inductor), as tag execute --compile "
+                        "runs them; stored as device type <type>-compiled, which tag execute --compile predicts with")
     comm = p.add_mutually_exclusive_group()
     comm.add_argument("--no-comm", action="store_true", help="skip the communication measurements")
     comm.add_argument("--comm-only", action="store_true", help="only measure communication")
@@ -51,7 +54,7 @@ def _batches(text: str | None) -> list[int] | None:
 def run(args) -> int:
     import torch
 
-    from ..cost.profile import cpu_device_type, default_profile_dir
+    from ..cost.profile import COMPILED, cpu_device_type, default_profile_dir
     from ..errors import TagError
     from ..io import check_folder
 
@@ -75,9 +78,10 @@ def run(args) -> int:
 
         prof = profile_model(args.model, batch=args.batch, device=args.device, batches=batches,
                              repeats=args.repeats, warmup=args.warmup, optimizer=args.optimizer,
-                             num_groups=args.groups, seed=args.seed, precision=args.precision)
+                             num_groups=args.groups, seed=args.seed, precision=args.precision,
+                             compiled=args.compile)
         path = prof.save(root)
-        dtype = prof.device_type
+        dtype = prof.device_type.removesuffix(COMPILED)  # (links are the same, compiled or not)
         print(f"profile {prof.model} ({prof.graph_signature}) on {dtype}: batches {prof.batches} -> {path}")
         from ..cost.profiler import host_launch_report
 

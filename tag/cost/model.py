@@ -37,7 +37,7 @@ import numpy as np
 from ..graph.ir import PHASES
 from .comm import CommModel
 from .gpu import Numerics, OpFeatures, gpu_rates, host_origin, on_host, stage_table
-from .profile import cpu_device_type, default_profile_dir, find_profile, profiled_device_types
+from .profile import COMPILED, cpu_device_type, default_profile_dir, find_profile, profiled_device_types
 from .roofline import Roofline, group_phase_table, op_overhead, optimizer_step_overhead, roofline_for
 
 PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
@@ -97,14 +97,18 @@ class CostModel:
     # ---- construction ------------------------------------------------------------------
     @classmethod
     def for_topology(cls, graph, topology, profile_dir=None, numerics: Numerics | None = None,
-                     runtime: str = "eager") -> CostModel:
+                     runtime: str = "eager", compiled: bool = False) -> CostModel:
         """Profile where one exists for a device type, else scaled profile, else the roofline rule
         (CPU) or the GPU rule (:mod:`tag.cost.gpu`) for the kernels ``runtime`` runs
         (:data:`tag.cost.gpu.RUNTIMES`: ``eager``, TAG's executor, or ``megatron``, Megatron-LM's
-        fused kernels; a rule's source then ends in ``+megatron``)."""
+        fused kernels; a rule's source then ends in ``+megatron``). ``compiled``: a device type's
+        profile measured with compiled stages (``tag profile --compile``, device type
+        ``<type>-compiled``, source ``profile:<type>-compiled``) first, as ``tag execute
+        --compile`` runs; where none exists, the eager costs above."""
         root = default_profile_dir() if profile_dir is None else profile_dir
         sig = graph.signature()
-        available = profiled_device_types(root, sig)
+        found = profiled_device_types(root, sig)
+        available = [t for t in found if not t.endswith(COMPILED)]  # (eager profiles)
         grid = np.arange(graph.batch_size + 1, dtype=float)
         by_type: dict[str, DeviceCost] = {}
         devices = []
@@ -119,7 +123,9 @@ class CostModel:
             dt = device_type(topology, d)
             key = (dt, topology.machines[topology.machine_of(d)].host_launch_s)  # a machine's host, if stated
             if key not in by_type:
-                by_type[key] = _device_cost(graph, topology, d, dt, root, sig, available, grid, features, runtime)
+                by_type[key] = _compiled_cost(graph, dt, root, sig, found, grid) if compiled else None
+                by_type[key] = by_type[key] or _device_cost(graph, topology, d, dt, root, sig, available, grid,
+                                                            features, runtime)
             devices.append(by_type[key])
         return cls(graph, topology, devices, CommModel.for_topology(topology, root))
 
@@ -268,6 +274,15 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
             wake = wake * _ratio(table[:, :2], prof.table(grid)[:, :2])
         return DeviceCost(dt, f"scaled:{ref}", table, over, scaled, wake, gap, tau, host)
     return DeviceCost(dt, rule_source, rtab(grid), rule_overhead, rtab, host=host)
+
+
+def _compiled_cost(graph, dt: str, root, sig: str, available: list[str], grid: np.ndarray) -> DeviceCost | None:
+    """Device type ``dt``'s costs from its profile measured with compiled stages, or None."""
+    ct = dt + COMPILED
+    prof = find_profile(root, ct, sig) if ct in available else None
+    if prof is None or prof.num_groups != graph.num_groups:
+        return None
+    return DeviceCost(dt, f"profile:{ct}", prof.table(grid), prof.opt_step_overhead_s, prof.table, *_wake_of(prof, grid))
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:

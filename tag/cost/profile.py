@@ -45,6 +45,13 @@ def default_profile_dir() -> Path:
     return output_dir("data/profiles")
 
 
+COMPILED = "-compiled"
+"""Suffix of the device type of a profile whose stages ran through ``torch.compile`` (``tag profile
+--compile``), e.g. ``cpu-1t-compiled``: what ``tag execute --compile`` runs, costed by
+:meth:`tag.cost.CostModel.for_topology` with ``compiled``; eager costing never reads it (nor
+scales another device type's from it)."""
+
+
 def cpu_device_type(threads: int) -> str:
     """Device-type name of a CPU running ``threads`` intra-op threads."""
     return f"cpu-{int(threads)}t"

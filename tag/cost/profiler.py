@@ -59,7 +59,7 @@ from ..graph.capture import export_joint
 from ..graph.stages import Stage, build_stages, retarget_devices
 from .host import tune_malloc
 from .optim import make_optimizer
-from .profile import Profile, cpu_device_type
+from .profile import COMPILED, Profile, cpu_device_type
 
 Log = Callable[[str], None]
 
@@ -135,8 +135,10 @@ class RunnableIteration:
 
 
 def build_iteration(graph, model, make_inputs, batch: int, device: torch.device,
-                    reference: list | None = None) -> RunnableIteration:
-    """Export ``model`` at ``batch`` and cut it with ``graph``'s grouping.
+                    reference: list | None = None, compiled: bool = False) -> RunnableIteration:
+    """Export ``model`` at ``batch`` and cut it with ``graph``'s grouping; ``compiled``: each
+    stage runs through ``torch.compile`` (Inductor, static shapes; compiled at its first run,
+    in the warm-up), as ``tag execute --compile`` runs its segments.
 
     Raises :class:`StructureMismatch` when ``reference`` (a :func:`structure`) is given and the
     export differs from it (e.g. transformers at batch 1 drop a few copies, which renumbers the
@@ -155,6 +157,9 @@ def build_iteration(graph, model, make_inputs, batch: int, device: torch.device,
     if device.type != "cpu":
         for _, st in ordered:
             retarget_devices(st.module, device)
+    if compiled:
+        for _, st in ordered:
+            st.module = torch.compile(st.module, backend="inductor", dynamic=False)
     state = {**ep.state_dict, **ep.constants}
     inputs = [x for x in make_inputs(batch)]
     env0: dict[str, torch.Tensor] = {}
@@ -382,7 +387,8 @@ def default_corun(device: torch.device) -> int:
 def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", batches: list[int] | None = None,
                   repeats: int = 5, warmup: int = 2, optimizer: str = "adam", num_groups: int = 48,
                   seed: int = 0, threads: int | None = None, log: Log = stderr_log, captured=None,
-                  corun: int | None = None, wake_gap_s: float | None = None, precision: str = "fp32") -> Profile:
+                  corun: int | None = None, wake_gap_s: float | None = None, precision: str = "fp32",
+                  compiled: bool = False) -> Profile:
     """Profile zoo model / factory ``spec`` on the local ``device`` (``cpu`` or ``cuda``).
 
     Args:
@@ -396,6 +402,8 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
             :data:`WAKE_GAP_S` on a CPU, 0 = not measured; never on a GPU).
         precision: fp32, or bf16 / fp16 autocast (:mod:`tag.graph.precision`): the graph and
             every timed stage carry its casts; recorded in the graph signature and ``meta``.
+        compiled: every stage through ``torch.compile`` (:func:`build_iteration`); the device
+            type gets :data:`tag.cost.profile.COMPILED` appended.
     """
     from ..graph.capture import capture
     from ..workloads import load_workload
@@ -422,7 +430,7 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
         b = todo.pop(0)
         t0 = time.perf_counter()
         try:
-            its.append(build_iteration(graph, wl.model, wl.make_inputs, b, dev, ref))  # graph.precision
+            its.append(build_iteration(graph, wl.model, wl.make_inputs, b, dev, ref, compiled))  # graph.precision
             log(f"  batch {b}: exported in {time.perf_counter() - t0:.1f} s")
         except StructureMismatch:
             log(f"  batch {b}: the joint graph differs from the captured one (node renumbering); skipped")
@@ -450,7 +458,8 @@ def profile_model(spec: str, *, batch: int | None = None, device: str = "cpu", b
         host = {"launch_s": launch, "host_launch_s": host_launch_of(launch, dtype)[0]}
     else:
         dtype = cpu_device_type(torch.get_num_threads())
-    meta = {**host, "repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
+    dtype += COMPILED if compiled else ""
+    meta = {**host, "compiled": compiled, "repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "host": platform.node(), "date": time.strftime("%Y-%m-%d"),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "num_groups_requested": num_groups,
             "stage_scale": scales, "corun": n_bg, "precision": graph.precision,

@@ -170,7 +170,7 @@ def _prepare(cfg: ExecuteConfig, graph, *, machines: bool) -> _Prepared:
         wl = load_workload(cfg.model, batch=batch, seed=cfg.seed)
         graph = capture(wl, optimizer=cfg.optimizer, num_groups=groups, precision=cfg.precision or plan.precision).graph
     validate_plan(plan, graph, topology, source=cfg.plan)
-    sim_res = _predict(graph, topology, plan, cfg.check_memory, cfg.profile_dir, cfg.bucket_bytes)
+    sim_res = _predict(graph, topology, plan, cfg.check_memory, cfg.profile_dir, cfg.bucket_bytes, cfg.compile)
     if not machines:
         _check_devices_here(topology, backend, cfg.emulate_speed)
 
@@ -278,7 +278,7 @@ def report_torchrun(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
         raise TagError(f"--report: {run_dir} ran another plan or topology than --plan {cfg.plan} "
                        f"--topology {cfg.topology}")
     graph = graph or OpGraph.from_json(Path(ran["graph"]).read_text())
-    sim_res = _predict(graph, topology, plan, False, cfg.profile_dir, ran.get("bucket_bytes"))
+    sim_res = _predict(graph, topology, plan, False, cfg.profile_dir, ran.get("bucket_bytes"), bool(ran.get("compile")))
     cfg = ExecuteConfig(**{**asdict(cfg), "steps": ran["steps"], "warmup": ran["warmup"]})
     res = _result(cfg, ran["backend"], sim_res, run_dir)
     res.idle_machines = idle
@@ -347,13 +347,13 @@ def _check_devices_here(topology, backend: str, emulate: bool) -> None:
 
 
 def _predict(graph, topology, plan, check_memory: bool, profile_dir: str | None = None,
-             bucket_bytes: int | None = None):
-    """The simulated iteration (with its timeline); refuses (OutOfMemoryError) a plan it says
-    will not fit."""
+             bucket_bytes: int | None = None, compiled: bool = False):
+    """The simulated iteration (with its timeline; ``compiled``: from the profiles of compiled
+    stages where they exist); refuses (OutOfMemoryError) a plan it says will not fit."""
     from ..cost.model import CostModel
     from ..sim import simulate
 
-    costs = CostModel.for_topology(graph, topology, profile_dir=profile_dir)
+    costs = CostModel.for_topology(graph, topology, profile_dir=profile_dir, compiled=compiled)
     res = simulate(graph, topology, plan, costs=costs, trace=True, bucket_bytes=bucket_bytes)
     if check_memory and res.oom:
         raise OutOfMemoryError(f"plan would run out of memory: {res.memory_report(topology)}")
