@@ -163,6 +163,19 @@ class Progress:
             self.bar.close()
 
 
+def progress_log(path) -> Callable[[dict], None]:
+    """A log for :func:`run_tasks`: each progress record as one line on stderr and appended to the
+    JSON-lines file ``path``."""
+    import json
+    import sys
+
+    def log(rec: dict) -> None:
+        print(Progress.line(rec), file=sys.stderr, flush=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    return log
+
+
 # ------------------------------------------------------------------------------------ local
 def _build(setup, shared):
     global CONTEXTS_BUILT

@@ -155,6 +155,8 @@ def test_bench_cells_on_ray_equal_the_local_ones_and_resume(cluster, tmp_path, m
     assert resumed == 1 and len(on_ray) == len(local) == 3
     key = lambda c: (c.key(), c.predicted_time_s, c.oom, c.speedup_vs_dp, c.playouts)  # noqa: E731
     assert [key(c) for c in on_ray] == [key(c) for c in local]  # the suite's order, the same results
+    last = json.loads((tmp_path / "ray" / "log.jsonl").read_text().splitlines()[-1])["progress"]
+    assert (last["done"], last["failed"], last["running"], last["total"]) == (3, 0, 0, 3)
 
 
 def test_a_tuning_study_on_ray_is_the_local_one(cluster, tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..dispatch import Backend, Progress, run_tasks
+from ..dispatch import Backend, progress_log, run_tasks
 from ..errors import TagError
 from ..io import check_folder, write_atomic, write_json
 from ..parallel import execution_refusal
@@ -154,7 +154,8 @@ def run_suite(cfg: SuiteConfig, out: Path, backend: Backend | None = None) -> tu
     n = resumed
     for res in run_tasks(cell_task, todo, setup=cell_setup, shared=shared,
                          backend=backend or Backend(), desc=f"bench {cfg.name}", progress=False,
-                         log=lambda rec: _progress(Progress.line(rec)), done_before=resumed, total=len(keys)):
+                         log=progress_log(out / "log.jsonl"), done_before=resumed,
+                         total=len(keys)):
         model, topo_name, method = res.item
         n += 1
         if res.error is not None:  # its worker lost (more than Ray's retries): run by the next run

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..dispatch import Backend, Progress, run_tasks
+from ..dispatch import Backend, progress_log, run_tasks
 from ..gnn.model import NetConfig, TagNet
 from ..io import output_dir, write_json
 from .config import ConfigError, TrainConfig
@@ -104,7 +104,7 @@ def tune(cfg: TuneConfig, backend: Backend | None = None, log: Callable[[dict], 
     from torch.utils.data import ConcatDataset
     shared = {"cfg": cfg, "train": ConcatDataset(trs), "val": ConcatDataset(vas)}
     backend = backend or Backend(workers=cfg.parallel)
-    log = log or (lambda rec: _log_progress(root / "log.jsonl", rec))
+    log = log or progress_log(root / "log.jsonl")
     t0 = time.perf_counter()
     while True:
         done = len([t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE])
@@ -127,15 +127,6 @@ def tune(cfg: TuneConfig, backend: Backend | None = None, log: Callable[[dict], 
            "trials": len(study.trials)}
     write_json(root / "best.json", out)
     return out
-
-
-def _log_progress(path: Path, rec: dict) -> None:
-    """A progress record to stderr (one line) and to the study's ``log.jsonl``."""
-    import json
-    import sys
-    print(Progress.line(rec), file=sys.stderr, flush=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
 
 
 def _rerun_interrupted(study) -> None:
