@@ -156,10 +156,11 @@ class Progress:
             self.log({"progress": self.record()})
 
     def close(self) -> None:
-        if self.done or self.failed:
-            self.running = 0
+        self.running = 0
+        if self.done:
             self._log()
         if self.bar is not None:
+            self.bar.set_postfix(running=0, failed=self.failed)  # the bar's last line: nothing left running
             self.bar.close()
 
 
