@@ -13,6 +13,8 @@ Public API (imported lazily so ``import tag`` stays cheap)::
     tag.align_groups(cap.graph, published)      # op-groups starting at each stage's first layer (in place)
     costed = tag.simulate(cap.graph, topo, tag.layout_plan(cap.graph, topo, published))
     measured = tag.execute(tag.ExecuteConfig(spec, topology_path, plan_path))  # one machine
+    tag.train_run(tag.ExecuteConfig(spec, topology_path, plan_path, run_dir="run1"),  # tag run: train with it
+                  tag.TrainSpec(steps=1000, checkpoint_dir="ckpt", checkpoint_every=100, resume="latest"))
     tag.export_plan(plan, cap.graph, topo, "megatron").write("megatron-args.txt")  # or torchtitan, deepspeed
 """
 
@@ -49,6 +51,8 @@ _EXPORTS = {
     "ExecuteConfig": ("tag.executor", "ExecuteConfig"),
     "prepare_torchrun": ("tag.executor", "prepare_torchrun"),
     "report_torchrun": ("tag.executor", "report_torchrun"),
+    "train_run": ("tag.executor.train", "train"),
+    "TrainSpec": ("tag.executor.train", "TrainSpec"),
     "apply_sfb": ("tag.parallel", "apply_sfb"),
     "TagError": ("tag.errors", "TagError"),
 }

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import pickle
@@ -276,6 +277,8 @@ def test_damaged_checkpoints_are_refused_in_one_line(two, complete, capsys):
     err = tag_run(two, capsys, "--plan", str(two.folder / "tp.json"), "--checkpoint-dir", str(complete.parent),
                   "--checkpoint-every", "10")
     assert "tp.json: groups[1].sync: 'tp' ranks hold parts of parameters" in err
+    if importlib.util.find_spec("tensorboard") is None:  # not a dependency: asked for, refused before launch
+        assert "--tensorboard: the tensorboard package is not installed" in tag_run(two, capsys, "--tensorboard", "tb")
 
 
 def test_metadata_holding_code_is_not_unpickled(complete):
