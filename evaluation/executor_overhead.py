@@ -16,7 +16,11 @@ round), each a fresh set of processes running ``--steps`` timed iterations after
   pinned: with tag's pinning and gloo's event threads under ``SCHED_IDLE`` DDP's all-reduces,
   which run during the backward, starved on a loaded host (mlp: 2.04 s per iteration instead of
   9.8 ms unpinned, 2026-11-26, load average 12 on the 2-core VM);
-* ``tag-dp``: ``tag execute`` of the even all-reduce plan on ``topologies/local-cpu2.yaml``.
+* ``tag-dp``: ``tag execute`` of the even all-reduce plan on ``topologies/local-cpu2.yaml``;
+* ``eager-compiled``, ``tag-1-compiled`` (only when named in ``--configs``): ``torch.compile(model)``
+  (Inductor) in the eager process, and ``tag execute --compile`` of the tag-1 plan (each fused
+  segment compiled); the warm-up iterations hold the compilation. With ``--interleaved`` the
+  in-process A/B then alternates all four arms.
 
 An iteration's time runs from a barrier (all ranks) to the end of the optimizer step (the slowest
 rank's); a run's figure is the median over its iterations, a configuration's the median over the
@@ -64,6 +68,9 @@ MODELS = ["mlp", "gpt2", "bert", "vit", "llama", "resnet", "vgg", "mixer", "enco
 UNSEEN = {name: f"{REPO / 'evaluation' / 'models' / 'unseen.py'}:{name}" for name in ("mixer", "encoder")}
 """Models outside the zoo (user factories in ``evaluation/models/unseen.py``), by short name."""
 CONFIGS = ["eager", "tag-1", "ddp", "tag-dp"]
+COMPILED = ["eager-compiled", "tag-1-compiled"]
+"""``torch.compile(model)`` (Inductor) in the eager process, and ``tag execute --compile`` of the
+tag-1 plan (each fused segment compiled); the warm-up iterations hold the compilation."""
 
 
 # ---- baselines (run in subprocesses: ``python -m evaluation.executor_overhead --_run JSON``) -----
@@ -99,7 +106,7 @@ def _train(model, inputs, opt, steps: int, warmup: int, barrier=None) -> dict:
             "peak_above_bytes": host_memory(peak=True) - rss0 - optimizer_state_bytes(opt)}
 
 
-def run_eager(spec: str, batch: int, steps: int, warmup: int) -> dict:
+def run_eager(spec: str, batch: int, steps: int, warmup: int, compiled: bool = False) -> dict:
     import torch
 
     from tag.workloads import load_workload
@@ -107,7 +114,8 @@ def run_eager(spec: str, batch: int, steps: int, warmup: int) -> dict:
     _setup(1, 0, 1)  # as tag-1's rank: one thread on the first core
     wl = load_workload(spec, batch=batch, seed=0)
     opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3, foreach=True)  # as tag execute (CPU default: per tensor)
-    return _train(wl.model, wl.inputs, opt, steps, warmup)
+    model = torch.compile(wl.model) if compiled else wl.model  # (Inductor; compiled in the first iteration)
+    return _train(model, wl.inputs, opt, steps, warmup)
 
 
 def run_ddp(spec: str, batch: int, steps: int, warmup: int, rank: int, world: int, port: int) -> dict:
@@ -131,7 +139,7 @@ def run_ddp(spec: str, batch: int, steps: int, warmup: int, rank: int, world: in
     return out
 
 
-def run_interleaved(spec: str, batch: int, rounds: int, block: int) -> dict:
+def run_interleaved(spec: str, batch: int, rounds: int, block: int, compiled: bool = False) -> dict:
     """Eager and the single-device rank's iteration in this process, in alternating blocks (module
     docstring): per round and configuration, seconds and thread CPU seconds per iteration."""
     import random
@@ -139,7 +147,7 @@ def run_interleaved(spec: str, batch: int, rounds: int, block: int) -> dict:
     from evaluation.instructions import _executor_steps
 
     _setup(1, 0, 1)
-    steps = _executor_steps(spec, batch)  # (a few warm-up iterations of each included)
+    steps = _executor_steps(spec, batch, compiled)  # (a few warm-up iterations of each included)
     out = {c: {"times": [], "cpu": []} for c in steps}
     order = list(steps)
     rng = random.Random(0)
@@ -155,13 +163,15 @@ def run_interleaved(spec: str, batch: int, rounds: int, block: int) -> dict:
     return out
 
 
-def interleaved(spec: str, batch: int, rounds: int, block: int) -> dict:
-    r = _result(_subprocess("interleaved", spec=spec, batch=batch, rounds=rounds, block=block))
+def interleaved(spec: str, batch: int, rounds: int, block: int, compiled: bool = False) -> dict:
+    r = _result(_subprocess("interleaved", spec=spec, batch=batch, rounds=rounds, block=block, compiled=compiled))
 
-    def ratio(key):
-        return statistics.median(t / e for e, t in zip(r["eager"][key], r["tag-1"][key]))
+    def ratio(key, a="tag-1", b="eager"):
+        return statistics.median(t / e for e, t in zip(r[b][key], r[a][key]))
 
+    pairs = (("tag-1-compiled", "eager-compiled"), ("eager-compiled", "eager"), ("tag-1-compiled", "tag-1"))
     return {"rounds": rounds, "block": block, "time_ratio": ratio("times"), "cpu_ratio": ratio("cpu"),
+            "compiled_time_ratio": {f"{a}/{b}": ratio("times", a, b) for a, b in pairs} if compiled else None,
             "median_time_s": {c: statistics.median(x["times"]) for c, x in r.items()},
             "median_cpu_s": {c: statistics.median(x["cpu"]) for c, x in r.items()}, "runs": r}
 
@@ -179,8 +189,8 @@ def _result(p: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def eager(spec, batch, steps, warmup) -> dict:
-    r = _result(_subprocess("eager", spec=spec, batch=batch, steps=steps, warmup=warmup))
+def eager(spec, batch, steps, warmup, compiled: bool = False) -> dict:
+    r = _result(_subprocess("eager", spec=spec, batch=batch, steps=steps, warmup=warmup, compiled=compiled))
     return {"time_s": statistics.median(r["times"]), "cpu_s": statistics.median(r["cpu"]),
             "peak_above_bytes": r["peak_above_bytes"]}
 
@@ -199,11 +209,12 @@ def ddp(spec, batch, steps, warmup) -> dict:
 
 
 # ---- tag execute -------------------------------------------------------------------------------
-def tag_execute(graph, topo_path: str, plan_path: str, spec: str, steps: int, warmup: int, run_dir: Path) -> dict:
+def tag_execute(graph, topo_path: str, plan_path: str, spec: str, steps: int, warmup: int, run_dir: Path,
+                compile: bool = False) -> dict:
     from tag.executor import ExecuteConfig, execute
 
     res = execute(ExecuteConfig(spec, topo_path, plan_path, steps=steps, warmup=warmup, run_dir=str(run_dir),
-                                threads=1), graph=graph)
+                                threads=1, compile=compile), graph=graph)
     peak = max((r["host_peak_growth_bytes"] or 0) - r["optimizer_state_bytes"] for r in res.ranks)
     cpu = [max(x["cpu_s"] for x in its) for its in zip(*(r["iterations"][warmup:] for r in res.ranks))]
     return {"time_s": res.measured_iteration_time_s, "cpu_s": statistics.median(cpu), "peak_above_bytes": peak,
@@ -258,12 +269,13 @@ def measure(models: list[str], batches: dict[str, int], rounds: int, steps: int,
         for name in models:
             spec, graph, batch, pl = setups[name]
             for c in configs:
-                if c == "eager":
-                    x = eager(spec, batch, steps, warmup)
+                if c in ("eager", "eager-compiled"):
+                    x = eager(spec, batch, steps, warmup, compiled=c in COMPILED)
                 elif c == "ddp":
                     x = ddp(spec, batch, steps, warmup)
                 else:
-                    x = tag_execute(graph, *pl[c], spec, steps, warmup, tmp / f"run-{c}")
+                    x = tag_execute(graph, *pl[c.removesuffix("-compiled")], spec, steps, warmup, tmp / f"run-{c}",
+                                    compile=c in COMPILED)
                 runs[name][c].append(x)
                 log(f"round {r} {name} {c}: {x['time_s'] * 1e3:.2f} ms, peak above params+state "
                     f"{x['peak_above_bytes'] / 2**20:.1f} MiB")
@@ -284,14 +296,18 @@ def measure(models: list[str], batches: dict[str, int], rounds: int, steps: int,
             "median_time_s": med("time_s"),
             "median_peak_above_bytes": med("peak_above_bytes"),
             "median_cpu_s": med("cpu_s"),
-            "time_ratio": {"tag-1/eager": ratio("tag-1", "eager"), "tag-dp/ddp": ratio("tag-dp", "ddp")},
+            "time_ratio": {"tag-1/eager": ratio("tag-1", "eager"), "tag-dp/ddp": ratio("tag-dp", "ddp"),
+                           "tag-1-compiled/eager-compiled": ratio("tag-1-compiled", "eager-compiled"),
+                           "eager-compiled/eager": ratio("eager-compiled", "eager"),
+                           "tag-1-compiled/tag-1": ratio("tag-1-compiled", "tag-1")},
             "cpu_ratio": {"tag-1/eager": ratio("tag-1", "eager", "cpu_s"), "tag-dp/ddp": ratio("tag-dp", "ddp", "cpu_s")},
             "memory_ratio": {"tag-1/eager": ratio("tag-1", "eager", "peak_above_bytes"),
                              "tag-dp/ddp": ratio("tag-dp", "ddp", "peak_above_bytes")},
             "runs": rr,
         }
     for name in models if interleave > 0 else ():
-        x = out[name]["interleaved"] = interleaved(setups[name][0], setups[name][2], interleave, block)
+        x = out[name]["interleaved"] = interleaved(setups[name][0], setups[name][2], interleave, block,
+                                                   compiled=any(c in COMPILED for c in configs))
         log(f"{name} in-process A/B, {interleave} rounds of {block} iterations: tag-1 / eager "
             f"{x['time_ratio']:.3f} (CPU time {x['cpu_ratio']:.3f})")
     return out
@@ -322,6 +338,17 @@ def write(results: dict, meta: dict, out: Path) -> None:
                      f"{f(q['tag-1/eager'])} | {f(t.get('ddp'), 1e3, '.2f')} | {f(t.get('tag-dp'), 1e3, '.2f')} | "
                      f"{f(q['tag-dp/ddp'])} | {f(c['tag-1/eager'])}, {f(c['tag-dp/ddp'])} | "
                      + " / ".join(f(m.get(c), 2**-20, ".1f") for c in CONFIGS) + " |")
+    if any(r["median_time_s"].get(c) for r in results.values() for c in COMPILED):
+        lines += ["", "Compiled (`torch.compile(model)` in the eager process; `tag execute --compile` of the tag-1 "
+                  "plan; the warm-up iterations hold the compilation):", "",
+                  "| model (batch) | eager ms | compiled eager ms | tag-1 ms | tag-1 --compile ms | "
+                  "tag-1 --compile / compiled eager | compiled / eager: eager, tag-1 |", "|---|---|---|---|---|---|---|"]
+        for spec, r in results.items():
+            t, q = r["median_time_s"], r["time_ratio"]
+            lines.append(f"| {spec} ({r['batch']}) | {f(t.get('eager'), 1e3, '.2f')} | "
+                         f"{f(t.get('eager-compiled'), 1e3, '.2f')} | {f(t.get('tag-1'), 1e3, '.2f')} | "
+                         f"{f(t.get('tag-1-compiled'), 1e3, '.2f')} | {f(q.get('tag-1-compiled/eager-compiled'))} | "
+                         f"{f(q.get('eager-compiled/eager'))}, {f(q.get('tag-1-compiled/tag-1'))} |")
     ab = {spec: r["interleaved"] for spec, r in results.items() if "interleaved" in r}
     if ab:
         lines += ["", "In-process A/B (eager and the rank's iteration alternating in one process; module docstring):", "",
@@ -331,6 +358,17 @@ def write(results: dict, meta: dict, out: Path) -> None:
             t, c = x["median_time_s"], x["median_cpu_s"]
             lines.append(f"| {spec} | {x['rounds']} x {x['block']} | {t['eager'] * 1e3:.3f} | {t['tag-1'] * 1e3:.3f} | "
                          f"{x['time_ratio']:.3f} | {c['eager'] * 1e3:.3f}, {c['tag-1'] * 1e3:.3f}, {x['cpu_ratio']:.3f} |")
+        abc = {spec: x for spec, x in ab.items() if x.get("compiled_time_ratio")}
+        if abc:
+            lines += ["", "In-process A/B with the compiled arms (`torch.compile(model)`, the rank with "
+                      "`compiled=True`; the same rounds and blocks, compiled before the first round):", "",
+                      "| model | compiled eager ms | tag-1 --compile ms | tag-1 --compile / compiled eager | "
+                      "compiled eager / eager | tag-1 --compile / tag-1 |", "|---|---|---|---|---|---|"]
+            for spec, x in abc.items():
+                t, q = x["median_time_s"], x["compiled_time_ratio"]
+                lines.append(f"| {spec} | {t['eager-compiled'] * 1e3:.3f} | {t['tag-1-compiled'] * 1e3:.3f} | "
+                             f"{q['tag-1-compiled/eager-compiled']:.3f} | {q['eager-compiled/eager']:.3f} | "
+                             f"{q['tag-1-compiled/tag-1']:.3f} |")
     lines += ["", "CPU time: the main thread's CPU seconds per iteration (`time.thread_time`; the slowest rank's), "
               "medians and ratios as for the step time: what each configuration computes, apart from waits and "
               "from the time other jobs on a shared host take from it.", "",
@@ -371,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--groups", type=int, default=48)
-    p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS,
+    p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS + COMPILED,
                    help="configurations run in separate processes (default: all)")
     p.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
                    help="also the in-process A/B of eager and tag-1, this many rounds (0: not run)")

@@ -50,7 +50,10 @@ def _serve(steps: dict) -> None:
         print("done", flush=True)
 
 
-def _executor_steps(spec: str, batch: int | None = None) -> dict:
+def _executor_steps(spec: str, batch: int | None = None, compiled: bool = False) -> dict:
+    """Iteration functions of an eager model (``eager``) and of a single-device rank (``tag-1``),
+    each warmed up; ``compiled``: also ``torch.compile(model)`` (``eager-compiled``) and the rank
+    with its segments compiled (``tag-1-compiled``), each on its own copy of the weights."""
     import torch
 
     from evaluation.executor_overhead import UNSEEN, one_cpu_topology
@@ -70,31 +73,42 @@ def _executor_steps(spec: str, batch: int | None = None) -> dict:
     graph = capture(wl, optimizer="adam", num_groups=48).graph
     plan = new_plan(graph, topo, [GroupPlan([0], [1.0]) for _ in range(graph.num_groups)])
     sched = build_schedule(graph, plan, topo.machine_of, None)
-    twin = load_workload(spec, batch=batch, seed=0)  # the rank's own copy of the weights
-    rt = RankRuntime(0, sched, tuple(twin.inputs), {twin.batch_size: export_at(twin.model, twin.make_inputs,
-                                                                               twin.batch_size)}, "adam")
-    opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3, foreach=True)
 
-    def eager():
-        loss = wl.model(*wl.inputs)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        float(loss.detach())
+    def rank(compile_: bool):
+        twin = load_workload(spec, batch=batch, seed=0)  # the rank's own copy of the weights
+        rt = RankRuntime(0, sched, tuple(twin.inputs), {twin.batch_size: export_at(twin.model, twin.make_inputs,
+                                                                                   twin.batch_size)}, "adam",
+                         compiled=compile_)
 
-    def tag():  # the worker's walk (tag.executor.worker.run_rank) without its communication
-        rt.begin_iteration()
-        for i in range(len(sched.steps)):
-            if rt.covers(i):
-                rt.run_segment(i)
-            else:
-                rt.release(i)
-        rt.update()
+        def tag():  # the worker's walk (tag.executor.worker.run_rank) without its communication
+            rt.begin_iteration()
+            for i in range(len(sched.steps)):
+                if rt.covers(i):
+                    rt.run_segment(i)
+                else:
+                    rt.release(i)
+            rt.update()
+        return tag
 
+    def model(w, compile_: bool):
+        m = torch.compile(w.model) if compile_ else w.model
+        opt = torch.optim.Adam(w.model.parameters(), lr=1e-3, foreach=True)
+
+        def eager():
+            loss = m(*w.inputs)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            float(loss.detach())
+        return eager
+
+    arms = {"eager": model(wl, False), "tag-1": rank(False)}
+    if compiled:
+        arms |= {"eager-compiled": model(load_workload(spec, batch=batch, seed=0), True), "tag-1-compiled": rank(True)}
     for _ in range(3):
-        eager()
-        tag()
-    return {"eager": eager, "tag-1": tag}
+        for fn in arms.values():
+            fn()
+    return arms
 
 
 def _sim_steps() -> dict:
