@@ -92,20 +92,24 @@ def test_a_worker_killed_mid_task_is_retried_and_the_label_is_unchanged(cluster,
     assert got == _labels(local)
 
 
-def test_tag_train_on_ray_trains_the_local_network_bit_for_bit(cluster, tmp_path, capsys):
+def test_tag_train_on_ray_trains_the_local_network_and_plan_head_bit_for_bit(cluster, tmp_path, capsys):
     from tag.cli import main
     from tag.gnn import load_net
 
     def train(name: str, *flags: str) -> dict:
         cfg = {"run_dir": str(tmp_path / name), "rounds": 1, "samples_per_round": [3], "wandb": "disabled",
-               "plan_head": False, "net": {"hidden": 16, "layers": 1, "heads": 2}, "gen": _gen_cfg().__dict__,
+               "plan_head": True, "net": {"hidden": 16, "layers": 1, "heads": 2}, "gen": _gen_cfg().__dict__,
                "train": {"epochs": 1, "batch_size": 4, "max_steps": 3}}
         (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
         assert main(["train", "--config", str(tmp_path / f"{name}.json"), "--no-progress", *flags]) == 0
-        return load_net(tmp_path / name / "predictor.pt")[0].state_dict()
+        net, meta = load_net(tmp_path / name / "predictor.pt")
+        assert meta["plan_head"]["pairs"] >= 1  # the plan head's pair labels ran on the backend too
+        return net.state_dict()
 
     a, b = train("local"), train("ray", "--ray")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    plan = lambda name: sorted((p.name, p.read_bytes()) for p in (tmp_path / name / "round0" / "plan").glob("*"))  # noqa: E731
+    assert plan("ray") == plan("local") and len(plan("local")) == 3
     log = [json.loads(line) for line in (tmp_path / "ray" / "log.jsonl").read_text().splitlines()]
     assert any(r.get("backend") == "Ray cluster on this machine" for r in log)
     assert any(r.get("progress", {}).get("done") == 3 for r in log)

@@ -158,7 +158,8 @@ def run_loop(cfg: LoopConfig, *, progress: bool = True, allow_changed: bool = Fa
         if cfg.plan_head and not load_net(final)[1].get("plan_head"):
             from .plan_head import add_plan_head
             t0 = time.perf_counter()
-            ph = add_plan_head(run_dir, final, list(range(cfg.rounds)), final, progress=progress)
+            ph = add_plan_head(run_dir, final, list(range(cfg.rounds)), final, progress=progress,
+                               backend=backend or Backend(workers=cfg.gen.workers), log=log)
             log({"stage": "plan head", "plan_head_seconds": time.perf_counter() - t0,
                  **({f"plan_head/{k}": v for k, v in ph["after"].items()} if ph is not None else
                     {"plan_head": "no pair with plan-level decisions: left to the search's fixed prior"})})

@@ -147,23 +147,58 @@ def pair_labels(record: dict, space) -> dict | None:
             "pipeline_best": np.array(max(rewards.values(), default=-1.0)), "no_pipeline": np.array(no_pipe)}
 
 
+def _save_labels(path: Path, lab: dict | None) -> None:
+    import io
+
+    from ..io import write_atomic
+    buf = io.BytesIO()
+    if lab is not None:
+        np.savez(buf, **lab)
+    write_atomic(path, buf.getvalue())
+
+
+def label_task(ctx: dict, key: tuple[int, int]) -> dict | None:
+    """:func:`pair_labels` of pair ``key`` = (round, index) of ``ctx["records"]`` (a worker's job)."""
+    rec = ctx["records"][key]
+    return pair_labels(rec, pair_space(rec, ctx["graphs"]))
+
+
+def _label_setup(shared: dict) -> dict:
+    torch.set_num_threads(1)
+    return shared
+
+
+def label_pairs(run_dir: Path, records: list[tuple[int, dict]], backend, *, progress: bool, log=None) -> None:
+    """Label the pairs of ``records`` whose ``round<r>/plan/<index>.npz`` is missing, on ``backend``
+    (:mod:`tag.dispatch`), each worker given the pairs and their graphs once; the files are written
+    here, so a killed job keeps what finished."""
+    from ..data.generate import graph_key
+    from ..dispatch import run_tasks
+    path = lambda r, i: run_dir / f"round{r}" / "plan" / f"{i:05d}.npz"  # noqa: E731
+    todo = {(r, rec["pair"]["index"]): {k: rec[k] for k in ("pair", "best_oom", "best_time_s")}
+            for r, rec in records if not path(r, rec["pair"]["index"]).exists()}
+    if not todo:
+        return
+    keys = {graph_key(rec["pair"]["model"], rec["pair"]["batch"], "adam") for rec in todo.values()}
+    graphs = {k: (run_dir / "graphs" / f"{k}.json").read_text() for k in keys}
+    for out in run_tasks(label_task, list(todo), setup=_label_setup, shared={"records": todo, "graphs": graphs},
+                         backend=backend, desc="plan head labels", progress=progress, log=log,
+                         done_before=len(records) - len(todo), total=len(records)):
+        if out.error is None:  # else labelled in this process below
+            _save_labels(path(*out.item), out.result)
+
+
 def cached_labels(record: dict, space, path: Path) -> dict | None:
     """:func:`pair_labels`, kept in ``path`` (``.npz``, written atomically; read without pickle), so
     a killed or repeated fit labels each pair once. A pair without plan-level decisions is kept
     as an empty file."""
-    import io
-
-    from ..io import write_atomic
     if path.exists():
         if path.stat().st_size == 0:
             return None
         with np.load(path, allow_pickle=False) as f:
             return {k: f[k] for k in f.files}
     lab = pair_labels(record, space)
-    buf = io.BytesIO()
-    if lab is not None:
-        np.savez(buf, **lab)
-    write_atomic(path, buf.getvalue())
+    _save_labels(path, lab)
     return lab
 
 
@@ -242,10 +277,13 @@ def fit_plan_head(net, examples: list[dict], cfg: PlanHeadConfig | None = None, 
 
 
 def add_plan_head(run_dir: str | Path, checkpoint: str | Path, rounds: list[int], out: str | Path,
-                  cfg: PlanHeadConfig | None = None, *, progress: bool = True) -> dict | None:
+                  cfg: PlanHeadConfig | None = None, *, progress: bool = True, backend=None,
+                  log=None) -> dict | None:
     """Fit the plan head of ``checkpoint`` on the labelled pairs of ``rounds`` of a ``tag train``
     run folder and write the network with it to ``out`` (``meta["plan_head"]``: what it fitted).
-    None, and nothing written, where no pair has plan-level decisions (one device or one group)."""
+    None, and nothing written, where no pair has plan-level decisions (one device or one group).
+    The pairs' labels not cached yet are made on ``backend`` (:class:`tag.dispatch.Backend`;
+    default: in this process, one after the other), ``log`` receiving its progress records."""
     from ..data.generate import read_records
     from ..gnn.predictor import Predictor, checkpoint_coarse_above, load_net, save_checkpoint
     run_dir = Path(run_dir)
@@ -253,6 +291,8 @@ def add_plan_head(run_dir: str | Path, checkpoint: str | Path, rounds: list[int]
     pred = Predictor(net, checkpoint_coarse_above(meta, checkpoint))
     examples, t0 = [], time.perf_counter()
     records = [(r, rec) for r in rounds for rec in read_records(run_dir / f"round{r}")]
+    if backend is not None:
+        label_pairs(run_dir, records, backend, progress=progress, log=log)
     for i, (r, rec) in enumerate(records):
         space = pair_space(rec, run_dir / "graphs")  # one per pair: the labels' and z's
         lab = cached_labels(rec, space, run_dir / f"round{r}" / "plan" / f"{rec['pair']['index']:05d}.npz")
@@ -305,5 +345,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     raise SystemExit(main())
 
-__all__ = ["PLAN_TARGET_TAU", "PlanHeadConfig", "add_plan_head", "cached_labels", "decision_targets",
+__all__ = ["PLAN_TARGET_TAU", "PlanHeadConfig", "add_plan_head", "cached_labels", "decision_targets", "label_pairs",
            "fit_plan_head", "pair_examples", "pair_labels", "pair_space", "pipeline_keys", "plan_loss"]
