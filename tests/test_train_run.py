@@ -184,11 +184,14 @@ def test_rank_killed_while_checkpointing_resumes_to_the_same_run(two):
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000040", "step-00000050", "step-00000060"]
 
 
-def test_resumed_under_another_plan_reads_every_parameter_and_its_optimizer_state(two):
-    """The data-parallel run's step-60 checkpoint read by a plan holding group 0 on rank 0 and group
-    1 on rank 1 (DCP reshards by parameter name), one more step: equal to eager training of 61 steps."""
+def test_resumed_as_a_pipeline_reads_every_parameter_its_optimizer_state_and_its_micro_batches(two):
+    """The data-parallel run's step-60 checkpoint read by a 2-stage pipeline (group 0 on rank 0,
+    group 1 on rank 1; 4 micro-batches of 2, 2, 1, 1 samples): DCP reshards by parameter name, each
+    stage reads its micro-batches' rows of the inputs it takes; one more step equals eager training
+    of 61 steps."""
     plan = new_plan(two.graph, load_topology(two.topology), [GroupPlan([0], [1.0]), GroupPlan([1], [1.0])])
-    other = two.folder / "inter-op.json"
+    plan.pipeline = PipelinePlan([0, 1], 4, "1f1b", 1)
+    other = two.folder / "pipeline.json"
     plan.save(other)
     cfg = ExecuteConfig(two.spec, two.topology, str(other), steps=1, warmup=0, save_params=True,
                         run_dir=str(two.folder / "moved"), timeout_s=60.0)
@@ -201,6 +204,8 @@ def test_resumed_under_another_plan_reads_every_parameter_and_its_optimizer_stat
     ref, losses, _ = reference(two.spec, STEPS + 1, {0: STEPS, STEPS: STEPS + 1})
     assert_params_equal(held, ref, {p.name for p in two.graph.params}, exact=True)
     assert metrics(res)[-1]["loss"] == pytest.approx(losses[-1], rel=1e-4)
+    assert [r["data_rows"] for r in res.ranks] == [[[0, 6]], [[0, 6]]]  # inputs on stage 0, labels on stage 1
+    assert [r["rows_read"] for r in res.ranks] == [2 * B, 2 * B]
 
 
 def test_one_rank_killed_resumes_bitwise(tmp_path):
