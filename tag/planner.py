@@ -449,7 +449,7 @@ def export_plan(plan, graph, topology, trainer: str, *, costs=None, profiles=Non
     plan's ``plan_time_s``. ``costs`` (default the topology's :class:`~tag.cost.CostModel`, with
     ``profiles`` and ``numerics``) balances and costs the layouts."""
     from .cost.model import CostModel
-    from .parallel.export import Export, for_trainer, order_note, plan_layout, spell, write_config
+    from .parallel.export import Export, for_trainer, kinds_note, order_note, plan_layout, spell, write_config
     from .parallel.layers import model_layers
     from .sim import Simulator
 
@@ -463,8 +463,7 @@ def export_plan(plan, graph, topology, trainer: str, *, costs=None, profiles=Non
     lay, problems = plan_layout(plan, graph, topology, costs)
     run, more, notes = for_trainer(lay, trainer, graph.batch_size, plan.precision) if lay else (None, [], [])
     problems += more
-    where = lay and order_note(lay, topology)
-    notes += [where] if where else []
+    notes += [x for x in (lay and order_note(lay, topology), lay and kinds_note(lay, topology)) if x]
     n = len(model_layers(graph))
     if run is not None and run.pp > 1 and run.stages is None and n:  # no layer cut holds the stages
         run = None

@@ -234,3 +234,19 @@ def test_a_layout_on_some_devices_says_where_ranks_run(aligned, a100):
     assert ex.exact and ex.layout == Layout(dp=4) and ex.layout_time_s == ex.plan_time_s
     assert ex.notes == ["rank r runs on the r-th device of dgx:4-7 (4 of homogeneous-8xa100's 8 devices): "
                         "launch the ranks so"]
+
+
+def test_mixed_gpu_kinds_export_with_even_samples(aligned):
+    """A stage of two GPU kinds with even shares is what the trainers run (a note says so), and so
+    are speed-proportional shares that round to the same samples per device (A100 and V100 on
+    this small model: 2 of the 16 samples each)."""
+    graph, _ = aligned
+    mixed = load_topology("mixed-a100-v100")
+    costs = CostModel.for_topology(graph, mixed)
+    even = export_plan(layout_plan(graph, mixed, Layout(dp=8), costs), graph, mixed, "deepspeed", costs=costs)
+    assert even.exact and even.notes == ["stage 0 mixes A100-40GB and V100-SXM2-16GB: the trainer gives every "
+                                         "device the same samples, as even shares do"]
+    prop_plan = layout_plan(graph, mixed, Layout(dp=8, prop=1), costs)
+    assert len({round(x, 9) for x in prop_plan.groups[0].shares}) > 1  # not even shares, even samples
+    prop = export_plan(prop_plan, graph, mixed, "deepspeed", costs=costs)
+    assert prop.exact and prop.layout == Layout(dp=8) and prop.notes == even.notes

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import PlanError
 from ..io import write_atomic
+from ..plan.format import local_batches
 from .layers import layer_starts, model_layers
 from .layout import (
     MICRO_BATCHES,
@@ -48,6 +49,7 @@ from .layout import (
     spell_order,
     spell_stages,
 )
+from .pipeline import micro_ranges
 
 TRAINERS = ("torchtitan", "megatron", "deepspeed")
 """Trainers a plan exports to (``tag plan --export``)."""
@@ -121,7 +123,7 @@ def plan_layout(plan, graph, topology, costs) -> tuple[Layout | None, list[str]]
             dropped.append(f"stage {s}'s op-groups run on {len(sets)} different device sets (per-group placement)")
         stage_devs.append(devs)
         for g in kept:
-            if uneven is None and tuple(g.devices) == devs and max(abs(x - 1 / len(devs)) for x in g.shares) > 1e-6:
+            if uneven is None and tuple(g.devices) == devs and not _even_samples(g, plan):
                 uneven = f"uneven batch shares ({', '.join(f'{x:.3f}' for x in g.shares[:6])}" + \
                     (", ..." if len(g.shares) > 6 else "") + f" in stage {s})"
     if uneven:
@@ -137,6 +139,14 @@ def plan_layout(plan, graph, topology, costs) -> tuple[Layout | None, list[str]]
     if layout is None or dropped:
         return layout, dropped
     return layout, _compare(plan, graph, topology, layout, costs)
+
+
+def _even_samples(g, plan) -> bool:
+    """Whether group ``g``'s shares give each device the samples even shares give (in every
+    micro-batch): what a trainer runs, which splits each batch evenly."""
+    even = [1.0 / len(g.shares)] * len(g.shares)
+    sizes = {hi - lo for lo, hi in micro_ranges(plan.batch_size, plan.pipeline.micro_batches if plan.pipeline else 1)}
+    return all(local_batches(b, g.shares) == local_batches(b, even) for b in sizes)
 
 
 def _tensor_parallel(graph, groups, bounds, dropped: list[str]) -> tuple[int, int, int]:
@@ -218,6 +228,8 @@ def _compare(plan, graph, topology, layout: Layout, costs) -> list[str]:
     except PlanError as e:
         return [str(e)]
     for g, (a, b) in enumerate(zip(plan.groups, mine.groups)):
+        if _even_samples(a, plan):  # (shares that give the even split's samples are even shares)
+            a = replace(a, shares=[1.0 / len(a.shares)] * len(a.shares))
         if a.key() != b.key():
             return [f"op-group {g} is deployed otherwise than the layout {spell(layout)} (per-group actions)"]
     ours = (plan.pipeline.stages, plan.pipeline.micro_batches) if plan.pipeline else None
@@ -253,6 +265,18 @@ def for_trainer(layout: Layout, trainer: str, batch: int, precision: str) -> tup
             return None, problems, notes
         run = replace(run, micro=min(fits, key=lambda m: (abs(m - run.micro), m)))
     return run, problems, notes
+
+
+def kinds_note(layout: Layout, topology) -> str | None:
+    """The line naming the first stage of ``layout`` whose devices are of different kinds (None:
+    none is): a trainer runs it, each device on the same samples, as the layout's even shares say."""
+    devs, width = layout_devices(layout, topology), layout.dp * layout.tp
+    for s in range(layout.pp):
+        kinds = sorted({topology.devices[d].gpu.name for d in devs[s * width:(s + 1) * width]})
+        if len(kinds) > 1:
+            return (f"stage {s} mixes {' and '.join(kinds)}: the trainer gives every device the same samples, "
+                    "as even shares do")
+    return None
 
 
 def order_note(layout: Layout, topology) -> str | None:
@@ -558,5 +582,5 @@ class Export:
         return [head] + [f"  note: {n}" for n in self.notes]
 
 
-__all__ = ["Export", "TRAINERS", "TrainerConfig", "for_trainer", "order_note", "plan_layout", "read_config", "spell",
+__all__ = ["Export", "TRAINERS", "TrainerConfig", "for_trainer", "kinds_note", "order_note", "plan_layout", "read_config", "spell",
            "write_config"]
