@@ -154,7 +154,7 @@ def _cpu_topology(tmp_path, n: int) -> str:
     return str(path)
 
 
-def _run(tmp_path, graph, n: int, groups, optimizer="adam", bucket_bytes=None):
+def _run(tmp_path, graph, n: int, groups, optimizer="adam", bucket_bytes=None, pipeline=None):
     import json
 
     from tag.executor import ExecuteConfig, execute
@@ -162,6 +162,7 @@ def _run(tmp_path, graph, n: int, groups, optimizer="adam", bucket_bytes=None):
 
     topo_path = _cpu_topology(tmp_path, n)
     plan = new_plan(graph, load_topology(topo_path), groups)
+    plan.pipeline = pipeline
     plan.save(tmp_path / "plan.json")
     cfg = ExecuteConfig("mlp", topo_path, str(tmp_path / "plan.json"), steps=2, warmup=0, save_params=True,
                         optimizer=optimizer, run_dir=str(tmp_path / "run"), timeout_s=90.0, bucket_bytes=bucket_bytes)
@@ -218,3 +219,17 @@ def test_fsdp_baseline_and_the_search_offer_zero3(gpt, a100):
     plan_groups = sp.group_plans([mine[0]] * sp.num_groups)
     assert {g.sync for g in plan_groups} <= {"zero3", "allreduce"} and any(g.sync == "zero3" for g in plan_groups)
     assert Simulator(gpt, a100, costs).run(plan_groups).iteration_time_s > 0
+
+
+def test_sharded_pipeline_stages_are_simulated_only(captured, topo4):
+    """ZeRO-3 inside each stage of a pipeline is costed; the executor refuses it in one line."""
+    from tag.parallel import execution_refusal
+
+    graph = captured("mlp", batch=8, groups=4).graph
+    plan = layout_plan(graph, topo4, parse_layout("dp=2,pp=2,micro=2,zero=3"), CostModel.for_topology(graph, topo4))
+    assert {g.sync for g in plan.groups} == {"zero3"} and plan.pipeline is not None
+    assert simulate(graph, topo4, plan).iteration_time_s > 0
+    why = execution_refusal(plan)
+    assert why.startswith("pipeline: sharded data parallelism (zero3) inside pipeline stages is simulated only")
+    with pytest.raises(PlanError, match="simulated only"):
+        validate_plan(plan, graph, topo4)
