@@ -47,7 +47,7 @@ def test_layout_text_round_trips(gpt, a100):
     costs = CostModel.for_topology(gpt, a100)
     for text in ("dp=8,zero=3", "dp=8,zero=1", "hsdp=4x2", "dp=4,pp=2,micro=2,zero=2"):
         plan = layout_plan(gpt, a100, parse_layout(text), costs)
-        validate_plan(plan, gpt, a100, pipelines=True)
+        validate_plan(plan, gpt, a100, pipelines=True, tensor_parallel=True)  # (as the simulator does)
         assert parse_layout(plan.meta["layout"]) == parse_layout(text)
     hsdp = layout_plan(gpt, a100, parse_layout("hsdp=4x2"), costs)
     assert {(g.sync, g.shard) for g in hsdp.groups} == {("zero3", 4)}
