@@ -168,7 +168,8 @@ def test_a_registered_schedule_is_offered_and_spelled():
     finally:
         unregister_schedule("rev")
     assert "rev" not in schedule_names()
-    with pytest.raises(PlanError, match=r"^layout: schedule: expected one of \['1f1b', 'gpipe', 'kfkb'\], got 'rev'$"):
+    with pytest.raises(PlanError, match=r"^layout: schedule: expected one of \['1f1b', 'gpipe', 'kfkb', 'interleaved'\], "
+                                         r"got 'rev'$"):
         parse_layout("pp=2,micro=4,schedule=rev")
 
 
@@ -228,7 +229,7 @@ def test_plan_field_round_trip(mlp, topo4, tmp_path):
 @pytest.mark.parametrize("change, message", [
     (dict(stages=[1, 2]), r"pipeline\.stages: expected increasing first groups starting at 0 and below 4, got \[1, 2\]"),
     (dict(stages=[0, 4]), r"pipeline\.stages: expected increasing first groups starting at 0 and below 4"),
-    (dict(schedule="zb"), r"pipeline\.schedule: expected one of \['1f1b', 'gpipe', 'kfkb'\], got 'zb'"),
+    (dict(schedule="zb"), r"pipeline\.schedule: expected one of \['1f1b', 'gpipe', 'kfkb', 'interleaved'\], got 'zb'"),
     (dict(micro_batches=0), r"pipeline\.micro_batches: expected 1\.\.\d+ \(the batch\), got 0"),
     (dict(schedule="kfkb", k=5), r"pipeline\.k: expected 1\.\.4 \(micro-batches per block\), got 5"),
     (dict(stages=[0, 1]), r"groups\[2\]: every group of pipeline stage 1 must have the devices and shares of groups\[1\]"),

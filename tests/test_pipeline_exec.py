@@ -136,7 +136,7 @@ def test_a_new_schedule_drops_in(captured, topo4, joints, eager):
     assert sum(rt.loss for rt in rts.values()) == pytest.approx(losses[-1], rel=1e-5)
 
     unregister_schedule(eager)
-    refused = r"pipeline\.schedule: expected one of \['1f1b', 'gpipe', 'kfkb'\], got 'eager-1f1b'$"
+    refused = r"pipeline\.schedule: expected one of \['1f1b', 'gpipe', 'kfkb', 'interleaved'\], got 'eager-1f1b'$"
     with pytest.raises(PlanError, match=r"^plan: " + refused):
         validate_plan(plan, graph, topo4)
     with pytest.raises(PlanError, match=refused):

@@ -113,16 +113,23 @@ class Layout:
     """Replicas per shard group (``GroupPlan.shard``, dividing ``dp``): fewer than ``dp`` is
     hybrid sharding (sharded within, replicated across); 0: all ``dp``. Text ``hsdp=SxR``: ZeRO-3
     with ``S``-way shard groups and ``R`` of them (``dp = S * R``)."""
+    vpp: int = 1
+    """Chunks (virtual stages) per pipeline stage's devices, Megatron-LM's
+    ``--num-layers-per-virtual-pipeline-stage``: ``vpp > 1`` cuts the op-groups into ``pp * vpp``
+    stages, stage ``j`` on the devices of stage ``j mod pp``, run by the ``interleaved`` schedule
+    with ``k = vpp`` (:func:`tag.parallel.pipeline.interleaved_sequence`; ``micro`` a multiple of
+    ``pp``); text ``vpp=2``, the same as ``schedule=interleaved,k=2``."""
 
     def __post_init__(self):
         for name in ("stages", "order"):  # (a list from the API: the layout is hashed)
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
-        for name in ("dp", "tp", "pp", "micro", "k"):
+        for name in ("dp", "tp", "pp", "micro", "k", "vpp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise PlanError(f"layout: {name}: expected a positive integer, got {v!r}")
         get_schedule(self.schedule, where="layout: schedule")
+        _interleave(self)
         if self.cut not in CUTS:
             raise PlanError(f"layout: cut: expected one of {list(CUTS)}, got {self.cut!r}")
         for name in ("sp", "recompute", "prop", "vocab"):
@@ -159,6 +166,29 @@ class Layout:
         replica's ``tp`` devices compute the same samples), or with sequence parallelism every
         device (its token shard modelled as its own samples, :mod:`tag.parallel.tensor_parallel`)."""
         return self.dp * self.tp if self.sp else self.dp
+
+
+def _interleave(layout: Layout) -> None:
+    """``vpp > 1`` as the ``interleaved`` schedule with ``k = vpp`` (and that schedule's ``k`` as
+    ``vpp``); one-line :class:`PlanError` where the layout names another schedule, fixed stages or
+    a micro-batch count that is not a multiple of ``pp``."""
+    if layout.vpp > 1 and layout.schedule not in ("1f1b", "interleaved"):
+        raise PlanError(f"layout: vpp: virtual stages run the interleaved 1F1B schedule; expected no "
+                        f"schedule={layout.schedule} with vpp={layout.vpp}")
+    if layout.schedule == "interleaved":
+        if layout.vpp not in (1, layout.k) and layout.k != 1:
+            raise PlanError(f"layout: vpp: {layout.vpp} chunks per device, schedule=interleaved,k={layout.k}; "
+                            "expected one of them, or equal")
+        object.__setattr__(layout, "vpp", max(layout.vpp, layout.k))
+    if layout.vpp == 1:
+        return
+    object.__setattr__(layout, "schedule", "interleaved")
+    object.__setattr__(layout, "k", layout.vpp)
+    if layout.stages is not None:
+        raise PlanError(f"layout: stages: virtual stages are cut by time; expected no stages= with vpp={layout.vpp}")
+    if layout.micro % layout.pp:
+        raise PlanError(f"layout: micro: interleaved stages need a multiple of pp={layout.pp} micro-batches, "
+                        f"got {layout.micro}")
 
 
 def _check_stages(layout: Layout) -> None:
@@ -444,7 +474,10 @@ def layout_plan(graph, topology, layout: Layout, costs, *, template: Plan | None
         raise PlanError(f"layout: tp: model {graph.model!r} has no Megatron block (column- then row-parallel "
                         "matmuls) to split; expected tp=1")
     k = graph.num_groups
-    stage_devices = [ranks[s * width:(s + 1) * width] for s in range(layout.pp)]
+    stage_devices = [ranks[s * width:(s + 1) * width] for s in range(layout.pp)] * layout.vpp  # (virtual: round robin)
+    if len(stage_devices) > k:
+        raise PlanError(f"layout: vpp: {len(stage_devices)} stages of {k} op-groups; expected fewer stages or "
+                        "more op-groups (--groups)")
     stages = stage_starts(graph, layout) if layout.stages is not None else \
         _stage_cuts(graph, layout, costs, stage_devices)
     bounds = stages + [k]
@@ -565,6 +598,8 @@ def layout_grid(graph, topology) -> list[Layout]:
     the device count, ``tp`` of :func:`tp_degrees`, ``pp`` up to the op-group count (stage cuts
     between Megatron blocks when ``tp > 1``), 1F1B with each micro-batch count of
     :data:`MICRO_BATCHES` that gives every replica a sample (one micro-batch without a pipeline),
+    and interleaved 1F1B with two chunks per device (``vpp=2``, stages cut by time) where the
+    micro-batches are a multiple of ``pp``,
     stages cut by time and by memory, tensor parallelism with and without sequence parallelism,
     each without and with full activation recomputation."""
     n, out = topology.num_devices, []
@@ -578,6 +613,8 @@ def layout_grid(graph, topology) -> list[Layout]:
                 for sp in (0, 1) if tp > 1 else (0,):
                     lay = [Layout(dp=dp, tp=tp, pp=pp, micro=micro, cut=c, sp=sp, recompute=rc)
                            for c in (CUTS if pp > 1 else CUTS[:1]) for rc in (0, 1)]
+                    if pp > 1 and micro % pp == 0 and 2 * pp <= (graph.num_groups if tp == 1 else aligned):
+                        lay += [Layout(dp=dp, tp=tp, pp=pp, micro=micro, sp=sp, recompute=rc, vpp=2) for rc in (0, 1)]
                     if micro * lay[0].replicas <= graph.batch_size:
                         out += lay
     return out

@@ -17,7 +17,11 @@ kFkB schedules of Ada-Grouper (arXiv 2303.01675, :func:`stage_sequence`):
   runs ``min(S - 1 - s, G)`` blocks of forwards (``G = ceil(M / k)`` blocks), then alternates
   one forward block and one backward block, then runs the remaining backward blocks;
 * ``1f1b`` (PipeDream-flush, Megatron's default): ``kfkb`` with ``k = 1``;
-* ``gpipe`` (all forwards, then all backwards): ``kfkb`` with ``k = M``.
+* ``gpipe`` (all forwards, then all backwards): ``kfkb`` with ``k = M``;
+* ``interleaved`` (Megatron-LM's interleaved 1F1B, :func:`interleaved_sequence`): ``k`` is the
+  number of **chunks** per device: the ``S = P k`` stages are virtual, stage ``j`` on the devices
+  of stage ``j mod P``, and device ``p`` runs its ``k`` chunks' micro-batches interleaved (warm-up
+  ``2 (P - 1 - p) + (k - 1) P`` forwards), so its bubble is ``1 / k`` of 1F1B's.
 
 A larger ``k`` keeps more micro-batches' activations alive (:func:`in_flight`) but lets a stage
 run ``k`` micro-batches back to back (fewer waits on slow links). :func:`pipeline_order` merges
@@ -99,6 +103,11 @@ class PipelineSchedule:
     searched: tuple[int, ...] = (1,)
     """Values of ``k`` the plan search tries, one option each (empty: the search never picks the
     schedule; plans and layouts may still name it)."""
+    chunks: bool = False
+    """``k`` is the number of chunks (virtual stages) per device: the plan's ``P k`` stages
+    run on ``P`` device sets, stage ``j`` on stage ``j mod P``'s, and :attr:`sequence` gives
+    device set ``p`` of ``P`` its ``(phase, micro-batch, chunk)`` sequence (chunk ``c``: stage
+    ``c P + p``)."""
 
 
 _SCHEDULES: Registry[PipelineSchedule] = Registry("pipeline schedule")
@@ -128,6 +137,37 @@ register_schedule(PipelineSchedule("1f1b", lambda s, n, pp: stage_sequence(s, n,
 register_schedule(PipelineSchedule("gpipe", lambda s, n, pp: stage_sequence(s, n, pp.micro_batches, pp.micro_batches)))
 register_schedule(PipelineSchedule("kfkb", lambda s, n, pp: stage_sequence(s, n, pp.micro_batches, pp.k),
                                    blocks=True, searched=(2,)))
+
+
+def interleaved_sequence(device: int, num_devices: int, micro_batches: int, chunks: int) -> list[tuple[Phase, int, int]]:
+    """The ``(phase, micro-batch, chunk)`` sequence device set ``device`` of ``num_devices`` runs
+    under Megatron-LM's interleaved 1F1B with ``chunks`` chunks each
+    (``megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving``):
+    its ``M k`` forwards in groups of ``P`` micro-batches per chunk (forward ``i``: chunk
+    ``(i // P) mod k``, micro-batch ``(i // (P k)) P + i mod P``), the backwards alike with the
+    chunks reversed; ``min(2 (P - 1 - p) + (k - 1) P, M k)`` forwards of warm-up (all of them when
+    ``M = P``; 1F1B's ``P - 1 - p`` when ``k = 1``), then one forward and one backward
+    alternately, then the remaining backwards.
+    Needs ``M`` a multiple of ``P`` (:func:`validate_pipeline`)."""
+    P, k, M = num_devices, chunks, micro_batches
+    total = M * k
+
+    def task(i: int, phase: Phase) -> tuple[Phase, int, int]:
+        c = (i % (P * k)) // P
+        return phase, (i // (P * k)) * P + i % P, c if phase == "fwd" else k - 1 - c
+
+    if k == 1:  # (1F1B's warm-up: Megatron-LM runs one chunk without this function)
+        warm = min(P - 1 - device, total)
+    else:
+        warm = total if M == P else min(2 * (P - 1 - device) + (k - 1) * P, total)
+    seq = [task(i, "fwd") for i in range(warm)]
+    for i in range(total - warm):
+        seq += [task(warm + i, "fwd"), task(i, "bwd")]
+    return seq + [task(i, "bwd") for i in range(total - warm, total)]
+
+
+register_schedule(PipelineSchedule("interleaved", lambda p, n, pp: interleaved_sequence(p, n, pp.micro_batches, pp.k),
+                                   blocks=True, searched=(), chunks=True))
 
 
 class IterationProgram(NamedTuple):
@@ -165,10 +205,11 @@ def _program(schedule: PipelineSchedule, stages: tuple[int, ...], micro_batches:
     num_stages = len(stages)
     pp = PipelinePlan(list(stages), micro_batches, schedule.name, k)
     where = f"pipeline.schedule: {schedule.name!r}"
+    lanes = _lanes(schedule, num_stages, pp, where)
     want = sorted((p, m) for p in ("bwd", "fwd") for m in range(micro_batches))
     sequences = []
     for s in range(num_stages):
-        seq = [(p, int(m)) for p, m in schedule.sequence(s, num_stages, pp)]
+        seq = [(t.phase, t.micro) for lane in lanes for t in lane if t.stage == s]
         if sorted(seq) != want:
             raise PlanError(f"{where} gives stage {s} of {num_stages} the sequence {seq}; expected every "
                             f"micro-batch 0..{micro_batches - 1}'s fwd and bwd once each")
@@ -177,60 +218,87 @@ def _program(schedule: PipelineSchedule, stages: tuple[int, ...], micro_batches:
         if late is not None:
             raise PlanError(f"{where} gives stage {s} of {num_stages} micro-batch {late}'s bwd before its fwd")
         sequences.append(tuple(seq))
-    tasks = _order(tuple(sequences), where)
+    tasks = _order(tuple(tuple(lane) for lane in lanes), where)
     return tuple(sequences), tuple(tasks), tuple(in_flight(q) for q in sequences)
 
 
+def _lanes(schedule: PipelineSchedule, num_stages: int, pp: PipelinePlan, where: str) -> list[list[Task]]:
+    """Every device set's tasks in the order it runs them: one per stage, or with
+    :attr:`PipelineSchedule.chunks` one per ``P = S / k`` device sets, its ``k`` stages' tasks
+    interleaved."""
+    if not schedule.chunks:
+        return [[Task(s, p, int(m)) for p, m in schedule.sequence(s, num_stages, pp)] for s in range(num_stages)]
+    P = num_stages // pp.k
+    lanes = []
+    for d in range(P):
+        lane = [Task(int(c) * P + d, p, int(m)) for p, m, c in schedule.sequence(d, P, pp)]
+        if any(not 0 <= t.stage < num_stages for t in lane):
+            raise PlanError(f"{where} gives device set {d} of {P} a chunk outside 0..{pp.k - 1}")
+        lanes.append(lane)
+    return lanes
+
+
 @lru_cache(maxsize=512)
-def _order(sequences: tuple, where: str) -> tuple[Task, ...]:
-    """:func:`pipeline_order` of ``sequences`` (cached: pipelines cut elsewhere, or of another
-    schedule giving the same sequences, share it)."""
-    return tuple(pipeline_order(list(sequences), where=where))
+def _order(lanes: tuple, where: str) -> tuple[Task, ...]:
+    """:func:`lane_order` of ``lanes`` (cached: pipelines cut elsewhere, or of another schedule
+    giving the same sequences, share it)."""
+    return tuple(lane_order([list(x) for x in lanes], where=where))
 
 
 def pipeline_order(sequences: list[StageSequence], fwd_s: float = 1.0, bwd_s: float = 2.0, *,
                    where: str = "pipeline") -> list[Task]:
-    """Every stage's sequence (``sequences[s]``) merged into one global order.
+    """Every stage's sequence (``sequences[s]``), each stage on devices of its own, merged into
+    one global order (:func:`lane_order`)."""
+    return lane_order([[Task(s, p, m) for p, m in q] for s, q in enumerate(sequences)], fwd_s, bwd_s, where=where)
+
+
+def lane_order(lanes: list[list[Task]], fwd_s: float = 1.0, bwd_s: float = 2.0, *,
+               where: str = "pipeline") -> list[Task]:
+    """Every device set's tasks (``lanes[d]``, in the order it runs them; a stage's tasks all in
+    one lane) merged into one global order.
 
     The order is that of start times when each forward takes ``fwd_s`` and each backward
     ``bwd_s`` (any positive durations give an order consistent with the dependencies:
     forward of stage ``s`` after forward of ``s - 1``, backward of ``s`` after backward of
     ``s + 1`` and after its own forward), ties broken by stage. Raises :class:`PlanError` if the
-    sequences cannot all run (a stage waits on a task that waits on it).
+    lanes cannot all run (a lane waits on a task that waits on it).
     """
-    seqs, num_stages = sequences, len(sequences)
+    num_lanes = len(lanes)
+    num_stages = 1 + max((t.stage for q in lanes for t in q), default=-1)
+    lane_of = {t.stage: d for d, q in enumerate(lanes) for t in q}
     end: dict[Task, float] = {}
     start: dict[Task, float] = {}
-    pos = [0] * num_stages
-    free = [0.0] * num_stages
-    remaining = sum(len(q) for q in seqs)
-    # A task's start is a function of the tasks it needs (the stage's previous one, its inputs),
-    # not of the order stages are visited in: each stage runs on until it waits, and a stage is
-    # visited again only when a neighbour ran a task it may wait on (not all stages per sweep).
-    todo, queued = list(range(num_stages - 1, -1, -1)), [True] * num_stages
+    pos = [0] * num_lanes
+    free = [0.0] * num_lanes
+    remaining = sum(len(q) for q in lanes)
+    # A task's start is a function of the tasks it needs (the lane's previous one, its inputs),
+    # not of the order lanes are visited in: each lane runs on until it waits, and a lane is
+    # visited again only when a neighbour ran a task it may wait on (not all lanes per sweep).
+    todo, queued = list(range(num_lanes - 1, -1, -1)), [True] * num_lanes
     while todo:
-        s = todo.pop()
-        queued[s] = False
-        q = seqs[s]
-        while pos[s] < len(q):
-            phase, m = q[pos[s]]
-            if phase == "fwd":
+        d = todo.pop()
+        queued[d] = False
+        q = lanes[d]
+        while pos[d] < len(q):
+            t = q[pos[d]]
+            s, m = t.stage, t.micro
+            if t.phase == "fwd":
                 deps = [Task(s - 1, "fwd", m)] if s > 0 else []
             else:
                 deps = [Task(s, "fwd", m)] + ([Task(s + 1, "bwd", m)] if s + 1 < num_stages else [])
-            if any(d not in end for d in deps):
+            if any(x not in end for x in deps):
                 break
-            t = Task(s, phase, m)
-            start[t] = max([free[s]] + [end[d] for d in deps])
-            end[t] = free[s] = start[t] + (fwd_s if phase == "fwd" else bwd_s)
-            pos[s] += 1
+            start[t] = max([free[d]] + [end[x] for x in deps])
+            end[t] = free[d] = start[t] + (fwd_s if t.phase == "fwd" else bwd_s)
+            pos[d] += 1
             remaining -= 1
-            nxt = s + 1 if phase == "fwd" else s - 1  # the neighbour that may wait on this task
-            if 0 <= nxt < num_stages and not queued[nxt]:
+            nxt = lane_of.get(s + 1 if t.phase == "fwd" else s - 1)  # the lane that may wait on this task
+            if nxt is not None and not queued[nxt]:
                 queued[nxt] = True
                 todo.append(nxt)
     if remaining:
-        stuck = {s: seqs[s][pos[s]] for s in range(num_stages) if pos[s] < len(seqs[s])}
+        stuck = {d: tuple(lanes[d][pos[d]])[1:] if num_stages == num_lanes else lanes[d][pos[d]]
+                 for d in range(num_lanes) if pos[d] < len(lanes[d])}
         raise PlanError(f"{where}: the stage sequences deadlock ({num_stages} stages; the next task "
                         f"of each unfinished stage waits on another: {stuck})")
     # Ties go to the later stage first: a stage's input then moves as soon as it was computed,
@@ -270,7 +338,13 @@ def validate_pipeline(plan, graph, num_devices: int, *, source: str = "plan") ->
     schedule = get_schedule(pp.schedule, where=f"{where}.schedule")
     if not 1 <= pp.micro_batches <= plan.batch_size:
         raise PlanError(f"{where}.micro_batches: expected 1..{plan.batch_size} (the batch), got {pp.micro_batches}")
-    if schedule.blocks and not 1 <= pp.k <= pp.micro_batches:
+    if schedule.chunks:
+        if not 1 <= pp.k <= len(st) or len(st) % pp.k:
+            raise PlanError(f"{where}.k: expected a divisor of the {len(st)} stages (chunks per device), got {pp.k}")
+        if pp.micro_batches % (len(st) // pp.k):
+            raise PlanError(f"{where}.micro_batches: {pp.schedule} needs a multiple of its {len(st) // pp.k} "
+                            f"device sets, got {pp.micro_batches}")
+    elif schedule.blocks and not 1 <= pp.k <= pp.micro_batches:
         raise PlanError(f"{where}.k: expected 1..{pp.micro_batches} (micro-batches per block), got {pp.k}")
     try:  # (the schedule's sequences are valid and can run)
         iteration_program(pp, plan.batch_size, G)
@@ -292,7 +366,11 @@ def validate_pipeline(plan, graph, num_devices: int, *, source: str = "plan") ->
             if gp.devices != first.devices or [round(x, 9) for x in gp.shares] != [round(x, 9) for x in first.shares]:
                 raise PlanError(f"{source}: groups[{g}]: every group of pipeline stage {s} must have the devices "
                                 f"and shares of groups[{bounds[s]}] ({first.devices}, {first.shares})")
-        for d in first.devices:
+        home = s % (len(st) // pp.k) if schedule.chunks else s  # the stage whose devices it runs on
+        if home != s and first.devices != plan.groups[bounds[home]].devices:
+            raise PlanError(f"{source}: groups[{bounds[s]}]: {pp.schedule} runs stage {s} on the devices of "
+                            f"stage {home} ({plan.groups[bounds[home]].devices}), got {first.devices}")
+        for d in first.devices if home == s else ():
             if d in seen:
                 raise PlanError(f"{where}.stages: device {d} is in stage {seen[d]} and stage {s}; "
                                 "each stage needs its own devices")

@@ -563,6 +563,8 @@ def _tied(graph: OpGraph, plan: Plan, units: dict[UnitKey, Unit], unit_of_op: di
             continue
         holders = frozenset(u for u in units if u[0] in groups)  # (pipeline groups are one unit each)
         grad_unit = unit_of_op[graph.tensors[x].producer]
+        if set(units[owner].devices) & set(units[grad_unit].devices):  # (interleaved chunks of one device set)
+            continue
         devices = tuple(units[owner].devices) + tuple(units[grad_unit].devices)
         out[ph] = Tied(ph, owner, holders, grad_unit, graph.tensors[x].name, Collective("allreduce", devices),
                        -1 - len(out))

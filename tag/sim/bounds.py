@@ -397,10 +397,14 @@ def _joined(st, pipeline, sequences, lows: list) -> list[bool]:
     """Per stage: whether its boundary with the stage before it is counted (:func:`_pipeline_waits`):
     ``lows[s]`` (None: the stage's groups do not share one set of replicas all running samples, or
     ``(forward at micro-batch 0, backward at M - 1, devices)`` per replica) set for both, each
-    sequence starting with micro-batch 0's forward and ending with M - 1's backward, the groups
-    on each side linked (:func:`_linked`) and the devices disjoint."""
+    sequence starting with micro-batch 0's forward and ending with M - 1's backward, its devices
+    running no other stage, the groups on each side linked (:func:`_linked`) and the devices
+    disjoint."""
     S, M = len(pipeline.stages), pipeline.micro_batches
     ok = [x is not None and seq[0] == ("fwd", 0) and seq[-1] == ("bwd", M - 1) for x, seq in zip(lows, sequences)]
+    held = [set() if x is None else set(x[2].tolist()) for x in lows]
+    for s in range(S):  # (a device running another stage too, interleaved, may end on that one's task)
+        ok[s] = ok[s] and not any(held[s] & held[t] for t in range(S) if t != s)
     joined = [False] * S
     for s in range(1, S):
         b = pipeline.stages[s]

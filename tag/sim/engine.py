@@ -556,7 +556,8 @@ class Simulator:
 
         stage = stage_of_group(pp, len(groups))
         return frozenset(tw.tensor for tw in self.static.tied
-                         if len({stage[g] for g in tw.groups}) == 1 and stage[tw.owner] != stage[tw.grad_group])
+                         if len({stage[g] for g in tw.groups}) == 1 and stage[tw.owner] != stage[tw.grad_group]
+                         and not set(groups[tw.owner].devices) & set(groups[tw.grad_group].devices))
 
 
 def wake_extra(sim: Simulator, unit: Unit, g: int, ph: int, start: list[float], cend: list[float]) -> list[float] | None:
