@@ -8,6 +8,9 @@
   ignores it, goes on from step 20, and the loss curve and final parameters equal the
   uninterrupted run's; on one rank (a dataset the run shuffles, across epochs), killed at step 35
   and resumed from 30: equal to the bit;
+* the step-60 checkpoint resumed as a pipeline of uneven micro-batches, or tensor parallel,
+  trains on equal to eager training (DCP reads by parameter name; a tensor-parallel rank its shard
+  of the whole tensors);
 * a partial, truncated, altered or code-carrying checkpoint is refused in one line before launch.
 """
 
@@ -184,28 +187,38 @@ def test_rank_killed_while_checkpointing_resumes_to_the_same_run(two):
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000040", "step-00000050", "step-00000060"]
 
 
-def test_resumed_as_a_pipeline_reads_every_parameter_its_optimizer_state_and_its_micro_batches(two):
+@pytest.mark.parametrize("kind", ["pipeline", "tp"])
+def test_resumed_under_another_plan_reads_every_parameter_and_its_optimizer_state(two, kind):
     """The data-parallel run's step-60 checkpoint read by a 2-stage pipeline (group 0 on rank 0,
-    group 1 on rank 1; 4 micro-batches of 2, 2, 1, 1 samples): DCP reshards by parameter name, each
-    stage reads its micro-batches' rows of the inputs it takes; one more step equals eager training
-    of 61 steps."""
-    plan = new_plan(two.graph, load_topology(two.topology), [GroupPlan([0], [1.0]), GroupPlan([1], [1.0])])
-    plan.pipeline = PipelinePlan([0, 1], 4, "1f1b", 1)
-    other = two.folder / "pipeline.json"
+    group 1 on rank 1; 4 micro-batches of 2, 2, 1, 1 samples: each stage reads its micro-batches'
+    rows of the inputs it takes) or by a 2-way tensor-parallel plan (the MLP is one Megatron block:
+    each rank reads its shard out of the whole parameters and their Adam moments, and writes the
+    step-61 checkpoint whole): DCP reads by parameter name; one more step equals eager training of
+    61 steps."""
+    topo = load_topology(two.topology)
+    if kind == "pipeline":
+        plan = new_plan(two.graph, topo, [GroupPlan([0], [1.0]), GroupPlan([1], [1.0])])
+        plan.pipeline = PipelinePlan([0, 1], 4, "1f1b", 1)
+    else:
+        plan = new_plan(two.graph, topo, [GroupPlan([0, 1], [0.5, 0.5], sync="tp")] * 2)
+    other = two.folder / f"{kind}.json"
     plan.save(other)
     cfg = ExecuteConfig(two.spec, two.topology, str(other), steps=1, warmup=0, save_params=True,
-                        run_dir=str(two.folder / "moved"), timeout_s=60.0)
+                        run_dir=str(two.folder / kind), timeout_s=60.0)
     spec = TrainSpec(steps=STEPS + 1, accumulate=ACC, lr=LR, warmup_steps=WARMUP, clip=CLIP, min_lr_ratio=MIN_RATIO,
-                     resume=two.whole.checkpoint)
+                     resume=two.whole.checkpoint, checkpoint_dir=str(two.folder / kind / "ckpt"), checkpoint_every=10)
     res = train(cfg, spec, graph=two.graph)
     assert res.start_step == STEPS and res.step == STEPS + 1
-    held = saved_params(two.folder / "moved", 2)
-    assert held[0] and held[1] and not held[0].keys() & held[1].keys()  # each rank its part, read from both files
+    held = saved_params(two.folder / kind, 2)
     ref, losses, _ = reference(two.spec, STEPS + 1, {0: STEPS, STEPS: STEPS + 1})
     assert_params_equal(held, ref, {p.name for p in two.graph.params}, exact=True)
     assert metrics(res)[-1]["loss"] == pytest.approx(losses[-1], rel=1e-4)
-    assert [r["data_rows"] for r in res.ranks] == [[[0, 6]], [[0, 6]]]  # inputs on stage 0, labels on stage 1
-    assert [r["rows_read"] for r in res.ranks] == [2 * B, 2 * B]
+    written = ckpt.SafeReader(res.checkpoint).read_metadata().state_dict_metadata
+    assert {k: tuple(written[f"param/{k}"].size) for k in ref} == {k: tuple(v.shape) for k, v in ref.items()}
+    if kind == "pipeline":  # each rank its part, read from both ranks' files; inputs on stage 0, labels on stage 1
+        assert held[0] and held[1] and not held[0].keys() & held[1].keys()
+        assert [r["data_rows"] for r in res.ranks] == [[[0, 6]], [[0, 6]]]
+        assert [r["rows_read"] for r in res.ranks] == [2 * B, 2 * B]
 
 
 def test_one_rank_killed_resumes_bitwise(tmp_path):
@@ -276,12 +289,12 @@ def test_damaged_checkpoints_are_refused_in_one_line(two, complete, capsys):
     part.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
     with pytest.raises(ckpt.CheckpointError, match=r"SHA-256 differs"):
         ckpt.verify(complete)
-    tp = json.loads(two.plan.read_text())
-    tp["groups"][1]["sync"] = "tp"  # a plan whose ranks would hold shards: not checkpointed
-    (two.folder / "tp.json").write_text(json.dumps(tp))
-    err = tag_run(two, capsys, "--plan", str(two.folder / "tp.json"), "--checkpoint-dir", str(complete.parent),
+    other = json.loads(two.plan.read_text())
+    other["groups"][1]["sync"] = "zero3"  # a strategy tag run does not checkpoint
+    (two.folder / "zero3.json").write_text(json.dumps(other))
+    err = tag_run(two, capsys, "--plan", str(two.folder / "zero3.json"), "--checkpoint-dir", str(complete.parent),
                   "--checkpoint-every", "10")
-    assert "tp.json: groups[1].sync: 'tp' ranks hold parts of parameters" in err
+    assert "zero3.json: groups[1].sync: tag run does not checkpoint 'zero3' groups" in err
     if importlib.util.find_spec("tensorboard") is None:  # not a dependency: asked for, refused before launch
         assert "--tensorboard: the tensorboard package is not installed" in tag_run(two, capsys, "--tensorboard", "tb")
 

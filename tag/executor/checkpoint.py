@@ -16,7 +16,9 @@ rank waits for that before training on. A folder without the final name or witho
 :func:`latest` skips and the next save of that step replaces.
 
 The state, keyed by parameter FQN (state-dict name) so that a run can resume under another plan
-(DCP reshards: each rank asks for the FQNs it holds, wherever they were written):
+(DCP reshards: each rank asks for the FQNs it holds, wherever they were written; a tensor-parallel
+shard, a sub-grid of its parameter DCP cannot express, is written whole and cut on load,
+:class:`Shards`):
 ``param/FQN``, ``optim/FQN/KEY`` (the optimizer's per-parameter state: Adam's ``step``,
 ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``) and ``rng/rankR/I`` (rank ``R``'s random
 stream, read back only under the same plan and world size; elsewhere the streams restart from
@@ -33,6 +35,8 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -132,24 +136,47 @@ def resolve_resume(root: str | None, resume: str | None) -> Path | None:
 
 
 # ---- the ranks' state --------------------------------------------------------------------
-def rank_state(rt, rank: int) -> dict[str, torch.Tensor]:
-    """This rank's part of the checkpoint: its parameters and their optimizer state by FQN, and
-    its random stream (:attr:`RankRuntime._rng`)."""
+@dataclass
+class Shards:
+    """How a rank holding parts of parameters (a tensor-parallel shard, :mod:`tag.executor.tensor_parallel`)
+    is checkpointed: the group's full parameters and optimizer state are written (the same on every
+    member: DCP writes them once), and each member reads its part back from them, so the keys stay
+    parameter FQNs whatever the plan."""
+
+    kept: dict[str, list[torch.Tensor]]
+    """FQN of each split parameter -> the indices this member keeps per dim."""
+    gather: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    """Every member's ``{FQN: part}`` -> ``{FQN: full}`` (collective over the group; replicated
+    names come back as they are)."""
+
+
+def rank_state(rt, rank: int, shards: Shards | None = None) -> dict[str, torch.Tensor]:
+    """This rank's part of the checkpoint: its parameters and their optimizer state by FQN (with
+    ``shards``: gathered in full), and its random stream (:attr:`RankRuntime._rng`)."""
     s = rt.schedule
-    out: dict[str, torch.Tensor] = {}
+    params: dict[str, torch.Tensor] = {}
+    states: dict[str, dict[str, torch.Tensor]] = {}  # optimizer state key -> FQN -> tensor
     opt_state = rt.optimizer.state if rt.optimizer is not None else {}
     for ph, p in rt.params.items():
         fqn = s.param_target[ph]
-        out[f"param/{fqn}"] = p.detach()
+        params[fqn] = p.detach()
         for k, v in opt_state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
-                out[f"optim/{fqn}/{k}"] = v
+                states.setdefault(k, {})[fqn] = v
+    if shards is not None:  # (in the same order on every member: the gathers are collective)
+        params = shards.gather({n: t.cpu() for n, t in params.items()})
+        for k in sorted(states):
+            whole = {n: t for n, t in states[k].items() if t.dim() > 0}  # (Adam's step: a replicated scalar)
+            states[k].update(shards.gather({n: t.cpu() for n, t in whole.items()}))
+    out = {f"param/{n}": t for n, t in params.items()}
+    out.update({f"optim/{n}/{k}": t for k, d in states.items() for n, t in d.items()})
     for i, t in enumerate(rt._rng):
         out[f"rng/rank{rank}/{i}"] = t
     return out
 
 
-def save(root: Path, step: int, rt, rank: int, world: int, train_state: dict, before_commit=None) -> Path:
+def save(root: Path, step: int, rt, rank: int, world: int, train_state: dict, before_commit=None,
+         shards: Shards | None = None) -> Path:
     """Write step ``step``'s checkpoint (every rank calls it; collective), then commit it (see the
     module docstring); returns the committed folder. ``before_commit()``: called once this rank's
     part is written, before the manifest (testing: a rank killed there leaves a partial folder)."""
@@ -161,7 +188,7 @@ def save(root: Path, step: int, rt, rank: int, world: int, train_state: dict, be
         shutil.rmtree(final, ignore_errors=True)  # (resumed before this step: replaced)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(rank_state(rt, rank), storage_writer=dcp.FileSystemWriter(tmp, thread_count=1))
+    dcp.save(rank_state(rt, rank, shards), storage_writer=dcp.FileSystemWriter(tmp, thread_count=1))
     mine = file_digests(tmp, sorted(f.name for f in tmp.glob(f"__{rank}_*.distcp")))
     if before_commit is not None:
         before_commit()
@@ -193,25 +220,35 @@ def _fsync_dir(p: Path) -> None:
         os.close(fd)
 
 
-def load(path: Path, rt, rank: int, same_plan: bool) -> None:
+def load(path: Path, rt, rank: int, same_plan: bool, shards: Shards | None = None) -> None:
     """Load a verified checkpoint into runtime ``rt``: the parameters it holds and their optimizer
-    state (whichever ranks wrote them), and, with ``same_plan``, its random stream. Collective."""
+    state (whichever ranks wrote them; with ``shards``, this member's part of each split one), and,
+    with ``same_plan``, its random stream. Collective."""
+    from .tensor_parallel import select
+
     reader = SafeReader(path)
     meta = reader.read_metadata().state_dict_metadata
     s = rt.schedule
+    kept = shards.kept if shards is not None else {}
     want: dict[str, torch.Tensor] = {}
     order = list(rt.params.items())
     opt_keys: list[tuple[int, str, str]] = []  # (parameter index, optimizer state key, checkpoint key)
+    parts: list[tuple[torch.Tensor, str, str]] = []  # (this rank's part, checkpoint key of the whole, FQN)
     for i, (ph, p) in enumerate(order):
         fqn = s.param_target[ph]
-        if f"param/{fqn}" not in meta:
+        key = f"param/{fqn}"
+        if key not in meta:
             raise CheckpointError(f"{path}: holds no parameter {fqn!r}; expected a checkpoint of the same model")
-        want[f"param/{fqn}"] = p.detach()
-        for key in meta:
-            if key.startswith(f"optim/{fqn}/"):
-                m = meta[key]
-                want[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-                opt_keys.append((i, key.rsplit("/", 1)[1], key))
+        if fqn in kept:  # read whole, then this member's part
+            want[key] = torch.empty(tuple(meta[key].size), dtype=meta[key].properties.dtype)
+            parts.append((p.detach(), key, fqn))
+        else:
+            want[key] = p.detach()
+        for k in meta:
+            if k.startswith(f"optim/{fqn}/"):
+                m = meta[k]
+                want[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                opt_keys.append((i, k.rsplit("/", 1)[1], k))
     rng_keys = [f"rng/rank{rank}/{i}" for i in range(len(rt._rng))]
     if same_plan and all(k in meta for k in rng_keys):
         for k, t in zip(rng_keys, rt._rng):
@@ -224,11 +261,15 @@ def load(path: Path, rt, rank: int, same_plan: bool) -> None:
     except Exception as e:  # noqa: BLE001 - DCP wraps a reader's failure per rank
         first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         raise CheckpointError(f"{path}: cannot read the checkpoint: {first[:300]}") from None
+    with torch.no_grad():
+        for dst, key, fqn in parts:
+            dst.copy_(select(want[key], kept[fqn]))
     if rt.optimizer is not None and opt_keys:
         sd = rt.optimizer.state_dict()
         state: dict[int, dict] = {}
         for i, k, key in opt_keys:
-            state.setdefault(i, {})[k] = want[key]
+            v, fqn = want[key], s.param_target[order[i][0]]
+            state.setdefault(i, {})[k] = select(v, kept[fqn]) if fqn in kept and v.dim() > 0 else v
         rt.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
     if same_plan and rng_keys[0] in want:
         rt._rng = tuple(want[k] for k in rng_keys)

@@ -207,6 +207,29 @@ class StepControl:
         return ok
 
 
+def _shards(ctx: RankContext) -> ckpt.Shards | None:
+    """How this rank's parts of parameters are checkpointed (a tensor-parallel member's:
+    :class:`tag.executor.checkpoint.Shards`); None when it holds whole parameters. A strategy whose
+    ranks hold parts without saying where (:meth:`RankHook.param_state` not a dict) is refused."""
+    import torch.distributed as dist
+
+    hook = ctx.hook
+    if hook is None:
+        return None
+    kept = hook.param_state()
+    if not isinstance(kept, dict):
+        raise TagError(f"rank {ctx.rank}: its {type(hook).__name__} does not say which parts of the parameters it "
+                       "holds; tag run does not checkpoint it")
+
+    def gather(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        parts: list = [(named, kept)]
+        if ctx.members is not None:
+            parts = [None] * len(ctx.members)
+            dist.all_gather_object(parts, (named, kept), group=ctx.my_group)
+        return hook.full_params(parts)
+    return ckpt.Shards(kept, gather)
+
+
 def _memory_bytes(device: torch.device) -> int:
     """Peak allocated bytes on a GPU, resident bytes of the process on a CPU."""
     if device.type == "cuda":
@@ -238,8 +261,7 @@ def train_rank(a, ctx: RankContext) -> dict:
 
     spec = TrainSpec(**a.train)
     rt, sched, rank = ctx.rt, ctx.sched, ctx.rank
-    if ctx.hook is not None and (spec.checkpoint_dir or spec.resume):  # (the launcher refuses such plans first)
-        raise TagError(f"rank {rank} holds parts of parameters (a {type(ctx.hook).__name__}); not checkpointed")
+    shards = _shards(ctx) if spec.checkpoint_dir or spec.resume else None
     B = sched.batch_size
     feeder = None
     if ctx.wl.data is not None:
@@ -250,7 +272,7 @@ def train_rank(a, ctx: RankContext) -> dict:
     step, batches, samples = 0, 0, 0
     if spec.resume:
         state = json.loads((Path(spec.resume) / ckpt.STATE).read_text())
-        ckpt.load(Path(spec.resume), rt, rank, same_plan=state.get("plan_id") == spec.plan_id)
+        ckpt.load(Path(spec.resume), rt, rank, same_plan=state.get("plan_id") == spec.plan_id, shards=shards)
         step, batches, samples = state["step"], state["batches"], state["samples"]
     log = Metrics(spec, a, ctx, step) if rank == 0 else None
     flops = ctx.graph.flops() * spec.accumulate
@@ -304,7 +326,7 @@ def train_rank(a, ctx: RankContext) -> dict:
                      "accumulate": spec.accumulate, "loss": record["loss"]}
             kill = f is not None and f[0] == rank and f[1] == step and f[2] == "exit-in-checkpoint"
             ckpt.save(Path(spec.checkpoint_dir), step, rt, rank, ctx.world, state,
-                      before_commit=(lambda: _inject("exit")) if kill else None)
+                      before_commit=(lambda: _inject("exit")) if kill else None, shards=shards)
             if rank == 0:
                 ckpt.prune(Path(spec.checkpoint_dir), spec.keep)
     if log is not None:
@@ -489,21 +511,21 @@ def _resumed(cfg, spec: TrainSpec) -> tuple[Path | None, int]:
     return resume, state["step"]
 
 
-CHECKPOINTED = ("allreduce", "ps", "mp")
-"""Strategies whose ranks hold whole parameters: their checkpoints are keyed by parameter FQN."""
+CHECKPOINTED = ("allreduce", "ps", "mp", "tp")
+"""Strategies ``tag run`` checkpoints: ranks holding whole parameters, and tensor-parallel shards
+(written whole, :class:`tag.executor.checkpoint.Shards`)."""
 
 
 def _check_checkpointable(plan_path: str) -> None:
-    """TagError (one line naming the group) for a plan with a group whose ranks hold parts of
-    parameters (``tp``: a shard's elements are not one block of its parameter, GPT-2's fused
-    ``c_attn`` keeps each head's q, k and v; DCP's resharding takes blocks): not checkpointed."""
+    """TagError (one line naming the group) for a plan with a group of another strategy (one whose
+    ranks may hold parts of parameters ``tag run`` does not know how to write whole)."""
     from ..plan.format import Plan
 
     plan = Plan.load(plan_path)
     g = next((g for g, gp in enumerate(plan.groups) if gp.sync not in CHECKPOINTED), None)
     if g is not None:
-        raise TagError(f"{plan_path}: groups[{g}].sync: {plan.groups[g].sync!r} ranks hold parts of parameters, which "
-                       f"tag run does not checkpoint; expected --checkpoint-dir with groups of {', '.join(CHECKPOINTED)}")
+        raise TagError(f"{plan_path}: groups[{g}].sync: tag run does not checkpoint {plan.groups[g].sync!r} groups; "
+                       f"expected --checkpoint-dir with groups of {', '.join(CHECKPOINTED)}")
 
 
 def _write_run(run_dir: Path, spec: TrainSpec, resume: Path | None, start: int) -> TrainSpec:
