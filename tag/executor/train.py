@@ -26,6 +26,7 @@ rank per device (:func:`tag.executor.launch._launch`); each rank (:func:`train_r
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -41,6 +42,7 @@ from ..io import write_atomic, write_json
 from . import checkpoint as ckpt
 from .data import RankFeeder, rank_rows, rows_reader
 
+log = logging.getLogger(__name__)
 METRICS = "metrics.jsonl"
 SCHEDULES = ("cosine", "constant")
 
@@ -257,7 +259,7 @@ def train_rank(a, ctx: RankContext) -> dict:
     """This rank's training run (see the module docstring); rank 0 returns the run's summary."""
     import torch.distributed as dist
 
-    from .worker import _inject, walk_schedule
+    from .worker import _inject
 
     spec = TrainSpec(**a.train)
     rt, sched, rank = ctx.rt, ctx.sched, ctx.rank
@@ -274,7 +276,7 @@ def train_rank(a, ctx: RankContext) -> dict:
         state = json.loads((Path(spec.resume) / ckpt.STATE).read_text())
         ckpt.load(Path(spec.resume), rt, rank, same_plan=state.get("plan_id") == spec.plan_id, shards=shards)
         step, batches, samples = state["step"], state["batches"], state["samples"]
-    log = Metrics(spec, a, ctx, step) if rank == 0 else None
+    records = Metrics(spec, a, ctx, step) if rank == 0 else None
     flops = ctx.graph.flops() * spec.accumulate
     peak = _peak_flops(ctx)
     tokens = _tokens(rt.inputs)
@@ -292,20 +294,11 @@ def train_rank(a, ctx: RankContext) -> dict:
         t0 = time.perf_counter()
         loss = 0.0
         for _ in range(spec.accumulate):
-            if feeder is not None:
-                feeder.feed(batches, samples)
-            rt.begin_iteration()
-            walk_schedule(rt, ctx.comm, sched)
-            ctx.comm.finish_syncs(rt)
-            rt.update()
-            loss += rt.loss / spec.accumulate
+            loss += _batch(ctx, feeder, batches, samples) / spec.accumulate
             batches, samples = batches + 1, samples + B
         step += 1
         late = spec.time_s is not None and time.perf_counter() - t_launch >= spec.time_s
-        stats = torch.tensor([loss, float(late), float(_memory_bytes(ctx.device))], dtype=torch.float64,
-                             device=ctx.device)
-        parts = [torch.empty_like(stats) for _ in range(ctx.world)]
-        dist.all_gather(parts, stats)
+        parts = _gathered(ctx, loss, late)
         stop = bool(parts[0][1])  # rank 0's clock decides
         dt = time.perf_counter() - t0
         record = {"step": step, "loss": sum(float(p[0]) for p in parts), "lr": lr, "grad_norm": control.norm,
@@ -316,8 +309,8 @@ def train_rank(a, ctx: RankContext) -> dict:
                   "elapsed_s": time.perf_counter() - t_launch}
         record["eta_s"] = _eta(spec, step, first, record["elapsed_s"])
         last = record["last"] = stop or step == spec.steps
-        if log is not None:
-            log.write(record)
+        if records is not None:
+            records.write(record)
         if spec.checkpoint_dir and (step % spec.checkpoint_every == 0 or last):
             state = {"step": step, "batches": batches, "samples": samples, "plan_id": spec.plan_id,
                      "model": a.model, "seed": a.seed, "world": ctx.world, "global_batch": B,
@@ -329,8 +322,8 @@ def train_rank(a, ctx: RankContext) -> dict:
                       before_commit=(lambda: _inject("exit")) if kill else None, shards=shards)
             if rank == 0:
                 ckpt.prune(Path(spec.checkpoint_dir), spec.keep)
-    if log is not None:
-        log.close()
+    if records is not None:
+        records.close()
     summary.update(rank=rank, step=step, batches=batches, samples=samples, rows_read=feeder.read if feeder else 0,
                    data_rows=feeder.ranges if feeder else [])
     if a.save_params:
@@ -343,6 +336,32 @@ def train_rank(a, ctx: RankContext) -> dict:
         write_json(Path(a.out_dir) / "train.json", everyone)
     ctx.comm.close()
     return summary
+
+
+def _batch(ctx: RankContext, feeder: RankFeeder | None, batches: int, samples: int) -> float:
+    """Run one global batch (the ``batches``-th, from stream sample ``samples``) through the plan's
+    schedule, its syncs and :meth:`RankRuntime.update`; this rank's part of its loss."""
+    from .worker import walk_schedule
+
+    rt = ctx.rt
+    if feeder is not None:
+        feeder.feed(batches, samples)
+    rt.begin_iteration()
+    walk_schedule(rt, ctx.comm, ctx.sched)
+    ctx.comm.finish_syncs(rt)
+    rt.update()
+    return rt.loss
+
+
+def _gathered(ctx: RankContext, loss: float, late: bool) -> list[torch.Tensor]:
+    """Every rank's (loss part, past ``--time``, memory bytes), by one all-gather."""
+    import torch.distributed as dist
+
+    stats = torch.tensor([loss, float(late), float(_memory_bytes(ctx.device))], dtype=torch.float64,
+                         device=ctx.device)
+    parts = [torch.empty_like(stats) for _ in range(ctx.world)]
+    dist.all_gather(parts, stats)
+    return parts
 
 
 def _eta(spec: TrainSpec, step: int, first: int, elapsed: float) -> float | None:
@@ -508,6 +527,12 @@ def _resumed(cfg, spec: TrainSpec) -> tuple[Path | None, int]:
     state = ckpt.verify(resume)
     if state.get("model") != cfg.model:
         raise ckpt.CheckpointError(f"{resume}: a checkpoint of {state.get('model')!r}, not --model {cfg.model!r}")
+    was = state.get("lr_schedule", {})
+    now = {"warmup_steps": spec.warmup_steps, "schedule": spec.schedule, "min_lr_ratio": spec.min_lr_ratio,
+           "steps": spec.steps, **({"lr": spec.lr} if spec.lr else {})}
+    changed = [f"{k} {was[k]} -> {v}" for k, v in now.items() if k in was and was[k] != v]
+    if changed:  # (extending --steps stretches the cosine: the user's call)
+        log.warning("resuming %s with another learning-rate schedule: %s", resume, ", ".join(changed))
     return resume, state["step"]
 
 
