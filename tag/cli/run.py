@@ -139,6 +139,8 @@ def run(args) -> int:
         print_json({k: v for k, v in asdict(res).items() if k != "ranks"})
         return 0
     where = f"; latest checkpoint {res.checkpoint}" if res.checkpoint else ""
+    if not res.data:
+        where += "; no training data (a zoo model, or a factory returning none): every step ran on its example inputs"
     print(f"trained steps {res.start_step + 1}..{res.step} ({'resumed' if res.start_step else 'from scratch'}); "
           f"metrics {res.metrics}{where}")
     return 0

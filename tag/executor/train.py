@@ -7,7 +7,7 @@ rank per device (:func:`tag.executor.launch._launch`); each rank (:func:`train_r
 :func:`tag.executor.worker.run_rank`) runs the plan's schedule once per global batch:
 
 * data: its own rows of every global batch (:mod:`tag.executor.data`); without a data source, the
-  factory's example inputs every step (said in the first progress line);
+  factory's example inputs every step (``TrainResult.data`` False; ``tag run`` says so at the end);
 * an optimizer step every ``accumulate`` global batches: the gradients of the batches are summed
   after their syncs and divided by ``accumulate`` (each batch's gradient is its mean's; the
   syncs run every batch, as DDP outside ``no_sync``);
@@ -324,7 +324,8 @@ def train_rank(a, ctx: RankContext) -> dict:
                 ckpt.prune(Path(spec.checkpoint_dir), spec.keep)
     if records is not None:
         records.close()
-    summary.update(rank=rank, step=step, batches=batches, samples=samples, rows_read=feeder.read if feeder else 0,
+    summary.update(rank=rank, step=step, batches=batches, samples=samples, data=feeder is not None,
+                   rows_read=feeder.read if feeder else 0,
                    data_rows=feeder.ranges if feeder else [])
     if a.save_params:
         from .worker import save_rank_params
@@ -460,6 +461,8 @@ class TrainResult:
     """Loss of every step of the run from step 1 (``metrics.jsonl``; a resumed run's too)."""
     checkpoint: str | None
     """The latest committed checkpoint (None without ``--checkpoint-dir``)."""
+    data: bool = True
+    """Whether the steps read the factory's training data (else its example inputs, every step)."""
     ranks: list[dict] = field(default_factory=list, repr=False)
 
 
@@ -492,7 +495,7 @@ def train(cfg, spec: TrainSpec, echo=None, graph=None) -> TrainResult:
     last = ckpt.latest(spec.checkpoint_dir) if spec.checkpoint_dir else None
     ranks = json.loads((pre.run_dir / "train.json").read_text())
     return TrainResult(str(pre.run_dir), str(metrics), start, records[-1]["step"] if records else 0,
-                       [r["loss"] for r in records], str(last) if last else None, ranks)
+                       [r["loss"] for r in records], str(last) if last else None, ranks[0]["data"], ranks)
 
 
 def prepare_train_torchrun(cfg, spec: TrainSpec, endpoint: str, graph=None):
