@@ -131,6 +131,7 @@ class Simulator:
         """How many times the caches were emptied for :attr:`cache_bytes`."""
         self.graph = graph
         self.topology = topology
+        self._paths: dict = {}  # (machine, machine) -> its background profile or None (_Run._slowed)
         self.costs = costs if costs is not None else CostModel.for_topology(graph, topology)
         self.static = build_static(graph)
         self.comm = self.costs.comm
@@ -823,6 +824,7 @@ class _Run:
         sfb = [gd.sfb for gd in gds]
         self.any_sfb = sfb.count(None) < len(sfb)
         self.sfb_ready: dict[int, float] = {}
+        self.shared_net = sim.topology.background or None  # other jobs' traffic (tag.topology.background)
         if rec is not None:
             rec.bind(self, [pr if micro is None else _Shifted(pr, off // (2 * len(gds)), len(gds))
                             for pr, off in placed])
@@ -872,7 +874,7 @@ class _Run:
                 x = nin[mb]
                 if x > s:
                     s = x
-                e = s + t
+                e = s + t if self.shared_net is None else self._slowed(ma, mb, s, t)
                 if rec is not None:
                     rec.flow(idx, a, b, ma, mb, s, e, r, nb, waits)
                 nout[ma] = nin[mb] = e
@@ -888,6 +890,17 @@ class _Run:
             if e > ready[r]:
                 ready[r] = e
         return ready
+
+    def _slowed(self, ma: int, mb: int, s: float, t: float) -> float:
+        """When a message of ``t`` nominal seconds from machine ``ma`` to ``mb``, started at ``s``,
+        ends on what other jobs leave of the path (:func:`tag.topology.background.path_profile`)."""
+        from ..topology.background import path_profile
+
+        key = (ma, mb)
+        prof = self.sim._paths.get(key, False)
+        if prof is False:
+            prof = self.sim._paths[key] = path_profile(self.sim.topology, ma, mb)
+        return s + t if prof is None else prof.finish(s, t)
 
     def _scatter_gather(self, idx: int, ready: list[float]) -> None:
         """The all-gathers of stage ``idx``'s consumer holder sets that received scattered pieces

@@ -86,11 +86,11 @@ DEFAULT_NETWORK_LATENCY = 20e-6  # seconds
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 
 _TOP_KEYS = ("name", "description", "machines", "network")
-_MACHINE_KEYS = ("name", "gpu", "count", "intra_bandwidth", "intra_latency", "zone", "host_launch")
+_MACHINE_KEYS = ("name", "gpu", "count", "intra_bandwidth", "intra_latency", "zone", "host_launch", "background")
 _INLINE_GPU_KEYS = ("name", "tflops", "fp32_flops", "fp16_tflops", "fp16_flops", "memory", "memory_bandwidth")
 _NETWORK_KEYS = ("bandwidth", "latency", "zones", "links")
 _ZONE_KEYS = ("name", "bandwidth", "latency")
-_LINK_KEYS = ("between", "bandwidth", "latency")
+_LINK_KEYS = ("between", "bandwidth", "latency", "background")
 
 
 # Physical bounds of a link, beyond "positive and finite": 1e-300 GB/s or a latency of 1e300 s
@@ -123,6 +123,7 @@ class _Context:
 
     def __init__(self, source: str) -> None:
         self.source = source
+        self.base_dir = None  # where a background trace file's relative path starts (the topology file's folder)
 
     def error(self, path: str, message: str) -> TopologyError:
         line = f"{self.source}: {path}: {message}" if path else f"{self.source}: {message}"
@@ -329,11 +330,15 @@ def _parse_network(ctx: _Context, raw: Mapping, machines: list[Machine],
             raise ctx.error(
                 f"{path}.between", f"a link joins two different machines, got {_show(between)} (use intra_bandwidth)"
             )
-        if link.get("bandwidth") is None and link.get("latency") is None:
-            raise ctx.error(path, "missing field; expected bandwidth and/or latency")
+        if link.get("bandwidth") is None and link.get("latency") is None and link.get("background") is None:
+            raise ctx.error(path, "missing field; expected bandwidth, latency and/or background")
         pair = frozenset(between)
         if pair in links and pair not in zoned:
             raise ctx.error(f"{path}.between", f"duplicate link between {between[0]} and {between[1]}")
+        if link.get("bandwidth") is None and link.get("latency") is None:  # (background only: the pair's own)
+            links.setdefault(pair, (bandwidth, latency))
+            zoned.discard(pair)
+            continue
         bw = bandwidth
         if link.get("bandwidth") is not None:
             bw = ctx.quantity(parse_bandwidth, link["bandwidth"], f"{path}.bandwidth")
@@ -343,6 +348,27 @@ def _parse_network(ctx: _Context, raw: Mapping, machines: list[Machine],
         links[pair] = (bw, lat)
         zoned.discard(pair)
     return bandwidth, latency, links
+
+
+def _backgrounds(ctx: _Context, machine_list: list, raw: Mapping) -> dict:
+    """Machine name or frozenset of two -> :class:`~tag.topology.background.Background` of the
+    machines' and links' ``background`` fields (:mod:`tag.topology.background`)."""
+    from .background import parse_background
+
+    def parse(value, path: str):
+        try:
+            return parse_background(value, path, ctx.base_dir)
+        except TopologyError as e:  # (its message names the field, from path on)
+            raise ctx.error("", str(e)) from None
+
+    out: dict = {}
+    for k, entry in enumerate(machine_list):
+        if entry.get("background") is not None:
+            out[entry["name"]] = parse(entry["background"], f"machines[{k}].background")
+    for k, link in enumerate((raw.get("network") or {}).get("links") or []):
+        if link.get("background") is not None:
+            out[frozenset(link["between"])] = parse(link["background"], f"network.links[{k}].background")
+    return out
 
 
 def _check_gpu_name(ctx: _Context, gpu: GPUSpec, k: int, before: list[Machine]) -> None:
@@ -393,8 +419,9 @@ def _from_dict(ctx: _Context, raw: Any) -> Topology:
         _check_gpu_name(ctx, machine.gpu, k, machines)
         machines.append(machine)
     bandwidth, latency, links = _parse_network(ctx, raw, machines, zone_of)
+    background = _backgrounds(ctx, machine_list, raw)
     try:
-        return Topology(name, tuple(machines), bandwidth, latency, links)
+        return Topology(name, tuple(machines), bandwidth, latency, links, background)
     except TopologyError as exc:  # defensive: the checks above should already have caught it
         raise ctx.error("", str(exc)) from None
 
@@ -501,6 +528,7 @@ def load_topology(path_or_dict: str | os.PathLike | Mapping | Topology, *, sourc
         if path_or_dict not in shipped:
             raise ctx.error("", f"no such file nor shipped topology; {_closest(path_or_dict, shipped)}")
         path = shipped[path_or_dict]
+    ctx.base_dir = path.parent
     data = _read_file(ctx, path)
     if not isinstance(data, Mapping):
         raise ctx.error("", f"expected a mapping at the top level (name, machines, network), got {_show(data)}")

@@ -137,6 +137,9 @@ class Topology:
     """Default latency between two machines, seconds."""
     links: dict[frozenset, tuple[float, float]] = field(default_factory=dict)
     """Overrides: frozenset({m1, m2}) -> (bandwidth bytes/s, latency seconds)."""
+    background: dict = field(default_factory=dict)
+    """Traffic of other jobs (:mod:`tag.topology.background`): a machine name (its NIC) or
+    frozenset({m1, m2}) (their link) -> :class:`~tag.topology.background.Background`."""
 
     # Derived, precomputed in __post_init__ (not compared, not part of the constructor).
     devices: list[Device] = field(init=False, repr=False, compare=False)
@@ -145,6 +148,7 @@ class Topology:
     def __post_init__(self) -> None:
         object.__setattr__(self, "machines", tuple(self.machines))
         object.__setattr__(self, "links", dict(self.links))
+        object.__setattr__(self, "background", dict(self.background))
         self._validate()
         names = [m.name for m in self.machines]
         index_of = {n: k for k, n in enumerate(names)}
@@ -216,6 +220,15 @@ class Topology:
                     f"{where}: network.links[{sorted(pair)}]: expected (bandwidth > 0, latency >= 0), got {value!r}"
                 )
 
+        from .background import Background
+
+        names = {m.name for m in self.machines}
+        for key, bg in self.background.items():
+            if not (key in names or (isinstance(key, frozenset) and len(key) == 2 and key <= names)) or \
+                    not isinstance(bg, Background):
+                raise TopologyError(f"{where}: background: expected a known machine name or a frozenset of two -> "
+                                    f"Background, got {key!r}: {bg!r}")
+
     def __hash__(self) -> int:
         return hash(self.signature())
 
@@ -253,7 +266,8 @@ class Topology:
         names = {self.machines[m].name for m in keep}
         sub = Topology(f"{self.name}[{','.join(self.machines[m].name for m in keep)}]",
                        tuple(self.machines[m] for m in keep), self.network_bandwidth, self.network_latency,
-                       {pair: v for pair, v in self.links.items() if pair <= names})
+                       {pair: v for pair, v in self.links.items() if pair <= names},
+                       {k: v for k, v in self.background.items() if (k <= names if isinstance(k, frozenset) else k in names)})
         return sub, [d for m in keep for d in self._per_machine[m]]
 
     def bandwidth(self, i: int, j: int) -> float:
@@ -355,6 +369,8 @@ class Topology:
             entry["intra_latency"] = m.intra_latency
             if m.host_launch_s is not None:  # (absent otherwise: older topologies keep their signature)
                 entry["host_launch"] = m.host_launch_s
+            if m.name in self.background:  # (likewise)
+                entry["background"] = self.background[m.name].to_dict()
             machines.append(entry)
         network: dict[str, Any] = {"bandwidth": self.network_bandwidth, "latency": self.network_latency}
         order = self._machine_index
@@ -362,6 +378,8 @@ class Topology:
         for pair, (bw, lat) in self.links.items():
             a, b = sorted(pair, key=order.__getitem__)
             links.append({"between": [a, b], "bandwidth": bw, "latency": lat})
+            if pair in self.background:
+                links[-1]["background"] = self.background[pair].to_dict()
         if links:
             network["links"] = sorted(links, key=lambda e: (order[e["between"][0]], order[e["between"][1]]))
         return {"name": self.name, "machines": machines, "network": network}
