@@ -250,3 +250,15 @@ def test_mixed_gpu_kinds_export_with_even_samples(aligned):
     assert len({round(x, 9) for x in prop_plan.groups[0].shares}) > 1  # not even shares, even samples
     prop = export_plan(prop_plan, graph, mixed, "deepspeed", costs=costs)
     assert prop.exact and prop.layout == Layout(dp=8) and prop.notes == even.notes
+
+
+def test_tag_simulate_exports_a_layout(tmp_path, capsys):
+    out = tmp_path / "ds.json"
+    assert main(["simulate", "--model", "gpt2:n_layer=2,n_embd=64,n_head=4,vocab=100,seq=16", "--batch", "8",
+                 "--topology", "homogeneous-8xa100", "--layout", "dp=4,tp=2", "--export", "deepspeed", str(out),
+                 "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    summary = printed["export"]
+    assert summary["exact"] and summary["layout"] == "dp=4,tp=2,pp=1,micro=1"
+    assert summary["layout_time_s"] == summary["plan_time_s"] == printed["iteration_time_s"] > 0  # the layout simulated
+    assert read_config("deepspeed", out.read_text()).layout == Layout(dp=4, tp=2)

@@ -62,10 +62,7 @@ def register(sub) -> None:
     p.add_argument("--trace", metavar="OUT.json", default=None,
                    help="write the simulated timeline of the plan (Chrome/Perfetto trace)")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of the table")
-    p.add_argument("--export", nargs=2, metavar=("TRAINER", "FILE"), default=None,
-                   help="also write the plan as a trainer's configuration: torchtitan (TOML job config), megatron "
-                        "(Megatron-LM arguments) or deepspeed (JSON); a plan the trainer cannot express gets a line "
-                        "naming why and the nearest layout it can, simulated beside the plan, in FILE")
+    add_export_arg(p)
     add_numerics_args(p)
     add_force_arg(p)
     p.add_argument("--allow-oom", action="store_true",
@@ -114,10 +111,7 @@ def run(args) -> int:
     from .common import StageProgress, load_graph
 
     check_outputs(args, out=args.out, trace=args.trace, export=args.export and args.export[1])
-    from ..parallel.export import TRAINERS
-    if args.export and args.export[0] not in TRAINERS:
-        from ..errors import TagError
-        raise TagError(f"--export: {args.export[0]!r}: expected a trainer, one of {', '.join(TRAINERS)}")
+    check_export(args)
     topo = load_topology(args.topology)
     progress = StageProgress(quiet=args.json)
     t0 = time.perf_counter()
@@ -157,19 +151,33 @@ def run(args) -> int:
         from ..sim import Simulator
         res = Simulator(graph, topo, costs).run(p.groups, trace=True, pipeline=p.pipeline)
         write_json(args.trace, res.chrome_trace(), indent=None)
-    exported = _export(graph, topo, p, args, costs) if args.export else None
+    exported = export_to(graph, topo, p, args, costs) if args.export else None
     if args.json:
-        print_json(summary(p) | ({} if exported is None else {"export": _export_summary(exported, args)}))
+        print_json(summary(p) | ({} if exported is None else {"export": export_summary(exported, args)}))
         return 0
     _print(graph, topo, p, args)
-    for line in exported.lines() if exported else ():
-        print(line)
-    if exported:
-        print(f"{exported.trainer} configuration written to {args.export[1]}")
+    print_export(exported, args)
     return 0
 
 
-def _export(graph, topo, plan, args, costs):
+def add_export_arg(p) -> None:
+    """``--export TRAINER FILE`` (``tag plan``, ``tag simulate``)."""
+    p.add_argument("--export", nargs=2, metavar=("TRAINER", "FILE"), default=None,
+                   help="also write the plan as a trainer's configuration: torchtitan (TOML job config), megatron "
+                        "(Megatron-LM arguments) or deepspeed (JSON); a plan the trainer cannot express gets a line "
+                        "naming why and the nearest layout it can, simulated beside the plan, in FILE")
+
+
+def check_export(args) -> None:
+    """One-line error for an ``--export`` trainer TAG does not write, before any work."""
+    from ..parallel.export import TRAINERS
+
+    if args.export and args.export[0] not in TRAINERS:
+        from ..errors import TagError
+        raise TagError(f"--export: {args.export[0]!r}: expected a trainer, one of {', '.join(TRAINERS)}")
+
+
+def export_to(graph, topo, plan, args, costs):
     """The plan as ``--export TRAINER FILE``'s configuration, written to FILE."""
     from ..planner import export_plan
 
@@ -179,12 +187,20 @@ def _export(graph, topo, plan, args, costs):
     return exported
 
 
-def _export_summary(exported, args) -> dict:
+def export_summary(exported, args) -> dict:
+    """``--json``'s ``export`` entry."""
     from ..parallel.export import spell
 
     return {"trainer": exported.trainer, "file": args.export[1], "layout": spell(exported.layout),
             "exact": exported.exact, "problems": exported.problems, "notes": exported.notes,
             "plan_time_s": exported.plan_time_s, "layout_time_s": exported.layout_time_s}
+
+
+def print_export(exported, args) -> None:
+    """The export's lines (:meth:`tag.parallel.export.Export.lines`) and where it went."""
+    if exported is not None:
+        print("\n".join(exported.lines()))
+        print(f"{exported.trainer} configuration written to {args.export[1]}")
 
 
 FOLD_MACHINES = 4

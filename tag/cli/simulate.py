@@ -13,6 +13,7 @@ from .common import (
     numerics_of,
     print_json,
 )
+from .plan import add_export_arg, check_export, export_summary, export_to, print_export
 
 FOLD_ABOVE = 32
 """Devices above which the per-device table folds identical rows into one (``--all-devices`` not)."""
@@ -60,6 +61,7 @@ def register(sub) -> None:
                    help="write the simulated plan (the layout's or baseline's) as a plan file, for `tag execute`")
     p.add_argument("--profiles", metavar="DIR", type=folder, default=None, help=PROFILES_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_export_arg(p)
     p.add_argument("--all-devices", action="store_true",
                    help=f"print one table row per device (default: above {FOLD_ABOVE} devices, devices with "
                         "identical rows share one row with their device range and count)")
@@ -86,7 +88,8 @@ def run(args) -> int:
 
     if args.baseline is not None and args.baseline not in BASELINES:
         raise TagError(f"--baseline: unknown baseline {args.baseline!r}; expected one of {', '.join(BASELINES)}")
-    check_outputs(args, trace=args.trace, save_plan=args.save_plan)
+    check_outputs(args, trace=args.trace, save_plan=args.save_plan, export=args.export and args.export[1])
+    check_export(args)
     layout = parse_layout(args.layout) if args.layout is not None else None  # a typo fails before any capture
     if args.machines is not None and layout is None:
         raise TagError("--machines: expected --layout too (the machines a layout occupies)")
@@ -136,6 +139,9 @@ def run(args) -> int:
         plan.save(args.save_plan)
     sources = _sources(costs, topo)
     hosts = _hosts(costs, topo)
+    if args.export:
+        plan.predicted_iteration_time_s = None if res.oom else float(res.iteration_time_s)
+    exported = export_to(graph, topo, plan, args, costs) if args.export else None
     if args.json:
         out = {"model": graph.model, "batch_size": graph.batch_size, "topology": topo.name,
                "plan": args.plan or (f"layout:{args.layout}" if args.layout else f"baseline:{args.baseline}"), "lower_bound_s": lb, "cost_sources": sources,
@@ -143,11 +149,14 @@ def run(args) -> int:
                **res.to_dict()}
         if layout is not None:  # what ran: the layout spelled out (order resolved), each stage's groups, layers, devices
             out.update(layout=plan.meta["layout"], stages=stage_table(graph, plan))
+        if exported is not None:
+            out["export"] = export_summary(exported, args)
         print_json(out)
         return 0
     _print_summary(graph, topo, args, res, lb, sources, hosts)
     if layout is not None and (layout.stages is not None or layout.order is not None):
         _print_stages(graph, topo, plan)
+    print_export(exported, args)
     return 0
 
 
