@@ -190,6 +190,23 @@ def print_json(obj) -> None:
     sys.stdout.write("\n")
 
 
+def print_torchrun(launch, as_json: bool, where: str, endpoint: str) -> None:
+    """The machines' ``torchrun`` commands of a prepared run (:class:`tag.executor.TorchrunLaunch`;
+    ``tag execute`` / ``tag run --torchrun``): as JSON, or a line per machine after
+    ``run folder DIR (BACKEND): <where>``."""
+    from dataclasses import asdict
+
+    if as_json:
+        print_json(asdict(launch))
+        return
+    print(f"run folder {launch.run_dir} ({launch.backend}): {where}")
+    for name, cmd in launch.commands:
+        print(f"  on {name}:  {cmd}")
+    if launch.idle_machines:
+        print(f"  (nothing on {', '.join(launch.idle_machines)}: the plan leaves them idle; "
+              f"{endpoint} must be {launch.commands[0][0]}'s address, node 0)")
+
+
 class StageProgress:
     """Stage lines and a search bar on stderr for a long command, only where a person watches:
     stderr is a terminal and the command prints no JSON (``quiet``). Called as

@@ -21,6 +21,7 @@ from .common import (
     check_outputs,
     int_in,
     print_json,
+    print_torchrun,
     seconds,
 )
 
@@ -78,8 +79,6 @@ def add_execute_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from dataclasses import asdict
-
     from ..errors import TagError
     from ..executor import ExecuteConfig, execute, prepare_torchrun, report_torchrun
     from ..io import write_json
@@ -95,17 +94,10 @@ def run(args) -> int:
         raise TagError("--torchrun prepares a run, --report reads a finished one: expected one of them")
     if args.torchrun is not None:
         launch = prepare_torchrun(cfg, args.torchrun)
-        if args.json:
-            print_json(asdict(launch))
-            return 0
-        print(f"run folder {launch.run_dir} ({launch.backend}): copy it to every machine at the same path "
-              "(or share it), then run in order of the topology's machines:")
-        for name, cmd in launch.commands:
-            print(f"  on {name}:  {cmd}")
-        if launch.idle_machines:
-            print(f"  (nothing on {', '.join(launch.idle_machines)}: the plan leaves them idle; "
-                  f"{args.torchrun} must be {launch.commands[0][0]}'s address, node 0)")
-        print("then this command with --report in place of --torchrun on the first machine")
+        print_torchrun(launch, args.json, "copy it to every machine at the same path (or share it), then run in "
+                       "order of the topology's machines:", args.torchrun)
+        if not args.json:
+            print("then this command with --report in place of --torchrun on the first machine")
         return 0
     res = report_torchrun(cfg) if args.report else execute(cfg)
     d = res.to_dict()

@@ -26,6 +26,7 @@ from .common import (
     add_precision_arg,
     int_in,
     print_json,
+    print_torchrun,
     seconds,
 )
 
@@ -126,13 +127,8 @@ def run(args) -> int:
                         save_params=args.save_params, fault=args.inject_fault, precision=args.precision)
     if args.torchrun is not None:
         launch = prepare_train_torchrun(cfg, spec, args.torchrun)
-        if args.json:
-            print_json(asdict(launch))
-            return 0
-        print(f"run folder {launch.run_dir} ({launch.backend}): the same path on every machine; run in order "
-              "of the topology's machines (rank 0 prints the progress lines):")
-        for name, cmd in launch.commands:
-            print(f"  on {name}:  {cmd}")
+        print_torchrun(launch, args.json, "the same path on every machine; run in order of the topology's "
+                       "machines (rank 0 prints the progress lines):", args.torchrun)
         return 0
     res = train(cfg, spec, echo=None if args.json else print_line)
     if args.json:
