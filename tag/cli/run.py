@@ -82,8 +82,9 @@ def register(sub) -> None:
     t.add_argument("--lr", type=positive_float, default=None, help="peak learning rate (default: the optimizer's, "
                    "1e-3 Adam, 1e-2 SGD)")
     t.add_argument("--warmup-steps", type=int_in(0), default=0, help="linear learning-rate warm-up steps")
-    t.add_argument("--lr-schedule", default="cosine", choices=["cosine", "constant"],
-                   help="after the warm-up: cosine to lr x --min-lr-ratio at --steps, or constant")
+    t.add_argument("--lr-schedule", default=None, choices=["cosine", "constant"],
+                   help="after the warm-up: cosine to lr x --min-lr-ratio at --steps, or constant (default: cosine "
+                        "with --steps, constant with --time alone)")
     t.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine's final learning rate over --lr")
     t.add_argument("--clip", type=positive_float, default=None,
                    help="clip the gradients to this global norm (over every shard, stage and replica)")
@@ -117,7 +118,8 @@ def run(args) -> int:
     from ..executor.train import TrainSpec, prepare_train_torchrun, print_line, train
 
     spec = TrainSpec(steps=args.steps, time_s=args.time, accumulate=args.accumulate, lr=args.lr,
-                     warmup_steps=args.warmup_steps, schedule=args.lr_schedule, min_lr_ratio=args.min_lr_ratio,
+                     warmup_steps=args.warmup_steps,
+                     schedule=args.lr_schedule or ("cosine" if args.steps else "constant"), min_lr_ratio=args.min_lr_ratio,
                      clip=args.clip, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                      keep=args.keep_checkpoints, resume=args.resume, log_every=args.log_every,
                      tensorboard=args.tensorboard, wandb=args.wandb)
