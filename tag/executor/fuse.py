@@ -194,13 +194,18 @@ class Program:
 
 def plan_program(schedule: Schedule, rank: int, stages: dict, static: Callable[[Key], bool],
                  synced: Callable[[int], list[Key]], sfb_writes: Callable[[int], list[Key]],
-                 final_reads: list[Key], cut_at_sync: bool, replayed: frozenset[int] = frozenset()) -> Program:
+                 final_reads: list[Key], cut_at_sync: bool, replayed: frozenset[int] = frozenset(),
+                 alone: frozenset[int] = frozenset()) -> Program:
     """Segments of ``rank`` and the liveness of its ``env`` values (``stages`` by :func:`stage_key`).
 
     ``replayed``: recomputed op-groups whose forward draws random numbers; each unit's forward
     starts a segment (the runtime saves the random generator's state there) and its recomputing
     backward is a segment of its own (run from that state, the generator put back after it:
     :meth:`tag.executor.runtime.RankRuntime.run_segment`).
+
+    ``alone``: op-groups each of whose compute steps is a segment of its own (ZeRO-3's groups,
+    whose parameters are gathered before their segment and freed after it,
+    :mod:`tag.executor.sharded`).
 
     ``static(key)``: the value is not in ``env`` (a parameter, buffer, constant or user-input slice
     the runtime holds anyway). ``final_reads``: keys read after the last step (gradients by the
@@ -220,6 +225,9 @@ def plan_program(schedule: Schedule, rank: int, stages: dict, static: Callable[[
             # pass (simplify) would merge its forward's recomputed values with the forward's own
             # and keep those alive from the forward on. A replayed unit's forward starts one too.
             current = None
+        by_itself = st.kind == "compute" and st.unit[0] in alone
+        if by_itself:
+            current = None
         if fusable:
             if current is None:
                 current = Segment(i, [], [])
@@ -227,8 +235,8 @@ def plan_program(schedule: Schedule, rank: int, stages: dict, static: Callable[[
             current.steps.append(i)
             if st.kind == "compute":
                 current.stages.append(stage_key(schedule, st))
-                if recomputed and st.phase == "bwd" and st.unit[0] in replayed:
-                    current = None  # the generator is put back before anything else draws
+                if (recomputed and st.phase == "bwd" and st.unit[0] in replayed) or by_itself:
+                    current = None  # the generator is put back before anything else draws (or: alone)
             continue
         if st.kind in ("transfer", "sfb") or (cut_at_sync and schedule.launched_at(st) is not None):
             current = None

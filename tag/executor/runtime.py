@@ -287,7 +287,8 @@ class RankRuntime:
         self.program = plan_program(
             s, self.rank, self.stages, static=lambda k: k not in written and self._static(k) is not None,
             synced=self._synced_keys, sfb_writes=self._sfb_writes, final_reads=final,
-            cut_at_sync=self.cut_at_sync, replayed=replayed)
+            cut_at_sync=self.cut_at_sync, replayed=replayed,
+            alone=self.hook.separate_groups() if self.hook is not None else frozenset())
         self._rng_modes = {}
         for start, seg in self.program.segments.items():
             unit, phase, *micro = seg.stages[0] if seg.stages else (None, None)

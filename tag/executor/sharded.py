@@ -20,9 +20,11 @@ shards before use, one ``reduce_scatter_tensor`` of the concatenated gradients a
 * parameters: ``zero1`` / ``zero2`` all-gather the updated shards into the full parameters
   before the next segment runs (or before they are saved); ``zero3`` holds the shards only: before
   a fused segment of the rank's program (:mod:`tag.executor.fuse`) it all-gathers the buckets of
-  the parameters the segment reads, and frees them after it. The gathers are blocking; the
-  granularity is the segment (a CPU rank fuses its forward and backward into one: its parameters
-  are gathered for all of it), not FSDP's per-module prefetch that the simulator prices on GPUs.
+  the parameters the segment reads, and frees them after it. A ZeRO-3 group's forward and
+  backward each run as a segment of their own (:meth:`ShardedRank.separate_groups`), so a
+  group's parameters are gathered for it alone; when a segment starts, the gather of the next
+  segment's parameters is issued (``async_op``: FSDP's prefetch) and waited for when that segment
+  starts.
 
 Collectives run on process groups the shard groups create themselves
 (``use_local_synchronization``: only members take part), on gloo as on NCCL: torch 2.13's gloo
@@ -90,11 +92,12 @@ class _Bucket:
             off += n
         return flat
 
-    def gather(self) -> torch.Tensor:
-        """The full flat parameters: the shards all-gathered over the shard group (blocking)."""
+    def gather(self, async_op: bool = False):
+        """The full flat parameters: the shards all-gathered over the shard group (blocking), or
+        ``(buffer, work)`` with ``async_op`` (a prefetch)."""
         out = torch.empty(self.padded, dtype=self.dtype, device=self.shard.device)
-        dist.all_gather_into_tensor(out, self.shard.detach(), group=self.shard_pg)
-        return out
+        work = dist.all_gather_into_tensor(out, self.shard.detach(), group=self.shard_pg, async_op=async_op)
+        return (out, work) if async_op else out
 
     def write(self, flat: torch.Tensor, views: bool) -> None:
         """The full parameters from ``flat``: copied in (``views`` False), or views of it (ZeRO-3's
@@ -128,6 +131,8 @@ class ShardedRank(RankHook):
         super().__init__(0)
         self.plan = plan
         self.rank = rank
+        self._alone = frozenset(g for g, gp in enumerate(plan.groups) if gp.sync == "zero3" and rank in gp.devices)
+        self._prefetched: dict[int, tuple] = {}  # bucket index -> (buffer, work) of a gather in flight
         self.buckets: dict[int, _Bucket] = {}
         """Schedule bucket index -> its sharded state on this rank (sharded groups' buckets)."""
         self.active = False
@@ -206,15 +211,44 @@ class ShardedRank(RankHook):
         self.stale = True
 
     # ---- parameters around segments (tag.executor.runtime.RankRuntime.run_segment) ----------
+    def separate_groups(self) -> frozenset[int]:
+        """This rank's ZeRO-3 groups: each compute step a segment of its own, so that a group's
+        parameters are gathered for its forward or backward alone."""
+        return self._alone
+
+    def _needs(self, seg, env: dict | None = None) -> list[int]:
+        """Buckets of the ZeRO-3 parameters segment ``seg`` reads: held ones, and with ``env`` those
+        it reads from ``env`` (a parameter another unit owns, moved by a local transfer: the
+        parameter object itself)."""
+        held = list(seg.static)
+        if env is not None:
+            held += [env[k] for k in seg.inputs if k in env]
+        return sorted({self._of_param[id(t)].index for t in held if id(t) in self._of_param})
+
     def before_segment(self, rt, seg) -> list:
-        """Gather what the segment reads; returns what :meth:`after_segment` frees."""
+        """Gather what the segment reads (waiting for its prefetch where one was issued), then
+        issue the gathers of the next segment reading ZeRO-3 parameters (the prefetch, as FSDP's);
+        returns what :meth:`after_segment` frees."""
         if not self.active:
             return []
         self._refresh()
-        need = sorted({self._of_param[id(t)].index for t in seg.static if id(t) in self._of_param})
+        need = self._needs(seg, rt.env)
         for i in need:
             bk = self.buckets[i]
-            bk.write(bk.gather(), views=True)
+            hit = self._prefetched.pop(i, None)
+            if hit is not None:
+                hit[1].wait()
+                bk.write(hit[0], views=True)
+            else:
+                bk.write(bk.gather(), views=True)
+        starts = sorted(rt.program.segments)
+        for start in starts[starts.index(seg.start) + 1:]:  # (within the iteration: the shards change at the step)
+            later = self._needs(rt.program.segments[start])
+            if later:
+                for i in later:
+                    if i not in need and i not in self._prefetched:
+                        self._prefetched[i] = self.buckets[i].gather(async_op=True)
+                break
         return need
 
     def after_segment(self, rt, gathered: list) -> None:

@@ -96,6 +96,11 @@ class RankHook:
     def synced(self, rt) -> None:
         """Called once every bucket's collective of the iteration completed, before the update."""
 
+    def separate_groups(self) -> frozenset[int]:
+        """Op-groups each of whose compute steps this rank runs as a fused segment of its own
+        (:func:`tag.executor.fuse.plan_program` ``alone``); this base: none."""
+        return frozenset()
+
     def before_segment(self, rt, seg) -> object:
         """Called before a fused segment runs (outside its timed compute); its result is handed to
         :meth:`after_segment`."""
