@@ -132,6 +132,9 @@ class Simulator:
         self.graph = graph
         self.topology = topology
         self._paths: dict = {}  # (machine, machine) -> its background profile or None (_Run._slowed)
+        self.time_offset_s = 0.0
+        """Seconds of a background profile (:mod:`tag.topology.background`) at which the iteration
+        starts (the iterations before it, when replaying a run over a trace)."""
         self.costs = costs if costs is not None else CostModel.for_topology(graph, topology)
         self.static = build_static(graph)
         self.comm = self.costs.comm
@@ -900,7 +903,8 @@ class _Run:
         prof = self.sim._paths.get(key, False)
         if prof is False:
             prof = self.sim._paths[key] = path_profile(self.sim.topology, ma, mb)
-        return s + t if prof is None else prof.finish(s, t)
+        off = self.sim.time_offset_s
+        return s + t if prof is None else prof.finish(s + off, t) - off
 
     def _scatter_gather(self, idx: int, ready: list[float]) -> None:
         """The all-gathers of stage ``idx``'s consumer holder sets that received scattered pieces
