@@ -193,8 +193,8 @@ def test_resumed_under_another_plan_reads_every_parameter_and_its_optimizer_stat
     group 1 on rank 1; 4 micro-batches of 2, 2, 1, 1 samples: each stage reads its micro-batches'
     rows of the inputs it takes) or by a 2-way tensor-parallel plan (the MLP is one Megatron block:
     each rank reads its shard out of the whole parameters and their Adam moments, and writes the
-    step-61 checkpoint whole): DCP reads by parameter name; one more step equals eager training of
-    61 steps."""
+    step-61 checkpoint whole): DCP reads by parameter name; one more step (then ``--time`` is up)
+    equals eager training of 61 steps."""
     topo = load_topology(two.topology)
     if kind == "pipeline":
         plan = new_plan(two.graph, topo, [GroupPlan([0], [1.0]), GroupPlan([1], [1.0])])
@@ -205,12 +205,14 @@ def test_resumed_under_another_plan_reads_every_parameter_and_its_optimizer_stat
     plan.save(other)
     cfg = ExecuteConfig(two.spec, two.topology, str(other), steps=1, warmup=0, save_params=True,
                         run_dir=str(two.folder / kind), timeout_s=60.0)
-    spec = TrainSpec(steps=STEPS + 1, accumulate=ACC, lr=LR, warmup_steps=WARMUP, clip=CLIP, min_lr_ratio=MIN_RATIO,
-                     resume=two.whole.checkpoint, checkpoint_dir=str(two.folder / kind / "ckpt"), checkpoint_every=10)
+    # --steps 62 but --time 1 us: the run stops after its first step, with a checkpoint
+    spec = TrainSpec(steps=STEPS + 2, time_s=1e-6, accumulate=ACC, lr=LR, warmup_steps=WARMUP, clip=CLIP,
+                     min_lr_ratio=MIN_RATIO, resume=two.whole.checkpoint, checkpoint_dir=str(two.folder / kind / "ckpt"),
+                     checkpoint_every=10)
     res = train(cfg, spec, graph=two.graph)
-    assert res.start_step == STEPS and res.step == STEPS + 1
+    assert res.start_step == STEPS and res.step == STEPS + 1 and res.checkpoint.endswith("step-00000061")
     held = saved_params(two.folder / kind, 2)
-    ref, losses, _ = reference(two.spec, STEPS + 1, {0: STEPS, STEPS: STEPS + 1})
+    ref, losses, _ = reference(two.spec, STEPS + 1, {0: STEPS, STEPS: STEPS + 2})
     assert_params_equal(held, ref, {p.name for p in two.graph.params}, exact=True)
     assert metrics(res)[-1]["loss"] == pytest.approx(losses[-1], rel=1e-4)
     written = ckpt.SafeReader(res.checkpoint).read_metadata().state_dict_metadata
