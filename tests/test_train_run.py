@@ -105,12 +105,12 @@ class Setup:
         plan.save(self.plan)
 
     def run(self, name: str, steps: int = STEPS, fault: str | None = None, resume: str | None = None,
-            accumulate: int = ACC, every: int = 10):
+            accumulate: int = ACC, every: int = 10, wandb: str | None = None):
         cfg = ExecuteConfig(self.spec, self.topology, str(self.plan), steps=1, warmup=0, save_params=True,
                             run_dir=str(self.folder / name), fault=fault, timeout_s=60.0)
         spec = TrainSpec(steps=steps, accumulate=accumulate, lr=LR, warmup_steps=WARMUP, clip=CLIP,
                          min_lr_ratio=MIN_RATIO, checkpoint_dir=str(self.folder / name / "ckpt"),
-                         checkpoint_every=every, resume=resume)
+                         checkpoint_every=every, resume=resume, wandb=wandb)
         return train(cfg, spec, graph=self.graph)
 
     def params(self, name: str) -> dict[int, dict[str, torch.Tensor]]:
@@ -225,7 +225,7 @@ def test_resumed_under_another_plan_reads_every_parameter_and_its_optimizer_stat
 
 def test_one_rank_killed_resumes_bitwise(tmp_path):
     s = Setup(tmp_path, "make_set", [1.0])
-    whole = s.run("whole", steps=40, accumulate=1)
+    whole = s.run("whole", steps=40, accumulate=1, wandb="tag-test")  # (WANDB_MODE=disabled in the tests)
     with pytest.raises(ExecutionError, match=r"rank 0 failed: exit code -9 \(SIGKILL\)"):
         s.run("killed", steps=40, accumulate=1, fault="0:35:exit")
     resumed = s.run("killed", steps=40, accumulate=1, resume="latest")

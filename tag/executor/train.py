@@ -375,6 +375,30 @@ def _eta(spec: TrainSpec, step: int, first: int, elapsed: float) -> float | None
     return min(left) if left else None
 
 
+def _wandb_run(run_dir: Path, spec: TrainSpec, config: dict):
+    """A wandb run of project ``spec.wandb``, its files in ``RUN_DIR/wandb`` (offline unless
+    ``WANDB_MODE`` says otherwise), the same run id across resumptions (``RUN_DIR/wandb_id.txt``);
+    None, with a warning, when wandb fails (logging never stops training)."""
+    import uuid
+
+    wdir = run_dir / "wandb"
+    wdir.mkdir(parents=True, exist_ok=True)
+    for var, sub in (("WANDB_DIR", ""), ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config")):
+        os.environ[var] = str(wdir / sub)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    rid_file = run_dir / "wandb_id.txt"
+    rid = rid_file.read_text().strip() if rid_file.exists() else uuid.uuid4().hex[:8]
+    write_atomic(rid_file, rid)
+    try:
+        import wandb
+
+        return wandb.init(project=spec.wandb, mode=os.environ.get("WANDB_MODE", "offline"), dir=str(wdir), id=rid,
+                          resume="allow", name=run_dir.name, config=config)
+    except Exception as e:  # noqa: BLE001 - logging must never stop training
+        log.warning("wandb off for this run: %s", " ".join(str(e).split())[:200])
+        return None
+
+
 def keep_records(path: Path, upto: int) -> None:
     """Keep the records of steps ``<= upto`` of the JSONL ``path`` (a resumed run drops the killed
     run's records after its checkpoint's step; a fresh run, ``upto`` 0, starts it empty)."""
@@ -398,11 +422,7 @@ class Metrics:
 
             self.tb = SummaryWriter(spec.tensorboard)
         if spec.wandb:
-            import wandb
-
-            self.wandb = wandb.init(project=spec.wandb, mode=os.environ.get("WANDB_MODE", "offline"),
-                                    dir=str(self.path.parent), resume="allow",
-                                    config={"model": a.model, "plan": a.plan, **asdict(spec)})
+            self.wandb = _wandb_run(self.path.parent, spec, {"model": a.model, "plan": a.plan, **asdict(spec)})
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
