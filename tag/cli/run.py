@@ -139,6 +139,9 @@ def run(args) -> int:
     where = f"; latest checkpoint {res.checkpoint}" if res.checkpoint else ""
     if not res.data:
         where += "; no training data (a zoo model, or a factory returning none): every step ran on its example inputs"
+    if res.step <= res.start_step:
+        print(f"nothing to train: the checkpoint is at step {res.start_step}, where --steps ends")
+        return 0
     print(f"trained steps {res.start_step + 1}..{res.step} ({'resumed' if res.start_step else 'from scratch'}); "
           f"metrics {res.metrics}{where}")
     return 0

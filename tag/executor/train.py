@@ -514,8 +514,8 @@ def train(cfg, spec: TrainSpec, echo=None, graph=None) -> TrainResult:
     records = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
     last = ckpt.latest(spec.checkpoint_dir) if spec.checkpoint_dir else None
     ranks = json.loads((pre.run_dir / "train.json").read_text())
-    return TrainResult(str(pre.run_dir), str(metrics), start, records[-1]["step"] if records else 0,
-                       [r["loss"] for r in records], str(last) if last else None, ranks[0]["data"], ranks)
+    return TrainResult(str(pre.run_dir), str(metrics), start, ranks[0]["step"], [r["loss"] for r in records],
+                       str(last) if last else None, ranks[0]["data"], ranks)
 
 
 def prepare_train_torchrun(cfg, spec: TrainSpec, endpoint: str, graph=None):
