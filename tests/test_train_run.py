@@ -27,9 +27,10 @@ import pytest
 import torch
 
 from tag.cli import main
+from tag.errors import WorkloadError
 from tag.executor import ExecuteConfig, ExecutionError, run_virtual
 from tag.executor import checkpoint as ckpt
-from tag.executor.data import DataOrder, rank_rows
+from tag.executor.data import DataOrder, RankFeeder, rank_rows, rows_reader
 from tag.executor.equality import assert_params_equal, saved_params
 from tag.executor.train import TrainSpec, train
 from tag.executor.worker import FAULT_MARK
@@ -242,6 +243,30 @@ def test_dataset_order_is_a_seeded_permutation_per_epoch():
     assert stream[:10] != stream[10:20]
     assert DataOrder(10, seed=3).indices(0, 13, 17) == stream[13:17]  # a resumed run reads on
     assert DataOrder(10, seed=4).indices(0, 0, 10) != stream[:10]
+
+
+def test_bad_data_is_one_line_naming_the_call():
+    class Dicts(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"x": torch.zeros(8)}
+
+    def failing(n, start, stop):
+        raise IndexError(f"no batch {n}")
+
+    with pytest.raises(WorkloadError, match=r"^workload 'f.py:make': data\[\d\] is a dict with keys \['x'\]; expected"):
+        rows_reader(Dicts(), 0, "f.py:make")(0, 0, 0, 2)
+    with pytest.raises(WorkloadError, match=r"^workload 'f.py:make': data\(3, 0, 2\) raised IndexError: no batch 3$"):
+        rows_reader(failing, 0, "f.py:make")(3, 18, 0, 2)
+    inputs = (torch.zeros(6, 8), torch.zeros(6, dtype=torch.long))
+    feeder = RankFeeder(rows_reader(lambda n, a, b: (torch.ones(b - a, 8), torch.ones(b - a)), 0, "f.py:make"),
+                        inputs, [(4, 6)], "f.py:make")
+    with pytest.raises(WorkloadError, match=r"data input 1 of rows 4\.\.5 of batch 0 is torch.float32 \(2,\); "
+                                            r"expected torch.int64 \(2,\)"):
+        feeder.feed(0, 0)
+    assert inputs[0][4:].eq(1).all() and inputs[0][:4].eq(0).all()  # its rows only
 
 
 def test_pipeline_ranks_read_their_micro_batch_rows(captured):

@@ -21,7 +21,7 @@ stay as they were and are never read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -80,19 +80,44 @@ def as_tuple(x) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
+def _read(spec: str, what: str, fn):
+    """``fn()``, the user's data code: what it raises is a WorkloadError naming ``what`` (one line)."""
+    try:
+        return fn()
+    except WorkloadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's dataset may raise anything
+        raise WorkloadError(f"workload {spec!r}: {what} raised {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                            ) from e
+
+
+def _sample(spec: str, data, i: int) -> tuple:
+    """Sample ``i`` of a dataset as a tuple of tensors (one per input)."""
+    x = _read(spec, f"data[{i}]", lambda: data[i])
+    if isinstance(x, Mapping):
+        raise WorkloadError(f"workload {spec!r}: data[{i}] is a {type(x).__name__} with keys {sorted(map(str, x))}; "
+                            "expected a tensor or a tuple of tensors in the order of the model's inputs")
+    return tuple(torch.as_tensor(v) for v in as_tuple(x))
+
+
 def rows_reader(data, seed: int, spec: str) -> Rows:
     """:data:`Rows` of ``data``: a dataset in :class:`DataOrder`, or the user's callable
     ``data(batch, start, stop)``."""
     if not is_dataset(data):
-        return lambda batch, offset, start, stop: as_tuple(data(batch, start, stop))
+        return lambda batch, offset, start, stop: as_tuple(
+            _read(spec, f"data({batch}, {start}, {stop})", lambda: data(batch, start, stop)))
     n = len(data)
     if n < 1:
         raise WorkloadError(f"workload {spec!r}: the factory's dataset is empty; expected at least one sample")
     order = DataOrder(n, seed)
 
     def rows(batch: int, offset: int, start: int, stop: int) -> tuple:
-        samples = [as_tuple(data[i]) for i in order.indices(offset, start, stop)]
-        return tuple(torch.stack([torch.as_tensor(s[c]) for s in samples]) for c in range(len(samples[0])))
+        samples = [_sample(spec, data, i) for i in order.indices(offset, start, stop)]
+        if any(len(x) != len(samples[0]) for x in samples):
+            raise WorkloadError(f"workload {spec!r}: the dataset's samples hold different numbers of tensors "
+                                f"({sorted({len(x) for x in samples})}); expected one per input")
+        return tuple(_read(spec, f"stacking input {c} of the dataset's samples",
+                           lambda c=c: torch.stack([x[c] for x in samples])) for c in range(len(samples[0])))
     return rows
 
 
