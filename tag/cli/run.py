@@ -91,7 +91,7 @@ def register(sub) -> None:
     c = p.add_argument_group("checkpoints and metrics")
     c.add_argument("--checkpoint-dir", default=None, help="folder of the checkpoints (step-NNNNNNNN)")
     c.add_argument("--checkpoint-every", type=int_in(1), default=None, help="steps between checkpoints "
-                   "(one is also written at the end)")
+                   "(one is also written at the end, the only one without this option)")
     c.add_argument("--keep-checkpoints", type=int_in(1), default=3, help="complete checkpoints kept (the latest)")
     c.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from the latest complete checkpoint of --checkpoint-dir (none yet: start afresh), "

@@ -68,6 +68,7 @@ class TrainSpec:
     """Max global gradient norm (None: no clipping)."""
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
+    """Steps between checkpoints (None: only the run's last step's, with ``checkpoint_dir``)."""
     keep: int = 3
     """Committed checkpoints kept (the latest)."""
     resume: str | None = None
@@ -97,8 +98,8 @@ class TrainSpec:
             raise TagError(f"--min-lr-ratio: expected a ratio in [0, 1], got {self.min_lr_ratio!r}")
         if self.time_s is not None and not (0 < self.time_s < math.inf):
             raise TagError(f"--time: expected a positive, finite number of seconds, got {self.time_s!r}")
-        if (self.checkpoint_every is not None) != (self.checkpoint_dir is not None):
-            raise TagError("--checkpoint-every and --checkpoint-dir: expected both or neither")
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise TagError("--checkpoint-every: expected --checkpoint-dir too (where the checkpoints go)")
 
 
 def lr_at(step: int, base: float, spec: TrainSpec) -> float:
@@ -311,7 +312,7 @@ def train_rank(a, ctx: RankContext) -> dict:
         last = record["last"] = stop or step == spec.steps
         if records is not None:
             records.write(record)
-        if spec.checkpoint_dir and (step % spec.checkpoint_every == 0 or last):
+        if spec.checkpoint_dir and (last or spec.checkpoint_every and step % spec.checkpoint_every == 0):
             state = {"step": step, "batches": batches, "samples": samples, "plan_id": spec.plan_id,
                      "model": a.model, "seed": a.seed, "world": ctx.world, "global_batch": B,
                      "lr_schedule": {"lr": base_lr, "warmup_steps": spec.warmup_steps, "schedule": spec.schedule,
