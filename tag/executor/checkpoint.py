@@ -101,9 +101,12 @@ def verify(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{p}: partial checkpoint (no {MANIFEST}: its writing was interrupted); "
                               "expected a complete one")
     files = read_json(p / MANIFEST, CheckpointError, "checkpoint manifest")
-    if not isinstance(files, dict) or not isinstance(files.get("files"), dict) or STATE not in files["files"]:
-        raise CheckpointError(f"{p / MANIFEST}: expected {{\"files\": {{name: [bytes, sha256]}}}} naming {STATE}")
-    for name, (size, digest) in files["files"].items():
+    entries = files.get("files") if isinstance(files, dict) else None
+    if not isinstance(entries, dict) or STATE not in entries or not all(
+            Path(n).name == n and n not in (".", "..") and isinstance(v, list) and len(v) == 2
+            and isinstance(v[0], int) and isinstance(v[1], str) for n, v in entries.items()):
+        raise CheckpointError(f"{p / MANIFEST}: expected {{\"files\": {{file name: [bytes, sha256]}}}} naming {STATE}")
+    for name, (size, digest) in entries.items():
         f = p / name
         if not f.is_file():
             raise CheckpointError(f"{f}: missing from the checkpoint (its manifest lists it)")
@@ -117,9 +120,10 @@ def verify(path: str | os.PathLike) -> dict:
     return state
 
 
-def resolve_resume(root: str | None, resume: str | None) -> Path | None:
-    """The checkpoint to resume from: ``resume`` ``"latest"`` is the latest committed one of
-    ``root`` (None: the run starts afresh), else a checkpoint folder; verified (:func:`verify`)."""
+def resolve_resume(root: str | None, resume: str | None) -> tuple[Path, dict] | None:
+    """The checkpoint to resume from and its training state: ``resume`` ``"latest"`` is the latest
+    committed one of ``root`` (None: the run starts afresh), else a checkpoint folder; verified
+    (:func:`verify`)."""
     if resume is None:
         return None
     if resume == "latest":
@@ -131,8 +135,7 @@ def resolve_resume(root: str | None, resume: str | None) -> Path | None:
             return None
     else:
         path = Path(resume)
-    verify(path)
-    return path.absolute()
+    return path.absolute(), verify(path)
 
 
 # ---- the ranks' state --------------------------------------------------------------------

@@ -545,10 +545,10 @@ def _resumed(cfg, spec: TrainSpec) -> tuple[Path | None, int]:
         raise TagError("tag run: expected --run-dir (where metrics.jsonl and the logs go)")
     if spec.checkpoint_dir or spec.resume:
         _check_checkpointable(cfg.plan)
-    resume = ckpt.resolve_resume(spec.checkpoint_dir, spec.resume)
-    if resume is None:
+    found = ckpt.resolve_resume(spec.checkpoint_dir, spec.resume)
+    if found is None:
         return None, 0
-    state = ckpt.verify(resume)
+    resume, state = found
     if state.get("model") != cfg.model:
         raise ckpt.CheckpointError(f"{resume}: a checkpoint of {state.get('model')!r}, not --model {cfg.model!r}")
     was = state.get("lr_schedule", {})
