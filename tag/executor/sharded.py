@@ -179,6 +179,13 @@ class ShardedRank(RankHook):
                 bk.free()
         self.active = True
 
+    def start(self, rt) -> None:
+        """Activate before the first iteration (the distributed worker calls it): the shard
+        groups' process groups are made while every rank is at the same point (made lazily at the
+        first bucket's sync, a stage's ranks of a pipeline waited there for ever, 4 gloo ranks)."""
+        if not self.active:
+            self._activate(rt)
+
     # ---- gradient sync (tag.executor.comm.DistComm) --------------------------------------
     def bucket_sync(self, rt, index: int):
         """How bucket ``index``'s collective runs on this rank: a function starting it on the flat

@@ -96,6 +96,10 @@ class RankHook:
     def synced(self, rt) -> None:
         """Called once every bucket's collective of the iteration completed, before the update."""
 
+    def start(self, rt) -> None:
+        """Called once by the distributed worker (:mod:`tag.executor.worker`) after its process
+        groups exist, before the first iteration; this base: nothing."""
+
     def separate_groups(self) -> frozenset[int]:
         """Op-groups each of whose compute steps this rank runs as a fused segment of its own
         (:func:`tag.executor.fuse.plan_program` ``alone``); this base: none."""

@@ -163,6 +163,8 @@ def run_rank(a: WorkerArgs) -> dict:
         hook.reduce = lambda x: dist.all_reduce(x, group=my_group)
         hook.gather = lambda x: all_gather_flat(x, my_group, len(members))
         hook.machine_of = topology.machine_of
+    if hook is not None:
+        hook.start(rt)  # (a sharded rank's process groups and shards, before any transfer)
     if pinned:
         demote_threads()  # gloo's threads exist now; only for a rank on cores of its own
     fault = _parse_fault(a.fault)
