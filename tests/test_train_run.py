@@ -31,7 +31,7 @@ from tag.errors import WorkloadError
 from tag.executor import ExecuteConfig, ExecutionError, run_virtual
 from tag.executor import checkpoint as ckpt
 from tag.executor.data import DataOrder, RankFeeder, rank_rows, rows_reader
-from tag.executor.equality import assert_params_equal, saved_params
+from tag.executor.equality import ATOL, RTOL, assert_params_equal, saved_params
 from tag.executor.train import TrainSpec, train
 from tag.executor.worker import FAULT_MARK
 from tag.graph import capture
@@ -106,9 +106,9 @@ class Setup:
         plan.save(self.plan)
 
     def run(self, name: str, steps: int = STEPS, fault: str | None = None, resume: str | None = None,
-            accumulate: int = ACC, every: int = 10, wandb: str | None = None):
+            accumulate: int = ACC, every: int = 10, wandb: str | None = None, compile: bool = False):
         cfg = ExecuteConfig(self.spec, self.topology, str(self.plan), steps=1, warmup=0, save_params=True,
-                            run_dir=str(self.folder / name), fault=fault, timeout_s=60.0)
+                            run_dir=str(self.folder / name), fault=fault, timeout_s=60.0, compile=compile)
         spec = TrainSpec(steps=steps, accumulate=accumulate, lr=LR, warmup_steps=WARMUP, clip=CLIP,
                          min_lr_ratio=MIN_RATIO, checkpoint_dir=str(self.folder / name / "ckpt"),
                          checkpoint_every=every, resume=resume, wandb=wandb)
@@ -234,6 +234,22 @@ def test_one_rank_killed_resumes_bitwise(tmp_path):
     a, b = s.params("whole")[0], s.params("killed")[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [r["loss"] for r in metrics(resumed)] == [r["loss"] for r in metrics(whole)]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="Inductor on CPU needs a C++ compiler")
+def test_compiled_run_trains_as_the_eager_one(tmp_path):
+    """``tag run --compile``: each rank's fused segments through torch.compile (as ``tag execute
+    --compile``); 3 steps of 2 accumulated batches with clipping equal eager single-process training
+    within the executor's tolerance (tests/test_compiled.py: Inductor reorders fp32 reductions)."""
+    s = Setup(tmp_path, "make", [1.0])
+    run = s.run("compiled", steps=3, compile=True)
+    assert run.ranks[0]["compiled_segments"] > 0  # (its segments ran compiled)
+    ref, losses, norms = reference(s.spec, 3)
+    assert_params_equal(s.params("compiled"), ref, {p.name for p in s.graph.params}, rtol=RTOL, atol=ATOL,
+                        exact=True)
+    assert [r["loss"] for r in metrics(run)] == pytest.approx(losses, rel=RTOL)
+    assert [r["grad_norm"] for r in metrics(run)] == pytest.approx(norms, rel=RTOL)
 
 
 def test_dataset_order_is_a_seeded_permutation_per_epoch():

@@ -90,6 +90,30 @@ def add_precision_arg(p: argparse.ArgumentParser, default: str | None = "fp32") 
                         + (default or "the plan's"))
 
 
+def add_launch_args(p: argparse.ArgumentParser, model_help: str) -> None:
+    """What a command launching a plan's ranks reads (``tag execute``, ``tag validate``, ``tag run``):
+    the model, topology, batch, optimizer, precision, seed, op-groups and backend."""
+    p.add_argument("--model", required=True, help=model_help)
+    p.add_argument("--topology", required=True, help="topology file (one rank per device)")
+    p.add_argument("--batch", type=int_in(1, MAX_BATCH), default=None,
+                   help=f"global batch (1..{MAX_BATCH}; default: the plan's)")
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"],
+                   help="optimizer the plan was made for")
+    add_precision_arg(p, default=None)
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
+                   help="random seed for weights, inputs and every rank's random stream (dropout masks)")
+    p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=None, help="op-groups (default: the plan's)")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="auto: NCCL when every rank has a GPU on this machine, else gloo")
+
+
+def add_compile_arg(p: argparse.ArgumentParser, when: str) -> None:
+    """``--compile`` of ``tag execute`` and ``tag run``: the ranks' fused segments through torch.compile."""
+    p.add_argument("--compile", action="store_true",
+                   help="run each rank's fused stage segments (forward, backward) through torch.compile (Inductor; "
+                        f"compiled {when}; CPU needs a C++ compiler)")
+
+
 def add_numerics_args(p: argparse.ArgumentParser) -> None:
     """PyTorch's TF32 switches for the GPU cost model (:class:`tag.cost.gpu.Numerics`)."""
     p.add_argument("--matmul-tf32", action="store_true",

@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 
 from .common import (
-    MAX_BATCH,
-    MAX_GROUPS,
-    MAX_SEED,
     RawDescriptionHelpFormatter,
+    add_compile_arg,
     add_force_arg,
-    add_precision_arg,
+    add_launch_args,
     check_outputs,
     int_in,
     print_json,
@@ -35,9 +33,7 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, help="also write the result JSON here")
     add_force_arg(p)
     p.add_argument("--save-params", action="store_true", help="each rank saves its final parameters in the run dir")
-    p.add_argument("--compile", action="store_true",
-                   help="run each rank's fused stage segments (forward, backward) through torch.compile (Inductor; "
-                        "compiled during the warm-up iterations; CPU needs a C++ compiler)")
+    add_compile_arg(p, "during the warm-up iterations")
     p.add_argument("--bucket-bytes", type=int_in(1), default=None,
                    help="cap of the gradient buckets in bytes (default: DDP's, a first bucket of 1 MiB, "
                         "then 25 MiB); the prediction uses the same")
@@ -55,18 +51,7 @@ def register(sub) -> None:
 
 def add_execute_args(p: argparse.ArgumentParser) -> None:
     """Options shared with ``tag validate``."""
-    p.add_argument("--model", required=True, help="workload spec the plan was made for (e.g. gpt2:n_layer=2)")
-    p.add_argument("--topology", required=True, help="topology file (one rank per device)")
-    p.add_argument("--batch", type=int_in(1, MAX_BATCH), default=None,
-                   help=f"global batch (1..{MAX_BATCH}; default: the plan's)")
-    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"],
-                   help="optimizer the plan was made for")
-    add_precision_arg(p, default=None)
-    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
-                   help="random seed for weights, inputs and every rank's random stream (dropout masks)")
-    p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=None, help="op-groups (default: the plan's)")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
-                   help="auto: NCCL when every rank has a GPU on this machine, else gloo")
+    add_launch_args(p, "workload spec the plan was made for (e.g. gpt2:n_layer=2)")
     p.add_argument("--steps", type=int_in(1), default=10, help="timed iterations (default 10)")
     p.add_argument("--warmup", type=int_in(0), default=3, help="untimed warm-up iterations (default 3)")
     p.add_argument("--emulate-speed", action="store_true",

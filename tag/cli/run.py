@@ -19,11 +19,9 @@ import math
 import re
 
 from .common import (
-    MAX_BATCH,
-    MAX_GROUPS,
-    MAX_SEED,
     RawDescriptionHelpFormatter,
-    add_precision_arg,
+    add_compile_arg,
+    add_launch_args,
     int_in,
     print_json,
     print_torchrun,
@@ -58,18 +56,10 @@ def positive_float(text: str) -> float:
 def register(sub) -> None:
     p = sub.add_parser("run", help="train a model with a plan: data, checkpoints, resume, metrics",
                        description=__doc__, formatter_class=RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="workload spec the plan was made for; a factory may return "
-                   "(model, inputs, data): the training data (docs/user-guide.md)")
-    p.add_argument("--topology", required=True, help="topology file (one rank per device)")
+    add_launch_args(p, "workload spec the plan was made for; a factory may return (model, inputs, data): the "
+                    "training data (docs/user-guide.md)")
     p.add_argument("--plan", required=True, help="plan JSON (from `tag plan`)")
-    p.add_argument("--batch", type=int_in(1, MAX_BATCH), default=None, help="global batch (default: the plan's)")
-    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-plain"], help="optimizer")
-    add_precision_arg(p, default=None)
-    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
-                   help="seed of the weights, the data order and every rank's random stream")
-    p.add_argument("--groups", type=int_in(1, MAX_GROUPS), default=None, help="op-groups (default: the plan's)")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
-                   help="auto: NCCL when every rank has a GPU on this machine, else gloo")
+    add_compile_arg(p, "at the first step")
     p.add_argument("--run-dir", default="tag-run", help="folder of metrics.jsonl, train.json and the ranks' logs")
     p.add_argument("--timeout", type=seconds, default=300.0,
                    help="seconds any rank may wait on a peer before the run fails")
@@ -126,7 +116,8 @@ def run(args) -> int:
     cfg = ExecuteConfig(model=args.model, topology=args.topology, plan=args.plan, batch=args.batch,
                         optimizer=args.optimizer, seed=args.seed, groups=args.groups, steps=1, warmup=0,
                         backend=args.backend, timeout_s=args.timeout, run_dir=args.run_dir,
-                        save_params=args.save_params, fault=args.inject_fault, precision=args.precision)
+                        save_params=args.save_params, fault=args.inject_fault, precision=args.precision,
+                        compile=args.compile)
     if args.torchrun is not None:
         launch = prepare_train_torchrun(cfg, spec, args.torchrun)
         print_torchrun(launch, args.json, "the same path on every machine; run in order of the topology's "

@@ -326,6 +326,7 @@ def train_rank(a, ctx: RankContext) -> dict:
     if records is not None:
         records.close()
     summary.update(rank=rank, step=step, batches=batches, samples=samples, data=feeder is not None,
+                   compiled_segments=sum(hasattr(seg.module, "_orig_mod") for seg in rt.program.segments.values()),
                    rows_read=feeder.read if feeder else 0,
                    data_rows=feeder.ranges if feeder else [])
     if a.save_params:
