@@ -45,7 +45,11 @@ def register(sub) -> None:
                         "again with --report in place of --torchrun")
     p.add_argument("--report", action="store_true",
                    help="report a finished --torchrun run of --run-dir (measured vs predicted, trace.json)")
+    p.add_argument("--adaptive-k", action="store_true",
+                   help="a pipelined plan (1f1b, kfkb, gpipe): choose kFkB's block size k between iterations from the "
+                        "measured stage-to-stage transfer times, among 1, 2, 4, 8 that fit in memory (Ada-Grouper)")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # testing: RANK:ITER:raise|exit|hang
+    p.add_argument("--inject-delay", default=None, help=argparse.SUPPRESS)  # testing: RANK:MS[:FROM[:TO]]
     p.set_defaults(func=run)
 
 
@@ -74,7 +78,7 @@ def run(args) -> int:
                         warmup=args.warmup, backend=args.backend, emulate_speed=args.emulate_speed,
                         timeout_s=args.timeout, run_dir=args.run_dir, save_params=args.save_params,
                         fault=args.inject_fault, precision=args.precision, bucket_bytes=args.bucket_bytes,
-                        compile=args.compile)
+                        compile=args.compile, adaptive_k=args.adaptive_k, delay=args.inject_delay)
     if args.torchrun is not None and args.report:
         raise TagError("--torchrun prepares a run, --report reads a finished one: expected one of them")
     if args.torchrun is not None:
@@ -103,4 +107,7 @@ def run(args) -> int:
     if res.idle_machines:
         print(f"  not launched on {', '.join(res.idle_machines)}: the plan leaves them idle")
     print(f"  losses: {', '.join(f'{x:.4f}' for x in res.losses)}")
+    ks = [it["k"] for it in res.ranks[0]["iterations"] if "k" in it] if res.ranks else []
+    if ks:
+        print(f"  kFkB block size per iteration: {', '.join(map(str, ks))}")
     return 0

@@ -50,6 +50,14 @@ class DistComm:
     """The schedule's device -> the rank this rank exchanges its activations with in its place (a
     rank running another's schedule device: the member of the same index, :attr:`Execution.shards
     <tag.executor.strategies.Execution.shards>`); absent: the device itself."""
+    sent_s: list[tuple[int, float]] | None = None
+    """CPU ranks, when a list: (destination rank, seconds) of each message sent is appended, from
+    its post (on a throttled link: from when the link takes it up) to its completion; emptied by
+    its reader (:mod:`tag.executor.adaptive`)."""
+    link_delay_s: float = 0.0
+    """Testing: seconds this CPU rank's link holds each message it sends, one message at a time, its
+    compute going on meanwhile (:class:`tag.executor.adaptive.Throttle`); 0: none."""
+    _link: object = None
 
     @classmethod
     def init(cls, rank: int, world: int, backend: str, timeout_s: float, schedule: Schedule,
@@ -81,10 +89,8 @@ class DistComm:
         me = rank if me is None else me
         transfers = [(i, st) for i, st in enumerate(schedule.steps) if st.kind == "transfer"]
         comm = cls(rank, world, backend, defer_syncs=cpu, pack_p2p=cpu,
-                   recv_steps=[i for i, st in transfers if any(m.dst == me and m.src != me for m in st.moves)],
-                   remote_steps=frozenset(i for i, st in transfers
-                                          if any(m.src != m.dst and me in (m.src, m.dst) for m in st.moves)),
                    peers=next((shard for shard in shards or [] if shard.get(me) == rank), {}))
+        comm.use_schedule(schedule, me)
         for members in schedule.comm_groups:  # every rank calls new_group for every set, same order
             for shard in shards or [{m: m for m in members}]:
                 ranks = [shard[m] for m in members]
@@ -100,6 +106,14 @@ class DistComm:
         # One collective over everybody first: NCCL wants every rank in the first p2p batch's group.
         comm.barrier(device)
         return comm
+
+    def use_schedule(self, schedule: Schedule, me: int) -> None:
+        """Take the transfer steps of ``schedule`` (walked as its device ``me``): the same
+        process groups serve another order of the same transfers (another kFkB block size)."""
+        transfers = [(i, st) for i, st in enumerate(schedule.steps) if st.kind == "transfer"]
+        self.recv_steps = [i for i, st in transfers if any(m.dst == me and m.src != me for m in st.moves)]
+        self.remote_steps = frozenset(i for i, st in transfers
+                                      if any(m.src != m.dst and me in (m.src, m.dst) for m in st.moves))
 
     def barrier(self, device: torch.device) -> None:
         """Every rank of the world reaches this point (nothing to wait for with one rank: a gloo
@@ -185,12 +199,27 @@ class DistComm:
         by_dst: dict[int, list] = {}
         for _tag, dst, piece in rt.outgoing(step):
             by_dst.setdefault(self.peers.get(dst, dst), []).append(piece)
-        sends = [dist.isend(pack(pieces), dst, tag=index, group=self.links[(self.rank, dst)])
-                 for dst, pieces in by_dst.items()]
+        sends = [self._isend(pack(pieces), dst, index) for dst, pieces in by_dst.items()]
         self.prepost(rt, index)
         for w in sends + recvs:
-            w.wait()
+            if w is not None:
+                w.wait()
         return received
+
+    def _isend(self, msg: torch.Tensor, dst: int, index: int):
+        """Send ``msg`` to rank ``dst`` (tag ``index``) on their link; a work to wait for, or None
+        on a throttled link (its send goes on a thread of its own after :attr:`link_delay_s`,
+        waited for with the iteration's other sends, :meth:`finish_syncs`). Timed into :attr:`sent_s`."""
+        pg = self.links[(self.rank, dst)]
+        if self.link_delay_s <= 0:
+            return _TimedSend(dist.isend(msg, dst, tag=index, group=pg), dst, self.sent_s)
+        if self._link is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._link = ThreadPoolExecutor(1, thread_name_prefix="tag-throttled-link")
+        self.sends.append(_Delayed(self._link.submit(_delayed_send, msg, dst, index, pg, self.link_delay_s,
+                                                     self.sent_s)))
+        return None
 
     def _post_receives(self, rt: RankRuntime, step: Step, index: int) -> tuple[list, dict]:
         """Post this rank's receives of ``step``: one packed message per source rank, tagged with
@@ -365,3 +394,39 @@ class _Pending:
             self.work = dist.reduce(self.flat, dst=self.server, group=self.pg, async_op=True)
         else:
             self.work = dist.all_reduce(self.flat, group=self.pg, async_op=True)
+
+
+@dataclass
+class _TimedSend:
+    """A send's work whose wait records its seconds since the post in ``into`` (once)."""
+
+    work: object
+    dst: int
+    into: list
+    posted: float = field(default_factory=time.perf_counter)
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.into is not None:
+            self.into.append((self.dst, time.perf_counter() - self.posted))
+            self.into = None
+
+
+def _delayed_send(msg: torch.Tensor, dst: int, index: int, pg, delay_s: float, into: list) -> None:
+    """A throttled link's send: held ``delay_s`` seconds, then sent and waited for (on the link's
+    thread; the seconds from taking it up to its completion into ``into``)."""
+    t0 = time.perf_counter()
+    time.sleep(delay_s)
+    dist.isend(msg, dst, tag=index, group=pg).wait()
+    if into is not None:
+        into.append((dst, time.perf_counter() - t0))
+
+
+@dataclass
+class _Delayed:
+    """A throttled send in flight (a future of :func:`_delayed_send`), waited for like a work."""
+
+    future: object
+
+    def wait(self) -> None:
+        self.future.result()

@@ -26,6 +26,7 @@ from ..errors import Interrupted, OutOfMemoryError, PlanError, TagError
 from ..io import check_folder, read_json, write_json
 from ..parallel import validate_plan
 from ..topology.catalog import CPU_NAME
+from .adaptive import Throttle, allowed_ks
 from .profiling import ENV as PROFILE_ENV
 from .runtime import ExecutionError
 from .worker import WorkerArgs, worker_entry
@@ -74,6 +75,11 @@ class ExecuteConfig:
     bucket_bytes: int | None = None
     """Cap of the gradient buckets (:func:`tag.parallel.buckets.bucket_caps`; default DDP's); the
     prediction is costed with the same."""
+    adaptive_k: bool = False
+    """A pipelined plan's kFkB block size chosen between iterations from the measured transfers
+    (:mod:`tag.executor.adaptive`; ``--adaptive-k``)."""
+    delay: str | None = None
+    """Testing only: one rank's sends throttled (:class:`tag.executor.adaptive.Throttle`)."""
 
 
 @dataclass
@@ -171,6 +177,9 @@ def _prepare(cfg: ExecuteConfig, graph, *, machines: bool) -> _Prepared:
         graph = capture(wl, optimizer=cfg.optimizer, num_groups=groups, precision=cfg.precision or plan.precision).graph
     validate_plan(plan, graph, topology, source=cfg.plan)
     sim_res = _predict(graph, topology, plan, cfg.check_memory, cfg.profile_dir, cfg.bucket_bytes, cfg.compile)
+    Throttle.parse(cfg.delay)  # (a bad spec refused here, in one line)
+    ks = allowed_ks(graph, topology, plan, profile_dir=cfg.profile_dir, compiled=cfg.compile,
+                    bucket_bytes=cfg.bucket_bytes, check_memory=cfg.check_memory) if cfg.adaptive_k else None
     if not machines:
         _check_devices_here(topology, backend, cfg.emulate_speed)
 
@@ -192,7 +201,8 @@ def _prepare(cfg: ExecuteConfig, graph, *, machines: bool) -> _Prepared:
                        emulate_speed=cfg.emulate_speed, timeout_s=cfg.timeout_s, graph=str(graph_path),
                        save_params=cfg.save_params, fault=cfg.fault, threads=cfg.threads,
                        launcher_pid=None if machines else os.getpid(), precision=graph.precision,
-                       bucket_bytes=cfg.bucket_bytes, profile_ops=os.environ.get(PROFILE_ENV), compile=cfg.compile)
+                       bucket_bytes=cfg.bucket_bytes, profile_ops=os.environ.get(PROFILE_ENV), compile=cfg.compile,
+                       adaptive_k=ks, delay=cfg.delay)
     write_json(args_path, asdict(wargs))
     return _Prepared(topology, backend, sim_res, run_dir, args_path, idle)
 

@@ -306,6 +306,18 @@ class RankRuntime:
             if self.compiled:
                 compile_segment(seg)
 
+    def use_schedule(self, schedule: Schedule) -> None:
+        """Walk ``schedule`` from the next iteration on: the same units, micro-batches and stages
+        in another order (another kFkB block size, :mod:`tag.executor.adaptive`); the program is
+        built once per schedule and kept."""
+        built = self.__dict__.setdefault("_programs", {})
+        built[id(self.schedule)] = (self.schedule, self.program, self._rng_modes)
+        if id(schedule) in built:
+            self.schedule, self.program, self._rng_modes = built[id(schedule)]
+        else:
+            self.schedule = schedule
+            self._build_program()
+
     def _replayed(self, draws: dict[tuple, list[str]]) -> frozenset[int]:
         """Recomputed op-groups of this rank whose forward draws random numbers (dropout): their
         recomputation replays the forward's draws (:meth:`run_segment`). Each recomputing stage

@@ -73,6 +73,12 @@ class WorkerArgs:
     train: dict | None = None
     """``tag run``: the training run's settings (:class:`tag.executor.train.TrainSpec` as a dict);
     None: ``tag execute``'s timed iterations."""
+    adaptive_k: list[int] | None = None
+    """``tag execute --adaptive-k``: the kFkB block sizes the ranks choose among between iterations
+    (:mod:`tag.executor.adaptive`); None: the plan's schedule throughout."""
+    delay: str | None = None
+    """Testing only: ``"RANK:MS[:FROM[:TO]]"`` throttles that rank's sends
+    (:class:`tag.executor.adaptive.Throttle`)."""
 
     @classmethod
     def load(cls, path: str) -> WorkerArgs:
@@ -174,6 +180,11 @@ def run_rank(a: WorkerArgs) -> dict:
         return train_rank(a, RankContext(rank, world, topology, graph, plan, sched, rt, comm, device, wl, hook,
                                          members, my_group, fault))
     rss0 = host_memory(reset_peak=True) if device.type == "cpu" else None
+    from .adaptive import AdaptiveK, Throttle
+
+    throttle = Throttle.parse(a.delay)
+    ada = None if a.adaptive_k is None else AdaptiveK(a.adaptive_k, ex, graph, topology.machine_of, a.bucket_bytes,
+                                                      rt, comm)
     iters: list[dict] = []
     timeline: list[list] = []  # [name, category, start s, end s] of the last iteration's steps
     n_iters = a.warmup + a.steps
@@ -185,10 +196,13 @@ def run_rank(a: WorkerArgs) -> dict:
         cpu_start = time.thread_time()
         if fault and fault[0] == rank and fault[1] == it:
             _inject(fault[2])
+        if throttle is not None:
+            comm.link_delay_s = throttle.delay_at(rank, it)
         rt.begin_iteration()
         last = it == n_iters - 1
-        walk_schedule(rt, comm, sched, (lambda st, i, t0: _record(timeline, rt, plan, st, i, t0 - t_start,
-                                                                  time.perf_counter() - t_start)) if last else None)
+        walk_schedule(rt, comm, rt.schedule, (lambda st, i, t0: _record(timeline, rt, plan, st, i, t0 - t_start,
+                                                                        time.perf_counter() - t_start)) if last else None,
+                      ada)
         t0 = time.perf_counter()
         comm.finish_syncs(rt)
         t1 = time.perf_counter()
@@ -199,8 +213,13 @@ def run_rank(a: WorkerArgs) -> dict:
             timeline.append(["opt", "opt", t1 - t_start, t2 - t_start])
         # cpu_s: the main thread's CPU seconds over the iteration (a CPU rank's own work, apart
         # from waits and from time taken by other processes on a shared host)
-        return {"time_s": t2 - t_start, "cpu_s": time.thread_time() - cpu_start, **rt.timer.as_dict(),
-                "loss": rt.loss}
+        out = {"time_s": t2 - t_start, "cpu_s": time.thread_time() - cpu_start, **rt.timer.as_dict(),
+               "loss": rt.loss}
+        if ada is not None:  # the block size it ran, then the next one's choice (every rank)
+            out["k"] = ada.k
+            ada.next_k()
+            out["next_k"] = ada.last
+        return out
 
     try:  # noqa: SIM105 - see the except clause
         for it in range(n_iters):
@@ -249,10 +268,11 @@ def save_rank_params(a: WorkerArgs, rt, hook, members, my_group, rank: int) -> N
     torch.save(params, Path(a.out_dir) / f"params-rank{rank}.pt")
 
 
-def walk_schedule(rt, comm, sched, done=None) -> None:
+def walk_schedule(rt, comm, sched, done=None, measure=None) -> None:
     """Run this rank's part of one iteration's schedule steps (after ``rt.begin_iteration()``;
     the queued syncs and the update are the caller's). ``done(step, index, start perf_counter
-    second)`` after each step this rank walks."""
+    second)`` after each step this rank walks; ``measure.step_done`` too
+    (:class:`tag.executor.adaptive.AdaptiveK`)."""
     if comm.pack_p2p:
         comm.prepost(rt)
     for i, st in enumerate(sched.steps):
@@ -271,6 +291,8 @@ def walk_schedule(rt, comm, sched, done=None) -> None:
             rt.release(i)
         if done is not None:
             done(st, i, t0)
+        if measure is not None:
+            measure.step_done(st, i, t0)
 
 
 def host_memory(peak: bool = False, reset_peak: bool = False) -> int:

@@ -56,7 +56,19 @@ def measure(plan, res) -> tuple[float, float, float]:
     return max(fwd) / M, max(bwd) / M, (sum(crossing) / crossings if crossings else 0.0)
 
 
-def replay(sim, plan, iterations: int, *, adaptive: bool = True, candidates=(1, 2, 4, 8)) -> list[Iteration]:
+CANDIDATES = (1, 2, 4, 8)
+"""Block sizes adaptive kFkB chooses among (those up to the micro-batches that fit)."""
+
+
+def fitting_ks(sim, plan, candidates=CANDIDATES) -> list[int]:
+    """The ``candidates`` up to ``plan``'s micro-batches whose kFkB iteration ``sim`` does not
+    find out of memory (ascending)."""
+    pp = plan.pipeline
+    return [k for k in sorted(candidates) if k <= pp.micro_batches
+            and not sim.run(plan.groups, pipeline=replace(pp, schedule="kfkb", k=k)).oom]
+
+
+def replay(sim, plan, iterations: int, *, adaptive: bool = True, candidates=CANDIDATES) -> list[Iteration]:
     """``iterations`` iterations of ``plan`` (a pipeline; its schedule run as ``kfkb``) back to
     back over ``sim``'s topology background. ``adaptive``: iteration ``i + 1``'s block size is
     :func:`choose_k` of iteration ``i``'s measurements over the ``candidates`` that fit in memory
@@ -64,7 +76,7 @@ def replay(sim, plan, iterations: int, *, adaptive: bool = True, candidates=(1, 
     pp = plan.pipeline
     M = pp.micro_batches
     sim.time_offset_s = 0.0
-    fits = [k for k in candidates if k <= M and not sim.run(plan.groups, pipeline=replace(pp, schedule="kfkb", k=k)).oom]
+    fits = fitting_ks(sim, plan, candidates)
     out: list[Iteration] = []
     k, clock = pp.k if pp.schedule == "kfkb" else 1, 0.0
     try:
