@@ -18,7 +18,7 @@ rank waits for that before training on. A folder without the final name or witho
 The state, keyed by parameter FQN (state-dict name) so that a run can resume under another plan
 (DCP reshards: each rank asks for the FQNs it holds, wherever they were written; a tensor-parallel
 shard, a sub-grid of its parameter DCP cannot express, is written whole and cut on load,
-:class:`Shards`):
+:class:`Shards`; a sharded bucket's slices of the flat parameters too, :func:`sharded_state`):
 ``param/FQN``, ``optim/FQN/KEY`` (the optimizer's per-parameter state: Adam's ``step``,
 ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``) and ``rng/rankR/I`` (rank ``R``'s random
 stream, read back only under the same plan and world size; elsewhere the streams restart from
@@ -160,8 +160,12 @@ def rank_state(rt, rank: int, shards: Shards | None = None) -> dict[str, torch.T
     params: dict[str, torch.Tensor] = {}
     states: dict[str, dict[str, torch.Tensor]] = {}  # optimizer state key -> FQN -> tensor
     opt_state = rt.optimizer.state if rt.optimizer is not None else {}
+    buckets = _sharded_buckets(rt)
+    held = {id(p) for bk in buckets for p in bk.params}
     for ph, p in rt.params.items():
         fqn = s.param_target[ph]
+        if id(p) in held:  # (a sharded bucket's: below)
+            continue
         params[fqn] = p.detach()
         for k, v in opt_state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
@@ -171,11 +175,58 @@ def rank_state(rt, rank: int, shards: Shards | None = None) -> dict[str, torch.T
         for k in sorted(states):
             whole = {n: t for n, t in states[k].items() if t.dim() > 0}  # (Adam's step: a replicated scalar)
             states[k].update(shards.gather({n: t.cpu() for n, t in whole.items()}))
+    for bk in buckets:
+        sharded_state(rt, bk, params, states)
     out = {f"param/{n}": t for n, t in params.items()}
     out.update({f"optim/{n}/{k}": t for k, d in states.items() for n, t in d.items()})
     for i, t in enumerate(rt._rng):
         out[f"rng/rank{rank}/{i}"] = t
     return out
+
+
+def _sharded_buckets(rt) -> list:
+    """The sharded buckets of a rank of sharded data parallelism (:class:`tag.executor.sharded.ShardedRank`),
+    in schedule order (the same on every member of a shard group); none elsewhere."""
+    from .sharded import ShardedRank
+
+    hook = getattr(rt, "hook", None)
+    return [hook.buckets[i] for i in sorted(hook.buckets)] if isinstance(hook, ShardedRank) else []
+
+
+def _whole(bk, shard: torch.Tensor) -> list[torch.Tensor]:
+    """A bucket's shards of one kind (parameters, Adam's ``exp_avg``...) all-gathered over its shard
+    group and cut into its parameters' whole tensors (collective over the shard group)."""
+    import torch.distributed as dist
+
+    flat = shard.detach()
+    if bk.size > 1:
+        flat = torch.empty(bk.padded, dtype=shard.dtype, device=shard.device)
+        dist.all_gather_into_tensor(flat, shard.detach().contiguous(), group=bk.shard_pg)
+    out, off = [], 0
+    for n, shape in zip(bk.numel, bk.shapes):
+        out.append(flat[off:off + n].view(shape).cpu())
+        off += n
+    return out
+
+
+def sharded_state(rt, bk, params: dict, states: dict) -> None:
+    """A sharded bucket's part of the checkpoint, added to ``params`` (FQN -> tensor) and
+    ``states`` (optimizer key -> FQN -> tensor): its shards of the flat parameters and of their
+    optimizer state gathered over the shard group and written as whole tensors under the
+    parameters' FQNs, like any plan's (every member holds them, DCP writes them once), so the
+    checkpoint resumes under any plan. A shard's elements ``[i L/S, (i+1) L/S)`` of the bucket's
+    flat layout cross its parameters' boundaries: a slice of a flattened parameter is not one
+    block of the parameter, which DCP's chunks are (the same reason as a tensor-parallel shard's);
+    so the state is gathered, transiently whole on each member at a checkpoint."""
+    names = [rt.schedule.param_target[ph] for ph in bk.names]
+    params.update(zip(names, _whole(bk, bk.shard)))
+    opt = rt.optimizer.state.get(bk.shard, {}) if rt.optimizer is not None else {}
+    for k in sorted(opt):
+        v = opt[k]
+        if not isinstance(v, torch.Tensor):
+            continue
+        whole = [v] * len(names) if v.dim() == 0 else _whole(bk, v)  # (Adam's step: one scalar)
+        states.setdefault(k, {}).update(zip(names, whole))
 
 
 def save(root: Path, step: int, rt, rank: int, world: int, train_state: dict, before_commit=None,
@@ -233,25 +284,40 @@ def load(path: Path, rt, rank: int, same_plan: bool, shards: Shards | None = Non
     meta = reader.read_metadata().state_dict_metadata
     s = rt.schedule
     kept = shards.kept if shards is not None else {}
+    buckets = _sharded_buckets(rt)
+    held = {id(p) for bk in buckets for p in bk.params}
     want: dict[str, torch.Tensor] = {}
-    order = list(rt.params.items())
-    opt_keys: list[tuple[int, str, str]] = []  # (parameter index, optimizer state key, checkpoint key)
+    opt_keys: list[tuple[torch.Tensor, str, str]] = []  # (parameter, optimizer state key, checkpoint key)
     parts: list[tuple[torch.Tensor, str, str]] = []  # (this rank's part, checkpoint key of the whole, FQN)
-    for i, (ph, p) in enumerate(order):
+
+    def whole(key: str) -> torch.Tensor:
+        if key not in meta:
+            raise CheckpointError(f"{path}: holds no parameter {key[len('param/'):]!r}; expected a checkpoint of "
+                                  "the same model")
+        want[key] = torch.empty(tuple(meta[key].size), dtype=meta[key].properties.dtype)
+        return want[key]
+
+    for ph, p in rt.params.items():
         fqn = s.param_target[ph]
         key = f"param/{fqn}"
-        if key not in meta:
-            raise CheckpointError(f"{path}: holds no parameter {fqn!r}; expected a checkpoint of the same model")
+        whole(key)
+        if id(p) in held:  # (a sharded bucket's: its shard is cut from the whole tensors below)
+            continue
         if fqn in kept:  # read whole, then this member's part
-            want[key] = torch.empty(tuple(meta[key].size), dtype=meta[key].properties.dtype)
             parts.append((p.detach(), key, fqn))
         else:
             want[key] = p.detach()
         for k in meta:
             if k.startswith(f"optim/{fqn}/"):
-                m = meta[k]
-                want[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-                opt_keys.append((i, k.rsplit("/", 1)[1], k))
+                whole(k)
+                opt_keys.append((p, k.rsplit("/", 1)[1], k))
+    for bk in buckets:
+        fqns = [s.param_target[ph] for ph in bk.names]
+        for k in {k.rsplit("/", 1)[1] for k in meta if k.startswith(f"optim/{fqns[0]}/")}:
+            if all(f"optim/{f}/{k}" in meta for f in fqns):
+                for f in fqns:
+                    whole(f"optim/{f}/{k}")
+                opt_keys.append((bk.shard, k, [f"optim/{f}/{k}" for f in fqns]))
     rng_keys = [f"rng/rank{rank}/{i}" for i in range(len(rt._rng))]
     if same_plan and all(k in meta for k in rng_keys):
         for k, t in zip(rng_keys, rt._rng):
@@ -267,15 +333,38 @@ def load(path: Path, rt, rank: int, same_plan: bool, shards: Shards | None = Non
     with torch.no_grad():
         for dst, key, fqn in parts:
             dst.copy_(select(want[key], kept[fqn]))
+        for bk in buckets:
+            flat = _shard_of(bk, [want[f"param/{s.param_target[ph]}"] for ph in bk.names])
+            bk.shard.copy_(flat)
+            if bk.level < 3:  # (ZeRO-1/2 hold the full parameters too)
+                bk.write(torch.cat([want[f"param/{s.param_target[ph]}"].reshape(-1).to(bk.dtype)
+                                    for ph in bk.names]), views=False)
     if rt.optimizer is not None and opt_keys:
+        index = {id(p): i for i, p in enumerate(p for g in rt.optimizer.param_groups for p in g["params"])}
         sd = rt.optimizer.state_dict()
         state: dict[int, dict] = {}
-        for i, k, key in opt_keys:
-            v, fqn = want[key], s.param_target[order[i][0]]
-            state.setdefault(i, {})[k] = select(v, kept[fqn]) if fqn in kept and v.dim() > 0 else v
+        for p, k, key in opt_keys:
+            if isinstance(key, list):  # a sharded bucket's: its shard of the whole tensors (a scalar as it is)
+                v = want[key[0]] if want[key[0]].dim() == 0 else _shard_of(_bucket_of(buckets, p), [want[x] for x in key])
+            else:
+                fqn = key[len("optim/"):].rsplit("/", 1)[0]
+                v = select(want[key], kept[fqn]) if fqn in kept and want[key].dim() > 0 else want[key]
+            state.setdefault(index[id(p)], {})[k] = v
         rt.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
     if same_plan and rng_keys[0] in want:
         rt._rng = tuple(want[k] for k in rng_keys)
+
+
+def _bucket_of(buckets: list, shard: torch.Tensor):
+    return next(bk for bk in buckets if bk.shard is shard)
+
+
+def _shard_of(bk, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """This member's shard of a bucket, cut from its parameters' whole tensors (of one kind)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = torch.cat([flat, flat.new_zeros(bk.padded - flat.numel())])
+    lo = bk.index_in_group * bk.chunk
+    return flat[lo:lo + bk.chunk].clone()
 
 
 # ---- reading DCP's metadata without running code ------------------------------------------

@@ -26,6 +26,15 @@ class DistComm:
     gather_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
     """SFB all-gathers: process groups of their own (not queued behind the gradient syncs)."""
     pending: list[_Pending] = field(default_factory=list)
+    accumulating: bool = False
+    """``tag run``'s gradient accumulation, a batch before a step's last: no bucket is synced, its
+    gradients are added to :attr:`carried` instead (DDP's ``no_sync``), and the step's last batch
+    syncs the sum once (:meth:`sync`)."""
+    carried: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Schedule bucket index -> this rank's flat gradients of the bucket summed over the step's
+    batches so far (unsynced)."""
+    started: int = 0
+    """Bucket collectives this rank has issued (``tag run`` reports it)."""
     defer_syncs: bool = False
     """Queue gradient buckets until :meth:`finish_syncs` (CPU ranks, see :meth:`sync`)."""
     pack_p2p: bool = False
@@ -269,7 +278,8 @@ class DistComm:
         """At the sync of a gradient bucket's last group (:meth:`Schedule.launched_at`): flatten the
         bucket's gradients into one buffer and start summing it over its members (async; see
         :meth:`finish_syncs`). At the other syncs nothing happens: their gradients wait in ``env``
-        for their bucket's last group.
+        for their bucket's last group. While :attr:`accumulating`, the flat gradients are kept in
+        :attr:`carried` and not synced; the next synced batch adds them to its own.
 
         All-reduce, or PS: reduce to the server now, broadcast back in :meth:`finish_syncs`
         (after every reduce of the iteration was issued), so every member issues the collectives
@@ -285,8 +295,16 @@ class DistComm:
             return
         t0 = time.perf_counter()
         c = b.collective
-        own = rt.hook.bucket_sync(rt, rt.schedule.buckets.index(b)) if rt.hook is not None else None
-        p = _Pending(b, rt.bucket_flat(b), None, self.groups[c.members], c.server, own=own)
+        index = rt.schedule.buckets.index(b)
+        flat, held = rt.bucket_flat(b), self.carried.pop(index, None)
+        flat = flat if held is None else held.add_(flat)
+        if self.accumulating:  # (synced with the step's last batch)
+            self.carried[index] = flat
+            rt.timer.sync += time.perf_counter() - t0
+            return
+        own = rt.hook.bucket_sync(rt, index) if rt.hook is not None else None
+        p = _Pending(b, flat, None, self.groups[c.members], c.server, own=own)
+        self.started += 1
         if not self.defer_syncs:
             p.start()
         self.pending.append(p)
@@ -315,7 +333,7 @@ class DistComm:
             if p.own is None:  # (a hook's own collective leaves the runtime's gradients as they are)
                 rt.set_bucket_flat(p.bucket, p.flat)
         self.pending.clear()
-        if rt.hook is not None:
+        if rt.hook is not None and not self.accumulating:
             rt.hook.synced(rt)
         rt.timer.sync += time.perf_counter() - t0
 

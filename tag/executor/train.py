@@ -8,14 +8,15 @@ rank per device (:func:`tag.executor.launch._launch`); each rank (:func:`train_r
 
 * data: its own rows of every global batch (:mod:`tag.executor.data`); without a data source, the
   factory's example inputs every step (``TrainResult.data`` False; ``tag run`` says so at the end);
-* an optimizer step every ``accumulate`` global batches: the gradients of the batches are summed
-  after their syncs and divided by ``accumulate`` (each batch's gradient is its mean's; the
-  syncs run every batch, as DDP outside ``no_sync``);
+* an optimizer step every ``accumulate`` global batches: each rank sums the batches' gradients
+  unsynced (the buckets' in :attr:`DistComm.carried <tag.executor.comm.DistComm.carried>`, as DDP's
+  ``no_sync``), the step's last batch syncs the sum once (all-reduce, or a sharded bucket's
+  reduce-scatter), and the sum is divided by ``accumulate`` (each batch's gradient is its mean's);
 * learning rate of optimizer step ``n`` (0-based, :func:`lr_at`): linear warm-up
   ``lr * (n + 1) / W`` over ``W`` steps, then constant or cosine to ``min_lr`` at ``--steps``;
 * gradient clipping by the global norm: every rank sums the squares of the gradients it is
-  responsible for (:func:`responsible`: each parameter, or tensor-parallel shard, once, whatever
-  the replicas, stages and tied copies holding it), one all-reduce sums them, and every rank
+  responsible for (:func:`responsible`: each parameter, tensor-parallel shard or sharded bucket's
+  slice once, whatever the replicas, stages and tied copies holding it), one all-reduce sums them, and every rank
   multiplies its gradients by ``min(1, max_norm / (norm + 1e-6))`` (``clip_grad_norm_``'s rule);
   the norm is reported whether or not ``--clip`` is given;
 * after each step one all-gather of (loss, stop, memory) per rank: rank 0 writes the step's
@@ -41,6 +42,7 @@ from ..errors import TagError
 from ..io import write_atomic, write_json
 from . import checkpoint as ckpt
 from .data import RankFeeder, rank_rows, rows_reader
+from .sharded import ShardedRank
 
 log = logging.getLogger(__name__)
 METRICS = "metrics.jsonl"
@@ -138,75 +140,119 @@ class RankContext:
 
 
 def responsible(ctx: RankContext) -> list[torch.Tensor]:
-    """The parameters whose gradients this rank counts in the global norm: of the ranks holding
-    the same gradient (a parameter's replicas, pipeline stages holding a tied copy, a
-    tensor-parallel group's members for a replicated parameter), the lowest; a tensor-parallel
-    shard is its own tensor. Collective (one all-gather of names)."""
+    """The tensors whose gradients this rank counts in the global norm: of the ranks holding the
+    same gradient (a parameter's replicas, pipeline stages holding a tied copy, a tensor-parallel
+    group's members for a replicated parameter), the lowest; a tensor-parallel shard is its own
+    tensor; a sharded bucket's gradient is its shards' (:func:`sharded_counted`). Collective (one
+    all-gather of names)."""
     import torch.distributed as dist
 
     rt = ctx.rt
-    split = ctx.hook.param_state() if ctx.hook is not None else None
+    sharded = ctx.hook if isinstance(ctx.hook, ShardedRank) else None
+    held, counted = sharded_counted(sharded)
+    split = ctx.hook.param_state() if ctx.hook is not None and sharded is None else None
     split = split if isinstance(split, dict) else {}
     index = getattr(ctx.hook, "index", 0)
     mine = {}
     for ph, p in rt.params.items():
         fqn = rt.schedule.param_target[ph]
-        mine[f"{fqn}#{index if fqn in split else 0}"] = p
+        if id(p) not in held:
+            mine[f"{fqn}#{index if fqn in split else 0}"] = p
     everyone: list = [None] * ctx.world
     dist.all_gather_object(everyone, sorted(mine))
     owner: dict[str, int] = {}
     for r, names in enumerate(everyone):
         for n in names:
             owner.setdefault(n, r)
-    return [p for n, p in mine.items() if owner[n] == ctx.rank]
+    return [p for n, p in mine.items() if owner[n] == ctx.rank] + counted
+
+
+def sharded_counted(hook: ShardedRank | None) -> tuple[set[int], list[torch.Tensor]]:
+    """A sharded rank's (ids of the parameters of its sharded buckets, whose gradients are its
+    shards', and the shards it counts in the norm): every shard group's members hold disjoint
+    slices of a bucket, counted by each; hybrid sharding's replicas of a slice (the same index in
+    the other shard groups) are counted by the first shard group's member only. A shard's padding
+    holds zeros."""
+    if hook is None:
+        return set(), []
+    held = {id(p) for bk in hook.buckets.values() for p in bk.params}
+    counted = [bk.shard for bk in hook.buckets.values()
+               if bk.cross_members is None or bk.cross_members[0] == hook.rank]
+    return held, counted
+
+
+def carried(rt) -> set[int]:
+    """Ids of the parameters whose gradients :class:`tag.executor.comm.DistComm` carries across an
+    accumulated step's batches (those of the buckets this rank syncs, :attr:`DistComm.carried`)."""
+    s = rt.schedule
+    return {id(rt.params[ph]) for b in s.buckets if rt.rank in b.collective.members
+            for g in b.groups for ph in rt._synced(g) if ph in rt.params}
 
 
 @dataclass
 class StepControl:
-    """:attr:`RankRuntime.before_step`: gradient accumulation, the global norm and clipping."""
+    """:attr:`RankRuntime.before_step`: gradient accumulation, the global norm and clipping.
 
-    params: list[torch.nn.Parameter]
+    The step's batches before its last run with ``comm.accumulating``: the buckets' gradients are
+    summed unsynced by the comm (:attr:`DistComm.carried`) and synced once, with the last batch
+    (DDP's ``no_sync``); the gradients no bucket syncs (a parameter of one rank, SFB's recomputed
+    ones) are summed here. At the last batch every gradient the optimizer steps (a sharded rank's:
+    its shards') is the sum over the batches, divided by ``accumulate``."""
+
+    rt: object
+    comm: object
     counted: list[torch.Tensor]
-    """Parameters whose gradients this rank counts in the norm (:func:`responsible`)."""
+    """Tensors whose gradients this rank counts in the norm (:func:`responsible`)."""
     accumulate: int
     clip: float | None
     device: torch.device
     k: int = 0
     """Batches accumulated so far towards the next step."""
-    acc: list[torch.Tensor] = field(default_factory=list)
+    acc: dict[int, torch.Tensor] = field(default_factory=dict)
+    """id(parameter) -> its gradient summed over the step's batches so far (not the comm's)."""
     finite: bool = True
     norm: float = float("nan")
     """The last step's global gradient norm (before clipping)."""
+
+    def __post_init__(self) -> None:
+        self.by_comm = carried(self.rt)
+        self.comm.accumulating = self.accumulate > 1
+
+    def _stepped(self) -> list[torch.Tensor]:
+        opt = self.rt.optimizer
+        return [p for g in opt.param_groups for p in g["params"] if p.grad is not None] if opt is not None else []
 
     def __call__(self, ok: bool) -> bool:
         import torch.distributed as dist
 
         self.finite = self.finite and ok
-        grads = [p.grad for p in self.params]
-        if self.k < self.accumulate - 1:  # not the step's last batch: keep the sum
-            if self.k == 0:
-                self.acc = [g.clone() for g in grads]
-            else:
-                torch._foreach_add_(self.acc, grads)
-            self.k += 1
-            return False
+        last = self.k == self.accumulate - 1
         if self.accumulate > 1:
-            torch._foreach_add_(self.acc, grads)
-            torch._foreach_div_(self.acc, float(self.accumulate))
-            for p, g in zip(self.params, self.acc):
-                p.grad = g
-        self.k, self.acc = 0, []
-        counted = [p.grad for p in self.counted]
+            for p, _ in self.rt._grad_keys:  # (each call: a sharded rank's are its unsharded groups')
+                if id(p) not in self.by_comm and p.grad is not None:
+                    held = self.acc.get(id(p))
+                    self.acc[id(p)] = p.grad.clone() if held is None else held.add_(p.grad)
+        if not last:
+            self.k += 1
+            self.comm.accumulating = self.k < self.accumulate - 1
+            return False
+        params = self._stepped()
+        if self.accumulate > 1:
+            for p in params:
+                p.grad = self.acc.pop(id(p), p.grad) / self.accumulate
+        self.k, self.acc = 0, {}
+        self.comm.accumulating = self.accumulate > 1
+        counted = [p.grad for p in self.counted if p.grad is not None]
         sq = (torch.stack(torch._foreach_norm(counted)).double().square().sum() if counted
               else torch.zeros((), dtype=torch.float64, device=self.device))
         sq = sq.to(self.device)
         dist.all_reduce(sq)
         self.norm = float(sq.sqrt())
         ok, self.finite = self.finite and math.isfinite(self.norm), True
-        if ok and self.clip is not None and self.params:
+        if ok and self.clip is not None and params:
             coef = self.clip / (self.norm + 1e-6)
             if coef < 1.0:
-                torch._foreach_mul_([p.grad for p in self.params], coef)
+                torch._foreach_mul_([p.grad for p in params], coef)
         return ok
 
 
@@ -217,7 +263,7 @@ def _shards(ctx: RankContext) -> ckpt.Shards | None:
     import torch.distributed as dist
 
     hook = ctx.hook
-    if hook is None:
+    if hook is None or isinstance(hook, ShardedRank):  # (whole parameters, or written by checkpoint.sharded_state)
         return None
     kept = hook.param_state()
     if not isinstance(kept, dict):
@@ -269,7 +315,7 @@ def train_rank(a, ctx: RankContext) -> dict:
     feeder = None
     if ctx.wl.data is not None:
         feeder = RankFeeder(rows_reader(ctx.wl.data, a.seed, a.model), rt.inputs, rank_rows(rt), a.model)
-    control = StepControl(list(rt.params.values()), responsible(ctx), spec.accumulate, spec.clip, ctx.device)
+    control = StepControl(rt, ctx.comm, responsible(ctx), spec.accumulate, spec.clip, ctx.device)
     rt.before_step = control
     base_lr = spec.lr or (rt.optimizer.defaults["lr"] if rt.optimizer is not None else 0.0)
     step, batches, samples = 0, 0, 0
@@ -326,6 +372,7 @@ def train_rank(a, ctx: RankContext) -> dict:
     if records is not None:
         records.close()
     summary.update(rank=rank, step=step, batches=batches, samples=samples, data=feeder is not None,
+                   syncs=ctx.comm.started,
                    compiled_segments=sum(hasattr(seg.module, "_orig_mod") for seg in rt.program.segments.values()),
                    rows_read=feeder.read if feeder else 0,
                    data_rows=feeder.ranges if feeder else [])
@@ -561,9 +608,10 @@ def _resumed(cfg, spec: TrainSpec) -> tuple[Path | None, int]:
     return resume, state["step"]
 
 
-CHECKPOINTED = ("allreduce", "ps", "mp", "tp")
-"""Strategies ``tag run`` checkpoints: ranks holding whole parameters, and tensor-parallel shards
-(written whole, :class:`tag.executor.checkpoint.Shards`)."""
+CHECKPOINTED = ("allreduce", "ps", "mp", "tp", "zero1", "zero2", "zero3")
+"""Strategies ``tag run`` checkpoints: ranks holding whole parameters, tensor-parallel shards
+(written whole, :class:`tag.executor.checkpoint.Shards`) and sharded buckets (written whole,
+:func:`tag.executor.checkpoint.sharded_state`)."""
 
 
 def _check_checkpointable(plan_path: str) -> None:
