@@ -15,7 +15,6 @@ from dataclasses import replace
 import numpy as np
 
 from .errors import PlanError, TagError
-from .parallel import get_strategy
 from .plan.format import Plan, new_plan
 from .search.evaluate import Evaluator
 from .search.mcts import MCTSConfig, SearchStats, mcts_search, uniform_prior
@@ -101,8 +100,13 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
               executable: bool = True, layout_grid: bool = True, progress=None) -> Plan:
     """Search a deployment of ``graph`` on ``topology``.
 
-    Both data-parallel baselines (even and speed-proportional shares) are simulated first and
-    the result is never worse than the better of them.
+    Seeds: both data-parallel baselines (even and speed-proportional shares) and the ``fsdp``
+    baseline (ZeRO-3 over every device, :func:`tag.cost.baselines.fully_sharded`; recomputation
+    on the fewest groups where it runs out of memory) are simulated first, the best of them the
+    plan the search must beat; where the layout grid runs, its best layout (and refinements) is
+    searched against the best plan so far. The plan returned is the fastest that fits of the
+    seeds, the search and the grid: never worse than any of them (the grid's best up to a time
+    limit that cuts it, ``meta["grid_cut"]``).
 
     Args:
         graph: a grouped :class:`tag.graph.OpGraph`.
@@ -183,6 +187,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     space = ActionSpace(graph, topology, cost_model=costs, tensor_parallel=new_actions,
                         pipelines=new_actions and runs_pipelines, executable=executable)
     ev = Evaluator(space, simulator)
+    fsdp_out = _seed_fsdp(graph, topology, ev, executable)
     total = None if playouts == 10**9 else playouts
     note("search", 0, total)
     ev.on_simulate = lambda e, base=ev.sim_calls: note("search", e.sim_calls - base, total)
@@ -243,6 +248,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         "dp_even_time_s": None if ev.dp_even_out.oom else ev.dp_even_out.time_s,
         "dp_prop_time_s": None if ev.dp_prop_out.oom else ev.dp_prop_out.time_s,
         "dp_even_oom": ev.dp_even_out.oom, "dp_prop_oom": ev.dp_prop_out.oom,
+        "fsdp_time_s": None if fsdp_out is None or fsdp_out.oom else fsdp_out.time_s,
         "lower_bound_s": lb,
         # the network's one-shot plan (None: not simulated, e.g. prior uniform, or out of memory)
         "one_shot_time_s": one_shot_out.time_s if one_shot_out is not None and not one_shot_out.oom else None,
@@ -373,16 +379,26 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
     if lay is None:
         return p
     t_lay = lay.predicted_iteration_time_s
-    # a layout the search's own actions can express replaces its plan only when that plan does not fit
-    # (TAG's own actions are search pass 0, Strategy.search_pass; tensor parallel is pass 1)
-    new_action = lay.pipeline is not None or any(get_strategy(g.sync).search_pass > 0 or g.recompute
-                                                 for g in lay.groups)
-    if t_lay is None or (not p.meta.get("oom") and (not new_action or (t_plan is not None and t_lay >= t_plan))):
-        return p  # (a layout that fits replaces a plan that does not)
+    # the faster of the two (a layout that fits replaces a plan that does not); ties to the searched plan
+    if t_lay is None or (not p.meta.get("oom") and t_plan is not None and t_lay >= t_plan):
+        return p
     lay.meta = {**p.meta, "source": "layout-grid", "layout": lay.meta["layout"], "oom": False,
                 "refinement": lay.meta.get("refinement"), "machines": lay.meta.get("machines"),
                 "idle_kinds": lay.meta.get("idle_kinds")}
     return lay
+
+
+def _seed_fsdp(graph, topology, ev: Evaluator, executable: bool):
+    """Seed ``ev`` with the ``fsdp`` baseline (:meth:`Evaluator.seed`) and return its outcome;
+    None where it is plain data parallel (one device a group: a baseline already) or, with
+    ``executable``, the executor refuses it."""
+    from .cost.baselines import fully_sharded
+    from .parallel import execution_refusal
+
+    plan = fully_sharded(graph, topology)
+    if all(g.sync != "zero3" for g in plan.groups) or (executable and execution_refusal(plan) is not None):
+        return None
+    return ev.seed(plan.groups, "fsdp")
 
 
 def _compress(graph, topology, p: Plan, simulator) -> str:

@@ -593,7 +593,7 @@ def tp_degrees(graph, topology) -> list[int]:
                   and all(b.features % t == 0 and (b.heads is None or b.heads % t == 0) for b in blocks)]
 
 
-def layout_grid(graph, topology) -> list[Layout]:
+def layout_grid(graph, topology, *, sharded: bool = True) -> list[Layout]:
     """Every layout a Megatron/AMP user would search by hand on ``topology``: ``dp * tp * pp`` =
     the device count, ``tp`` of :func:`tp_degrees`, ``pp`` up to the op-group count (stage cuts
     between Megatron blocks when ``tp > 1``), 1F1B with each micro-batch count of
@@ -601,7 +601,7 @@ def layout_grid(graph, topology) -> list[Layout]:
     and interleaved 1F1B with two chunks per device (``vpp=2``, stages cut by time) where the
     micro-batches are a multiple of ``pp``,
     stages cut by time and by memory, tensor parallelism with and without sequence parallelism,
-    each without and with full activation recomputation."""
+    each without and with full activation recomputation; then (``sharded``) :func:`sharded_layouts`."""
     n, out = topology.num_devices, []
     aligned = len(aligned_cuts(graph))
     for tp in tp_degrees(graph, topology):
@@ -617,7 +617,23 @@ def layout_grid(graph, topology) -> list[Layout]:
                         lay += [Layout(dp=dp, tp=tp, pp=pp, micro=micro, sp=sp, recompute=rc, vpp=2) for rc in (0, 1)]
                     if micro * lay[0].replicas <= graph.batch_size:
                         out += lay
-    return out
+    return out + (sharded_layouts(graph, topology) if sharded else [])
+
+
+def sharded_layouts(graph, topology) -> list[Layout]:
+    """The sharded data-parallel layouts of the grid (:attr:`Layout.zero`), at most 8: data
+    parallel over every device (``dp`` = the device count, at least 2 and at most the batch) with
+    ZeRO-1, ZeRO-2 and ZeRO-3, and hybrid ZeRO-3 (``hsdp=SxR``) with ``S`` the largest device count
+    dividing every machine's (a shard group inside a machine, replicated across them) where the
+    devices span machines (``1 < S < dp``), each without and with full recomputation. Not with
+    ``tp > 1`` (sharding does not compose with it) nor in pipelines: the executor refuses sharded
+    pipeline stages, and there the search's ``zero3`` actions cover them."""
+    n = topology.num_devices
+    if n < 2 or n > graph.batch_size:
+        return []
+    per_machine = math.gcd(*(len(topology.devices_of_machine(m)) for m in range(topology.num_machines)))
+    kinds = [dict(zero=z) for z in (1, 2, 3)] + ([dict(zero=3, shard=per_machine)] if 1 < per_machine < n else [])
+    return [Layout(dp=n, recompute=rc, **kw) for kw in kinds for rc in (0, 1)]
 
 
 @dataclass
@@ -645,7 +661,7 @@ class GridSearch:
 
 
 def search_layouts(graph, topology, costs, simulate, *, executable: bool = False, bounds=(),
-                   incumbent: float | None = None, deadline: float = math.inf) -> GridSearch:
+                   incumbent: float | None = None, deadline: float = math.inf, sharded: bool = True) -> GridSearch:
     """The fastest plan of :func:`layout_grid` by branch and bound: the same plan as simulating
     every layout (ties to the first in grid order), fewer simulated.
 
@@ -661,13 +677,14 @@ def search_layouts(graph, topology, costs, simulate, *, executable: bool = False
     faster matter (``best`` None if none is). ``executable``: only the layouts the executor runs
     (:func:`tag.parallel.execution_refusal`: no sequence parallelism).
     ``deadline``: a :func:`time.perf_counter` time after which no further layout is simulated (at
-    least one is; :attr:`GridSearch.cut` says it stopped early)."""
+    least one is; :attr:`GridSearch.cut` says it stopped early). ``sharded``: False leaves out the
+    grid's sharded layouts (the dp x tp x pp grid alone)."""
     plans, template = [], None
     # a layout whose plan is an earlier one's: they differ in the cut kind only and the cuts agree
     # (layout_plan reads the kind for the cuts alone), so bounds and simulation are the same
     twin_of: dict[int, int] = {}
     first_of: dict[tuple, int] = {}
-    for lay in layout_grid(graph, topology):
+    for lay in layout_grid(graph, topology, sharded=sharded):
         plan = layout_plan(graph, topology, lay, costs, template=template)
         template = template or plan
         if executable and execution_refusal(plan) is not None:

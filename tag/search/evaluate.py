@@ -164,6 +164,19 @@ class Evaluator:
         self.best_actions: tuple | None = None
         self.history = [(self.sim_calls, self.best_time)]
 
+    def seed(self, groups, source: str) -> Outcome:
+        """Simulate a plan found outside the search (``groups`` of a baseline, no pipeline; made to
+        fit by recomputation as any plan) and make it the best so far, ``best_source`` ``source``,
+        when it beats the best (or fits where the best does not, or comes closer to fitting): the
+        search then has to beat it, and the plan returned is never worse."""
+        out = self._run_groups(groups)
+        out.reward = self.reward(out.time_s, out.oom)
+        if out.reward > self.best.reward or (self.best.oom and not out.oom) or _closer_to_fit(out, self.best):
+            self.best, self.best_actions, self.best_groups = out, None, out.groups or list(groups)
+            self.best_source = source
+        self.history.append((self.sim_calls, self.best_time))
+        return out
+
     @property
     def best_time(self) -> float:
         return math.inf if self.best.oom else self.best.time_s
