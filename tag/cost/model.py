@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..graph.ir import PHASES
+from ..graph.precision import param_casts
 from .comm import CommModel
-from .gpu import Numerics, OpFeatures, gpu_rates, host_origin, on_host, stage_table
+from .gpu import Numerics, OpFeatures, gpu_rates, host_origin, on_host, op_seconds, stage_table
 from .profile import COMPILED, cpu_device_type, default_profile_dir, find_profile, profiled_device_types
 from .roofline import Roofline, group_phase_table, op_overhead, optimizer_step_overhead, roofline_for
 
@@ -81,6 +82,14 @@ class DeviceCost:
     host: tuple[float, str] | None = None
     """(host seconds per forward launch, where it comes from: ``topology`` or ``assumed: ...``)
     of a GPU rule's costs (:func:`tag.cost.gpu.on_host`); None: a CPU or a GPU profile's own host."""
+    cast: np.ndarray | None = None
+    """[K] seconds of each group's forward that are its parameter casts
+    (:func:`tag.graph.precision.param_casts`, a bf16 / fp16 copy of each fp32 weight), included in
+    ``table``'s forward at every batch: the per-iteration part, which the simulator charges once
+    per iteration, at a stage's first micro-batch, not again at later micro-batches or in a
+    recomputation (the executor casts once, :func:`tag.executor.fuse.share_param_casts`). A rule's
+    costs (:func:`_cast_seconds`); None: none (fp32) or a profile's measured table, whose forwards
+    keep their casts at every micro-batch."""
 
 
 class CostModel:
@@ -154,6 +163,12 @@ class CostModel:
         if tab is None:
             tab = self._off_grid[key] = dc.at([b])[:, :, 0]
         return float(tab[group, ph])
+
+    def cast_seconds(self, device: int) -> np.ndarray:
+        """[K] seconds of each group's forward parameter casts on ``device``
+        (:attr:`DeviceCost.cast`; zeros where there are none or its costs are measured)."""
+        c = self._dev[device].cast
+        return np.zeros(self.graph.num_groups) if c is None else c
 
     def table(self, device: int) -> np.ndarray:
         """``[K, 3, B+1]`` seconds of every group and phase at per-replica batch 0..B (read-only)."""
@@ -273,7 +288,29 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
         if wake is not None:  # scaled like the stages it delays
             wake = wake * _ratio(table[:, :2], prof.table(grid)[:, :2])
         return DeviceCost(dt, f"scaled:{ref}", table, over, scaled, wake, gap, tau, host)
-    return DeviceCost(dt, rule_source, rtab(grid), rule_overhead, rtab, host=host)
+    table = rtab(grid)
+    return DeviceCost(dt, rule_source, table, rule_overhead, rtab, host=host,
+                      cast=_cast_seconds(graph, dt, spec, features, table))
+
+
+def _cast_seconds(graph, dt: str, spec, features, table: np.ndarray) -> np.ndarray | None:
+    """[K] device seconds of each group's forward parameter casts under device type ``dt``'s rule
+    (a cast's bytes do not depend on the batch; the GPU rule's :func:`tag.cost.gpu.op_seconds`, a
+    CPU's roofline), at most the group's forward at any batch of ``table`` above 0 (None: no cast).
+    The host's launches are left in the forward: a forward is device-bound where casts matter
+    (llama-70b group 10 on an H100, 2026-11-29: 2.62 ms of casts in 2.86 + 8.69 ms per sample)."""
+    casts = param_casts(graph)
+    if not casts:
+        return None
+    only = np.zeros(len(graph.ops), dtype=bool)
+    only[casts] = True
+    if _is_cpu(dt):
+        out = group_phase_table(graph, device_roofline(dt, spec), [1], op_overhead(spec), only=only)[:, 0, 0]
+    else:
+        t = op_seconds(features(), gpu_rates(spec), [1])[:, 0]
+        out = np.zeros(graph.num_groups)
+        np.add.at(out, [graph.ops[i].group for i in casts], t[casts])
+    return np.minimum(out, table[:, 0, 1:].min(axis=1)) if table.shape[2] > 1 else out
 
 
 def _compiled_cost(graph, dt: str, root, sig: str, available: list[str], grid: np.ndarray) -> DeviceCost | None:

@@ -100,9 +100,10 @@ def value_key(schedule: Schedule, unit: UnitKey, name: str, micro: int) -> Key:
     """The ``env`` key of value ``name`` that ``unit`` computes or receives on micro-batch ``micro``:
     ``(env_unit, name)``, except, on a pipeline, a value the unit holds once per iteration for all
     its micro-batches, keyed ``(unit, name)``: a batch-independent tensor it receives
-    (:attr:`Schedule.shared`) or a partial sum it sums over the micro-batches before sending it
-    (:attr:`Schedule.summed`)."""
-    if schedule.micro_units and (name in schedule.shared.get(unit, ()) or name in schedule.summed.get(unit, ())):
+    (:attr:`Schedule.shared`), a partial sum it sums over the micro-batches before sending it
+    (:attr:`Schedule.summed`), or a parameter cast its first forward makes (:attr:`Schedule.casts`)."""
+    if schedule.micro_units and (name in schedule.shared.get(unit, ()) or name in schedule.summed.get(unit, ())
+                                 or name in schedule.casts.get(unit, ())):
         return unit, name
     return env_unit(schedule, unit, micro), name
 
@@ -136,6 +137,68 @@ def accumulation(schedule: Schedule) -> dict[UnitKey, tuple[int, frozenset[str]]
     return {u: (first[u], frozenset(names)) for u, names in grads.items() if u in first}
 
 
+def share_param_casts(schedule: Schedule, stages: dict) -> dict:
+    """``stages`` (by :func:`stage_key`) with each unit's parameter casts (:attr:`Schedule.casts`)
+    computed once per iteration: the unit's first forward in the schedule returns them (keyed
+    ``(unit, name)``, :func:`value_key`), and its later micro-batches' forwards and its
+    recomputing backward read them instead of casting again. A cast's value changes only at the
+    optimizer step, so this computes the same values (the tests compare parameters to the bit).
+    Stages shared by several micro-batches stay shared (one edited copy per role)."""
+    if not schedule.casts:
+        return stages
+    first: dict[UnitKey, int] = {}
+    for st in schedule.steps:
+        if st.kind == "compute" and st.phase == "fwd":
+            first.setdefault(st.unit, st.micro)
+    edited: dict[tuple[int, bool], Stage] = {}
+    out = {}
+    for key, stage in stages.items():
+        unit, phase, *micro = key
+        mine = schedule.casts.get(unit, frozenset())
+        names = [n for n in stage.nodes if n in mine]
+        if not names:
+            out[key] = stage
+            continue
+        makes = phase == "fwd" and (not micro or micro[0] == first.get(unit))
+        k = (id(stage), makes)
+        if k not in edited:
+            edited[k] = _returning(stage, names) if makes else _reading(stage, names)
+        out[key] = edited[k]
+    return out
+
+
+def _returning(stage: Stage, names: list[str]) -> Stage:
+    """A copy of ``stage`` that also returns the nodes ``names``."""
+    add = [n for n in names if n not in stage.outputs]
+    g, env = fx.Graph(), {}
+    for n in stage.module.graph.nodes:
+        if n.op == "output":
+            made = {m.name: env[m] for m in stage.module.graph.nodes if m.name in add}
+            g.output(tuple(env[a] for a in n.args[0]) + tuple(made[a] for a in add))
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    return Stage(stage.key, fx.GraphModule(stage.module, g), list(stage.inputs), stage.outputs + add, list(stage.nodes))
+
+
+def _reading(stage: Stage, names: list[str]) -> Stage:
+    """A copy of ``stage`` whose nodes ``names`` are inputs (placeholders after the others)
+    instead of being computed."""
+    old = list(stage.module.graph.nodes)
+    phs = [n for n in old if n.op == "placeholder"]
+    by_name = {n.name: n for n in old}
+    g, env = fx.Graph(), {}
+    for n in phs:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    for name in names:
+        ph = env[by_name[name]] = g.placeholder(name)
+        ph.meta = dict(by_name[name].meta)
+    for n in old:
+        if n.op != "placeholder" and n not in env:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    return Stage(stage.key, fx.GraphModule(stage.module, g), stage.inputs + names, list(stage.outputs),
+                 [n for n in stage.nodes if n not in names])
+
+
 def takes_part(schedule: Schedule, rank: int, st: Step, stages) -> bool:
     """Whether ``rank`` has something to do in step ``st`` (``stages``: its stages, by
     :func:`stage_key`)."""
@@ -163,7 +226,7 @@ def step_reads_writes(schedule: Schedule, rank: int, st: Step, stages, synced: C
         reads = [value_key(schedule, st.unit, n, st.micro) for n in stage.inputs]
         acc = accum.get(st.unit) if accum and st.phase == "bwd" else None
         if acc is None:
-            return reads, [(u, n) for n in stage.outputs]
+            return reads, [value_key(schedule, st.unit, n, st.micro) for n in stage.outputs]
         first, grads = acc  # the parameter gradients go to (unit, name), summed over the micro-batches
         summed = [(st.unit, n) for n in stage.outputs if n in grads]
         return (reads + (summed if st.micro != first else []),
@@ -323,7 +386,6 @@ def build_module(seg: Segment, schedule: Schedule, rank: int, stages: dict, stat
         st = schedule.steps[i]
         if st.kind == "compute":
             stage: Stage = stages[stage_key(schedule, st)]
-            u = env_unit(schedule, st.unit, st.micro)
             first, grads = accum.get(st.unit, (st.micro, frozenset())) if st.phase == "bwd" else (0, frozenset())
             local: dict[fx.Node, fx.Node] = {}
             phs = [n for n in stage.module.graph.nodes if n.op == "placeholder"]
@@ -335,7 +397,7 @@ def build_module(seg: Segment, schedule: Schedule, rank: int, stages: dict, stat
                 if n.op == "output":
                     for name, v in zip(stage.outputs, n.args[0]):
                         if name not in grads:
-                            node_of[(u, name)] = local[v]
+                            node_of[value_key(schedule, st.unit, name, st.micro)] = local[v]
                         elif st.micro == first:  # a gradient summed over the micro-batches (accumulation)
                             node_of[(st.unit, name)] = local[v]
                         else:

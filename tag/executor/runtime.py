@@ -66,7 +66,7 @@ from ..errors import TagError
 from ..graph.capture import export_joint
 from ..graph.stages import Stage, build_stages, retarget_devices
 from ..parallel.schedule import Bucket, Move, Schedule, SfbGroup, Step, UnitKey
-from .fuse import Key, build_module, env_unit, plan_program, value_key
+from .fuse import Key, build_module, env_unit, plan_program, share_param_casts, value_key
 from .optim import make_optimizer
 
 if TYPE_CHECKING:
@@ -258,6 +258,7 @@ class RankRuntime:
                 for name, x in zip(self.user_inputs, self.inputs):
                     # dim 0 of every user input is the batch
                     self.input_rows[(env_unit(s, key, m), name)] = x[r.start:r.stop]
+        self.stages = share_param_casts(s, self.stages)  # bf16 / fp16 weight casts: once per iteration
         self._build_program()
         self.env: dict[Key, torch.Tensor] = {}
         self.timer = Timer(cuda=self.device.type == "cuda")

@@ -95,3 +95,23 @@ def autocast(precision: str):
 def dtype_name(dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the name an :class:`~tag.graph.ir.Op` records)."""
     return str(dtype).removeprefix("torch.")
+
+
+CAST_TARGETS = frozenset({"aten._to_copy.default"})
+"""The ATen overload autocast casts a tensor with in the exported graph (``Op.target``)."""
+
+
+def param_casts(graph) -> list[int]:
+    """Indices of the forward ops of ``graph`` (an :class:`~tag.graph.ir.OpGraph`) that cast a
+    parameter to the low precision: under autocast each forward starts by casting every fp32
+    weight it reads (``aten._to_copy(W, dtype=bfloat16)``). Their value changes only at the
+    optimizer step, so the executor computes each once per iteration, at its unit's first
+    forward, and every later micro-batch and recomputation reads that copy (Megatron-LM holds
+    bf16 weights and casts once per step); the cost model charges them so
+    (:attr:`tag.cost.model.DeviceCost.cast`). Empty for an fp32 graph."""
+    if graph.precision == "fp32":
+        return []
+    tensors = graph.tensors
+    return [i for i, op in enumerate(graph.ops)
+            if op.phase == "fwd" and op.target in CAST_TARGETS and len(op.inputs) == 1
+            and tensors[op.inputs[0]].kind == "param" and op.dtype in ("bfloat16", "float16")]

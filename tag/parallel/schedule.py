@@ -68,6 +68,7 @@ from ..graph.gradients import (  # noqa: F401 (gradient_tensors, partial_sum_ten
     tied_weights,
 )
 from ..graph.ir import OpGraph
+from ..graph.precision import param_casts
 from ..plan.format import Plan
 from .buckets import assign_buckets
 from .moves import move_kind, move_pieces
@@ -250,6 +251,11 @@ class Schedule:
     """Pipeline plans: param placeholder name -> the weight's :class:`Tied` copies (a weight two
     stages read, held by both); its ``sync`` step has group :attr:`Tied.group`, whose
     :attr:`sync_params` entry is the weight alone."""
+    casts: dict[UnitKey, frozenset[str]] = field(default_factory=dict)
+    """Unit -> names of its forward's parameter casts (:func:`tag.graph.precision.param_casts`:
+    a bf16 / fp16 copy of an fp32 weight): computed once per iteration, at the unit's first
+    forward, and held (keyed without the micro-batch, :func:`tag.executor.fuse.value_key`) for
+    its later micro-batches and its recomputation, until the optimizer step."""
 
     def grad_key(self, ph: str, units) -> tuple[UnitKey, str] | None:
         """The ``env`` key of the gradient of param ``ph`` a rank computing ``units`` holds: the
@@ -513,7 +519,16 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
                     graph_structure(graph), ranges, micro_units, buckets,
                     {g: k for k, b in enumerate(buckets) for g in b.groups},
                     {u: frozenset(n) for u, n in shared.items()}, {u: frozenset(n) for u, n in summed.items()},
-                    frozenset(g for g, gp in enumerate(plan.groups) if gp.recompute), tied)
+                    frozenset(g for g, gp in enumerate(plan.groups) if gp.recompute), tied,
+                    _casts(graph, unit_of_op))
+
+
+def _casts(graph: OpGraph, unit_of_op: dict[int, UnitKey]) -> dict[UnitKey, frozenset[str]]:
+    """:attr:`Schedule.casts`: each unit's forward parameter casts, by node name."""
+    out: dict[UnitKey, set[str]] = {}
+    for i in param_casts(graph):
+        out.setdefault(unit_of_op[i], set()).add(graph.ops[i].name)
+    return {u: frozenset(n) for u, n in out.items()}
 
 
 def _relays(graph: OpGraph, program: IterationProgram | None, first_need: dict[tuple[int, UnitKey], int],

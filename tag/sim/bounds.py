@@ -134,8 +134,10 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
             fwd = (1.0 - f) * sim.tables[c, g2, FWD, lo[:, None]] + f * sim.tables[c, g2, FWD, hi[:, None]]
             bwd = (1.0 - f) * sim.tables[c, g2, BWD, lo[:, None]] + f * sim.tables[c, g2, BWD, hi[:, None]]
             fs, bs = fwd.sum(axis=1), bwd.sum(axis=1)
-            secs = (fs * (2.0 if rc else 1.0) + bs)[back]  # [R]: fwd + bwd (+ fwd again)
-            np.add.at(busy, dev, secs * times)
+            # the forwards' parameter casts: once per iteration, at the first micro-batch, not recomputed
+            cs = sim.casts[c, g2].sum(axis=1) if sim.any_casts else np.zeros(len(ucls))
+            secs = (fs * (2.0 if rc else 1.0) + bs - (cs if rc else 0.0))[back]  # [R]: fwd + bwd (+ fwd again)
+            np.add.at(busy, dev, secs * times - cs[back] * (times - (m == 0)))
             if prog is not None:
                 unit = strategy.units(gs[0], gp, graph, size)[0]
                 if list(unit.devices) != list(devs) or min(unit.batches) < 1:
@@ -143,7 +145,7 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
                 if size == sizes[0]:
                     np.add.at(fwd0.setdefault(stage, np.zeros(n)), dev, fs[back])
                 if size == sizes[-1]:
-                    np.add.at(bwd1.setdefault(stage, np.zeros(n)), dev, (bs + fs if rc else bs)[back])
+                    np.add.at(bwd1.setdefault(stage, np.zeros(n)), dev, (bs + fs - cs if rc else bs)[back])
             if m == 0:  # held at the first micro-batch's samples (the simulator's rule)
                 np.add.at(held, dev, fixed + ps * small * fl)
                 ws = (st.work_fixed[gi][None, :] + st.work_per_sample[gi][None, :] * big[:, None]).max(axis=1)

@@ -148,6 +148,13 @@ class Simulator:
                 tabs.append(t)
             self.dev_class.append(k)
         self.tables = np.stack(tabs)  # [C, K, 3, B+1]
+        cast_of = getattr(self.costs, "cast_seconds", None)  # (a cost model without parameter casts: none)
+        self.casts = np.stack([cast_of(self.dev_class.index(c)) if cast_of is not None
+                               else np.zeros(graph.num_groups) for c in range(len(tabs))])
+        """[C, K] seconds of each group's forward parameter casts per device class
+        (:meth:`tag.cost.CostModel.cast_seconds`), part of ``tables``' forwards: charged once per
+        iteration (a pipeline's first micro-batch, :meth:`warm_layout`; not in a recomputation)."""
+        self.any_casts = bool(self.casts.any())
         self.num_devices = topology.num_devices
         self.num_machines = topology.num_machines
         self.capacity = [float(d.gpu.memory_bytes) for d in topology.devices]
@@ -317,7 +324,39 @@ class Simulator:
         key = ("rc", lay.uid)
         out = self._layouts.get(key)
         if out is None:
-            out = self.store_layout(key, recompute_layout(self.static, lay, held, live, saved))
+            out = self.store_layout(key, recompute_layout(self.static, lay, held, live, saved, self._casts_of(lay)))
+        return out
+
+    def _casts_of(self, lay: Layout) -> np.ndarray | None:
+        """[K, R] seconds of every group's forward parameter casts on ``lay``'s replicas (None: none)."""
+        if not self.any_casts:
+            return None
+        return self.casts[[self.dev_class[d] for d in lay.devices]].T
+
+    def warm_layout(self, lay: Layout) -> Layout:
+        """``lay`` with forwards that do not cast the parameters (a pipeline's micro-batches after
+        its first: the executor casts each weight once per iteration and reuses the copy,
+        :func:`tag.executor.fuse.share_param_casts`); cached per layout, so groups sharing a
+        layout share its warm one."""
+        key = ("warm", lay.uid)
+        out = self._layouts.get(key)
+        if out is None:
+            dur = lay.dur.copy()
+            dur[FWD] = np.maximum(dur[FWD] - self._casts_of(lay), 0.0)
+            out = self.store_layout(key, Layout.of(lay.devices, lay.batches, lay.dev_arr, dur, lay.mem, lay.work,
+                                                   lay.starts, saved=lay.saved, compute=lay.compute))
+        return out
+
+    def _warm(self, gds: list[GroupData]) -> list[GroupData]:
+        """``gds`` on their :meth:`warm_layout` (the same serials: the same flows and syncs)."""
+        out = []
+        for gd in gds:
+            lay = gd.layout
+            if lay is None:
+                out.append(gd)
+                continue
+            w = self.warm_layout(lay)
+            out.append(replace(gd, layout=w, units=[replace(u, layout=w) if u.layout is lay else u for u in gd.units]))
         return out
 
     def _sync_seconds(self, op: str, devs: tuple[int, ...], server: int | None, nbytes: float) -> float:
@@ -540,12 +579,15 @@ class Simulator:
         from ..parallel.pipeline import iteration_program
 
         prog = iteration_program(pp, self.static.batch_size, len(groups))
-        by_size: dict[int, list[GroupData]] = {}
+        by_size: dict[tuple[int, bool], list[GroupData]] = {}
         mgds = []
-        for lo, hi in prog.ranges:
-            if hi - lo not in by_size:
-                by_size[hi - lo] = [self.group_data(g, gp, batch=hi - lo) for g, gp in enumerate(groups)]
-            mgds.append(by_size[hi - lo])
+        for m, (lo, hi) in enumerate(prog.ranges):
+            # micro-batch 0 (every stage's first forward) casts the parameters, the later ones reuse them
+            key = (hi - lo, m > 0 and self.any_casts)
+            if key not in by_size:
+                gds = [self.group_data(g, gp, batch=hi - lo) for g, gp in enumerate(groups)]
+                by_size[key] = self._warm(gds) if key[1] else gds
+            mgds.append(by_size[key])
         members = [list(r) for r in prog.members]
         tasks = [(t.stage, FWD if t.phase == "fwd" else BWD, t.micro) for t in prog.tasks]
         flight = list(prog.flight)

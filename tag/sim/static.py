@@ -19,6 +19,7 @@ from ..graph.gradients import (
     partial_sum_tensors,
     tied_weights,
 )
+from ..graph.precision import param_casts
 from ..plan.format import group_positions
 
 FWD, BWD, OPT = 0, 1, 2
@@ -126,6 +127,10 @@ class GraphStatic:
     ``rc_work_fixed + rc_work_per_sample * b``."""
     rc_work_per_sample: np.ndarray = None
     tied: tuple[TiedWeight, ...] = ()
+    casts: frozenset[int] = frozenset()
+    """Tensors that are parameter casts (:func:`tag.graph.precision.param_casts`): a recomputed
+    group holds its forward's copies until its backward (:meth:`recompute_bytes`); without
+    recomputation they are in :attr:`saved` (the backward of a matmul reads its cast weight)."""
     """The tied weights a pipeline may hold on two stages."""
     _relayed: dict = None
 
@@ -186,8 +191,9 @@ class GraphStatic:
         ``g`` (the whole group or an ``mp`` chunk): ``(held fixed, held per sample, transient
         fixed, transient per sample)`` bytes. Held from its forward to its backward: every tensor
         made outside the unit (another group or chunk, a user input) that the unit's forward or
-        backward reads (its inputs, and what its backward reads from elsewhere). Transient, at its
-        backward: the values the unit's own forward makes that its backward reads (made again by
+        backward reads (its inputs, and what its backward reads from elsewhere), and the
+        parameter casts its forward makes (:attr:`casts`: made once, the recompute reads them).
+        Transient, at its backward: the values the unit's own forward makes that its backward reads (made again by
         the recompute). Without recomputation the unit holds ``saved`` (what its backward reads).
         ``only``: count only these tensors (indices)."""
         hf = hp = tf = tp = 0.0
@@ -196,7 +202,9 @@ class GraphStatic:
                 continue
             read_f = any(lo <= x < hi for x in fwd)
             read_b = any(lo <= x < hi for x in bwd)
-            if src is not None and lo <= src < hi:  # made by the unit: re-made before its backward
+            if src is not None and lo <= src < hi and t in self.casts:  # a parameter cast: held
+                hf += fixed
+            elif src is not None and lo <= src < hi:  # made by the unit: re-made before its backward
                 if read_b:
                     tf += fixed
                     tp += per_sample
@@ -293,4 +301,5 @@ def build_static(graph) -> GraphStatic:
         reads[g].append((tt.nbytes.fixed, tt.nbytes.per_sample, src[1] if src is not None and src[0] == g else None,
                          sorted(set(fwd)), sorted(set(bwd)), t))
     return GraphStatic(k, graph.batch_size, lo, hi, edges, sorted(edges), grad_bytes, grad_bytes.tolist(), static_pos,
-                       buffer_pos, saved, work_pos, reads=reads, tied=tied)
+                       buffer_pos, saved, work_pos, reads=reads, tied=tied,
+                       casts=frozenset(ops[i].outputs[0] for i in param_casts(graph)))

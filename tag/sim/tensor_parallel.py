@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..graph.precision import param_casts
 from ..parallel.tensor_parallel import (
     TensorParallel,
     block_interior,
@@ -142,6 +143,7 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
         if gb > 0:
             dur[OPT, g, :] *= 1.0 - keep * sp.split_bytes / gb
         mem[g, :] -= keep * sp.split_state
+    mem -= keep * _split_casts(graph)[:, None]  # a device holds its shard's bf16 / fp16 weight copies
     lay = Layout.of(devices, batches, np.array(devices, dtype=np.int64), dur, mem, work, starts, saved=saved,
                     compute=None if sequence_parallel else tuple(compute))
     return sim.store_layout(key, lay)
@@ -169,6 +171,21 @@ def _block_share(sim, device: int, batches: tuple[int, int]) -> np.ndarray:
         share = shares[key] = np.divide(part, whole, out=np.zeros_like(part), where=whole > 0)
         sim.charge(share.nbytes + ENTRY_BYTES)
     return share
+
+
+@per_graph
+def _split_casts(graph) -> np.ndarray:
+    """``[K]`` bytes of the parameter casts (:func:`tag.graph.precision.param_casts`) of split
+    weights in each group's forward: the whole copies, of which a tensor-parallel device holds
+    ``1 / T`` (held with the saved values, or, recomputed, until the backward: :mod:`tag.sim.static`)."""
+    split = {graph.params[p].tensor for sp in (group_split(graph, g) for g in range(graph.num_groups))
+             for p in sp.split_params}
+    out = np.zeros(graph.num_groups)
+    for i in param_casts(graph):
+        op = graph.ops[i]
+        if op.inputs[0] in split:
+            out[op.group] += graph.tensors[op.outputs[0]].nbytes.fixed
+    return out
 
 
 @per_graph

@@ -284,7 +284,7 @@ def make_layout(static: GraphStatic, tables: np.ndarray, dev_class: list[int], d
     return Layout.of(devices, batches, dev, dur, mem, work, starts)
 
 
-def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, saved=None) -> Layout:
+def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, saved=None, cast=None) -> Layout:
     """``lay`` with every group under activation recomputation (``GroupPlan.recompute``): backward
     seconds = forward + backward seconds; held bytes = ``lay``'s less the saved activations plus
     the group's inputs (:meth:`GraphStatic.recompute_bytes`, at each replica's batch); working set
@@ -292,9 +292,11 @@ def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, sav
     backward, and saved bytes ``lay`` holds, beyond those at the replica's batch (plain tensor
     parallelism: what is outside the Megatron blocks is at the tensor-parallel group's batch, the
     rest at ``lay.compute``, its devices' ``1 / T`` of it); ``lay.saved``, where set, becomes what a
-    run keeps for its backward under recomputation."""
+    run keeps for its backward under recomputation. ``cast``: [K, R] seconds of the forward's
+    parameter casts, which the recomputation does not make again (it reads the forward's copies,
+    :attr:`tag.cost.model.DeviceCost.cast`)."""
     dur = lay.dur.copy()
-    dur[BWD] += dur[FWD]
+    dur[BWD] += dur[FWD] if cast is None else np.maximum(dur[FWD] - cast, 0.0)
     b = np.asarray(lay.batches if lay.compute is None else lay.compute, dtype=float)[None, :]
     per_sample = (static.rc_per_sample - static.mem_per_sample)[:, None] * b
     mem = lay.mem + (static.rc_fixed - static.mem_fixed)[:, None] + per_sample
