@@ -314,6 +314,44 @@ def test_compiled_run_trains_as_the_eager_one(tmp_path):
     assert [r["grad_norm"] for r in metrics(run)] == pytest.approx(norms, rel=RTOL)
 
 
+README_FACTORY = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.body(x), y)
+
+
+def make(batch_size=32):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(10_000, 32, generator=g), torch.randint(0, 10, (10_000,), generator=g)
+    return Net(), (x[:batch_size], y[:batch_size]), torch.utils.data.TensorDataset(x, y)
+"""
+
+
+def test_a_plan_of_a_model_with_fewer_groups_than_asked_runs(tmp_path):
+    """``tag plan`` asks for 48 op-groups; README.md's example model has fewer costly ops, so fewer
+    groups (8), and asking for 8 groups it otherwise. The launcher, which asks for the plan's count
+    by default, groups the model as the plan was (``launch._planned_groups``)."""
+    from tag.executor.launch import PLAN_GROUPS, _prepare
+
+    (tmp_path / "mymodels.py").write_text(README_FACTORY)
+    spec, topo = f"{tmp_path / 'mymodels.py'}:make", topology(tmp_path, 1)
+    graph = capture(load_workload(spec, batch=32), optimizer="adam", num_groups=PLAN_GROUPS).graph
+    n = graph.num_groups
+    assert n < PLAN_GROUPS
+    assert capture(load_workload(spec, batch=32), optimizer="adam", num_groups=n).graph.signature() != graph.signature()
+    new_plan(graph, load_topology(topo), [GroupPlan([0], [1.0])] * n).save(tmp_path / "plan.json")
+    _prepare(ExecuteConfig(spec, topo, str(tmp_path / "plan.json"), run_dir=str(tmp_path / "run")), None, machines=True)
+    assert json.loads((tmp_path / "run" / "args.json").read_text())["groups"] == PLAN_GROUPS
+
+
 def test_dataset_order_is_a_seeded_permutation_per_epoch():
     order = DataOrder(10, seed=3)
     stream = order.indices(0, 0, 30)

@@ -144,6 +144,27 @@ def on_used_machines(plan, topology):
     return plan.on_topology(sub, {d: i for i, d in enumerate(devices)}), sub, idle
 
 
+PLAN_GROUPS = 48
+"""``tag plan``'s default ``--groups`` (:func:`tag.cli.common.add_model_args`)."""
+
+
+def _planned_groups(graph, plan, groups: int) -> int:
+    """The op-group count to ask for so that ``graph`` (captured) is grouped as ``plan``'s was: a
+    model with fewer costly ops than ``tag plan`` asked for (48 by default) has fewer groups, and
+    asking for that smaller count groups it otherwise (2026-11-29: README.md's 2-layer MLP factory
+    asked for 48 has 8 groups, asked for 8 another 8). ``graph`` is regrouped in place; ``groups``
+    when neither matches
+    (:func:`tag.parallel.validate_plan` then names the mismatch)."""
+    from ..graph.grouping import group_ops
+
+    if groups < PLAN_GROUPS:
+        group_ops(graph, PLAN_GROUPS)
+        if graph.signature() == plan.graph_signature:
+            return PLAN_GROUPS
+        group_ops(graph, groups)
+    return groups
+
+
 def _prepare(cfg: ExecuteConfig, graph, *, machines: bool) -> _Prepared:
     """Check ``cfg`` (plan against model, topology and memory), capture the graph (unless given),
     predict, and write the workers' files into the run folder (``graph.json``, ``topology.json``,
@@ -175,6 +196,8 @@ def _prepare(cfg: ExecuteConfig, graph, *, machines: bool) -> _Prepared:
     if graph is None:
         wl = load_workload(cfg.model, batch=batch, seed=cfg.seed)
         graph = capture(wl, optimizer=cfg.optimizer, num_groups=groups, precision=cfg.precision or plan.precision).graph
+        if cfg.groups is None and graph.signature() != plan.graph_signature:
+            groups = _planned_groups(graph, plan, groups)
     validate_plan(plan, graph, topology, source=cfg.plan)
     sim_res = _predict(graph, topology, plan, cfg.check_memory, cfg.profile_dir, cfg.bucket_bytes, cfg.compile)
     Throttle.parse(cfg.delay)  # (a bad spec refused here, in one line)
