@@ -127,3 +127,71 @@ def test_the_simulator_costs_cross_machine_messages_against_what_is_left(gpt2, t
     c0, c1 = sends(r0, True), sends(r1, True)
     assert c0 and len(c0) == len(c1) and all(y == pytest.approx(2 * x) for x, y in zip(sorted(c0), sorted(c1)))
     assert sorted(sends(r0, False)) == pytest.approx(sorted(sends(r1, False)))
+
+
+def test_gradient_collectives_across_machines_are_slowed(gpt2, tmp_path):
+    """With half of machine a's NIC taken every gradient all-reduce over both machines takes twice
+    its nominal time (a chain of buckets, each after the last), one within a machine the same:
+    dp=4 syncs across the machines; dp=2,pp=2 each stage within its machine, the tied embedding
+    over both stages' replicas, across."""
+    free, half = _topo(tmp_path), _topo(tmp_path, 0.5, name="half.yaml")
+    costs = CostModel.for_topology(gpt2, free)
+
+    def syncs(topo, layout):  # (crossing machines, seconds) of device 0's all-reduces, and the run
+        sim = Simulator(gpt2, topo, CostModel(gpt2, topo, costs._dev, costs.comm))
+        plan = layout_plan(gpt2, topo, parse_layout(layout), sim.costs)
+        res = sim.run(plan.groups, pipeline=plan.pipeline, trace=True)
+        devs: dict = {}
+        for e in res.events:
+            if e.cat == "allreduce":
+                devs.setdefault((e.name, e.start), set()).add(e.device)
+        return sorted((max(d) >= 2, e.end - e.start) for e in res.events if e.cat == "allreduce" and e.device == 0
+                      for d in [devs[(e.name, e.start)]]), res
+
+    for layout, kinds in (("dp=4", {True}), ("dp=2,pp=2", {False, True})):
+        (c0, r0), (c1, r1) = syncs(free, layout), syncs(half, layout)
+        assert {x for x, _ in c0} == kinds and [x for x, _ in c0] == [x for x, _ in c1], c0
+        for (cross, a), (_, b) in zip(c0, c1):
+            assert b == pytest.approx(2 * a if cross else a)
+        assert r1.iteration_time_s > r0.iteration_time_s
+
+
+def test_plan_for_the_expected_or_no_background(tmp_path, capsys, gpt2):
+    """tag plan --background expected plans on the mean share, none on the free network, stated (the
+    default) on the background at every iteration's start: each plan's predicted time is its
+    simulation there; the plan is stamped for the topology file either way (tag simulate and tag
+    execute take it)."""
+    import json
+
+    from tag.cli import main
+    from tag.plan import Plan
+    from tag.topology.background import planning_topology
+
+    # machine a's NIC free at the iteration's start, 90% taken 1 s of every 2 from 1 s on: a mean
+    # share of 0.7 over the profile's 3 s
+    busy = _topo(tmp_path, {"busy": 0.9, "period": "2 s", "on": "1 s", "start": "1 s"}, name="busy.yaml")
+    assert planning_topology(busy, "stated") is busy
+    assert planning_topology(busy, "expected").machine_bandwidth(0, 1) == pytest.approx(
+        0.7 * busy.machine_bandwidth(0, 1))
+    assert not planning_topology(busy, "none").background
+    with pytest.raises(TopologyError, match="^background condition: expected one of stated, expected, none, got 'x'$"):
+        planning_topology(busy, "x")
+    spec = "gpt2:n_layer=4,n_embd=256,n_head=4,vocab=1024,seq=128"
+    graph = gpt2  # (spec at batch 16 in 8 groups)
+    topos = {c: planning_topology(busy, c) for c in ("stated", "expected", "none")}
+    sims = {c: Simulator(graph, t, CostModel.for_topology(graph, t)) for c, t in topos.items()}
+    crossing = []
+    for cond in ("expected", "none"):  # (stated: the default, as before the option)
+        out = tmp_path / f"{cond}.json"
+        assert main(["plan", "--model", spec, "--batch", "16", "--groups", "8", "--topology", str(tmp_path / "busy.yaml"),
+                     "--prior", "uniform", "--budget", "4", "--pipelines", "off", "--background", cond,
+                     "--out", str(out), "--json"]) == 0
+        predicted = json.loads(capsys.readouterr().out)["predicted_iteration_time_s"]
+        p = Plan.load(out)
+        assert p.topology_signature == busy.signature() and p.meta["background"] == cond
+        t = {c: sim.run(p.groups, pipeline=p.pipeline).iteration_time_s for c, sim in sims.items()}
+        assert t[cond] == pytest.approx(predicted, rel=1e-9)  # costed for its condition
+        if {d // 2 for g in p.groups for d in g.devices} == {0, 1}:
+            crossing.append(cond)
+            assert t["expected"] > t["stated"] == pytest.approx(t["none"])  # (the iteration ends before 1 s)
+    assert crossing, crossing  # (a plan over both machines tells the conditions apart)

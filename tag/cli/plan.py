@@ -57,6 +57,10 @@ def register(sub) -> None:
                         "output then says when the plan is simulated only (default: only plans tag execute runs)")
     p.add_argument("--no-one-shot", dest="one_shot", action="store_false",
                    help="with --prior gnn: do not spend the last playout on the network's one-shot plan")
+    p.add_argument("--background", choices=["stated", "expected", "none"], default="stated",
+                   help="a topology whose NICs or links carry other jobs' traffic: plan for it as stated (each "
+                        "iteration at time 0 of it; default), for its mean share of the bandwidth over its trace or "
+                        "period (expected), or for a network free of it (none)")
     p.add_argument("--profiles", metavar="DIR", type=folder, default=None, help=PROFILES_HELP)
     p.add_argument("--out", metavar="PLAN.json", default=None, help="write the plan JSON here")
     p.add_argument("--trace", metavar="OUT.json", default=None,
@@ -112,7 +116,10 @@ def run(args) -> int:
 
     check_outputs(args, out=args.out, trace=args.trace, export=args.export and args.export[1])
     check_export(args)
-    topo = load_topology(args.topology)
+    from ..topology.background import planning_topology
+
+    stated = load_topology(args.topology)
+    topo = planning_topology(stated, args.background)  # (the plan is stamped for the file's topology below)
     progress = StageProgress(quiet=args.json)
     t0 = time.perf_counter()
     progress("capture")
@@ -135,6 +142,9 @@ def run(args) -> int:
     finally:
         progress.close()  # no bar left on the terminal, after an error either
     p.meta["capture_s"] = capture_s
+    if topo is not stated:
+        p = p.on_topology(stated, list(range(stated.num_devices)))
+        p.meta["background"] = args.background
     if p.meta.get("oom") and not args.allow_oom:
         from ..errors import OutOfMemoryError
         from ..sim import Simulator

@@ -131,7 +131,7 @@ class Simulator:
         """How many times the caches were emptied for :attr:`cache_bytes`."""
         self.graph = graph
         self.topology = topology
-        self._paths: dict = {}  # (machine, machine) -> its background profile or None (_Run._slowed)
+        self._paths: dict = {}  # machines (a message's pair, a collective's) -> background profile or None (_Run._slowed)
         self.time_offset_s = 0.0
         """Seconds of a background profile (:mod:`tag.topology.background`) at which the iteration
         starts (the iterations before it, when replaying a run over a trace)."""
@@ -919,7 +919,7 @@ class _Run:
                 x = nin[mb]
                 if x > s:
                     s = x
-                e = s + t if self.shared_net is None else self._slowed(ma, mb, s, t)
+                e = s + t if self.shared_net is None else self._slowed((ma, mb), s, t)
                 if rec is not None:
                     rec.flow(idx, a, b, ma, mb, s, e, r, nb, waits)
                 nout[ma] = nin[mb] = e
@@ -936,15 +936,15 @@ class _Run:
                 ready[r] = e
         return ready
 
-    def _slowed(self, ma: int, mb: int, s: float, t: float) -> float:
-        """When a message of ``t`` nominal seconds from machine ``ma`` to ``mb``, started at ``s``,
-        ends on what other jobs leave of the path (:func:`tag.topology.background.path_profile`)."""
-        from ..topology.background import path_profile
+    def _slowed(self, machines: tuple[int, ...], s: float, t: float) -> float:
+        """When a message (two machines, sender first) or a collective over ``machines`` of ``t``
+        nominal seconds, started at ``s``, ends on what other jobs leave of their NICs and links
+        (:func:`tag.topology.background.group_profile`)."""
+        from ..topology.background import group_profile
 
-        key = (ma, mb)
-        prof = self.sim._paths.get(key, False)
+        prof = self.sim._paths.get(machines, False)
         if prof is False:
-            prof = self.sim._paths[key] = path_profile(self.sim.topology, ma, mb)
+            prof = self.sim._paths[machines] = group_profile(self.sim.topology, machines)
         off = self.sim.time_offset_s
         return s + t if prof is None else prof.finish(s + off, t) - off
 
@@ -1173,6 +1173,8 @@ class _Run:
                     if nin[m] > s:
                         s = nin[m]
             run_end = s + gd.sync_time
+            if self.shared_net is not None and gd.sync_machines:  # crossing machines: other jobs' traffic
+                run_end = self._slowed(gd.sync_machines, s, gd.sync_time)
             if rec is not None:
                 rec.sync(gs, gd, s, run_end)
             run_busy += gd.sync_time

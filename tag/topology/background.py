@@ -14,7 +14,8 @@ function of the iteration's time in seconds:
 A message between two machines gets what the busiest of the sender's NIC, the receiver's NIC and
 their link leaves (:func:`path_profile`), and takes the time in which that much of the nominal
 bandwidth carries it (:meth:`Profile.finish`: its nominal seconds, latency included, stretched
-over the available share). :meth:`Profile.mean` is the share left on average over a horizon
+over the available share); a gradient collective over several machines gets what the busiest of
+their NICs and the links between them leaves (:func:`group_profile`), the same way. :meth:`Profile.mean` is the share left on average over a horizon
 (planning for the expected condition, :func:`expected_topology`).
 """
 
@@ -149,11 +150,19 @@ class Profile:
 def path_profile(topology, ma: int, mb: int) -> Profile | None:
     """The profile of a message from machine ``ma`` to ``mb`` (their NICs' and their link's
     backgrounds), or None when none of them carries any."""
+    return group_profile(topology, (ma, mb))
+
+
+def group_profile(topology, machines) -> Profile | None:
+    """The profile of a collective over ``machines`` (indices; a ring or tree through all of them
+    goes as fast as its most loaded part): every one's NIC and every link between two of them, or
+    None when none carries background."""
     bg = topology.background
     if not bg:
         return None
-    a, b = topology.machines[ma].name, topology.machines[mb].name
-    parts = tuple(x for x in (bg.get(a), bg.get(b), bg.get(frozenset((a, b)))) if x is not None)
+    names = sorted({topology.machines[m].name for m in machines})
+    keys = names + [frozenset((a, b)) for i, a in enumerate(names) for b in names[i + 1:]]
+    parts = tuple(bg[k] for k in keys if bg.get(k) is not None)
     return Profile(parts) if parts else None
 
 
@@ -174,6 +183,25 @@ def expected_topology(topology):
                 bw, lat = topology.machine_bandwidth(i, j), topology.machine_latency(i, j)
                 links[frozenset((topology.machines[i].name, topology.machines[j].name))] = (bw * prof.mean(), lat)
     return Topology(topology.name, topology.machines, topology.network_bandwidth, topology.network_latency, links)
+
+
+CONDITIONS = ("stated", "expected", "none")
+"""The network conditions a plan can be made for (:func:`planning_topology`; ``tag plan --background``)."""
+
+
+def planning_topology(topology, condition: str):
+    """The topology a plan is searched and costed on for the background ``condition``: ``stated``
+    (``topology`` as it is: every iteration at time 0 of its backgrounds), ``expected``
+    (:func:`expected_topology`: each background's mean share), ``none`` (no other job's traffic)."""
+    if condition not in CONDITIONS:
+        raise TopologyError(f"background condition: expected one of {', '.join(CONDITIONS)}, got {condition!r}")
+    if condition == "stated" or not topology.background:
+        return topology
+    if condition == "expected":
+        return expected_topology(topology)
+    from dataclasses import replace
+
+    return replace(topology, background={})
 
 
 def parse_background(value, where: str, base_dir=None) -> Background:
