@@ -95,13 +95,13 @@ def topology(folder: Path, n: int) -> str:
 class Setup:
     """A factory file, a topology and a plan of ``n`` ranks, and the captured graph."""
 
-    def __init__(self, folder: Path, fn: str, shares: list[float], sync: str = "allreduce"):
+    def __init__(self, folder: Path, fn: str, shares: list[float], sync: str = "allreduce", shard: int | None = None):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "factory.py").write_text(FACTORY)
         self.folder, self.spec, self.n = folder, f"{folder / 'factory.py'}:{fn}", len(shares)
         self.topology = topology(folder, self.n)
         self.graph = capture(load_workload(self.spec, batch=B), optimizer="adam", num_groups=2).graph
-        plan = new_plan(self.graph, load_topology(self.topology), [GroupPlan(list(range(self.n)), shares, sync)] * 2)
+        plan = new_plan(self.graph, load_topology(self.topology), [GroupPlan(list(range(self.n)), shares, sync, shard=shard)] * 2)
         self.plan = folder / "plan.json"
         plan.save(self.plan)
 
@@ -258,6 +258,20 @@ def test_zero3_with_clipping_and_accumulation_equals_single_process_training(zer
     per_iteration = buckets_of(zero)
     assert min(per_iteration) > 0
     assert [r["syncs"] for r in zero.whole.ranks] == [ZERO_STEPS * n for n in per_iteration]  # once per step
+
+
+@pytest.mark.parametrize("sync,shares,shard", [("zero1", [0.5, 0.5], None), ("zero3", [2 / 6, 2 / 6, 1 / 6, 1 / 6], 2)])
+def test_zero1_and_hybrid_zero3_clip_and_accumulate_as_single_process_training(tmp_path, sync, shares, shard):
+    """ZeRO-1 (the all-reduced bucket's slice stepped), and hybrid ZeRO-3 over 4 ranks (shard groups
+    {0, 1} and {2, 3}, uneven shares: each slice's norm counted by its first shard group only),
+    6 steps of 2 accumulated batches with clipping, equal single-process training."""
+    s = Setup(tmp_path, "make", shares, sync=sync, shard=shard)
+    run = s.run("whole", steps=6, every=3)
+    ref, losses, norms = reference(s.spec, 6)
+    assert_params_equal(s.params("whole"), ref, {p.name for p in s.graph.params}, exact=True)
+    assert [r["grad_norm"] for r in metrics(run)] == pytest.approx(norms, rel=1e-4)
+    assert [r["loss"] for r in metrics(run)] == pytest.approx(losses, rel=1e-4)
+    assert sum(n > CLIP for n in norms) >= 3 and [r["syncs"] for r in run.ranks] == [6 * n for n in buckets_of(s)]
 
 
 def test_zero3_killed_resumes_to_the_same_run_and_as_data_parallel(zero):
