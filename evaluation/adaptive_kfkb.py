@@ -10,12 +10,24 @@ every NIC taken throughout), ``periodic0.9`` (90% for 2T of every 4T), ``preempt
 90% to 10T, 50% to 16T, free to 20T, 95% after). Prints, per trace, the summed seconds of the
 iterations run back to back on the trace's clock, fixed 1F1B and adaptive, and the adaptive run's
 block sizes.
+
+    PYTHONPATH=. python -m evaluation.adaptive_kfkb --gloo [--model mlp:in_dim=512,hidden=2048,layers=4]
+        [--batch 64] [--stages 2] [--micro 4] [--delays 0 20] [--rounds 3] [--steps 8] [--warmup 2]
+
+measures the same on gloo (``tag execute``, one CPU rank per stage, the op-groups cut evenly): per
+delay, rank 0's link holding each message it sends that many ms (the hidden ``--inject-delay``),
+fixed 1F1B against ``--adaptive-k``, in interleaved rounds (the arms' order alternating), and writes
+``evaluation/results/adaptive-kfkb/{README.md,results.json}``: per delay and arm the median over
+rounds of each run's median iteration time (the slowest rank's, barrier to barrier, after the
+warm-up), every run's figures and the adaptive runs' block sizes.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
+from pathlib import Path
 
 import yaml
 
@@ -35,13 +47,97 @@ def traces(T: float) -> dict:
             "preempt": {"trace": [[0, 0.0], [3 * T, 0.9], [10 * T, 0.5], [16 * T, 0.0], [20 * T, 0.95]]}}
 
 
+def gloo_run(a, tmp: Path, delay_ms: float, adaptive: bool) -> dict:
+    """One ``tag execute`` of the even ``a.stages``-stage 1F1B pipeline, rank 0's link delayed."""
+    from tag.executor import ExecuteConfig, execute
+
+    cfg = ExecuteConfig(a.model, str(tmp / "topology.yaml"), str(tmp / "plan.json"), batch=a.batch,
+                        optimizer="sgd", steps=a.steps, warmup=a.warmup, timeout_s=120.0,
+                        adaptive_k=adaptive, delay=f"0:{delay_ms:g}" if delay_ms else None)
+    res = execute(cfg, graph=a.graph)
+    its = res.ranks[0]["iterations"][a.warmup:]
+    return {"delay_ms": delay_ms, "arm": "adaptive" if adaptive else "1f1b",
+            "median_s": res.measured_iteration_time_s,
+            "mean_s": statistics.mean(max(r["iterations"][a.warmup + i]["time_s"] for r in res.ranks)
+                                      for i in range(len(its))),
+            "k": [it.get("k", 1) for it in res.ranks[0]["iterations"]],
+            "transfer_s": [it["next_k"]["transfer_s"] for it in res.ranks[0]["iterations"] if "next_k" in it]}
+
+
+def gloo(a) -> None:
+    """The ``--gloo`` measurement of the module docstring."""
+    import sys
+    import tempfile
+
+    from evaluation.report import header_lines, machine_line
+    from tag.graph import capture
+    from tag.io import write_atomic, write_json
+    from tag.plan import GroupPlan, PipelinePlan, new_plan
+    from tag.workloads import load_workload
+
+    out = Path(__file__).resolve().parents[0] / "results" / "adaptive-kfkb"
+    tmp = Path(tempfile.mkdtemp(prefix="adaptive-kfkb-"))
+    (tmp / "topology.yaml").write_text(f"name: gloo-cpu{a.stages}\nmachines:\n  - name: local\n    gpu: cpu\n"
+                                       f"    count: {a.stages}\n    intra_bandwidth: \"5 GB/s\"\n")
+    a.graph = capture(load_workload(a.model, batch=a.batch), optimizer="sgd", num_groups=2 * a.stages).graph
+    topo = load_topology(str(tmp / "topology.yaml"))
+    per = a.graph.num_groups // a.stages
+    plan = new_plan(a.graph, topo, [GroupPlan([min(g // per, a.stages - 1)], [1.0]) for g in range(a.graph.num_groups)])
+    plan.pipeline = PipelinePlan([s * per for s in range(a.stages)], a.micro)
+    plan.save(tmp / "plan.json")
+    runs = []
+    for r in range(a.rounds):
+        for d in a.delays:
+            for adaptive in ((False, True) if r % 2 == 0 else (True, False)):
+                runs.append({"round": r, **gloo_run(a, tmp, d, adaptive)})
+                x = runs[-1]
+                print(f"round {r} delay {d:g} ms {x['arm']:8s} median {x['median_s'] * 1e3:8.1f} ms  "
+                      f"mean {x['mean_s'] * 1e3:8.1f} ms  k {x['k']}", flush=True)
+    rows = []
+    summary = {}
+    for d in a.delays:
+        med = {arm: statistics.median(x["median_s"] for x in runs if x["delay_ms"] == d and x["arm"] == arm)
+               for arm in ("1f1b", "adaptive")}
+        ks = sorted({k for x in runs if x["delay_ms"] == d and x["arm"] == "adaptive" for k in x["k"][a.warmup:]})
+        summary[str(d)] = {**med, "adaptive_k_after_warmup": ks}
+        rows.append(f"| {d:g} | {med['1f1b'] * 1e3:.1f} | {med['adaptive'] * 1e3:.1f} | "
+                    f"{med['adaptive'] / med['1f1b'] - 1:+.1%} | {ks} |")
+    command = "PYTHONPATH=. python -m evaluation.adaptive_kfkb " + " ".join(sys.argv[1:])
+    lines = ["# Adaptive kFkB on gloo: a throttled link, fixed 1F1B against `tag execute --adaptive-k`", "",
+             *header_lines(command, machine_line()), "",
+             f"{a.model}, batch {a.batch}, {a.stages} stages on {a.stages} gloo CPU ranks (one op-group cut "
+             f"of {per} of {a.graph.num_groups} each), {a.micro} micro-batches, SGD; {a.rounds} interleaved "
+             f"rounds of {a.warmup} warm-up + {a.steps} timed iterations per arm; rank 0's link holds each "
+             "message it sends the stated ms (`--inject-delay 0:MS`). Median over rounds of each run's median "
+             "iteration time (the slowest rank's); block sizes the adaptive runs chose after the warm-up "
+             "(`results.json`: every run).", "",
+             "| delay ms | 1F1B ms | adaptive ms | adaptive vs 1F1B | adaptive k |", "|---|---|---|---|---|", *rows]
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "results.json", {"command": command, "model": a.model, "batch": a.batch, "stages": a.stages,
+                                      "micro_batches": a.micro, "summary": summary, "runs": runs})
+    write_atomic(out / "README.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="gpt2:n_layer=8,n_embd=768,n_head=12,seq=256")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--model", default=None, help="default: GPT-2 8 x 768 (simulator), the wide MLP (--gloo)")
+    ap.add_argument("--batch", type=int, default=None, help="default: 32 (simulator), 64 (--gloo)")
     ap.add_argument("--layout", default="dp=2,pp=4,micro=8")
     ap.add_argument("--iterations", type=int, default=24)
+    ap.add_argument("--gloo", action="store_true", help="measure on gloo ranks instead (module docstring)")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--delays", type=float, nargs="+", default=[0.0, 20.0], help="ms per message of rank 0")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
     a = ap.parse_args()
+    if a.gloo:
+        a.model, a.batch = a.model or "mlp:in_dim=512,hidden=2048,layers=4", a.batch or 64
+        gloo(a)
+        return
+    a.model, a.batch = a.model or "gpt2:n_layer=8,n_embd=768,n_head=12,seq=256", a.batch or 32
     graph = capture(load_workload(a.model, batch=a.batch), num_groups=16).graph
     raw = yaml.safe_load(open("topologies/cloud-t4.yaml"))
     free = load_topology(raw)
