@@ -383,7 +383,16 @@ def test_shipped_topologies_load():
 
 
 # The shipped topologies at scale: name -> (devices, machines, GPU kinds).
-SCALE = {"hetero-64gpu": (64, 10, 3), "hetero-128gpu": (128, 16, 3), "cloud-256gpu-3zones": (256, 40, 3), "h100-512gpu": (512, 64, 1)}
+SCALE = {"hetero-64gpu": (64, 10, 3), "hetero-128gpu": (128, 16, 3), "cloud-256gpu-3zones": (256, 40, 3), "h100-512gpu": (512, 64, 1),
+         "h100-512gpu-8nic": (512, 64, 1)}
+
+
+def test_eight_nics_sum_to_eight_ports():
+    """h100-512gpu-8nic is h100-512gpu's machines with 8 x 400 Gbit/s NICs a machine, summed."""
+    one, eight = load_topology("h100-512gpu"), load_topology("h100-512gpu-8nic")
+    assert eight.network_bandwidth == 8 * one.network_bandwidth == 3200e9 / 8
+    assert [m.gpu for m in eight.machines] == [m.gpu for m in one.machines]
+    assert "nics: 8 x 400 Gbit/s" in (SHIPPED_DIR / "h100-512gpu-8nic.yaml").read_text()
 
 
 @pytest.mark.parametrize("name", sorted(SCALE))
