@@ -161,14 +161,16 @@ def test_check_fits_counts_one_sample_of_activations(captured, tmp_path):
     low, full = sum(group_footprints(graph, 1)), sum(group_footprints(graph))
     assert full > 2 * low
 
-    def two(each: float):
+    def two(each: float, host: str = "1 kB"):
         gpu = {"name": "g", "tflops": 10, "memory": f"{int(each)} B", "memory_bandwidth": "900 GB/s"}
         return load_topology({"name": "two", "machines": [{"name": "m", "gpu": gpu, "count": 2,
-                                                           "intra_bandwidth": "10 GB/s"}]})
+                                                           "intra_bandwidth": "10 GB/s", "host_memory": host}]})
 
     check_fits(graph, two((low + full) / 4))  # between one sample's need and the full batch's
-    with pytest.raises(OutOfMemoryError, match=r"needs at least .* of all 2 devices"):
+    with pytest.raises(OutOfMemoryError, match=r"needs at least .* of all 2 devices .* nor does it with the optimizer "
+                                               r"offloaded to the 0.977 KiB of host memory"):
         check_fits(graph, two(low / 4))
+    check_fits(graph, two(low / 4, host="1 GB"))  # the devices hold the parameters, the host the state
 
 
 def test_the_planner_falls_back_to_the_grid_when_nothing_searched_fits(captured, tmp_path):

@@ -91,7 +91,9 @@ def check_fits(graph, topology) -> None:
     micro-batches keeps no more alive; data and model parallel keep the whole batch's):
     ``sum(group_footprints(graph, 1))``. A model needing more than all the devices' memory
     together fits nowhere; the message names the model's memory and the largest device's, the
-    capacity a user most often compares it with.
+    capacity a user most often compares it with. With optimizer offload the devices need only the
+    parameters of that state and one group's activations of a sample (recomputation), when the
+    machines' host memory holds the state itself.
     """
     from ..errors import OutOfMemoryError
     from ..topology.units import format_bytes
@@ -101,14 +103,25 @@ def check_fits(graph, topology) -> None:
     if need <= sum(caps):
         return
     state = sum(2 * p.nbytes + p.opt_state_bytes for p in graph.params)
+    # optimizer offload (tag.parallel.sharded.offloaded_bytes): the devices keep the parameters
+    # (ZeRO-3: sharded), the hosts a copy of them, the gradients and the optimizer state; with
+    # recomputation one group's activations of one sample at least
+    held = [0.0] * graph.num_groups
+    for p in graph.params:
+        held[p.group] += 2 * p.nbytes + p.opt_state_bytes
+    act = max(f - h for f, h in zip(group_footprints(graph, 1), held))
+    params = sum(p.nbytes for p in graph.params)
+    if params + act <= sum(caps) and state <= sum(m.host_memory for m in topology.machines):
+        return
     # enough digits that the need reads larger than the total (not "at least 128 GiB, more than the 128 GiB")
     digits = next((d for d in range(3, 8) if format_bytes(need, digits=d) != format_bytes(sum(caps), digits=d)), 8)
     raise OutOfMemoryError(
         f"model {graph.model} (batch {graph.batch_size}) needs at least {format_bytes(need, digits=digits)} "
         f"({format_bytes(state, digits=3)} of parameters, gradients and {graph.optimizer} state, the rest the saved "
         f"activations of one sample), more than the {format_bytes(sum(caps), digits=digits)} of all {len(caps)} devices of "
-        f"{topology.name} together (largest device {format_bytes(max(caps), digits=3)}); no plan fits: "
-        f"use more or larger devices")
+        f"{topology.name} together (largest device {format_bytes(max(caps), digits=3)}), nor does it with the "
+        f"optimizer offloaded to the {format_bytes(sum(m.host_memory for m in topology.machines), digits=3)} of host "
+        f"memory; no plan fits: use more or larger devices")
 
 
 def data_parallel_proportional(graph, topology, costs=None) -> Plan:

@@ -37,6 +37,20 @@ modules: :mod:`tag.executor.runtime`), so there is no module to wrap and no hook
 the same collectives on the same flat layout instead. torchtitan's SimpleFSDP (FSDP on a traced
 graph) inserts the gathers into the graph; here they sit between the fused segments.
 
+Offloaded buckets (``GroupPlan.offload`` ``optimizer``, ZeRO-Offload): the shard the optimizer
+steps, its gradient and its optimizer state live in host memory (``_Bucket.shard``, a tensor of
+its own, pinned on CUDA); the device keeps a copy of the shard (``_Bucket.device_shard``) for the
+gathers. At the sync the reduced gradient shard is copied to the host (on CUDA on a side stream,
+``non_blocking``, waited for before the step); the runtime's one optimizer step then updates the
+host shards on the CPU (``foreach`` kernels: a CUDA rank's optimizer is ``foreach`` rather than
+``fused`` when it steps host tensors); the first gather after a change of the host shard (its
+version counter: a step, a checkpoint load) copies it back to the device first (side stream,
+``non_blocking``, the compute stream waiting for it). On gloo CPU ranks both copies are CPU
+tensors: the copies and the separate state run, not the PCIe transfers (the CUDA path is
+written for pinned memory and streams and has not been run here). ``ranks.json`` gives such a
+rank's ``device_state_bytes`` (its parameters held between iterations and device shards) and
+``host_state_bytes`` (host shards, their gradients and optimizer state).
+
 The in-process runner (:func:`tag.executor.run_virtual`) sums buckets itself and never calls
 :meth:`ShardedRank.bucket_sync`: there the hook stays inactive and the ranks train as plain data
 parallelism (the same numbers). fp16 (static loss scaling) is refused in one line.
@@ -60,8 +74,9 @@ class _Bucket:
     """One sharded gradient bucket on one rank: its parameters' flat layout and shard."""
 
     def __init__(self, index: int, bucket, level: int, devices: list[int], shard: int, rank: int, params: dict,
-                 names: list[str], numel: dict[str, int]):
+                 names: list[str], numel: dict[str, int], offload: str | None = None):
         self.index, self.bucket, self.level = index, bucket, level
+        self.offload = offload
         self.names = names
         """Parameter placeholders, in the order of the bucket's flat gradient."""
         self.numel = [numel[n] for n in names]
@@ -81,7 +96,13 @@ class _Bucket:
         flat = self._flat_params()
         lo = self.index_in_group * self.chunk
         self.shard = torch.nn.Parameter(flat[lo:lo + self.chunk].clone())
-        """This rank's shard of the flat parameters (the optimizer steps it)."""
+        """This rank's shard of the flat parameters (the optimizer steps it; offloaded: in host memory)."""
+        self.device_shard = self.shard
+        """The shard the gathers read: the device's copy of an offloaded shard, else :attr:`shard`."""
+        self._synced_version = -1  # (offloaded: the host shard's version the device copy holds)
+        self._stream = None  # (CUDA: the side stream of the host copies)
+        if offload:
+            self._to_host()
         self.shapes = [p.shape for p in self.params]
 
     def _flat_params(self) -> torch.Tensor:
@@ -92,11 +113,54 @@ class _Bucket:
             off += n
         return flat
 
+    # ---- offload: the host shard and the device's copy ------------------------------------
+    def _to_host(self) -> None:
+        """Move the shard the optimizer steps to host memory (pinned on CUDA), the device keeping a copy."""
+        dev = self.shard.detach()
+        host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=dev.is_cuda)
+        host.copy_(dev)
+        self.device_shard, self.shard = dev, torch.nn.Parameter(host)
+        self._synced_version = self.shard._version
+        if dev.is_cuda:
+            self._stream = torch.cuda.Stream(device=dev.device)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` across host and device: on CUDA on the side stream after what the
+        compute stream issued, ``non_blocking`` (pinned host memory), the compute stream waiting
+        for it; on a CPU rank a plain copy."""
+        if self._stream is None:
+            dst.copy_(src)
+            return
+        main = torch.cuda.current_stream(self.device_shard.device)
+        self._stream.wait_stream(main)
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+        main.wait_stream(self._stream)
+
+    def grad_to_host(self, grad: torch.Tensor) -> torch.Tensor:
+        """The reduced gradient shard copied to host memory (waited for: the step reads it next)."""
+        host = torch.empty(grad.shape, dtype=self.shard.dtype, pin_memory=grad.is_cuda)
+        self._copy(host, grad)
+        if self._stream is not None:
+            self._stream.synchronize()
+        return host
+
+    def refresh_device(self) -> None:
+        """The device copy from the host shard where the shard changed since (a step, a load)."""
+        if self.offload and self.shard._version != self._synced_version:
+            with torch.no_grad():
+                self._copy(self.device_shard, self.shard.detach())
+            self._synced_version = self.shard._version
+
     def gather(self, async_op: bool = False):
         """The full flat parameters: the shards all-gathered over the shard group (blocking), or
         ``(buffer, work)`` with ``async_op`` (a prefetch)."""
-        out = torch.empty(self.padded, dtype=self.dtype, device=self.shard.device)
-        work = dist.all_gather_into_tensor(out, self.shard.detach(), group=self.shard_pg, async_op=async_op)
+        self.refresh_device()
+        out = torch.empty(self.padded, dtype=self.dtype, device=self.device_shard.device)
+        if self.size == 1:  # (one device, offloaded: nothing to gather)
+            out.copy_(self.device_shard)
+            return (out, _Done()) if async_op else out
+        work = dist.all_gather_into_tensor(out, self.device_shard.detach(), group=self.shard_pg, async_op=async_op)
         return (out, work) if async_op else out
 
     def write(self, flat: torch.Tensor, views: bool) -> None:
@@ -157,7 +221,7 @@ class ShardedRank(RankHook):
                 raise ExecutionError(f"rank {self.rank}: bucket of groups {list(b.groups)} holds parameters this "
                                      "rank does not (a tied copy); expected no sharded group beside them")
             self.buckets[i] = _Bucket(i, b, int(gp.sync[4:]), list(gp.devices), shard_size(gp), rt.rank, rt.params,
-                                      names, s.param_numel)
+                                      names, s.param_numel, gp.offload)
         made: dict[tuple[int, ...], object] = {}
         for bk in self.buckets.values():  # process groups of the members only, in bucket order
             for attr, members in (("shard_pg", bk.shard_members), ("cross_pg", bk.cross_members)):
@@ -170,7 +234,8 @@ class ShardedRank(RankHook):
         held = {id(p) for bk in self.buckets.values() for p in bk.params}
         rest = [p for p in rt.params.values() if id(p) not in held]  # (parameters of unsharded groups)
         shards = [bk.shard for bk in self.buckets.values()]
-        rt.optimizer = make_optimizer(rt.optimizer_name, [*rest, *shards], rt.device)
+        host = any(bk.offload for bk in self.buckets.values())  # (a host shard: foreach over both devices)
+        rt.optimizer = make_optimizer(rt.optimizer_name, [*rest, *shards], "cpu" if host else rt.device)
         rt._grad_keys = [(p, k) for p, k in rt._grad_keys if id(p) not in held]
         for bk in self.buckets.values():
             if bk.level == 3:
@@ -197,6 +262,9 @@ class ShardedRank(RankHook):
             return None
 
         def start(flat: torch.Tensor):
+            if bk.size == 1:  # (one device, offloaded: the gradient is its shard)
+                bk.grad = bk.padded_flat(flat)
+                return _Done()
             bk.grad = torch.empty(bk.chunk, dtype=flat.dtype, device=flat.device)
             return dist.reduce_scatter_tensor(bk.grad, bk.padded_flat(flat), group=bk.shard_pg, async_op=True)
 
@@ -208,12 +276,13 @@ class ShardedRank(RankHook):
         if not self.active:
             return
         for bk in self.buckets.values():
-            if bk.level == 1:  # all-reduced by the schedule's collective: take the shard
+            if bk.level == 1 or getattr(bk, "grad", None) is None:  # all-reduced by the schedule's collective
+                # (or a lone device's, no collective): take the shard
                 flat = bk.padded_flat(rt.bucket_flat(bk.bucket))
                 bk.grad = flat[bk.index_in_group * bk.chunk:(bk.index_in_group + 1) * bk.chunk].clone()
             elif bk.cross_pg is not None:
                 dist.all_reduce(bk.grad, group=bk.cross_pg)
-            bk.shard.grad = bk.grad.to(bk.shard.dtype)
+            bk.shard.grad = bk.grad_to_host(bk.grad) if bk.offload else bk.grad.to(bk.shard.dtype)
             bk.grad = None
         self.stale = True
 
@@ -287,12 +356,37 @@ class ShardedRank(RankHook):
         target = {ph: name for ph, name in zip(self._names(), self._targets())}
         return {**params, **{target[ph]: t.cpu() for ph, t in state.items()}}
 
+    def state_bytes(self, rt) -> dict[str, int]:
+        """With offloaded buckets: ``device_state_bytes`` (the parameters the rank holds between
+        iterations and its device shards) and ``host_state_bytes`` (its host shards, their
+        gradients and the optimizer state of those shards)."""
+        off = [bk for bk in self.buckets.values() if bk.offload]
+        if not off:
+            return {}
+
+        def nbytes(t) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        state = rt.optimizer.state if rt.optimizer is not None else {}
+        host = sum(nbytes(bk.shard) + nbytes(bk.shard.grad) + sum(nbytes(v) for v in state.get(bk.shard, {}).values()
+                                                                 if isinstance(v, torch.Tensor) and v.dim() > 0)
+                   for bk in off)
+        device = sum(nbytes(p) for p in rt.params.values()) + sum(nbytes(bk.device_shard) for bk in off)
+        return {"device_state_bytes": device, "host_state_bytes": host}
+
     def _names(self) -> list[str]:
         return [n for bk in self.buckets.values() for n in bk.names]
 
     def _targets(self) -> list[str]:
         return [self._target[n] for n in self._names()]
 
+
+
+class _Done:
+    """A completed collective's work handle (a shard group of one)."""
+
+    def wait(self) -> bool:
+        return True
 
 
 def _split(flat: torch.Tensor, numel: list[int], shapes: list) -> list[torch.Tensor]:

@@ -96,6 +96,11 @@ class RankHook:
     def synced(self, rt) -> None:
         """Called once every bucket's collective of the iteration completed, before the update."""
 
+    def state_bytes(self, rt) -> dict[str, int]:
+        """Extra per-rank memory figures for ``ranks.json`` (a sharded rank's offloaded state:
+        ``device_state_bytes`` / ``host_state_bytes``); this base: none."""
+        return {}
+
     def start(self, rt) -> None:
         """Called once by the distributed worker (:mod:`tag.executor.worker`) after its process
         groups exist, before the first iteration; this base: nothing."""

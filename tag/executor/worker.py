@@ -77,7 +77,7 @@ class WorkerArgs:
     """``tag execute --adaptive-k``: the kFkB block sizes the ranks choose among between iterations
     (:mod:`tag.executor.adaptive`); None: the plan's schedule throughout."""
     delay: str | None = None
-    """Testing only: ``"RANK:MS[:FROM[:TO]]"`` throttles that rank's sends
+    """Testing only: ``"RANKS:MS[:FROM[:TO]]"`` throttles those ranks' sends
     (:class:`tag.executor.adaptive.Throttle`)."""
 
     @classmethod
@@ -230,6 +230,7 @@ def run_rank(a: WorkerArgs) -> dict:
                 "host_peak_growth_bytes": None if rss0 is None else host_memory(peak=True) - rss0,
                 "optimizer_state_bytes": optimizer_state_bytes(rt.optimizer),
                 "held_state_bytes": held_state_bytes(rt),
+                **(hook.state_bytes(rt) if hook is not None else {}),  # (offloaded state: device / host)
                 # the last iteration's bytes handed out to send, per destination rank, and all-gathered
                 "sent_bytes": {str(comm.peers.get(d, d)): n for d, n in sorted(rt.sent_bytes.items())},
                 "gathered_bytes": rt.gathered_bytes,

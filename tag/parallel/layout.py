@@ -48,6 +48,7 @@ from ..limits import MAX_GROUPS
 from ..plan.format import GroupPlan, PipelinePlan, Plan, new_plan
 from .layers import layer_starts, model_layers
 from .pipeline import get_schedule, spell_schedule
+from .sharded import OFFLOADS
 from .strategy import execution_refusal
 from .tensor_parallel import MAX_DEGREE, aligned_cuts, block_groups, megatron_blocks
 
@@ -113,6 +114,10 @@ class Layout:
     """Replicas per shard group (``GroupPlan.shard``, dividing ``dp``): fewer than ``dp`` is
     hybrid sharding (sharded within, replicated across); 0: all ``dp``. Text ``hsdp=SxR``: ZeRO-3
     with ``S``-way shard groups and ``R`` of them (``dp = S * R``)."""
+    offload: str = ""
+    """``optimizer``: every sharded op-group keeps its optimizer state in host memory and steps
+    it on the host CPU (``GroupPlan.offload``, ZeRO-Offload; needs ``zero``, also with ``dp=1``);
+    empty: none."""
     vpp: int = 1
     """Chunks (virtual stages) per pipeline stage's devices, Megatron-LM's
     ``--num-layers-per-virtual-pipeline-stage``: ``vpp > 1`` cuts the op-groups into ``pp * vpp``
@@ -147,6 +152,11 @@ class Layout:
             raise PlanError(f"layout: shard: expected a divisor of dp={self.dp}, got {self.shard!r}")
         if self.shard and not self.zero:
             raise PlanError("layout: shard: shard groups need sharding; expected zero=1..3 (or hsdp=SxR)")
+        if self.offload not in ("", *OFFLOADS):
+            raise PlanError(f"layout: offload: expected one of {list(OFFLOADS)}, got {self.offload!r}")
+        if self.offload and not self.zero:
+            raise PlanError(f"layout: offload: offload={self.offload} offloads sharded state; expected zero=1..3 "
+                            "with it")
         if self.zero and self.tp > 1:
             raise PlanError(f"layout: zero: sharded data parallelism does not compose with tensor parallelism; "
                             f"expected tp=1 or zero=0, got tp={self.tp}")
@@ -236,7 +246,7 @@ def parse_layout(text: str) -> Layout:
         if key == "hsdp":
             fields.update(_hsdp(value, fields))
             fields[key] = value
-        elif key in ("schedule", "cut"):
+        elif key in ("schedule", "cut", "offload"):
             fields[key] = value
         elif key == "order":
             fields[key] = tuple(e.strip() for e in value.split("+"))
@@ -483,8 +493,9 @@ def layout_plan(graph, topology, layout: Layout, costs, *, template: Plan | None
     bounds = stages + [k]
     groups: list[GroupPlan] = []
     tp = dict(sync="tp", tp=layout.tp, sequence_parallel=bool(layout.sp)) if layout.tp > 1 else {}
-    if layout.zero and layout.dp > 1:  # (one replica per stage: nothing to shard)
-        tp = dict(sync=f"zero{layout.zero}", shard=layout.shard if layout.shard not in (0, layout.dp) else None)
+    if layout.zero and (layout.dp > 1 or layout.offload):  # (one replica per stage: nothing to shard, unless offloaded)
+        tp = dict(sync=f"zero{layout.zero}", shard=layout.shard if layout.shard not in (0, layout.dp) else None,
+                  offload=layout.offload or None)
     speeds = costs.device_speeds() if layout.prop else None
     outer = outside_blocks(graph) if layout.tp > 1 and layout.vocab and not layout.sp else frozenset()
     for s, devs in enumerate(stage_devices):
@@ -572,7 +583,8 @@ def _spell(layout: Layout, ranks: list[int], topology) -> str:
         (",prop=1" if layout.prop else "") + (",vocab=1" if layout.vocab else "") + \
         (f",stages={spell_stages(layout.stages)}" if layout.stages is not None else "") + \
         (f",order={spell_order(ranks, topology)}" if layout.order is not None else "") + \
-        (f",zero={layout.zero}" if layout.zero else "") + (f",shard={layout.shard}" if layout.shard else "")
+        (f",zero={layout.zero}" if layout.zero else "") + (f",shard={layout.shard}" if layout.shard else "") + \
+        (f",offload={layout.offload}" if layout.offload else "")
 
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)

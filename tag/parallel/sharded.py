@@ -43,6 +43,9 @@ from .strategy import Collective, check_shares, no_field
 
 LEVELS = (1, 2, 3)
 """ZeRO stages: 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
+OFFLOADS = ("optimizer",)
+"""``GroupPlan.offload`` values: ``optimizer`` (ZeRO-Offload). Parameters stay in GPU memory:
+offloading them too (ZeRO-Infinity's ``offload_param``, PatrickStar's chunks) is not modelled."""
 
 
 def sync_name(level: int) -> str:
@@ -69,6 +72,17 @@ def sharded_bytes(level: int, shard: int, param_bytes, opt_bytes):
     return (p if level < 3 else p / shard) + (p if level < 2 else p / shard) + o / shard
 
 
+def offloaded_bytes(level: int, shard: int, param_bytes, opt_bytes):
+    """``(device, host)`` bytes of a group offloaded (``offload`` ``optimizer``) that one device
+    holds for the whole iteration, and its host for it. The device: its parameters (``P``;
+    ``zero3``: the shard ``P / S``), with ``zero1`` the all-reduced gradient ``P`` (``zero2`` /
+    ``zero3``: the gradient shard goes to the host at the sync; until then it is transient). The
+    host: the FP32 parameter shard it updates, the gradient shard and the optimizer state shard,
+    ``(2 P + O) / S``."""
+    p, o = param_bytes, opt_bytes
+    return (p if level < 3 else p / shard) + (p if level == 1 else 0 * p), (2 * p + o) / shard
+
+
 class Sharded(DataParallel):
     """ZeRO stage :attr:`level` over the replicas of a data-parallel group (module docstring)."""
 
@@ -92,6 +106,8 @@ class Sharded(DataParallel):
         if gp.sfb:
             raise PlanError(f"{where}.sfb: not with sharded data parallelism (its gradients are reduce-scattered); "
                             "expected []")
+        if gp.offload is not None and gp.offload not in OFFLOADS:
+            raise PlanError(f"{where}.offload: expected one of {list(OFFLOADS)} or null, got {gp.offload!r}")
         s = gp.shard
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1 or len(gp.devices) % s):
             raise PlanError(f"{where}.shard: expected a divisor of the group's {len(gp.devices)} devices, got {s!r}")
@@ -111,8 +127,8 @@ class Sharded(DataParallel):
     def normalise(self, gp: GroupPlan, has_params: bool) -> GroupPlan:
         """One replica or no parameters: a plain all-reduce plan (nothing to shard); a shard group
         of every device: ``shard`` unset."""
-        if len(gp.devices) == 1 or not has_params:
-            gp.sync, gp.shard = DataParallel.name, None
+        if (len(gp.devices) == 1 and gp.offload is None) or not has_params:  # (offloaded: one replica too)
+            gp.sync, gp.shard, gp.offload = DataParallel.name, None, None
         elif gp.shard == len(gp.devices):
             gp.shard = None
         return gp
@@ -135,7 +151,9 @@ class Sharded(DataParallel):
     def unheld_state_bytes(self, gp: GroupPlan, graph, groups: list[int]) -> float:
         mine = [q for q in graph.params if q.group in set(groups)]
         p, o = float(sum(q.nbytes for q in mine)), float(sum(q.opt_state_bytes for q in mine))
-        return 2 * p + o - sharded_bytes(self.level, shard_size(gp), p, o)
+        held = offloaded_bytes(self.level, shard_size(gp), p, o)[0] if gp.offload else \
+            sharded_bytes(self.level, shard_size(gp), p, o)
+        return 2 * p + o - held
 
     # ---- the search's actions: ZeRO-3 only (FSDP, the recipe users start from), full or hybrid
     def search_options(self, devices: tuple[int, ...], family: str, space) -> list:
@@ -192,4 +210,5 @@ SHARDED = tuple(Sharded(level) for level in LEVELS)
 """The registered instances, ``zero1`` .. ``zero3`` (:func:`tag.parallel.register`)."""
 
 
-__all__ = ["LEVELS", "SHARDED", "Sharded", "shard_groups", "shard_size", "sharded_bytes", "sync_name"]
+__all__ = ["LEVELS", "OFFLOADS", "SHARDED", "Sharded", "offloaded_bytes", "shard_groups", "shard_size", "sharded_bytes",
+           "sync_name"]

@@ -354,6 +354,9 @@ def validate_group(gp: GroupPlan, graph, g: int, num_devices: int, where: str, b
         raise PlanError(f"{where}.shares: expected {len(gp.devices)} shares (one per device), got {len(gp.shares)}")
     if not isinstance(gp.recompute, bool):
         raise PlanError(f"{where}.recompute: expected true or false, got {gp.recompute!r}")
+    if gp.offload is not None and not gp.sync.startswith("zero"):
+        raise PlanError(f"{where}.offload: only with sharded data parallelism (sync zero1/zero2/zero3); expected "
+                        f"null, got {gp.offload!r}")
     if gp.sequence_parallel and gp.sync != "tp":
         raise PlanError(f"{where}.sequence_parallel: only allowed with sync 'tp'; expected false, got true")
     if gp.sfb:

@@ -82,12 +82,17 @@ class GroupPlan:
     dividing ``len(devices)``; default all of them); fewer is hybrid sharding, the state sharded
     within each group and replicated across (:mod:`tag.parallel.sharded`); omitted from the file
     when unset."""
+    offload: str | None = None
+    """``zero1`` / ``zero2`` / ``zero3`` only: training state kept in host memory, ``"optimizer"``
+    (ZeRO-Offload: the optimizer state and the step on the host CPU, gradient shards copied to the
+    host after their reduction, updated parameter shards copied back; :mod:`tag.parallel.sharded`);
+    omitted from the file when unset."""
 
     def key(self) -> tuple:
         """Hashable identity (used by caches)."""
         return (tuple(self.devices), tuple(round(s, 9) for s in self.shares), self.sync, self.server,
                 tuple(self.mp_splits or ()), tuple(self.sfb), self.tp, self.sequence_parallel,
-                self.recompute, self.shard)
+                self.recompute, self.shard, self.offload)
 
     def named_devices(self) -> list:
         """Every device index the group names: its replicas, then its parameter server if any."""
@@ -201,6 +206,8 @@ class Plan:
                 del g["recompute"]
             if g["shard"] is None:
                 del g["shard"]
+            if g["offload"] is None:
+                del g["offload"]
         return d
 
     @classmethod
@@ -261,7 +268,8 @@ _PLAN_TYPES = {"model": "str", "graph_signature": "str", "topology": "str", "top
                "version": "int", "pipeline": "dict?", "precision": "str"}
 _GROUP_TYPES = {"devices": "list[int]", "shares": "list[number]", "sync": "str", "server": "int?",
                 "mp_splits": "list[int]?", "sfb": "list[str]", "tp": "int?",
-                "sequence_parallel": "bool", "recompute": "bool", "shard": "int?"}
+                "sequence_parallel": "bool", "recompute": "bool", "shard": "int?",
+                "offload": "str?"}
 _PIPELINE_TYPES = {"stages": "list[int]", "micro_batches": "int", "schedule": "str", "k": "int"}
 _JSON_TYPES = {"bool": "true or false", "int": "an integer", "number": "a number", "str": "a string", "list": "a list",
                "dict": "an object"}

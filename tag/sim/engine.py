@@ -110,7 +110,7 @@ def plan_key(gp) -> tuple:
     shares that differ by float noise merely miss the cache, the derived data is the same)."""
     sp = gp.mp_splits
     return (tuple(gp.devices), tuple(gp.shares), gp.sync, gp.server, tuple(sp) if sp else (), tuple(gp.sfb), gp.tp,
-            gp.sequence_parallel, gp.recompute, gp.shard)
+            gp.sequence_parallel, gp.recompute, gp.shard, gp.offload)
 
 
 class Simulator:
@@ -546,12 +546,14 @@ class Simulator:
         self.fit_caches()
         gds = self.deploy(groups)
         micro = None if pipeline is None else self._micro(groups, pipeline)
+        from .sharded import check_host  # (offloaded groups: their hosts' memory)
+
         if not trace:
-            return _Run(self, gds, None, micro).execute()
+            return check_host(self, groups, _Run(self, gds, None, micro).execute())
         rec = _Recorder()
         res = _Run(self, gds, rec, micro).execute()
         res.events = rec.events()
-        return res
+        return check_host(self, groups, res)
 
     def moved_bytes(self, groups, *, pipeline=None) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
         """What one iteration of ``groups`` (and ``pipeline``) moves: bytes per (source device,

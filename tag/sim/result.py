@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -50,6 +50,12 @@ class SimResult:
     events: list[SimEvent] | None = None
     """The whole timeline when simulated with ``trace=True``."""
     device_names: list[str] = field(default_factory=list)
+    host_memory_bytes: list[float] = field(default_factory=list)
+    """Per machine: bytes its host holds for offloaded groups (``GroupPlan.offload``,
+    :func:`tag.sim.sharded.host_bytes`); empty when nothing is offloaded."""
+    host_oom: list[tuple[int, float, float]] = field(default_factory=list)
+    """(machine, bytes needed, host memory) of every machine whose host memory the offloaded
+    state exceeds (then :attr:`oom` too)."""
     _path: list[str] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -63,7 +69,8 @@ class SimResult:
     @property
     def overflow(self) -> float:
         """The most overfull device's peak over its capacity (above 1: out of memory)."""
-        return max((n / max(c, 1.0) for n, c in zip(self.peak_memory_bytes, self.memory_capacity_bytes)), default=0.0)
+        return max((n / max(c, 1.0) for n, c in [*zip(self.peak_memory_bytes, self.memory_capacity_bytes),
+                                                  *((n, c) for _, n, c in self.host_oom)]), default=0.0)
 
     def memory_report(self, topology, listed: int = 3) -> str:
         """The devices over capacity (of ``topology``, the one simulated) in one line. Up to
@@ -80,8 +87,12 @@ class SimResult:
             return f"device {d} ({names[d]}) needs {format_bytes(need[d], digits=3)} of {format_bytes(cap[d], digits=3)}"
 
         over = [d for d, _ in self.oom_devices]
+        hosts = "; ".join(f"host of machine {m} ({topology.machines[m].name}) needs {format_bytes(n, digits=3)} of "
+                          f"{format_bytes(c, digits=3)}" for m, n, c in self.host_oom)
         if not over:
-            return "the simulator reports OOM"
+            return hosts or "the simulator reports OOM"
+        if hosts:
+            return f"{self.memory_report(replace(self, host_oom=[]), topology, listed)}; {hosts}"
         if len(over) <= listed:
             return "; ".join(one(d) for d in over)
         worst = max(over, key=lambda d: (need[d] / max(cap[d], 1.0), -d))
@@ -110,6 +121,9 @@ class SimResult:
             "group_finish_s": list(self.group_finish_s),
             "group_compute_s": list(self.group_compute_s),
             "critical_path": list(self.critical_path),
+            **({"host_memory_bytes": list(self.host_memory_bytes),
+                "host_oom": [{"machine": m, "need_bytes": n, "host_memory_bytes": c} for m, n, c in self.host_oom]}
+               if self.host_memory_bytes else {}),
         }
 
     def chrome_trace(self) -> dict:

@@ -32,23 +32,40 @@ latencies on a ring):
   ``P_{g+1}``; none for a group without parameters, which the search deploys as plain replicas).
   A device's peak adds the largest working set of its groups to what they hold: the
   largest gathered group, as FSDP's.
+
+Offloaded (``GroupPlan.offload`` ``optimizer``, ZeRO-Offload), with ``k_m`` the group's devices on
+machine ``m`` (they step at once, sharing its host link ``H_m`` each direction and its CPU's memory
+bandwidth ``C_m``, :mod:`tag.topology.host`) and ``U_g`` the bytes the group's optimizer ops read
+and write (the graph's, as the roofline prices them on a device):
+
+* the step is synchronous after the gradient sync, as the executor runs it: the gradient shard
+  copied to the host (``k_m P_g / S / H_m``), the optimizer on the host CPU (``k_m U_g / S / C_m``,
+  memory bound), the updated parameter shard copied back (``k_m P_g / S / H_m``), replacing the
+  device's step; ``zero1`` / ``zero2`` then all-gather as without offload. ZeRO-Offload's
+  one-step delayed update (the host step overlapping the next forward) is not modelled;
+* the device holds no optimizer state, and with ``zero2`` / ``zero3`` no gradient shard between
+  iterations (:func:`tag.parallel.sharded.offloaded_bytes`); its host holds, per device, the
+  FP32 parameter shard it updates, the gradient shard and the optimizer state shard,
+  ``(2 P_g + O_g) / S`` (:func:`host_bytes`); a machine whose host needs more than its
+  ``host_memory`` is out of memory (:func:`check_host`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..parallel.sharded import shard_size, sharded_bytes
+from ..parallel.sharded import offloaded_bytes, shard_size, sharded_bytes
 from ..parallel.strategy import strategy_of
 from .static import BWD, FWD, OPT
 from .strategies import register_costing
 from .units import ENTRY_BYTES, GroupData, Layout, Unit
 
 
-def sharded_layout(sim, lay: Layout, level: int, shard: int) -> Layout:
+def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None = None) -> Layout:
     """``lay`` (data-parallel replicas, every group) costed as ZeRO stage ``level`` with shard
-    groups of ``shard`` consecutive replicas (module docstring); cached in the simulator's layouts."""
-    key = ("zero", lay.uid, level, shard)
+    groups of ``shard`` consecutive replicas, ``offload`` the state kept on the host (module
+    docstring); cached in the simulator's layouts."""
+    key = ("zero", lay.uid, level, shard, offload)
     hit = sim._layouts.get(key)
     if hit is not None:
         return hit
@@ -57,8 +74,9 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int) -> Layout:
     o = np.array([float(x.sum()) for x in st.static_pos]) - 2 * p  # [K] optimizer-state bytes
     gather = np.array([sim.comm.shard_gather_time(lay.devices, shard, x) for x in p.tolist()])  # [K] s
     dur = lay.dur.copy()
-    dur[OPT] /= shard
-    held = (2 * p + o) - sharded_bytes(level, shard, p, o)  # [K] bytes no longer held
+    dur[OPT] = host_step(sim, lay.devices, p, shard) if offload else dur[OPT] / shard
+    on_gpu = offloaded_bytes(level, shard, p, o)[0] if offload else sharded_bytes(level, shard, p, o)
+    held = (2 * p + o) - on_gpu  # [K] bytes no longer held
     transient = np.zeros_like(p)
     if level < 3:
         dur[OPT] += gather[:, None]
@@ -80,6 +98,62 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int) -> Layout:
     return sim.store_layout(key, out)
 
 
+def _update_bytes(sim) -> np.ndarray:
+    """[K] bytes the optimizer ops of each group read and write (``U_g``), cached."""
+    memo = sim.cache("zero-offload")
+    hit = memo.get("update")
+    if hit is None:
+        hit = np.zeros(sim.static.num_groups)
+        for op in sim.graph.ops:
+            if op.phase == "opt":
+                hit[op.group] += op.bytes_read.fixed + op.bytes_written.fixed
+        memo["update"] = hit
+    return hit
+
+
+def host_step(sim, devices, p: np.ndarray, shard: int) -> np.ndarray:
+    """[K, R] seconds of each group's offloaded step on each of ``devices`` (module docstring):
+    gradient shard to the host, the optimizer on the host CPU, parameter shard back, the machine's
+    link and CPU shared by its devices among ``devices``."""
+    topo = sim.topology
+    mach = [topo.machine_of(d) for d in devices]
+    k = np.array([mach.count(m) for m in mach], dtype=float)  # [R] devices stepping on each one's host
+    link = np.array([topo.machines[m].host_link for m in mach])
+    cpu = np.array([topo.machines[m].host_memory_bw for m in mach])
+    u = _update_bytes(sim)
+    return k[None, :] * ((2 * p / shard)[:, None] / link[None, :] + (u / shard)[:, None] / cpu[None, :])
+
+
+def host_bytes(sim, groups) -> list[float]:
+    """Per machine: bytes its host holds for the offloaded groups of ``groups`` (a plan's
+    GroupPlans), ``(2 P_g + O_g) / S`` per device of such a group on it."""
+    st = sim.static
+    out = [0.0] * sim.topology.num_machines
+    for g, gp in enumerate(groups):
+        if not gp.offload:
+            continue
+        p = float(st.grad_bytes[g])
+        o = float(st.static_pos[g].sum()) - 2 * p
+        per = offloaded_bytes(int(gp.sync[4:]), shard_size(gp), p, o)[1]
+        for d in gp.devices:
+            out[sim.topology.machine_of(d)] += per
+    return out
+
+
+def check_host(sim, groups, res):
+    """``res`` with the machines whose host memory the offloaded groups exceed
+    (:attr:`SimResult.host_oom`, and ``oom``); ``res`` itself when nothing is offloaded."""
+    if not any(gp.offload for gp in groups):
+        return res
+    need = host_bytes(sim, groups)
+    machines = sim.topology.machines
+    res.host_memory_bytes = need
+    res.host_oom = [(m, need[m], machines[m].host_memory) for m in range(len(machines))
+                    if need[m] > machines[m].host_memory]
+    res.oom = res.oom or bool(res.host_oom)
+    return res
+
+
 def sharded_group(sim, g: int, gp, lowered) -> GroupData:
     """:class:`GroupData` of group ``g`` deployed as ``gp`` (a ``zero*`` plan; ``lowered``: its
     data-parallel unit)."""
@@ -88,7 +162,7 @@ def sharded_group(sim, g: int, gp, lowered) -> GroupData:
     lay = sim.layout(devs, batches)
     if gp.recompute:
         lay = sim.recompute_layout(lay)
-    lay = sharded_layout(sim, lay, strategy.level, shard_size(gp))
+    lay = sharded_layout(sim, lay, strategy.level, shard_size(gp), gp.offload)
     unit = Unit(g, -1, devs, batches, lay.starts, lay)
     ukey = ("dp", devs, batches)
     coll = strategy.collective(gp)
@@ -109,4 +183,4 @@ def sharded_group(sim, g: int, gp, lowered) -> GroupData:
 for _name in ("zero1", "zero2", "zero3"):
     register_costing(_name, sharded_group)
 
-__all__ = ["sharded_group", "sharded_layout"]
+__all__ = ["check_host", "host_bytes", "host_step", "sharded_group", "sharded_layout"]

@@ -12,6 +12,9 @@ Schema (quantities are strings with units or plain numbers in base units)::
         zone: rack-1                 # optional: a network domain named in network.zones
         host_launch: "103 us"        # optional (GPU machines): host seconds per forward kernel launch,
                                      # as `tag profile --device cuda` prints it (tag.cost.gpu.on_host)
+        host_memory: "256 GB"        # optional: host memory for offloaded state (tag.topology.host: defaults)
+        host_bandwidth: "25 GB/s"    # optional: host <-> GPU bandwidth per direction, shared by the GPUs
+        host_memory_bandwidth: "100 GB/s"  # optional: the host CPU's memory bandwidth (its optimizer step)
     network:                         # may be omitted only for a single machine
       bandwidth: "25 Gbit/s"         # between machines of different (or no) zones
       latency: "20 us"               # optional
@@ -86,7 +89,8 @@ DEFAULT_NETWORK_LATENCY = 20e-6  # seconds
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 
 _TOP_KEYS = ("name", "description", "machines", "network")
-_MACHINE_KEYS = ("name", "gpu", "count", "intra_bandwidth", "intra_latency", "zone", "host_launch", "background")
+_MACHINE_KEYS = ("name", "gpu", "count", "intra_bandwidth", "intra_latency", "zone", "host_launch", "background",
+                 "host_memory", "host_bandwidth", "host_memory_bandwidth")
 _INLINE_GPU_KEYS = ("name", "tflops", "fp32_flops", "fp16_tflops", "fp16_flops", "memory", "memory_bandwidth")
 _NETWORK_KEYS = ("bandwidth", "latency", "zones", "links")
 _ZONE_KEYS = ("name", "bandwidth", "latency")
@@ -225,7 +229,11 @@ def _parse_machine(ctx: _Context, value: Any, path: str) -> tuple[Machine, str |
         intra_lat = ctx.quantity(parse_time, raw["intra_latency"], f"{path}.intra_latency", positive=False)
     zone = None if raw.get("zone") is None else ctx.name(raw["zone"], f"{path}.zone")
     host = None if raw.get("host_launch") is None else _host_launch(ctx, raw["host_launch"], f"{path}.host_launch", gpu)
-    return Machine(name, gpu, count, intra_bw, intra_lat, host), zone
+    stated = {key: None if raw.get(key) is None else ctx.quantity(parser, raw[key], f"{path}.{key}")
+              for key, parser in (("host_memory", parse_bytes), ("host_bandwidth", parse_bandwidth),
+                                  ("host_memory_bandwidth", parse_bandwidth))}  # (tag.topology.host: defaults)
+    return Machine(name, gpu, count, intra_bw, intra_lat, host, stated["host_memory"], stated["host_bandwidth"],
+                   stated["host_memory_bandwidth"]), zone
 
 
 def _host_launch(ctx: _Context, value: Any, path: str, gpu: GPUSpec) -> float:
@@ -560,6 +568,11 @@ def topology_to_yaml(topo: Topology) -> str:
         entry["intra_latency"] = format_time(m.intra_latency)
         if m.host_launch_s is not None:
             entry["host_launch"] = format_time(m.host_launch_s)
+        if m.host_memory_bytes is not None:
+            entry["host_memory"] = format_bytes(m.host_memory_bytes)
+        for key in ("host_bandwidth", "host_memory_bandwidth"):
+            if getattr(m, key) is not None:
+                entry[key] = format_bandwidth(getattr(m, key))
         machines.append(entry)
     network: dict[str, Any] = {
         "bandwidth": format_bandwidth(topo.network_bandwidth, bits=True),

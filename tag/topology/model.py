@@ -90,6 +90,38 @@ class Machine:
     """Host seconds per forward kernel launch of an eager step on this machine (the topology's
     ``host_launch``: its CPU's speed at issuing kernels, :func:`tag.cost.gpu.on_host`); None: the
     GPU rule's fitted host. GPU machines only."""
+    host_memory_bytes: float | None = None
+    """Bytes of host memory for training state (``host_memory``); None: the default,
+    :func:`tag.topology.host.default_host_memory` (:attr:`host_memory`)."""
+    host_bandwidth: float | None = None
+    """Bytes/s each direction between the host and the machine's GPUs, shared by them
+    (``host_bandwidth``); None: :func:`tag.topology.host.default_host_bandwidth` (:attr:`host_link`)."""
+    host_memory_bandwidth: float | None = None
+    """Bytes/s of the host CPU's memory, the roof of an optimizer step on the host
+    (``host_memory_bandwidth``); None: the default (:attr:`host_memory_bw`)."""
+
+    @property
+    def host_memory(self) -> float:
+        """Bytes of host memory (stated or default, :mod:`tag.topology.host`)."""
+        from .host import default_host_memory
+
+        return self.host_memory_bytes if self.host_memory_bytes is not None else \
+            default_host_memory(self.gpu, self.count)
+
+    @property
+    def host_link(self) -> float:
+        """Bytes/s each direction of the host link its GPUs share (stated or default)."""
+        from .host import default_host_bandwidth
+
+        return self.host_bandwidth if self.host_bandwidth is not None else default_host_bandwidth(self.gpu, self.count)
+
+    @property
+    def host_memory_bw(self) -> float:
+        """Bytes/s of the host CPU's memory (stated or default)."""
+        from .host import default_host_memory_bandwidth
+
+        return self.host_memory_bandwidth if self.host_memory_bandwidth is not None else \
+            default_host_memory_bandwidth(self.gpu)
 
     def __post_init__(self) -> None:
         where = f"machine {self.name!r}"
@@ -121,6 +153,11 @@ class Machine:
             if self.gpu.name == CPU_NAME:
                 raise TopologyError(f"{where}: host_launch: expected on a GPU machine only (the CPU rule launches "
                                     f"no kernels), got {self.host_launch_s!r} on gpu {CPU_NAME!r}")
+        for key, value, what in (("host_memory", self.host_memory_bytes, "size in bytes"),
+                                 ("host_bandwidth", self.host_bandwidth, "bandwidth in bytes/s"),
+                                 ("host_memory_bandwidth", self.host_memory_bandwidth, "bandwidth in bytes/s")):
+            if value is not None and not _positive(value):
+                raise TopologyError(f"{where}: {key}: expected a positive {what}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -369,6 +406,10 @@ class Topology:
             entry["intra_latency"] = m.intra_latency
             if m.host_launch_s is not None:  # (absent otherwise: older topologies keep their signature)
                 entry["host_launch"] = m.host_launch_s
+            for key, value in (("host_memory", m.host_memory_bytes), ("host_bandwidth", m.host_bandwidth),
+                               ("host_memory_bandwidth", m.host_memory_bandwidth)):
+                if value is not None:  # (likewise)
+                    entry[key] = value
             if m.name in self.background:  # (likewise)
                 entry["background"] = self.background[m.name].to_dict()
             machines.append(entry)

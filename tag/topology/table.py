@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from tag.topology.host import DEFAULT_HOST_MEMORY_BANDWIDTH
 from tag.topology.model import Topology
 from tag.topology.units import format_bandwidth, format_bytes, format_count, format_time
 
@@ -41,7 +42,8 @@ def format_topology(topo: Topology) -> str:
         f"{format_count(topo.num_devices, 'device')}, "
         f"signature {topo.signature()}"
     )
-    header = ["machine", "gpu", "count", "fp32 TFLOP/s", "memory", "mem bw", "intra bw", "intra lat"]
+    header = ["machine", "gpu", "count", "fp32 TFLOP/s", "memory", "mem bw", "intra bw", "intra lat", "host mem",
+              "host link"]
     rows = [
         [
             m.name,
@@ -52,6 +54,8 @@ def format_topology(topo: Topology) -> str:
             format_bandwidth(m.gpu.memory_bandwidth, digits=4),
             "-" if m.intra_bandwidth is None else format_bandwidth(m.intra_bandwidth, digits=4),
             format_time(m.intra_latency, digits=4),
+            format_bytes(m.host_memory, digits=4) + ("" if m.host_memory_bytes is not None else "*"),
+            format_bandwidth(m.host_link, digits=4) + ("" if m.host_bandwidth is not None else "*"),
         ]
         for m in topo.machines
     ]
@@ -65,6 +69,10 @@ def format_topology(topo: Topology) -> str:
         rows = [run[0] if len(run) == 1 else [f"{run[0][0]}..{run[-1][0]} ({len(run)} machines)", *run[0][1:]]
                 for run in runs]
     parts = [title, "", render_table(header, rows)]
+    if any(m.host_memory_bytes is None or m.host_bandwidth is None for m in topo.machines):
+        parts.append("* default (tag.topology.host): host memory 2x the machine's GPU memory; host link (each "
+                     "direction, shared by its GPUs) one PCIe x16 of the GPU's generation per 2 GPUs; host CPU memory bandwidth "
+                     f"{format_bandwidth(DEFAULT_HOST_MEMORY_BANDWIDTH)} unless stated")
     if topo.num_machines > 1:
         names = [m.name for m in topo.machines]
         count = topo.num_machines
