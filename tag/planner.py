@@ -249,6 +249,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
         "dp_prop_time_s": None if ev.dp_prop_out.oom else ev.dp_prop_out.time_s,
         "dp_even_oom": ev.dp_even_out.oom, "dp_prop_oom": ev.dp_prop_out.oom,
         "fsdp_time_s": None if fsdp_out is None or fsdp_out.oom else fsdp_out.time_s,
+        "fsdp_oom": None if fsdp_out is None else fsdp_out.oom,  # None: not seeded (plain data parallel)
         "lower_bound_s": lb,
         # the network's one-shot plan (None: not simulated, e.g. prior uniform, or out of memory)
         "one_shot_time_s": one_shot_out.time_s if one_shot_out is not None and not one_shot_out.oom else None,

@@ -38,6 +38,7 @@ def test_the_grid_has_the_sharded_layouts(small_cluster):
 
 
 def test_find_plan_is_never_worse_than_fsdp_or_the_best_layout(small_cluster):
+    from tag.cli.plan import summary
     from tag.cost.baselines import data_parallel, fully_sharded
     from tag.planner import find_plan
     from tag.sim import Simulator
@@ -52,6 +53,8 @@ def test_find_plan_is_never_worse_than_fsdp_or_the_best_layout(small_cluster):
     assert alone.meta["fsdp_time_s"] == pytest.approx(fsdp.iteration_time_s)
     assert alone.predicted_iteration_time_s <= fsdp.iteration_time_s
     assert alone.meta["source"] == "fsdp" and {g.sync for g in alone.groups} == {"zero3"}
+    shown = summary(alone)  # what tag plan prints and writes with --json
+    assert shown["fsdp_time_s"] == alone.meta["fsdp_time_s"] and shown["speedup_vs_fsdp"] == pytest.approx(1.0)
     # with the grid unpruned by the search: its best layout is reported, the plan no slower
     full = find_plan(graph, topo, prior="uniform", budget=20, pipelines="grid", compression="off")
     assert full.meta["best_layout_time_s"] is not None and not full.meta["oom"]

@@ -98,6 +98,8 @@ def summary(plan) -> dict:
         "plan_head_fallback": m.get("plan_head_fallback"), "bounds_fallback": m.get("bounds_fallback"),
         "speedup_vs_dp_even": _ratio(m.get("dp_even_time_s"), plan.predicted_iteration_time_s),
         "speedup_vs_dp_prop": _ratio(m.get("dp_prop_time_s"), plan.predicted_iteration_time_s),
+        "fsdp_time_s": m.get("fsdp_time_s"),
+        "speedup_vs_fsdp": _ratio(m.get("fsdp_time_s"), plan.predicted_iteration_time_s),
         # None: tag execute runs the plan; else why not (only with --allow-unexecutable)
         "execution_refusal": execution_refusal(plan),
     }
@@ -318,7 +320,10 @@ def _print(graph, topo, p, args) -> None:
     t = p.predicted_iteration_time_s
     print(f"predicted iteration time: {ms(t)}" + ("  (OUT OF MEMORY)" if s["oom"] else ""))
     for name, key, sk in (("data parallel, even shares", "dp_even_time_s", "speedup_vs_dp_even"),
-                          ("data parallel, proportional", "dp_prop_time_s", "speedup_vs_dp_prop")):
+                          ("data parallel, proportional", "dp_prop_time_s", "speedup_vs_dp_prop"),
+                          ("fsdp (ZeRO-3 over every device)", "fsdp_time_s", "speedup_vs_fsdp")):
+        if key == "fsdp_time_s" and p.meta.get("fsdp_oom") is None:
+            continue  # (not seeded: one device a group, or refused by the executor)
         base = s[key]
         sp = f"speedup {s[sk]:.2f}x" if s[sk] else "baseline out of memory" if base is None else ""
         print(f"  vs {name}: {ms(base)}  {sp}")
