@@ -12,14 +12,18 @@ iterations run back to back on the trace's clock, fixed 1F1B and adaptive, and t
 block sizes.
 
     PYTHONPATH=. python -m evaluation.adaptive_kfkb --gloo [--model mlp:in_dim=512,hidden=2048,layers=4]
-        [--batch 64] [--stages 2] [--micro 4] [--delays 0 20] [--rounds 3] [--steps 8] [--warmup 2]
+        [--batch 64] [--stages 2] [--micro 4] [--delays 0 20] [--throttled 0] [--rounds 3] [--steps 8]
+        [--warmup 2]
 
 measures the same on gloo (``tag execute``, one CPU rank per stage, the op-groups cut evenly): per
-delay, rank 0's link holding each message it sends that many ms (the hidden ``--inject-delay``),
+delay, the ``--throttled`` ranks' links holding each message they send that many ms (the hidden
+``--inject-delay``),
 fixed 1F1B against ``--adaptive-k``, in interleaved rounds (the arms' order alternating), and writes
 ``evaluation/results/adaptive-kfkb/{README.md,results.json}``: per delay and arm the median over
 rounds of each run's median iteration time (the slowest rank's, barrier to barrier, after the
-warm-up), every run's figures and the adaptive runs' block sizes.
+warm-up), the median over rounds of adaptive / 1F1B within a round (the two runs next to each
+other: a shared machine's load drifts less between them), every run's figures and the adaptive
+runs' block sizes.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ def gloo_run(a, tmp: Path, delay_ms: float, adaptive: bool) -> dict:
 
     cfg = ExecuteConfig(a.model, str(tmp / "topology.yaml"), str(tmp / "plan.json"), batch=a.batch,
                         optimizer="sgd", steps=a.steps, warmup=a.warmup, timeout_s=120.0,
-                        adaptive_k=adaptive, delay=f"0:{delay_ms:g}" if delay_ms else None)
+                        adaptive_k=adaptive, delay=f"{a.throttled}:{delay_ms:g}" if delay_ms else None)
     res = execute(cfg, graph=a.graph)
     its = res.ranks[0]["iterations"][a.warmup:]
     return {"delay_ms": delay_ms, "arm": "adaptive" if adaptive else "1f1b",
@@ -76,6 +80,7 @@ def gloo(a) -> None:
     from tag.workloads import load_workload
 
     out = Path(__file__).resolve().parents[0] / "results" / "adaptive-kfkb"
+    out = out if a.throttled == "0" else out / f"throttled-{a.throttled.replace(',', '-')}"
     tmp = Path(tempfile.mkdtemp(prefix="adaptive-kfkb-"))
     (tmp / "topology.yaml").write_text(f"name: gloo-cpu{a.stages}\nmachines:\n  - name: local\n    gpu: cpu\n"
                                        f"    count: {a.stages}\n    intra_bandwidth: \"5 GB/s\"\n")
@@ -99,21 +104,25 @@ def gloo(a) -> None:
         med = {arm: statistics.median(x["median_s"] for x in runs if x["delay_ms"] == d and x["arm"] == arm)
                for arm in ("1f1b", "adaptive")}
         ks = sorted({k for x in runs if x["delay_ms"] == d and x["arm"] == "adaptive" for k in x["k"][a.warmup:]})
-        summary[str(d)] = {**med, "adaptive_k_after_warmup": ks}
+        of = {(x["round"], x["arm"]): x["median_s"] for x in runs if x["delay_ms"] == d}
+        paired = statistics.median(of[(r, "adaptive")] / of[(r, "1f1b")] for r in range(a.rounds))
+        summary[str(d)] = {**med, "paired_ratio": paired, "adaptive_k_after_warmup": ks}
         rows.append(f"| {d:g} | {med['1f1b'] * 1e3:.1f} | {med['adaptive'] * 1e3:.1f} | "
-                    f"{med['adaptive'] / med['1f1b'] - 1:+.1%} | {ks} |")
+                    f"{med['adaptive'] / med['1f1b'] - 1:+.1%} | {paired - 1:+.1%} | {ks} |")
     command = "PYTHONPATH=. python -m evaluation.adaptive_kfkb " + " ".join(sys.argv[1:])
     lines = ["# Adaptive kFkB on gloo: a throttled link, fixed 1F1B against `tag execute --adaptive-k`", "",
              *header_lines(command, machine_line()), "",
              f"{a.model}, batch {a.batch}, {a.stages} stages on {a.stages} gloo CPU ranks (one op-group cut "
              f"of {per} of {a.graph.num_groups} each), {a.micro} micro-batches, SGD; {a.rounds} interleaved "
-             f"rounds of {a.warmup} warm-up + {a.steps} timed iterations per arm; rank 0's link holds each "
-             "message it sends the stated ms (`--inject-delay 0:MS`). Median over rounds of each run's median "
-             "iteration time (the slowest rank's); block sizes the adaptive runs chose after the warm-up "
-             "(`results.json`: every run).", "",
-             "| delay ms | 1F1B ms | adaptive ms | adaptive vs 1F1B | adaptive k |", "|---|---|---|---|---|", *rows]
+             f"rounds of {a.warmup} warm-up + {a.steps} timed iterations per arm; the links of rank(s) {a.throttled} "
+             f"hold each message sent the stated ms (`--inject-delay {a.throttled}:MS`). Median over rounds of each "
+             "run's median iteration time (the slowest rank's), and of adaptive / 1F1B within a round; block sizes "
+             "the adaptive runs chose after the warm-up (`results.json`: every run).", "",
+             "| delay ms | 1F1B ms | adaptive ms | adaptive vs 1F1B | paired per round | adaptive k |",
+             "|---|---|---|---|---|---|", *rows]
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", {"command": command, "model": a.model, "batch": a.batch, "stages": a.stages,
+                                      "throttled": a.throttled,
                                       "micro_batches": a.micro, "summary": summary, "runs": runs})
     write_atomic(out / "README.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -128,7 +137,8 @@ def main() -> None:
     ap.add_argument("--gloo", action="store_true", help="measure on gloo ranks instead (module docstring)")
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--micro", type=int, default=4)
-    ap.add_argument("--delays", type=float, nargs="+", default=[0.0, 20.0], help="ms per message of rank 0")
+    ap.add_argument("--delays", type=float, nargs="+", default=[0.0, 20.0], help="ms per message of --throttled")
+    ap.add_argument("--throttled", default="0", help="the ranks whose links are throttled (comma-separated)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)

@@ -19,11 +19,12 @@ from tag.workloads import load_workload
 
 def test_throttle_spec():
     t = Throttle.parse("1:40:2:5")
-    assert (t.rank, t.delay_s, t.start, t.stop) == (1, 0.04, 2, 5)
+    assert (t.ranks, t.delay_s, t.start, t.stop) == ({1}, 0.04, 2, 5)
+    assert Throttle.parse("0,1:5").delay_at(0, 9) == Throttle.parse("0,1:5").delay_at(1, 0) == 0.005
     assert [t.delay_at(1, i) for i in range(7)] == [0, 0, 0.04, 0.04, 0.04, 0, 0]
     assert t.delay_at(0, 3) == 0 and Throttle.parse(None) is None
     for bad in ("1", "a:3", "1:-2", "1:2:3:4:5", "-1:5"):
-        with pytest.raises(TagError, match=r"^--inject-delay: expected RANK:MS\[:FROM\[:TO\]\]"):
+        with pytest.raises(TagError, match=r"^--inject-delay: expected RANKS:MS\[:FROM\[:TO\]\]"):
             Throttle.parse(bad)
 
 

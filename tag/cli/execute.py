@@ -49,7 +49,7 @@ def register(sub) -> None:
                    help="a pipelined plan (1f1b, kfkb, gpipe): choose kFkB's block size k between iterations from the "
                         "measured stage-to-stage transfer times, among 1, 2, 4, 8 that fit in memory (Ada-Grouper)")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # testing: RANK:ITER:raise|exit|hang
-    p.add_argument("--inject-delay", default=None, help=argparse.SUPPRESS)  # testing: RANK:MS[:FROM[:TO]]
+    p.add_argument("--inject-delay", default=None, help=argparse.SUPPRESS)  # testing: RANKS:MS[:FROM[:TO]]
     p.set_defaults(func=run)
 
 

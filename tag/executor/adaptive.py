@@ -15,8 +15,8 @@ Switching ``k`` swaps the schedule every rank walks (the same steps in another o
 rank program (:meth:`RankRuntime.use_schedule <tag.executor.runtime.RankRuntime.use_schedule>`),
 built once per ``k``.
 
-:class:`Throttle` (``--inject-delay``, hidden; testing and evaluation): one rank's link holds
-each message it sends a stated number of seconds, one message at a time, in stated iterations
+:class:`Throttle` (``--inject-delay``, hidden; testing and evaluation): some ranks' links hold
+each message they send a stated number of seconds, one message at a time, in stated iterations
 (a slow or preempted network; the rank's compute goes on meanwhile).
 """
 
@@ -35,35 +35,36 @@ from .runtime import ExecutionError
 
 @dataclass(frozen=True)
 class Throttle:
-    """Rank :attr:`rank` delays each message it sends by :attr:`delay_s` in iterations
+    """The :attr:`ranks` delay each message they send by :attr:`delay_s` in iterations
     ``start <= it < stop`` (warm-up ones counted)."""
 
-    rank: int
+    ranks: frozenset[int]
     delay_s: float
     start: int = 0
     stop: int | None = None
 
     @classmethod
     def parse(cls, spec: str | None) -> Throttle | None:
-        """``RANK:MS[:FROM[:TO]]`` (milliseconds; iterations ``FROM`` to ``TO`` exclusive), or None."""
+        """``RANKS:MS[:FROM[:TO]]`` (ranks comma-separated, milliseconds; iterations ``FROM`` to
+        ``TO`` exclusive), or None."""
         if not spec:
             return None
         try:
             parts = spec.split(":")
             if not 2 <= len(parts) <= 4:
                 raise ValueError
-            t = cls(int(parts[0]), float(parts[1]) / 1e3, int(parts[2]) if len(parts) > 2 else 0,
+            t = cls(frozenset(int(r) for r in parts[0].split(",")), float(parts[1]) / 1e3, int(parts[2]) if len(parts) > 2 else 0,
                     int(parts[3]) if len(parts) > 3 else None)
         except ValueError:
             t = None
-        if t is None or t.rank < 0 or not 0 <= t.delay_s < 3600 or t.start < 0:
-            raise TagError(f"--inject-delay: expected RANK:MS[:FROM[:TO]] (rank >= 0, 0 <= MS, iterations >= 0), "
+        if t is None or min(t.ranks) < 0 or not 0 <= t.delay_s < 3600 or t.start < 0:
+            raise TagError(f"--inject-delay: expected RANKS:MS[:FROM[:TO]] (ranks >= 0, 0 <= MS, iterations >= 0), "
                            f"got {spec!r}")
         return t
 
     def delay_at(self, rank: int, it: int) -> float:
         """Seconds rank ``rank``'s link holds each message in iteration ``it``."""
-        on = rank == self.rank and it >= self.start and (self.stop is None or it < self.stop)
+        on = rank in self.ranks and it >= self.start and (self.stop is None or it < self.stop)
         return self.delay_s if on else 0.0
 
 
