@@ -105,7 +105,7 @@ def test_simulated_step_memory_and_host(gpt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync,n", [("zero3", 2), ("zero2", 2)])
+@pytest.mark.parametrize("sync,n", [("zero3", 2), ("zero2", 2), ("zero3", 1)])
 def test_offloaded_ranks_train_as_one_process(tmp_path, captured, sync, n):
     """Offloaded ZeRO-2/3 on gloo: the host shards stepped by the optimizer, copied to the device
     shards the gathers read; parameters after 2 Adam steps equal single-process training. Each

@@ -49,7 +49,9 @@ version counter: a step, a checkpoint load) copies it back to the device first (
 tensors: the copies and the separate state run, not the PCIe transfers (the CUDA path is
 written for pinned memory and streams and has not been run here). ``ranks.json`` gives such a
 rank's ``device_state_bytes`` (its parameters held between iterations and device shards) and
-``host_state_bytes`` (host shards, their gradients and optimizer state).
+``host_state_bytes`` (host shards, their gradients and optimizer state). An offloaded group on one
+device (no collective, so no schedule bucket) is a bucket of its own: a shard group of one, its
+gradient taken at the sync, its gathers a copy.
 
 The in-process runner (:func:`tag.executor.run_virtual`) sums buckets itself and never calls
 :meth:`ShardedRank.bucket_sync`: there the hook stays inactive and the ranks train as plain data
@@ -61,6 +63,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..parallel.schedule import Bucket
 from ..parallel.sharded import shard_size
 from .optim import make_optimizer
 from .runtime import ExecutionError
@@ -222,6 +225,12 @@ class ShardedRank(RankHook):
                                      "rank does not (a tied copy); expected no sharded group beside them")
             self.buckets[i] = _Bucket(i, b, int(gp.sync[4:]), list(gp.devices), shard_size(gp), rt.rank, rt.params,
                                       names, s.param_numel, gp.offload)
+        bucketed = {g for b in s.buckets for g in b.groups}
+        for g, gp in enumerate(self.plan.groups):  # an offloaded lone device: no collective, a bucket of its own
+            names = rt._synced(g)
+            if gp.offload and gp.devices == [rt.rank] and g not in bucketed and names:
+                self.buckets[-1 - g] = _Bucket(-1 - g, Bucket((g,), None, 0), int(gp.sync[4:]), [rt.rank], 1, rt.rank,
+                                               rt.params, list(names), s.param_numel, gp.offload)
         made: dict[tuple[int, ...], object] = {}
         for bk in self.buckets.values():  # process groups of the members only, in bucket order
             for attr, members in (("shard_pg", bk.shard_members), ("cross_pg", bk.cross_members)):
