@@ -754,10 +754,10 @@ def test_plan_op_group_lines_at_512_devices():
 def test_topology_show_at_512_devices(capsys):
     """Alike machines share one row of the machine table above 8 machines, and a uniform network
     is one line (as a uniform latency was): h100-512gpu in 9 lines, not 64 rows and a 64 x 64
-    matrix."""
+    matrix; one line more says which host figures are defaults."""
     rc, out, _ = run_tag(capsys, "topology", "show", "h100-512gpu")
     lines = out.strip().splitlines()
-    assert rc == 0 and len(lines) == 9, out
+    assert rc == 0 and len(lines) == 10 and lines[5].startswith("* default (tag.topology.host)"), out
     assert lines[4].split()[:4] == ["h100-00..h100-63", "(64", "machines)", "H100-SXM"], lines
     assert "Inter-machine bandwidth: 400 Gbit/s" in lines and "Inter-machine latency: 10 us" in lines
     rc, out, _ = run_tag(capsys, "topology", "show", "hetero-64gpu")
