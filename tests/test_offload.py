@@ -134,3 +134,14 @@ def test_offloaded_ranks_train_as_one_process(tmp_path, captured, sync, n):
         assert r["host_state_bytes"] == pytest.approx(host, rel=0.02)
         assert r["optimizer_state_bytes"] == pytest.approx(2 * p / n, rel=0.02)
         assert r["device_state_bytes"] == pytest.approx(device + (p / n if level < 3 else 0), rel=0.02)
+
+
+def test_export_names_the_offload_it_drops(gpt):
+    """A trainer's file is written without the offload, and the export says so (not exact)."""
+    from tag.planner import export_plan
+
+    t = _box()
+    plan = layout_plan(gpt, t, parse_layout("dp=4,zero=3,offload=optimizer"), CostModel.for_topology(gpt, t))
+    ex = export_plan(plan, gpt, t, "deepspeed")
+    assert not ex.exact and ex.problems == ["optimizer offload on 8 of 8 op-groups (offload=optimizer)"]
+    assert ex.layout == Layout(dp=4, zero=3)

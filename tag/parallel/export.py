@@ -180,6 +180,9 @@ def _assemble(plan, graph, topology, groups, bounds, flat, width, tp, sp, vocab,
     zero, shard = zeros.most_common(1)[0][0] if zeros else (0, 0)
     if zeros and (len(zeros) > 1 or sum(zeros.values()) < len(groups)):
         dropped.append("ZeRO sharding differs across op-groups")
+    off = sum(bool(getattr(g, "offload", None)) for g in groups)
+    if off:  # (DeepSpeed's offload_optimizer, Megatron-LM's --optimizer-cpu-offload: not written)
+        dropped.append(f"optimizer offload on {off} of {len(groups)} op-groups (offload=optimizer)")
     stages = None
     if len(bounds) > 2:
         stages = _stage_layers(graph, bounds[:-1], dropped)
