@@ -23,6 +23,7 @@ from .model_parallel import ModelParallel
 from .moves import move_kind, move_pieces
 from .parameter_server import ParameterServer
 from .schedule import Move, Schedule, SfbGroup, Step, build_schedule, graph_structure
+from .sharded import SHARDED, Sharded
 from .strategy import (
     Collective,
     Replica,
@@ -40,7 +41,6 @@ from .strategy import (
     validate_group,
     validate_plan,
 )
-from .sharded import SHARDED, Sharded
 from .tensor_parallel import TensorParallel
 
 # The built-in strategies (a new one is a module plus a line here; error messages list them in
