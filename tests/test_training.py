@@ -173,19 +173,12 @@ def test_label_children_gives_every_action_its_own_simulated_reward(tmp_path):
 
 
 def test_label_children_off_leaves_the_records_as_they_were(tmp_path):
-    """``label_children = 0`` (default) writes the records of before the option, byte for byte
-    but the wall seconds: sha256 of the sorted JSON of pairs 0-2 of this toy stream. First computed
-    at adb79da (before the option); recomputed at 8a7364c (2026-11-27) because the GPU rule's
-    optimizer host time (2f3649a, merged beside the option) moved the records' simulated times;
-    recomputed on 2026-11-27 again: the H200 refit on the real-size zoo moved every GPU cost; and
-    again when the refits on causal attention FLOPs (tag.graph.masks) and bf16 batch norm moved them;
-    and when the refit on attention costed in whole tiles (tag.cost.gpu.ATTENTION_TILES) did, and
-    the backward's own host seconds per launch (GpuRates.host_backward_s), and the fitted matmul
-    rates; and on 2026-11-29 when the A100-40GB took its published rates (gpu_calib/published.json),
-    and again when a published type's matmuls were floored by their bytes (matmul_bytes_floor), with
-    the simulator changes committed since 7e33a57 (which had left them stale)."""
+    """``label_children = 0`` (default) writes the records a run without the option writes, byte
+    for byte but the wall seconds: sha256 of the sorted JSON of pairs 0-2 of this toy stream. The
+    records hold simulated times, so a change to the cost model or the simulator changes these
+    hashes: recompute them (the commit message says which change moved them)."""
     import hashlib
-    golden = ["51e154ef993d8723", "0d2e695718ebedcd", "9baf3f0bf7e6dd26"]
+    golden = ["e3a5ef17dffd39cc", "d70ed1b7a8e73234", "77210bd02ca4b237"]
     for i, want in enumerate(golden):
         rec, _ = _label(tmp_path, i)
         rec.pop("seconds")
