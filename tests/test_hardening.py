@@ -709,9 +709,11 @@ def test_plan_out_of_memory_on_64_devices_is_one_line(tmp_path, capsys):
     line = one_line_error(capsys, "plan", "--model", "mlp", "--batch", "64", "--groups", "2", "--topology",
                           str(topo), "--searcher", "random", "--budget", "2", "--compression", "off")
     # all 64 devices fit the model's memory together, none alone: every plan searched replicates it
-    # (the grid: its executable layouts, pipelines of tensor-parallel stages among them)
+    # (the grid: its 64 executable dp x tp x pp layouts, pipelines of tensor-parallel stages among them,
+    # and 8 sharded ones, tag.parallel.layout.sharded_layouts: zero=1/2/3 and hsdp, each with and
+    # without recomputation)
     assert line.startswith("tag plan: error: every plan searched runs out of memory, also with activation "
-                           "recomputation where the search may use it, so do the 64 Megatron-style layouts of the "
+                           "recomputation where the search may use it, so do the 72 Megatron-style layouts of the "
                            "grid ("), line
     assert " simulated, the others bounded out of memory or slower); the closest to fitting: device 8 (b:0) needs " in line, line
     assert "of 58.6 KiB, and 63 more devices over capacity; no plan written" in line, line
