@@ -99,6 +99,49 @@ def test_tensor_parallel_sync_buffer_is_the_devices_shard():
     assert gds[layer].sync_bytes == pytest.approx(total - 0.75 * sp.split_bytes)
 
 
+def test_vocab_parallel_head_costs_a_vocabulary_slice_of_every_token():
+    """Megatron-LM's vocabulary-parallel head on 8 ranks: each rank computes ``h x V / 8``
+    logits for all of its replica's 2 samples, so the head group's costed seconds at 2 samples
+    are 1/8 of one rank's whole head plus at most the rule's fixed floors (its seconds at 0
+    samples: per-kernel and host launch costs, the weight cast), its logits 1/8 of the bytes,
+    and the simulated tp=8 head adds the cross-entropy's 3 all-reduces of 4 bytes a token
+    (forward) and the head input's gradient all-reduce (backward) over the group."""
+    s, h, v, tp = 1024, 1024, 32768, 8
+    g, _, _ = model_graph(f"gpt2:n_layer=1,n_embd={h},n_head=16,vocab={v},seq={s},attn=sdpa", 2,
+                          precision="fp16", num_groups=3)
+    group_by_layers(g)
+    g = fused_activation_graph(g)
+    vp = vocab_parallel_graph(g, tp)
+    head = g.num_groups - 1
+    topo = load_topology(str(A100X8))
+    c1 = CostModel.for_topology(g, topo, runtime="megatron")
+    c8 = CostModel.for_topology(vp, topo, runtime="megatron")
+    t1 = c1.table(0)[head, :2].sum(axis=0)  # [batch 0..2] forward + backward seconds
+    t8 = c8.table(0)[head, :2].sum(axis=0)
+    assert t1[2] / tp <= t8[2] <= t1[2] / tp + t8[0]
+    assert t8[2] < t1[1] / 3  # the sample split: a rank computed one sample's whole head, t1[1]
+    logits = [i for i, t in enumerate(g.tensors) if t.nbytes.per_sample and t.nbytes.per_sample % (s * v) == 0]
+    assert logits and all(vp.tensors[i].nbytes.per_sample * tp == g.tensors[i].nbytes.per_sample for i in logits)
+    hidden = [i for i, t in enumerate(g.tensors) if t.nbytes.per_sample == 2 * s * h]
+    assert hidden and all(vp.tensors[i].nbytes == g.tensors[i].nbytes for i in hidden)
+    assert build_static(vp).mem_per_sample[head] < build_static(g).mem_per_sample[head] / 4
+    from tag.sim import Simulator
+
+    sim = Simulator(vp, topo, c8)
+    from evaluation.external import vocab_parallel_plan
+
+    plan = layout_plan(vp, topo, replace(parse_layout("dp=1,tp=8,pp=1,micro=1"), vocab=1), c8)
+    vocab_parallel_plan(vp, plan, tp)
+    assert plan.groups[head].sync == "tp" and plan.groups[0].sync != "tp"  # the embedding: sample shares
+    lay = sim.deploy(plan.groups)[head].units[0].layout
+    devs = plan.groups[head].devices
+    ce = sim.comm.tensor_parallel_time(devs, [4.0 * s * 2] * 3)
+    grad = sim.comm.tensor_parallel_time(devs, [2.0 * s * h * 2])
+    assert ce > 0 and grad > 0
+    assert lay.dur[0, head, 0] == pytest.approx(c8.table(0)[head, 0, 2] + ce)
+    assert lay.dur[1, head, 0] == pytest.approx(c8.table(0)[head, 1, 2] + grad)
+
+
 def test_vocab_shares_keep_each_replicas_samples_on_its_group():
     """A vocabulary-parallel head's rows stay on their tensor-parallel group: 8 samples over
     4 groups of 8 devices land on each group's first two ranks (the replica's own two samples),

@@ -41,8 +41,10 @@ EAGER_RUNTIMES = ("tag", "eager")
 Megatron-LM runs: its fused kernels (``CostModel`` ``runtime="megatron"``), activations as a fused
 trainer holds them (:mod:`tag.cost.fused_memory`), one op-group a layer (Megatron-LM's unit of
 activation recomputation and of tensor parallelism: :func:`tag.parallel.layers.group_by_layers`)
-and, with tensor parallelism, the embedding and head split over the tensor-parallel ranks, their
-work (``Layout.vocab``) and their weights (:func:`tag.parallel.layers.vocab_parallel_graph`)."""
+and, with tensor parallelism, the vocabulary split over the tensor-parallel ranks: the embedding's
+and head's weights (:func:`tag.parallel.layers.vocab_parallel_graph`), the embedding's samples
+(``Layout.vocab``), and the head's logits, their work and its collectives, every rank on its
+replica's whole micro-batch (:func:`vocab_parallel_plan`)."""
 
 
 class DataError(ValueError):
@@ -208,7 +210,7 @@ def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None
     from tag.cost.model import CostModel
     from tag.errors import TagError
     from tag.parallel.layers import group_by_layers, vocab_parallel_graph
-    from tag.parallel.layout import align_groups, outside_blocks, parse_layout
+    from tag.parallel.layout import align_groups, parse_layout
     from tag.planner import layout_plan, model_graph
     from tag.sim import Simulator
     from tag.topology import load_topology
@@ -229,18 +231,40 @@ def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None
             except TagError:  # (many layers, e.g. 96 cut 6 by 6: about two groups a layer)
                 align_groups(graph, lay, near=2 * sum(lay.stages))
         if p.runtime not in EAGER_RUNTIMES:
-            graph = vocab_parallel_graph(fused_activation_graph(graph), lay.tp if lay.vocab else 1)
+            graph = vocab_parallel_graph(fused_activation_graph(graph), lay.tp)
         costs = CostModel.for_topology(graph, topo, numerics=Numerics(matmul_tf32=p.matmul_tf32),
                                        runtime="eager" if p.runtime in EAGER_RUNTIMES else "megatron")
         plan = layout_plan(graph, topo, lay, costs)
         if lay.vocab:
-            for g in outside_blocks(graph):
-                plan.groups[g].shares = vocab_shares(len(plan.groups[g].devices), lay.tp)
+            vocab_parallel_plan(graph, plan, lay.tp)
         res = Simulator(graph, topo, costs).run(plan.groups, pipeline=plan.pipeline)
     except TagError as e:
         return Row(p, None, False, None, str(e).splitlines()[0])
     peak = max(res.peak_memory_bytes) / 2**30
     return Row(p, float(res.iteration_time_s), bool(res.oom), float(peak))
+
+
+def vocab_parallel_plan(graph, plan, tp: int) -> None:
+    """Deploy, in place, ``plan``'s groups outside the Megatron blocks (``Layout.vocab=1``,
+    :func:`tag.parallel.layout.outside_blocks`) as Megatron-LM runs its vocabulary-parallel
+    embedding and head on ``tp`` ranks: the embedding's groups data parallel over the stage, each
+    replica's samples on its own tensor-parallel group's ranks (:func:`vocab_shares`); the head's
+    (after the last block) tensor parallel of degree ``tp``, every rank on its replica's whole
+    micro-batch, ``graph`` costing its ``h x V / tp`` logits and the cross-entropy's collectives
+    (:func:`tag.parallel.layers.vocab_parallel_graph`). (The embedding as a tensor-parallel group
+    held its tied weight's gradient from every replica's head: vTrain's GPT 39.1B at ``tp=2,
+    dp=32, pp=8``, 53 -> 77 GiB on stage 0, 2026-11-29.)"""
+    from tag.parallel.layout import outside_blocks
+
+    outer = outside_blocks(graph)
+    first = min(set(range(graph.num_groups)) - outer)
+    for g in sorted(outer):
+        gp = plan.groups[g]
+        if g < first:
+            gp.shares = vocab_shares(len(gp.devices), tp)
+        else:
+            n = len(gp.devices)
+            plan.groups[g] = replace(gp, shares=[1.0 / n] * n, sync="tp", tp=tp, sequence_parallel=False)
 
 
 def vocab_shares(devices: int, tp: int) -> list[float]:

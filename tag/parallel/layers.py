@@ -141,14 +141,23 @@ def group_by_layers(graph: OpGraph) -> int:
 
 
 def vocab_parallel_graph(graph: OpGraph, tp: int) -> OpGraph:
-    """A copy of ``graph`` whose vocabulary parameters are held ``1 / tp`` a device, as
-    Megatron-LM's vocabulary-parallel embedding and head hold them (each tensor-parallel rank
-    ``1 / tp`` of the rows, its gradient and optimizer state; ``Layout.vocab=1`` costs their
-    work so, :func:`tag.parallel.layout.outside_blocks`). The vocabulary parameters: those
-    outside the numbered layers (:func:`tag.parallel.layers.model_layers`) of at least half the
-    largest such one's elements (GPT-2's token embedding, tied to its head, but not its 2048-row
-    position embedding or final norm; Llama's embedding and head). Their bytes, their gradient
-    tensors' and optimizer state scale by ``1 / tp``; ops and their costs are unchanged."""
+    """A copy of ``graph`` costed as Megatron-LM's vocabulary-parallel embedding and head run on
+    ``tp`` ranks (a costing of Megatron-LM's runtime: TAG's executor runs no such head). The
+    vocabulary parameters: those outside the numbered layers (:func:`model_layers`) of at least
+    half the largest such one's elements (GPT-2's token embedding, tied to its head, but not its
+    2048-row position embedding or final norm; Llama's embedding and head); their bytes, their
+    gradient tensors' and optimizer state scale by ``1 / tp`` (each rank ``1 / tp`` of the rows).
+    The head (:func:`_head_vocab`): each rank computes ``h x (V / tp)`` logits for all of its
+    replica's tokens, so the head group's ops on a tensor of the vocabulary's width (the logits,
+    their softmax and gradients, the weight's cast copy) have their FLOPs, bytes and those
+    tensors' bytes scaled by ``1 / tp``, every rank at the replica's whole micro-batch when the
+    head group is deployed tensor parallel (the simulator's plain tensor-parallel costing of a
+    group without blocks; ``evaluation.external.vocab_parallel_plan``).
+    Its collectives over the tensor-parallel group (:attr:`vocab_reduces` on the copy, priced by
+    :func:`tag.sim.tensor_parallel.tp_layout`): forward, the vocab-parallel cross-entropy's
+    all-reduces of the logits' max, sum of exponentials and target logit (4 bytes a token
+    each); backward, the head input's gradient (Megatron's column-parallel linear, ``2 s h``
+    bytes a sample in fp16)."""
     if tp <= 1:
         return graph
     outside = outside_params(graph, model_layers(graph))
@@ -157,13 +166,69 @@ def vocab_parallel_graph(graph: OpGraph, tp: int) -> OpGraph:
     big = max(p.numel for p in outside)
     vocab = [i for i, p in enumerate(graph.params) if p in outside and 2 * p.numel >= big]
     out = copy.copy(graph)
-    out.params, out.tensors = list(graph.params), list(graph.tensors)
+    out.params, out.tensors, out.ops = list(graph.params), list(graph.tensors), list(graph.ops)
+    wide = set()
     for i in vocab:
         p = copy.copy(graph.params[i])
         p.nbytes, p.opt_state_bytes = p.nbytes // tp, p.opt_state_bytes // tp
         out.params[i] = p
-        for t_idx in (p.tensor, p.grad):
-            t = copy.copy(graph.tensors[t_idx])
-            t.nbytes = Affine(t.nbytes.fixed / tp, t.nbytes.per_sample / tp)
-            out.tensors[t_idx] = t
+        wide |= {p.tensor, p.grad}
+    head = _head_vocab(graph, {graph.params[i].tensor for i in vocab})
+    out.vocab_reduces = {}
+    if head is not None:
+        ops, tensors, reduces = head
+        wide |= tensors
+        for i in ops:
+            o = copy.copy(graph.ops[i])
+            o.flops, o.bytes_read, o.bytes_written = (_scaled(a, tp) for a in (o.flops, o.bytes_read, o.bytes_written))
+            out.ops[i] = o
+        out.vocab_reduces = reduces
+    for t_idx in wide:
+        t = copy.copy(graph.tensors[t_idx])
+        t.nbytes = _scaled(t.nbytes, tp)
+        out.tensors[t_idx] = t
     return out
+
+
+def _scaled(a: Affine, tp: int) -> Affine:
+    return Affine(a.fixed / tp, a.per_sample / tp)
+
+
+def _head_vocab(graph: OpGraph, weights: set[int]) -> tuple[set[int], set[int], dict] | None:
+    """``(ops, tensors, {group: (forward, backward) all-reduce bytes})`` of the LM head's work
+    over the vocabulary: in the group of the last forward matmul reading a vocabulary weight
+    (``weights``: tensor indices, directly or through weight-only ops: its cast, its transpose),
+    of ``(M, h, V)`` (:func:`tag.cost.gpu.gemm_dims` at one sample: ``M`` tokens a sample), the
+    tensors holding a whole multiple of ``M x V`` bytes a sample (the logits in any precision;
+    a hidden state's ``M x h x 4`` bytes is not one while ``4 h < V``) or of ``h x V`` bytes and
+    none a sample (the weight, its copies and gradient), and the forward and backward ops reading
+    or writing one. None without such a matmul (a model without an LM head)."""
+    from ..cost.gpu import gemm_dims
+
+    derived = set(weights)  # the weights and what weight-only ops make of them
+    head = None
+    for i, o in enumerate(graph.ops):
+        if o.phase != "fwd":
+            continue
+        if not o.batch and derived & set(o.inputs):
+            derived |= set(o.outputs)
+        elif o.batch and derived & set(o.inputs) and o.flops.per_sample > 0:
+            head = i
+    dims = gemm_dims(graph, graph.ops[head], 1) if head is not None else None
+    if dims is None:
+        return None
+    m, h, v = dims
+    g = graph.ops[head].group
+    mine = [i for i, o in enumerate(graph.ops) if o.group == g and o.phase in ("fwd", "bwd")]
+
+    def is_wide(t: int) -> bool:
+        n = graph.tensors[t].nbytes
+        if n.per_sample > 0:
+            return n.fixed == 0 and n.per_sample % (m * v) == 0
+        return n.fixed > 0 and n.fixed % (h * v) == 0
+
+    tensors = {t for i in mine for t in graph.ops[i].inputs + graph.ops[i].outputs if is_wide(t)}
+    ops = {i for i in mine if tensors & set(graph.ops[i].inputs + graph.ops[i].outputs)}
+    hidden = graph.tensors[graph.ops[head].inputs[-2]].nbytes
+    token = Affine(0.0, 4.0 * m)
+    return ops, tensors, {g: ((token, token, token), (Affine(0.0, hidden.per_sample),))}

@@ -23,7 +23,9 @@ any ``b``, the split weights are read whole by the cost, which overstates a smal
 * forward / backward seconds grow by the blocking collectives of the blocks in ``g``
   (:meth:`CommModel.tensor_parallel_time <tag.cost.comm.CommModel.tensor_parallel_time>` at the
   tensor-parallel group's batch; all-gather + reduce-scatter, or one all-reduce: the same bytes;
-  they sit between the block's matmuls, so nothing overlaps them);
+  they sit between the block's matmuls, so nothing overlaps them), and by a vocabulary-parallel
+  head's (``vocab_reduces`` of a graph costed as Megatron-LM runs its head,
+  :func:`tag.parallel.layers.vocab_parallel_graph`);
 * held bytes shrink by ``(1 - 1/T)`` of the split parameters' parameter, gradient and optimizer
   bytes, and the optimizer seconds by the same fraction of the group's parameter bytes; plain
   Megatron holds the activations saved for the backward outside the blocks at ``B`` samples
@@ -126,10 +128,12 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
         col = priced.get(ring)
         if col is None:
             fwd, bwd = np.zeros(k), np.zeros(k)
+            vocab = getattr(graph, "vocab_reduces", {})  # a vocabulary-parallel head's (Megatron costing)
             for g, sp in enumerate(splits):
-                if sp.blocks:
-                    fwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_fwd])
-                    bwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_bwd])
+                rf, rb = vocab.get(g, ((), ()))
+                if sp.blocks or rf or rb:
+                    fwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_fwd + rf])
+                    bwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_bwd + rb])
             col = priced[ring] = (fwd[:, None], bwd[:, None])
             sim.charge(fwd.nbytes + bwd.nbytes + ref_bytes(len(devs)) + ENTRY_BYTES)
         rings[ring] = (col, list(range(i, i + t)))
