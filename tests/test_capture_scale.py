@@ -138,7 +138,8 @@ def test_graph_key_covers_what_the_graph_depends_on(tmp_path):
 
 TINY_TOPOLOGY = """name: tiny
 machines:
-  - {name: a, gpu: {name: tiny, tflops: 1, memory: 1 MB, memory_bandwidth: 1 GB/s}, count: 2, intra_bandwidth: 1 GB/s}
+  - {name: a, gpu: {name: tiny, tflops: 1, memory: 1 MB, memory_bandwidth: 1 GB/s}, count: 2, intra_bandwidth: 1 GB/s,
+     host_memory: 1 MB}
 """
 
 
@@ -149,7 +150,8 @@ def test_model_larger_than_all_devices_is_one_line(tmp_path, capsys, monkeypatch
     line = one_line_error(capsys, "simulate", "--model", "mlp", "--topology", str(topo), "--groups", "2",
                           "--baseline", "dp")
     assert "error: model mlp (batch 32) needs at least " in line and "of parameters, gradients and adam state" in line, line
-    assert "than the 1.91 MiB of all 2 devices of tiny together (largest device 977 KiB); no plan fits" in line, line
+    assert "than the 1.91 MiB of all 2 devices of tiny together (largest device 977 KiB), nor does it with the " \
+        "optimizer offloaded to the 977 KiB of host memory; no plan fits" in line, line
 
 
 def test_presets_are_listed_and_built_without_weights(capsys):
