@@ -10,7 +10,9 @@ from tag.cost.comm import (
     CommModel,
     CommProfile,
     LinkFit,
+    ring_allgather_time,
     ring_allreduce_time,
+    ring_reducescatter_time,
     uniform_ps_time,
 )
 from tag.cost.model import CostModel, device_type
@@ -263,13 +265,17 @@ def test_search_and_gnn_features_read_the_cost_models_links(fitted_setup):
     # action sync features: slowest-link bounds on the same links
     for a, act in enumerate(space.actions):
         devs = list(act.devices)
-        if len(devs) < 2 or act.sync not in ("allreduce", "ps"):  # (mp: none; zero3: its own estimate)
+        if len(devs) < 2 or act.sync == "mp":
             continue
         sub = ~np.eye(len(devs), dtype=bool)
         bmin, lmax = bw[np.ix_(devs, devs)][sub].min(), lat[np.ix_(devs, devs)].max()
         p = space.costs.param_bytes[g]
-        want = ring_allreduce_time(len(devs), p, bmin, lmax) if act.sync == "allreduce" else \
-            uniform_ps_time(len(devs), p, bmin, lmax)
+        if act.sync == "zero3":  # a reduce-scatter, and an all-gather before forward and backward
+            want = ring_reducescatter_time(len(devs), p, bmin, lmax) + \
+                2 * ring_allgather_time(act.tp or len(devs), p, bmin, lmax)
+        else:
+            want = ring_allreduce_time(len(devs), p, bmin, lmax) if act.sync == "allreduce" else \
+                uniform_ps_time(len(devs), p, bmin, lmax)
         assert ctx.action_feats[g, a, 1] == want
     # without a cost model: the topology's nominal links
     bare = ActionSpace(graph, topo, costs=space.costs)
