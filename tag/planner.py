@@ -102,7 +102,8 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
 
     Seeds: both data-parallel baselines (even and speed-proportional shares) and the ``fsdp``
     baseline (ZeRO-3 over every device, :func:`tag.cost.baselines.fully_sharded`; recomputation
-    on the fewest groups where it runs out of memory) are simulated first, the best of them the
+    on the fewest groups where it runs out of memory; where it still does not fit, the same with
+    its optimizer offloaded, ``fsdp-offload``) are simulated first, the best of them the
     plan the search must beat; where the layout grid runs, its best layout (and refinements) is
     searched against the best plan so far. The plan returned is the fastest that fits of the
     seeds, the search and the grid: never worse than any of them (the grid's best up to a time
@@ -370,6 +371,9 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
     p.meta["bounds_fallback"] = failures[0] if failures else None
     if sub is not None:
         lay = sub
+    if p.meta.get("oom") and (lay is None or lay.predicted_iteration_time_s is None) and found.ranked:
+        # nothing fits: the pipelines closest to fitting with their stage boundaries moved
+        lay = _rebalanced(simulator, found.ranked, p, executable, deadline) or lay
     p.meta["grid_time_s"] = time.perf_counter() - t0  # the grid, its refinements and the sub-clusters
     if p.meta.get("oom") and (lay is None or lay.predicted_iteration_time_s is None) and found.ranked:
         # nothing fits: the plan closest to fitting, the searched one or a layout the grid simulated
@@ -389,17 +393,44 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
     return lay
 
 
+REBALANCED_LAYOUTS = 2
+"""Where no plan fits, the grid's pipelines closest to fitting that :func:`_rebalanced` moves
+stage boundaries of."""
+
+
+def _rebalanced(simulator, ranked, p: Plan, executable: bool, deadline: float):
+    """The first of the :data:`REBALANCED_LAYOUTS` pipeline layouts of ``ranked`` (the grid's
+    simulated plans and results) closest to fitting that :func:`tag.search.layouts.rebalance`
+    makes fit, or None; what each gave goes into ``p.meta["rebalanced"]``."""
+    from .search.layouts import rebalance
+
+    notes = p.meta.setdefault("rebalanced", [])
+    close = sorted([(q, r) for q, r in ranked if q.pipeline is not None], key=lambda x: x[1].overflow)
+    for q, r in close[:REBALANCED_LAYOUTS]:
+        got, sims, note = rebalance(simulator, q, r, executable=executable, deadline=deadline)
+        notes.append(f"{note} ({sims} simulations)")
+        if got is not None:
+            return got
+    return None
+
+
 def _seed_fsdp(graph, topology, ev: Evaluator, executable: bool):
     """Seed ``ev`` with the ``fsdp`` baseline (:meth:`Evaluator.seed`) and return its outcome;
     None where it is plain data parallel (one device a group: a baseline already) or, with
-    ``executable``, the executor refuses it."""
+    ``executable``, the executor refuses it. Where it does not fit (recomputation included), the
+    same plan with its optimizer offloaded (``offload`` ``optimizer``: ZeRO-Offload's recipe,
+    source ``fsdp-offload``) is seeded too: one more simulation, made only where it may matter."""
     from .cost.baselines import fully_sharded
     from .parallel import execution_refusal
 
     plan = fully_sharded(graph, topology)
     if all(g.sync != "zero3" for g in plan.groups) or (executable and execution_refusal(plan) is not None):
         return None
-    return ev.seed(plan.groups, "fsdp")
+    out = ev.seed(plan.groups, "fsdp")
+    if out.oom:  # the same with every sharded group's optimizer on the host (ZeRO-Offload)
+        offloaded = [replace(g, offload="optimizer") if g.sync == "zero3" else g for g in plan.groups]
+        ev.seed(offloaded, "fsdp-offload")
+    return out
 
 
 def _compress(graph, topology, p: Plan, simulator) -> str:

@@ -710,21 +710,30 @@ def test_plan_out_of_memory_on_64_devices_is_one_line(tmp_path, capsys):
                           str(topo), "--searcher", "random", "--budget", "2", "--compression", "off")
     # all 64 devices fit the model's memory together, none alone: every plan searched replicates it
     # (the grid: its 64 executable dp x tp x pp layouts, pipelines of tensor-parallel stages among them,
-    # and 8 sharded ones, tag.parallel.layout.sharded_layouts: zero=1/2/3 and hsdp, each with and
-    # without recomputation)
+    # 8 sharded ones, tag.parallel.layout.sharded_layouts: zero=1/2/3 and hsdp, each with and
+    # without recomputation, and the optimizer-offload ones, offload_layouts, that the executor runs;
+    # the hosts, twice the GPUs' memory, hold no offloaded state either)
+    from tag.cost.model import CostModel
+    from tag.parallel import execution_refusal
+    from tag.parallel.layout import layout_grid, layout_plan, offload_layouts
+    from tag.planner import model_graph
+    from tag.topology import load_topology
+
+    g2, t64 = model_graph("mlp", 64, num_groups=2)[0], load_topology(str(topo))
+    costs = CostModel.for_topology(g2, t64)
+    grid = [lay for lay in layout_grid(g2, t64) if execution_refusal(layout_plan(g2, t64, lay, costs)) is None]
+    assert len(grid) - len(set(offload_layouts(g2, t64)) & set(grid)) == 72
     assert line.startswith("tag plan: error: every plan searched runs out of memory, also with activation "
-                           "recomputation where the search may use it, so do the 72 Megatron-style layouts of the "
-                           "grid ("), line
+                           f"recomputation where the search may use it, so do the {len(grid)} Megatron-style layouts "
+                           "of the grid ("), line
     assert " simulated, the others bounded out of memory or slower); the closest to fitting: device 8 (b:0) needs " in line, line
     assert "of 58.6 KiB, and 63 more devices over capacity; no plan written" in line, line
     # the plan reported (and written with --allow-oom) is the one closest to fitting, not data parallel
     from tag.cost.baselines import data_parallel
-    from tag.planner import find_plan, model_graph
+    from tag.planner import find_plan
     from tag.sim import Simulator
-    from tag.topology import load_topology
 
-    graph = model_graph("mlp", 64, num_groups=2)[0]
-    t64 = load_topology(str(topo))
+    graph = g2
     sim = Simulator(graph, t64)
     p = find_plan(graph, t64, searcher="random", budget=2, compression="off", simulator=sim)
     got = sim.run(p.groups, pipeline=p.pipeline).overflow

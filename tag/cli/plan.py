@@ -255,6 +255,10 @@ def _describe(topo, gp) -> str:
             else f"{min(gp.shares):.3f}-{max(gp.shares):.3f} over {len(gp.shares)} devices"
     sync = gp.sync if len(gp.devices) > 1 else "single"
     extra = f", server {topo.devices[gp.server].name}" if gp.server is not None else ""
+    if gp.shard is not None:  # hybrid sharding: devices per shard group
+        extra += f", shard {gp.shard}"
+    if gp.offload:
+        extra += f", {gp.offload} offloaded"
     if gp.tp is not None:  # tensor parallel: devices per tensor-parallel group
         extra += f", tp {gp.tp}"
     if gp.sequence_parallel:

@@ -615,7 +615,8 @@ def layout_grid(graph, topology, *, sharded: bool = True) -> list[Layout]:
     and interleaved 1F1B with two chunks per device (``vpp=2``, stages cut by time) where the
     micro-batches are a multiple of ``pp``,
     stages cut by time and by memory, tensor parallelism with and without sequence parallelism,
-    each without and with full activation recomputation; then (``sharded``) :func:`sharded_layouts`."""
+    each without and with full activation recomputation; then (``sharded``) :func:`sharded_layouts`
+    and :func:`offload_layouts`."""
     n, out = topology.num_devices, []
     aligned = len(aligned_cuts(graph))
     for tp in tp_degrees(graph, topology):
@@ -631,7 +632,7 @@ def layout_grid(graph, topology, *, sharded: bool = True) -> list[Layout]:
                         lay += [Layout(dp=dp, tp=tp, pp=pp, micro=micro, sp=sp, recompute=rc, vpp=2) for rc in (0, 1)]
                     if micro * lay[0].replicas <= graph.batch_size:
                         out += lay
-    return out + (sharded_layouts(graph, topology) if sharded else [])
+    return out + (sharded_layouts(graph, topology) + offload_layouts(graph, topology) if sharded else [])
 
 
 def sharded_layouts(graph, topology) -> list[Layout]:
@@ -648,6 +649,31 @@ def sharded_layouts(graph, topology) -> list[Layout]:
     per_machine = math.gcd(*(len(topology.devices_of_machine(m)) for m in range(topology.num_machines)))
     kinds = [dict(zero=z) for z in (1, 2, 3)] + ([dict(zero=3, shard=per_machine)] if 1 < per_machine < n else [])
     return [Layout(dp=n, recompute=rc, **kw) for kw in kinds for rc in (0, 1)]
+
+
+def offload_layouts(graph, topology) -> list[Layout]:
+    """The grid's optimizer-offload layouts (:attr:`Layout.offload` ``optimizer``, ZeRO-Offload):
+    each data x pipeline shape of the grid without tensor parallelism (``dp * pp`` = the device
+    count, ``pp`` up to the op-group count, 1F1B at each micro-batch count of
+    :data:`MICRO_BATCHES` that gives every replica a sample, stages cut by time and by memory),
+    its op-groups sharded over a stage's replicas with ZeRO-2 and ZeRO-3 (one replica a stage:
+    ZeRO-2 alone, the state a device holds being the same), without and with full recomputation.
+    A model whose training state no GPU set holds fits so (a 13B model on 4 x 24 GB,
+    ``evaluation/results/offload``); the branch and bound's second bound
+    (:func:`tag.sim.bounds.plan_bound`: the host step in the optimizer's seconds) prunes them where
+    a plan without offload is faster; with ``executable``, :func:`search_layouts` keeps those
+    :func:`tag.parallel.execution_refusal` accepts, as for every layout."""
+    n, out = topology.num_devices, []
+    for pp in range(1, min(n, graph.num_groups) + 1):
+        if n % pp:
+            continue
+        dp = n // pp
+        for micro in MICRO_BATCHES if pp > 1 else (1,):
+            if micro * dp > graph.batch_size:
+                continue
+            out += [Layout(dp=dp, pp=pp, micro=micro, cut=c, zero=z, offload="optimizer", recompute=rc)
+                    for z in ((2, 3) if dp > 1 else (2,)) for c in (CUTS if pp > 1 else CUTS[:1]) for rc in (0, 1)]
+    return out
 
 
 @dataclass

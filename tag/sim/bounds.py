@@ -83,6 +83,7 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
     from ..parallel.strategy import strategy_of
 
     st, graph, n = sim.static, sim.graph, sim.num_devices
+    state_graph = _state_graph(sim)
     prog = None if pipeline is None else iteration_program(pipeline, st.batch_size, len(groups))
     sizes = [st.batch_size] if prog is None else [hi - lo for lo, hi in prog.ranges]
     runs = {x: sizes.count(x) for x in sizes}  # micro-batch samples -> micro-batches of that size (first size first)
@@ -110,7 +111,9 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
         cls = np.asarray([sim.dev_class[d] for d in devs], dtype=np.int64)
         gi = np.asarray(gs, dtype=np.int64)
         fixed = (st.rc_fixed if rc else st.mem_fixed)[gi].sum()
-        fixed -= strategy.unheld_state_bytes(gp, graph, gs)  # e.g. tensor parallel's split state
+        fixed -= strategy.unheld_state_bytes(gp, state_graph, gs)  # e.g. tensor parallel's split state
+        if strategy.casts_per_use:  # ZeRO-3's weight copies: made per use, not held (tag.sim.sharded)
+            fixed -= (st.rc_casts if rc else st.saved_casts)[gi].sum()
         ps = (st.rc_per_sample if rc else st.mem_per_sample)[gi].sum()
         for m, (size, times) in enumerate(runs.items()):
             b = np.asarray(strategy.units(gs[0], gp, graph, size)[0].batches, dtype=float)  # per device
@@ -161,6 +164,39 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
         for devs, before, after in _chain(st, pipeline, prog.sequences, lows):
             low = max(low, before + float(busy[devs].min()) + after)
     return PlanBound(low * (1.0 - 1e-9), peak, any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
+
+
+def _state_graph(sim):
+    """``sim.graph`` with each parameter in the op-group whose state the simulator counts it in
+    (the group whose backward makes its gradient, :attr:`GraphStatic.static_pos
+    <tag.sim.static.GraphStatic.static_pos>`: a layer norm's parameters may sit with the group
+    before theirs), for :meth:`Strategy.unheld_state_bytes <tag.parallel.Strategy.unheld_state_bytes>`
+    to take from :func:`static_bound`'s held bytes the state they were counted in (one of GPT-2's
+    sharded pipeline stages was bounded 256 bytes of state above its simulated peak); cached.
+    The graph itself where no parameter moves."""
+    import copy
+    from dataclasses import replace
+
+    from ..graph.gradients import backward_homes
+
+    memo = sim.cache("bound-state-graph")
+    hit = memo.get("graph")
+    if hit is None:
+        graph = sim.graph
+        ops, tensors, homes = graph.ops, graph.tensors, backward_homes(graph)
+        moved = []
+        for p in graph.params:
+            i = tensors[p.grad].producer
+            while i >= 0 and ops[i].target == "getitem" and ops[i].inputs:  # (where its producer runs)
+                i = tensors[ops[i].inputs[0]].producer
+            g = homes.get(i, (ops[i].group, 0))[0] if i >= 0 and ops[i].phase != "opt" else p.group
+            moved.append(p if g == p.group else replace(p, group=g))
+        hit = graph
+        if any(a is not b for a, b in zip(moved, graph.params)):
+            hit = copy.copy(graph)
+            hit.params = moved
+        memo["graph"] = hit
+    return hit
 
 
 def plan_bound(sim, groups, pipeline=None) -> PlanBound:
