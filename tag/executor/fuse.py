@@ -143,7 +143,9 @@ def share_param_casts(schedule: Schedule, stages: dict) -> dict:
     ``(unit, name)``, :func:`value_key`), and its later micro-batches' forwards and its
     recomputing backward read them instead of casting again. A cast's value changes only at the
     optimizer step, so this computes the same values (the tests compare parameters to the bit).
-    Stages shared by several micro-batches stay shared (one edited copy per role)."""
+    Stages shared by several micro-batches stay shared (one edited copy per role). The units of
+    :attr:`Schedule.recast` (ZeRO-3) make theirs per use instead (:func:`recast_per_use`)."""
+    stages = recast_per_use(schedule, stages)
     if not schedule.casts:
         return stages
     first: dict[UnitKey, int] = {}
@@ -165,6 +167,80 @@ def share_param_casts(schedule: Schedule, stages: dict) -> dict:
             edited[k] = _returning(stage, names) if makes else _reading(stage, names)
         out[key] = edited[k]
     return out
+
+
+def recast_per_use(schedule: Schedule, stages: dict) -> dict:
+    """``stages`` with the units of :attr:`Schedule.recast` (ZeRO-3 groups) making their
+    parameter casts per use: the forward no longer returns the values made from the casts alone
+    (the copies, their transposes; read only inside the unit), and the backward makes the ones it
+    reads again from the parameters (gathered before it, :mod:`tag.executor.sharded`) instead of
+    reading the forward's, so no copy lives from the forward to the backward, as FSDP frees a
+    unit's gathered bf16 parameters after its forward. A recomputed unit's backward makes them
+    already (:func:`tag.graph.stages.build_stages`). The same values: parameters equal to the bit
+    (tests/test_sharded_casts.py)."""
+    if not schedule.recast:
+        return stages
+    edited: dict[int, Stage] = {}
+    out = {}
+    for key, stage in stages.items():
+        unit, phase, *micro = key
+        names = schedule.recast.get(unit, frozenset())
+        if phase == "fwd" and any(n in names for n in stage.outputs):
+            if id(stage) not in edited:
+                edited[id(stage)] = _dropping(stage, names)
+        elif phase == "bwd" and any(n in names for n in stage.inputs):
+            if id(stage) not in edited:
+                edited[id(stage)] = _remaking(stage, stages[(unit, "fwd", *micro)], names)
+        out[key] = edited.get(id(stage), stage)
+    return out
+
+
+def _dropping(stage: Stage, names: frozenset[str]) -> Stage:
+    """A copy of ``stage`` that does not return the nodes ``names``."""
+    g, env = fx.Graph(), {}
+    keep = [i for i, n in enumerate(stage.outputs) if n not in names]
+    for n in stage.module.graph.nodes:
+        if n.op == "output":
+            g.output(tuple(env[n.args[0][i]] for i in keep))
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    return Stage(stage.key, fx.GraphModule(stage.module, g), list(stage.inputs), [stage.outputs[i] for i in keep],
+                 list(stage.nodes))
+
+
+def _remaking(stage: Stage, fwd: Stage, names: frozenset[str]) -> Stage:
+    """A copy of ``stage`` (a backward) that computes its inputs among ``names`` from the
+    parameters with the forward ``fwd``'s nodes making them (placeholders after the others)."""
+    defs = {n.name: n for n in fwd.module.graph.nodes}
+    need: set[str] = set()
+    todo = [n for n in stage.inputs if n in names]
+    while todo:
+        name = todo.pop()
+        if name not in need:
+            need.add(name)
+            todo += [a.name for a in defs[name].all_input_nodes if a.op != "placeholder"]
+    params = [a.name for n in need for a in defs[n].all_input_nodes if a.op == "placeholder"]
+    params = [p for p in dict.fromkeys(params) if p not in stage.inputs]
+    g, env, made = fx.Graph(), {}, {}
+    old = list(stage.module.graph.nodes)
+    phs = {n.name: n for n in old if n.op == "placeholder"}
+    for n in old:
+        if n.op == "placeholder" and n.name not in need:
+            env[n] = made[n.name] = g.node_copy(n, lambda a: env[a])
+    for p in params:
+        made[p] = g.placeholder(p)
+        made[p].meta = dict(defs[p].meta)
+    for n in fwd.module.graph.nodes:  # (in the forward's order)
+        if n.name in need:
+            made[n.name] = g.node_copy(n, lambda a: made[a.name])
+            if n.name in phs:
+                env[phs[n.name]] = made[n.name]
+    for n in old:
+        if n.op != "placeholder":
+            env[n] = g.node_copy(n, lambda a: env[a])
+    inputs = [n for n in stage.inputs if n not in need] + params
+    return Stage(stage.key, fx.GraphModule(stage.module, g), inputs, list(stage.outputs),
+                 [n for n in defs if n in need] + list(stage.nodes))
 
 
 def _returning(stage: Stage, names: list[str]) -> Stage:

@@ -115,3 +115,21 @@ def param_casts(graph) -> list[int]:
     return [i for i, op in enumerate(graph.ops)
             if op.phase == "fwd" and op.target in CAST_TARGETS and len(op.inputs) == 1
             and tensors[op.inputs[0]].kind == "param" and op.dtype in ("bfloat16", "float16")]
+
+
+def param_cast_values(graph) -> list[int]:
+    """Indices of the forward ops of ``graph`` that compute from the parameters' low-precision
+    copies alone: the casts (:func:`param_casts`) and, in graph order, every forward op all of
+    whose inputs such ops made (a transpose or view of a copy, which a matmul's backward reads in
+    its place). A ZeRO-3 group makes them per use, from its gathered parameters, at its forward
+    and again at its backward (:attr:`tag.parallel.Schedule.recast`, :mod:`tag.sim.sharded`)."""
+    casts = param_casts(graph)
+    if not casts:
+        return []
+    made = {t for i in casts for t in graph.ops[i].outputs}
+    out = set(casts)
+    for i, op in enumerate(graph.ops):
+        if op.phase == "fwd" and i not in out and op.inputs and all(t in made for t in op.inputs):
+            out.add(i)
+            made.update(op.outputs)
+    return sorted(out)

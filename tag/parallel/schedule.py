@@ -68,7 +68,7 @@ from ..graph.gradients import (  # noqa: F401 (gradient_tensors, partial_sum_ten
     tied_weights,
 )
 from ..graph.ir import OpGraph
-from ..graph.precision import param_casts
+from ..graph.precision import param_cast_values, param_casts
 from ..plan.format import Plan
 from .buckets import assign_buckets
 from .moves import move_kind, move_pieces
@@ -256,6 +256,13 @@ class Schedule:
     a bf16 / fp16 copy of an fp32 weight): computed once per iteration, at the unit's first
     forward, and held (keyed without the micro-batch, :func:`tag.executor.fuse.value_key`) for
     its later micro-batches and its recomputation, until the optimizer step."""
+    recast: dict[UnitKey, frozenset[str]] = field(default_factory=dict)
+    """Units of groups whose casts are made per use (:attr:`Strategy.casts_per_use
+    <tag.parallel.strategy.Strategy.casts_per_use>`: ZeRO-3) -> names of the forward values made
+    from their parameter casts alone and read only inside the unit
+    (:func:`tag.graph.precision.param_cast_values`: the copies, their transposes): not in
+    :attr:`casts`; the forward makes them from the gathered parameters and drops them, the
+    backward makes them again (:func:`tag.executor.fuse.share_param_casts`)."""
 
     def grad_key(self, ph: str, units) -> tuple[UnitKey, str] | None:
         """The ``env`` key of the gradient of param ``ph`` a rank computing ``units`` holds: the
@@ -520,15 +527,24 @@ def build_schedule(graph: OpGraph, plan: Plan, machine_of=None, bucket_bytes: in
                     {g: k for k, b in enumerate(buckets) for g in b.groups},
                     {u: frozenset(n) for u, n in shared.items()}, {u: frozenset(n) for u, n in summed.items()},
                     frozenset(g for g, gp in enumerate(plan.groups) if gp.recompute), tied,
-                    _casts(graph, unit_of_op))
+                    *_casts(graph, unit_of_op, frozenset(g for g, s in enumerate(strategies) if s.casts_per_use)))
 
 
-def _casts(graph: OpGraph, unit_of_op: dict[int, UnitKey]) -> dict[UnitKey, frozenset[str]]:
-    """:attr:`Schedule.casts`: each unit's forward parameter casts, by node name."""
+def _casts(graph: OpGraph, unit_of_op: dict[int, UnitKey], per_use: frozenset[int]) -> tuple[dict, dict]:
+    """:attr:`Schedule.casts` and :attr:`Schedule.recast` (the units of the groups ``per_use``), by node name."""
     out: dict[UnitKey, set[str]] = {}
     for i in param_casts(graph):
-        out.setdefault(unit_of_op[i], set()).add(graph.ops[i].name)
-    return {u: frozenset(n) for u, n in out.items()}
+        if graph.ops[i].group not in per_use:
+            out.setdefault(unit_of_op[i], set()).add(graph.ops[i].name)
+    again: dict[UnitKey, set[str]] = {}
+    ops, tensors = graph.ops, graph.tensors
+    for i in param_cast_values(graph) if per_use else ():
+        u = unit_of_op[i]
+        if ops[i].group in per_use and all(unit_of_op.get(c) == u for t in ops[i].outputs for c in tensors[t].consumers) \
+                and all(ops[tensors[t].producer].name in again.get(u, ()) for t in ops[i].inputs
+                        if tensors[t].kind != "param"):
+            again.setdefault(u, set()).add(ops[i].name)
+    return {u: frozenset(n) for u, n in out.items()}, {u: frozenset(n) for u, n in again.items()}
 
 
 def _relays(graph: OpGraph, program: IterationProgram | None, first_need: dict[tuple[int, UnitKey], int],

@@ -97,6 +97,7 @@ class Sharded(DataParallel):
             raise ValueError(f"level: expected one of {LEVELS}, got {level!r}")
         self.level = level
         self.name = sync_name(level)
+        self.casts_per_use = level == 3  # (cast from the gathered parameters, freed with them)
 
     def validate(self, gp: GroupPlan, graph, g: int, num_devices: int, batch_size: int, where: str) -> None:
         check_shares(gp, batch_size, where)

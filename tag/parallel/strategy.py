@@ -105,6 +105,10 @@ class Strategy:
     chunked: ClassVar[bool] = False
     """Units are chunks of the group's forward positions, each on the full batch (else every
     unit runs the whole group on a share of the batch)."""
+    casts_per_use: bool = False
+    """The group's low-precision weight copies (:func:`tag.graph.precision.param_casts`) are made
+    at each use and freed after it, not held for the iteration (:attr:`Schedule.recast
+    <tag.parallel.Schedule.recast>`): a ZeRO-3 group, whose parameters exist only while it runs."""
 
     def validate(self, gp: GroupPlan, graph, g: int, num_devices: int, batch_size: int, where: str) -> None:
         """Raise :class:`PlanError` naming ``where`` unless ``gp`` is a valid plan of this kind

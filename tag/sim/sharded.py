@@ -31,7 +31,18 @@ latencies on a ring):
   gathered parameters ``P_g`` and the neighbour's prefetched ones (the larger of ``P_{g-1}``,
   ``P_{g+1}``; none for a group without parameters, which the search deploys as plain replicas).
   A device's peak adds the largest working set of its groups to what they hold: the
-  largest gathered group, as FSDP's.
+  largest gathered group, as FSDP's;
+* ``zero3`` under mixed precision: a group's bf16 / fp16 weight casts
+  (:func:`tag.graph.precision.param_casts`) are made per use, from the gathered parameters at
+  each forward and again at each backward (and at every micro-batch of a pipeline), and freed
+  with them, as the executor runs them (:func:`tag.executor.fuse.share_param_casts`; FSDP2's
+  ``MixedPrecisionPolicy`` likewise holds no low-precision copy between uses): the group does not
+  hold them from its forward to its backward (:attr:`GraphStatic.saved_casts
+  <tag.sim.static.GraphStatic.saved_casts>`, recomputed ``rc_casts``, leave its held bytes and
+  join its working set) and its backward pays their seconds again
+  (:meth:`Simulator.recompute_layout` and :meth:`Simulator.warm_layout` charge replicated groups
+  once per iteration). ``zero1`` / ``zero2`` hold their full parameters, and their casts as
+  replicated groups do.
 
 Offloaded (``GroupPlan.offload`` ``optimizer``, ZeRO-Offload), with ``k_m`` the group's devices on
 machine ``m`` (they step at once, sharing its host link ``H_m`` each direction and its CPU's memory
@@ -61,11 +72,13 @@ from .strategies import register_costing
 from .units import ENTRY_BYTES, GroupData, Layout, Unit
 
 
-def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None = None) -> Layout:
-    """``lay`` (data-parallel replicas, every group) costed as ZeRO stage ``level`` with shard
+def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None = None,
+                   recompute: bool = False) -> Layout:
+    """``lay`` (data-parallel replicas, every group; ``recompute``: under activation
+    recomputation, :meth:`Simulator.recompute_layout`) costed as ZeRO stage ``level`` with shard
     groups of ``shard`` consecutive replicas, ``offload`` the state kept on the host (module
     docstring); cached in the simulator's layouts."""
-    key = ("zero", lay.uid, level, shard, offload)
+    key = ("zero", lay.uid, level, shard, offload, recompute)
     hit = sim._layouts.get(key)
     if hit is not None:
         return hit
@@ -91,11 +104,22 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None
         dur[BWD] += np.where(cpu, g, np.maximum(0.0, g - next_b))
         neighbour = np.maximum(np.concatenate([[0.0], p[:-1]]), np.concatenate([p[1:], [0.0]]))
         transient += np.where(p > 0, 2 * p + neighbour, 0.0)  # (a group without parameters runs as plain replicas)
+        # the bf16 / fp16 weight casts per use: made from the gathered parameters at each forward
+        # and again at each backward, freed with them (not held from the forward to the backward)
+        casts = st.rc_casts if recompute else st.saved_casts  # [K] bytes ``lay`` holds
+        held += casts
+        transient += st.rc_casts
+        cast = sim._casts_of(lay)
+        if cast is not None:  # (recompute_layout's backward left them out: the recomputation casts again)
+            dur[BWD] += cast
     mem = lay.mem - held[:, None]
     work = lay.work + transient[:, None]
     out = Layout.of(lay.devices, lay.batches, lay.dev_arr, dur, mem, work, lay.starts, saved=lay.saved,
                     compute=lay.compute)
-    return sim.store_layout(key, out)
+    out = sim.store_layout(key, out)
+    if level == 3:  # every micro-batch of a pipeline casts again: its own warm layout (Simulator.warm_layout)
+        sim._layouts[("warm", out.uid)] = out
+    return out
 
 
 def _update_bytes(sim) -> np.ndarray:
@@ -162,7 +186,7 @@ def sharded_group(sim, g: int, gp, lowered) -> GroupData:
     lay = sim.layout(devs, batches)
     if gp.recompute:
         lay = sim.recompute_layout(lay)
-    lay = sharded_layout(sim, lay, strategy.level, shard_size(gp), gp.offload)
+    lay = sharded_layout(sim, lay, strategy.level, shard_size(gp), gp.offload, bool(gp.recompute))
     unit = Unit(g, -1, devs, batches, lay.starts, lay)
     ukey = ("dp", devs, batches)
     coll = strategy.collective(gp)

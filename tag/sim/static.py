@@ -19,7 +19,7 @@ from ..graph.gradients import (
     partial_sum_tensors,
     tied_weights,
 )
-from ..graph.precision import param_casts
+from ..graph.precision import param_cast_values, param_casts
 from ..plan.format import group_positions
 
 FWD, BWD, OPT = 0, 1, 2
@@ -127,11 +127,19 @@ class GraphStatic:
     ``rc_work_fixed + rc_work_per_sample * b``."""
     rc_work_per_sample: np.ndarray = None
     tied: tuple[TiedWeight, ...] = ()
+    """The tied weights a pipeline may hold on two stages."""
     casts: frozenset[int] = frozenset()
     """Tensors that are parameter casts (:func:`tag.graph.precision.param_casts`): a recomputed
     group holds its forward's copies until its backward (:meth:`recompute_bytes`); without
     recomputation they are in :attr:`saved` (the backward of a matmul reads its cast weight)."""
-    """The tied weights a pipeline may hold on two stages."""
+    saved_casts: np.ndarray = None
+    """[K] bytes of the values each group's forward makes from its parameter casts alone
+    (:func:`tag.graph.precision.param_cast_values`: the copies, their transposes) among its
+    :attr:`saved` values (in ``mem_fixed``): what a group whose casts are made per use (ZeRO-3,
+    :mod:`tag.sim.sharded`) does not hold."""
+    rc_casts: np.ndarray = None
+    """[K] bytes of :attr:`casts` a recomputed group holds (in ``rc_fixed``), likewise: the copies
+    its ops read, whose bytes a per-use group has in its working set instead."""
     _relayed: dict = None
 
     def relayed(self, stages: tuple[int, ...]) -> frozenset[tuple[int, int]]:
@@ -185,6 +193,10 @@ class GraphStatic:
             self.rc_fixed[g] = self.static_pos[g].sum() + self.buffer_pos[g].sum() + hf
             self.rc_per_sample[g] = hp
             self.rc_work_fixed[g], self.rc_work_per_sample[g] = tf, tp
+        if self.saved_casts is None:
+            self.saved_casts = np.zeros(k)
+        self.rc_casts = np.array([self.recompute_bytes(g, self.lo[g], self.hi[g], only=self.casts)[0]
+                                  if self.casts else 0.0 for g in range(k)])
 
     def recompute_bytes(self, g: int, lo: int, hi: int, only=None) -> tuple[float, float, float, float]:
         """Activation recomputation of the unit computing forward positions ``[lo, hi)`` of group
@@ -291,9 +303,14 @@ def build_static(graph) -> GraphStatic:
                        tied_of.get(t, -1))
         edges.setdefault((g_src, g_dst), []).append(e)
     saved: list[list[tuple[float, float, list[int]]]] = [[] for _ in range(k)]
+    casts = frozenset(ops[i].outputs[0] for i in param_casts(graph))
+    of_casts = {t for i in param_cast_values(graph) for t in ops[i].outputs}  # the copies and their views
+    saved_casts = np.zeros(k)
     for (t, g), ps in saved_map.items():
         nb = tensors[t].nbytes
         saved[g].append((nb.fixed, nb.per_sample, sorted(set(ps))))
+        if t in of_casts and eff[tensors[t].producer][0] == g:
+            saved_casts[g] += nb.fixed
     reads: list[list[tuple]] = [[] for _ in range(k)]
     for (t, g), (fwd, bwd) in read_map.items():
         tt = tensors[t]
@@ -301,5 +318,4 @@ def build_static(graph) -> GraphStatic:
         reads[g].append((tt.nbytes.fixed, tt.nbytes.per_sample, src[1] if src is not None and src[0] == g else None,
                          sorted(set(fwd)), sorted(set(bwd)), t))
     return GraphStatic(k, graph.batch_size, lo, hi, edges, sorted(edges), grad_bytes, grad_bytes.tolist(), static_pos,
-                       buffer_pos, saved, work_pos, reads=reads, tied=tied,
-                       casts=frozenset(ops[i].outputs[0] for i in param_casts(graph)))
+                       buffer_pos, saved, work_pos, reads=reads, tied=tied, casts=casts, saved_casts=saved_casts)

@@ -1,0 +1,130 @@
+"""ZeRO-3's bf16 weight copies are made per use (:attr:`tag.parallel.Schedule.recast`): a sharded
+group casts its gathered parameters at its forward and again at its backward and holds no copy in
+between (FSDP2's ``MixedPrecisionPolicy`` frees them with the gathered parameters); replicated
+groups keep casting once per iteration (tests/test_param_casts.py). The simulator costs it so
+(:mod:`tag.sim.sharded`), the executor runs it so (:func:`tag.executor.fuse.recast_per_use`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_param_casts import LLAMA, ParamCasts
+
+from tag.cost.model import CostModel
+from tag.executor import run_virtual
+from tag.graph.precision import param_cast_values, param_casts
+from tag.plan import GroupPlan, new_plan
+from tag.sim import Simulator
+from tag.sim.bounds import static_bound
+from tag.topology import load_topology
+from tag.workloads import load_workload
+
+B = 8
+
+
+@pytest.fixture(scope="module")
+def llama(captured):
+    return captured(LLAMA, batch=B, groups=4, precision="bf16").graph
+
+
+def _plan(graph, topo, sync: str, recompute: bool, n: int = 2):
+    return new_plan(graph, topo, [GroupPlan(list(range(n)), [1.0 / n] * n, sync, recompute=recompute)
+                                  for _ in range(graph.num_groups)])
+
+
+def test_the_copies_and_their_transposes_are_the_cast_values(llama):
+    """Every cast's value (2 bytes a weight element) and the transposes a matmul's backward reads
+    in its place; each group's saved ones weigh what its recomputation holds (one view each)."""
+    from tag.sim.static import build_static
+
+    casts = param_casts(llama)
+    values = param_cast_values(llama)
+    assert set(casts) < set(values)
+    assert {llama.ops[i].target for i in values if i not in casts} <= {"aten.t.default", "aten.view.default",
+                                                                       "aten.permute.default"}
+    st = build_static(llama)
+    elements = sum(p.numel for p in llama.params if any(llama.ops[i].inputs[0] == p.tensor for i in casts))
+    assert st.rc_casts.sum() == pytest.approx(2.0 * elements)
+    assert st.saved_casts == pytest.approx(st.rc_casts)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_simulator_makes_zero3_copies_per_use(llama, recompute):
+    """Against ZeRO-2 on the same replicas (full parameters held, copies held for the iteration):
+    a ZeRO-3 group holds its parameter shard and no copy (its held bytes less the gathered state
+    and the copies), has them in its working set while it runs, and its backward pays the casts
+    again beside the gather; the static bound stays below the run, its memory below the peak."""
+    topo = load_topology("topologies/h100-8gpu.yaml")
+    costs = CostModel.for_topology(llama, topo)
+    sim = Simulator(llama, topo, costs)
+    st = sim.static
+    z2, z3 = (_plan(llama, topo, s, recompute, 8) for s in ("zero2", "zero3"))
+    cast = costs.cast_seconds(0)
+    p = st.grad_bytes
+    copies = st.rc_casts if recompute else st.saved_casts
+    for g in range(llama.num_groups):
+        l2, l3 = sim.group_data(g, z2.groups[g]).layout, sim.group_data(g, z3.groups[g]).layout
+        gather = sim.comm.shard_gather_time(list(range(8)), 8, float(p[g]))
+        assert l2.mem[g, 0] - l3.mem[g, 0] == pytest.approx(p[g] * 7 / 8 + copies[g])
+        assert l3.work[g, 0] - l2.work[g, 0] >= st.rc_casts[g] + p[g]
+        back = l3.dur[1, g, 0] - l2.dur[1, g, 0]
+        assert cast[g] > 0 and cast[g] * (1 - 1e-9) <= back <= cast[g] + gather + 1e-12
+    res = sim.run(z3.groups)
+    bound = static_bound(sim, z3.groups)
+    assert bound.time_s <= res.iteration_time_s and max(bound.peak_bytes) <= max(res.peak_memory_bytes)
+
+
+def test_the_executor_casts_zero3_weights_at_each_use(llama, topo4):
+    """In-process (the shards' hook inactive: plain data parallelism on the same stages): a ZeRO-3
+    plan casts each weight at its forward and again at its backward (2 x 15 casts a replica an
+    iteration, with and without recomputation), a ZeRO-2 plan once (its copies held); all three
+    train to the same parameters, to the bit."""
+    n = len(param_casts(llama))
+    wl = load_workload(LLAMA, batch=B)
+    joints: dict = {}
+    run_virtual(llama, _plan(llama, topo4, "zero2", False), wl, "adam", 1, joints=joints)
+    params = {}
+    for sync, recompute, per_iteration in (("zero2", False, n), ("zero3", False, 2 * n), ("zero3", True, 2 * n)):
+        counter = ParamCasts()
+        with counter:
+            rts = run_virtual(llama, _plan(llama, topo4, sync, recompute), wl, "adam", 2, joints=joints)
+        assert counter.count == 2 * 2 * per_iteration, (sync, recompute)  # 2 replicas, 2 iterations
+        params[(sync, recompute)] = rts[0].named_params()
+        # what crosses from a unit's forward to its backward: ZeRO-2 its copies (or their
+        # transposes), ZeRO-3 none of them
+        s, stages = rts[0].schedule, rts[0].stages
+        values = {llama.ops[i].name for i in param_cast_values(llama)}
+        crossing = {n for (unit, phase), st in stages.items() if phase == "bwd" for n in st.inputs if n in values}
+        assert bool(crossing) == (sync == "zero2") and not (sync == "zero3" and s.casts), (sync, recompute)
+    ref = params[("zero2", False)]
+    for key, got in params.items():
+        assert all(torch.equal(got[k], ref[k]) for k in ref), key
+
+
+@pytest.mark.slow
+def test_zero3_bf16_on_gloo_equals_the_in_process_run(tmp_path, llama):
+    """2 gloo ranks, ZeRO-3 in bf16 (the shards gathered before each forward and backward, the
+    copies made from them each time): the parameters after 2 Adam steps equal the in-process run
+    of the same plan (plain data parallelism, the executor's tolerance); each rank holds its
+    parameter, gradient and optimizer-state shards as the simulator's sharded bytes."""
+    import json
+
+    from tag.executor import ExecuteConfig, execute
+    from tag.executor.equality import assert_params_equal, saved_params
+    from tag.parallel.sharded import sharded_bytes
+
+    topo = tmp_path / "cpu2.yaml"
+    topo.write_text('name: test-cpu2\nmachines:\n  - name: local\n    gpu: cpu\n    count: 2\n'
+                    '    intra_bandwidth: "5 GB/s"\n')
+    plan = _plan(llama, load_topology(str(topo)), "zero3", False)
+    plan.save(tmp_path / "plan.json")
+    cfg = ExecuteConfig(LLAMA, str(topo), str(tmp_path / "plan.json"), batch=B, groups=4, steps=2, warmup=0,
+                        save_params=True, precision="bf16", run_dir=str(tmp_path / "run"), timeout_s=120.0,
+                        bucket_bytes=4096)
+    execute(cfg, graph=llama)
+    ref = run_virtual(llama, plan, load_workload(LLAMA, batch=B), "adam", 2)[0].named_params()
+    assert_params_equal(saved_params(tmp_path / "run", 2), ref, set(ref))
+    p = sum(q.nbytes for q in llama.params)
+    for r in json.loads((tmp_path / "run" / "ranks.json").read_text()):
+        assert r["held_state_bytes"] + r["optimizer_state_bytes"] == pytest.approx(sharded_bytes(3, 2, p, 2 * p),
+                                                                                   rel=0.05)
