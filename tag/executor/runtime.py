@@ -394,6 +394,8 @@ class RankRuntime:
         self.gathered_bytes = 0
         self.timer = Timer(cuda=self.device.type == "cuda")
         self.loss = 0.0
+        if self.hook is not None:  # (a sharded rank's parameters gathered before anything is sent)
+            self.hook.begin_iteration(self)
 
     def value(self, unit: UnitKey, name: str) -> torch.Tensor:
         v = self.env.get((unit, name))

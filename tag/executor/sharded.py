@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.schedule import Bucket
-from ..parallel.sharded import shard_size
+from ..parallel.sharded import shard_groups, shard_size
 from .optim import make_optimizer
 from .runtime import ExecutionError
 from .strategies import Execution, RankHook, register_execution
@@ -206,6 +206,9 @@ class ShardedRank(RankHook):
         self.stale = False
         """ZeRO-1/2: the shards were stepped, the full parameters not yet gathered."""
         self._of_param: dict[int, _Bucket] = {}  # id(parameter) -> its ZeRO-3 bucket
+        self._exported: list[int] = []
+        """ZeRO-3 buckets holding a parameter a member of their shard group sends to another rank."""
+        self._whole: set[int] = set()  # ZeRO-3 buckets gathered for the iteration (begin_iteration)
         self._target: dict[str, str] = {}  # parameter placeholder -> state-dict name
 
     # ---- activation ----------------------------------------------------------------------
@@ -231,26 +234,25 @@ class ShardedRank(RankHook):
             if gp.offload and gp.devices == [rt.rank] and g not in bucketed and names:
                 self.buckets[-1 - g] = _Bucket(-1 - g, Bucket((g,), None, 0), int(gp.sync[4:]), [rt.rank], 1, rt.rank,
                                                rt.params, list(names), s.param_numel, gp.offload)
-        made: dict[tuple[int, ...], object] = {}
-        for bk in self.buckets.values():  # process groups of the members only, in bucket order
+        made = shard_process_groups(self.plan)
+        for bk in self.buckets.values():
             for attr, members in (("shard_pg", bk.shard_members), ("cross_pg", bk.cross_members)):
-                if members is None or len(members) < 2:
-                    continue
-                key = tuple(members)
-                if key not in made:
-                    made[key] = dist.new_group(list(members), use_local_synchronization=True)
-                setattr(bk, attr, made[key])
+                if members is not None and len(members) > 1:
+                    setattr(bk, attr, made[tuple(members)])
         held = {id(p) for bk in self.buckets.values() for p in bk.params}
         rest = [p for p in rt.params.values() if id(p) not in held]  # (parameters of unsharded groups)
         shards = [bk.shard for bk in self.buckets.values()]
         host = any(bk.offload for bk in self.buckets.values())  # (a host shard: foreach over both devices)
         rt.optimizer = make_optimizer(rt.optimizer_name, [*rest, *shards], "cpu" if host else rt.device)
         rt._grad_keys = [(p, k) for p, k in rt._grad_keys if id(p) not in held]
-        for bk in self.buckets.values():
+        sent = {(m.name, m.src) for st in s.steps if st.kind == "transfer" for m in st.moves if m.src != m.dst}
+        for i, bk in self.buckets.items():
             if bk.level == 3:
                 for p in bk.params:
                     self._of_param[id(p)] = bk
                 bk.free()
+                if any((ph, d) in sent for ph in bk.names for d in bk.shard_members):
+                    self._exported.append(i)
         self.active = True
 
     def start(self, rt) -> None:
@@ -259,6 +261,22 @@ class ShardedRank(RankHook):
         first bucket's sync, a stage's ranks of a pipeline waited there for ever, 4 gloo ranks)."""
         if not self.active:
             self._activate(rt)
+
+    def begin_iteration(self, rt) -> None:
+        """Before any step: ZeRO-1/2's full parameters from the shards stepped since; ZeRO-3's
+        buckets whose parameters are sent to other ranks (a parameter read by another pipeline
+        stage's op: the mlp's ``net.2.bias``, read by the stage before its group's; a tied
+        weight) gathered for the whole iteration, by every member of the shard group whichever of
+        them sends, and freed at the sync (:meth:`synced`). A sent parameter is read at the
+        transfer, outside any of the sender's segments: without this, a ZeRO-1/2 rank sent the
+        parameters of the step before and a ZeRO-3 rank its freed, empty, parameter."""
+        if not self.active:
+            return
+        self._refresh()
+        for i in self._exported:
+            if i not in self._whole:
+                self.buckets[i].write(self.buckets[i].gather(), views=True)
+                self._whole.add(i)
 
     # ---- gradient sync (tag.executor.comm.DistComm) --------------------------------------
     def bucket_sync(self, rt, index: int):
@@ -293,6 +311,9 @@ class ShardedRank(RankHook):
                 dist.all_reduce(bk.grad, group=bk.cross_pg)
             bk.shard.grad = bk.grad_to_host(bk.grad) if bk.offload else bk.grad.to(bk.shard.dtype)
             bk.grad = None
+        for i in self._whole:
+            self.buckets[i].free()
+        self._whole.clear()
         self.stale = True
 
     # ---- parameters around segments (tag.executor.runtime.RankRuntime.run_segment) ----------
@@ -308,7 +329,7 @@ class ShardedRank(RankHook):
         held = list(seg.static)
         if env is not None:
             held += [env[k] for k in seg.inputs if k in env]
-        return sorted({self._of_param[id(t)].index for t in held if id(t) in self._of_param})
+        return sorted({self._of_param[id(t)].index for t in held if id(t) in self._of_param} - self._whole)
 
     def before_segment(self, rt, seg) -> list:
         """Gather what the segment reads (waiting for its prefetch where one was issued), then
@@ -391,6 +412,35 @@ class ShardedRank(RankHook):
 
 
 
+def shard_process_groups(plan) -> dict[tuple[int, ...], object]:
+    """Members -> process group of every shard group and every hybrid cross-group group of
+    ``plan``'s sharded groups; every rank of the world calls it, making them in the same order
+    (plan order). Not ``use_local_synchronization``: torch 2.13 names such a group by its ranks
+    and the number of groups the calling rank belongs to already, which differs between the ranks
+    of a pipeline stage whose transfer links differ (4 gloo ranks, dp=2,pp=2,zero=3 on the mlp:
+    rank 1 links to ranks 2 and 3, rank 0 to rank 2 alone), so the members met under different
+    names and waited for ever in the group's creation. The timeout is the world's (a stuck peer
+    is an error)."""
+    made: dict[tuple[int, ...], object] = {}
+    for gp in plan.groups:
+        if not gp.sync.startswith("zero") or len(gp.devices) < 2:
+            continue
+        groups = shard_groups(gp)
+        cross = [list(col) for col in zip(*groups)] if len(groups) > 1 else []
+        for members in (*groups, *cross):
+            if len(members) > 1 and tuple(members) not in made:
+                made[tuple(members)] = dist.new_group(list(members), timeout=world_timeout())
+    return made
+
+
+def world_timeout():
+    """The default process group's timeout (``init_process_group``'s; None: torch's default)."""
+    try:
+        return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 class _Done:
     """A completed collective's work handle (a shard group of one)."""
 
@@ -409,12 +459,10 @@ def _split(flat: torch.Tensor, numel: list[int], shapes: list) -> list[torch.Ten
 class ShardedExecution(Execution):
     """The plan's own schedule, one rank per device; ranks of sharded groups get a :class:`ShardedRank`."""
 
-    def __init__(self, plan) -> None:
-        super().__init__(plan)
-        self._ranks = {d for gp in plan.groups if gp.sync.startswith("zero") for d in gp.devices}
-
     def hook(self, rank: int) -> RankHook | None:
-        return ShardedRank(self.plan, rank) if rank in self._ranks else None
+        """Every rank's, those outside sharded groups too: each makes every shard group's process
+        group (:func:`shard_process_groups`); one without sharded buckets runs as without it."""
+        return ShardedRank(self.plan, rank)
 
 
 def _factory(plan, graph) -> Execution:

@@ -105,6 +105,11 @@ class RankHook:
         """Called once by the distributed worker (:mod:`tag.executor.worker`) after its process
         groups exist, before the first iteration; this base: nothing."""
 
+    def begin_iteration(self, rt) -> None:
+        """Called by :meth:`RankRuntime.begin_iteration
+        <tag.executor.runtime.RankRuntime.begin_iteration>` before any step of an iteration (or of
+        a ``tag run`` batch); this base: nothing."""
+
     def separate_groups(self) -> frozenset[int]:
         """Op-groups each of whose compute steps this rank runs as a fused segment of its own
         (:func:`tag.executor.fuse.plan_program` ``alone``); this base: none."""

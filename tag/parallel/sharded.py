@@ -28,8 +28,8 @@ gradient buckets (:mod:`tag.parallel.buckets`) and padded to a multiple of ``S``
 
 Costed by :mod:`tag.sim.sharded` (gathers inside the compute stream, overlapped by prefetch on
 GPUs; sharded bytes), run by :mod:`tag.executor.sharded` (flat buckets sharded as FSDP2's, on
-torch.distributed's ``reduce_scatter_tensor`` / ``all_gather_into_tensor``). Composes with pipelines (each stage's groups sharded over the stage's replicas;
-simulated only: the executor refuses it, :meth:`Sharded.execution_refusal`); not with tensor parallelism (a group is ``tp`` or sharded; ``zero`` and ``tp > 1`` in one layout
+torch.distributed's ``reduce_scatter_tensor`` / ``all_gather_into_tensor``). Composes with pipelines (each stage's groups sharded over the stage's replicas,
+FSDP x PP as torchtitan composes them; run on gloo, tests/test_sharded_pipeline.py); not with tensor parallelism (a group is ``tp`` or sharded; ``zero`` and ``tp > 1`` in one layout
 are refused) nor with SFB (``GroupPlan.sfb`` is refused: the gradients are reduce-scattered).
 """
 
@@ -120,9 +120,6 @@ class Sharded(DataParallel):
         if g is not None:
             return (f"groups[{g}].sync: tensor parallelism beside sharded data parallelism ({self.name}) is "
                     "simulated only; expected one of them")
-        if plan.pipeline is not None:  # (4 gloo ranks, dp=2,pp=2,zero=3 on the mlp: a transfer waited forever)
-            return (f"pipeline: sharded data parallelism ({self.name}) inside pipeline stages is simulated only; "
-                    "expected no pipeline, or sync allreduce")
         return None
 
     def normalise(self, gp: GroupPlan, has_params: bool) -> GroupPlan:
