@@ -76,3 +76,28 @@ def test_sharded_pipeline_stages_train_as_one_process(tmp_path, captured, level)
     for r in ranks:
         assert r["held_state_bytes"] in (pytest.approx(p[r["rank"] // 2] * 1.5, rel=0.02),
                                          pytest.approx(p[r["rank"] // 2] * 2, rel=0.02))
+
+
+@pytest.mark.parametrize("level", [1, 3])
+def test_tag_run_trains_sharded_pipeline_stages_as_one_process(tmp_path, level):
+    """``tag run`` of a 2-stage pipeline (2 micro-batches) whose stages are ZeRO-``level`` over 2
+    ranks each: 6 steps of 2 accumulated batches, clipped at a global norm the gradients exceed,
+    a checkpoint every 3 steps, equal single-process eager training (tests/test_train_run.py's
+    factory and reference)."""
+    from test_train_run import CLIP, Setup, metrics, reference
+
+    from tag.executor.equality import assert_params_equal
+    from tag.plan import GroupPlan, PipelinePlan, new_plan
+
+    s = Setup(tmp_path, "make", [0.25] * 4)
+    plan = new_plan(s.graph, load_topology(s.topology), [GroupPlan([0, 1], [0.5, 0.5], f"zero{level}"),
+                                                         GroupPlan([2, 3], [0.5, 0.5], f"zero{level}")])
+    plan.pipeline = PipelinePlan([0, 1], 2, "1f1b", 1)
+    plan.save(s.plan)
+    run = s.run("whole", steps=6, every=3)
+    ref, losses, norms = reference(s.spec, 6)
+    assert_params_equal(s.params("whole"), ref, {p.name for p in s.graph.params}, exact=True)
+    assert [r["loss"] for r in metrics(run)] == pytest.approx(losses, rel=1e-4)
+    assert [r["grad_norm"] for r in metrics(run)] == pytest.approx(norms, rel=1e-4)
+    assert sum(n > CLIP for n in norms) >= 3  # (the clipping acted)
+    assert run.step == 6 and run.checkpoint.endswith("step-00000006")
