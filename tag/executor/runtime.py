@@ -68,6 +68,7 @@ from ..graph.stages import Stage, build_stages, retarget_devices
 from ..parallel.schedule import Bucket, Move, Schedule, SfbGroup, Step, UnitKey
 from .fuse import Key, build_module, env_unit, plan_program, share_param_casts, value_key
 from .optim import make_optimizer
+from .scaling import SCALE_INPUT, LossScaler
 
 if TYPE_CHECKING:
     from .strategies import RankHook
@@ -166,9 +167,11 @@ class RankRuntime:
     global_joint: Joint | None = None
     """The joint graph at the global batch: needed when a unit of this rank uses SFB."""
     loss_scale: float = 1.0
-    """Static fp16 loss scale (:data:`tag.graph.precision.FP16_LOSS_SCALE`; 1 otherwise): the
-    loss-gradient seed is multiplied by it and the gradients divided by it before the update,
-    which is skipped when one of them is not finite (``torch.amp.GradScaler``'s rule)."""
+    """fp16's initial loss scale (:data:`tag.graph.precision.FP16_LOSS_SCALE`; 1 otherwise: no
+    scaling), then dynamic (:class:`tag.executor.scaling.LossScaler`, ``torch.amp.GradScaler``'s
+    rule): the loss-gradient seed is multiplied by the scale and the gradients divided by it before
+    the update, which is skipped when one of them is not finite; the scale halves then, and
+    doubles after 2000 finite steps."""
     hook: RankHook | None = None
     """What the plan's strategy changes in this rank (:mod:`tag.executor.strategies`; a
     tensor-parallel shard's: its joint graphs rewritten for the shard, its stages all-reducing at
@@ -185,6 +188,9 @@ class RankRuntime:
     """Called by :meth:`update` with the parameters' gradients set (unscaled) and whether they are
     finite, on every rank; returns whether to step (``tag run``'s clipping and gradient
     accumulation, :mod:`tag.executor.train`)."""
+    agree_finite: Callable[[bool], bool] | None = None
+    """fp16: whether every rank's gradients are finite, from this rank's (a distributed run's
+    one all-reduce of the found-inf flag, :mod:`tag.executor.scaling`); None: this rank's alone."""
     compiled: bool = False
     """Each fused segment (a stage's forward or backward with the local steps around it) runs
     through ``torch.compile`` (Inductor), compiled at its first call (``tag execute --compile``;
@@ -202,6 +208,8 @@ class RankRuntime:
         # Stages by (unit, phase), on a pipeline (unit, phase, micro) (fuse.stage_key): one cut of
         # the joint graph per local batch, shared by the micro-batches of that size.
         self.stages: dict[tuple, Stage] = {}
+        self.scaler = LossScaler(self.device, self.loss_scale) if self.loss_scale != 1.0 else None
+        """The dynamic fp16 loss scale (None: no loss scaling)."""
         self._placeholder_vals: dict[tuple, dict] = {}  # stage key -> placeholder name -> traced value (_captured)
         self._rng = _seeded_rng(self.seed, self.device)  # this rank's random stream between segments
         self._rng_saved: dict[tuple, tuple] = {}  # (unit, micro) -> state before its forward (replayed units)
@@ -224,7 +232,7 @@ class RankRuntime:
                 if self.hook is not None:
                     self.hook.stage(stage)
                 if (key, phase) == (s.loss_unit, "bwd"):  # the loss is a mean over the stage's b samples
-                    _scale_seed(stage, s.loss, b / s.batch_size * self.loss_scale)
+                    _scale_seed(stage, s.loss, b / s.batch_size, SCALE_INPUT if self.scaler is not None else None)
                 for k, m in runs[b]:
                     if k == key:
                         self.stages[(key, phase, m) if s.micro_units else (key, phase)] = stage
@@ -237,6 +245,8 @@ class RankRuntime:
             for ph, target in any_joint.state.items():
                 if ph not in s.param_owner:
                     self.state[ph] = any_joint.state_values[target].detach().to(self.device)
+        if self.scaler is not None:  # (read by the loss unit's backward: _scale_seed)
+            self.state[SCALE_INPUT] = self.scaler.scale
         self.params: dict[str, torch.nn.Parameter] = {}
         for ph in s.param_owner:  # (a tied weight's second copy too: the same initial value on every rank)
             if s.grad_key(ph, self.my_units) is not None:
@@ -715,21 +725,36 @@ class RankRuntime:
                     if g.requires_grad:
                         g = g.detach()
                     p.grad = g if g.shape == p.shape else g.reshape(p.shape)
-                ok = self.loss_scale == 1.0 or _unscale(self.params.values(), self.loss_scale)
+                ok = self._unscale()
                 if self.before_step is not None:
                     ok = self.before_step(ok)
                 if ok:
                     self.optimizer.step()
                 for p in self.params.values():
                     p.grad = None
-        elif self.before_step is not None:  # (a rank holding no parameter still takes part in its collectives)
-            self.before_step(True)
+        else:  # (a rank holding no parameter still takes part in its collectives)
+            ok = self._unscale()
+            if self.before_step is not None:
+                self.before_step(ok)
         if s.loss_unit in self.my_units and (self.hook is None or self.hook.reports_loss):  # each micro-batch's mean over its b samples, weighted b / B
             self.loss = sum(float(self.env[(env_unit(s, s.loss_unit, m), s.loss)])
                             * s.unit_at(s.loss_unit, m).replica_on(self.rank).batch for m in self.micros) / s.batch_size
         self._synchronize()
         self.timer.resolve()
         self.env.clear()
+
+    def _unscale(self) -> bool:
+        """fp16: divide the gradients the optimizer steps (a sharded rank's: its shards') by the
+        loss scale, agree with the other ranks whether all are finite, update the scale; returns
+        whether to step. True without loss scaling."""
+        if self.scaler is None:
+            return True
+        held = [] if self.optimizer is None else self.optimizer.param_groups
+        ok = self.scaler.unscale([p.grad for grp in held for p in grp["params"] if p.grad is not None])
+        if self.agree_finite is not None:
+            ok = self.agree_finite(ok)
+        self.scaler.update(ok)
+        return ok
 
     def named_params(self) -> dict[str, torch.Tensor]:
         """State-dict name -> current value of the parameters this rank holds."""
@@ -873,17 +898,10 @@ def _edit_outputs(stage: Stage, add: list[str], drop: set[str]) -> None:
     stage.module.recompile()
 
 
-def _unscale(params, scale: float) -> bool:
-    """Divide every gradient by ``scale`` in place; False if one is not finite (skip the step)."""
-    grads = [p.grad for p in params]
-    if not grads:
-        return True
-    torch._foreach_mul_(grads, 1.0 / scale)
-    return all(bool(torch.isfinite(g).all()) for g in grads)
-
-
-def _scale_seed(stage: Stage, loss: str, scale: float) -> None:
-    """Multiply the loss-gradient seed by ``scale`` (= b_i / B) inside the loss unit's backward.
+def _scale_seed(stage: Stage, loss: str, scale: float, loss_scale: str | None = None) -> None:
+    """Multiply the loss-gradient seed by ``scale`` (= b_i / B) inside the loss unit's backward,
+    and with ``loss_scale`` by the stage's new last input of that name (fp16's dynamic loss scale,
+    a 0-dim tensor the rank holds: :mod:`tag.executor.scaling`; a new scale needs no new program).
 
     Every gradient leaving that backward is linear in the seed, so this is docs/design.md's
     "scale every gradient leaving the loss unit by b_i / B", done once at the source.
@@ -894,13 +912,21 @@ def _scale_seed(stage: Stage, loss: str, scale: float) -> None:
     if ph is None or not ph.users:
         raise ExecutionError(f"loss {loss!r}: the loss unit's backward does not read the loss; "
                              "cannot find the loss-gradient seed to scale")
-    if scale == 1.0:
+    if scale == 1.0 and loss_scale is None:
         return
+    factor = None
+    if loss_scale is not None:  # (after the stage's inputs: the placeholders in the order of Stage.inputs)
+        with g.inserting_after([n for n in g.nodes if n.op == "placeholder"][-1]):
+            factor = g.placeholder(loss_scale)
+        stage.inputs.append(loss_scale)
     for seed in list(ph.users):
         with g.inserting_after(seed):
-            scaled = g.call_function(torch.ops.aten.mul.Tensor, (seed, scale))
-        scaled.meta = dict(seed.meta)
-        seed.replace_all_uses_with(scaled, delete_user_cb=lambda n, s=scaled: n is not s)
+            first = scaled = g.call_function(torch.ops.aten.mul.Tensor, (seed, factor if scale == 1.0 else scale))
+        if factor is not None and scale != 1.0:
+            with g.inserting_after(first):
+                scaled = g.call_function(torch.ops.aten.mul.Tensor, (first, factor))
+        first.meta, scaled.meta = dict(seed.meta), dict(seed.meta)
+        seed.replace_all_uses_with(scaled, delete_user_cb=lambda n, f=first: n is not f)
     stage.module.recompile()
 
 

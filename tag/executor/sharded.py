@@ -55,7 +55,9 @@ gradient taken at the sync, its gathers a copy.
 
 The in-process runner (:func:`tag.executor.run_virtual`) sums buckets itself and never calls
 :meth:`ShardedRank.bucket_sync`: there the hook stays inactive and the ranks train as plain data
-parallelism (the same numbers). fp16 (static loss scaling) is refused in one line.
+parallelism (the same numbers). fp16: the runtime's dynamic loss scale unscales the gradients the
+optimizer steps, the shards' here, and the ranks agree whether all are finite by one all-reduce
+of the found-inf flag (:mod:`tag.executor.scaling`), as FSDP's ``ShardedGradScaler``.
 """
 
 from __future__ import annotations
@@ -213,9 +215,6 @@ class ShardedRank(RankHook):
 
     # ---- activation ----------------------------------------------------------------------
     def _activate(self, rt) -> None:
-        if rt.loss_scale != 1.0:
-            raise ExecutionError(f"rank {self.rank}: sharded data parallelism runs fp32 and bf16; fp16's loss "
-                                 "scaling is not run sharded (expected --precision fp32 or bf16)")
         s = rt.schedule
         self._target = dict(s.param_target)
         for i, b in enumerate(s.buckets):

@@ -126,22 +126,27 @@ def reference_training(workload, optimizer: str, steps: int,
     """Plain single-process eager training on the full batch: (final params, losses).
 
     ``precision`` bf16 / fp16: the forward runs under ``torch.autocast`` (FP32 parameters and
-    optimizer state); fp16 scales the loss by the executor's static scale and unscales the
-    gradients before the step, skipping it on a non-finite gradient (``GradScaler``'s rule)."""
+    optimizer state); fp16 runs ``torch.amp.GradScaler`` from the executor's initial scale
+    (:data:`tag.graph.precision.FP16_LOSS_SCALE`; its defaults otherwise, as
+    :mod:`tag.executor.scaling`): loss scaled, gradients unscaled before the step, a step with a
+    non-finite gradient skipped and the scale halved."""
     model = workload.model
     named = dict(model.named_parameters())
     opt = make_optimizer(optimizer, named.values())
     scale = loss_scale(precision)
+    scaler = None if scale == 1.0 else \
+        torch.amp.GradScaler(next(iter(named.values())).device.type, init_scale=scale)
     losses = []
     for _ in range(steps):
         with autocast(precision):
             loss = model(*workload.inputs)
-        (loss * scale if scale != 1.0 else loss).backward()
-        grads = [p.grad for p in named.values() if p.grad is not None]
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        if scale == 1.0 or all(bool(torch.isfinite(g).all()) for g in grads):
+        if scaler is None:
+            loss.backward()
             opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     # state_dict also names tied aliases (e.g. GPT-2's lm_head.weight = wte.weight).

@@ -171,6 +171,10 @@ def run_rank(a: WorkerArgs) -> dict:
         hook.machine_of = topology.machine_of
     if hook is not None:
         hook.start(rt)  # (a sharded rank's process groups and shards, before any transfer)
+    if rt.scaler is not None and world > 1:  # fp16: every rank steps or none (tag.executor.scaling)
+        from .scaling import all_finite
+
+        rt.agree_finite = lambda ok: all_finite(ok, device)
     if pinned:
         demote_threads()  # gloo's threads exist now; only for a rank on cores of its own
     fault = _parse_fault(a.fault)

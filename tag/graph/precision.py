@@ -33,12 +33,13 @@ LOW_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 FP16_LOSS_SCALE = 2.0**16
-"""The executor's static fp16 loss scale: ``torch.amp.GradScaler``'s initial scale. It is not
-adjusted (no growth or back-off): a step with a non-finite gradient is skipped."""
+"""The executor's initial fp16 loss scale, ``torch.amp.GradScaler``'s; then dynamic as
+GradScaler's (:mod:`tag.executor.scaling`: halved after a step with a non-finite gradient, which
+is skipped, doubled after 2000 finite steps)."""
 
 
 def loss_scale(precision: str) -> float:
-    """The static loss scale of a precision (1 for fp32 and bf16, which need none)."""
+    """The initial loss scale of a precision (1 for fp32 and bf16, which need none)."""
     return FP16_LOSS_SCALE if precision == "fp16" else 1.0
 
 
