@@ -15,7 +15,7 @@ import pytest
 
 from tag.cost.model import CostModel
 from tag.parallel.layout import layout_plan, parse_layout
-from tag.parallel.sharded import sharded_bytes
+from tag.parallel.sharded import offloaded_bytes, sharded_bytes
 from tag.sim import Simulator
 from tag.topology import load_topology
 
@@ -29,22 +29,23 @@ def _topology(tmp_path) -> str:
     return str(path)
 
 
-def _predicted_state(graph, topology, plan, level: int) -> list[float]:
-    """Per device, the bytes of parameters, gradients and optimizer state the simulator holds for
-    it between iterations: each of its groups' :func:`sharded_bytes` of the simulator's own
-    per-group parameter and optimizer-state bytes (as :func:`tag.sim.sharded.sharded_layout`)."""
+def _predicted_state(graph, topology, plan, bytes_of) -> list[float]:
+    """Per device, the sum over its groups of ``bytes_of(S, P_g, O_g)`` (:func:`sharded_bytes`,
+    :func:`offloaded_bytes`) of the simulator's own per-group parameter and optimizer-state bytes
+    (as :func:`tag.sim.sharded.sharded_layout` reads them)."""
     st = Simulator(graph, topology, CostModel.for_topology(graph, topology)).static
     p = np.asarray(st.grad_bytes, dtype=float)
     o = np.array([float(x.sum()) for x in st.static_pos]) - 2 * p
-    return [sum(sharded_bytes(level, len(gp.devices), p[g], o[g]) for g, gp in enumerate(plan.groups)
-                if d in gp.devices) for d in range(topology.num_devices)]
+    return [sum(bytes_of(len(gp.devices), p[g], o[g]) for g, gp in enumerate(plan.groups) if d in gp.devices)
+            for d in range(topology.num_devices)]
 
 
-@pytest.mark.parametrize("level", [1, 2, 3])
-def test_sharded_pipeline_stages_train_as_one_process(tmp_path, captured, level):
-    """2 Adam steps of ZeRO-``level`` stages: parameters and losses equal single-process training
-    (the executor's tolerance); each rank holds its stage's shards of the state between iterations,
-    ZeRO-3's as the simulator predicts (within 2%), ZeRO-1/2 the full parameters besides."""
+@pytest.mark.parametrize("level,offload", [(1, ""), (2, ""), (3, ""), (3, ",offload=optimizer")])
+def test_sharded_pipeline_stages_train_as_one_process(tmp_path, captured, level, offload):
+    """2 Adam steps of ZeRO-``level`` stages (and ZeRO-3 stages with the optimizer on the host):
+    parameters and losses equal single-process training (the executor's tolerance); each rank holds
+    its stage's shards of the state between iterations, ZeRO-3's as the simulator predicts (within
+    2%; offloaded: on the device and on the host), ZeRO-1/2 the full parameters besides."""
     from tag.executor import ExecuteConfig, execute, reference_training
     from tag.executor.equality import assert_params_equal, saved_params
     from tag.workloads import load_workload
@@ -52,7 +53,7 @@ def test_sharded_pipeline_stages_train_as_one_process(tmp_path, captured, level)
     graph = captured("mlp", batch=8, groups=4).graph
     topo_path = _topology(tmp_path)
     topo = load_topology(topo_path)
-    plan = layout_plan(graph, topo, parse_layout(f"dp=2,pp=2,micro=2,zero={level}"), CostModel.for_topology(graph, topo))
+    plan = layout_plan(graph, topo, parse_layout(f"dp=2,pp=2,micro=2,zero={level}{offload}"), CostModel.for_topology(graph, topo))
     assert plan.pipeline is not None and {g.sync for g in plan.groups} == {f"zero{level}"}
     assert {tuple(g.devices) for g in plan.groups} == {(0, 1), (2, 3)}
     plan.save(tmp_path / "plan.json")
@@ -63,9 +64,14 @@ def test_sharded_pipeline_stages_train_as_one_process(tmp_path, captured, level)
     assert_params_equal(saved_params(tmp_path / "run", 4), ref, {p.name for p in graph.params})
     assert res.losses == pytest.approx(ref_losses, rel=1e-4)
     ranks = json.loads((tmp_path / "run" / "ranks.json").read_text())
-    want = _predicted_state(graph, topo, plan, level)
+    want = _predicted_state(graph, topo, plan, lambda s, p, o: sharded_bytes(level, s, p, o))
     got = [r["held_state_bytes"] + r["optimizer_state_bytes"] for r in ranks]
     assert want[0] != pytest.approx(want[2], rel=0.02)  # (the stages hold different groups)
+    if offload:
+        for i, key in enumerate(("device_state_bytes", "host_state_bytes")):
+            want = _predicted_state(graph, topo, plan, lambda s, p, o, i=i: offloaded_bytes(level, s, p, o)[i])
+            assert [r[key] for r in ranks] == pytest.approx(want, rel=0.02)
+        return
     if level == 3:  # parameter, gradient and Adam-moment shards
         assert got == pytest.approx(want, rel=0.02)
         return
