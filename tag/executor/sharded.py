@@ -264,8 +264,8 @@ class ShardedRank(RankHook):
     def begin_iteration(self, rt) -> None:
         """Before any step: ZeRO-1/2's full parameters from the shards stepped since; ZeRO-3's
         buckets whose parameters are sent to other ranks (a parameter read by another pipeline
-        stage's op: the mlp's ``net.2.bias``, read by the stage before its group's; a tied
-        weight) gathered for the whole iteration, by every member of the shard group whichever of
+        stage's op: the mlp's ``net.2.bias``, read by the stage before its group's) gathered for
+        the whole iteration, by every member of the shard group whichever of
         them sends, and freed at the sync (:meth:`synced`). A sent parameter is read at the
         transfer, outside any of the sender's segments: without this, a ZeRO-1/2 rank sent the
         parameters of the step before and a ZeRO-3 rank its freed, empty, parameter."""

@@ -641,8 +641,8 @@ def sharded_layouts(graph, topology) -> list[Layout]:
     ZeRO-1, ZeRO-2 and ZeRO-3, and hybrid ZeRO-3 (``hsdp=SxR``) with ``S`` the largest device count
     dividing every machine's (a shard group inside a machine, replicated across them) where the
     devices span machines (``1 < S < dp``), each without and with full recomputation. Not with
-    ``tp > 1`` (sharding does not compose with it) nor in pipelines: the executor refuses sharded
-    pipeline stages, and there the search's ``zero3`` actions cover them."""
+    ``tp > 1`` (sharding does not compose with it) nor in pipelines: there the search's ``zero3``
+    actions cover sharded stages (and :func:`offload_layouts` offloaded ones)."""
     n = topology.num_devices
     if n < 2 or n > graph.batch_size:
         return []
