@@ -62,6 +62,8 @@ of the found-inf flag (:mod:`tag.executor.scaling`), as FSDP's ``ShardedGradScal
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -208,9 +210,10 @@ class ShardedRank(RankHook):
         self.stale = False
         """ZeRO-1/2: the shards were stepped, the full parameters not yet gathered."""
         self._of_param: dict[int, _Bucket] = {}  # id(parameter) -> its ZeRO-3 bucket
-        self._exported: list[int] = []
-        """ZeRO-3 buckets holding a parameter a member of their shard group sends to another rank."""
-        self._whole: set[int] = set()  # ZeRO-3 buckets gathered for the iteration (begin_iteration)
+        self._exported: dict[int, list[int]] = {}
+        """ZeRO-3 bucket index -> positions (in :attr:`_Bucket.names`) of its parameters a member
+        of its shard group sends to another rank."""
+        self._kept: dict[int, tuple] = {}  # id(parameter) -> (it, its gathered value): sent ones, for the iteration
         self._target: dict[str, str] = {}  # parameter placeholder -> state-dict name
 
     # ---- activation ----------------------------------------------------------------------
@@ -250,8 +253,9 @@ class ShardedRank(RankHook):
                 for p in bk.params:
                     self._of_param[id(p)] = bk
                 bk.free()
-                if any((ph, d) in sent for ph in bk.names for d in bk.shard_members):
-                    self._exported.append(i)
+                out = [j for j, ph in enumerate(bk.names) if any((ph, d) in sent for d in bk.shard_members)]
+                if out:
+                    self._exported[i] = out
         self.active = True
 
     def start(self, rt) -> None:
@@ -263,19 +267,24 @@ class ShardedRank(RankHook):
 
     def begin_iteration(self, rt) -> None:
         """Before any step: ZeRO-1/2's full parameters from the shards stepped since; ZeRO-3's
-        buckets whose parameters are sent to other ranks (a parameter read by another pipeline
-        stage's op: the mlp's ``net.2.bias``, read by the stage before its group's) gathered for
-        the whole iteration, by every member of the shard group whichever of
-        them sends, and freed at the sync (:meth:`synced`). A sent parameter is read at the
+        parameters sent to other ranks (a parameter read by another pipeline stage's op: the mlp's
+        ``net.2.bias``, read by the stage before its group's): their buckets gathered by every
+        member of the shard group, whichever of them sends, those parameters kept (a copy) until
+        the sync (:meth:`synced`), the rest freed at once. A sent parameter is read at the
         transfer, outside any of the sender's segments: without this, a ZeRO-1/2 rank sent the
         parameters of the step before and a ZeRO-3 rank its freed, empty, parameter."""
         if not self.active:
             return
         self._refresh()
-        for i in self._exported:
-            if i not in self._whole:
-                self.buckets[i].write(self.buckets[i].gather(), views=True)
-                self._whole.add(i)
+        for i, sent in self._exported.items():
+            bk = self.buckets[i]
+            if all(id(bk.params[j]) in self._kept for j in sent):  # (a tag run batch after the step's first)
+                continue
+            flat, starts = bk.gather(), [0, *itertools.accumulate(bk.numel)]
+            for j in sent:
+                value = flat[starts[j]:starts[j + 1]].view(bk.shapes[j]).clone()
+                bk.params[j].data = value
+                self._kept[id(bk.params[j])] = (bk.params[j], value)
 
     # ---- gradient sync (tag.executor.comm.DistComm) --------------------------------------
     def bucket_sync(self, rt, index: int):
@@ -310,9 +319,9 @@ class ShardedRank(RankHook):
                 dist.all_reduce(bk.grad, group=bk.cross_pg)
             bk.shard.grad = bk.grad_to_host(bk.grad) if bk.offload else bk.grad.to(bk.shard.dtype)
             bk.grad = None
-        for i in self._whole:
-            self.buckets[i].free()
-        self._whole.clear()
+        for p, _ in self._kept.values():
+            p.data = EMPTY.to(p.device, p.dtype)
+        self._kept.clear()
         self.stale = True
 
     # ---- parameters around segments (tag.executor.runtime.RankRuntime.run_segment) ----------
@@ -328,7 +337,7 @@ class ShardedRank(RankHook):
         held = list(seg.static)
         if env is not None:
             held += [env[k] for k in seg.inputs if k in env]
-        return sorted({self._of_param[id(t)].index for t in held if id(t) in self._of_param} - self._whole)
+        return sorted({self._of_param[id(t)].index for t in held if id(t) in self._of_param})
 
     def before_segment(self, rt, seg) -> list:
         """Gather what the segment reads (waiting for its prefetch where one was issued), then
@@ -359,6 +368,8 @@ class ShardedRank(RankHook):
     def after_segment(self, rt, gathered: list) -> None:
         for i in gathered:
             self.buckets[i].free()
+        for p, value in self._kept.values():  # (a sent parameter stays until the sync)
+            p.data = value
 
     def _refresh(self) -> None:
         """ZeRO-1/2 after a step: the full parameters from the updated shards."""
