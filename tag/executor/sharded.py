@@ -100,17 +100,23 @@ class _Bucket:
         self.cross_pg = None
         self.params = [params[n] for n in names]
         self.dtype = self.params[0].dtype
+        self.shapes = [p.shape for p in self.params]
         flat = self._flat_params()
         lo = self.index_in_group * self.chunk
-        self.shard = torch.nn.Parameter(flat[lo:lo + self.chunk].clone())
-        """This rank's shard of the flat parameters (the optimizer steps it; offloaded: in host memory)."""
+        if level < 3:  # ZeRO-1/2: the parameters become views of the flat buffer, the shard its slice (no copy)
+            self.write(flat, views=True)
+            self.shard = torch.nn.Parameter(flat[lo:lo + self.chunk])
+        else:
+            self.shard = torch.nn.Parameter(flat[lo:lo + self.chunk].clone())
+        """This rank's shard of the flat parameters, which the optimizer steps: ZeRO-1/2 a view of
+        the full parameters' own slice (stepped in place), ZeRO-3 a tensor of its own (the full
+        parameters are freed); offloaded: in host memory."""
         self.device_shard = self.shard
         """The shard the gathers read: the device's copy of an offloaded shard, else :attr:`shard`."""
         self._synced_version = -1  # (offloaded: the host shard's version the device copy holds)
         self._stream = None  # (CUDA: the side stream of the host copies)
         if offload:
             self._to_host()
-        self.shapes = [p.shape for p in self.params]
 
     def _flat_params(self) -> torch.Tensor:
         flat = torch.zeros(self.padded, dtype=self.dtype, device=self.params[0].device)
@@ -411,7 +417,8 @@ class ShardedRank(RankHook):
         host = sum(nbytes(bk.shard) + nbytes(bk.shard.grad) + sum(nbytes(v) for v in state.get(bk.shard, {}).values()
                                                                  if isinstance(v, torch.Tensor) and v.dim() > 0)
                    for bk in off)
-        device = sum(nbytes(p) for p in rt.params.values()) + sum(nbytes(bk.device_shard) for bk in off)
+        device = sum(nbytes(p) for p in rt.params.values()) + sum(nbytes(bk.device_shard) for bk in off
+                                                                  if bk.level == 3)  # (ZeRO-1/2's: a view)
         return {"device_state_bytes": device, "host_state_bytes": host}
 
     def _names(self) -> list[str]:

@@ -331,14 +331,17 @@ def held_state_bytes(rt) -> int:
     """Bytes of parameters and gradients a rank holds between iterations: its parameters (a ZeRO-3
     rank's are freed after use: none) and the tensors its optimizer steps besides them (a sharded
     rank's shards, :mod:`tag.executor.sharded`) with their gradients; the optimizer state apart
-    (:func:`optimizer_state_bytes`)."""
+    (:func:`optimizer_state_bytes`). A tensor in a parameter's storage (a ZeRO-1/2 shard, a view
+    of its slice) is not counted twice."""
     held = {id(p) for p in rt.params.values()}
+    storages = {p.untyped_storage().data_ptr() for p in rt.params.values() if p.numel()}
     n = sum(p.numel() * p.element_size() for p in rt.params.values())
     if rt.optimizer is not None:
         for group in rt.optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in held:
-                    n += p.numel() * p.element_size() * (1 if p.grad is None else 2)
+                    own = p.untyped_storage().data_ptr() not in storages
+                    n += p.numel() * p.element_size() * (int(own) + (p.grad is not None))
     return n
 
 
