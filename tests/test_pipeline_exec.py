@@ -346,16 +346,7 @@ def test_a_boundary_carries_back_the_gradient_of_what_crossed_it(captured, topo4
     graph = captured("gpt2:n_layer=4,n_embd=32,n_head=2,seq=16", batch=8, groups=8).graph
     plan = _stage_plan(graph, topo4, num_stages, 2)
     sched = build_schedule(graph, plan, topo4.machine_of)
-    by_name = {t.name: t for t in graph.tensors}
-    hidden = 16 * 32 * 4  # bytes of one sample's hidden state (seq x n_embd, fp32)
-    rows: dict = {}  # activations and their gradients (the graph marks layer-norm weight-gradient
-    # partials, 64 bytes a sample, batch-carrying: left out, below one hidden state a sample)
-    for st in sched.steps:
-        for mv in st.moves:
-            if (st.kind == "transfer" and mv.mode == "rows" and mv.src != mv.dst
-                    and by_name[mv.name].nbytes.per_sample >= hidden):
-                key = (mv.src, mv.dst, st.phase)
-                rows[key] = rows.get(key, 0) + by_name[mv.name].nbytes.per_sample * (mv.stop - mv.start)
+    rows = _boundary_rows(graph, sched)
     pairs = {(a, b) for a, b, ph in rows if ph == "fwd"}
     assert pairs and all(rows.get((b, a, "bwd"), 0) <= rows[(a, b, "fwd")] for a, b in pairs), rows
     assert all((b, a) in pairs for a, b, ph in rows if ph == "bwd")  # nothing back where nothing came
@@ -363,6 +354,52 @@ def test_a_boundary_carries_back_the_gradient_of_what_crossed_it(captured, topo4
     got = sim_bytes(Simulator(graph, topo4), plan.groups, plan.pipeline)
     want = schedule_bytes(graph, sched)
     assert set(got) == set(want) and all(got[k] == pytest.approx(v, rel=1e-12) for k, v in want.items())
+
+
+def _boundary_rows(graph, sched) -> dict:
+    """(source device, destination device, phase) -> bytes of the remote row moves of activations
+    and their gradients of at least one hidden state a sample (GPT-2, n_embd 32, seq 16, fp32; the
+    graph marks layer-norm weight-gradient partials, 64 bytes a sample, batch-carrying: left out)."""
+    by_name = {t.name: t for t in graph.tensors}
+    rows: dict = {}
+    for st in sched.steps:
+        for mv in st.moves:
+            if (st.kind == "transfer" and mv.mode == "rows" and mv.src != mv.dst
+                    and by_name[mv.name].nbytes.per_sample >= 16 * 32 * 4):
+                key = (mv.src, mv.dst, st.phase)
+                rows[key] = rows.get(key, 0) + by_name[mv.name].nbytes.per_sample * (mv.stop - mv.start)
+    return rows
+
+
+def test_a_stage_cut_at_a_layer_norm_carries_back_one_gradient(captured, topo4, joints):
+    """A stage cut at a transformer layer's first op, a pre-LN block's layer norm (one op-group a
+    layer, tag.parallel.layers.group_by_layers, as published plans cut), carries back the hidden
+    state's gradient alone: the norm's backward returns a tuple (input, weight and bias
+    gradients) and moves to the later stage with its projections (tag.graph.gradients.
+    backward_homes), its parameters' owner with it; before, the norm's input gradient and the
+    residual's crossed separately, 2x the forward bytes. The simulator moves the schedule's
+    bytes, and training equals single-process training."""
+    import copy
+
+    from test_sim_executor import schedule_bytes, sim_bytes
+
+    from tag.parallel.layers import group_by_layers
+
+    spec = "gpt2:n_layer=4,n_embd=32,n_head=2,seq=16"
+    graph = copy.deepcopy(captured(spec, batch=8, groups=8).graph)
+    assert group_by_layers(graph) == 6  # embedding, 4 layers, head
+    plan = two_stages(graph, topo4, [0], [1], 2)  # stage 1 from layer 2's ln_1
+    sched = build_schedule(graph, plan, topo4.machine_of)
+    rows = _boundary_rows(graph, sched)
+    assert 0 < rows[(1, 0, "bwd")] <= rows[(0, 1, "fwd")], rows
+    ln_1 = next(p for p in graph.params if p.name.endswith("h.2.ln_1.weight"))
+    assert ln_1.group == 2 and sched.param_owner[graph.tensors[ln_1.tensor].name][0] == 3
+    got = sim_bytes(Simulator(graph, topo4), plan.groups, plan.pipeline)
+    want = schedule_bytes(graph, sched)
+    assert set(got) == set(want) and all(got[k] == pytest.approx(v, rel=1e-12) for k, v in want.items())
+    rts = run_virtual(graph, plan, load_workload(spec, batch=8), "sgd", 2, joints=joints.setdefault(spec, {}))
+    ref, _ = reference_training(load_workload(spec, batch=8), "sgd", 2)
+    assert_equal_params({r: rt.named_params() for r, rt in rts.items()}, ref, graph)
 
 
 @pytest.mark.parametrize("spec, groups", [

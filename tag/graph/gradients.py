@@ -187,8 +187,15 @@ def backward_homes(graph: OpGraph) -> dict[int, tuple[int, int]]:
     read in ``A`` only, no larger than the inputs it reads from ``B``'s backward that nothing else outside ``B``
     reads (which then stop crossing), and every other input is there already: made by ``B``, a forward value ``B``'s forward reads, a graph input or buffer, or the
     output of an op of ``A`` reading such values only, which moves with it (when it feeds nothing
-    else). The executor's placement (:func:`tag.parallel.schedule.build_schedule`) and the
-    simulator's (:func:`tag.sim.static.build_static`) read it; the ops' costs stay with their groups."""
+    else). An op returning a tuple (``native_layer_norm_backward``: the input's gradient and the
+    weight's and bias's) is judged by its projections' results: the batch-carrying ones as above,
+    the others parameter gradients the optimizer alone reads (the parameter's owner then moves
+    with it, as the placements take the owner from its gradient's producer); its projections
+    follow it. A transformer layer cut at its first op, a pre-LN block's layer norm, had that
+    norm's backward in the earlier group: the boundary carried back the norm's output gradient
+    and the residual's, 2x the forward bytes (GPT-2, 2026-11-29). The executor's placement
+    (:func:`tag.parallel.schedule.build_schedule`) and the simulator's
+    (:func:`tag.sim.static.build_static`) read it; the ops' costs stay with their groups."""
     ops, tensors = graph.ops, graph.tensors
     home = [op.group for op in ops]
     where = [op.anchor for op in ops]
@@ -204,8 +211,12 @@ def backward_homes(graph: OpGraph) -> dict[int, tuple[int, int]]:
             return tensors[t].kind != "param" or t in fwd_reads.get(b, ())
         return home[p] == b or (ops[p].phase == "fwd" and t in fwd_reads.get(b, ()))
 
+    grads_of = {p.grad for p in graph.params}
     for i, op in enumerate(ops):
-        if op.phase != "bwd" or not op.outputs or any(tensors[t].batch_dim is None for t in op.outputs):
+        if op.phase != "bwd" or not op.outputs:
+            continue
+        results, projections = _results(i, ops, tensors, grads_of)
+        if results is None:
             continue
         a = home[i]
         later = {home[tensors[t].producer] for t in op.inputs if tensors[t].producer >= 0
@@ -217,8 +228,8 @@ def backward_homes(graph: OpGraph) -> dict[int, tuple[int, int]]:
         freed = sum(tensors[t].nbytes.per_sample for t in set(op.inputs) if tensors[t].producer >= 0
                     and ops[tensors[t].producer].phase == "bwd" and home[tensors[t].producer] == b
                     and all(c == i or home[c] == b or ops[c].phase == "opt" for c in tensors[t].consumers))
-        if not freed or sum(tensors[t].nbytes.per_sample for t in op.outputs) > freed or any(
-                home[c] != a for t in op.outputs for c in tensors[t].consumers):
+        if not freed or sum(tensors[t].nbytes.per_sample for t in results) > freed or any(
+                home[c] != a for t in results if tensors[t].batch_dim is not None for c in tensors[t].consumers):
             continue  # (its result crosses back to a, and to a alone)
         pulled: list[int] = []
         if not all(there(t, b) or _pull(t, i, a, b, ops, tensors, home, there, pulled) for t in op.inputs):
@@ -228,10 +239,33 @@ def backward_homes(graph: OpGraph) -> dict[int, tuple[int, int]]:
         anchor = min(where[tensors[t].producer] for j in [*pulled, i] for t in ops[j].inputs
                      if tensors[t].producer >= 0 and ops[tensors[t].producer].phase == "bwd"
                      and home[tensors[t].producer] == b)
-        for j in [*pulled, i]:
+        for j in [*pulled, i, *projections]:
             home[j], where[j] = b, anchor
             out[j] = (b, anchor)
     return out
+
+
+def _results(i: int, ops, tensors, grads_of: set[int]) -> tuple[list[int] | None, list[int]]:
+    """What backward op ``i`` makes for :func:`backward_homes`, and the tuple projections that
+    move with it: its outputs when all carry the batch; for an op returning a tuple (an output
+    without a batch dimension read by ``getitem`` ops alone), its projections' results, each
+    batch-carrying or a parameter's gradient (``grads_of``) read by the optimizer alone, at least
+    one batch-carrying; else None (it stays)."""
+    op = ops[i]
+    if all(tensors[t].batch_dim is not None for t in op.outputs):
+        return list(op.outputs), []
+    projections = [c for t in op.outputs for c in tensors[t].consumers]
+    if not projections or any(tensors[t].batch_dim is not None for t in op.outputs) or any(
+            ops[c].target != "getitem" for c in projections):
+        return None, []
+    results = [t for c in projections for t in ops[c].outputs]
+    for t in results:
+        if tensors[t].batch_dim is None and not (
+                t in grads_of and all(ops[c].phase == "opt" for c in tensors[t].consumers)):
+            return None, []
+    if not any(tensors[t].batch_dim is not None for t in results):
+        return None, []
+    return results, projections
 
 
 def _pull(t: int, reader: int, a: int, b: int, ops, tensors, home, there, pulled: list[int], depth: int = 8) -> bool:
