@@ -51,3 +51,35 @@ def test_fused_graph_changes_activations_only():
     assert all(a.nbytes == b.nbytes for a, b in zip(g.tensors, model_graph(
         f"gpt2:n_layer=1,n_embd={H},n_head={A},vocab=1000,seq={S},attn=sdpa", 2, precision="bf16",
         num_groups=4)[0].tensors))  # the input graph is not modified
+
+
+def test_constants_are_built_on_every_rank(topo4):
+    """A tensor computed from constants alone (GPT-2's eager ``[B, 1, L, S]`` causal mask, from
+    ``arange`` and ``full``) is built on every rank that reads it, as Megatron-DeepSpeed's
+    pipelines read a mask made at startup: the fused graph's readers read a graph constant of one
+    batch row, the ops that made it cost nothing, and a pipeline cut at a layer carries the hidden
+    state alone forward (the eager graph also moves the mask, ``S x S x 4`` bytes a sample)."""
+    from test_sim_executor import sim_bytes
+
+    from tag.parallel.layers import group_by_layers
+    from tag.plan import GroupPlan, PipelinePlan, new_plan
+    from tag.sim import Simulator
+
+    spec = f"gpt2:n_layer=2,n_embd={H},n_head={A},vocab=1000,seq={S},attn=eager"
+    g, _, _ = model_graph(spec, 4, num_groups=4)
+    assert group_by_layers(g) == 4  # embedding, 2 layers, head
+    f = fused_activation_graph(g)
+    local = f.tensors[len(g.tensors):]
+    mask = [t for t in local if t.nbytes.fixed == S * S * 4]
+    assert mask and all(t.kind == "const" and t.producer < 0 and t.batch_dim is None for t in local)
+    assert len({f.ops[c].group for c in mask[0].consumers}) == 2  # read by both layers' attention
+    made = [i for i, (a, b) in enumerate(zip(g.ops, f.ops)) if a.flops != b.flops or a.bytes_written != b.bytes_written]
+    assert made and all(f.ops[i].flops.at(4) == f.ops[i].bytes_written.at(4) == 0 for i in made)
+    assert any(g.ops[i].group == 0 and g.ops[i].bytes_written.per_sample >= S * S * 4 for i in made)  # the mask's
+    forward = {}
+    for name, graph in (("eager", g), ("fused", f)):
+        plan = new_plan(graph, topo4, [GroupPlan([0], [1.0])] * 2 + [GroupPlan([1], [1.0])] * 2)
+        plan.pipeline = PipelinePlan([0, 2], 2, "1f1b", 1)  # stage 1 from layer 1
+        forward[name] = sim_bytes(Simulator(graph, topo4), plan.groups, plan.pipeline)[(0, 1)]
+    assert forward["fused"] == 4 * S * H * 4  # 4 samples' hidden states
+    assert forward["eager"] >= forward["fused"] + 4 * S * S * 4
