@@ -371,9 +371,10 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
     p.meta["bounds_fallback"] = failures[0] if failures else None
     if sub is not None:
         lay = sub
-    if p.meta.get("oom") and (lay is None or lay.predicted_iteration_time_s is None) and found.ranked:
-        # nothing fits: the pipelines closest to fitting with their stage boundaries moved
-        lay = _rebalanced(simulator, found.ranked, p, executable, deadline) or lay
+    # the pipelines closest to fitting that may beat the best plan, with their stage boundaries moved
+    times = [t for t in (None if p.meta.get("oom") else t_plan, None if lay is None else lay.predicted_iteration_time_s)
+             if t is not None]
+    lay = _rebalanced(simulator, found, p, executable, deadline, min(times, default=math.inf)) or lay
     p.meta["grid_time_s"] = time.perf_counter() - t0  # the grid, its refinements and the sub-clusters
     if p.meta.get("oom") and (lay is None or lay.predicted_iteration_time_s is None) and found.ranked:
         # nothing fits: the plan closest to fitting, the searched one or a layout the grid simulated
@@ -394,22 +395,41 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
 
 
 REBALANCED_LAYOUTS = 2
-"""Where no plan fits, the grid's pipelines closest to fitting that :func:`_rebalanced` moves
-stage boundaries of."""
+"""The grid's fastest pipelines out of memory that :func:`_rebalanced` moves stage boundaries of."""
+REBALANCE_OVERFLOW = 1.1
+"""Only pipelines whose fullest device needs at most this much of its memory are rebalanced (a
+moved op-group shifts a few percent of a stage's memory)."""
 
 
-def _rebalanced(simulator, ranked, p: Plan, executable: bool, deadline: float):
-    """The first of the :data:`REBALANCED_LAYOUTS` pipeline layouts of ``ranked`` (the grid's
-    simulated plans and results) closest to fitting that :func:`tag.search.layouts.rebalance`
-    makes fit, or None; what each gave goes into ``p.meta["rebalanced"]``."""
+def _rebalanced(simulator, found, p: Plan, executable: bool, deadline: float, best_s: float):
+    """The first of the :data:`REBALANCED_LAYOUTS` fastest pipeline layouts of the grid (``found``,
+    a :class:`~tag.parallel.layout.GridSearch`) out of memory by at most
+    :data:`REBALANCE_OVERFLOW` and faster than ``best_s`` seconds (the best plan so far; inf: none
+    fits) that :func:`tag.search.layouts.rebalance` makes fit, still faster, or None.
+    Candidates: the simulated layouts out of memory, and the fastest :data:`REBALANCED_LAYOUTS` of
+    those the grid's first bound kept from simulation as unable to fit (by that bound's time and
+    memory; simulated here); what each gave goes into ``p.meta["rebalanced"]``."""
     from .search.layouts import rebalance
 
+    cap = getattr(simulator, "capacity", None)  # (a simulator of another kind: the simulated layouts alone)
+    near, seen = [], set()
+    for q, bd in found.unfit if cap is not None else ():
+        pl = q.pipeline  # (a twin, cut by memory where the time cut is the same: the same plan)
+        key = (tuple(pl.stages), pl.micro_batches, pl.schedule, pl.k, tuple(g.key() for g in q.groups))
+        over = max(b / max(c, 1.0) for b, c in zip(bd.peak_bytes, cap))
+        if bd.time_s < best_s and over <= REBALANCE_OVERFLOW and key not in seen:
+            seen.add(key)
+            near.append((bd.time_s, q))
+    near.sort(key=lambda x: x[0])
+    cands = [(q, r) for q, r in found.ranked if q.pipeline is not None and r.oom]
+    cands += [(q, simulator.run(q.groups, pipeline=q.pipeline)) for _, q in near[:REBALANCED_LAYOUTS]]
+    cands = sorted([(q, r) for q, r in cands if r.oom and r.overflow <= REBALANCE_OVERFLOW
+                    and r.iteration_time_s < best_s], key=lambda x: x[1].iteration_time_s)
     notes = p.meta.setdefault("rebalanced", [])
-    close = sorted([(q, r) for q, r in ranked if q.pipeline is not None], key=lambda x: x[1].overflow)
-    for q, r in close[:REBALANCED_LAYOUTS]:
+    for q, r in cands[:REBALANCED_LAYOUTS]:
         got, sims, note = rebalance(simulator, q, r, executable=executable, deadline=deadline)
         notes.append(f"{note} ({sims} simulations)")
-        if got is not None:
+        if got is not None and got.predicted_iteration_time_s < best_s:
             return got
     return None
 

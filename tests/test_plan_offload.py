@@ -31,6 +31,23 @@ def _cluster(graph, fraction: float, machines: int = 2, count: int = 2):
                                        for i in range(machines)]})
 
 
+def _tight(graph):
+    """One machine of 2 GPUs holding 0.93x the peak of the first stage of the 2-stage 1F1B pipeline
+    of 8 micro-batches cut by time (``dp=1,pp=2,micro=8``, 6 + 2 groups)."""
+    from tag.cost.model import CostModel
+    from tag.parallel.layout import layout_plan, parse_layout
+    from tag.sim import Simulator
+    from tag.topology import load_topology
+
+    big = _cluster(graph, 100.0, machines=1)
+    costs = CostModel.for_topology(graph, big)
+    plan = layout_plan(graph, big, parse_layout("dp=1,pp=2,micro=8"), costs)
+    peak = Simulator(graph, big, costs).run(plan.groups, pipeline=plan.pipeline).peak_memory_bytes[0]
+    gpu = {"name": "small", "tflops": 14, "memory": f"{int(0.93 * peak)} B", "memory_bandwidth": "900 GB/s"}
+    return load_topology({"name": "tight", "machines": [{"name": "m0", "gpu": gpu, "count": 2,
+                                                         "intra_bandwidth": "100 GB/s"}]})
+
+
 def test_the_grid_has_offload_layouts(mlp):
     from tag.parallel.layout import MICRO_BATCHES, layout_grid, offload_layouts, parse_layout
 
@@ -93,16 +110,13 @@ def test_rebalance_moves_stage_boundaries_until_the_pipeline_fits(mlp):
     from tag.parallel.layout import layout_plan, parse_layout
     from tag.search.layouts import rebalance
     from tag.sim import Simulator
-    from tag.topology import load_topology
 
     big = _cluster(mlp, 100.0, machines=1)
     costs = CostModel.for_topology(mlp, big)
     plan = layout_plan(mlp, big, parse_layout("dp=1,pp=2,micro=8"), costs)
     peaks = Simulator(mlp, big, costs).run(plan.groups, pipeline=plan.pipeline).peak_memory_bytes
     assert plan.pipeline.stages == [0, 6] and peaks[0] > 2 * peaks[1]
-    gpu = {"name": "small", "tflops": 14, "memory": f"{int(0.9 * peaks[0])} B", "memory_bandwidth": "900 GB/s"}
-    topo = load_topology({"name": "tight", "machines": [{"name": "m0", "gpu": gpu, "count": 2,
-                                                         "intra_bandwidth": "100 GB/s"}]})
+    topo = _tight(mlp)
     sim = Simulator(mlp, topo, CostModel.for_topology(mlp, topo))
     res = sim.run(plan.groups, pipeline=plan.pipeline)
     assert res.oom
@@ -112,3 +126,33 @@ def test_rebalance_moves_stage_boundaries_until_the_pipeline_fits(mlp):
     again = sim.run(got.groups, pipeline=got.pipeline)
     assert not again.oom and again.iteration_time_s == pytest.approx(got.predicted_iteration_time_s)
     assert rebalance(sim, got, again)[0] is None  # a plan that fits is left alone
+
+
+def test_the_planner_moves_stage_boundaries_of_pipelines_the_grid_bounded_out(mlp):
+    """The same tight GPUs, the grid bounded by the memory cut's time (3 + 5 groups, 8
+    micro-batches: fits): the time cut, faster, is bounded out of memory and not simulated; the
+    planner simulates the fastest such pipelines that nearly fit and returns one made to fit by
+    moving a stage boundary, faster than the memory cut (tag.planner._rebalanced)."""
+    import math
+
+    from tag.cost.model import CostModel
+    from tag.parallel.layout import layout_plan, parse_layout
+    from tag.planner import _rebalanced
+    from tag.search.layouts import grid_search
+    from tag.sim import Simulator
+
+    topo = _tight(mlp)
+    costs = CostModel.for_topology(mlp, topo)
+    sim = Simulator(mlp, topo, costs)
+    by_memory = layout_plan(mlp, topo, parse_layout("dp=1,pp=2,micro=8,cut=memory"), costs)
+    fits = sim.run(by_memory.groups, pipeline=by_memory.pipeline)
+    assert by_memory.pipeline.stages == [0, 3] and not fits.oom
+    found = grid_search(mlp, topo, costs, sim, incumbent=fits.iteration_time_s)
+    assert "dp=1,tp=1,pp=2,micro=8,schedule=1f1b" in [q.meta["layout"] for q, _ in found.unfit]
+    assert all(q.pipeline is not None for q, _ in found.unfit)
+    meta = {"rebalanced": []}
+    got = _rebalanced(sim, found, type("P", (), {"meta": meta})(), False, math.inf, fits.iteration_time_s)
+    assert got is not None and got.meta["refinement"].startswith("stages moved to fit")
+    assert got.predicted_iteration_time_s < fits.iteration_time_s and meta["rebalanced"]
+    res = sim.run(got.groups, pipeline=got.pipeline)
+    assert not res.oom and res.iteration_time_s == pytest.approx(got.predicted_iteration_time_s)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -698,6 +698,10 @@ class GridSearch:
     shared: int = 0
     """Layouts of ``simulated`` whose plan is an earlier layout's (stages cut by memory where the
     time cut is the same): that layout's bounds and simulation reused, not computed again."""
+    unfit: list[tuple[Plan, object]] = field(default_factory=list)
+    """Pipeline layouts not simulated, a bound of which shows they cannot fit, with that bound (the
+    planner moves the stage boundaries of the fastest that nearly fit:
+    :func:`tag.search.layouts.rebalance`)."""
 
 
 def search_layouts(graph, topology, costs, simulate, *, executable: bool = False, bounds=(),
@@ -741,6 +745,7 @@ def search_layouts(graph, topology, costs, simulate, *, executable: bool = False
     bounded, cut, shared = 0, False, 0
     done: dict[int, object] = {}  # layout index -> its simulation
     later: dict[tuple[int, int], object] = {}  # (layout index, bound index) -> that bound
+    unfit: dict[int, object] = {}  # layout index -> a bound showing it cannot fit
     if bounds:
         first = [None] * len(plans)
         for i, p in enumerate(plans):
@@ -763,6 +768,8 @@ def search_layouts(graph, topology, costs, simulate, *, executable: bool = False
                     b = later[(j, x)] = more(plans[i])
                     bounded += 1
                 low = (low[0] or bool(b.oom), max(low[1], b.time_s), i)
+                if b.oom:
+                    unfit.setdefault(i, b)
                 if inc is not None and low > inc:
                     break
             if inc is not None and low > inc:
@@ -782,7 +789,14 @@ def search_layouts(graph, topology, costs, simulate, *, executable: bool = False
         key, best, _ = ranked[0]
         best.predicted_iteration_time_s = None if key[0] else key[1]  # None: out of memory
         best.meta["searcher"] = "dp-tp-pp-grid"
-    return GridSearch(best, [(p, r) for _, p, r in ranked], len(plans), len(ranked), bounded, cut, shared)
+    if first is not None:  # (the first bound's verdict where no later bound gave one)
+        for i in range(len(plans)):
+            if first[i].oom:
+                unfit.setdefault(i, first[i])
+    unfit_list = [(plans[i], b) for i, b in sorted(unfit.items())
+                  if plans[i].pipeline is not None and i not in done and twin_of.get(i, i) not in done]
+    return GridSearch(best, [(p, r) for _, p, r in ranked], len(plans), len(ranked), bounded, cut, shared,
+                      unfit_list)
 
 
 def best_layout(graph, topology, costs, simulate, *, executable: bool = False, bounds=()) -> tuple[Plan, int]:
