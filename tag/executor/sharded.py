@@ -242,7 +242,7 @@ class ShardedRank(RankHook):
             if gp.offload and gp.devices == [rt.rank] and g not in bucketed and names:
                 self.buckets[-1 - g] = _Bucket(-1 - g, Bucket((g,), None, 0), int(gp.sync[4:]), [rt.rank], 1, rt.rank,
                                                rt.params, list(names), s.param_numel, gp.offload)
-        made = shard_process_groups(self.plan)
+        made = shard_process_groups(self.plan, rt.device)
         for bk in self.buckets.values():
             for attr, members in (("shard_pg", bk.shard_members), ("cross_pg", bk.cross_members)):
                 if members is not None and len(members) > 1:
@@ -429,15 +429,15 @@ class ShardedRank(RankHook):
 
 
 
-def shard_process_groups(plan) -> dict[tuple[int, ...], object]:
+def shard_process_groups(plan, device: torch.device) -> dict[tuple[int, ...], object]:
     """Members -> process group of every shard group and every hybrid cross-group group of
     ``plan``'s sharded groups; every rank of the world calls it, making them in the same order
     (plan order). Not ``use_local_synchronization``: torch 2.13 names such a group by its ranks
     and the number of groups the calling rank belongs to already, which differs between the ranks
     of a pipeline stage whose transfer links differ (4 gloo ranks, dp=2,pp=2,zero=3 on the mlp:
     rank 1 links to ranks 2 and 3, rank 0 to rank 2 alone), so the members met under different
-    names and waited for ever in the group's creation. The timeout is the world's (a stuck peer
-    is an error)."""
+    names and waited for ever in the group's creation. The timeout is the world's on ``device``'s
+    backend (a stuck peer is an error)."""
     made: dict[tuple[int, ...], object] = {}
     for gp in plan.groups:
         if not gp.sync.startswith("zero") or len(gp.devices) < 2:
@@ -446,14 +446,15 @@ def shard_process_groups(plan) -> dict[tuple[int, ...], object]:
         cross = [list(col) for col in zip(*groups)] if len(groups) > 1 else []
         for members in (*groups, *cross):
             if len(members) > 1 and tuple(members) not in made:
-                made[tuple(members)] = dist.new_group(list(members), timeout=world_timeout())
+                made[tuple(members)] = dist.new_group(list(members), timeout=world_timeout(device))
     return made
 
 
-def world_timeout():
-    """The default process group's timeout (``init_process_group``'s; None: torch's default)."""
+def world_timeout(device: torch.device):
+    """The default process group's timeout on ``device``'s backend (``init_process_group``'s;
+    None: torch's default)."""
     try:
-        return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
+        return dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
     except (AttributeError, RuntimeError, ValueError):
         return None
 
