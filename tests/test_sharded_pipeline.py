@@ -40,9 +40,11 @@ def _predicted_state(graph, topology, plan, bytes_of) -> list[float]:
             for d in range(topology.num_devices)]
 
 
-@pytest.mark.parametrize("level,offload", [(1, ""), (2, ""), (3, ""), (3, ",offload=optimizer")])
-def test_sharded_pipeline_stages_train_as_one_process(tmp_path, captured, level, offload):
-    """2 Adam steps of ZeRO-``level`` stages (and ZeRO-3 stages with the optimizer on the host):
+@pytest.mark.parametrize("layout", [f"dp=2,pp=2,micro=2,zero={z}" for z in (1, 2, 3)] +
+                         ["dp=2,pp=2,micro=2,zero=3,offload=optimizer", "dp=2,pp=2,micro=4,vpp=2,zero=3"])
+def test_sharded_pipeline_stages_train_as_one_process(tmp_path, captured, layout):
+    """2 Adam steps of ZeRO-1/2/3 stages (ZeRO-3 also with the optimizer on the host, and
+    interleaved: 2 stage chunks a rank, 4 micro-batches):
     parameters and losses equal single-process training (the executor's tolerance); each rank holds
     its stage's state between iterations as the simulator predicts (within 2%; offloaded: on the
     device and on the host), ZeRO-1 but the all-reduced gradient, freed at the step."""
@@ -53,7 +55,8 @@ def test_sharded_pipeline_stages_train_as_one_process(tmp_path, captured, level,
     graph = captured("mlp", batch=8, groups=4).graph
     topo_path = _topology(tmp_path)
     topo = load_topology(topo_path)
-    plan = layout_plan(graph, topo, parse_layout(f"dp=2,pp=2,micro=2,zero={level}{offload}"), CostModel.for_topology(graph, topo))
+    plan = layout_plan(graph, topo, parse_layout(layout), CostModel.for_topology(graph, topo))
+    level, offload = int(plan.groups[0].sync[-1]), plan.groups[0].offload
     assert plan.pipeline is not None and {g.sync for g in plan.groups} == {f"zero{level}"}
     assert {tuple(g.devices) for g in plan.groups} == {(0, 1), (2, 3)}
     plan.save(tmp_path / "plan.json")
