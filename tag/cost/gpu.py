@@ -93,6 +93,7 @@ per-call ``C_mm`` and its alignment.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -829,6 +830,9 @@ class OpFeatures:
     bn_bf16: np.ndarray | None = None
     """[n] bool: a batch norm (forward or backward) in bf16 (``bn_bf16_bw``,
     :data:`BN_BF16_KERNELS`); None: none."""
+    head: np.ndarray | None = None
+    """[n] the op whose kernel carries each op's bytes: the first op of its fused region
+    (:func:`backward_regions`), else itself; None: every op itself."""
 
     @classmethod
     def of(cls, graph, numerics: Numerics, runtime: str = "eager") -> OpFeatures:
@@ -850,11 +854,13 @@ class OpFeatures:
         passes = np.array([NORM_PASSES.get(n, 1.0) for n in names])
         nbytes = nbytes * passes[:, None]
         kernel = np.ones(len(ops), dtype=bool)
+        head = np.arange(len(ops))
         for region, rb in backward_regions(graph, klass, forward=runtime == "megatron"):
             nbytes[region] = 0.0
             kernel[region] = False
             nbytes[region[0]] = rb
             kernel[region[0]] = True
+            head[region] = region[0]
         modes = [op_mode(k, o.dtype, numerics) for k, o in zip(klass, ops)]
         tiles = np.array([attention_tile_fraction(o.attention, m, o.phase) if k == "attention" else 1.0
                           for k, o, m in zip(klass, ops, modes)])
@@ -865,7 +871,21 @@ class OpFeatures:
             nbytes, sweeps, kernel,
             np.array([gemm_alignment(graph, o) if k == "matmul" and o.dtype in ("bfloat16", "float16")
                       else ALIGN_ELEMENTS for k, o in zip(klass, ops)], dtype=np.int64),
-            np.array([n in NORM_PASSES and o.dtype == "bfloat16" for n, o in zip(names, ops)]))
+            np.array([n in NORM_PASSES and o.dtype == "bfloat16" for n, o in zip(names, ops)]), head)
+
+    def with_fixed(self, scale: np.ndarray) -> OpFeatures:
+        """These features with each op's fixed (batch-independent) FLOPs and bytes times
+        ``scale`` ([n]): a tensor-parallel rank's ops on ``1 / T`` of a split weight (its matmuls
+        read, its weight-gradient casts write, ``1 / T`` of the weight bytes). A fused region's
+        kernel takes the smallest factor of its ops (its fixed bytes are the scaled op's: a weight
+        gradient's cast fused with the views around it)."""
+        s = np.asarray(scale, dtype=float).copy()
+        if self.head is not None:
+            np.minimum.at(s, self.head, s[np.arange(len(s))])
+        flops, nbytes = self.flops.copy(), self.nbytes.copy()
+        flops[:, 0] *= s
+        nbytes[:, 0] *= s
+        return dataclasses.replace(self, flops=flops, nbytes=nbytes)
 
     def unaligned(self) -> np.ndarray:
         """[n] bool: a bf16/fp16 matmul below :data:`ALIGN_ELEMENTS` (its FLOPs run at

@@ -90,6 +90,11 @@ class DeviceCost:
     recomputation (the executor casts once, :func:`tag.executor.fuse.share_param_casts`). A rule's
     costs (:func:`_cast_seconds`); None: none (fp32) or a profile's measured table, whose forwards
     keep their casts at every micro-batch."""
+    split: object = None
+    """``split(batches, fixed) -> [K, 3, len(batches)]``: ``at`` with each op's fixed FLOPs and
+    bytes times ``fixed`` ([n_ops], :meth:`CostModel.split_at`): the rule's own seconds for a rule's
+    costs, a profile's scaled by the rule's ratio (as ``scaled:`` scales one); None: not known (a
+    compiled profile)."""
 
 
 class CostModel:
@@ -197,6 +202,15 @@ class CostModel:
         its costs launch nothing from a modelled host (a CPU, a GPU profile)."""
         return self._dev[device].host
 
+    def split_at(self, device: int, fixed: np.ndarray, batches) -> np.ndarray | None:
+        """``[K, 3, len(batches)]`` seconds on ``device`` at per-replica ``batches`` (fractional
+        allowed) with each op's fixed (batch-independent) FLOPs and bytes times ``fixed`` ([n_ops]):
+        a tensor-parallel rank, whose split ops read, and whose weight-gradient casts write,
+        ``1 / T`` of each split weight (:mod:`tag.sim.tensor_parallel`). None where the costs
+        cannot say (:attr:`DeviceCost.split`)."""
+        split = self._dev[device].split
+        return None if split is None else split(np.asarray(batches, dtype=float), np.asarray(fixed, dtype=float))
+
     def roofline(self, device: int) -> Roofline:
         """Effective roofs of topology device ``device`` (:func:`device_roofline`)."""
         return device_roofline(self.device_type(device), self.topology.devices[device].gpu)
@@ -254,13 +268,17 @@ def _rule(graph, dt: str, spec, features, runtime: str = "eager", host_launch_s:
     origin)``."""
     if _is_cpu(dt):
         roof, overhead = device_roofline(dt, spec), op_overhead(spec)
-        return ((lambda batches: group_phase_table(graph, roof, batches, overhead)), "roofline",
-                optimizer_step_overhead(graph.optimizer, overhead), None)
+        return ((lambda batches, fixed=None: group_phase_table(graph, roof, batches, overhead, fixed=fixed)),
+                "roofline", optimizer_step_overhead(graph.optimizer, overhead), None)
     rates = on_host(gpu_rates(spec), host_launch_s)
     source = rates.source if runtime == "eager" else f"{rates.source}+{runtime}"
     host = (rates.host_s, "topology" if host_launch_s is not None else host_origin(rates.gpu))
-    return ((lambda batches: stage_table(graph, features(), rates, batches)), source,
-            rates.step_overhead(graph.optimizer), host)
+
+    def rule(batches, fixed=None):
+        feat = features() if fixed is None else features().with_fixed(fixed)
+        return stage_table(graph, feat, rates, batches)
+
+    return rule, source, rates.step_overhead(graph.optimizer), host
 
 
 def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: list[str],
@@ -272,7 +290,7 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
     prof = find_profile(root, dt, sig) if dt in available else None
     if prof is not None and prof.num_groups == graph.num_groups:
         return DeviceCost(dt, f"profile:{dt}", prof.table(grid), prof.opt_step_overhead_s, prof.table,
-                          *_wake_of(prof, grid))
+                          *_wake_of(prof, grid), split=_split_by_rule(prof.table, rtab))
     ref = _reference_type(dt, spec, available)
     prof = find_profile(root, ref, sig) if ref is not None else None
     if prof is not None and prof.num_groups == graph.num_groups:
@@ -287,10 +305,17 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
         wake, gap, tau = _wake_of(prof, grid)
         if wake is not None:  # scaled like the stages it delays
             wake = wake * _ratio(table[:, :2], prof.table(grid)[:, :2])
-        return DeviceCost(dt, f"scaled:{ref}", table, over, scaled, wake, gap, tau, host)
+        return DeviceCost(dt, f"scaled:{ref}", table, over, scaled, wake, gap, tau, host,
+                          split=_split_by_rule(scaled, rtab))
     table = rtab(grid)
     return DeviceCost(dt, rule_source, table, rule_overhead, rtab, host=host,
-                      cast=_cast_seconds(graph, dt, spec, features, table))
+                      cast=_cast_seconds(graph, dt, spec, features, table), split=rtab)
+
+
+def _split_by_rule(at, rule):
+    """:attr:`DeviceCost.split` of measured costs ``at``: scaled by the rule's ratio, the rule with
+    the fixed features scaled over the rule as it is."""
+    return lambda batches, fixed: at(batches) * _ratio(rule(batches, fixed), rule(batches))
 
 
 def _cast_seconds(graph, dt: str, spec, features, table: np.ndarray) -> np.ndarray | None:

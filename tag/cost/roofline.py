@@ -80,9 +80,11 @@ def optimizer_step_overhead(optimizer: str, overhead: float) -> float:
     return overhead * STEP_OPS.get(optimizer, 1)
 
 
-def group_phase_table(graph, roof: Roofline, batches, overhead: float = 0.0, only=None):
+def group_phase_table(graph, roof: Roofline, batches, overhead: float = 0.0, only=None, fixed=None):
     """Roofline seconds per (group, phase, batch): ``ndarray [K, 3, len(batches)]``; ``only``: a
-    boolean mask over the ops, counting those alone (default all).
+    boolean mask over the ops, counting those alone (default all); ``fixed``: a factor per op on
+    its fixed (batch-independent) FLOPs and bytes (default 1: a tensor-parallel rank's ``1 / T``
+    of a split weight, :meth:`tag.cost.CostModel.split_at`).
 
     Per op: ``max(flops(b) / flop_rate, bytes(b) / mem_bandwidth) + overhead`` (the overhead only
     for forward/backward ops that move or compute anything; views are free); phases in ``PHASES``
@@ -100,6 +102,8 @@ def group_phase_table(graph, roof: Roofline, batches, overhead: float = 0.0, onl
     fs = np.array([o.flops.per_sample for o in ops])[:, None]
     bf = np.array([o.bytes_read.fixed + o.bytes_written.fixed for o in ops])[:, None]
     bs = np.array([o.bytes_read.per_sample + o.bytes_written.per_sample for o in ops])[:, None]
+    if fixed is not None:
+        ff, bf = ff * np.asarray(fixed, dtype=float)[:, None], bf * np.asarray(fixed, dtype=float)[:, None]
     t = np.maximum((ff + fs * b) / roof.flop_rate, (bf + bs * b) / roof.mem_bandwidth)
     launched = np.array([o.phase != "opt" for o in ops])[:, None]
     t = t + overhead * (((ff + fs + bf + bs) > 0) & launched)

@@ -331,6 +331,8 @@ class Simulator:
         """[K, R] seconds of every group's forward parameter casts on ``lay``'s replicas (None: none)."""
         if not self.any_casts:
             return None
+        if lay.casts is not None:  # (a tensor-parallel device's share)
+            return lay.casts
         return self.casts[[self.dev_class[d] for d in lay.devices]].T
 
     def warm_layout(self, lay: Layout) -> Layout:

@@ -7,13 +7,20 @@ tensor-parallel group's ``B`` samples (one range per group) and sequence-paralle
 token shard of ``b = B / T`` samples each (own ranges, as data-parallel replicas);
 :func:`tp_layout` costs it for every group ``g`` as tensor parallel (all groups at once so
 consecutive ``tp`` groups stay one vectorised segment). With ``b = B / T``, fractional when a
-group has fewer samples than devices (a cost table read between its integer batches, linearly:
-``1 / T`` of one sample's block features is ``1 / T`` of its FLOPs and activation bytes; as at
-any ``b``, the split weights are read whole by the cost, which overstates a small ``b``):
+group has fewer samples than devices (``1 / T`` of one sample's block features is ``1 / T`` of
+its FLOPs and activation bytes):
 
 * compute: the Megatron blocks' ops (:func:`~tag.parallel.tensor_parallel.block_interior`: the
   split matmuls, the per-head ops between them, their gradients) cost what ``b`` samples cost
-  (``1 / T`` of the features of ``B`` samples). The other ops cost ``b`` samples with sequence
+  (``1 / T`` of the features of ``B`` samples) on ``1 / T`` of each split weight: a rank's
+  seconds ``t(x)`` are the cost model's with the fixed (batch-independent) FLOPs and bytes of
+  those ops, and of the forward's casts of the split weights, divided by ``T``
+  (:meth:`CostModel.split_at <tag.cost.CostModel.split_at>`, :func:`_rank_seconds`; the rule
+  evaluated at ``x`` itself, fractional or not), and its casts, charged once an iteration
+  (:attr:`Layout.casts <tag.sim.units.Layout.casts>`), ``1 / T`` of the split weights'. Whole,
+  the weights' bytes made a rank's per-micro-batch floor ``T`` times too large: llama-70b bf16 at
+  ``dp=8,tp=8,pp=8,micro=32`` on h100-512gpu, each layer's weight-gradient casts 2.2 ms a
+  micro-batch where a rank's are 0.27 ms (2026-11-29). The other ops cost ``b`` samples with sequence
   parallelism, ``B`` without (plain Megatron: every device of the group runs them on the group's
   whole batch). A group's seconds ``t(x)`` at a batch are split between the two by the roofline
   share ``s(x)`` of the block ops in it (:func:`tag.cost.roofline.group_phase_table` over those
@@ -91,18 +98,23 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
             small, big = b / t, b
         compute.append(small)
         alike.setdefault((sim.dev_class[d], small, big), (d, []))[1].append(i)
+    casts = np.zeros((k, r)) if sim.any_casts else None
     for (c, small, big), (d, ids) in alike.items():
-        tab = sim.tables[c]
-        tx = at_batch(tab, small)  # [K, 3]
+        tx = _rank_seconds(sim, c, d, t, small)  # [K, 3]; None: the whole weights' table
+        split = tx is not None
+        tx = tx if split else at_batch(sim.tables[c], small)
+        if casts is not None:
+            casts[:, ids] = (_rank_casts(sim, c, t) if split else sim.casts[c])[:, None]
         d_col = tx.T.copy()  # [3, K]
         s_col = static.mem_per_sample * small
         m_col = static.mem_fixed + s_col
         if sequence_parallel:  # every op on 1 / t of the tokens
             w_col = static.work_fixed + static.work_per_sample * small
         else:
-            share = _block_share(sim, d, (small, big))  # [K, 2 phases, 2 batches]
+            share = _block_share(sim, d, (small, big), t if split else 1)  # [K, 2 phases, 2 batches]
+            tb = _rank_seconds(sim, c, d, t, big) if split else sim.tables[c][:, :, big]
             for ph in (FWD, BWD):  # the shard's seconds + the outside ops' extra ones at the group's batch
-                extra = (1.0 - share[:, ph, 1]) * tab[:, ph, big] - (1.0 - share[:, ph, 0]) * tx[:, ph]
+                extra = (1.0 - share[:, ph, 1]) * tb[:, ph] - (1.0 - share[:, ph, 0]) * tx[:, ph]
                 d_col[ph] = tx[:, ph] + np.maximum(extra, 0.0)
             s_col = s_col + outside * (big - small)
             m_col = m_col + outside * (big - small)
@@ -149,18 +161,84 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
         mem[g, :] -= keep * sp.split_state
     mem -= keep * _split_casts(graph)[:, None]  # a device holds its shard's bf16 / fp16 weight copies
     lay = Layout.of(devices, batches, np.array(devices, dtype=np.int64), dur, mem, work, starts, saved=saved,
-                    compute=None if sequence_parallel else tuple(compute))
+                    compute=None if sequence_parallel else tuple(compute), casts=casts)
     return sim.store_layout(key, lay)
 
 
-def _block_share(sim, device: int, batches: tuple[int, int]) -> np.ndarray:
-    """``[K, 2, len(batches)]``: the fraction of each group's forward / backward seconds spent in
-    the Megatron blocks' ops at each batch, by the roofline of ``device`` (0 where a group has no
-    cost); cached per device class and batches."""
+def _rank_seconds(sim, c: int, device: int, t: int, x: float) -> np.ndarray | None:
+    """``[K, 3]`` seconds of a rank of degree ``t`` on ``x`` samples (a block's features of ``x``
+    samples, fractional below 1), device class ``c`` (``device`` one of them): the cost model's
+    :meth:`~tag.cost.CostModel.split_at` with the fixed FLOPs and bytes of the blocks' ops and of
+    the split weights' casts ``1 / t`` (:func:`_interior_fixed`: a rank's matmuls read, its casts
+    and weight-gradient casts write, ``1 / t`` of each split weight). None where the costs cannot
+    split (a compiled profile, a cost model without ``split_at``): the caller reads the device's
+    table, every weight whole. Cached per (class, degree, samples)."""
+    cache = sim.cache("tp-rank")
+    key = (c, t, x)
+    if key not in cache:
+        split_at = getattr(sim.costs, "split_at", None)
+        got = None if split_at is None else split_at(device, _interior_fixed(sim.graph, t), [x])
+        cache[key] = None if got is None else got[:, :, 0]
+        sim.charge((0 if got is None else got.nbytes) + ENTRY_BYTES)
+    return cache[key]
+
+
+def _interior_fixed(graph, t: int) -> np.ndarray:
+    """``[n_ops]`` factor on each op's fixed FLOPs and bytes on a rank of degree ``t``: ``1 / t``
+    for the Megatron blocks' ops (:func:`block_interior`; their fixed bytes are the split weights'
+    and the weights' gradients', plus small per-head tables read whole, overstated by ``t``) and
+    for the forward's casts of split weights (:func:`_split_casts`), 1 for the others."""
+    return np.where(_interior_mask(graph) | _split_cast_mask(graph), 1.0 / t, 1.0)
+
+
+@per_graph
+def _interior_mask(graph) -> np.ndarray:
+    inner = np.zeros(len(graph.ops), dtype=bool)
+    inner[list(block_interior(graph).ops)] = True
+    return inner
+
+
+@per_graph
+def _split_cast_mask(graph) -> np.ndarray:
+    """``[n_ops]`` bool: a forward parameter cast (:func:`tag.graph.precision.param_casts`) of a
+    split weight."""
+    split = {graph.params[p].tensor for sp in (group_split(graph, g) for g in range(graph.num_groups))
+             for p in sp.split_params}
+    out = np.zeros(len(graph.ops), dtype=bool)
+    out[[i for i in param_casts(graph) if graph.ops[i].inputs[0] in split]] = True
+    return out
+
+
+def _rank_casts(sim, c: int, t: int) -> np.ndarray:
+    """``[K]`` seconds of a rank's forward parameter casts (part of :func:`_rank_seconds`'
+    forwards, charged once an iteration as the device class ``c``'s :attr:`Simulator.casts`):
+    the class's cast seconds times the rank's share of the cast bytes (``1 / t`` of the split
+    weights', the others whole; the per-kernel floors scaled with them, microseconds a cast)."""
+    split = _split_casts(graph := sim.graph)
+    whole = _all_casts(graph)
+    share = np.divide(whole - split * (1.0 - 1.0 / t), whole, out=np.ones_like(whole), where=whole > 0)
+    return sim.casts[c] * share
+
+
+@per_graph
+def _all_casts(graph) -> np.ndarray:
+    """``[K]`` bytes of every forward parameter cast's output per group."""
+    out = np.zeros(graph.num_groups)
+    for i in param_casts(graph):
+        out[graph.ops[i].group] += graph.tensors[graph.ops[i].outputs[0]].nbytes.fixed
+    return out
+
+
+def _block_share(sim, device: int, batches: tuple[float, int], t: int) -> np.ndarray:
+    """``[K, 2, 2]``: the fraction of each group's forward / backward seconds spent in the
+    Megatron blocks' ops at ``batches`` = (a rank's samples, its group's), by the roofline of
+    ``device`` (0 where a group has no cost), the split ops' fixed features ``1 / t``
+    (:func:`_interior_fixed`, as :func:`_rank_seconds` costs them; ``t`` = 1: whole); cached per
+    device class, batches and degree."""
     from ..cost.roofline import group_phase_table, op_overhead, roofline_for
 
     spec = sim.topology.devices[device].gpu
-    key = (sim.dev_class[device], batches)
+    key = (sim.dev_class[device], batches, t)
     shares = sim.cache("tp-shares")
     share = shares.get(key)
     if share is None:
@@ -168,10 +246,10 @@ def _block_share(sim, device: int, batches: tuple[int, int]) -> np.ndarray:
         roofline = getattr(sim.costs, "roofline", None)  # (a cost model without one: the datasheet's)
         roof = roofline(device) if roofline is not None else roofline_for(spec)
         overhead = op_overhead(spec)
-        inner = np.zeros(len(graph.ops), dtype=bool)
-        inner[list(block_interior(graph).ops)] = True
-        part = group_phase_table(graph, roof, batches, overhead, only=inner)[:, :2]
-        whole = group_phase_table(graph, roof, batches, overhead)[:, :2]
+        inner = _interior_mask(graph)
+        fixed = _interior_fixed(graph, t)
+        part = group_phase_table(graph, roof, batches, overhead, only=inner, fixed=fixed)[:, :2]
+        whole = group_phase_table(graph, roof, batches, overhead, fixed=fixed)[:, :2]
         share = shares[key] = np.divide(part, whole, out=np.zeros_like(part), where=whole > 0)
         sim.charge(share.nbytes + ENTRY_BYTES)
     return share

@@ -104,6 +104,9 @@ class Layout:
     compute: tuple[float, ...] | None = None
     """Per replica, the samples its per-batch cost tables are read at where that is not its batch
     (a tensor-parallel device: ``1 / T`` of its replica's samples, possibly fractional)."""
+    casts: np.ndarray | None = None
+    """[K, R] seconds of the forward's parameter casts in ``dur`` where they are not the device
+    class's (:attr:`Simulator.casts`; a tensor-parallel device's: ``1 / T`` of its split weights')."""
     meter: CacheMeter | None = None
     """The cache this layout is held in: :meth:`row` adds the bytes of the lists it makes."""
 
@@ -111,7 +114,8 @@ class Layout:
     def nbytes(self) -> int:
         """Approximate bytes of this layout as made (its arrays, tuples and lists; the rows
         :meth:`row` makes later are counted then, in :attr:`meter`)."""
-        arrays = (self.dev_arr, self.dur, self.cum_fwd, self.cum_bwd, self.mem, self.work, self.gsum, self.saved)
+        arrays = (self.dev_arr, self.dur, self.cum_fwd, self.cum_bwd, self.mem, self.work, self.gsum, self.saved,
+                  self.casts)
         n = 3 * ref_bytes(len(self.devices)) + seq_bytes(len(self.gsum_l)) + ref_bytes(len(self.rows))
         n += INSTANCE_BYTES
         if self.compute is not None:
@@ -308,7 +312,8 @@ def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, sav
             kept = None if kept is None else kept + sign * extra
     if live is not None:
         work = work + live
-    return Layout.of(lay.devices, lay.batches, lay.dev_arr, dur, mem, work, lay.starts, saved=kept, compute=lay.compute)
+    return Layout.of(lay.devices, lay.batches, lay.dev_arr, dur, mem, work, lay.starts, saved=kept, compute=lay.compute,
+                     casts=lay.casts)
 
 
 def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi: int,
