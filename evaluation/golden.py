@@ -60,7 +60,7 @@ def _planner_cells(random_pairs: int, log) -> list[dict]:
 
     from evaluation.planner_bench import MODELS, RANDOM_SEED, TOPOLOGIES, _load
     from tag.gnn.predictor import Predictor
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.topology import load_topology
 
     torch.set_num_threads(1)
@@ -86,8 +86,8 @@ def _planner_cells(random_pairs: int, log) -> list[dict]:
         graph = _load(spec, batch, groups, cache)
         topo = load_topology(tpath)
         for name, kw in rs.items():
-            p = find_plan(graph, topo, seed=0, predictor=pred if kw.get("prior") == "gnn" else None,
-                          pipelines="off", **kw)  # the searches as recorded (before pipelines existed)
+            p = find_plan(graph, topo, PlannerConfig(seed=0, pipelines="off", **kw),  # as recorded (no pipelines)
+                          predictor=pred if kw.get("prior") == "gnn" else None)
             from tag.sim import Simulator
             res = Simulator(graph, topo).run(p.groups)
             out.append({"suite": "planner", "model": spec, "batch": batch, "groups": groups,

@@ -41,9 +41,11 @@ def describe(plan) -> str:
 
 def cell(graph, topo, costs, sim, predictor) -> dict:
     """Every method's simulated iteration time (seconds; None: out of memory) on one pair."""
+    from dataclasses import replace
+
     from tag.cost.baselines import data_parallel
     from tag.parallel.layout import best_layout
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.sim import lower_bound
 
     def t(plan):
@@ -53,17 +55,18 @@ def cell(graph, topo, costs, sim, predictor) -> dict:
     out: dict = {}
     t0 = time.perf_counter()
     out["dp"] = t(data_parallel(graph, topo))
-    kw = dict(prior="gnn", budget=50, seed=0, costs=costs, simulator=sim, predictor=predictor, compression="off")
-    p = find_plan(graph, topo, pipelines="off", **kw)
+    kw = dict(costs=costs, simulator=sim, predictor=predictor)
+    cfg = PlannerConfig(prior="gnn", budget=50, seed=0, compression="off")
+    p = find_plan(graph, topo, replace(cfg, pipelines="off"), **kw)
     out["tag-50"] = p.predicted_iteration_time_s
     lay, tried = best_layout(graph, topo, costs, lambda q: sim.run(q.groups, pipeline=q.pipeline))
     out["dp-tp-pp-grid"] = lay.predicted_iteration_time_s
     out["grid_layout"] = lay.meta["layout"]
-    q = find_plan(graph, topo, pipelines="auto", executable=False, **kw)  # as recorded: simulated plans
+    q = find_plan(graph, topo, replace(cfg, executable=False), **kw)  # as recorded: simulated plans
     out["tag-50+pipelines"] = q.predicted_iteration_time_s
     out["tag_source"] = q.meta["source"]
     out["tag_plan"] = describe(q)
-    u = find_plan(graph, topo, pipelines="auto", executable=False, **{**kw, "prior": "uniform", "predictor": None})
+    u = find_plan(graph, topo, replace(cfg, executable=False, prior="uniform"), **{**kw, "predictor": None})
     out["uniform-50+pipelines"] = u.predicted_iteration_time_s
     out["uniform_plan"] = describe(u)
     out["lower-bound"] = lower_bound(graph, topo, costs)
@@ -136,7 +139,7 @@ def write_report(rows: list[dict], out: Path, command: str) -> None:
              "GNN-guided MCTS, 50 playouts, over TAG's per-group actions; `grid`: the best by-hand dp x pp layout "
              "(`dp-tp-pp-grid`); `tag-50+pipelines` / `uniform-50+pipelines`: MCTS (GNN prior / uniform prior, "
              "50 playouts) over the space with tensor-parallel actions and pipeline decisions "
-             "(`find_plan(pipelines='auto')`), with the plan's first action or layout (a layout of the grid on a sub-cluster: the GPU kinds it leaves idle); last column: the "
+             "(`PlannerConfig(pipelines='auto')`), with the plan's first action or layout (a layout of the grid on a sub-cluster: the GPU kinds it leaves idle); last column: the "
              "GNN-guided plan over the compute lower bound. "
              "OOM: every plan of the method runs out of memory.", "",
              "| model | topology | dp | tag-50 | grid (layout) | tag-50+pipelines (plan) | uniform-50+pipelines (plan) "

@@ -46,7 +46,7 @@ TIMERS = (  # (module, attribute, label)
 
 def wrap(module: str, attr: str, label: str, seconds: dict) -> None:
     """Replace ``module.attr`` by a timer adding its wall seconds and calls to ``seconds[label]``
-    (``functools.wraps``: the planner's ``inspect.signature(simulator.run)`` still sees ``pipeline``)."""
+    (``functools.wraps``: the wrapped method keeps its name and signature)."""
     owner = importlib.import_module(module)
     *path, name = attr.split(".")
     for part in path:

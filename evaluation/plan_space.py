@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from tag.io import write_atomic, write_json
     from tag.parallel import execution_refusal, validate_plan
-    from tag.planner import find_plan, model_graph
+    from tag.planner import PlannerConfig, find_plan, model_graph
     from tag.topology import load_topology
 
     graph = model_graph(a.model, a.batch, precision=a.precision, num_groups=a.groups)[0]
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         for run, kw in RUNS.items():
             t0 = time.perf_counter()
             # executable=False: the space as recorded; the "executed" column says which plans run
-            p = find_plan(graph, topo, compression="off", checkpoint=a.checkpoint, executable=False, **kw)
+            cfg = PlannerConfig(compression="off", checkpoint=a.checkpoint, executable=False, **kw)
+            p = find_plan(graph, topo, cfg)
             wall = time.perf_counter() - t0
             validate_plan(p, graph, topo, pipelines=True, tensor_parallel=True)
             m = p.meta

@@ -131,7 +131,7 @@ def run(args) -> dict:
     import torch
     torch.set_num_threads(1)
     from tag.gnn.predictor import Predictor
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.topology import load_topology
 
     pred = Predictor.load(args.checkpoint)
@@ -180,7 +180,7 @@ def run(args) -> dict:
         graph = _load("gpt2:n_layer=4,n_embd=256", 32, 64, cache)
         topo = load_topology("topologies/cluster-16gpu-4m.yaml")
         t0 = time.perf_counter()
-        find_plan(graph, topo, seed=0, predictor=pred, budget=budget)
+        find_plan(graph, topo, PlannerConfig(seed=0, budget=budget), predictor=pred)
         timing[f"gnn{budget}_wall_s"] = time.perf_counter() - t0
     random_rows = _random_pairs(args, pred, cache) if args.random else []
     res = _result(args, rows, random_rows, timing)
@@ -273,13 +273,13 @@ def search_row(graph, topo, runs: dict[str, dict], *, seed: int, predictor=None,
     the same for every searcher, is not run). Each method records the prior that actually ran
     (``prior``, ``prior_note``: beyond ``tag.planner.GNN_MAX_DEVICES`` a ``gnn`` run is uniform),
     its search, wall and CPU seconds, and ``checkpoint`` where the predictor ran."""
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     row: dict = {}
     for name, kw in runs.items():
         t0, c0 = time.perf_counter(), time.process_time()
         # executable=False: the searchers compared on the simulated space (as recorded)
-        p = find_plan(graph, topo, seed=seed, predictor=predictor if kw.get("prior") == "gnn" else None,
-                      pipelines=pipelines, executable=False, layout_grid=False, **kw)
+        cfg = PlannerConfig(seed=seed, pipelines=pipelines, executable=False, layout_grid=False, **kw)
+        p = find_plan(graph, topo, cfg, predictor=predictor if kw.get("prior") == "gnn" else None)
         m = p.meta
         row[name] = {"time_s": p.predicted_iteration_time_s, "first_beat_dp": m["first_beat_dp_playout"],
                      "budget": kw.get("budget"), "searcher": m["searcher"], "prior": m["prior"],
@@ -428,15 +428,16 @@ def _random_pairs(args, pred, cache: Path) -> list[dict]:
     """GNN-MCTS @50 vs uniform-prior MCTS @``args.big`` on ``args.random`` pairs drawn like the
     training pairs (training models, random clusters) from a stream training never labels."""
     from tag.data.pairs import sample_pair
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.topology import load_topology
     out = []
     for i in range(args.random):
         spec = sample_pair(RANDOM_SEED, i, max_groups=32)
         graph = _load(spec.model, spec.batch, spec.groups, cache)
         topo = load_topology(spec.topology)
-        t = {name: find_plan(graph, topo, seed=args.seed, prior=prior, predictor=pred, budget=budget,
-                             compression="off", pipelines=args.pipelines).predicted_iteration_time_s
+        t = {name: find_plan(graph, topo, PlannerConfig(seed=args.seed, prior=prior, budget=budget, compression="off",
+                                                        pipelines=args.pipelines),
+                             predictor=pred).predicted_iteration_time_s
              for name, prior, budget in (("gnn50", "gnn", 50), ("uniform2000", "uniform", args.big))}
         row = {"index": i, "model": spec.model, "batch": spec.batch, "groups": graph.num_groups,
                "devices": topo.num_devices, "machines": topo.num_machines, **{f"{k}_s": v for k, v in t.items()},

@@ -6,7 +6,7 @@ over every device) and the best layout of the grid (dp x tp x pp, and the sharde
         [--topologies h100-512gpu-8nic hetero-64gpu hetero-128gpu] [--budget 20] [--groups 32]
         [--out evaluation/results/sharded-scale]
 
-Per (model, topology): ``find_plan(pipelines="grid", executable=False, compression="off")`` (the
+Per (model, topology): ``find_plan`` with ``PlannerConfig(pipelines="grid", executable=False, compression="off")`` (the
 grid searched whole, its best reported unpruned by the search; every plan the simulator costs, as
 ``tag bench`` runs its methods), GNN-guided MCTS with ``--budget`` playouts; the ``fsdp`` baseline
 simulated as ``tag simulate --baseline fsdp`` does (no recomputation) and as ``find_plan`` seeds it
@@ -26,7 +26,7 @@ from tag.cost.model import CostModel
 from tag.io import read_json, write_atomic, write_json
 from tag.parallel import execution_refusal
 from tag.parallel.layout import search_layouts
-from tag.planner import find_plan, model_graph
+from tag.planner import PlannerConfig, find_plan, model_graph
 from tag.sim import Simulator
 from tag.sim.bounds import layout_bounds
 from tag.topology import load_topology
@@ -53,8 +53,8 @@ def run_case(model: str, topo_name: str, a) -> dict:
     fsdp = {"iteration_time_s": res.iteration_time_s, "oom": bool(res.oom),
             "peak_memory_gib": max(res.peak_memory_bytes) / GiB}
     t1 = time.perf_counter()
-    plan = find_plan(graph, topo, budget=a.budget, seed=0, pipelines="grid", executable=False,
-                     compression="off", costs=costs, simulator=sim)
+    cfg = PlannerConfig(budget=a.budget, seed=0, pipelines="grid", executable=False, compression="off")
+    plan = find_plan(graph, topo, cfg, costs=costs, simulator=sim)
     m = plan.meta
     t = plan.predicted_iteration_time_s
     lay_t = m.get("best_layout_time_s")
@@ -133,7 +133,7 @@ def readme(cases: list[dict], a, command: str) -> str:
         "64 HGX H100 machines, eight 400 Gbit/s NICs each (3200 Gbit/s summed); `hetero-64gpu`, `hetero-128gpu`: "
         "the shipped mixed clusters. Seconds per iteration (simulated), MFU = the captured graph's forward and "
         "backward FLOPs / iteration / summed dense bf16 peak of all devices.", "",
-        f"TAG: `find_plan(budget={a.budget}, pipelines=\"grid\", executable=False, compression=\"off\")`, GNN-guided "
+        f"TAG: `PlannerConfig(budget={a.budget}, pipelines=\"grid\", executable=False, compression=\"off\")`, GNN-guided "
         "MCTS (the uniform prior where the network does not run), seeded with the data-parallel and fsdp baselines, "
         "then the whole layout grid (dp x tp x pp and the sharded layouts) and its refinements. fsdp: ZeRO-3 over "
         "every device as `tag simulate --baseline fsdp` costs it (no recomputation); fsdp seed: the same made to fit "

@@ -300,7 +300,7 @@ def scale(args) -> dict:
 
     torch.set_num_threads(1)
     from tag.data.generate import load_graph
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.topology import load_topology
 
     spec, batch, groups = SCALE_MODEL
@@ -314,7 +314,7 @@ def scale(args) -> dict:
     out["plan"] = []
     for budget in budgets:
         t0 = time.perf_counter()
-        p = find_plan(graph, topo, prior="uniform", budget=budget, seed=0)
+        p = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=budget, seed=0))
         wall = time.perf_counter() - t0
         m = p.meta
         out["plan"].append({"topology": topo.name, "prior": "uniform", "budget": budget, "wall_s": wall,

@@ -6,6 +6,8 @@ Public API (imported lazily so ``import tag`` stays cheap)::
     cap = tag.capture(wl)                       # cap.graph is the OpGraph
     topo = tag.load_topology("tag-testbed")     # a shipped topology, or a YAML/JSON path
     plan = tag.find_plan(cap.graph, topo)       # GNN-guided MCTS -> tag.Plan
+    quick = tag.find_plan(cap.graph, topo, tag.PlannerConfig(prior="uniform", budget=50, seed=0))
+    tag.PlannerResult.of(plan).source           # the planner's meta, typed
     result = tag.simulate(cap.graph, topo, plan)
     hand = tag.simulate(cap.graph, topo, tag.layout_plan(cap.graph, topo, "dp=8,pp=2,micro=2"))
     published = tag.Layout(dp=8, pp=2, micro=2, stages=(3, 1), order=("gtx0", "gtx1", "gtx2", "gtx3", "v100",
@@ -36,6 +38,8 @@ _EXPORTS = {
     "GroupPlan": ("tag.plan", "GroupPlan"),
     "data_parallel": ("tag.cost.baselines", "data_parallel"),
     "find_plan": ("tag.planner", "find_plan"),
+    "PlannerConfig": ("tag.planner", "PlannerConfig"),
+    "PlannerResult": ("tag.planner", "PlannerResult"),
     "layout_plan": ("tag.planner", "layout_plan"),
     "export_plan": ("tag.planner", "export_plan"),
     "Layout": ("tag.parallel.layout", "Layout"),

@@ -10,7 +10,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -92,13 +92,199 @@ def _predictor(checkpoint):
     return _PREDICTORS[key]
 
 
+class PlannerConfigError(TagError):
+    """A :class:`PlannerConfig` value is invalid."""
+
+
+def _check(ok: bool, name: str, value, expected: str) -> None:
+    if not ok:
+        raise PlannerConfigError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """What :func:`find_plan` searches and how long (``tag plan``'s options): validated on
+    construction, one :class:`PlannerConfigError` line naming the field and what was expected."""
+
+    searcher: str = "mcts"
+    """``mcts`` (default), ``sa`` (simulated annealing), ``random`` or ``tpe`` (optuna)."""
+    prior: str = "gnn"
+    """MCTS prior: ``gnn`` (the trained predictor; also its value head at leaves) or ``uniform``.
+    Beyond :data:`GNN_MAX_DEVICES` devices ``gnn`` searches with the uniform prior
+    (``meta["prior"]`` says which ran, ``meta["prior_note"]`` why)."""
+    budget: int | None = None
+    """Playouts: proposed plans not simulated before (a plan proposed again is a free repeat; see
+    :mod:`tag.search.mcts`). None: :data:`DEFAULT_PLAYOUTS` without ``time_limit``, no limit with
+    it."""
+    time_limit: float | None = None
+    """Wall-clock seconds for the search and the layout grid after set-up (with ``budget``:
+    whichever ends first); where the grid runs the search gets the first half and the grid the rest
+    (``meta["grid_cut"]``: it stopped before its bounds did); at least one wave of playouts and one
+    layout run. None: no limit."""
+    seed: int = 0
+    """Seeds the searcher's ``numpy.random.Generator``; same seed -> same plan."""
+    checkpoint: str | os.PathLike | None = None
+    """Predictor checkpoint (None: the shipped ``tag/gnn/predictor.pt``); ``find_plan(predictor=)``
+    overrides it."""
+    mcts: MCTSConfig | None = None
+    """MCTS knobs (None: :class:`MCTSConfig`'s defaults)."""
+    compression: str = "auto"
+    """``auto`` runs the Sufficient Factor Broadcasting selection (MILP) on the searched plan and
+    keeps it only if the simulator says the iteration gets faster; ``off`` skips it."""
+    one_shot: bool = True
+    """With ``prior="gnn"``, simulate the network's one-shot plan (:meth:`tag.gnn.Predictor.one_shot`,
+    for the first :data:`ONE_SHOT_GROUPS` groups in decision order) as the last playout of the
+    budget."""
+    pipelines: str = "auto"
+    """``auto`` searches pipelines and tensor parallelism with the rest: per-group ``tp`` actions
+    and the plan-level decisions (stage count, micro-batches, each stage data or tensor parallel,
+    schedule, cut) of :class:`tag.search.space.ActionSpace` (``pipelines=True``; not where the
+    simulator runs no pipelines, :func:`runs_pipelines`), then goes through the Megatron-style
+    layouts a user would try by hand by branch and bound (:func:`tag.search.layouts.grid_search`:
+    only layouts that may fit and beat the searched plan are simulated), refines the best few
+    (:func:`tag.search.layouts.refine`) and returns the fastest plan that fits
+    (``meta["source"] == "layout-grid"`` when a layout wins; ``meta["layouts"]``,
+    ``"layouts_tried"``, ``"layouts_pruned"``, ``"refinements"`` say what ran); ``grid`` the same
+    without bounding the grid by the searched plan (``meta["best_layout"]`` is then the grid's
+    best); ``off`` searches TAG's action space alone (no ``tp`` actions, no pipelines, no grid)."""
+    executable: bool = True
+    """Search only plans ``tag execute`` runs (:func:`tag.parallel.execution_refusal`: plain ``tp``
+    as the whole plan's or every pipeline stage's deployment, one degree; masked in the search
+    space, :class:`tag.search.space.ActionSpace`, and the ``grid`` layouts filtered alike). False
+    searches every plan the simulator costs (``tp`` beside other groups, stages of several ``tp``
+    degrees, sequence-parallel layouts): faster plans, some of them simulated only. TAG's own
+    actions (``pipelines="off"``) are all executed."""
+    layout_grid: bool = True
+    """False skips the layout grid after the search (``pipelines="auto"``: the search alone over its
+    space; ``evaluation/planner_bench.py`` compares searchers so, the grid being the same for every
+    searcher)."""
+
+    def __post_init__(self):
+        _check(self.searcher in SEARCHERS, "searcher", self.searcher, f"one of {', '.join(SEARCHERS)}")
+        _check(self.prior in ("gnn", "uniform"), "prior", self.prior, "'gnn' or 'uniform'")
+        _check(self.budget is None or _is_int(self.budget) and self.budget >= 1, "budget", self.budget,
+               "a positive number of playouts or None")
+        _check(self.time_limit is None or isinstance(self.time_limit, (int, float)) and self.time_limit > 0,
+               "time_limit", self.time_limit, "a positive number of seconds or None")
+        _check(_is_int(self.seed) and self.seed >= 0, "seed", self.seed, "an integer >= 0")
+        _check(self.checkpoint is None or isinstance(self.checkpoint, (str, os.PathLike)), "checkpoint",
+               self.checkpoint, "a path or None")
+        _check(self.mcts is None or isinstance(self.mcts, MCTSConfig), "mcts", self.mcts, "an MCTSConfig or None")
+        _check(self.compression in ("auto", "off"), "compression", self.compression, "'auto' or 'off'")
+        _check(self.pipelines in PIPELINE_MODES, "pipelines", self.pipelines, f"one of {', '.join(PIPELINE_MODES)}")
+        for name in ("one_shot", "executable", "layout_grid"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
+
+    @property
+    def playouts(self) -> int | None:
+        """The playout budget the searcher gets: ``budget``, else :data:`DEFAULT_PLAYOUTS` without a
+        time limit; None: no limit (the time limit ends the search)."""
+        if self.budget is not None:
+            return self.budget
+        return None if self.time_limit is not None else DEFAULT_PLAYOUTS
+
+
+NO_PLAYOUT_LIMIT = 10**9
+"""What the searchers of :mod:`tag.search` get as their playout count where
+:attr:`PlannerConfig.playouts` is None (a time limit alone): more than any time limit lets run.
+Simulated annealing's temperature schedule spans it, so it stays this number."""
+
+
+def runs_pipelines(simulator) -> bool:
+    """Whether ``simulator`` (None: the default :class:`tag.sim.Simulator`) costs pipelined plans:
+    its ``runs_pipelines`` attribute (:attr:`tag.sim.Simulator.runs_pipelines`; absent: it does not,
+    e.g. :class:`tag.search.toy.ToySimulator`, whose ``run`` takes the groups alone)."""
+    return simulator is None or bool(getattr(simulator, "runs_pipelines", False))
+
+
+@dataclass(frozen=True)
+class PlannerResult:
+    """What :func:`find_plan` says of its search, typed: the keys of ``plan.meta`` it writes, read by
+    :meth:`of` (a plan file's ``meta`` is the same JSON object; a key an older plan lacks is None).
+    Times in seconds, None where that plan does not fit in memory or did not run."""
+
+    searcher: str | None = None
+    """The searcher that ran (:attr:`PlannerConfig.searcher`)."""
+    prior: str | None = None
+    """The MCTS prior that ran (``gnn``, ``uniform``; None: not MCTS)."""
+    prior_note: str | None = None
+    """Why the prior that ran is not the one asked for."""
+    seed: int | None = None
+    playouts: int | None = None
+    """Playouts the search made (plans proposed and not simulated before)."""
+    sim_calls: int | None = None
+    """Simulations the search made (baselines and seeds included)."""
+    value_cuts: int | None = None
+    repeats: int | None = None
+    """Playouts that proposed a plan simulated before."""
+    search_time_s: float | None = None
+    """Wall seconds from the call to the end of the search (set-up and baselines included)."""
+    first_beat_dp_playout: int | None = None
+    improvements: list | None = None
+    """``[playout, seconds]`` at each new best plan of the search."""
+    source: str | None = None
+    """Where the plan comes from: a baseline (``dp-even``, ``dp-prop``, ``fsdp``, ``fsdp-offload``),
+    the search, or ``layout-grid``."""
+    oom: bool | None = None
+    """The plan does not fit in memory (the one closest to fitting)."""
+    executable: bool | None = None
+    dp_even_time_s: float | None = None
+    dp_prop_time_s: float | None = None
+    dp_even_oom: bool | None = None
+    dp_prop_oom: bool | None = None
+    fsdp_time_s: float | None = None
+    fsdp_oom: bool | None = None
+    """None: the fsdp baseline was not seeded (plain data parallel, or not executable)."""
+    lower_bound_s: float | None = None
+    one_shot_time_s: float | None = None
+    actions: str | None = None
+    plan_prior: str | None = None
+    """Who chose the pipeline decisions: ``network`` (the plan head) or ``fixed``; None: none."""
+    plan_head_fallback: str | None = None
+    space: dict | None = None
+    """The search space: ``{"actions", "tp_actions", "stages"}``."""
+    grid_because: str | None = None
+    layouts: int | None = None
+    """Layouts of the grid (with ``layouts_tried`` simulated, ``layouts_pruned`` bounded)."""
+    layouts_tried: int | None = None
+    layouts_pruned: int | None = None
+    best_layout: str | None = None
+    best_layout_time_s: float | None = None
+    refinements: list | None = None
+    refinement_simulations: int | None = None
+    grid_cut: bool | None = None
+    subclusters: list | None = None
+    bounds_fallback: str | None = None
+    rebalanced: list | None = None
+    grid_time_s: float | None = None
+    """Wall seconds of the grid, its refinements and the sub-clusters."""
+    pipelines: str | None = None
+    """Set where the grid was skipped: why."""
+    layout: str | None = None
+    """The winning layout (``source == "layout-grid"``)."""
+    refinement: str | None = None
+    machines: list | None = None
+    idle_kinds: list | None = None
+    compression: str | None = None
+    """What SFB compression did (one line), or ``off``."""
+    sfb_saving_s: float | None = None
+
+    @classmethod
+    def of(cls, plan: Plan) -> PlannerResult:
+        """``plan.meta``'s planner keys, typed (other keys, e.g. ``tag plan``'s ``capture_s``, left out)."""
+        meta = plan.meta or {}
+        return cls(**{f.name: meta.get(f.name) for f in fields(cls)})
+
+
 @_young_gc
-def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", budget: int | None = None,
-              time_limit: float | None = None, seed: int = 0, checkpoint: str | os.PathLike | None = None,
-              predictor=None, costs=None, simulator=None, mcts: MCTSConfig | None = None,
-              compression: str = "auto", one_shot: bool = True, pipelines: str = "auto",
-              executable: bool = True, layout_grid: bool = True, progress=None) -> Plan:
-    """Search a deployment of ``graph`` on ``topology``.
+def find_plan(graph, topology, config: PlannerConfig | None = None, *, predictor=None, costs=None,
+              simulator=None, progress=None) -> Plan:
+    """Search a deployment of ``graph`` on ``topology`` as ``config`` says (None: the defaults of
+    :class:`PlannerConfig`).
 
     Seeds: both data-parallel baselines (even and speed-proportional shares) and the ``fsdp``
     baseline (ZeRO-3 over every device, :func:`tag.cost.baselines.fully_sharded`; recomputation
@@ -112,87 +298,40 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     Args:
         graph: a grouped :class:`tag.graph.OpGraph`.
         topology: a :class:`tag.topology.Topology`.
-        searcher: ``mcts`` (default), ``sa`` (simulated annealing), ``random`` or ``tpe`` (optuna).
-        prior: MCTS prior: ``gnn`` (the trained predictor; also its value head at leaves) or
-            ``uniform``. Beyond :data:`GNN_MAX_DEVICES` devices ``gnn`` searches with the uniform
-            prior (``meta["prior"]`` says which ran, ``meta["prior_note"]`` why).
-        budget: playouts: proposed plans not simulated before (a plan proposed again is a free
-            repeat; see :mod:`tag.search.mcts`). Default :data:`DEFAULT_PLAYOUTS` unless
-            ``time_limit``.
-        time_limit: wall-clock seconds for the search and the layout grid after set-up (with
-            ``budget``: whichever ends first); where the grid runs the search gets the first half
-            and the grid the rest (``meta["grid_cut"]``: it stopped before its bounds did); at
-            least one wave of playouts and one layout run.
-        seed: seeds the searcher's ``numpy.random.Generator``; same seed -> same plan.
-        checkpoint: predictor checkpoint (default: the shipped ``tag/gnn/predictor.pt``).
-        predictor: an already loaded :class:`tag.gnn.Predictor` (overrides ``checkpoint``).
+        config: a :class:`PlannerConfig`.
+        predictor: an already loaded :class:`tag.gnn.Predictor` (overrides ``config.checkpoint``).
         costs: the simulator's cost model (built for the topology when omitted).
-        simulator: anything with ``run(groups) -> SimResult`` (default :class:`tag.sim.Simulator`).
-        mcts: MCTS knobs.
-        compression: ``auto`` runs the Sufficient Factor Broadcasting selection (MILP) on the
-            searched plan and keeps it only if the simulator says the iteration gets faster;
-            ``off`` skips it.
-        one_shot: with ``prior="gnn"``, simulate the network's one-shot plan
-            (:meth:`tag.gnn.Predictor.one_shot`, for the first :data:`ONE_SHOT_GROUPS` groups in
-            decision order) as the last playout of the budget.
-        pipelines: ``auto`` searches pipelines and tensor parallelism with the rest: per-group
-            ``tp`` actions and the plan-level decisions (stage count, micro-batches, each stage
-            data or tensor parallel, schedule, cut) of :class:`tag.search.space.ActionSpace`
-            (``pipelines=True``; not where ``simulator.run`` takes no ``pipeline``), then goes
-            through the Megatron-style layouts a user would try by hand by branch and bound
-            (:func:`tag.search.layouts.grid_search`: only layouts that may fit and beat the
-            searched plan are simulated), refines the best few (:func:`tag.search.layouts.refine`)
-            and returns the fastest plan that fits (``meta["source"] == "layout-grid"`` when a
-            layout wins; ``meta["layouts"]``, ``"layouts_tried"``, ``"layouts_pruned"``,
-            ``"refinements"`` say what ran); ``grid`` the same without bounding the grid by the
-            searched plan (``meta["best_layout"]`` is then the grid's best); ``off`` searches
-            TAG's action space alone (no ``tp`` actions, no pipelines, no grid).
-        executable: search only plans ``tag execute`` runs (:func:`tag.parallel.execution_refusal`:
-            plain ``tp`` as the whole plan's or every pipeline stage's deployment, one degree; masked
-            in the search space, :class:`tag.search.space.ActionSpace`, and the ``grid`` layouts
-            filtered alike). False searches every plan the simulator costs (``tp`` beside other
-            groups, stages of several ``tp`` degrees, sequence-parallel layouts): faster plans, some
-            of them simulated only. TAG's own actions (``pipelines="off"``) are all executed.
-        layout_grid: False skips the layout grid after the search (``pipelines="auto"``: the
-            search alone over its space; ``evaluation/planner_bench.py`` compares searchers so,
-            the grid being the same for every searcher).
+        simulator: anything with ``run(groups) -> SimResult`` (default :class:`tag.sim.Simulator`);
+            pipelines are searched only where :func:`runs_pipelines` says it costs them.
         progress: called as ``progress(stage)`` when a stage starts (``"baselines"``, ``"search"``,
             ``"layout grid"``, ``"compression"``) and ``progress("search", done, total)`` after each
             plan the search simulates (``total``: the playout budget, None under a time limit alone).
 
     Returns:
         A :class:`Plan` with ``predicted_iteration_time_s`` and ``meta`` holding the searcher,
-        playouts, simulator calls, search time, both baselines' times and the lower bound.
+        playouts, simulator calls, search time, both baselines' times and the lower bound
+        (:meth:`PlannerResult.of` reads it typed).
     """
-    if searcher not in SEARCHERS:
-        raise TagError(f"searcher: expected one of {', '.join(SEARCHERS)}, got {searcher!r}")
-    if prior not in ("gnn", "uniform"):
-        raise TagError(f"prior: expected 'gnn' or 'uniform', got {prior!r}")
-    if budget is not None and budget < 1:
-        raise TagError(f"budget: expected a positive number of playouts, got {budget}")
-    if time_limit is not None and not time_limit > 0:
-        raise TagError(f"time: expected a positive number of seconds, got {time_limit}")
+    config = PlannerConfig() if config is None else config
+    if not isinstance(config, PlannerConfig):
+        raise PlannerConfigError(f"config: expected a PlannerConfig, got {type(config).__name__}")
     if graph.num_groups < 1:
         raise TagError(f"graph {graph.model!r}: has no op-groups")
-    if compression not in ("auto", "off"):
-        raise TagError(f"compression: expected 'auto' or 'off', got {compression!r}")
-    if pipelines not in PIPELINE_MODES:
-        raise TagError(f"pipelines: expected one of {', '.join(PIPELINE_MODES)}, got {pipelines!r}")
+    searcher, prior, time_limit, pipelines = config.searcher, config.prior, config.time_limit, config.pipelines
+    executable = config.executable
     note = progress or (lambda stage, done=None, total=None: None)
     t0 = time.perf_counter()
-    playouts = budget if budget is not None else (10**9 if time_limit is not None else DEFAULT_PLAYOUTS)
+    total = config.playouts  # None: no limit
+    playouts = NO_PLAYOUT_LIMIT if total is None else total
     note("baselines")
-    import inspect
     new_actions = pipelines != "off"
-    runs_pipelines = simulator is None or "pipeline" in inspect.signature(simulator.run).parameters
     space = ActionSpace(graph, topology, cost_model=costs, tensor_parallel=new_actions,
-                        pipelines=new_actions and runs_pipelines, executable=executable)
+                        pipelines=new_actions and runs_pipelines(simulator), executable=executable)
     ev = Evaluator(space, simulator)
     fsdp_out = _seed_fsdp(graph, topology, ev, executable)
-    total = None if playouts == 10**9 else playouts
     note("search", 0, total)
     ev.on_simulate = lambda e, base=ev.sim_calls: note("search", e.sim_calls - base, total)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(config.seed)
     stats, proposals = SearchStats(), []
     prior_fn = uniform_prior
     propose_fn = plan_fn = None
@@ -200,26 +339,26 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     if searcher == "mcts" and prior == "gnn" and topology.num_devices > GNN_MAX_DEVICES:
         prior, prior_note = "uniform", f"uniform prior: {topology.num_devices} devices > GNN_MAX_DEVICES ({GNN_MAX_DEVICES})"
     if searcher == "mcts" and prior == "gnn":
-        pred = predictor if predictor is not None else _predictor(checkpoint)
+        pred = predictor if predictor is not None else _predictor(config.checkpoint)
         prior_fn = pred.bind(space, ev.t_ref)
         plan_fn = pred.bind_plan(space, ev.t_ref, ev.simulator)  # None: untrained plan head, no pipelines
         if plan_fn is not None:  # pipelines left open are completed as the head would choose
             space.pipeline_completion = plan_fn.complete
-        if one_shot:
+        if config.one_shot:
             def propose_fn(sp, root):  # after the tree: the root's feedback is the simulator's
                 return [pred.one_shot(sp, ev.t_ref, root.feedback, max_groups=ONE_SHOT_GROUPS)]
     # The time limit covers the search and the layout grid after it (set-up above: cost tables,
     # both baselines, loading the predictor): where the grid runs, the search gets the first half
     # of it (at least one wave of playouts always runs) and the grid what is left (at least one
     # layout always simulated).
-    grid_runs = layout_grid and (pipelines == "grid" or (pipelines == "auto" and bool(space.plan_options)))
+    grid_runs = config.layout_grid and (pipelines == "grid" or (pipelines == "auto" and bool(space.plan_options)))
     t_start = time.perf_counter()
     deadline = t_start + time_limit if time_limit is not None else math.inf
     search_deadline = t_start + time_limit / 2 if time_limit is not None and grid_runs else deadline
     if searcher == "mcts":
         res = mcts_search(space, ev, prior_fn, rng, playouts=playouts,
                           time_limit=None if time_limit is None else max(0.0, search_deadline - time.perf_counter()),
-                          cfg=mcts, propose_fn=propose_fn, plan_fn=plan_fn)
+                          cfg=config.mcts, propose_fn=propose_fn, plan_fn=plan_fn)
         stats, proposals = res.stats, res.proposals
     elif searcher == "sa":
         stats = simulated_annealing(space, ev, rng, playouts=playouts, deadline=search_deadline)
@@ -240,7 +379,7 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
     p.pipeline = ev.best_pipeline()
     p.predicted_iteration_time_s = None if best.oom else best.time_s
     p.meta = {
-        "searcher": searcher, "prior": prior if searcher == "mcts" else None, "prior_note": prior_note, "seed": seed,
+        "searcher": searcher, "prior": prior if searcher == "mcts" else None, "prior_note": prior_note, "seed": config.seed,
         "playouts": stats.playouts, "sim_calls": ev.sim_calls, "value_cuts": stats.value_cuts, "repeats": stats.repeats,
         "search_time_s": search_s, "first_beat_dp_playout": stats.first_beat_dp,
         # [playout, seconds] at each new best plan: the search's progress (1e-9 keeps 6+ digits)
@@ -269,9 +408,9 @@ def find_plan(graph, topology, *, searcher: str = "mcts", prior: str = "gnn", bu
             p.meta["grid_because"] = "every searched plan runs out of memory"
         p = _pipelined(graph, topology, p, space.cost_model, ev.simulator, executable,
                        against_search=pipelines == "auto", deadline=deadline)
-    if compression != "off":
+    if config.compression != "off":
         note("compression")
-    p.meta["compression"] = "off" if compression == "off" else _compress(graph, topology, p, ev.simulator)
+    p.meta["compression"] = "off" if config.compression == "off" else _compress(graph, topology, p, ev.simulator)
     return p
 
 
@@ -340,11 +479,9 @@ def _pipelined(graph, topology, p: Plan, costs, simulator, executable: bool, aga
     slowest device kinds (:func:`tag.search.layouts.subcluster_search`, pruned by the best plan so
     far; ``meta["subclusters"]`` says what each gave, ``meta["machines"]`` the machines a winning
     layout runs on, ``meta["idle_kinds"]`` the GPU kinds it leaves idle)."""
-    import inspect
-
     from .search.layouts import grid_search, refine, subcluster_search
 
-    if "pipeline" not in inspect.signature(simulator.run).parameters:
+    if not runs_pipelines(simulator):
         p.meta["pipelines"] = "skipped (the simulator runs no pipelines)"
         return p
     t_plan = p.predicted_iteration_time_s

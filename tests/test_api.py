@@ -22,16 +22,16 @@ def test_plan_is_the_format_package_and_find_plan_the_planner():
 
     assert type(tag.plan) is types.ModuleType and not callable(tag.plan)
     assert tag.plan.Plan is tag.Plan
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, PlannerResult, find_plan
 
-    assert tag.find_plan is find_plan
+    assert tag.find_plan is find_plan and tag.PlannerConfig is PlannerConfig and tag.PlannerResult is PlannerResult
 
 
 def test_pipeline_end_to_end(tmp_path):
     wl = tag.load_workload("mlp:layers=2,hidden=64", batch=16)
     graph = tag.capture(wl, num_groups=3).graph
     topo = tag.load_topology("cloud-t4")
-    plan = tag.find_plan(graph, topo, searcher="mcts", prior="uniform", budget=20, seed=3)
+    plan = tag.find_plan(graph, topo, tag.PlannerConfig(searcher="mcts", prior="uniform", budget=20, seed=3))
     validate_plan(plan, graph, topo)
     res = tag.simulate(graph, topo, plan)
     assert res.iteration_time_s == pytest.approx(plan.predicted_iteration_time_s)
@@ -41,7 +41,7 @@ def test_pipeline_end_to_end(tmp_path):
     plan.save(path)
     assert tag.Plan.load(path) == plan
     # same seed, same plan
-    again = tag.find_plan(graph, topo, searcher="mcts", prior="uniform", budget=20, seed=3)
+    again = tag.find_plan(graph, topo, tag.PlannerConfig(searcher="mcts", prior="uniform", budget=20, seed=3))
     assert [g.key() for g in again.groups] == [g.key() for g in plan.groups]
 
 
@@ -71,7 +71,7 @@ def test_find_plan_collects_young_objects_less_often_and_puts_the_threshold_back
     import gc
 
     from tag.errors import TagError
-    from tag.planner import GC_YOUNG_OBJECTS, find_plan
+    from tag.planner import GC_YOUNG_OBJECTS, PlannerConfig, find_plan
 
     wl = tag.load_workload("mlp:layers=2,hidden=64", batch=16)
     graph = tag.capture(wl, num_groups=3).graph
@@ -80,12 +80,11 @@ def test_find_plan_collects_young_objects_less_often_and_puts_the_threshold_back
     seen = []
     try:
         gc.set_threshold(700, 11, 12)
-        find_plan(graph, topo, prior="uniform", budget=3, compression="off",
-                  progress=lambda stage, *_: seen.append(gc.get_threshold()))
+        find_plan(graph, topo, PlannerConfig(prior="uniform", budget=3, compression="off"), progress=lambda stage, *_: seen.append(gc.get_threshold()))
         assert seen and all(t == (GC_YOUNG_OBJECTS, 11, 12) for t in seen)
         assert gc.get_threshold() == (700, 11, 12)
         with pytest.raises(TagError, match="budget"):
-            find_plan(graph, topo, prior="uniform", budget=0)
+            find_plan(graph, topo, PlannerConfig(prior="uniform", budget=0))
         assert gc.get_threshold() == (700, 11, 12)
     finally:
         gc.set_threshold(*old)

@@ -730,12 +730,12 @@ def test_plan_out_of_memory_on_64_devices_is_one_line(tmp_path, capsys):
     assert "of 58.6 KiB, and 63 more devices over capacity; no plan written" in line, line
     # the plan reported (and written with --allow-oom) is the one closest to fitting, not data parallel
     from tag.cost.baselines import data_parallel
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.sim import Simulator
 
     graph = g2
     sim = Simulator(graph, t64)
-    p = find_plan(graph, t64, searcher="random", budget=2, compression="off", simulator=sim)
+    p = find_plan(graph, t64, PlannerConfig(searcher="random", budget=2, compression="off"), simulator=sim)
     got = sim.run(p.groups, pipeline=p.pipeline).overflow
     assert p.meta["oom"] and 1 < got < sim.run(data_parallel(graph, t64).groups).overflow / 2
 

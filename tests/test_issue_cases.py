@@ -99,7 +99,7 @@ def test_a_failing_bound_falls_back_to_the_full_grid(odd):
 
 def test_a_failing_plan_head_falls_back_to_the_fixed_prior_and_says_so(captured):
     from tag.gnn.predictor import PlanHeadPrior, Predictor
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
 
     graph = captured(TINY, batch=8, groups=6).graph
     topo = load_topology("homogeneous-2x4-v100")
@@ -119,9 +119,9 @@ def test_a_failing_plan_head_falls_back_to_the_fixed_prior_and_says_so(captured)
 
     failing = Failing(shipped.net, shipped.coarse_above, plan_head=True)
     fixed = Predictor(shipped.net, shipped.coarse_above, plan_head=False)
-    kw = dict(budget=24, seed=3, compression="off", layout_grid=False)
-    a = find_plan(graph, topo, predictor=failing, **kw)
-    b = find_plan(graph, topo, predictor=fixed, **kw)
+    cfg = PlannerConfig(budget=24, seed=3, compression="off", layout_grid=False)
+    a = find_plan(graph, topo, cfg, predictor=failing)
+    b = find_plan(graph, topo, cfg, predictor=fixed)
     assert a.meta["plan_head_fallback"].startswith("plan head failed (TypeError: '<' not supported")
     assert a.meta["plan_prior"] == "fixed" and b.meta["plan_prior"] == "fixed"
     assert b.meta["plan_head_fallback"] is None

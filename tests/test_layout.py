@@ -126,7 +126,7 @@ def test_the_planner_proposes_a_pipeline_where_it_pays(captured, tmp_path):
     the best hand-written layout, and the plan file carries it."""
     import yaml
 
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.topology import load_topology
 
     graph = captured("mlp:layers=8,hidden=512,in_dim=256", batch=128, groups=8).graph
@@ -136,15 +136,15 @@ def test_the_planner_proposes_a_pipeline_where_it_pays(captured, tmp_path):
     path.write_text(yaml.safe_dump({"name": "four-small", "network": {"bandwidth": "10 Gbit/s"},
                                     "machines": [{"name": f"m{i}", "gpu": gpu, "count": 1} for i in range(4)]}))
     topo = load_topology(path)
-    searched = find_plan(graph, topo, prior="uniform", budget=100, pipelines="off", compression="off")
-    alone = find_plan(graph, topo, prior="uniform", budget=100, compression="off", layout_grid=False)
+    searched = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=100, pipelines="off", compression="off"))
+    alone = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=100, compression="off", layout_grid=False))
     assert alone.pipeline is not None and alone.meta["source"] == "search"
     # with the grid: its 4-stage pipeline cut by time, which fits with the optimizer offloaded
     # (tag.parallel.layout.offload_layouts) and not without, is faster than the searched one
-    best = find_plan(graph, topo, prior="uniform", budget=100, compression="off")
+    best = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=100, compression="off"))
     assert best.pipeline is not None and best.predicted_iteration_time_s <= alone.predicted_iteration_time_s
     validate_plan(best, graph, topo, pipelines=True)
-    grid = find_plan(graph, topo, prior="uniform", budget=1, pipelines="grid", compression="off")
+    grid = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=1, pipelines="grid", compression="off"))
     assert best.predicted_iteration_time_s <= grid.meta["best_layout_time_s"]
     assert searched.predicted_iteration_time_s is None or \
         alone.predicted_iteration_time_s < searched.predicted_iteration_time_s
@@ -186,7 +186,7 @@ def test_the_planner_falls_back_to_the_grid_when_nothing_searched_fits(captured,
 
     from tag.cost.model import CostModel
     from tag.parallel.layout import best_layout
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.sim import Simulator
     from tag.topology import load_topology
 
@@ -206,11 +206,11 @@ def test_the_planner_falls_back_to_the_grid_when_nothing_searched_fits(captured,
     fits = max(sim.run(lay.groups, pipeline=lay.pipeline).peak_memory_bytes)
     assert fits < dp / 2
     topo = topology(int(1.25 * fits))
-    plan = find_plan(graph, topo, prior="uniform", budget=1, compression="off", executable=False)
+    plan = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=1, compression="off", executable=False))
     assert plan.meta["source"] == "layout-grid" and plan.meta["grid_because"] == "every searched plan runs out of memory"
     res = simulate(graph, topo, plan)
     assert not res.oom and res.iteration_time_s == pytest.approx(plan.predicted_iteration_time_s)
-    off = find_plan(graph, topo, prior="uniform", budget=1, compression="off", pipelines="off")
+    off = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=1, compression="off", pipelines="off"))
     assert off.meta["oom"] and "grid_because" not in off.meta  # TAG's action space alone: no fallback
 
 
@@ -222,7 +222,7 @@ def test_layouts_on_a_sub_cluster_leave_the_slowest_kind_idle(captured, tmp_path
     least that fast. The restricted cost model is the whole one's on the kept devices."""
     import yaml
 
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.search.layouts import grid_search, subcluster_search, subclusters
     from tag.sim import Simulator
     from tag.topology import load_topology
@@ -256,7 +256,7 @@ def test_layouts_on_a_sub_cluster_leave_the_slowest_kind_idle(captured, tmp_path
         plan.predicted_iteration_time_s < 0.75 * whole.predicted_iteration_time_s
     # pruned against a plan it cannot beat: nothing
     assert subcluster_search(graph, topo, costs, sim, incumbent=plan.predicted_iteration_time_s / 10)[0] is None
-    best = find_plan(graph, topo, prior="uniform", budget=50, compression="off")
+    best = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=50, compression="off"))
     assert best.predicted_iteration_time_s <= plan.predicted_iteration_time_s and best.meta["subclusters"]
     rc = main(["plan", "--model", "mlp:layers=8,hidden=512,in_dim=256", "--batch", "128", "--groups", "8",
                "--topology", str(path), "--prior", "uniform", "--budget", "50"])

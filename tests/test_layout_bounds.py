@@ -169,14 +169,14 @@ def test_selective_recomputation_refines_a_pipeline(captured, tmp_path):
 def test_find_plan_returns_the_best_of_search_grid_and_refinements(gpt2, tmp_path):
     """``pipelines="auto"`` runs the pruned grid after the search and returns the faster plan (here,
     memory binding, a layout at least as fast as the grid's best); ``off`` runs no grid."""
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
 
     topo = _tight(tmp_path, gpt2, "tight-plan", 0.05)
     costs = CostModel.for_topology(gpt2, topo)
     sim = Simulator(gpt2, topo, costs)
     grid = search_layouts(gpt2, topo, costs, lambda p: sim.run(p.groups, pipeline=p.pipeline),
                           bounds=layout_bounds(sim))
-    plan = find_plan(gpt2, topo, prior="uniform", budget=5, compression="off", executable=False)
+    plan = find_plan(gpt2, topo, PlannerConfig(prior="uniform", budget=5, compression="off", executable=False))
     m = plan.meta
     assert m["layouts"] == grid.layouts and 0 < m["layouts_tried"] < m["layouts"]
     assert m["layouts_pruned"] == m["layouts"] - m["layouts_tried"] and isinstance(m["refinements"], list)
@@ -185,14 +185,14 @@ def test_find_plan_returns_the_best_of_search_grid_and_refinements(gpt2, tmp_pat
     assert not res.oom and res.iteration_time_s == pytest.approx(plan.predicted_iteration_time_s)
     if m["source"] == "layout-grid":
         assert m["layout"] and "refinement" in m
-    off = find_plan(gpt2, topo, prior="uniform", budget=5, compression="off", executable=False, pipelines="off")
+    off = find_plan(gpt2, topo, PlannerConfig(prior="uniform", budget=5, compression="off", executable=False, pipelines="off"))
     assert "layouts" not in off.meta
 
 
 def test_a_deadline_stops_the_grid_after_one_layout(gpt2):
     """A deadline already passed: the grid simulates one layout (the first in bound order) and
     says it was cut; ``find_plan``'s time limit reaches the grid the same way."""
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
 
     topo = load_topology("homogeneous-2x4-v100")
     costs = CostModel.for_topology(gpt2, topo)
@@ -203,7 +203,7 @@ def test_a_deadline_stops_the_grid_after_one_layout(gpt2):
     assert not whole.cut and whole.simulated > 1
     assert cut.cut and cut.simulated == 1 and cut.best is not None
     assert cut.best.predicted_iteration_time_s >= whole.best.predicted_iteration_time_s
-    plan = find_plan(gpt2, topo, prior="uniform", time_limit=1e-6, compression="off", executable=False)
+    plan = find_plan(gpt2, topo, PlannerConfig(prior="uniform", time_limit=1e-6, compression="off", executable=False))
     assert plan.meta["grid_cut"] and plan.meta["layouts_tried"] == 1
     assert plan.meta["refinements"] in ([], ["stopped at the time limit"])
     assert plan.predicted_iteration_time_s is not None

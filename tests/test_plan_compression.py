@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tag.planner import find_plan
+from tag.planner import PlannerConfig, find_plan
 from tag.sim import simulate
 from tag.topology import load_topology
 
@@ -17,8 +17,8 @@ def _two_boxes(inter: str):
 def test_compression_auto_never_slower_and_consistent(captured):
     graph = captured("mlp:hidden=1024,layers=2,in_dim=256,classes=100", batch=8, groups=4).graph
     topo = _two_boxes("1 Gbit/s")
-    off = find_plan(graph, topo, searcher="random", budget=20, seed=1, compression="off")
-    auto = find_plan(graph, topo, searcher="random", budget=20, seed=1, compression="auto")
+    off = find_plan(graph, topo, PlannerConfig(searcher="random", budget=20, seed=1, compression="off"))
+    auto = find_plan(graph, topo, PlannerConfig(searcher="random", budget=20, seed=1, compression="auto"))
     assert auto.predicted_iteration_time_s <= off.predicted_iteration_time_s
     assert auto.meta["compression"].startswith("compression:")
     # the predicted time is the simulator's verdict on the plan as written

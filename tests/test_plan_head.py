@@ -217,17 +217,17 @@ def test_open_pipeline_choices_follow_the_completion(tmp_path, pipe_space):
 
 
 def test_find_plan_says_who_chose_the_pipeline_decisions(captured, topo4, tmp_path):
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     graph = captured("gpt2:n_layer=2,n_embd=64", 16, groups=8).graph
     net = TagNet(NetConfig(hidden=16, layers=1, heads=2))
     with_head, without = tmp_path / "with.pt", tmp_path / "without.pt"
     save_checkpoint(with_head, net, {"plan_head": {"pairs": 1}})
     save_checkpoint(without, net, {})
     kw = dict(budget=6, compression="off", layout_grid=False)
-    assert find_plan(graph, topo4, checkpoint=with_head, **kw).meta["plan_prior"] == "network"
-    assert find_plan(graph, topo4, checkpoint=without, **kw).meta["plan_prior"] == "fixed"
-    assert find_plan(graph, topo4, prior="uniform", **kw).meta["plan_prior"] == "fixed"
-    assert find_plan(graph, topo4, pipelines="off", **kw).meta["plan_prior"] is None
+    assert find_plan(graph, topo4, PlannerConfig(checkpoint=with_head, **kw)).meta["plan_prior"] == "network"
+    assert find_plan(graph, topo4, PlannerConfig(checkpoint=without, **kw)).meta["plan_prior"] == "fixed"
+    assert find_plan(graph, topo4, PlannerConfig(prior="uniform", **kw)).meta["plan_prior"] == "fixed"
+    assert find_plan(graph, topo4, PlannerConfig(pipelines="off", **kw)).meta["plan_prior"] is None
 
 
 def test_plan_labels_are_cached_and_a_killed_fit_resumes(tmp_path, pipe_space, topo4, monkeypatch):

@@ -70,14 +70,14 @@ def test_find_plan_seeds_fsdp_offload_where_fsdp_does_not_fit(mlp):
     as the search fits any plan) it does, and that seed is the plan."""
     from tag.cli.plan import _describe
     from tag.cost.baselines import fully_sharded
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.sim import Simulator
 
     topo = _cluster(mlp, 0.6)
     sim = Simulator(mlp, topo)
     fsdp = fully_sharded(mlp, topo)
     assert sim.run([replace(g, recompute=True) for g in fsdp.groups]).oom
-    p = find_plan(mlp, topo, prior="uniform", budget=1, pipelines="off", compression="off", simulator=sim)
+    p = find_plan(mlp, topo, PlannerConfig(prior="uniform", budget=1, pipelines="off", compression="off"), simulator=sim)
     assert p.meta["fsdp_oom"] and p.meta["source"] == "fsdp-offload" and not p.meta["oom"]
     assert {(g.sync, g.offload) for g in p.groups} == {("zero3", "optimizer")}
     res = sim.run(p.groups)
@@ -90,7 +90,7 @@ def test_offload_is_not_chosen_where_it_is_slower(mlp):
     """GPUs of 0.9x the state: ZeRO-3 fits without offload; offloaded, the host step makes it slower,
     so neither the seeds nor the grid's offload layouts give the plan."""
     from tag.cost.baselines import fully_sharded
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.sim import Simulator
 
     topo = _cluster(mlp, 0.9)
@@ -98,7 +98,7 @@ def test_offload_is_not_chosen_where_it_is_slower(mlp):
     fsdp = fully_sharded(mlp, topo)
     plain, off = (sim.run([replace(g, offload=o) for g in fsdp.groups]) for o in (None, "optimizer"))
     assert not plain.oom and off.iteration_time_s > plain.iteration_time_s
-    p = find_plan(mlp, topo, prior="uniform", budget=4, pipelines="grid", compression="off", simulator=sim)
+    p = find_plan(mlp, topo, PlannerConfig(prior="uniform", budget=4, pipelines="grid", compression="off"), simulator=sim)
     assert not p.meta["oom"] and not any(g.offload for g in p.groups)
     assert p.predicted_iteration_time_s <= plain.iteration_time_s
 

@@ -40,7 +40,7 @@ def test_the_grid_has_the_sharded_layouts(small_cluster):
 def test_find_plan_is_never_worse_than_fsdp_or_the_best_layout(small_cluster):
     from tag.cli.plan import summary
     from tag.cost.baselines import data_parallel, fully_sharded
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.sim import Simulator
 
     graph, topo = small_cluster
@@ -49,14 +49,14 @@ def test_find_plan_is_never_worse_than_fsdp_or_the_best_layout(small_cluster):
     fsdp = sim.run(fully_sharded(graph, topo).groups)
     assert not fsdp.oom
     # one playout, no grid: the search alone cannot beat the seed, the fsdp baseline is the plan
-    alone = find_plan(graph, topo, prior="uniform", budget=1, pipelines="off", compression="off")
+    alone = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=1, pipelines="off", compression="off"))
     assert alone.meta["fsdp_time_s"] == pytest.approx(fsdp.iteration_time_s)
     assert alone.predicted_iteration_time_s <= fsdp.iteration_time_s
     assert alone.meta["source"] == "fsdp" and {g.sync for g in alone.groups} == {"zero3"}
     shown = summary(alone)  # what tag plan prints and writes with --json
     assert shown["fsdp_time_s"] == alone.meta["fsdp_time_s"] and shown["speedup_vs_fsdp"] == pytest.approx(1.0)
     # with the grid unpruned by the search: its best layout is reported, the plan no slower
-    full = find_plan(graph, topo, prior="uniform", budget=20, pipelines="grid", compression="off")
+    full = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=20, pipelines="grid", compression="off"))
     assert full.meta["best_layout_time_s"] is not None and not full.meta["oom"]
     assert full.predicted_iteration_time_s <= min(full.meta["best_layout_time_s"], fsdp.iteration_time_s)
     res = sim.run(full.groups, pipeline=full.pipeline)

@@ -73,14 +73,14 @@ def test_reuse_takes_stored_methods_and_refuses_another_cost_model(captured, tmp
 def test_layout_grid_off_returns_the_search_alone(captured):
     """find_plan(layout_grid=False) over the default space: no layout grid ran, the plan is the
     search's own (what the benchmark compares searchers on)."""
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.topology import load_topology
     graph = captured("gpt2", batch=16, groups=8).graph
     topo = load_topology("topologies/tag-testbed.yaml")
     kw = dict(prior="uniform", budget=6, compression="off", executable=False, pipelines="auto")
-    alone = find_plan(graph, topo, layout_grid=False, **kw)
+    alone = find_plan(graph, topo, PlannerConfig(layout_grid=False, **kw))
     assert "layouts" not in alone.meta and alone.meta["source"] != "layout-grid"
     assert alone.meta["space"]["tp_actions"] > 0  # the default space, not pipelines="off"'s
-    full = find_plan(graph, topo, **kw)
+    full = find_plan(graph, topo, PlannerConfig(**kw))
     assert full.meta["layouts"] >= 1
     assert full.predicted_iteration_time_s <= alone.predicted_iteration_time_s

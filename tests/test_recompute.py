@@ -343,7 +343,7 @@ def test_search_fits_a_plan_by_recomputing_the_fewest_groups(captured):
     """Capacity between data parallelism's peak with and without recomputing every group: the
     search returns a plan that fits, recomputing a shortest prefix of the greedy order."""
     from tag.cost.baselines import data_parallel
-    from tag.planner import find_plan
+    from tag.planner import PlannerConfig, find_plan
     from tag.search.recompute import fit_by_recompute, recompute_order, with_recompute
 
     graph = captured("gpt2:n_layer=4,n_embd=128,n_head=4,seq=64", batch=8, groups=8).graph
@@ -364,12 +364,12 @@ def test_search_fits_a_plan_by_recomputing_the_fewest_groups(captured):
     assert not fitted.oom and 0 < n < k and calls >= 2
     assert [g for g in range(k) if groups[g].recompute] == sorted(order[:n])
     assert sim.run(with_recompute(dp, order[:n - 1])).oom  # one group fewer does not fit
-    plan = find_plan(graph, topo, searcher="mcts", prior="uniform", budget=10, seed=0, pipelines="off")
+    plan = find_plan(graph, topo, PlannerConfig(searcher="mcts", prior="uniform", budget=10, seed=0, pipelines="off"))
     assert not plan.meta["oom"] and any(g.recompute for g in plan.groups)
     check = Simulator(graph, topo).run(plan.groups)
     assert not check.oom and check.iteration_time_s == pytest.approx(plan.predicted_iteration_time_s)
     # where memory does not bind, the search is unchanged: no group recomputes
-    plan = find_plan(graph, roomy, searcher="mcts", prior="uniform", budget=10, seed=0, pipelines="off")
+    plan = find_plan(graph, roomy, PlannerConfig(searcher="mcts", prior="uniform", budget=10, seed=0, pipelines="off"))
     assert not any(g.recompute for g in plan.groups)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from tag.errors import TagError
 from tag.parallel import validate_group, validate_plan
-from tag.planner import find_plan
+from tag.planner import PlannerConfig, find_plan
 from tag.search import ActionSpace, Evaluator, MCTSConfig, mcts_search, uniform_prior
 from tag.search.mcts import (
     Tree,
@@ -271,14 +271,14 @@ class _DPWins:
 
 @pytest.mark.parametrize("searcher", ["mcts", "sa", "random"])
 def test_falls_back_to_the_best_baseline(graph, topo, searcher):
-    p = find_plan(graph, topo, searcher=searcher, prior="uniform", budget=20, simulator=_DPWins(topo.num_devices))
+    p = find_plan(graph, topo, PlannerConfig(searcher=searcher, prior="uniform", budget=20), simulator=_DPWins(topo.num_devices))
     assert p.meta["source"] in ("dp-even", "dp-prop") and p.predicted_iteration_time_s == 1.0
     validate_plan(p, graph, topo)
 
 
 def test_plan_with_the_real_simulator(graph, topo):
-    p1 = find_plan(graph, topo, prior="uniform", budget=30, seed=3)
-    p2 = find_plan(graph, topo, prior="uniform", budget=30, seed=3)
+    p1 = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=30, seed=3))
+    p2 = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=30, seed=3))
     validate_plan(p1, graph, topo)
     assert p1.to_dict()["groups"] == p2.to_dict()["groups"]
     m = p1.meta
@@ -289,17 +289,70 @@ def test_plan_with_the_real_simulator(graph, topo):
 
 
 def test_plan_time_limit(graph, topo):
-    p = find_plan(graph, topo, prior="uniform", time_limit=0.5)
+    p = find_plan(graph, topo, PlannerConfig(prior="uniform", time_limit=0.5))
     assert p.meta["search_time_s"] < 5 and p.meta["playouts"] >= 1
 
 
 def test_plan_rejects_bad_arguments(graph, topo):
     with pytest.raises(TagError, match="searcher"):
-        find_plan(graph, topo, searcher="bogus")
+        find_plan(graph, topo, PlannerConfig(searcher="bogus"))
     with pytest.raises(TagError, match="budget"):
-        find_plan(graph, topo, budget=0)
+        find_plan(graph, topo, PlannerConfig(budget=0))
     with pytest.raises(TagError, match="prior"):
-        find_plan(graph, topo, prior="magic")
+        find_plan(graph, topo, PlannerConfig(prior="magic"))
+    with pytest.raises(TagError, match="^config: expected a PlannerConfig, got dict$"):
+        find_plan(graph, topo, {"budget": 3})
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("budget", 2.5, "budget: expected a positive number of playouts or None, got 2.5"),
+    ("budget", True, "budget: expected a positive number of playouts or None, got True"),
+    ("time_limit", 0, "time_limit: expected a positive number of seconds or None, got 0"),
+    ("seed", -1, "seed: expected an integer >= 0, got -1"),
+    ("pipelines", "on", "pipelines: expected one of auto, grid, off, got 'on'"),
+    ("compression", "sfb", "compression: expected 'auto' or 'off', got 'sfb'"),
+    ("one_shot", 1, "one_shot: expected True or False, got 1"),
+    ("mcts", {}, "mcts: expected an MCTSConfig or None, got {}"),
+])
+def test_planner_config_names_the_field(field, value, expected):
+    from tag.planner import PlannerConfigError
+    with pytest.raises(PlannerConfigError) as e:
+        PlannerConfig(**{field: value})
+    assert str(e.value) == expected
+
+
+def test_planner_config_playouts():
+    """None is no limit: a time limit alone bounds the search; neither gives the default budget."""
+    from tag.planner import DEFAULT_PLAYOUTS
+    assert PlannerConfig().playouts == DEFAULT_PLAYOUTS
+    assert PlannerConfig(time_limit=2.0).playouts is None
+    assert PlannerConfig(budget=7, time_limit=2.0).playouts == 7
+
+
+def test_planner_result_reads_the_meta(graph, topo, tmp_path):
+    """PlannerResult.of gives find_plan's meta typed, from the plan and from its file; a plan file
+    without the planner's keys (written by hand, by layout_plan) reads as None."""
+    from tag.plan import Plan
+    from tag.planner import PlannerResult, layout_plan
+    p = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=4, seed=1, compression="off"))
+    r = PlannerResult.of(p)
+    assert (r.searcher, r.seed, r.playouts, r.compression) == ("mcts", 1, 4, "off")
+    assert r.source == p.meta["source"] and r.dp_even_time_s == p.meta["dp_even_time_s"]
+    p.save(tmp_path / "p.json")
+    assert PlannerResult.of(Plan.load(tmp_path / "p.json")) == r
+    bare = PlannerResult.of(layout_plan(graph, topo, "dp=8"))
+    assert bare.source is None and bare.playouts is None
+
+
+def test_runs_pipelines_is_the_simulator_capability(graph, topo):
+    """Pipelines are searched where the simulator says it runs them (Simulator.runs_pipelines),
+    not where its run method happens to take a ``pipeline`` keyword."""
+    from tag.planner import runs_pipelines
+    from tag.sim import Simulator
+    assert runs_pipelines(None) and runs_pipelines(Simulator(graph, topo))
+    assert not runs_pipelines(_DPWins(topo.num_devices)) and not runs_pipelines(ToySimulator(graph, topo))
+    p = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=3), simulator=_DPWins(topo.num_devices))
+    assert p.pipeline is None and p.meta["space"]["stages"] is None
 
 
 def test_cli_plan_json(tmp_path, capsys):
@@ -355,8 +408,8 @@ def test_gnn_prior_with_the_shipped_predictor_is_deterministic(graph, topo):
     from tag.gnn import DEFAULT_CHECKPOINT
     if not DEFAULT_CHECKPOINT.exists():
         pytest.skip("no shipped predictor in this checkout")
-    p1 = find_plan(graph, topo, prior="gnn", budget=16, seed=1)
-    p2 = find_plan(graph, topo, prior="gnn", budget=16, seed=1)
+    p1 = find_plan(graph, topo, PlannerConfig(prior="gnn", budget=16, seed=1))
+    p2 = find_plan(graph, topo, PlannerConfig(prior="gnn", budget=16, seed=1))
     assert p1.to_dict()["groups"] == p2.to_dict()["groups"]
     assert p1.meta["prior"] == "gnn" and p1.meta["playouts"] == 16
     assert p1.predicted_iteration_time_s <= min(p1.meta["dp_even_time_s"], p1.meta["dp_prop_time_s"])
@@ -368,8 +421,8 @@ def test_gnn_prior_beyond_its_device_limit_searches_uniformly_and_says_so(graph,
     import tag.planner as planner
     monkeypatch.setattr(planner, "GNN_MAX_DEVICES", topo.num_devices - 1)
     monkeypatch.setattr(planner, "_predictor", lambda checkpoint: pytest.fail("the predictor was loaded"))
-    p = find_plan(graph, topo, prior="gnn", budget=6, seed=3, compression="off")
-    u = find_plan(graph, topo, prior="uniform", budget=6, seed=3, compression="off")
+    p = find_plan(graph, topo, PlannerConfig(prior="gnn", budget=6, seed=3, compression="off"))
+    u = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=6, seed=3, compression="off"))
     assert p.meta["prior"] == "uniform" and str(topo.num_devices) in p.meta["prior_note"]
     assert p.to_dict()["groups"] == u.to_dict()["groups"] and u.meta["prior_note"] is None
 
@@ -397,7 +450,7 @@ def test_the_networks_one_shot_plan(graph, topo):
     part = none.copy()
     part[sp.order[:2]] = [acts[g] for g in sp.order[:2]]
     assert pred.one_shot(sp, ev.t_ref, fb, max_groups=2) == sp.resolve(part)
-    with_, without = (find_plan(graph, topo, prior="gnn", budget=8, seed=0, compression="off", one_shot=o)
+    with_, without = (find_plan(graph, topo, PlannerConfig(prior="gnn", budget=8, seed=0, compression="off", one_shot=o))
                       for o in (True, False))
     assert with_.meta["playouts"] == without.meta["playouts"] == 8
     assert without.meta["one_shot_time_s"] is None
@@ -696,8 +749,8 @@ def test_simulator_cache_bytes_is_validated(graph, topo):
 
 
 def test_find_plan_reports_the_space_and_off_keeps_tags(graph, topo):
-    off = find_plan(graph, topo, prior="uniform", budget=6, pipelines="off", compression="off")
-    auto = find_plan(graph, topo, prior="uniform", budget=6, compression="off")
+    off = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=6, pipelines="off", compression="off"))
+    auto = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=6, compression="off"))
     assert off.meta["space"]["tp_actions"] == 0 and off.meta["space"]["stages"] is None
     assert auto.meta["space"]["tp_actions"] > 0 and auto.meta["space"]["stages"][0] == 1
     for p in (off, auto):
@@ -783,14 +836,13 @@ def test_executable_searches_propose_only_plans_the_executor_runs(graph, topo):
 
 
 def test_find_plan_executable_by_default(graph, topo):
-    p = find_plan(graph, topo, prior="uniform", budget=6, compression="off")
+    p = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=6, compression="off"))
     assert p.meta["executable"] is True
     validate_plan(p, graph, topo, pipelines=True)  # what tag execute checks
-    q = find_plan(graph, topo, prior="uniform", budget=6, compression="off", executable=False)
+    q = find_plan(graph, topo, PlannerConfig(prior="uniform", budget=6, compression="off", executable=False))
     assert q.meta["executable"] is False
     # TAG's own actions all run: over them the constraint changes nothing, draws included
     for searcher in ("mcts", "random", "sa"):
-        a, b = (find_plan(graph, topo, searcher=searcher, prior="uniform", budget=12, seed=2, compression="off",
-                          pipelines="off", executable=e) for e in (True, False))
+        a, b = (find_plan(graph, topo, PlannerConfig(searcher=searcher, prior="uniform", budget=12, seed=2, compression="off", pipelines="off", executable=e)) for e in (True, False))
         assert [g.key() for g in a.groups] == [g.key() for g in b.groups] and a.meta["improvements"] == \
             b.meta["improvements"], searcher

@@ -111,20 +111,21 @@ class _Case:
 
             # branch and bound: the full grid's best layout; "playouts": the layouts simulated
             return best_layout(g, topo, self.costs, self.simulate, bounds=layout_bounds(self.sim))
-        from ..planner import find_plan
+        from ..planner import PlannerConfig, find_plan
 
         if method in ("random", "sa", "tpe", "mcts-uniform"):
             searcher = "mcts" if method == "mcts-uniform" else method
-            p = find_plan(g, topo, searcher=searcher, prior="uniform", budget=cfg.search_budget,
-                            seed=cfg.seed, costs=self.costs, simulator=self.sim, compression="off",
-                            pipelines="off")  # the searchers over TAG's space; TAG's method adds pp/tp
+            search = PlannerConfig(searcher=searcher, prior="uniform", budget=cfg.search_budget, seed=cfg.seed,
+                                   compression="off", pipelines="off")
+            # the searchers over TAG's space; TAG's method adds pp/tp
+            p = find_plan(g, topo, search, costs=self.costs, simulator=self.sim)
         else:  # tag-50, tag-200, with or without +sfb
             budget = int(method.split("-")[1].split("+")[0])
             # executable=False: the simulated plans the benchmark's claims were made on (pipelines
             # and tp unconstrained); a plan the executor refuses says so in the cell's note
-            p = find_plan(g, topo, searcher="mcts", prior="gnn", budget=budget, seed=cfg.seed,
-                            predictor=self.predictor, costs=self.costs, simulator=self.sim, executable=False,
-                            compression="auto" if method.endswith("+sfb") else "off")
+            search = PlannerConfig(searcher="mcts", prior="gnn", budget=budget, seed=cfg.seed, executable=False,
+                                   compression="auto" if method.endswith("+sfb") else "off")
+            p = find_plan(g, topo, search, predictor=self.predictor, costs=self.costs, simulator=self.sim)
         return p, int(p.meta.get("playouts", 0))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Method names and what they are (see tag/bench/runner.py for how each runs). The searches and
-# the grid range over every plan the simulator costs (find_plan(executable=False), the layouts
+# the grid range over every plan the simulator costs (PlannerConfig(executable=False), the layouts
 # with and without sequence parallelism): the figures are comparable with those recorded before
 # tag plan searched executable plans only; a plan tag execute refuses says so in its cell's note.
 METHODS: dict[str, str] = {

@@ -77,29 +77,30 @@ def register(sub) -> None:
 
 def summary(plan) -> dict:
     from ..parallel import execution_refusal
+    from ..planner import PlannerResult
 
-    m = plan.meta
+    r = PlannerResult.of(plan)
     return {
         "model": plan.model, "topology": plan.topology, "batch_size": plan.batch_size,
-        "groups": len(plan.groups), "searcher": m.get("searcher"), "prior": m.get("prior"),
-        "seed": m.get("seed"), "predicted_iteration_time_s": plan.predicted_iteration_time_s,
-        "oom": m.get("oom"), "dp_even_time_s": m.get("dp_even_time_s"), "dp_prop_time_s": m.get("dp_prop_time_s"),
-        "lower_bound_s": m.get("lower_bound_s"), "playouts": m.get("playouts"), "repeats": m.get("repeats"),
-        "value_cuts": m.get("value_cuts"), "sim_calls": m.get("sim_calls"),
-        "search_time_s": m.get("search_time_s"), "first_beat_dp_playout": m.get("first_beat_dp_playout"),
-        "improvements": m.get("improvements"), "one_shot_time_s": m.get("one_shot_time_s"),
-        "source": m.get("source"), "compression": m.get("compression"),
-        "pipeline": None if plan.pipeline is None else asdict(plan.pipeline), "layout": m.get("layout"),
-        "machines": m.get("machines"), "idle_kinds": m.get("idle_kinds"), "best_layout": m.get("best_layout"), "best_layout_time_s": m.get("best_layout_time_s"),
-        "layouts": m.get("layouts"), "layouts_tried": m.get("layouts_tried"), "layouts_pruned": m.get("layouts_pruned"),
-        "grid_time_s": m.get("grid_time_s"), "grid_cut": m.get("grid_cut"), "refinement": m.get("refinement"),
-        "refinements": m.get("refinements"), "subclusters": m.get("subclusters"),
+        "groups": len(plan.groups), "searcher": r.searcher, "prior": r.prior,
+        "seed": r.seed, "predicted_iteration_time_s": plan.predicted_iteration_time_s,
+        "oom": r.oom, "dp_even_time_s": r.dp_even_time_s, "dp_prop_time_s": r.dp_prop_time_s,
+        "lower_bound_s": r.lower_bound_s, "playouts": r.playouts, "repeats": r.repeats,
+        "value_cuts": r.value_cuts, "sim_calls": r.sim_calls,
+        "search_time_s": r.search_time_s, "first_beat_dp_playout": r.first_beat_dp_playout,
+        "improvements": r.improvements, "one_shot_time_s": r.one_shot_time_s,
+        "source": r.source, "compression": r.compression,
+        "pipeline": None if plan.pipeline is None else asdict(plan.pipeline), "layout": r.layout,
+        "machines": r.machines, "idle_kinds": r.idle_kinds, "best_layout": r.best_layout, "best_layout_time_s": r.best_layout_time_s,
+        "layouts": r.layouts, "layouts_tried": r.layouts_tried, "layouts_pruned": r.layouts_pruned,
+        "grid_time_s": r.grid_time_s, "grid_cut": r.grid_cut, "refinement": r.refinement,
+        "refinements": r.refinements, "subclusters": r.subclusters,
         # a plan head or bound that met a case it cannot handle: the rule it replaces took over
-        "plan_head_fallback": m.get("plan_head_fallback"), "bounds_fallback": m.get("bounds_fallback"),
-        "speedup_vs_dp_even": _ratio(m.get("dp_even_time_s"), plan.predicted_iteration_time_s),
-        "speedup_vs_dp_prop": _ratio(m.get("dp_prop_time_s"), plan.predicted_iteration_time_s),
-        "fsdp_time_s": m.get("fsdp_time_s"),
-        "speedup_vs_fsdp": _ratio(m.get("fsdp_time_s"), plan.predicted_iteration_time_s),
+        "plan_head_fallback": r.plan_head_fallback, "bounds_fallback": r.bounds_fallback,
+        "speedup_vs_dp_even": _ratio(r.dp_even_time_s, plan.predicted_iteration_time_s),
+        "speedup_vs_dp_prop": _ratio(r.dp_prop_time_s, plan.predicted_iteration_time_s),
+        "fsdp_time_s": r.fsdp_time_s,
+        "speedup_vs_fsdp": _ratio(r.fsdp_time_s, plan.predicted_iteration_time_s),
         # None: tag execute runs the plan; else why not (only with --allow-unexecutable)
         "execution_refusal": execution_refusal(plan),
     }
@@ -112,7 +113,7 @@ def _ratio(a, b):
 def run(args) -> int:
     import time
 
-    from ..planner import find_plan
+    from ..planner import PlannerConfig, find_plan
     from ..topology import load_topology
     from .common import StageProgress, load_graph
 
@@ -137,10 +138,10 @@ def run(args) -> int:
     except ImportError:  # pragma: no cover
         pass
     try:
-        p = find_plan(graph, topo, searcher=args.searcher, prior=args.prior, budget=args.budget,
-                      time_limit=args.time, seed=args.seed, checkpoint=args.checkpoint, costs=costs,
-                      compression=args.compression, one_shot=args.one_shot, pipelines=args.pipelines,
-                      executable=args.executable, progress=progress)
+        cfg = PlannerConfig(searcher=args.searcher, prior=args.prior, budget=args.budget, time_limit=args.time,
+                            seed=args.seed, checkpoint=args.checkpoint, compression=args.compression,
+                            one_shot=args.one_shot, pipelines=args.pipelines, executable=args.executable)
+        p = find_plan(graph, topo, cfg, costs=costs, progress=progress)
     finally:
         progress.close()  # no bar left on the terminal, after an error either
     p.meta["capture_s"] = capture_s

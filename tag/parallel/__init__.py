@@ -8,7 +8,7 @@
 * :func:`sfb_syncs`: the strategies whose groups take SFB (:meth:`Strategy.sfb_op`), for
   :mod:`tag.compress` (below this layer); :func:`apply_sfb` the MILP's choice over them.
 * :func:`execution_refusal`: the one rule of which plans the executor runs (each strategy judges
-  its groups); ``tag execute`` refuses through it, ``find_plan(executable=True)`` searches within it.
+  its groups); ``tag execute`` refuses through it, ``find_plan`` with ``PlannerConfig(executable=True)`` searches within it.
 * :mod:`~tag.parallel.moves`: which replica sends what to which when a tensor crosses units.
 * :mod:`~tag.parallel.schedule`: the global schedule of one iteration that every executor rank
   walks; the simulator costs the same lowering (:mod:`tag.sim`).

@@ -116,6 +116,10 @@ def plan_key(gp) -> tuple:
 class Simulator:
     """Simulate plans of one graph on one topology; build once, call :meth:`run` many times."""
 
+    runs_pipelines = True
+    """Capability read by :func:`tag.planner.runs_pipelines`: :meth:`run` costs pipelined plans
+    (``pipeline=``), so the planner searches them."""
+
     def __init__(self, graph, topology, costs=None, bucket_bytes: int | None = None, cache_bytes: int | None = None):
         from ..cost.model import CostModel
 
