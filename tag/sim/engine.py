@@ -350,7 +350,8 @@ class Simulator:
             dur = lay.dur.copy()
             dur[FWD] = np.maximum(dur[FWD] - self._casts_of(lay), 0.0)
             out = self.store_layout(key, Layout.of(lay.devices, lay.batches, lay.dev_arr, dur, lay.mem, lay.work,
-                                                   lay.starts, saved=lay.saved, compute=lay.compute))
+                                                   lay.starts, saved=lay.saved, compute=lay.compute, net=lay.net,
+                                                   net_machines=lay.net_machines))
         return out
 
     def _warm(self, gds: list[GroupData]) -> list[GroupData]:
@@ -956,6 +957,16 @@ class _Run:
         off = self.sim.time_offset_s
         return s + t if prof is None else prof.finish(s + off, t) - off
 
+    def _net_slowed(self, lay: Layout, ph: int, g: int, end: list[float]) -> list[float]:
+        """``end`` (per replica, stage ``(ph, g)`` on ``lay`` at nominal speed) with the stage's
+        tensor-parallel collectives across machines (:attr:`Layout.net`, their nominal seconds at
+        the stage's end) on what other jobs leave of their machines' NICs and links."""
+        out = list(end)
+        for r, c in enumerate(lay.net[ph, g].tolist()):
+            if c > 0.0:
+                out[r] = self._slowed(lay.net_machines[r], end[r] - c, c)
+        return out
+
     def _scatter_gather(self, idx: int, ready: list[float]) -> None:
         """The all-gathers of stage ``idx``'s consumer holder sets that received scattered pieces
         (``ready``: per replica, when its last message arrived; updated in place): each starts
@@ -1042,7 +1053,8 @@ class _Run:
             pen = wake_extra(self.sim, gd.units[0], g, ph, start, cend) if wake else None
             go = start if pen is None else [x + y for x, y in zip(start, pen)]
             e = i + 1
-            if not (sfb and gd.sfb is not None):
+            net = lay.net if self.shared_net is not None else None  # tp collectives across machines
+            if not (sfb and gd.sfb is not None) and net is None:  # (slowed group by group)
                 while e < n:
                     g2 = order[e]
                     gd2 = gds[g2]
@@ -1072,6 +1084,8 @@ class _Run:
             else:
                 r = lay.rows[g]
                 end = [x + y for x, y in zip(go, r[ph] if r is not None else lay.row(g)[ph])]
+                if net is not None:
+                    end = self._net_slowed(lay, ph, g, end)
                 sfin[idx] = end
                 if not fwd:
                     x = max(end)

@@ -149,9 +149,18 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
             col = priced[ring] = (fwd[:, None], bwd[:, None])
             sim.charge(fwd.nbytes + bwd.nbytes + ref_bytes(len(devs)) + ENTRY_BYTES)
         rings[ring] = (col, list(range(i, i + t)))
+    net, spans = None, [()] * r  # the rings across machines: their collectives meet other jobs' traffic
     for col, cols in rings.values():
         dur[FWD][:, cols] += col[0]
         dur[BWD][:, cols] += col[1]
+        for j in range(0, len(cols), t):  # (rings priced alike: one ring of t columns at a time)
+            ring = cols[j:j + t]
+            span = tuple(sorted({comm.machine_of[devices[i]] for i in ring}))
+            if len(span) > 1:
+                net = np.zeros((2, k, r)) if net is None else net
+                net[FWD][:, ring], net[BWD][:, ring] = col[0], col[1]
+                for i in ring:
+                    spans[i] = span
     for g, sp in enumerate(splits):
         if not sp.blocks:
             continue
@@ -161,7 +170,8 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
         mem[g, :] -= keep * sp.split_state
     mem -= keep * _split_casts(graph)[:, None]  # a device holds its shard's bf16 / fp16 weight copies
     lay = Layout.of(devices, batches, np.array(devices, dtype=np.int64), dur, mem, work, starts, saved=saved,
-                    compute=None if sequence_parallel else tuple(compute), casts=casts)
+                    compute=None if sequence_parallel else tuple(compute), casts=casts, net=net,
+                    net_machines=None if net is None else tuple(spans))
     return sim.store_layout(key, lay)
 
 

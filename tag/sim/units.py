@@ -107,6 +107,13 @@ class Layout:
     casts: np.ndarray | None = None
     """[K, R] seconds of the forward's parameter casts in ``dur`` where they are not the device
     class's (:attr:`Simulator.casts`; a tensor-parallel device's: ``1 / T`` of its split weights')."""
+    net: np.ndarray | None = None
+    """[2, K, R] nominal seconds, within ``dur``'s forward and backward, of blocking collectives
+    over several machines (a tensor-parallel group's across machines): on a network with other
+    jobs' traffic the simulator stretches them over what is left of ``net_machines``' NICs and
+    links (:meth:`tag.sim.engine._Run._net_slowed`); None: none."""
+    net_machines: tuple[tuple[int, ...], ...] | None = None
+    """Per replica, the machines its ``net`` collectives span."""
     meter: CacheMeter | None = None
     """The cache this layout is held in: :meth:`row` adds the bytes of the lists it makes."""
 
@@ -115,7 +122,7 @@ class Layout:
         """Approximate bytes of this layout as made (its arrays, tuples and lists; the rows
         :meth:`row` makes later are counted then, in :attr:`meter`)."""
         arrays = (self.dev_arr, self.dur, self.cum_fwd, self.cum_bwd, self.mem, self.work, self.gsum, self.saved,
-                  self.casts)
+                  self.casts, self.net)
         n = 3 * ref_bytes(len(self.devices)) + seq_bytes(len(self.gsum_l)) + ref_bytes(len(self.rows))
         n += INSTANCE_BYTES
         if self.compute is not None:
@@ -312,8 +319,9 @@ def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, sav
             kept = None if kept is None else kept + sign * extra
     if live is not None:
         work = work + live
+    net = None if lay.net is None else np.stack([lay.net[FWD], lay.net[BWD] + lay.net[FWD]])  # (recomputed too)
     return Layout.of(lay.devices, lay.batches, lay.dev_arr, dur, mem, work, lay.starts, saved=kept, compute=lay.compute,
-                     casts=lay.casts)
+                     casts=lay.casts, net=net, net_machines=lay.net_machines)
 
 
 def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi: int,
