@@ -13,7 +13,7 @@ from tag.gnn.plan_head import PLAN_FEATURES, plan_option_features, simulator_bou
 from tag.gnn.predictor import Predictor, load_net, save_checkpoint
 from tag.search.evaluate import Evaluator
 from tag.search.mcts import PLAN_PRIOR_FLOOR, mcts_search, plan_prior, uniform_prior
-from tag.search.space import PLAN_DECISIONS, ActionSpace
+from tag.search.space import PLAN_DECISIONS, ActionSpace, PipelineChoice
 from tag.sim import lower_bound
 from tag.training.plan_head import PlanHeadConfig, decision_targets, fit_plan_head, pipeline_keys, plan_loss
 
@@ -52,7 +52,7 @@ def test_targets_lead_to_the_best_plan(pipe_space):
     # no pipeline worse than every pipeline: the targets' argmax path is the best pipeline
     nodes = decision_targets(space, rewards, no_pipeline=-1.0)
     got = _walk(space, nodes, lambda pi: int(np.argmax(pi)))
-    _, p, m, t, s, k, cut = best_key
+    p, m, t, s, k, cut = best_key
     assert got == {"stages": p, "cut": cut, "stage_sync": t, "micro": m, "schedule": (s, k)}
     for d in range(len(PLAN_DECISIONS)):  # every depth weighs as much as the root
         w = [wt for dd, _, _, wt in nodes if dd == d]
@@ -81,7 +81,7 @@ def test_option_features_describe_the_completed_pipelines(pipe_space):
     # the bound column is a lower bound of each completed pipeline's simulated time
     checked = 0
     for (s, k), row in zip(space.options("schedule", p), sched):
-        key = ("pp", p, 2 * p, 1, s, k, "time")
+        key = PipelineChoice(p, 2 * p, 1, s, k, "time")
         if key in rewards and rewards[key] > -1 and abs(row[8]) < 1:
             t_sim = ev.t_ref / (1 + rewards[key])
             assert ev.t_ref * math.exp(-5 * row[8]) <= t_sim * (1 + 1e-9)
@@ -197,11 +197,11 @@ def test_open_pipeline_choices_follow_the_completion(tmp_path, pipe_space):
     j = 1  # action index of that stage count
     micro = space.options("micro", p)
     default = space.resolve_path([j])
-    assert default[2] == micro[space.default_option("micro", p)]  # (fixed default: 2 x stages where it fits)
+    assert default.micro == micro[space.default_option("micro", p)]  # (fixed default: 2 x stages where it fits)
     last = space.options("schedule", p)[-1]
     space.pipeline_completion = lambda c: {"cut": "memory", "stage_sync": 1, "micro": micro[0], "schedule": last, **c}
     try:
-        assert space.resolve_path([j]) == ("pp", p, micro[0], 1, last[0], last[1], "memory")
+        assert space.resolve_path([j]) == PipelineChoice(p, micro[0], 1, last[0], last[1], "memory")
     finally:
         space.pipeline_completion = None
     assert space.resolve_path([j]) == default
@@ -300,8 +300,8 @@ def test_completion_skips_options_the_bound_puts_out_of_memory(captured):
         return max(Simulator(graph, topo, sp.cost_model).run(groups, pipeline=pipe).peak_memory_bytes)
 
     big = _small_gpus(1e12)
-    key = ("pp", 2, 8, 1, "1f1b", 1, "time")
-    gpipe = ("pp", 2, 8, 1, "gpipe", 1, "time")
+    key = PipelineChoice(2, 8, 1, "1f1b", 1, "time")
+    gpipe = key._replace(schedule="gpipe")
     low, high = peak(big, key), peak(big, gpipe)
     assert high > 1.2 * low  # GPipe keeps all 8 micro-batches' activations alive, 1F1B at most 2
     topo = _small_gpus((low + high) / 2)
@@ -340,5 +340,5 @@ def test_micro_batch_options_count_a_tensor_parallel_replica_once(pipe_space):
     assert len(tp_micro) > len(dp_micro)
     path = [space.options("stages", 1).index(p), 0, space.options("stage_sync", p).index(t), len(tp_micro) - 1, 0]
     key = space.resolve_path(path)
-    assert key[1:4] == (p, max(tp_micro), t) and space.plan_of(key) is not None
+    assert (key.stages, key.micro, key.tp) == (p, max(tp_micro), t) and space.plan_of(key) is not None
     assert space.options_at("micro", space.decode(path)[1]) == tp_micro

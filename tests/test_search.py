@@ -610,7 +610,7 @@ def test_every_reachable_plan_is_valid(graph, topo, pipe_space):
         if plan.pipeline is None:
             seen.add("tp" if any(g.sync == "tp" for g in plan.groups) else "flat")
         else:
-            seen |= {f"pp{len(plan.pipeline.stages)}", plan.pipeline.schedule, key[-1]}
+            seen |= {f"pp{len(plan.pipeline.stages)}", plan.pipeline.schedule, key.cut}
             seen |= {"pp-tp"} if plan.groups[0].sync == "tp" else set()
     assert {"flat", "tp", "pp-tp", "1f1b", "gpipe", "kfkb", "time", "memory"} <= seen
     assert {f"pp{p}" for p in sp.options("stages", 1)[1:]} <= seen

@@ -74,14 +74,15 @@ def plan_option_features(space: ActionSpace, chosen: dict | None, decision: int,
         if c.get("stages", 1) == 1:
             out[i, 0] = 1.0
             continue
-        _, p, m, t, s, k, cut = space.default_pipeline_key(c)
+        key = space.default_pipeline_key(c)  # a tag.search.space.PipelineChoice
+        p, m, t, s, k, cut = key
         out[i, 1] = math.log2(p) / math.log2(max(n_dev, 2))
         out[i, 2] = float(cut == "memory")
         out[i, 3] = math.log2(t) / 3.0
         out[i, 4] = math.log2(m / p) / 4.0
         if (s, k) in sched:
             out[i, 5 + sched.index((s, k))] = 1.0
-        b, oom = bound_s(("pp", p, m, t, s, k, cut))
+        b, oom = bound_s(key)
         out[i, 8] = _log_ratio(t_ref, b)
         out[i, 9] = float(oom)
     return out

@@ -87,8 +87,8 @@ equivalent action), except "no pipeline", which gets
 :data:`tag.search.mcts.NO_PIPELINE_PRIOR` of the stage-count decision; with a trained plan head
 (:mod:`tag.gnn.plan_head`) the network's prior over the options is mixed in and the choices a
 path leaves open follow the network (:attr:`ActionSpace.pipeline_completion`). Plans are keyed by their
-action tuple, or by a pipeline key ``("pp", stages, micro, tp, schedule, k, cut)``
-(:meth:`ActionSpace.resolve_path`, :meth:`ActionSpace.plan_of`).
+action tuple, or by a pipeline key, a :class:`PipelineChoice` ``(stages, micro, tp, schedule, k,
+cut)`` (:meth:`ActionSpace.resolve_path`, :meth:`ActionSpace.plan_of`).
 
 **Defaults.** Before any decision every group takes :attr:`ActionSpace.default_action` (all
 devices, all-reduce, proportional shares). After, a partial plan is completed along program
@@ -107,6 +107,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
@@ -452,7 +453,7 @@ class ActionSpace:
         for: its ``tp`` action everywhere, or, when it is not ``tp``, the data-parallel action over
         the same devices in place of every ``tp`` one (:attr:`tp_as_dp`)."""
         if is_pipeline_key(actions):
-            return tuple(actions)
+            return actions
         acts = [int(a) for a in actions]
         if self.executable and self.is_tp[acts].any() and len(set(acts)) > 1:
             # the executor runs tp as the whole plan's one deployment: the first group in decision
@@ -575,7 +576,7 @@ class ActionSpace:
         if plan is None:
             return False
         groups, pipe = plan
-        _, p, m, t, _, _, _ = key
+        p, m, t = key.stages, key.micro, key.tp
         b = -(-self.graph.batch_size // (m * (self.num_devices // p)))  # samples per device per micro-batch
         if b not in self._footprints:
             self._footprints[b] = np.array(group_footprints(self.graph, b))
@@ -654,8 +655,8 @@ class ActionSpace:
         assign, chosen = self.decode(path)
         return self.resolve(assign) if chosen is None else self.pipeline_key(chosen)
 
-    def pipeline_key(self, chosen: dict) -> tuple:
-        """``("pp", stages, micro, tp, schedule, k, cut)`` of plan-level choices, the undecided ones
+    def pipeline_key(self, chosen: dict) -> PipelineChoice:
+        """The :class:`PipelineChoice` of plan-level choices, the undecided ones
         from :attr:`pipeline_completion` where set, else defaults filled (:meth:`default_option`; the undecided of cut, stage deployment and micro-batch count: the
         first candidate whose estimated memory fits, :meth:`_estimated_fit`, else the first;
         micro-batch counts from the default up, then down)."""
@@ -663,7 +664,7 @@ class ActionSpace:
             chosen = self.pipeline_completion(dict(chosen))
         return self.default_pipeline_key(chosen)
 
-    def default_pipeline_key(self, chosen: dict) -> tuple:
+    def default_pipeline_key(self, chosen: dict) -> PipelineChoice:
         """:meth:`pipeline_key` with the fixed defaults whatever :attr:`pipeline_completion` says
         (what the plan head's option features describe: :mod:`tag.gnn.plan_head`)."""
         p = chosen["stages"]
@@ -678,17 +679,17 @@ class ActionSpace:
             m0 = opts[self.default_option("micro", p, t)]
             return [m0] + [m for m in opts if m > m0] + [m for m in opts[::-1] if m < m0]
 
-        cands = [("pp", p, m, t, sched, k, c) for c in cuts for t in syncs for m in micros(t)]
+        cands = [PipelineChoice(p, m, t, sched, k, c) for c in cuts for t in syncs for m in micros(t)]
         return next((key for key in cands if self._estimated_fit(key)), cands[0])
 
-    def pipeline_plan(self, key: tuple, copy: bool = True) -> tuple[list[GroupPlan], PipelinePlan | None] | None:
+    def pipeline_plan(self, key: PipelineChoice, copy: bool = True) -> tuple[list[GroupPlan], PipelinePlan | None] | None:
         """Group plans and pipeline of a pipeline key (:func:`tag.parallel.layout.layout_plan`:
         stages machine-major, cut to balance the slowest stage), None if no such plan exists.
         ``copy=False``: the cached group plans themselves, for a caller that only reads them (on
         512 GPUs a copy is 128 plans of 512 devices and shares)."""
         out = self._pipe_plans.get(key, False)
         if out is False:
-            _, p, m, t, sched, k, cut = key
+            p, m, t, sched, k, cut = key
             w = self.num_devices // p
             if self._plan_template is None:  # the identity fields (graph and topology signatures) once
                 self._plan_template = new_plan(self.graph, self.topology, [])
@@ -713,7 +714,7 @@ class ActionSpace:
     def describe_key(self, key: tuple) -> list[str]:
         """Each group's action in words, or the pipeline's layout for a pipeline key."""
         if is_pipeline_key(key):
-            _, p, m, t, sched, k, cut = key
+            p, m, t, sched, k, cut = key
             w = self.num_devices // p
             text = f"dp={w // t},tp={t},pp={p},micro={m},schedule={spell_schedule(sched, k)}"
             return [text + (f",cut={cut}" if cut != "time" else "")]
@@ -755,9 +756,28 @@ class ActionSpace:
         return server
 
 
+class PipelineChoice(NamedTuple):
+    """The plan-level pipeline decisions of a searched plan: its key (:meth:`ActionSpace.pipeline_key`;
+    any other plan is keyed by its action tuple), realised by :meth:`ActionSpace.pipeline_plan` as the
+    layout ``dp=devices/(stages*tp),tp,pp=stages,micro,schedule,k,cut``."""
+
+    stages: int
+    """Pipeline stages (>= 2), each on ``devices / stages`` devices."""
+    micro: int
+    """Micro-batches an iteration."""
+    tp: int
+    """Tensor-parallel degree inside every stage (1: each stage data parallel)."""
+    schedule: str
+    """Pipeline schedule (:func:`tag.parallel.pipeline.searched_schedules`: ``1f1b``, ``gpipe``, ``kfkb``)."""
+    k: int
+    """Micro-batches a ``kfkb`` step runs forward then backward (capped at ``micro``)."""
+    cut: str
+    """How stage boundaries are placed: ``time`` (balance the slowest stage) or ``memory``."""
+
+
 def is_pipeline_key(key) -> bool:
-    """Whether a plan key is a pipeline's (:meth:`ActionSpace.pipeline_key`), not an action tuple."""
-    return len(key) > 0 and key[0] == "pp"
+    """Whether a plan key is a pipeline's (:class:`PipelineChoice`), not an action tuple."""
+    return isinstance(key, PipelineChoice)
 
 
 def _block_components(graph) -> list[list[int]]:

@@ -55,15 +55,17 @@ class PlanHeadConfig:
             raise ValueError(f"val_fraction: expected in [0, 1), got {self.val_fraction}")
 
 
-def pipeline_keys(space) -> list[tuple]:
-    """Every pipeline key the plan-level decisions reach with every decision made."""
+def pipeline_keys(space) -> list:
+    """Every pipeline key (:class:`tag.search.space.PipelineChoice`) the plan-level decisions reach
+    with every decision made."""
+    from ..search.space import PipelineChoice
     out = []
     for p in space.options("stages", 1)[1:]:
         for cut in space.options("cut", p):
             for t in space.options("stage_sync", p):
                 for m in space.options("micro", p, t):
                     for s, k in space.options("schedule", p):
-                        out.append(("pp", p, m, t, s, k, cut))
+                        out.append(PipelineChoice(p, m, t, s, k, cut))
     return out
 
 
@@ -74,7 +76,7 @@ def decision_targets(space, rewards: dict[tuple, float], no_pipeline: float,
     without a pipeline (module docstring)."""
     from ..search.space import PLAN_DECISIONS
     choices = [({"stages": p, "cut": cut, "stage_sync": t, "micro": m, "schedule": (s, k)}, r)
-               for (_, p, m, t, s, k, cut), r in rewards.items()]
+               for (p, m, t, s, k, cut), r in rewards.items()]
 
     def value(c: dict) -> float:  # the best reward below the choices c
         if c.get("stages", 1) == 1:
