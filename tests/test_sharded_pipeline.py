@@ -108,3 +108,54 @@ def test_tag_run_trains_sharded_pipeline_stages_as_one_process(tmp_path, level):
     assert [r["grad_norm"] for r in metrics(run)] == pytest.approx(norms, rel=1e-4)
     assert sum(n > CLIP for n in norms) >= 3  # (the clipping acted)
     assert run.step == 6 and run.checkpoint.endswith("step-00000006")
+
+
+TIED_GPT2 = "gpt2:n_layer=2,n_embd=64,n_head=2,seq=16,vocab=512"
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_a_tied_embedding_is_held_whole_by_both_stages(tmp_path, captured, level):
+    """GPT-2's tied embedding / LM head on ``dp=2,pp=2,micro=2`` (``level`` 3: ``zero=3``), 4 gloo
+    ranks, one Adam step: both stages' ranks hold the weight whole, with its gradient and Adam's
+    moments (Megatron-LM's first and last stages likewise), out of the ZeRO shards; the simulator
+    holds on each rank what it holds (within 2%): its per-group state (:func:`sharded_bytes`) and
+    the tied copies' state as the engine adds it (the run less the run without tied copies). The
+    executor's held state leaves out the gradients of what it holds whole (live from the backward
+    to the step, which the simulator holds for the iteration): the rank's parameters without
+    sharding, the tied weight under ZeRO-3. The memory bound stays below the simulated peak."""
+    from tag.executor import ExecuteConfig, execute
+    from tag.sim.bounds import static_bound
+    from tag.sim.engine import _holdings
+
+    graph = captured(TIED_GPT2, batch=8, groups=4).graph
+    topo_path = _topology(tmp_path)
+    topo = load_topology(topo_path)
+    costs = CostModel.for_topology(graph, topo)
+    plan = layout_plan(graph, topo, parse_layout("dp=2,pp=2,micro=2" + (f",zero={level}" if level else "")), costs)
+    assert {tuple(g.devices) for g in plan.groups} == {(0, 1), (2, 3)}
+    plan.save(tmp_path / "plan.json")
+    cfg = ExecuteConfig(TIED_GPT2, topo_path, str(tmp_path / "plan.json"), steps=1, warmup=0, optimizer="adam",
+                        run_dir=str(tmp_path / "run"), timeout_s=120.0)
+    execute(cfg, graph=graph)
+    ranks = json.loads((tmp_path / "run" / "ranks.json").read_text())
+    (w,) = [p for p in graph.params if p.name == "model.lm_head.weight"]
+    got = [r["held_state_bytes"] + r["optimizer_state_bytes"] + (w.nbytes if level else r["held_state_bytes"])
+           for r in ranks]
+
+    sim = Simulator(graph, topo, costs)
+    micro, gds = sim._micro(plan.groups, plan.pipeline), sim.deploy(plan.groups)
+    (tw,) = sim.static.tied
+    assert micro.tied == {tw.tensor}  # held by both stages, not moved
+    tied = [x - y for x, y in zip(_holdings(sim, gds, micro)[1],
+                                  _holdings(sim, gds, micro._replace(tied=frozenset(), tied_shards=()))[1])]
+    per_group = _predicted_state(graph, topo, plan, lambda s, p, o: sharded_bytes(level, s, p, o) if level
+                                 else 2 * p + o)
+    whole = 2 * w.nbytes + w.opt_state_bytes
+    # the last stage gains the whole copy; a sharded first stage gains what its shard left out
+    assert tied == pytest.approx([whole - (sharded_bytes(level, 2, w.nbytes, w.opt_state_bytes) if level else whole)
+                                  ] * 2 + [whole] * 2)
+    assert got == pytest.approx([a + b for a, b in zip(per_group, tied)], rel=0.02)
+    assert got[2] != pytest.approx(per_group[2], rel=0.02)  # (the copy is no small part of the last stage)
+    res = sim.run(plan.groups, pipeline=plan.pipeline)
+    low = static_bound(sim, plan.groups, plan.pipeline)
+    assert all(b <= p for b, p in zip(low.peak_bytes, res.peak_memory_bytes))

@@ -63,6 +63,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..parallel.buckets import assign_buckets, bucket_caps
+from ..parallel.sharded import shard_size, sharded_bytes
 from ..parallel.strategy import strategy_of
 from .result import SimEvent, SimResult
 from .static import BWD, FWD, OPT, PARAM, build_static
@@ -600,12 +601,20 @@ class Simulator:
         members = [list(r) for r in prog.members]
         tasks = [(t.stage, FWD if t.phase == "fwd" else BWD, t.micro) for t in prog.tasks]
         flight = list(prog.flight)
-        return _Micro(mgds, tasks, members, flight, self._tied(groups, pp), self.static.relayed(tuple(pp.stages)))
+        tied = self._tied(groups, pp)
+        # a tied weight's sharded owner (tag.sim.sharded) holds and steps it whole (_hold_tied)
+        shards = tuple((tw.tensor, int(groups[tw.owner].sync[4:]), shard_size(groups[tw.owner]))
+                       for tw in self.static.tied if tw.tensor in tied and groups[tw.owner].sync.startswith("zero"))
+        return _Micro(mgds, tasks, members, flight, tied, self.static.relayed(tuple(pp.stages)), shards)
 
     def _tied(self, groups, pp) -> frozenset[int]:
         """The tied weights of :attr:`_Micro.tied`: readers in one stage, owner in another (the
-        executor's :func:`tag.parallel.schedule.build_schedule`)."""
-        if not self.static.tied or any(costing_of(gp.sync) is not None for gp in groups):
+        executor's :func:`tag.parallel.schedule.build_schedule`), in a plan of groups without a
+        costing of their own or sharded (ZeRO, not offloaded: the executor keeps the weight whole
+        on both stages, out of the shard buckets; a tensor-parallel plan's executor moves it)."""
+        held_whole = ("zero1", "zero2", "zero3")  # (whole on both stages, not offloaded)
+        if not self.static.tied or any(costing_of(gp.sync) is not None and (gp.sync not in held_whole or gp.offload)
+                                       for gp in groups):
             return frozenset()
         from ..parallel.pipeline import stage_of_group
 
@@ -772,6 +781,10 @@ class _Micro(NamedTuple):
     relayed: frozenset[tuple[int, int]] = frozenset()
     """(tensor, consumer group) edges another group of the consumer's stage receives for it
     (:meth:`tag.sim.static.GraphStatic.relayed`)."""
+
+    tied_shards: tuple[tuple[int, int, int], ...] = ()
+    """(tensor, ZeRO level, shard size) of each tied weight of :attr:`tied` whose owner group is
+    sharded: its layout prices the weight's state sharded, the executor holds it whole (:func:`_hold_tied`)."""
 
     def select(self, part: str) -> tuple:
         """:func:`tag.sim.units.pair_kinds`'s ``select`` of ``part`` (``micro``, ``first``,
@@ -1631,17 +1644,27 @@ def _holdings(sim, gds, micro: _Micro | None = None):
 def _hold_tied(sim, micro: _Micro, opt: list[float], mem: list[float], holds: list[bool]) -> None:
     """The second copy of each tied weight (:attr:`_Micro.tied`) on the replicas of its partial
     sum's group: the weight, its gradient and its optimizer state held, and its update, the
-    owner group's update seconds on that device per parameter byte (in place)."""
+    owner group's update seconds on that device per parameter byte (in place). A sharded owner
+    (:attr:`_Micro.tied_shards`) holds its copy whole too, and steps all of it: the executor's
+    ZeRO buckets leave the weight out (:meth:`tag.executor.sharded.ShardedRank`), as Megatron-LM's
+    first and last stages each hold and step the embedding."""
     gds = micro.gds[0]
+    shards = {t: (level, s) for t, level, s in micro.tied_shards}
     for tw in sim.static.tied:
         if tw.tensor not in micro.tied:
             continue
         g = tw.owner
         per_byte = tw.nbytes / float(sim.static.grad_bytes[g])
+        whole = 2.0 * tw.nbytes + tw.opt_state_bytes
         for d in gds[tw.grad_group].units[0].devices:
-            mem[d] += 2.0 * tw.nbytes + tw.opt_state_bytes
+            mem[d] += whole
             opt[d] += float(sim.tables[sim.dev_class[d], g, OPT, 1]) * per_byte
             holds[d] = True
+        if tw.tensor in shards:  # (the owner's layout: sharded_bytes of it, 1 / S of its step)
+            level, s = shards[tw.tensor]
+            for d in gds[g].units[0].devices:
+                mem[d] += whole - sharded_bytes(level, s, tw.nbytes, tw.opt_state_bytes)
+                opt[d] += float(sim.tables[sim.dev_class[d], g, OPT, 1]) * per_byte * (1.0 - 1.0 / s)
 
 
 def _result(sim, run, sync_end: list[float], holdings):
