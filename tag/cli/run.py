@@ -97,7 +97,12 @@ def register(sub) -> None:
                    help="a topology of several machines: write the run folder (--run-dir, the same path on every "
                         "machine) and print each machine's torchrun command, rendezvous at HOST:PORT of the first; "
                         "--checkpoint-dir must be shared by every machine")
+    p.add_argument("--adaptive-k", action="store_true",
+                   help="a pipelined plan (1f1b, kfkb, gpipe), gloo ranks: choose kFkB's block size k between "
+                        "optimizer steps from the measured stage-to-stage transfer times, among 1, 2, 4, 8 that fit "
+                        "in memory (Ada-Grouper; as tag execute --adaptive-k)")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # testing: RANK:STEP:exit|exit-in-checkpoint
+    p.add_argument("--inject-delay", default=None, help=argparse.SUPPRESS)  # testing: RANKS:MS[:FROM[:TO]] (batches)
     p.set_defaults(func=run)
 
 
@@ -117,7 +122,7 @@ def run(args) -> int:
                         optimizer=args.optimizer, seed=args.seed, groups=args.groups, steps=1, warmup=0,
                         backend=args.backend, timeout_s=args.timeout, run_dir=args.run_dir,
                         save_params=args.save_params, fault=args.inject_fault, precision=args.precision,
-                        compile=args.compile)
+                        compile=args.compile, adaptive_k=args.adaptive_k, delay=args.inject_delay)
     if args.torchrun is not None:
         launch = prepare_train_torchrun(cfg, spec, args.torchrun)
         print_torchrun(launch, args.json, "the same path on every machine; run in order of the topology's "

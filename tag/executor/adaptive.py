@@ -114,12 +114,12 @@ class AdaptiveK:
         self.comm.sent_s.clear()
         return out
 
-    def next_k(self) -> int:
-        """All-gather the iteration's measurements, choose the next ``k`` (the same on every rank)
-        and switch to it."""
+    def next_k(self, iterations: int = 1) -> int:
+        """All-gather the measurements of the ``iterations`` just run (``tag run``: a step's
+        accumulated batches), choose the next ``k`` (the same on every rank) and switch to it."""
         import torch.distributed as dist
 
-        mine = torch.tensor(self.measured(), dtype=torch.float64)
+        mine = torch.tensor(self.measured(), dtype=torch.float64) / iterations
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         m = torch.stack(every)

@@ -21,7 +21,12 @@ rank per device (:func:`tag.executor.launch._launch`); each rank (:func:`train_r
   the norm is reported whether or not ``--clip`` is given;
 * after each step one all-gather of (loss, stop, memory) per rank: rank 0 writes the step's
   record to ``metrics.jsonl`` (and TensorBoard / wandb when asked) and stops everyone at
-  ``--time``; checkpoints every ``--checkpoint-every`` steps and at the end.
+  ``--time``; checkpoints every ``--checkpoint-every`` steps and at the end;
+* ``--adaptive-k`` (a pipeline of 1f1b, kfkb or gpipe, gloo ranks): after each optimizer step
+  every rank takes the next step's kFkB block size from the step's measured stage and transfer
+  seconds (:class:`tag.executor.adaptive.AdaptiveK`, as ``tag execute --adaptive-k`` between
+  iterations; a step's batches all run one block size, so the gradients accumulated unsynced stay
+  those of one schedule's buckets); the record says which (``k``).
 """
 
 from __future__ import annotations
@@ -317,6 +322,7 @@ def train_rank(a, ctx: RankContext) -> dict:
         feeder = RankFeeder(rows_reader(ctx.wl.data, a.seed, a.model), rt.inputs, rank_rows(rt), a.model)
     control = StepControl(rt, ctx.comm, responsible(ctx), spec.accumulate, spec.clip, ctx.device)
     rt.before_step = control
+    ada, throttle = _adaptive(a, ctx)
     base_lr = spec.lr or (rt.optimizer.defaults["lr"] if rt.optimizer is not None else 0.0)
     step, batches, samples = 0, 0, 0
     if spec.resume:
@@ -340,9 +346,14 @@ def train_rank(a, ctx: RankContext) -> dict:
                 g["lr"] = lr
         t0 = time.perf_counter()
         loss = 0.0
+        k = None if ada is None else ada.k
         for _ in range(spec.accumulate):
-            loss += _batch(ctx, feeder, batches, samples) / spec.accumulate
+            if throttle is not None:
+                ctx.comm.link_delay_s = throttle.delay_at(rank, batches)
+            loss += _batch(ctx, feeder, batches, samples, ada) / spec.accumulate
             batches, samples = batches + 1, samples + B
+        if ada is not None:  # the next step's block size (every rank at once)
+            ada.next_k(spec.accumulate)
         step += 1
         late = spec.time_s is not None and time.perf_counter() - t_launch >= spec.time_s
         parts = _gathered(ctx, loss, late)
@@ -355,6 +366,8 @@ def train_rank(a, ctx: RankContext) -> dict:
                   "memory_bytes": [int(p[2]) for p in parts], "samples": samples,
                   "elapsed_s": time.perf_counter() - t_launch}
         record["eta_s"] = _eta(spec, step, first, record["elapsed_s"])
+        if ada is not None:  # the block size the step ran, and the measurements choosing the next
+            record["k"], record["next_k"] = k, ada.last
         last = record["last"] = stop or step == spec.steps
         if records is not None:
             records.write(record)
@@ -388,16 +401,28 @@ def train_rank(a, ctx: RankContext) -> dict:
     return summary
 
 
-def _batch(ctx: RankContext, feeder: RankFeeder | None, batches: int, samples: int) -> float:
-    """Run one global batch (the ``batches``-th, from stream sample ``samples``) through the plan's
-    schedule, its syncs and :meth:`RankRuntime.update`; this rank's part of its loss."""
+def _adaptive(a, ctx: RankContext) -> tuple:
+    """``(AdaptiveK or None, Throttle or None)`` of ``--adaptive-k`` (``a.adaptive_k``: the block
+    sizes that fit, :func:`tag.executor.adaptive.allowed_ks`) and ``--inject-delay``."""
+    from .adaptive import AdaptiveK, Throttle
+    from .strategies import execution_for
+
+    ada = None if a.adaptive_k is None else AdaptiveK(a.adaptive_k, execution_for(ctx.plan, ctx.graph), ctx.graph,
+                                                      ctx.topology.machine_of, a.bucket_bytes, ctx.rt, ctx.comm)
+    return ada, Throttle.parse(a.delay)
+
+
+def _batch(ctx: RankContext, feeder: RankFeeder | None, batches: int, samples: int, ada=None) -> float:
+    """Run one global batch (the ``batches``-th, from stream sample ``samples``) through the
+    schedule the runtime walks (the plan's, or ``ada``'s block size), its syncs and
+    :meth:`RankRuntime.update`; this rank's part of its loss."""
     from .worker import walk_schedule
 
     rt = ctx.rt
     if feeder is not None:
         feeder.feed(batches, samples)
     rt.begin_iteration()
-    walk_schedule(rt, ctx.comm, ctx.sched)
+    walk_schedule(rt, ctx.comm, rt.schedule, None, ada)
     ctx.comm.finish_syncs(rt)
     rt.update()
     return rt.loss
