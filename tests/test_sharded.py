@@ -236,3 +236,38 @@ def test_sharded_pipeline_stages_are_costed_and_executable(captured, topo4):
     assert simulate(graph, topo4, plan).iteration_time_s > 0
     assert execution_refusal(plan) is None
     validate_plan(plan, graph, topo4)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_sharded_stages_hold_a_tied_weight_as_the_executor(captured, topo4, zero):
+    """GPT-2's tied embedding on ``dp=2,pp=2,micro=2,zero=Z``: the executor's schedule holds it on
+    both stages (no transfer carries it, one all-reduce over both stages' replicas) and the
+    simulator moves exactly the schedule's bytes and runs its buckets; each rank of both stages
+    holds the weight, its gradient and optimizer state whole (the shard buckets leave it out:
+    tests/test_sharded_pipeline.py measures it), so the first stage holds that less the sharded
+    bytes its layout counted, the last stage all of it; the memory bound stays below."""
+    from test_sim_executor import schedule_bytes, sim_bytes
+
+    from tag.executor import build_schedule
+    from tag.sim.bounds import static_bound
+    from tag.sim.engine import _holdings
+
+    graph = captured("gpt2:n_layer=2,n_embd=32,n_head=2,seq=16,vocab=128", batch=8, groups=4).graph
+    plan = layout_plan(graph, topo4, parse_layout(f"dp=2,pp=2,micro=2,zero={zero}"),
+                       CostModel.for_topology(graph, topo4))
+    sim = Simulator(graph, topo4)
+    sched = build_schedule(graph, plan, topo4.machine_of)
+    (t,) = sched.tied.values()
+    assert t.collective.members == (0, 1, 2, 3)
+    assert schedule_bytes(graph, sched) == pytest.approx(sim_bytes(sim, plan.groups, plan.pipeline), rel=1e-12)
+    micro, gds = sim._micro(plan.groups, plan.pipeline), sim.deploy(plan.groups)
+    jobs = [(job.sync_devices, job.sync_bytes) for _, job in sim.sync_jobs(gds, micro.tied)]
+    assert jobs == [(b.collective.members, b.nbytes) for b in sched.buckets]
+    (w,) = [p for p in graph.params if graph.tensors[p.tensor].name == t.param]
+    held, moved = (_holdings(sim, gds, m)[1] for m in (micro, micro._replace(tied=frozenset(), tied_shards=())))
+    whole = 2 * w.nbytes + w.opt_state_bytes
+    assert [x - y for x, y in zip(held, moved)] == pytest.approx(
+        [whole - sharded_bytes(zero, 2, w.nbytes, w.opt_state_bytes)] * 2 + [whole] * 2)
+    res = sim.run(plan.groups, pipeline=plan.pipeline)
+    assert all(b <= p for b, p in zip(static_bound(sim, plan.groups, plan.pipeline).peak_bytes,
+                                      res.peak_memory_bytes))
