@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..graph.ir import Phase
 from .engine import _holdings
 from .static import BWD, FWD
 from .units import ARRAY_BYTES, ENTRY_BYTES
@@ -177,20 +178,13 @@ def _state_graph(sim):
     import copy
     from dataclasses import replace
 
-    from ..graph.gradients import backward_homes
+    from ..graph.gradients import param_groups
 
     memo = sim.cache("bound-state-graph")
     hit = memo.get("graph")
     if hit is None:
         graph = sim.graph
-        ops, tensors, homes = graph.ops, graph.tensors, backward_homes(graph)
-        moved = []
-        for p in graph.params:
-            i = tensors[p.grad].producer
-            while i >= 0 and ops[i].target == "getitem" and ops[i].inputs:  # (where its producer runs)
-                i = tensors[ops[i].inputs[0]].producer
-            g = homes.get(i, (ops[i].group, 0))[0] if i >= 0 and ops[i].phase != "opt" else p.group
-            moved.append(p if g == p.group else replace(p, group=g))
+        moved = [p if g == p.group else replace(p, group=g) for p, g in zip(graph.params, param_groups(graph))]
         hit = graph
         if any(a is not b for a, b in zip(moved, graph.params)):
             hit = copy.copy(graph)
@@ -439,7 +433,7 @@ def _joined(st, pipeline, sequences, lows: list) -> list[bool]:
     running no other stage, the groups on each side linked (:func:`_linked`) and the devices
     disjoint."""
     S, M = len(pipeline.stages), pipeline.micro_batches
-    ok = [x is not None and seq[0] == ("fwd", 0) and seq[-1] == ("bwd", M - 1) for x, seq in zip(lows, sequences)]
+    ok = [x is not None and seq[0] == (Phase.FWD, 0) and seq[-1] == (Phase.BWD, M - 1) for x, seq in zip(lows, sequences)]
     held = [set() if x is None else set(x[2].tolist()) for x in lows]
     for s in range(S):  # (a device running another stage too, interleaved, may end on that one's task)
         ok[s] = ok[s] and not any(held[s] & held[t] for t in range(S) if t != s)

@@ -62,6 +62,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import PlanError
+from ..graph.ir import PHASE_INDEX
 from ..parallel.buckets import assign_buckets, bucket_caps
 from ..parallel.sharded import shard_size, sharded_bytes
 from ..parallel.strategy import strategy_of
@@ -87,7 +88,7 @@ from .units import (
     seq_bytes,
 )
 
-PHASE_NAME = {FWD: "fwd", BWD: "bwd", OPT: "opt", PARAM: "param"}
+PHASE_NAME = {**{i: p for p, i in PHASE_INDEX.items()}, PARAM: "param"}
 CACHE_BYTES = 2 * 1024**3
 """Default :attr:`Simulator.cache_bytes`: 2 GiB of plan-derived data. Measured 2026-11-27 on GPT-2
 medium (bf16, 64 groups) on h100-512gpu: random search derives about 8.5 MB per plan (200 plans:
@@ -599,7 +600,7 @@ class Simulator:
                 by_size[key] = self._warm(gds) if key[1] else gds
             mgds.append(by_size[key])
         members = [list(r) for r in prog.members]
-        tasks = [(t.stage, FWD if t.phase == "fwd" else BWD, t.micro) for t in prog.tasks]
+        tasks = [(t.stage, PHASE_INDEX[t.phase], t.micro) for t in prog.tasks]
         flight = list(prog.flight)
         tied = self._tied(groups, pp)
         # a tied weight's sharded owner (tag.sim.sharded) holds and steps it whole (_hold_tied)

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..graph.ir import Phase
 from ..parallel.sharded import offloaded_bytes, shard_size, sharded_bytes
 from ..parallel.strategy import strategy_of
 from .static import BWD, FWD, OPT
@@ -128,8 +129,9 @@ def _update_bytes(sim) -> np.ndarray:
     hit = memo.get("update")
     if hit is None:
         hit = np.zeros(sim.static.num_groups)
+        opt = Phase.OPT  # (an enum member looked up once: ~0.4 us a lookup)
         for op in sim.graph.ops:
-            if op.phase == "opt":
+            if op.phase == opt:
                 hit[op.group] += op.bytes_read.fixed + op.bytes_written.fixed
         memo["update"] = hit
     return hit
