@@ -245,6 +245,23 @@ def backward_homes(graph: OpGraph) -> dict[int, tuple[int, int]]:
     return out
 
 
+def param_groups(graph: OpGraph) -> list[int]:
+    """The op-group owning each of ``graph.params`` (same order): the group whose backward makes its
+    gradient where :func:`backward_homes` runs it (a layer norm's weight goes with its backward when
+    that moves to the next group), else the parameter's own group. The executor's schedule
+    (:func:`tag.parallel.schedule.build_schedule`), the simulator (:func:`tag.sim.static.build_static`)
+    and the search's per-group sizes (:class:`tag.search.costs.GroupCosts`) all bucket, sync, shard
+    and step a parameter in this group."""
+    ops, tensors, homes = graph.ops, graph.tensors, backward_homes(graph)
+    out = []
+    for p in graph.params:
+        i = tensors[p.grad].producer
+        while i >= 0 and ops[i].target == "getitem" and ops[i].inputs:  # (where its producer runs)
+            i = tensors[ops[i].inputs[0]].producer
+        out.append(homes.get(i, (ops[i].group, 0))[0] if i >= 0 and ops[i].phase != "opt" else p.group)
+    return out
+
+
 def _results(i: int, ops, tensors, grads_of: set[int]) -> tuple[list[int] | None, list[int]]:
     """What backward op ``i`` makes for :func:`backward_homes`, and the tuple projections that
     move with it: its outputs when all carry the batch; for an op returning a tuple (an output

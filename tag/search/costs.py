@@ -95,9 +95,10 @@ class GroupCosts:
         k = graph.num_groups
         pb = np.zeros(k)
         ob = np.zeros(k)
-        for p in graph.params:
-            pb[p.group] += p.nbytes
-            ob[p.group] += p.opt_state_bytes
+        from ..graph.gradients import param_groups
+        for p, g in zip(graph.params, param_groups(graph)):  # (where the simulator and executor own it)
+            pb[g] += p.nbytes
+            ob[g] += p.opt_state_bytes
         act = np.zeros(k)
         flow: dict[tuple[int, int], float] = {}
         for t in graph.tensors:

@@ -178,20 +178,13 @@ def _state_graph(sim):
     import copy
     from dataclasses import replace
 
-    from ..graph.gradients import backward_homes
+    from ..graph.gradients import param_groups
 
     memo = sim.cache("bound-state-graph")
     hit = memo.get("graph")
     if hit is None:
         graph = sim.graph
-        ops, tensors, homes = graph.ops, graph.tensors, backward_homes(graph)
-        moved, opt = [], Phase.OPT  # (an enum member looked up once: ~0.4 us a lookup)
-        for p in graph.params:
-            i = tensors[p.grad].producer
-            while i >= 0 and ops[i].target == "getitem" and ops[i].inputs:  # (where its producer runs)
-                i = tensors[ops[i].inputs[0]].producer
-            g = homes.get(i, (ops[i].group, 0))[0] if i >= 0 and ops[i].phase != opt else p.group
-            moved.append(p if g == p.group else replace(p, group=g))
+        moved = [p if g == p.group else replace(p, group=g) for p, g in zip(graph.params, param_groups(graph))]
         hit = graph
         if any(a is not b for a, b in zip(moved, graph.params)):
             hit = copy.copy(graph)
