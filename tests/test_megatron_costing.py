@@ -7,6 +7,7 @@ holds ``1 / t`` of a layer's matmul weights."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from tag.parallel.layers import group_by_layers, model_layers, vocab_parallel_gr
 from tag.parallel.layout import layout_plan, parse_layout
 from tag.parallel.tensor_parallel import block_groups, group_split, megatron_blocks
 from tag.planner import model_graph
+from tag.sim import Simulator
 from tag.sim.static import build_static
 from tag.topology import load_topology
 
@@ -133,7 +135,7 @@ def test_vocab_parallel_head_costs_a_vocabulary_slice_of_every_token():
 
     plan = layout_plan(vp, topo, replace(parse_layout("dp=1,tp=8,pp=1,micro=1"), vocab=1), c8)
     vocab_parallel_plan(vp, plan, tp)
-    assert plan.groups[head].sync == "tp" and plan.groups[0].sync != "tp"  # the embedding: sample shares
+    assert plan.groups[head].sync == "tp" and plan.groups[0].sync == "tp"
     lay = sim.deploy(plan.groups)[head].units[0].layout
     devs = plan.groups[head].devices
     ce = sim.comm.tensor_parallel_time(devs, [4.0 * s * 2] * 3)
@@ -148,14 +150,88 @@ def test_vocab_parallel_head_costs_a_vocabulary_slice_of_every_token():
     assert lay.dur[1, head, 0] == pytest.approx(max(c8.table(0)[head, 1, 2], rank[1]) + grad)
 
 
-def test_vocab_shares_keep_each_replicas_samples_on_its_group():
-    """A vocabulary-parallel head's rows stay on their tensor-parallel group: 8 samples over
-    4 groups of 8 devices land on each group's first two ranks (the replica's own two samples),
-    as many samples as devices one each."""
-    from evaluation.external import vocab_shares
-    from tag.plan.format import local_batches
+def _vocab_plan(layout: str, strip: bool = False):
+    """The test GPT (batch 8, fp16) costed as Megatron-LM runs it on the 8 x A100 machine with
+    ``layout`` (``vocab=1``): graph, plan, simulator. ``strip``: the copy without its
+    ``vocab_parallel`` mark (a tensor-parallel plan as TAG's executor runs it)."""
+    from evaluation.external import vocab_parallel_plan
 
-    shares = vocab_shares(32, 8)
-    assert sum(shares) == pytest.approx(1.0)
-    assert local_batches(8, shares) == [1, 1, 0, 0, 0, 0, 0, 0] * 4
-    assert local_batches(32, shares) == [1] * 32 and local_batches(256, shares) == [8] * 32
+    g = _graph()
+    group_by_layers(g)
+    lay = replace(parse_layout(layout), vocab=1)
+    vp = vocab_parallel_graph(fused_activation_graph(g), lay.tp)
+    if strip:
+        del vp.vocab_parallel
+    topo = load_topology(str(A100X8))
+    costs = CostModel.for_topology(vp, topo, runtime="megatron")
+    plan = layout_plan(vp, topo, lay, costs)
+    vocab_parallel_plan(vp, plan, lay.tp)
+    return vp, plan, Simulator(vp, topo, costs)
+
+
+def test_vocab_parallel_embedding_holds_its_rows_and_all_reduces_its_output():
+    """Megatron-LM's VocabParallelEmbedding on 4 ranks: each rank looks up every token of its
+    replica in its V / 4 rows, so the embedding group's weight-sized tensors (the lookup's weight
+    gradient, the tied sum) are 1/4 of the bytes while the looked-up activations stay whole, and
+    its forward all-reduces the output over the group (2 s h bytes a sample in fp16: the rows a
+    rank does not hold are zeros); its backward has no collective."""
+    g = _graph()
+    group_by_layers(g)
+    g = fused_activation_graph(g)
+    vp = vocab_parallel_graph(g, 4)
+    assert vp.vocab_parallel == 4 and vocab_parallel_graph(g, 1) is g
+    emb = [i for i, o in enumerate(g.ops) if o.group == 0 and o.phase == "bwd" and "embedding" in o.target]
+    weight = [i for i in emb if g.tensors[g.ops[i].outputs[0]].nbytes.fixed == V * H * 4]
+    assert len(weight) == 1  # the token embedding's gradient (the position embedding's is 1024 rows)
+    out = g.ops[weight[0]].outputs[0]
+    assert vp.tensors[out].nbytes.fixed == V * H  # 1/4 of V h fp32
+    assert vp.ops[weight[0]].bytes_read.per_sample == g.ops[weight[0]].bytes_read.per_sample
+    assert vp.ops[weight[0]].bytes_written.fixed == pytest.approx(g.ops[weight[0]].bytes_written.fixed / 4)
+    lookup = next(o for o in g.ops if o.group == 0 and o.phase == "fwd" and o.batch and "embedding" in o.target)
+    assert vp.tensors[lookup.outputs[0]].nbytes == g.tensors[lookup.outputs[0]].nbytes
+    (fwd,), bwd = vp.vocab_reduces[0]
+    assert fwd.at(1) == 2 * S * H and bwd == ()
+    vp, plan, sim = _vocab_plan("dp=2,tp=4,pp=1,micro=1")
+    assert plan.groups[0].sync == "tp" and plan.groups[0].tp == 4
+    silent = copy.copy(vp)  # the same graph without the embedding's collective
+    silent.vocab_reduces = {k: r for k, r in vp.vocab_reduces.items() if k != 0}
+    quiet = Simulator(silent, sim.topology, sim.costs).deploy(plan.groups)[0].layout.dur[:, 0, 0]
+    dur = sim.deploy(plan.groups)[0].layout.dur[:, 0, 0]
+    ar = sim.comm.tensor_parallel_time(plan.groups[0].devices[:4], [2.0 * S * H * 4])  # the replica's 4 samples
+    assert ar > 0 and dur[0] == pytest.approx(quiet[0] + ar) and dur[1] == pytest.approx(quiet[1])
+
+
+def test_pipeline_holds_the_tied_vocab_shards_on_both_stages():
+    """On a pipeline, Megatron-LM's first and last stages each hold their V / tp shard of the tied
+    embedding (its weight, gradient and Adam state on the last stage's devices too) and all-reduce
+    its gradient over rank i of every replica of both stages, the tp shard rings at once: no
+    weight or gradient of the vocabulary crosses the cut, and the owner's own sync leaves it out.
+    The same plan without the vocabulary-parallel mark is TAG's executor's tensor-parallel
+    pipeline: the weight moves to the last stage and its partial sums back."""
+    vp, plan, sim = _vocab_plan("dp=2,tp=2,pp=2,micro=2")
+    pp = plan.pipeline
+    (tw,) = sim.static.tied
+    assert tw.nbytes == V * H * 4 / 2
+    assert sim._micro(plan.groups, pp).tied == frozenset({tw.tensor})
+    p2p, _ = sim.moved_bytes(plan.groups, pipeline=pp)
+    assert p2p and max(p2p.values()) < tw.nbytes  # the stage boundary's activations only
+    gds = sim.deploy(plan.groups)
+    jobs = dict(sim.sync_jobs(gds, frozenset({tw.tensor})))
+    tie = jobs[(tw.grad_group, tw.owner)]
+    first, last = plan.groups[tw.owner].devices, plan.groups[tw.grad_group].devices
+    assert tie.sync_devices == tuple(sorted(first + last))
+    rings = [first[:2], first[2:], last[:2], last[2:]]
+    assert tie.sync_time == pytest.approx(sim.comm.allreduce_time([r[0] for r in rings], 2 * tw.nbytes))
+    own = jobs[(tw.owner,)]
+    rest = gds[tw.owner].sync_bytes - tw.nbytes  # the position embedding's gradient
+    assert own.sync_bytes == pytest.approx(rest)
+    assert own.sync_time == pytest.approx(sim.comm.allreduce_time([first[0], first[2]], 2 * rest))
+    res = sim.run(plan.groups, pipeline=pp)
+    _, _, stripped = _vocab_plan("dp=2,tp=2,pp=2,micro=2", strip=True)
+    assert stripped._micro(plan.groups, pp).tied == frozenset()
+    p2p_exec, _ = stripped.moved_bytes(plan.groups, pipeline=pp)
+    assert max(p2p_exec.values()) >= tw.nbytes
+    res_exec = stripped.run(plan.groups, pipeline=pp)
+    held = 2 * tw.nbytes + tw.opt_state_bytes  # the last stage's copy
+    for d in last:
+        assert res.peak_memory_bytes[d] >= res_exec.peak_memory_bytes[d] + 0.9 * held

@@ -42,9 +42,9 @@ Megatron-LM runs: its fused kernels (``CostModel`` ``runtime="megatron"``), acti
 trainer holds them (:mod:`tag.cost.fused_memory`), one op-group a layer (Megatron-LM's unit of
 activation recomputation and of tensor parallelism: :func:`tag.parallel.layers.group_by_layers`)
 and, with tensor parallelism, the vocabulary split over the tensor-parallel ranks: the embedding's
-and head's weights (:func:`tag.parallel.layers.vocab_parallel_graph`), the embedding's samples
-(``Layout.vocab``), and the head's logits, their work and its collectives, every rank on its
-replica's whole micro-batch (:func:`vocab_parallel_plan`)."""
+and head's weights, the embedding's rows and the head's logits, their work and their collectives,
+every rank on its replica's whole micro-batch (:func:`tag.parallel.layers.vocab_parallel_graph`,
+:func:`vocab_parallel_plan`), the tied embedding held by a pipeline's first and last stages."""
 
 
 class DataError(ValueError):
@@ -246,39 +246,19 @@ def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None
 
 def vocab_parallel_plan(graph, plan, tp: int) -> None:
     """Deploy, in place, ``plan``'s groups outside the Megatron blocks (``Layout.vocab=1``,
-    :func:`tag.parallel.layout.outside_blocks`) as Megatron-LM runs its vocabulary-parallel
-    embedding and head on ``tp`` ranks: the embedding's groups data parallel over the stage, each
-    replica's samples on its own tensor-parallel group's ranks (:func:`vocab_shares`); the head's
-    (after the last block) tensor parallel of degree ``tp``, every rank on its replica's whole
-    micro-batch, ``graph`` costing its ``h x V / tp`` logits and the cross-entropy's collectives
-    (:func:`tag.parallel.layers.vocab_parallel_graph`). (The embedding as a tensor-parallel group
-    held its tied weight's gradient from every replica's head: vTrain's GPT 39.1B at ``tp=2,
-    dp=32, pp=8``, 53 -> 77 GiB on stage 0, 2026-11-29.)"""
+    :func:`tag.parallel.layout.outside_blocks`: the embedding, and the final norm, LM head and
+    loss) as Megatron-LM runs its vocabulary-parallel embedding and head: tensor parallel of
+    degree ``tp``, every rank on its replica's whole micro-batch, ``graph`` costing its ``V / tp``
+    rows of the embedding and ``h x V / tp`` logits of the head and their collectives
+    (:func:`tag.parallel.layers.vocab_parallel_graph`). On a pipeline the first and last stages
+    each hold the tied embedding's shards and all-reduce their gradients
+    (:meth:`tag.sim.engine.Simulator._tied`)."""
     from tag.parallel.layout import outside_blocks
 
-    outer = outside_blocks(graph)
-    first = min(set(range(graph.num_groups)) - outer)
-    for g in sorted(outer):
+    for g in sorted(outside_blocks(graph)):
         gp = plan.groups[g]
-        if g < first:
-            gp.shares = vocab_shares(len(gp.devices), tp)
-        else:
-            n = len(gp.devices)
-            plan.groups[g] = replace(gp, shares=[1.0 / n] * n, sync="tp", tp=tp, sequence_parallel=False)
-
-
-def vocab_shares(devices: int, tp: int) -> list[float]:
-    """Sample shares of a stage's ``devices`` (``tp`` a tensor-parallel group, in layout order)
-    in a group outside the Megatron blocks under ``Layout.vocab``: even, each device's ``1e-6``
-    more the lower its rank in its group, so that a micro-batch with fewer samples than devices
-    (largest-remainder rounding, :func:`tag.plan.format.local_batches`) gives each group's
-    samples to its own first ranks, as Megatron-LM's vocabulary-parallel head keeps a replica's
-    samples on its tensor-parallel group (equal shares gave them all to the first devices of the
-    stage: vTrain's GPT 39.1B at ``tp=8, dp=4, pp=16``, 8 samples a micro-batch, sent the head's
-    rows and gradients of three replicas' samples between machines, 2026-11-29)."""
-    raw = [1.0 + 1e-6 * (tp - i % tp) for i in range(devices)]
-    total = sum(raw)
-    return [x / total for x in raw]
+        n = len(gp.devices)
+        plan.groups[g] = replace(gp, shares=[1.0 / n] * n, sync="tp", tp=tp, sequence_parallel=False)
 
 
 # --------------------------------------------------------------------------------------- scores

@@ -146,18 +146,26 @@ def vocab_parallel_graph(graph: OpGraph, tp: int) -> OpGraph:
     vocabulary parameters: those outside the numbered layers (:func:`model_layers`) of at least
     half the largest such one's elements (GPT-2's token embedding, tied to its head, but not its
     2048-row position embedding or final norm; Llama's embedding and head); their bytes, their
-    gradient tensors' and optimizer state scale by ``1 / tp`` (each rank ``1 / tp`` of the rows).
+    gradient tensors' and optimizer state scale by ``1 / tp`` (each rank ``1 / tp`` of the rows),
+    and so do their optimizer updates' FLOPs and bytes.
     The head (:func:`_head_vocab`): each rank computes ``h x (V / tp)`` logits for all of its
     replica's tokens, so the head group's ops on a tensor of the vocabulary's width (the logits,
     their softmax and gradients, the weight's cast copy) have their FLOPs, bytes and those
     tensors' bytes scaled by ``1 / tp``, every rank at the replica's whole micro-batch when the
     head group is deployed tensor parallel (the simulator's plain tensor-parallel costing of a
     group without blocks; ``evaluation.external.vocab_parallel_plan``).
-    Its collectives over the tensor-parallel group (:attr:`vocab_reduces` on the copy, priced by
-    :func:`tag.sim.tensor_parallel.tp_layout`): forward, the vocab-parallel cross-entropy's
-    all-reduces of the logits' max, sum of exponentials and target logit (4 bytes a token
-    each); backward, the head input's gradient (Megatron's column-parallel linear, ``2 s h``
-    bytes a sample in fp16)."""
+    The embedding (:func:`_embedding_vocab`): each rank looks up every token of its replica in
+    its ``V / tp`` rows (Megatron-LM's ``VocabParallelEmbedding``, masked), so the embedding
+    group's ops on a tensor of the weight's size (its gradient, the tied sum) have their
+    batch-independent FLOPs and bytes and those tensors scaled by ``1 / tp``.
+    Their collectives over the tensor-parallel group (:attr:`vocab_reduces` on the copy, ``{group:
+    (forward, backward) all-reduce bytes}``, priced by :func:`tag.sim.tensor_parallel.tp_layout`):
+    forward, the embedding's output (``2 s h`` bytes a sample in fp16: the rows a rank does not
+    hold are zeros) and the vocab-parallel cross-entropy's all-reduces of the logits' max, sum of
+    exponentials and target logit (4 bytes a token each); backward, the head input's gradient
+    (Megatron's column-parallel linear, ``2 s h`` bytes a sample in fp16). :attr:`vocab_parallel`
+    on the copy is ``tp``: a pipeline holds the tied embedding on its first and last stages, one
+    ``V / tp`` shard a rank, as Megatron-LM does (:meth:`tag.sim.engine.Simulator._tied`)."""
     if tp <= 1:
         return graph
     outside = outside_params(graph, model_layers(graph))
@@ -168,21 +176,29 @@ def vocab_parallel_graph(graph: OpGraph, tp: int) -> OpGraph:
     out = copy.copy(graph)
     out.params, out.tensors, out.ops = list(graph.params), list(graph.tensors), list(graph.ops)
     wide = set()
+    weights = {graph.params[i].tensor for i in vocab}
     for i in vocab:
         p = copy.copy(graph.params[i])
         p.nbytes, p.opt_state_bytes = p.nbytes // tp, p.opt_state_bytes // tp
         out.params[i] = p
         wide |= {p.tensor, p.grad}
-    head = _head_vocab(graph, {graph.params[i].tensor for i in vocab})
+    updates = [i for i, o in enumerate(graph.ops) if o.phase == "opt" and weights & set(o.inputs)]
+    _scale_ops(out, updates, tp)
+    head = _head_vocab(graph, weights)
     out.vocab_reduces = {}
+    out.vocab_parallel = tp
     if head is not None:
         ops, tensors, reduces = head
         wide |= tensors
-        for i in ops:
-            o = copy.copy(graph.ops[i])
-            o.flops, o.bytes_read, o.bytes_written = (_scaled(a, tp) for a in (o.flops, o.bytes_read, o.bytes_written))
-            out.ops[i] = o
-        out.vocab_reduces = reduces
+        _scale_ops(out, ops, tp)
+        out.vocab_reduces = dict(reduces)
+        (g_head, (_, hidden)), = reduces.items()  # the head input's bytes: the embedding output's
+        emb = _embedding_vocab(graph, weights, {graph.params[i].numel for i in vocab})
+        if emb is not None and emb[0] != g_head:
+            g, e_ops, e_tensors = emb
+            wide |= e_tensors
+            _scale_ops(out, e_ops, tp, per_sample=False)
+            out.vocab_reduces[g] = (hidden, ())
     for t_idx in wide:
         t = copy.copy(graph.tensors[t_idx])
         t.nbytes = _scaled(t.nbytes, tp)
@@ -190,8 +206,38 @@ def vocab_parallel_graph(graph: OpGraph, tp: int) -> OpGraph:
     return out
 
 
-def _scaled(a: Affine, tp: int) -> Affine:
-    return Affine(a.fixed / tp, a.per_sample / tp)
+def _scale_ops(graph: OpGraph, ops, tp: int, per_sample: bool = True) -> None:
+    """Replace ``graph``'s ops ``ops`` (in its own op list) by copies whose FLOPs and bytes are
+    ``1 / tp`` (``per_sample`` False: their batch-independent parts only)."""
+    for i in ops:
+        o = copy.copy(graph.ops[i])
+        o.flops, o.bytes_read, o.bytes_written = (_scaled(a, tp, per_sample)
+                                                  for a in (o.flops, o.bytes_read, o.bytes_written))
+        graph.ops[i] = o
+
+
+def _embedding_vocab(graph: OpGraph, weights: set[int], numels: set[int]) -> tuple[int, set[int], set[int]] | None:
+    """``(group, ops, tensors)`` of the input embedding's work over the vocabulary: the group of
+    the first forward op computing on the batch with a vocabulary weight (``weights``: tensor
+    indices; the lookup), the tensors of that group holding a whole multiple of a vocabulary
+    weight's elements (``numels``) and none a sample (the weight, its gradient, the tied sum),
+    and the forward and backward ops reading or writing one. None without such an op."""
+    first = next((o for o in graph.ops if o.phase == "fwd" and o.batch and weights & set(o.inputs)), None)
+    if first is None:
+        return None
+    g = first.group
+    mine = [i for i, o in enumerate(graph.ops) if o.group == g and o.phase in ("fwd", "bwd")]
+
+    def is_wide(t: int) -> bool:
+        n = graph.tensors[t].nbytes
+        return n.per_sample == 0 and n.fixed > 0 and any(n.fixed % e == 0 for e in numels)
+
+    tensors = {t for i in mine for t in graph.ops[i].inputs + graph.ops[i].outputs if is_wide(t)}
+    return g, {i for i in mine if tensors & set(graph.ops[i].inputs + graph.ops[i].outputs)}, tensors
+
+
+def _scaled(a: Affine, tp: int, per_sample: bool = True) -> Affine:
+    return Affine(a.fixed / tp, a.per_sample / tp if per_sample else a.per_sample)
 
 
 def _head_vocab(graph: OpGraph, weights: set[int]) -> tuple[set[int], set[int], dict] | None:

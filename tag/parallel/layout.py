@@ -88,8 +88,8 @@ class Layout:
     TAG's executor refuses tensor parallelism mixed with other groups where group 0 is ``tp``,
     :func:`~tag.parallel.strategy.execution_refusal`); 0: those groups are replicated on every
     tensor-parallel rank, as TAG executes them. (The published Megatron-LM runs of
-    ``evaluation.external`` then deploy the head tensor parallel, vocabulary split, with
-    ``evaluation.external.vocab_parallel_plan``; the embedding stays split by samples.)"""
+    ``evaluation.external`` then deploy the embedding and the head tensor parallel, vocabulary
+    split, with ``evaluation.external.vocab_parallel_plan``.)"""
     prop: int = 0
     """1: a stage's replicas get batch shares proportional to their devices' speed (the cost
     model's, :meth:`~tag.cost.CostModel.device_speeds`; a tensor-parallel replica at its slowest

@@ -409,22 +409,29 @@ class Simulator:
                 jobs.append((gs, gd))
                 continue
             nbytes = sum(sbytes[g] for g in gs)
-            jobs.append((gs, SyncJob(gs, gd.sync, self._bucket_time(gd.bucket, nbytes), gd.sync_devices,
-                                     gd.sync_machines, nbytes)))
+            # (a tensor-parallel group, a bucket of its own: its sync less the tied weights)
+            secs = gd.resync(less[gs[0]]) if gd.resync is not None else self._bucket_time(gd.bucket, nbytes)
+            jobs.append((gs, SyncJob(gs, gd.sync, secs, gd.sync_devices, gd.sync_machines, nbytes)))
         return self._tied_jobs(gds, ties, jobs)
 
     def _tied_jobs(self, gds: list[GroupData], ties: list, jobs: list) -> list:
         """``jobs`` with the all-reduce of each tied weight of ``ties`` over its owner's replicas and
         its partial sum's maker's, at the executor's launch: after the buckets launched at or
         before the later of the two groups' last backward (the earlier group: its stage ends
-        later; :func:`tag.parallel.schedule.build_schedule`)."""
+        later; :func:`tag.parallel.schedule.build_schedule`). Tensor-parallel groups (Megatron-LM's
+        vocabulary-parallel embedding, :meth:`_tied`): each rank's shard over the same rank of
+        every replica of both stages, the ``tp`` shard rings at once
+        (:meth:`tag.cost.comm.CommModel.tensor_parallel_sync_time`)."""
         for tw in ties:
             g_o, g_x = tw.owner, tw.grad_group
             devs = tuple(gds[g_o].units[0].devices) + tuple(gds[g_x].units[0].devices)
             members = tuple(sorted(set(devs)))
             machines = tuple(sorted({self.comm.machine_of[d] for d in members}))
-            job = SyncJob((g_x, g_o), "allreduce", self._bucket_time(("allreduce", devs, None), tw.nbytes), members,
-                          machines if len(machines) > 1 else (), tw.nbytes)
+            t = gds[g_o].tp
+            secs = self.comm.tensor_parallel_sync_time([devs[i:i + t] for i in range(0, len(devs), t)], 0.0,
+                                                       tw.nbytes, False) if t \
+                else self._bucket_time(("allreduce", devs, None), tw.nbytes)
+            job = SyncJob((g_x, g_o), "allreduce", secs, members, machines if len(machines) > 1 else (), tw.nbytes)
             at = sum(1 for gs, _ in jobs if gs[-1] >= min(g_o, g_x))
             jobs = jobs[:at] + [(job.groups, job)] + jobs[at:]
         return jobs
@@ -612,17 +619,31 @@ class Simulator:
         """The tied weights of :attr:`_Micro.tied`: readers in one stage, owner in another (the
         executor's :func:`tag.parallel.schedule.build_schedule`), in a plan of groups without a
         costing of their own or sharded (ZeRO, not offloaded: the executor keeps the weight whole
-        on both stages, out of the shard buckets; a tensor-parallel plan's executor moves it)."""
-        held_whole = ("zero1", "zero2", "zero3")  # (whole on both stages, not offloaded)
-        if not self.static.tied or any(costing_of(gp.sync) is not None and (gp.sync not in held_whole or gp.offload)
-                                       for gp in groups):
+        on both stages, out of the shard buckets; a tensor-parallel plan's executor moves it), or,
+        in a graph costed as Megatron-LM's vocabulary-parallel run (``vocab_parallel``,
+        :func:`tag.parallel.layers.vocab_parallel_graph`), whose groups are tensor parallel of
+        that degree over as many devices each (each rank holds its ``V / tp`` shard on both stages)."""
+        if not self.static.tied:
             return frozenset()
         from ..parallel.pipeline import stage_of_group
+        from ..parallel.tensor_parallel import tp_degree
+
+        held_whole = ("zero1", "zero2", "zero3")  # (whole on both stages, not offloaded)
+        plain = not any(costing_of(gp.sync) is not None and (gp.sync not in held_whole or gp.offload)
+                        for gp in groups)
+        t = getattr(self.graph, "vocab_parallel", 0)
+
+        def holds(tw) -> bool:
+            if plain:
+                return True
+            gps = [groups[g] for g in tw.groups | {tw.owner}]
+            return t > 1 and all(gp.sync == "tp" and tp_degree(gp) == t and not gp.sequence_parallel
+                                 and len(gp.devices) == len(gps[0].devices) for gp in gps)
 
         stage = stage_of_group(pp, len(groups))
         return frozenset(tw.tensor for tw in self.static.tied
                          if len({stage[g] for g in tw.groups}) == 1 and stage[tw.owner] != stage[tw.grad_group]
-                         and not set(groups[tw.owner].devices) & set(groups[tw.grad_group].devices))
+                         and not set(groups[tw.owner].devices) & set(groups[tw.grad_group].devices) and holds(tw))
 
 
 def wake_extra(sim: Simulator, unit: Unit, g: int, ph: int, start: list[float], cend: list[float]) -> list[float] | None:

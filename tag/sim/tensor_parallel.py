@@ -331,10 +331,17 @@ def tp_group(sim, g: int, gp, lowered) -> GroupData:
                                                                      gp.sequence_parallel)
         sim.charge(ENTRY_BYTES)
     if ts <= 0:
-        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=ukey, recompute=gp.recompute)
+        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=ukey, recompute=gp.recompute,
+                         tp=tp_degree(gp))
     # the buffer a device's sync holds: its shard of the split gradients and the others whole
     own = total - (1.0 - 1.0 / tp_degree(gp)) * split
-    return GroupData([unit], "tp", ts, members, machines, own, layout=lay, ukey=ukey, recompute=gp.recompute)
+
+    def resync(less: float) -> float:  # without ``less`` bytes of the replicated gradients
+        return sim.comm.tensor_parallel_sync_time(tp_groups(gp), split, max(0.0, total - split - less),
+                                                  gp.sequence_parallel)
+
+    return GroupData([unit], "tp", ts, members, machines, own, layout=lay, ukey=ukey, recompute=gp.recompute,
+                     tp=tp_degree(gp), resync=resync)
 
 
 def _tp_deployment(sim, gp, batches: tuple[int, ...], replicas) -> tuple:

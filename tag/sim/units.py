@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -237,6 +238,12 @@ class GroupData:
     """``(sync, replica devices, server)``: syncs of equal key may share a gradient bucket
     (:mod:`tag.parallel.buckets`); ``None``: never bucketed with another group (no sync, or a
     sync of its own such as a tensor-parallel group's; :meth:`Simulator.sync_jobs`)."""
+    tp: int = 0
+    """Devices per tensor-parallel group of a ``tp`` deployment (its unit's devices in runs of
+    ``tp``, :func:`tag.parallel.tensor_parallel.tp_groups`); 0 for any other."""
+    resync: Callable[[float], float] | None = None
+    """A ``tp`` deployment's sync seconds without ``x`` bytes of its replicated gradients (a tied
+    weight all-reduced apart, :meth:`Simulator.sync_jobs`); None for any other."""
 
 
 @dataclass(slots=True)
