@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from evaluation.external import DataError, Point, Row, load_points, score, score_group
+from evaluation.external import (
+    BLOCKING_SEND_RUNTIMES,
+    DataError,
+    Point,
+    Row,
+    load_points,
+    runtime_name,
+    score,
+    score_group,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "gpt2:n_layer=4,n_embd=64,n_head=2,vocab=100,seq=16"
@@ -32,6 +41,18 @@ def test_shipped_points_load_and_name_their_sources():
         assert p.topology.is_file(), f"{p.source}/{p.id}: topology {p.topology} missing"
         assert p.runtime
         assert p.measured_s is None or p.measured_s > 0
+
+
+def test_runtimes_whose_pipeline_sends_block():
+    """Each shipped point's runtime is named, and costed with blocking pipeline sends exactly
+    where its runtime's sends block (BLOCKING_SEND_RUNTIMES: DeepSpeed, Megatron-LM and their
+    forks), not for TAG's eager executor or OneFlow."""
+    names = {runtime_name(p.runtime) for p in load_points(expressible_only=False)}
+    assert {"deepspeed", "megatron-lm", "megatron-deepspeed", "eager", "oneflow"} <= names, names
+    assert {n for n in names if n in BLOCKING_SEND_RUNTIMES} == {"deepspeed", "megatron-lm", "megatron-deepspeed",
+                                                               "flagscale"}
+    assert runtime_name("other: Megatron-DeepSpeed (data/README.md: ...), DeepSpeed's engine") == "megatron-deepspeed"
+    assert runtime_name("tag") == "tag" and "tag" not in BLOCKING_SEND_RUNTIMES
 
 
 @pytest.mark.parametrize("bad, needle", [

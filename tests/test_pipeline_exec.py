@@ -322,6 +322,38 @@ def test_a_gpu_rank_computes_on_while_its_sends_go(captured, topo4):
     assert overlaps[topo4.name] == 0 and overlaps["homogeneous-8xa100"] > 0, overlaps
 
 
+def test_blocking_sends_make_the_gpu_sender_wait(captured, topo4):
+    """Simulator(blocking_sends=True) models a runtime whose pipeline sends block (DeepSpeed's
+    p2p.send, Megatron-LM's schedules): on two V100 machines over 1 Gbit/s, stage 0's compute
+    never overlaps its sends and starts after every send it posted before ended, and the
+    iteration is longer; off (the default), stage 0 computes while its sends go. CPU ranks already
+    wait for their sends: the same iteration either way."""
+    graph = captured(GPT2, batch=8, groups=4).graph
+    slow = load_topology({"name": "2x1-v100-1gbit", "network": {"bandwidth": "1 Gbit/s", "latency": "10 us"},
+                          "machines": [{"name": f"node{i}", "gpu": "V100-SXM2-16GB", "count": 1} for i in (0, 1)]})
+    plan = two_stages(graph, slow, [0], [1], 4)
+    runs = {on: Simulator(graph, slow, blocking_sends=on).run(plan.groups, pipeline=plan.pipeline, trace=True)
+            for on in (False, True)}
+    timeline = {}
+    for on, res in runs.items():
+        sends = [e for e in res.events if e.cat == "transfer" and "d0->d1" in e.name]
+        computes = [e for e in res.events if e.device == 0 and e.cat in ("fwd", "bwd")]
+        assert sends and computes
+        overlap = sum(min(s.end, c.end) > max(s.start, c.start) for s in sends for c in computes)
+        waited = all(c.start >= s.end for s in sends for c in computes if c.start > s.start)
+        timeline[on] = (overlap, waited, sum(s.end - s.start for s in sends))
+    assert timeline[False][0] > 0, timeline
+    assert timeline[True][0] == 0 and timeline[True][1], timeline
+    t_off, t_on = runs[False].iteration_time_s, runs[True].iteration_time_s
+    assert t_on > t_off, (t_off, t_on)
+    cpu = two_stages(graph, topo4, [0], [1], 4)
+    assert [Simulator(graph, topo4, blocking_sends=on).run(cpu.groups, pipeline=cpu.pipeline).iteration_time_s
+            for on in (False, True)] == [pytest.approx(Simulator(graph, topo4).run(
+                cpu.groups, pipeline=cpu.pipeline).iteration_time_s, rel=1e-12)] * 2
+    with pytest.raises(ValueError, match="blocking_sends: expected True or False, got 'yes'"):
+        Simulator(graph, slow, blocking_sends="yes")
+
+
 def _stage_plan(graph, topo, num_stages: int, micro: int):
     """Groups cut into ``num_stages`` even stages, stage ``s`` on device ``s``."""
     g = graph.num_groups

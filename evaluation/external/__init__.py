@@ -47,6 +47,32 @@ every rank on its replica's whole micro-batch (:func:`tag.parallel.layers.vocab_
 :func:`vocab_parallel_plan`), the tied embedding held by a pipeline's first and last stages."""
 
 
+BLOCKING_SEND_RUNTIMES = ("deepspeed", "megatron-lm", "megatron-deepspeed", "flagscale")
+"""Runtimes (:func:`runtime_name`) whose pipeline sends block the sender's compute until they
+complete, costed with ``Simulator(blocking_sends=True)``:
+
+- DeepSpeed's pipeline engine: ``deepspeed/runtime/pipe/p2p.py`` ``send`` asserts
+  ``async_op == False`` and calls ``dist.send`` (microsoft/DeepSpeed f4079d7).
+- Megatron-LM's schedules: ``megatron/core/pipeline_parallel/p2p_communication.py``
+  ``_communicate`` posts ``batch_isend_irecv`` / ``isend`` and, with ``wait_on_reqs=True`` (the
+  default, which ``send_forward`` and ``send_backward`` use), ``req.wait()`` on every request in
+  the same call (NVIDIA/Megatron-LM 2fd6e2b; only the interleaved schedule's
+  ``overlap_p2p_comm`` returns the handles unwaited). FlagScale is a Megatron-LM fork.
+- Megatron-DeepSpeed: ``pretrain_gpt.py`` builds ``GPTModelPipe`` under ``--deepspeed``
+  (DeepSpeed's pipeline engine, above), else Megatron-LM's ``GPTModel`` and schedules
+  (microsoft/Megatron-DeepSpeed 0782d75).
+
+Every other runtime (TAG's executor and ``eager``: asynchronous sends; OneFlow, llm-foundry,
+torchtitan: no citation of blocking sends) keeps the default, senders computing on."""
+
+
+def runtime_name(runtime: str) -> str:
+    """The runtime's name in a points file's ``runtime`` text, lower case: ``deepspeed`` of
+    ``deepspeed``, ``megatron-deepspeed`` of ``other: Megatron-DeepSpeed (data/README.md ...)``."""
+    text = runtime.removeprefix("other:").strip()
+    return text.split()[0].rstrip(",").lower() if text else ""
+
+
 class DataError(ValueError):
     """A malformed points file: one line naming the file, point and field."""
 
@@ -237,7 +263,8 @@ def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None
         plan = layout_plan(graph, topo, lay, costs)
         if lay.vocab:
             vocab_parallel_plan(graph, plan, lay.tp)
-        res = Simulator(graph, topo, costs).run(plan.groups, pipeline=plan.pipeline)
+        sim = Simulator(graph, topo, costs, blocking_sends=runtime_name(p.runtime) in BLOCKING_SEND_RUNTIMES)
+        res = sim.run(plan.groups, pipeline=plan.pipeline)
     except TagError as e:
         return Row(p, None, False, None, str(e).splitlines()[0])
     peak = max(res.peak_memory_bytes) / 2**30
