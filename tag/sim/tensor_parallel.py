@@ -36,7 +36,9 @@ its FLOPs and activation bytes):
 * held bytes shrink by ``(1 - 1/T)`` of the split parameters' parameter, gradient and optimizer
   bytes, and the optimizer seconds by the same fraction of the group's parameter bytes; plain
   Megatron holds the activations saved for the backward outside the blocks at ``B`` samples
-  (those inside at ``b``) and its largest op's working set at ``B``;
+  (those inside at ``b``), and as its working set the largest of its ops' outside the blocks at
+  ``B`` and of all its ops' at ``b`` (:func:`_outside_work`: an attention's per-head
+  probabilities are split);
 * the gradient sync (:meth:`CommModel.tensor_parallel_sync_time`, per variant) is issued like a
   data-parallel one, not coalesced with other groups'; the buffer it holds on a device is that
   device's gradients (``1 / T`` of the split ones, the others whole);
@@ -118,7 +120,9 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
                 d_col[ph] = tx[:, ph] + np.maximum(extra, 0.0)
             s_col = s_col + outside * (big - small)
             m_col = m_col + outside * (big - small)
-            w_col = static.work_fixed + static.work_per_sample * big
+            # the largest op's working set: a block's ops at the shard's samples, the others' at the group's
+            out_w = _outside_work(graph)
+            w_col = np.maximum(static.work_fixed + static.work_per_sample * small, out_w[:, 0] + out_w[:, 1] * big)
         dur[:, :, ids] = d_col[:, :, None]
         saved[:, ids] = s_col[:, None]
         mem[:, ids] = m_col[:, None]
@@ -277,6 +281,22 @@ def _split_casts(graph) -> np.ndarray:
         op = graph.ops[i]
         if op.inputs[0] in split:
             out[op.group] += graph.tensors[op.outputs[0]].nbytes.fixed
+    return out
+
+
+@per_graph
+def _outside_work(graph) -> np.ndarray:
+    """``[K, 2]`` (fixed, per-sample) bytes read and written by the largest op of each group
+    outside the Megatron blocks (each part's largest, as :attr:`GraphStatic.work_fixed`): plain
+    Megatron runs those ops on its tensor-parallel group's whole batch, the blocks' ops (an
+    attention's per-head probabilities) on its shard."""
+    interior = set(block_interior(graph).ops)
+    out = np.zeros((graph.num_groups, 2))
+    for i, o in enumerate(graph.ops):
+        if o.phase in ("fwd", "bwd") and i not in interior:
+            w = out[o.group]
+            w[0] = max(w[0], o.bytes_read.fixed + o.bytes_written.fixed)
+            w[1] = max(w[1], o.bytes_read.per_sample + o.bytes_written.per_sample)
     return out
 
 
