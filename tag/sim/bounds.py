@@ -61,6 +61,7 @@ import numpy as np
 from ..graph.ir import Phase
 from .engine import _holdings
 from .static import BWD, FWD
+from .tensor_parallel import _outside_work
 from .units import ARRAY_BYTES, ENTRY_BYTES
 
 
@@ -152,7 +153,12 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
                     np.add.at(bwd1.setdefault(stage, np.zeros(n)), dev, (bs + fs - cs if rc else bs)[back])
             if m == 0:  # held at the first micro-batch's samples (the simulator's rule)
                 np.add.at(held, dev, fixed + ps * small * fl)
-                ws = (st.work_fixed[gi][None, :] + st.work_per_sample[gi][None, :] * big[:, None]).max(axis=1)
+                # the largest op's working set at the device's samples; plain tensor parallelism's
+                # ops outside the Megatron blocks at its group's (tag.sim.tensor_parallel.tp_layout)
+                ws = (st.work_fixed[gi][None, :] + st.work_per_sample[gi][None, :] * small[:, None]).max(axis=1)
+                if w > 1 and not gp.sequence_parallel:
+                    out_w = _outside_work(graph)[gi]  # [G, 2] (fixed, per-sample) bytes
+                    ws = np.maximum(ws, (out_w[None, :, 0] + out_w[None, :, 1] * big[:, None]).max(axis=1))
                 np.maximum.at(work, dev, ws)  # (not w: the width the later micro-batch sizes read)
     peak = (held + work).tolist()
     low = float(busy.max())
