@@ -39,7 +39,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check tag data evaluation tests
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 docs: $(STAMP)
 	$(PY) -m evaluation.report
