@@ -12,7 +12,7 @@ one-line refusal is a pass). Cases run in this process (``tag.cli.main``), one a
     .venv/bin/python evaluation/fuzz_plan.py [--cases 200] [--seed 0] [--out FILE.json]
 
 Prints one line per failure and the tally; ``--out`` writes the cases, their exit statuses and
-the failures as JSON. ``tests/test_issue_cases.py`` runs a few cases of it (hypothesis draws the
+the failures as JSON, every ``CHECKPOINT_CASES`` cases and at the end (``done`` of ``cases``). ``tests/test_issue_cases.py`` runs a few cases of it (hypothesis draws the
 seeds).
 """
 
@@ -40,6 +40,8 @@ SHIPPED = ["local-cpu2", "local-cpu4", "homogeneous-2x4-v100", "homogeneous-8xa1
            "cluster-16gpu-4m", "tag-testbed", "cloud-t4"]
 KINDS = ["V100-SXM2-16GB", "A100-40GB", "A100-80GB", "T4", "H100-SXM", "L4", "P100-PCIe-16GB", "GTX-1080Ti"]
 PRIMES = [2, 3, 5, 7, 11, 13, 17, 31]
+CHECKPOINT_CASES = 10
+"""``--out`` is rewritten after every this many cases (``done``: how many it holds)."""
 
 
 @dataclass
@@ -148,10 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the cases and failures as JSON here")
+    p.add_argument("--out", default=None, help="write the cases and failures as JSON here (rewritten every "
+                   f"{CHECKPOINT_CASES} cases: a campaign stopped early keeps what it ran)")
     args = p.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     t0, records, failures, statuses = time.perf_counter(), [], [], {}
+
+    def write(done: int) -> None:
+        if args.out:
+            from tag.io import write_json
+
+            write_json(args.out, {"cases": args.cases, "done": done, "seed": args.seed,
+                                  "seconds": time.perf_counter() - t0, "statuses": statuses, "failures": failures,
+                                  "records": records})
+
     for i in range(args.cases):
         case = random_case(rng)
         rc, err = run_case(case)
@@ -161,14 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         if why is not None:
             failures.append(records[-1])
             print(f"case {i}: {' '.join(argv_of(case, Path('T')))}: {why}", flush=True)
+        if (i + 1) % CHECKPOINT_CASES == 0:
+            write(i + 1)
     seconds = time.perf_counter() - t0
     print(f"{args.cases} cases (seed {args.seed}) in {seconds:.0f} s: {statuses.get(0, 0)} plans, "
           f"{statuses.get(2, 0)} one-line refusals, {len(failures)} failures")
-    if args.out:
-        from tag.io import write_json
-
-        write_json(args.out, {"cases": args.cases, "seed": args.seed, "seconds": seconds, "statuses": statuses,
-                              "failures": failures, "records": records})
+    write(args.cases)
     return 1 if failures else 0
 
 
