@@ -50,6 +50,12 @@ def check_precision(precision: str, where: str = "--precision") -> str:
     return precision
 
 
+OPT_DTYPE_OPS = frozenset({"prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum", "vector_norm"})
+"""CUDA autocast's ``fp32_set_opt_dtype`` ops: run in FP32 (here: on inputs cast to it) only when
+their ``dtype`` argument is unset; a call that sets it runs as it is (ATen/autocast_mode.h,
+``set_opt_dtype``: ``dtype.has_value() ? dtype : to_type``; torch 2.13), so
+``torch.softmax(x, -1, dtype=x.dtype)`` on a bf16 ``x`` runs and returns bf16 (its CUDA kernel
+accumulates in FP32)."""
 CUDA_FP32_OPS = frozenset({
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
     "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus", "layer_norm", "group_norm", "cosine_similarity",
@@ -57,9 +63,7 @@ CUDA_FP32_OPS = frozenset({
     "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
     "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits", "dist",
     "pdist", "cdist", "renorm", "logsumexp",
-    # "fp32_set_opt_dtype": run with dtype=float32 (here: on inputs cast to it)
-    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum", "vector_norm",
-})
+}) | OPT_DTYPE_OPS
 """Names of the ops CUDA autocast runs in FP32 (``autocast_mode.cpp``'s ``KERNEL_CUDA(..., fp32)``
 and ``fp32_set_opt_dtype`` lists, as torch functions, methods and operators are named); in-place
 variants are not autocast."""
@@ -72,9 +76,17 @@ class CudaFp32Ops(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in CUDA_FP32_OPS and torch.is_autocast_enabled("cpu"):
+        name = getattr(func, "__name__", "")
+        if (name in CUDA_FP32_OPS and torch.is_autocast_enabled("cpu")
+                and not (name in OPT_DTYPE_OPS and _sets_dtype(args, kwargs))):
             args, kwargs = _pytree.tree_map_only(torch.Tensor, _fp32, (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _sets_dtype(args: tuple, kwargs: dict) -> bool:
+    """A call's ``dtype`` argument is set: a ``dtype=`` keyword or a positional ``torch.dtype`` (the
+    only ``torch.dtype`` parameter of :data:`OPT_DTYPE_OPS`' signatures)."""
+    return kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,12 @@
 
 All zoo models have dropout disabled, are built offline from configs (no weight downloads), are
 deterministic given a seed, and are wrapped in :class:`LossWrapper` (parameters ``model.<...>``).
-Transformers take ``attn=eager|sdpa`` (Hugging Face's ``attn_implementation``): the plain names
-default to ``eager`` (matmul, softmax, matmul: [B, heads, L, L] probabilities kept for the
-backward), the real-size :data:`PRESETS` to ``sdpa`` (``F.scaled_dot_product_attention``, one
-fused op; Hugging Face's own default). Defaults are tiny (a CPU forward+backward at the default
-batch takes well under a second); scale them up with overrides.
+Transformers take ``attn=eager|sdpa|eager_fused_softmax`` (Hugging Face's ``attn_implementation``):
+the plain names default to ``eager`` (matmul, softmax, matmul: [B, heads, L, L] probabilities kept
+for the backward), the real-size :data:`PRESETS` to ``sdpa`` (``F.scaled_dot_product_attention``,
+one fused op; Hugging Face's own default); ``eager_fused_softmax`` is ``eager`` with Megatron-LM's
+fused softmax (:func:`fused_softmax_attention`). Defaults are tiny (a CPU forward+backward at the
+default batch takes well under a second); scale them up with overrides.
 """
 
 from __future__ import annotations
@@ -92,14 +93,62 @@ def _transformer_checks(cfg: Mapping[str, Value]) -> None:
 
 
 def _hf() -> Any:
-    """Import transformers lazily, offline (no hub access for configs or weights)."""
+    """Import transformers lazily, offline (no hub access for configs or weights), with
+    :data:`FUSED_SOFTMAX` registered as an attention implementation (and its mask as ``eager``'s)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    transformers.AttentionInterface.register(FUSED_SOFTMAX, fused_softmax_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(FUSED_SOFTMAX, eager_mask)
     return transformers
 
 
-ATTENTION = ("eager", "sdpa")
+FUSED_SOFTMAX = "eager_fused_softmax"
+"""The ``attn`` value of :func:`fused_softmax_attention`."""
+ATTENTION = ("eager", "sdpa", FUSED_SOFTMAX)
 """Values of the transformers' ``attn`` key: Hugging Face ``attn_implementation`` names."""
+
+
+def fused_softmax_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention written out as Megatron-LM runs it: scores ``q k^T * scaling`` [B, heads, L, S],
+    the mask added, a softmax, the product with V; ``query`` [B, heads, L, d], ``key``/``value``
+    [B, kv heads, S, d] (kv heads repeated to ``heads`` as Llama's ``repeat_kv`` does).
+
+    Hugging Face's ``eager`` runs the softmax in FP32 under autocast (CUDA autocast's list) and
+    casts the probabilities back, so its backward keeps both: 6 bytes an element of [B, heads, L,
+    S] in bf16/fp16. Megatron-LM's ``FusedScaleMaskSoftmax`` (megatron/model/fused_softmax.py,
+    whose CUDA kernels compute in FP32 and read and write fp16/bf16) returns, and keeps for its
+    backward, the probabilities in the input's dtype, which its ``bmm`` with V reads too: 2 bytes
+    an element. Here the mask (Hugging Face's additive FP32 ``[B, 1, L, S]``, a constant) is cast
+    to the scores' dtype and the softmax is ``torch.softmax(x, -1, dtype=x.dtype)``, which CUDA
+    autocast runs in ``x``'s dtype (:data:`tag.graph.precision.OPT_DTYPE_OPS`); in fp32 the values
+    are ``eager``'s. The products are ``bmm`` over [B * heads, ., .], as Megatron-LM's
+    ``baddbmm``/``bmm``, so the softmax's backward and the second product's read the one
+    probabilities tensor (a graph tensor is one saved value; ``eager``'s ``matmul`` reads a view of
+    it). Megatron's kernel also folds the scale and the causal mask in (it reads the scores once);
+    here they stay the separate elementwise ops ``eager`` has (under ``CostModel(runtime="megatron")``
+    one fused run with the softmax, :data:`tag.cost.gpu.RUNTIMES`).
+    Returns (output [B, L, heads, d], probabilities [B, heads, L, S])."""
+    b, heads, length, d = query.shape
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:  # grouped-query attention: every kv head serves `groups` query heads
+        kv, s = key.shape[1], key.shape[2]
+        key = key[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
+        value = value[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
+    source = key.shape[2]
+    q = query.reshape(b * heads, length, d)
+    k, v = key.reshape(b * heads, source, d), value.reshape(b * heads, source, d)
+    scores = torch.bmm(q, k.transpose(1, 2)) * (d**-0.5 if scaling is None else scaling)  # [B * heads, L, S]
+    if attention_mask is not None:
+        scores = scores.view(b, heads, length, source) + attention_mask.to(scores.dtype)
+        scores = scores.view(b * heads, length, source)
+    probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
+    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    out = torch.bmm(probs, v).view(b, heads, length, d).transpose(1, 2).contiguous()
+    return out, probs.view(b, heads, length, source)
 
 
 def _build_gpt2(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
@@ -235,7 +284,8 @@ def zoo_entries() -> dict[str, ZooEntry]:
 
 #: Models at the sizes people train: (name, zoo base, what, overrides of the base, default batch).
 #: The transformers use fused attention (``attn=sdpa``, :data:`SDPA`), as Hugging Face builds them
-#: by default; ``<preset>:attn=eager`` gives the materialised [B, heads, L, L] probabilities.
+#: by default; ``<preset>:attn=eager`` gives the materialised [B, heads, L, L] probabilities
+#: (``attn=eager_fused_softmax``: kept in the training precision, as Megatron-LM's fused softmax).
 #: Shapes follow the published configurations (GPT-2: Radford et al. 2019; BERT: Devlin et al. 2019;
 #: ViT: Dosovitskiy et al. 2021; ResNet: He et al. 2016; VGG: Simonyan & Zisserman 2015; Llama-2 7B,
 #: 13B and 70B: Touvron et al. 2023, and TinyLlama-1.1B for the 1B shape). Build them with
