@@ -52,8 +52,13 @@ def test_the_copies_and_their_transposes_are_the_cast_values(llama):
 def test_the_simulator_makes_zero3_copies_per_use(llama, recompute):
     """Against ZeRO-2 on the same replicas (full parameters held, copies held for the iteration):
     a ZeRO-3 group holds its parameter shard and no copy (its held bytes less the gathered state
-    and the copies), has them in its working set while it runs, and its backward pays the casts
-    again beside the gather; the static bound stays below the run, its memory below the peak."""
+    and the copies); it gathers its cast-only weights in bf16 (2 bytes an element; the norms and
+    the embedding table in fp32), whose gathered copies replace their casts (in its working set
+    while it runs; their cast seconds become a cast of the shard before each gather), and its
+    backward pays the other casts again beside the gather; the static bound stays below the run,
+    its memory below the peak."""
+    from tag.sim.sharded import low_gathers
+
     topo = load_topology("topologies/h100-8gpu.yaml")
     costs = CostModel.for_topology(llama, topo)
     sim = Simulator(llama, topo, costs)
@@ -61,15 +66,27 @@ def test_the_simulator_makes_zero3_copies_per_use(llama, recompute):
     z2, z3 = (_plan(llama, topo, s, recompute, 8) for s in ("zero2", "zero3"))
     cast = costs.cast_seconds(0)
     p = st.grad_bytes
+    pg, made, share = low_gathers(sim)
+    # the 15 projection weights and the head in bf16, the embedding table and the norms in fp32
+    fp32 = sum(q.nbytes for q in llama.params if "norm" in q.name or "embed" in q.name)
+    assert pg.sum() == pytest.approx(fp32 + (p.sum() - fp32) / 2)
+    assert made.sum() == pytest.approx((p.sum() - fp32) / 2)  # (one cast a weight: its bf16 copy)
     copies = st.rc_casts if recompute else st.saved_casts
     for g in range(llama.num_groups):
         l2, l3 = sim.group_data(g, z2.groups[g]).layout, sim.group_data(g, z3.groups[g]).layout
-        gather = sim.comm.shard_gather_time(list(range(8)), 8, float(p[g]))
+        gather = sim.comm.shard_gather_time(list(range(8)), 8, float(pg[g])) + share[g] * cast[g] / 8
         assert l2.mem[g, 0] - l3.mem[g, 0] == pytest.approx(p[g] * 7 / 8 + copies[g])
-        assert l3.work[g, 0] - l2.work[g, 0] >= st.rc_casts[g] + p[g]
+        neighbour = max(pg[g - 1] if g else 0.0, pg[g + 1] if g + 1 < len(pg) else 0.0)
+        # ZeRO-2's transient: the unsharded gradient; ZeRO-3's: that, the gathered parameters (bf16
+        # where cast-only), the neighbour's prefetched ones and the casts the gathers do not replace
+        assert l3.work[g, 0] - l2.work[g, 0] == pytest.approx(pg[g] + neighbour + st.rc_casts[g] - made[g])
+        assert pg[g] < p[g] and share[g] > 0
         back = l3.dur[1, g, 0] - l2.dur[1, g, 0]
-        assert cast[g] > 0 and cast[g] * (1 - 1e-9) <= back <= cast[g] + gather + 1e-12
-        # a pipeline's later micro-batches: ZeRO-2 reuses its copies, ZeRO-3 casts again
+        other = cast[g] * (1 - share[g])  # (the casts of weights read in fp32 too: none here)
+        assert other * (1 - 1e-9) <= back <= other + gather + 1e-12
+        fwd = l3.dur[0, g, 0] - l2.dur[0, g, 0]
+        assert -share[g] * cast[g] * (1 + 1e-9) <= fwd <= -share[g] * cast[g] + gather + 1e-12
+        # a pipeline's later micro-batches: ZeRO-2 reuses its copies, ZeRO-3 gathers again
         assert sim.warm_layout(l3) is l3 and sim.warm_layout(l2).dur[0, g, 0] == pytest.approx(l2.dur[0, g, 0] - cast[g])
     res = sim.run(z3.groups)
     bound = static_bound(sim, z3.groups)
@@ -144,3 +161,39 @@ def _schedule_recast(graph) -> list:
 
     plan = _plan(graph, load_topology("topologies/local-cpu4.yaml"), "zero3", False)
     return list(build_schedule(graph, plan).recast)
+
+
+@pytest.mark.slow
+def test_zero3_gathers_cast_only_weights_in_bf16_on_gloo(tmp_path, captured):
+    """2 gloo ranks, the small llama in bf16 (buckets holding projections and norms): ZeRO-3
+    gathers the projection weights in bf16 and the norms and the embedding table in fp32 (one
+    byte all-gather a bucket), what its gathers return is the simulator's gathered bytes (padding
+    aside), and it trains to the same parameters as ZeRO-2 (full fp32 parameters cast by the
+    graph), to the bit."""
+    import json
+
+    from tag.executor import ExecuteConfig, execute
+    from tag.executor.equality import saved_params
+    from tag.sim.sharded import low_gathers
+
+    graph = captured(LLAMA, batch=B, groups=4, precision="bf16").graph
+    topo = tmp_path / "cpu2.yaml"
+    topo.write_text('name: test-cpu2\nmachines:\n  - name: local\n    gpu: cpu\n    count: 2\n'
+                    '    intra_bandwidth: "5 GB/s"\n')
+    got = {}
+    for sync in ("zero2", "zero3"):
+        plan = _plan(graph, load_topology(str(topo)), sync, False)
+        plan.save(tmp_path / f"{sync}.json")
+        run = tmp_path / sync
+        cfg = ExecuteConfig(LLAMA, str(topo), str(tmp_path / f"{sync}.json"), batch=B, groups=4, steps=2, warmup=0,
+                            save_params=True, precision="bf16", run_dir=str(run), timeout_s=120.0, bucket_bytes=8192)
+        execute(cfg, graph=graph)
+        got[sync] = saved_params(run, 2)[0]
+        ranks = json.loads((run / "ranks.json").read_text())
+    pg = low_gathers(Simulator(graph, load_topology(str(topo))))[0]
+    p = sum(q.nbytes for q in graph.params)
+    for r in ranks:
+        assert r["zero3_gather_bytes"] == pytest.approx(pg.sum(), rel=0.02)
+        assert r["zero3_gather_bytes"] < 0.6 * p
+    assert set(got["zero3"]) == set(got["zero2"])
+    assert all(torch.equal(got["zero3"][k], got["zero2"][k]) for k in got["zero2"])

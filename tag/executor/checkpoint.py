@@ -202,11 +202,7 @@ def _whole(bk, shard: torch.Tensor) -> list[torch.Tensor]:
     if bk.size > 1:
         flat = torch.empty(bk.padded, dtype=shard.dtype, device=shard.device)
         dist.all_gather_into_tensor(flat, shard.detach().contiguous(), group=bk.shard_pg)
-    out, off = [], 0
-    for n, shape in zip(bk.numel, bk.shapes):
-        out.append(flat[off:off + n].view(shape).cpu())
-        off += n
-    return out
+    return [t.cpu() for t in bk.split(flat)]
 
 
 def sharded_state(rt, bk, params: dict, states: dict) -> None:
@@ -214,8 +210,8 @@ def sharded_state(rt, bk, params: dict, states: dict) -> None:
     ``states`` (optimizer key -> FQN -> tensor): its shards of the flat parameters and of their
     optimizer state gathered over the shard group and written as whole tensors under the
     parameters' FQNs, like any plan's (every member holds them, DCP writes them once), so the
-    checkpoint resumes under any plan. A shard's elements ``[i L/S, (i+1) L/S)`` of the bucket's
-    flat layout cross its parameters' boundaries: a slice of a flattened parameter is not one
+    checkpoint resumes under any plan. A shard's elements (row ``i`` of the bucket's flat layout,
+    :class:`tag.executor.sharded._Bucket`) cross its parameters' boundaries: a slice of a flattened parameter is not one
     block of the parameter, which DCP's chunks are (the same reason as a tensor-parallel shard's);
     so the state is gathered, transiently whole on each member at a checkpoint."""
     names = [rt.schedule.param_target[ph] for ph in bk.names]
@@ -337,8 +333,8 @@ def load(path: Path, rt, rank: int, same_plan: bool, shards: Shards | None = Non
             flat = _shard_of(bk, [want[f"param/{s.param_target[ph]}"] for ph in bk.names])
             bk.shard.copy_(flat)
             if bk.level < 3:  # (ZeRO-1/2 hold the full parameters too)
-                bk.write(torch.cat([want[f"param/{s.param_target[ph]}"].reshape(-1).to(bk.dtype)
-                                    for ph in bk.names]), views=False)
+                bk.write([torch.cat([want[f"param/{s.param_target[ph]}"].reshape(-1).to(bk.dtype)
+                                     for ph in bk.names])], views=False)
     if rt.optimizer is not None and opt_keys:
         index = {id(p): i for i, p in enumerate(p for g in rt.optimizer.param_groups for p in g["params"])}
         sd = rt.optimizer.state_dict()
@@ -361,10 +357,7 @@ def _bucket_of(buckets: list, shard: torch.Tensor):
 
 def _shard_of(bk, tensors: list[torch.Tensor]) -> torch.Tensor:
     """This member's shard of a bucket, cut from its parameters' whole tensors (of one kind)."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    flat = torch.cat([flat, flat.new_zeros(bk.padded - flat.numel())])
-    lo = bk.index_in_group * bk.chunk
-    return flat[lo:lo + bk.chunk].clone()
+    return bk.shard_of(tensors)
 
 
 # ---- reading DCP's metadata without running code ------------------------------------------

@@ -177,7 +177,8 @@ def recast_per_use(schedule: Schedule, stages: dict) -> dict:
     reading the forward's, so no copy lives from the forward to the backward, as FSDP frees a
     unit's gathered bf16 parameters after its forward. A recomputed unit's backward makes them
     already (:func:`tag.graph.stages.build_stages`). The same values: parameters equal to the bit
-    (tests/test_sharded_casts.py)."""
+    (tests/test_sharded_casts.py). The units' casts of parameters are :func:`cast_as_needed`: a
+    weight gathered in the low precision is read as it is."""
     if not schedule.recast:
         return stages
     edited: dict[int, Stage] = {}
@@ -192,7 +193,46 @@ def recast_per_use(schedule: Schedule, stages: dict) -> dict:
             if id(stage) not in edited:
                 edited[id(stage)] = _remaking(stage, stages[(unit, "fwd", *micro)], names)
         out[key] = edited.get(id(stage), stage)
+    lazy: dict[int, Stage] = {}
+    for key, stage in out.items():
+        if key[0] in schedule.recast:
+            if id(stage) not in lazy:
+                lazy[id(stage)] = _casting_as_needed(stage, schedule.param_owner)
+            out[key] = lazy[id(stage)]
     return out
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def cast_as_needed(x: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``aten._to_copy(x, **kwargs)``, or ``x`` itself where it already has the dtype: a ZeRO-3
+    weight gathered in the low precision (:mod:`tag.executor.sharded`) is read as it is, as
+    autocast reads FSDP2's ``param_dtype`` parameters (no copy)."""
+    dev = kwargs.get("device")
+    here = dev is None or torch.device(dev) == x.device or (torch.device(dev).index is None
+                                                           and torch.device(dev).type == x.device.type)
+    if x.dtype == kwargs.get("dtype") and set(kwargs) <= {"dtype", "layout", "device"} and here:
+        return x
+    return _TO_COPY(x, **kwargs)
+
+
+def _casting_as_needed(stage: Stage, params) -> Stage:
+    """``stage``, or a copy whose low-precision casts of parameters (placeholders named in
+    ``params``) are :func:`cast_as_needed`."""
+    low = (torch.bfloat16, torch.float16)
+    hits = [n.name for n in stage.module.graph.nodes
+            if n.op == "call_function" and n.target is _TO_COPY and n.kwargs.get("dtype") in low
+            and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and n.args[0].name in params]
+    if not hits:
+        return stage
+    g, env = fx.Graph(), {}
+    for n in stage.module.graph.nodes:
+        env[n] = g.node_copy(n, lambda a: env[a])
+        if n.name in hits:
+            env[n].target = cast_as_needed
+    return Stage(stage.key, fx.GraphModule(stage.module, g), list(stage.inputs), list(stage.outputs),
+                 list(stage.nodes))
 
 
 def _dropping(stage: Stage, names: frozenset[str]) -> Stage:

@@ -26,6 +26,27 @@ shards before use, one ``reduce_scatter_tensor`` of the concatenated gradients a
   segment's parameters is issued (``async_op``: FSDP's prefetch) and waited for when that segment
   starts.
 
+Mixed precision (bf16 / fp16), ZeRO-3: as FSDP2 under ``MixedPrecisionPolicy(param_dtype=bf16)``
+(torch 2.13's torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``FSDPParam.all_gather_inputs``
+casts the local shard to ``param_dtype`` before the all-gather; _fsdp_collectives.py
+``foreach_all_gather`` copies the inputs in on the gather's stream and gathers a unit's mixed
+dtypes as bytes), each gather casts the rank's shard of the weights autocast reads only through a
+low-precision cast (:func:`tag.graph.precision.low_gathered_params`: the matmuls' weights and
+biases) and gathers those in it, 2 bytes an element, the others (norm weights, an embedding table)
+in fp32; a bucket with both is one ``uint8`` all-gather, copied out into a buffer per dtype
+(:class:`_Part`). The unsharded weights are then bf16 views of the gathered buffer, and the
+graph's casts of them return them as they are (:func:`tag.executor.fuse.cast_as_needed`, as
+autocast reads a ``param_dtype`` parameter): no fp32 copy and no second bf16 copy while the group
+runs. Cast element by element, the gathered casts are the casts of the gathered fp32 weights, bit
+for bit (the parameters after training equal ZeRO-2's, tests/test_sharded_casts.py). Saved and
+sent parameters are gathered in fp32. The gradients are reduce-scattered in fp32: the graph's
+gradient of an fp32 master weight is fp32 (autocast's cast backward upcasts the bf16 gradient
+before the sum over its uses), as FSDP2 with ``reduce_dtype=torch.float32`` (torchtitan's
+``mixed_precision_reduce`` default). FSDP2's own default ``reduce_dtype=None`` reduce-scatters in
+the gradient's dtype, ``param_dtype`` there (_fsdp_collectives.py ``foreach_reduce``:
+``reduce_dtype = reduce_dtype or grad_dtype``), half the bytes but summed in bf16, which the
+equality with single-process training would not survive.
+
 Collectives run on process groups the shard groups create themselves
 (``use_local_synchronization``: only members take part), on gloo as on NCCL: torch 2.13's gloo
 has ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (checked 2026-11-29).
@@ -62,11 +83,10 @@ of the found-inf flag (:mod:`tag.executor.scaling`), as FSDP's ``ShardedGradScal
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
 
+from ..graph.precision import LOW_DTYPE, low_gathered_params
 from ..parallel.schedule import Bucket
 from ..parallel.sharded import shard_groups, shard_size
 from .optim import make_optimizer
@@ -77,11 +97,28 @@ EMPTY = torch.empty(0)
 """What a ZeRO-3 parameter holds between uses (its storage freed)."""
 
 
+class _Part:
+    """Parameters of a bucket gathered in one dtype: positions ``idx`` (in :attr:`_Bucket.names`)
+    concatenated and padded to a multiple of the shard group's size, ``chunk`` elements a member."""
+
+    def __init__(self, dtype: torch.dtype, idx: list[int], numel: list[int], shard: int):
+        self.dtype, self.idx = dtype, idx
+        self.numel = [numel[i] for i in idx]
+        self.padded = -(-sum(self.numel) // shard) * shard
+        self.chunk = self.padded // shard
+
+
 class _Bucket:
-    """One sharded gradient bucket on one rank: its parameters' flat layout and shard."""
+    """One sharded gradient bucket on one rank: its parameters' flat layout and shard.
+
+    The flat layout is rank-major: member ``i`` of the shard group owns row ``i`` of ``[S, chunk]``,
+    the concatenation of its chunk of each :class:`_Part` (one part, the parameters in bucket
+    order, unless a ZeRO-3 bucket gathers some in the low precision: those first, the rest after).
+    With one part it is the parameters' concatenation padded to a multiple of ``S``."""
 
     def __init__(self, index: int, bucket, level: int, devices: list[int], shard: int, rank: int, params: dict,
-                 names: list[str], numel: dict[str, int], offload: str | None = None):
+                 names: list[str], numel: dict[str, int], offload: str | None = None,
+                 low: frozenset[str] = frozenset(), low_dtype: torch.dtype | None = None):
         self.index, self.bucket, self.level = index, bucket, level
         self.offload = offload
         self.names = names
@@ -89,8 +126,16 @@ class _Bucket:
         self.numel = [numel[n] for n in names]
         self.total = sum(self.numel)
         self.size = shard
-        self.padded = -(-self.total // shard) * shard
-        self.chunk = self.padded // shard
+        self.params = [params[n] for n in names]
+        self.dtype = self.params[0].dtype
+        """The parameters' (master) dtype: the shard's, its gradient's and the optimizer's."""
+        cast = [i for i, n in enumerate(names) if n in low] if level == 3 and low_dtype is not None else []
+        rest = [i for i in range(len(names)) if i not in set(cast)]
+        self.parts = [_Part(dt, idx, self.numel, shard) for dt, idx in ((low_dtype, cast), (self.dtype, rest)) if idx]
+        """ZeRO-3 under mixed precision: the parameters gathered in the low precision (every read
+        a cast to it, :func:`tag.graph.precision.low_gathered_params`) and the rest."""
+        self.chunk = sum(pt.chunk for pt in self.parts)
+        self.padded = self.chunk * shard
         groups = [devices[i:i + shard] for i in range(0, len(devices), shard)]
         mine = next(grp for grp in groups if rank in grp)
         self.index_in_group = mine.index(rank)
@@ -98,13 +143,11 @@ class _Bucket:
         self.cross_members = [grp[self.index_in_group] for grp in groups] if len(groups) > 1 else None
         self.shard_pg = None
         self.cross_pg = None
-        self.params = [params[n] for n in names]
-        self.dtype = self.params[0].dtype
         self.shapes = [p.shape for p in self.params]
         flat = self._flat_params()
         lo = self.index_in_group * self.chunk
         if level < 3:  # ZeRO-1/2: the parameters become views of the flat buffer, the shard its slice (no copy)
-            self.write(flat, views=True)
+            self.write([flat], views=True)
             self.shard = torch.nn.Parameter(flat[lo:lo + self.chunk])
         else:
             self.shard = torch.nn.Parameter(flat[lo:lo + self.chunk].clone())
@@ -119,12 +162,28 @@ class _Bucket:
             self._to_host()
 
     def _flat_params(self) -> torch.Tensor:
-        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.params[0].device)
-        off = 0
-        for p, n in zip(self.params, self.numel):
-            flat[off:off + n].copy_(p.detach().reshape(-1))
-            off += n
-        return flat
+        return self._rank_major([p.detach().reshape(-1) for p in self.params])
+
+    def _rank_major(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """[padded] the flat layout (class docstring) of ``values`` (one 1-D tensor a parameter, in
+        bucket order), padding zero."""
+        v0 = values[0]
+        flats = []
+        for pt in self.parts:
+            flat = torch.zeros(pt.padded, dtype=v0.dtype, device=v0.device)
+            off = 0
+            for i, n in zip(pt.idx, pt.numel):
+                flat[off:off + n].copy_(values[i])
+                off += n
+            flats.append(flat)
+        if len(flats) == 1:
+            return flats[0]
+        out = torch.empty(self.size, self.chunk, dtype=v0.dtype, device=v0.device)
+        col = 0
+        for pt, flat in zip(self.parts, flats):
+            out[:, col:col + pt.chunk].copy_(flat.view(self.size, pt.chunk))
+            col += pt.chunk
+        return out.view(-1)
 
     # ---- offload: the host shard and the device's copy ------------------------------------
     def _to_host(self) -> None:
@@ -165,34 +224,75 @@ class _Bucket:
                 self._copy(self.device_shard, self.shard.detach())
             self._synced_version = self.shard._version
 
-    def gather(self, async_op: bool = False):
-        """The full flat parameters: the shards all-gathered over the shard group (blocking), or
-        ``(buffer, work)`` with ``async_op`` (a prefetch)."""
+    def gather(self, async_op: bool = False, low: bool = True):
+        """The full parameters, one flat buffer a :class:`_Part`: the shards all-gathered over the
+        shard group (blocking), or with ``async_op`` a :class:`_Gathering` (a prefetch). ``low``:
+        each part in its gather dtype (ZeRO-3 under mixed precision: the shard of the cast-only
+        parameters cast before the gather, 2 bytes an element moved and held, as FSDP2's
+        ``param_dtype``), else all in the master dtype (the parameters saved or sent)."""
         self.refresh_device()
-        out = torch.empty(self.padded, dtype=self.dtype, device=self.device_shard.device)
+        src, col, pieces = self.device_shard.detach(), 0, []
+        for pt in self.parts:
+            pieces.append(src[col:col + pt.chunk].to(pt.dtype if low else self.dtype))  # (no copy in its dtype)
+            col += pt.chunk
+        if len(pieces) == 1:
+            inp = pieces[0]
+        else:  # (mixed dtypes: one gather of the bytes, FSDP2's uint8 all-gather, _fsdp_collectives.py)
+            inp = torch.cat([x.contiguous().view(torch.uint8) for x in pieces])
+        out = torch.empty(inp.numel() * self.size, dtype=inp.dtype, device=inp.device)
         if self.size == 1:  # (one device, offloaded: nothing to gather)
-            out.copy_(self.device_shard)
-            return (out, _Done()) if async_op else out
-        work = dist.all_gather_into_tensor(out, self.device_shard.detach(), group=self.shard_pg, async_op=async_op)
-        return (out, work) if async_op else out
+            out.copy_(inp)
+            work = _Done()
+        else:
+            work = dist.all_gather_into_tensor(out, inp, group=self.shard_pg, async_op=async_op) or _Done()
+        done = _Gathering(self, out, [x.dtype for x in pieces], work)
+        return done if async_op else done.result()
 
-    def write(self, flat: torch.Tensor, views: bool) -> None:
-        """The full parameters from ``flat``: copied in (``views`` False), or views of it (ZeRO-3's
-        gathered buffer, freed with them)."""
-        off = 0
-        for p, n, shape in zip(self.params, self.numel, self.shapes):
-            part = flat[off:off + n].view(shape)
+    def values(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters (views, shaped, in bucket order) of :meth:`gather`'s buffers."""
+        out: list = [None] * len(self.names)
+        for pt, flat in zip(self.parts, flats):
+            off = 0
+            for i, n in zip(pt.idx, pt.numel):
+                out[i] = flat[off:off + n].view(self.shapes[i])
+                off += n
+        return out
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The parameters (shaped, in bucket order) of ``flat``, a tensor in the flat layout (the
+        shards of one kind all-gathered: parameters, an optimizer moment)."""
+        if len(self.parts) == 1:
+            return self.values([flat])
+        rows, col, flats = flat.view(self.size, self.chunk), 0, []
+        for pt in self.parts:
+            flats.append(rows[:, col:col + pt.chunk].reshape(-1))
+            col += pt.chunk
+        return self.values(flats)
+
+    def shard_of(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """This member's shard of ``tensors`` (one of kind a parameter, whole, in bucket order)."""
+        lo = self.index_in_group * self.chunk
+        return self._rank_major([t.reshape(-1) for t in tensors])[lo:lo + self.chunk].clone()
+
+    def write(self, flats: list[torch.Tensor], views: bool) -> None:
+        """The full parameters from :meth:`gather`'s buffers: copied in (``views`` False), or views
+        of them (ZeRO-3's gathered buffers, freed with them; a low-precision part's parameters
+        then have its dtype until freed)."""
+        for p, value in zip(self.params, self.values(flats)):
             if views:
-                p.data = part
+                p.data = value
             else:
-                p.data.copy_(part)
-            off += n
+                p.data.copy_(value)
 
     def free(self) -> None:
         for p in self.params:
             p.data = EMPTY.to(p.device, p.dtype)
 
     def padded_flat(self, flat: torch.Tensor) -> torch.Tensor:
+        """The flat layout (class docstring) of ``flat``, the parameters' gradients concatenated in
+        bucket order (the schedule's bucket)."""
+        if len(self.parts) > 1:
+            return self._rank_major(list(torch.split(flat[:self.total], self.numel)))
         if flat.numel() == self.padded:
             return flat
         out = flat.new_zeros(self.padded)
@@ -200,14 +300,37 @@ class _Bucket:
         return out
 
 
+class _Gathering:
+    """A gather in flight: :meth:`result` waits for it and returns the parts' flat buffers
+    (several parts: copied out of the byte buffer, as FSDP2's ``foreach_all_gather_copy_out``)."""
+
+    def __init__(self, bucket: _Bucket, out: torch.Tensor, dtypes: list[torch.dtype], work):
+        self.bucket, self.out, self.dtypes, self.work = bucket, out, dtypes, work
+
+    def result(self) -> list[torch.Tensor]:
+        self.work.wait()
+        parts = self.bucket.parts
+        if len(parts) == 1:
+            return [self.out]
+        rows = self.out.view(self.bucket.size, -1)  # [S, bytes a member]
+        out, col = [], 0
+        for pt, dt in zip(parts, self.dtypes):
+            nb = pt.chunk * torch.empty(0, dtype=dt).element_size()
+            out.append(rows[:, col:col + nb].contiguous().view(dt).reshape(-1))
+            col += nb
+        return out
+
+
 class ShardedRank(RankHook):
     """One rank's sharded state (module docstring); active once the distributed comm's first
     bucket sync calls :meth:`bucket_sync`."""
 
-    def __init__(self, plan, rank: int):
+    def __init__(self, plan, rank: int, low: frozenset[str] = frozenset(), low_dtype: torch.dtype | None = None):
         super().__init__(0)
         self.plan = plan
         self.rank = rank
+        self.low, self.low_dtype = low, low_dtype
+        """Placeholders of the parameters ZeRO-3 gathers in ``low_dtype`` (:class:`_Bucket`)."""
         self._alone = frozenset(g for g, gp in enumerate(plan.groups) if gp.sync == "zero3" and rank in gp.devices)
         self._prefetched: dict[int, tuple] = {}  # bucket index -> (buffer, work) of a gather in flight
         self.buckets: dict[int, _Bucket] = {}
@@ -221,6 +344,7 @@ class ShardedRank(RankHook):
         of its shard group sends to another rank."""
         self._kept: dict[int, tuple] = {}  # id(parameter) -> (it, its gathered value): sent ones, for the iteration
         self._target: dict[str, str] = {}  # parameter placeholder -> state-dict name
+        self._gather_bytes: dict[int, int] = {}  # ZeRO-3 bucket index -> bytes its last gather for a segment returned
 
     # ---- activation ----------------------------------------------------------------------
     def _activate(self, rt) -> None:
@@ -235,7 +359,7 @@ class ShardedRank(RankHook):
                 raise ExecutionError(f"rank {self.rank}: bucket of groups {list(b.groups)} holds parameters this "
                                      "rank does not (a tied copy); expected no sharded group beside them")
             self.buckets[i] = _Bucket(i, b, int(gp.sync[4:]), list(gp.devices), shard_size(gp), rt.rank, rt.params,
-                                      names, s.param_numel, gp.offload)
+                                      names, s.param_numel, gp.offload, self.low, self.low_dtype)
         bucketed = {g for b in s.buckets for g in b.groups}
         for g, gp in enumerate(self.plan.groups):  # an offloaded lone device: no collective, a bucket of its own
             names = rt._synced(g)
@@ -286,9 +410,9 @@ class ShardedRank(RankHook):
             bk = self.buckets[i]
             if all(id(bk.params[j]) in self._kept for j in sent):  # (a tag run batch after the step's first)
                 continue
-            flat, starts = bk.gather(), [0, *itertools.accumulate(bk.numel)]
+            full = bk.values(bk.gather(low=False))  # (sent as the master dtype: the receiver's graph reads it so)
             for j in sent:
-                value = flat[starts[j]:starts[j + 1]].view(bk.shapes[j]).clone()
+                value = full[j].clone()
                 bk.params[j].data = value
                 self._kept[id(bk.params[j])] = (bk.params[j], value)
 
@@ -356,11 +480,9 @@ class ShardedRank(RankHook):
         for i in need:
             bk = self.buckets[i]
             hit = self._prefetched.pop(i, None)
-            if hit is not None:
-                hit[1].wait()
-                bk.write(hit[0], views=True)
-            else:
-                bk.write(bk.gather(), views=True)
+            flats = hit.result() if hit is not None else bk.gather()
+            self._gather_bytes[i] = sum(x.numel() * x.element_size() for x in flats)
+            bk.write(flats, views=True)
         starts = sorted(rt.program.segments)
         for start in starts[starts.index(seg.start) + 1:]:  # (within the iteration: the shards change at the step)
             later = self._needs(rt.program.segments[start])
@@ -392,8 +514,8 @@ class ShardedRank(RankHook):
         if not self.active:
             return None
         self._refresh()
-        return {bk.names[j]: t for bk in self.buckets.values() if bk.level == 3
-                for j, t in enumerate(_split(bk.gather(), bk.numel, bk.shapes))}
+        return {bk.names[j]: t.clone() for bk in self.buckets.values() if bk.level == 3
+                for j, t in enumerate(bk.values(bk.gather(low=False)))}
 
     def full_params(self, gathered: list) -> dict[str, torch.Tensor]:
         params, state = gathered[0]
@@ -403,12 +525,15 @@ class ShardedRank(RankHook):
         return {**params, **{target[ph]: t.cpu() for ph, t in state.items()}}
 
     def state_bytes(self, rt) -> dict[str, int]:
-        """With offloaded buckets: ``device_state_bytes`` (the parameters the rank holds between
+        """With ZeRO-3 buckets: ``zero3_gather_bytes``, what the last gather for a segment of each
+        returned (padding included: one gather of every bucket, in its gather dtypes). With
+        offloaded buckets: ``device_state_bytes`` (the parameters the rank holds between
         iterations and its device shards) and ``host_state_bytes`` (its host shards, their
         gradients and the optimizer state of those shards)."""
+        out = {"zero3_gather_bytes": sum(self._gather_bytes.values())} if self._gather_bytes else {}
         off = [bk for bk in self.buckets.values() if bk.offload]
         if not off:
-            return {}
+            return out
 
         def nbytes(t) -> int:
             return 0 if t is None else t.numel() * t.element_size()
@@ -419,7 +544,7 @@ class ShardedRank(RankHook):
                    for bk in off)
         device = sum(nbytes(p) for p in rt.params.values()) + sum(nbytes(bk.device_shard) for bk in off
                                                                   if bk.level == 3)  # (ZeRO-1/2's: a view)
-        return {"device_state_bytes": device, "host_state_bytes": host}
+        return {**out, "device_state_bytes": device, "host_state_bytes": host}
 
     def _names(self) -> list[str]:
         return [n for bk in self.buckets.values() for n in bk.names]
@@ -466,25 +591,24 @@ class _Done:
         return True
 
 
-def _split(flat: torch.Tensor, numel: list[int], shapes: list) -> list[torch.Tensor]:
-    out, off = [], 0
-    for n, shape in zip(numel, shapes):
-        out.append(flat[off:off + n].view(shape).clone())
-        off += n
-    return out
-
-
 class ShardedExecution(Execution):
     """The plan's own schedule, one rank per device; ranks of sharded groups get a :class:`ShardedRank`."""
+
+    low: frozenset[str] = frozenset()
+    """Placeholders of the parameters ZeRO-3 gathers in :attr:`low_dtype` (None: fp32 training)."""
+    low_dtype: torch.dtype | None = None
 
     def hook(self, rank: int) -> RankHook | None:
         """Every rank's, those outside sharded groups too: each makes every shard group's process
         group (:func:`shard_process_groups`); one without sharded buckets runs as without it."""
-        return ShardedRank(self.plan, rank)
+        return ShardedRank(self.plan, rank, self.low, self.low_dtype)
 
 
 def _factory(plan, graph) -> Execution:
-    return ShardedExecution(plan)
+    out = ShardedExecution(plan)
+    out.low_dtype = LOW_DTYPE.get(graph.precision)
+    out.low = frozenset(graph.tensors[graph.params[k].tensor].name for k in low_gathered_params(graph))
+    return out
 
 
 for _name in ("zero1", "zero2", "zero3"):

@@ -146,3 +146,25 @@ def param_cast_values(graph) -> list[int]:
             out.add(i)
             made.update(op.outputs)
     return sorted(out)
+
+
+def low_gathered_params(graph) -> frozenset[int]:
+    """Indices into ``graph.params`` of the parameters a ZeRO-3 group gathers in the low precision:
+    those every forward and backward read of which is a cast to it (:func:`param_casts`; the
+    optimizer reads the FP32 master shard). FSDP2 under ``MixedPrecisionPolicy(param_dtype=bf16)``
+    casts every local shard to ``param_dtype`` before the all-gather
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, ``FSDPParam.all_gather_inputs``:
+    ``_to_dtype_if_needed(sharded_param_data, self.param_dtype)``; torch 2.13), so the gather
+    moves 2 bytes an element and the unsharded parameter is held in bf16, which autocast reads
+    without casting again. Cast element by element, the shard's cast gathered is the gathered
+    parameter's cast, bit for bit. A parameter read in FP32 anywhere (a norm weight, an embedding
+    table, a tied weight's lookup) stays FP32 here, where FSDP2 would round it to ``param_dtype``:
+    TAG's graph reads it in FP32. Empty for an fp32 graph."""
+    casts = param_casts(graph)
+    if not casts:
+        return frozenset()
+    cast_set = set(casts)
+    tensors, ops = graph.tensors, graph.ops
+    return frozenset(k for k, p in enumerate(graph.params)
+                     if any(c in cast_set for c in tensors[p.tensor].consumers)
+                     and all(c in cast_set for c in tensors[p.tensor].consumers if ops[c].phase != "opt"))

@@ -19,7 +19,9 @@ gradient buckets (:mod:`tag.parallel.buckets`) and padded to a multiple of ``S``
   shard group all-gathers a group's parameters before its forward and again before its backward
   (the next group's gather prefetched while the group computes), and frees them after use; the
   gradients are reduce-scattered; the optimizer step updates the shard, nothing is gathered
-  after it.
+  after it. Under bf16 / fp16 the weights autocast reads only through a cast are gathered in
+  that dtype, cast on the shard before the gather (FSDP2's ``param_dtype``), the gradients
+  reduce-scattered in fp32 (:mod:`tag.executor.sharded`).
 * hybrid sharding (``shard < len(devices)``, FSDP's ``HYBRID_SHARD``, torchtitan's HSDP): the
   state is sharded within each shard group and replicated across the ``len(devices) / shard``
   groups; the gradient sync reduce-scatters inside each shard group and all-reduces each shard

@@ -60,6 +60,7 @@ import numpy as np
 
 from ..graph.ir import Phase
 from .engine import _holdings
+from .sharded import low_gathers
 from .static import BWD, FWD
 from .tensor_parallel import _outside_work
 from .units import ARRAY_BYTES, ENTRY_BYTES
@@ -141,7 +142,10 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
             fs, bs = fwd.sum(axis=1), bwd.sum(axis=1)
             # the forwards' parameter casts: once per iteration, at the first micro-batch, not recomputed
             cs = sim.casts[c, g2].sum(axis=1) if sim.any_casts else np.zeros(len(ucls))
-            secs = (fs * (2.0 if rc else 1.0) + bs - (cs if rc else 0.0))[back]  # [R]: fwd + bwd (+ fwd again)
+            secs = fs * (2.0 if rc else 1.0) + bs - (cs if rc else 0.0)  # [U]: fwd + bwd (+ fwd again)
+            if strategy.casts_per_use and sim.any_casts:  # ZeRO-3: the casts its low-precision gathers make needless
+                secs = secs - (sim.casts[c, g2] * low_gathers(sim)[2][g2]).sum(axis=1)
+            secs = secs[back]  # [R]
             np.add.at(busy, dev, secs * times - cs[back] * (times - (m == 0)))
             if prog is not None:
                 unit = strategy.units(gs[0], gp, graph, size)[0]

@@ -28,21 +28,29 @@ latencies on a ring):
   (``O_g / S``; ``zero2`` + ``P_g / S`` of the gradient; ``zero3`` + ``P_g / S`` of the parameter);
   the working set of the group's largest op grows by what lives only while the group runs:
   ``zero2`` its unsharded gradient ``P_g`` until the reduce-scatter, ``zero3`` that plus its
-  gathered parameters ``P_g`` and the neighbour's prefetched ones (the larger of ``P_{g-1}``,
-  ``P_{g+1}``; none for a group without parameters, which the search deploys as plain replicas).
+  gathered parameters ``P^g_g`` and the neighbour's prefetched ones (the larger of ``P^g_{g-1}``,
+  ``P^g_{g+1}``; ``P^g = P`` in fp32, below under mixed precision; none for a group without
+  parameters, which the search deploys as plain replicas).
   A device's peak adds the largest working set of its groups to what they hold: the
   largest gathered group, as FSDP's;
-* ``zero3`` under mixed precision: a group's bf16 / fp16 weight casts
-  (:func:`tag.graph.precision.param_casts`) are made per use, from the gathered parameters at
-  each forward and again at each backward (and at every micro-batch of a pipeline), and freed
-  with them, as the executor runs them (:func:`tag.executor.fuse.share_param_casts`; FSDP2's
-  ``MixedPrecisionPolicy`` likewise holds no low-precision copy between uses): the group does not
-  hold them from its forward to its backward (:attr:`GraphStatic.saved_casts
-  <tag.sim.static.GraphStatic.saved_casts>`, recomputed ``rc_casts``, leave its held bytes and
-  join its working set) and its backward pays their seconds again
-  (:meth:`Simulator.recompute_layout` and :meth:`Simulator.warm_layout` charge replicated groups
-  once per iteration). ``zero1`` / ``zero2`` hold their full parameters, and their casts as
-  replicated groups do.
+* ``zero3`` under mixed precision: the weights every read of which is a bf16 / fp16 cast
+  (:func:`tag.graph.precision.low_gathered_params`) are gathered in that dtype, their shard cast
+  before the gather (FSDP2's ``param_dtype``; the executor's, :mod:`tag.executor.sharded`):
+  ``A_g`` is the gather of ``P^g_g`` bytes, those weights at 2 bytes an element and the rest as
+  they are (:func:`low_gathers`), after the shard's cast (their casts' seconds over ``S``, on the
+  gather's side of the prefetch); their casts in the graph return the gathered weights
+  (:func:`tag.executor.fuse.cast_as_needed`), so the forward loses those casts' seconds (their
+  share of the group's cast bytes) and the working set counts ``P^g_g`` once, not a gathered
+  fp32 ``P_g`` and its copies. The other casts (a weight read in fp32 too) are made per use,
+  from the gathered parameters at each forward and again at each backward (and at every
+  micro-batch of a pipeline), and freed with them, as the executor runs them
+  (:func:`tag.executor.fuse.share_param_casts`): the group does not hold them from its forward to
+  its backward (:attr:`GraphStatic.saved_casts <tag.sim.static.GraphStatic.saved_casts>`,
+  recomputed ``rc_casts``, leave its held bytes, those not replaced by gathered weights join its
+  working set) and its backward pays their seconds again (:meth:`Simulator.recompute_layout` and
+  :meth:`Simulator.warm_layout` charge replicated groups once per iteration). The gradient
+  reduce-scatter stays fp32 (``P_g``). ``zero1`` / ``zero2`` hold their full fp32 parameters,
+  gather fp32 after the step, and cast as replicated groups do.
 
 Offloaded (``GroupPlan.offload`` ``optimizer``, ZeRO-Offload), with ``k_m`` the group's devices on
 machine ``m`` (they step at once, sharing its host link ``H_m`` each direction and its CPU's memory
@@ -65,7 +73,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..graph.gradients import backward_homes
 from ..graph.ir import Phase
+from ..graph.precision import LOW_DTYPE, low_gathered_params, param_casts
 from ..parallel.sharded import offloaded_bytes, shard_size, sharded_bytes
 from ..parallel.strategy import strategy_of
 from .static import BWD, FWD, OPT
@@ -86,7 +96,8 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None
     st = sim.static
     p = np.asarray(st.grad_bytes, dtype=float)  # [K] parameter bytes (= gradient bytes)
     o = np.array([float(x.sum()) for x in st.static_pos]) - 2 * p  # [K] optimizer-state bytes
-    gather = np.array([sim.comm.shard_gather_time(lay.devices, shard, x) for x in p.tolist()])  # [K] s
+    pg, copies, share = low_gathers(sim) if level == 3 else (p, np.zeros_like(p), np.zeros_like(p))
+    gather = np.array([sim.comm.shard_gather_time(lay.devices, shard, x) for x in pg.tolist()])  # [K] s
     dur = lay.dur.copy()
     dur[OPT] = host_step(sim, lay.devices, p, shard) if offload else dur[OPT] / shard
     on_gpu = offloaded_bytes(level, shard, p, o)[0] if offload else sharded_bytes(level, shard, p, o)
@@ -98,21 +109,26 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None
             transient += p
     else:
         cpu = np.array([sim.shared_stream[d] for d in lay.devices], dtype=bool)[None, :]  # [1, R]
-        prev_f = np.vstack([np.zeros((1, dur.shape[2])), lay.dur[FWD][:-1]])  # [K, R] previous group's forward
+        cast = sim._casts_of(lay)  # [K, R] s of the forward's weight casts (None: none)
+        gone = np.zeros_like(dur[FWD]) if cast is None else cast * share[:, None]  # [K, R] the cast-only weights'
+        # the gather: its shard cast first (FSDP2's copy-in, on the gather's stream), then the collective
+        g = gather[:, None] + gone / shard
+        base_f = lay.dur[FWD] - gone  # [K, R] the forward without the casts the gathered weights make needless
+        prev_f = np.vstack([np.zeros((1, dur.shape[2])), base_f[:-1]])  # [K, R] previous group's forward
         next_b = np.vstack([lay.dur[BWD][1:], np.zeros((1, dur.shape[2]))])  # [K, R] next group's backward
-        g = gather[:, None]
-        dur[FWD] += np.where(cpu, g, np.maximum(0.0, g - prev_f))
+        dur[FWD] = base_f + np.where(cpu, g, np.maximum(0.0, g - prev_f))
         dur[BWD] += np.where(cpu, g, np.maximum(0.0, g - next_b))
-        neighbour = np.maximum(np.concatenate([[0.0], p[:-1]]), np.concatenate([p[1:], [0.0]]))
-        transient += np.where(p > 0, 2 * p + neighbour, 0.0)  # (a group without parameters runs as plain replicas)
-        # the bf16 / fp16 weight casts per use: made from the gathered parameters at each forward
-        # and again at each backward, freed with them (not held from the forward to the backward)
+        neighbour = np.maximum(np.concatenate([[0.0], pg[:-1]]), np.concatenate([pg[1:], [0.0]]))
+        # the unsharded gradient, the gathered parameters and the neighbour's prefetched ones (a
+        # group without parameters runs as plain replicas)
+        transient += np.where(p > 0, p + pg + neighbour, 0.0)
+        # the other bf16 / fp16 weight casts per use: made from the gathered parameters at each
+        # forward and again at each backward, freed with them (not held from the forward to the backward)
         casts = st.rc_casts if recompute else st.saved_casts  # [K] bytes ``lay`` holds
         held += casts
-        transient += st.rc_casts
-        cast = sim._casts_of(lay)
+        transient += np.maximum(st.rc_casts - copies, 0.0)
         if cast is not None:  # (recompute_layout's backward left them out: the recomputation casts again)
-            dur[BWD] += cast
+            dur[BWD] += cast - gone
     mem = lay.mem - held[:, None]
     work = lay.work + transient[:, None]
     out = Layout.of(lay.devices, lay.batches, lay.dev_arr, dur, mem, work, lay.starts, saved=lay.saved,
@@ -121,6 +137,42 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None
     if level == 3:  # every micro-batch of a pipeline casts again: its own warm layout (Simulator.warm_layout)
         sim._layouts[("warm", out.uid)] = out
     return out
+
+
+def low_gathers(sim) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[K] arrays for ZeRO-3 under mixed precision, cached: the bytes one gather of each group's
+    parameters moves (the parameters :func:`tag.graph.precision.low_gathered_params` gathers in
+    the low precision at 2 bytes an element, the rest as they are: FSDP2's ``param_dtype``), the
+    bytes of the casts that the gathered copies replace (the executor reads them as they are,
+    :func:`tag.executor.fuse.cast_as_needed`), and those casts' share of the group's cast bytes
+    (of its cast seconds: a cast is memory bound). fp32 graphs: the parameter bytes and zeros."""
+    memo = sim.cache("zero-gather")
+    hit = memo.get("low")
+    if hit is not None:
+        return hit
+    graph, st = sim.graph, sim.static
+    p = np.asarray(st.grad_bytes, dtype=float)
+    pg, copies, total = p.copy(), np.zeros_like(p), np.zeros_like(p)
+    low = low_gathered_params(graph)
+    if low:
+        size = LOW_DTYPE[graph.precision].itemsize  # bytes an element
+        homes = backward_homes(graph)
+        for k in low:
+            q = graph.params[k]
+            prod = graph.tensors[q.grad].producer
+            g = homes[prod][0] if prod in homes else (graph.ops[prod].group if prod >= 0 else q.group)
+            pg[g] -= q.nbytes - q.numel * size
+        mine = {graph.params[k].tensor for k in low}
+        for i in param_casts(graph):
+            op = graph.ops[i]
+            nb = graph.tensors[op.outputs[0]].nbytes.fixed
+            total[op.group] += nb
+            if op.inputs[0] in mine:
+                copies[op.group] += nb
+    share = np.divide(copies, total, out=np.zeros_like(p), where=total > 0)
+    hit = memo["low"] = (pg, copies, share)
+    sim.charge(sum(x.nbytes for x in hit))
+    return hit
 
 
 def _update_bytes(sim) -> np.ndarray:
@@ -209,4 +261,4 @@ def sharded_group(sim, g: int, gp, lowered) -> GroupData:
 for _name in ("zero1", "zero2", "zero3"):
     register_costing(_name, sharded_group)
 
-__all__ = ["check_host", "host_bytes", "host_step", "sharded_group", "sharded_layout"]
+__all__ = ["check_host", "host_bytes", "host_step", "low_gathers", "sharded_group", "sharded_layout"]
