@@ -243,9 +243,9 @@ def test_sharded_stages_hold_a_tied_weight_as_the_executor(captured, topo4, zero
     """GPT-2's tied embedding on ``dp=2,pp=2,micro=2,zero=Z``: the executor's schedule holds it on
     both stages (no transfer carries it, one all-reduce over both stages' replicas) and the
     simulator moves exactly the schedule's bytes and runs its buckets; each rank of both stages
-    holds the weight, its gradient and optimizer state whole (the shard buckets leave it out:
-    tests/test_sharded_pipeline.py measures it), so the first stage holds that less the sharded
-    bytes its layout counted, the last stage all of it; the memory bound stays below."""
+    holds the weight and its gradient whole, its optimizer state over the stage's shard group
+    (ZeRO-1: tests/test_sharded_pipeline.py measures it), so the first stage holds that less the
+    sharded bytes its layout counted, the last stage all of it; the memory bound stays below."""
     from test_sim_executor import schedule_bytes, sim_bytes
 
     from tag.executor import build_schedule
@@ -265,9 +265,9 @@ def test_sharded_stages_hold_a_tied_weight_as_the_executor(captured, topo4, zero
     assert jobs == [(b.collective.members, b.nbytes) for b in sched.buckets]
     (w,) = [p for p in graph.params if graph.tensors[p.tensor].name == t.param]
     held, moved = (_holdings(sim, gds, m)[1] for m in (micro, micro._replace(tied=frozenset(), tied_shards=())))
-    whole = 2 * w.nbytes + w.opt_state_bytes
+    copy = sharded_bytes(1, 2, w.nbytes, w.opt_state_bytes)  # (each stage's: ZeRO-1 over its shard group)
     assert [x - y for x, y in zip(held, moved)] == pytest.approx(
-        [whole - sharded_bytes(zero, 2, w.nbytes, w.opt_state_bytes)] * 2 + [whole] * 2)
+        [copy - sharded_bytes(zero, 2, w.nbytes, w.opt_state_bytes)] * 2 + [copy] * 2)
     res = sim.run(plan.groups, pipeline=plan.pipeline)
     assert all(b <= p for b, p in zip(static_bound(sim, plan.groups, plan.pipeline).peak_bytes,
                                       res.peak_memory_bytes))

@@ -114,15 +114,18 @@ TIED_GPT2 = "gpt2:n_layer=2,n_embd=64,n_head=2,seq=16,vocab=512"
 
 
 @pytest.mark.parametrize("level", [0, 3])
-def test_a_tied_embedding_is_held_whole_by_both_stages(tmp_path, captured, level):
+def test_a_tied_embedding_is_held_by_both_stages(tmp_path, captured, level):
     """GPT-2's tied embedding / LM head on ``dp=2,pp=2,micro=2`` (``level`` 3: ``zero=3``), 4 gloo
-    ranks, one Adam step: both stages' ranks hold the weight whole, with its gradient and Adam's
-    moments (Megatron-LM's first and last stages likewise), out of the ZeRO shards; the simulator
-    holds on each rank what it holds (within 2%): its per-group state (:func:`sharded_bytes`) and
-    the tied copies' state as the engine adds it (the run less the run without tied copies). The
-    executor's held state leaves out the gradients of what it holds whole (live from the backward
-    to the step, which the simulator holds for the iteration): the rank's parameters without
-    sharding, the tied weight under ZeRO-3. The memory bound stays below the simulated peak."""
+    ranks, one Adam step: both stages' ranks hold the weight whole (Megatron-LM's first and last
+    stages likewise), unsharded with its gradient and Adam's moments, and under ZeRO as ZeRO-1
+    over its stage's shard group: Adam's moments of half of it a rank, which is each rank's
+    optimizer state as the simulator accounts it (its groups' ``O_g / S`` and the copy's
+    ``O / S``); the simulator holds on each rank what it holds (within 2%): its per-group state
+    (:func:`sharded_bytes`) and the tied copies' state as the engine adds it (the run less the
+    run without tied copies). The executor's held state leaves out the gradients live from the
+    backward to the step, which the simulator holds for the iteration: the rank's parameters'
+    without sharding, under ZeRO the tied weight's all-reduced gradient less its shard's. The
+    memory bound stays below the simulated peak."""
     from tag.executor import ExecuteConfig, execute
     from tag.sim.bounds import static_bound
     from tag.sim.engine import _holdings
@@ -139,7 +142,7 @@ def test_a_tied_embedding_is_held_whole_by_both_stages(tmp_path, captured, level
     execute(cfg, graph=graph)
     ranks = json.loads((tmp_path / "run" / "ranks.json").read_text())
     (w,) = [p for p in graph.params if p.name == "model.lm_head.weight"]
-    got = [r["held_state_bytes"] + r["optimizer_state_bytes"] + (w.nbytes if level else r["held_state_bytes"])
+    got = [r["held_state_bytes"] + r["optimizer_state_bytes"] + (w.nbytes / 2 if level else r["held_state_bytes"])
            for r in ranks]
 
     sim = Simulator(graph, topo, costs)
@@ -150,12 +153,17 @@ def test_a_tied_embedding_is_held_whole_by_both_stages(tmp_path, captured, level
                                   _holdings(sim, gds, micro._replace(tied=frozenset(), tied_shards=()))[1])]
     per_group = _predicted_state(graph, topo, plan, lambda s, p, o: sharded_bytes(level, s, p, o) if level
                                  else 2 * p + o)
-    whole = 2 * w.nbytes + w.opt_state_bytes
-    # the last stage gains the whole copy; a sharded first stage gains what its shard left out
-    assert tied == pytest.approx([whole - (sharded_bytes(level, 2, w.nbytes, w.opt_state_bytes) if level else whole)
-                                  ] * 2 + [whole] * 2)
+    copy = sharded_bytes(1, 2, w.nbytes, w.opt_state_bytes) if level else 2 * w.nbytes + w.opt_state_bytes
+    # the last stage gains its copy; a sharded first stage what its shard left out
+    assert tied == pytest.approx([copy - (sharded_bytes(level, 2, w.nbytes, w.opt_state_bytes) if level else copy)
+                                  ] * 2 + [copy] * 2)
     assert got == pytest.approx([a + b for a, b in zip(per_group, tied)], rel=0.02)
     assert got[2] != pytest.approx(per_group[2], rel=0.02)  # (the copy is no small part of the last stage)
+    if level:  # the optimizer state: the groups' shards and the copy's, O / S each
+        opt = _predicted_state(graph, topo, plan, lambda s, p, o: o / s)
+        want = [o + (w.opt_state_bytes / 2 if d >= 2 else 0.0) for d, o in enumerate(opt)]
+        assert [r["optimizer_state_bytes"] for r in ranks] == pytest.approx(want, rel=0.02)
+        assert [x - 2 * w.nbytes for x in tied[2:]] == pytest.approx([w.opt_state_bytes / 2] * 2)
     res = sim.run(plan.groups, pipeline=plan.pipeline)
     low = static_bound(sim, plan.groups, plan.pipeline)
     assert all(b <= p for b, p in zip(low.peak_bytes, res.peak_memory_bytes))

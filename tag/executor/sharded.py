@@ -47,6 +47,12 @@ the gradient's dtype, ``param_dtype`` there (_fsdp_collectives.py ``foreach_redu
 ``reduce_dtype = reduce_dtype or grad_dtype``), half the bytes but summed in bf16, which the
 equality with single-process training would not survive.
 
+A weight tied across pipeline stages (:class:`tag.parallel.schedule.Tied`: its gradient
+all-reduced over both stages' replicas by a bucket of its own) is read whole by both stages; on a
+rank whose group holding the copy is sharded it is a level-1 bucket over that group's shard
+groups (:meth:`ShardedRank._tied_group`): its optimizer state and step sharded, the updated shards
+all-gathered after the step.
+
 Collectives run on process groups the shard groups create themselves
 (``use_local_synchronization``: only members take part), on gloo as on NCCL: torch 2.13's gloo
 has ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (checked 2026-11-29).
@@ -360,6 +366,11 @@ class ShardedRank(RankHook):
                                      "rank does not (a tied copy); expected no sharded group beside them")
             self.buckets[i] = _Bucket(i, b, int(gp.sync[4:]), list(gp.devices), shard_size(gp), rt.rank, rt.params,
                                       names, s.param_numel, gp.offload, self.low, self.low_dtype)
+        for i, b in enumerate(s.buckets):  # a weight tied across stages: ZeRO-1 over the holding group's shard groups
+            gp = self._tied_group(rt, b.groups[0])
+            if gp is not None:
+                self.buckets[i] = _Bucket(i, b, 1, list(gp.devices), shard_size(gp), rt.rank, rt.params,
+                                          list(rt._synced(b.groups[0])), s.param_numel)
         bucketed = {g for b in s.buckets for g in b.groups}
         for g, gp in enumerate(self.plan.groups):  # an offloaded lone device: no collective, a bucket of its own
             names = rt._synced(g)
@@ -387,6 +398,26 @@ class ShardedRank(RankHook):
                 if out:
                     self._exported[i] = out
         self.active = True
+
+    def _tied_group(self, rt, group: int):
+        """The plan group whose copy of the tied weight of sync group ``group`` (negative) this rank
+        holds, where that group is sharded (``zero*`` over several devices, not offloaded: as
+        :func:`tag.sim.engine._zero`); else None (held whole). Both stages read the weight and its
+        gradient is all-reduced over both, so each stage's copy is ZeRO-1 over its own group's
+        shard groups (Megatron-LM's distributed optimizer shards each stage's embedding over its
+        data-parallel group): the weight and the summed gradient whole, the optimizer state and
+        the step sharded, the updated shards all-gathered after the step."""
+        if group >= 0:
+            return None
+        t = next((t for t in rt.schedule.tied.values() if t.group == group), None)
+        if t is None or t.param not in rt.params:
+            return None
+        for u in (t.owner, t.grad_unit, *sorted(t.holders)):
+            gp = self.plan.groups[u[0]]
+            if rt.rank in gp.devices:
+                ok = gp.sync.startswith("zero") and not gp.offload and len(gp.devices) > 1
+                return gp if ok else None
+        return None
 
     def start(self, rt) -> None:
         """Activate before the first iteration (the distributed worker calls it): the shard

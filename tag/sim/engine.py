@@ -627,16 +627,18 @@ class Simulator:
         tasks = [(t.stage, PHASE_INDEX[t.phase], t.micro) for t in prog.tasks]
         flight = list(prog.flight)
         tied = self._tied(groups, pp)
-        # a tied weight's sharded owner (tag.sim.sharded) holds and steps it whole (_hold_tied)
-        shards = tuple((tw.tensor, int(groups[tw.owner].sync[4:]), shard_size(groups[tw.owner]))
-                       for tw in self.static.tied if tw.tensor in tied and groups[tw.owner].sync.startswith("zero"))
+        # a tied weight under sharded groups: each stage's copy ZeRO-1 over its group's shard groups (_hold_tied)
+        shards = tuple((tw.tensor, _zero(groups[tw.owner])[0], _zero(groups[tw.owner])[1],
+                        _zero(groups[tw.grad_group])[1]) for tw in self.static.tied
+                       if tw.tensor in tied and (_zero(groups[tw.owner])[0] or _zero(groups[tw.grad_group])[0]))
         return _Micro(mgds, tasks, members, flight, tied, self.static.relayed(tuple(pp.stages)), shards)
 
     def _tied(self, groups, pp) -> frozenset[int]:
         """The tied weights of :attr:`_Micro.tied`: readers in one stage, owner in another (the
         executor's :func:`tag.parallel.schedule.build_schedule`), in a plan of groups without a
         costing of their own or sharded (ZeRO, not offloaded: the executor keeps the weight whole
-        on both stages, out of the shard buckets; a tensor-parallel plan's executor moves it), or,
+        on both stages, its optimizer state over each stage's shard groups, :func:`_hold_tied`; a
+        tensor-parallel plan's executor moves it), or,
         in a graph costed as Megatron-LM's vocabulary-parallel run (``vocab_parallel``,
         :func:`tag.parallel.layers.vocab_parallel_graph`), whose groups are tensor parallel of
         that degree over as many devices each (each rank holds its ``V / tp`` shard on both stages)."""
@@ -821,9 +823,11 @@ class _Micro(NamedTuple):
     """(tensor, consumer group) edges another group of the consumer's stage receives for it
     (:meth:`tag.sim.static.GraphStatic.relayed`)."""
 
-    tied_shards: tuple[tuple[int, int, int], ...] = ()
-    """(tensor, ZeRO level, shard size) of each tied weight of :attr:`tied` whose owner group is
-    sharded: its layout prices the weight's state sharded, the executor holds it whole (:func:`_hold_tied`)."""
+    tied_shards: tuple[tuple[int, int, int, int], ...] = ()
+    """(tensor, the owner's ZeRO level (0: not sharded), the owner's shard size, the reading group's
+    shard size) of each tied weight of :attr:`tied` one of whose groups is sharded (a shard size 1:
+    not sharded): its owner's layout prices the weight's state as its level's, the executor holds it
+    as ZeRO-1 on each stage (:func:`_hold_tied`)."""
 
     def select(self, part: str) -> tuple:
         """:func:`tag.sim.units.pair_kinds`'s ``select`` of ``part`` (``micro``, ``first``,
@@ -1680,30 +1684,48 @@ def _holdings(sim, gds, micro: _Micro | None = None):
     return opt, mem, work, holds, gcomp
 
 
+def _zero(gp) -> tuple[int, int]:
+    """(ZeRO level, shard size) of a group's plan whose ranks hold a tied weight's copy sharded
+    (:class:`tag.executor.sharded.ShardedRank`): ``zero*`` over several devices, not offloaded;
+    else ``(0, 1)``."""
+    if gp.sync.startswith("zero") and not gp.offload and len(gp.devices) > 1:
+        return int(gp.sync[4:]), shard_size(gp)
+    return 0, 1
+
+
 def _hold_tied(sim, micro: _Micro, opt: list[float], mem: list[float], holds: list[bool]) -> None:
     """The second copy of each tied weight (:attr:`_Micro.tied`) on the replicas of its partial
     sum's group: the weight, its gradient and its optimizer state held, and its update, the
-    owner group's update seconds on that device per parameter byte (in place). A sharded owner
-    (:attr:`_Micro.tied_shards`) holds its copy whole too, and steps all of it: the executor's
-    ZeRO buckets leave the weight out (:meth:`tag.executor.sharded.ShardedRank`), as Megatron-LM's
-    first and last stages each hold and step the embedding."""
+    owner group's update seconds on that device per parameter byte (in place). Where a stage's
+    group is sharded (:attr:`_Micro.tied_shards`) its copy is ZeRO-1 over the group's shard groups,
+    as the executor holds it (:meth:`tag.executor.sharded.ShardedRank`) and Megatron-LM's
+    distributed optimizer shards each stage's embedding over its data-parallel group: the weight
+    and its all-reduced gradient whole (both stages read it, the all-reduce spans both), the
+    optimizer state and the step over ``S``, then an all-gather of the updated weight
+    (:func:`tag.parallel.sharded.sharded_bytes` at level 1). The owner's layout priced it as its
+    own level's shards (1 / S of its step, ZeRO-1/2 its gather after it)."""
     gds = micro.gds[0]
-    shards = {t: (level, s) for t, level, s in micro.tied_shards}
+    shards = {t: rest for t, *rest in micro.tied_shards}
+    comm = sim.comm
     for tw in sim.static.tied:
         if tw.tensor not in micro.tied:
             continue
         g = tw.owner
         per_byte = tw.nbytes / float(sim.static.grad_bytes[g])
-        whole = 2.0 * tw.nbytes + tw.opt_state_bytes
-        for d in gds[tw.grad_group].units[0].devices:
-            mem[d] += whole
-            opt[d] += float(sim.tables[sim.dev_class[d], g, OPT, 1]) * per_byte
+        p, o = tw.nbytes, tw.opt_state_bytes
+        level, s_own, s_read = shards.get(tw.tensor, (0, 1, 1))
+        readers = list(gds[tw.grad_group].units[0].devices)
+        gather = comm.shard_gather_time(readers, s_read, p) if s_read > 1 else 0.0
+        for d in readers:
+            mem[d] += sharded_bytes(1, s_read, p, o)
+            opt[d] += float(sim.tables[sim.dev_class[d], g, OPT, 1]) * per_byte / s_read + gather
             holds[d] = True
-        if tw.tensor in shards:  # (the owner's layout: sharded_bytes of it, 1 / S of its step)
-            level, s = shards[tw.tensor]
-            for d in gds[g].units[0].devices:
-                mem[d] += whole - sharded_bytes(level, s, tw.nbytes, tw.opt_state_bytes)
-                opt[d] += float(sim.tables[sim.dev_class[d], g, OPT, 1]) * per_byte * (1.0 - 1.0 / s)
+        if level:
+            owners = list(gds[g].units[0].devices)
+            gather = comm.shard_gather_time(owners, s_own, p) if level == 3 else 0.0  # (ZeRO-3's layout: none)
+            for d in owners:
+                mem[d] += sharded_bytes(1, s_own, p, o) - sharded_bytes(level, s_own, p, o)
+                opt[d] += gather
 
 
 def _result(sim, run, sync_end: list[float], holdings):
