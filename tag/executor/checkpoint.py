@@ -20,9 +20,11 @@ The state, keyed by parameter FQN (state-dict name) so that a run can resume und
 shard, a sub-grid of its parameter DCP cannot express, is written whole and cut on load,
 :class:`Shards`; a sharded bucket's slices of the flat parameters too, :func:`sharded_state`):
 ``param/FQN``, ``optim/FQN/KEY`` (the optimizer's per-parameter state: Adam's ``step``,
-``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``) and ``rng/rankR/I`` (rank ``R``'s random
+``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``), ``rng/rankR/I`` (rank ``R``'s random
 stream, read back only under the same plan and world size; elsewhere the streams restart from
-the seed). Reading: DCP reads tensors with ``torch.load(weights_only=True)``, and its
+the seed) and, fp16, ``scaler/scale``, ``scaler/good_steps``, ``scaler/skipped`` (the dynamic loss
+scaler's state, :mod:`tag.executor.scaling`; every rank holds the same, DCP writes it once; read
+back under any plan). Reading: DCP reads tensors with ``torch.load(weights_only=True)``, and its
 ``.metadata``, a pickle, is read by :class:`SafeReader` with an unpickler allowing DCP's
 metadata classes and torch's dtypes only (DCP's own reader unpickles anything).
 """
@@ -48,6 +50,8 @@ from ..io import read_json, write_json
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 MANIFEST = "manifest.json"
 STATE = "train_state.json"
+SCALER = "scaler/"
+"""Key prefix of the fp16 loss scaler's state (:meth:`tag.executor.scaling.LossScaler.state`)."""
 
 
 class CheckpointError(TagError):
@@ -181,6 +185,8 @@ def rank_state(rt, rank: int, shards: Shards | None = None) -> dict[str, torch.T
     out.update({f"optim/{n}/{k}": t for k, d in states.items() for n, t in d.items()})
     for i, t in enumerate(rt._rng):
         out[f"rng/rank{rank}/{i}"] = t
+    if getattr(rt, "scaler", None) is not None:  # fp16: the dynamic loss scale, the same on every rank
+        out.update({f"{SCALER}{k}": v for k, v in rt.scaler.state().items()})
     return out
 
 
@@ -314,6 +320,10 @@ def load(path: Path, rt, rank: int, same_plan: bool, shards: Shards | None = Non
                 for f in fqns:
                     whole(f"optim/{f}/{k}")
                 opt_keys.append((bk.shard, k, [f"optim/{f}/{k}" for f in fqns]))
+    scaler = getattr(rt, "scaler", None)
+    scaler_keys = [f"{SCALER}{k}" for k in scaler.state()] if scaler is not None else []
+    if scaler_keys and all(k in meta for k in scaler_keys):  # (a checkpoint of a run without fp16: the initial scale)
+        want.update({k: torch.empty((), dtype=meta[k].properties.dtype) for k in scaler_keys})
     rng_keys = [f"rng/rank{rank}/{i}" for i in range(len(rt._rng))]
     if same_plan and all(k in meta for k in rng_keys):
         for k, t in zip(rng_keys, rt._rng):
@@ -349,6 +359,8 @@ def load(path: Path, rt, rank: int, same_plan: bool, shards: Shards | None = Non
         rt.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
     if same_plan and rng_keys[0] in want:
         rt._rng = tuple(want[k] for k in rng_keys)
+    if scaler_keys and scaler_keys[0] in want:
+        scaler.load({k[len(SCALER):]: want[k] for k in scaler_keys})
 
 
 def _bucket_of(buckets: list, shard: torch.Tensor):

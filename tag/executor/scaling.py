@@ -8,6 +8,12 @@ act on it (:attr:`tag.executor.runtime.RankRuntime.agree_finite`: one all-reduce
 flag over the ranks, as FSDP's ``ShardedGradScaler`` all-reduces it over the shard group): each
 rank checks only the gradients it holds (a ZeRO shard, a pipeline stage's), and a rank that skipped
 while another stepped would leave the replicas apart and the scales different.
+
+The scaler's state (:meth:`LossScaler.state`: the scale, the finite steps since it last changed,
+the steps skipped) is saved with ``tag run``'s checkpoints as 0-dim tensors under ``scaler/``
+(:mod:`tag.executor.checkpoint`, read back with ``weights_only=True`` as every tensor), so a
+resumed fp16 run backs off and grows when the uninterrupted one would (``GradScaler``'s
+``state_dict`` likewise holds the scale and its growth tracker).
 """
 
 from __future__ import annotations
@@ -48,6 +54,17 @@ class LossScaler:
             return True
         torch._foreach_mul_(grads, 1.0 / float(self.scale))
         return all(bool(torch.isfinite(g).all()) for g in grads)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The scaler's state as 0-dim tensors (on the host): ``scale`` (FP32), ``good_steps`` and
+        ``skipped`` (int64)."""
+        return {"scale": self.scale.detach().cpu().clone(), "good_steps": torch.tensor(self.good_steps),
+                "skipped": torch.tensor(self.skipped)}
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Take :meth:`state`'s values (the scale in place: the loss unit's backward reads this tensor)."""
+        self.scale.copy_(state["scale"].to(self.scale.device, self.scale.dtype))
+        self.good_steps, self.skipped = int(state["good_steps"]), int(state["skipped"])
 
     def update(self, finite: bool) -> None:
         """After a step (``finite``: every rank's gradients were): back off or count towards growth."""

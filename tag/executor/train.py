@@ -360,6 +360,7 @@ def train_rank(a, ctx: RankContext) -> dict:
         stop = bool(parts[0][1])  # rank 0's clock decides
         dt = time.perf_counter() - t0
         record = {"step": step, "loss": sum(float(p[0]) for p in parts), "lr": lr, "grad_norm": control.norm,
+                  "loss_scale": None if rt.scaler is None else float(rt.scaler.scale),
                   "step_time_s": dt, "samples_per_s": B * spec.accumulate / dt,
                   "tokens_per_s": tokens * spec.accumulate / dt if tokens else None,
                   "mfu": flops / dt / peak if peak else None,
