@@ -22,9 +22,9 @@ from tag.topology import load_topology
 pytestmark = pytest.mark.slow
 
 
-def _topology(tmp_path) -> str:
-    path = tmp_path / "cpu4.yaml"
-    path.write_text('name: test-cpu4\nmachines:\n  - name: local\n    gpu: cpu\n    count: 4\n'
+def _topology(tmp_path, count: int = 4) -> str:
+    path = tmp_path / f"cpu{count}.yaml"
+    path.write_text(f'name: test-cpu{count}\nmachines:\n  - name: local\n    gpu: cpu\n    count: {count}\n'
                     '    intra_bandwidth: "5 GB/s"\n')
     return str(path)
 
@@ -110,13 +110,14 @@ def test_tag_run_trains_sharded_pipeline_stages_as_one_process(tmp_path, level):
     assert run.step == 6 and run.checkpoint.endswith("step-00000006")
 
 
-TIED_GPT2 = "gpt2:n_layer=2,n_embd=64,n_head=2,seq=16,vocab=512"
+TIED_GPT2 = "gpt2:n_layer=1,n_embd=64,n_head=2,seq=16,vocab=512"
 
 
 @pytest.mark.parametrize("level", [0, 3])
 def test_a_tied_embedding_is_held_by_both_stages(tmp_path, captured, level):
-    """GPT-2's tied embedding / LM head on ``dp=2,pp=2,micro=2`` (``level`` 3: ``zero=3``), 4 gloo
-    ranks, one Adam step: both stages' ranks hold the weight whole (Megatron-LM's first and last
+    """GPT-2's tied embedding / LM head (one layer) on ``dp=2,pp=2,micro=2,zero=3`` over 4 gloo ranks
+    (``level`` 3) and on ``pp=2,micro=2`` over 2 (``level`` 0: no shards, one rank a stage), one
+    Adam step: both stages' ranks hold the weight whole (Megatron-LM's first and last
     stages likewise), unsharded with its gradient and Adam's moments, and under ZeRO as ZeRO-1
     over its stage's shard group: Adam's moments of half of it a rank, which is each rank's
     optimizer state as the simulator accounts it (its groups' ``O_g / S`` and the copy's
@@ -131,11 +132,12 @@ def test_a_tied_embedding_is_held_by_both_stages(tmp_path, captured, level):
     from tag.sim.engine import _holdings
 
     graph = captured(TIED_GPT2, batch=8, groups=4).graph
-    topo_path = _topology(tmp_path)
+    dp = 2 if level else 1  # (ranks a stage)
+    topo_path = _topology(tmp_path, 2 * dp)
     topo = load_topology(topo_path)
     costs = CostModel.for_topology(graph, topo)
-    plan = layout_plan(graph, topo, parse_layout("dp=2,pp=2,micro=2" + (f",zero={level}" if level else "")), costs)
-    assert {tuple(g.devices) for g in plan.groups} == {(0, 1), (2, 3)}
+    plan = layout_plan(graph, topo, parse_layout(f"dp={dp},pp=2,micro=2" + (f",zero={level}" if level else "")), costs)
+    assert {tuple(g.devices) for g in plan.groups} == {tuple(range(dp)), tuple(range(dp, 2 * dp))}
     plan.save(tmp_path / "plan.json")
     cfg = ExecuteConfig(TIED_GPT2, topo_path, str(tmp_path / "plan.json"), steps=1, warmup=0, optimizer="adam",
                         run_dir=str(tmp_path / "run"), timeout_s=120.0)
@@ -156,9 +158,9 @@ def test_a_tied_embedding_is_held_by_both_stages(tmp_path, captured, level):
     copy = sharded_bytes(1, 2, w.nbytes, w.opt_state_bytes) if level else 2 * w.nbytes + w.opt_state_bytes
     # the last stage gains its copy; a sharded first stage what its shard left out
     assert tied == pytest.approx([copy - (sharded_bytes(level, 2, w.nbytes, w.opt_state_bytes) if level else copy)
-                                  ] * 2 + [copy] * 2)
+                                  ] * dp + [copy] * dp)
     assert got == pytest.approx([a + b for a, b in zip(per_group, tied)], rel=0.02)
-    assert got[2] != pytest.approx(per_group[2], rel=0.02)  # (the copy is no small part of the last stage)
+    assert got[dp] != pytest.approx(per_group[dp], rel=0.02)  # (the copy is no small part of the last stage)
     if level:  # the optimizer state: the groups' shards and the copy's, O / S each
         opt = _predicted_state(graph, topo, plan, lambda s, p, o: o / s)
         want = [o + (w.opt_state_bytes / 2 if d >= 2 else 0.0) for d, o in enumerate(opt)]
