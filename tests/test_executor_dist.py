@@ -173,17 +173,20 @@ def test_plan_for_another_topology_is_refused(tmp_path, mlp):
         execute(cfg, graph=mlp)
 
 
-def test_dropout_recomputed_on_gloo_ranks_draws_the_forward_masks(tmp_path):
+DROPOUT = f"{REPO / 'evaluation/models/dropout.py'}:make"
+"""A model with dropout (the executor's ranks must seed their random streams)."""
+
+
+def test_dropout_recomputed_on_gloo_ranks_draws_the_forward_masks(tmp_path, captured):
     """Two gloo processes, data parallel, a model with dropout: every rank seeds its random stream
     (``--seed``), so the run is the same twice and the same as ``run_virtual``'s; recomputing
     every group (the forward's masks replayed) leaves the parameters after 3 steps bitwise equal."""
     import torch
 
     from tag.executor import run_virtual
-    from tag.graph import capture
 
-    spec = f"{REPO / 'evaluation/models/dropout.py'}:make"
-    graph = capture(load_workload(spec, batch=B), num_groups=4).graph
+    spec = DROPOUT
+    graph = captured(spec, batch=B, groups=4).graph
     topo_path = cpu_topology(tmp_path, 2)
     runs = {}
     for rc in (False, True):
@@ -199,29 +202,24 @@ def test_dropout_recomputed_on_gloo_ranks_draws_the_forward_masks(tmp_path):
     assert_params_equal(virtual, {k: v for p in runs[False][1].values() for k, v in p.items()}, rtol=1e-6, atol=1e-7)
 
 
-def test_tag_execute_with_dropout_is_the_same_run_twice(tmp_path):
+def test_tag_execute_with_dropout_is_the_same_run_twice(tmp_path, captured, capsys):
     """``tag execute`` of a model with dropout, twice: every rank's random stream is seeded by
-    ``--seed`` (default 0), so the losses agree to the bit; ``--seed 1`` draws other masks.
+    ``--seed`` (default 0), so the losses agree to the bit; ``--seed 1`` draws other masks (a rank
+    that ignored ``--seed`` would draw the same ones: its generator as the fork server left it).
     (Before 2026-11-28 the ranks drew from the generator as the process found it: two runs of one
     plan gave losses 0.0547, 0.0927, 0.0592 and 0.0573, 0.0467, 0.0797.)"""
     import json
-    import subprocess
-    import sys
 
-    from tag.graph import capture
+    from tag.cli import main
 
-    spec = f"{REPO / 'evaluation/models/dropout.py'}:make"
-    graph = capture(load_workload(spec, batch=B), num_groups=4).graph
+    graph = captured(DROPOUT, batch=B, groups=4).graph
     topo_path = cpu_topology(tmp_path, 2)
     new_plan(graph, load_topology(topo_path), [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(4)]).save(tmp_path / "p.json")
 
     def losses(*extra):
-        out = subprocess.run([sys.executable, "-m", "tag", "execute", "--model", spec, "--batch", str(B), "--groups", "4",
-                              "--topology", topo_path, "--plan", str(tmp_path / "p.json"), "--steps", "3",
-                              "--warmup", "0", "--json", *extra], capture_output=True, text=True, cwd=REPO,
-                             env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout)["losses"]
+        assert main(["execute", "--model", DROPOUT, "--batch", str(B), "--groups", "4", "--topology", topo_path,
+                     "--plan", str(tmp_path / "p.json"), "--steps", "3", "--warmup", "0", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["losses"]
 
     first = losses()
     assert len(first) == 3 and losses() == first and losses("--seed", "1") != first
