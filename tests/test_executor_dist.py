@@ -204,22 +204,29 @@ def test_dropout_recomputed_on_gloo_ranks_draws_the_forward_masks(tmp_path, capt
 
 def test_tag_execute_with_dropout_is_the_same_run_twice(tmp_path, captured, capsys):
     """``tag execute`` of a model with dropout, twice: every rank's random stream is seeded by
-    ``--seed`` (default 0), so the losses agree to the bit; ``--seed 1`` draws other masks (a rank
-    that ignored ``--seed`` would draw the same ones: its generator as the fork server left it).
+    ``--seed`` (default 0), so the losses agree to the bit; ``--seed 1`` draws other masks. The
+    first run is ``python -m tag`` in a process of its own (its own fork server, hash seed and
+    generators), the others ``tag.cli.main`` in this one.
     (Before 2026-11-28 the ranks drew from the generator as the process found it: two runs of one
     plan gave losses 0.0547, 0.0927, 0.0592 and 0.0573, 0.0467, 0.0797.)"""
     import json
+    import subprocess
+    import sys
 
     from tag.cli import main
 
     graph = captured(DROPOUT, batch=B, groups=4).graph
     topo_path = cpu_topology(tmp_path, 2)
     new_plan(graph, load_topology(topo_path), [GroupPlan([0, 1], [0.5, 0.5]) for _ in range(4)]).save(tmp_path / "p.json")
+    argv = ["execute", "--model", DROPOUT, "--batch", str(B), "--groups", "4", "--topology", topo_path,
+            "--plan", str(tmp_path / "p.json"), "--steps", "3", "--warmup", "0", "--json"]
+    out = subprocess.run([sys.executable, "-m", "tag", *argv], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first = json.loads(out.stdout)["losses"]
 
     def losses(*extra):
-        assert main(["execute", "--model", DROPOUT, "--batch", str(B), "--groups", "4", "--topology", topo_path,
-                     "--plan", str(tmp_path / "p.json"), "--steps", "3", "--warmup", "0", "--json", *extra]) == 0
+        assert main([*argv, *extra]) == 0
         return json.loads(capsys.readouterr().out)["losses"]
 
-    first = losses()
     assert len(first) == 3 and losses() == first and losses("--seed", "1") != first
