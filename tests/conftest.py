@@ -45,6 +45,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session")
+def forked():
+    """``forked(fn, args, nprocs)``: ``fn(rank, *args)`` in ``nprocs`` processes forked from the fork
+    server the executor starts its gloo ranks from (:data:`tag.executor.launch.FORKSERVER_PRELOAD`
+    imported there once), joined; a rank's exception is raised. ``torch.multiprocessing.spawn``
+    would start each in a fresh interpreter importing torch (~3 s of CPU a process)."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    from tag.executor.launch import FORKSERVER_PRELOAD
+
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+
+    def run(fn, args: tuple, nprocs: int) -> None:
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+    return run
+
+
 @pytest.fixture(autouse=True)
 def _tag_cache(tmp_path_factory, monkeypatch):
     """Keep TAG's user cache (measured CPU spec, ...) inside the test session."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tag.compress import find_candidates, gather_rows, sfb_kernel
 
@@ -97,5 +96,5 @@ def _worker(rank: int, port: int, counts: list[int]) -> None:
         dist.destroy_process_group()
 
 
-def test_two_rank_gloo_allgather_matches_allreduce(free_port):
-    mp.spawn(_worker, args=(free_port, [3, 5]), nprocs=2, join=True)
+def test_two_rank_gloo_allgather_matches_allreduce(free_port, forked):
+    forked(_worker, (free_port, [3, 5]), 2)

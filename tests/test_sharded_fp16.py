@@ -50,12 +50,10 @@ def _agree(rank: int, path: str, flags: list[bool], out: str) -> None:
 
 
 @pytest.mark.slow
-def test_ranks_agree_on_a_non_finite_gradient(tmp_path):
+def test_ranks_agree_on_a_non_finite_gradient(tmp_path, forked):
     """Two gloo ranks: both finite, both step; rank 1's gradients not finite, both skip."""
-    import torch.multiprocessing as mp
-
     out = str(tmp_path / "agree")
-    mp.spawn(_agree, args=(str(tmp_path / "store"), [True, False], out), nprocs=2, join=True)
+    forked(_agree, (str(tmp_path / "store"), [True, False], out), 2)
     assert [torch.load(f"{out}.{r}") for r in range(2)] == [[True, False], [True, False]]
 
 
