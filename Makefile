@@ -4,8 +4,9 @@
 #   make docs    regenerate the tables of README.md and docs/benchmarks.md from evaluation/results
 #   make gpu-check OUT=DIR   on a machine with one NVIDIA GPU and a CUDA torch (no venv needed):
 #                microbenchmarks, eager vs tag execute vs prediction per workload, < 8 minutes; then
-#                with 2+ GPUs NCCL dp/pp/tp training equal to single-process (alone:
-#                GPU_CHECK_ARGS=--only-multi-gpu; fewer GPUs: one 'skipped' record)
+#                2 gloo ranks on the one GPU (dp, pp, tp, ZeRO-3, offload) and with 2+ GPUs NCCL
+#                dp/pp/tp, training equal to single-process (alone: GPU_CHECK_ARGS=--only-multi-gpu;
+#                fewer GPUs: a 'skipped' record)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python

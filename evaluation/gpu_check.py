@@ -21,15 +21,24 @@ writes ``DIR/gpu-check.jsonl`` (one record per measurement, the format of
    type, else datasheet-derived) -- so each row gives execute / eager and predicted / eager; then
    ``tag execute`` of an MLP with dropout with every group recomputed and with none, whose losses
    must agree to the bit (the recomputation replays the CUDA generator's draws: ``dropout_replay``);
-3. multi-GPU (``--only-multi-gpu`` runs this part alone): with ``torch.cuda.device_count() >= 2``,
+3. multi-rank (``--only-multi-gpu`` runs this part alone): first two ranks on ``cuda:0`` over gloo
+   (NCCL refuses two ranks on one GPU; gloo copies CUDA tensors through host memory):
+   :func:`tag.executor.equality.check_layouts` on ``gloo-cuda`` of
+   :data:`~tag.executor.equality.SHARED_GPU_LAYOUTS` -- ``dp=2``, ``pp=2,micro=2,schedule=1f1b``,
+   ``tp=2``, ``dp=2,zero=3`` and ``dp=2,zero=2,offload=optimizer``: the CUDA paths of several
+   ranks (streams, events, the pipeline's messages staged through pinned host memory, the
+   offloaded shard's copies), every rank's parameters against single-process training as below
+   (one ``equality`` record each, backend ``gloo-cuda``; the rows' part leaves it
+   :data:`SHARED_GPU_S` of ``--budget``); then with ``torch.cuda.device_count() >= 2``,
    :func:`tag.executor.equality.check_layouts` on NCCL -- ``tag execute --save-params`` of
    ``dp=2``, ``pp=2,micro=2,schedule=1f1b``, ``pp=2,micro=4`` (GPipe and kFkB), ``tp=2`` and with 4+
    GPUs ``dp=2,tp=2``, ``dp=2,pp=2`` and ``tp=2,pp=2`` (a tiny GPT-2 and the zoo MLP, 2 SGD steps,
    fp32, one GPU per rank) -- and every rank's parameters against single-process training on the
    CPU (:func:`tag.executor.reference_training`) with the executor's tolerance (rtol 1e-4, atol
    1e-6): one ``equality`` record per layout (max abs / rel difference, difference over tolerance,
-   pass, seconds); with fewer GPUs one record ``skipped: N GPU(s); NCCL needs one GPU per rank``.
-   With ``--only-multi-gpu`` the exit status is 1 when a layout fails.
+   pass, seconds); with fewer GPUs one record ``skipped: N GPU(s); NCCL needs one GPU per rank``
+   (and without a GPU one for the gloo part). With ``--only-multi-gpu`` the exit status is 1 when
+   a layout fails.
 
 Each eager step and each ``tag execute`` also runs one more, untimed step under
 ``torch.profiler``: its aten-op and kernel counts and kernel time (:mod:`tag.executor.profiling`).
@@ -219,6 +228,27 @@ def one_gpu_topology(folder: Path, gpu: str) -> Path:
 MULTI_GPU_MARGIN_S = 30.0
 """No layout of the multi-GPU part starts later than this before the end of ``--budget`` (one
 2-rank NCCL layout: process spawn, CUDA and NCCL start, export, 2 steps)."""
+
+
+SHARED_GPU_S = 120.0
+"""Seconds at the end of ``--budget`` the rows' part leaves to part 3's two ranks on one GPU
+(five 2-rank layouts, each a spawn, CUDA start and export per rank and 2 steps)."""
+
+
+def shared_gpu(deadline: float, emit) -> list[dict]:
+    """Part 3's first half (module docstring): :func:`tag.executor.equality.check_layouts` of
+    :data:`~tag.executor.equality.SHARED_GPU_LAYOUTS` with both ranks on ``cuda:0`` over gloo,
+    each record passed to ``emit`` when final; one skip record without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        rec = {"kind": "equality", "backend": "gloo-cuda", "gpus": 0, "pass": None,
+               "note": "skipped: no GPU; gloo-cuda runs 2 ranks on one GPU"}
+        emit(rec)
+        return [rec]
+    from tag.executor.equality import SHARED_GPU_LAYOUTS, check_layouts
+
+    return check_layouts("gloo-cuda", 2, layouts=SHARED_GPU_LAYOUTS, deadline=deadline, log_fn=emit)
 
 
 def multi_gpu(deadline: float, emit) -> list[dict]:
@@ -436,8 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                          "evaluation/results/gpu-cost/README.md); the row takes the median pass, the "
                          "profiled op tables come from the first")
     ap.add_argument("--only-multi-gpu", action="store_true",
-                    help="only part 3: NCCL training equality of dp/pp/tp layouts on 2+ GPUs (one 'skipped' "
-                         "record with fewer); exit status 1 when a layout fails")
+                    help="only part 3: training equality of 2 gloo ranks on one GPU (dp, pp, tp, ZeRO-3, "
+                         "offload) and of NCCL dp/pp/tp layouts on 2+ GPUs (one 'skipped' record with fewer); "
+                         "exit status 1 when a layout fails")
     a = ap.parse_args(argv)
     if not 1 <= a.passes <= 10:
         ap.error(f"--passes: expected 1..10, got {a.passes}")
@@ -451,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     from tag.topology.catalog import match_gpu_name
 
     t_start = time.perf_counter()
+    rows_budget = a.budget - (0.0 if a.skip_execute else SHARED_GPU_S)  # (the rest: part 3 on one GPU)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(0)
@@ -479,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             for (spec_, batch, precision), row, mine in zip(rows, checks, passes):
                 if "note" in row and not mine:  # failed, or skipped by the budget, in an earlier pass
                     continue
-                if a.budget - (time.perf_counter() - t_start) < 20:
+                if rows_budget - (time.perf_counter() - t_start) < 20:
                     row.setdefault("note", "skipped: time budget")
                     continue
                 try:
@@ -507,12 +539,12 @@ def main(argv: list[str] | None = None) -> int:
                    for i in ([] if a.skip_execute else todo)}
         for i, row in enumerate(checks):
             if i in planned:
-                left = a.budget - (time.perf_counter() - t_start)
+                left = rows_budget - (time.perf_counter() - t_start)
                 try:
                     if left <= 30:
                         raise TimeoutError
                     row.update(planned[i].result(timeout=left - 30))
-                    left = a.budget - (time.perf_counter() - t_start)
+                    left = rows_budget - (time.perf_counter() - t_start)
                     if left > 30:
                         row.update(tag_execute(row["spec"], row["batch"], row["precision"], topo_path,
                                                Path(tmp) / f"plan-{i}.json", timeout=min(240, left)))
@@ -527,11 +559,13 @@ def main(argv: list[str] | None = None) -> int:
                     row["note"] = _failure(e)
             emit(row)
         pool.shutdown(wait=False, cancel_futures=True)  # rows skipped by the budget
-        if not a.skip_execute and a.budget - (time.perf_counter() - t_start) > MULTI_GPU_MARGIN_S + 60:
+        if not a.skip_execute and rows_budget - (time.perf_counter() - t_start) > MULTI_GPU_MARGIN_S + 60:
             try:
                 emit(dropout_replay(topo_path, Path(tmp), timeout=60))
             except Exception as e:  # noqa: BLE001 - a diagnostic; the rows stand without it
                 emit({"kind": "dropout_replay", "pass": False, "note": _failure(e)})
+    if not a.skip_execute:
+        shared_gpu(t_start + a.budget - MULTI_GPU_MARGIN_S, emit)
     multi_gpu(t_start + a.budget - MULTI_GPU_MARGIN_S, emit)
     write_report(records, out, " ".join(["python -m evaluation.gpu_check", *(argv or sys.argv[1:])]))
     print(f"gpu_check: {len(records)} records in {time.perf_counter() - t_start:.0f} s -> {out}")
@@ -539,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def only_multi_gpu(a, argv) -> int:
-    """``--only-multi-gpu``: part 3 alone, into the same files (also without a GPU: the skip record)."""
+    """``--only-multi-gpu``: part 3 alone, into the same files (also without a GPU: the skip records)."""
     import torch
 
     t_start = time.perf_counter()
@@ -551,7 +585,8 @@ def only_multi_gpu(a, argv) -> int:
     records = [env]
     emit = _emitter(records, out / "gpu-check.jsonl")
 
-    got = multi_gpu(t_start + a.budget - MULTI_GPU_MARGIN_S, emit)
+    got = shared_gpu(t_start + a.budget - MULTI_GPU_MARGIN_S, emit)
+    got += multi_gpu(t_start + a.budget - MULTI_GPU_MARGIN_S, emit)
     write_report(records, out, " ".join(["python -m evaluation.gpu_check", *(argv or sys.argv[1:])]))
     failed = [r["layout"] for r in got if r.get("pass") is False]
     print(f"gpu_check --only-multi-gpu: {len(got)} records in {time.perf_counter() - t_start:.0f} s -> {out}"

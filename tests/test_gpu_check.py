@@ -4,6 +4,7 @@ the report, and a clear refusal without a GPU (the measurements themselves need 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,13 @@ def test_every_eager_step_comes_before_the_executes(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "tag_execute", execute)
     monkeypatch.setattr(gpu_check, "dropout_replay", lambda *a, **k: calls.append(("dropout", None)) or
                         {"kind": "dropout_replay", "pass": True, "losses_plain": [1.0], "losses_recompute": [1.0]})
+    deadlines = []
+    monkeypatch.setattr(gpu_check, "shared_gpu", lambda deadline, emit: calls.append(("shared_gpu", None)) or
+                        deadlines.append(deadline - time.perf_counter()) or [])
     assert gpu_check.main(["--out", str(tmp_path), "--skip-micro", "--workloads", "mlp@8"]) == 0
-    assert calls == [("eager", "fp32"), ("eager", "bf16"), ("execute", "fp32"), ("execute", "bf16"), ("dropout", None)]
+    assert calls == [("eager", "fp32"), ("eager", "bf16"), ("execute", "fp32"), ("execute", "bf16"), ("dropout", None),
+                     ("shared_gpu", None)]
+    assert 0 < deadlines[0] <= 420 - gpu_check.MULTI_GPU_MARGIN_S  # part 3 runs within --budget
     checks = [json.loads(x) for x in (tmp_path / "gpu-check.jsonl").read_text().splitlines()]
     checks = [r for r in checks if r["kind"] == "check"]
     assert [r["precision"] for r in checks] == ["fp32", "bf16"]
@@ -73,18 +79,54 @@ def test_every_eager_step_comes_before_the_executes(tmp_path, monkeypatch):
     assert "| mlp | 8 | fp32 | 10.00 | 9.00 | 0.90 |" in (tmp_path / "README.md").read_text()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the report with fewer than 2 GPUs")
-def test_multi_gpu_part_is_skipped_with_fewer_than_two_gpus(tmp_path, capsys):
-    """``--only-multi-gpu`` on this machine's real GPU count (0 on the development VM): one
-    record saying why, in the JSON lines and the README table, and a zero exit status."""
-    n = torch.cuda.device_count()
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report without a GPU")
+def test_multi_rank_part_is_skipped_without_a_gpu(tmp_path, capsys):
+    """``--only-multi-gpu`` without a GPU (the development VM): one record for each half of part 3
+    (2 gloo ranks on one GPU, NCCL) saying why, in the JSON lines and the README table, and a zero
+    exit status."""
     assert gpu_check.main(["--out", str(tmp_path), "--only-multi-gpu"]) == 0
     records = [json.loads(x) for x in (tmp_path / "gpu-check.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in records] == ["env", "equality"] and records[0]["gpus"] == n
-    note = f"skipped: {n} GPU(s); NCCL needs one GPU per rank"
-    assert records[1]["note"] == note and records[1]["pass"] is None
-    assert f"| - | - | nccl | - | - | - | - | - | - | - | {note} |" in (tmp_path / "README.md").read_text()
-    assert note in capsys.readouterr().out
+    assert [(r["kind"], r.get("backend")) for r in records] == [("env", None), ("equality", "gloo-cuda"),
+                                                                ("equality", "nccl")]
+    notes = ["skipped: no GPU; gloo-cuda runs 2 ranks on one GPU", "skipped: 0 GPU(s); NCCL needs one GPU per rank"]
+    assert [r["note"] for r in records[1:]] == notes and all(r["pass"] is None for r in records[1:])
+    readme = (tmp_path / "README.md").read_text()
+    assert all(f"| - | - | {b} | - | - | - | - | - | - | - | {n} |" in readme for b, n in zip(("gloo-cuda", "nccl"), notes))
+    assert notes[1] in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_gloo_cuda_layout_is_refused_without_a_gpu():
+    """The one-GPU gloo check's own path on a machine without a GPU: check_layouts captures the
+    model, trains the reference and writes the plan, and `tag execute` on ``gloo-cuda`` refuses it
+    before any rank starts, one line, recorded as that layout's failure."""
+    from tag.executor.equality import MLP, SHARED_GPU_LAYOUTS, check_layouts
+
+    assert {lay for _, lay in SHARED_GPU_LAYOUTS} >= {"dp=2", "tp=2", "dp=2,zero=3", "dp=2,zero=2,offload=optimizer"}
+    (rec,) = check_layouts("gloo-cuda", 2, layouts=[(MLP, "dp=2")])
+    assert (rec["backend"], rec["world_size"], rec["pass"]) == ("gloo-cuda", 2, False)
+    assert rec["note"] == "failed: ExecutionError: backend gloo-cuda: this machine has no GPU (torch.cuda.device_count() is 0)"
+
+
+def test_staged_receive_copies_the_host_message_to_its_buffer():
+    """A gloo-cuda receive lands in host memory and its wait copies it to the device buffer whose
+    views the pieces are (on the CPU: an unpinned host tensor, the copy the same)."""
+    from tag.executor.comm import StagedRecv, packed_buffer, to_pinned_host
+
+    class Done:  # a receive that has completed (the message already in ``host``)
+        def wait(self):
+            return True
+
+    flat, (a, b) = packed_buffer([([2, 3], torch.float32), ([4], torch.int64)], torch.device("cpu"))
+    host = to_pinned_host(flat, copy=False)
+    assert host.shape == flat.shape and host.data_ptr() != flat.data_ptr() and not host.is_pinned()
+    msg = torch.zeros_like(flat)
+    msg[:24].view(torch.float32).copy_(torch.arange(6.0))
+    msg[32:64].view(torch.int64).copy_(torch.tensor([7, 8, 9, 10]))
+    host.copy_(msg)
+    StagedRecv(Done(), host, flat).wait()
+    assert torch.equal(a, torch.arange(6.0).view(2, 3)) and torch.equal(b, torch.tensor([7, 8, 9, 10]))
+    assert torch.equal(to_pinned_host(a), a)
 
 
 def test_passes_measure_every_eager_step_again_and_take_the_median(tmp_path, monkeypatch):

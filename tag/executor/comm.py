@@ -14,6 +14,12 @@ import torch.distributed as dist
 from ..parallel.schedule import Bucket, Schedule, Step
 from .runtime import RankRuntime
 
+GLOO_CUDA = "gloo-cuda"
+"""The backend of ranks on this machine's GPUs that talk over gloo (several ranks may share one
+GPU, which NCCL refuses): the GPU check's CUDA paths of multi-rank plans on one GPU
+(``evaluation/gpu_check.py``). Process groups are gloo's; activations are staged through pinned
+host memory (:attr:`DistComm.stage_p2p`)."""
+
 
 @dataclass
 class DistComm:
@@ -66,6 +72,12 @@ class DistComm:
     link_delay_s: float = 0.0
     """Testing: seconds this CPU rank's link holds each message it sends, one message at a time, its
     compute going on meanwhile (:class:`tag.executor.adaptive.Throttle`); 0: none."""
+    stage_p2p: bool = False
+    """CUDA ranks over gloo (:data:`GLOO_CUDA`): every message copied to pinned host memory before
+    its send and received there, then copied to the device. gloo's send and receive hand the
+    tensor's data pointer to its TCP transport as host memory (torch's ProcessGroupGloo::send:
+    ``createUnboundBuffer(tensor.const_data_ptr(), size)``), where its collectives copy CUDA
+    tensors through pinned host memory themselves (AsyncAllreduceCUDAWork)."""
     _link: object = None
 
     @classmethod
@@ -92,12 +104,13 @@ class DistComm:
         measurements).
         """
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
-                                **kwargs)
+        dist.init_process_group("gloo" if backend == GLOO_CUDA else backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s), **kwargs)
         cpu = device.type == "cpu"
+        staged = backend == GLOO_CUDA and not cpu
         me = rank if me is None else me
         transfers = [(i, st) for i, st in enumerate(schedule.steps) if st.kind == "transfer"]
-        comm = cls(rank, world, backend, defer_syncs=cpu, pack_p2p=cpu,
+        comm = cls(rank, world, backend, defer_syncs=cpu, pack_p2p=cpu or staged, stage_p2p=staged,
                    peers=next((shard for shard in shards or [] if shard.get(me) == rank), {}))
         comm.use_schedule(schedule, me)
         for members in schedule.comm_groups:  # every rank calls new_group for every set, same order
@@ -108,7 +121,7 @@ class DistComm:
                     comm.groups[members] = pg
         for members in schedule.gather_groups:
             comm.gather_groups[members] = dist.new_group(list(members), timeout=timedelta(seconds=timeout_s))
-        if cpu:
+        if comm.pack_p2p:
             pairs = {(m.src, m.dst) for _, st in transfers for m in st.moves if m.src != m.dst}
             for a, b in sorted({(shard.get(a, a), shard.get(b, b)) for shard in shards or [{}] for a, b in pairs}):
                 comm.links[(a, b)] = dist.new_group(sorted((a, b)), timeout=timedelta(seconds=timeout_s))
@@ -220,6 +233,8 @@ class DistComm:
         on a throttled link (its send goes on a thread of its own after :attr:`link_delay_s`,
         waited for with the iteration's other sends, :meth:`finish_syncs`). Timed into :attr:`sent_s`."""
         pg = self.links[(self.rank, dst)]
+        if self.stage_p2p:
+            msg = to_pinned_host(msg)
         if self.link_delay_s <= 0:
             return _TimedSend(dist.isend(msg, dst, tag=index, group=pg), dst, self.sent_s)
         if self._link is None:
@@ -239,7 +254,12 @@ class DistComm:
         works, received = [], {}
         for src, parts in by_src.items():
             flat, views = packed_buffer([(shape, dtype) for _, shape, dtype in parts], rt.device)
-            works.append(dist.irecv(flat, src, tag=index, group=self.links[(src, self.rank)]))
+            if self.stage_p2p:
+                host = to_pinned_host(flat, copy=False)
+                works.append(StagedRecv(dist.irecv(host, src, tag=index, group=self.links[(src, self.rank)]),
+                                        host, flat))
+            else:
+                works.append(dist.irecv(flat, src, tag=index, group=self.links[(src, self.rank)]))
             received.update((tag, v) for (tag, _, _), v in zip(parts, views))
         return works, received
 
@@ -340,8 +360,9 @@ class DistComm:
 
 def all_gather_flat(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
     """The 1-D tensors ``x`` of the ``size`` members of ``group`` concatenated in member order
-    (blocking; :attr:`RankHook.gather <tag.executor.strategies.RankHook.gather>`)."""
-    if x.is_cuda:
+    (blocking; :attr:`RankHook.gather <tag.executor.strategies.RankHook.gather>`); into one tensor
+    on NCCL, as a list elsewhere (gloo gathers CUDA tensors as lists: AsyncAllgatherCUDAWork)."""
+    if x.is_cuda and dist.get_backend(group) == "nccl":
         out = x.new_empty(size * x.numel())
         dist.all_gather_into_tensor(out, x, group=group)
         return out
@@ -387,6 +408,29 @@ def packed_buffer(specs: list[tuple[list[int], torch.dtype]], device) -> tuple[t
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     views = [flat[o:o + n].view(dtype).view(shape) for (shape, dtype), o, n in zip(specs, offs, sizes)]
     return flat, views
+
+
+def to_pinned_host(x: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """A host tensor of ``x``'s shape and dtype, page-locked where ``x`` is a CUDA tensor (its
+    copies to and from the GPU then run by DMA), holding ``x``'s values when ``copy`` (the copy
+    waits for the work queued on ``x``'s stream)."""
+    host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
+    return host.copy_(x) if copy else host
+
+
+@dataclass
+class StagedRecv:
+    """A receive into host memory whose wait also copies the message to its device buffer
+    (:attr:`DistComm.stage_p2p`); the copy is queued on the current stream, ahead of the compute
+    that reads the pieces (views of ``device``)."""
+
+    work: object
+    host: torch.Tensor
+    device: torch.Tensor
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.device.copy_(self.host, non_blocking=True)
 
 
 @dataclass

@@ -11,7 +11,8 @@ Megatron-style layouts of :data:`LAYOUTS` (:mod:`tag.parallel.layout`: data, pip
 parallel) on a one-machine topology of their device count, for a given backend, and returns one
 record per layout: the largest parameter differences, pass / fail, seconds. On gloo it runs in
 the tests (tests/test_equality_check.py); on NCCL it is ``evaluation/gpu_check.py``'s multi-GPU
-part (``--only-multi-gpu``), which needs one GPU per rank.
+part (``--only-multi-gpu``), which needs one GPU per rank; on ``gloo-cuda`` (:data:`SHARED_GPU_LAYOUTS`)
+the same script's two ranks on one GPU.
 """
 
 from __future__ import annotations
@@ -54,6 +55,19 @@ LAYOUTS = [
 ]
 """(model spec, layout) pairs :func:`check_layouts` runs by default, in order; a layout needs
 ``dp * tp * pp`` devices (those above the available count are left out)."""
+SHARED_GPU_LAYOUTS = [
+    (MLP, "dp=2"),
+    (GPT2, "pp=2,micro=2,schedule=1f1b"),
+    (GPT2, "tp=2"),
+    (GPT2, "dp=2,zero=3"),
+    (MLP, "dp=2,zero=2,offload=optimizer"),
+]
+"""The 2-rank layouts of the GPU check's ranks on one GPU over gloo (``backend="gloo-cuda"``):
+data parallel, a 1F1B pipeline (activations staged through pinned host memory), tensor parallel,
+ZeRO-3 (all-gathers and reduce-scatters of CUDA shards) and ZeRO-2 with the optimizer offloaded
+(the shard's copies to and from pinned host memory on a stream of their own). On 2 gloo CPU ranks
+(``check_layouts("gloo", 2, layouts=SHARED_GPU_LAYOUTS)``, 2026-11-29) all five pass, at most
+0.0014 x the tolerance."""
 OPTIMIZER = "sgd"
 """SGD with momentum: Adam normalises the rounding noise of a gradient that is zero in exact
 arithmetic (attention's key bias; one MLP weight) to a full-size step whose sign depends on the
@@ -166,10 +180,12 @@ def check_layouts(backend: str, devices: int, *, layouts: list[tuple[str, str]] 
                   device: str | None = None, deadline: float = math.inf, timeout_s: float = 120.0,
                   log_fn=None) -> list[dict]:
     """Execute each (model spec, layout) of ``layouts`` (default :data:`LAYOUTS`, those of at most
-    ``devices`` devices) for ``steps`` steps, fp32, :data:`OPTIMIZER`, on ``backend`` (``gloo``
-    or ``nccl``: one GPU per rank) over a one-machine topology of the layout's ``dp * tp * pp``
-    devices of type ``device`` (default: ``cpu`` on gloo, the catalog type of ``cuda:0`` on
-    NCCL, else H100), and compare every rank's saved parameters with single-process training.
+    ``devices`` devices) for ``steps`` steps, fp32, :data:`OPTIMIZER`, on ``backend`` (``gloo``;
+    ``nccl``: one GPU per rank; ``gloo-cuda``: every rank on this machine's GPUs over gloo, two
+    to a GPU on one, :data:`tag.executor.comm.GLOO_CUDA`) over a one-machine topology of the
+    layout's ``dp * tp * pp`` devices of type ``device`` (default: ``cpu`` on gloo, else the
+    catalog type of ``cuda:0``, else H100), and compare every rank's saved parameters with
+    single-process training.
 
     Returns one record per layout: ``layout``, ``model``, ``batch``, ``backend``, ``world_size``,
     ``steps``, ``optimizer``, ``max_abs_diff``, ``max_rel_diff``, ``tol_ratio`` (difference over
@@ -187,8 +203,8 @@ def check_layouts(backend: str, devices: int, *, layouts: list[tuple[str, str]] 
     from .launch import ExecuteConfig, execute
     from .virtual import reference_training
 
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend: expected gloo or nccl, got {backend!r}")
+    if backend not in ("gloo", "nccl", "gloo-cuda"):
+        raise ValueError(f"backend: expected gloo, nccl or gloo-cuda, got {backend!r}")
     if device is None:
         device = "cpu" if backend == "gloo" else _cuda_type()
     todo = [(spec, text, parse_layout(text)) for spec, text in (LAYOUTS if layouts is None else layouts)]
@@ -242,13 +258,15 @@ def check_layouts(backend: str, devices: int, *, layouts: list[tuple[str, str]] 
 
 
 def _cuda_type() -> str:
-    """The catalog type of ``cuda:0`` (H100 when the catalog does not know it: only the memory
-    check and the stage cuts read it)."""
+    """The catalog type of ``cuda:0`` (H100 without a GPU or when the catalog does not know it:
+    only the memory check and the stage cuts read it; without a GPU the launch refuses)."""
     from ..topology.catalog import match_gpu_name
 
+    if not torch.cuda.is_available():
+        return "H100"
     spec = match_gpu_name(torch.cuda.get_device_name(0))
     return spec.name if spec is not None else "H100"
 
 
-__all__ = ["ATOL", "LAYOUTS", "RTOL", "ParamDiff", "assert_params_equal", "check_layouts", "compare_params",
-           "one_machine_topology", "saved_params"]
+__all__ = ["ATOL", "LAYOUTS", "RTOL", "SHARED_GPU_LAYOUTS", "ParamDiff", "assert_params_equal", "check_layouts",
+           "compare_params", "one_machine_topology", "saved_params"]

@@ -27,6 +27,7 @@ from ..io import check_folder, read_json, write_json
 from ..parallel import validate_plan
 from ..topology.catalog import CPU_NAME
 from .adaptive import Throttle, allowed_ks
+from .comm import GLOO_CUDA
 from .profiling import ENV as PROFILE_ENV
 from .runtime import ExecutionError
 from .worker import WorkerArgs, worker_entry
@@ -50,7 +51,9 @@ class ExecuteConfig:
     steps: int = 10
     warmup: int = 3
     backend: str = "auto"
-    """``gloo``, ``nccl`` or ``auto`` (NCCL when there are GPUs for every rank, else gloo)."""
+    """``gloo``, ``nccl`` or ``auto`` (NCCL when there are GPUs for every rank, else gloo); from
+    Python also ``gloo-cuda`` (:data:`tag.executor.comm.GLOO_CUDA`: every rank on this machine's
+    GPUs, several to a GPU, over gloo; the GPU check's multi-rank plans on one GPU)."""
     emulate_speed: bool = False
     timeout_s: float = 120.0
     """Bound on any blocked communication and on rendezvous."""
@@ -237,7 +240,7 @@ def execute(cfg: ExecuteConfig, graph=None) -> ExecuteResult:
     """
     pre = _prepare(cfg, graph, machines=False)
     _launch(pre.topology.num_devices, pre.args_path, pre.run_dir, cfg.timeout_s,
-            "spawn" if pre.backend == "nccl" else "forkserver")
+            "spawn" if pre.backend in ("nccl", GLOO_CUDA) else "forkserver")
     res = _result(cfg, pre.backend, pre.sim_res, pre.run_dir)
     res.idle_machines = pre.idle
     if cfg.run_dir is None:  # our temporary folder: removed after success (kept on failure: its logs)
@@ -352,7 +355,9 @@ def _backend(choice: str, topology) -> str:
     gpus = torch.cuda.device_count()
     if choice == "auto":
         choice = "nccl" if gpus >= topology.num_devices else "gloo"
-    if choice not in ("gloo", "nccl"):
+    if choice == GLOO_CUDA and not gpus:
+        raise ExecutionError(f"backend {GLOO_CUDA}: this machine has no GPU (torch.cuda.device_count() is 0)")
+    if choice not in ("gloo", "nccl", GLOO_CUDA):
         raise TagError(f"--backend: expected gloo, nccl or auto, got {choice!r}")
     if choice == "nccl" and gpus < topology.num_devices:
         raise ExecutionError(f"--backend nccl: topology {topology.name!r} has {topology.num_devices} devices "

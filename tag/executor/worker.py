@@ -49,6 +49,8 @@ class WorkerArgs:
     steps: int = 10
     warmup: int = 3
     backend: str = "gloo"
+    """``gloo`` (CPU ranks), ``nccl`` (a GPU a rank) or ``gloo-cuda`` (GPU ranks over gloo,
+    :data:`tag.executor.comm.GLOO_CUDA`)."""
     emulate_speed: bool = False
     timeout_s: float = 120.0
     graph: str | None = None
@@ -111,7 +113,7 @@ def run_rank(a: WorkerArgs) -> dict:
     from ..plan.format import Plan
     from ..topology import load_topology
     from ..workloads import load_workload
-    from .comm import DistComm, all_gather_flat
+    from .comm import GLOO_CUDA, DistComm, all_gather_flat
 
     tune_malloc()  # the profiles were timed with the same allocator settings
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -119,7 +121,7 @@ def run_rank(a: WorkerArgs) -> dict:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     threads = a.threads or max(1, (os.cpu_count() or 1) // local_world)
     pinned = None
-    if a.backend != "nccl":  # a CPU rank: its own cores, before any thread starts (gloo's inherit them)
+    if a.backend == "gloo":  # a CPU rank: its own cores, before any thread starts (gloo's inherit them)
         pinned = pin_cores(local_rank, local_world, threads)
     # Load the topology before changing the thread count: a "cpu" device spec is measured
     # (and cached) per thread count, and the plan's topology signature was made with the default.
@@ -141,6 +143,9 @@ def run_rank(a: WorkerArgs) -> dict:
     hook, members = ex.hook(rank), ex.group_of(rank)  # (members: this rank's group, None outside one)
     if a.backend == "nccl":
         device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    elif a.backend == GLOO_CUDA:  # (several ranks may share a GPU)
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
