@@ -188,12 +188,6 @@ class PlannerConfig:
         return None if self.time_limit is not None else DEFAULT_PLAYOUTS
 
 
-NO_PLAYOUT_LIMIT = 10**9
-"""What the searchers of :mod:`tag.search` get as their playout count where
-:attr:`PlannerConfig.playouts` is None (a time limit alone): more than any time limit lets run.
-Simulated annealing's temperature schedule spans it, so it stays this number."""
-
-
 def runs_pipelines(simulator) -> bool:
     """Whether ``simulator`` (None: the default :class:`tag.sim.Simulator`) costs pipelined plans:
     its ``runs_pipelines`` attribute (:attr:`tag.sim.Simulator.runs_pipelines`; absent: it does not,
@@ -321,16 +315,15 @@ def find_plan(graph, topology, config: PlannerConfig | None = None, *, predictor
     executable = config.executable
     note = progress or (lambda stage, done=None, total=None: None)
     t0 = time.perf_counter()
-    total = config.playouts  # None: no limit
-    playouts = NO_PLAYOUT_LIMIT if total is None else total
+    playouts = config.playouts  # None: no limit (the time limit ends the search)
     note("baselines")
     new_actions = pipelines != "off"
     space = ActionSpace(graph, topology, cost_model=costs, tensor_parallel=new_actions,
                         pipelines=new_actions and runs_pipelines(simulator), executable=executable)
     ev = Evaluator(space, simulator)
     fsdp_out = _seed_fsdp(graph, topology, ev, executable)
-    note("search", 0, total)
-    ev.on_simulate = lambda e, base=ev.sim_calls: note("search", e.sim_calls - base, total)
+    note("search", 0, playouts)
+    ev.on_simulate = lambda e, base=ev.sim_calls: note("search", e.sim_calls - base, playouts)
     rng = np.random.default_rng(config.seed)
     stats, proposals = SearchStats(), []
     prior_fn = uniform_prior

@@ -256,6 +256,22 @@ def test_baseline_searchers(fn, space, graph, topo):
     assert ev.sim_calls - 2 == 15  # a playout is a plan not simulated before, as in MCTS
 
 
+@pytest.mark.parametrize("fn", [random_search, simulated_annealing, tpe_search, mcts_search])
+def test_searchers_without_a_playout_limit_stop_at_the_deadline(fn, space, graph, topo):
+    """``playouts=None`` (a time limit alone, :attr:`PlannerConfig.playouts`): the search runs past
+    any small budget until its deadline, and ends there."""
+    import time
+
+    ev = Evaluator(space, ToySimulator(graph, topo, space.costs))
+    rng, t0 = np.random.default_rng(0), time.perf_counter()
+    if fn is mcts_search:
+        stats = mcts_search(space, ev, uniform_prior, rng, playouts=None, time_limit=0.3).stats
+    else:
+        stats = fn(space, ev, rng, playouts=None, deadline=t0 + 0.3)
+    assert stats.playouts >= 1 and stats.playouts == ev.sim_calls - 2
+    assert time.perf_counter() - t0 < 10.0  # ended at the deadline (plus one wave or proposal)
+
+
 class _DPWins:
     """Every plan but all-device data parallel is ten times slower."""
 

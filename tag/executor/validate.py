@@ -300,7 +300,7 @@ def validate(model: str, topology_path: str, out_dir: str | Path, *, n_plans: in
     for name, _plan in plans:
         ms = measured[name]
         med = statistics.median(m for m, _ in ms)
-        per_rank = [statistics.median(pr[i] for _, pr in ms) for i in range(len(ms[0][1]))]
+        per_rank = [statistics.median(ranks_s[i] for _, ranks_s in ms) for i in range(len(ms[0][1]))]
         rows.append(ValidationRow(name, statistics.median(predicted[name]), med, per_rank,
                                   rounds_s=[m for m, _ in ms], predicted_rounds_s=predicted[name]))
     meta = {"batch": graph.batch_size, "groups": graph.num_groups, "only": only, "optimizer": optimizer, "steps": steps,

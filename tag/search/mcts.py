@@ -200,8 +200,8 @@ class Tree:
     def leaf_state(self, node: int, space: ActionSpace) -> SearchState:
         """:meth:`state` of ``node`` with the feedback nearest above it (neutral where none), and
         :attr:`terminal` of ``node`` set from it: how a playout's leaf is read."""
-        fb = self.nearest_feedback(node) or Feedback.neutral(space.num_devices, space.num_groups)
-        st = self.state(node, space, fb)
+        feedback = self.nearest_feedback(node) or Feedback.neutral(space.num_devices, space.num_groups)
+        st = self.state(node, space, feedback)
         self.terminal[node] = st.group < 0 and st.plan_decision < 0
         return st
 
@@ -356,11 +356,19 @@ class SearchStats:
         """Playout at which a plan first beat the better data-parallel baseline (None: never)."""
         return self.improvements[0][0] if self.improvements else None
 
-    def spent(self, budget: int, repeat_limit: float = REPEAT_LIMIT, start: tuple[int, int] = (0, 0)) -> int:
+    def spent(self, budget: int | None, repeat_limit: float = REPEAT_LIMIT, start: tuple[int, int] = (0, 0)) -> int:
         """Playouts of a ``budget`` used since ``start`` (``(playouts, repeats)`` then): every
-        proposed plan not simulated before, and repeats beyond ``repeat_limit`` x ``budget``."""
+        proposed plan not simulated before, and repeats beyond ``repeat_limit`` x ``budget``
+        (``budget`` None: no limit, every repeat free)."""
+        if budget is None:
+            return self.playouts - start[0]
         repeats = self.repeats - start[1]
         return self.playouts - start[0] + max(0, repeats - int(repeat_limit * budget))
+
+    @staticmethod
+    def left(budget: int | None, spent: int) -> int | None:
+        """Playouts of ``budget`` left after ``spent`` (None: no limit)."""
+        return None if budget is None else budget - spent
 
     def value_error(self) -> tuple[float, float]:
         """(bias, standard deviation) of :attr:`value_errors` (``(0, inf)`` with fewer than two)."""
@@ -463,11 +471,11 @@ def _evaluate_nodes(tree: Tree, nodes: list[int], space: ActionSpace, evaluator:
 
 
 def run_playouts(tree: Tree, root: int, space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn,
-                 rng: np.random.Generator, *, playouts: int, deadline: float = math.inf,
+                 rng: np.random.Generator, *, playouts: int | None, deadline: float = math.inf,
                  cfg: MCTSConfig | None = None, stats: SearchStats | None = None,
                  plan_fn: PlanPriorFn | None = None) -> SearchStats:
-    """Run ``playouts`` more playouts from ``root`` (stopping early at ``deadline``, but never
-    before the first wave); ``plan_fn``: a learned prior at plan-level decisions (None: the fixed
+    """Run ``playouts`` more playouts from ``root`` (None: no limit, until ``deadline``; stopping
+    early at ``deadline``, but never before the first wave); ``plan_fn``: a learned prior at plan-level decisions (None: the fixed
     :func:`plan_prior`)."""
     cfg = cfg or MCTSConfig()
     stats = stats or SearchStats()
@@ -478,10 +486,11 @@ def run_playouts(tree: Tree, root: int, space: ActionSpace, evaluator: Evaluator
     waves = 0
     while True:
         done = stats.spent(playouts, cfg.repeat_limit, (start, start_repeats))
-        if done >= playouts or (waves > 0 and time.perf_counter() >= deadline):  # >= 1 wave
+        left = SearchStats.left(playouts, done)
+        if (left is not None and left <= 0) or (waves > 0 and time.perf_counter() >= deadline):  # >= 1 wave
             break
         waves += 1
-        wave = min(cfg.batch, playouts - done)
+        wave = cfg.batch if left is None else min(cfg.batch, left)
         leaves: list[int] = []
         seen = tree.value_sum[: tree.size][tree.visits[: tree.size] > 0] / np.maximum(
             tree.visits[: tree.size][tree.visits[: tree.size] > 0], 1)
@@ -538,7 +547,7 @@ def propose(stats: SearchStats, evaluator: Evaluator, actions: tuple) -> Outcome
 
 
 def mcts_search(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng: np.random.Generator, *,
-                playouts: int = 200, time_limit: float | None = None, cfg: MCTSConfig | None = None,
+                playouts: int | None = 200, time_limit: float | None = None, cfg: MCTSConfig | None = None,
                 propose_fn: ProposeFn | None = None, reserve: int = 1,
                 plan_fn: PlanPriorFn | None = None) -> SearchResult:
     """One search from the empty plan; returns the best plan the evaluator has seen.
@@ -552,13 +561,16 @@ def mcts_search(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng
     playout at which the search first beats data parallel is the tree's own."""
     deadline = time.perf_counter() + time_limit if time_limit is not None else math.inf
     tree = new_tree(space)
-    reserve = min(reserve, playouts - 1) if propose_fn is not None else 0
-    stats = run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=playouts - reserve,
+    if propose_fn is None:
+        reserve = 0
+    elif playouts is not None:
+        reserve = min(reserve, playouts - 1)
+    stats = run_playouts(tree, 0, space, evaluator, prior_fn, rng, playouts=SearchStats.left(playouts, reserve),
                          deadline=deadline, cfg=cfg, plan_fn=plan_fn)
     proposals: list[tuple] = []
     if reserve > 0:
-        fb = tree.feedback[0] or Feedback.neutral(space.num_devices, space.num_groups)
-        root = SearchState(np.full(space.num_groups, -1, np.int64), space.order[0], fb)
+        feedback = tree.feedback[0] or Feedback.neutral(space.num_devices, space.num_groups)
+        root = SearchState(np.full(space.num_groups, -1, np.int64), space.order[0], feedback)
         proposals = [space.canonical(p) for p in propose_fn(space, root)][:reserve]
         before = stats.playouts
         for acts in proposals:
@@ -639,8 +651,8 @@ def run_episode(space: ActionSpace, evaluator: Evaluator, prior_fn: PriorFn, rng
     for step in range(steps):
         run_playouts(tree, root, space, evaluator, prior_fn, rng, playouts=playouts_per_step, cfg=cfg, stats=stats)
         pi = visit_distribution(tree, root)
-        fb = tree.nearest_feedback(root) or Feedback.neutral(space.num_devices, space.num_groups)
-        decisions.append(Decision(tree.assign(root, space), space.order[step], fb, pi, root))
+        feedback = tree.nearest_feedback(root) or Feedback.neutral(space.num_devices, space.num_groups)
+        decisions.append(Decision(tree.assign(root, space), space.order[step], feedback, pi, root))
         if step < temperature_steps:
             a = int(rng.choice(space.num_actions, p=pi))
         else:

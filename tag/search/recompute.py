@@ -23,22 +23,22 @@ def recompute_order(simulator, groups, oom_devices) -> list[int]:
     """Groups of ``groups`` (a deployment of ``simulator``'s graph) worth recomputing to relieve
     ``oom_devices``: not yet recomputed, on one of those devices, freeing bytes; most bytes freed
     per forward second first (per replica at its largest batch; ties in group order)."""
-    st = simulator.static
+    static = simulator.static
     over = set(oom_devices)
-    gds = simulator.deploy(groups)
+    deployments = simulator.deploy(groups)
     scored = []
-    for g, (gp, gd) in enumerate(zip(groups, gds)):
+    for g, (gp, deployment) in enumerate(zip(groups, deployments)):
         if gp.recompute or not over.intersection(gp.devices):
             continue
-        b = max(max(u.batches) for u in gd.units)
-        freed = (st.mem_fixed[g] - st.rc_fixed[g]) + (st.mem_per_sample[g] - st.rc_per_sample[g]) * b
+        batch = max(max(u.batches) for u in deployment.units)  # its largest replica's samples
+        freed = (static.mem_fixed[g] - static.rc_fixed[g]) + (static.mem_per_sample[g] - static.rc_per_sample[g]) * batch
         if freed <= 0:
             continue
-        if gd.layout is not None:
-            fwd = float(gd.layout.dur[FWD, g].max())
+        if deployment.layout is not None:
+            fwd_s = float(deployment.layout.dur[FWD, g].max())
         else:
-            fwd = sum(u.dur[FWD] for u in gd.units)
-        scored.append((-freed / max(fwd, 1e-12), g))
+            fwd_s = sum(u.dur[FWD] for u in deployment.units)
+        scored.append((-freed / max(fwd_s, 1e-12), g))
     scored.sort()
     return [g for _, g in scored]
 
@@ -62,8 +62,9 @@ def fit_by_recompute(simulator, groups, pipeline, res, accept=None):
         return None
 
     def run(n: int):
-        gs = with_recompute(groups, order[:n])
-        return gs, simulator.run(gs, pipeline=pipeline) if pipeline is not None else simulator.run(gs)
+        recomputed = with_recompute(groups, order[:n])
+        return recomputed, (simulator.run(recomputed, pipeline=pipeline) if pipeline is not None
+                            else simulator.run(recomputed))
 
     if accept is not None and not accept(with_recompute(groups, order)):
         return None

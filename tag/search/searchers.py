@@ -1,9 +1,10 @@
 """The searchers MCTS is compared with, on the same action space, evaluator and budget.
 
-Each is ``searcher(space, evaluator, rng, *, playouts, deadline) -> SearchStats`` and leaves the
-best plan in the evaluator (every one starts from the two data-parallel baselines). A *playout*
-is one proposed plan not simulated before (one simulator call); proposing a plan seen before is a
-repeat, free up to :data:`tag.search.mcts.REPEAT_LIMIT` x the budget of them, as in MCTS.
+Each is ``searcher(space, evaluator, rng, *, playouts, deadline) -> SearchStats`` (``playouts``
+None: no limit, the deadline ends the search) and leaves the best plan in the evaluator (every
+one starts from the two data-parallel baselines). A *playout* is one proposed plan not simulated
+before (one simulator call); proposing a plan seen before is a repeat, free up to
+:data:`tag.search.mcts.REPEAT_LIMIT` x the budget of them, as in MCTS.
 
 * :func:`random_search` - a uniformly random depth ``d`` and random choices for the first ``d``
   decisions (plan-level ones first where the space has them, then groups in decision order), the
@@ -30,14 +31,15 @@ from .mcts import SearchStats, propose
 from .space import PLAN_DECISIONS, ActionSpace
 
 
-def _more(stats: SearchStats, playouts: int, deadline: float) -> bool:
-    """Whether budget and time are left (the first proposal is always made)."""
+def _more(stats: SearchStats, playouts: int | None, deadline: float) -> bool:
+    """Whether budget (``playouts`` None: no limit) and time are left (the first proposal is
+    always made)."""
     if stats.playouts + stats.repeats == 0:
         return True
-    return stats.spent(playouts) < playouts and time.perf_counter() < deadline
+    return (playouts is None or stats.spent(playouts) < playouts) and time.perf_counter() < deadline
 
 
-def random_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generator, *, playouts: int,
+def random_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generator, *, playouts: int | None,
                   deadline: float = math.inf) -> SearchStats:
     stats = SearchStats()
     while _more(stats, playouts, deadline):
@@ -46,7 +48,7 @@ def random_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Gener
     return stats
 
 
-def simulated_annealing(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generator, *, playouts: int,
+def simulated_annealing(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generator, *, playouts: int | None,
                         deadline: float = math.inf, t_start: float = 0.3, t_end: float = 0.003,
                         block_prob: float = 0.3, plan_prob: float = 0.2) -> SearchStats:
     stats = SearchStats()
@@ -60,9 +62,11 @@ def simulated_annealing(space: ActionSpace, evaluator: Evaluator, rng: np.random
     cur = tuple([space.default_action] * k)
     plan: dict = {}
     c_cur = cost(propose(stats, evaluator, cur))
-    n = max(playouts, 2)
+    # The temperature falls from t_start to t_end over the budget; with no playout limit (a time
+    # limit alone) it stays at t_start.
+    span = None if playouts is None else max(playouts, 2) - 1
     while _more(stats, playouts, deadline):
-        frac = min(1.0, stats.spent(playouts) / (n - 1))
+        frac = 0.0 if span is None else min(1.0, stats.spent(playouts) / span)
         temp = t_start * (t_end / t_start) ** frac
         new, new_plan = list(cur), dict(plan)
         if space.plan_options and rng.random() < plan_prob:  # re-decide one plan-level choice
@@ -95,7 +99,7 @@ def simulated_annealing(space: ActionSpace, evaluator: Evaluator, rng: np.random
     return stats
 
 
-def tpe_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generator, *, playouts: int,
+def tpe_search(space: ActionSpace, evaluator: Evaluator, rng: np.random.Generator, *, playouts: int | None,
                deadline: float = math.inf) -> SearchStats:
     import optuna
     optuna.logging.set_verbosity(optuna.logging.WARNING)

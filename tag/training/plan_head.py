@@ -109,9 +109,9 @@ def pair_space(record: dict, graphs: Path):
     from ..data.generate import load_graph
     from ..search.space import ActionSpace
     from ..topology import load_topology
-    pr = record["pair"]
-    graph = load_graph(graphs, pr["model"], pr["batch"], pr["groups"])
-    return ActionSpace(graph, load_topology(pr["topology"]), tensor_parallel=True, pipelines=True)
+    pair = record["pair"]
+    graph = load_graph(graphs, pair["model"], pair["batch"], pair["groups"])
+    return ActionSpace(graph, load_topology(pair["topology"]), tensor_parallel=True, pipelines=True)
 
 
 def pair_labels(record: dict, space) -> dict | None:
