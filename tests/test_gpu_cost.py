@@ -329,6 +329,43 @@ def test_stage_table_is_the_eager_pipeline(graphs):
     assert stage_table(g, feat, one, [B]).sum() == pytest.approx(n.sum() + 0.5 * walks.sum(), rel=1e-3)
 
 
+@pytest.mark.parametrize("host_s", [1e-7, 2e-4])
+def test_stage_parts_compose_into_the_eager_step(graphs, host_s):
+    """A stage's device seconds, host seconds and lag (tag.cost.gpu.stage_parts), composed in
+    eager order as two timelines (a stage ends at max(device free + device, host start + device +
+    lag), the host moves on by its seconds), end every stage where stage_table's eager pipeline
+    does, on a host that keeps ahead of the device (0.1 us a launch: the step is the device's work)
+    and one that does not (200 us: the step is the host's launches); device and host seconds are
+    the ops' sums."""
+    import dataclasses
+
+    from tag.cost.gpu import host_seconds, stage_parts, stage_table
+
+    g = graphs["bf16"]
+    feat = OpFeatures.of(g, Numerics())
+    rates = dataclasses.replace(gpu_rates(GPU_CATALOG["H200"]), host_s=host_s, host_backward_s=host_s / 2,
+                                opt_host_s=2e-6)
+    parts = stage_parts(g, feat, rates, [1, B])
+    tab = stage_table(g, feat, rates, [1, B])
+    K = g.num_groups
+    assert parts.device.sum(axis=(0, 1)) == pytest.approx(op_seconds(feat, rates, [1, B]).sum(axis=0), rel=1e-12)
+    assert parts.host.sum(axis=(0, 1)) == pytest.approx(host_seconds(g, feat, rates, [1, B]).sum(axis=0), rel=1e-12)
+    assert (parts.lag >= 0).all()
+    order = [(k, 0) for k in range(K)] + [(k, 1) for k in range(K - 1, -1, -1)] + [(k, 2) for k in range(K)]
+    dev_free = host = np.zeros(2)
+    eager = np.zeros(2)
+    for k, ph in order:
+        dev_free = np.maximum(dev_free + parts.device[k, ph], host + parts.device[k, ph] + parts.lag[k, ph])
+        host = host + parts.host[k, ph]
+        eager = eager + tab[k, ph]
+        assert dev_free == pytest.approx(eager, rel=1e-12)
+    work = parts.device.sum(axis=(0, 1))
+    if host_s < 1e-6:  # the device's work bounds the step, the host's hidden behind it
+        assert (host < 0.5 * work).all() and (dev_free < 1.05 * work).all()
+    else:  # the host's launches bound it
+        assert (host > 2 * work).all() and (dev_free >= host * (1 - 1e-12)).all()
+
+
 def test_host_constants_are_fitted_on_one_table_per_step(graphs):
     """The fit's grid prediction (one stage table with a column per (host_s, host_backward_s)
     pair) is the simulated step at each pair, and the grid search finds the pair a step was

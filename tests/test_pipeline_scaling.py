@@ -19,7 +19,7 @@ from tag.topology import load_topology
 def linear_costs(graph, topology) -> CostModel:
     """The GPU rule's costs of ``topology`` with every (group, phase) made proportional to the
     per-replica batch (its seconds at the whole batch times ``b / B``: no per-launch floor), the
-    optimizer phase unchanged."""
+    optimizer phase unchanged, no host held apart (the table is all)."""
     costs = CostModel.for_topology(graph, topology)
     devices = []
     for dc in costs._dev:
@@ -33,7 +33,7 @@ def linear_costs(graph, topology) -> CostModel:
             out[:, :2, :] = full[:, :2, :] * (np.asarray(batches, dtype=float) / B)
             return out
 
-        devices.append(replace(dc, table=tab, at=at))
+        devices.append(replace(dc, table=tab, at=at, parts=None))
     return CostModel(graph, topology, devices, costs.comm)
 
 

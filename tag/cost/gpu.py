@@ -99,6 +99,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -1163,3 +1164,50 @@ def eager_stages(graph, t: np.ndarray, h: np.ndarray) -> np.ndarray:
     row = np.where(r < K, r * 3, np.where(r < 2 * K, (2 * K - 1 - r) * 3 + 1, (r - 2 * K) * 3 + 2))
     out[row] = dur
     return out.reshape(K, 3, t.shape[1])
+
+
+class StageParts(NamedTuple):
+    """Each (group, phase) stage of an eager step apart from the others, ``[K, 3, n]`` seconds
+    (:func:`stage_parts`): what a simulator needs to run the host and the device as two timelines
+    (:meth:`tag.sim.engine._Run._phase`)."""
+
+    device: np.ndarray
+    """The stage's kernels' seconds on the device (:func:`op_seconds` summed)."""
+    host: np.ndarray
+    """The host's seconds to issue them (:func:`host_seconds` summed)."""
+    lag: np.ndarray
+    """Seconds the stage lasts beyond ``device`` when host and device start it together: its
+    finish is ``max(S + device, H + device + lag)`` for a device free at ``S`` and a host that
+    starts issuing it at ``H`` (kernel ``i`` issued ``host_i`` into the stage, the stage's kernels
+    from ``i`` on taking ``tail_i``: ``lag = max_i(host_i + tail_i) - device``, >= 0). Composed in
+    eager order from ``S = H = 0`` these give :func:`eager_stages`' ends exactly."""
+
+
+def stage_parts(graph, feat: OpFeatures, rates: GpuRates, batches) -> StageParts:
+    """:class:`StageParts` of ``graph`` under ``rates`` at per-replica ``batches``."""
+    return eager_parts(graph, op_seconds(feat, rates, batches), host_seconds(graph, feat, rates, batches))
+
+
+def eager_parts(graph, t: np.ndarray, h: np.ndarray) -> StageParts:
+    """:func:`stage_parts` from per-op device seconds ``t`` and host seconds ``h`` (both
+    ``[n_ops, n]``); a stage's ops in graph order, as :func:`eager_stages` issues them."""
+    from ..graph.ir import PHASES
+
+    K, n = graph.num_groups, t.shape[1]
+    group = np.array([o.group for o in graph.ops], dtype=np.int64)
+    phase = np.array([PHASES.index(o.phase) for o in graph.ops], dtype=np.int64)
+    stage = group * 3 + phase
+    order = np.lexsort((np.arange(len(stage)), stage))
+    dev, host, lag = np.zeros((K * 3, n)), np.zeros((K * 3, n)), np.zeros((K * 3, n))
+    if len(order):
+        t_s, h_s, st = t[order], h[order], stage[order]
+        first = np.r_[0, np.flatnonzero(st[1:] != st[:-1]) + 1]  # each stage's first op
+        rows = st[first]
+        dev[rows] = np.add.reduceat(t_s, first, axis=0)
+        host[rows] = np.add.reduceat(h_s, first, axis=0)
+        ch, ct = np.cumsum(h_s, axis=0), np.cumsum(t_s, axis=0)
+        # host_i + tail_i = (CH_i - CH_before) + (CT_end - CT_i + t_i), less device = CT_end - CT_before
+        before = np.vstack([np.zeros((1, n)), (ch - ct)[first[1:] - 1]])  # CH_before - CT_before
+        lag[rows] = np.maximum.reduceat(ch - ct + t_s, first, axis=0) - before
+        np.maximum(lag, 0.0, out=lag)  # (rounding)
+    return StageParts(dev.reshape(K, 3, n), host.reshape(K, 3, n), lag.reshape(K, 3, n))

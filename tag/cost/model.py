@@ -37,7 +37,17 @@ import numpy as np
 from ..graph.ir import PHASES
 from ..graph.precision import param_casts
 from .comm import CommModel
-from .gpu import Numerics, OpFeatures, gpu_rates, host_origin, on_host, op_seconds, stage_table
+from .gpu import (
+    Numerics,
+    OpFeatures,
+    gpu_rates,
+    host_origin,
+    host_seconds,
+    on_host,
+    op_seconds,
+    stage_parts,
+    stage_table,
+)
 from .profile import COMPILED, cpu_device_type, default_profile_dir, find_profile, profiled_device_types
 from .roofline import Roofline, group_phase_table, op_overhead, optimizer_step_overhead, roofline_for
 
@@ -95,6 +105,13 @@ class DeviceCost:
     bytes times ``fixed`` ([n_ops], :meth:`CostModel.split_at`): the rule's own seconds for a rule's
     costs, a profile's scaled by the rule's ratio (as ``scaled:`` scales one); None: not known (a
     compiled profile)."""
+    cast_host: np.ndarray | None = None
+    """[K] host seconds launching each group's forward parameter casts (with ``parts``; None: none)."""
+    parts: object = None
+    """``parts(batches, fixed=None) -> StageParts``: a GPU rule's stages apart, device seconds,
+    host seconds and the host's lag (:func:`tag.cost.gpu.stage_parts`), for a simulator that runs
+    the host and the device as two timelines (:meth:`CostModel.host_parts`); None: the costs
+    hold no host apart (a CPU, whose rank issues and computes on one thread; a measured profile)."""
 
 
 class CostModel:
@@ -107,6 +124,7 @@ class CostModel:
         self._dev = devices  # per topology device (shared objects per device type)
         self._weights: dict[tuple[int, int], np.ndarray] = {}
         self._off_grid: dict[tuple[int, float], np.ndarray] = {}  # (id of DeviceCost, batch) -> [K, 3]
+        self._parts: dict[int, object] = {}  # id of DeviceCost -> its StageParts on the batch grid
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
@@ -175,9 +193,31 @@ class CostModel:
         c = self._dev[device].cast
         return np.zeros(self.graph.num_groups) if c is None else c
 
+    def cast_host_seconds(self, device: int) -> np.ndarray:
+        """[K] host seconds launching each group's forward parameter casts on ``device``, part of
+        :meth:`host_parts`' forwards (zeros where its costs hold no host apart or there are no casts)."""
+        c = self._dev[device].cast_host
+        return np.zeros(self.graph.num_groups) if c is None else c
+
     def table(self, device: int) -> np.ndarray:
         """``[K, 3, B+1]`` seconds of every group and phase at per-replica batch 0..B (read-only)."""
         return self._dev[device].table
+
+    def host_parts(self, device: int, fixed: np.ndarray | None = None, batches=None):
+        """:class:`tag.cost.gpu.StageParts` (``[K, 3, n]`` device seconds, host seconds, host lag) of
+        ``device``'s stages at per-replica ``batches`` (None: 0..B, cached), with each op's fixed
+        FLOPs and bytes times ``fixed`` where given (:meth:`split_at`); None where its costs hold no
+        host apart (:attr:`DeviceCost.parts`)."""
+        dc = self._dev[device]
+        if dc.parts is None:
+            return None
+        if fixed is not None or batches is not None:
+            grid = np.arange(self.graph.batch_size + 1, dtype=float) if batches is None else batches
+            return dc.parts(np.asarray(grid, dtype=float), None if fixed is None else np.asarray(fixed, dtype=float))
+        hit = self._parts.get(id(dc))
+        if hit is None:
+            hit = self._parts[id(dc)] = dc.parts(np.arange(self.graph.batch_size + 1, dtype=float))
+        return hit
 
     def wake_penalty(self, device: int) -> tuple[np.ndarray, float, float] | None:
         """``(table [K, 2, B+1], gap_s, tau_s)`` of ``device``'s wake penalty, or None: a stage
@@ -278,6 +318,17 @@ def _rule(graph, dt: str, spec, features, runtime: str = "eager", host_launch_s:
         feat = features() if fixed is None else features().with_fixed(fixed)
         return stage_table(graph, feat, rates, batches)
 
+    def parts(batches, fixed=None):
+        feat = features() if fixed is None else features().with_fixed(fixed)
+        return stage_parts(graph, feat, rates, batches)
+
+    def cast_host():  # [K] host seconds launching each group's forward parameter casts
+        casts = param_casts(graph)
+        out = np.zeros(graph.num_groups)
+        np.add.at(out, [graph.ops[i].group for i in casts], host_seconds(graph, features(), rates, [1])[casts, 0])
+        return out
+
+    rule.parts, rule.cast_host = parts, cast_host
     return rule, source, rates.step_overhead(graph.optimizer), host
 
 
@@ -309,7 +360,9 @@ def _device_cost(graph, topology, d: int, dt: str, root, sig: str, available: li
                           split=_split_by_rule(scaled, rtab))
     table = rtab(grid)
     return DeviceCost(dt, rule_source, table, rule_overhead, rtab, host=host,
-                      cast=_cast_seconds(graph, dt, spec, features, table), split=rtab)
+                      cast=(cast := _cast_seconds(graph, dt, spec, features, table)), split=rtab,
+                      parts=getattr(rtab, "parts", None),
+                      cast_host=None if cast is None or not hasattr(rtab, "cast_host") else rtab.cast_host())
 
 
 def _split_by_rule(at, rule):

@@ -93,6 +93,7 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
     flight = [1] * len(groups) if prog is None else [prog.flight[s] for s in prog.stage_of]
     stage_of = [0] * len(groups) if prog is None else prog.stage_of
     busy, held, work = np.zeros(n), np.zeros(n), np.zeros(n)
+    launch = np.zeros(n)  # a device's host seconds issuing its stages (Simulator.hosts): the host issues them in turn
     # per stage: its devices' forward seconds at the first micro-batch, backward (and recomputed
     # forward) at the last, and whether every group of it was counted on the same replicas
     fwd0, bwd1 = {}, {}
@@ -140,6 +141,13 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
             fwd = (1.0 - f) * sim.tables[c, g2, FWD, lo[:, None]] + f * sim.tables[c, g2, FWD, hi[:, None]]
             bwd = (1.0 - f) * sim.tables[c, g2, BWD, lo[:, None]] + f * sim.tables[c, g2, BWD, hi[:, None]]
             fs, bs = fwd.sum(axis=1), bwd.sum(axis=1)
+            if sim.hosts is not None:  # every micro-batch's launches but the forwards' casts (twice recomputed)
+                hs = sim.hosts[0]
+                hf = ((1.0 - f) * hs[c, g2, FWD, lo[:, None]] + f * hs[c, g2, FWD, hi[:, None]]).sum(axis=1)
+                hb = ((1.0 - f) * hs[c, g2, BWD, lo[:, None]] + f * hs[c, g2, BWD, hi[:, None]]).sum(axis=1)
+                if sim.cast_hosts is not None:
+                    hf = hf - sim.cast_hosts[c, g2].sum(axis=1)
+                np.add.at(launch, dev, (hf * (2.0 if rc else 1.0) + hb)[back] * times)
             # the forwards' parameter casts: once per iteration, at the first micro-batch, not recomputed
             cs = sim.casts[c, g2].sum(axis=1) if sim.any_casts else np.zeros(len(ucls))
             secs = fs * (2.0 if rc else 1.0) + bs - (cs if rc else 0.0)  # [U]: fwd + bwd (+ fwd again)
@@ -165,7 +173,9 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
                     ws = np.maximum(ws, (out_w[None, :, 0] + out_w[None, :, 1] * big[:, None]).max(axis=1))
                 np.maximum.at(work, dev, ws)  # (not w: the width the later micro-batch sizes read)
     peak = (held + work).tolist()
-    low = float(busy.max())
+    # a stage ends no earlier than its host issued it (tag.cost.gpu.StageParts.lag >= its host seconds),
+    # and the host issues a device's stages one after the other from the start (not after the fill)
+    low = max(float(busy.max()), float(launch.max()))
     if prog is not None:  # the fill and drain of the pipeline (_pipeline_waits), at these seconds
         lows = []  # per stage, per replica: forward, backward seconds, devices (None: not counted)
         for s, gs in enumerate(prog.members):
@@ -237,6 +247,8 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
     for _, job in sim.sync_jobs(gds, frozenset() if micro is None else micro.tied):
         nic[list(job.sync_machines)] += job.sync_time
     low = np.maximum(low, busy + load + step)
+    if sim.hosts is not None:  # the host issues a device's stages one after another, each ending no earlier
+        low = np.maximum(low, _busy(sim, gds, micro, host=True) + step)
     peak = [m + w for m, w in zip(mem, work)]
     # (1 - 1e-9): the event loop sums the same seconds in another order (running sums), so a
     # bound equal to the run's time may differ from it in the last bits
@@ -244,10 +256,11 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
                      any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
 
 
-def _busy(sim, gds, micro) -> np.ndarray:
+def _busy(sim, gds, micro, host: bool = False) -> np.ndarray:
     """Per device: the seconds of its compute tasks (every run's forward and backward of every
     unit on it; a pipeline's micro-batches of one size share one deployment: counted once, times
-    their number)."""
+    their number); ``host``: its host's seconds issuing them (:attr:`Layout.host
+    <tag.sim.units.Layout.host>`, 0 where none is held apart)."""
     busy = np.zeros(sim.num_devices)
     runs: dict[int, list] = {}
     for mg in (gds,) if micro is None else micro.gds:
@@ -260,9 +273,12 @@ def _busy(sim, gds, micro) -> np.ndarray:
                 alike.setdefault(id(lay), (lay, []))[1].append(g)
             else:  # position chunks, one device each
                 for u in gd.units:
-                    busy[u.devices[0]] += (u.dur[FWD] + u.dur[BWD]) * times
+                    x = u.dur if not host else u.host or (0.0, 0.0)
+                    busy[u.devices[0]] += (x[FWD] + x[BWD]) * times
         for lay, gs in alike.values():
-            np.add.at(busy, lay.dev_arr, (lay.dur[FWD, gs] + lay.dur[BWD, gs]).sum(axis=0) * times)
+            x = lay.dur if not host else lay.host
+            if x is not None:
+                np.add.at(busy, lay.dev_arr, (x[FWD, gs] + x[BWD, gs]).sum(axis=0) * times)
     return busy
 
 

@@ -169,6 +169,16 @@ class Simulator:
                 tabs.append(t)
             self.dev_class.append(k)
         self.tables = np.stack(tabs)  # [C, K, 3, B+1]
+        self.hosts = self._host_tables()
+        ch = getattr(self.costs, "cast_host_seconds", None)
+        self.cast_hosts = None if self.hosts is None or ch is None else \
+            np.stack([ch(self.dev_class.index(c)) for c in range(len(tabs))])
+        """[C, K] host seconds launching each group's forward parameter casts per device class, part of
+        :attr:`hosts`' forwards (None: no host apart): a pipeline's later micro-batches launch none."""
+        """(host seconds, lags) [C, K, 2, B+1] of the forward and backward stages and per class whether
+        its costs hold the host apart (:meth:`tag.cost.CostModel.host_parts`; ``tables``' forwards and
+        backwards are then the device's seconds, the host a timeline of its own: :meth:`_Run._phase`),
+        or None where no class does."""
         cast_of = getattr(self.costs, "cast_seconds", None)  # (a cost model without parameter casts: none)
         self.casts = np.stack([cast_of(self.dev_class.index(c)) if cast_of is not None
                                else np.zeros(graph.num_groups) for c in range(len(tabs))])
@@ -203,6 +213,20 @@ class Simulator:
             w = pen(d) if pen is not None else None
             self.wake.append(None if w is None else (w[0], w[2], 1.0 / (1.0 - math.exp(-w[1] / w[2]))))
         self.any_wake = any(w is not None for w in self.wake)
+
+    def _host_tables(self):
+        """:attr:`hosts`, putting the device seconds of each class holding its host apart in
+        :attr:`tables` (their optimizer steps as they were: after the iteration's syncs)."""
+        parts_of = getattr(self.costs, "host_parts", None)
+        shape = self.tables.shape
+        host, lag, apart = np.zeros((shape[0], shape[1], 2, shape[3])), np.zeros((shape[0], shape[1], 2, shape[3])), []
+        for c in range(shape[0]):
+            p = None if parts_of is None else parts_of(self.dev_class.index(c))
+            apart.append(p is not None)
+            if p is not None:
+                self.tables[c, :, :2] = p.device[:, :2]
+                host[c], lag[c] = p.host[:, :2], p.lag[:, :2]
+        return (host, lag, apart) if any(apart) else None
 
     # ---- cached plan-derived data -------------------------------------------------------
     def _empty_caches(self) -> None:
@@ -267,7 +291,8 @@ class Simulator:
         key = (devices, batches)
         lay = self._layouts.get(key)
         if lay is None:
-            lay = self.store_layout(key, make_layout(self.static, self.tables, self.dev_class, devices, batches))
+            lay = self.store_layout(key, make_layout(self.static, self.tables, self.dev_class, devices, batches,
+                                                     self.hosts))
         return lay
 
     def group_data(self, g: int, gp, key=None, batch: int | None = None) -> GroupData:
@@ -345,7 +370,8 @@ class Simulator:
         key = ("rc", lay.uid)
         out = self._layouts.get(key)
         if out is None:
-            out = self.store_layout(key, recompute_layout(self.static, lay, held, live, saved, self._casts_of(lay)))
+            out = self.store_layout(key, recompute_layout(self.static, lay, held, live, saved, self._casts_of(lay),
+                                                          self._cast_hosts_of(lay)))
         return out
 
     def _casts_of(self, lay: Layout) -> np.ndarray | None:
@@ -355,6 +381,13 @@ class Simulator:
         if lay.casts is not None:  # (a tensor-parallel device's share)
             return lay.casts
         return self.casts[[self.dev_class[d] for d in lay.devices]].T
+
+    def _cast_hosts_of(self, lay: Layout) -> np.ndarray | None:
+        """[K, R] host seconds launching every group's forward parameter casts on ``lay``'s replicas
+        (None: no host apart or no casts; a tensor-parallel rank launches as many, on its shards)."""
+        if self.cast_hosts is None or lay.host is None or not self.any_casts:
+            return None
+        return self.cast_hosts[[self.dev_class[d] for d in lay.devices]].T
 
     def warm_layout(self, lay: Layout) -> Layout:
         """``lay`` with forwards that do not cast the parameters (a pipeline's micro-batches after
@@ -366,9 +399,13 @@ class Simulator:
         if out is None:
             dur = lay.dur.copy()
             dur[FWD] = np.maximum(dur[FWD] - self._casts_of(lay), 0.0)
+            host, ch = lay.host, self._cast_hosts_of(lay)
+            if ch is not None:  # (nor are their launches issued)
+                host = host.copy()
+                host[FWD] = np.maximum(host[FWD] - ch, 0.0)
             out = self.store_layout(key, Layout.of(lay.devices, lay.batches, lay.dev_arr, dur, lay.mem, lay.work,
                                                    lay.starts, saved=lay.saved, compute=lay.compute, net=lay.net,
-                                                   net_machines=lay.net_machines))
+                                                   net_machines=lay.net_machines, host=host, lag=lay.lag))
         return out
 
     def _warm(self, gds: list[GroupData]) -> list[GroupData]:
@@ -923,6 +960,7 @@ class _Run:
         self.buf = [0.0] * n
         self.cfree = [0.0] * n
         self.cend = [0.0] * n  # end of each device's last compute (wake penalty)
+        self.hfree = [0.0] * n  # when each device's host has issued its last stage (Layout.host)
         self.comp = [0.0] * n
         self.comm_free = [0.0] * n
         self.comm_busy = [0.0] * n
@@ -1087,6 +1125,12 @@ class _Run:
                         st = cfree[d]
                     pen = wake_extra(self.sim, unit, g, ph, [st], cend) if wake else None
                     x = (st if pen is None else st + pen[0]) + unit.dur[ph]
+                    if unit.host is not None:  # its host issues it from where it is (_hosted)
+                        h = self.hfree[d]
+                        y = h + unit.dur[ph] + unit.lag[ph]
+                        if y > x:
+                            x = y
+                        self.hfree[d] = h + unit.host[ph]
                     sfin[idx] = [x]
                     if not fwd and x > gf[g]:
                         gf[g] = x
@@ -1126,7 +1170,10 @@ class _Run:
                 else:
                     i0 = k - 1 - g
                     b0, rows = lay.cum_bwd[i0], lay.cum_bwd[i0 + 1:i0 + length + 1]
-                fin_a = np.asarray(go) + (rows - b0)
+                if lay.hosts is None:
+                    fin_a = np.asarray(go) + (rows - b0)
+                else:  # the host issues the run's stages one after the other, from where it is
+                    fin_a = self._hosted(lay, fwd, g if fwd else k - 1 - g, length, devs, go) + (rows - b0)
                 fin = fin_a.tolist()
                 end = fin[-1]
                 if fwd:  # groups g .. g + length - 1
@@ -1140,6 +1187,8 @@ class _Run:
             else:
                 r = lay.rows[g]
                 end = [x + y for x, y in zip(go, r[ph] if r is not None else lay.row(g)[ph])]
+                if lay.hosts is not None:
+                    end = self._hosted_one(lay, ph, g, devs, end)
                 if net is not None:
                     end = self._net_slowed(lay, ph, g, end)
                 sfin[idx] = end
@@ -1158,6 +1207,37 @@ class _Run:
                 if gds[g2].sfb is not None:
                     self._sfb(g2, end)
             i = e
+
+    def _hosted(self, lay: Layout, fwd: bool, p0: int, length: int, devs: tuple[int, ...],
+                go: list[float]) -> np.ndarray:
+        """[length, R] when each stage of a run of ``length`` stages on ``lay`` (positions ``p0 ..``
+        of the phase's order, :attr:`Layout.hosts`) finishes less the run's device seconds up to
+        it, the device free at ``go``: stage ``k`` ends at ``F_k = max(F_(k-1) + g_k, H_k + g_k +
+        lag_k)``, ``H_k`` when the host starts issuing it (the device's host free at the run's
+        start, then each stage's host seconds after the other), so ``F_k - G_k = max(go, H +
+        max_(j <= k)(H_j - H - G_(j-1) + lag_j))`` (``G`` the run's device seconds). The host
+        moves on to the end of its launches: it waits for nothing (NCCL's sends and receives
+        order the streams, not the host)."""
+        cum_h, base, peak = lay.hosts[0 if fwd else 1]
+        hfree = self.hfree
+        h0 = np.array([hfree[d] for d in devs])
+        lead = np.maximum(np.asarray(go), h0 + (np.maximum.accumulate(peak[p0:p0 + length], axis=0) - base[p0]))
+        for d, x in zip(devs, (h0 + (cum_h[p0 + length] - cum_h[p0])).tolist()):
+            hfree[d] = x
+        return lead
+
+    def _hosted_one(self, lay: Layout, ph: int, g: int, devs: tuple[int, ...], end: list[float]) -> list[float]:
+        """``end`` (per replica, stage ``(ph, g)`` on ``lay`` run on the device from its start) no
+        earlier than the host allows: its host starts issuing it at ``H`` (when it issued its last
+        stage) and the stage ends no earlier than ``H + dur + lag`` (:meth:`_hosted`)."""
+        hfree, dur, host, lag = self.hfree, lay.dur[ph, g].tolist(), lay.host[ph, g].tolist(), lay.lag[ph, g].tolist()
+        out = []
+        for r, d in enumerate(devs):
+            h = hfree[d]
+            x = h + dur[r] + lag[r]
+            out.append(x if x > end[r] else end[r])
+            hfree[d] = h + host[r]
+        return out
 
     def _sfb(self, g: int, fin: list[float]) -> None:
         """SFB of group ``g`` after its backward, which ended at ``fin`` (per replica): the factor

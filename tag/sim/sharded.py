@@ -132,7 +132,7 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None
     mem = lay.mem - held[:, None]
     work = lay.work + transient[:, None]
     out = Layout.of(lay.devices, lay.batches, lay.dev_arr, dur, mem, work, lay.starts, saved=lay.saved,
-                    compute=lay.compute)
+                    compute=lay.compute, host=lay.host, lag=lay.lag)
     out = sim.store_layout(key, out)
     if level == 3:  # every micro-batch of a pipeline casts again: its own warm layout (Simulator.warm_layout)
         sim._layouts[("warm", out.uid)] = out

@@ -88,7 +88,7 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
     k, r = static.num_groups, len(devices)
     dur, mem, work, saved = np.empty((3, k, r)), np.empty((k, r)), np.empty((k, r)), np.empty((k, r))
     keep = 1.0 - 1.0 / t
-    outside = None if sequence_parallel else _outside_saved_per_sample(graph, k)
+    outside = None if sequence_parallel else _outside_saved_per_sample(graph, static)
     compute = []
     # devices alike (cost class, shard samples, group samples) get the same columns: costed once
     # (a 512-device stage has a handful of kinds), in device order (the first costs _block_share)
@@ -101,10 +101,17 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
         compute.append(small)
         alike.setdefault((sim.dev_class[d], small, big), (d, []))[1].append(i)
     casts = np.zeros((k, r)) if sim.any_casts else None
+    host = lag = None  # a GPU rule's host apart (Layout.host): the shard's launches, at its samples
+    if sim.hosts is not None:
+        host, lag = np.zeros((2, k, r)), np.zeros((2, k, r))
     for (c, small, big), (d, ids) in alike.items():
         tx = _rank_seconds(sim, c, d, t, small)  # [K, 3]; None: the whole weights' table
         split = tx is not None
         tx = tx if split else at_batch(sim.tables[c], small)
+        if host is not None:
+            hx = _rank_host(sim, c, d, t, small) if split else None
+            for out, j, h in zip((host, lag), (0, 1), hx or (None, None)):
+                out[:, :, ids] = (h if h is not None else at_batch(sim.hosts[j][c], small)).transpose(1, 0)[:, :, None]
         if casts is not None:
             casts[:, ids] = (_rank_casts(sim, c, t) if split else sim.casts[c])[:, None]
         d_col = tx.T.copy()  # [3, K]
@@ -175,7 +182,7 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
     mem -= keep * _split_casts(graph)[:, None]  # a device holds its shard's bf16 / fp16 weight copies
     lay = Layout.of(devices, batches, np.array(devices, dtype=np.int64), dur, mem, work, starts, saved=saved,
                     compute=None if sequence_parallel else tuple(compute), casts=casts, net=net,
-                    net_machines=None if net is None else tuple(spans))
+                    net_machines=None if net is None else tuple(spans), host=host, lag=lag)
     return sim.store_layout(key, lay)
 
 
@@ -187,13 +194,34 @@ def _rank_seconds(sim, c: int, device: int, t: int, x: float) -> np.ndarray | No
     and weight-gradient casts write, ``1 / t`` of each split weight). None where the costs cannot
     split (a compiled profile, a cost model without ``split_at``): the caller reads the device's
     table, every weight whole. Cached per (class, degree, samples)."""
+    return _rank_costs(sim, c, device, t, x)[0]
+
+
+def _rank_host(sim, c: int, device: int, t: int, x: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """``([K, 2] host seconds, [K, 2] lags)`` of the forward and backward stages of
+    :func:`_rank_seconds`' rank where its class holds the host apart (:attr:`Simulator.hosts`),
+    else None."""
+    return _rank_costs(sim, c, device, t, x)[1]
+
+
+def _rank_costs(sim, c: int, device: int, t: int, x: float) -> tuple:
+    """(:func:`_rank_seconds`, :func:`_rank_host`), cached per (class, degree, samples): where the
+    class holds its host apart, the forward and backward seconds are the device's alone
+    (:meth:`~tag.cost.CostModel.host_parts` with the same fixed factors)."""
     cache = sim.cache("tp-rank")
     key = (c, t, x)
     if key not in cache:
         split_at = getattr(sim.costs, "split_at", None)
-        got = None if split_at is None else split_at(device, _interior_fixed(sim.graph, t), [x])
-        cache[key] = None if got is None else got[:, :, 0]
-        sim.charge((0 if got is None else got.nbytes) + ENTRY_BYTES)
+        fixed = _interior_fixed(sim.graph, t)
+        got = None if split_at is None else split_at(device, fixed, [x])
+        secs, host = (None if got is None else got[:, :, 0]), None
+        if secs is not None and sim.hosts is not None and sim.hosts[2][c]:
+            p = sim.costs.host_parts(device, fixed, [x])
+            secs = secs.copy()
+            secs[:, :2] = p.device[:, :2, 0]
+            host = (p.host[:, :2, 0], p.lag[:, :2, 0])
+        cache[key] = (secs, host)
+        sim.charge((0 if got is None else 2 * got.nbytes) + ENTRY_BYTES)
     return cache[key]
 
 
@@ -301,22 +329,14 @@ def _outside_work(graph) -> np.ndarray:
 
 
 @per_graph
-def _outside_saved_per_sample(graph, k: int) -> np.ndarray:
-    """``[K]`` per-sample bytes of the activations each group's backward reads from the forward
-    (or the user inputs) that are not held split inside a Megatron block."""
-    interior = block_interior(graph)
-    out = np.zeros(k)
-    seen: set[tuple[int, int]] = set()
-    for o in graph.ops:
-        if o.phase != "bwd":
-            continue
-        for t in o.inputs:
-            ten = graph.tensors[t]
-            fwd = ten.kind == "input" or (ten.producer >= 0 and graph.ops[ten.producer].phase == "fwd")
-            if fwd and (t, o.group) not in seen and t not in interior.tensors:
-                seen.add((t, o.group))
-                out[o.group] += ten.nbytes.per_sample
-    return out
+def _outside_saved_per_sample(graph, static) -> np.ndarray:
+    """``[K]`` per-sample bytes of the storages each group's backward reads from the forward (or
+    the user inputs; :attr:`GraphStatic.saved <tag.sim.static.GraphStatic.saved>`, ``static`` the
+    graph's: a storage once, however many of its views are read) that no Megatron block holds
+    split: none of its saved views is a block's interior tensor."""
+    interior = block_interior(graph).tensors
+    return np.array([sum(p for (_, p, _), ts in zip(rows, members) if not any(t in interior for t in ts))
+                     for rows, members in zip(static.saved, static.saved_members)], dtype=float)
 
 
 @per_graph
@@ -383,7 +403,7 @@ def _tp_deployment(sim, gp, batches: tuple[int, ...], replicas) -> tuple:
             # longer held) at the tensor-parallel group's samples, what is inside at the device's 1 / T
             more = (np.asarray(batches, dtype=float) - np.asarray(lay.compute, dtype=float))[None, :]
             held, live = _outside_recompute_per_sample(sim.graph, sim.static)
-            saved = _outside_saved_per_sample(sim.graph, sim.static.num_groups)
+            saved = _outside_saved_per_sample(sim.graph, sim.static)
             lay = sim.recompute_layout(lay, held[:, None] * more, live[:, None] * more, saved[:, None] * more)
     mo = sim.comm.machine_of
     machines = tuple(sorted({mo[d] for d in devs}))

@@ -117,13 +117,24 @@ class Layout:
     """Per replica, the machines its ``net`` collectives span."""
     meter: CacheMeter | None = None
     """The cache this layout is held in: :meth:`row` adds the bytes of the lists it makes."""
+    host: np.ndarray | None = None
+    """[2, K, R] host seconds issuing each forward and backward stage where the device's costs hold
+    the host apart (:meth:`tag.cost.CostModel.host_parts`: a GPU rule's eager launches; ``dur``'s
+    forward and backward are then the device's seconds alone): the event loop runs the host as a
+    timeline of its own (:meth:`tag.sim.engine._Run._phase`); None: none (``dur`` is all)."""
+    lag: np.ndarray | None = None
+    """[2, K, R] seconds a stage lasts beyond its ``dur`` when host and device start it together
+    (:attr:`tag.cost.gpu.StageParts.lag`); with ``host``."""
+    hosts: tuple | None = None
+    """With ``host``, what the event loop reads per phase (forward order, backward order):
+    ``(cum_host [K+1, R], base [K+1, R] = cum_host - cum_dur, peak [K, R] = base[:-1] + lag)``."""
 
     @property
     def nbytes(self) -> int:
         """Approximate bytes of this layout as made (its arrays, tuples and lists; the rows
         :meth:`row` makes later are counted then, in :attr:`meter`)."""
         arrays = (self.dev_arr, self.dur, self.cum_fwd, self.cum_bwd, self.mem, self.work, self.gsum, self.saved,
-                  self.casts, self.net)
+                  self.casts, self.net, self.host, self.lag) + (() if self.hosts is None else sum(self.hosts, ()))
         n = 3 * ref_bytes(len(self.devices)) + seq_bytes(len(self.gsum_l)) + ref_bytes(len(self.rows))
         n += INSTANCE_BYTES
         if self.compute is not None:
@@ -141,6 +152,9 @@ class Layout:
         cum_b = np.zeros((k + 1, r))
         np.cumsum(dur[BWD][::-1], axis=0, out=cum_b[1:])
         gsum = dur.sum(axis=(0, 2))
+        if kw.get("host") is not None:
+            kw["hosts"] = (_host_sums(kw["host"][FWD], kw["lag"][FWD], cum_f),
+                           _host_sums(kw["host"][BWD][::-1], kw["lag"][BWD][::-1], cum_b))
         return cls(tuple(devices), tuple(batches), dev_arr, dur, cum_f, cum_b, mem, work, tuple(starts), gsum,
                    gsum.tolist(), rows=[None] * k, **kw)
 
@@ -151,6 +165,15 @@ class Layout:
             if self.meter is not None:
                 self.meter.bytes += 5 * seq_bytes(len(self.devices)) + 96
         return r
+
+
+def _host_sums(host: np.ndarray, lag: np.ndarray, cum: np.ndarray) -> tuple:
+    """:attr:`Layout.hosts` of one phase from its host seconds and lags [K, R] in the phase's
+    order and its running device seconds ``cum`` [K+1, R]."""
+    cum_h = np.zeros_like(cum)
+    np.cumsum(host, axis=0, out=cum_h[1:])
+    base = cum_h - cum
+    return cum_h, base, base[:-1] + lag
 
 
 @dataclass
@@ -171,6 +194,11 @@ class Unit:
     lo: int = 0
     hi: int = 0
     """mp chunk: forward positions [lo, hi)."""
+    host: tuple[float, float] | None = None
+    """mp chunk: host seconds issuing its forward and backward where its device's costs hold the
+    host apart (:attr:`Layout.host`; ``dur``'s are then the device's), else None."""
+    lag: tuple[float, float] | None = None
+    """mp chunk: with ``host``, :attr:`Layout.lag` of its forward and backward."""
 
 
 @dataclass
@@ -289,8 +317,9 @@ def at_batch(table: np.ndarray, x: float) -> np.ndarray:
 
 
 def make_layout(static: GraphStatic, tables: np.ndarray, dev_class: list[int], devices: tuple[int, ...],
-                batches: tuple[int, ...]) -> Layout:
-    """``tables``: [C, K, 3, B+1] seconds per device class."""
+                batches: tuple[int, ...], hosts: tuple[np.ndarray, np.ndarray, list[bool]] | None = None) -> Layout:
+    """``tables``: [C, K, 3, B+1] seconds per device class; ``hosts``: (host seconds, lags) [C, K, 2,
+    B+1] per device class and whether a class holds its host apart (:attr:`Layout.host`), or None."""
     dev = np.array(devices, dtype=np.int64)
     cls = np.array([dev_class[d] for d in devices], dtype=np.int64)
     b = np.array(batches, dtype=np.int64)
@@ -299,10 +328,24 @@ def make_layout(static: GraphStatic, tables: np.ndarray, dev_class: list[int], d
     mem = static.mem_fixed[:, None] + static.mem_per_sample[:, None] * bf
     work = static.work_fixed[:, None] + static.work_per_sample[:, None] * bf
     starts = tuple(int(s) for s in np.concatenate([[0], np.cumsum(b)[:-1]]))
-    return Layout.of(devices, batches, dev, dur, mem, work, starts)
+    kw = {}
+    if hosts is not None and any(hosts[2][c] for c in cls.tolist()):
+        kw = {"host": np.ascontiguousarray(hosts[0][cls, :, :, b].transpose(2, 1, 0)),
+              "lag": np.ascontiguousarray(hosts[1][cls, :, :, b].transpose(2, 1, 0))}
+    return Layout.of(devices, batches, dev, dur, mem, work, starts, **kw)
 
 
-def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, saved=None, cast=None) -> Layout:
+def host_after(first: tuple[np.ndarray, np.ndarray, np.ndarray], host: np.ndarray, lag: np.ndarray):
+    """(host, lag) [K, R] of ``first`` (device seconds, host seconds, lag [K, R]: a recomputation's
+    forward) and a stage of ``host`` and ``lag`` after it, as one stage. Started together, ``first``
+    ends at ``g1 + l1`` and the host starts the second at ``h1``, so the two end at
+    ``max(g1 + l1 + g2, h1 + g2 + l2)``: lag ``max(l1, h1 + l2 - g1)``."""
+    g1, h1, l1 = first
+    return h1 + host, np.maximum(l1, h1 + lag - g1)
+
+
+def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, saved=None, cast=None,
+                     cast_host=None) -> Layout:
     """``lay`` with every group under activation recomputation (``GroupPlan.recompute``): backward
     seconds = forward + backward seconds; held bytes = ``lay``'s less the saved activations plus
     the group's inputs (:meth:`GraphStatic.recompute_bytes`, at each replica's batch); working set
@@ -312,9 +355,16 @@ def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, sav
     rest at ``lay.compute``, its devices' ``1 / T`` of it); ``lay.saved``, where set, becomes what a
     run keeps for its backward under recomputation. ``cast``: [K, R] seconds of the forward's
     parameter casts, which the recomputation does not make again (it reads the forward's copies,
-    :attr:`tag.cost.model.DeviceCost.cast`)."""
+    :attr:`tag.cost.model.DeviceCost.cast`); ``cast_host``: [K, R] host seconds launching them, which
+    it does not launch (with :attr:`Layout.host`)."""
     dur = lay.dur.copy()
-    dur[BWD] += dur[FWD] if cast is None else np.maximum(dur[FWD] - cast, 0.0)
+    again = dur[FWD] if cast is None else np.maximum(dur[FWD] - cast, 0.0)  # the recomputed forward
+    dur[BWD] += again
+    host = lag = None
+    if lay.host is not None:
+        host, lag = lay.host.copy(), lay.lag.copy()
+        h_again = lay.host[FWD] if cast_host is None else np.maximum(lay.host[FWD] - cast_host, 0.0)
+        host[BWD], lag[BWD] = host_after((again, h_again, lay.lag[FWD]), lay.host[BWD], lay.lag[BWD])
     b = np.asarray(lay.batches if lay.compute is None else lay.compute, dtype=float)[None, :]
     per_sample = (static.rc_per_sample - static.mem_per_sample)[:, None] * b
     mem = lay.mem + (static.rc_fixed - static.mem_fixed)[:, None] + per_sample
@@ -328,7 +378,7 @@ def recompute_layout(static: GraphStatic, lay: Layout, held=None, live=None, sav
         work = work + live
     net = None if lay.net is None else np.stack([lay.net[FWD], lay.net[BWD] + lay.net[FWD]])  # (recomputed too)
     return Layout.of(lay.devices, lay.batches, lay.dev_arr, dur, mem, work, lay.starts, saved=kept, compute=lay.compute,
-                     casts=lay.casts, net=net, net_machines=lay.net_machines)
+                     casts=lay.casts, net=net, net_machines=lay.net_machines, host=host, lag=lag)
 
 
 def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi: int,
@@ -339,18 +389,28 @@ def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi
     bsz = static.batch_size
     table = costs.table(device)
     a, z = lo - static.lo[g], hi - static.lo[g]
-    dur = tuple(float(table[g, ph, bsz] * costs.position_weights(g, ph)[a:z].sum()) for ph in range(3))
+    share = [float(costs.position_weights(g, ph)[a:z].sum()) for ph in range(3)]
+    dur = tuple(float(table[g, ph, bsz]) * share[ph] for ph in range(3))
+    parts = costs.host_parts(device) if hasattr(costs, "host_parts") else None
+    host = lag = None
+    if parts is not None:  # the device's seconds, the host's apart (Layout.host), the chunk's share of each
+        dur = (*(float(parts.device[g, ph, bsz]) * share[ph] for ph in range(2)), dur[2])
+        host, lag = (tuple(float(x[g, ph, bsz]) * share[ph] for ph in range(2)) for x in (parts.host, parts.lag))
     w = static.work_pos[g][a:z]
     work = float(w[:, 0].max() + w[:, 1].max() * bsz) if len(w) else 0.0
     if recompute:
         hf, hp, tf, tp = static.recompute_bytes(g, lo, hi)
         held = hf + hp * bsz
         work += tf + tp * bsz
+        if host is not None:
+            h, lb = host_after((np.array(dur[0]), np.array(host[0]), np.array(lag[0])), np.array(host[1]),
+                               np.array(lag[1]))
+            host, lag = (host[0], float(h)), (lag[0], float(lb))
         dur = (dur[0], dur[1] + dur[0], dur[2])
     else:
         held = sum(f + p * bsz for f, p, ps in static.saved[g] if any(lo <= x < hi for x in ps))
     mem = float(static.static_pos[g][a:z].sum() + static.buffer_pos[g][a:z].sum() + held)
-    return Unit(g, j, (device,), (bsz,), (0,), None, dur, mem, work, lo, hi)
+    return Unit(g, j, (device,), (bsz,), (0,), None, dur, mem, work, lo, hi, host, lag)
 
 
 def pair_flows(static: GraphStatic, comm, g1: int, gd1: GroupData, g2: int, gd2: GroupData) -> list[Flow]:
