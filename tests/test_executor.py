@@ -503,3 +503,28 @@ def test_values_received_keep_the_layout_they_were_traced_with(captured, topo4, 
     out = in_layout(t, like)
     assert torch.equal(out, t) and out.stride() == like.stride()
     assert in_layout(out, like) is out and in_layout(t, torch.empty(2, 3, 5, 4)) is t
+
+
+def test_rank_runtime_declares_what_it_holds(captured, topo4):
+    """Every attribute a rank's runtime keeps is a declared field (built by the builders of
+    :mod:`tag.executor.runtime`), after it is made and after an iteration; one rank running the
+    whole mlp steps its parameters and reads a finite loss."""
+    from dataclasses import fields
+
+    from tag.executor import RankRuntime
+    from tag.executor.runtime import export_at
+
+    graph = captured(MLP, batch=B, groups=4).graph
+    sched = build_schedule(graph, new_plan(graph, topo4, [GroupPlan([0], [1.0]) for _ in range(graph.num_groups)]))
+    wl = load_workload(MLP, batch=B)
+    rt = RankRuntime(0, sched, tuple(wl.inputs), {B: export_at(wl.model, wl.make_inputs, B)}, "sgd")
+    declared = {f.name for f in fields(rt)}
+    assert set(vars(rt)) <= declared, set(vars(rt)) - declared
+    before = {k: p.detach().clone() for k, p in rt.params.items()}
+    rt.begin_iteration()
+    for i, _ in enumerate(sched.steps):  # one rank: every step it runs is inside a segment
+        rt.run_segment(i)
+    rt.update()
+    assert set(vars(rt)) <= declared, set(vars(rt)) - declared
+    assert math.isfinite(rt.loss) and rt.loss > 0
+    assert before and all(not torch.equal(before[k], p) for k, p in rt.params.items())

@@ -57,7 +57,7 @@ import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.export.graph_signature import InputKind
@@ -65,8 +65,8 @@ from torch.export.graph_signature import InputKind
 from ..errors import TagError
 from ..graph.capture import export_joint
 from ..graph.stages import Stage, build_stages, retarget_devices
-from ..parallel.schedule import Bucket, Move, Schedule, SfbGroup, Step, UnitKey
-from .fuse import Key, build_module, env_unit, plan_program, share_param_casts, value_key
+from ..parallel.schedule import Bucket, Move, Schedule, SfbGroup, Step, Unit, UnitKey
+from .fuse import Key, Program, build_module, env_unit, plan_program, share_param_casts, value_key
 from .optim import make_optimizer
 from .scaling import SCALE_INPUT, LossScaler
 
@@ -196,93 +196,102 @@ class RankRuntime:
     through ``torch.compile`` (Inductor), compiled at its first call (``tag execute --compile``;
     :func:`compile_segment`)."""
 
+    # ---- what the builders below make (not arguments) ------------------------------------
+    my_units: dict[UnitKey, Unit] = field(init=False, repr=False)
+    """Unit key -> the schedule's unit, for every unit with a replica on this rank."""
+    micros: range = field(init=False, repr=False)
+    """Micro-batch indices (``range(1)``, the whole batch, without a pipeline)."""
+    stages: dict[tuple, Stage] = field(init=False, repr=False)
+    """Stage key (:func:`tag.executor.fuse.stage_key`: ``(unit, phase)``, on a pipeline
+    ``(unit, phase, micro)``) -> the cut of the joint graph this rank runs (:func:`cut_stages`;
+    the micro-batches of one local batch share one)."""
+    scaler: LossScaler | None = field(init=False, repr=False)
+    """fp16's dynamic loss scale (None: no loss scaling, :attr:`loss_scale` 1)."""
+    user_inputs: list[str] = field(init=False, repr=False)
+    """Placeholder names of the joint graphs' user inputs, in call order (dim 0 of each is the
+    batch)."""
+    state: dict[str, torch.Tensor] = field(init=False, repr=False)
+    """Placeholder name -> buffer or constant every stage may read, on :attr:`device`
+    (:func:`load_state`; fp16's 0-dim loss scale under :data:`SCALE_INPUT`)."""
+    params: dict[str, torch.nn.Parameter] = field(init=False, repr=False)
+    """Placeholder name -> this rank's copy of a parameter of its units, on :attr:`device`
+    (a tied weight's second copy too; a tensor-parallel shard's part of it)."""
+    optimizer: torch.optim.Optimizer | None = field(init=False, repr=False)
+    """Steps :attr:`params` (a sharded rank's: its shards and its unsharded groups' parameters,
+    :meth:`hold_shards`); None: the rank holds no parameter."""
+    _grad_keys: list[tuple[torch.nn.Parameter, Key]] = field(init=False, repr=False)
+    """(parameter, ``env`` key of its gradient) for :meth:`update` to set (a sharded parameter's
+    gradient reaches the optimizer through its bucket's shard instead)."""
+    kernels: dict[int, list] = field(init=False, repr=False)
+    """Op-group -> its SFB kernels (:class:`tag.compress.SfbKernel`), for this rank's SFB units
+    (:func:`prepare_sfb`)."""
+    input_rows: dict[Key, torch.Tensor] = field(init=False, repr=False)
+    """``env`` key of a user input of a unit and micro-batch -> this rank's rows of it
+    ([rows, ...] views of :attr:`inputs`, the same every iteration; :func:`input_rows`)."""
+    program: Program = field(init=False, repr=False)
+    """The fused segments this rank runs per iteration and when its values die
+    (:meth:`_build_program`)."""
+    _rng: tuple = field(init=False, repr=False)
+    """This rank's random stream between segments: the generators' states (CPU, and the GPU's on
+    one), carried from segment to segment (:meth:`_random_stream`; saved by checkpoints)."""
+    _rng_saved: dict[tuple, tuple] = field(default_factory=dict, init=False, repr=False)
+    """(unit, micro) -> the stream's state before its forward (for its replayed recomputation)."""
+    _rng_modes: dict[int, tuple] = field(default_factory=dict, init=False, repr=False)
+    """Segment start -> ``("save" | "replay", (unit, micro))`` (units whose recomputation draws)."""
+    _draws: bool = field(default=False, init=False, repr=False)
+    """Some stage of this rank draws random numbers (:meth:`_build_program`)."""
+    _placeholder_vals: dict[tuple, dict] = field(default_factory=dict, init=False, repr=False)
+    """Stage key -> placeholder name -> its traced value (:meth:`_captured`)."""
+    _programs: dict[int, tuple] = field(default_factory=dict, init=False, repr=False)
+    """``id`` of a schedule walked before -> (schedule, program, rng modes) (:meth:`use_schedule`)."""
+    # ---- the current iteration's values and counts (reset by begin_iteration) -------------
+    env: dict[Key, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    """``(unit, node name)`` -> value, each kept until its last reader ran."""
+    made: dict[Key, object] = field(default_factory=dict, init=False, repr=False)
+    """``env`` key -> CUDA event recorded after the segment making it (GPU ranks)."""
+    timer: Timer = field(default_factory=Timer, init=False, repr=False)
+    """Seconds per activity in the iteration."""
+    loss: float = field(default=0.0, init=False)
+    """The iteration's loss (the batch mean), read by :meth:`update` on the loss unit's ranks."""
+    sent_bytes: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    """Bytes this rank handed out to send in the current iteration, per destination (the
+    schedule's device; :meth:`outgoing`)."""
+    gathered_bytes: int = field(default=0, init=False, repr=False)
+    """Bytes of the scattered pieces this rank all-gathered in the current iteration (whole
+    pieces, padding included; :meth:`_gather_scattered`)."""
+
     def __post_init__(self) -> None:
         s = self.schedule
         self.my_units = {u.key: u for u in s.units_of(self.rank)}
         self.micros = range(len(s.micro_ranges))
-        """Micro-batches (one, the whole batch, without a pipeline)."""
-        runs: dict[int, list[tuple[UnitKey, int]]] = {}  # local batch -> (unit, micro-batch) run at it
-        for k in self.my_units:
-            for m in self.micros:
-                runs.setdefault(s.unit_at(k, m).replica_on(self.rank).batch, []).append((k, m))
-        # Stages by (unit, phase), on a pipeline (unit, phase, micro) (fuse.stage_key): one cut of
-        # the joint graph per local batch, shared by the micro-batches of that size.
-        self.stages: dict[tuple, Stage] = {}
         self.scaler = LossScaler(self.device, self.loss_scale) if self.loss_scale != 1.0 else None
-        """The dynamic fp16 loss scale (None: no loss scaling)."""
-        self._placeholder_vals: dict[tuple, dict] = {}  # stage key -> placeholder name -> traced value (_captured)
-        self._rng = _seeded_rng(self.seed, self.device)  # this rank's random stream between segments
-        self._rng_saved: dict[tuple, tuple] = {}  # (unit, micro) -> state before its forward (replayed units)
-        self._rng_modes: dict[int, tuple] = {}  # segment start -> ("save" | "replay", (unit, micro))
-        self._draws = False  # some stage of this rank draws random numbers (_build_program)
-        for b, joint in self.joints.items():
-            if b not in runs:
-                continue
-            keys = {k for k, _ in runs[b]}
-            check_structure(s, joint, b, min(k[0] for k in keys), pipeline=bool(s.micro_units))
-            if self.hook is not None:
-                # (the analysis runs on the host, where the exported joint graph's state lives)
-                rows = tuple(x[:b].cpu() if isinstance(x, torch.Tensor) else x for x in self.inputs)
-                joint = self.joints[b] = self.hook.joint(joint, rows, s.param_grad)
-            assign = {n: up for n, up in s.assign.items() if up[0] in keys}
-            again = [k for k in keys if k[0] in s.recompute]  # units recomputing their activations
-            for (key, phase), stage in build_stages(types.SimpleNamespace(joint=joint.module), assign, again).items():
-                if self.device.type != "cpu":
-                    retarget_devices(stage.module, self.device)
-                if self.hook is not None:
-                    self.hook.stage(stage)
-                if (key, phase) == (s.loss_unit, "bwd"):  # the loss is a mean over the stage's b samples
-                    _scale_seed(stage, s.loss, b / s.batch_size, SCALE_INPUT if self.scaler is not None else None)
-                for k, m in runs[b]:
-                    if k == key:
-                        self.stages[(key, phase, m) if s.micro_units else (key, phase)] = stage
-        # Parameters of the units this rank replicates; buffers/constants for every placeholder.
-        any_joint = next(iter(self.joints.values())) if self.joints else None
-        self.state: dict[str, torch.Tensor] = {}
-        self.user_inputs: list[str] = []
-        if any_joint is not None:
-            self.user_inputs = any_joint.user_inputs
-            for ph, target in any_joint.state.items():
-                if ph not in s.param_owner:
-                    self.state[ph] = any_joint.state_values[target].detach().to(self.device)
-        if self.scaler is not None:  # (read by the loss unit's backward: _scale_seed)
-            self.state[SCALE_INPUT] = self.scaler.scale
-        self.params: dict[str, torch.nn.Parameter] = {}
-        for ph in s.param_owner:  # (a tied weight's second copy too: the same initial value on every rank)
-            if s.grad_key(ph, self.my_units) is not None:
-                value = any_joint.state_values[s.param_target[ph]]
-                self.params[ph] = torch.nn.Parameter(value.detach().clone().to(self.device))
+        self._rng = _seeded_rng(self.seed, self.device)
+        cut = cut_stages(s, self.rank, self.micros, self.joints, self.inputs, self.hook, self.device,
+                         scaled=self.scaler is not None)
+        self.joints.update(cut.joints)
+        self.stages = cut.stages
+        held = load_state(s, self.my_units, self.joints, self.device, self.scaler)
+        self.user_inputs, self.state, self.params = held.user_inputs, held.state, held.params
         self.optimizer = make_optimizer(self.optimizer_name, self.params.values(), self.device)
         self._grad_keys = [(p, s.grad_key(ph, self.my_units)) for ph, p in self.params.items()]
-        """(parameter, ``env`` key of its gradient), for :meth:`update`."""
-        self.kernels: dict[int, list] = {}
-        """Op-group -> its SFB kernels (:class:`tag.compress.SfbKernel`), for my SFB units."""
-        for sg in s.sfb.values():
-            if sg.unit in self.my_units:
-                self._prepare_sfb(sg)
-        # User inputs: this rank's rows of each unit and micro-batch (views, the same every iteration).
-        self.input_rows: dict[Key, torch.Tensor] = {}
-        for key in self.my_units:
-            for m in self.micros:
-                r = s.unit_at(key, m).replica_on(self.rank)
-                for name, x in zip(self.user_inputs, self.inputs):
-                    # dim 0 of every user input is the batch
-                    self.input_rows[(env_unit(s, key, m), name)] = x[r.start:r.stop]
+        self.kernels = prepare_sfb(s, self.rank, self.my_units, self.stages, self.joints, self.global_joint,
+                                   self.device)
+        self.input_rows = input_rows(s, self.rank, self.my_units, self.micros, self.user_inputs, self.inputs)
         self.stages = share_param_casts(s, self.stages)  # bf16 / fp16 weight casts: once per iteration
         self._build_program()
-        self.env: dict[Key, torch.Tensor] = {}
         self.timer = Timer(cuda=self.device.type == "cuda")
-        self.loss = 0.0
-        self.sent_bytes: dict[int, int] = {}
-        """Bytes this rank handed out to send in the current iteration, per destination (the
-        schedule's device; :meth:`outgoing`)."""
-        self.gathered_bytes = 0
-        """Bytes of the scattered pieces this rank all-gathered in the current iteration (whole
-        pieces, padding included; :meth:`_gather_scattered`)."""
+
+    def hold_shards(self, optimizer: torch.optim.Optimizer | None, sharded: set[int]) -> None:
+        """A sharded rank's optimizer (:mod:`tag.executor.sharded`): ``optimizer`` steps its shards
+        and its unsharded parameters; the parameters whose ``id`` is in ``sharded`` no longer get
+        their gradient from :meth:`update` (their bucket's shard carries it)."""
+        self.optimizer = optimizer
+        self._grad_keys = [(p, k) for p, k in self._grad_keys if id(p) not in sharded]
 
     # ---- the rank's program -------------------------------------------------------------
     def _build_program(self) -> None:
-        """Segments of fused local steps and the liveness of ``env`` values (:mod:`tag.executor.fuse`)."""
+        """Segments of fused local steps and the liveness of ``env`` values (:mod:`tag.executor.fuse`):
+        sets :attr:`program`, :attr:`_rng_modes` and :attr:`_draws`."""
         s = self.schedule
         written = {value_key(s, m.dst_unit, m.name, st.micro) for st in s.steps if st.kind == "transfer"
                    for m in st.moves if m.dst == self.rank}
@@ -321,7 +330,7 @@ class RankRuntime:
         """Walk ``schedule`` from the next iteration on: the same units, micro-batches and stages
         in another order (another kFkB block size, :mod:`tag.executor.adaptive`); the program is
         built once per schedule and kept."""
-        built = self.__dict__.setdefault("_programs", {})
+        built = self._programs
         built[id(self.schedule)] = (self.schedule, self.program, self._rng_modes)
         if id(schedule) in built:
             self.schedule, self.program, self._rng_modes = built[id(schedule)]
@@ -398,7 +407,7 @@ class RankRuntime:
     # ---- values ------------------------------------------------------------------------
     def begin_iteration(self) -> None:
         self.env.clear()
-        self.made: dict[Key, object] = {}  # env key -> CUDA event recorded after the segment making it
+        self.made = {}
         self._rng_saved.clear()
         self.sent_bytes = {}
         self.gathered_bytes = 0
@@ -620,41 +629,6 @@ class RankRuntime:
         return out
 
     # ---- SFB -------------------------------------------------------------------------------
-    def _prepare_sfb(self, sg: SfbGroup) -> None:
-        """Stages output the factors; the local gradients SFB replaces are no longer computed;
-        one kernel per SFB op on the joint graph at the global batch."""
-        from ..compress import SfbError, sfb_kernel
-
-        s = self.schedule
-        if self.global_joint is None:
-            raise ExecutionError(f"rank {self.rank}: group {sg.group} uses SFB but no joint graph at the global "
-                                 f"batch {s.batch_size} was given")
-        check_structure(s, self.global_joint, s.batch_size, sg.group, local=False)
-        joint = self.joints[self.my_units[sg.unit].replica_on(self.rank).batch]
-        nodes = {n.name: n for n in joint.module.graph.nodes}
-        for phase in ("fwd", "bwd"):
-            stage = self.stages.get((sg.unit, phase))
-            if stage is None:
-                continue
-            computed = {n.name for n in stage.module.graph.nodes if n.op == "call_function"}
-            add = [f.name for f in sg.factors if f.name in computed and f.name not in stage.outputs]
-            drop = set()
-            if phase == "bwd":  # gradients only returned (not used by other ops): SFB replaces them
-                drop = {c.grad_node for c in sg.candidates
-                        if c.grad_node in computed and all(u.op == "output" for u in nodes[c.grad_node].users)}
-            if add or drop:
-                _edit_outputs(stage, add, drop)
-        kernels = []
-        for c in sg.candidates:
-            try:
-                k = sfb_kernel(self.global_joint.module, c)
-            except SfbError as e:
-                raise ExecutionError(str(e)) from None
-            if self.device.type != "cpu":
-                retarget_devices(k.stage.module, self.device)
-            kernels.append(k)
-        self.kernels[sg.group] = kernels
-
     def sfb_local(self, group: int) -> dict[str, torch.Tensor]:
         """Factor node name -> this replica's rows of it (in full-batch units), for ``group``'s SFB."""
         sg = self.schedule.sfb[group]
@@ -759,6 +733,157 @@ class RankRuntime:
     def named_params(self) -> dict[str, torch.Tensor]:
         """State-dict name -> current value of the parameters this rank holds."""
         return {self.schedule.param_target[ph]: p.detach().cpu() for ph, p in self.params.items()}
+
+
+# ---- what a rank builds once (RankRuntime.__post_init__) --------------------------------------
+class RankStages(NamedTuple):
+    """A rank's stages (:func:`cut_stages`)."""
+
+    stages: dict[tuple, Stage]
+    """Stage key (:func:`tag.executor.fuse.stage_key`) -> the cut of the joint graph at the unit's
+    local batch on this rank (the micro-batches of one local batch share it)."""
+    joints: dict[int, Joint]
+    """Local batch -> the joint graph as this rank runs it (a hook's rewrite, e.g. a
+    tensor-parallel shard's; the given one otherwise)."""
+
+
+def cut_stages(schedule: Schedule, rank: int, micros: range, joints: dict[int, Joint], inputs: tuple,
+               hook: RankHook | None, device: torch.device, scaled: bool) -> RankStages:
+    """Cut the forward and backward stage of every unit ``rank`` runs from the joint graph at its
+    local batch (one cut per local batch, shared by the micro-batches of that size): each joint
+    graph checked against the captured one (:func:`check_structure`), rewritten by ``hook``, the
+    stages moved to ``device`` and the loss unit's backward seed scaled by ``b / B`` (and by
+    fp16's loss scale where ``scaled``, :func:`_scale_seed`)."""
+    s = schedule
+    runs: dict[int, list[tuple[UnitKey, int]]] = {}  # local batch -> (unit, micro-batch) run at it
+    for u in s.units_of(rank):
+        for m in micros:
+            runs.setdefault(s.unit_at(u.key, m).replica_on(rank).batch, []).append((u.key, m))
+    stages: dict[tuple, Stage] = {}
+    out = dict(joints)
+    for b, joint in joints.items():
+        if b not in runs:
+            continue
+        keys = {k for k, _ in runs[b]}
+        check_structure(s, joint, b, min(k[0] for k in keys), pipeline=bool(s.micro_units))
+        if hook is not None:
+            # (the analysis runs on the host, where the exported joint graph's state lives)
+            rows = tuple(x[:b].cpu() if isinstance(x, torch.Tensor) else x for x in inputs)
+            joint = out[b] = hook.joint(joint, rows, s.param_grad)
+        assign = {n: up for n, up in s.assign.items() if up[0] in keys}
+        again = [k for k in keys if k[0] in s.recompute]  # units recomputing their activations
+        for (key, phase), stage in build_stages(types.SimpleNamespace(joint=joint.module), assign, again).items():
+            if device.type != "cpu":
+                retarget_devices(stage.module, device)
+            if hook is not None:
+                hook.stage(stage)
+            if (key, phase) == (s.loss_unit, "bwd"):  # the loss is a mean over the stage's b samples
+                _scale_seed(stage, s.loss, b / s.batch_size, SCALE_INPUT if scaled else None)
+            for k, m in runs[b]:
+                if k == key:
+                    stages[(key, phase, m) if s.micro_units else (key, phase)] = stage
+    return RankStages(stages, out)
+
+
+class HeldState(NamedTuple):
+    """What a rank holds for good besides its stages (:func:`load_state`)."""
+
+    user_inputs: list[str]
+    """Placeholder names of the user inputs, in call order."""
+    state: dict[str, torch.Tensor]
+    """Placeholder name -> buffer or constant (every placeholder that is not a parameter), on the
+    rank's device; fp16's loss scale under :data:`SCALE_INPUT`."""
+    params: dict[str, torch.nn.Parameter]
+    """Placeholder name -> a copy of the initial value of each parameter the rank's units
+    update, on the rank's device."""
+
+
+def load_state(schedule: Schedule, my_units: dict, joints: dict[int, Joint], device: torch.device,
+               scaler: LossScaler | None) -> HeldState:
+    """The parameters of the units in ``my_units`` (a tied weight's second copy too: the same
+    initial value on every rank) and the buffers and constants every placeholder reads, from any
+    of ``joints`` (all hold the same values)."""
+    s = schedule
+    any_joint = next(iter(joints.values())) if joints else None
+    state: dict[str, torch.Tensor] = {}
+    user_inputs: list[str] = []
+    if any_joint is not None:
+        user_inputs = any_joint.user_inputs
+        for ph, target in any_joint.state.items():
+            if ph not in s.param_owner:
+                state[ph] = any_joint.state_values[target].detach().to(device)
+    if scaler is not None:  # (read by the loss unit's backward: _scale_seed)
+        state[SCALE_INPUT] = scaler.scale
+    params: dict[str, torch.nn.Parameter] = {}
+    for ph in s.param_owner:
+        if s.grad_key(ph, my_units) is not None:
+            value = any_joint.state_values[s.param_target[ph]]
+            params[ph] = torch.nn.Parameter(value.detach().clone().to(device))
+    return HeldState(user_inputs, state, params)
+
+
+def input_rows(schedule: Schedule, rank: int, my_units: dict, micros: range, user_inputs: list[str],
+               inputs: tuple) -> dict[Key, torch.Tensor]:
+    """``env`` key -> ``rank``'s rows of each user input for each of its units and micro-batches
+    (views of the full-batch ``inputs``, whose dim 0 is the batch)."""
+    out: dict[Key, torch.Tensor] = {}
+    for key in my_units:
+        for m in micros:
+            r = schedule.unit_at(key, m).replica_on(rank)
+            for name, x in zip(user_inputs, inputs):
+                out[(env_unit(schedule, key, m), name)] = x[r.start:r.stop]
+    return out
+
+
+def prepare_sfb(schedule: Schedule, rank: int, my_units: dict, stages: dict[tuple, Stage],
+                joints: dict[int, Joint], global_joint: Joint | None, device: torch.device) -> dict[int, list]:
+    """Op-group -> the SFB kernels (:class:`tag.compress.SfbKernel`) of each SFB group whose unit
+    ``rank`` runs, one per SFB op on the joint graph at the global batch; that unit's ``stages``
+    are edited to output the factors and no longer compute the local gradients SFB replaces."""
+    kernels = {}
+    for sg in schedule.sfb.values():
+        if sg.unit in my_units:
+            if global_joint is None:
+                raise ExecutionError(f"rank {rank}: group {sg.group} uses SFB but no joint graph at the global "
+                                     f"batch {schedule.batch_size} was given")
+            check_structure(schedule, global_joint, schedule.batch_size, sg.group, local=False)
+            _sfb_stages(sg, stages, joints[my_units[sg.unit].replica_on(rank).batch])
+            kernels[sg.group] = _sfb_kernels(sg, global_joint, device)
+    return kernels
+
+
+def _sfb_stages(sg: SfbGroup, stages: dict[tuple, Stage], joint: Joint) -> None:
+    """Make ``sg``'s unit's stages output its factors, and its backward no longer compute the
+    gradients SFB replaces (those only returned, not read by other ops)."""
+    nodes = {n.name: n for n in joint.module.graph.nodes}
+    for phase in ("fwd", "bwd"):
+        stage = stages.get((sg.unit, phase))
+        if stage is None:
+            continue
+        computed = {n.name for n in stage.module.graph.nodes if n.op == "call_function"}
+        add = [f.name for f in sg.factors if f.name in computed and f.name not in stage.outputs]
+        drop = set()
+        if phase == "bwd":
+            drop = {c.grad_node for c in sg.candidates
+                    if c.grad_node in computed and all(u.op == "output" for u in nodes[c.grad_node].users)}
+        if add or drop:
+            _edit_outputs(stage, add, drop)
+
+
+def _sfb_kernels(sg: SfbGroup, global_joint: Joint, device: torch.device) -> list:
+    """One SFB kernel per candidate op of ``sg``, on the joint graph at the global batch."""
+    from ..compress import SfbError, sfb_kernel
+
+    kernels = []
+    for c in sg.candidates:
+        try:
+            k = sfb_kernel(global_joint.module, c)
+        except SfbError as e:
+            raise ExecutionError(str(e)) from None
+        if device.type != "cpu":
+            retarget_devices(k.stage.module, device)
+        kernels.append(k)
+    return kernels
 
 
 def compile_segment(seg) -> None:

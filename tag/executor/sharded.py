@@ -386,8 +386,7 @@ class ShardedRank(RankHook):
         rest = [p for p in rt.params.values() if id(p) not in held]  # (parameters of unsharded groups)
         shards = [bk.shard for bk in self.buckets.values()]
         host = any(bk.offload for bk in self.buckets.values())  # (a host shard: foreach over both devices)
-        rt.optimizer = make_optimizer(rt.optimizer_name, [*rest, *shards], "cpu" if host else rt.device)
-        rt._grad_keys = [(p, k) for p, k in rt._grad_keys if id(p) not in held]
+        rt.hold_shards(make_optimizer(rt.optimizer_name, [*rest, *shards], "cpu" if host else rt.device), held)
         sent = {(m.name, m.src) for st in s.steps if st.kind == "transfer" for m in st.moves if m.src != m.dst}
         for i, bk in self.buckets.items():
             if bk.level == 3:
