@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import statistics
+import sys
 import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -425,7 +426,7 @@ def _launch(world: int, args_path: Path, run_dir: Path, timeout_s: float, start_
     import multiprocessing
 
     if start_method == "forkserver":
-        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+        multiprocessing.set_forkserver_preload(forkserver_preload())
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -494,6 +495,25 @@ def supported_kwargs(fn, required: dict, optional: dict) -> dict:
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.export", "torch.export.experimental", "torch.fx",
                       "tag.executor.worker", "tag.executor.comm", "tag.workloads", "tag.graph", "tag.topology",
                       "tag.plan"]
+#: The transformers modules the zoo's GPT-2, BERT, ViT and Llama build on (tag/workloads/zoo.py):
+#: each rank of such a model imports them when it builds its copy: 1.7 s CPU per rank, against
+#: 1.8 s CPU once for all four in the fork server (load_workload("gpt2") / the four, timed by
+#: getrusage in a process that had imported FORKSERVER_PRELOAD, load 10 on 2 cores, 2026-11-29).
+HF_PRELOAD = ["transformers", "transformers.masking_utils", "transformers.models.gpt2.modeling_gpt2",
+              "transformers.models.bert.modeling_bert", "transformers.models.vit.modeling_vit",
+              "transformers.models.llama.modeling_llama"]
+
+
+def forkserver_preload() -> list[str]:
+    """:data:`FORKSERVER_PRELOAD`, plus :data:`HF_PRELOAD` where this process has imported
+    transformers (it built or captured a zoo transformer, or the test suite did), so that a run
+    of a model without transformers (mlp, resnet, vgg) pays no import for it.
+
+    The fork server starts at the first forkserver launch of a process and keeps its preload for
+    the later ones; it inherits this process's environment, with the ``HF_HUB_OFFLINE=1`` the
+    zoo sets before importing transformers."""
+    return FORKSERVER_PRELOAD + (HF_PRELOAD if "transformers" in sys.modules else [])
+
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
               "Timeout", "Socket Timeout", "SignalException", "got signal")
