@@ -19,7 +19,7 @@ from ..graph.gradients import (
     partial_sum_tensors,
     tied_weights,
 )
-from ..graph.ir import PHASE_INDEX, Phase
+from ..graph.ir import PHASE_INDEX, Affine, Phase
 from ..graph.precision import param_cast_values, param_casts
 from ..plan.format import group_positions
 
@@ -102,8 +102,9 @@ class GraphStatic:
     buffer_pos: list[np.ndarray]
     """Per group, per position: bytes of buffers/constants read there."""
     saved: list[list[tuple[float, float, list[int]]]]
-    """Per group: (fixed, per-sample bytes, backward consumer positions) of every tensor its
-    backward reads that was produced in a forward pass or is a user input (kept from forward)."""
+    """Per group: (fixed, per-sample bytes, backward consumer positions) of every storage its
+    backward reads that was produced in a forward pass or is a user input (kept from forward): a
+    storage once, however many of its views are read (:func:`storages`, :func:`storage_bytes`)."""
     work_pos: list[np.ndarray]
     """Per group: [positions, 2] max (fixed, per-sample) bytes read+written by one op there."""
     mem_fixed: np.ndarray = None
@@ -115,7 +116,8 @@ class GraphStatic:
     work_per_sample: np.ndarray = None
     reads: list = None
     """Per group: ``(fixed, per_sample, producer position or None, forward positions, backward
-    positions, tensor index)`` of every tensor its ops read that a forward op produced or that is a user input
+    positions, tensor index)`` of every storage its ops read that a forward op produced or that is a
+    user input (a storage once, :func:`storages`: the base tensor's index and position)
     (producer None: made outside the group, or a user input; positions: of the group's ops
     reading it in that phase). What activation recomputation keeps and re-makes
     (:meth:`recompute_bytes`)."""
@@ -141,6 +143,9 @@ class GraphStatic:
     rc_casts: np.ndarray = None
     """[K] bytes of :attr:`casts` a recomputed group holds (in ``rc_fixed``), likewise: the copies
     its ops read, whose bytes a per-use group has in its working set instead."""
+    saved_members: list = None
+    """Per group, parallel to :attr:`saved`: the tensors each entry stands for (the saved views of
+    one storage, :func:`storages`)."""
     _relayed: dict = None
 
     def relayed(self, stages: tuple[int, ...]) -> frozenset[tuple[int, int]]:
@@ -227,6 +232,84 @@ class GraphStatic:
         return hf, hp, tf, tp
 
 
+SHARES_STORAGE = frozenset({"aten._unsafe_view.default"})
+"""Ops the graph costs as copies whose output is nonetheless a view of their input's storage
+(``_unsafe_view`` reshapes the fresh copy a ``clone`` made: ``aten.reshape`` of a non-contiguous
+tensor)."""
+
+
+def is_alias(op) -> bool:
+    """Whether ``op``'s output shares its first input's storage: the capture costs a view (an ATen
+    overload whose schema says it aliases: ``view``, ``reshape``, ``expand``, ``permute``,
+    ``t``, ``transpose``, ``slice``, ``unsqueeze``, ``split_with_sizes``, ``alias``, ...) and a
+    tuple projection ``getitem`` at 0 bytes read and written (:func:`tag.graph.capture._is_alias`);
+    an op writing bytes is a copy, :data:`SHARES_STORAGE` aside."""
+    if not op.inputs:
+        return False
+    if op.target in SHARES_STORAGE or op.target == "getitem":
+        return True
+    zero = (op.bytes_read.fixed, op.bytes_read.per_sample, op.bytes_written.fixed, op.bytes_written.per_sample)
+    return not any(zero)
+
+
+def storages(graph, eff: dict, kept, owner_group: dict) -> dict[tuple[int, int], list[int]]:
+    """The tensors of ``kept`` ((tensor, group) pairs: what a group's backward reads from the
+    forward, or what its ops read) per storage: ``(storage, group) -> its tensors in kept``.
+    PyTorch keeps one storage however many views of it are kept (eager attention's probabilities,
+    saved by the softmax's backward and, expanded and reshaped, by the product with V), alive while
+    any view is: a view belongs to its base tensor's storage (a view of a received tensor to the
+    received copy), up to a tuple projection (``getitem``) of an op that is not a view, unless the
+    group keeps the tuple itself (the elements are separate storages: ``native_layer_norm``'s
+    output, mean and rstd). A view of a parameter the group owns, or of a buffer or constant, is
+    left out (their bytes are counted as such); of another group's parameter (a tied weight read
+    by a later stage), it is a storage of its own. ``owner_group``: parameter tensor -> its group."""
+    ops, tensors = graph.ops, graph.tensors
+
+    def base(t: int, g: int) -> int | None:
+        p = tensors[t].producer
+        if p < 0 or eff[p][0] != g or not is_alias(ops[p]):
+            return None
+        src = ops[p].inputs[0]
+        q = tensors[src].producer
+        if ops[p].target == "getitem" and not (q >= 0 and is_alias(ops[q])) and (src, g) not in kept:
+            return None
+        return src
+
+    out: dict[tuple[int, int], list[int]] = {}
+    for t, g in kept:
+        root = t
+        while (b := base(root, g)) is not None:
+            root = b
+        rt = tensors[root]
+        if rt.producer < 0 and rt.kind in ("buffer", "const"):
+            continue
+        if rt.producer < 0 and rt.kind == "param":
+            if owner_group.get(root) == g:
+                continue
+            root = t
+        out.setdefault((root, g), []).append(t)
+    return out
+
+
+def storage_bytes(graph, root: int, kept: list[int]) -> Affine:
+    """Bytes of storage ``root`` holding the views ``kept`` (:func:`storages`), compared at the
+    graph's batch (an Affine has no order): the largest of the base's and the views' where the base
+    itself is kept; else the smaller of the base's and the sum of the views' (``q``, ``k``, ``v``
+    of one projection read by a fused attention's backward: the whole projection). A captured
+    graph's sizes are PyTorch's: the storage's bytes, a broadcast ``expand`` or a lone kept slice
+    aside (counted at the view's bytes: a broadcast is no larger in memory, a slice keeps its whole
+    base). A graph whose kept sizes were rewritten
+    (:func:`tag.cost.fused_memory.fused_activation_graph`: a dropped intermediate at 0, a
+    half-precision copy seen through views at 0) keeps those sizes: never more than the tensors
+    counted one by one."""
+    b, tensors = graph.batch_size, graph.tensors
+    sizes = [tensors[t].nbytes for t in kept]
+    if root in kept:
+        return max(sizes, key=lambda x: x.at(b))
+    views = Affine(sum(x.fixed for x in sizes), sum(x.per_sample for x in sizes))
+    return min(tensors[root].nbytes, views, key=lambda x: x.at(b))
+
+
 def build_static(graph) -> GraphStatic:
     ops, tensors = graph.ops, graph.tensors
     k = graph.num_groups
@@ -307,16 +390,21 @@ def build_static(graph) -> GraphStatic:
     casts = frozenset(ops[i].outputs[0] for i in param_casts(graph))
     of_casts = {t for i in param_cast_values(graph) for t in ops[i].outputs}  # the copies and their views
     saved_casts = np.zeros(k)
-    for (t, g), ps in saved_map.items():
-        nb = tensors[t].nbytes
-        saved[g].append((nb.fixed, nb.per_sample, sorted(set(ps))))
-        if t in of_casts and eff[tensors[t].producer][0] == g:
+    members: list[list[tuple[int, ...]]] = [[] for _ in range(k)]
+    owner_group = {w: o[0] for w, o in owner.items()}
+    for (t, g), ts in storages(graph, eff, saved_map, owner_group).items():  # a storage once
+        nb = storage_bytes(graph, t, ts)
+        saved[g].append((nb.fixed, nb.per_sample, sorted({p for x in ts for p in saved_map[(x, g)]})))
+        members[g].append(tuple(ts))
+        if t in of_casts and tensors[t].producer >= 0 and eff[tensors[t].producer][0] == g:
             saved_casts[g] += nb.fixed
     reads: list[list[tuple]] = [[] for _ in range(k)]
-    for (t, g), (fwd, bwd) in read_map.items():
-        tt = tensors[t]
+    for (t, g), ts in storages(graph, eff, read_map, owner_group).items():  # a storage once
+        tt, nb = tensors[t], storage_bytes(graph, t, ts)
         src = eff[tt.producer] if tt.producer >= 0 else None
-        reads[g].append((tt.nbytes.fixed, tt.nbytes.per_sample, src[1] if src is not None and src[0] == g else None,
-                         sorted(set(fwd)), sorted(set(bwd)), t))
+        fwd, bwd = ({p for x in ts for p in read_map[(x, g)][j]} for j in (0, 1))
+        reads[g].append((nb.fixed, nb.per_sample, src[1] if src is not None and src[0] == g else None,
+                         sorted(fwd), sorted(bwd), t))
     return GraphStatic(k, graph.batch_size, lo, hi, edges, sorted(edges), grad_bytes, grad_bytes.tolist(), static_pos,
-                       buffer_pos, saved, work_pos, reads=reads, tied=tied, casts=casts, saved_casts=saved_casts)
+                       buffer_pos, saved, work_pos, reads=reads, tied=tied, casts=casts, saved_casts=saved_casts,
+                       saved_members=members)
