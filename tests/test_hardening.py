@@ -264,7 +264,7 @@ def test_simulate_a_layout_that_runs_out_of_memory(tmp_path, capsys):
     base = ["simulate", "--model", "mlp", "--batch", "8", "--groups", "4", "--topology", str(topo)]
     line = one_line_error(capsys, *base, "--layout", "dp=2", "--save-plan", str(saved), "--trace", str(trace))
     assert line.startswith("tag simulate: error: layout dp=2 runs out of memory (recompute=1, more pipeline stages") \
-        and "device 0 (a:0) needs 3.66 MiB of 1.91 MiB" in line and "nothing written" in line, line
+        and "device 0 (a:0) needs 3.15 MiB of 1.91 MiB" in line and "nothing written" in line, line
     assert not saved.exists() and not trace.exists()
     rc, out, _ = run_tag(capsys, *base, "--layout", "dp=2", "--save-plan", str(saved), "--allow-oom")
     assert rc == 0 and "OOM: yes" in out and saved.exists()
@@ -650,7 +650,7 @@ def test_simulate_at_64_devices_folds_alike_devices(capsys):
     assert rows[2].split()[:4] == ["48-63", "16", "x", "T4"], rows
     oom = [line for line in out.splitlines() if line.startswith("out of memory")]
     # the worst device (need over capacity) named, the rest counted, in one line
-    assert oom == ["out of memory: device 16 (v100-00:0) needs 48 GiB of 16 GiB, and 63 more devices over "
+    assert oom == ["out of memory: device 16 (v100-00:0) needs 40 GiB of 16 GiB, and 63 more devices over "
                    "capacity"], oom
     rc, out, _ = run_tag(capsys, *argv, "--all-devices")
     assert rc == 0 and len(_device_rows(out)) == 64
