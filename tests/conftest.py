@@ -48,16 +48,16 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def forked():
     """``forked(fn, args, nprocs)``: ``fn(rank, *args)`` in ``nprocs`` processes forked from the fork
-    server the executor starts its gloo ranks from (:data:`tag.executor.launch.FORKSERVER_PRELOAD`
-    imported there once), joined; a rank's exception is raised. ``torch.multiprocessing.spawn``
+    server the executor starts its gloo ranks from (:func:`tag.executor.launch.forkserver_preload`'s
+    modules imported there once), joined; a rank's exception is raised. ``torch.multiprocessing.spawn``
     would start each in a fresh interpreter importing torch (~3 s of CPU a process)."""
     import multiprocessing
 
     import torch.multiprocessing as mp
 
-    from tag.executor.launch import FORKSERVER_PRELOAD
+    from tag.executor.launch import forkserver_preload
 
-    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    multiprocessing.set_forkserver_preload(forkserver_preload())
 
     def run(fn, args: tuple, nprocs: int) -> None:
         mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
