@@ -62,7 +62,7 @@ from ..graph.ir import Phase
 from .engine import _holdings
 from .sharded import low_gathers
 from .static import BWD, FWD
-from .tensor_parallel import _outside_work
+from .tensor_parallel import outside_work
 from .units import ARRAY_BYTES, ENTRY_BYTES
 
 
@@ -169,7 +169,7 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
                 # ops outside the Megatron blocks at its group's (tag.sim.tensor_parallel.tp_layout)
                 ws = (st.work_fixed[gi][None, :] + st.work_per_sample[gi][None, :] * small[:, None]).max(axis=1)
                 if w > 1 and not gp.sequence_parallel:
-                    out_w = _outside_work(graph)[gi]  # [G, 2] (fixed, per-sample) bytes
+                    out_w = outside_work(graph)[gi]  # [G, 2] (fixed, per-sample) bytes
                     ws = np.maximum(ws, (out_w[None, :, 0] + out_w[None, :, 1] * big[:, None]).max(axis=1))
                 np.maximum.at(work, dev, ws)  # (not w: the width the later micro-batch sizes read)
     peak = (held + work).tolist()

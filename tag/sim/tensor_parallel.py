@@ -37,7 +37,7 @@ its FLOPs and activation bytes):
   bytes, and the optimizer seconds by the same fraction of the group's parameter bytes; plain
   Megatron holds the activations saved for the backward outside the blocks at ``B`` samples
   (those inside at ``b``), and as its working set the largest of its ops' outside the blocks at
-  ``B`` and of all its ops' at ``b`` (:func:`_outside_work`: an attention's per-head
+  ``B`` and of all its ops' at ``b`` (:func:`outside_work`: an attention's per-head
   probabilities are split);
 * the gradient sync (:meth:`CommModel.tensor_parallel_sync_time`, per variant) is issued like a
   data-parallel one, not coalesced with other groups'; the buffer it holds on a device is that
@@ -128,7 +128,7 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
             s_col = s_col + outside * (big - small)
             m_col = m_col + outside * (big - small)
             # the largest op's working set: a block's ops at the shard's samples, the others' at the group's
-            out_w = _outside_work(graph)
+            out_w = outside_work(graph)
             w_col = np.maximum(static.work_fixed + static.work_per_sample * small, out_w[:, 0] + out_w[:, 1] * big)
         dur[:, :, ids] = d_col[:, :, None]
         saved[:, ids] = s_col[:, None]
@@ -313,7 +313,7 @@ def _split_casts(graph) -> np.ndarray:
 
 
 @per_graph
-def _outside_work(graph) -> np.ndarray:
+def outside_work(graph) -> np.ndarray:
     """``[K, 2]`` (fixed, per-sample) bytes read and written by the largest op of each group
     outside the Megatron blocks (each part's largest, as :attr:`GraphStatic.work_fixed`): plain
     Megatron runs those ops on its tensor-parallel group's whole batch, the blocks' ops (an
