@@ -3,15 +3,21 @@
 ended on the background's clock (:attr:`Simulator.time_offset_s`), each measured as the
 executor would measure it (the slowest stage's forward / backward seconds per micro-batch, the
 seconds of the messages crossing a stage boundary per micro-batch and direction), and the next iteration's block size chosen
-by :func:`tag.parallel.adaptive.choose_k` among those that fit the devices' memory."""
+by :func:`tag.parallel.adaptive.choose_k` among those that fit the devices' memory. Where the
+devices' costs hold an eager host apart (a GPU rule, :meth:`tag.cost.CostModel.host_parts`) the
+rule also gets the stages' host seconds (:func:`host_seconds`), so it foresees host-bound stages,
+whose kFkB blocks the simulator runs slower than 1F1B."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
 
-from ..parallel.adaptive import choose_k
-from ..parallel.pipeline import stage_of_group
+import numpy as np
+
+from ..parallel.adaptive import HostSeconds, choose_k
+from ..parallel.pipeline import micro_ranges, stage_of_group
+from .static import BWD, FWD
 
 _PAIR = re.compile(r" d(\d+)->d(\d+) ")
 
@@ -32,6 +38,9 @@ class Iteration:
     transfer_s: float
     """Seconds of the messages crossing a stage boundary per micro-batch and direction, on
     average (0 without a boundary)."""
+    host: HostSeconds | None = None
+    """The slowest stage's host seconds (:func:`host_seconds`; ``fwd_s`` / ``bwd_s`` then the
+    device's seconds), None where no host is apart."""
 
 
 def measure(plan, res) -> tuple[float, float, float]:
@@ -54,6 +63,40 @@ def measure(plan, res) -> tuple[float, float, float]:
     # machine side): their sum, averaged over the 2 (S - 1) M crossings
     crossings = 2 * (len(pp.stages) - 1) * M
     return max(fwd) / M, max(bwd) / M, (sum(crossing) / crossings if crossings else 0.0)
+
+
+def host_seconds(sim, plan) -> tuple[float, float, HostSeconds] | None:
+    """``(fwd_s, bwd_s, host)`` of the pipeline ``plan`` where ``sim``'s costs hold the eager host
+    apart: per micro-batch, the device's forward / backward seconds of the slowest stage and the
+    host's (:class:`HostSeconds`), the largest over stages and replicas, each phase's groups
+    composed in the order the host issues them (group ``j`` of a phase ending at ``max(F + g_j,
+    H + g_j + lag_j)``, so the stage's lag is ``max_j(H_<j - G_<j + lag_j)`` over its host and
+    device seconds before ``j``, as :meth:`tag.sim.engine._Run._hosted`). These come from the cost
+    model, not the trace: a traced stage's span holds its wait on its host. A micro-batch after
+    the first (no parameter casts: :meth:`Simulator.warm_layout`). None where no stage's layout
+    holds a host (CPU ranks, measured profiles) or a group runs position chunks (``mp``)."""
+    pp = plan.pipeline
+    lo, hi = micro_ranges(sim.static.batch_size, pp.micro_batches)[min(1, pp.micro_batches - 1)]
+    bounds = [*pp.stages, len(plan.groups)]
+    worst = [0.0] * 6  # device fwd, bwd; host fwd, bwd; lag fwd, bwd
+    for s in range(len(pp.stages)):
+        lays = [sim.group_data(g, plan.groups[g], batch=hi - lo).layout for g in range(bounds[s], bounds[s + 1])]
+        if any(lay is None or lay.host is None for lay in lays):
+            return None
+        if sim.any_casts and pp.micro_batches > 1:
+            lays = [sim.warm_layout(lay) for lay in lays]
+        for ph in (FWD, BWD):
+            order = range(len(lays)) if ph == FWD else range(len(lays) - 1, -1, -1)
+            dev = host = 0.0
+            lag = None
+            for j in order:
+                g = bounds[s] + j
+                d, h, la = lays[j].dur[ph, g], lays[j].host[ph, g], lays[j].lag[ph, g]  # [R] each
+                lag = host - dev + la if lag is None else np.maximum(lag, host - dev + la)
+                dev, host = dev + d, host + h
+            for i, v in zip((ph, 2 + ph, 4 + ph), (dev, host, lag)):
+                worst[i] = max(worst[i], float(np.max(v)))
+    return worst[0], worst[1], HostSeconds(worst[2], worst[3], worst[4], worst[5])
 
 
 CANDIDATES = (1, 2, 4, 8)
@@ -79,16 +122,20 @@ def replay(sim, plan, iterations: int, *, adaptive: bool = True, candidates=CAND
     fits = fitting_ks(sim, plan, candidates)
     out: list[Iteration] = []
     k, clock = pp.k if pp.schedule == "kfkb" else 1, 0.0
+    hosted = host_seconds(sim, plan)
     try:
         for _ in range(iterations):
             sim.time_offset_s = clock
             run = replace(pp, schedule="kfkb", k=k)
             res = sim.run(plan.groups, pipeline=run, trace=True)
             f, b, x = measure(replace(plan, pipeline=run), res)
-            out.append(Iteration(k, clock, res.iteration_time_s, f, b, x))
+            host = None
+            if hosted is not None:
+                f, b, host = hosted
+            out.append(Iteration(k, clock, res.iteration_time_s, f, b, x, host))
             clock += res.iteration_time_s
             if adaptive and fits:
-                k = choose_k(len(pp.stages), M, fits, f, b, x).k
+                k = choose_k(len(pp.stages), M, fits, f, b, x, host=host).k
     finally:
         sim.time_offset_s = 0.0
     return out
