@@ -1,7 +1,9 @@
 """Built-in workloads: small, randomly initialised models addressed as ``name[:key=value,...]``.
 
-All zoo models have dropout disabled, are built offline from configs (no weight downloads), are
-deterministic given a seed, and are wrapped in :class:`LossWrapper` (parameters ``model.<...>``).
+Zoo models are built offline from configs (no weight downloads), are deterministic given a seed,
+and are wrapped in :class:`LossWrapper` (parameters ``model.<...>``). Dropout is off unless asked
+for: the transformers take ``dropout=p`` (probability in [0, 1), default 0), set on every dropout
+their Hugging Face config has (:data:`DROPOUT_FIELDS`).
 Transformers take ``attn=eager|sdpa|eager_fused_softmax`` (Hugging Face's ``attn_implementation``):
 the plain names default to ``eager`` (matmul, softmax, matmul: [B, heads, L, L] probabilities kept
 for the backward), the real-size :data:`PRESETS` to ``sdpa`` (``F.scaled_dot_product_attention``,
@@ -88,6 +90,8 @@ def _images(image: int, classes: int) -> Sampler:
 def _transformer_checks(cfg: Mapping[str, Value]) -> None:
     _positive(cfg, *(k for k in ("n_layer", "n_embd", "n_head", "vocab", "seq", "image", "patch", "classes")
                      if k in cfg))
+    p = cfg["dropout"]
+    _require(isinstance(p, float) and 0.0 <= p < 1.0, f"dropout must be a probability in [0, 1), got {p}")
     _require(cfg["n_embd"] % cfg["n_head"] == 0,
              f"n_embd ({cfg['n_embd']}) must be divisible by n_head ({cfg['n_head']})")
 
@@ -102,6 +106,24 @@ def _hf() -> Any:
     transformers.AttentionInterface.register(FUSED_SOFTMAX, fused_softmax_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(FUSED_SOFTMAX, eager_mask)
     return transformers
+
+
+DROPOUT_FIELDS = {
+    "gpt2": ("attn_pdrop", "resid_pdrop", "embd_pdrop"),
+    "bert": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+    "vit": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+    "llama": ("attention_dropout",),
+}
+"""Hugging Face config fields that a transformer's ``dropout`` key sets (all to the same
+probability): GPT-2 drops out the attention probabilities, the attention and MLP outputs and the
+embeddings (as Megatron-LM's attention_dropout and hidden_dropout); BERT and ViT the probabilities
+and hidden states; Llama's config has attention dropout only (``summary_first_dropout``, GPT-2's
+classification head, is not on the LM's path and stays 0)."""
+
+
+def _dropout(family: str, cfg: Mapping[str, Value]) -> dict[str, float]:
+    """``{HF config field: probability}`` of ``family``'s :data:`DROPOUT_FIELDS` at ``cfg["dropout"]``."""
+    return dict.fromkeys(DROPOUT_FIELDS[family], float(cfg["dropout"]))
 
 
 FUSED_SOFTMAX = "eager_fused_softmax"
@@ -157,7 +179,7 @@ def _build_gpt2(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
     v = cfg["vocab"]
     conf = hf.GPT2Config(
         vocab_size=v, n_positions=cfg["seq"], n_embd=cfg["n_embd"], n_layer=cfg["n_layer"],
-        n_head=cfg["n_head"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_head=cfg["n_head"], **_dropout("gpt2", cfg),
         summary_first_dropout=0.0, bos_token_id=v - 1, eos_token_id=v - 1, pad_token_id=v - 1,
         use_cache=False, attn_implementation=cfg["attn"],
     )
@@ -174,7 +196,7 @@ def _build_bert(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
     conf = hf.BertConfig(
         vocab_size=v, hidden_size=cfg["n_embd"], num_hidden_layers=cfg["n_layer"],
         num_attention_heads=cfg["n_head"], intermediate_size=4 * cfg["n_embd"],
-        max_position_embeddings=cfg["seq"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        max_position_embeddings=cfg["seq"], **_dropout("bert", cfg),
         pad_token_id=0, bos_token_id=None, eos_token_id=None, attn_implementation=cfg["attn"],
     )
     model = LossWrapper(hf.BertForMaskedLM(conf), ("input_ids", "labels"))
@@ -189,7 +211,7 @@ def _build_vit(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
     conf = hf.ViTConfig(
         image_size=cfg["image"], patch_size=cfg["patch"], num_channels=3, hidden_size=cfg["n_embd"],
         num_hidden_layers=cfg["n_layer"], num_attention_heads=cfg["n_head"],
-        intermediate_size=4 * cfg["n_embd"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        intermediate_size=4 * cfg["n_embd"], **_dropout("vit", cfg),
         num_labels=cfg["classes"], problem_type="single_label_classification",
         attn_implementation=cfg["attn"],
     )
@@ -208,7 +230,7 @@ def _build_llama(cfg: Mapping[str, Value]) -> tuple[nn.Module, Sampler]:
         vocab_size=v, hidden_size=cfg["n_embd"], intermediate_size=cfg["ffn"],
         num_hidden_layers=cfg["n_layer"], num_attention_heads=cfg["n_head"],
         num_key_value_heads=cfg["n_kv_head"], max_position_embeddings=cfg["seq"],
-        attention_dropout=0.0, tie_word_embeddings=False, use_cache=False, attn_implementation=cfg["attn"],
+        **_dropout("llama", cfg), tie_word_embeddings=False, use_cache=False, attn_implementation=cfg["attn"],
     )
     model = LossWrapper(hf.LlamaForCausalLM(conf), ("input_ids", "labels"), {"use_cache": False})
     return model, _tokens(v, cfg["seq"])
@@ -256,17 +278,19 @@ def zoo_entries() -> dict[str, ZooEntry]:
         ZooEntry("mlp", "MLP classifier (cross-entropy on random features)",
                  mp({"layers": 3, "hidden": 256, "in_dim": 64, "classes": 10}), 32, _build_mlp),
         ZooEntry("gpt2", "GPT-2 causal LM (HF transformers, next-token loss on random tokens)",
-                 mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab": 1000, "seq": 64, "attn": "eager"}), 8,
+                 mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab": 1000, "seq": 64, "attn": "eager",
+                     "dropout": 0.0}), 8,
                  _build_gpt2, attn),
         ZooEntry("bert", "BERT masked LM (HF transformers, MLM loss on random labels at every position)",
-                 mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab": 1000, "seq": 64, "attn": "eager"}), 8,
+                 mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab": 1000, "seq": 64, "attn": "eager",
+                     "dropout": 0.0}), 8,
                  _build_bert, attn),
         ZooEntry("vit", "ViT image classifier (HF transformers, cross-entropy on random images)",
                  mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "image": 32, "patch": 8, "classes": 10,
-                     "attn": "eager"}), 8, _build_vit, attn),
+                     "attn": "eager", "dropout": 0.0}), 8, _build_vit, attn),
         ZooEntry("llama", "Llama causal LM (HF transformers LlamaConfig, random weights, next-token loss)",
                  mp({"n_layer": 2, "n_embd": 128, "n_head": 4, "n_kv_head": 4, "ffn": 344, "vocab": 1000,
-                     "seq": 64, "attn": "eager"}), 8, _build_llama, attn),
+                     "seq": 64, "attn": "eager", "dropout": 0.0}), 8, _build_llama, attn),
         ZooEntry("resnet", "ResNet-18/34/50/101/152 classifier (norm=bn|gn|none; split-batch equality needs "
                  "gn or none)", mp({"depth": 18, "width": 16, "image": 32, "classes": 10, "norm": "bn"}),
                  8, _build_resnet, mp({"norm": NORMS})),
