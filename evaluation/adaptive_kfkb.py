@@ -3,13 +3,15 @@ chosen between iterations by tag.parallel.adaptive.choose_k) against fixed 1F1B 
 VMs of 2 T4s, 10 Gbit/s) whose every VM NIC carries another job's traffic, per background trace.
 
     .venv/bin/python evaluation/adaptive_kfkb.py [--model gpt2:n_layer=8,n_embd=768,n_head=12,seq=256]
-        [--batch 32] [--layout dp=2,pp=4,micro=8] [--iterations 24]
+        [--batch 32] [--layout dp=2,pp=4,micro=8] [--iterations 24] [--host-launch 55us] [--out simulated]
 
 The traces are stated in units of the free network's 1F1B iteration ``T``: ``const0.8`` (80% of
 every NIC taken throughout), ``periodic0.9`` (90% for 2T of every 4T), ``preempt`` (free until 3T,
 90% to 10T, 50% to 16T, free to 20T, 95% after). Prints, per trace, the summed seconds of the
 iterations run back to back on the trace's clock, fixed 1F1B and adaptive, and the adaptive run's
-block sizes.
+block sizes, and writes them to ``evaluation/results/adaptive-kfkb/<--out: simulated>/{README.md,results.json}``.
+The machines keep cloud-t4's host (the GPU rule's default launch seconds); ``--host-launch 10us``
+states a faster one.
 
     PYTHONPATH=. python -m evaluation.adaptive_kfkb --gloo [--model mlp:in_dim=512,hidden=2048,layers=4]
         [--batch 64] [--stages 2] [--micro 4] [--delays 0 20] [--throttled 0] [--rounds 3] [--steps 8]
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -65,7 +68,8 @@ def gloo_run(a, tmp: Path, delay_ms: float, adaptive: bool) -> dict:
             "mean_s": statistics.mean(max(r["iterations"][a.warmup + i]["time_s"] for r in res.ranks)
                                       for i in range(len(its))),
             "k": [it.get("k", 1) for it in res.ranks[0]["iterations"]],
-            "transfer_s": [it["next_k"]["transfer_s"] for it in res.ranks[0]["iterations"] if "next_k" in it]}
+            "transfer_s": [it["next_k"]["transfer_s"] for it in res.ranks[0]["iterations"] if "next_k" in it],
+            "rule": [it["next_k"] for it in res.ranks[0]["iterations"] if "next_k" in it]}
 
 
 def gloo(a) -> None:
@@ -134,6 +138,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="default: 32 (simulator), 64 (--gloo)")
     ap.add_argument("--layout", default="dp=2,pp=4,micro=8")
     ap.add_argument("--iterations", type=int, default=24)
+    ap.add_argument("--host-launch", default=None, help="every VM's host_launch (default: the GPU rule's)")
+    ap.add_argument("--out", default="simulated", help="the simulator's results folder under results/adaptive-kfkb")
     ap.add_argument("--gloo", action="store_true", help="measure on gloo ranks instead (module docstring)")
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--micro", type=int, default=4)
@@ -148,13 +154,33 @@ def main() -> None:
         gloo(a)
         return
     a.model, a.batch = a.model or "gpt2:n_layer=8,n_embd=768,n_head=12,seq=256", a.batch or 32
+    simulated(a)
+
+
+def simulated(a) -> None:
+    """The simulator's measurement of the module docstring."""
+    import sys
+
+    from evaluation.report import header_lines, machine_line
+    from tag.io import write_atomic, write_json
+    from tag.sim.adaptive import host_seconds
+
     graph = capture(load_workload(a.model, batch=a.batch), num_groups=16).graph
     raw = yaml.safe_load(open("topologies/cloud-t4.yaml"))
+    for m in raw["machines"]:
+        if a.host_launch:
+            m["host_launch"] = a.host_launch
     free = load_topology(raw)
     costs = CostModel.for_topology(graph, free)
     plan = layout_plan(graph, free, parse_layout(a.layout), costs)
-    T = Simulator(graph, free, costs).run(plan.groups, pipeline=plan.pipeline).iteration_time_s
-    print(f"{a.model} batch {a.batch} {a.layout} on cloud-t4: free 1F1B iteration T = {T * 1e3:.1f} ms")
+    sim = Simulator(graph, free, costs)
+    T = sim.run(plan.groups, pipeline=plan.pipeline).iteration_time_s
+    hosted = host_seconds(sim, plan)
+    free_k = {k: sim.run(plan.groups, pipeline=replace(plan.pipeline, schedule="kfkb", k=k)).iteration_time_s
+              for k in (1, 2, 4, 8) if k <= plan.pipeline.micro_batches}
+    print(f"{a.model} batch {a.batch} {a.layout} on cloud-t4: free 1F1B iteration T = {T * 1e3:.1f} ms; "
+          f"free kFkB ms {({k: round(t * 1e3, 2) for k, t in free_k.items()})}; stage seconds {hosted}", flush=True)
+    rows, out = [], {}
     for name, bg in traces(T).items():
         d = copy.deepcopy(raw)
         for m in d["machines"]:
@@ -165,8 +191,32 @@ def main() -> None:
         fixed = sum(i.time_s for i in replay(sim, plan, a.iterations, adaptive=False))
         ada = replay(sim, plan, a.iterations, adaptive=True)
         total = sum(i.time_s for i in ada)
-        print(f"{name:12s} 1F1B {fixed:8.3f} s  adaptive {total:8.3f} s  ({total / fixed - 1:+.1%})  "
-              f"k {[i.k for i in ada]}")
+        ks = [i.k for i in ada]
+        out[name] = {"background": bg, "1f1b_s": fixed, "adaptive_s": total, "k": ks,
+                     "transfer_s": [i.transfer_s for i in ada]}
+        print(f"{name:12s} 1F1B {fixed:8.3f} s  adaptive {total:8.3f} s  ({total / fixed - 1:+.1%})  k {ks}", flush=True)
+        rows.append(f"| {name} | {fixed:.3f} | {total:.3f} | {total / fixed - 1:+.1%} | {' '.join(map(str, ks))} |")
+    host = raw["machines"][0].get("host_launch", "the GPU rule's default")
+    command = "PYTHONPATH=. python -m evaluation.adaptive_kfkb " + " ".join(sys.argv[1:])
+    lines = ["# Adaptive kFkB in the simulator: cloud-t4 with a shared inter-VM network", "",
+             *header_lines(command, machine_line()), "",
+             f"{a.model}, batch {a.batch}, `{a.layout}` on cloud-t4 (4 VMs of 2 T4s, 10 Gbit/s; host launch: {host}), "
+             f"{a.iterations} iterations back to back on each background trace's clock (`tag.sim.adaptive.replay`), "
+             "every VM NIC carrying the trace's share of other traffic (the gradient all-reduces across VMs slowed "
+             f"as the pipeline's messages). Free network: 1F1B iteration T = {T * 1e3:.1f} ms; fixed kFkB per k "
+             + ", ".join(f"k={k} {t * 1e3:.1f} ms" for k, t in free_k.items()) + ". Traces in units of T: `const0.8` 80% "
+             "of every NIC taken throughout, `periodic0.9` 90% for 2T of every 4T, `preempt` free until 3T, 90% to "
+             "10T, 50% to 16T, free to 20T, 95% after. Summed seconds of the iterations, fixed 1F1B and adaptive "
+             "(the block sizes per iteration; `results.json`: the rule's measured crossing seconds too).", "",
+             "| trace | 1F1B s | adaptive s | adaptive vs 1F1B | adaptive k per iteration |", "|---|---|---|---|---|", *rows]
+    dest = Path(__file__).resolve().parents[0] / "results" / "adaptive-kfkb" / a.out
+    dest.mkdir(parents=True, exist_ok=True)
+    write_json(dest / "results.json", {"command": command, "model": a.model, "batch": a.batch, "layout": a.layout,
+                                       "host_launch": host, "free_1f1b_s": T, "free_kfkb_s": free_k,
+                                       "stage_seconds": None if hosted is None else
+                                       {"fwd_s": hosted[0], "bwd_s": hosted[1], "host": vars(hosted[2])},
+                                       "traces": out})
+    write_atomic(dest / "README.md", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
