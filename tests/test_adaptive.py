@@ -48,8 +48,13 @@ def test_a_host_bound_stage_keeps_1f1b():
     assert c.predicted_s[1] >= 8 * (slow.fwd_s + slow.bwd_s)  # the host's own issue time bounds it
     for k in (1, 2, 8):
         assert replay_time(4, 8, k, f, b, x, host=HostSeconds(0.0, 0.0)) == replay_time(4, 8, k, f, b, x)
+        assert replay_time(4, 8, k, [f] * 4, [b] * 4, x, host=[slow] * 4) == c.predicted_s[k]
+    # a stage of its own: one slow host among fast ones bounds the iteration as well
+    assert replay_time(4, 8, 1, f, b, x, host=[slow, *[HostSeconds(0.0, 0.0)] * 3]) >= 8 * 3.0
     with pytest.raises(ValueError, match="HostSeconds.bwd_lag_s"):
         HostSeconds(1.0, 1.0, 0.0, -1.0)
+    with pytest.raises(ValueError, match=r"replay_time: fwd_s: expected one value per stage \(4\), got 3"):
+        replay_time(4, 8, 1, [f] * 3, b, x)
 
 
 def _cloud_t4(graph, host_launch: str | None):
@@ -74,14 +79,17 @@ def test_the_rule_picks_what_the_simulator_finds_fastest(gpt2, host_launch):
     the chosen k runs within 1% of the fastest fitting k in the simulator."""
     _, topo, costs, plan = _cloud_t4(gpt2, host_launch)
     sim = Simulator(gpt2, topo, costs)
+    S = len(plan.pipeline.stages)
     f, b, host = host_seconds(sim, plan)
     _, _, x = measure(plan, sim.run(plan.groups, pipeline=plan.pipeline, trace=True))
     fits = fitting_ks(sim, plan)
-    k = choose_k(len(plan.pipeline.stages), plan.pipeline.micro_batches, fits, f, b, x, host=host).k
+    k = choose_k(S, plan.pipeline.micro_batches, fits, f, b, x, host=host).k
+    assert len(f) == len(b) == len(host) == S
     t = {j: sim.run(plan.groups, pipeline=replace(plan.pipeline, schedule="kfkb", k=j)).iteration_time_s for j in fits}
     assert t[k] <= 1.01 * min(t.values())
     if host_launch == "55 us":
-        assert host.fwd_s > 4 * f and k == 1 and min(t[j] for j in fits if j > 1) > 1.1 * t[1]
+        assert all(h.fwd_s > 4 * fs for h, fs in zip(host, f)) and k == 1
+        assert min(t[j] for j in fits if j > 1) > 1.1 * t[1]
     else:
         assert k > 1 and t[k] < t[1]
 

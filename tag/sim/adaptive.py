@@ -32,15 +32,15 @@ class Iteration:
     """Its start on the background's clock, seconds."""
     time_s: float
     """Its simulated seconds."""
-    fwd_s: float
-    bwd_s: float
-    """The slowest stage's forward / backward seconds per micro-batch."""
+    fwd_s: float | list[float]
+    bwd_s: float | list[float]
+    """The slowest stage's forward / backward seconds per micro-batch (per stage, the device's
+    seconds, where a host is apart: :func:`host_seconds`)."""
     transfer_s: float
     """Seconds of the messages crossing a stage boundary per micro-batch and direction, on
     average (0 without a boundary)."""
-    host: HostSeconds | None = None
-    """The slowest stage's host seconds (:func:`host_seconds`; ``fwd_s`` / ``bwd_s`` then the
-    device's seconds), None where no host is apart."""
+    host: list[HostSeconds] | None = None
+    """Each stage's host seconds (:func:`host_seconds`), None where no host is apart."""
 
 
 def measure(plan, res) -> tuple[float, float, float]:
@@ -56,8 +56,8 @@ def measure(plan, res) -> tuple[float, float, float]:
         if e.cat in ("fwd", "bwd") and e.device in firsts:
             (fwd if e.cat == "fwd" else bwd)[firsts[e.device]] += e.end - e.start
         elif e.cat == "transfer":
-            m = _PAIR.search(e.name)
-            if m and dev_stage.get(int(m[1])) != dev_stage.get(int(m[2])):
+            m = _PAIR.search(e.name)  # (the trace holds a message on its sender and its receiver: once)
+            if m and e.device == int(m[1]) and dev_stage.get(int(m[1])) != dev_stage.get(int(m[2])):
                 crossing.append(e.end - e.start)
     # a boundary's messages of one micro-batch and direction go one after the other (one sending
     # machine side): their sum, averaged over the 2 (S - 1) M crossings
@@ -65,38 +65,42 @@ def measure(plan, res) -> tuple[float, float, float]:
     return max(fwd) / M, max(bwd) / M, (sum(crossing) / crossings if crossings else 0.0)
 
 
-def host_seconds(sim, plan) -> tuple[float, float, HostSeconds] | None:
-    """``(fwd_s, bwd_s, host)`` of the pipeline ``plan`` where ``sim``'s costs hold the eager host
-    apart: per micro-batch, the device's forward / backward seconds of the slowest stage and the
-    host's (:class:`HostSeconds`), the largest over stages and replicas, each phase's groups
-    composed in the order the host issues them (group ``j`` of a phase ending at ``max(F + g_j,
-    H + g_j + lag_j)``, so the stage's lag is ``max_j(H_<j - G_<j + lag_j)`` over its host and
-    device seconds before ``j``, as :meth:`tag.sim.engine._Run._hosted`). These come from the cost
-    model, not the trace: a traced stage's span holds its wait on its host. A micro-batch after
-    the first (no parameter casts: :meth:`Simulator.warm_layout`). None where no stage's layout
-    holds a host (CPU ranks, measured profiles) or a group runs position chunks (``mp``)."""
+def host_seconds(sim, plan) -> tuple[list[float], list[float], list[HostSeconds]] | None:
+    """``(fwd_s, bwd_s, host)`` per stage of the pipeline ``plan`` where ``sim``'s costs hold the
+    eager host apart: per micro-batch, the device's forward / backward seconds and the host's
+    (:class:`HostSeconds`), the largest over the stage's replicas, each phase's groups composed in
+    the order the host issues them (group ``j`` of a phase ending at ``max(F + g_j, H + g_j +
+    lag_j)``, so the stage's lag is ``max_j(H_<j - G_<j + lag_j)`` over its host and device seconds
+    before ``j``, as :meth:`tag.sim.engine._Run._hosted`). These come from the cost model, not the
+    trace: a traced stage's span holds its wait on its host. A micro-batch after the first (no
+    parameter casts: :meth:`Simulator.warm_layout`). None where a stage's layout holds no host
+    (CPU ranks, measured profiles) or a group runs position chunks (``mp``)."""
     pp = plan.pipeline
     lo, hi = micro_ranges(sim.static.batch_size, pp.micro_batches)[min(1, pp.micro_batches - 1)]
     bounds = [*pp.stages, len(plan.groups)]
-    worst = [0.0] * 6  # device fwd, bwd; host fwd, bwd; lag fwd, bwd
+    fwd, bwd, host = [], [], []
     for s in range(len(pp.stages)):
         lays = [sim.group_data(g, plan.groups[g], batch=hi - lo).layout for g in range(bounds[s], bounds[s + 1])]
         if any(lay is None or lay.host is None for lay in lays):
             return None
         if sim.any_casts and pp.micro_batches > 1:
             lays = [sim.warm_layout(lay) for lay in lays]
+        parts = []  # (device, host, lag) seconds of the forward, then the backward
         for ph in (FWD, BWD):
             order = range(len(lays)) if ph == FWD else range(len(lays) - 1, -1, -1)
-            dev = host = 0.0
+            dev = hst = 0.0
             lag = None
             for j in order:
                 g = bounds[s] + j
                 d, h, la = lays[j].dur[ph, g], lays[j].host[ph, g], lays[j].lag[ph, g]  # [R] each
-                lag = host - dev + la if lag is None else np.maximum(lag, host - dev + la)
-                dev, host = dev + d, host + h
-            for i, v in zip((ph, 2 + ph, 4 + ph), (dev, host, lag)):
-                worst[i] = max(worst[i], float(np.max(v)))
-    return worst[0], worst[1], HostSeconds(worst[2], worst[3], worst[4], worst[5])
+                lag = hst - dev + la if lag is None else np.maximum(lag, hst - dev + la)
+                dev, hst = dev + d, hst + h
+            parts.append([float(np.max(v)) for v in (dev, hst, lag)])
+        (f, hf, lf), (b, hb, lb) = parts
+        fwd.append(f)
+        bwd.append(b)
+        host.append(HostSeconds(hf, hb, max(lf, 0.0), max(lb, 0.0)))
+    return fwd, bwd, host
 
 
 CANDIDATES = (1, 2, 4, 8)
