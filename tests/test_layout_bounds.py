@@ -14,6 +14,7 @@ from tag.cost.model import CostModel
 from tag.parallel.layout import search_layouts
 from tag.sim import Simulator
 from tag.sim.bounds import layout_bounds, plan_bound, static_bound
+from tag.sim.program import build_program
 from tag.topology import load_topology
 
 
@@ -228,7 +229,7 @@ def test_the_pipeline_drain_holds_in_the_event_loop(gpt2):
         p = layout_plan(gpt2, topo, lay, costs)
         res = sim.run(p.groups, pipeline=p.pipeline, trace=True)
         start = {e.name: e.start for e in res.events}
-        gds, micro = sim.deploy(p.groups), sim._micro(p.groups, p.pipeline)
+        gds, micro = sim.deploy(p.groups), build_program(sim, p.groups, p.pipeline)
         busy = _busy(sim, gds, micro)
         filled += static_bound(sim, p.groups, p.pipeline).time_s > busy.max() * (1 + 1e-9)
         first, arrive = np.zeros(sim.num_devices), np.zeros(sim.num_devices)

@@ -21,6 +21,7 @@ from tag.parallel.layout import layout_plan, parse_layout
 from tag.parallel.tensor_parallel import block_groups, group_split, megatron_blocks
 from tag.planner import model_graph
 from tag.sim import Simulator
+from tag.sim.program import build_program
 from tag.sim.static import build_static
 from tag.topology import load_topology
 
@@ -213,7 +214,7 @@ def test_pipeline_holds_the_tied_vocab_shards_on_both_stages():
     pp = plan.pipeline
     (tw,) = sim.static.tied
     assert tw.nbytes == V * H * 4 / 2
-    assert sim._micro(plan.groups, pp).tied == frozenset({tw.tensor})
+    assert build_program(sim, plan.groups, pp).tied == frozenset({tw.tensor})
     p2p, _ = sim.moved_bytes(plan.groups, pipeline=pp)
     assert p2p and max(p2p.values()) < tw.nbytes  # the stage boundary's activations only
     gds = sim.deploy(plan.groups)
@@ -229,7 +230,7 @@ def test_pipeline_holds_the_tied_vocab_shards_on_both_stages():
     assert own.sync_time == pytest.approx(sim.comm.allreduce_time([first[0], first[2]], 2 * rest))
     res = sim.run(plan.groups, pipeline=pp)
     _, _, stripped = _vocab_plan("dp=2,tp=2,pp=2,micro=2", strip=True)
-    assert stripped._micro(plan.groups, pp).tied == frozenset()
+    assert build_program(stripped, plan.groups, pp).tied == frozenset()
     p2p_exec, _ = stripped.moved_bytes(plan.groups, pipeline=pp)
     assert max(p2p_exec.values()) >= tw.nbytes
     res_exec = stripped.run(plan.groups, pipeline=pp)

@@ -90,7 +90,7 @@ def mirror_costing(sim, g, gp, units):
     batches = (units[0].replicas[0].batch,) * len(devs)
     lay = sim.layout(devs, batches)
     return sim_units.GroupData([sim_units.Unit(g, -1, devs, batches, lay.starts, lay)], "none", 0.0, (), (), 0.0,
-                               layout=lay, ukey=("mirror", devs, batches))
+                               layout=lay, unit_key=("mirror", devs, batches))
 
 
 class MirrorHook(RankHook):

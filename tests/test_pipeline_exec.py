@@ -32,6 +32,7 @@ from tag.plan import GroupPlan, PipelinePlan, new_plan
 from tag.sim import Simulator
 from tag.sim.bounds import plan_bound, static_bound
 from tag.sim.engine import _holdings
+from tag.sim.program import build_program
 from tag.topology import load_topology
 from tag.workloads import load_workload
 
@@ -199,7 +200,7 @@ def test_tied_weight_is_held_by_both_stages(captured, topo4):
             want = schedule_bytes(graph, sched)
             got = sim_bytes(sim, plan.groups, plan.pipeline)
             assert set(got) == set(want) and all(got[key] == pytest.approx(v, rel=1e-12) for key, v in want.items())
-            micro_run = sim._micro(plan.groups, plan.pipeline)
+            micro_run = build_program(sim, plan.groups, plan.pipeline)
             jobs = [(job.sync_devices, job.sync_bytes) for _, job in sim.sync_jobs(sim.deploy(plan.groups),
                                                                                 micro_run.tied)]
             assert jobs == [(b.collective.members, b.nbytes) for b in sched.buckets]

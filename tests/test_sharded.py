@@ -12,6 +12,7 @@ from tag.parallel import validate_plan
 from tag.parallel.layout import Layout, layout_plan, parse_layout
 from tag.parallel.sharded import sharded_bytes
 from tag.sim import Simulator, simulate
+from tag.sim.program import build_program
 from tag.topology import load_topology
 
 GPT = "gpt2:n_layer=4,n_embd=256,n_head=4,seq=64"
@@ -260,7 +261,7 @@ def test_sharded_stages_hold_a_tied_weight_as_the_executor(captured, topo4, zero
     (t,) = sched.tied.values()
     assert t.collective.members == (0, 1, 2, 3)
     assert schedule_bytes(graph, sched) == pytest.approx(sim_bytes(sim, plan.groups, plan.pipeline), rel=1e-12)
-    micro, gds = sim._micro(plan.groups, plan.pipeline), sim.deploy(plan.groups)
+    micro, gds = build_program(sim, plan.groups, plan.pipeline), sim.deploy(plan.groups)
     jobs = [(job.sync_devices, job.sync_bytes) for _, job in sim.sync_jobs(gds, micro.tied)]
     assert jobs == [(b.collective.members, b.nbytes) for b in sched.buckets]
     (w,) = [p for p in graph.params if graph.tensors[p.tensor].name == t.param]

@@ -17,6 +17,7 @@ from tag.cost.model import CostModel
 from tag.parallel.layout import layout_plan, parse_layout
 from tag.parallel.sharded import offloaded_bytes, sharded_bytes
 from tag.sim import Simulator
+from tag.sim.program import build_program
 from tag.topology import load_topology
 
 pytestmark = pytest.mark.slow
@@ -148,7 +149,7 @@ def test_a_tied_embedding_is_held_by_both_stages(tmp_path, captured, level):
            for r in ranks]
 
     sim = Simulator(graph, topo, costs)
-    micro, gds = sim._micro(plan.groups, plan.pipeline), sim.deploy(plan.groups)
+    micro, gds = build_program(sim, plan.groups, plan.pipeline), sim.deploy(plan.groups)
     (tw,) = sim.static.tied
     assert micro.tied == {tw.tensor}  # held by both stages, not moved
     tied = [x - y for x, y in zip(_holdings(sim, gds, micro)[1],

@@ -17,6 +17,7 @@ from tag.parallel.schedule import build_schedule
 from tag.plan import new_plan
 from tag.sim import Simulator
 from tag.sim.engine import _Run
+from tag.sim.program import build_program
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def sim_bytes(sim, groups, pipeline=None) -> Counter:
     """(source device, destination device) -> bytes the simulated iteration moves (every
     micro-batch's flows on a pipeline)."""
     out: Counter = Counter()
-    micro = None if pipeline is None else sim._micro(groups, pipeline)
+    micro = None if pipeline is None else build_program(sim, groups, pipeline)
     for _, lists in _Run(sim, sim.deploy(groups), None, micro).incoming.values():  # (offset, flow lists)
         for flows in lists:
             for *_, a, b, _ma, _mb, _t, _r, nbytes in flows:

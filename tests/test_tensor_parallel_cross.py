@@ -27,6 +27,7 @@ from tag.cost.model import CostModel
 from tag.executor.equality import assert_params_equal, saved_params
 from tag.parallel import validate_plan
 from tag.parallel.layout import Layout, layout_plan
+from tag.sim.program import build_program
 from tag.topology import load_topology
 
 GPT2 = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab=100,seq=16"
@@ -124,7 +125,7 @@ def test_the_plan_bound_counts_the_all_gathers(setup):
     sim = Simulator(graph, topo, CostModel.for_topology(graph, topo))
     res = sim.run(plan.groups, pipeline=plan.pipeline)
     p2p, gathered = sim.moved_bytes(plan.groups, pipeline=plan.pipeline)
-    load = _transfer_load(sim, sim.deploy(plan.groups), sim._micro(plan.groups, plan.pipeline))[0]
+    load = _transfer_load(sim, sim.deploy(plan.groups), build_program(sim, plan.groups, plan.pipeline))[0]
     for d in range(topo.num_devices):
         # on its receiver, and on a sender that waits for its sends (a CPU rank; a GPU rank computes on)
         links = sum(nb / sim.comm.bandwidth[a, b] for (a, b), nb in p2p.items()

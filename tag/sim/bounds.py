@@ -4,19 +4,19 @@ plan, without running the event loop: what the layout grid's branch and bound
 
 :func:`static_bound` reads the plan and the simulator's per-graph tables only (no deployment
 costed: milliseconds at 512 devices); :func:`plan_bound` reads the simulator's own deployment of the plan (:meth:`Simulator.deploy`, and for a
-pipeline :meth:`Simulator._micro`: every group at each micro-batch's size, cached and reused by
+pipeline :func:`tag.sim.program.build_program`: every group at each micro-batch's size, cached and reused by
 the run that may follow), so they hold by construction of the event loop
 (:mod:`tag.sim.engine`):
 
 * **memory**: a device's peak is ``held + working set + transfer buffers``
-  (``engine._result``); ``held`` and the working set are what ``engine._holdings`` computes from
+  (``holdings.iteration_result``); ``held`` and the working set are what ``holdings.holdings`` computes from
   the deployment (parameters, gradients, optimizer state, buffers, saved activations, a pipeline's
   in-flight micro-batches), the buffers are at least 0. ``held + working set`` above a device's
   capacity: the run reports the plan out of memory.
 * **time**: a device's compute tasks never overlap (each starts at or after the device's
-  ``cfree`` and moves it to its end, ``_Run._phase``) and last at least their seconds (a wake
+  ``compute_free_at`` and moves it to its end, ``Run._phase``) and last at least their seconds (a wake
   penalty only adds), and its optimizer step (its held groups' optimizer seconds plus the step
-  overhead) starts after them (``engine._result``). So the iteration takes at least, on every
+  overhead) starts after them (``holdings.iteration_result``). So the iteration takes at least, on every
   device, the forward and backward seconds of every run (micro-batch) of every unit on it, plus
   its optimizer step; in a pipeline, a stage's devices start no earlier than micro-batch 0 went
   forward through the stages before it, and the iteration ends no earlier than micro-batch
@@ -24,13 +24,13 @@ the run that may follow), so they hold by construction of the event loop
   boundaries provably carry that tensor: :func:`_pipeline_waits`), and a stage's micro-batch
   M - 1 backward starts no earlier than the stage after it finished that backward on a replica
   (the drain: its gradient is sent once the sender finished); a device's gradient
-  collectives run one after another on its links (``_Run._syncs``), each after its groups' last
+  collectives run one after another on its links (``Run._syncs``), each after its groups' last
   backward, which ends no earlier than the device's tasks up to it nor than the drain into its
   stage plus the last backwards from the group on (:func:`_sync_chain`), and its
   optimizer step after the last; a transfer is a rendezvous holding both ends' compute streams
-  (``_Run._transfer``), so a device's compute, transfers and optimizer step add up, a transfer
+  (``Run._transfer``), so a device's compute, transfers and optimizer step add up, a transfer
   taking at least its bytes over the link's bandwidth (packed messages pay one latency), as do
-  the all-gathers of pieces scattered into a tensor-parallel group (``_Run._scatter_gather``,
+  the all-gathers of pieces scattered into a tensor-parallel group (``Run._scatter_gather``,
   at least one all-gather of all of a group's chunks: :func:`_transfer_load`); and a
   machine's outgoing (incoming) network side serves its transfers out (in), then the syncs
   spanning it (:func:`_transfer_load`). Latencies, other waits and the rest of the bubbles are
@@ -55,15 +55,17 @@ seconds, where :func:`plan_bound` counts them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from ..graph.ir import Phase
-from .engine import _holdings
+from .holdings import holdings
+from .program import build_program
 from .sharded import low_gathers
 from .static import BWD, FWD
 from .tensor_parallel import outside_work
-from .units import ARRAY_BYTES, ENTRY_BYTES
+from .units import ARRAY_BYTES, ENTRY_BYTES, TemplateFlow
 
 
 @dataclass(frozen=True)
@@ -127,16 +129,16 @@ def static_bound(sim, groups, pipeline=None) -> PlanBound:
                 small = big = b
             # one row per distinct (device class, samples): [U] then back to the devices (a function
             # of the devices and their samples: cached, the grid and the plan head ask for few)
-            ukey = (devs, small.tobytes())
-            hit = kinds.get(ukey)
+            samples_key = (devs, small.tobytes())
+            hit = kinds.get(samples_key)
             if hit is None:
                 pairs, back = np.unique(np.stack([cls.astype(float), small]), axis=1, return_inverse=True)
-                hit = kinds[ukey] = (pairs[0].astype(np.int64), pairs[1], np.ravel(back))
+                hit = kinds[samples_key] = (pairs[0].astype(np.int64), pairs[1], np.ravel(back))
                 sim.charge(sum(x.nbytes + ARRAY_BYTES for x in hit) + small.nbytes + 8 * len(devs) + ENTRY_BYTES)
             ucls, ux, back = hit
             lo = np.floor(ux).astype(np.int64)
             f = (ux - lo)[:, None]
-            hi = np.minimum(lo + 1, sim.tables.shape[3] - 1)
+            hi = np.minimum(lo + 1, sim.tables.shape[-1] - 1)  # (the last batch column)
             c, g2 = ucls[:, None], gi[None, :]
             fwd = (1.0 - f) * sim.tables[c, g2, FWD, lo[:, None]] + f * sim.tables[c, g2, FWD, hi[:, None]]
             bwd = (1.0 - f) * sim.tables[c, g2, BWD, lo[:, None]] + f * sim.tables[c, g2, BWD, hi[:, None]]
@@ -217,18 +219,18 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
     """:class:`PlanBound` of the deployment ``groups`` (and ``pipeline``) on ``sim`` (a
     :class:`~tag.sim.Simulator`), in the simulator's units."""
     sim.fit_caches()
-    micro = None if pipeline is None else sim._micro(groups, pipeline)
-    gds = sim.deploy(groups)  # (a pipeline's gradient syncs: at the full batch's deployment)
+    program = None if pipeline is None else build_program(sim, groups, pipeline)
+    deployments = sim.deploy(groups)  # (a pipeline's gradient syncs: at the full batch's deployment)
     # (the optimizer step as the run computes it: a pipeline's at its first micro-batch's deployment)
-    opt, mem, work, holds, _ = _holdings(sim, gds, micro)
+    opt, mem, work, holds, _ = holdings(sim, deployments, program)
     n = sim.num_devices
-    busy = _busy(sim, gds, micro)
+    busy = _busy(sim, deployments, program)
     step = np.asarray(opt) + np.where(holds, sim.step_overhead, 0.0)
     low = busy + step
     first = np.zeros(n)  # per device: its first task starts no earlier (seconds)
     arrive = np.zeros(n)  # per device: its last micro-batch's backward starts no earlier (seconds)
-    if micro is not None:  # the pipeline's fill before a stage and drain after it
-        for devs, before, after, into in _pipeline_waits(sim, micro, pipeline, busy):
+    if program is not None:  # the pipeline's fill before a stage and drain after it
+        for devs, before, after, into in _pipeline_waits(sim, program, pipeline, busy):
             first[devs] = before
             arrive[devs] = into
             low[devs] += before
@@ -237,18 +239,18 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
             low[devs] = np.maximum(low[devs], before + busy[devs].min() + after)
     # a device's gradient collectives run one after another on its links (Run._syncs), each after
     # its groups' last backward; the optimizer step after the last
-    comm = _sync_chain(sim, gds, micro, first + busy, arrive)
+    comm = _sync_chain(sim, deployments, program, first + busy, arrive)
     low = np.maximum(low, comm + step)
     # a transfer holds both ends' compute streams (a rendezvous, Run._transfer): a device's
     # compute, its transfers and its optimizer step one after another; a machine's network side
     # serves its transfers, then the syncs spanning it (Run._syncs starts them after it is free)
-    load, out, into = _transfer_load(sim, gds, micro)
+    load, out, into = _transfer_load(sim, deployments, program)
     nic = np.maximum(out, into)
-    for _, job in sim.sync_jobs(gds, frozenset() if micro is None else micro.tied):
+    for _, job in sim.sync_jobs(deployments, frozenset() if program is None else program.tied):
         nic[list(job.sync_machines)] += job.sync_time
     low = np.maximum(low, busy + load + step)
     if sim.hosts is not None:  # the host issues a device's stages one after another, each ending no earlier
-        low = np.maximum(low, _busy(sim, gds, micro, host=True) + step)
+        low = np.maximum(low, _busy(sim, deployments, program, host=True) + step)
     peak = [m + w for m, w in zip(mem, work)]
     # (1 - 1e-9): the event loop sums the same seconds in another order (running sums), so a
     # bound equal to the run's time may differ from it in the last bits
@@ -256,23 +258,23 @@ def plan_bound(sim, groups, pipeline=None) -> PlanBound:
                      any(p > c * (1.0 + 1e-9) for p, c in zip(peak, sim.capacity)))
 
 
-def _busy(sim, gds, micro, host: bool = False) -> np.ndarray:
+def _busy(sim, deployments, program, host: bool = False) -> np.ndarray:
     """Per device: the seconds of its compute tasks (every run's forward and backward of every
     unit on it; a pipeline's micro-batches of one size share one deployment: counted once, times
     their number); ``host``: its host's seconds issuing them (:attr:`Layout.host
     <tag.sim.units.Layout.host>`, 0 where none is held apart)."""
     busy = np.zeros(sim.num_devices)
     runs: dict[int, list] = {}
-    for mg in (gds,) if micro is None else micro.gds:
-        runs.setdefault(id(mg), [mg, 0])[1] += 1
+    for per_micro in (deployments,) if program is None else program.deployments:
+        runs.setdefault(id(per_micro), [per_micro, 0])[1] += 1
     for run, times in runs.values():
         alike: dict[int, tuple] = {}  # groups on one layout: summed over them at once
-        for g, gd in enumerate(run):
-            lay = gd.layout
+        for g, deployment in enumerate(run):
+            lay = deployment.layout
             if lay is not None:  # every replica runs the group's forward and backward once
                 alike.setdefault(id(lay), (lay, []))[1].append(g)
             else:  # position chunks, one device each
-                for u in gd.units:
+                for u in deployment.units:
                     x = u.dur if not host else u.host or (0.0, 0.0)
                     busy[u.devices[0]] += (x[FWD] + x[BWD]) * times
         for lay, gs in alike.values():
@@ -282,14 +284,14 @@ def _busy(sim, gds, micro, host: bool = False) -> np.ndarray:
     return busy
 
 
-def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _transfer_load(sim, deployments, program) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per device, per machine's outgoing and incoming network side: seconds of the run's
-    transfers at least. The run moves the flows of the pairs :class:`~tag.sim.engine._Run` takes
+    transfers at least. The run moves the flows of the pairs :class:`~tag.sim.event_loop.Run` takes
     (per micro-batch; those moving once at the first and last), a stage's flows from one device to
-    another packed into one message of ``latency + bytes / bandwidth`` (:func:`tag.sim.engine._messages`):
+    another packed into one message of ``latency + bytes / bandwidth`` (:func:`tag.sim.flows.pack_messages`):
     at least each flow's ``bytes / bandwidth``, on its receiver and on a CPU sender (a GPU rank
     sending in a step where it receives nothing computes on). A device's load also counts the all-gathers
-    completing pieces scattered into its tensor-parallel group (``_Run._scatter_gather``, which
+    completing pieces scattered into its tensor-parallel group (``Run._scatter_gather``, which
     holds its compute stream as a transfer does): the run all-gathers a set's chunks once per
     stage and micro-batch, at least as long as one all-gather of all of them summed (the
     all-gather time, :meth:`tag.cost.comm.CommModel.allgather_time` on one machine, ring or
@@ -298,38 +300,31 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     n, m = sim.num_devices, sim.num_machines
     load, out, into = np.zeros(n), np.zeros(m), np.zeros(m)
     gathered: dict[tuple[int, ...], np.ndarray] = {}  # a holder set's devices -> its chunks, summed
-    if micro is None:
-        pairs = [(tpl, 1) for tpl in sim._templates_used(gds)]
-    elif len(micro.gds) == 1:
-        pairs = [(tpl, 1) for tpl in sim._templates_used(micro.gds[0], micro.select("all"))]
+    if program is None:
+        pairs = [(template, 1) for template in sim.templates_used(deployments)]
+    elif len(program.deployments) == 1:
+        pairs = [(template, 1) for template in sim.templates_used(program.deployments[0], program.select("all"))]
     else:  # micro-batches of one size share one deployment (one list): its pairs once, times their count
         runs: dict[int, list] = {}
-        for mg in micro.gds:
-            runs.setdefault(id(mg), [mg, 0])[1] += 1
-        pairs = [(tpl, c) for mg, c in runs.values() for tpl in sim._templates_used(mg, micro.select("micro"))]
-        pairs += [(tpl, 1) for tpl in sim._templates_used(micro.gds[0], micro.select("first"))]
-        pairs += [(tpl, 1) for tpl in sim._templates_used(micro.gds[-1], micro.select("last"))]
+        for per_micro in program.deployments:
+            runs.setdefault(id(per_micro), [per_micro, 0])[1] += 1
+        pairs = [(template, c) for per_micro, c in runs.values() for template in sim.templates_used(per_micro, program.select("micro"))]
+        pairs += [(template, 1) for template in sim.templates_used(program.deployments[0], program.select("first"))]
+        pairs += [(template, 1) for template in sim.templates_used(program.deployments[-1], program.select("last"))]
     cache = sim.cache("transfer-load")
     shared = np.asarray(sim.shared_stream, dtype=float)
-    for tpl, c in pairs:
-        hit = cache.get(id(tpl))
-        if hit is None or hit[0] is not tpl:
-            flows = [f for _, fl in tpl.by_dst for f in fl]
-            a = np.asarray([f[4] for f in flows], dtype=np.int64)
-            b = np.asarray([f[5] for f in flows], dtype=np.int64)
-            secs = np.asarray([f[9] for f in flows], dtype=float) / sim.comm.bandwidth[a, b]
-            ma = np.asarray([f[6] for f in flows], dtype=np.int64)
-            mb = np.asarray([f[7] for f in flows], dtype=np.int64)
-            cross = ma >= 0
-            hit = cache[id(tpl)] = (tpl, a, b, secs, ma[cross], mb[cross], secs[cross])
-            sim.charge(sum(x.nbytes + ARRAY_BYTES for x in hit[1:]) + ENTRY_BYTES)  # the arrays and their headers
-        _, a, b, secs, ma, mb, xs = hit
+    for template, c in pairs:
+        hit = cache.get(id(template))
+        if hit is None or hit.template is not template:
+            hit = cache[id(template)] = _transfer_arrays(sim, template)
+            sim.charge(hit.nbytes + ENTRY_BYTES)
+        a, b, secs, ma, mb, xs = hit.src, hit.dst, hit.seconds, hit.out_machines, hit.in_machines, hit.crossing_seconds
         # (a GPU sender may compute on while its sends go: only a CPU sender's stream is held)
         np.add.at(load, a, secs * c * shared[a])
         np.add.at(load, b, secs * c)
         np.add.at(out, ma, xs * c)
         np.add.at(into, mb, xs * c)
-        for _, sets in tpl.gathers:
+        for _, sets in template.gathers:
             for _lo, _hi, devs, chunks in sets:
                 acc = gathered.get(devs)
                 gathered[devs] = np.asarray(chunks) * c if acc is None else acc + np.asarray(chunks) * c
@@ -338,7 +333,36 @@ def _transfer_load(sim, gds, micro) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return load, out, into
 
 
-def _sync_chain(sim, gds, micro, done: np.ndarray, arrive: np.ndarray | None = None) -> np.ndarray:
+class _TransferArrays(NamedTuple):
+    """A pair template's flows as arrays (:func:`_transfer_load`): per flow its source and
+    destination devices and ``bytes / bandwidth`` seconds; per flow crossing machines its source's
+    and destination's machines and those seconds."""
+
+    template: object
+    src: np.ndarray
+    dst: np.ndarray
+    seconds: np.ndarray
+    out_machines: np.ndarray
+    in_machines: np.ndarray
+    crossing_seconds: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays and their headers."""
+        arrays = (self.src, self.dst, self.seconds, self.out_machines, self.in_machines, self.crossing_seconds)
+        return sum(x.nbytes + ARRAY_BYTES for x in arrays)
+
+
+def _transfer_arrays(sim, template) -> _TransferArrays:
+    flows = TemplateFlow._make(np.asarray(column) for column in zip(*(f for _, fl in template.by_dst for f in fl)))
+    a, b = flows.src_device.astype(np.int64), flows.dst_device.astype(np.int64)
+    secs = flows.nbytes.astype(float) / sim.comm.bandwidth[a, b]
+    ma, mb = flows.src_machine.astype(np.int64), flows.dst_machine.astype(np.int64)
+    cross = ma >= 0
+    return _TransferArrays(template, a, b, secs, ma[cross], mb[cross], secs[cross])
+
+
+def _sync_chain(sim, deployments, program, done: np.ndarray, arrive: np.ndarray | None = None) -> np.ndarray:
     """Per device: its gradient collectives end no earlier than this (seconds). ``done``: per
     device, its compute tasks start no earlier than its ``first`` and last their seconds at least,
     so the tasks up to one of them end no earlier than ``first`` plus their seconds (``done`` is
@@ -356,13 +380,13 @@ def _sync_chain(sim, gds, micro, done: np.ndarray, arrive: np.ndarray | None = N
     and lasts its seconds. Counted only where every group runs on a layout (no position chunks)
     and, in a pipeline, every device runs one stage whose sequence ends with its last micro-batch's
     backward; elsewhere the syncs' seconds summed per device."""
-    n, k = sim.num_devices, len(gds)
-    last = gds if micro is None else micro.gds[-1]
+    n, k = sim.num_devices, len(deployments)
+    last = deployments if program is None else program.deployments[-1]
     ready = np.zeros(k)  # per group: its last backward ends no earlier (seconds)
-    if all(gd.layout is not None for gd in last) and (micro is None or _one_stage_each(micro, last, n)):
+    if all(deployment.layout is not None for deployment in last) and (program is None or _one_stage_each(program, last, n)):
         before = np.zeros(n)  # per device: the last backwards of its groups before g
-        for g, gd in enumerate(last):
-            lay = gd.layout
+        for g, deployment in enumerate(last):
+            lay = deployment.layout
             ready[g] = float((done[lay.dev_arr] - before[lay.dev_arr]).max())
             np.add.at(before, lay.dev_arr, lay.dur[BWD, g])
         if arrive is not None and arrive.any():
@@ -372,29 +396,29 @@ def _sync_chain(sim, gds, micro, done: np.ndarray, arrive: np.ndarray | None = N
                 np.add.at(since, lay.dev_arr, lay.dur[BWD, g])
                 ready[g] = max(ready[g], float(since[lay.dev_arr].max()))
     end = np.zeros(n)
-    for gs, job in sim.sync_jobs(gds, frozenset() if micro is None else micro.tied):
+    for gs, job in sim.sync_jobs(deployments, frozenset() if program is None else program.tied):
         devs = list(job.sync_devices)
         end[devs] = np.maximum(end[devs], max(ready[g] for g in gs)) + job.sync_time
     return end
 
 
-def _one_stage_each(micro, last, n: int) -> bool:
+def _one_stage_each(program, last, n: int) -> bool:
     """True when every device runs the groups of one pipeline stage only and every stage's last
     task is its last micro-batch's backward."""
     stage = np.full(n, -1)
-    for s, gs in enumerate(micro.members):
+    for s, gs in enumerate(program.members):
         for g in gs:
             devs = last[g].layout.dev_arr
             if ((stage[devs] != -1) & (stage[devs] != s)).any():
                 return False
             stage[devs] = s
     ends: dict[int, tuple[int, int]] = {}
-    for s, ph, m in micro.tasks:
+    for s, ph, m in program.tasks:
         ends[s] = (ph, m)
-    return all(x == (BWD, len(micro.gds) - 1) for x in ends.values())
+    return all(x == (BWD, len(program.deployments) - 1) for x in ends.values())
 
 
-def _pipeline_waits(sim, micro, pipeline, busy: np.ndarray) -> list[tuple[np.ndarray, float, float, float]]:
+def _pipeline_waits(sim, program, pipeline, busy: np.ndarray) -> list[tuple[np.ndarray, float, float, float]]:
     """Per stage ``(devices, before, after, into)``: a device of the stage starts its first task no
     earlier than ``before`` seconds (micro-batch 0's forward of the stages before it, each at its
     fastest replica), the iteration ends no earlier than ``after`` seconds (micro-batch
@@ -414,7 +438,7 @@ def _pipeline_waits(sim, micro, pipeline, busy: np.ndarray) -> list[tuple[np.nda
     S = len(pipeline.stages)
     sequences = iteration_program(pipeline, st.batch_size, st.num_groups).sequences
     bounds = list(pipeline.stages) + [st.num_groups]
-    first, last = micro.gds[0], micro.gds[-1]
+    first, last = program.deployments[0], program.deployments[-1]
     lows = []
     for s in range(S):
         gs = range(bounds[s], bounds[s + 1])

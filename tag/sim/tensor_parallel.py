@@ -361,7 +361,7 @@ def tp_group(sim, g: int, gp, lowered) -> GroupData:
     replicas = lowered[0].replicas
     batches = tuple([r.stop - r.start for r in replicas])
     dep = _tp_deployment(sim, gp, batches, replicas)
-    lay, devs, starts, ukey, members, machines, memo = dep
+    lay, devs, starts, unit_key, members, machines, memo = dep
     unit = Unit(g, -1, devs, batches, starts, lay)
     split = group_split(sim.graph, g).split_bytes
     total = float(sim.static.grad_bytes[g])
@@ -371,7 +371,7 @@ def tp_group(sim, g: int, gp, lowered) -> GroupData:
                                                                      gp.sequence_parallel)
         sim.charge(ENTRY_BYTES)
     if ts <= 0:
-        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=ukey, recompute=gp.recompute,
+        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, unit_key=unit_key, recompute=gp.recompute,
                          tp=tp_degree(gp))
     # the buffer a device's sync holds: its shard of the split gradients and the others whole
     own = total - (1.0 - 1.0 / tp_degree(gp)) * split
@@ -380,12 +380,12 @@ def tp_group(sim, g: int, gp, lowered) -> GroupData:
         return sim.comm.tensor_parallel_sync_time(tp_groups(gp), split, max(0.0, total - split - less),
                                                   gp.sequence_parallel)
 
-    return GroupData([unit], "tp", ts, members, machines, own, layout=lay, ukey=ukey, recompute=gp.recompute,
+    return GroupData([unit], "tp", ts, members, machines, own, layout=lay, unit_key=unit_key, recompute=gp.recompute,
                      tp=tp_degree(gp), resync=resync)
 
 
 def _tp_deployment(sim, gp, batches: tuple[int, ...], replicas) -> tuple:
-    """``(layout, devices, starts, ukey, sync devices, sync machines, sync seconds by bytes)`` of
+    """``(layout, devices, starts, unit key, sync devices, sync machines, sync seconds by bytes)`` of
     the tensor-parallel deployment ``gp`` at the unit's ``batches`` (cached per simulator)."""
     cache = sim.cache("tp-deployments")
     devs = tuple(gp.devices)

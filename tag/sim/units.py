@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -41,8 +42,8 @@ ARRAY_BYTES = 112
 """Bytes of a numpy array object besides its data (``sys.getsizeof`` of an array that owns its data
 minus ``nbytes``, and of a view: 112 on numpy 2.4, 2026-11-27)."""
 FLOW_BYTES = 200
-"""Approximate bytes of one flow of a :class:`PairTemplate` or ``_Pair``, one message
-(:meth:`tag.sim.Simulator._messages`), one piece of :func:`_pieces`: a tuple of 5-10 numbers
+"""Approximate bytes of one flow of a :class:`PairTemplate` or :class:`tag.sim.flows.PairFlows`, one message
+(:meth:`tag.sim.Simulator.messages`), one piece of :func:`_pieces`: a tuple of 5-10 numbers
 (recursive ``sys.getsizeof`` of those caches after random search on GPT-2 medium / h100-512gpu,
 2026-11-27: 196, 126, 158 and 107 bytes each)."""
 
@@ -112,7 +113,7 @@ class Layout:
     """[2, K, R] nominal seconds, within ``dur``'s forward and backward, of blocking collectives
     over several machines (a tensor-parallel group's across machines): on a network with other
     jobs' traffic the simulator stretches them over what is left of ``net_machines``' NICs and
-    links (:meth:`tag.sim.engine._Run._net_slowed`); None: none."""
+    links (:meth:`tag.sim.event_loop.Run._net_slowed`); None: none."""
     net_machines: tuple[tuple[int, ...], ...] | None = None
     """Per replica, the machines its ``net`` collectives span."""
     meter: CacheMeter | None = None
@@ -121,7 +122,7 @@ class Layout:
     """[2, K, R] host seconds issuing each forward and backward stage where the device's costs hold
     the host apart (:meth:`tag.cost.CostModel.host_parts`: a GPU rule's eager launches; ``dur``'s
     forward and backward are then the device's seconds alone): the event loop runs the host as a
-    timeline of its own (:meth:`tag.sim.engine._Run._phase`); None: none (``dur`` is all)."""
+    timeline of its own (:meth:`tag.sim.event_loop.Run._phase`); None: none (``dur`` is all)."""
     lag: np.ndarray | None = None
     """[2, K, R] seconds a stage lasts beyond its ``dur`` when host and device start it together
     (:attr:`tag.cost.gpu.StageParts.lag`); with ``host``."""
@@ -255,11 +256,11 @@ class GroupData:
     """Unique per simulator (cache key of the flows between two groups' deployments)."""
     layout: Layout | None = None
     """The data-parallel layout (``None`` for ``mp``)."""
-    lid: int = 0
+    layout_id: int = 0
     """``layout.uid``, or ``-serial`` for ``mp`` (no two groups share it)."""
     recompute: bool = False
     """``GroupPlan.recompute``: the units' costs are those of activation recomputation."""
-    ukey: tuple = ()
+    unit_key: tuple = ()
     """What the replica-level moves into and out of the group depend on: ``("dp", devices,
     batches)`` or ``("mp", devices)`` (every chunk holds the full batch)."""
     bucket: tuple | None = None
@@ -413,14 +414,14 @@ def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi
     return Unit(g, j, (device,), (bsz,), (0,), None, dur, mem, work, lo, hi, host, lag)
 
 
-def pair_flows(static: GraphStatic, comm, g1: int, gd1: GroupData, g2: int, gd2: GroupData) -> list[Flow]:
+def pair_flows(static: GraphStatic, comm, g1: int, src_deployment: GroupData, g2: int, dst_deployment: GroupData) -> list[Flow]:
     """Flows from group ``g1``'s units to group ``g2``'s units (``g1 == g2``: between mp chunks)."""
     # The tensors crossing, summed per move kind: replica-level moves are computed once per kind.
-    kinds = pair_kinds(static, g1, gd1, g2, gd2)
+    kinds = pair_kinds(static, g1, src_deployment, g2, dst_deployment)
     moves: dict[tuple, float] = {}
     mo = comm.machine_of
     for (su, sphase, du, ph, kind), fixed, per_sample, sizes in kinds:
-        src, dst = gd1.units[su], gd2.units[du]
+        src, dst = src_deployment.units[su], dst_deployment.units[du]
         for ri, rj, nbytes, _ in _piece_bytes(_pieces(kind, src, dst, mo), fixed, per_sample, sizes, src.batches):
             if nbytes <= 0:
                 continue
@@ -428,15 +429,15 @@ def pair_flows(static: GraphStatic, comm, g1: int, gd1: GroupData, g2: int, gd2:
             moves[key] = moves.get(key, 0.0) + nbytes
     flows = []
     for (s, ri, d, rj), nbytes in moves.items():
-        a = gd1.units[s[2]].devices[ri]
-        b = gd2.units[d[2]].devices[rj]
+        a = src_deployment.units[s[2]].devices[ri]
+        b = dst_deployment.units[d[2]].devices[rj]
         cross = mo[a] != mo[b]
         flows.append(Flow(s, ri, d, rj, a, b, nbytes, comm.p2p_time(a, b, nbytes),
                           mo[a] if cross else -1, mo[b] if cross else -1))
     return flows
 
 
-def pair_kinds(static: GraphStatic, g1: int, gd1: GroupData, g2: int, gd2: GroupData,
+def pair_kinds(static: GraphStatic, g1: int, src_deployment: GroupData, g2: int, dst_deployment: GroupData,
                select: str | tuple | None = None) -> tuple:
     """The tensors crossing from group ``g1``'s units to ``g2``'s, summed per (source unit and
     phase, destination unit and first-need phase, move kind): ``((su, sphase, du, ph, kind),
@@ -447,7 +448,7 @@ def pair_kinds(static: GraphStatic, g1: int, gd1: GroupData, g2: int, gd2: Group
     ``select`` (pipelines, :attr:`TensorEdge.once`): ``"micro"`` only the tensors moved once per
     micro-batch, ``"first"`` only the batch-independent ones moved before the first, ``"last"``
     only the partial sums moved after the last, ``"all"`` all of them; None: all of them. A triple
-    ``(select, tied, relayed)`` (a pipeline's, :meth:`tag.sim.engine._Micro.select`) leaves out the
+    ``(select, tied, relayed)`` (a pipeline's, :meth:`tag.sim.program.PipelineProgram.select`) leaves out the
     edges of the tied weights ``tied`` (parameter tensors, :attr:`TensorEdge.tied`), which a
     pipeline holding both copies does not move, and the ``(tensor, consumer group)`` edges of
     ``relayed`` (:meth:`GraphStatic.relayed`: another group of the stage received the tensor)."""
@@ -461,10 +462,10 @@ def pair_kinds(static: GraphStatic, g1: int, gd1: GroupData, g2: int, gd2: Group
             continue
         if e.tied in tied or (e.tensor, g2) in relayed:
             continue
-        su = gd1.chunk_of.get(e.src_pos, 0) if gd1.mp else 0
+        su = src_deployment.chunk_of.get(e.src_pos, 0) if src_deployment.mp else 0
         need: dict[int, int] = {}  # dst unit -> first phase needing it
         for p, ph in e.consumers:
-            du = gd2.chunk_of.get(p, 0) if gd2.mp else 0
+            du = dst_deployment.chunk_of.get(p, 0) if dst_deployment.mp else 0
             need[du] = min(need.get(du, ph), ph)
         kind = "rows" if e.batch else ("sum" if e.grad else "copy")
         for du, ph in need.items():
@@ -477,33 +478,60 @@ def pair_kinds(static: GraphStatic, g1: int, gd1: GroupData, g2: int, gd2: Group
     return tuple((k, f, p, tuple(ts)) for k, (f, p, ts) in kinds.items())
 
 
+class TemplateFlow(NamedTuple):
+    """The field order of a flow of :attr:`PairTemplate.by_dst` (exact tuples in the caches, always
+    unpacked: :mod:`tag.sim.flows` says why)."""
+
+    src_phase: int
+    """FWD, BWD or PARAM."""
+    src_unit: int
+    src_replica: int
+    dst_replica: int
+    src_device: int
+    dst_device: int
+    src_machine: int
+    """Source machine when the flow crosses machines, else -1."""
+    dst_machine: int
+    seconds: float
+    nbytes: float
+
+
+class HolderChunks(NamedTuple):
+    """A consumer holder set (replicas ``lo .. hi - 1`` on ``devices``) that received ``shard``
+    pieces, and the bytes each of its replicas received so (``chunks``)."""
+
+    lo: int
+    hi: int
+    devices: tuple[int, ...]
+    chunks: tuple[float, ...]
+
+
 class PairTemplate:
-    """The flows of one :func:`pair_kinds` bundle between two deployments (``GroupData.ukey``),
+    """The flows of one :func:`pair_kinds` bundle between two deployments (``GroupData.unit_key``),
     independent of the two groups' indices: :func:`pair_flows` with stages written ``(phase,
-    unit)``. ``by_dst``: ``[((ph, du), [(sphase, su, ri, rj, a, b, ma, mb, seconds, bytes)])]``
-    in flow order. ``gathers``: ``[((ph, du), ((lo, hi, devices, chunks), ...))]``, per
-    destination stage the consumer holder sets (replicas ``lo .. hi - 1`` on ``devices``) that
+    unit)``. ``by_dst``: ``[((ph, du), [TemplateFlow tuple])]`` in flow order. ``gathers``:
+    ``[((ph, du), (HolderChunks, ...))]``, per destination stage the consumer holder sets that
     received ``shard`` pieces (Megatron-LM's scatter-gather between machines,
-    :mod:`tag.parallel.moves`) and the bytes each of their replicas received so (``chunks``), which
-    the set then all-gathers (:meth:`tag.sim.engine._Run._scatter_gather`)."""
+    :mod:`tag.parallel.moves`), which the set then all-gathers
+    (:meth:`tag.sim.event_loop.Run._scatter_gather`)."""
 
     __slots__ = ("by_dst", "gathers", "nbytes")
 
     def __init__(self, kinds: tuple, units1: list[Unit], units2: list[Unit], comm, pieces: dict | None = None,
-                 ukeys: tuple = ()):
-        """``pieces``: a cache of :func:`_pieces` shared by templates (keyed with ``ukeys``, what
-        the two unit lists depend on: :attr:`GroupData.ukey`)."""
+                 unit_keys: tuple = ()):
+        """``pieces``: a cache of :func:`_pieces` shared by templates (keyed with ``unit_keys``, what
+        the two unit lists depend on: :attr:`GroupData.unit_key`)."""
         moves: dict[tuple, float] = {}
         mo = comm.machine_of
         gathered: dict[tuple, dict[tuple[int, int], list[float]]] = {}  # (ph, du) -> set -> bytes per replica
         if pieces is None:  # (su, du, kind) -> [(ri, rj, samples or -1)]: bundles share them
-            pieces, ukeys = {}, ()
+            pieces, unit_keys = {}, ()
         made = 0  # bytes of the entries made in pieces
         for (su, sphase, du, ph, kind), fixed, per_sample, sizes in kinds:
             src = units1[su]
-            pcs = pieces.get((su, du, kind, ukeys))
+            pcs = pieces.get((su, du, kind, unit_keys))
             if pcs is None:
-                pcs = pieces[(su, du, kind, ukeys)] = _pieces(kind, src, units2[du], mo)
+                pcs = pieces[(su, du, kind, unit_keys)] = _pieces(kind, src, units2[du], mo)
                 made += ENTRY_BYTES + FLOW_BYTES * len(pcs)
             for ri, rj, nbytes, hs in _piece_bytes(pcs, fixed, per_sample, sizes, src.batches):
                 if nbytes <= 0:
@@ -522,14 +550,15 @@ class PairTemplate:
             by_dst.setdefault((ph, du), []).append(
                 (sphase, su, ri, rj, a, b, mo[a] if cross else -1, mo[b] if cross else -1, p2p(a, b, nbytes), nbytes))
         self.by_dst = list(by_dst.items())
-        self.gathers = [(dst, tuple((lo, hi, tuple(units2[dst[1]].devices[lo:hi]), tuple(c))
+        self.gathers = [(dst, tuple(HolderChunks(lo, hi, tuple(units2[dst[1]].devices[lo:hi]), tuple(c))
                                     for (lo, hi), c in sets.items())) for dst, sets in gathered.items()]
         self.nbytes = made + FLOW_BYTES * len(moves) + ref_bytes(len(self.by_dst)) + gathers_bytes(self.gathers)
         """Approximate bytes of this template and of the entries its construction made in ``pieces``."""
 
 
 def gathers_bytes(gathers) -> int:
-    """Approximate bytes of :attr:`PairTemplate.gathers` (or a ``_Pair``'s, which shares its sets)."""
+    """Approximate bytes of :attr:`PairTemplate.gathers` (or a :class:`tag.sim.flows.PairFlows`', which
+    shares its sets)."""
     return sum(ref_bytes(len(sets)) + sum(ENTRY_BYTES + 2 * seq_bytes(hi - lo) for lo, hi, _, _ in sets)
                for _, sets in gathers)
 
@@ -584,6 +613,6 @@ def _piece_bytes(pieces: list, fixed: float, per_sample: float, sizes: tuple, ba
     return out
 
 
-__all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "Layout", "SfbData", "Unit", "at_batch", "make_layout", "mp_unit",
-           "recompute_layout",
-           "pair_flows", "pair_kinds", "PairTemplate", "shard_bytes"]
+__all__ = ["BWD", "FWD", "PARAM", "Flow", "GroupData", "HolderChunks", "Layout", "SfbData", "TemplateFlow", "Unit",
+           "at_batch", "make_layout", "mp_unit", "recompute_layout", "pair_flows", "pair_kinds", "PairTemplate",
+           "shard_bytes"]
