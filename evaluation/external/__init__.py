@@ -279,7 +279,7 @@ def vocab_parallel_plan(graph, plan, tp: int) -> None:
     rows of the embedding and ``h x V / tp`` logits of the head and their collectives
     (:func:`tag.parallel.layers.vocab_parallel_graph`). On a pipeline the first and last stages
     each hold the tied embedding's shards and all-reduce their gradients
-    (:meth:`tag.sim.engine.Simulator._tied`)."""
+    (:func:`tag.sim.program.tied_weights`)."""
     from tag.parallel.layout import outside_blocks
 
     for g in sorted(outside_blocks(graph)):

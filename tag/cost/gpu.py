@@ -1169,7 +1169,7 @@ def eager_stages(graph, t: np.ndarray, h: np.ndarray) -> np.ndarray:
 class StageParts(NamedTuple):
     """Each (group, phase) stage of an eager step apart from the others, ``[K, 3, n]`` seconds
     (:func:`stage_parts`): what a simulator needs to run the host and the device as two timelines
-    (:meth:`tag.sim.engine._Run._phase`)."""
+    (:meth:`tag.sim.event_loop.Run._phase`)."""
 
     device: np.ndarray
     """The stage's kernels' seconds on the device (:func:`op_seconds` summed)."""

@@ -162,7 +162,7 @@ class DistComm:
         two ranks that both just computed 0.6 ms, with the receive posted only then, 0.52-0.61 ms
         on average (90th percentile 1.4-2.3 ms), with the receive posted before the compute
         0.10-0.13 ms (docs/executor.md). The simulator prices a step's pieces between two
-        devices as one message too (:meth:`tag.sim.engine._Run._transfer`)."""
+        devices as one message too (:meth:`tag.sim.event_loop.Run._transfer`)."""
         t0 = time.perf_counter()
         received: dict[int, torch.Tensor] = {}
         if index in self.remote_steps:  # else only local pieces (or nothing): no process-group call
@@ -174,7 +174,7 @@ class DistComm:
         """One message per piece, posted as one ``batch_isend_irecv`` (GPU ranks); the received
         pieces by move tag. A step in which this rank only sends is not waited for (NCCL orders the
         compute stream after a work only when it is waited for): the rank computes on while its
-        sends go (:attr:`sends`, as the simulator's :meth:`tag.sim.engine._Run._transfer`); one in
+        sends go (:attr:`sends`, as the simulator's :meth:`tag.sim.event_loop.Run._transfer`); one in
         which it receives is (NCCL runs the step's sends and receives as one group)."""
         ops, received = [], {}
         if rt.device.type == "cuda" and self._send_when_made(rt, step):

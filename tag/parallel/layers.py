@@ -165,7 +165,7 @@ def vocab_parallel_graph(graph: OpGraph, tp: int) -> OpGraph:
     exponentials and target logit (4 bytes a token each); backward, the head input's gradient
     (Megatron's column-parallel linear, ``2 s h`` bytes a sample in fp16). :attr:`vocab_parallel`
     on the copy is ``tp``: a pipeline holds the tied embedding on its first and last stages, one
-    ``V / tp`` shard a rank, as Megatron-LM does (:meth:`tag.sim.engine.Simulator._tied`)."""
+    ``V / tp`` shard a rank, as Megatron-LM does (:func:`tag.sim.program.tied_weights`)."""
     if tp <= 1:
         return graph
     outside = outside_params(graph, model_layers(graph))
