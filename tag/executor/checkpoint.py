@@ -343,8 +343,7 @@ def load(path: Path, rt, rank: int, same_plan: bool, shards: Shards | None = Non
             flat = _shard_of(bk, [want[f"param/{s.param_target[ph]}"] for ph in bk.names])
             bk.shard.copy_(flat)
             if bk.level < 3:  # (ZeRO-1/2 hold the full parameters too)
-                bk.write([torch.cat([want[f"param/{s.param_target[ph]}"].reshape(-1).to(bk.dtype)
-                                     for ph in bk.names])], views=False)
+                bk.set_full([want[f"param/{s.param_target[ph]}"] for ph in bk.names])
     if rt.optimizer is not None and opt_keys:
         index = {id(p): i for i, p in enumerate(p for g in rt.optimizer.param_groups for p in g["params"])}
         sd = rt.optimizer.state_dict()

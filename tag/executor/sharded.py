@@ -47,6 +47,22 @@ the gradient's dtype, ``param_dtype`` there (_fsdp_collectives.py ``foreach_redu
 ``reduce_dtype = reduce_dtype or grad_dtype``), half the bytes but summed in bf16, which the
 equality with single-process training would not survive.
 
+Mixed precision, ZeRO-1/2: the updated shards are all-gathered by the same rule, the cast-only
+weights' shards cast to the low precision before the gather (2 bytes an element), the others in
+fp32, as the frameworks gather their low-precision model weights after the step: DeepSpeed's
+ZeRO-1/2 (deepspeedai/DeepSpeed edaa722, deepspeed/runtime/zero/stage_1_and_2.py ``step``: the
+fp32 partition copied into ``bit16_partitions[partition_id]``, then ``all_gather_dp_groups`` of
+``bit16_groups_flat``) and Megatron-LM's distributed optimizer (NVIDIA/Megatron-LM d98e8a6,
+megatron/core/optimizer/distrib_optimizer.py ``_copy_main_params_to_model_params``: the fp32 main
+shards copied into the bucket's ``param_data``, the model parameters' dtype, which the parameter
+all-gather then moves). Such a bucket's shard is the fp32 master copy, a tensor of its own in the
+flat layout above (:attr:`_Bucket.own_shard`), and the gathered values are copied into the full
+fp32 parameters: the others' shards arrive rounded to bf16 / fp16, which changes nothing the
+graph computes (every read of those weights is a cast to that dtype, and the cast of a rounded
+value is the value), while the optimizer steps the exact master shard; the parameters saved are
+gathered from the master shards in fp32. The device holds that shard besides the full parameters
+(``P / S`` more than a view's; the simulator counts it, :mod:`tag.sim.sharded`).
+
 A weight tied across pipeline stages (:class:`tag.parallel.schedule.Tied`: its gradient
 all-reduced over both stages' replicas by a bucket of its own) is read whole by both stages; on a
 rank whose group holding the copy is sharded it is a level-1 bucket over that group's shard
@@ -135,11 +151,15 @@ class _Bucket:
         self.params = [params[n] for n in names]
         self.dtype = self.params[0].dtype
         """The parameters' (master) dtype: the shard's, its gradient's and the optimizer's."""
-        cast = [i for i, n in enumerate(names) if n in low] if level == 3 and low_dtype is not None else []
+        cast = [i for i, n in enumerate(names) if n in low] if low_dtype is not None else []
         rest = [i for i in range(len(names)) if i not in set(cast)]
         self.parts = [_Part(dt, idx, self.numel, shard) for dt, idx in ((low_dtype, cast), (self.dtype, rest)) if idx]
-        """ZeRO-3 under mixed precision: the parameters gathered in the low precision (every read
-        a cast to it, :func:`tag.graph.precision.low_gathered_params`) and the rest."""
+        """Under mixed precision: the parameters gathered in the low precision (every read a cast
+        to it, :func:`tag.graph.precision.low_gathered_params`) and the rest."""
+        self.own_shard = level == 3 or bool(cast)
+        """The shard a tensor of its own (ZeRO-3; ZeRO-1/2 gathering some parameters in the low
+        precision, whose full fp32 parameters then hold the others' shards rounded to it): not a
+        view of the full parameters' slice."""
         self.chunk = sum(pt.chunk for pt in self.parts)
         self.padded = self.chunk * shard
         groups = [devices[i:i + shard] for i in range(0, len(devices), shard)]
@@ -152,14 +172,14 @@ class _Bucket:
         self.shapes = [p.shape for p in self.params]
         flat = self._flat_params()
         lo = self.index_in_group * self.chunk
-        if level < 3:  # ZeRO-1/2: the parameters become views of the flat buffer, the shard its slice (no copy)
+        if not self.own_shard:  # ZeRO-1/2: the parameters become views of the flat buffer, the shard its slice
             self.write([flat], views=True)
             self.shard = torch.nn.Parameter(flat[lo:lo + self.chunk])
         else:
             self.shard = torch.nn.Parameter(flat[lo:lo + self.chunk].clone())
-        """This rank's shard of the flat parameters, which the optimizer steps: ZeRO-1/2 a view of
-        the full parameters' own slice (stepped in place), ZeRO-3 a tensor of its own (the full
-        parameters are freed); offloaded: in host memory."""
+        """This rank's shard of the flat parameters, which the optimizer steps (the master copy):
+        ZeRO-1/2 a view of the full parameters' own slice (stepped in place), else a tensor of its
+        own (:attr:`own_shard`; ZeRO-3's full parameters are freed); offloaded: in host memory."""
         self.device_shard = self.shard
         """The shard the gathers read: the device's copy of an offloaded shard, else :attr:`shard`."""
         self._synced_version = -1  # (offloaded: the host shard's version the device copy holds)
@@ -233,9 +253,10 @@ class _Bucket:
     def gather(self, async_op: bool = False, low: bool = True):
         """The full parameters, one flat buffer a :class:`_Part`: the shards all-gathered over the
         shard group (blocking), or with ``async_op`` a :class:`_Gathering` (a prefetch). ``low``:
-        each part in its gather dtype (ZeRO-3 under mixed precision: the shard of the cast-only
-        parameters cast before the gather, 2 bytes an element moved and held, as FSDP2's
-        ``param_dtype``), else all in the master dtype (the parameters saved or sent)."""
+        each part in its gather dtype (under mixed precision the shard of the cast-only parameters
+        cast before the gather, 2 bytes an element moved: ZeRO-3's held so, as FSDP2's
+        ``param_dtype``, ZeRO-1/2's copied into the full fp32 parameters), else all in the master
+        dtype (the parameters saved or sent)."""
         self.refresh_device()
         src, col, pieces = self.device_shard.detach(), 0, []
         for pt in self.parts:
@@ -289,6 +310,11 @@ class _Bucket:
                 p.data = value
             else:
                 p.data.copy_(value)
+
+    def set_full(self, tensors: list[torch.Tensor]) -> None:
+        """ZeRO-1/2: the full parameters from whole tensors (bucket order; a checkpoint's)."""
+        for p, t in zip(self.params, tensors):
+            p.data.copy_(t.reshape(p.shape))
 
     def free(self) -> None:
         for p in self.params:
@@ -351,6 +377,7 @@ class ShardedRank(RankHook):
         self._kept: dict[int, tuple] = {}  # id(parameter) -> (it, its gathered value): sent ones, for the iteration
         self._target: dict[str, str] = {}  # parameter placeholder -> state-dict name
         self._gather_bytes: dict[int, int] = {}  # ZeRO-3 bucket index -> bytes its last gather for a segment returned
+        self._step_gather_bytes: dict[int, int] = {}  # ZeRO-1/2 bucket index -> bytes its last gather after a step
 
     # ---- activation ----------------------------------------------------------------------
     def _activate(self, rt) -> None:
@@ -533,9 +560,11 @@ class ShardedRank(RankHook):
         """ZeRO-1/2 after a step: the full parameters from the updated shards."""
         if not self.stale:
             return
-        for bk in self.buckets.values():
+        for i, bk in self.buckets.items():
             if bk.level < 3:
-                bk.write(bk.gather(), views=False)
+                flats = bk.gather()
+                self._step_gather_bytes[i] = sum(x.numel() * x.element_size() for x in flats)
+                bk.write(flats, views=False)
         self.stale = False
 
     # ---- saving -------------------------------------------------------------------------
@@ -544,7 +573,7 @@ class ShardedRank(RankHook):
         if not self.active:
             return None
         self._refresh()
-        return {bk.names[j]: t.clone() for bk in self.buckets.values() if bk.level == 3
+        return {bk.names[j]: t.clone() for bk in self.buckets.values() if bk.own_shard
                 for j, t in enumerate(bk.values(bk.gather(low=False)))}
 
     def full_params(self, gathered: list) -> dict[str, torch.Tensor]:
@@ -556,11 +585,15 @@ class ShardedRank(RankHook):
 
     def state_bytes(self, rt) -> dict[str, int]:
         """With ZeRO-3 buckets: ``zero3_gather_bytes``, what the last gather for a segment of each
-        returned (padding included: one gather of every bucket, in its gather dtypes). With
+        returned (padding included: one gather of every bucket, in its gather dtypes); with ZeRO-1/2
+        buckets: ``step_gather_bytes``, what the gather of their updated shards after the last step
+        returned (the same way). With
         offloaded buckets: ``device_state_bytes`` (the parameters the rank holds between
         iterations and its device shards) and ``host_state_bytes`` (its host shards, their
         gradients and the optimizer state of those shards)."""
         out = {"zero3_gather_bytes": sum(self._gather_bytes.values())} if self._gather_bytes else {}
+        if self._step_gather_bytes:
+            out["step_gather_bytes"] = sum(self._step_gather_bytes.values())
         off = [bk for bk in self.buckets.values() if bk.offload]
         if not off:
             return out
@@ -573,7 +606,7 @@ class ShardedRank(RankHook):
                                                                  if isinstance(v, torch.Tensor) and v.dim() > 0)
                    for bk in off)
         device = sum(nbytes(p) for p in rt.params.values()) + sum(nbytes(bk.device_shard) for bk in off
-                                                                  if bk.level == 3)  # (ZeRO-1/2's: a view)
+                                                                  if bk.own_shard)  # (else a view)
         return {**out, "device_state_bytes": device, "host_state_bytes": host}
 
     def _names(self) -> list[str]:

@@ -298,7 +298,8 @@ class JointContext:
         """[A] index in :data:`SYNC_FLAGS` of each action's sync flag, -1: none."""
         self.action_flagged = np.flatnonzero(self.sync_flag >= 0)
         self.ndev = space.membership.sum(axis=1)
-        self.tp_frac = np.array([act.tp / len(act.devices) if act.tp else 0.0 for act in space.actions])
+        size = [get_strategy(act.sync).search_group_size(act.tp) for act in space.actions]
+        self.tp_frac = np.array([m / len(act.devices) if m else 0.0 for m, act in zip(size, space.actions)])
         """[A] devices of one tensor-parallel group over the action's devices (0: not ``tp``)."""
         self.machines_frac = np.array([len({topo.machine_of(x) for x in act.devices}) / topo.num_machines
                                        for act in space.actions])

@@ -168,3 +168,16 @@ def low_gathered_params(graph) -> frozenset[int]:
     return frozenset(k for k, p in enumerate(graph.params)
                      if any(c in cast_set for c in tensors[p.tensor].consumers)
                      and all(c in cast_set for c in tensors[p.tensor].consumers if ops[c].phase != "opt"))
+
+
+def param_gather_bytes(graph) -> list[float]:
+    """Bytes one all-gather of each of ``graph.params`` moves under sharded data parallelism
+    (same order): a parameter of :func:`low_gathered_params` at the low precision's bytes an
+    element (its shard cast before the gather), any other as it is (fp32). The one rule for ZeRO-3's
+    gathers before use (FSDP2's ``param_dtype``) and ZeRO-1/2's gather of the updated shards after
+    the step (DeepSpeed's and Megatron-LM's gather of their bf16 / fp16 model weights), which the
+    simulator charges (:func:`tag.sim.sharded.low_gathers`), the executor moves
+    (:mod:`tag.executor.sharded`) and the search estimates (:class:`tag.search.costs.GroupCosts`)."""
+    low = low_gathered_params(graph)
+    size = LOW_DTYPE[graph.precision].itemsize if low else 0  # bytes an element
+    return [float(p.numel * size if k in low else p.nbytes) for k, p in enumerate(graph.params)]

@@ -37,6 +37,8 @@ are refused) nor with SFB (``GroupPlan.sfb`` is refused: the gradients are reduc
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..cost.comm import ring_allgather_time, ring_allreduce_time, ring_reducescatter_time
 from ..errors import PlanError
 from ..plan.format import GroupPlan
@@ -48,6 +50,18 @@ LEVELS = (1, 2, 3)
 OFFLOADS = ("optimizer",)
 """``GroupPlan.offload`` values: ``optimizer`` (ZeRO-Offload). Parameters stay in GPU memory:
 offloading them too (ZeRO-Infinity's ``offload_param``, PatrickStar's chunks) is not modelled."""
+
+
+class ZeroOption(NamedTuple):
+    """A sharded search action's option (``Action.tp``) where it offloads: devices per shard group
+    (None: all) and the ``GroupPlan.offload``. An action without offload keeps the plain shard size
+    (None or an int) as its option."""
+
+    shard: int | None
+    offload: str
+
+    def __str__(self) -> str:
+        return f"{self.shard or ''}+{self.offload}"
 
 
 def sync_name(level: int) -> str:
@@ -155,18 +169,31 @@ class Sharded(DataParallel):
             sharded_bytes(self.level, shard_size(gp), p, o)
         return 2 * p + o - held
 
-    # ---- the search's actions: ZeRO-3 only (FSDP, the recipe users start from), full or hybrid
+    # ---- the search's actions: ZeRO-3 only (FSDP, the recipe users start from), full or hybrid,
+    # and full with its optimizer offloaded
     def search_options(self, devices: tuple[int, ...], family: str, space) -> list:
         """``zero3``: full sharding over every device or one machine (:attr:`search_families`),
-        and hybrid sharding over one machine's devices where the subset spans several machines holding equally many of
-        them (the option: the shard size); ``zero1`` / ``zero2``: none (the layouts offer them)."""
+        hybrid sharding over one machine's devices where the subset spans several machines holding
+        equally many of them (the option: the shard size), and over every device full sharding
+        with the optimizer offloaded (:class:`ZeroOption`: ZeRO-Offload, the ``fsdp-offload``
+        recipe; one action more, not one a machine); ``zero1`` / ``zero2``: none (the layouts
+        offer them)."""
         if self.level != 3 or len(devices) < 2 or family not in self.search_families:
             return []
+        offload = [ZeroOption(None, OFFLOADS[0])] if family == "all" else []
         machines = [space.topology.machine_of(d) for d in devices]
         runs = 1 + sum(a != b for a, b in zip(machines, machines[1:]))  # (a machine's devices consecutive)
         s = len(devices) // len(set(machines))
         hybrid = runs == len(set(machines)) > 1 and s > 1 and all(machines.count(m) == s for m in set(machines))
-        return [None, s] if hybrid else [None]
+        return [None, s, *offload] if hybrid else [None, *offload]
+
+    @staticmethod
+    def search_option_parts(option) -> tuple[int | None, str | None]:
+        """``(shard, offload)`` of a search option (:meth:`search_options`)."""
+        return (option.shard, option.offload) if isinstance(option, ZeroOption) else (option, None)
+
+    def search_group_size(self, option) -> int | None:
+        return self.search_option_parts(option)[0]
 
     search_families = ("all", "machine")
     """Device-subset families (:func:`tag.search.space.device_subsets`) offered ZeRO-3: every device
@@ -174,12 +201,14 @@ class Sharded(DataParallel):
 
     def search_plan(self, space, g: int, devices: tuple[int, ...], option) -> GroupPlan:
         gp = super().search_plan(space, g, devices, option)
-        if len(devices) > 1:
-            gp.sync, gp.shard = self.name, option
+        shard, offload = self.search_option_parts(option)
+        if len(devices) > 1 or offload:
+            gp.sync, gp.shard, gp.offload = self.name, shard, offload
         return gp
 
     def search_key(self, space, g: int, devices: tuple[int, ...], option) -> tuple:
-        if len(devices) == 1 or space.costs.param_bytes[g] == 0:
+        offload = self.search_option_parts(option)[1]
+        if (len(devices) == 1 and not offload) or space.costs.param_bytes[g] == 0:
             return (devices, DataParallel.name)
         return (devices, self.name, option)
 
@@ -187,17 +216,38 @@ class Sharded(DataParallel):
                         lmax: float) -> tuple[float, float, float]:
         """Replicas at their summed speed over the slowest link: the sync a ring reduce-scatter
         (``zero1``: all-reduce) plus the parameter all-gathers (two for ``zero3``, one after the
-        step otherwise); memory the sharded state plus the gathered parameters (``zero3``)."""
+        step otherwise) of the bytes the simulator gathers (``GroupCosts.gather_bytes``: the
+        cast-only weights in bf16 / fp16, :func:`tag.graph.precision.param_gather_bytes`), and
+        offloaded the host step (:meth:`host_step_estimate`); memory the sharded state (offloaded:
+        the device's part) plus the gathered parameters (``zero3``)."""
         n, c = len(devices), space.costs
-        if n == 1:
+        shard, offload = self.search_option_parts(option)
+        if n == 1 and not offload:
             return self.replicated_estimate(space, g, devices, 0.0)
-        s = option or n
-        p, o = float(c.param_bytes[g]), float(c.opt_bytes[g])
-        sync = (ring_allreduce_time(n, p, bmin, lmax) if self.level == 1 else ring_reducescatter_time(n, p, bmin, lmax))
-        sync += (2 if self.level == 3 else 1) * ring_allgather_time(s, p, bmin, lmax)
+        s = shard or n
+        p, o, pg = float(c.param_bytes[g]), float(c.opt_bytes[g]), float(c.gather_bytes[g])
+        sync = 0.0
+        if n > 1:
+            sync = ring_allreduce_time(n, p, bmin, lmax) if self.level == 1 else ring_reducescatter_time(n, p, bmin, lmax)
+            sync += (2 if self.level == 3 else 1) * ring_allgather_time(s, pg, bmin, lmax)
+        held = sharded_bytes(self.level, s, p, o)
+        if offload:
+            sync += self.host_step_estimate(space, devices, p, o, s)
+            held = offloaded_bytes(self.level, s, p, o)[0]
         comp, _, _ = self.replicated_estimate(space, g, devices, sync)
-        mem = sharded_bytes(self.level, s, p, o) + (p if self.level == 3 else 0.0) + float(c.act_bytes[g]) / n
-        return comp, sync, mem
+        return comp, sync, held + (pg if self.level == 3 else 0.0) + float(c.act_bytes[g]) / n
+
+    @staticmethod
+    def host_step_estimate(space, devices: tuple[int, ...], p: float, o: float, s: int) -> float:
+        """Seconds of an offloaded step (:func:`tag.sim.sharded.host_step`'s rule at the subset's
+        busiest machine): the gradient shard down and the parameter shard up its host link, shared
+        by its devices of the subset, and the Adam update on its CPU reading and writing the
+        parameter, gradient and optimizer-state shards (``2 (2 P + O) / S`` bytes)."""
+        topo = space.topology
+        machines = [topo.machine_of(d) for d in devices]
+        return max(machines.count(m) * (2 * p / s / topo.machines[m].host_link
+                                        + 2 * (2 * p + o) / s / topo.machines[m].host_memory_bw)
+                   for m in set(machines))
 
     def search_table(self, space, devices: tuple[int, ...], option, bmin: float, lmax: float):
         """:meth:`Strategy.search_table`'s loop over this class's own methods."""
@@ -210,5 +260,5 @@ SHARDED = tuple(Sharded(level) for level in LEVELS)
 """The registered instances, ``zero1`` .. ``zero3`` (:func:`tag.parallel.register`)."""
 
 
-__all__ = ["LEVELS", "OFFLOADS", "SHARDED", "Sharded", "offloaded_bytes", "shard_groups", "shard_size", "sharded_bytes",
+__all__ = ["LEVELS", "OFFLOADS", "SHARDED", "Sharded", "ZeroOption", "offloaded_bytes", "shard_groups", "shard_size", "sharded_bytes",
            "sync_name"]

@@ -208,6 +208,11 @@ class Strategy:
         Default: one action on subsets of two devices or more."""
         return [None] if len(devices) > 1 else []
 
+    def search_group_size(self, option) -> int | None:
+        """Devices per group that a search option names (``tp``'s degree, a hybrid shard group's
+        size; the GNN predictor's ``tp_frac`` feature); None for none. Default: the option."""
+        return option
+
     def search_devices(self, space, g: int, devices: tuple[int, ...], option) -> tuple[int, ...]:
         """The devices the action over ``devices`` deploys op-group ``g`` on (default: all of them)."""
         return devices

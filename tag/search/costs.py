@@ -66,6 +66,10 @@ class GroupCosts:
     """[K] bytes of parameters owned by each group."""
     opt_bytes: np.ndarray
     """[K] optimizer-state bytes of each group."""
+    gather_bytes: np.ndarray
+    """[K] bytes one all-gather of each group's parameters moves under sharded data parallelism
+    (:func:`tag.graph.precision.param_gather_bytes`: the cast-only weights at 2 bytes an element
+    under mixed precision; the simulator's rule, :func:`tag.sim.sharded.low_gathers`)."""
     act_bytes: np.ndarray
     """[K] bytes of forward activations produced by each group at the full batch."""
     flow: dict[tuple[int, int], float]
@@ -95,10 +99,13 @@ class GroupCosts:
         k = graph.num_groups
         pb = np.zeros(k)
         ob = np.zeros(k)
+        gb = np.zeros(k)
         from ..graph.gradients import param_groups
-        for p, g in zip(graph.params, param_groups(graph)):  # (where the simulator and executor own it)
-            pb[g] += p.nbytes
+        from ..graph.precision import param_gather_bytes
+        for p, g, moved in zip(graph.params, param_groups(graph), param_gather_bytes(graph)):
+            pb[g] += p.nbytes  # (where the simulator and executor own it)
             ob[g] += p.opt_state_bytes
+            gb[g] += moved
         act = np.zeros(k)
         flow: dict[tuple[int, int], float] = {}
         for t in graph.tensors:
@@ -120,4 +127,4 @@ class GroupCosts:
             lo, hi = positions[op.group]
             if lo <= op.anchor < hi:
                 pw[op.group][op.anchor - lo] += op_weight(graph, i)
-        return cls(gt, speed, pb, ob, act, flow, positions, pw)
+        return cls(gt, speed, pb, ob, gb, act, flow, positions, pw)

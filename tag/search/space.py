@@ -485,8 +485,8 @@ class ActionSpace:
         if gp is None:
             gp = self._materialise(g, self.actions[a])
             self._cache[key] = gp
-        return GroupPlan(list(gp.devices), list(gp.shares), gp.sync, gp.server,
-                         None if gp.mp_splits is None else list(gp.mp_splits), tp=gp.tp)
+        return replace(gp, devices=list(gp.devices), shares=list(gp.shares), sfb=list(gp.sfb),
+                       mp_splits=None if gp.mp_splits is None else list(gp.mp_splits))  # (shard, offload kept)
 
     def group_plans(self, actions) -> list[GroupPlan]:
         """Group plans of a full action tuple."""

@@ -49,8 +49,14 @@ latencies on a ring):
   recomputed ``rc_casts``, leave its held bytes, those not replaced by gathered weights join its
   working set) and its backward pays their seconds again (:meth:`Simulator.recompute_layout` and
   :meth:`Simulator.warm_layout` charge replicated groups once per iteration). The gradient
-  reduce-scatter stays fp32 (``P_g``). ``zero1`` / ``zero2`` hold their full fp32 parameters,
-  gather fp32 after the step, and cast as replicated groups do.
+  reduce-scatter stays fp32 (``P_g``);
+* ``zero1`` / ``zero2`` under mixed precision gather the updated shards by the same rule
+  (:func:`tag.graph.precision.param_gather_bytes`: ``A_g`` the gather of ``P^g_g``), as DeepSpeed's
+  ZeRO-1/2 and Megatron-LM's distributed optimizer gather their bf16 / fp16 model weights after
+  the step (sources in :mod:`tag.executor.sharded`); they hold their full fp32 parameters and cast
+  as replicated groups do, and a group with such weights holds its fp32 master shard besides
+  (``P_g / S`` more: the executor's shard is then a tensor of its own, the full parameters holding
+  the others' shards rounded).
 
 Offloaded (``GroupPlan.offload`` ``optimizer``, ZeRO-Offload), with ``k_m`` the group's devices on
 machine ``m`` (they step at once, sharing its host link ``H_m`` each direction and its CPU's memory
@@ -75,7 +81,7 @@ import numpy as np
 
 from ..graph.gradients import backward_homes
 from ..graph.ir import Phase
-from ..graph.precision import LOW_DTYPE, low_gathered_params, param_casts
+from ..graph.precision import low_gathered_params, param_casts, param_gather_bytes
 from ..parallel.sharded import offloaded_bytes, shard_size, sharded_bytes
 from ..parallel.strategy import strategy_of
 from .static import BWD, FWD, OPT
@@ -96,11 +102,13 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None
     st = sim.static
     p = np.asarray(st.grad_bytes, dtype=float)  # [K] parameter bytes (= gradient bytes)
     o = np.array([float(x.sum()) for x in st.static_pos]) - 2 * p  # [K] optimizer-state bytes
-    pg, copies, share = low_gathers(sim) if level == 3 else (p, np.zeros_like(p), np.zeros_like(p))
+    pg, copies, share = low_gathers(sim)  # [K] gathered bytes (every level), the copies ZeRO-3 makes needless
     gather = np.array([sim.comm.shard_gather_time(lay.devices, shard, x) for x in pg.tolist()])  # [K] s
     dur = lay.dur.copy()
     dur[OPT] = host_step(sim, lay.devices, p, shard) if offload else dur[OPT] / shard
     on_gpu = offloaded_bytes(level, shard, p, o)[0] if offload else sharded_bytes(level, shard, p, o)
+    if level < 3:  # the fp32 master shard of a group gathered in the low precision: a tensor of its own
+        on_gpu = on_gpu + np.where(pg < p, p / shard, 0.0)
     held = (2 * p + o) - on_gpu  # [K] bytes no longer held
     transient = np.zeros_like(p)
     if level < 3:
@@ -140,12 +148,13 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None
 
 
 def low_gathers(sim) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[K] arrays for ZeRO-3 under mixed precision, cached: the bytes one gather of each group's
-    parameters moves (the parameters :func:`tag.graph.precision.low_gathered_params` gathers in
-    the low precision at 2 bytes an element, the rest as they are: FSDP2's ``param_dtype``), the
-    bytes of the casts that the gathered copies replace (the executor reads them as they are,
-    :func:`tag.executor.fuse.cast_as_needed`), and those casts' share of the group's cast bytes
-    (of its cast seconds: a cast is memory bound). fp32 graphs: the parameter bytes and zeros."""
+    """[K] arrays, cached: the bytes one gather of each group's parameters moves, at every ZeRO
+    level (:func:`tag.graph.precision.param_gather_bytes`: the parameters
+    :func:`~tag.graph.precision.low_gathered_params` names at 2 bytes an element, the rest as they
+    are), and for ZeRO-3 under mixed precision the bytes of the casts that the gathered copies
+    replace (the executor reads them as they are, :func:`tag.executor.fuse.cast_as_needed`) and
+    those casts' share of the group's cast bytes (of its cast seconds: a cast is memory bound).
+    fp32 graphs: the parameter bytes and zeros."""
     memo = sim.cache("zero-gather")
     hit = memo.get("low")
     if hit is not None:
@@ -155,13 +164,13 @@ def low_gathers(sim) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     pg, copies, total = p.copy(), np.zeros_like(p), np.zeros_like(p)
     low = low_gathered_params(graph)
     if low:
-        size = LOW_DTYPE[graph.precision].itemsize  # bytes an element
+        moved = param_gather_bytes(graph)
         homes = backward_homes(graph)
         for k in low:
             q = graph.params[k]
             prod = graph.tensors[q.grad].producer
             g = homes[prod][0] if prod in homes else (graph.ops[prod].group if prod >= 0 else q.group)
-            pg[g] -= q.nbytes - q.numel * size
+            pg[g] -= q.nbytes - moved[k]
         mine = {graph.params[k].tensor for k in low}
         for i in param_casts(graph):
             op = graph.ops[i]
@@ -242,11 +251,11 @@ def sharded_group(sim, g: int, gp, lowered) -> GroupData:
         lay = sim.recompute_layout(lay)
     lay = sharded_layout(sim, lay, strategy.level, shard_size(gp), gp.offload, bool(gp.recompute))
     unit = Unit(g, -1, devs, batches, lay.starts, lay)
-    unit_key = ("dp", devs, batches)
+    ukey = ("dp", devs, batches)
     coll = strategy.collective(gp)
     nbytes = float(sim.static.grad_bytes[g])
     if coll is None or nbytes <= 0:
-        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, unit_key=unit_key, recompute=gp.recompute)
+        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=ukey, recompute=gp.recompute)
     memo = sim.cache("zero-sync")
     t = memo.get((coll.op, devs, nbytes))
     if t is None:
@@ -255,7 +264,7 @@ def sharded_group(sim, g: int, gp, lowered) -> GroupData:
     mo = sim.comm.machine_of
     machines = tuple(sorted({mo[d] for d in devs}))
     return GroupData([unit], coll.op, t, coll.members, machines if len(machines) > 1 else (), nbytes, layout=lay,
-                     unit_key=unit_key, bucket=(coll.op, devs, None), recompute=gp.recompute)
+                     ukey=ukey, bucket=(coll.op, devs, None), recompute=gp.recompute)
 
 
 for _name in ("zero1", "zero2", "zero3"):
