@@ -251,11 +251,11 @@ def sharded_group(sim, g: int, gp, lowered) -> GroupData:
         lay = sim.recompute_layout(lay)
     lay = sharded_layout(sim, lay, strategy.level, shard_size(gp), gp.offload, bool(gp.recompute))
     unit = Unit(g, -1, devs, batches, lay.starts, lay)
-    ukey = ("dp", devs, batches)
+    unit_key = ("dp", devs, batches)
     coll = strategy.collective(gp)
     nbytes = float(sim.static.grad_bytes[g])
     if coll is None or nbytes <= 0:
-        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, ukey=ukey, recompute=gp.recompute)
+        return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, unit_key=unit_key, recompute=gp.recompute)
     memo = sim.cache("zero-sync")
     t = memo.get((coll.op, devs, nbytes))
     if t is None:
@@ -264,7 +264,7 @@ def sharded_group(sim, g: int, gp, lowered) -> GroupData:
     mo = sim.comm.machine_of
     machines = tuple(sorted({mo[d] for d in devs}))
     return GroupData([unit], coll.op, t, coll.members, machines if len(machines) > 1 else (), nbytes, layout=lay,
-                     ukey=ukey, bucket=(coll.op, devs, None), recompute=gp.recompute)
+                     unit_key=unit_key, bucket=(coll.op, devs, None), recompute=gp.recompute)
 
 
 for _name in ("zero1", "zero2", "zero3"):
