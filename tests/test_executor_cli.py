@@ -55,6 +55,7 @@ def test_validate_interleaves_rounds_and_reports(tmp_path, monkeypatch, mlp):
     plan ``rounds`` times (each round in its own order) and reports the medians of the rounds."""
     import functools
 
+    from tag.cost import profiler
     from tag.cost.comm import CommProfile, LinkFit
     from tag.cost.model import device_type
     from tag.cost.profile import Profile
@@ -64,11 +65,16 @@ def test_validate_interleaves_rounds_and_reports(tmp_path, monkeypatch, mlp):
 
     # Real profiles, smaller: 3 message sizes x 4 timed calls (the default 7 x 160 takes ~18 s per
     # round on an idle 2-core machine and many minutes under load: the ranks' gloo event threads
-    # run under SCHED_IDLE) and 3 timed repeats per stage; the profilers have tests of their own
-    # (tests/test_profile.py). What is checked here is validate's rounds, files and report.
+    # run under SCHED_IDLE); 3 timed repeats per stage at the two per-replica batches the plans run
+    # (4 and 8 samples), on an idle host (no co-running process: its spawn and model build took
+    # ~10 s a round) and without the wake penalty (50 ms sleeps before every stage, ~5 s a round).
+    # The profilers have tests of their own (tests/test_profile.py: co-runners, wake penalty).
+    # What is checked here is validate's rounds, files and report.
     monkeypatch.setattr(commprof, "profile_comm",
                         functools.partial(commprof.profile_comm, sizes=(4096, 65536, 262144), repeats=4))
     monkeypatch.setattr(validate_mod, "PROFILE_REPEATS", 3)
+    monkeypatch.setattr(profiler, "profile_model",
+                        functools.partial(profiler.profile_model, batches=[B // 2, B], corun=0, wake_gap_s=0.0))
 
     topo = cpu_topology(tmp_path, 2)
     # an earlier run's round-0 profiles (10 s a stage, 10 s a message) in the same folder: replaced
