@@ -76,3 +76,31 @@ def test_cpu_ranks_hold_no_host_apart(topo4, captured):
     sim = Simulator(g, topo4)
     assert sim.hosts is None and sim.costs.host_parts(0) is None
     assert sim.layout((0, 1), (4, 4)).host is None
+
+
+def test_a_chunk_records_when_its_transfer_arrived(captured):
+    """An mp chunk whose host is apart: the recorder gets, as the chunk's arrival, when its last
+    message arrived (before 2026-11-29 it got the host's end of the stage, so a chunk could be
+    recorded as receiving its input after it started, and the critical path went through the
+    transfer). On two A100 with a 5 ms forward launch, every recorded stage starts no earlier than
+    its input arrived."""
+    from tag.plan import GroupPlan, group_positions
+    from tag.sim.event_loop import Run
+    from tag.sim.recorder import Recorder
+
+    g = captured("mlp", batch=8, groups=4).graph
+    topo = load_topology({"name": "two", "machines": [{"name": "m", "gpu": "A100-80GB", "count": 2,
+                                                       "intra_bandwidth": "300 GB/s", "host_launch": "5 ms"}]})
+    sim = Simulator(g, topo, CostModel.for_topology(g, topo))
+    groups = []
+    for k in range(g.num_groups):
+        lo, hi = group_positions(g, k)
+        groups.append(GroupPlan([0, 1], [0.5, 0.5], "mp", None, [lo, lo + (hi - lo) // 2]) if hi - lo > 1
+                      else GroupPlan([k % 2], [1.0], "allreduce"))
+    assert any(gp.sync == "mp" for gp in groups)
+    rec = Recorder()
+    Run(sim, sim.deploy(groups), rec).execute()
+    received = [seg for seg in rec.segments if seg.ready is not None]
+    assert received and any(seg.unit.host is not None for seg in received)
+    for seg in received:
+        assert all(r <= s for r, s in zip(seg.ready, seg.start)), (seg.ready, seg.start)

@@ -378,18 +378,19 @@ class Run:
         units = deployment.units
         fwd = ph == FWD
         free, compute_end, finish, rec = self.compute_free_at, self.compute_end, self.stage_finish, self.recorder
+        incoming, sim, group_finish, compute_seconds = self.incoming, self.sim, self.group_finish, self.compute_seconds
         for j in (range(len(units)) if fwd else range(len(units) - 1, -1, -1)):
             unit = units[j]
             idx = idx0 + k2 * j
             d = unit.devices[0]
-            inc = self.incoming.get(idx)
+            inc = incoming.get(idx)
             if inc:
-                y = self._transfer(inc, 1, idx)[0]
+                arrived = self._transfer(inc, 1, idx)[0]
                 c = free[d]
-                st = y if y > c else c
+                st = arrived if arrived > c else c
             else:
                 st = free[d]
-            pen = wake_extra(self.sim, unit, g, ph, [st], compute_end) if self.sim.any_wake else None
+            pen = wake_extra(sim, unit, g, ph, [st], compute_end) if sim.any_wake else None
             x = (st if pen is None else st + pen[0]) + unit.dur[ph]
             if unit.host is not None:  # its host issues it from where it is (_hosted)
                 h = self.host_free_at[d]
@@ -398,12 +399,12 @@ class Run:
                     x = y
                 self.host_free_at[d] = h + unit.host[ph]
             finish[idx] = [x]
-            if not fwd and x > self.group_finish[g]:
-                self.group_finish[g] = x
+            if not fwd and x > group_finish[g]:
+                group_finish[g] = x
             if rec is not None:
-                rec.segment(ph, [(g, j)], unit, [st], [y] if inc else None)
+                rec.segment(ph, [(g, j)], unit, [st], [arrived] if inc else None)
             free[d] = compute_end[d] = x
-            self.compute_seconds[d] += x - st
+            compute_seconds[d] += x - st
 
     def _hosted(self, lay: Layout, fwd: bool, p0: int, length: int, devs: tuple[int, ...],
                 go: list[float]) -> np.ndarray:
