@@ -214,7 +214,7 @@ def simulated(a) -> None:
     write_json(dest / "results.json", {"command": command, "model": a.model, "batch": a.batch, "layout": a.layout,
                                        "host_launch": host, "free_1f1b_s": T, "free_kfkb_s": free_k,
                                        "stage_seconds": None if hosted is None else
-                                       {"fwd_s": hosted[0], "bwd_s": hosted[1], "host": vars(hosted[2])},
+                                       {"fwd_s": hosted[0], "bwd_s": hosted[1], "host": [vars(h) for h in hosted[2]]},
                                        "traces": out})
     write_atomic(dest / "README.md", "\n".join(lines) + "\n")
 
