@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -226,43 +224,39 @@ def test_padding_where_the_degree_does_not_divide_a_boundary_tensor(captured, tm
     assert sizes and any(n % 3 for n in sizes)
 
 
-def _spawn_machines(topo, args_path: Path, log_dir: Path, timeout_s: float) -> None:
+def _machine_rank(rank: int, envs: list[dict[str, str]], args_path: str) -> None:
+    """Rank ``rank`` of :func:`_run_machines`: its torchrun environment, then what
+    ``python -m tag.executor.worker ARGS.json`` runs."""
+    from tag.executor.worker import main
+
+    os.environ.update(envs[rank])
+    assert main([args_path]) == 0
+
+
+def _run_machines(forked, topo, args_path: Path, timeout_s: float) -> None:
     """Run one worker process per device of ``topo`` as its machines would under torchrun (each
     machine's ranks with their local rank and the machine's rank count), all on this host: the
     store they share is a loopback one hosted here, the collectives on the loopback interface
-    (nothing listens on another interface). A rank's failure: its log's last lines."""
+    (nothing listens on another interface). The ranks are forked from the test suite's fork
+    server (``forked``: a fresh interpreter per rank imported torch and transformers, ~4 s of
+    CPU each); a rank's failure is raised with its traceback."""
     from tag.executor.loopback import LOOPBACK, loopback_env, loopback_store
 
     store = loopback_store(timeout_s=timeout_s)
-    root = Path(__file__).resolve().parents[1]
     per_machine = [sum(1 for d in topo.devices if topo.machine_of(d.index) == m) for m in range(topo.num_machines)]
-    procs = []
-    with loopback_env():
-        env = {**os.environ, "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(store.port),
-               "WORLD_SIZE": str(topo.num_devices), "TORCHELASTIC_USE_AGENT_STORE": "True",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-        for dev in topo.devices:
-            m = topo.machine_of(dev.index)
-            rank_env = {**env, "RANK": str(dev.index), "LOCAL_RANK": str(dev.local_index), "GROUP_RANK": str(m),
-                        "LOCAL_WORLD_SIZE": str(per_machine[m])}
-            log = open(log_dir / f"rank{dev.index}.log", "w")  # noqa: SIM115 - closed below
-            procs.append((subprocess.Popen([sys.executable, "-m", "tag.executor.worker", str(args_path)], cwd=root,
-                                           env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        for rank, (p, log) in enumerate(procs):
-            code = p.wait(timeout=timeout_s)
-            log.close()
-            assert code == 0, f"rank {rank}: {(log_dir / f'rank{rank}.log').read_text()[-2000:]}"
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
+    with loopback_env():  # (the fork server keeps the environment it started with: each rank sets its own)
+        env = {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k in os.environ}
+    env |= {"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(store.port), "WORLD_SIZE": str(topo.num_devices),
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    envs = [{**env, "RANK": str(dev.index), "LOCAL_RANK": str(dev.local_index),
+             "GROUP_RANK": str(topo.machine_of(dev.index)), "LOCAL_WORLD_SIZE": str(per_machine[topo.machine_of(dev.index)])}
+            for dev in topo.devices]
+    forked(_machine_rank, (envs, str(args_path)), topo.num_devices)
+    del store  # (held open until every rank has left)
 
 
 @pytest.mark.slow
-def test_scatter_gather_across_two_loopback_machines(setup, two, tmp_path):
+def test_scatter_gather_across_two_loopback_machines(setup, two, tmp_path, forked):
     """The same plan on 4 gloo processes, two per "machine" (docs/executor.md's torchrun
     recipe, on one host): the parameters after 2 steps equal single-process SGD, every rank
     all-gathered, and the bytes each rank sent across machines are the simulator's."""
@@ -278,7 +272,7 @@ def test_scatter_gather_across_two_loopback_machines(setup, two, tmp_path):
                       plan=str(tmp_path / "plan.json"), out_dir=str(tmp_path), steps=2, warmup=0, backend="gloo",
                       timeout_s=60.0, graph=str(tmp_path / "graph.json"), save_params=True)
     (tmp_path / "args.json").write_text(json.dumps(asdict(args)))
-    _spawn_machines(topo, tmp_path / "args.json", tmp_path, timeout_s=240.0)
+    _run_machines(forked, topo, tmp_path / "args.json", timeout_s=240.0)
     ranks = json.loads((tmp_path / "ranks.json").read_text())
     ref, losses = reference_training(load_workload(GPT2, batch=8), "sgd", 2)
     # each stage's full parameters (rank 1 and 3 saved the same)
