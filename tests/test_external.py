@@ -114,3 +114,45 @@ def test_runner_costs_points_and_writes_results(tmp_path):
     assert (out / "README.md").read_text().startswith("| run | command | commit | machine | date |")
     import json
     assert json.loads((out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+
+
+def test_merge_keeps_other_groups_rows_and_names_each_run(tmp_path):
+    """``--only h --merge``: group g's rows come from --out's points.csv as they were written (not
+    simulated again), h's from this run; the README's header keeps the full run's row and adds one
+    naming h; merging h again replaces that row."""
+    import csv
+    import json
+
+    from evaluation.external.__main__ import main
+
+    topo = ROOT / "topologies" / "homogeneous-2x4-v100.yaml"
+    pts = tmp_path / "pts"
+    pts.mkdir()
+    (pts / "src.yaml").write_text(
+        "source: {kind: paper, ref: test, path: table 1, commit: null}\nruntime: megatron-lm\ngroups:\n"
+        + "".join(f"  - name: {g}\n    topology: {topo}\n    points:\n" + _pt(f"{g}1", "{dp: 8, micro: 1}", 0.05)
+                  for g in ("g", "h")))
+    out = tmp_path / "out"
+    assert main(["--points", str(pts), "--out", str(out), "--groups", "8"]) == 0
+    rows = list(csv.DictReader((out / "points.csv").open()))
+    rows[0]["simulated_s"] = "123.0000"  # group g's figure, as if from another commit
+    with (out / "points.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    for _ in range(2):
+        assert main(["--points", str(pts), "--out", str(out), "--groups", "8", "--only", "h", "--merge"]) == 0
+    merged = {r["group"]: r for r in csv.DictReader((out / "points.csv").open())}
+    assert list(merged) == ["g", "h"]
+    assert merged["g"]["simulated_s"] == "123.0000"  # kept, not simulated again
+    assert merged["h"]["simulated_s"] == rows[1]["simulated_s"]  # simulated again, same figure
+    header = (out / "README.md").read_text().split("\n\n")[0].splitlines()
+    assert len(header) == 4, header  # title, rule, the full run's row, one row of the partial runs
+    assert header[2].startswith("| run | `python -m evaluation.external --points")
+    assert header[3].startswith("| h | `") and "--only h --merge" in header[3]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["groups"] for r in summary["runs"]] == [None, ["h"]]
+    assert summary["overall"]["points"] == 2 and {g["group"] for g in summary["groups"]} == {"g", "h"}
+    with pytest.raises(SystemExit):
+        main(["--out", str(out), "--merge"])  # --merge needs --only
+    assert main(["--points", str(pts), "--out", str(out), "--only", "nope", "--merge"]) == 2

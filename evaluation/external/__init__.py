@@ -1,6 +1,6 @@
 """The simulator against published, measured multi-GPU training runs.
 
-    .venv/bin/python -m evaluation.external [--only GROUP[,GROUP]] [--out DIR] [--groups 48]
+    .venv/bin/python -m evaluation.external [--only GROUP[,GROUP] [--merge]] [--out DIR] [--groups 48]
 
 Every point of ``evaluation/external/points/*.yaml`` is a training run someone measured on a real
 cluster (its source, cluster, model, precision, batches, data x tensor x pipeline layout, stage
@@ -13,7 +13,10 @@ measured, error, OOM), ``summary.json`` (per cluster group: points, Spearman ran
 simulated against measured, median and worst ``|simulated / measured - 1|``, whether the measured
 fastest layout is among the simulator's three fastest, runs that ran but are predicted out of
 memory), ``sim_vs_measured.png`` (log-log, one colour per group) and ``README.md`` (the table,
-the command, commit, machine and date).
+the command, commit, machine and date). ``--only G1,G2 --merge`` costs those groups and keeps
+every other group's rows of ``--out``'s ``points.csv``; the table, summary and plot cover all
+rows, and the README's header has a row per run (``summary.json`` ``runs``: the full run's, then
+one naming the groups of each partial run), so each group's figures name their commit.
 
 Nothing here is fitted to these measurements: the simulator's constants come from per-op
 microbenchmarks and the profiled single-GPU steps (``tag/cost/gpu_calib/``), so the
@@ -36,8 +39,9 @@ POINTS = HERE / "points"
 TOPOLOGIES = HERE / "topologies"
 RESULTS = ROOT / "evaluation" / "results" / "external"
 PRECISIONS = ("fp32", "fp16", "bf16")
-EAGER_RUNTIMES = ("tag", "eager")
-"""Runtimes that run the captured eager kernels (TAG's executor); any other runtime is costed as
+EAGER_RUNTIMES = ("tag", "eager", "torchtitan")
+"""Runtimes that run the captured eager kernels (TAG's executor; torchtitan without
+``torch.compile``, its only rows costed: eager PyTorch ops, SDPA attention); any other runtime is costed as
 Megatron-LM runs: its fused kernels (``CostModel`` ``runtime="megatron"``), activations as a fused
 trainer holds them (:mod:`tag.cost.fused_memory`), one op-group a layer (Megatron-LM's unit of
 activation recomputation and of tensor parallelism: :func:`tag.parallel.layers.group_by_layers`)
@@ -45,6 +49,12 @@ and, with tensor parallelism, the vocabulary split over the tensor-parallel rank
 and head's weights, the embedding's rows and the head's logits, their work and their collectives,
 every rank on its replica's whole micro-batch (:func:`tag.parallel.layers.vocab_parallel_graph`,
 :func:`vocab_parallel_plan`), the tied embedding held by a pipeline's first and last stages."""
+
+BLOCK_UNIT_RUNTIMES = ("torchtitan",)
+"""Eager runtimes costed one op-group a transformer block (:func:`tag.parallel.layers.group_by_layers`)
+as the non-eager ones are: torchtitan applies FSDP2's ``fully_shard`` and activation checkpointing
+to each ``TransformerBlock`` (its ``apply_fsdp`` and ``apply_ac``), so a block is what it gathers,
+frees and recomputes as a unit."""
 
 
 BLOCKING_SEND_RUNTIMES = ("deepspeed", "megatron-lm", "megatron-deepspeed", "flagscale")
@@ -249,8 +259,8 @@ def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None
         graph, _, _ = model_graph(p.model, p.global_batch, precision=p.precision, num_groups=groups)
         lay = replace(parse_layout(p.layout_text()), stages=p.stages, order=p.devices,
                       vocab=int(p.runtime not in EAGER_RUNTIMES and p.layout["tp"] > 1))
-        if p.runtime not in EAGER_RUNTIMES:  # one op-group a layer: Megatron-LM's recompute and tp unit
-            group_by_layers(graph)
+        if p.runtime not in EAGER_RUNTIMES or p.runtime in BLOCK_UNIT_RUNTIMES:  # one op-group a layer:
+            group_by_layers(graph)  # Megatron-LM's recompute and tp unit, torchtitan's FSDP and AC unit
         elif lay.stages is not None:  # op-groups that start at every stage's first layer
             try:
                 align_groups(graph, lay)

@@ -6,6 +6,7 @@ import argparse
 import csv
 import functools
 import io
+import json
 import os
 import sys
 import time
@@ -18,14 +19,16 @@ def _fmt(x, spec: str = ".3f") -> str:
     return "" if x is None or x != x else format(x, spec)
 
 
-def write_results(out: Path, rows: list[Row], command: str) -> dict:
-    """``points.csv``, ``summary.json``, ``sim_vs_measured.png`` and ``README.md`` under ``out``."""
-    from evaluation.report import header_table, machine_line, run_fields
+def write_results(out: Path, rows: list[Row], command: str, runs: list[dict] | None = None) -> dict:
+    """``points.csv``, ``summary.json``, ``sim_vs_measured.png`` and ``README.md`` under ``out``.
+    ``runs``: the runs whose rows these are (:func:`merged_runs`); None: this run alone, all rows."""
+    from evaluation.report import HEADER, machine_line, run_fields
     from tag.io import write_atomic, write_json
 
     groups, overall = score(rows)
     out.mkdir(parents=True, exist_ok=True)
     header = run_fields(command, machine_line())
+    runs = runs if runs is not None else [{"run": "run", **header, "groups": None}]
     fields = ["group", "id", "source", "runtime", "model", "precision", "global_batch", "layout", "stages",
               "ran", "measured_s", "simulated_s", "ratio", "oom", "peak_gib", "memory_gib", "error"]
     buf = io.StringIO()
@@ -38,10 +41,12 @@ def write_results(out: Path, rows: list[Row], command: str) -> dict:
                     _fmt(r.simulated_s, ".4f"), _fmt(r.ratio), r.oom, _fmt(r.peak_gib, ".2f"),
                     _fmt(p.memory_gib, ".2f"), r.error or ""])
     write_atomic(out / "points.csv", buf.getvalue())
-    summary = _finite({**header, "overall": overall, "groups": [g.__dict__ | {"passes": g.passes()} for g in groups]})
+    summary = _finite({**header, "runs": runs, "overall": overall,
+                       "groups": [g.__dict__ | {"passes": g.passes()} for g in groups]})
     write_json(out / "summary.json", summary)
     _plot(out / "sim_vs_measured.png", rows)
-    lines = [*header_table(header), "",
+    lines = [HEADER, "|---|---|---|---|---|",
+             *(f"| {r['run']} | `{r['command']}` | {r['commit']} | {r['machine']} | {r['date']} |" for r in runs), "",
              "# Simulator against published multi-GPU measurements", "",
              "Each point is a published, measured training iteration (sources: `evaluation/external/points/`), "
              "costed by `tag simulate --layout` on its cluster's topology file. Error = simulated / measured - 1. "
@@ -63,6 +68,36 @@ def write_results(out: Path, rows: list[Row], command: str) -> dict:
               "", "![simulated vs measured](sim_vs_measured.png)", "", "Per point: `points.csv`."]
     write_atomic(out / "README.md", "\n".join(lines) + "\n")
     return summary
+
+
+def merged_runs(previous: dict, header: dict, only: list[str]) -> list[dict]:
+    """The runs of a folder after a run of the groups ``only`` is merged into it: ``previous``'s
+    (its ``summary.json``; one written before runs were listed is one run of every group), each
+    earlier partial run without the groups this one replaces (gone when none is left), then this
+    run, named by its groups. A run's ``groups`` is None where it covers every group not named by
+    a later run."""
+    runs = previous.get("runs") or [{"run": "run", **{k: previous.get(k, "") for k in
+                                                      ("command", "commit", "machine", "date")}, "groups": None}]
+    kept = []
+    for r in runs:
+        if r.get("groups") is None:
+            kept.append(r)
+        elif rest := [g for g in r["groups"] if g not in only]:
+            kept.append({**r, "run": ", ".join(rest), "groups": rest})
+    return [*kept, {"run": ", ".join(only), **header, "groups": list(only)}]
+
+
+def merge_rows(out: Path, points: Path, rows: list[Row], only: list[str]) -> list[Row]:
+    """``rows`` (this run's, of the groups ``only``) with ``out``'s ``points.csv`` rows of every
+    other group, in the points files' order (a full run's)."""
+    order = {(p.group, p.id): i for i, p in enumerate(load_points(points))}
+    old = _rows_of(out / "points.csv", points)
+    kept = [r for r in old if r.point.group not in only]
+    with open(out / "points.csv", newline="") as f:
+        gone = sum(1 for r in csv.DictReader(f) if r["group"] not in only) - len(kept)
+    print(f"--merge: {len(kept)} rows of other groups kept from {out / 'points.csv'}"
+          + (f", {gone} naming no point of {points} left out" if gone else ""), file=sys.stderr)
+    return sorted([*kept, *rows], key=lambda r: order[(r.point.group, r.point.id)])
 
 
 def _finite(x):
@@ -145,7 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=48, help="op-groups per captured model")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (points in order, results identical)")
     ap.add_argument("--replot", action="store_true", help="redraw --out's plot from its points.csv, simulate nothing")
+    ap.add_argument("--merge", action="store_true",
+                    help="with --only: keep the other groups' rows of --out's points.csv and rewrite the table, "
+                         "summary and plot over all rows; the README's header gets this run's row")
     a = ap.parse_args(argv)
+    if a.merge and not a.only:
+        ap.error("--merge: merges the groups of --only into --out; expected --only G1[,G2...]")
+    previous = None
+    if a.merge:
+        try:
+            previous = json.loads((a.out / "summary.json").read_text())
+            (a.out / "points.csv").stat()
+        except (OSError, ValueError) as e:
+            print(f"error: --merge: {a.out}: expected points.csv and summary.json of an earlier run ({e})",
+                  file=sys.stderr)
+            return 2
     if a.replot:
         _plot(a.out / "sim_vs_measured.png", _rows_of(a.out / "points.csv", a.points))
         return 0
@@ -154,9 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if a.only:
-        keep = set(a.only.split(","))
-        points = [p for p in points if p.group in keep]
+    only = a.only.split(",") if a.only else []
+    if only:
+        unknown = sorted(set(only) - {p.group for p in points})
+        if unknown:
+            print(f"error: --only: no group {', '.join(unknown)} in {a.points}; expected the name of a group "
+                  "of its points files", file=sys.stderr)
+            return 2
+        points = [p for p in points if p.group in only]
     rows: list[Row] = []
     t0 = time.perf_counter()
     if a.jobs > 1:
@@ -177,7 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         pool.close()
     command = "python -m evaluation.external" + ("" if argv is None and len(sys.argv) <= 1 else
                                                  " " + " ".join(argv if argv is not None else sys.argv[1:]))
-    summary = write_results(a.out, rows, command)
+    runs = None
+    if previous is not None:
+        from evaluation.report import machine_line, run_fields
+
+        rows = merge_rows(a.out, a.points, rows, only)
+        runs = merged_runs(previous, run_fields(command, machine_line()), only)
+    summary = write_results(a.out, rows, command, runs)
     print((a.out / "README.md").read_text())
     return 0 if summary else 1
 
