@@ -113,7 +113,7 @@ def gloo(a) -> None:
         summary[str(d)] = {**med, "paired_ratio": paired, "adaptive_k_after_warmup": ks}
         rows.append(f"| {d:g} | {med['1f1b'] * 1e3:.1f} | {med['adaptive'] * 1e3:.1f} | "
                     f"{med['adaptive'] / med['1f1b'] - 1:+.1%} | {paired - 1:+.1%} | {ks} |")
-    command = "PYTHONPATH=. python -m evaluation.adaptive_kfkb " + " ".join(sys.argv[1:])
+    command = " ".join(["PYTHONPATH=. python -m evaluation.adaptive_kfkb", *sys.argv[1:]])
     lines = ["# Adaptive kFkB on gloo: a throttled link, fixed 1F1B against `tag execute --adaptive-k`", "",
              *header_lines(command, machine_line()), "",
              f"{a.model}, batch {a.batch}, {a.stages} stages on {a.stages} gloo CPU ranks (one op-group cut "
@@ -197,7 +197,7 @@ def simulated(a) -> None:
         print(f"{name:12s} 1F1B {fixed:8.3f} s  adaptive {total:8.3f} s  ({total / fixed - 1:+.1%})  k {ks}", flush=True)
         rows.append(f"| {name} | {fixed:.3f} | {total:.3f} | {total / fixed - 1:+.1%} | {' '.join(map(str, ks))} |")
     host = raw["machines"][0].get("host_launch", "the GPU rule's default")
-    command = "PYTHONPATH=. python -m evaluation.adaptive_kfkb " + " ".join(sys.argv[1:])
+    command = " ".join(["PYTHONPATH=. python -m evaluation.adaptive_kfkb", *sys.argv[1:]])
     lines = ["# Adaptive kFkB in the simulator: cloud-t4 with a shared inter-VM network", "",
              *header_lines(command, machine_line()), "",
              f"{a.model}, batch {a.batch}, `{a.layout}` on cloud-t4 (4 VMs of 2 T4s, 10 Gbit/s; host launch: {host}), "
