@@ -400,12 +400,13 @@ def block_external(ctx: Ctx) -> str:
     if not (ctx.root / RESULTS / EXTERNAL).exists():
         return "(no results yet: `evaluation/results/external/summary.json` is absent)"
     s = ctx.json(EXTERNAL)
-    head = " | ".join(["all"] + [f"`{s['command']}`" if k == "command" else str(s[k])
-                                  for k in ("command", "commit", "machine", "date")])
+    runs = s.get("runs") or [{**s, "groups": None}]  # one a run: the full run's, then each partial run's
+    head = "\n".join("| " + " | ".join(["all" if r["groups"] is None else r["run"], f"`{r['command']}`",
+                                         *(str(r[k]) for k in ("commit", "machine", "date"))]) + " |" for r in runs)
     rows = [[g["group"], str(g["points"]), "-" if g.get("spearman") is None else f"{g['spearman']:.2f}",
              _pct(g.get("median_abs_error")), _pct(g.get("worst_abs_error"))] for g in s["groups"]]
     o = s["overall"]
-    return "\n".join([f"Results: {ctx.link('external/')}", "", HEADER, "|---|---|---|---|---|", f"| {head} |", "",
+    return "\n".join([f"Results: {ctx.link('external/')}", "", HEADER, "|---|---|---|---|---|", head, "",
                       _table(["group", "points", "Spearman", "median abs. error", "worst abs. error"], rows), "",
                       f"{o['points']} points in {o['groups']} groups; median abs. error {_pct(o['median_abs_error'])} "
                       f"({ctx.link(EXTERNAL, 'summary.json')}; per point: {ctx.link('external/points.csv', 'points.csv')})."])

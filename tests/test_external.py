@@ -132,7 +132,7 @@ def test_merge_keeps_other_groups_rows_and_names_each_run(tmp_path):
         "source: {kind: paper, ref: test, path: table 1, commit: null}\nruntime: megatron-lm\ngroups:\n"
         + "".join(f"  - name: {g}\n    topology: {topo}\n    points:\n" + _pt(f"{g}1", "{dp: 8, micro: 1}", 0.05)
                   for g in ("g", "h")))
-    out = tmp_path / "out"
+    out = tmp_path / "evaluation" / "results" / "external"
     assert main(["--points", str(pts), "--out", str(out), "--groups", "8"]) == 0
     rows = list(csv.DictReader((out / "points.csv").open()))
     rows[0]["simulated_s"] = "123.0000"  # group g's figure, as if from another commit
@@ -153,6 +153,9 @@ def test_merge_keeps_other_groups_rows_and_names_each_run(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert [r["groups"] for r in summary["runs"]] == [None, ["h"]]
     assert summary["overall"]["points"] == 2 and {g["group"] for g in summary["groups"]} == {"g", "h"}
+    from evaluation import report
+    block = report.block_external(report.Ctx(tmp_path, Path("docs/benchmarks.md")))  # the docs' section
+    assert "\n| all | `python -m evaluation.external --points" in block and "\n| h | `" in block
     with pytest.raises(SystemExit):
         main(["--out", str(out), "--merge"])  # --merge needs --only
     assert main(["--points", str(pts), "--out", str(out), "--only", "nope", "--merge"]) == 2
