@@ -42,7 +42,7 @@ def test_stage_flows_read_by_name_match_the_recorders_flows():
                 x = StageFlow(*t)
                 assert x.source_stage == stage_index(*f.src, k)
                 assert (x.source_replica, x.dst_replica) == (f.src_rep, f.dst_rep)
-                assert (x.src_device, x.dst_device, x.src_machine, x.dst_machine) == (f.a, f.b, f.ma, f.mb)
+                assert (x.src_device, x.dst_device, x.src_machine, x.dst_machine) == (f.a, f.b, f.src_machine, f.dst_machine)
                 assert (x.seconds, x.nbytes) == (f.time, f.nbytes)
                 assert (x.src_machine >= 0) == (sim.comm.machine_of[f.a] != sim.comm.machine_of[f.b])
                 seen += 1

@@ -191,29 +191,29 @@ class Simulator:
 
     def _device_tables(self) -> None:
         """The cost tables per device class (devices sharing one table object share a class)."""
-        tabs: list[np.ndarray] = []
+        class_tables: list[np.ndarray] = []
         self.dev_class: list[int] = []
         for d in range(self.topology.num_devices):
             t = self.costs.table(d)
-            k = next((i for i, x in enumerate(tabs) if x is t), None)
+            k = next((i for i, x in enumerate(class_tables) if x is t), None)
             if k is None:
-                k = len(tabs)
-                tabs.append(t)
+                k = len(class_tables)
+                class_tables.append(t)
             self.dev_class.append(k)
-        self.tables = np.stack(tabs)  # [C, K, 3, B+1]
+        self.tables = np.stack(class_tables)  # [C, K, 3, B+1]
         self.hosts = self._host_tables()
         """(host seconds, lags) [C, K, 2, B+1] of the forward and backward stages and per class whether
         its costs hold the host apart (:meth:`tag.cost.CostModel.host_parts`; ``tables``' forwards and
         backwards are then the device's seconds, the host a timeline of its own:
         :meth:`tag.sim.event_loop.Run._phase`), or None where no class does."""
-        ch = getattr(self.costs, "cast_host_seconds", None)
-        self.cast_hosts = None if self.hosts is None or ch is None else \
-            np.stack([ch(self.dev_class.index(c)) for c in range(len(tabs))])
+        cast_host_of = getattr(self.costs, "cast_host_seconds", None)
+        self.cast_hosts = None if self.hosts is None or cast_host_of is None else \
+            np.stack([cast_host_of(self.dev_class.index(c)) for c in range(len(class_tables))])
         """[C, K] host seconds launching each group's forward parameter casts per device class, part of
         :attr:`hosts`' forwards (None: no host apart): a pipeline's later micro-batches launch none."""
         cast_of = getattr(self.costs, "cast_seconds", None)  # (a cost model without parameter casts: none)
         self.casts = np.stack([cast_of(self.dev_class.index(c)) if cast_of is not None
-                               else np.zeros(self.graph.num_groups) for c in range(len(tabs))])
+                               else np.zeros(self.graph.num_groups) for c in range(len(class_tables))])
         """[C, K] seconds of each group's forward parameter casts per device class
         (:meth:`tag.cost.CostModel.cast_seconds`), part of ``tables``' forwards: charged once per
         iteration (a pipeline's first micro-batch, :meth:`warm_layout`; not in a recomputation)."""
@@ -222,7 +222,7 @@ class Simulator:
     def _pair_tables(self) -> None:
         """The graph's group pairs as arrays (:meth:`_groups_moving`)."""
         # Pairs without non-batch gradients: no flow when both groups share one layout.
-        local = {pair for pair, es in self.static.edges.items() if not any(e.grad for e in es)}
+        local = {pair for pair, edges in self.static.edges.items() if not any(e.grad for e in edges)}
         self._pair_list = [(g1, g2, (g1, g2) in local) for g1, g2 in self.static.pairs]
         self._pair_src = np.array([g1 for g1, _ in self.static.pairs], dtype=np.int64)
         self._pair_dst = np.array([g2 for _, g2 in self.static.pairs], dtype=np.int64)
@@ -424,10 +424,10 @@ class Simulator:
         if out is None:
             dur = lay.dur.copy()
             dur[FWD] = np.maximum(dur[FWD] - self._casts_of(lay), 0.0)
-            host, ch = lay.host, self._cast_hosts_of(lay)
-            if ch is not None:  # (nor are their launches issued)
+            host, cast_host_of = lay.host, self._cast_hosts_of(lay)
+            if cast_host_of is not None:  # (nor are their launches issued)
                 host = host.copy()
-                host[FWD] = np.maximum(host[FWD] - ch, 0.0)
+                host[FWD] = np.maximum(host[FWD] - cast_host_of, 0.0)
             out = self.store_layout(key, Layout.of(lay.devices, lay.batches, lay.dev_arr, dur, lay.mem, lay.work,
                                                    lay.starts, saved=lay.saved, compute=lay.compute, net=lay.net,
                                                    net_machines=lay.net_machines, host=host, lag=lay.lag))
@@ -507,16 +507,16 @@ class Simulator:
         the same rank of every replica of both stages, the ``tp`` shard rings at once
         (:meth:`tag.cost.comm.CommModel.tensor_parallel_sync_time`)."""
         for tw in ties:
-            g_o, g_x = tw.owner, tw.grad_group
-            devs = tuple(deployments[g_o].units[0].devices) + tuple(deployments[g_x].units[0].devices)
+            owner, reader = tw.owner, tw.grad_group
+            devs = tuple(deployments[owner].units[0].devices) + tuple(deployments[reader].units[0].devices)
             members = tuple(sorted(set(devs)))
             machines = tuple(sorted({self.comm.machine_of[d] for d in members}))
-            t = deployments[g_o].tp
+            t = deployments[owner].tp
             secs = self.comm.tensor_parallel_sync_time([devs[i:i + t] for i in range(0, len(devs), t)], 0.0,
                                                        tw.nbytes, False) if t \
                 else self._bucket_time(("allreduce", devs, None), tw.nbytes)
-            job = SyncJob((g_x, g_o), "allreduce", secs, members, machines if len(machines) > 1 else (), tw.nbytes)
-            at = sum(1 for gs, _ in jobs if gs[-1] >= min(g_o, g_x))
+            job = SyncJob((reader, owner), "allreduce", secs, members, machines if len(machines) > 1 else (), tw.nbytes)
+            at = sum(1 for gs, _ in jobs if gs[-1] >= min(owner, reader))
             jobs = jobs[:at] + [(job.groups, job)] + jobs[at:]
         return jobs
 
@@ -590,8 +590,10 @@ class Simulator:
             # (a GPU sender that receives nothing in the step posts its sends and computes on,
             # unless sends block: blocking_sends)
             block = self.blocking_sends
-            waits = [block or shared[a] or a in into for _, _, _, a, _, _, _, _, _, _ in msgs]
-            hit = self._messages[key] = (tuple(flow_lists), [(*m, w) for m, w in zip(msgs, waits)])
+            hit = self._messages[key] = (tuple(flow_lists), [
+                (src_stage, src_rep, more, a, b, src_machine, dst_machine, seconds, dst_rep, nbytes,
+                 block or shared[a] or a in into)
+                for src_stage, src_rep, more, a, b, src_machine, dst_machine, seconds, dst_rep, nbytes in msgs])
             self._meter.bytes += (seq_bytes(len(flow_lists)) + ref_bytes(len(flow_lists)) + FLOW_BYTES * len(hit[1])
                                   + ENTRY_BYTES)
         return hit[1]
@@ -616,11 +618,11 @@ class Simulator:
     def _groups_moving(self, deployments: list[GroupData]) -> list[tuple[int, int]]:
         """``(g1, g2)`` of :meth:`pairs_used` without ``select``: the pairs moving tensors."""
         layout_ids = np.array([deployment.layout_id for deployment in deployments])
-        l1, l2 = layout_ids[self._pair_src], layout_ids[self._pair_dst]
-        used = np.where(self._pair_self, l1 < 0, self._pair_nonlocal | (l1 != l2))
-        plist, pairs, out = self._pair_list, self._pairs, []
+        src_layout, dst_layout = layout_ids[self._pair_src], layout_ids[self._pair_dst]
+        used = np.where(self._pair_self, src_layout < 0, self._pair_nonlocal | (src_layout != dst_layout))
+        pair_list, pairs, out = self._pair_list, self._pairs, []
         for p in np.flatnonzero(used).tolist():
-            g1, g2, _ = plist[p]
+            g1, g2, _ = pair_list[p]
             src_deployment, dst_deployment = deployments[g1], deployments[g2]
             pair = pairs.get((src_deployment.serial, dst_deployment.serial))
             if pair is not None:

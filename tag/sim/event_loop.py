@@ -164,7 +164,7 @@ class Run:
             recorder.bind(self, [pair if program is None else ShiftedPair(pair, off // k2) for pair, off in placed])
 
     # ---- transfers ----------------------------------------------------------------------
-    def _transfer(self, inc: tuple[int, list], nrep: int, idx: int) -> list[float]:
+    def _transfer(self, inbound: tuple[int, list], nrep: int, idx: int) -> list[float]:
         """The messages into stage ``idx`` (``inc``: the offset and flow lists of ``incoming``;
         :meth:`Simulator.messages`), in order; per replica of the stage, when its last message
         arrives. A rendezvous, as in the executor: a message starts once its data is ready, both
@@ -173,8 +173,8 @@ class Run:
         sends on a stream waiting for their data alone, ``DistComm._send_when_made``)."""
         ready = [0.0] * nrep
         comm_free, nic_out, nic_in, finish = self.comm_free_at, self.nic_out_free_at, self.nic_in_free_at, self.stage_finish
-        free, buf, rec, busy = self.compute_free_at, self.buffer_bytes, self.recorder, self.comm_seconds
-        off, flow_lists = inc
+        free, buffer_bytes, rec, comm_seconds = self.compute_free_at, self.buffer_bytes, self.recorder, self.comm_seconds
+        off, flow_lists = inbound
         for src_stage, src_rep, more, a, b, ma, mb, t, r, nb, waits in self.sim.messages(flow_lists):
             s = finish[src_stage + off][src_rep] if src_stage >= 0 else 0.0
             if more is not None:  # ready once every flow of the message is
@@ -182,10 +182,10 @@ class Run:
                     x = finish[src_stage + off][src_rep] if src_stage >= 0 else 0.0
                     if x > s:
                         s = x
-            if nb > buf[a]:
-                buf[a] = nb
-            if nb > buf[b]:
-                buf[b] = nb
+            if nb > buffer_bytes[a]:
+                buffer_bytes[a] = nb
+            if nb > buffer_bytes[b]:
+                buffer_bytes[b] = nb
             x = comm_free[a]
             if x > s:
                 s = x
@@ -217,8 +217,8 @@ class Run:
             comm_free[a] = comm_free[b] = free[b] = e  # the receiver waits for the transfer
             if waits:  # and the sender, unless it is a GPU rank receiving nothing in the step
                 free[a] = e
-            busy[a] += t
-            busy[b] += t
+            comm_seconds[a] += t
+            comm_seconds[b] += t
             if e > ready[r]:
                 ready[r] = e
         return ready
@@ -230,11 +230,11 @@ class Run:
         from ..topology.background import group_profile
 
         sim = self.sim
-        prof = sim.background_paths.get(machines, False)
-        if prof is False:
-            prof = sim.background_paths[machines] = group_profile(sim.topology, machines)
+        profile = sim.background_paths.get(machines, False)
+        if profile is False:
+            profile = sim.background_paths[machines] = group_profile(sim.topology, machines)
         off = sim.time_offset_s
-        return s + t if prof is None else prof.finish(s + off, t) - off
+        return s + t if profile is None else profile.finish(s + off, t) - off
 
     def _net_slowed(self, lay: Layout, ph: int, g: int, end: list[float]) -> list[float]:
         """``end`` (per replica, stage ``(ph, g)`` on ``lay`` at nominal speed) with the stage's
@@ -252,7 +252,7 @@ class Run:
         once every replica of its set received its slices and its devices' streams are free (a
         blocking collective in the executor's transfer step) and lasts the all-gather of the
         received bytes over the set's devices (one machine)."""
-        comm_free, free, busy, buf, rec = (self.comm_free_at, self.compute_free_at, self.comm_seconds,
+        comm_free, free, comm_seconds, buffer_bytes, rec = (self.comm_free_at, self.compute_free_at, self.comm_seconds,
                                            self.buffer_bytes, self.recorder)
         for lo, hi, devs, t, nb in self.gathers[idx]:
             s = ready[lo]  # the latest of the set's arrivals and its devices' streams
@@ -272,9 +272,9 @@ class Run:
                 rec.scatter_gather(idx, lo, hi, devs, s, e, nb)
             for d in devs:
                 comm_free[d] = free[d] = e
-                busy[d] += t
-                if nb > buf[d]:
-                    buf[d] = nb
+                comm_seconds[d] += t
+                if nb > buffer_bytes[d]:
+                    buffer_bytes[d] = nb
             ready[lo:hi] = [e] * (hi - lo)
 
     # ---- compute segments -------------------------------------------------------------------
@@ -293,35 +293,34 @@ class Run:
             g = order[i]
             deployment = deployments[g]
             lay = deployment.layout
-            if lay is None:  # mp: one single-device stage per chunk
-                self._chunk_stages(ph, g, deployment, base + g, 2 * k)
-                i += 1
+            if lay is None:  # mp: one single-device stage per chunk, for this group and the mp groups after it
+                i = self._chunk_stages(ph, order, i, deployments, base, 2 * k)
                 continue
             idx = base + g
             devs = lay.devices
-            inc = incoming.get(idx)
-            if inc:
-                ready = self._transfer(inc, len(devs), idx)
+            inbound = incoming.get(idx)
+            if inbound:
+                ready = self._transfer(inbound, len(devs), idx)
                 if idx in self.gathers:
                     self._scatter_gather(idx, ready)
                 start = [y if y > free[d] else free[d] for d, y in zip(devs, ready)]
             else:
                 start = [free[d] for d in devs]
-            pen = wake_extra(self.sim, deployment.units[0], g, ph, start, compute_end) if wake else None
-            go = start if pen is None else [x + y for x, y in zip(start, pen)]
+            penalty = wake_extra(self.sim, deployment.units[0], g, ph, start, compute_end) if wake else None
+            go = start if penalty is None else [x + y for x, y in zip(start, penalty)]
             e = i + 1
             net = lay.net if self.shared_net is not None else None  # tp collectives across machines
             if not (sfb and deployment.sfb is not None) and net is None:  # (slowed group by group)
                 while e < n:
-                    nxt = deployments[order[e]]
-                    if nxt.layout is not lay or base + order[e] in incoming:
+                    next_deployment = deployments[order[e]]
+                    if next_deployment.layout is not lay or base + order[e] in incoming:
                         break
                     e += 1
-                    if sfb and nxt.sfb is not None:
+                    if sfb and next_deployment.sfb is not None:
                         break
             end = self._run_end(ph, g, e - i, lay, go, idx, k) if e - i > 1 else self._stage_end(ph, g, lay, go, idx, net)
             if rec is not None:
-                rec.segment(ph, [(g2, m) for g2 in order[i:e]], deployment.units[0], start, ready if inc else None)
+                rec.segment(ph, [(g2, m) for g2 in order[i:e]], deployment.units[0], start, ready if inbound else None)
             for r, d in enumerate(devs):
                 x = end[r]
                 free[d] = compute_end[d] = x
@@ -341,19 +340,19 @@ class Run:
             i0 = k - 1 - g
             b0, rows = lay.cum_bwd[i0], lay.cum_bwd[i0 + 1:i0 + length + 1]
         if lay.hosts is None:
-            fin_a = np.asarray(go) + (rows - b0)
+            finish_array = np.asarray(go) + (rows - b0)
         else:  # the host issues the run's stages one after the other, from where it is
-            fin_a = self._hosted(lay, fwd, g if fwd else k - 1 - g, length, lay.devices, go) + (rows - b0)
-        fin = fin_a.tolist()
+            finish_array = self._hosted(lay, fwd, g if fwd else k - 1 - g, length, lay.devices, go) + (rows - b0)
+        fin = finish_array.tolist()
         end = fin[-1]
         if fwd:  # groups g .. g + length - 1
             self.stage_finish[idx:idx + length] = fin
         else:  # groups g, g - 1, ..., g - length + 1; each its first and only stage
             fin.reverse()
             self.stage_finish[idx - length + 1:idx + 1] = fin
-            mx = fin_a.max(axis=1).tolist()
-            mx.reverse()
-            self.group_finish[g - length + 1:g + 1] = mx
+            group_max = finish_array.max(axis=1).tolist()
+            group_max.reverse()
+            self.group_finish[g - length + 1:g + 1] = group_max
         return end
 
     def _stage_end(self, ph: int, g: int, lay: Layout, go: list[float], idx: int, net) -> list[float]:
@@ -372,39 +371,47 @@ class Run:
                 self.group_finish[g] = x
         return end
 
-    def _chunk_stages(self, ph: int, g: int, deployment: GroupData, idx0: int, k2: int) -> None:
-        """The stages of phase ``ph`` of mp group ``g``'s chunks (in the phase's order), one device
-        each; chunk ``j``'s stage index ``idx0 + k2 * j``."""
-        units = deployment.units
+    def _chunk_stages(self, ph: int, order: list[int], i: int, deployments: list[GroupData], base: int,
+                      k2: int) -> int:
+        """The stages of phase ``ph`` of the mp groups at ``order[i]`` and after it up to the next
+        group with a layout: each group's chunks in the phase's order, one device each (chunk ``j``
+        of group ``g``: stage index ``base + g + k2 * j``). Returns the position after them."""
         fwd = ph == FWD
         free, compute_end, finish, rec = self.compute_free_at, self.compute_end, self.stage_finish, self.recorder
         incoming, sim, group_finish, compute_seconds = self.incoming, self.sim, self.group_finish, self.compute_seconds
-        for j in (range(len(units)) if fwd else range(len(units) - 1, -1, -1)):
-            unit = units[j]
-            idx = idx0 + k2 * j
-            d = unit.devices[0]
-            inc = incoming.get(idx)
-            if inc:
-                arrived = self._transfer(inc, 1, idx)[0]
-                c = free[d]
-                st = arrived if arrived > c else c
-            else:
-                st = free[d]
-            pen = wake_extra(sim, unit, g, ph, [st], compute_end) if sim.any_wake else None
-            x = (st if pen is None else st + pen[0]) + unit.dur[ph]
-            if unit.host is not None:  # its host issues it from where it is (_hosted)
-                h = self.host_free_at[d]
-                y = h + unit.dur[ph] + unit.lag[ph]
-                if y > x:
-                    x = y
-                self.host_free_at[d] = h + unit.host[ph]
-            finish[idx] = [x]
-            if not fwd and x > group_finish[g]:
-                group_finish[g] = x
-            if rec is not None:
-                rec.segment(ph, [(g, j)], unit, [st], [arrived] if inc else None)
-            free[d] = compute_end[d] = x
-            compute_seconds[d] += x - st
+        wake, host_free = sim.any_wake, self.host_free_at
+        n = len(order)
+        while i < n and deployments[order[i]].layout is None:
+            g = order[i]
+            units = deployments[g].units
+            for j in (range(len(units)) if fwd else range(len(units) - 1, -1, -1)):
+                unit = units[j]
+                idx = base + g + k2 * j
+                d = unit.devices[0]
+                inbound = incoming.get(idx)
+                if inbound:
+                    arrived = self._transfer(inbound, 1, idx)[0]
+                    c = free[d]
+                    st = arrived if arrived > c else c
+                else:
+                    st = free[d]
+                penalty = wake_extra(sim, unit, g, ph, [st], compute_end) if wake else None
+                x = (st if penalty is None else st + penalty[0]) + unit.dur[ph]
+                if unit.host is not None:  # its host issues it from where it is (_hosted)
+                    h = host_free[d]
+                    y = h + unit.dur[ph] + unit.lag[ph]
+                    if y > x:
+                        x = y
+                    host_free[d] = h + unit.host[ph]
+                finish[idx] = [x]
+                if not fwd and x > group_finish[g]:
+                    group_finish[g] = x
+                if rec is not None:
+                    rec.segment(ph, [(g, j)], unit, [st], [arrived] if inbound else None)
+                free[d] = compute_end[d] = x
+                compute_seconds[d] += x - st
+            i += 1
+        return i
 
     def _hosted(self, lay: Layout, fwd: bool, p0: int, length: int, devs: tuple[int, ...],
                 go: list[float]) -> np.ndarray:
@@ -441,34 +448,34 @@ class Run:
     def _sfb(self, g: int, fin: list[float]) -> None:
         """SFB of group ``g`` after its backward, which ended at ``fin`` (per replica): the factor
         all-gathers once every replica finished, then each replica's recompute."""
-        sd = self.deployments[g].sfb
+        sfb_data = self.deployments[g].sfb
         rec = self.recorder
         s = max(fin)
-        comm_free, busy, buf = self.comm_free_at, self.comm_seconds, self.buffer_bytes
+        comm_free, comm_seconds, buffer_bytes = self.comm_free_at, self.comm_seconds, self.buffer_bytes
         nic_out, nic_in = self.nic_out_free_at, self.nic_in_free_at
-        for d in sd.members:
+        for d in sfb_data.members:
             if comm_free[d] > s:
                 s = comm_free[d]
-        for m in sd.machines:
+        for m in sfb_data.machines:
             if nic_out[m] > s:
                 s = nic_out[m]
             if nic_in[m] > s:
                 s = nic_in[m]
-        for x, t in enumerate(sd.gather_times):  # one collective per factor, back to back
+        for x, t in enumerate(sfb_data.gather_times):  # one collective per factor, back to back
             e = s + t
             if rec is not None:
                 rec.gather(g, x, s, e)
             s = e
-        for d in sd.members:
+        for d in sfb_data.members:
             comm_free[d] = s
-            busy[d] += sd.gather_total
-            if sd.buffer_bytes > buf[d]:
-                buf[d] = sd.buffer_bytes
-        for m in sd.machines:
+            comm_seconds[d] += sfb_data.gather_total
+            if sfb_data.buffer_bytes > buffer_bytes[d]:
+                buffer_bytes[d] = sfb_data.buffer_bytes
+        for m in sfb_data.machines:
             nic_out[m] = nic_in[m] = s
         free, compute_seconds = self.compute_free_at, self.compute_seconds
         ready = 0.0
-        for d, t in zip(sd.devices, sd.recompute):
+        for d, t in zip(sfb_data.devices, sfb_data.recompute):
             st = s if s >= free[d] else free[d]
             if rec is not None:
                 rec.recompute(g, d, s, st, st + t)
@@ -495,9 +502,9 @@ class Run:
         for gs, job in self.sim.sync_jobs(deployments, frozenset() if self.program is None else self.program.tied):
             s = -math.inf
             for g in gs:
-                sg = sfb_ready[g] if deployments[g].sfb is not None else group_finish[g]
-                if sg > s:
-                    s = sg
+                ready_at = sfb_ready[g] if deployments[g].sfb is not None else group_finish[g]
+                if ready_at > s:
+                    s = ready_at
             if cur is not None and job.sync_devices == cur.sync_devices:
                 if run_end > s:
                     s = run_end
@@ -531,12 +538,12 @@ class Run:
         ``run_busy`` seconds more, until then, and hold the run's largest buffer (bytes)."""
         if self.recorder is not None:
             self.recorder.close_syncs(job)
-        comm_free, busy, buf = self.comm_free_at, self.comm_seconds, self.buffer_bytes
+        comm_free, comm_seconds, buffer_bytes = self.comm_free_at, self.comm_seconds, self.buffer_bytes
         for d in job.sync_devices:
             comm_free[d] = sync_end[d] = end
-            busy[d] += run_busy
-            if run_bytes > buf[d]:
-                buf[d] = run_bytes
+            comm_seconds[d] += run_busy
+            if run_bytes > buffer_bytes[d]:
+                buffer_bytes[d] = run_bytes
         for m in job.sync_machines:
             self.nic_out_free_at[m] = self.nic_in_free_at[m] = end
 

@@ -175,28 +175,29 @@ def pack_messages(flow_lists: list[tuple], p2p) -> list[tuple]:
     needs (the executor's CPU ranks send a step's pieces to one peer packed), ready once all are
     produced; a single flow keeps its seconds, several take those of the summed bytes (summed in
     flow order, ``p2p(a, b, bytes)``) and the last flow's machines and destination replica."""
-    by_pair: dict[tuple[int, int], list[tuple]] = {}
+    first: dict[tuple[int, int], tuple] = {}  # (a, b) -> its first flow, in order
+    later: dict[tuple[int, int], list[tuple]] = {}  # (a, b) -> its other flows (few pairs have any)
     for flows in flow_lists:
         for flow in flows:
             _, _, a, b, _, _, _, _, _ = flow
-            same = by_pair.get((a, b))
-            if same is None:
-                by_pair[(a, b)] = [flow]
+            if first.get((a, b)) is None:
+                first[(a, b)] = flow
+            elif (a, b) in later:
+                later[(a, b)].append(flow)
             else:
-                same.append(flow)
+                later[(a, b)] = [flow]
     out = []
-    for (a, b), same in by_pair.items():
-        src_stage, src_rep, _, _, src_machine, dst_machine, seconds, dst_rep, nbytes = same[0]
-        if len(same) == 1:
+    for (a, b), flow in first.items():
+        src_stage, src_rep, _, _, src_machine, dst_machine, seconds, dst_rep, nbytes = flow
+        rest = later.get((a, b)) if later else None
+        if rest is None:
             out.append((src_stage, src_rep, None, a, b, src_machine, dst_machine, seconds, dst_rep, nbytes))
             continue
-        more = []
-        for more_stage, more_rep, _, _, _, _, _, _, more_bytes in same[1:]:
-            more.append((more_stage, more_rep))
+        for _, _, _, _, _, _, _, _, more_bytes in rest:
             nbytes += more_bytes
-        _, _, _, _, src_machine, dst_machine, _, dst_rep, _ = same[-1]
-        out.append((src_stage, src_rep, tuple(more), a, b, src_machine, dst_machine, p2p(a, b, nbytes), dst_rep,
-                    nbytes))
+        _, _, _, _, src_machine, dst_machine, _, dst_rep, _ = rest[-1]
+        out.append((src_stage, src_rep, tuple([(stage, rep) for stage, rep, _, _, _, _, _, _, _ in rest]), a, b, src_machine, dst_machine,
+                    p2p(a, b, nbytes), dst_rep, nbytes))
     return out
 
 

@@ -300,9 +300,9 @@ class Flow:
     b: int
     nbytes: float
     time: float
-    ma: int
+    src_machine: int
     """Source machine when the flow crosses machines, else -1."""
-    mb: int
+    dst_machine: int
     parts: int = 1
     """Flows this one stands for (a message of several flows between the same two devices)."""
 
@@ -387,31 +387,31 @@ def mp_unit(static: GraphStatic, costs, g: int, j: int, device: int, lo: int, hi
     """Chunk ``j`` (positions [lo, hi)) of mp group ``g`` on ``device``, full batch; ``recompute``:
     under activation recomputation (backward seconds + forward seconds; its inputs held instead
     of its saved values, which are live again at its backward: :meth:`GraphStatic.recompute_bytes`)."""
-    bsz = static.batch_size
+    batch = static.batch_size
     table = costs.table(device)
     a, z = lo - static.lo[g], hi - static.lo[g]
     share = [float(costs.position_weights(g, ph)[a:z].sum()) for ph in range(3)]
-    dur = tuple(float(table[g, ph, bsz]) * share[ph] for ph in range(3))
+    dur = tuple(float(table[g, ph, batch]) * share[ph] for ph in range(3))
     parts = costs.host_parts(device) if hasattr(costs, "host_parts") else None
     host = lag = None
     if parts is not None:  # the device's seconds, the host's apart (Layout.host), the chunk's share of each
-        dur = (*(float(parts.device[g, ph, bsz]) * share[ph] for ph in range(2)), dur[2])
-        host, lag = (tuple(float(x[g, ph, bsz]) * share[ph] for ph in range(2)) for x in (parts.host, parts.lag))
+        dur = (*(float(parts.device[g, ph, batch]) * share[ph] for ph in range(2)), dur[2])
+        host, lag = (tuple(float(x[g, ph, batch]) * share[ph] for ph in range(2)) for x in (parts.host, parts.lag))
     w = static.work_pos[g][a:z]
-    work = float(w[:, 0].max() + w[:, 1].max() * bsz) if len(w) else 0.0
+    work = float(w[:, 0].max() + w[:, 1].max() * batch) if len(w) else 0.0
     if recompute:
         hf, hp, tf, tp = static.recompute_bytes(g, lo, hi)
-        held = hf + hp * bsz
-        work += tf + tp * bsz
+        held = hf + hp * batch
+        work += tf + tp * batch
         if host is not None:
             h, lb = host_after((np.array(dur[0]), np.array(host[0]), np.array(lag[0])), np.array(host[1]),
                                np.array(lag[1]))
             host, lag = (host[0], float(h)), (lag[0], float(lb))
         dur = (dur[0], dur[1] + dur[0], dur[2])
     else:
-        held = sum(f + p * bsz for f, p, ps in static.saved[g] if any(lo <= x < hi for x in ps))
+        held = sum(f + p * batch for f, p, ps in static.saved[g] if any(lo <= x < hi for x in ps))
     mem = float(static.static_pos[g][a:z].sum() + static.buffer_pos[g][a:z].sum() + held)
-    return Unit(g, j, (device,), (bsz,), (0,), None, dur, mem, work, lo, hi, host, lag)
+    return Unit(g, j, (device,), (batch,), (0,), None, dur, mem, work, lo, hi, host, lag)
 
 
 def pair_flows(static: GraphStatic, comm, g1: int, src_deployment: GroupData, g2: int, dst_deployment: GroupData) -> list[Flow]:
@@ -419,21 +419,22 @@ def pair_flows(static: GraphStatic, comm, g1: int, src_deployment: GroupData, g2
     # The tensors crossing, summed per move kind: replica-level moves are computed once per kind.
     kinds = pair_kinds(static, g1, src_deployment, g2, dst_deployment)
     moves: dict[tuple, float] = {}
-    mo = comm.machine_of
-    for (su, sphase, du, ph, kind), fixed, per_sample, sizes in kinds:
-        src, dst = src_deployment.units[su], dst_deployment.units[du]
-        for ri, rj, nbytes, _ in _piece_bytes(_pieces(kind, src, dst, mo), fixed, per_sample, sizes, src.batches):
+    machine_of = comm.machine_of
+    for (src_unit, src_phase, dst_unit, ph, kind), fixed, per_sample, sizes in kinds:
+        src, dst = src_deployment.units[src_unit], dst_deployment.units[dst_unit]
+        piece_list = _pieces(kind, src, dst, machine_of)
+        for src_rep, dst_rep, nbytes, _ in _piece_bytes(piece_list, fixed, per_sample, sizes, src.batches):
             if nbytes <= 0:
                 continue
-            key = ((sphase, g1, su), ri, (ph, g2, du), rj)
+            key = ((src_phase, g1, src_unit), src_rep, (ph, g2, dst_unit), dst_rep)
             moves[key] = moves.get(key, 0.0) + nbytes
     flows = []
-    for (s, ri, d, rj), nbytes in moves.items():
-        a = src_deployment.units[s[2]].devices[ri]
-        b = dst_deployment.units[d[2]].devices[rj]
-        cross = mo[a] != mo[b]
-        flows.append(Flow(s, ri, d, rj, a, b, nbytes, comm.p2p_time(a, b, nbytes),
-                          mo[a] if cross else -1, mo[b] if cross else -1))
+    for (s, src_rep, d, dst_rep), nbytes in moves.items():
+        a = src_deployment.units[s[2]].devices[src_rep]
+        b = dst_deployment.units[d[2]].devices[dst_rep]
+        cross = machine_of[a] != machine_of[b]
+        flows.append(Flow(s, src_rep, d, dst_rep, a, b, nbytes, comm.p2p_time(a, b, nbytes),
+                          machine_of[a] if cross else -1, machine_of[b] if cross else -1))
     return flows
 
 
@@ -462,16 +463,16 @@ def pair_kinds(static: GraphStatic, g1: int, src_deployment: GroupData, g2: int,
             continue
         if e.tied in tied or (e.tensor, g2) in relayed:
             continue
-        su = src_deployment.chunk_of.get(e.src_pos, 0) if src_deployment.mp else 0
+        src_unit = src_deployment.chunk_of.get(e.src_pos, 0) if src_deployment.mp else 0
         need: dict[int, int] = {}  # dst unit -> first phase needing it
         for p, ph in e.consumers:
-            du = dst_deployment.chunk_of.get(p, 0) if dst_deployment.mp else 0
-            need[du] = min(need.get(du, ph), ph)
+            dst_unit = dst_deployment.chunk_of.get(p, 0) if dst_deployment.mp else 0
+            need[dst_unit] = min(need.get(dst_unit, ph), ph)
         kind = "rows" if e.batch else ("sum" if e.grad else "copy")
-        for du, ph in need.items():
-            if g1 == g2 and du == su:
+        for dst_unit, ph in need.items():
+            if g1 == g2 and dst_unit == src_unit:
                 continue
-            acc = kinds.setdefault((su, e.src_phase, du, ph, kind), [0.0, 0.0, []])
+            acc = kinds.setdefault((src_unit, e.src_phase, dst_unit, ph, kind), [0.0, 0.0, []])
             acc[0] += e.fixed
             acc[1] += e.per_sample
             acc[2].append((e.fixed, e.per_sample))
@@ -522,33 +523,36 @@ class PairTemplate:
         """``pieces``: a cache of :func:`_pieces` shared by templates (keyed with ``unit_keys``, what
         the two unit lists depend on: :attr:`GroupData.unit_key`)."""
         moves: dict[tuple, float] = {}
-        mo = comm.machine_of
-        gathered: dict[tuple, dict[tuple[int, int], list[float]]] = {}  # (ph, du) -> set -> bytes per replica
-        if pieces is None:  # (su, du, kind) -> [(ri, rj, samples or -1)]: bundles share them
+        machine_of = comm.machine_of
+        gathered: dict[tuple, dict[tuple[int, int], list[float]]] = {}  # (ph, dst_unit) -> set -> bytes per replica
+        if pieces is None:  # (src_unit, dst_unit, kind) -> [(src_rep, dst_rep, samples or -1)]: bundles share them
             pieces, unit_keys = {}, ()
         made = 0  # bytes of the entries made in pieces
-        for (su, sphase, du, ph, kind), fixed, per_sample, sizes in kinds:
-            src = units1[su]
-            pcs = pieces.get((su, du, kind, unit_keys))
-            if pcs is None:
-                pcs = pieces[(su, du, kind, unit_keys)] = _pieces(kind, src, units2[du], mo)
-                made += ENTRY_BYTES + FLOW_BYTES * len(pcs)
-            for ri, rj, nbytes, hs in _piece_bytes(pcs, fixed, per_sample, sizes, src.batches):
+        for (src_unit, src_phase, dst_unit, ph, kind), fixed, per_sample, sizes in kinds:
+            src = units1[src_unit]
+            piece_list = pieces.get((src_unit, dst_unit, kind, unit_keys))
+            if piece_list is None:
+                piece_list = _pieces(kind, src, units2[dst_unit], machine_of)
+                pieces[(src_unit, dst_unit, kind, unit_keys)] = piece_list
+                made += ENTRY_BYTES + FLOW_BYTES * len(piece_list)
+            for src_rep, dst_rep, nbytes, holder_set in _piece_bytes(piece_list, fixed, per_sample, sizes, src.batches):
                 if nbytes <= 0:
                     continue
-                key = (ph, du, sphase, su, ri, rj)
+                key = (ph, dst_unit, src_phase, src_unit, src_rep, dst_rep)
                 moves[key] = moves.get(key, 0.0) + nbytes
-                if hs is not None:
-                    acc = gathered.setdefault((ph, du), {}).setdefault(hs, [0.0] * (hs[1] - hs[0]))
-                    acc[rj - hs[0]] += nbytes
+                if holder_set is not None:
+                    lo, hi = holder_set
+                    acc = gathered.setdefault((ph, dst_unit), {}).setdefault(holder_set, [0.0] * (hi - lo))
+                    acc[dst_rep - lo] += nbytes
         by_dst: dict[tuple, list] = {}
         p2p = comm.p2p_time
-        for (ph, du, sphase, su, ri, rj), nbytes in moves.items():
-            a = units1[su].devices[ri]
-            b = units2[du].devices[rj]
-            cross = mo[a] != mo[b]
-            by_dst.setdefault((ph, du), []).append(
-                (sphase, su, ri, rj, a, b, mo[a] if cross else -1, mo[b] if cross else -1, p2p(a, b, nbytes), nbytes))
+        for (ph, dst_unit, src_phase, src_unit, src_rep, dst_rep), nbytes in moves.items():
+            a = units1[src_unit].devices[src_rep]
+            b = units2[dst_unit].devices[dst_rep]
+            cross = machine_of[a] != machine_of[b]
+            by_dst.setdefault((ph, dst_unit), []).append(
+                (src_phase, src_unit, src_rep, dst_rep, a, b, machine_of[a] if cross else -1,
+                 machine_of[b] if cross else -1, p2p(a, b, nbytes), nbytes))
         self.by_dst = list(by_dst.items())
         self.gathers = [(dst, tuple(HolderChunks(lo, hi, tuple(units2[dst[1]].devices[lo:hi]), tuple(c))
                                     for (lo, hi), c in sets.items())) for dst, sets in gathered.items()]
@@ -563,26 +567,26 @@ def gathers_bytes(gathers) -> int:
                for _, sets in gathers)
 
 
-def _pieces(kind: str, src: Unit, dst: Unit, mo) -> list[tuple[int, int, int, float, tuple[int, int] | None]]:
+def _pieces(kind: str, src: Unit, dst: Unit, machine_of) -> list[tuple[int, int, int, float, tuple[int, int] | None]]:
     """(producer replica, consumer replica, samples of a ``rows`` piece or -1, fraction moved: 1,
     or ``1 / size`` of a ``shard`` piece into a consumer holder set of ``size``, that set's replica
     range ``(lo, hi)`` for a ``shard`` piece else None) of the pieces that cross devices, per the
     move rules (:func:`tag.parallel.move_pieces`)."""
-    sd, dd = src.devices, dst.devices
+    src_devices, dst_devices = src.devices, dst.devices
     out = []
     sets = None
-    for i, j, mode, lo, hi in move_pieces(kind, src, dst, mo.__getitem__):
-        if mode == "zeros" or sd[i] == dd[j]:
+    for i, j, mode, lo, hi in move_pieces(kind, src, dst, machine_of.__getitem__):
+        if mode == "zeros" or src_devices[i] == dst_devices[j]:
             continue
-        frac, hs = 1.0, None
+        frac, holder_set = 1.0, None
         if mode == "shard":
             if sets is None:
-                sets = [(0, 0)] * len(dd)
+                sets = [(0, 0)] * len(dst_devices)
                 for a, b in holder_sets(dst):
                     sets[a:b] = [(a, b)] * (b - a)
-            hs = sets[j]
-            frac = 1.0 / (hs[1] - hs[0])
-        out.append((i, j, hi - lo if kind == "rows" else -1, frac, hs))
+            holder_set = sets[j]
+            frac = 1.0 / (holder_set[1] - holder_set[0])
+        out.append((i, j, hi - lo if kind == "rows" else -1, frac, holder_set))
     return out
 
 
@@ -603,13 +607,13 @@ def _piece_bytes(pieces: list, fixed: float, per_sample: float, sizes: tuple, ba
     fraction moved; a ``shard`` piece's tensors each padded to a multiple of the set's size,
     :func:`shard_bytes`)."""
     out = []
-    for i, j, n, f, hs in pieces:
-        if hs is None:
-            out.append((i, j, (per_sample * n if n >= 0 else fixed + per_sample * batches[i]) * f, hs))
+    for i, j, n, f, holder_set in pieces:
+        if holder_set is None:
+            out.append((i, j, (per_sample * n if n >= 0 else fixed + per_sample * batches[i]) * f, holder_set))
             continue
-        size, b = hs[1] - hs[0], batches[i]
+        size, b = holder_set[1] - holder_set[0], batches[i]
         padded = sum(shard_bytes(p * n if n >= 0 else x + p * b, size) for x, p in sizes)
-        out.append((i, j, padded * f, hs))
+        out.append((i, j, padded * f, holder_set))
     return out
 
 
