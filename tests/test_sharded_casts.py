@@ -169,8 +169,9 @@ def test_zero3_gathers_cast_only_weights_in_bf16_on_gloo(tmp_path, captured):
     """2 gloo ranks, the small llama in bf16 (buckets holding projections and norms): ZeRO-3
     gathers the projection weights in bf16 and the norms and the embedding table in fp32 (one
     byte all-gather a bucket) before use, ZeRO-1 and ZeRO-2 so after the step (the fp32 master
-    shard stepped, the full fp32 parameters holding the gathered values); what each gather returns
-    is the simulator's gathered bytes (padding aside), and the three train to the same parameters
+    shard stepped, the full fp32 parameters holding the gathered values; offloaded, the master shard
+    on the host and the device holding the parameters alone); what each gather returns
+    is the simulator's gathered bytes (padding aside), and all train to the same parameters
     (saved from the master shards), to the bit: the graph reads those weights only through their
     bf16 casts."""
     import json
@@ -185,8 +186,10 @@ def test_zero3_gathers_cast_only_weights_in_bf16_on_gloo(tmp_path, captured):
     topo.write_text('name: test-cpu2\nmachines:\n  - name: local\n    gpu: cpu\n    count: 2\n'
                     '    intra_bandwidth: "5 GB/s"\n')
     got, ranks = {}, {}
-    for sync in ("zero1", "zero2", "zero3"):
-        plan = _plan(graph, load_topology(str(topo)), sync, False)
+    for sync in ("zero1", "zero2", "zero3", "zero2+offload"):
+        plan = _plan(graph, load_topology(str(topo)), sync.split("+")[0], False)
+        for gp in plan.groups:
+            gp.offload = "optimizer" if sync.endswith("offload") else None
         plan.save(tmp_path / f"{sync}.json")
         run = tmp_path / sync
         cfg = ExecuteConfig(LLAMA, str(topo), str(tmp_path / f"{sync}.json"), batch=B, groups=4, steps=2, warmup=0,
@@ -203,10 +206,13 @@ def test_zero3_gathers_cast_only_weights_in_bf16_on_gloo(tmp_path, captured):
     held = sum(sharded_bytes(2, 2, x, 2 * x) + (x / 2 if y < x else 0.0) for x, y in zip(pgr, pg))
     for r in ranks["zero2"]:
         assert r["held_state_bytes"] + r["optimizer_state_bytes"] == pytest.approx(held, rel=0.05)
-    for sync, key in (("zero1", "step_gather_bytes"), ("zero2", "step_gather_bytes"), ("zero3", "zero3_gather_bytes")):
+    for r in ranks["zero2+offload"]:  # (the master shard on the host, copied to the device for the gather only)
+        assert r["device_state_bytes"] == pytest.approx(p, rel=0.02)
+    for sync, key in (("zero1", "step_gather_bytes"), ("zero2", "step_gather_bytes"), ("zero3", "zero3_gather_bytes"),
+                      ("zero2+offload", "step_gather_bytes")):
         for r in ranks[sync]:
             assert r[key] == pytest.approx(pg.sum(), rel=0.02), sync
             assert r[key] < 0.6 * p
-    for sync in ("zero1", "zero2"):
+    for sync in ("zero1", "zero2", "zero2+offload"):
         assert set(got["zero3"]) == set(got[sync])
         assert all(torch.equal(got["zero3"][k], got[sync][k]) for k in got[sync]), sync

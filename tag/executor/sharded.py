@@ -181,7 +181,8 @@ class _Bucket:
         ZeRO-1/2 a view of the full parameters' own slice (stepped in place), else a tensor of its
         own (:attr:`own_shard`; ZeRO-3's full parameters are freed); offloaded: in host memory."""
         self.device_shard = self.shard
-        """The shard the gathers read: the device's copy of an offloaded shard, else :attr:`shard`."""
+        """The shard the gathers read: the device's copy of an offloaded shard, else :attr:`shard`
+        (None: an offloaded ZeRO-1/2 shard of its own, copied to the device for each gather)."""
         self._synced_version = -1  # (offloaded: the host shard's version the device copy holds)
         self._stream = None  # (CUDA: the side stream of the host copies)
         if offload:
@@ -213,7 +214,10 @@ class _Bucket:
 
     # ---- offload: the host shard and the device's copy ------------------------------------
     def _to_host(self) -> None:
-        """Move the shard the optimizer steps to host memory (pinned on CUDA), the device keeping a copy."""
+        """Move the shard the optimizer steps to host memory (pinned on CUDA), the device keeping a
+        copy (ZeRO-3's gathers read it at every use); a ZeRO-1/2 shard of its own (:attr:`own_shard`)
+        is copied to the device for each gather after the step instead, the device holding the full
+        parameters only, as with a view."""
         dev = self.shard.detach()
         host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=dev.is_cuda)
         host.copy_(dev)
@@ -221,6 +225,8 @@ class _Bucket:
         self._synced_version = self.shard._version
         if dev.is_cuda:
             self._stream = torch.cuda.Stream(device=dev.device)
+        if self.level < 3 and self.own_shard:
+            self.device_shard = None
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` across host and device: on CUDA on the side stream after what the
@@ -229,7 +235,7 @@ class _Bucket:
         if self._stream is None:
             dst.copy_(src)
             return
-        main = torch.cuda.current_stream(self.device_shard.device)
+        main = torch.cuda.current_stream(dst.device if dst.is_cuda else src.device)
         self._stream.wait_stream(main)
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
@@ -245,10 +251,20 @@ class _Bucket:
 
     def refresh_device(self) -> None:
         """The device copy from the host shard where the shard changed since (a step, a load)."""
-        if self.offload and self.shard._version != self._synced_version:
+        if self.offload and self.device_shard is not None and self.shard._version != self._synced_version:
             with torch.no_grad():
                 self._copy(self.device_shard, self.shard.detach())
             self._synced_version = self.shard._version
+
+    def _gather_source(self) -> torch.Tensor:
+        """The shard the gathers read: the device's (copy of the) shard, or a transient device copy
+        of the host shard (:meth:`_to_host`)."""
+        if self.device_shard is not None:
+            return self.device_shard.detach()
+        out = torch.empty(self.shard.shape, dtype=self.shard.dtype, device=self.params[0].device)
+        with torch.no_grad():
+            self._copy(out, self.shard.detach())
+        return out
 
     def gather(self, async_op: bool = False, low: bool = True):
         """The full parameters, one flat buffer a :class:`_Part`: the shards all-gathered over the
@@ -258,7 +274,7 @@ class _Bucket:
         ``param_dtype``, ZeRO-1/2's copied into the full fp32 parameters), else all in the master
         dtype (the parameters saved or sent)."""
         self.refresh_device()
-        src, col, pieces = self.device_shard.detach(), 0, []
+        src, col, pieces = self._gather_source(), 0, []
         for pt in self.parts:
             pieces.append(src[col:col + pt.chunk].to(pt.dtype if low else self.dtype))  # (no copy in its dtype)
             col += pt.chunk

@@ -56,7 +56,8 @@ latencies on a ring):
   the step (sources in :mod:`tag.executor.sharded`); they hold their full fp32 parameters and cast
   as replicated groups do, and a group with such weights holds its fp32 master shard besides
   (``P_g / S`` more: the executor's shard is then a tensor of its own, the full parameters holding
-  the others' shards rounded).
+  the others' shards rounded; offloaded, the shard is the host's and copied to the device for the
+  gather only).
 
 Offloaded (``GroupPlan.offload`` ``optimizer``, ZeRO-Offload), with ``k_m`` the group's devices on
 machine ``m`` (they step at once, sharing its host link ``H_m`` each direction and its CPU's memory
@@ -99,16 +100,16 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None
     hit = sim._layouts.get(key)
     if hit is not None:
         return hit
-    st = sim.static
-    p = np.asarray(st.grad_bytes, dtype=float)  # [K] parameter bytes (= gradient bytes)
-    o = np.array([float(x.sum()) for x in st.static_pos]) - 2 * p  # [K] optimizer-state bytes
-    pg, copies, share = low_gathers(sim)  # [K] gathered bytes (every level), the copies ZeRO-3 makes needless
-    gather = np.array([sim.comm.shard_gather_time(lay.devices, shard, x) for x in pg.tolist()])  # [K] s
+    static = sim.static
+    p = np.asarray(static.grad_bytes, dtype=float)  # [K] parameter bytes (= gradient bytes)
+    o = np.array([float(x.sum()) for x in static.static_pos]) - 2 * p  # [K] optimizer-state bytes
+    gathered, copies, share = low_gathers(sim)  # [K] gathered bytes (every level), the copies ZeRO-3 makes needless
+    gather = np.array([sim.comm.shard_gather_time(lay.devices, shard, x) for x in gathered.tolist()])  # [K] s
     dur = lay.dur.copy()
     dur[OPT] = host_step(sim, lay.devices, p, shard) if offload else dur[OPT] / shard
     on_gpu = offloaded_bytes(level, shard, p, o)[0] if offload else sharded_bytes(level, shard, p, o)
-    if level < 3:  # the fp32 master shard of a group gathered in the low precision: a tensor of its own
-        on_gpu = on_gpu + np.where(pg < p, p / shard, 0.0)
+    if level < 3 and not offload:  # the fp32 master shard of a group gathered in the low precision: its own
+        on_gpu = on_gpu + np.where(gathered < p, p / shard, 0.0)  # (offloaded: on the host, as without)
     held = (2 * p + o) - on_gpu  # [K] bytes no longer held
     transient = np.zeros_like(p)
     if level < 3:
@@ -126,15 +127,15 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None
         next_b = np.vstack([lay.dur[BWD][1:], np.zeros((1, dur.shape[2]))])  # [K, R] next group's backward
         dur[FWD] = base_f + np.where(cpu, g, np.maximum(0.0, g - prev_f))
         dur[BWD] += np.where(cpu, g, np.maximum(0.0, g - next_b))
-        neighbour = np.maximum(np.concatenate([[0.0], pg[:-1]]), np.concatenate([pg[1:], [0.0]]))
+        neighbour = np.maximum(np.concatenate([[0.0], gathered[:-1]]), np.concatenate([gathered[1:], [0.0]]))
         # the unsharded gradient, the gathered parameters and the neighbour's prefetched ones (a
         # group without parameters runs as plain replicas)
-        transient += np.where(p > 0, p + pg + neighbour, 0.0)
+        transient += np.where(p > 0, p + gathered + neighbour, 0.0)
         # the other bf16 / fp16 weight casts per use: made from the gathered parameters at each
         # forward and again at each backward, freed with them (not held from the forward to the backward)
-        casts = st.rc_casts if recompute else st.saved_casts  # [K] bytes ``lay`` holds
+        casts = static.rc_casts if recompute else static.saved_casts  # [K] bytes ``lay`` holds
         held += casts
-        transient += np.maximum(st.rc_casts - copies, 0.0)
+        transient += np.maximum(static.rc_casts - copies, 0.0)
         if cast is not None:  # (recompute_layout's backward left them out: the recomputation casts again)
             dur[BWD] += cast - gone
     mem = lay.mem - held[:, None]
@@ -159,18 +160,18 @@ def low_gathers(sim) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     hit = memo.get("low")
     if hit is not None:
         return hit
-    graph, st = sim.graph, sim.static
-    p = np.asarray(st.grad_bytes, dtype=float)
-    pg, copies, total = p.copy(), np.zeros_like(p), np.zeros_like(p)
+    graph, static = sim.graph, sim.static
+    p = np.asarray(static.grad_bytes, dtype=float)
+    gathered, copies, total = p.copy(), np.zeros_like(p), np.zeros_like(p)
     low = low_gathered_params(graph)
     if low:
         moved = param_gather_bytes(graph)
         homes = backward_homes(graph)
         for k in low:
-            q = graph.params[k]
-            prod = graph.tensors[q.grad].producer
-            g = homes[prod][0] if prod in homes else (graph.ops[prod].group if prod >= 0 else q.group)
-            pg[g] -= q.nbytes - moved[k]
+            param = graph.params[k]
+            prod = graph.tensors[param.grad].producer
+            g = homes[prod][0] if prod in homes else (graph.ops[prod].group if prod >= 0 else param.group)
+            gathered[g] -= param.nbytes - moved[k]
         mine = {graph.params[k].tensor for k in low}
         for i in param_casts(graph):
             op = graph.ops[i]
@@ -179,7 +180,7 @@ def low_gathers(sim) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             if op.inputs[0] in mine:
                 copies[op.group] += nb
     share = np.divide(copies, total, out=np.zeros_like(p), where=total > 0)
-    hit = memo["low"] = (pg, copies, share)
+    hit = memo["low"] = (gathered, copies, share)
     sim.charge(sum(x.nbytes for x in hit))
     return hit
 
@@ -203,24 +204,24 @@ def host_step(sim, devices, p: np.ndarray, shard: int) -> np.ndarray:
     gradient shard to the host, the optimizer on the host CPU, parameter shard back, the machine's
     link and CPU shared by its devices among ``devices``."""
     topo = sim.topology
-    mach = [topo.machine_of(d) for d in devices]
-    k = np.array([mach.count(m) for m in mach], dtype=float)  # [R] devices stepping on each one's host
-    link = np.array([topo.machines[m].host_link for m in mach])
-    cpu = np.array([topo.machines[m].host_memory_bw for m in mach])
-    u = _update_bytes(sim)
-    return k[None, :] * ((2 * p / shard)[:, None] / link[None, :] + (u / shard)[:, None] / cpu[None, :])
+    machine_per_device = [topo.machine_of(d) for d in devices]
+    k = np.array([machine_per_device.count(m) for m in machine_per_device], dtype=float)  # [R] devices stepping on each one's host
+    link = np.array([topo.machines[m].host_link for m in machine_per_device])
+    cpu = np.array([topo.machines[m].host_memory_bw for m in machine_per_device])
+    update_bytes = _update_bytes(sim)
+    return k[None, :] * ((2 * p / shard)[:, None] / link[None, :] + (update_bytes / shard)[:, None] / cpu[None, :])
 
 
 def host_bytes(sim, groups) -> list[float]:
     """Per machine: bytes its host holds for the offloaded groups of ``groups`` (a plan's
     GroupPlans), ``(2 P_g + O_g) / S`` per device of such a group on it."""
-    st = sim.static
+    static = sim.static
     out = [0.0] * sim.topology.num_machines
     for g, gp in enumerate(groups):
         if not gp.offload:
             continue
-        p = float(st.grad_bytes[g])
-        o = float(st.static_pos[g].sum()) - 2 * p
+        p = float(static.grad_bytes[g])
+        o = float(static.static_pos[g].sum()) - 2 * p
         per = offloaded_bytes(int(gp.sync[4:]), shard_size(gp), p, o)[1]
         for d in gp.devices:
             out[sim.topology.machine_of(d)] += per
@@ -252,19 +253,19 @@ def sharded_group(sim, g: int, gp, lowered) -> GroupData:
     lay = sharded_layout(sim, lay, strategy.level, shard_size(gp), gp.offload, bool(gp.recompute))
     unit = Unit(g, -1, devs, batches, lay.starts, lay)
     unit_key = ("dp", devs, batches)
-    coll = strategy.collective(gp)
+    collective = strategy.collective(gp)
     nbytes = float(sim.static.grad_bytes[g])
-    if coll is None or nbytes <= 0:
+    if collective is None or nbytes <= 0:
         return GroupData([unit], "none", 0.0, (), (), 0.0, layout=lay, unit_key=unit_key, recompute=gp.recompute)
     memo = sim.cache("zero-sync")
-    t = memo.get((coll.op, devs, nbytes))
+    t = memo.get((collective.op, devs, nbytes))
     if t is None:
-        t = memo[(coll.op, devs, nbytes)] = sim.comm.sync_time(coll.op, devs, nbytes)
+        t = memo[(collective.op, devs, nbytes)] = sim.comm.sync_time(collective.op, devs, nbytes)
         sim.charge(ENTRY_BYTES)
     mo = sim.comm.machine_of
     machines = tuple(sorted({mo[d] for d in devs}))
-    return GroupData([unit], coll.op, t, coll.members, machines if len(machines) > 1 else (), nbytes, layout=lay,
-                     unit_key=unit_key, bucket=(coll.op, devs, None), recompute=gp.recompute)
+    return GroupData([unit], collective.op, t, collective.members, machines if len(machines) > 1 else (), nbytes, layout=lay,
+                     unit_key=unit_key, bucket=(collective.op, devs, None), recompute=gp.recompute)
 
 
 for _name in ("zero1", "zero2", "zero3"):
