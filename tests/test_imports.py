@@ -47,3 +47,26 @@ def test_contracts_catch_a_violation(tmp_path, module, source, broken):
     r = lint_imports(tmp_path)
     assert r.returncode != 0
     assert broken in r.stdout, r.stdout
+
+
+SIM_ORDER = ("engine", "event_loop", "recorder", "holdings", "program", "flows", "units", "static")
+"""The simulator's modules (tag/sim/engine.py's docstring), each importing only those after it."""
+
+
+def _sim_imports(name: str) -> set[str]:
+    """The tag.sim modules ``tag/sim/<name>.py`` imports at run time (``if TYPE_CHECKING:`` blocks
+    left out: annotations only), function-level imports included."""
+    import ast
+
+    tree = ast.parse((ROOT / "tag" / "sim" / f"{name}.py").read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and getattr(node.test, "id", "") ==
+            "TYPE_CHECKING" for b in node.body for n in ast.walk(b)}
+    return {node.module for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module and id(node) not in skip}
+
+
+def test_simulator_modules_import_one_way():
+    for i, name in enumerate(SIM_ORDER):
+        earlier = set(SIM_ORDER[:i + 1])
+        assert not _sim_imports(name) & earlier, (name, _sim_imports(name) & earlier)
+    assert {"event_loop", "flows", "program", "holdings", "recorder"} <= _sim_imports("engine")

@@ -105,26 +105,26 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
     if sim.hosts is not None:
         host, lag = np.zeros((2, k, r)), np.zeros((2, k, r))
     for (c, small, big), (d, ids) in alike.items():
-        tx = _rank_seconds(sim, c, d, t, small)  # [K, 3]; None: the whole weights' table
-        split = tx is not None
-        tx = tx if split else at_batch(sim.tables[c], small)
+        rank_secs = _rank_seconds(sim, c, d, t, small)  # [K, 3]; None: the whole weights' table
+        split = rank_secs is not None
+        rank_secs = rank_secs if split else at_batch(sim.tables[c], small)
         if host is not None:
-            hx = _rank_host(sim, c, d, t, small) if split else None
-            for out, j, h in zip((host, lag), (0, 1), hx or (None, None)):
+            rank_host = _rank_host(sim, c, d, t, small) if split else None
+            for out, j, h in zip((host, lag), (0, 1), rank_host or (None, None)):
                 out[:, :, ids] = (h if h is not None else at_batch(sim.hosts[j][c], small)).transpose(1, 0)[:, :, None]
         if casts is not None:
             casts[:, ids] = (_rank_casts(sim, c, t) if split else sim.casts[c])[:, None]
-        d_col = tx.T.copy()  # [3, K]
+        d_col = rank_secs.T.copy()  # [3, K]
         s_col = static.mem_per_sample * small
         m_col = static.mem_fixed + s_col
         if sequence_parallel:  # every op on 1 / t of the tokens
             w_col = static.work_fixed + static.work_per_sample * small
         else:
             share = _block_share(sim, d, (small, big), t if split else 1)  # [K, 2 phases, 2 batches]
-            tb = _rank_seconds(sim, c, d, t, big) if split else sim.tables[c][:, :, big]
+            big_secs = _rank_seconds(sim, c, d, t, big) if split else sim.tables[c][:, :, big]
             for ph in (FWD, BWD):  # the shard's seconds + the outside ops' extra ones at the group's batch
-                extra = (1.0 - share[:, ph, 1]) * tb[:, ph] - (1.0 - share[:, ph, 0]) * tx[:, ph]
-                d_col[ph] = tx[:, ph] + np.maximum(extra, 0.0)
+                extra = (1.0 - share[:, ph, 1]) * big_secs[:, ph] - (1.0 - share[:, ph, 0]) * rank_secs[:, ph]
+                d_col[ph] = rank_secs[:, ph] + np.maximum(extra, 0.0)
             s_col = s_col + outside * (big - small)
             m_col = m_col + outside * (big - small)
             # the largest op's working set: a block's ops at the shard's samples, the others' at the group's
@@ -152,11 +152,11 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
         if col is None:
             fwd, bwd = np.zeros(k), np.zeros(k)
             vocab = getattr(graph, "vocab_reduces", {})  # a vocabulary-parallel head's (Megatron costing)
-            for g, sp in enumerate(splits):
-                rf, rb = vocab.get(g, ((), ()))
-                if sp.blocks or rf or rb:
-                    fwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_fwd + rf])
-                    bwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in sp.reduce_bwd + rb])
+            for g, split_plan in enumerate(splits):
+                vocab_fwd, vocab_bwd = vocab.get(g, ((), ()))
+                if split_plan.blocks or vocab_fwd or vocab_bwd:
+                    fwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in split_plan.reduce_fwd + vocab_fwd])
+                    bwd[g] = comm.tensor_parallel_time(devs, [a.at(b) for a in split_plan.reduce_bwd + vocab_bwd])
             col = priced[ring] = (fwd[:, None], bwd[:, None])
             sim.charge(fwd.nbytes + bwd.nbytes + ref_bytes(len(devs)) + ENTRY_BYTES)
         rings[ring] = (col, list(range(i, i + t)))
@@ -172,13 +172,13 @@ def tp_layout(sim, devices: tuple[int, ...], batches: tuple[int, ...], starts: t
                 net[FWD][:, ring], net[BWD][:, ring] = col[0], col[1]
                 for i in ring:
                     spans[i] = span
-    for g, sp in enumerate(splits):
-        if not sp.blocks:
+    for g, split_plan in enumerate(splits):
+        if not split_plan.blocks:
             continue
-        gb = float(static.grad_bytes[g])
-        if gb > 0:
-            dur[OPT, g, :] *= 1.0 - keep * sp.split_bytes / gb
-        mem[g, :] -= keep * sp.split_state
+        grad_bytes = float(static.grad_bytes[g])
+        if grad_bytes > 0:
+            dur[OPT, g, :] *= 1.0 - keep * split_plan.split_bytes / grad_bytes
+        mem[g, :] -= keep * split_plan.split_state
     mem -= keep * _split_casts(graph)[:, None]  # a device holds its shard's bf16 / fp16 weight copies
     lay = Layout.of(devices, batches, np.array(devices, dtype=np.int64), dur, mem, work, starts, saved=saved,
                     compute=None if sequence_parallel else tuple(compute), casts=casts, net=net,
@@ -244,8 +244,8 @@ def _interior_mask(graph) -> np.ndarray:
 def _split_cast_mask(graph) -> np.ndarray:
     """``[n_ops]`` bool: a forward parameter cast (:func:`tag.graph.precision.param_casts`) of a
     split weight."""
-    split = {graph.params[p].tensor for sp in (group_split(graph, g) for g in range(graph.num_groups))
-             for p in sp.split_params}
+    split = {graph.params[p].tensor for split_plan in (group_split(graph, g) for g in range(graph.num_groups))
+             for p in split_plan.split_params}
     out = np.zeros(len(graph.ops), dtype=bool)
     out[[i for i in param_casts(graph) if graph.ops[i].inputs[0] in split]] = True
     return out
@@ -302,8 +302,8 @@ def _split_casts(graph) -> np.ndarray:
     """``[K]`` bytes of the parameter casts (:func:`tag.graph.precision.param_casts`) of split
     weights in each group's forward: the whole copies, of which a tensor-parallel device holds
     ``1 / T`` (held with the saved values, or, recomputed, until the backward: :mod:`tag.sim.static`)."""
-    split = {graph.params[p].tensor for sp in (group_split(graph, g) for g in range(graph.num_groups))
-             for p in sp.split_params}
+    split = {graph.params[p].tensor for split_plan in (group_split(graph, g) for g in range(graph.num_groups))
+             for p in split_plan.split_params}
     out = np.zeros(graph.num_groups)
     for i in param_casts(graph):
         op = graph.ops[i]
@@ -360,8 +360,8 @@ def tp_group(sim, g: int, gp, lowered) -> GroupData:
     sync once per deployment and bytes."""
     replicas = lowered[0].replicas
     batches = tuple([r.stop - r.start for r in replicas])
-    dep = _tp_deployment(sim, gp, batches, replicas)
-    lay, devs, starts, unit_key, members, machines, memo = dep
+    deployment = _tp_deployment(sim, gp, batches, replicas)
+    lay, devs, starts, unit_key, members, machines, memo = deployment
     unit = Unit(g, -1, devs, batches, starts, lay)
     split = group_split(sim.graph, g).split_bytes
     total = float(sim.static.grad_bytes[g])
@@ -405,8 +405,8 @@ def _tp_deployment(sim, gp, batches: tuple[int, ...], replicas) -> tuple:
             held, live = _outside_recompute_per_sample(sim.graph, sim.static)
             saved = _outside_saved_per_sample(sim.graph, sim.static)
             lay = sim.recompute_layout(lay, held[:, None] * more, live[:, None] * more, saved[:, None] * more)
-    mo = sim.comm.machine_of
-    machines = tuple(sorted({mo[d] for d in devs}))
+    machine_of = sim.comm.machine_of
+    machines = tuple(sorted({machine_of[d] for d in devs}))
     hit = cache[key] = (lay, devs, starts, ("tp", devs, starts, batches), tuple(sorted(devs)),
                         machines if len(machines) > 1 else (), {})
     sim.charge(2 * ref_bytes(len(devs)) + 3 * ref_bytes(len(batches)) + ref_bytes(len(machines)) + 2 * ENTRY_BYTES)
