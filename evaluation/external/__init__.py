@@ -76,6 +76,12 @@ Every other runtime (TAG's executor and ``eager``: asynchronous sends; OneFlow, 
 torchtitan: no citation of blocking sends) keeps the default, senders computing on."""
 
 
+STATE_RUNTIMES = {"megatron-lm": "megatron", "flagscale": "megatron", "deepspeed": "deepspeed"}
+"""Runtimes (:func:`runtime_name`) whose sharded mixed-precision training state the simulator holds
+as they hold it (:data:`tag.sim.sharded.STATE_RUNTIMES`: Megatron-LM's distributed optimizer,
+FlagScale a fork of it; DeepSpeed's ZeRO-3); every other runtime's as TAG's executor holds it."""
+
+
 def runtime_name(runtime: str) -> str:
     """The runtime's name in a points file's ``runtime`` text, lower case: ``deepspeed`` of
     ``deepspeed``, ``megatron-deepspeed`` of ``other: Megatron-DeepSpeed (data/README.md ...)``."""
@@ -249,6 +255,7 @@ def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None
     from tag.parallel.layout import align_groups, parse_layout
     from tag.planner import layout_plan, model_graph
     from tag.sim import Simulator
+    from tag.sim.sharded import hold_state_as
     from tag.topology import load_topology
 
     topologies = {} if topologies is None else topologies
@@ -268,6 +275,7 @@ def simulate_point(p: Point, *, groups: int = 48, topologies: dict | None = None
                 align_groups(graph, lay, near=2 * sum(lay.stages))
         if p.runtime not in EAGER_RUNTIMES:
             graph = vocab_parallel_graph(fused_activation_graph(graph), lay.tp)
+        hold_state_as(graph, STATE_RUNTIMES.get(runtime_name(p.runtime), "tag"))
         costs = CostModel.for_topology(graph, topo, numerics=Numerics(matmul_tf32=p.matmul_tf32),
                                        runtime="eager" if p.runtime in EAGER_RUNTIMES else "megatron")
         plan = layout_plan(graph, topo, lay, costs)

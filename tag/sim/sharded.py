@@ -32,7 +32,8 @@ latencies on a ring):
   ``P^g_{g+1}``; ``P^g = P`` in fp32, below under mixed precision; none for a group without
   parameters, which the search deploys as plain replicas).
   A device's peak adds the largest working set of its groups to what they hold: the
-  largest gathered group, as FSDP's;
+  largest gathered group, as FSDP's. A graph marked with another runtime (:func:`hold_state_as`)
+  holds Megatron-LM's ``zero1`` or DeepSpeed's ``zero3`` state instead (:data:`STATE_RUNTIMES`);
 * ``zero3`` under mixed precision: the weights every read of which is a bf16 / fp16 cast
   (:func:`tag.graph.precision.low_gathered_params`) are gathered in that dtype, their shard cast
   before the gather (FSDP2's ``param_dtype``; the executor's, :mod:`tag.executor.sharded`):
@@ -80,6 +81,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import TagError
 from ..graph.gradients import backward_homes
 from ..graph.ir import Phase
 from ..graph.precision import low_gathered_params, param_casts, param_gather_bytes
@@ -110,12 +112,17 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None
     on_gpu = offloaded_bytes(level, shard, p, o)[0] if offload else sharded_bytes(level, shard, p, o)
     if level < 3 and not offload:  # the fp32 master shard of a group gathered in the low precision: its own
         on_gpu = on_gpu + np.where(gathered < p, p / shard, 0.0)  # (offloaded: on the host, as without)
+    rt = held_as(sim, level, offload)
+    if rt is not None:  # another runtime's mixed-precision state (:data:`STATE_RUNTIMES`)
+        on_gpu = runtime_state_bytes(rt, level, shard, p, o)
     held = (2 * p + o) - on_gpu  # [K] bytes no longer held
     transient = np.zeros_like(p)
     if level < 3:
         dur[OPT] += gather[:, None]
         if level == 2:
             transient += p
+        if rt is not None:  # Megatron-LM's bf16 / fp16 weights are read as they are: no casts made or held
+            held += static.rc_casts if recompute else static.saved_casts
     else:
         cpu = np.array([sim.shared_stream[d] for d in lay.devices], dtype=bool)[None, :]  # [1, R]
         cast = sim._casts_of(lay)  # [K, R] s of the forward's weight casts (None: none)
@@ -130,12 +137,14 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None
         neighbour = np.maximum(np.concatenate([[0.0], gathered[:-1]]), np.concatenate([gathered[1:], [0.0]]))
         # the unsharded gradient, the gathered parameters and the neighbour's prefetched ones (a
         # group without parameters runs as plain replicas)
-        transient += np.where(p > 0, p + gathered + neighbour, 0.0)
+        transient += (np.where(p > 0, p + gathered + neighbour, 0.0) if rt is None
+                      else deepspeed_zero3_transient(sim, p))
         # the other bf16 / fp16 weight casts per use: made from the gathered parameters at each
         # forward and again at each backward, freed with them (not held from the forward to the backward)
         casts = static.rc_casts if recompute else static.saved_casts  # [K] bytes ``lay`` holds
         held += casts
-        transient += np.maximum(static.rc_casts - copies, 0.0)
+        if rt is None:  # (DeepSpeed's fp16 model reads its gathered weights as they are: no casts)
+            transient += np.maximum(static.rc_casts - copies, 0.0)
         if cast is not None:  # (recompute_layout's backward left them out: the recomputation casts again)
             dur[BWD] += cast - gone
     mem = lay.mem - held[:, None]
@@ -146,6 +155,94 @@ def sharded_layout(sim, lay: Layout, level: int, shard: int, offload: str | None
     if level == 3:  # every micro-batch of a pipeline casts again: its own warm layout (Simulator.warm_layout)
         sim._layouts[("warm", out.uid)] = out
     return out
+
+
+STATE_RUNTIMES = ("megatron", "deepspeed")
+"""Runtimes whose mixed-precision sharded training state the simulator can hold as they hold it
+(:func:`hold_state_as`; TAG's executor, the default, as :func:`tag.parallel.sharded.sharded_bytes`
+and the module docstring say), per parameter of ``n`` elements under Adam (``O_g`` = 8 bytes an
+element), ``S`` devices a shard group, the graph's parameters fp32 (``P_g / 4`` elements):
+
+* ``megatron``, ``zero1`` (Megatron-LM's ``--use-distributed-optimizer`` under ``--bf16`` /
+  ``--fp16``): the model's 2-byte weights, the fp32 main-gradient buffer and the fp32 master
+  weights and Adam moments sharded, ``6 + 12 / S`` bytes (NVIDIA/Megatron-LM 50b073c,
+  docs/source/api-guide/dist_optimizer.md, "float16 param, fp32 grads": 18 bytes without the
+  distributed optimizer, ``6 + 12/d`` with it); the forward reads the 2-byte weights, no cast is
+  made or held. Replicated (``zero=0``) groups keep TAG's account (16 bytes and the casts held
+  from the forward to the backward);
+* ``deepspeed``, ``zero3`` (DeepSpeed's ZeRO-3 under ``fp16`` / ``bf16``): 2-byte parameter and
+  gradient partitions, fp32 master and Adam partitions, ``16 / S`` bytes held (as TAG's ZeRO-3);
+  while a group runs, its gathered 2-byte parameters, the next ones prefetched up to
+  ``prefetch_bucket_size`` elements and its 2-byte gradients up to a ``reduce_bucket_size``
+  bucket plus the largest parameter's gradient before its copy into the bucket
+  (:func:`deepspeed_zero3_transient`, defaults :data:`DEEPSPEED_BUCKETS`); no casts.
+
+Other levels under these runtimes (Megatron-LM has no ZeRO-2/3; DeepSpeed's ZeRO-1/2), offloaded
+groups and fp32 graphs keep TAG's account. Only bytes differ: the costs (gathers, casts' seconds)
+are TAG's."""
+
+DEEPSPEED_BUCKETS = (5e8, 5e7)
+"""DeepSpeed's ZeRO defaults, elements: ``reduce_bucket_size`` and ``stage3_prefetch_bucket_size``
+(microsoft/DeepSpeed 03dc2b9, deepspeed/runtime/zero/config.py ``DeepSpeedZeroConfig``)."""
+
+
+def hold_state_as(graph, runtime: str):
+    """Mark ``graph`` (in place; returned) so that the simulator holds its sharded groups' training
+    state as ``runtime`` (:data:`STATE_RUNTIMES`, or ``tag``: TAG's executor) holds it."""
+    if runtime not in ("tag", *STATE_RUNTIMES):
+        raise TagError(f"state runtime: expected one of {['tag', *STATE_RUNTIMES]}, got {runtime!r}")
+    graph.state_runtime = runtime
+    return graph
+
+
+def held_as(sim, level: int, offload) -> str | None:
+    """The runtime of :data:`STATE_RUNTIMES` whose account a ``zero{level}`` group of ``sim``'s
+    graph takes, or None (TAG's)."""
+    rt = getattr(sim.graph, "state_runtime", "tag")
+    if offload or sim.graph.precision == "fp32":
+        return None
+    if (rt, level) in (("megatron", 1), ("deepspeed", 3)):
+        return rt
+    return None
+
+
+def runtime_state_bytes(runtime: str, level: int, shard: int, p, o):
+    """Bytes one device holds for the whole iteration of a group of ``p`` fp32 parameter bytes and
+    ``o`` optimizer-state bytes as ``runtime`` holds them at ZeRO ``level`` (:data:`STATE_RUNTIMES`)."""
+    low = p / 2  # the model's 2-byte weights (or gradients)
+    if runtime == "megatron" and level == 1:
+        return low + p + (p + o) / shard  # weights, fp32 main gradients, (master + Adam) / S
+    if runtime == "deepspeed" and level == 3:
+        return (low + low + p + o) / shard  # weight, gradient, master, Adam partitions
+    raise TagError(f"state runtime: {runtime!r} at zero={level} is held as TAG's (held_as)")
+
+
+def deepspeed_zero3_transient(sim, p: np.ndarray) -> np.ndarray:
+    """[K] bytes a ``zero3`` group holds while it runs as DeepSpeed holds them
+    (:data:`STATE_RUNTIMES`): its gathered 2-byte parameters ``P_g / 2``, the neighbour's
+    prefetched up to ``prefetch_bucket_size`` elements, its 2-byte gradient up to a
+    ``reduce_bucket_size`` bucket plus its largest parameter's (none without parameters)."""
+    reduce_elems, prefetch_elems = DEEPSPEED_BUCKETS
+    low = p / 2
+    neighbour = np.maximum(np.concatenate([[0.0], low[:-1]]), np.concatenate([low[1:], [0.0]]))
+    grads = np.minimum(low, 2 * reduce_elems + _largest_param(sim) / 2)
+    return np.where(p > 0, low + np.minimum(neighbour, 2 * prefetch_elems) + grads, 0.0)
+
+
+def _largest_param(sim) -> np.ndarray:
+    """[K] bytes of each group's largest parameter (its gradient's group), cached."""
+    memo = sim.cache("zero-gather")
+    hit = memo.get("largest")
+    if hit is None:
+        graph = sim.graph
+        homes = backward_homes(graph)
+        hit = np.zeros(sim.static.num_groups)
+        for param in graph.params:
+            prod = graph.tensors[param.grad].producer
+            g = homes[prod][0] if prod in homes else (graph.ops[prod].group if prod >= 0 else param.group)
+            hit[g] = max(hit[g], param.nbytes)
+        memo["largest"] = hit
+    return hit
 
 
 def low_gathers(sim) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -271,4 +368,5 @@ def sharded_group(sim, g: int, gp, lowered) -> GroupData:
 for _name in ("zero1", "zero2", "zero3"):
     register_costing(_name, sharded_group)
 
-__all__ = ["check_host", "host_bytes", "host_step", "low_gathers", "sharded_group", "sharded_layout"]
+__all__ = ["DEEPSPEED_BUCKETS", "STATE_RUNTIMES", "check_host", "deepspeed_zero3_transient", "held_as", "hold_state_as",
+           "runtime_state_bytes", "host_bytes", "host_step", "low_gathers", "sharded_group", "sharded_layout"]
