@@ -60,12 +60,18 @@ def test_messages_pack_a_stages_flows_per_device_pair():
     # two flows 0 -> 2 (from stages 5 and 7) and one 1 -> 2 into one stage
     flows = ((5, 0, 0, 2, 0, 1, p2p(0, 2, 100.0), 0, 100.0), (6, 1, 1, 2, 0, 1, p2p(1, 2, 50.0), 0, 50.0))
     more = ((7, 1, 0, 2, 0, 1, p2p(0, 2, 300.0), 0, 300.0),)
-    msgs = [Message(*m, sender_waits=False) for m in pack_messages([flows, more], p2p)]
+    msgs = [Message(*m) for m in pack_messages([flows, more], p2p, False, [False, True, False])]
     assert [(m.src_device, m.dst_device) for m in msgs] == [(0, 2), (1, 2)]
     first, second = msgs
     assert (first.source_stage, first.source_replica, first.more_sources) == (5, 0, ((7, 1),))
     assert first.nbytes == 400.0 and first.seconds == pytest.approx(LAT + 400.0 / NET)
     assert second.more_sources is None and second.seconds == flows[1][6] and second.nbytes == 50.0
+    # a GPU rank only sending computes on, a CPU rank (device 1) waits; so does a sender that receives
+    assert (first.sender_waits, second.sender_waits) == (False, True)
+    back = ((9, 0, 2, 0, 1, 0, p2p(2, 0, 10.0), 0, 10.0),)  # device 2 sends to 0 in the same step
+    assert [Message(*m).sender_waits for m in pack_messages([flows, back], p2p, False, [False] * 3)] == \
+        [True, False, True]
+    assert all(Message(*m).sender_waits for m in pack_messages([flows], p2p, True, [False] * 3))
 
 
 def test_the_event_loop_moves_every_stage_flows_bytes():

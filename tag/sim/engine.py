@@ -584,17 +584,9 @@ class Simulator:
         key = tuple([id(flows) for flows in flow_lists])
         hit = self._messages.get(key)
         if hit is None:  # (an entry holds its flow tuples: while it lives, no other object has their ids)
-            msgs = pack_messages(flow_lists, self.comm.p2p_time)
-            into = {b for _, _, _, _, b, _, _, _, _, _ in msgs}  # devices receiving in this step
-            shared = self.shared_stream
-            # (a GPU sender that receives nothing in the step posts its sends and computes on,
-            # unless sends block: blocking_sends)
-            block = self.blocking_sends
-            hit = self._messages[key] = (tuple(flow_lists), [
-                (src_stage, src_rep, more, a, b, src_machine, dst_machine, seconds, dst_rep, nbytes,
-                 block or shared[a] or a in into)
-                for src_stage, src_rep, more, a, b, src_machine, dst_machine, seconds, dst_rep, nbytes in msgs])
-            self._meter.bytes += (seq_bytes(len(flow_lists)) + ref_bytes(len(flow_lists)) + FLOW_BYTES * len(hit[1])
+            msgs = pack_messages(flow_lists, self.comm.p2p_time, self.blocking_sends, self.shared_stream)
+            hit = self._messages[key] = (tuple(flow_lists), msgs)
+            self._meter.bytes += (seq_bytes(len(flow_lists)) + ref_bytes(len(flow_lists)) + FLOW_BYTES * len(msgs)
                                   + ENTRY_BYTES)
         return hit[1]
 

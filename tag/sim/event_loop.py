@@ -279,25 +279,24 @@ class Run:
 
     # ---- compute segments -------------------------------------------------------------------
     def _phase(self, ph: int, order: list[int], m: int = 0) -> None:
-        """The stages of phase ``ph`` of the groups in ``order``: segments of consecutive stages
-        on one layout with no transfer in (cumulative sums), an mp chunk alone. ``m``: the
-        micro-batch (a pipeline's; its stages are chunk ``m`` of their groups)."""
+        """The stages of phase ``ph`` of the groups in ``order`` (of micro-batch ``m``, a pipeline's):
+        segments of consecutive stages on one layout with no transfer in, an mp chunk alone."""
         deployments = self.deployments if self.program is None else self.program.deployments[m]
         incoming, rec, wake = self.incoming, self.recorder, self.sim.any_wake
         k = len(deployments)
         base = ph * k + 2 * k * m
-        sfb = ph == BWD and self.any_sfb  # an SFB group ends a backward segment
+        sfb, fwd = ph == BWD and self.any_sfb, ph == FWD  # (an SFB group ends a backward segment)
         free, compute_end, compute_seconds = self.compute_free_at, self.compute_end, self.compute_seconds
+        stage_finish, group_finish = self.stage_finish, self.group_finish
         i, n = 0, len(order)
         while i < n:
             g = order[i]
             deployment = deployments[g]
             lay = deployment.layout
             if lay is None:  # mp: one single-device stage per chunk, for this group and the mp groups after it
-                i = self._chunk_stages(ph, order, i, deployments, base, 2 * k)
+                i = self._chunk_stages(ph, order, i, n, deployments, base, 2 * k)
                 continue
-            idx = base + g
-            devs = lay.devices
+            idx, devs = base + g, lay.devices
             inbound = incoming.get(idx)
             if inbound:
                 ready = self._transfer(inbound, len(devs), idx)
@@ -318,7 +317,18 @@ class Run:
                     e += 1
                     if sfb and next_deployment.sfb is not None:
                         break
-            end = self._run_end(ph, g, e - i, lay, go, idx, k) if e - i > 1 else self._stage_end(ph, g, lay, go, idx, net)
+            if e - i > 1:
+                end = self._run_end(ph, g, e - i, lay, go, idx, k)
+            else:  # one stage alone (inline: the common case of a plan whose groups differ)
+                r = lay.rows[g]
+                end = [x + y for x, y in zip(go, r[ph] if r is not None else lay.row(g)[ph])]
+                if lay.hosts is not None:
+                    end = self._hosted_one(lay, ph, g, devs, end)
+                if net is not None:
+                    end = self._net_slowed(lay, ph, g, end)
+                stage_finish[idx] = end
+                if not fwd and (x := max(end)) > group_finish[g]:
+                    group_finish[g] = x
             if rec is not None:
                 rec.segment(ph, [(g2, m) for g2 in order[i:e]], deployment.units[0], start, ready if inbound else None)
             for r, d in enumerate(devs):
@@ -355,23 +365,7 @@ class Run:
             self.group_finish[g - length + 1:g + 1] = group_max
         return end
 
-    def _stage_end(self, ph: int, g: int, lay: Layout, go: list[float], idx: int, net) -> list[float]:
-        """Stage ``(ph, g)`` on ``lay`` alone (stage index ``idx``), its devices free at ``go``
-        (``net``: its collectives across machines to slow, or None): sets and returns its finish."""
-        r = lay.rows[g]
-        end = [x + y for x, y in zip(go, r[ph] if r is not None else lay.row(g)[ph])]
-        if lay.hosts is not None:
-            end = self._hosted_one(lay, ph, g, lay.devices, end)
-        if net is not None:
-            end = self._net_slowed(lay, ph, g, end)
-        self.stage_finish[idx] = end
-        if ph != FWD:
-            x = max(end)
-            if x > self.group_finish[g]:
-                self.group_finish[g] = x
-        return end
-
-    def _chunk_stages(self, ph: int, order: list[int], i: int, deployments: list[GroupData], base: int,
+    def _chunk_stages(self, ph: int, order: list[int], i: int, n: int, deployments: list[GroupData], base: int,
                       k2: int) -> int:
         """The stages of phase ``ph`` of the mp groups at ``order[i]`` and after it up to the next
         group with a layout: each group's chunks in the phase's order, one device each (chunk ``j``
@@ -380,7 +374,6 @@ class Run:
         free, compute_end, finish, rec = self.compute_free_at, self.compute_end, self.stage_finish, self.recorder
         incoming, sim, group_finish, compute_seconds = self.incoming, self.sim, self.group_finish, self.compute_seconds
         wake, host_free = sim.any_wake, self.host_free_at
-        n = len(order)
         while i < n and deployments[order[i]].layout is None:
             g = order[i]
             units = deployments[g].units

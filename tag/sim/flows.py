@@ -56,7 +56,7 @@ class Message(NamedTuple):
     nbytes: float
     sender_waits: bool
     """The sender's compute stream waits for the message (a CPU rank, a rank that also receives in
-    the step, or blocking sends); :func:`pack_messages` leaves it out, the simulator adds it."""
+    the step, or blocking sends)."""
 
 
 class GatherSet(NamedTuple):
@@ -168,36 +168,41 @@ class ShiftedPair:
         return self._by_dst
 
 
-def pack_messages(flow_lists: list[tuple], p2p) -> list[tuple]:
+def pack_messages(flow_lists: list[tuple], p2p, blocking: bool, shared: list[bool]) -> list[tuple]:
     """The flows ``flow_lists`` (tuples of :attr:`PairFlows.stage_flows` entries, in order) into one
-    stage as :class:`Message` tuples less ``sender_waits``, one per (source device, destination
-    device) in the order of their first flow: every flow from device a to device b this stage
-    needs (the executor's CPU ranks send a step's pieces to one peer packed), ready once all are
-    produced; a single flow keeps its seconds, several take those of the summed bytes (summed in
-    flow order, ``p2p(a, b, bytes)``) and the last flow's machines and destination replica."""
+    stage as :class:`Message` tuples, one per (source device, destination device) in the order of
+    their first flow: every flow from device a to device b this stage needs (the executor's CPU
+    ranks send a step's pieces to one peer packed), ready once all are produced; a single flow
+    keeps its seconds, several take those of the summed bytes (summed in flow order, ``p2p(a, b,
+    bytes)``) and the last flow's machines and destination replica. The sender waits for its
+    message where sends block (``blocking``), on a CPU rank (``shared[a]``: its communication
+    shares the compute cores) and where it also receives in this step; a GPU rank that only
+    sends posts its sends and computes on."""
     first: dict[tuple[int, int], tuple] = {}  # (a, b) -> its first flow, in order
     later: dict[tuple[int, int], list[tuple]] = {}  # (a, b) -> its other flows (few pairs have any)
     for flows in flow_lists:
         for flow in flows:
             _, _, a, b, _, _, _, _, _ = flow
-            if first.get((a, b)) is None:
+            if (a, b) not in first:
                 first[(a, b)] = flow
             elif (a, b) in later:
                 later[(a, b)].append(flow)
             else:
                 later[(a, b)] = [flow]
+    receivers = {b for _, b in first}
     out = []
     for (a, b), flow in first.items():
         src_stage, src_rep, _, _, src_machine, dst_machine, seconds, dst_rep, nbytes = flow
-        rest = later.get((a, b)) if later else None
-        if rest is None:
-            out.append((src_stage, src_rep, None, a, b, src_machine, dst_machine, seconds, dst_rep, nbytes))
+        waits = blocking or shared[a] or a in receivers
+        if not later or (a, b) not in later:
+            out.append((src_stage, src_rep, None, a, b, src_machine, dst_machine, seconds, dst_rep, nbytes, waits))
             continue
-        for _, _, _, _, _, _, _, _, more_bytes in rest:
+        more = []
+        for more_stage, more_rep, _, _, src_machine, dst_machine, _, dst_rep, more_bytes in later[(a, b)]:  # noqa: B007
+            more.append((more_stage, more_rep))  # (the machines and replica kept: the last flow's)
             nbytes += more_bytes
-        _, _, _, _, src_machine, dst_machine, _, dst_rep, _ = rest[-1]
-        out.append((src_stage, src_rep, tuple([(stage, rep) for stage, rep, _, _, _, _, _, _, _ in rest]), a, b, src_machine, dst_machine,
-                    p2p(a, b, nbytes), dst_rep, nbytes))
+        out.append((src_stage, src_rep, tuple(more), a, b, src_machine, dst_machine, p2p(a, b, nbytes), dst_rep,
+                    nbytes, waits))
     return out
 
 

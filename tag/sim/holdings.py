@@ -76,42 +76,42 @@ def holdings(sim: Simulator, deployments: list[GroupData], program: PipelineProg
                 group_compute[g] += sum(u.dur)
         if deployment.sfb is not None:
             group_compute[g] += sum(deployment.sfb.recompute)
-    for lay, gs in by_layout.values():
-        _hold_layout(sim, lay, gs, opt, mem, work, holds)
+    _hold_layouts(sim, by_layout.values(), opt, mem, work, holds)
     return Holdings(opt, mem, work, holds, group_compute)
 
 
-def _hold_layout(sim: Simulator, lay: Layout, gs: list[int], opt: list[float], mem: list[float], work: list[float],
-                 holds: list[bool]) -> None:
-    """Add the groups ``gs`` on ``lay`` to the per-device optimizer seconds, held bytes, working
-    sets and holds-parameters flags (in place)."""
-    devs = lay.devices
-    if len(gs) >= 4:  # many groups on one layout: numpy over the [groups, replicas] block
-        # (the ufuncs' reduce: what .sum() / .max() call, without their Python wrappers)
-        add, maximum = np.add.reduce, np.maximum.reduce
-        o = add(lay.dur[OPT][gs], axis=0).tolist()
-        m = add(lay.mem[gs], axis=0).tolist()
-        w = maximum(lay.work[gs], axis=0).tolist()
-        h = add(sim.static.grad_bytes[gs]) > 0
-        for r, d in enumerate(devs):
-            opt[d] += o[r]
-            mem[d] += m[r]
-            if w[r] > work[d]:
-                work[d] = w[r]
-            if h:
-                holds[d] = True
-        return
-    grad_bytes = sim.static.grad_bytes_l
-    for g in gs:
-        h = grad_bytes[g] > 0
-        _, _, o, m, w = lay.row(g)
-        for r, d in enumerate(devs):
-            opt[d] += o[r]
-            mem[d] += m[r]
-            if w[r] > work[d]:
-                work[d] = w[r]
-            if h:
-                holds[d] = True
+def _hold_layouts(sim: Simulator, layouts, opt: list[float], mem: list[float], work: list[float],
+                  holds: list[bool]) -> None:
+    """Add the groups on each layout of ``layouts`` (``(layout, its groups)``) to the per-device
+    optimizer seconds, held bytes, working sets and holds-parameters flags (in place)."""
+    grad_bytes, grad_bytes_l = sim.static.grad_bytes, sim.static.grad_bytes_l
+    add, maximum = np.add.reduce, np.maximum.reduce
+    for lay, gs in layouts:
+        devs = lay.devices
+        if len(gs) >= 4:  # many groups on one layout: numpy over the [groups, replicas] block
+            # (the ufuncs' reduce: what .sum() / .max() call, without their Python wrappers)
+            o = add(lay.dur[OPT][gs], axis=0).tolist()
+            m = add(lay.mem[gs], axis=0).tolist()
+            w = maximum(lay.work[gs], axis=0).tolist()
+            h = add(grad_bytes[gs]) > 0
+            for r, d in enumerate(devs):
+                opt[d] += o[r]
+                mem[d] += m[r]
+                if w[r] > work[d]:
+                    work[d] = w[r]
+                if h:
+                    holds[d] = True
+            continue
+        for g in gs:
+            h = grad_bytes_l[g] > 0
+            _, _, o, m, w = lay.row(g)
+            for r, d in enumerate(devs):
+                opt[d] += o[r]
+                mem[d] += m[r]
+                if w[r] > work[d]:
+                    work[d] = w[r]
+                if h:
+                    holds[d] = True
 
 
 def _pipeline_holdings(sim: Simulator, program: PipelineProgram) -> Holdings:
