@@ -544,9 +544,8 @@ class Simulator:
         ``dst_deployment`` (cached, and their :class:`PairTemplate` cached by what it depends on:
         the tensors crossing and the two replica sets, :meth:`template`); ``select``: a pipeline's
         part of them (:func:`pair_kinds`)."""
-        key = (src_deployment.serial, dst_deployment.serial)
-        if select is not None:
-            key = (*key, select)
+        key = (src_deployment.serial, dst_deployment.serial) if select is None else \
+            (src_deployment.serial, dst_deployment.serial, select)
         pair = self._pairs.get(key)
         if pair is None:
             template = self.template(g1, src_deployment, g2, dst_deployment, select)
