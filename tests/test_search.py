@@ -717,7 +717,7 @@ def test_simulator_cache_byte_limit_changes_no_result(graph, topo):
     def measured(sim) -> int:
         seen = {id(sim.static), id(sim.tables)}
         return sum(_deep_bytes(getattr(sim, name), seen) for name in (
-            "_layouts", "_caches", "_groups", "_pieces", "_templates", "_pairs", "_msgs", "_buckets", "_kind_ids",
+            "_layouts", "_caches", "_groups", "_pieces", "_templates", "_pairs", "_messages", "_buckets", "_kind_ids",
             "_kinds", "_sync_jobs"))
 
     big = Simulator(graph, topo)
