@@ -247,6 +247,7 @@ def _factors(sel):
 
 def test_search_and_gnn_features_read_the_cost_models_links(fitted_setup):
     from tag.gnn.features import JointContext
+    from tag.parallel.sharded import Sharded
     from tag.search.space import ActionSpace
 
     graph, topo, cm = fitted_setup
@@ -270,9 +271,14 @@ def test_search_and_gnn_features_read_the_cost_models_links(fitted_setup):
         sub = ~np.eye(len(devs), dtype=bool)
         bmin, lmax = bw[np.ix_(devs, devs)][sub].min(), lat[np.ix_(devs, devs)].max()
         p = space.costs.param_bytes[g]
-        if act.sync == "zero3":  # a reduce-scatter, and an all-gather before forward and backward
+        if act.sync == "zero3":  # a reduce-scatter, and an all-gather (of the gathered dtype's
+            # bytes) before forward and backward; offloaded, the host step on top
+            shard, offload = Sharded.search_option_parts(act.tp)
+            s = shard or len(devs)
             want = ring_reducescatter_time(len(devs), p, bmin, lmax) + \
-                2 * ring_allgather_time(act.tp or len(devs), p, bmin, lmax)
+                2 * ring_allgather_time(s, space.costs.gather_bytes[g], bmin, lmax)
+            if offload:
+                want += Sharded.host_step_estimate(space, tuple(devs), p, space.costs.opt_bytes[g], s)
         else:
             want = ring_allreduce_time(len(devs), p, bmin, lmax) if act.sync == "allreduce" else \
                 uniform_ps_time(len(devs), p, bmin, lmax)
