@@ -184,7 +184,7 @@ def test_plan_for_the_expected_or_no_background(tmp_path, capsys, gpt2):
     for cond in ("expected", "none"):  # (stated: the default, as before the option)
         out = tmp_path / f"{cond}.json"
         assert main(["plan", "--model", spec, "--batch", "16", "--groups", "8", "--topology", str(tmp_path / "busy.yaml"),
-                     "--prior", "uniform", "--budget", "4", "--pipelines", "off", "--background", cond,
+                     "--prior", "uniform", "--budget", "16", "--pipelines", "off", "--background", cond,
                      "--out", str(out), "--json"]) == 0
         predicted = json.loads(capsys.readouterr().out)["predicted_iteration_time_s"]
         p = Plan.load(out)

@@ -366,7 +366,8 @@ def test_search_fits_a_plan_by_recomputing_the_fewest_groups(captured):
     assert [g for g in range(k) if groups[g].recompute] == sorted(order[:n])
     assert sim.run(with_recompute(dp, order[:n - 1])).oom  # one group fewer does not fit
     plan = find_plan(graph, topo, PlannerConfig(searcher="mcts", prior="uniform", budget=10, seed=0, pipelines="off"))
-    assert not plan.meta["oom"] and any(g.recompute for g in plan.groups)
+    # it fits by recomputing or, since the search's ZeRO-3 / offload actions (e949f47), by sharding
+    assert not plan.meta["oom"] and any(g.recompute or g.sync.startswith("zero") for g in plan.groups)
     check = Simulator(graph, topo).run(plan.groups)
     assert not check.oom and check.iteration_time_s == pytest.approx(plan.predicted_iteration_time_s)
     # where memory does not bind, the search is unchanged: no group recomputes
