@@ -82,7 +82,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import TagError
-from ..graph.gradients import backward_homes
+from ..graph.gradients import param_groups
 from ..graph.ir import Phase
 from ..graph.precision import low_gathered_params, param_casts, param_gather_bytes
 from ..parallel.sharded import offloaded_bytes, shard_size, sharded_bytes
@@ -235,11 +235,8 @@ def _largest_param(sim) -> np.ndarray:
     hit = memo.get("largest")
     if hit is None:
         graph = sim.graph
-        homes = backward_homes(graph)
         hit = np.zeros(sim.static.num_groups)
-        for param in graph.params:
-            prod = graph.tensors[param.grad].producer
-            g = homes[prod][0] if prod in homes else (graph.ops[prod].group if prod >= 0 else param.group)
+        for param, g in zip(graph.params, param_groups(graph)):
             hit[g] = max(hit[g], param.nbytes)
         memo["largest"] = hit
     return hit
@@ -263,12 +260,9 @@ def low_gathers(sim) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     low = low_gathered_params(graph)
     if low:
         moved = param_gather_bytes(graph)
-        homes = backward_homes(graph)
+        groups = param_groups(graph)
         for k in low:
-            param = graph.params[k]
-            prod = graph.tensors[param.grad].producer
-            g = homes[prod][0] if prod in homes else (graph.ops[prod].group if prod >= 0 else param.group)
-            gathered[g] -= param.nbytes - moved[k]
+            gathered[groups[k]] -= graph.params[k].nbytes - moved[k]
         mine = {graph.params[k].tensor for k in low}
         for i in param_casts(graph):
             op = graph.ops[i]
