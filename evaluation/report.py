@@ -83,8 +83,13 @@ def run_fields(command: str, machine: str) -> dict[str, str]:
 
 def header_table(fields: dict[str, str], run: str = "run") -> list[str]:
     """The header table of :func:`run_fields` a script writes at the top of its results folder's README."""
-    f = fields
-    return [HEADER, "|---|---|---|---|---|", f"| {run} | `{f['command']}` | {f['commit']} | {f['machine']} | {f['date']} |"]
+    return runs_table([{**fields, "run": run}])
+
+
+def runs_table(runs: list[dict[str, str]]) -> list[str]:
+    """The header table with one row per run (:func:`run_fields` and its name, ``run``)."""
+    return [HEADER, "|---|---|---|---|---|",
+            *(f"| {r['run']} | `{r['command']}` | {r['commit']} | {r['machine']} | {r['date']} |" for r in runs)]
 
 
 def header_lines(command: str, machine: str, run: str = "run") -> list[str]:
@@ -401,12 +406,11 @@ def block_external(ctx: Ctx) -> str:
         return "(no results yet: `evaluation/results/external/summary.json` is absent)"
     s = ctx.json(EXTERNAL)
     runs = s.get("runs") or [{**s, "groups": None}]  # one a run: the full run's, then each partial run's
-    head = "\n".join("| " + " | ".join(["all" if r["groups"] is None else r["run"], f"`{r['command']}`",
-                                         *(str(r[k]) for k in ("commit", "machine", "date"))]) + " |" for r in runs)
+    head = runs_table([{**r, "run": "all" if r["groups"] is None else r["run"]} for r in runs])
     rows = [[g["group"], str(g["points"]), "-" if g.get("spearman") is None else f"{g['spearman']:.2f}",
              _pct(g.get("median_abs_error")), _pct(g.get("worst_abs_error"))] for g in s["groups"]]
     o = s["overall"]
-    return "\n".join([f"Results: {ctx.link('external/')}", "", HEADER, "|---|---|---|---|---|", head, "",
+    return "\n".join([f"Results: {ctx.link('external/')}", "", *head, "",
                       _table(["group", "points", "Spearman", "median abs. error", "worst abs. error"], rows), "",
                       f"{o['points']} points in {o['groups']} groups; median abs. error {_pct(o['median_abs_error'])} "
                       f"({ctx.link(EXTERNAL, 'summary.json')}; per point: {ctx.link('external/points.csv', 'points.csv')})."])

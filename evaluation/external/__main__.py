@@ -22,7 +22,7 @@ def _fmt(x, spec: str = ".3f") -> str:
 def write_results(out: Path, rows: list[Row], command: str, runs: list[dict] | None = None) -> dict:
     """``points.csv``, ``summary.json``, ``sim_vs_measured.png`` and ``README.md`` under ``out``.
     ``runs``: the runs whose rows these are (:func:`merged_runs`); None: this run alone, all rows."""
-    from evaluation.report import HEADER, machine_line, run_fields
+    from evaluation.report import machine_line, run_fields, runs_table
     from tag.io import write_atomic, write_json
 
     groups, overall = score(rows)
@@ -45,8 +45,7 @@ def write_results(out: Path, rows: list[Row], command: str, runs: list[dict] | N
                        "groups": [g.__dict__ | {"passes": g.passes()} for g in groups]})
     write_json(out / "summary.json", summary)
     _plot(out / "sim_vs_measured.png", rows)
-    lines = [HEADER, "|---|---|---|---|---|",
-             *(f"| {r['run']} | `{r['command']}` | {r['commit']} | {r['machine']} | {r['date']} |" for r in runs), "",
+    lines = [*runs_table(runs), "",
              "# Simulator against published multi-GPU measurements", "",
              "Each point is a published, measured training iteration (sources: `evaluation/external/points/`), "
              "costed by `tag simulate --layout` on its cluster's topology file. Error = simulated / measured - 1. "
